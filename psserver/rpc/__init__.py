@@ -1,0 +1,1 @@
+"""Generated gRPC modules for proto/ps.proto; regenerate with scripts/gen_proto.py."""
