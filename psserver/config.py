@@ -1,0 +1,74 @@
+"""Settings of one shard, with validation that names the bad field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from psserver.exceptions import InvalidArgument
+
+MODES = ("sync", "async", "ssp")
+OPTIMIZERS = ("sgd", "adam")
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+
+@dataclass
+class ServerConfig:
+    """Everything a shard needs to serve; ``psctl server`` flags map one to one onto these."""
+
+    shard_index: int = 0
+    num_shards: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0
+    mode: str = "async"
+    staleness: int = 2                 # ssp bound s
+    backup_workers: int = 0            # sync: close a round when all but this many live workers pushed
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    lr_staleness: bool = False         # scale each step by 1/max(1, staleness)
+    lease_s: float = 10.0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0          # updates between checkpoints (0: never by count)
+    checkpoint_every_s: float = 0.0    # seconds between checkpoints (0: never by time)
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    token: str | None = None           # bearer token every request must carry
+    tls_cert: str | None = None        # server certificate (PEM); enables TLS
+    tls_key: str | None = None         # server private key (PEM)
+    tls_ca: str | None = None          # CA that client certificates must chain to (mutual TLS)
+    metrics_port: int | None = None    # serve Prometheus metrics here (0: any free port)
+    threads: int = 128                 # gRPC handler threads; blocked pulls each hold one
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise InvalidArgument(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise InvalidArgument(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
+            raise InvalidArgument(f"shard index {self.shard_index} is outside 0..{self.num_shards - 1}")
+        if self.staleness < 0:
+            raise InvalidArgument(f"staleness must be >= 0, got {self.staleness}")
+        if self.backup_workers < 0:
+            raise InvalidArgument(f"backup_workers must be >= 0, got {self.backup_workers}")
+        if not self.lr > 0:
+            raise InvalidArgument(f"lr must be > 0, got {self.lr}")
+        if not self.lease_s > 0:
+            raise InvalidArgument(f"lease_s must be > 0, got {self.lease_s}")
+        if self.chunk_bytes < 4096:
+            raise InvalidArgument(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
+        if not 0 <= self.port <= 65535:
+            raise InvalidArgument(f"port must be in 0..65535, got {self.port}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise InvalidArgument("tls_cert and tls_key must be given together")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls) if f.name != "extra"]

@@ -1,0 +1,51 @@
+"""Settings of one training worker: model, data, batches, schedule, transport and device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+WIRE_DTYPES = ("float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "gpu")
+
+
+@dataclass
+class TrainConfig:
+    """What a worker trains and how it talks to the shards."""
+
+    model: str = "mlp"                     # softmax | mlp | cnn
+    hidden: list[int] = field(default_factory=lambda: [128])   # MLP widths
+    activation: str = "relu"               # relu | sigmoid
+    dataset: str = "mnist5k"               # mnist5k | digits | synthetic
+    synthetic_features: int = 784
+    synthetic_samples: int = 10000
+    synthetic_classes: int = 10
+    batch_size: int = 64                   # per worker; 0 means the worker's whole shard (full batch)
+    steps: int = 200                       # steps per worker (ignored when epochs > 0)
+    epochs: int = 0                        # passes over the worker's shard
+    seed: int = 0
+    init_scale: float = 1.0                # multiplies the default initialisation
+    eval_every: int = 50                   # evaluate test accuracy every this many steps (rank 0); 0: only at the end
+    device: str = "auto"                   # auto | cpu | gpu
+    chunk_bytes: int = 1 << 20
+    wire_dtype: str = "float32"            # float32 | float16 | bfloat16 for gradients
+    deadline_s: float = 60.0               # per-RPC deadline (a consistency wait counts against it)
+    retry_s: float = 30.0                  # retry UNAVAILABLE with backoff for this long
+    heartbeat_s: float = 1.0
+    token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    step_delay_s: float = 0.0              # artificial delay per step, for straggler experiments
+    straggler_ranks: list[int] = field(default_factory=list)  # ranks that get step_delay_s
+
+    def validate(self) -> None:
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.batch_size < 0 or self.steps < 0 or self.epochs < 0:
+            raise ValueError("batch_size, steps and epochs must be non-negative")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
