@@ -141,7 +141,7 @@ class PushRequest(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., version: _Optional[int] = ..., num_chunks: _Optional[int] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
 
 class PushReply(_message.Message):
-    __slots__ = ("outcome", "version", "staleness")
+    __slots__ = ("outcome", "version", "staleness", "next_clock")
     class Outcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         APPLIED: _ClassVar[PushReply.Outcome]
@@ -155,10 +155,12 @@ class PushReply(_message.Message):
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CLOCK_FIELD_NUMBER: _ClassVar[int]
     outcome: PushReply.Outcome
     version: int
     staleness: int
-    def __init__(self, outcome: _Optional[_Union[PushReply.Outcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ...) -> None: ...
+    next_clock: int
+    def __init__(self, outcome: _Optional[_Union[PushReply.Outcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., next_clock: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id",)

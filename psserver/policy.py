@@ -1,0 +1,161 @@
+"""Consistency policies as pure state machines: events in, decisions out.
+
+No gRPC, no threads, no clocks: the shard feeds events (a worker joined, pushed
+clock c, left) and asks questions (may worker w pull at clock c?). Tests drive it
+directly, without sockets (see tests/test_policy.py).
+
+A worker's clock is the number of pushes the shard has taken from it; a push
+carries the clock it was made at, so a worker's first push carries 0.
+
+* ``async``: a push is applied at once; a pull never waits.
+* ``ssp``: a push is applied at once; a pull at clock c waits until the slowest
+  live worker's clock is at least ``c - staleness``.
+* ``sync``: a push for round c is accumulated; round c closes once
+  ``max(1, live - backup_workers)`` live workers have moved past c, and then
+  the mean of the gradients received for it is applied once. A push for a
+  round that has closed is dropped and counted, and the pusher's clock jumps
+  to the open round so it catches up instead of lagging forever. A pull at
+  clock c waits until round c-1 has closed.
+
+A push whose clock is below the worker's clock is a retry of one already taken
+and is acknowledged without effect (``DUPLICATE``). A push whose clock is above
+it fast-forwards the worker (another shard told it about a newer round).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from psserver.exceptions import InvalidArgument, UnknownWorker
+
+MODES = ("sync", "async", "ssp")
+
+
+class Outcome(Enum):
+    APPLY = "apply"            # apply this gradient now
+    ACCUMULATE = "accumulate"  # sync: add to the round's sum
+    DROP_LATE = "drop_late"    # sync: the round already closed
+    DUPLICATE = "duplicate"    # retried push: already taken
+
+
+@dataclass(frozen=True)
+class PushDecision:
+    outcome: Outcome
+    round: int       # the push's clock (its sync round)
+    next_clock: int  # the clock the worker's next push must carry
+
+
+class ConsistencyPolicy:
+    """Clocks, membership and round bookkeeping for one shard.
+
+    Parameters
+    ----------
+    mode : {"sync", "async", "ssp"}
+    staleness : int
+        The ssp bound s (ignored by the other modes).
+    backup_workers : int
+        sync only: a round closes when all but this many live workers pushed it.
+    """
+
+    def __init__(self, mode: str, staleness: int = 0, backup_workers: int = 0):
+        if mode not in MODES:
+            raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
+        if staleness < 0 or backup_workers < 0:
+            raise InvalidArgument("staleness and backup_workers must be non-negative")
+        self.mode = mode
+        self.staleness = staleness
+        self.backup_workers = backup_workers
+        self.clocks: dict[int, int] = {}           # live worker -> its clock
+        self.closed_rounds = 0                     # sync: rounds 0..closed_rounds-1 are closed
+        self.round_pushers: dict[int, set[int]] = {}  # sync: open round -> workers whose gradient it holds
+
+    # ----- membership -------------------------------------------------------------------------
+
+    def join(self, worker: int, start_clock: int | None = None) -> int:
+        """Add a live worker (or keep a live one as it is) and return its clock."""
+        if worker in self.clocks:
+            return self.clocks[worker]
+        if start_clock is None or start_clock < 0:
+            start_clock = self.slowest_clock()
+            if self.mode == "sync":
+                start_clock = max(start_clock, self.closed_rounds)
+        self.clocks[worker] = start_clock
+        return start_clock
+
+    def leave(self, worker: int) -> None:
+        """Drop a worker (evicted or finished): waits stop counting it. Its accumulated gradient stays."""
+        self.clocks.pop(worker, None)
+
+    def is_live(self, worker: int) -> bool:
+        return worker in self.clocks
+
+    def slowest_clock(self) -> int:
+        """The smallest live clock; with no live worker, the sync open round (or 0)."""
+        if self.clocks:
+            return min(self.clocks.values())
+        return self.closed_rounds if self.mode == "sync" else 0
+
+    def fastest_clock(self) -> int:
+        return max(self.clocks.values()) if self.clocks else self.slowest_clock()
+
+    # ----- pushes -----------------------------------------------------------------------------
+
+    def on_push(self, worker: int, clock: int) -> PushDecision:
+        """Decide what to do with worker ``worker``'s push made at ``clock``."""
+        if worker not in self.clocks:
+            raise UnknownWorker(f"worker {worker} is not a live member of this shard; register again")
+        if clock < 0:
+            raise InvalidArgument(f"clock must be non-negative, got {clock}")
+        expected = self.clocks[worker]
+        if clock < expected:
+            return PushDecision(Outcome.DUPLICATE, clock, expected)
+        if self.mode != "sync":
+            self.clocks[worker] = clock + 1
+            return PushDecision(Outcome.APPLY, clock, clock + 1)
+        if clock < self.closed_rounds:
+            self.clocks[worker] = self.closed_rounds
+            return PushDecision(Outcome.DROP_LATE, clock, self.closed_rounds)
+        self.clocks[worker] = clock + 1
+        self.round_pushers.setdefault(clock, set()).add(worker)
+        return PushDecision(Outcome.ACCUMULATE, clock, clock + 1)
+
+    def quorum(self) -> int:
+        """sync: how many live workers must be past a round for it to close."""
+        return max(1, len(self.clocks) - self.backup_workers)
+
+    def rounds_to_close(self) -> list[int]:
+        """sync: close every round that now has its quorum, oldest first, and return them.
+
+        The caller applies each returned round's mean gradient, in order. A round
+        closes only after all earlier ones, and never with no live worker past it.
+        """
+        if self.mode != "sync":
+            return []
+        closed = []
+        while self.clocks:
+            r = self.closed_rounds
+            past = sum(1 for c in self.clocks.values() if c > r)
+            if past < self.quorum():
+                break
+            self.round_pushers.pop(r, None)
+            self.closed_rounds += 1
+            closed.append(r)
+        return closed
+
+    def pushers(self, round_: int) -> set[int]:
+        return set(self.round_pushers.get(round_, ()))
+
+    # ----- pulls ------------------------------------------------------------------------------
+
+    def may_pull(self, worker: int, clock: int) -> bool:
+        """Whether a pull by ``worker`` at ``clock`` may be answered now.
+
+        Observers (worker < 0) and workers that are no longer live never wait: an
+        evicted worker learns of its eviction at its next push instead of hanging.
+        """
+        if worker < 0 or worker not in self.clocks or self.mode == "async":
+            return True
+        if self.mode == "sync":
+            return self.closed_rounds >= clock
+        return self.slowest_clock() >= clock - self.staleness

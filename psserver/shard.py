@@ -1,0 +1,413 @@
+"""One shard's state: its weight range, optimizer, clocks, members and counters.
+
+This is where the pure policy (policy.py) meets threads: every state change
+happens under one condition variable, and every change that could release a
+waiting pull notifies it. Nothing here knows about gRPC; the servicer adapts.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from psserver import checkpoint
+from psserver.config import ServerConfig
+from psserver.membership import Leases
+from psserver.exceptions import InvalidArgument, NotInitialized, Restoring, SpecMismatch, UnknownWorker, WaitTimeout
+from psserver.optim import make_optimizer
+from psserver.policy import ConsistencyPolicy, Outcome
+from psserver.sharding import shard_range
+from psserver.spec import ModelSpec
+
+STALENESS_BUCKETS = 32
+
+
+class BufferPool:
+    """Reusable float32 buffers of one size, so pushes allocate nothing in the steady state."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.free: list[np.ndarray] = []
+        self.lock = threading.Lock()
+
+    def take(self) -> np.ndarray:
+        with self.lock:
+            if self.free:
+                return self.free.pop()
+        return np.empty(self.size, dtype=np.float32)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self.lock:
+            self.free.append(buf)
+
+
+@dataclass
+class Counters:
+    pushes: int = 0
+    pulls: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    applied_updates: int = 0
+    dropped_late: int = 0
+    duplicates: int = 0
+    evictions: int = 0
+    rejected: int = 0
+    wait_s_total: float = 0.0
+    staleness_counts: list[int] = field(default_factory=lambda: [0] * STALENESS_BUCKETS)
+    staleness_sum: int = 0
+    staleness_n: int = 0
+    max_staleness: int = 0
+
+    def record_staleness(self, s: int) -> None:
+        self.staleness_counts[min(s, STALENESS_BUCKETS - 1)] += 1
+        self.staleness_sum += s
+        self.staleness_n += 1
+        self.max_staleness = max(self.max_staleness, s)
+
+
+@dataclass
+class PushResult:
+    outcome: Outcome
+    version: int
+    staleness: int
+    next_clock: int
+
+
+class Shard:
+    """The state of shard ``config.shard_index`` of ``config.num_shards``.
+
+    Parameters
+    ----------
+    config : ServerConfig
+    now : callable
+        Monotonic clock; tests inject a fake one to expire leases.
+    """
+
+    def __init__(self, config: ServerConfig, now=time.monotonic):
+        self.config = config
+        self.now = now
+        self.cond = threading.Condition()
+        self.policy = ConsistencyPolicy(config.mode, config.staleness, config.backup_workers)
+        self.leases = Leases(config.lease_s)
+        self.counters = Counters()
+        self.spec: ModelSpec | None = None
+        self.begin = self.end = 0
+        self.weights: np.ndarray | None = None
+        self.optimizer = None
+        self.version = 0
+        self.pool: BufferPool | None = None
+        self.round_sums: dict[int, np.ndarray] = {}   # sync: open round -> gradient sum
+        self.round_counts: dict[int, int] = {}
+        self.restoring = False
+        self.last_checkpoint = ""
+        self.updates_since_checkpoint = 0
+        self.last_checkpoint_time = now()
+        self.listeners: list = []   # callables(event: str, **fields) for metrics exporters
+        if config.checkpoint_dir:
+            self.restore()
+
+    # ----- helpers ----------------------------------------------------------------------------
+
+    @property
+    def initialized(self) -> bool:
+        return self.weights is not None
+
+    @property
+    def size(self) -> int:
+        return self.end - self.begin
+
+    def _emit(self, event: str, **fields) -> None:
+        for listener in self.listeners:
+            listener(event, **fields)
+
+    def _require_ready(self) -> None:
+        if self.restoring:
+            raise Restoring("shard is restoring a checkpoint; retry shortly")
+        if not self.initialized:
+            raise NotInitialized("shard has no weights yet: a worker must call Init first")
+
+    def _require_live(self, worker: int) -> None:
+        if not self.policy.is_live(worker):
+            raise UnknownWorker(f"worker {worker} is unknown or was evicted from shard "
+                                f"{self.config.shard_index}; register again")
+
+    def reject(self) -> None:
+        with self.cond:
+            self.counters.rejected += 1
+
+    # ----- membership -------------------------------------------------------------------------
+
+    def register(self, spec_hash: str, worker_id: int, start_clock: int, host: str) -> dict:
+        with self.cond:
+            if self.restoring:
+                raise Restoring("shard is restoring a checkpoint; retry shortly")
+            if self.spec is not None and spec_hash and spec_hash != self.spec.hash():
+                raise SpecMismatch(f"model spec hash {spec_hash[:12]} differs from this shard's "
+                                   f"{self.spec.hash()[:12]}: every worker must build the same model")
+            if worker_id < 0:
+                worker_id = self.leases.new_id()
+            clock = self.policy.join(worker_id, start_clock if start_clock >= 0 else None)
+            self.leases.add(worker_id, host, self.now())
+            self.cond.notify_all()
+            return {"worker_id": worker_id, "start_clock": clock, "version": self.version}
+
+    def heartbeat(self, worker: int) -> bool:
+        with self.cond:
+            return self.policy.is_live(worker) and self.leases.renew(worker, self.now())
+
+    def leave(self, worker: int) -> None:
+        with self.cond:
+            self._drop(worker)
+
+    def _drop(self, worker: int) -> None:
+        self.leases.remove(worker)
+        self.policy.leave(worker)
+        self._close_rounds()
+        self.cond.notify_all()
+
+    def evict_expired(self) -> list[int]:
+        """Drop every worker whose lease ran out; waits that counted them are released."""
+        with self.cond:
+            expired = self.leases.expired(self.now())
+            for worker in expired:
+                self.counters.evictions += 1
+                self._drop(worker)
+                self._emit("eviction", worker=worker)
+            return expired
+
+    # ----- init -------------------------------------------------------------------------------
+
+    def layout(self, spec: ModelSpec) -> tuple[int, int]:
+        return shard_range(spec.size, self.config.shard_index, self.config.num_shards)
+
+    def init(self, spec: ModelSpec, values: np.ndarray | None) -> bool:
+        """Set the initial weights of this shard's range; False if it already had them (same spec)."""
+        with self.cond:
+            if self.restoring:
+                raise Restoring("shard is restoring a checkpoint; retry shortly")
+            if self.spec is not None:
+                if spec.hash() != self.spec.hash():
+                    raise SpecMismatch("Init with a model spec other than the one this shard holds")
+                return False
+            begin, end = self.layout(spec)
+            if values is None or values.shape != (end - begin,):
+                raise InvalidArgument(f"Init must cover this shard's range [{begin}, {end})")
+            self.spec, self.begin, self.end = spec, begin, end
+            self.weights = values.astype(np.float32, copy=True)
+            self.optimizer = make_optimizer(self.config.optimizer, end - begin, **self._hparams())
+            self.pool = BufferPool(end - begin)
+            self.cond.notify_all()
+            return True
+
+    def _hparams(self) -> dict:
+        c = self.config
+        return dict(lr=c.lr, momentum=c.momentum, nesterov=c.nesterov, weight_decay=c.weight_decay,
+                    beta1=c.beta1, beta2=c.beta2, eps=c.eps)
+
+    # ----- pull -------------------------------------------------------------------------------
+
+    def wait_for_pull(self, worker: int, clock: int, timeout: float | None) -> float:
+        """Block until the policy lets ``worker`` pull at ``clock``; returns seconds waited."""
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        with self.cond:
+            self._require_ready()
+            if worker >= 0:
+                self._require_live(worker)
+                self.leases.renew(worker, self.now())
+            while not self.policy.may_pull(worker, clock):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise WaitTimeout(f"pull at clock {clock} still waiting for slower workers "
+                                      f"(slowest live clock {self.policy.slowest_clock()})")
+                self.cond.wait(timeout=min(remaining, 1.0) if remaining is not None else 1.0)
+            waited = time.monotonic() - start
+            self.counters.wait_s_total += waited
+            self._emit("wait", seconds=waited)
+            return waited
+
+    def snapshot(self, chunk_elems: int) -> tuple[int, list[tuple[int, bytes]]]:
+        """The version and this range's weights as (offset, raw float32 bytes) chunks, copied atomically."""
+        with self.cond:
+            self._require_ready()
+            chunks = [(self.begin + a, self.weights[a:b].tobytes())
+                      for a, b in _pieces(self.size, chunk_elems)]
+            self.counters.pulls += 1
+            self.counters.bytes_out += self.size * 4
+            self._emit("pull", nbytes=self.size * 4)
+            return self.version, chunks
+
+    # ----- push -------------------------------------------------------------------------------
+
+    def check_pusher(self, worker: int) -> None:
+        """Refuse early (before the payload is read) a push from a worker that is not live."""
+        with self.cond:
+            self._require_ready()
+            self._require_live(worker)
+
+    def push(self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int) -> PushResult:
+        """Take one validated gradient of this range (a float32 buffer from ``self.pool``)."""
+        with self.cond:
+            self._require_ready()
+            self._require_live(worker)
+            decision = self.policy.on_push(worker, clock)
+            self.leases.renew(worker, self.now())
+            self.counters.pushes += 1
+            self.counters.bytes_in += nbytes
+            self._emit("push", nbytes=nbytes)
+            staleness = max(0, self.version - version_used)
+            if decision.outcome is Outcome.DUPLICATE:
+                self.counters.duplicates += 1
+                staleness = -1
+            elif decision.outcome is Outcome.DROP_LATE:
+                self.counters.dropped_late += 1
+                self._emit("dropped_late")
+                staleness = -1
+            elif decision.outcome is Outcome.APPLY:
+                scale = 1.0 / max(1, staleness) if self.config.lr_staleness else 1.0
+                self._apply(grad, scale)
+                self.counters.record_staleness(staleness)
+                self._emit("staleness", value=staleness)
+            else:  # ACCUMULATE into the round's sum, closed below once it has its quorum
+                total = self.round_sums.get(decision.round)
+                if total is None:
+                    total = self.pool.take()
+                    np.copyto(total, grad)
+                    self.round_sums[decision.round] = total
+                    self.round_counts[decision.round] = 1
+                else:
+                    np.add(total, grad, out=total)
+                    self.round_counts[decision.round] += 1
+                self.counters.record_staleness(staleness)
+                self._emit("staleness", value=staleness)
+                if decision.round in self._close_rounds():
+                    self.cond.notify_all()
+                    return PushResult(Outcome.APPLY, self.version, staleness, decision.next_clock)
+            self.cond.notify_all()
+            return PushResult(decision.outcome, self.version, staleness, decision.next_clock)
+
+    def _close_rounds(self) -> list[int]:
+        closed = self.policy.rounds_to_close()
+        for round_ in closed:
+            total = self.round_sums.pop(round_, None)
+            count = self.round_counts.pop(round_, 0)
+            if total is None:
+                continue    # nobody's gradient reached this round (all skipped it): nothing to apply
+            np.multiply(total, 1.0 / count, out=total)
+            self._apply(total, 1.0)
+            self.pool.give(total)
+        return closed
+
+    def _apply(self, grad: np.ndarray, lr_scale: float) -> None:
+        self.optimizer.step(self.weights, grad, lr_scale)
+        self.version += 1
+        self.counters.applied_updates += 1
+        self.updates_since_checkpoint += 1
+        self._emit("applied")
+        if self._checkpoint_due():
+            self._checkpoint_locked()
+
+    def _checkpoint_due(self) -> bool:
+        every, every_s = self.config.checkpoint_every, self.config.checkpoint_every_s
+        return bool(self.config.checkpoint_dir and self.initialized and self.updates_since_checkpoint and (
+            (every and self.updates_since_checkpoint >= every)
+            or (every_s and self.now() - self.last_checkpoint_time >= every_s)))
+
+    def checkpoint_if_due(self) -> None:
+        with self.cond:
+            if self._checkpoint_due():
+                self._checkpoint_locked()
+
+    # ----- checkpoints ------------------------------------------------------------------------
+
+    def checkpoint(self) -> tuple[str, int]:
+        with self.cond:
+            self._require_ready()
+            if not self.config.checkpoint_dir:
+                raise InvalidArgument("this shard was started without a checkpoint directory")
+            return self._checkpoint_locked(), self.version
+
+    def _checkpoint_locked(self) -> str:
+        arrays = {"weights": self.weights}
+        for key, value in self.optimizer.state_dict().items():
+            arrays[f"opt.{key}"] = np.asarray(value)
+        meta = {
+            "version": self.version, "spec": self.spec.to_json(), "begin": self.begin, "end": self.end,
+            "shard_index": self.config.shard_index, "num_shards": self.config.num_shards,
+            "mode": self.config.mode, "clocks": {str(w): c for w, c in self.policy.clocks.items()},
+            "closed_rounds": self.policy.closed_rounds, "next_id": self.leases.next_id,
+            "hosts": {str(w): m.host for w, m in self.leases.members.items()},
+        }
+        path = checkpoint.save(self._checkpoint_dir(), arrays, meta)
+        self.last_checkpoint = str(path)
+        self.updates_since_checkpoint = 0
+        self.last_checkpoint_time = self.now()
+        return self.last_checkpoint
+
+    def _checkpoint_dir(self) -> str:
+        return str(Path(self.config.checkpoint_dir) / f"shard-{self.config.shard_index}-of-{self.config.num_shards}")
+
+    def restore(self) -> bool:
+        """Load the latest complete checkpoint, if any; members get a fresh lease to come back."""
+        with self.cond:
+            self.restoring = True
+            try:
+                found = checkpoint.load_latest(self._checkpoint_dir())
+                if found is None:
+                    return False
+                arrays, meta = found
+                spec = ModelSpec.from_json(meta["spec"])
+                self.spec, self.begin, self.end = spec, meta["begin"], meta["end"]
+                self.weights = arrays["weights"].astype(np.float32)
+                self.optimizer = make_optimizer(self.config.optimizer, self.size, **self._hparams())
+                opt_state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
+                self.optimizer.load_state_dict({k: (v if v.ndim else v.item()) for k, v in opt_state.items()})
+                self.pool = BufferPool(self.size)
+                self.version = meta["version"]
+                self.policy.closed_rounds = meta["closed_rounds"]
+                self.leases.next_id = meta["next_id"]
+                now = self.now()
+                for w, c in meta["clocks"].items():
+                    self.policy.clocks[int(w)] = c
+                    self.leases.add(int(w), meta["hosts"].get(w, ""), now)
+                self.last_checkpoint = str(Path(self._checkpoint_dir()) / checkpoint.MANIFEST)
+                return True
+            finally:
+                self.restoring = False
+                self.cond.notify_all()
+
+    # ----- stats ------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        with self.cond:
+            now = self.now()
+            c = self.counters
+            members = [{"worker_id": w, "clock": self.policy.clocks.get(w, -1),
+                        "idle_s": now - m.last_seen, "host": m.host}
+                       for w, m in sorted(self.leases.members.items())]
+            return {
+                "shard_index": self.config.shard_index, "num_shards": self.config.num_shards,
+                "mode": self.config.mode, "version": self.version, "begin": self.begin, "end": self.end,
+                "members": members, "min_clock": self.policy.slowest_clock(),
+                "max_clock": self.policy.fastest_clock(), "pushes": c.pushes, "pulls": c.pulls,
+                "bytes_in": c.bytes_in, "bytes_out": c.bytes_out, "applied_updates": c.applied_updates,
+                "dropped_late": c.dropped_late, "duplicates": c.duplicates, "evictions": c.evictions,
+                "rejected": c.rejected, "staleness_counts": list(c.staleness_counts),
+                "mean_staleness": c.staleness_sum / c.staleness_n if c.staleness_n else 0.0,
+                "max_staleness": c.max_staleness, "wait_s_total": c.wait_s_total,
+                "checkpoint": self.last_checkpoint, "initialized": self.initialized,
+                "total_size": self.spec.size if self.spec else 0,
+            }
+
+    def checksum(self) -> float:
+        with self.cond:
+            return math.fsum(self.weights.astype(np.float64)) if self.initialized else 0.0
+
+
+def _pieces(size: int, chunk_elems: int) -> list[tuple[int, int]]:
+    return [(a, min(a + chunk_elems, size)) for a in range(0, size, chunk_elems)] or [(0, 0)]

@@ -1,0 +1,68 @@
+"""Chunks on the wire: raw little-endian bytes of float32, float16 or bfloat16.
+
+Encoding copies once (``tobytes``); decoding reads with ``numpy.frombuffer`` (no
+copy) and converts straight into the caller's float32 buffer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from psserver.exceptions import InvalidArgument
+from psserver.rpc import ps_pb2
+
+WIRE_DTYPES = {
+    "float32": ps_pb2.FLOAT32,
+    "float16": ps_pb2.FLOAT16,
+    "bfloat16": ps_pb2.BFLOAT16,
+}
+ITEMSIZE = {ps_pb2.FLOAT32: 4, ps_pb2.FLOAT16: 2, ps_pb2.BFLOAT16: 2}
+_LE_F32 = np.dtype("<f4")
+_LE_F16 = np.dtype("<f2")
+_LE_U16 = np.dtype("<u2")
+
+
+def wire_dtype(name: str) -> int:
+    try:
+        return WIRE_DTYPES[name]
+    except KeyError:
+        raise InvalidArgument(f"wire dtype must be one of {sorted(WIRE_DTYPES)}, got {name!r}") from None
+
+
+def encode(values: np.ndarray, dtype: int) -> bytes:
+    """Raw bytes of a float32 array in the wire dtype (round to nearest even for bfloat16)."""
+    if dtype == ps_pb2.FLOAT32:
+        return values.astype(_LE_F32, copy=False).tobytes()
+    if dtype == ps_pb2.FLOAT16:
+        return values.astype(_LE_F16).tobytes()
+    if dtype == ps_pb2.BFLOAT16:
+        bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+        rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+        # NaN must stay NaN: rounding can carry a NaN's payload into the exponent.
+        nan = np.isnan(values)
+        if nan.any():
+            rounded[nan] = 0x7FC0
+        return rounded.astype(_LE_U16).tobytes()
+    raise InvalidArgument(f"unknown wire dtype {dtype}")
+
+
+def element_count(data: bytes, dtype: int) -> int:
+    size = ITEMSIZE.get(dtype)
+    if size is None:
+        raise InvalidArgument(f"unknown or unspecified chunk dtype {dtype}")
+    if len(data) % size:
+        raise InvalidArgument(f"chunk of {len(data)} bytes is not a whole number of {size}-byte elements")
+    return len(data) // size
+
+
+def decode_into(out: np.ndarray, data: bytes, dtype: int) -> None:
+    """Write the chunk's elements, converted to float32, into ``out`` (same length)."""
+    if dtype == ps_pb2.FLOAT32:
+        out[...] = np.frombuffer(data, dtype=_LE_F32)
+    elif dtype == ps_pb2.FLOAT16:
+        out[...] = np.frombuffer(data, dtype=_LE_F16)
+    elif dtype == ps_pb2.BFLOAT16:
+        bits = out.view(np.uint32)
+        np.left_shift(np.frombuffer(data, dtype=_LE_U16), 16, out=bits, dtype=np.uint32)
+    else:
+        raise InvalidArgument(f"unknown chunk dtype {dtype}")
