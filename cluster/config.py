@@ -1,0 +1,384 @@
+"""Job files: one TOML file describes a whole run (servers, workers, model, data, consistency).
+
+A job file has three optional tables::
+
+    [job]     name, servers, workers, out, timeout_s, start_timeout_s
+    [server]  any ServerConfig field (mode, staleness, optimizer, lr, lease_s, checkpoints, ...)
+    [train]   any TrainConfig field (model, dataset, batch_size, steps, eval_every, device, ...)
+
+Any key may also be written at the top level, before the first table, when it is
+unambiguous: ``mode = "ssp"`` means ``[server] mode``, ``steps = 300`` means
+``[train] steps``.  ``chunk_bytes`` and ``token`` at the top level set both the
+servers and the workers.  The TLS keys must sit in a table, because a shard's
+certificate and a worker's client certificate are different files.  A key given
+both at the top level and in a table is an error, so is an unknown key.
+
+Precedence: dataclass defaults < job file < overrides (command-line flags and
+``--set key=value``), see :func:`apply_overrides`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import difflib
+import json
+import math
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+from cluster.errors import ConfigError
+from psserver.config import ServerConfig
+from worker.config import TrainConfig
+
+EXAMPLES_DIR = Path(__file__).resolve().parent / "examples"
+
+# Set per process by the launcher or the psctl server flags, never by a job file.
+SERVER_PER_PROCESS = ("shard_index", "num_shards", "port", "extra")
+# Same name, different meaning on the two sides: a shard's certificate is not a worker's.
+AMBIGUOUS = ("tls_cert", "tls_key", "tls_ca")
+# Same name and meaning on both sides: a top-level value sets both.
+SHARED = ("chunk_bytes", "token")
+
+
+@dataclass
+class JobConfig:
+    """A whole job: how many processes, and the settings of every shard and every worker.
+
+    Parameters
+    ----------
+    name : str
+        Used in the default output folder ``runs/<name>-<timestamp>``.
+    servers, workers : int
+        Number of shard processes and worker processes.
+    out : str or None
+        Output folder (logs, metrics, summary); None picks ``runs/<name>-<timestamp>``.
+    timeout_s : float
+        Stop the job if training has not finished after this long; 0 means no limit.
+    start_timeout_s : float
+        How long to wait for the shards to publish their addresses.
+    server, train : ServerConfig, TrainConfig
+        Settings shared by every shard (the shard index, count and port are set per
+        process) and by every worker.
+    source : str or None
+        The file this job was read from, for error messages.
+    """
+
+    name: str = "job"
+    servers: int = 1
+    workers: int = 2
+    out: str | None = None
+    timeout_s: float = 0.0
+    start_timeout_s: float = 60.0
+    server: ServerConfig = field(default_factory=ServerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    source: str | None = field(default=None, compare=False)
+
+    @property
+    def mode(self) -> str:
+        return self.server.mode
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The job as ``{"job": {...}, "server": {...}, "train": {...}}``, every field, Nones left out."""
+        return {
+            "job": {k: getattr(self, k) for k in job_keys() if getattr(self, k) is not None},
+            "server": {k: getattr(self.server, k) for k in server_keys() if getattr(self.server, k) is not None},
+            "train": {k: getattr(self.train, k) for k in train_keys() if getattr(self.train, k) is not None},
+        }
+
+    def to_toml(self) -> str:
+        """A job file that :func:`load_job` reads back into an equal JobConfig."""
+        return dump_toml(self.to_dict())
+
+    def server_config(self, shard_index: int, *, host: str | None = None, port: int = 0) -> ServerConfig:
+        """The ServerConfig of shard ``shard_index`` of this job."""
+        changes: dict[str, Any] = {"shard_index": shard_index, "num_shards": self.servers, "port": port}
+        if host is not None:
+            changes["host"] = host
+        if self.server.metrics_port:
+            # One port per shard, counting up from the configured one (0 stays "any free port").
+            changes["metrics_port"] = self.server.metrics_port + shard_index
+        try:
+            return dataclasses.replace(self.server, **changes)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+    def default_out(self, now: _dt.datetime | None = None) -> str:
+        stamp = (now or _dt.datetime.now()).strftime("%Y%m%d-%H%M%S")
+        return str(Path("runs") / f"{self.name}-{stamp}")
+
+
+def job_keys() -> list[str]:
+    return [f.name for f in dataclasses.fields(JobConfig) if f.name not in ("server", "train", "source")]
+
+
+def server_keys() -> list[str]:
+    return [k for k in ServerConfig.field_names() if k not in SERVER_PER_PROCESS]
+
+
+def train_keys() -> list[str]:
+    return list(TrainConfig.field_names())
+
+
+def _section_keys(section: str) -> list[str]:
+    return {"job": job_keys, "server": server_keys, "train": train_keys}[section]()
+
+
+def route(key: str) -> list[tuple[str, str]]:
+    """Where a key goes: ``"lr"`` -> ``[("server", "lr")]``; ``"train.steps"`` -> ``[("train", "steps")]``.
+
+    Raises ConfigError naming the valid keys when the key is unknown or ambiguous.
+    """
+    if "." in key:
+        section, _, name = key.partition(".")
+        if section not in ("job", "server", "train"):
+            raise ConfigError(f"unknown table {section!r} in {key!r}; tables are job, server and train")
+        valid = _section_keys(section)
+        if name not in valid:
+            raise ConfigError(_unknown_message(name, f"[{section}]", valid, per_process=section == "server"))
+        return [(section, name)]
+    if key in AMBIGUOUS:
+        raise ConfigError(
+            f"{key} is ambiguous at the top level: put it under [server] (the shard's file) "
+            f"or [train] (the worker's file), or write server.{key} / train.{key}"
+        )
+    if key in SHARED:
+        return [("server", key), ("train", key)]
+    places = [s for s in ("job", "server", "train") if key in _section_keys(s)]
+    if not places:
+        valid = sorted(set(job_keys()) | set(server_keys()) | set(train_keys()))
+        raise ConfigError(_unknown_message(key, "a job file", valid, per_process=True))
+    return [(places[0], key)]
+
+
+def _unknown_message(key: str, where: str, valid: list[str], per_process: bool) -> str:
+    if per_process and key in SERVER_PER_PROCESS:
+        return (f"{key} cannot be set in {where}: it is set per shard process "
+                f"(psctl server --shard/--num-shards/--port; [job] servers for launch and mpi)")
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown key {key!r} in {where}{hint}; valid keys: {', '.join(sorted(valid))}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+
+def resolve_config_path(spec: str | Path) -> Path:
+    """A job file path, or the name of a packaged example (``mnist`` -> ``cluster/examples/mnist.toml``)."""
+    path = Path(spec)
+    if path.is_file():
+        return path
+    name = path.name[:-5] if path.name.endswith(".toml") else path.name
+    packaged = EXAMPLES_DIR / f"{name}.toml"
+    if path.parent == Path(".") or path.parent.name == "examples":
+        if packaged.is_file():
+            return packaged
+    raise ConfigError(
+        f"job file {str(spec)!r} not found; give a path to a .toml file or one of the "
+        f"packaged examples: {', '.join(example_names())}"
+    )
+
+
+def example_names() -> list[str]:
+    return sorted(p.stem for p in EXAMPLES_DIR.glob("*.toml"))
+
+
+def load_job(spec: str | Path) -> JobConfig:
+    """Read a job file (or a packaged example by name) into a validated JobConfig."""
+    path = resolve_config_path(spec)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    job = job_from_dict(data, source=str(path))
+    if "name" not in data and "name" not in data.get("job", {}):
+        job.name = path.stem
+    return job
+
+
+def job_from_dict(data: Mapping[str, Any], source: str | None = None) -> JobConfig:
+    """Build a JobConfig from a parsed job file (tables and top-level keys, see the module doc)."""
+    where = source or "job"
+    tables: dict[str, dict[str, Any]] = {"job": {}, "server": {}, "train": {}}
+    origin: dict[tuple[str, str], str] = {}
+    for key, value in data.items():
+        if key in tables and isinstance(value, dict):
+            for name, item in value.items():
+                for place in _route_in(where, f"{key}.{name}"):
+                    _put(tables, origin, place, item, f"[{key}] {name}", where)
+        elif isinstance(value, dict):
+            raise ConfigError(f"{where}: unknown table [{key}]; tables are [job], [server] and [train]")
+        else:
+            for place in _route_in(where, key):
+                _put(tables, origin, place, value, f"top-level {key}", where)
+    return _build(tables, where)
+
+
+def _route_in(where: str, key: str) -> list[tuple[str, str]]:
+    try:
+        return route(key)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _put(tables, origin, place, value, label, where):
+    if place in origin:
+        raise ConfigError(f"{where}: {place[1]} is given twice ({origin[place]} and {label}); keep one")
+    origin[place] = label
+    tables[place[0]][place[1]] = value
+
+
+def _build(tables: dict[str, dict[str, Any]], where: str) -> JobConfig:
+    hints = {
+        "job": typing.get_type_hints(JobConfig),
+        "server": typing.get_type_hints(ServerConfig),
+        "train": typing.get_type_hints(TrainConfig),
+    }
+    typed = {
+        section: {k: _coerce(where, section, k, v, hints[section][k]) for k, v in values.items()}
+        for section, values in tables.items()
+    }
+    srv, trn = typed["server"], typed["train"]
+    # Workers of this job must carry the servers' token.
+    if srv.get("token") and "token" not in trn:
+        trn["token"] = srv["token"]
+    try:
+        server = ServerConfig(**srv)
+    except ValueError as e:
+        raise ConfigError(f"{where}: [server] {e}") from None
+    train = TrainConfig(**trn)
+    try:
+        train.validate()
+    except ValueError as e:
+        raise ConfigError(f"{where}: [train] {e}") from None
+    job = JobConfig(**typed["job"], server=server, train=train, source=where)
+    _check_job(job, where)
+    return job
+
+
+def _check_job(job: JobConfig, where: str) -> None:
+    if job.servers < 1:
+        raise ConfigError(f"{where}: [job] servers must be >= 1, got {job.servers}")
+    if job.workers < 1:
+        raise ConfigError(f"{where}: [job] workers must be >= 1, got {job.workers}")
+    if job.timeout_s < 0 or not job.start_timeout_s > 0:
+        raise ConfigError(f"{where}: [job] timeout_s must be >= 0 and start_timeout_s > 0")
+    if not job.name or "/" in job.name:
+        raise ConfigError(f"{where}: [job] name must be a non-empty string without '/', got {job.name!r}")
+    if job.server.mode == "sync" and job.server.backup_workers >= job.workers:
+        raise ConfigError(
+            f"{where}: [server] backup_workers ({job.server.backup_workers}) must be less than "
+            f"[job] workers ({job.workers}): a sync round needs at least one push"
+        )
+
+
+def _coerce(where: str, section: str, key: str, value: Any, hint: Any) -> Any:
+    """Check a TOML value against a dataclass field's type; ints are accepted for floats."""
+    def bad(expected: str):
+        return ConfigError(f"{where}: [{section}] {key} must be {expected}, got {value!r}")
+
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return None if value is None else _coerce(where, section, key, value, inner)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise bad("true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad("an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad("a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise bad("a string")
+        return value
+    if origin is list:
+        (item,) = args or (Any,)
+        if not isinstance(value, list):
+            raise bad(f"a list of {getattr(item, '__name__', 'values')}")
+        return [_coerce(where, section, f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Overrides
+
+
+def apply_overrides(job: JobConfig, overrides: Mapping[str, Any]) -> JobConfig:
+    """A new JobConfig with ``overrides`` applied on top of ``job``; ``None`` values are skipped.
+
+    Keys are routed as in a job file: ``"mode"``, ``"lr"``, ``"workers"``, or qualified
+    ``"server.lr"``, ``"train.hidden"``, ``"job.out"``.
+    """
+    tables = job.to_dict()
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        for section, name in route(key):
+            tables[section][name] = value
+    return _build(tables, "override" if job.source is None else f"{job.source} (with overrides)")
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """``"train.hidden=[256, 256]"`` -> ``("train.hidden", [256, 256])``; values are TOML, bare words are strings."""
+    key, sep, raw = text.partition("=")
+    key, raw = key.strip(), raw.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set expects KEY=VALUE (e.g. --set train.hidden=[256,256]), got {text!r}")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key, value
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def dump_toml(tables: Mapping[str, Mapping[str, Any]]) -> str:
+    """Write ``{table: {key: value}}`` as TOML (scalars and flat lists only, which is all a job has)."""
+    lines: list[str] = []
+    for table, values in tables.items():
+        lines.append(f"[{table}]")
+        for key, value in values.items():
+            if value is not None:
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
