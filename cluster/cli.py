@@ -1,0 +1,75 @@
+"""psctl: the command line of psgrid (``psctl --help``); subcommands live in cluster/commands/."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from cluster.commands import COMMANDS
+
+EXAMPLES = """\
+examples:
+  psctl launch --config examples/mnist.toml            # the default job: 2 shards, 2 workers, sync
+  psctl launch --config mnist --mode ssp --staleness 2  # 'mnist' is the packaged copy of that file
+  mpiexec -n 6 psctl mpi --config mnist --servers 2     # 1 coordinator, 2 shards, 3 workers
+  psctl status --address-dir runs/mnist-20250101-120000/addr
+
+Run 'psctl COMMAND --help' for a command's options and examples."""
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line that points at --help (exit code 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="psctl",
+        description="Sharded parameter servers for data-parallel training: start shards and workers, "
+                    "launch whole jobs locally or under mpiexec/srun, and inspect running shards.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name in COMMANDS:
+        importlib.import_module(f"cluster.commands.{name}").add_parser(sub)
+    return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("psgrid")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run psctl with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    from cluster.errors import JobFailed, UsageError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        print(f"psctl {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except JobFailed as e:
+        print(f"psctl {args.command}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"psctl {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

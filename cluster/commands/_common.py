@@ -1,0 +1,90 @@
+"""Argument helpers shared by the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+from psserver.config import MODES, OPTIMIZERS
+from worker.config import DEVICES, WIRE_DTYPES
+
+
+def add_command(subparsers, name: str, help: str, description: str, examples: str) -> argparse.ArgumentParser:
+    """A subparser whose ``--help`` ends with worked examples."""
+    return subparsers.add_parser(
+        name, help=help, description=description,
+        epilog="examples:\n" + textwrap.indent(textwrap.dedent(examples).strip("\n"), "  "),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def add_config_arg(p: argparse.ArgumentParser, default: str | None, what: str) -> None:
+    p.add_argument("-c", "--config", default=default, metavar="FILE",
+                   help=f"job file (TOML) or the name of a packaged example such as 'mnist'; {what}"
+                        + (f" (default: {default})" if default else ""))
+
+
+def add_set_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any job-file key, e.g. --set train.hidden=[256,256] --set lr_staleness=true "
+                        "(TOML values; applied before the other flags; repeatable)")
+
+
+# (flag, job-file key, type or choices, help): flags that override a job file in launch and mpi.
+TRAINING_FLAGS = [
+    ("--mode", "mode", MODES, "consistency: sync (BSP), async (ASP) or ssp (stale-synchronous)"),
+    ("--staleness", "staleness", int, "ssp bound s: a worker at clock c waits for the slowest to reach c-s"),
+    ("--backup-workers", "backup_workers", int, "sync: close a round when all but this many workers pushed"),
+    ("--optimizer", "optimizer", OPTIMIZERS, "server-side optimizer"),
+    ("--lr", "lr", float, "learning rate"),
+    ("--lease-s", "lease_s", float, "drop a worker that has not heart-beaten for this long"),
+    ("--model", "model", str, "softmax, mlp or cnn"),
+    ("--dataset", "dataset", str, "mnist5k, digits or synthetic"),
+    ("--batch-size", "batch_size", int, "batch size per worker (0: the worker's whole shard)"),
+    ("--steps", "steps", int, "steps per worker (ignored when epochs > 0)"),
+    ("--epochs", "epochs", int, "passes over each worker's shard of the training set"),
+    ("--eval-every", "eval_every", int, "evaluate test accuracy every this many steps on worker 0 (0: at the end)"),
+    ("--device", "device", DEVICES, "where workers compute"),
+    ("--wire-dtype", "wire_dtype", WIRE_DTYPES, "dtype of gradients on the wire"),
+    ("--seed", "seed", int, "random seed"),
+]
+
+
+def add_training_flags(p: argparse.ArgumentParser, flags=TRAINING_FLAGS) -> None:
+    g = p.add_argument_group("job-file overrides")
+    for flag, key, kind, help in flags:
+        if isinstance(kind, tuple):
+            g.add_argument(flag, dest=f"override_{key}", choices=kind, default=None, help=help)
+        else:
+            g.add_argument(flag, dest=f"override_{key}", type=kind, default=None,
+                           metavar=key.upper(), help=help)
+
+
+def collect_overrides(args: argparse.Namespace) -> dict:
+    """``--set`` assignments, then every ``override_KEY`` flag that was given."""
+    from cluster.config import parse_assignment
+
+    overrides = dict(parse_assignment(text) for text in getattr(args, "set", []) or [])
+    for name, value in vars(args).items():
+        if name.startswith("override_") and value is not None:
+            overrides[name[len("override_"):]] = value
+    return overrides
+
+
+def load_job_from_args(args: argparse.Namespace):
+    from cluster.config import apply_overrides, load_job
+
+    return apply_overrides(load_job(args.config), collect_overrides(args))
+
+
+def split_addresses(text: str) -> list[str]:
+    from cluster.errors import UsageError
+
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    for a in addresses:
+        host, sep, port = a.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise UsageError(f"--servers expects host:port[,host:port...], got {a!r}")
+    if not addresses:
+        raise UsageError("--servers expects host:port[,host:port...], got nothing")
+    return addresses

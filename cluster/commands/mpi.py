@@ -1,0 +1,51 @@
+"""psctl mpi: a whole job under mpiexec or srun, roles by rank."""
+
+from __future__ import annotations
+
+import argparse
+
+from cluster.commands._common import add_command, add_config_arg, add_set_arg, add_training_flags
+
+EXAMPLES = """
+mpiexec -n 4 psctl mpi --config examples/mnist.toml --servers 1      # 1 coordinator, 1 shard, 2 workers
+mpiexec -n 6 psctl mpi --config mnist --servers 2 --mode ssp         # 2 shards, 3 workers
+HYDRA_IFACE=lo mpiexec -n 4 psctl mpi --config mnist                 # a laptop without a network
+srun -N 2 --ntasks-per-node=5 --gpus-per-node=4 psctl mpi --config job.toml --servers 2 --iface ib0
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = add_command(
+        subparsers, "mpi", help="run a whole job under mpiexec or srun (roles by rank)",
+        description="Run under mpiexec or srun with N ranks: rank 0 coordinates (progress, final evaluation, "
+                    "OUT/summary.json), ranks 1..S serve one shard each, and the other N-1-S ranks are workers, "
+                    "each on the GPU of its local rank. Needs N >= S+2. An exception on any rank aborts the "
+                    "whole job. OUT should be on a shared file system for the progress bar to see the workers.",
+        examples=EXAMPLES,
+    )
+    add_config_arg(p, "mnist", "flags override it; [job] workers is ignored (N-1-S)")
+    g = p.add_argument_group("job")
+    g.add_argument("--servers", dest="override_servers", type=int, metavar="S",
+                   help="number of shard ranks (default: [job] servers)")
+    g.add_argument("--out", dest="override_out", metavar="DIR", help="output folder (default: runs/NAME-TIMESTAMP)")
+    g.add_argument("--name", dest="override_name", metavar="NAME", help="job name (default: the job file's name)")
+    g.add_argument("--timeout", dest="override_timeout_s", type=float, metavar="SECONDS",
+                   help="abort the job if training takes longer than this (default: no limit)")
+    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="show the progress bar on rank 0 (default: when stderr is a terminal)")
+    n = p.add_argument_group("network (where shards bind and how workers reach them)")
+    n.add_argument("--host", help="bind shards to this address and advertise it (0.0.0.0: every interface, "
+                                  "advertised by host name); default: 127.0.0.1 when all ranks share one node, "
+                                  "else 0.0.0.0")
+    n.add_argument("--iface", help="bind shards to the IPv4 address of this interface and advertise it (e.g. ib0)")
+    add_set_arg(p)
+    add_training_flags(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.commands._common import load_job_from_args
+    from cluster.mpi import run_mpi
+
+    return run_mpi(load_job_from_args(args), host=args.host, iface=args.iface, progress=args.progress)

@@ -1,0 +1,94 @@
+"""psctl server: one shard of the parameter server."""
+
+from __future__ import annotations
+
+import argparse
+
+from cluster.commands._common import MODES, OPTIMIZERS, add_command, add_config_arg
+
+# (flag, ServerConfig field, type or choices, help)
+SERVER_FLAGS = [
+    ("--shard", "shard_index", int, "index I of this shard, 0..S-1 (default 0)"),
+    ("--num-shards", "num_shards", int, "number of shards S (default: [job] servers of --config, else 1)"),
+    ("--host", "host", str, "address to bind (default 127.0.0.1; 0.0.0.0 for every interface)"),
+    ("--port", "port", int, "port to bind; 0 (the default) picks a free one, see --address-file"),
+    ("--mode", "mode", MODES, "consistency: sync, async or ssp"),
+    ("--staleness", "staleness", int, "ssp bound s"),
+    ("--backup-workers", "backup_workers", int, "sync: close a round when all but this many workers pushed"),
+    ("--optimizer", "optimizer", OPTIMIZERS, "optimizer applied on the shard"),
+    ("--lr", "lr", float, "learning rate"),
+    ("--momentum", "momentum", float, "SGD momentum"),
+    ("--nesterov", "nesterov", bool, "Nesterov momentum"),
+    ("--weight-decay", "weight_decay", float, "L2 weight decay"),
+    ("--lr-staleness", "lr_staleness", bool, "scale each update by 1/max(1, staleness)"),
+    ("--lease-s", "lease_s", float, "evict a worker that has not heart-beaten for this many seconds"),
+    ("--checkpoint-dir", "checkpoint_dir", str, "checkpoint here, and restore the latest checkpoint on start"),
+    ("--checkpoint-every", "checkpoint_every", int, "checkpoint every this many updates (0: never by count)"),
+    ("--checkpoint-every-s", "checkpoint_every_s", float, "checkpoint every this many seconds (0: never by time)"),
+    ("--chunk-bytes", "chunk_bytes", int, "largest chunk of a streamed range, in bytes"),
+    ("--token", "token", str, "bearer token every request must carry (prefer [server] token in a job file: "
+                              "command lines are visible to other users)"),
+    ("--tls-cert", "tls_cert", str, "server certificate (PEM); enables TLS"),
+    ("--tls-key", "tls_key", str, "server private key (PEM)"),
+    ("--tls-ca", "tls_ca", str, "require client certificates signed by this CA (mutual TLS)"),
+    ("--metrics-port", "metrics_port", int, "serve Prometheus metrics on this port (0: any free port)"),
+    ("--threads", "threads", int, "gRPC handler threads"),
+]
+
+EXAMPLES = """
+psctl server --port 0 --address-file /tmp/shard-0 --mode ssp --staleness 2
+psctl server --config examples/mnist.toml --shard 1 --num-shards 2 --host 0.0.0.0 --port 50051
+psctl server --mode sync --metrics-port 9100 --checkpoint-dir ckpt --checkpoint-every-s 30
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = add_command(
+        subparsers, "server", help="run one parameter-server shard",
+        description="Run shard I of S of the parameter server until SIGTERM, SIGINT or a Shutdown RPC. "
+                    "Settings come from the [server] table of --config, then from these flags.",
+        examples=EXAMPLES,
+    )
+    add_config_arg(p, None, "its [server] table is the base that flags override")
+    p.add_argument("--address-file", metavar="FILE",
+                   help="write the bound host:port here (atomically) once listening")
+    g = p.add_argument_group("shard settings (ServerConfig fields)")
+    for flag, name, kind, help in SERVER_FLAGS:
+        if kind is bool:
+            g.add_argument(flag, dest=f"cfg_{name}", action=argparse.BooleanOptionalAction, default=None, help=help)
+        elif isinstance(kind, tuple):
+            g.add_argument(flag, dest=f"cfg_{name}", choices=kind, default=None, help=help)
+        else:
+            g.add_argument(flag, dest=f"cfg_{name}", type=kind, default=None, metavar=name.upper(), help=help)
+    p.set_defaults(func=run)
+    return p
+
+
+def server_config_from_args(args: argparse.Namespace):
+    import dataclasses
+
+    from cluster.config import load_job
+    from cluster.errors import ConfigError
+    from psserver.config import ServerConfig
+
+    changes = {k[len("cfg_"):]: v for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
+    if args.config:
+        job = load_job(args.config)
+        changes.setdefault("num_shards", job.servers)
+        base = job.server
+    else:
+        base = ServerConfig()
+    try:
+        return dataclasses.replace(base, **changes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from cluster.procs import watch_parent
+
+    config = server_config_from_args(args)
+    watch_parent()
+    from psserver.server import run_server
+
+    return run_server(config, address_file=args.address_file)

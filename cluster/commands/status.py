@@ -1,0 +1,64 @@
+"""psctl status: what every shard of a running job is doing."""
+
+from __future__ import annotations
+
+import argparse
+
+from cluster.commands._common import add_command
+
+EXAMPLES = """
+psctl status --servers 127.0.0.1:41234,127.0.0.1:41235
+psctl status --address-dir runs/mnist-20250101-120000        # the shards of a psctl launch job
+psctl status --address-dir runs/mnist-20250101-120000 --json | jq '.[].mean_staleness'
+psctl status --servers node1:50051 --watch 2
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = add_command(
+        subparsers, "status", help="show every shard's clocks, members and counters",
+        description="Ask every shard for its stats and print them as a table (or JSON with --json).",
+        examples=EXAMPLES,
+    )
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--servers", metavar="HOST:PORT,...", help="the shards' addresses")
+    where.add_argument("--address-dir", metavar="DIR",
+                       help="a psctl launch output folder (or its addr/ folder) holding shard-I address files")
+    p.add_argument("--json", action="store_true", help="print the raw stats as JSON, one object per shard")
+    p.add_argument("--config", metavar="FILE", help="take the bearer token and TLS files from this job's [train] table")
+    p.add_argument("--token", help="bearer token, if the shards require one")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="give up on an unreachable shard after this long (default 5)")
+    p.add_argument("--watch", type=float, default=None, metavar="SECONDS",
+                   help="refresh every this many seconds until Ctrl-C")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from cluster.commands._common import split_addresses
+    from cluster.errors import JobFailed
+    from cluster.status import addresses_from_dir, status
+    from psserver.exceptions import PSError
+
+    addresses = split_addresses(args.servers) if args.servers else addresses_from_dir(args.address_dir)
+    security = {"token": args.token}
+    if args.config:
+        from cluster.config import load_job
+
+        train = load_job(args.config).train
+        security = {"token": args.token or train.token, "tls_ca": train.tls_ca, "tls_cert": train.tls_cert,
+                    "tls_key": train.tls_key}
+    while True:
+        try:
+            text = status(addresses, as_json=args.json, timeout_s=args.timeout, **security)
+        except (PSError, ConnectionError, TimeoutError) as e:
+            raise JobFailed(f"cannot read stats from {','.join(addresses)}: {e}") from None
+        if args.watch:
+            print("\033[2J\033[H" + time.strftime("%H:%M:%S"), flush=True)
+        print(text, flush=True)
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)

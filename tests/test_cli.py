@@ -1,0 +1,175 @@
+"""psctl's command line: help with examples, one-line errors, flag-to-config mapping, server and status."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.cli import build_parser, main
+from cluster.commands import COMMANDS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def psctl(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout, **kw)
+
+
+def test_top_level_help_lists_commands_and_examples():
+    r = psctl("--help")
+    assert r.returncode == 0, r.stderr
+    for name in ("launch", "mpi", "server", "worker", "status", "compare", "bench"):
+        assert name in r.stdout
+    assert "examples:" in r.stdout and "psctl launch --config examples/mnist.toml" in r.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_with_an_example(command, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main([command, "--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out
+    assert f"psctl {command}" in out.split("examples:")[1]
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["launch", "--mode", "bsp"], "argument --mode: invalid choice: 'bsp'"),
+    (["launch", "--workers", "two"], "argument --workers: invalid int value: 'two'"),
+    (["launch", "--config", "no-such-job"], "job file 'no-such-job' not found"),
+    (["launch", "--set", "lrr=0.1"], "unknown key 'lrr'"),
+    (["launch", "--set", "lr"], "--set expects KEY=VALUE"),
+    (["launch", "--staleness", "-1"], "staleness must be >= 0"),
+    (["server", "--shard", "2", "--num-shards", "2"], "shard index 2 is outside 0..1"),
+    (["worker", "--servers", "localhost"], "--servers expects host:port"),
+    (["worker", "--servers", "127.0.0.1:1", "--rank", "5", "--world", "2"], "--rank must be in 0..1"),
+    (["status"], "one of the arguments --servers --address-dir is required"),
+    (["status", "--address-dir", "/nonexistent"], "no shard-I address files in /nonexistent"),
+    (["compare"], "not available yet"),
+])
+def test_user_errors_are_one_line_and_exit_2(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exit:
+        code = main(argv)
+        raise SystemExit(code)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_user_error_through_a_subprocess_has_no_traceback(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server]\nmode = 'bsp'\n")
+    r = psctl("launch", "--config", str(bad))
+    assert r.returncode == 2
+    assert r.stderr.strip() == (f"psctl launch: error: {bad}: [server] mode must be one of "
+                                "('sync', 'async', 'ssp'), got 'bsp'")
+
+
+def test_server_flags_map_onto_server_config(tmp_path):
+    from cluster.commands.server import server_config_from_args
+
+    job = tmp_path / "job.toml"
+    job.write_text("[job]\nservers = 3\n[server]\nmode = 'ssp'\nlr = 0.2\nstaleness = 5\n")
+    args = build_parser().parse_args([
+        "server", "--config", str(job), "--shard", "2", "--staleness", "1", "--nesterov", "--momentum", "0.9",
+        "--lease-s", "3", "--checkpoint-dir", "ck", "--checkpoint-every-s", "2.5", "--metrics-port", "0",
+        "--chunk-bytes", "65536", "--host", "0.0.0.0", "--port", "0",
+    ])
+    c = server_config_from_args(args)
+    assert (c.shard_index, c.num_shards, c.mode, c.lr, c.staleness) == (2, 3, "ssp", 0.2, 1)
+    assert (c.nesterov, c.momentum, c.lease_s, c.checkpoint_dir, c.checkpoint_every_s) == (True, 0.9, 3.0, "ck", 2.5)
+    assert (c.metrics_port, c.chunk_bytes, c.host, c.port) == (0, 65536, "0.0.0.0", 0)
+    # Without --config: ServerConfig defaults.
+    c = server_config_from_args(build_parser().parse_args(["server", "--mode", "sync", "--no-lr-staleness"]))
+    assert (c.mode, c.num_shards, c.lr_staleness) == ("sync", 1, False)
+
+
+def test_every_server_config_field_has_a_flag():
+    from cluster.commands.server import SERVER_FLAGS
+    from psserver.config import ServerConfig
+
+    have = {name for _, name, _, _ in SERVER_FLAGS}
+    missing = set(ServerConfig.field_names()) - have - {"beta1", "beta2", "eps"}
+    assert not missing, f"psctl server has no flag for {sorted(missing)}"
+
+
+def test_launch_flags_override_the_job(capsys):
+    from cluster.commands._common import load_job_from_args
+
+    args = build_parser().parse_args([
+        "launch", "--config", "mnist", "--mode", "ssp", "--staleness", "3", "--workers", "4", "--servers", "1",
+        "--steps", "9", "--set", "train.hidden=[16]", "--set", "steps=5", "--out", "x", "--timeout", "30",
+    ])
+    job = load_job_from_args(args)
+    assert (job.mode, job.server.staleness, job.workers, job.servers) == ("ssp", 3, 4, 1)
+    assert (job.train.steps, job.train.hidden, job.out, job.timeout_s) == (9, [16], "x", 30.0)  # flags beat --set
+
+
+def test_server_subprocess_publishes_its_address_and_stops_on_sigterm(tmp_path):
+    addr, log = tmp_path / "addr", tmp_path / "server.log"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "server", "--port", "0", "--address-file",
+                                 str(addr), "--mode", "ssp"], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not addr.exists():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "no address file after 30 s"
+            time.sleep(0.05)
+        host, _, port = addr.read_text().strip().rpartition(":")
+        assert host == "127.0.0.1" and int(port) > 0
+        r = psctl("status", "--servers", addr.read_text().strip(), "--json")
+        assert r.returncode == 0, r.stderr
+        (shard,) = json.loads(r.stdout)
+        assert shard["mode"] == "ssp" and shard["address"] == addr.read_text().strip()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert "listening on 127.0.0.1:" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_status_table(tmp_path, capsys):
+    from tests.cluster_utils import addresses, in_process_cluster
+
+    with in_process_cluster(2, mode="sync") as servers:
+        addr_dir = tmp_path / "addr"
+        addr_dir.mkdir()
+        for i, a in enumerate(addresses(servers)):
+            (addr_dir / f"shard-{i}").write_text(a + "\n")
+        assert main(["status", "--address-dir", str(tmp_path)]) == 0
+        out = capsys.readouterr().out
+        lines = out.splitlines()
+        assert lines[0].split()[:4] == ["shard", "address", "mode", "version"]
+        assert lines[2].split()[:3] == ["0", addresses(servers)[0], "sync"]
+        assert lines[3].split()[:3] == ["1", addresses(servers)[1], "sync"]
+        assert "shard 1 members (0):" in out
+        assert main(["status", "--servers", ",".join(addresses(servers)), "--json"]) == 0
+        stats = json.loads(capsys.readouterr().out)
+        assert [s["shard_index"] for s in stats] == [0, 1]
+
+
+def test_status_of_an_unreachable_shard_fails_in_one_line(capsys):
+    assert main(["status", "--servers", "127.0.0.1:1", "--timeout", "0.5"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("psctl status: cannot read stats from 127.0.0.1:1") and "Traceback" not in err
