@@ -80,7 +80,8 @@ class ShardedClient:
         else:
             self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.addresses]
         self.stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self.channels]
-        self.executor = ThreadPoolExecutor(max_workers=max(2, len(self.addresses)),
+        # Two calls per shard may run at once: a push and the pull that overlaps it.
+        self.executor = ThreadPoolExecutor(max_workers=2 * len(self.addresses) + 2,
                                            thread_name_prefix="ps-client")
         self.spec: ModelSpec | None = None
         self.ranges: list[tuple[int, int]] = []
@@ -167,6 +168,20 @@ class ShardedClient:
         self._heartbeat_thread = threading.Thread(target=beat, name="ps-heartbeat", daemon=True)
         self._heartbeat_thread.start()
 
+    def leave(self) -> None:
+        """Tell every shard this worker has finished, so sync and ssp stop waiting for it."""
+        self.stop_heartbeats()
+        if self.worker_id < 0:
+            return
+
+        def one(i):
+            try:
+                self.stubs[i].Heartbeat(ps_pb2.HeartbeatRequest(worker_id=self.worker_id, leaving=True),
+                                        timeout=self.deadline_s, metadata=self.metadata)
+            except grpc.RpcError as err:
+                log.warning("shard %d did not take worker %d's leave: %s", i, self.worker_id, err.details())
+        self._map(one)
+
     def stop_heartbeats(self) -> None:
         self._heartbeat_stop.set()
         if self._heartbeat_thread is not None:
@@ -215,7 +230,9 @@ class ShardedClient:
             raise InvalidArgument("pull before register(): the client does not know the model layout")
         self._check_flat(out, self.spec)
         clock = self.clock if clock is None else clock
-        return self._map(lambda i: self._pull_one(i, out, clock))
+        versions = self._map(lambda i: self._pull_one(i, out, clock))
+        self.versions = list(versions)
+        return versions
 
     def _pull_one(self, shard: int, out: np.ndarray, clock: int) -> int:
         begin, end = self.ranges[shard]
@@ -240,9 +257,7 @@ class ShardedClient:
 
         while True:
             try:
-                version = self._call(shard, attempt)
-                self.versions[shard] = version
-                return version
+                return self._call(shard, attempt)
             except grpc.RpcError as err:
                 # A consistency wait may legitimately outlast one deadline (slow peers); keep waiting.
                 if (err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -250,20 +265,24 @@ class ShardedClient:
                     continue
                 raise
 
-    def push(self, grad: np.ndarray) -> list[dict]:
-        """Push one gradient (flat float32) to every shard at the current clock; advances the clock."""
+    def push(self, grad: np.ndarray, versions: list[int] | None = None) -> list[dict]:
+        """Push one gradient (flat float32) to every shard at the current clock; advances the clock.
+
+        ``versions`` are the shard versions the gradient was computed from (default: those of
+        the last pull); pass them explicitly when a pull overlaps this push.
+        """
         if self.spec is None or self.worker_id < 0:
             raise InvalidArgument("push before register(): call register(spec) first")
         self._check_flat(grad, self.spec)
         clock = self.clock
-        results = self._map(lambda i: self._push_one(i, grad, clock))
+        versions = list(self.versions if versions is None else versions)
+        results = self._map(lambda i: self._push_one(i, grad, clock, versions[i]))
         self.clock = max(r["next_clock"] for r in results)
         return results
 
-    def _push_one(self, shard: int, grad: np.ndarray, clock: int) -> dict:
+    def _push_one(self, shard: int, grad: np.ndarray, clock: int, version: int) -> dict:
         begin, end = self.ranges[shard]
         pieces = chunk_ranges(begin, end, self.chunk_bytes // (4 if self.wire_dtype == ps_pb2.FLOAT32 else 2))
-        version = self.versions[shard]
 
         def messages():
             for i, (a, b) in enumerate(pieces):

@@ -21,9 +21,9 @@ import numpy as np
 from psserver.exceptions import InvalidArgument
 
 # Elements per block. 256K float32 = 1 MiB per array, so the up to six blocks one iteration touches
-# (weights, gradient, two state, two scratch) sit in L3. Measured on a 64 MiB range (AMD EPYC, 1 MiB
-# L2): L2-sized 32K blocks ran 1.5x slower for SGD, as every ufunc call restarts a memory stream and
-# the per-call overhead is paid 8x as often; 256K to 1M was flat; whole-array was slowest.
+# (weights, gradient, two state, two scratch) stay in L3. Measured on 64 MiB (AMD EPYC, 1 MiB L2,
+# 32 MiB L3): L2-sized 32K blocks ran SGD 1.5x slower (8x the ufunc calls, each restarting its
+# memory streams), 256K to 1M was flat, and 4M or whole-range blocks fell out of L3 (Adam 1.3-1.7x).
 BLOCK = 1 << 18
 
 HPARAMS = ("lr", "momentum", "nesterov", "weight_decay", "beta1", "beta2", "eps")

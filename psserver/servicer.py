@@ -188,6 +188,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     @_rpc
     def Heartbeat(self, request, context):
         known = self.shard.heartbeat(request.worker_id)
+        if request.leaving and known:
+            self.shard.leave(request.worker_id)
         return ps_pb2.HeartbeatReply(known=known, lease_s=self.shard.config.lease_s,
                                      min_clock=self.shard.policy.slowest_clock(), version=self.shard.version)
 

@@ -23,6 +23,8 @@ def shard_range(total: int, index: int, num_shards: int) -> tuple[int, int]:
 
 def shard_ranges(total: int, num_shards: int) -> list[tuple[int, int]]:
     """Every shard's range, in shard order; together they tile ``[0, total)``."""
+    if num_shards < 1:
+        raise InvalidArgument(f"num_shards must be at least 1, got {num_shards}")
     return [shard_range(total, i, num_shards) for i in range(num_shards)]
 
 

@@ -34,7 +34,11 @@ class ParamSpec:
         shape = tuple(int(d) for d in self.shape)
         if any(d < 0 for d in shape):
             raise InvalidArgument(f"parameter {self.name!r} has a negative dimension: {shape}")
-        if np.dtype(self.dtype) != FLAT_DTYPE:
+        try:
+            dtype = np.dtype(self.dtype)
+        except TypeError:
+            raise InvalidArgument(f"parameter {self.name!r} has an unknown dtype {self.dtype!r}") from None
+        if dtype != FLAT_DTYPE:
             raise InvalidArgument(f"parameter {self.name!r}: only float32 parameters are supported, got {self.dtype}")
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", "float32")

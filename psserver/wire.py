@@ -20,6 +20,7 @@ ITEMSIZE = {ps_pb2.FLOAT32: 4, ps_pb2.FLOAT16: 2, ps_pb2.BFLOAT16: 2}
 _LE_F32 = np.dtype("<f4")
 _LE_F16 = np.dtype("<f2")
 _LE_U16 = np.dtype("<u2")
+F16_MAX = float(np.finfo(np.float16).max)
 
 
 def wire_dtype(name: str) -> int:
@@ -34,7 +35,10 @@ def encode(values: np.ndarray, dtype: int) -> bytes:
     if dtype == ps_pb2.FLOAT32:
         return values.astype(_LE_F32, copy=False).tobytes()
     if dtype == ps_pb2.FLOAT16:
-        return values.astype(_LE_F16).tobytes()
+        # Saturate finite values past float16's range instead of turning them into infinities,
+        # which the shard would refuse; a true infinity or NaN still travels as one (and is refused).
+        saturated = np.where(np.isinf(values), values, np.clip(values, -F16_MAX, F16_MAX))
+        return saturated.astype(_LE_F16).tobytes()
     if dtype == ps_pb2.BFLOAT16:
         bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
         rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16

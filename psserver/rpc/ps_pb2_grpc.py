@@ -109,7 +109,7 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Renew a worker's lease.
+        """Renew a worker's lease, or leave the membership when finished.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
