@@ -18,8 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from psserver import wire
+from psserver import framing, wire
 from psserver.exceptions import InvalidArgument, ShardUnavailable
+from psserver.bulk import BulkClient, BulkError, client_ssl_context
 from psserver.config import DEFAULT_CHUNK_BYTES
 from psserver.rpc import ps_pb2, ps_pb2_grpc
 from psserver.servicer import MAX_CHUNK_BYTES
@@ -57,12 +58,16 @@ class ShardedClient:
         How long UNAVAILABLE is retried with backoff before ShardUnavailable.
     token, tls_ca, tls_cert, tls_key
         Bearer token and (mutual) TLS material; all off by default.
+    bulk : bool
+        Move Pull and Push payloads over each shard's raw TCP data plane when it
+        offers one (psserver/bulk.py); gRPC otherwise.
     """
 
     def __init__(self, addresses: list[str], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  wire_dtype: str = "float32", deadline_s: float = 60.0, retry_s: float = 30.0,
                  max_wait_s: float = 3600.0, token: str | None = None, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None, host: str | None = None):
+                 tls_cert: str | None = None, tls_key: str | None = None, host: str | None = None,
+                 bulk: bool = True):
         if not addresses:
             raise InvalidArgument("ShardedClient needs at least one shard address")
         if not 4096 <= chunk_bytes <= MAX_CHUNK_BYTES:
@@ -74,12 +79,25 @@ class ShardedClient:
         self.deadline_s, self.retry_s, self.max_wait_s = deadline_s, retry_s, max_wait_s
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.host = host or socket.gethostname()
+        self.token = token
+        self.use_bulk = bulk
+        self.bulk: list[BulkClient | None] = [None] * len(self.addresses)
+        self.bulk_ssl = client_ssl_context(tls_ca, tls_cert, tls_key) if (tls_ca or tls_cert) else None
         if tls_ca or tls_cert:
             creds = grpc.ssl_channel_credentials(_read(tls_ca), _read(tls_key), _read(tls_cert))
             self.channels = [grpc.secure_channel(a, creds, options=CHANNEL_OPTIONS) for a in self.addresses]
         else:
             self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.addresses]
         self.stubs = [ps_pb2_grpc.ParameterServerStub(c) for c in self.channels]
+        # The bulk methods use the zero-copy framing (same bytes on the wire as the generated code).
+        self.pull_calls = [c.unary_stream("/ps.ParameterServer/Pull",
+                                          request_serializer=ps_pb2.PullRequest.SerializeToString,
+                                          response_deserializer=framing.decode_pull_reply)
+                           for c in self.channels]
+        self.push_calls = [c.stream_unary("/ps.ParameterServer/Push",
+                                          request_serializer=framing.encode_push_request,
+                                          response_deserializer=ps_pb2.PushReply.FromString)
+                           for c in self.channels]
         # Two calls per shard may run at once: a push and the pull that overlaps it.
         self.executor = ThreadPoolExecutor(max_workers=2 * len(self.addresses) + 2,
                                            thread_name_prefix="ps-client")
@@ -106,7 +124,17 @@ class ShardedClient:
         while True:
             try:
                 return fn(self.stubs[shard])
-            except grpc.RpcError as err:
+            except (ConnectionError, TimeoutError, OSError) as exc:
+                if isinstance(exc, BulkError):
+                    raise
+                # A broken bulk connection is a shard that is down or restarting: like UNAVAILABLE.
+                if time.monotonic() - start < self.retry_s:
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 1.0)
+                    continue
+                raise ShardUnavailable(f"shard {shard} at {self.addresses[shard]} unreachable for "
+                                       f"{self.retry_s:.0f}s: {exc}") from exc
+            except (grpc.RpcError, BulkError) as err:
                 code = err.code()
                 if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < self.retry_s:
                     time.sleep(backoff)
@@ -125,6 +153,8 @@ class ShardedClient:
 
     def _map(self, fn, shards=None):
         shards = range(self.num_shards) if shards is None else shards
+        if len(shards) == 1:
+            return [fn(shards[0])]      # no thread hop: it is most of a small call's latency
         futures = [self.executor.submit(fn, i) for i in shards]
         return [f.result() for f in futures]
 
@@ -137,6 +167,9 @@ class ShardedClient:
         if reply.num_shards != self.num_shards or reply.shard_index != shard:
             raise InvalidArgument(f"address {self.addresses[shard]} is shard {reply.shard_index} of "
                                   f"{reply.num_shards}, but was given as shard {shard} of {self.num_shards}")
+        if self.use_bulk and reply.bulk_port and self.bulk[shard] is None:
+            host = self.addresses[shard].rsplit(":", 1)[0].strip("[]")
+            self.bulk[shard] = BulkClient(host, reply.bulk_port, self.token, self.bulk_ssl)
         return reply
 
     def register(self, spec: ModelSpec, worker_id: int = -1) -> int:
@@ -242,12 +275,12 @@ class ShardedClient:
         def attempt(stub):
             version = None
             covered = 0
-            for reply in stub.Pull(request, timeout=self.deadline_s, metadata=self.metadata):
+            for reply in self.pull_calls[shard](request, timeout=self.deadline_s, metadata=self.metadata):
                 if version is None:
                     version = reply.version
                 chunk = reply.chunk
                 n = len(chunk.data) // 4
-                if chunk.offset != begin + covered or covered + n > end - begin:
+                if chunk.offset != begin + covered or covered + n > end - begin or chunk.dtype != ps_pb2.FLOAT32:
                     raise InvalidArgument(f"shard {shard} sent a chunk at {chunk.offset} outside its range")
                 out[chunk.offset:chunk.offset + n] = np.frombuffer(chunk.data, dtype="<f4")
                 covered += n
@@ -255,10 +288,14 @@ class ShardedClient:
                 raise InvalidArgument(f"shard {shard} pull stream ended early ({covered} of {end - begin})")
             return version
 
+        def bulk_attempt(stub):
+            view = memoryview(out[begin:end]).cast("B")
+            return self.bulk[shard].pull_into(view, self.worker_id, clock, self.deadline_s)
+
         while True:
             try:
-                return self._call(shard, attempt)
-            except grpc.RpcError as err:
+                return self._call(shard, bulk_attempt if self.bulk[shard] is not None else attempt)
+            except (grpc.RpcError, BulkError) as err:
                 # A consistency wait may legitimately outlast one deadline (slow peers); keep waiting.
                 if (err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                         and time.monotonic() - waited_since < self.max_wait_s):
@@ -286,15 +323,28 @@ class ShardedClient:
 
         def messages():
             for i, (a, b) in enumerate(pieces):
-                chunk = ps_pb2.Chunk(offset=a, dtype=self.wire_dtype, data=wire.encode(grad[a:b], self.wire_dtype))
-                if i == 0:
-                    yield ps_pb2.PushRequest(worker_id=self.worker_id, clock=clock, version=version,
-                                             num_chunks=len(pieces), chunk=chunk)
+                if self.wire_dtype == ps_pb2.FLOAT32:
+                    data = memoryview(grad[a:b]).cast("B")    # no copy: the serializer joins it once
                 else:
-                    yield ps_pb2.PushRequest(chunk=chunk)
+                    data = wire.encode(grad[a:b], self.wire_dtype)
+                chunk = framing.ChunkView(offset=a, dtype=self.wire_dtype, data=data)
+                if i == 0:
+                    yield framing.PushFrame(worker_id=self.worker_id, clock=clock, version=version,
+                                            num_chunks=len(pieces), chunk=chunk)
+                else:
+                    yield framing.PushFrame(chunk=chunk)
 
-        reply = self._call(shard, lambda stub: stub.Push(messages(), timeout=self.deadline_s,
-                                                         metadata=self.metadata))
+        bulk = self.bulk[shard]
+        if bulk is not None:
+            if self.wire_dtype == ps_pb2.FLOAT32:
+                payload = memoryview(grad[begin:end]).cast("B")
+            else:
+                payload = wire.encode(grad[begin:end], self.wire_dtype)
+            result = self._call(shard, lambda stub: bulk.push(payload, self.wire_dtype, self.worker_id, clock,
+                                                              version, self.deadline_s))
+            return {"shard": shard, **result}
+        reply = self._call(shard, lambda stub: self.push_calls[shard](messages(), timeout=self.deadline_s,
+                                                                      metadata=self.metadata))
         return {"shard": shard, "outcome": _OUTCOME_NAMES[reply.outcome], "version": reply.version,
                 "staleness": reply.staleness, "next_clock": reply.next_clock}
 
@@ -342,6 +392,9 @@ class ShardedClient:
     def close(self) -> None:
         self.stop_heartbeats()
         self.executor.shutdown(wait=True)
+        for bulk in self.bulk:
+            if bulk is not None:
+                bulk.close()
         for channel in self.channels:
             channel.close()
 

@@ -42,6 +42,7 @@ class ServerConfig:
     tls_ca: str | None = None          # CA that client certificates must chain to (mutual TLS)
     metrics_port: int | None = None    # serve Prometheus metrics here (0: any free port)
     threads: int = 128                 # gRPC handler threads; blocked pulls each hold one
+    bulk: bool = True                  # serve Pull/Push payloads on a raw TCP data plane too (psserver/bulk.py)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):

@@ -14,11 +14,13 @@ from pathlib import Path
 import grpc
 
 from psserver.config import ServerConfig
-from psserver.rpc import ps_pb2_grpc
+from psserver import framing
+from psserver.rpc import ps_pb2, ps_pb2_grpc
 from psserver.servicer import MAX_CHUNK_BYTES, ParameterServerServicer
 from psserver.shard import Shard
 
 log = logging.getLogger("psserver")
+SERVICE = "ps.ParameterServer"
 
 GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),    # two servers must never share a port silently
@@ -54,6 +56,34 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         return self.deny_unary
 
 
+class _HandlerCapture:
+    """Stands in for a grpc.Server to collect the generated method handlers."""
+
+    def add_generic_rpc_handlers(self, handlers):
+        pass
+
+    def add_registered_method_handlers(self, service, handlers):
+        self.handlers = dict(handlers)
+
+
+def add_servicer(servicer, server) -> None:
+    """Register the servicer, with the zero-copy framing (psserver/framing.py) for Pull and Push.
+
+    The generated handlers are reused for every other method; only the
+    (de)serializers of the two bulk methods change, not the bytes on the wire.
+    """
+    capture = _HandlerCapture()
+    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, capture)
+    handlers = capture.handlers
+    handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
+        servicer.Pull, request_deserializer=ps_pb2.PullRequest.FromString,
+        response_serializer=framing.encode_pull_reply)
+    handlers["Push"] = grpc.stream_unary_rpc_method_handler(
+        servicer.Push, request_deserializer=framing.decode_push_request,
+        response_serializer=ps_pb2.PushReply.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
 def _read(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path else None
 
@@ -69,8 +99,14 @@ class RunningServer:
         interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
         self.grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.threads),
                                        options=GRPC_OPTIONS, interceptors=interceptors)
-        ps_pb2_grpc.add_ParameterServerServicer_to_server(
-            ParameterServerServicer(self.shard, on_shutdown=self.shutdown_requested.set), self.grpc_server)
+        self.bulk = None
+        if config.bulk:
+            from psserver.bulk import BulkServer, server_ssl_context
+
+            ssl_context = server_ssl_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
+            self.bulk = BulkServer(self.shard, config.host, config.token, ssl_context)
+        add_servicer(ParameterServerServicer(self.shard, on_shutdown=self.shutdown_requested.set,
+                                             bulk_port=self.bulk.port if self.bulk else 0), self.grpc_server)
         target = f"{config.host}:{config.port}"
         if config.tls_cert:
             creds = grpc.ssl_server_credentials([(_read(config.tls_key), _read(config.tls_cert))],
@@ -89,6 +125,8 @@ class RunningServer:
         self.reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
 
     def start(self) -> "RunningServer":
+        if self.bulk is not None:
+            self.bulk.start()
         self.grpc_server.start()
         self.reaper.start()
         return self
@@ -109,6 +147,8 @@ class RunningServer:
         if self.stopped.is_set():
             return
         self.stopped.set()
+        if self.bulk is not None:
+            self.bulk.stop()
         self.grpc_server.stop(grace).wait(timeout=(grace or 0) + 5)
         if self.config.checkpoint_dir and self.shard.initialized:
             self.shard.checkpoint()

@@ -10,16 +10,16 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import math
 
 import grpc
 import numpy as np
 
-from psserver import wire
+from psserver import framing, wire
 from psserver.exceptions import (InvalidArgument, NotInitialized, PSError, Restoring, SpecMismatch,
                                  Unauthenticated, UnknownWorker, WaitTimeout)
 from psserver.rpc import ps_pb2, ps_pb2_grpc
 from psserver.shard import Shard
+from psserver.sharding import chunk_ranges
 from psserver.spec import ModelSpec
 
 log = logging.getLogger("psserver")
@@ -86,7 +86,9 @@ def read_range(messages, begin: int, size: int, out: np.ndarray, float32_only: b
     """Decode a stream of chunks that must tile ``[begin, begin+size)`` in order into ``out``.
 
     Returns (chunks read, payload bytes). Raises InvalidArgument on a gap, an
-    overlap, a range outside the shard, a bad dtype or a short stream.
+    overlap, a range outside the shard, a bad dtype, a non-finite value or a
+    short stream. Each chunk is checked as it lands, while the next is still
+    on the wire, so validation adds no pass over the whole range at the end.
     """
     covered = count = nbytes = 0
     for msg in messages:
@@ -99,7 +101,10 @@ def read_range(messages, begin: int, size: int, out: np.ndarray, float32_only: b
                                   f"chunks must tile this shard's range [{begin}, {begin + size}) in order")
         if covered + n > size:
             raise InvalidArgument(f"chunk {count} runs past the end of this shard's range [{begin}, {begin + size})")
-        wire.decode_into(out[covered:covered + n], chunk.data, chunk.dtype)
+        piece = out[covered:covered + n]
+        wire.decode_into(piece, chunk.data, chunk.dtype)
+        if not all_finite(piece):
+            raise InvalidArgument(f"chunk {count} (offset {chunk.offset}) contains NaN or infinity")
         covered += n
         count += 1
         nbytes += len(chunk.data)
@@ -109,15 +114,15 @@ def read_range(messages, begin: int, size: int, out: np.ndarray, float32_only: b
 
 
 def all_finite(values: np.ndarray) -> bool:
-    # A float64 sum of float32 values cannot overflow, so it is finite exactly when every
-    # value is: one read pass and no boolean temporary the size of the gradient.
-    return math.isfinite(float(np.add.reduce(values, dtype=np.float64)))
+    # The boolean temporary is one chunk's worth (a quarter of a MiB at most), never a whole range.
+    return bool(np.isfinite(values).all())
 
 
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
-    def __init__(self, shard: Shard, on_shutdown=None):
+    def __init__(self, shard: Shard, on_shutdown=None, bulk_port: int = 0):
         self.shard = shard
         self.on_shutdown = on_shutdown
+        self.bulk_port = bulk_port
 
     @_rpc
     def Register(self, request, context):
@@ -127,7 +132,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
             worker_id=joined["worker_id"], start_clock=joined["start_clock"], mode=c.mode, staleness=c.staleness,
             backup_workers=c.backup_workers, lease_s=c.lease_s, begin=s.begin, end=s.end,
             total_size=s.spec.size if s.spec else 0, shard_index=c.shard_index, num_shards=c.num_shards,
-            initialized=s.initialized, version=joined["version"])
+            initialized=s.initialized, version=joined["version"], bulk_port=self.bulk_port)
 
     @_rpc
     def Init(self, request_iterator, context):
@@ -143,8 +148,6 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         count, _ = read_range(itertools.chain([first], messages), begin, end - begin, values, float32_only=True)
         if count != first.num_chunks:
             raise InvalidArgument(f"Init declared {first.num_chunks} chunks but sent {count}")
-        if not all_finite(values):
-            raise InvalidArgument("initial weights contain NaN or infinity")
         applied = self.shard.init(spec, values)
         return ps_pb2.InitReply(applied=applied, version=self.shard.version)
 
@@ -155,13 +158,18 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                  None if remaining is None else max(0.0, remaining - 0.05))
         chunk_bytes = request.chunk_bytes or self.shard.config.chunk_bytes
         chunk_bytes = min(max(chunk_bytes, 4096), MAX_CHUNK_BYTES)
-        version, chunks = self.shard.snapshot(chunk_bytes // 4)
-        for i, (offset, data) in enumerate(chunks):
-            chunk = ps_pb2.Chunk(offset=offset, dtype=ps_pb2.FLOAT32, data=data)
-            if i == 0:
-                yield ps_pb2.PullReply(version=version, num_chunks=len(chunks), chunk=chunk)
-            else:
-                yield ps_pb2.PullReply(chunk=chunk)
+        version, snapshot = self.shard.snapshot()
+        try:
+            pieces = chunk_ranges(0, len(snapshot), chunk_bytes // 4)
+            payload = memoryview(snapshot).cast("B")
+            for i, (a, b) in enumerate(pieces):
+                chunk = framing.ChunkView(offset=self.shard.begin + a, dtype=ps_pb2.FLOAT32,
+                                          data=payload[4 * a:4 * b])
+                # framing.encode_pull_reply (the registered serializer) copies the slice once.
+                yield framing.PullFrame(version=version if i == 0 else 0,
+                                        num_chunks=len(pieces) if i == 0 else 0, chunk=chunk)
+        finally:
+            self.shard.release_snapshot(snapshot)
 
     @_rpc
     def Push(self, request_iterator, context):
@@ -177,8 +185,6 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
                                        float32_only=False)
             if count != first.num_chunks:
                 raise InvalidArgument(f"Push declared {first.num_chunks} chunks but sent {count}")
-            if not all_finite(grad):
-                raise InvalidArgument("gradient contains NaN or infinity")
             result = shard.push(first.worker_id, first.clock, first.version, grad, nbytes)
         finally:
             shard.pool.give(grad)

@@ -231,16 +231,23 @@ class Shard:
             self._emit("wait", seconds=waited)
             return waited
 
-    def snapshot(self, chunk_elems: int) -> tuple[int, list[tuple[int, bytes]]]:
-        """The version and this range's weights as (offset, raw float32 bytes) chunks, copied atomically."""
+    def snapshot(self) -> tuple[int, np.ndarray]:
+        """The version and a copy of this range's weights, taken atomically.
+
+        The copy is a pooled buffer: hand it back with :meth:`release_snapshot`
+        once it has been sent.
+        """
         with self.cond:
             self._require_ready()
-            chunks = [(self.begin + a, self.weights[a:b].tobytes())
-                      for a, b in _pieces(self.size, chunk_elems)]
+            copy = self.pool.take()
+            np.copyto(copy, self.weights)
             self.counters.pulls += 1
             self.counters.bytes_out += self.size * 4
             self._emit("pull", nbytes=self.size * 4)
-            return self.version, chunks
+            return self.version, copy
+
+    def release_snapshot(self, copy: np.ndarray) -> None:
+        self.pool.give(copy)
 
     # ----- push -------------------------------------------------------------------------------
 
@@ -408,6 +415,3 @@ class Shard:
         with self.cond:
             return math.fsum(self.weights.astype(np.float64)) if self.initialized else 0.0
 
-
-def _pieces(size: int, chunk_elems: int) -> list[tuple[int, int]]:
-    return [(a, min(a + chunk_elems, size)) for a in range(0, size, chunk_elems)] or [(0, 0)]
