@@ -33,6 +33,7 @@ SERVER_FLAGS = [
     ("--tls-ca", "tls_ca", str, "require client certificates signed by this CA (mutual TLS)"),
     ("--metrics-port", "metrics_port", int, "serve Prometheus metrics on this port (0: any free port)"),
     ("--threads", "threads", int, "gRPC handler threads"),
+    ("--bulk", "bulk", bool, "also serve Pull/Push payloads over raw TCP beside gRPC (--no-bulk: gRPC only)"),
 ]
 
 EXAMPLES = """
@@ -79,9 +80,23 @@ def server_config_from_args(args: argparse.Namespace):
     else:
         base = ServerConfig()
     try:
-        return dataclasses.replace(base, **changes)
+        config = dataclasses.replace(base, **changes)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    check_files(config, ("tls_cert", "tls_key", "tls_ca"))
+    return config
+
+
+def check_files(config, names) -> None:
+    """Name a missing certificate or key here, before a library fails on it without the path."""
+    import os
+
+    from cluster.errors import ConfigError
+
+    for name in names:
+        path = getattr(config, name)
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"{name} {path!r}: no such file")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,10 +40,12 @@ def run(args: argparse.Namespace) -> int:
     import json
 
     from cluster.commands._common import load_job_from_args
+    from cluster.commands.server import check_files
     from cluster.errors import UsageError
     from cluster.procs import watch_parent
 
     job = load_job_from_args(args)
+    check_files(job.train, ("tls_cert", "tls_key", "tls_ca"))
     servers = split_addresses(args.servers)
     world = job.workers if args.world is None else args.world
     if not 0 <= args.rank < world:

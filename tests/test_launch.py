@@ -1,0 +1,249 @@
+"""psctl launch through subprocesses: a tiny job, fatal and tolerated failures, SIGTERM cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.coordinator import JobState, MetricsTail, merge_metrics
+from cluster.procs import Child, stop_children
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--config", "mnist", "--steps", "100", "--eval-every", "25", "--no-progress"]
+
+
+def env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def coordinator_events(out: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in (out / "metrics" / "coordinator.jsonl").read_text().splitlines()
+                if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def child_pids(out: Path) -> dict[str, list[int]]:
+    pids = {}
+    for e in coordinator_events(out):
+        if e["event"] == "servers_ready":
+            pids["servers"] = e["pids"]
+        if e["event"] == "workers_started":
+            pids["workers"] = e["pids"]
+    return pids
+
+
+def steps_seen(out: Path, rank: int) -> int:
+    path = out / "metrics" / f"worker-{rank}.jsonl"
+    state = JobState()
+    state.update(MetricsTail([path]).read())
+    return state.steps
+
+
+class Launch:
+    """``psctl launch`` as a background process; everything it started is killed by pid on exit."""
+
+    def __init__(self, tmp_path: Path, *args: str):
+        self.out = tmp_path / "run"
+        self.log = tmp_path / "launch.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "launch", *args, "--out", str(self.out)],
+                                         cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def wait_for(self, predicate, timeout: float, what: str):
+        def check():
+            if predicate():
+                return True
+            assert self.proc.poll() is None, f"launch exited ({self.proc.returncode}) before {what}:\n{self.text()}"
+            return False
+        return wait_for(check, timeout, what)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pids = [p for group in child_pids(self.out).values() for p in group]
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def run_launch(tmp_path: Path, *args: str, timeout: float = 120) -> tuple[int, str, Path]:
+    with Launch(tmp_path, *args) as launch:
+        code = launch.wait(timeout)
+        return code, launch.text(), launch.out
+
+
+# -- units -------------------------------------------------------------------------------------
+
+
+def test_metrics_tail_reads_whole_lines_only(tmp_path):
+    path = tmp_path / "m.jsonl"
+    tail = MetricsTail([path, tmp_path / "missing.jsonl"])
+    assert tail.read() == []
+    with open(path, "w") as f:
+        f.write('{"event": "step", "rank": 0, "step": 0, "samples": 4, "loss": 1.0}\n{"event": "st')
+        f.flush()
+        assert [e["event"] for e in tail.read()] == ["step"]
+        f.write('ep", "rank": 0, "step": 1, "samples": 4, "loss": 0.5}\nnot json\n')
+    events = tail.read()
+    assert [e["step"] for e in events] == [1]
+    state = JobState()
+    state.update([{"event": "step", "rank": 0, "step": 0, "samples": 4, "loss": 1.0}] + events)
+    assert (state.steps, state.total_samples, state.mean_loss) == (2, 8, 0.5)
+
+
+def test_merge_metrics_sorts_by_time(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"time": 3, "x": "a3"}\n{"time": 1, "x": "a1"}\n')
+    b.write_text('{"time": 2, "x": "b2"}\n')
+    assert merge_metrics([a, b, [{"time": 0, "x": "l0"}], tmp_path / "none.jsonl"], tmp_path / "all.jsonl") == 4
+    lines = [json.loads(line)["x"] for line in (tmp_path / "all.jsonl").read_text().splitlines()]
+    assert lines == ["l0", "a1", "b2", "a3"]
+
+
+def test_stop_children_escalates_to_sigkill(tmp_path):
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); " \
+               "time.sleep(60)"
+    kids = [Child(f"stubborn {i}", [sys.executable, "-c", stubborn], tmp_path / f"{i}.log") for i in range(2)]
+    kids.append(Child("polite", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "p.log"))
+    try:
+        wait_for(lambda: all("up" in (tmp_path / f"{i}.log").read_text() for i in range(2)), 30, "children up")
+        t = time.monotonic()
+        stop_children(kids, grace=1.0)
+        assert time.monotonic() - t < 10
+        assert [k.returncode for k in kids] == [-signal.SIGKILL, -signal.SIGKILL, -signal.SIGTERM]
+        assert "was killed by SIGKILL" in kids[0].describe_exit()
+    finally:
+        for k in kids:
+            if k.poll() is None:
+                k.proc.kill()
+                k.proc.wait(10)
+
+
+# -- whole jobs --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tiny_job_completes_with_a_summary(tmp_path):
+    t = time.monotonic()
+    code, text, out = run_launch(tmp_path, *TINY)
+    elapsed = time.monotonic() - t
+    assert code == 0, text
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("mode", "steps", "wall_s", "samples_per_s", "train_accuracy", "test_accuracy", "servers",
+                "workers", "failures", "shards", "config"):
+        assert key in summary, key
+    assert (summary["status"], summary["mode"], summary["servers"], summary["workers"]) == ("ok", "sync", 2, 2)
+    assert summary["steps"] == 200 and summary["failures"] == []
+    assert summary["samples_per_s"] > 0 and summary["wall_s"] > 0
+    assert summary["test_accuracy"] >= 0.85, summary
+    assert [s["shard_index"] for s in summary["shards"]] == [0, 1]
+    assert all(s["dropped_late"] >= 0 and "mean_staleness" in s for s in summary["shards"])
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    times = [e["time"] for e in events]
+    assert times == sorted(times)
+    kinds = {e["event"] for e in events}
+    assert {"job_start", "step", "eval", "done", "final_eval", "job_end"} <= kinds
+    assert "test accuracy" in text and "summary in" in text
+    print(f"tiny launch took {elapsed:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_server_that_cannot_start_fails_the_job_by_name(tmp_path):
+    code, text, out = run_launch(tmp_path, *TINY, "--servers", "1",
+                                 "--set", "server.tls_cert=/nonexistent/cert.pem",
+                                 "--set", "server.tls_key=/nonexistent/key.pem")
+    assert code == 1, text
+    assert "psctl launch: job failed: server 0 (pid" in text and "exited with code 2" in text
+    assert "psctl server: error: tls_cert '/nonexistent/cert.pem': no such file" in text  # its log's tail
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert summary["failures"][0]["name"] == "server 0" and not summary["failures"][0]["tolerated"]
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_run_ends_the_job_and_every_child(tmp_path):
+    with Launch(tmp_path, *TINY, "--steps", "5000") as launch:
+        launch.wait_for(lambda: steps_seen(launch.out, 0) >= 5, 60, "worker 0 training")
+        pids = child_pids(launch.out)
+        os.kill(pids["servers"][1], signal.SIGKILL)
+        code = launch.wait(60)
+        text = launch.text()
+        assert code == 1, text
+        assert f"server 1 (pid {pids['servers'][1]}) was killed by SIGKILL" in text
+        for pid in pids["servers"] + pids["workers"]:
+            assert not alive(pid), f"pid {pid} outlived the launcher"
+
+
+@pytest.mark.slow
+def test_a_dead_worker_is_tolerated(tmp_path):
+    with Launch(tmp_path, *TINY, "--steps", "300", "--lease-s", "2") as launch:
+        launch.wait_for(lambda: steps_seen(launch.out, 1) >= 5, 60, "worker 1 training")
+        victim = child_pids(launch.out)["workers"][1]
+        os.kill(victim, signal.SIGKILL)
+        code = launch.wait(120)
+        text = launch.text()
+        assert code == 0, text
+        summary = json.loads((launch.out / "summary.json").read_text())
+        (failure,) = summary["failures"]
+        assert (failure["name"], failure["exit_code"], failure["tolerated"]) == ("worker 1", -9, True)
+        assert summary["workers_completed"] == 1 and summary["worker_results"][0]["completed"]
+        assert "tolerated failure: worker 1" in text
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_child(tmp_path):
+    with Launch(tmp_path, *TINY, "--steps", "5000") as launch:
+        launch.wait_for(lambda: steps_seen(launch.out, 0) >= 5 and steps_seen(launch.out, 1) >= 5, 60,
+                        "workers training")
+        pids = child_pids(launch.out)
+        t = time.monotonic()
+        launch.proc.send_signal(signal.SIGTERM)
+        code = launch.wait(30)
+        assert code == 128 + signal.SIGTERM, launch.text()
+        assert time.monotonic() - t < 15
+        left = [pid for pid in pids["servers"] + pids["workers"] if alive(pid)]
+        assert not left, f"still running after SIGTERM to launch: {left}"
+        summary = json.loads((launch.out / "summary.json").read_text())
+        assert summary["status"] == "interrupted"
