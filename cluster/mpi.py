@@ -1,0 +1,308 @@
+"""``psctl mpi``: a whole job under ``mpiexec`` or ``srun``, roles given by rank.
+
+Rank 0 coordinates (progress, final evaluation, summary), ranks 1..S each serve one
+shard in-process, and every other rank is a worker (worker rank = MPI rank - 1 - S).
+The shards bind port 0; their real addresses are gathered on rank 0 and broadcast.
+
+Two habits from ``mpi4py.run`` and ``dask_mpi.initialize``: an unhandled exception on any
+rank prints that rank, its host and the traceback and calls ``comm.Abort(1)``, so the job
+ends instead of hanging; too few ranks fails at once on every rank.  The communicator is
+a parameter, so the bootstrap runs on any (sub-)communicator.
+
+Ranks that wait (the coordinator for the workers, everyone at the end) poll non-blocking
+MPI calls with a sleep: a blocking MPICH collective spins a core, and on a small machine
+the spinning ranks would take the CPU the workers train on.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from cluster import coordinator as co
+from cluster.config import JobConfig, apply_overrides
+from cluster.errors import JobFailed, UsageError
+from cluster.procs import limit_blas_threads, usable_cpus
+
+TAG_DONE = 71
+POLL_S = 0.05
+# Tests: this rank raises once roles are assigned (after PSCTL_TEST_RAISE_RANK_AFTER_S seconds).
+RAISE_HOOK_ENV = "PSCTL_TEST_RAISE_RANK"
+LOOPBACK = "127.0.0.1"
+
+
+def min_ranks(servers: int) -> int:
+    return servers + 2
+
+
+def too_few_ranks_message(servers: int, size: int) -> str:
+    return (f"psctl mpi needs at least {min_ranks(servers)} ranks (1 coordinator + {servers} server"
+            f"{'s' if servers != 1 else ''} + at least 1 worker); got {size}")
+
+
+def role_of(rank: int, servers: int) -> tuple[str, int]:
+    """``("coordinator", 0)``, ``("server", shard_index)`` or ``("worker", worker_rank)``."""
+    if rank == 0:
+        return "coordinator", 0
+    if rank <= servers:
+        return "server", rank - 1
+    return "worker", rank - 1 - servers
+
+
+def interface_address(iface: str) -> str:
+    """The IPv4 address of a network interface (Linux), e.g. ``ib0`` -> ``10.1.2.3``."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface[:15].encode()))  # SIOCGIFADDR
+        except OSError as e:
+            raise UsageError(f"--iface {iface}: no IPv4 address on that interface ({e.strerror})") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def bind_and_advertise(host: str | None, iface: str | None, single_node: bool) -> tuple[str, str]:
+    """Where a shard binds, and the host name other ranks use to reach it."""
+    if iface:
+        ip = interface_address(iface)
+        return ip, ip
+    if host:
+        if host in ("0.0.0.0", "::", "[::]"):
+            return host, socket.gethostname()
+        return host, host
+    if single_node:
+        return LOOPBACK, LOOPBACK
+    return "0.0.0.0", socket.gethostname()
+
+
+def _wait_request(req, timeout: float | None, what: str) -> None:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not req.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            raise JobFailed(f"{what} did not complete within {timeout:.0f} s")
+        time.sleep(POLL_S)
+
+
+class MPIJob:
+    """One rank's part of an MPI job; :meth:`run` returns this rank's exit code."""
+
+    def __init__(self, job: JobConfig, comm, *, host: str | None = None, iface: str | None = None,
+                 progress: bool | None = None):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.hostname = socket.gethostname()
+        self.job0 = job
+        self.job = job
+        self.host, self.iface = host, iface
+        self.progress = progress
+        self.role, self.index = role_of(self.rank, job.servers)
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def check_size(self) -> str | None:
+        if self.size < min_ranks(self.job0.servers):
+            return too_few_ranks_message(self.job0.servers, self.size)
+        return None
+
+    def node_layout(self) -> tuple[bool, int]:
+        """(all ranks on one node?, this rank's index among the workers of its node).
+
+        Also caps this rank's BLAS threads at the node's CPUs divided among its workers.
+        """
+        from mpi4py import MPI
+
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            single = node.Get_size() == self.size
+            is_worker = node.allgather(self.role == "worker")
+            local_index = sum(is_worker[: node.Get_rank()])
+        finally:
+            node.Free()
+        limit_blas_threads(usable_cpus() // max(1, sum(is_worker)))
+        return single, local_index
+
+    def run(self) -> int:
+        problem = self.check_size()
+        if problem:
+            print(problem, file=sys.stderr, flush=True)
+            return 2
+        workers = self.size - 1 - self.job0.servers
+        # The number of ranks decides the number of workers; every rank computes the same job.
+        try:
+            self.job = apply_overrides(self.job0, {"workers": workers})
+        except UsageError as e:
+            if self.rank == 0:
+                print(f"psctl mpi: error: {e}", file=sys.stderr, flush=True)
+            return 2
+        single_node, local_index = self.node_layout()
+
+        out, error = None, None
+        if self.rank == 0:
+            try:
+                out = str(_prepare_out(self.job))
+            except UsageError as e:
+                error = str(e)
+        out, error = self.comm.bcast((out, error), root=0)
+        if error:
+            if self.rank == 0:
+                print(f"psctl mpi: error: {error}", file=sys.stderr, flush=True)
+            return 2
+        self.out = Path(out)
+
+        running = None
+        if self.role == "server":
+            running, address = self.start_server(single_node)
+        else:
+            address = None
+        addresses = self.comm.gather(address, root=0)
+        if self.rank == 0:
+            addresses = addresses[1: 1 + self.job.servers]
+            for i, a in enumerate(addresses):  # as psctl launch does, for psctl status --address-dir
+                (self.out / "addr" / f"shard-{i}").write_text(a + "\n")
+        self.addresses = self.comm.bcast(addresses, root=0)
+
+        if os.environ.get(RAISE_HOOK_ENV) == str(self.rank):
+            time.sleep(float(os.environ.get(RAISE_HOOK_ENV + "_AFTER_S", "0")))  # let the others get busy
+            raise RuntimeError(f"{RAISE_HOOK_ENV}={self.rank}: raising on purpose (test hook)")
+
+        if self.role == "coordinator":
+            code = self.coordinate()
+        elif self.role == "server":
+            self.serve_until_shutdown(running)
+            code = 0
+        else:
+            self.train(local_index)
+            code = 0
+        _wait_request(self.comm.Ibarrier(), None, "final barrier")
+        return code
+
+    # -- roles -------------------------------------------------------------------------------
+
+    def start_server(self, single_node: bool):
+        from psserver.server import serve
+
+        bind, advertise = bind_and_advertise(self.host, self.iface, single_node)
+        config = self.job.server_config(self.index, host=bind, port=0)
+        running = serve(config)
+        address = f"{advertise}:{running.port}"
+        print(f"psctl mpi: shard {self.index}/{self.job.servers} listening on {address} "
+              f"(rank {self.rank} on {self.hostname}, mode {config.mode})", file=sys.stderr, flush=True)
+        return running, address
+
+    def serve_until_shutdown(self, running) -> None:
+        # Ends when the coordinator's Shutdown RPC arrives; if the coordinator dies, mpiexec ends us.
+        while not running.shutdown_requested.wait(timeout=1.0):
+            if running.wait(timeout=0):
+                return
+        running.stop(grace=1.0)
+
+    def train(self, local_index: int) -> None:
+        from worker.loop import run_worker
+
+        os.environ["LOCAL_RANK"] = str(local_index)  # among the workers of this node, so GPUs are not skipped
+        metrics = self.out / "metrics" / f"worker-{self.index}.jsonl"
+        metrics.parent.mkdir(parents=True, exist_ok=True)
+        result = run_worker(self.job.train, self.addresses, self.index, self.job.workers,
+                            metrics_path=str(metrics))
+        # Send the events along: rank 0 may not see this node's files (no shared file system).
+        events = co.MetricsTail([metrics]).read()
+        _wait_request(self.comm.isend({"result": result, "events": events}, dest=0, tag=TAG_DONE),
+                      None, "sending results to rank 0")
+
+    def coordinate(self) -> int:
+        from mpi4py import MPI
+
+        job, out = self.job, self.out
+        t0 = time.monotonic()
+        log = co.EventLog(out / "metrics" / "coordinator.jsonl")
+        log("job_start", name=job.name, mode=job.mode, servers=job.servers, workers=job.workers,
+            out=str(out), launcher="mpi", ranks=self.size)
+        log("servers_ready", addresses=self.addresses)
+        print(f"psctl mpi: {self.size} ranks: coordinator on {self.hostname}, {job.servers} shard(s) at "
+              f"{','.join(self.addresses)}, {job.workers} worker(s); output in {out}", file=sys.stderr, flush=True)
+        state = co.JobState()
+        tail = co.MetricsTail(out / "metrics" / f"worker-{r}.jsonl" for r in range(job.workers))
+        worker_events: list[dict] = []
+        received: set[int] = set()
+        status, message, evaluation, shards, train_wall = "ok", None, None, [], None
+        start, last_done = time.time(), None
+        progress = co.Progress(co.total_steps(job), self.progress, desc=f"{job.name} {job.mode}")
+        try:
+            try:
+                st = MPI.Status()
+                while len(received) < job.workers:
+                    while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_DONE, status=st):
+                        msg = self.comm.recv(source=st.Get_source(), tag=TAG_DONE)
+                        wrank = st.Get_source() - 1 - job.servers
+                        received.add(wrank)
+                        last_done = time.time()
+                        worker_events.extend(msg["events"])
+                        state.update(msg["events"])
+                        state.done.setdefault(wrank, {"event": "done", **msg["result"]})
+                        log("worker_exit", rank=wrank, exit_code=0)
+                    evals = state.update(tail.read())
+                    progress.update(state, evals)
+                    if job.timeout_s and time.monotonic() - t0 > job.timeout_s:
+                        raise JobFailed(f"training did not finish within timeout_s = {job.timeout_s:g} s")
+                    time.sleep(POLL_S * 4)
+                progress.update(state, [])
+            finally:
+                progress.close()
+            train_wall = (last_done or time.time()) - start
+            evaluation, shards = co.finish(job, self.addresses)
+            log("final_eval", **(evaluation or {}))
+            for s in shards:
+                log("shard_stats", **s)
+        except JobFailed as e:
+            status, message = "failed", str(e)
+        finally:
+            log("job_end", status=status, message=message)
+            log.close()
+            summary = co.build_summary(
+                job, launcher="mpi", status=status, addresses=self.addresses, state=state,
+                train_wall_s=train_wall, total_wall_s=time.monotonic() - t0, evaluation=evaluation, shards=shards,
+                failures=[], worker_exits={r: 0 for r in received}, out=str(out), message=message,
+            )
+            summary["ranks"] = self.size
+            co.merge_metrics([out / "metrics" / "coordinator.jsonl", worker_events], out / "metrics.jsonl")
+            co.write_json(out / "summary.json", summary)
+        if status != "ok":
+            print(f"psctl mpi: job failed: {message}; summary in {out / 'summary.json'}", file=sys.stderr,
+                  flush=True)
+            self.comm.Abort(1)
+        print(co.headline(summary), flush=True)
+        print(f"psctl mpi: summary in {out / 'summary.json'}, metrics in {out / 'metrics.jsonl'}",
+              file=sys.stderr, flush=True)
+        return 0
+
+
+def _prepare_out(job: JobConfig) -> Path:
+    from cluster.launch import prepare_out
+
+    return prepare_out(job)
+
+
+def run_mpi(job: JobConfig, comm=None, *, host: str | None = None, iface: str | None = None,
+            progress: bool | None = None) -> int:
+    """Run this rank's part of ``job`` on ``comm`` (default ``MPI.COMM_WORLD``); returns the exit code.
+
+    Any exception on any rank is printed with the rank and host and aborts the whole job.
+    """
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    try:
+        return MPIJob(job, comm, host=host, iface=iface, progress=progress).run()
+    except BaseException:
+        print(f"psctl mpi: rank {rank} on {socket.gethostname()} failed; aborting the job:\n"
+              f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        comm.Abort(1)
+        raise  # not reached: Abort ends the process

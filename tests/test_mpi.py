@@ -1,0 +1,118 @@
+"""psctl mpi under the mpiexec of the MPI in the registry (the mpich wheel of the [test] extra)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.mpi import min_ranks, role_of, too_few_ranks_message
+
+ROOT = Path(__file__).resolve().parent.parent
+# Loopback only: no MPI transport may go looking for a network.
+MPI_ENV = {"HYDRA_IFACE": "lo", "UCX_TLS": "self,sm", "UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}
+
+
+def mpiexec() -> str:
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if not found:
+        pytest.fail("mpiexec not found: install the test extra (pip install '.[test]'), which brings mpich")
+    return found
+
+
+def run_mpi(n: int, *args: str, timeout: float = 120, extra_env: dict | None = None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **MPI_ENV, **(extra_env or {}))
+    argv = [mpiexec(), "-n", str(n), sys.executable, "-m", "cluster.cli", "mpi", *args]
+    t = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=10)
+        pytest.fail(f"mpiexec -n {n} did not finish in {timeout} s:\n{out}\n{err}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    return proc.returncode, out, err, time.monotonic() - t
+
+
+def test_roles():
+    assert [role_of(r, 2) for r in range(6)] == [
+        ("coordinator", 0), ("server", 0), ("server", 1), ("worker", 0), ("worker", 1), ("worker", 2)]
+    assert min_ranks(2) == 4
+    assert too_few_ranks_message(2, 3) == ("psctl mpi needs at least 4 ranks (1 coordinator + 2 servers "
+                                           "+ at least 1 worker); got 3")
+
+
+def check_summary(out_dir: Path, servers: int, workers: int) -> dict:
+    summary = json.loads((out_dir / "summary.json").read_text())
+    assert (summary["status"], summary["launcher"]) == ("ok", "mpi")
+    assert (summary["servers"], summary["workers"], summary["ranks"]) == (servers, workers, 1 + servers + workers)
+    for key in ("mode", "steps", "wall_s", "samples_per_s", "train_accuracy", "test_accuracy"):
+        assert summary[key] is not None, key
+    assert summary["steps"] == 40 * workers
+    assert summary["test_accuracy"] > 0.7
+    assert len(summary["shards"]) == servers
+    assert sorted((out_dir / "addr").iterdir()) == [out_dir / "addr" / f"shard-{i}" for i in range(servers)]
+    events = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {e["rank"] for e in events if e["event"] == "done"} == set(range(workers))
+    return summary
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_four_ranks(tmp_path):
+    code, out, err, took = run_mpi(4, "--config", "mnist", "--servers", "1", "--steps", "40",
+                                   "--out", str(tmp_path / "run"))
+    assert code == 0, err
+    check_summary(tmp_path / "run", servers=1, workers=2)
+    assert "test accuracy" in out
+    print(f"mpiexec -n 4 took {took:.1f} s")
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_six_ranks_two_servers(tmp_path):
+    code, out, err, took = run_mpi(6, "--config", "mnist", "--servers", "2", "--steps", "40",
+                                   "--out", str(tmp_path / "run"))
+    assert code == 0, err
+    summary = check_summary(tmp_path / "run", servers=2, workers=3)
+    assert [s["end"] - s["begin"] for s in summary["shards"]] == [50885, 50885]  # 101,770 parameters halved
+    print(f"mpiexec -n 6 took {took:.1f} s")
+
+
+@pytest.mark.mpi
+def test_too_few_ranks_fails_at_once(tmp_path):
+    code, out, err, took = run_mpi(2, "--config", "mnist", "--servers", "1", "--out", str(tmp_path / "run"),
+                                   timeout=60)
+    assert code != 0
+    assert "psctl mpi needs at least 3 ranks (1 coordinator + 1 server + at least 1 worker); got 2" in err
+    assert took < 30
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1, 3])  # the coordinator, a server, a worker
+def test_a_rank_that_raises_ends_the_job(tmp_path, rank):
+    code, out, err, took = run_mpi(4, "--config", "mnist", "--servers", "1", "--steps", "100000",
+                                   "--out", str(tmp_path / "run"), timeout=60,
+                                   extra_env={"PSCTL_TEST_RAISE_RANK": str(rank),
+                                              "PSCTL_TEST_RAISE_RANK_AFTER_S": "4"})  # the others are training
+    assert code != 0
+    assert took < 30, f"the job took {took:.0f} s to end"
+    assert f"psctl mpi: rank {rank} on " in err and "failed; aborting the job" in err
+    assert "raising on purpose" in err
+    # Worker 0 (rank 2) was training when the job was aborted.
+    assert '"event": "step"' in (tmp_path / "run" / "metrics" / "worker-0.jsonl").read_text()
