@@ -90,7 +90,7 @@ def build(train: TrainConfig, rank: int, world: int, device: str | None = None):
     """The array module, dataset shard and model a worker of this config trains."""
     xp, device_name = get_xp(device or train.device)
     if xp is not np:
-        select_gpu(local_rank(rank))
+        device_name = f"cuda:{select_gpu(local_rank(rank))}"   # one GPU per worker: its local rank's
     kw = {}
     if train.dataset == "synthetic":
         kw = dict(features=train.synthetic_features, samples=train.synthetic_samples,

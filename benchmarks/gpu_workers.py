@@ -1,0 +1,172 @@
+"""GPU worker figures: samples/s of a ~20M-parameter MLP with and without the servers in the loop,
+the pull / compute / push time per step, and a two-GPU-worker MNIST run to test accuracy.
+
+Run on a machine with CUDA GPUs (benchmarks/gpu_verify.sh runs it on the lent device):
+
+    python benchmarks/gpu_workers.py --steps 60 --batch 512 --shards 1,4
+
+Shards run as CPU processes on the same host, as they would on a single GPU box.
+Times are medians over the steps after a warm-up; the device is synchronized
+inside each timed region (the gradient's copy to the host waits for it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cluster.bench_transport import ShardProcess  # noqa: E402
+from psserver.config import ServerConfig  # noqa: E402
+from worker.config import TrainConfig  # noqa: E402
+
+
+def big_mlp(args, **overrides) -> TrainConfig:
+    settings = dict(model="mlp", hidden=args.hidden, dataset="synthetic", synthetic_features=784,
+                    synthetic_samples=args.samples, batch_size=args.batch, steps=args.steps, eval_every=0,
+                    device=args.device, deadline_s=120)
+    settings.update(overrides)
+    return TrainConfig(**settings)
+
+
+def without_servers(train: TrainConfig, lr: float = 0.01) -> dict:
+    """The same model, data loader and buffers, updated on the GPU with plain SGD: no servers at all."""
+    from worker.backend import sync
+    from worker.data import BatchLoader
+    from worker.loop import FlatBuffers, build
+
+    xp, device, data, model = build(train, rank=0, world=1)
+    bufs = FlatBuffers(model.spec, xp)
+    bufs.params[...] = xp.asarray(model.spec.pack(model.init_params(train.seed)))
+    loader = BatchLoader(data.train_x, data.train_y, train.batch_size, xp=xp, seed=1)
+    times = []
+    try:
+        for step in range(train.steps):
+            t = time.perf_counter()
+            x, y = next(loader)
+            loss = model.loss_and_grad(bufs.param_views, x, y, bufs.grad_views)
+            bufs.params -= lr * bufs.grad
+            float(loss)
+            sync(xp)
+            times.append(time.perf_counter() - t)
+    finally:
+        loader.close()
+    step_s = statistics.median(times[5:])
+    return {"setting": "no servers (local SGD on the GPU)", "device": device, "params": model.spec.size,
+            "step_s": step_s, "samples_per_s": train.batch_size / step_s, "compute_s": step_s,
+            "pull_s": 0.0, "push_s": 0.0}
+
+
+def with_servers(train: TrainConfig, shards: int, mode: str) -> dict:
+    from worker.loop import run_worker
+
+    procs = [ShardProcess(ServerConfig(shard_index=i, num_shards=shards, mode=mode, lr=0.01, threads=16))
+             for i in range(shards)]
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            metrics = Path(tmp) / "worker.jsonl"
+            result = run_worker(train, [p.address for p in procs], rank=0, world=1, metrics_path=str(metrics))
+            steps = [json.loads(line) for line in metrics.read_text().splitlines()]
+    finally:
+        for p in procs:
+            p.close()
+    steps = [s for s in steps if s.get("event") == "step"][5:]
+    med = {k: statistics.median(s[k] for s in steps) for k in ("pull_s", "compute_s", "push_s")}
+    step_s = med["pull_s"] + med["compute_s"] + med["push_s"]
+    return {"setting": f"{shards} shard(s), {mode}", "device": result["device"],
+            "params": None, "samples_per_s": result["samples"] / result["wall_s"],
+            "step_s": result["wall_s"] / result["steps"], **med, "sum_of_medians_s": step_s}
+
+
+def _two_gpu_worker(rank: int, addresses, metrics: str, queue, device: str) -> None:
+    os.environ["LOCAL_RANK"] = str(rank)
+    from worker.loop import run_worker
+
+    train = TrainConfig(model="mlp", hidden=[128], dataset="mnist5k", batch_size=32, epochs=20,
+                        eval_every=0, device=device, seed=0)
+    queue.put(run_worker(train, addresses, rank=rank, world=2, metrics_path=metrics))
+
+
+def two_gpu_mnist(mode: str = "sync", device: str = "gpu") -> dict:
+    """MLP 784-128-10 on mnist5k with two worker processes, one per GPU, and two CPU shards."""
+    from worker.evaluate import evaluate
+
+    procs = [ShardProcess(ServerConfig(shard_index=i, num_shards=2, mode=mode, lr=0.1)) for i in range(2)]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    try:
+        addresses = [p.address for p in procs]
+        with tempfile.TemporaryDirectory() as tmp:
+            workers = [ctx.Process(target=_two_gpu_worker, args=(r, addresses, f"{tmp}/w{r}.jsonl", queue, device))
+                       for r in range(2)]
+            start = time.perf_counter()
+            for w in workers:
+                w.start()
+            results = [queue.get(timeout=600) for _ in workers]
+            for w in workers:
+                w.join(timeout=60)
+            wall = time.perf_counter() - start
+        scores = evaluate(TrainConfig(model="mlp", hidden=[128], dataset="mnist5k"), addresses)
+    finally:
+        for p in procs:
+            p.close()
+    return {"mode": mode, "workers": sorted(r["device"] for r in results), "wall_s": wall,
+            "steps": [r["steps"] for r in results], **scores}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 4096])
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--samples", type=int, default=65536)
+    parser.add_argument("--shards", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=["async", "sync"])
+    parser.add_argument("--skip-two-gpu", action="store_true")
+    parser.add_argument("--json", default=None, help="also write all rows to this file")
+    parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"], help="cpu: a dry run of this script")
+    args = parser.parse_args()
+
+    gpus = 0
+    if args.device == "gpu":
+        import cupy
+
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        gpus = cupy.cuda.runtime.getDeviceCount()
+        print(f"GPU: {props['name'].decode()} x{gpus}, CuPy {cupy.__version__}", flush=True)
+    rows = [without_servers(big_mlp(args))]
+    params = rows[0]["params"]
+    print(f"MLP 784-{'-'.join(map(str, args.hidden))}-10: {params / 1e6:.1f}M parameters, "
+          f"batch {args.batch}, {args.steps} steps", flush=True)
+    for mode in args.modes:
+        for shards in args.shards:
+            rows.append(with_servers(big_mlp(args), shards, mode))
+            print(json.dumps(rows[-1]), flush=True)
+    print(f"\n{'setting':<36} {'samples/s':>10} {'step ms':>8} {'pull ms':>8} {'compute ms':>11} {'push ms':>8}")
+    for r in rows:
+        print(f"{r['setting']:<36} {r['samples_per_s']:10.0f} {1e3 * r['step_s']:8.1f} {1e3 * r['pull_s']:8.1f} "
+              f"{1e3 * r['compute_s']:11.2f} {1e3 * r['push_s']:8.1f}", flush=True)
+    if (gpus >= 2 or args.device == "cpu") and not args.skip_two_gpu:
+        two = two_gpu_mnist(device=args.device)
+        rows.append(two)
+        print(f"\n2 GPU workers, MLP 784-128-10 on mnist5k ({two['mode']}): test accuracy "
+              f"{two['test_accuracy']:.4f}, train accuracy {two['train_accuracy']:.4f}, workers {two['workers']}, "
+              f"{two['wall_s']:.1f}s", flush=True)
+    if args.json:
+        Path(args.json).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
