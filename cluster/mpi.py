@@ -30,7 +30,7 @@ from cluster.procs import limit_blas_threads, usable_cpus
 
 TAG_DONE = 71
 POLL_S = 0.05
-# Tests: this rank raises once roles are assigned (after PSCTL_TEST_RAISE_RANK_AFTER_S seconds).
+# Tests: this rank raises once roles are assigned, or once the file PSCTL_TEST_RAISE_RANK_WHEN is not empty.
 RAISE_HOOK_ENV = "PSCTL_TEST_RAISE_RANK"
 LOOPBACK = "127.0.0.1"
 
@@ -168,8 +168,7 @@ class MPIJob:
         self.addresses = self.comm.bcast(addresses, root=0)
 
         if os.environ.get(RAISE_HOOK_ENV) == str(self.rank):
-            time.sleep(float(os.environ.get(RAISE_HOOK_ENV + "_AFTER_S", "0")))  # let the others get busy
-            raise RuntimeError(f"{RAISE_HOOK_ENV}={self.rank}: raising on purpose (test hook)")
+            _test_raise(self.rank)
 
         if self.role == "coordinator":
             code = self.coordinate()
@@ -280,6 +279,14 @@ class MPIJob:
         print(f"psctl mpi: summary in {out / 'summary.json'}, metrics in {out / 'metrics.jsonl'}",
               file=sys.stderr, flush=True)
         return 0
+
+
+def _test_raise(rank: int) -> None:
+    when = os.environ.get(RAISE_HOOK_ENV + "_WHEN")
+    deadline = time.monotonic() + 60
+    while when and not (os.path.exists(when) and os.path.getsize(when)) and time.monotonic() < deadline:
+        time.sleep(POLL_S)  # let the others get busy first
+    raise RuntimeError(f"{RAISE_HOOK_ENV}={rank}: raising on purpose at t={time.time():.3f} (test hook)")
 
 
 def _prepare_out(job: JobConfig) -> Path:

@@ -190,3 +190,12 @@ def test_resolve_prefers_real_files(tmp_path, monkeypatch):
     assert resolve_config_path("mnist.toml") == Path("mnist.toml")
     assert resolve_config_path("mnist") == EXAMPLES_DIR / "mnist.toml"
     assert "mnist" in example_names()
+
+
+def test_readme_documents_every_key():
+    from cluster.config import job_keys, server_keys, train_keys
+
+    readme = (ROOT / "README.md").read_text()
+    reference = readme[readme.index("## Job files"):]
+    missing = [k for k in job_keys() + server_keys() + train_keys() if f"`{k}`" not in reference]
+    assert not missing, f"README.md's job-file reference lacks {missing}"
