@@ -101,8 +101,9 @@ class Shard:
         self.optimizer = None
         self.version = 0
         self.pool: BufferPool | None = None
-        self.round_sums: dict[int, np.ndarray] = {}   # sync: open round -> gradient sum
-        self.round_counts: dict[int, int] = {}
+        # sync: open round -> {worker: gradient}. Summed in worker order when the round closes,
+        # so a sync run is bitwise reproducible whatever order the pushes arrive in.
+        self.round_grads: dict[int, dict[int, np.ndarray]] = {}
         self.restoring = False
         self.last_checkpoint = ""
         self.updates_since_checkpoint = 0
@@ -280,16 +281,10 @@ class Shard:
                 self._apply(grad, scale)
                 self.counters.record_staleness(staleness)
                 self._emit("staleness", value=staleness)
-            else:  # ACCUMULATE into the round's sum, closed below once it has its quorum
-                total = self.round_sums.get(decision.round)
-                if total is None:
-                    total = self.pool.take()
-                    np.copyto(total, grad)
-                    self.round_sums[decision.round] = total
-                    self.round_counts[decision.round] = 1
-                else:
-                    np.add(total, grad, out=total)
-                    self.round_counts[decision.round] += 1
+            else:  # ACCUMULATE: hold it for the round, closed below once it has its quorum
+                held = self.pool.take()
+                np.copyto(held, grad)
+                self.round_grads.setdefault(decision.round, {})[worker] = held
                 self.counters.record_staleness(staleness)
                 self._emit("staleness", value=staleness)
                 if decision.round in self._close_rounds():
@@ -301,13 +296,17 @@ class Shard:
     def _close_rounds(self) -> list[int]:
         closed = self.policy.rounds_to_close()
         for round_ in closed:
-            total = self.round_sums.pop(round_, None)
-            count = self.round_counts.pop(round_, 0)
-            if total is None:
+            grads = self.round_grads.pop(round_, {})
+            if not grads:
                 continue    # nobody's gradient reached this round (all skipped it): nothing to apply
-            np.multiply(total, 1.0 / count, out=total)
+            ordered = [grads[w] for w in sorted(grads)]
+            total = ordered[0]
+            for other in ordered[1:]:
+                np.add(total, other, out=total)
+            np.multiply(total, 1.0 / len(ordered), out=total)
             self._apply(total, 1.0)
-            self.pool.give(total)
+            for buf in ordered:
+                self.pool.give(buf)
         return closed
 
     def _apply(self, grad: np.ndarray, lr_scale: float) -> None:
