@@ -177,11 +177,18 @@ class Progress:
             self.bar.set_postfix(post, refresh=False)
         if not self.enabled:
             for e in evals:
-                acc = e.get("test_accuracy")
-                total = f"/{self.total}" if self.total else ""
-                loss = state.mean_loss
-                print(f"step {steps}{total}: loss {loss:.4f}, " if loss is not None else f"step {steps}{total}: ",
-                      f"test accuracy {acc:.4f}" if _finite(acc) else "", sep="", file=sys.stderr, flush=True)
+                print(self.describe(state, e), file=sys.stderr, flush=True)
+
+    def describe(self, state: JobState, e: dict) -> str:
+        """One line per evaluation, for logs where no bar is drawn."""
+        total = f"/{self.total}" if self.total else ""
+        acc, loss = e.get("test_accuracy"), state.mean_loss
+        parts = [f"[{state.steps}{total} steps] worker {e.get('rank', 0)} step {e.get('step', '?')}:"]
+        if _finite(acc):
+            parts.append(f"test accuracy {acc:.4f}")
+        if loss is not None:
+            parts.append(f"(mean training loss {loss:.4f})")
+        return " ".join(parts)
 
     def close(self) -> None:
         self.bar.close()
