@@ -33,6 +33,7 @@ POLL_S = 0.05
 # Tests: this rank raises once roles are assigned, or once the file PSCTL_TEST_RAISE_RANK_WHEN is not empty.
 RAISE_HOOK_ENV = "PSCTL_TEST_RAISE_RANK"
 LOOPBACK = "127.0.0.1"
+ABORT_GRACE_S = 0.5
 
 
 def min_ranks(servers: int) -> int:
@@ -274,11 +275,18 @@ class MPIJob:
         if status != "ok":
             print(f"psctl mpi: job failed: {message}; summary in {out / 'summary.json'}", file=sys.stderr,
                   flush=True)
-            self.comm.Abort(1)
+            _abort(self.comm)
         print(co.headline(summary), flush=True)
         print(f"psctl mpi: summary in {out / 'summary.json'}, metrics in {out / 'metrics.jsonl'}",
               file=sys.stderr, flush=True)
         return 0
+
+
+def _abort(comm) -> None:
+    # Give mpiexec's output forwarding a moment: MPI_Abort kills every rank at once, and a message
+    # still in a pipe when that happens is lost.
+    time.sleep(ABORT_GRACE_S)
+    comm.Abort(1)
 
 
 def _test_raise(rank: int) -> None:
@@ -311,5 +319,5 @@ def run_mpi(job: JobConfig, comm=None, *, host: str | None = None, iface: str | 
     except BaseException:
         print(f"psctl mpi: rank {rank} on {socket.gethostname()} failed; aborting the job:\n"
               f"{traceback.format_exc()}", file=sys.stderr, flush=True)
-        comm.Abort(1)
+        _abort(comm)
         raise  # not reached: Abort ends the process

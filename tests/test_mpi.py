@@ -114,13 +114,13 @@ def test_too_few_ranks_fails_at_once(tmp_path):
 def test_a_rank_that_raises_ends_the_job(tmp_path, rank):
     out = tmp_path / "run"
     busy = out / "metrics" / "worker-0.jsonl"  # the hook raises once worker 0 (rank 2) is training
-    code, _, err, took = run_mpi(4, "--config", "mnist", "--servers", "1", "--steps", "100000",
+    code, stdout, err, took = run_mpi(4, "--config", "mnist", "--servers", "1", "--steps", "100000",
                                  "--out", str(out), timeout=120,
                                  extra_env={"PSCTL_TEST_RAISE_RANK": str(rank),
                                             "PSCTL_TEST_RAISE_RANK_WHEN": str(busy)})
     ended = time.time()
     assert code != 0
-    assert f"psctl mpi: rank {rank} on " in err and "failed; aborting the job" in err
+    assert f"psctl mpi: rank {rank} on " in err and "failed; aborting the job" in err, f"{code}\n{stdout}\n{err}"
     raised = float(re.search(r"raising on purpose at t=([0-9.]+)", err).group(1))
     assert ended - raised < 30, f"the job took {ended - raised:.0f} s to end after rank {rank} raised"
     assert '"event": "start"' in busy.read_text()
