@@ -17,6 +17,7 @@ certificates.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import socket
 import ssl
@@ -27,7 +28,7 @@ import time
 import numpy as np
 
 from psserver import wire
-from psserver.exceptions import InvalidArgument, PSError, Unauthenticated
+from psserver.exceptions import InvalidArgument, NotInitialized, PSError, Unauthenticated
 from psserver.rpc import ps_pb2
 
 log = logging.getLogger("psserver.bulk")
@@ -39,6 +40,8 @@ REQUEST = struct.Struct("<4sBBqqQQd")
 # magic, status (a grpc.StatusCode value; 0 is OK), outcome, version, staleness, next_clock, nbytes
 REPLY = struct.Struct("<4sBBQqqQ")
 MAX_MESSAGE = 1 << 16     # longest error text or token
+MAX_DISCARD = 1 << 30     # most bytes of a refused push read and dropped before closing
+DISCARD_IDLE_S = 5.0      # give up dropping a refused payload after this long without data
 
 
 class BulkError(Exception):
@@ -124,7 +127,7 @@ class BulkServer:
                 _, op, dtype, worker, clock, version, nbytes, timeout = _recv_struct(conn, REQUEST)
                 if op == HELLO:
                     given = self._read_small(conn, nbytes)
-                    authenticated = not self.token or given == self.token.encode()
+                    authenticated = not self.token or hmac.compare_digest(given, self.token.encode())
                     if not authenticated:
                         self._reply_error(conn, Unauthenticated("missing or wrong bearer token"))
                         return
@@ -156,6 +159,21 @@ class BulkServer:
         recv_exact(conn, memoryview(buf))
         return bytes(buf)
 
+    def _discard(self, conn, nbytes: int) -> None:
+        """Read and drop the refused payload the client is still sending (bounded in bytes and time).
+
+        Closing a socket with unread data resets the connection, and a reset can destroy the
+        error reply before the client reads it: the client would see a broken pipe instead.
+        """
+        conn.settimeout(DISCARD_IDLE_S)
+        scratch = bytearray(1 << 16)
+        left = min(nbytes, MAX_DISCARD)
+        while left > 0:
+            n = conn.recv_into(scratch, min(left, len(scratch)))
+            if n == 0:
+                return
+            left -= n
+
     def _reply(self, conn, status=0, outcome=0, version=0, staleness=0, next_clock=0, payload=None, nbytes=0):
         conn.sendall(REPLY.pack(MAGIC, status, outcome, version, staleness, next_clock, nbytes))
         if payload is not None:
@@ -186,11 +204,14 @@ class BulkServer:
         expected = shard.size * itemsize if itemsize and shard.initialized else None
         if expected is None or nbytes != expected:
             # The payload length is not one we can read into place: refuse and drop the connection
-            # rather than read an unbounded or misframed stream.
-            why = (f"unknown gradient dtype {dtype}" if not itemsize else
-                   "shard has no weights yet" if not shard.initialized else
-                   f"push of {nbytes} bytes, this shard's range needs {expected}")
-            self._reply_error(conn, InvalidArgument(why))
+            # rather than read it as a gradient. The same codes as the gRPC Push: a shard with no
+            # weights is a precondition error, not bad input.
+            exc = (InvalidArgument(f"unknown gradient dtype {dtype}") if not itemsize else
+                   NotInitialized("shard has no weights yet: a worker must call Init first")
+                   if not shard.initialized else
+                   InvalidArgument(f"push of {nbytes} bytes, this shard's range needs {expected}"))
+            self._reply_error(conn, exc)
+            self._discard(conn, nbytes)
             return False
         grad = shard.pool.take()
         try:
@@ -229,13 +250,17 @@ class BulkClient:
 
     def _connect(self, timeout: float) -> socket.socket:
         sock = socket.create_connection((self.host, self.port), timeout=timeout)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self.ssl_context is not None:
-            sock = self.ssl_context.wrap_socket(sock, server_hostname=self.host)
-        if self.token:
-            token = self.token.encode()
-            sock.sendall(REQUEST.pack(MAGIC, HELLO, 0, 0, 0, 0, len(token), 0.0) + token)
-            self._read_reply(sock)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.ssl_context is not None:
+                sock = self.ssl_context.wrap_socket(sock, server_hostname=self.host)
+            if self.token:
+                token = self.token.encode()
+                sock.sendall(REQUEST.pack(MAGIC, HELLO, 0, 0, 0, 0, len(token), 0.0) + token)
+                self._read_reply(sock)
+        except BaseException:
+            sock.close()      # a refused handshake or hello must not leak the socket
+            raise
         return sock
 
     def _take(self, timeout: float) -> socket.socket:
@@ -262,11 +287,12 @@ class BulkClient:
             send(sock)
             result = receive(sock)
         except BulkError as err:
-            # An error reply leaves the connection in step except when the shard closes it.
-            if err.code().name in ("INVALID_ARGUMENT", "UNAUTHENTICATED"):
-                sock.close()
-            else:
+            # Only a consistency wait that outlived its deadline surely leaves the connection in step
+            # (it is re-issued at once); after any other refusal the shard may have closed it.
+            if err.code().name == "DEADLINE_EXCEEDED":
                 self._give(sock)
+            else:
+                sock.close()
             raise
         except BaseException:
             sock.close()           # a broken or timed-out connection is never reused

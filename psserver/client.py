@@ -37,7 +37,10 @@ _OUTCOME_NAMES = {v: k for k, v in ps_pb2.PushReply.Outcome.items()}
 
 
 def _read(path):
-    return open(path, "rb").read() if path else None
+    if not path:
+        return None
+    with open(path, "rb") as f:     # closed at once: a leaked handle is a ResourceWarning (an error in tests)
+        return f.read()
 
 
 class ShardedClient:
@@ -121,13 +124,21 @@ class ShardedClient:
         """Run ``fn(stub)`` with retries on UNAVAILABLE and re-registration on a forgotten worker."""
         start = time.monotonic()
         backoff = 0.05
+        relearn_bulk = False
         while True:
             try:
-                return fn(self.stubs[shard])
+                result = fn(self.stubs[shard])
+                if relearn_bulk:
+                    self._relearn_bulk(shard)
+                return result
             except (ConnectionError, TimeoutError, OSError) as exc:
                 if isinstance(exc, BulkError):
                     raise
                 # A broken bulk connection is a shard that is down or restarting: like UNAVAILABLE.
+                # A restarted shard listens on another bulk port: retry over gRPC, and once the
+                # shard answers again, learn its bulk port anew.
+                self._drop_bulk(shard)
+                relearn_bulk = True
                 if time.monotonic() - start < self.retry_s:
                     time.sleep(backoff)
                     backoff = min(backoff * 2, 1.0)
@@ -150,6 +161,19 @@ class ShardedClient:
                     reregister = False
                     continue
                 raise
+
+    def _drop_bulk(self, shard: int) -> None:
+        bulk, self.bulk[shard] = self.bulk[shard], None
+        if bulk is not None:
+            bulk.close()
+
+    def _relearn_bulk(self, shard: int) -> None:
+        """Register again (a no-op for a live worker) to learn a restarted shard's bulk port."""
+        if self.use_bulk and self.worker_id >= 0 and self.bulk[shard] is None:
+            try:
+                self._register_one(shard, self.worker_id, self.clock)
+            except grpc.RpcError as err:
+                log.warning("shard %d: staying on gRPC, could not learn its bulk port: %s", shard, err.details())
 
     def _map(self, fn, shards=None):
         shards = range(self.num_shards) if shards is None else shards
@@ -288,13 +312,16 @@ class ShardedClient:
                 raise InvalidArgument(f"shard {shard} pull stream ended early ({covered} of {end - begin})")
             return version
 
-        def bulk_attempt(stub):
+        def bulk_or_grpc_attempt(stub):
+            bulk = self.bulk[shard]     # looked up per attempt: a retry after a bulk failure goes over gRPC
+            if bulk is None:
+                return attempt(stub)
             view = memoryview(out[begin:end]).cast("B")
-            return self.bulk[shard].pull_into(view, self.worker_id, clock, self.deadline_s)
+            return bulk.pull_into(view, self.worker_id, clock, self.deadline_s)
 
         while True:
             try:
-                return self._call(shard, bulk_attempt if self.bulk[shard] is not None else attempt)
+                return self._call(shard, bulk_or_grpc_attempt)
             except (grpc.RpcError, BulkError) as err:
                 # A consistency wait may legitimately outlast one deadline (slow peers); keep waiting.
                 if (err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -334,19 +361,19 @@ class ShardedClient:
                 else:
                     yield framing.PushFrame(chunk=chunk)
 
-        bulk = self.bulk[shard]
-        if bulk is not None:
-            if self.wire_dtype == ps_pb2.FLOAT32:
-                payload = memoryview(grad[begin:end]).cast("B")
-            else:
-                payload = wire.encode(grad[begin:end], self.wire_dtype)
-            result = self._call(shard, lambda stub: bulk.push(payload, self.wire_dtype, self.worker_id, clock,
-                                                              version, self.deadline_s))
-            return {"shard": shard, **result}
-        reply = self._call(shard, lambda stub: self.push_calls[shard](messages(), timeout=self.deadline_s,
-                                                                      metadata=self.metadata))
-        return {"shard": shard, "outcome": _OUTCOME_NAMES[reply.outcome], "version": reply.version,
-                "staleness": reply.staleness, "next_clock": reply.next_clock}
+        def attempt(stub):
+            bulk = self.bulk[shard]     # looked up per attempt: a retry after a bulk failure goes over gRPC
+            if bulk is not None:
+                if self.wire_dtype == ps_pb2.FLOAT32:
+                    payload = memoryview(grad[begin:end]).cast("B")
+                else:
+                    payload = wire.encode(grad[begin:end], self.wire_dtype)
+                return bulk.push(payload, self.wire_dtype, self.worker_id, clock, version, self.deadline_s)
+            reply = self.push_calls[shard](messages(), timeout=self.deadline_s, metadata=self.metadata)
+            return {"outcome": _OUTCOME_NAMES[reply.outcome], "version": reply.version,
+                    "staleness": reply.staleness, "next_clock": reply.next_clock}
+
+        return {"shard": shard, **self._call(shard, attempt)}
 
     # ----- observers and control --------------------------------------------------------------
 

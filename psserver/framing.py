@@ -41,12 +41,12 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         pos += 1
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
-            return result, pos
+            return result & _MASK64, pos     # bits past 64 are dropped, as protobuf drops them
         shift += 7
 
 
 def _fields(buf: memoryview):
-    """Yield (field number, value) of a protobuf message: ints for varints, memoryviews for bytes."""
+    """Yield (field number, wire type, value) of a protobuf message: ints for varints, memoryviews otherwise."""
     pos = 0
     while pos < len(buf):
         key, pos = _read_varint(buf, pos)
@@ -58,17 +58,27 @@ def _fields(buf: memoryview):
             if pos + length > len(buf):
                 raise InvalidArgument("malformed message: field runs past the end")
             value, pos = buf[pos:pos + length], pos + length
-        elif wire_type == _I64:
-            value, pos = buf[pos:pos + 8], pos + 8
-        elif wire_type == _I32:
-            value, pos = buf[pos:pos + 4], pos + 4
+        elif wire_type in (_I64, _I32):
+            width = 8 if wire_type == _I64 else 4
+            if pos + width > len(buf):
+                raise InvalidArgument("malformed message: fixed-width field runs past the end")
+            value, pos = buf[pos:pos + width], pos + width
         else:
             raise InvalidArgument(f"malformed message: wire type {wire_type}")
-        yield field, value
+        yield field, wire_type, value
 
 
 def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _uint32(value: int) -> int:
+    return value & 0xFFFFFFFF             # protobuf keeps the low 32 bits of a uint32 varint
+
+
+def _int32(value: int) -> int:
+    value &= 0xFFFFFFFF                   # enums are int32 on the wire
+    return value - (1 << 32) if value >= 1 << 31 else value
 
 
 @dataclass
@@ -97,14 +107,15 @@ def _chunk_field(field: int, offset: int, dtype: int, data) -> list:
     return [_key(field, _LEN), _varint(len(head) + nbytes), head, data]
 
 
-def _parse_chunk(buf: memoryview) -> ChunkView:
-    chunk = ChunkView()
-    for field, value in _fields(buf):
-        if field == 1:
+def _parse_chunk(buf: memoryview, chunk: ChunkView) -> ChunkView:
+    """Merge a Chunk's fields into ``chunk`` (a repeated message field merges, as in protobuf)."""
+    for field, wire_type, value in _fields(buf):
+        # A known field with another wire type is an unknown field to protobuf: skipped, as there.
+        if (field, wire_type) == (1, _VARINT):
             chunk.offset = value
-        elif field == 2:
-            chunk.dtype = value
-        elif field == 3:
+        elif (field, wire_type) == (2, _VARINT):
+            chunk.dtype = _int32(value)
+        elif (field, wire_type) == (3, _LEN):
             chunk.data = value
     return chunk
 
@@ -133,13 +144,13 @@ def encode_pull_reply(frame: PullFrame) -> bytes:
 
 def decode_pull_reply(data: bytes) -> PullFrame:
     frame = PullFrame(chunk=ChunkView())
-    for field, value in _fields(memoryview(data)):
-        if field == 1:
+    for field, wire_type, value in _fields(memoryview(data)):
+        if (field, wire_type) == (1, _VARINT):
             frame.version = value
-        elif field == 2:
-            frame.num_chunks = value
-        elif field == 3:
-            frame.chunk = _parse_chunk(value)
+        elif (field, wire_type) == (2, _VARINT):
+            frame.num_chunks = _uint32(value)
+        elif (field, wire_type) == (3, _LEN):
+            frame.chunk = _parse_chunk(value, frame.chunk)
     return frame
 
 
@@ -168,15 +179,15 @@ def encode_push_request(frame: PushFrame) -> bytes:
 
 def decode_push_request(data: bytes) -> PushFrame:
     frame = PushFrame(chunk=ChunkView())
-    for field, value in _fields(memoryview(data)):
-        if field == 1:
+    for field, wire_type, value in _fields(memoryview(data)):
+        if (field, wire_type) == (1, _VARINT):
             frame.worker_id = _signed(value)
-        elif field == 2:
+        elif (field, wire_type) == (2, _VARINT):
             frame.clock = _signed(value)
-        elif field == 3:
+        elif (field, wire_type) == (3, _VARINT):
             frame.version = value
-        elif field == 4:
-            frame.num_chunks = value
-        elif field == 5:
-            frame.chunk = _parse_chunk(value)
+        elif (field, wire_type) == (4, _VARINT):
+            frame.num_chunks = _uint32(value)
+        elif (field, wire_type) == (5, _LEN):
+            frame.chunk = _parse_chunk(value, frame.chunk)
     return frame

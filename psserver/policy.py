@@ -73,13 +73,21 @@ class ConsistencyPolicy:
     # ----- membership -------------------------------------------------------------------------
 
     def join(self, worker: int, start_clock: int | None = None) -> int:
-        """Add a live worker (or keep a live one as it is) and return its clock."""
+        """Add a live worker (or keep a live one as it is) and return its clock.
+
+        In ssp a worker never starts behind the slowest live clock, even when it asks to: an
+        evicted worker that rejoins with the clock it had must not hold the others back again,
+        and the stale pushes it still carries are acknowledged without being applied (past the
+        bound). In sync such pushes are dropped as late and the worker jumps to the open round.
+        """
         if worker in self.clocks:
             return self.clocks[worker]
         if start_clock is None or start_clock < 0:
             start_clock = self.slowest_clock()
             if self.mode == "sync":
                 start_clock = max(start_clock, self.closed_rounds)
+        elif self.mode == "ssp":
+            start_clock = max(start_clock, self.slowest_clock())
         self.clocks[worker] = start_clock
         return start_clock
 

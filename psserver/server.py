@@ -78,9 +78,14 @@ def add_servicer(servicer, server) -> None:
     handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
         servicer.Pull, request_deserializer=ps_pb2.PullRequest.FromString,
         response_serializer=framing.encode_pull_reply)
+
+    def push(request_iterator, context):
+        # Frames are decoded inside the handler, so a malformed one is refused as bad input
+        # (INVALID_ARGUMENT, counted) rather than as gRPC's INTERNAL "Exception deserializing request!".
+        return servicer.Push(map(framing.decode_push_request, request_iterator), context)
+
     handlers["Push"] = grpc.stream_unary_rpc_method_handler(
-        servicer.Push, request_deserializer=framing.decode_push_request,
-        response_serializer=ps_pb2.PushReply.SerializeToString)
+        push, request_deserializer=None, response_serializer=ps_pb2.PushReply.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
