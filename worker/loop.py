@@ -129,7 +129,8 @@ def run_worker(train: TrainConfig, servers: list[str], rank: int, world: int,
     loader = None
     pusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="push")
     try:
-        worker_id = client.register(spec)
+        # The rank is the worker id, so a sync round sums its gradients in the same order every run.
+        worker_id = client.register(spec, worker_id=rank)
         client.start_heartbeats(train.heartbeat_s)
         client.init(spec.pack(model.init_params(train.seed, train.init_scale)))
         bufs = FlatBuffers(spec, xp)
