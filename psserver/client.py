@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 
 from psserver import framing, wire
-from psserver.exceptions import InvalidArgument, ShardUnavailable
+from psserver.exceptions import InvalidArgument, RemoteError, ShardUnavailable
 from psserver.bulk import BulkClient, BulkError, client_ssl_context
 from psserver.config import DEFAULT_CHUNK_BYTES
 from psserver.rpc import ps_pb2, ps_pb2_grpc
@@ -382,8 +382,8 @@ class ShardedClient:
         from google.protobuf.json_format import MessageToDict
 
         def one(i):
-            reply = self._call(i, lambda stub: stub.Stats(ps_pb2.StatsRequest(), timeout=self.deadline_s,
-                                                          metadata=self.metadata), reregister=False)
+            reply = self._control(i, lambda stub: stub.Stats(ps_pb2.StatsRequest(), timeout=self.deadline_s,
+                                                             metadata=self.metadata))
             d = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
             for key in ("version", "begin", "end", "min_clock", "max_clock", "pushes", "pulls", "bytes_in",
                         "bytes_out", "applied_updates", "dropped_late", "duplicates", "evictions", "rejected",
@@ -396,9 +396,31 @@ class ShardedClient:
 
         return self._map(one)
 
+    def _control(self, shard: int, fn):
+        """A control call: retried while the shard is unavailable; a refusal becomes RemoteError."""
+        try:
+            return self._call(shard, fn, reregister=False)
+        except grpc.RpcError as err:
+            raise RemoteError(err.code().name, f"shard {shard} at {self.addresses[shard]}: {err.details()}") from err
+
     def checkpoint(self) -> list[str]:
-        return self._map(lambda i: self._call(i, lambda stub: stub.Checkpoint(
+        """Ask every shard to write a checkpoint now; returns their paths."""
+        return self._map(lambda i: self._control(i, lambda stub: stub.Checkpoint(
             ps_pb2.CheckpointRequest(), timeout=self.deadline_s, metadata=self.metadata)).path)
+
+    def wait_for_members(self, count: int, timeout_s: float) -> int:
+        """Block until shard 0 has at least ``count`` live members, or ``timeout_s`` passed; returns the count.
+
+        Sync and ssp count the members they have: a worker that starts seconds before the
+        others would otherwise close its first rounds alone.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reply = self._control(0, lambda stub: stub.Stats(ps_pb2.StatsRequest(), timeout=self.deadline_s,
+                                                             metadata=self.metadata))
+            if len(reply.members) >= count or time.monotonic() >= deadline:
+                return len(reply.members)
+            time.sleep(0.05)
 
     def shutdown(self) -> None:
         """Ask every shard to stop (each writes a final checkpoint where it has a directory)."""
@@ -406,8 +428,8 @@ class ShardedClient:
             try:
                 self.stubs[i].Shutdown(ps_pb2.ShutdownRequest(), timeout=self.deadline_s, metadata=self.metadata)
             except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise
+                if err.code() != grpc.StatusCode.UNAVAILABLE:    # already gone is what we asked for
+                    raise RemoteError(err.code().name, f"shard {i} at {self.addresses[i]}: {err.details()}") from err
         self._map(one)
 
     def observe(self, spec: ModelSpec) -> None:

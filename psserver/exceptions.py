@@ -37,5 +37,13 @@ class WaitTimeout(PSError, TimeoutError):
     """A consistency wait outlived the caller's deadline."""
 
 
+class RemoteError(PSError):
+    """A shard refused a control call (Stats, Checkpoint, Shutdown); ``code`` is the gRPC status name."""
+
+    def __init__(self, code: str, details: str):
+        super().__init__(f"{code}: {details}")
+        self.code = code
+
+
 class ShardUnavailable(PSError, ConnectionError):
     """The client gave up on a shard after retrying for ``retry_s`` seconds."""

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -161,7 +162,14 @@ class RunningServer:
             self.metrics.shutdown()
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self.stopped.wait(timeout)
+        """Block until the server is stopped or a Shutdown RPC asked it to stop; True if so."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not (self.stopped.is_set() or self.shutdown_requested.is_set()):
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            self.shutdown_requested.wait(0.2 if remaining is None else min(0.2, remaining))
+        return True
 
 
 def serve(config: ServerConfig) -> RunningServer:

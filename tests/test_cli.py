@@ -27,7 +27,7 @@ def psctl(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
 def test_top_level_help_lists_commands_and_examples():
     r = psctl("--help")
     assert r.returncode == 0, r.stderr
-    for name in ("launch", "mpi", "server", "worker", "status", "compare", "bench"):
+    for name in ("launch", "mpi", "server", "worker", "status", "bench"):
         assert name in r.stdout
     assert "examples:" in r.stdout and "psctl launch --config examples/mnist.toml" in r.stdout
 
@@ -59,7 +59,6 @@ def test_no_command_prints_help_and_fails(capsys):
     (["worker", "--servers", "127.0.0.1:1", "--rank", "5", "--world", "2"], "--rank must be in 0..1"),
     (["status"], "one of the arguments --servers --address-dir is required"),
     (["status", "--address-dir", "/nonexistent"], "no shard-I address files in /nonexistent"),
-    (["compare"], "not available yet"),
 ])
 def test_user_errors_are_one_line_and_exit_2(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit:

@@ -31,6 +31,7 @@ class TrainConfig:
     deadline_s: float = 60.0               # per-RPC deadline (a consistency wait counts against it)
     retry_s: float = 30.0                  # retry UNAVAILABLE with backoff for this long
     heartbeat_s: float = 1.0
+    join_timeout_s: float = 120.0          # wait this long for all `world` workers to register before step 0
     token: str | None = None
     tls_ca: str | None = None
     tls_cert: str | None = None

@@ -14,6 +14,7 @@ close anyway, so the loop stays in order.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import socket
@@ -29,6 +30,8 @@ from worker.backend import get_xp, pinned_empty, select_gpu, to_host
 from worker.config import TrainConfig
 from worker.data import BatchLoader, load_dataset
 from worker.models import accuracy, build_model
+
+log = logging.getLogger("worker")
 
 LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK", "SLURM_LOCALID")
 
@@ -133,13 +136,19 @@ def run_worker(train: TrainConfig, servers: list[str], rank: int, world: int,
         worker_id = client.register(spec, worker_id=rank)
         client.start_heartbeats(train.heartbeat_s)
         client.init(spec.pack(model.init_params(train.seed, train.init_scale)))
-        bufs = FlatBuffers(spec, xp)
-        loader = BatchLoader(data.train_x, data.train_y, train.batch_size, xp=xp, seed=train.seed + 1000 * rank)
         steps = steps_for(train, len(data.train_y))
-        overlap = client.mode in ("async", "ssp")
-        delay = train.step_delay_s if rank in train.straggler_ranks else 0.0
         metrics.write(event="start", rank=rank, worker=worker_id, host=socket.gethostname(), device=device_name,
                       mode=client.mode, steps=steps, params=spec.size, shard_rows=len(data.train_y))
+        # Start together: in sync a round closes with the members present, so a worker that
+        # began alone would train the first rounds by itself.
+        joined = client.wait_for_members(world, train.join_timeout_s)
+        if joined < world:
+            log.warning("worker %d starting with %d of %d workers registered after %.0fs",
+                        rank, joined, world, train.join_timeout_s)
+        bufs = FlatBuffers(spec, xp)
+        loader = BatchLoader(data.train_x, data.train_y, train.batch_size, xp=xp, seed=train.seed + 1000 * rank)
+        overlap = client.mode in ("async", "ssp")
+        delay = train.step_delay_s if rank in train.straggler_ranks else 0.0
         test_x, test_y = xp.asarray(data.test_x), xp.asarray(data.test_y)
         pending = None           # the push in flight (async, ssp): a future of its step record
         samples = 0

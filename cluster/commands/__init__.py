@@ -6,4 +6,4 @@ Modules import their heavy dependencies (grpc, numpy, mpi4py) inside ``run`` so 
 ``psctl --help`` stays fast.
 """
 
-COMMANDS = ("launch", "mpi", "server", "worker", "status", "compare", "bench")
+COMMANDS = ("launch", "mpi", "server", "worker", "status", "bench")
