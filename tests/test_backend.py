@@ -11,20 +11,11 @@ import pytest
 
 from worker import backend
 from worker.backend import array_module, get_xp, pinned_empty, sync, to_host
+from tests.gpu import cupy_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def cupy_or_skip():
-    """CuPy with at least one CUDA device, or skip the test."""
-    cupy = pytest.importorskip("cupy", exc_type=ImportError)
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        count = 0
-    if count < 1:
-        pytest.skip("CuPy is installed but sees no CUDA device")
-    return cupy
 
 
 def test_cpu_is_numpy():

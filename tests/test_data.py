@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from worker.data import DATASETS, BatchLoader, load_dataset
+from tests.gpu import cupy_or_skip
 
 SYNTHETIC = dict(features=20, samples=3000, classes=5, test_samples=300)
 
@@ -192,15 +193,6 @@ def test_bad_loader_arguments():
 
 # ---------------------------------------------------------------- CuPy
 
-def cupy_or_skip():
-    cupy = pytest.importorskip("cupy", exc_type=ImportError)
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        count = 0
-    if count < 1:
-        pytest.skip("CuPy is installed but sees no CUDA device")
-    return cupy
 
 
 @pytest.mark.gpu

@@ -7,6 +7,7 @@ import pytest
 
 from worker.data import BatchLoader, load_dataset
 from worker.models import MODELS, Model, accuracy, build_model, softmax_cross_entropy
+from tests.gpu import cupy_or_skip
 
 # (name, input_shape, build_model options): small enough for finite differences.
 CASES = {
@@ -185,15 +186,6 @@ def test_relu_mlp_minibatch_sgd_reaches_90_percent_test_accuracy(mnist, one_blas
 
 # ---------------------------------------------------------------- CuPy gives NumPy's numbers
 
-def cupy_or_skip():
-    cupy = pytest.importorskip("cupy", exc_type=ImportError)
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError:
-        count = 0
-    if count < 1:
-        pytest.skip("CuPy is installed but sees no CUDA device")
-    return cupy
 
 
 def relative_error(a, b):
