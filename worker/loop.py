@@ -159,15 +159,15 @@ def run_worker(train: TrainConfig, servers: list[str], rank: int, world: int,
             # While a push of clock c is in flight, this pull is for the step after it: clock c+1.
             clock = client.clock if pending is None else pending.clock + 1
             versions = client.pull(bufs.host_params, clock=clock)
+            bufs.upload_params()              # pull_s: from the request to the weights on the device
             pull_s = time.perf_counter() - t0
             if pending is not None:
                 metrics.write(**pending.result())
                 pending = None
-            bufs.upload_params()
             t1 = time.perf_counter()
             x, y = next(loader)
             loss = model.loss_and_grad(bufs.param_views, x, y, bufs.grad_views)
-            bufs.download_grad()          # synchronizes the device, so compute_s is the real time
+            bufs.download_grad()          # compute_s includes this copy to the host, which also synchronizes
             loss_value = float(loss)
             if delay:
                 time.sleep(delay)
