@@ -23,9 +23,7 @@ import socket
 import ssl
 import struct
 import threading
-import time
 
-import numpy as np
 
 from psserver import wire
 from psserver.exceptions import InvalidArgument, NotInitialized, PSError, Unauthenticated
@@ -222,7 +220,7 @@ class BulkServer:
                 recv_exact(conn, memoryview(raw))
                 wire.decode_into(grad, raw, dtype)
             try:
-                if not np.isfinite(grad).all():
+                if not wire.all_finite(grad):
                     raise InvalidArgument("gradient contains NaN or infinity")
                 result = shard.push(worker, clock, version, grad, nbytes)
             except PSError as exc:

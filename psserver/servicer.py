@@ -103,7 +103,7 @@ def read_range(messages, begin: int, size: int, out: np.ndarray, float32_only: b
             raise InvalidArgument(f"chunk {count} runs past the end of this shard's range [{begin}, {begin + size})")
         piece = out[covered:covered + n]
         wire.decode_into(piece, chunk.data, chunk.dtype)
-        if not all_finite(piece):
+        if not wire.all_finite(piece):
             raise InvalidArgument(f"chunk {count} (offset {chunk.offset}) contains NaN or infinity")
         covered += n
         count += 1
@@ -111,11 +111,6 @@ def read_range(messages, begin: int, size: int, out: np.ndarray, float32_only: b
     if covered != size:
         raise InvalidArgument(f"stream ended early: chunks covered {covered} of {size} elements")
     return count, nbytes
-
-
-def all_finite(values: np.ndarray) -> bool:
-    # The boolean temporary is one chunk's worth (a quarter of a MiB at most), never a whole range.
-    return bool(np.isfinite(values).all())
 
 
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):

@@ -50,6 +50,17 @@ def encode(values: np.ndarray, dtype: int) -> bytes:
     raise InvalidArgument(f"unknown wire dtype {dtype}")
 
 
+FINITE_BLOCK = 1 << 16
+
+
+def all_finite(values: np.ndarray) -> bool:
+    """Whether every value is finite, checked a block at a time so the boolean temporary stays small."""
+    for start in range(0, len(values), FINITE_BLOCK):
+        if not np.isfinite(values[start:start + FINITE_BLOCK]).all():
+            return False
+    return True
+
+
 def element_count(data: bytes, dtype: int) -> int:
     size = ITEMSIZE.get(dtype)
     if size is None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from psserver.client import ShardedClient
-from worker.backend import get_xp, pinned_empty, select_gpu, to_host
+from worker.backend import get_xp, pinned_empty, select_gpu
 from worker.config import TrainConfig
 from worker.data import BatchLoader, load_dataset
 from worker.models import accuracy, build_model
