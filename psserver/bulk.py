@@ -121,6 +121,7 @@ class BulkServer:
             with self.lock:
                 self.connections.add(conn)
             authenticated = not self.token
+            scratch = bytearray()    # this connection's landing buffer for float16/bfloat16 payloads
             while not self.stopped.is_set():
                 _, op, dtype, worker, clock, version, nbytes, timeout = _recv_struct(conn, REQUEST)
                 if op == HELLO:
@@ -136,7 +137,7 @@ class BulkServer:
                 elif op == PULL:
                     self._pull(conn, worker, clock, timeout)
                 elif op == PUSH:
-                    if not self._push(conn, dtype, worker, clock, version, nbytes):
+                    if not self._push(conn, dtype, worker, clock, version, nbytes, scratch):
                         return
                 else:
                     self._reply_error(conn, InvalidArgument(f"unknown bulk operation {op}"))
@@ -195,7 +196,8 @@ class BulkServer:
         finally:
             self.shard.release_snapshot(snapshot)
 
-    def _push(self, conn, dtype: int, worker: int, clock: int, version: int, nbytes: int) -> bool:
+    def _push(self, conn, dtype: int, worker: int, clock: int, version: int, nbytes: int,
+              scratch: bytearray) -> bool:
         """Take one push; False if the connection cannot be trusted to stay in step and must close."""
         shard = self.shard
         itemsize = wire.ITEMSIZE.get(dtype)
@@ -216,8 +218,10 @@ class BulkServer:
             if dtype == ps_pb2.FLOAT32:
                 recv_exact(conn, memoryview(grad).cast("B"))
             else:
-                raw = bytearray(nbytes)
-                recv_exact(conn, memoryview(raw))
+                if len(scratch) != nbytes:
+                    scratch[:] = bytes(nbytes)    # sized once per connection, then reused
+                raw = memoryview(scratch)
+                recv_exact(conn, raw)
                 wire.decode_into(grad, raw, dtype)
             try:
                 if not wire.all_finite(grad):
