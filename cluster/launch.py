@@ -191,6 +191,10 @@ class Launcher:
         except Interrupted as e:
             status, message = "interrupted", f"stopped by {e}"
             raise
+        except Exception as e:
+            # Evaluation, stats or shutdown failing after training: the job did not complete cleanly.
+            status, message = "failed", f"{type(e).__name__}: {e}"
+            raise JobFailed(message) from e
         finally:
             _ignore_signals()
             self.stop_all()

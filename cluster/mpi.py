@@ -261,6 +261,9 @@ class MPIJob:
                 log("shard_stats", **s)
         except JobFailed as e:
             status, message = "failed", str(e)
+        except Exception as e:
+            # Evaluation, stats or shutdown failing after training: the job did not complete cleanly.
+            status, message = "failed", f"{type(e).__name__}: {e}"
         finally:
             log("job_end", status=status, message=message)
             log.close()

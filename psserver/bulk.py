@@ -38,6 +38,7 @@ REQUEST = struct.Struct("<4sBBqqQQd")
 # magic, status (a grpc.StatusCode value; 0 is OK), outcome, version, staleness, next_clock, nbytes
 REPLY = struct.Struct("<4sBBQqqQ")
 MAX_MESSAGE = 1 << 16     # longest error text or token
+HANDSHAKE_S = 30.0        # time a new connection has for its TLS handshake and hello
 MAX_DISCARD = 1 << 30     # most bytes of a refused push read and dropped before closing
 DISCARD_IDLE_S = 5.0      # give up dropping a refused payload after this long without data
 
@@ -114,12 +115,23 @@ class BulkServer:
             threading.Thread(target=self._serve, args=(conn,), name="bulk-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        raw_conn = conn
+        with self.lock:
+            if self.stopped.is_set():
+                conn.close()
+                return
+            self.connections.add(raw_conn)   # before the handshake, so stop() can always cut it
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # A peer gets HANDSHAKE_S for TLS and its hello; a silent one does not hold a thread forever.
+            conn.settimeout(HANDSHAKE_S)
             if self.ssl_context is not None:
-                conn = self.ssl_context.wrap_socket(conn, server_side=True)
-            with self.lock:
-                self.connections.add(conn)
+                conn = self.ssl_context.wrap_socket(conn, server_side=True)   # detaches raw_conn
+                with self.lock:
+                    self.connections.discard(raw_conn)
+                    self.connections.add(conn)
+            if not self.token:
+                conn.settimeout(None)
             authenticated = not self.token
             scratch = bytearray()    # this connection's landing buffer for float16/bfloat16 payloads
             while not self.stopped.is_set():
@@ -130,6 +142,7 @@ class BulkServer:
                     if not authenticated:
                         self._reply_error(conn, Unauthenticated("missing or wrong bearer token"))
                         return
+                    conn.settimeout(None)    # an authenticated idle connection may wait for its next call
                     self._reply(conn)
                 elif not authenticated:
                     self._reply_error(conn, Unauthenticated("missing or wrong bearer token"))
@@ -148,8 +161,10 @@ class BulkServer:
             log.exception("bulk connection failed")
         finally:
             with self.lock:
+                self.connections.discard(raw_conn)
                 self.connections.discard(conn)
             conn.close()
+            raw_conn.close()
 
     def _read_small(self, conn, nbytes: int) -> bytes:
         if nbytes > MAX_MESSAGE:
@@ -214,6 +229,7 @@ class BulkServer:
             self._discard(conn, nbytes)
             return False
         grad = shard.pool.take()
+        kept = False
         try:
             if dtype == ps_pb2.FLOAT32:
                 recv_exact(conn, memoryview(grad).cast("B"))
@@ -227,6 +243,7 @@ class BulkServer:
                 if not wire.all_finite(grad):
                     raise InvalidArgument("gradient contains NaN or infinity")
                 result = shard.push(worker, clock, version, grad, nbytes)
+                kept = result.kept
             except PSError as exc:
                 self._reply_error(conn, exc)
                 return True
@@ -237,7 +254,8 @@ class BulkServer:
                         next_clock=result.next_clock)
             return True
         finally:
-            shard.pool.give(grad)
+            if not kept:
+                shard.pool.give(grad)
 
 
 # ----- client side --------------------------------------------------------------------------------
@@ -249,6 +267,7 @@ class BulkClient:
         self.host, self.port, self.token, self.ssl_context = host, port, token, ssl_context
         self.idle: list[socket.socket] = []
         self.lock = threading.Lock()
+        self.closed = False
 
     def _connect(self, timeout: float) -> socket.socket:
         sock = socket.create_connection((self.host, self.port), timeout=timeout)
@@ -272,7 +291,10 @@ class BulkClient:
 
     def _give(self, sock: socket.socket) -> None:
         with self.lock:
-            self.idle.append(sock)
+            if not self.closed:
+                self.idle.append(sock)
+                return
+        sock.close()      # this client was dropped while the call was in flight
 
     def _read_reply(self, sock) -> tuple:
         _, status, outcome, version, staleness, next_clock, nbytes = _recv_struct(sock, REPLY)
@@ -333,6 +355,7 @@ class BulkClient:
 
     def close(self) -> None:
         with self.lock:
+            self.closed = True
             for sock in self.idle:
                 sock.close()
             self.idle.clear()

@@ -85,6 +85,7 @@ class ShardedClient:
         self.token = token
         self.use_bulk = bulk
         self.bulk: list[BulkClient | None] = [None] * len(self.addresses)
+        self._bulk_lock = threading.Lock()
         self.bulk_ssl = client_ssl_context(tls_ca, tls_cert, tls_key) if (tls_ca or tls_cert) else None
         if tls_ca or tls_cert:
             creds = grpc.ssl_channel_credentials(_read(tls_ca), _read(tls_key), _read(tls_cert))
@@ -163,7 +164,8 @@ class ShardedClient:
                 raise
 
     def _drop_bulk(self, shard: int) -> None:
-        bulk, self.bulk[shard] = self.bulk[shard], None
+        with self._bulk_lock:
+            bulk, self.bulk[shard] = self.bulk[shard], None
         if bulk is not None:
             bulk.close()
 
@@ -191,9 +193,11 @@ class ShardedClient:
         if reply.num_shards != self.num_shards or reply.shard_index != shard:
             raise InvalidArgument(f"address {self.addresses[shard]} is shard {reply.shard_index} of "
                                   f"{reply.num_shards}, but was given as shard {shard} of {self.num_shards}")
-        if self.use_bulk and reply.bulk_port and self.bulk[shard] is None:
+        if self.use_bulk and reply.bulk_port:
             host = self.addresses[shard].rsplit(":", 1)[0].strip("[]")
-            self.bulk[shard] = BulkClient(host, reply.bulk_port, self.token, self.bulk_ssl)
+            with self._bulk_lock:    # a pull and a push may both relearn the port at once
+                if self.bulk[shard] is None:
+                    self.bulk[shard] = BulkClient(host, reply.bulk_port, self.token, self.bulk_ssl)
         return reply
 
     def register(self, spec: ModelSpec, worker_id: int = -1) -> int:

@@ -69,6 +69,9 @@ class ConsistencyPolicy:
         self.clocks: dict[int, int] = {}           # live worker -> its clock
         self.closed_rounds = 0                     # sync: rounds 0..closed_rounds-1 are closed
         self.round_pushers: dict[int, set[int]] = {}  # sync: open round -> workers whose gradient it holds
+        # The clock each departed worker had: one that comes back (a reply lost past its lease,
+        # then a retry) must not push the same clock a second time.
+        self.departed: dict[int, int] = {}
 
     # ----- membership -------------------------------------------------------------------------
 
@@ -88,12 +91,14 @@ class ConsistencyPolicy:
                 start_clock = max(start_clock, self.closed_rounds)
         elif self.mode == "ssp":
             start_clock = max(start_clock, self.slowest_clock())
+        start_clock = max(start_clock, self.departed.pop(worker, 0))
         self.clocks[worker] = start_clock
         return start_clock
 
     def leave(self, worker: int) -> None:
         """Drop a worker (evicted or finished): waits stop counting it. Its accumulated gradient stays."""
-        self.clocks.pop(worker, None)
+        if worker in self.clocks:
+            self.departed[worker] = self.clocks.pop(worker)
 
     def is_live(self, worker: int) -> bool:
         return worker in self.clocks

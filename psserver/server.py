@@ -153,11 +153,15 @@ class RunningServer:
         if self.stopped.is_set():
             return
         self.stopped.set()
+        self.shard.close()        # release waiting pulls first, or stop() waits out their deadlines
         if self.bulk is not None:
             self.bulk.stop()
         self.grpc_server.stop(grace).wait(timeout=(grace or 0) + 5)
         if self.config.checkpoint_dir and self.shard.initialized:
-            self.shard.checkpoint()
+            try:
+                self.shard.checkpoint()
+            except Exception:  # noqa: BLE001 - stopping must finish; the last good checkpoint stays
+                log.exception("shard %d: final checkpoint failed", self.config.shard_index)
         if self.metrics is not None:
             self.metrics.shutdown()
 

@@ -150,7 +150,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def Pull(self, request, context):
         remaining = context.time_remaining()
         self.shard.wait_for_pull(request.worker_id, request.clock,
-                                 None if remaining is None else max(0.0, remaining - 0.05))
+                                 None if remaining is None else max(0.0, remaining - 0.05),
+                                 cancelled=lambda: not context.is_active())
         chunk_bytes = request.chunk_bytes or self.shard.config.chunk_bytes
         chunk_bytes = min(max(chunk_bytes, 4096), MAX_CHUNK_BYTES)
         version, snapshot = self.shard.snapshot()
@@ -175,14 +176,17 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         shard = self.shard
         shard.check_pusher(first.worker_id)
         grad = shard.pool.take()
+        kept = False
         try:
             count, nbytes = read_range(itertools.chain([first], messages), shard.begin, shard.size, grad,
                                        float32_only=False)
             if count != first.num_chunks:
                 raise InvalidArgument(f"Push declared {first.num_chunks} chunks but sent {count}")
             result = shard.push(first.worker_id, first.clock, first.version, grad, nbytes)
+            kept = result.kept
         finally:
-            shard.pool.give(grad)
+            if not kept:
+                shard.pool.give(grad)
         return ps_pb2.PushReply(outcome=_OUTCOMES[result.outcome.value], version=result.version,
                                 staleness=result.staleness, next_clock=result.next_clock)
 

@@ -7,6 +7,7 @@ waiting pull notifies it. Nothing here knows about gRPC; the servicer adapts.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -25,6 +26,7 @@ from psserver.sharding import shard_range
 from psserver.spec import ModelSpec
 
 STALENESS_BUCKETS = 32
+log = logging.getLogger("psserver")
 
 
 class BufferPool:
@@ -76,6 +78,7 @@ class PushResult:
     version: int
     staleness: int
     next_clock: int
+    kept: bool = False    # the shard kept the gradient buffer (sync holds it for its round)
 
 
 class Shard:
@@ -105,6 +108,7 @@ class Shard:
         # so a sync run is bitwise reproducible whatever order the pushes arrive in.
         self.round_grads: dict[int, dict[int, np.ndarray]] = {}
         self.restoring = False
+        self.closing = False       # set by close(): waits end, new calls are refused
         self.last_checkpoint = ""
         self.updates_since_checkpoint = 0
         self.last_checkpoint_time = now()
@@ -212,8 +216,18 @@ class Shard:
 
     # ----- pull -------------------------------------------------------------------------------
 
-    def wait_for_pull(self, worker: int, clock: int, timeout: float | None) -> float:
-        """Block until the policy lets ``worker`` pull at ``clock``; returns seconds waited."""
+    def close(self) -> None:
+        """The server is stopping: release every waiting pull (as UNAVAILABLE, so clients retry)."""
+        with self.cond:
+            self.closing = True
+            self.cond.notify_all()
+
+    def wait_for_pull(self, worker: int, clock: int, timeout: float | None, cancelled=None) -> float:
+        """Block until the policy lets ``worker`` pull at ``clock``; returns seconds waited.
+
+        The wait also ends when the shard closes, and when ``cancelled()`` turns true (the
+        caller went away), so no handler thread outlives its request.
+        """
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         with self.cond:
@@ -222,6 +236,10 @@ class Shard:
                 self._require_live(worker)
                 self.leases.renew(worker, self.now())
             while not self.policy.may_pull(worker, clock):
+                if self.closing:
+                    raise Restoring("shard is shutting down")
+                if cancelled is not None and cancelled():
+                    raise WaitTimeout("the caller cancelled the pull")
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise WaitTimeout(f"pull at clock {clock} still waiting for slower workers "
@@ -281,15 +299,13 @@ class Shard:
                 self._apply(grad, scale)
                 self.counters.record_staleness(staleness)
                 self._emit("staleness", value=staleness)
-            else:  # ACCUMULATE: hold it for the round, closed below once it has its quorum
-                held = self.pool.take()
-                np.copyto(held, grad)
-                self.round_grads.setdefault(decision.round, {})[worker] = held
+            else:  # ACCUMULATE: hold the buffer itself for the round (no copy); the pool gets it back at close
+                self.round_grads.setdefault(decision.round, {})[worker] = grad
                 self.counters.record_staleness(staleness)
                 self._emit("staleness", value=staleness)
-                if decision.round in self._close_rounds():
-                    self.cond.notify_all()
-                    return PushResult(Outcome.APPLY, self.version, staleness, decision.next_clock)
+                outcome = Outcome.APPLY if decision.round in self._close_rounds() else decision.outcome
+                self.cond.notify_all()
+                return PushResult(outcome, self.version, staleness, decision.next_clock, kept=True)
             self.cond.notify_all()
             return PushResult(decision.outcome, self.version, staleness, decision.next_clock)
 
@@ -316,7 +332,10 @@ class Shard:
         self.updates_since_checkpoint += 1
         self._emit("applied")
         if self._checkpoint_due():
-            self._checkpoint_locked()
+            try:
+                self._checkpoint_locked()
+            except Exception:  # noqa: BLE001 - a full disk must not undo or block training
+                log.exception("shard %d: checkpoint failed; training goes on", self.config.shard_index)
 
     def _checkpoint_due(self) -> bool:
         every, every_s = self.config.checkpoint_every, self.config.checkpoint_every_s
@@ -342,6 +361,10 @@ class Shard:
         arrays = {"weights": self.weights}
         for key, value in self.optimizer.state_dict().items():
             arrays[f"opt.{key}"] = np.asarray(value)
+        # Gradients held for open sync rounds: their pushers' clocks have moved past them.
+        for round_, grads in self.round_grads.items():
+            for worker, grad in grads.items():
+                arrays[f"round.{round_}.{worker}"] = grad
         meta = {
             "version": self.version, "spec": self.spec.to_json(), "begin": self.begin, "end": self.end,
             "shard_index": self.config.shard_index, "num_shards": self.config.num_shards,
@@ -374,6 +397,11 @@ class Shard:
                 opt_state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
                 self.optimizer.load_state_dict({k: (v if v.ndim else v.item()) for k, v in opt_state.items()})
                 self.pool = BufferPool(self.size)
+                for key, value in arrays.items():
+                    if key.startswith("round."):
+                        _, round_, worker = key.split(".")
+                        self.round_grads.setdefault(int(round_), {})[int(worker)] = value.astype(np.float32)
+                        self.policy.round_pushers.setdefault(int(round_), set()).add(int(worker))
                 self.version = meta["version"]
                 self.policy.closed_rounds = meta["closed_rounds"]
                 self.leases.next_id = meta["next_id"]

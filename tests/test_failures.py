@@ -414,3 +414,78 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path, monkeypatc
             # a checkpoint after the crash works and is what a restart sees
             client.checkpoint()
             assert checkpoint.load_latest(d)[1]["version"] == 2
+
+
+# ----- found in review: shutdown releases waits, checkpoints keep open rounds and never break training
+
+@pytest.mark.timeout(30)
+def test_stopping_a_server_releases_a_waiting_pull():
+    servers = [serve(ServerConfig(mode="sync", lr=0.1))]
+    try:
+        waiting, other = (ShardedClient(addresses(servers), retry_s=0.5, deadline_s=30) for _ in range(2))
+        for c in (waiting, other):
+            c.register(SPEC)
+        waiting.init(np.zeros(SPEC.size, np.float32))
+        waiting.push(np.ones(SPEC.size, np.float32))       # round 0 waits for `other`
+        outcome = {}
+
+        def pull():
+            start = time.monotonic()
+            try:
+                waiting.pull(SPEC.flat())
+            except Exception as exc:  # noqa: BLE001 - what it raised is the point
+                outcome["error"] = exc
+            outcome["seconds"] = time.monotonic() - start
+
+        thread = threading.Thread(target=pull, daemon=True)
+        thread.start()
+        time.sleep(0.5)
+        started = time.monotonic()
+        servers[0].stop(grace=0.5)
+        assert time.monotonic() - started < 8, "stop() waited for the pull's deadline"
+        thread.join(timeout=10)
+        assert not thread.is_alive() and "error" in outcome and outcome["seconds"] < 10
+    finally:
+        for s in servers:
+            s.stop()
+        for c in (waiting, other):
+            c.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_failing_checkpoint_does_not_stop_training(tmp_path):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the checkpoint directory should be")
+    with in_process_cluster(1, mode="sync", lr=0.5, checkpoint_dir=str(blocker), checkpoint_every=1) as servers:
+        clients = [ShardedClient(addresses(servers)) for _ in range(2)]
+        try:
+            for c in clients:
+                c.register(SPEC)
+            clients[0].init(np.zeros(SPEC.size, np.float32))
+            for step in range(3):
+                for c in clients:
+                    c.pull(SPEC.flat())
+                    c.push(np.ones(SPEC.size, np.float32))
+            shard = servers[0].shard
+            assert shard.version == 3 and shard.policy.closed_rounds == 3 and not shard.round_grads
+            np.testing.assert_allclose(shard.weights, -1.5)
+        finally:
+            for c in clients:
+                c.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_checkpoint_keeps_the_gradients_of_an_open_sync_round(tmp_path):
+    from psserver.shard import Shard
+
+    config = ServerConfig(mode="sync", lr=1.0, checkpoint_dir=str(tmp_path))
+    shard = Shard(config)
+    shard.init(SPEC, np.zeros(SPEC.size, np.float32))
+    for worker in (0, 1):
+        shard.register(SPEC.hash(), worker, -1, "test")
+    shard.push(0, 0, 0, np.full(SPEC.size, 2.0, np.float32), 0)     # held: round 0 waits for worker 1
+    shard.checkpoint()
+    restored = Shard(config)                                          # a restart
+    assert restored.push(0, 0, 0, np.full(SPEC.size, 2.0, np.float32), 0).outcome.name == "DUPLICATE"
+    restored.push(1, 0, 0, np.full(SPEC.size, 4.0, np.float32), 0)   # closes round 0 with both
+    np.testing.assert_allclose(restored.weights, -3.0)

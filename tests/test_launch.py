@@ -247,3 +247,24 @@ def test_sigterm_stops_every_child(tmp_path):
         assert not left, f"still running after SIGTERM to launch: {left}"
         summary = json.loads((launch.out / "summary.json").read_text())
         assert summary["status"] == "interrupted"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_failure_after_training_fails_the_job(tmp_path, monkeypatch, capsys):
+    # Training completes, then the final evaluation cannot reach a shard: the job did not end
+    # cleanly, and neither the exit code nor summary.json may say otherwise.
+    import cluster.coordinator as co
+    from cluster.config import apply_overrides, load_job
+    from cluster.launch import launch
+    from psserver.exceptions import RemoteError
+
+    def refuse(job, addresses):
+        raise RemoteError("UNAUTHENTICATED", "shard 0: missing or wrong bearer token")
+
+    monkeypatch.setattr(co, "finish", refuse)
+    job = apply_overrides(load_job("mnist"), {"steps": 20, "eval_every": 0, "out": str(tmp_path / "run")})
+    assert launch(job, progress=False) == 1
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "UNAUTHENTICATED" in summary["message"]
+    assert "job failed: RemoteError" in capsys.readouterr().err

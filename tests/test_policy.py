@@ -470,3 +470,17 @@ def test_fast_forward_applies(mode):
     assert policy.clocks[1] == 7
     assert policy.fastest_clock() == 7
     assert policy.slowest_clock() == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_worker_that_comes_back_never_pushes_its_last_clock_twice(mode):
+    # A push applied, its reply lost for longer than the lease, the worker evicted, then the
+    # client re-registers at the clock it still believes in and retries: applied once only.
+    policy = ConsistencyPolicy(mode, staleness=1)
+    policy.join(0)
+    policy.join(1)
+    first = policy.on_push(0, 0)
+    assert first.outcome in (Outcome.APPLY, Outcome.ACCUMULATE)
+    policy.leave(0)
+    assert policy.join(0, start_clock=0) == 1
+    assert policy.on_push(0, 0).outcome is Outcome.DUPLICATE
