@@ -109,6 +109,11 @@ class Shard:
         self.round_grads: dict[int, dict[int, np.ndarray]] = {}
         self.restoring = False
         self.closing = False       # set by close(): waits end, new calls are refused
+        # Checkpoints: state is copied under the lock (_capture) and written outside it by the
+        # thread whose update made one due, before that update is answered (_flush_capture).
+        self.pending_capture: tuple[dict, dict] | None = None
+        self.write_lock = threading.Lock()
+        self.written_version = -1
         self.last_checkpoint = ""
         self.updates_since_checkpoint = 0
         self.last_checkpoint_time = now()
@@ -168,6 +173,7 @@ class Shard:
     def leave(self, worker: int) -> None:
         with self.cond:
             self._drop(worker)
+        self._flush_capture()     # the departure may have closed a sync round
 
     def _drop(self, worker: int) -> None:
         self.leases.remove(worker)
@@ -183,7 +189,8 @@ class Shard:
                 self.counters.evictions += 1
                 self._drop(worker)
                 self._emit("eviction", worker=worker)
-            return expired
+        self._flush_capture()
+        return expired
 
     # ----- init -------------------------------------------------------------------------------
 
@@ -277,7 +284,17 @@ class Shard:
             self._require_live(worker)
 
     def push(self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int) -> PushResult:
-        """Take one validated gradient of this range (a float32 buffer from ``self.pool``)."""
+        """Take one validated gradient of this range (a float32 buffer from ``self.pool``).
+
+        If the update makes a checkpoint due, it is on disk before this returns (so before the
+        worker hears of the update), written without holding up other calls.
+        """
+        try:
+            return self._push(worker, clock, version_used, grad, nbytes)
+        finally:
+            self._flush_capture()
+
+    def _push(self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int) -> PushResult:
         with self.cond:
             self._require_ready()
             self._require_live(worker)
@@ -332,10 +349,7 @@ class Shard:
         self.updates_since_checkpoint += 1
         self._emit("applied")
         if self._checkpoint_due():
-            try:
-                self._checkpoint_locked()
-            except Exception:  # noqa: BLE001 - a full disk must not undo or block training
-                log.exception("shard %d: checkpoint failed; training goes on", self.config.shard_index)
+            self.pending_capture = self._capture()
 
     def _checkpoint_due(self) -> bool:
         every, every_s = self.config.checkpoint_every, self.config.checkpoint_every_s
@@ -346,37 +360,65 @@ class Shard:
     def checkpoint_if_due(self) -> None:
         with self.cond:
             if self._checkpoint_due():
-                self._checkpoint_locked()
+                self.pending_capture = self._capture()
+        self._flush_capture()
+
+    def _flush_capture(self) -> None:
+        """Write the checkpoint captured under the lock, if any (call without the lock held)."""
+        with self.cond:
+            capture, self.pending_capture = self.pending_capture, None
+        if capture is not None:
+            self._write_logged(*capture)
 
     # ----- checkpoints ------------------------------------------------------------------------
 
     def checkpoint(self) -> tuple[str, int]:
+        """Write a checkpoint of this moment and return its path once it is on disk."""
         with self.cond:
             self._require_ready()
             if not self.config.checkpoint_dir:
                 raise InvalidArgument("this shard was started without a checkpoint directory")
-            return self._checkpoint_locked(), self.version
+            arrays, meta = self._capture()
+        return self._write(arrays, meta), meta["version"]
 
-    def _checkpoint_locked(self) -> str:
-        arrays = {"weights": self.weights}
-        for key, value in self.optimizer.state_dict().items():
+    def _write_logged(self, arrays: dict, meta: dict) -> None:
+        try:
+            self._write(arrays, meta)
+        except Exception:  # noqa: BLE001 - a full disk must not stop training; the last good one stays
+            log.exception("shard %d: checkpoint failed; training goes on", self.config.shard_index)
+
+    def _write(self, arrays: dict, meta: dict) -> str:
+        # Serialized, and never behind: a capture overtaken by a newer write is dropped, so the
+        # manifest only moves forward.
+        with self.write_lock:
+            if meta["version"] < self.written_version:
+                return self.last_checkpoint
+            path = str(checkpoint.save(self._checkpoint_dir(), arrays, meta))
+            self.written_version = meta["version"]
+            with self.cond:
+                self.last_checkpoint = path
+            return path
+
+    def _capture(self) -> tuple[dict, dict]:
+        """Copies of everything a checkpoint holds, taken atomically (call under the lock)."""
+        arrays = {"weights": self.weights.copy()}
+        for key, value in self.optimizer.state_dict().items():     # state_dict returns copies
             arrays[f"opt.{key}"] = np.asarray(value)
         # Gradients held for open sync rounds: their pushers' clocks have moved past them.
         for round_, grads in self.round_grads.items():
             for worker, grad in grads.items():
-                arrays[f"round.{round_}.{worker}"] = grad
+                arrays[f"round.{round_}.{worker}"] = grad.copy()
         meta = {
             "version": self.version, "spec": self.spec.to_json(), "begin": self.begin, "end": self.end,
             "shard_index": self.config.shard_index, "num_shards": self.config.num_shards,
             "mode": self.config.mode, "clocks": {str(w): c for w, c in self.policy.clocks.items()},
             "closed_rounds": self.policy.closed_rounds, "next_id": self.leases.next_id,
             "hosts": {str(w): m.host for w, m in self.leases.members.items()},
+            "departed": {str(w): c for w, c in self.policy.departed.items()},
         }
-        path = checkpoint.save(self._checkpoint_dir(), arrays, meta)
-        self.last_checkpoint = str(path)
         self.updates_since_checkpoint = 0
         self.last_checkpoint_time = self.now()
-        return self.last_checkpoint
+        return arrays, meta
 
     def _checkpoint_dir(self) -> str:
         return str(Path(self.config.checkpoint_dir) / f"shard-{self.config.shard_index}-of-{self.config.num_shards}")
@@ -406,6 +448,7 @@ class Shard:
                 self.policy.closed_rounds = meta["closed_rounds"]
                 self.leases.next_id = meta["next_id"]
                 now = self.now()
+                self.policy.departed = {int(w): c for w, c in meta.get("departed", {}).items()}
                 for w, c in meta["clocks"].items():
                     self.policy.clocks[int(w)] = c
                     self.leases.add(int(w), meta["hosts"].get(w, ""), now)

@@ -402,8 +402,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path, monkeypatc
                     return real(src, dst)
                 monkeypatch.setattr(checkpoint.os, "replace", replace)
             with pytest.raises(Crash):
-                with shard.cond:
-                    shard._checkpoint_locked()
+                shard.checkpoint()
             monkeypatch.undo()
             found = checkpoint.load_latest(d)
             assert found is not None
