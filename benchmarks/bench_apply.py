@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from psserver import optim
+from psgrid.psserver import optim
 
 CASES = {
     "sgd": ("sgd", dict(lr=0.01)),

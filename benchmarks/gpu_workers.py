@@ -26,9 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cluster.bench_transport import ShardProcess  # noqa: E402
-from psserver.config import ServerConfig  # noqa: E402
-from worker.config import TrainConfig  # noqa: E402
+from psgrid.cluster.bench_transport import ShardProcess  # noqa: E402
+from psgrid.psserver.config import ServerConfig  # noqa: E402
+from psgrid.worker.config import TrainConfig  # noqa: E402
 
 
 def big_mlp(args, **overrides) -> TrainConfig:
@@ -41,9 +41,9 @@ def big_mlp(args, **overrides) -> TrainConfig:
 
 def without_servers(train: TrainConfig, lr: float = 0.01) -> dict:
     """The same model, data loader and buffers, updated on the GPU with plain SGD: no servers at all."""
-    from worker.backend import sync
-    from worker.data import BatchLoader
-    from worker.loop import FlatBuffers, build
+    from psgrid.worker.backend import sync
+    from psgrid.worker.data import BatchLoader
+    from psgrid.worker.loop import FlatBuffers, build
 
     xp, device, data, model = build(train, rank=0, world=1)
     bufs = FlatBuffers(model.spec, xp)
@@ -68,7 +68,7 @@ def without_servers(train: TrainConfig, lr: float = 0.01) -> dict:
 
 
 def with_servers(train: TrainConfig, shards: int, mode: str) -> dict:
-    from worker.loop import run_worker
+    from psgrid.worker.loop import run_worker
 
     procs = [ShardProcess(ServerConfig(shard_index=i, num_shards=shards, mode=mode, lr=0.01, threads=16))
              for i in range(shards)]
@@ -90,7 +90,7 @@ def with_servers(train: TrainConfig, shards: int, mode: str) -> dict:
 
 def _two_gpu_worker(rank: int, addresses, metrics: str, queue, device: str) -> None:
     os.environ["LOCAL_RANK"] = str(rank)
-    from worker.loop import run_worker
+    from psgrid.worker.loop import run_worker
 
     train = TrainConfig(model="mlp", hidden=[128], dataset="mnist5k", batch_size=32, epochs=20,
                         eval_every=0, device=device, seed=0)
@@ -99,7 +99,7 @@ def _two_gpu_worker(rank: int, addresses, metrics: str, queue, device: str) -> N
 
 def two_gpu_mnist(mode: str = "sync", device: str = "gpu") -> dict:
     """MLP 784-128-10 on mnist5k with two worker processes, one per GPU, and two CPU shards."""
-    from worker.evaluate import evaluate
+    from psgrid.worker.evaluate import evaluate
 
     procs = [ShardProcess(ServerConfig(shard_index=i, num_shards=2, mode=mode, lr=0.1)) for i in range(2)]
     ctx = mp.get_context("spawn")

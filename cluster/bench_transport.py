@@ -18,10 +18,10 @@ import time
 
 import numpy as np
 
-from psserver.client import ShardedClient
-from psserver.config import ServerConfig
-from psserver.optim import make_optimizer
-from psserver.spec import ModelSpec
+from psgrid.psserver.client import ShardedClient
+from psgrid.psserver.config import ServerConfig
+from psgrid.psserver.optim import make_optimizer
+from psgrid.psserver.spec import ModelSpec
 
 KIB, MIB = 1024, 1024 * 1024
 DEFAULT_SIZES = [4 * KIB, 64 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
@@ -81,7 +81,7 @@ class TcpEcho:
 # ----- one shard in its own process ------------------------------------------------------------
 
 def _shard_server(config: ServerConfig, address_queue, stop_event) -> None:
-    from psserver.server import serve
+    from psgrid.psserver.server import serve
 
     server = serve(config)
     address_queue.put(server.address)

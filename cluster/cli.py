@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from cluster.commands import COMMANDS
+from psgrid.cluster.commands import COMMANDS
 
 EXAMPLES = """\
 examples:
@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name in COMMANDS:
-        importlib.import_module(f"cluster.commands.{name}").add_parser(sub)
+        importlib.import_module(f"psgrid.cluster.commands.{name}").add_parser(sub)
     return parser
 
 
@@ -51,7 +51,7 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run psctl with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
-    from cluster.errors import JobFailed, UsageError
+    from psgrid.cluster.errors import JobFailed, UsageError
 
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -36,11 +36,12 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-from cluster.errors import ConfigError
-from psserver.config import ServerConfig
-from worker.config import TrainConfig
+from psgrid.cluster.errors import ConfigError
+from psgrid.psserver.config import ServerConfig
+from psgrid.worker.config import TrainConfig
 
-EXAMPLES_DIR = Path(__file__).resolve().parent / "examples"
+# The job files of examples/ (psgrid/examples in the wheel, the repository's examples/ in a checkout).
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 
 # Set per process by the launcher or the psctl server flags, never by a job file.
 SERVER_PER_PROCESS = ("shard_index", "num_shards", "port", "extra")
@@ -174,7 +175,7 @@ def _unknown_message(key: str, where: str, valid: list[str], per_process: bool) 
 
 
 def resolve_config_path(spec: str | Path) -> Path:
-    """A job file path, or the name of a packaged example (``mnist`` -> ``cluster/examples/mnist.toml``)."""
+    """A job file path, or the name of a packaged example (``mnist`` -> ``examples/mnist.toml``)."""
     path = Path(spec)
     if path.is_file():
         return path

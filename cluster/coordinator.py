@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from cluster.config import JobConfig
-from cluster.errors import JobFailed
+from psgrid.cluster.config import JobConfig
+from psgrid.cluster.errors import JobFailed
 
 EVAL_TIMEOUT_S = 600.0
 # Shard counters copied into summary.json, per shard.
@@ -226,7 +226,7 @@ def finish(job: JobConfig, addresses: list[str], *, evaluate: bool = True) -> tu
 
     Returns ``(evaluation, shard_stats)``; the shards are asked to stop even if the evaluation fails.
     """
-    from psserver.client import ShardedClient
+    from psgrid.psserver.client import ShardedClient
 
     t = job.train
     client = ShardedClient(addresses, token=t.token, tls_ca=t.tls_ca, tls_cert=t.tls_cert, tls_key=t.tls_key,
@@ -234,7 +234,7 @@ def finish(job: JobConfig, addresses: list[str], *, evaluate: bool = True) -> tu
     evaluation = None
     try:
         if evaluate:
-            from worker.evaluate import evaluate as evaluate_weights
+            from psgrid.worker.evaluate import evaluate as evaluate_weights
 
             evaluation = call_with_timeout(lambda: evaluate_weights(job.train, addresses), EVAL_TIMEOUT_S,
                                            "final evaluation")

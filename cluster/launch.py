@@ -20,10 +20,10 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from cluster import coordinator as co
-from cluster.config import JobConfig
-from cluster.errors import JobFailed, UsageError
-from cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
+from psgrid.cluster import coordinator as co
+from psgrid.cluster.config import JobConfig
+from psgrid.cluster.errors import JobFailed, UsageError
+from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 
 POLL_S = 0.2
 STOP_GRACE_S = 5.0

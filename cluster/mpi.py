@@ -23,10 +23,10 @@ import time
 import traceback
 from pathlib import Path
 
-from cluster import coordinator as co
-from cluster.config import JobConfig, apply_overrides
-from cluster.errors import JobFailed, UsageError
-from cluster.procs import limit_blas_threads, usable_cpus
+from psgrid.cluster import coordinator as co
+from psgrid.cluster.config import JobConfig, apply_overrides
+from psgrid.cluster.errors import JobFailed, UsageError
+from psgrid.cluster.procs import limit_blas_threads, usable_cpus
 
 TAG_DONE = 71
 POLL_S = 0.05
@@ -185,7 +185,7 @@ class MPIJob:
     # -- roles -------------------------------------------------------------------------------
 
     def start_server(self, single_node: bool):
-        from psserver.server import serve
+        from psgrid.psserver.server import serve
 
         bind, advertise = bind_and_advertise(self.host, self.iface, single_node)
         config = self.job.server_config(self.index, host=bind, port=0)
@@ -203,7 +203,7 @@ class MPIJob:
         running.stop(grace=1.0)
 
     def train(self, local_index: int) -> None:
-        from worker.loop import run_worker
+        from psgrid.worker.loop import run_worker
 
         os.environ["LOCAL_RANK"] = str(local_index)  # among the workers of this node, so GPUs are not skipped
         metrics = self.out / "metrics" / f"worker-{self.index}.jsonl"
@@ -301,7 +301,7 @@ def _test_raise(rank: int) -> None:
 
 
 def _prepare_out(job: JobConfig) -> Path:
-    from cluster.launch import prepare_out
+    from psgrid.cluster.launch import prepare_out
 
     return prepare_out(job)
 

@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 PARENT_ENV = "PSCTL_PARENT_PID"
-PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+# The repository root in a checkout (it holds pyproject.toml); the psgrid folder in a wheel.
+SOURCE_ROOT = Path(__file__).resolve().parent.parent
+# Children start with this instead of ``python -m``, which would put the current folder first on their
+# path: a user's own worker.py (or psgrid.py) there must never shadow an import of ours.
+CHILD_BOOTSTRAP = ("import sys\n"
+                   "if sys.path and sys.path[0] == '':\n"
+                   "    del sys.path[0]\n"
+                   "from psgrid.cluster.cli import main\n"
+                   "sys.exit(main())")
 
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -54,8 +62,11 @@ def child_env(extra: dict[str, str] | None = None, threads: int | None = None) -
     W workers on a C-core machine do not each start C threads.
     """
     env = dict(os.environ)
-    path = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = PACKAGE_ROOT + (os.pathsep + path if path else "")
+    if (SOURCE_ROOT / "pyproject.toml").is_file():
+        # A source checkout that may not be installed: let the children import this very tree.
+        # (An installed psgrid is already on every interpreter's path.)
+        path = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = str(SOURCE_ROOT) + (os.pathsep + path if path else "")
     env["PYTHONUNBUFFERED"] = "1"
     env[PARENT_ENV] = str(os.getpid())
     if threads is not None:
@@ -66,8 +77,11 @@ def child_env(extra: dict[str, str] | None = None, threads: int | None = None) -
 
 
 def psctl_argv(*args: str) -> list[str]:
-    """The command line that runs ``psctl ARGS`` with this interpreter (works without installing)."""
-    return [sys.executable, "-m", "cluster.cli", *args]
+    """The command line that runs ``psctl ARGS`` with this interpreter (works without installing).
+
+    The current folder is not put on the child's path (see CHILD_BOOTSTRAP).
+    """
+    return [sys.executable, "-c", CHILD_BOOTSTRAP, *args]
 
 
 class Child:

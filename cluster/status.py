@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cluster.errors import UsageError
+from psgrid.cluster.errors import UsageError
 
 COLUMNS = [  # (header, stats key, format)
     ("shard", "shard_index", "{}"),
@@ -42,7 +42,7 @@ def addresses_from_dir(path: str | Path) -> list[str]:
 
 def fetch(addresses: list[str], timeout_s: float = 5.0, **security) -> list[dict]:
     """Every shard's stats, with its address added; ``security`` is token / tls_ca / tls_cert / tls_key."""
-    from psserver.client import ShardedClient
+    from psgrid.psserver.client import ShardedClient
 
     client = ShardedClient(addresses, deadline_s=timeout_s, retry_s=timeout_s, **security)
     try:

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 from sklearn.datasets import load_digits
 
-from worker.api import DistributedTrainer  # +ps
+from psgrid.worker.api import DistributedTrainer  # +ps
 
 
 def grad_fn(params, batch):
@@ -51,8 +51,8 @@ def train(servers, rank: int, world: int, steps: int = 300) -> dict:
 def main() -> list[dict]:
     if os.environ.get("PSGRID_SERVERS"):
         return [train(None, rank=int(os.environ.get("RANK", 0)), world=int(os.environ.get("WORLD", 1)))]
-    from psserver.config import ServerConfig
-    from psserver.server import serve
+    from psgrid.psserver.config import ServerConfig
+    from psgrid.psserver.server import serve
 
     shards = [serve(ServerConfig(shard_index=i, num_shards=2, mode="sync", lr=0.5)) for i in range(2)]
     try:

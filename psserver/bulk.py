@@ -25,9 +25,9 @@ import struct
 import threading
 
 
-from psserver import wire
-from psserver.exceptions import InvalidArgument, NotInitialized, PSError, Unauthenticated
-from psserver.rpc import ps_pb2
+from psgrid.psserver import wire
+from psgrid.psserver.exceptions import InvalidArgument, NotInitialized, PSError, Unauthenticated
+from psgrid.psserver.rpc import ps_pb2
 
 log = logging.getLogger("psserver.bulk")
 
@@ -80,7 +80,7 @@ class BulkServer:
     """Accepts bulk connections for one shard; one thread per connection, like the gRPC handlers."""
 
     def __init__(self, shard, host: str, token: str | None = None, ssl_context: ssl.SSLContext | None = None):
-        from psserver.servicer import status_code      # the one mapping of domain errors to codes
+        from psgrid.psserver.servicer import status_code      # the one mapping of domain errors to codes
 
         self.shard, self.token, self.ssl_context = shard, token, ssl_context
         self.status_code = status_code

@@ -18,14 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 
-from psserver import framing, wire
-from psserver.exceptions import InvalidArgument, RemoteError, ShardUnavailable
-from psserver.bulk import BulkClient, BulkError, client_ssl_context
-from psserver.config import DEFAULT_CHUNK_BYTES
-from psserver.rpc import ps_pb2, ps_pb2_grpc
-from psserver.servicer import MAX_CHUNK_BYTES
-from psserver.sharding import chunk_ranges, shard_ranges
-from psserver.spec import ModelSpec
+from psgrid.psserver import framing, wire
+from psgrid.psserver.exceptions import InvalidArgument, RemoteError, ShardUnavailable
+from psgrid.psserver.bulk import BulkClient, BulkError, client_ssl_context
+from psgrid.psserver.config import DEFAULT_CHUNK_BYTES
+from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
+from psgrid.psserver.servicer import MAX_CHUNK_BYTES
+from psgrid.psserver.sharding import chunk_ranges, shard_ranges
+from psgrid.psserver.spec import ModelSpec
 
 log = logging.getLogger("psserver.client")
 

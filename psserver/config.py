@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from psserver.exceptions import InvalidArgument
+from psgrid.psserver.exceptions import InvalidArgument
 
 MODES = ("sync", "async", "ssp")
 OPTIMIZERS = ("sgd", "adam")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from psserver.exceptions import InvalidArgument
+from psgrid.psserver.exceptions import InvalidArgument
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _MASK64 = (1 << 64) - 1

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from psserver.exceptions import InvalidArgument
+from psgrid.psserver.exceptions import InvalidArgument
 
 # Elements per block. 256K float32 = 1 MiB per array, so the up to six blocks one iteration touches
 # (weights, gradient, two state, two scratch) stay in L3. Measured on 64 MiB (AMD EPYC, 1 MiB L2,

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from psserver.exceptions import InvalidArgument, UnknownWorker
+from psgrid.psserver.exceptions import InvalidArgument, UnknownWorker
 
 MODES = ("sync", "async", "ssp")
 

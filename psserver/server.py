@@ -14,11 +14,11 @@ from pathlib import Path
 
 import grpc
 
-from psserver.config import ServerConfig
-from psserver import framing
-from psserver.rpc import ps_pb2, ps_pb2_grpc
-from psserver.servicer import MAX_CHUNK_BYTES, ParameterServerServicer
-from psserver.shard import Shard
+from psgrid.psserver.config import ServerConfig
+from psgrid.psserver import framing
+from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
+from psgrid.psserver.servicer import MAX_CHUNK_BYTES, ParameterServerServicer
+from psgrid.psserver.shard import Shard
 
 log = logging.getLogger("psserver")
 SERVICE = "ps.ParameterServer"
@@ -107,7 +107,7 @@ class RunningServer:
                                        options=GRPC_OPTIONS, interceptors=interceptors)
         self.bulk = None
         if config.bulk:
-            from psserver.bulk import BulkServer, server_ssl_context
+            from psgrid.psserver.bulk import BulkServer, server_ssl_context
 
             ssl_context = server_ssl_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
             self.bulk = BulkServer(self.shard, config.host, config.token, ssl_context)
@@ -126,7 +126,7 @@ class RunningServer:
         self.address = f"{config.host}:{self.port}"
         self.metrics = None
         if config.metrics_port is not None:
-            from psserver.metrics import start_exporter
+            from psgrid.psserver.metrics import start_exporter
             self.metrics = start_exporter(self.shard, config.host, config.metrics_port)
         self.reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
 

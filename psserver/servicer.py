@@ -14,13 +14,13 @@ import logging
 import grpc
 import numpy as np
 
-from psserver import framing, wire
-from psserver.exceptions import (InvalidArgument, NotInitialized, PSError, Restoring, SpecMismatch,
+from psgrid.psserver import framing, wire
+from psgrid.psserver.exceptions import (InvalidArgument, NotInitialized, PSError, Restoring, SpecMismatch,
                                  Unauthenticated, UnknownWorker, WaitTimeout)
-from psserver.rpc import ps_pb2, ps_pb2_grpc
-from psserver.shard import Shard
-from psserver.sharding import chunk_ranges
-from psserver.spec import ModelSpec
+from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
+from psgrid.psserver.shard import Shard
+from psgrid.psserver.sharding import chunk_ranges
+from psgrid.psserver.spec import ModelSpec
 
 log = logging.getLogger("psserver")
 

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from psserver import checkpoint
-from psserver.config import ServerConfig
-from psserver.membership import Leases
-from psserver.exceptions import InvalidArgument, NotInitialized, Restoring, SpecMismatch, UnknownWorker, WaitTimeout
-from psserver.optim import make_optimizer
-from psserver.policy import ConsistencyPolicy, Outcome
-from psserver.sharding import shard_range
-from psserver.spec import ModelSpec
+from psgrid.psserver import checkpoint
+from psgrid.psserver.config import ServerConfig
+from psgrid.psserver.membership import Leases
+from psgrid.psserver.exceptions import InvalidArgument, NotInitialized, Restoring, SpecMismatch, UnknownWorker, WaitTimeout
+from psgrid.psserver.optim import make_optimizer
+from psgrid.psserver.policy import ConsistencyPolicy, Outcome
+from psgrid.psserver.sharding import shard_range
+from psgrid.psserver.spec import ModelSpec
 
 STALENESS_BUCKETS = 32
 log = logging.getLogger("psserver")

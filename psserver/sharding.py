@@ -7,7 +7,7 @@ one function to replace for another placement.
 
 from __future__ import annotations
 
-from psserver.exceptions import InvalidArgument
+from psgrid.psserver.exceptions import InvalidArgument
 
 
 def shard_range(total: int, index: int, num_shards: int) -> tuple[int, int]:

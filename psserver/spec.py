@@ -15,7 +15,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from psserver.exceptions import InvalidArgument
+from psgrid.psserver.exceptions import InvalidArgument
 
 FLAT_DTYPE = np.dtype(np.float32)
 

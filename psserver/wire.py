@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from psserver.exceptions import InvalidArgument
-from psserver.rpc import ps_pb2
+from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.rpc import ps_pb2
 
 WIRE_DTYPES = {
     "float32": ps_pb2.FLOAT32,

@@ -12,8 +12,8 @@ import threading
 
 import numpy as np
 
-from psserver.config import ServerConfig
-from psserver.server import serve
+from psgrid.psserver.config import ServerConfig
+from psgrid.psserver.server import serve
 
 
 def check_invariants(server) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker.api import DistributedTrainer, servers_from_env
+from psgrid.worker.api import DistributedTrainer, servers_from_env
 from tests.cluster_utils import addresses, in_process_cluster
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "custom_model.py"

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker import backend
-from worker.backend import array_module, get_xp, pinned_empty, sync, to_host
+from psgrid.worker import backend
+from psgrid.worker.backend import array_module, get_xp, pinned_empty, sync, to_host
 from tests.gpu import cupy_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,9 +66,9 @@ def test_cpu_run_never_imports_cupy():
 
         sys.meta_path.insert(0, Watch())
 
-        from worker.backend import get_xp, to_host, sync
-        from worker.data import BatchLoader, load_dataset
-        from worker.models import accuracy, build_model
+        from psgrid.worker.backend import get_xp, to_host, sync
+        from psgrid.worker.data import BatchLoader, load_dataset
+        from psgrid.worker.models import accuracy, build_model
 
         xp, name = get_xp("cpu")
         ds = load_dataset("synthetic", features=16, samples=64, classes=3, test_samples=8)

@@ -6,9 +6,9 @@ import grpc
 import numpy as np
 import pytest
 
-from psserver.client import ShardedClient
-from psserver.rpc import ps_pb2, ps_pb2_grpc
-from psserver.spec import ModelSpec
+from psgrid.psserver.client import ShardedClient
+from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
+from psgrid.psserver.spec import ModelSpec
 from tests.cluster_utils import addresses, in_process_cluster
 
 SPEC = ModelSpec([("w", (64,)), ("b", (8,))])    # shard 0 of 2 owns [0, 36), shard 1 [36, 72)

@@ -12,7 +12,7 @@ import pytest
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_transport_json_rows():
-    done = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "transport", "--sizes", "4K,64K",
+    done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "bench", "transport", "--sizes", "4K,64K",
                            "--repeat", "1", "--json"], capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines()]
@@ -30,6 +30,6 @@ def test_bench_transport_json_rows():
 
 
 def test_bench_refuses_a_bad_size():
-    done = subprocess.run([sys.executable, "-m", "cluster.cli", "bench", "transport", "--sizes", "10"],
+    done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "bench", "transport", "--sizes", "10"],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "at least 4 KiB" in done.stderr

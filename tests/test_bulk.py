@@ -15,11 +15,11 @@ import grpc
 import numpy as np
 import pytest
 
-from psserver import bulk as bulk_mod
-from psserver.bulk import MAGIC, PUSH, REQUEST, BulkClient, BulkError
-from psserver.client import ShardedClient
-from psserver.rpc import ps_pb2
-from psserver.spec import ModelSpec
+from psgrid.psserver import bulk as bulk_mod
+from psgrid.psserver.bulk import MAGIC, PUSH, REQUEST, BulkClient, BulkError
+from psgrid.psserver.client import ShardedClient
+from psgrid.psserver.rpc import ps_pb2
+from psgrid.psserver.spec import ModelSpec
 from tests.cluster_utils import addresses, in_process_cluster, run_threads
 from tests.test_integration import FEATURES, SPEC, make_problem
 
@@ -193,7 +193,7 @@ def test_wrong_payload_size_is_refused(job, delta):
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_non_finite_gradient_is_refused(job, bad, dtype):
-    from psserver import wire
+    from psgrid.psserver import wire
 
     server, bulk, worker = job
     grad = np.ones(server.shard.size, np.float32)

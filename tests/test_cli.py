@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import build_parser, main
-from cluster.commands import COMMANDS
+from psgrid.cluster.cli import build_parser, main
+from psgrid.cluster.commands import COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def psctl(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "cluster.cli", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout, **kw)
 
 
@@ -81,7 +81,7 @@ def test_user_error_through_a_subprocess_has_no_traceback(tmp_path):
 
 
 def test_server_flags_map_onto_server_config(tmp_path):
-    from cluster.commands.server import server_config_from_args
+    from psgrid.cluster.commands.server import server_config_from_args
 
     job = tmp_path / "job.toml"
     job.write_text("[job]\nservers = 3\n[server]\nmode = 'ssp'\nlr = 0.2\nstaleness = 5\n")
@@ -100,8 +100,8 @@ def test_server_flags_map_onto_server_config(tmp_path):
 
 
 def test_every_server_config_field_has_a_flag():
-    from cluster.commands.server import SERVER_FLAGS
-    from psserver.config import ServerConfig
+    from psgrid.cluster.commands.server import SERVER_FLAGS
+    from psgrid.psserver.config import ServerConfig
 
     have = {name for _, name, _, _ in SERVER_FLAGS}
     missing = set(ServerConfig.field_names()) - have - {"beta1", "beta2", "eps"}
@@ -109,7 +109,7 @@ def test_every_server_config_field_has_a_flag():
 
 
 def test_launch_flags_override_the_job(capsys):
-    from cluster.commands._common import load_job_from_args
+    from psgrid.cluster.commands._common import load_job_from_args
 
     args = build_parser().parse_args([
         "launch", "--config", "mnist", "--mode", "ssp", "--staleness", "3", "--workers", "4", "--servers", "1",
@@ -124,7 +124,7 @@ def test_server_subprocess_publishes_its_address_and_stops_on_sigterm(tmp_path):
     addr, log = tmp_path / "addr", tmp_path / "server.log"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "server", "--port", "0", "--address-file",
+        proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--port", "0", "--address-file",
                                  str(addr), "--mode", "ssp"], cwd=ROOT, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:

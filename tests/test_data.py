@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from worker.data import DATASETS, BatchLoader, load_dataset
+from psgrid.worker.data import DATASETS, BatchLoader, load_dataset
 from tests.gpu import cupy_or_skip
 
 SYNTHETIC = dict(features=20, samples=3000, classes=5, test_samples=300)

@@ -16,12 +16,12 @@ import grpc
 import numpy as np
 import pytest
 
-from psserver import checkpoint
-from psserver.client import ShardedClient
-from psserver.config import ServerConfig
-from psserver.rpc import ps_pb2, ps_pb2_grpc
-from psserver.server import serve
-from psserver.spec import ModelSpec
+from psgrid.psserver import checkpoint
+from psgrid.psserver.client import ShardedClient
+from psgrid.psserver.config import ServerConfig
+from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
+from psgrid.psserver.server import serve
+from psgrid.psserver.spec import ModelSpec
 from tests.cluster_utils import addresses, in_process_cluster, run_threads
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,7 +119,7 @@ def test_dead_worker_is_evicted_and_the_others_finish(mode):
 
 @pytest.mark.timeout(10)
 def test_rejoin_with_an_old_clock_lands_at_the_slowest_live_clock_policy_level():
-    from psserver.policy import ConsistencyPolicy, Outcome
+    from psgrid.psserver.policy import ConsistencyPolicy, Outcome
 
     for mode, outcome in (("ssp", Outcome.DUPLICATE), ("sync", Outcome.DROP_LATE)):
         policy = ConsistencyPolicy(mode, staleness=1)
@@ -193,7 +193,7 @@ def start_shard(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     log = open(tmp_path / f"{name}.log", "ab")
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "server", "--shard", "0", "--num-shards", "1",
+        proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--shard", "0", "--num-shards", "1",
                                  "--address-file", str(address_file), *args],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     finally:
@@ -475,7 +475,7 @@ def test_a_failing_checkpoint_does_not_stop_training(tmp_path):
 
 @pytest.mark.timeout(30)
 def test_a_checkpoint_keeps_the_gradients_of_an_open_sync_round(tmp_path):
-    from psserver.shard import Shard
+    from psgrid.psserver.shard import Shard
 
     config = ServerConfig(mode="sync", lr=1.0, checkpoint_dir=str(tmp_path))
     shard = Shard(config)

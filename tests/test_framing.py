@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from google.protobuf.message import DecodeError
 
-from psserver import framing
-from psserver.exceptions import InvalidArgument
-from psserver.rpc import ps_pb2
+from psgrid.psserver import framing
+from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.rpc import ps_pb2
 
 INT64 = st.integers(-(1 << 63), (1 << 63) - 1)
 UINT64 = st.integers(0, (1 << 64) - 1)
@@ -260,8 +260,8 @@ def test_shard_refuses_malformed_push_frames_as_bad_input_and_takes_protobuf_one
     import grpc
     import numpy as np
 
-    from psserver.client import ShardedClient
-    from psserver.spec import ModelSpec
+    from psgrid.psserver.client import ShardedClient
+    from psgrid.psserver.spec import ModelSpec
     from tests.cluster_utils import addresses, in_process_cluster
 
     spec = ModelSpec([("w", (10,))])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psserver.client import ShardedClient
-from psserver.spec import ModelSpec
+from psgrid.psserver.client import ShardedClient
+from psgrid.psserver.spec import ModelSpec
 from tests.cluster_utils import addresses, in_process_cluster, run_threads
 
 FEATURES = 12

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.coordinator import JobState, MetricsTail, merge_metrics
-from cluster.procs import Child, stop_children
+from psgrid.cluster.coordinator import JobState, MetricsTail, merge_metrics
+from psgrid.cluster.procs import Child, stop_children
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--config", "mnist", "--steps", "100", "--eval-every", "25", "--no-progress"]
@@ -77,7 +77,7 @@ class Launch:
         self.out = tmp_path / "run"
         self.log = tmp_path / "launch.log"
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "launch", *args, "--out", str(self.out)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "launch", *args, "--out", str(self.out)],
                                          cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
@@ -254,10 +254,10 @@ def test_sigterm_stops_every_child(tmp_path):
 def test_a_failure_after_training_fails_the_job(tmp_path, monkeypatch, capsys):
     # Training completes, then the final evaluation cannot reach a shard: the job did not end
     # cleanly, and neither the exit code nor summary.json may say otherwise.
-    import cluster.coordinator as co
-    from cluster.config import apply_overrides, load_job
-    from cluster.launch import launch
-    from psserver.exceptions import RemoteError
+    import psgrid.cluster.coordinator as co
+    from psgrid.cluster.config import apply_overrides, load_job
+    from psgrid.cluster.launch import launch
+    from psgrid.psserver.exceptions import RemoteError
 
     def refuse(job, addresses):
         raise RemoteError("UNAUTHENTICATED", "shard 0: missing or wrong bearer token")

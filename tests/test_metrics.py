@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from psserver.client import ShardedClient
-from psserver.spec import ModelSpec
+from psgrid.psserver.client import ShardedClient
+from psgrid.psserver.spec import ModelSpec
 from tests.cluster_utils import addresses, in_process_cluster
 
 SPEC = ModelSpec([("w", (100,))])

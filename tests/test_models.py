@@ -5,8 +5,8 @@ import time
 import numpy as np
 import pytest
 
-from worker.data import BatchLoader, load_dataset
-from worker.models import MODELS, Model, accuracy, build_model, softmax_cross_entropy
+from psgrid.worker.data import BatchLoader, load_dataset
+from psgrid.worker.models import MODELS, Model, accuracy, build_model, softmax_cross_entropy
 from tests.gpu import cupy_or_skip
 
 # (name, input_shape, build_model options): small enough for finite differences.

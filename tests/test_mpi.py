@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.mpi import min_ranks, role_of, too_few_ranks_message
+from psgrid.cluster.mpi import min_ranks, role_of, too_few_ranks_message
 
 ROOT = Path(__file__).resolve().parent.parent
 # Loopback only: no MPI transport may go looking for a network.
@@ -31,7 +31,7 @@ def mpiexec() -> str:
 
 def run_mpi(n: int, *args: str, timeout: float = 120, extra_env: dict | None = None):
     """``mpiexec -n N python -m cluster.cli mpi ARGS``: (exit code, stdout, stderr, seconds)."""
-    return run_mpiexec(n, ["-m", "cluster.cli", "mpi", *args], timeout, extra_env)
+    return run_mpiexec(n, ["-m", "psgrid.cluster.cli", "mpi", *args], timeout, extra_env)
 
 
 def run_mpiexec(n: int, python_args: list[str], timeout: float = 120, extra_env: dict | None = None):
@@ -129,8 +129,8 @@ def test_a_rank_that_raises_ends_the_job(tmp_path, rank):
 SUBCOMM_SCRIPT = """
 import sys
 from mpi4py import MPI
-from cluster.config import apply_overrides, load_job
-from cluster.mpi import run_mpi
+from psgrid.cluster.config import apply_overrides, load_job
+from psgrid.cluster.mpi import run_mpi
 
 world = MPI.COMM_WORLD
 sub = world.Split(0 if world.rank < 3 else 1, world.rank)

@@ -7,9 +7,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from psserver import optim
-from psserver.exceptions import InvalidArgument
-from psserver.optim import SGD, Adam, make_optimizer
+from psgrid.psserver import optim
+from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.optim import SGD, Adam, make_optimizer
 
 STEPS = 4
 SCALES = [1.0, 0.5, 1.0, 0.25]  # lr_scale per step, as staleness scaling would give

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psserver.exceptions import InvalidArgument, UnknownWorker
-from psserver.policy import MODES, ConsistencyPolicy, Outcome, PushDecision
+from psgrid.psserver.exceptions import InvalidArgument, UnknownWorker
+from psgrid.psserver.policy import MODES, ConsistencyPolicy, Outcome, PushDecision
 
 FAST = settings(max_examples=150, deadline=None)
 

@@ -11,10 +11,10 @@ import grpc
 import numpy as np
 import pytest
 
-from psserver.bulk import HELLO, MAGIC, PULL, REPLY, REQUEST, BulkClient, BulkError, client_ssl_context
-from psserver.client import ShardedClient
-from psserver.exceptions import RemoteError, ShardUnavailable
-from psserver.rpc import ps_pb2
+from psgrid.psserver.bulk import HELLO, MAGIC, PULL, REPLY, REQUEST, BulkClient, BulkError, client_ssl_context
+from psgrid.psserver.client import ShardedClient
+from psgrid.psserver.exceptions import RemoteError, ShardUnavailable
+from psgrid.psserver.rpc import ps_pb2
 from tests.cluster_utils import addresses, in_process_cluster
 from tests.test_bulk import bulk_calls  # noqa: F401 - a fixture
 from tests.test_integration import FEATURES, SPEC, make_problem

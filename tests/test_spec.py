@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psserver.exceptions import InvalidArgument
-from psserver.sharding import chunk_ranges, shard_range, shard_ranges
-from psserver.spec import ModelSpec, ParamSpec
+from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.sharding import chunk_ranges, shard_range, shard_ranges
+from psgrid.psserver.spec import ModelSpec, ParamSpec
 
 FAST = settings(max_examples=60, deadline=None)
 

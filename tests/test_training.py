@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from tests.cluster_utils import addresses, in_process_cluster, run_threads
-from worker.config import TrainConfig
-from worker.evaluate import evaluate
-from worker.loop import run_worker
+from psgrid.worker.config import TrainConfig
+from psgrid.worker.evaluate import evaluate
+from psgrid.worker.loop import run_worker
 
 pytestmark = pytest.mark.slow
 

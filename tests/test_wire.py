@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from psserver import wire
-from psserver.exceptions import InvalidArgument
-from psserver.rpc import ps_pb2
+from psgrid.psserver import wire
+from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.rpc import ps_pb2
 
 FAST = settings(max_examples=80, deadline=None)
 F32, F16, BF16 = ps_pb2.FLOAT32, ps_pb2.FLOAT16, ps_pb2.BFLOAT16

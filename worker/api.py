@@ -4,7 +4,7 @@ Bring a function ``grad_fn(params, batch) -> (loss, grads)`` over named arrays
 (NumPy or CuPy); the trainer pulls the shared weights before each step and
 pushes your gradients after it::
 
-    from worker.api import DistributedTrainer
+    from psgrid.worker.api import DistributedTrainer
 
     trainer = DistributedTrainer(servers, params=initial_params, grad_fn=grad_fn)
     for batch in batches:
@@ -22,9 +22,9 @@ import os
 
 import numpy as np
 
-from psserver.client import ShardedClient
-from psserver.spec import ModelSpec
-from worker.backend import array_module, pinned_empty
+from psgrid.psserver.client import ShardedClient
+from psgrid.psserver.spec import ModelSpec
+from psgrid.worker.backend import array_module, pinned_empty
 
 SERVERS_ENV = "PSGRID_SERVERS"
 

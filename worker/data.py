@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from worker.backend import pinned_empty
+from psgrid.worker.backend import pinned_empty
 
 DATASETS = ("mnist5k", "digits", "synthetic")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from psserver.client import ShardedClient
-from worker.config import TrainConfig
-from worker.loop import build, make_client
-from worker.models import accuracy, softmax_cross_entropy
+from psgrid.psserver.client import ShardedClient
+from psgrid.worker.config import TrainConfig
+from psgrid.worker.loop import build, make_client
+from psgrid.worker.models import accuracy, softmax_cross_entropy
 
 
 def evaluate(train: TrainConfig, servers: list[str], device: str | None = "cpu") -> dict:

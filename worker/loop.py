@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from psserver.client import ShardedClient
-from worker.backend import get_xp, pinned_empty, select_gpu
-from worker.config import TrainConfig
-from worker.data import BatchLoader, load_dataset
-from worker.models import accuracy, build_model
+from psgrid.psserver.client import ShardedClient
+from psgrid.worker.backend import get_xp, pinned_empty, select_gpu
+from psgrid.worker.config import TrainConfig
+from psgrid.worker.data import BatchLoader, load_dataset
+from psgrid.worker.models import accuracy, build_model
 
 log = logging.getLogger("worker")
 

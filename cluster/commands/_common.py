@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import textwrap
 
-from psserver.config import MODES, OPTIMIZERS
-from worker.config import DEVICES, WIRE_DTYPES
+from psgrid.psserver.config import MODES, OPTIMIZERS
+from psgrid.worker.config import DEVICES, WIRE_DTYPES
 
 
 def add_command(subparsers, name: str, help: str, description: str, examples: str) -> argparse.ArgumentParser:
@@ -62,7 +62,7 @@ def add_training_flags(p: argparse.ArgumentParser, flags=TRAINING_FLAGS) -> None
 
 def collect_overrides(args: argparse.Namespace) -> dict:
     """``--set`` assignments, then every ``override_KEY`` flag that was given."""
-    from cluster.config import parse_assignment
+    from psgrid.cluster.config import parse_assignment
 
     overrides = dict(parse_assignment(text) for text in getattr(args, "set", []) or [])
     for name, value in vars(args).items():
@@ -72,13 +72,13 @@ def collect_overrides(args: argparse.Namespace) -> dict:
 
 
 def load_job_from_args(args: argparse.Namespace):
-    from cluster.config import apply_overrides, load_job
+    from psgrid.cluster.config import apply_overrides, load_job
 
     return apply_overrides(load_job(args.config), collect_overrides(args))
 
 
 def split_addresses(text: str) -> list[str]:
-    from cluster.errors import UsageError
+    from psgrid.cluster.errors import UsageError
 
     addresses = [a.strip() for a in text.split(",") if a.strip()]
     for a in addresses:

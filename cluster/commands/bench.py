@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.commands._common import add_command
+from psgrid.cluster.commands._common import add_command
 
 TARGETS = ("transport", "apply")
 
@@ -43,7 +43,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.bench_transport import run as bench
+    from psgrid.cluster.bench_transport import run as bench
 
     what = ("transport", "apply") if args.target == "transport" else ("apply",)
     bench(sizes=args.sizes, repeat=max(1, args.repeat), as_json=args.json, what=what)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.commands._common import add_command, add_config_arg, add_set_arg, add_training_flags
+from psgrid.cluster.commands._common import add_command, add_config_arg, add_set_arg, add_training_flags
 
 EXAMPLES = """
 psctl launch --config examples/mnist.toml
@@ -40,7 +40,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.commands._common import load_job_from_args
-    from cluster.launch import launch
+    from psgrid.cluster.commands._common import load_job_from_args
+    from psgrid.cluster.launch import launch
 
     return launch(load_job_from_args(args), progress=args.progress)

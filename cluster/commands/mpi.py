@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.commands._common import add_command, add_config_arg, add_set_arg, add_training_flags
+from psgrid.cluster.commands._common import add_command, add_config_arg, add_set_arg, add_training_flags
 
 EXAMPLES = """
 mpiexec -n 4 psctl mpi --config examples/mnist.toml --servers 1      # 1 coordinator, 1 shard, 2 workers
@@ -45,7 +45,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.commands._common import load_job_from_args
-    from cluster.mpi import run_mpi
+    from psgrid.cluster.commands._common import load_job_from_args
+    from psgrid.cluster.mpi import run_mpi
 
     return run_mpi(load_job_from_args(args), host=args.host, iface=args.iface, progress=args.progress)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.commands._common import MODES, OPTIMIZERS, add_command, add_config_arg
+from psgrid.cluster.commands._common import MODES, OPTIMIZERS, add_command, add_config_arg
 
 # (flag, ServerConfig field, type or choices, help)
 SERVER_FLAGS = [
@@ -68,9 +68,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def server_config_from_args(args: argparse.Namespace):
     import dataclasses
 
-    from cluster.config import load_job
-    from cluster.errors import ConfigError
-    from psserver.config import ServerConfig
+    from psgrid.cluster.config import load_job
+    from psgrid.cluster.errors import ConfigError
+    from psgrid.psserver.config import ServerConfig
 
     changes = {k[len("cfg_"):]: v for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
     if args.config:
@@ -91,7 +91,7 @@ def check_files(config, names) -> None:
     """Name a missing certificate or key here, before a library fails on it without the path."""
     import os
 
-    from cluster.errors import ConfigError
+    from psgrid.cluster.errors import ConfigError
 
     for name in names:
         path = getattr(config, name)
@@ -100,10 +100,10 @@ def check_files(config, names) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.procs import watch_parent
+    from psgrid.cluster.procs import watch_parent
 
     config = server_config_from_args(args)
     watch_parent()
-    from psserver.server import run_server
+    from psgrid.psserver.server import run_server
 
     return run_server(config, address_file=args.address_file)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.commands._common import add_command
+from psgrid.cluster.commands._common import add_command
 
 EXAMPLES = """
 psctl status --servers 127.0.0.1:41234,127.0.0.1:41235
@@ -38,15 +38,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import time
 
-    from cluster.commands._common import split_addresses
-    from cluster.errors import JobFailed
-    from cluster.status import addresses_from_dir, status
-    from psserver.exceptions import PSError
+    from psgrid.cluster.commands._common import split_addresses
+    from psgrid.cluster.errors import JobFailed
+    from psgrid.cluster.status import addresses_from_dir, status
+    from psgrid.psserver.exceptions import PSError
 
     addresses = split_addresses(args.servers) if args.servers else addresses_from_dir(args.address_dir)
     security = {"token": args.token}
     if args.config:
-        from cluster.config import load_job
+        from psgrid.cluster.config import load_job
 
         train = load_job(args.config).train
         security = {"token": args.token or train.token, "tls_ca": train.tls_ca, "tls_cert": train.tls_cert,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from cluster.commands._common import (
+from psgrid.cluster.commands._common import (
     TRAINING_FLAGS, add_command, add_config_arg, add_set_arg, add_training_flags, split_addresses,
 )
 
@@ -39,10 +39,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from cluster.commands._common import load_job_from_args
-    from cluster.commands.server import check_files
-    from cluster.errors import UsageError
-    from cluster.procs import watch_parent
+    from psgrid.cluster.commands._common import load_job_from_args
+    from psgrid.cluster.commands.server import check_files
+    from psgrid.cluster.errors import UsageError
+    from psgrid.cluster.procs import watch_parent
 
     job = load_job_from_args(args)
     check_files(job.train, ("tls_cert", "tls_key", "tls_ca"))
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.rank < world:
         raise UsageError(f"--rank must be in 0..{world - 1} for --world {world}, got {args.rank}")
     watch_parent()
-    from worker.loop import run_worker
+    from psgrid.worker.loop import run_worker
 
     result = run_worker(job.train, servers, args.rank, world, metrics_path=args.metrics)
     print(json.dumps(result), flush=True)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from psserver.rpc import ps_pb2 as psserver_dot_rpc_dot_ps__pb2
+from psgrid.psserver.rpc import ps_pb2 as psgrid_dot_psserver_dot_rpc_dot_ps__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in psserver/rpc/ps_pb2_grpc.py depends on'
+        + ' but the generated code in psgrid/psserver/rpc/ps_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,43 +36,43 @@ class ParameterServerStub:
         """
         self.Register = channel.unary_unary(
                 '/ps.ParameterServer/Register',
-                request_serializer=psserver_dot_rpc_dot_ps__pb2.RegisterRequest.SerializeToString,
-                response_deserializer=psserver_dot_rpc_dot_ps__pb2.RegisterReply.FromString,
+                request_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.RegisterReply.FromString,
                 _registered_method=True)
         self.Init = channel.stream_unary(
                 '/ps.ParameterServer/Init',
-                request_serializer=psserver_dot_rpc_dot_ps__pb2.InitRequest.SerializeToString,
-                response_deserializer=psserver_dot_rpc_dot_ps__pb2.InitReply.FromString,
+                request_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.InitRequest.SerializeToString,
+                response_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.InitReply.FromString,
                 _registered_method=True)
         self.Pull = channel.unary_stream(
                 '/ps.ParameterServer/Pull',
-                request_serializer=psserver_dot_rpc_dot_ps__pb2.PullRequest.SerializeToString,
-                response_deserializer=psserver_dot_rpc_dot_ps__pb2.PullReply.FromString,
+                request_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.PullRequest.SerializeToString,
+                response_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.PullReply.FromString,
                 _registered_method=True)
         self.Push = channel.stream_unary(
                 '/ps.ParameterServer/Push',
-                request_serializer=psserver_dot_rpc_dot_ps__pb2.PushRequest.SerializeToString,
-                response_deserializer=psserver_dot_rpc_dot_ps__pb2.PushReply.FromString,
+                request_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.PushRequest.SerializeToString,
+                response_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.PushReply.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/ps.ParameterServer/Heartbeat',
-                request_serializer=psserver_dot_rpc_dot_ps__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=psserver_dot_rpc_dot_ps__pb2.HeartbeatReply.FromString,
+                request_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.HeartbeatReply.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/ps.ParameterServer/Stats',
-                request_serializer=psserver_dot_rpc_dot_ps__pb2.StatsRequest.SerializeToString,
-                response_deserializer=psserver_dot_rpc_dot_ps__pb2.StatsReply.FromString,
+                request_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.StatsRequest.SerializeToString,
+                response_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.StatsReply.FromString,
                 _registered_method=True)
         self.Checkpoint = channel.unary_unary(
                 '/ps.ParameterServer/Checkpoint',
-                request_serializer=psserver_dot_rpc_dot_ps__pb2.CheckpointRequest.SerializeToString,
-                response_deserializer=psserver_dot_rpc_dot_ps__pb2.CheckpointReply.FromString,
+                request_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.CheckpointReply.FromString,
                 _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/ps.ParameterServer/Shutdown',
-                request_serializer=psserver_dot_rpc_dot_ps__pb2.ShutdownRequest.SerializeToString,
-                response_deserializer=psserver_dot_rpc_dot_ps__pb2.ShutdownReply.FromString,
+                request_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.ShutdownRequest.SerializeToString,
+                response_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.ShutdownReply.FromString,
                 _registered_method=True)
 
 
@@ -141,43 +141,43 @@ def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Register': grpc.unary_unary_rpc_method_handler(
                     servicer.Register,
-                    request_deserializer=psserver_dot_rpc_dot_ps__pb2.RegisterRequest.FromString,
-                    response_serializer=psserver_dot_rpc_dot_ps__pb2.RegisterReply.SerializeToString,
+                    request_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.RegisterRequest.FromString,
+                    response_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.RegisterReply.SerializeToString,
             ),
             'Init': grpc.stream_unary_rpc_method_handler(
                     servicer.Init,
-                    request_deserializer=psserver_dot_rpc_dot_ps__pb2.InitRequest.FromString,
-                    response_serializer=psserver_dot_rpc_dot_ps__pb2.InitReply.SerializeToString,
+                    request_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.InitRequest.FromString,
+                    response_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.InitReply.SerializeToString,
             ),
             'Pull': grpc.unary_stream_rpc_method_handler(
                     servicer.Pull,
-                    request_deserializer=psserver_dot_rpc_dot_ps__pb2.PullRequest.FromString,
-                    response_serializer=psserver_dot_rpc_dot_ps__pb2.PullReply.SerializeToString,
+                    request_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.PullRequest.FromString,
+                    response_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.PullReply.SerializeToString,
             ),
             'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=psserver_dot_rpc_dot_ps__pb2.PushRequest.FromString,
-                    response_serializer=psserver_dot_rpc_dot_ps__pb2.PushReply.SerializeToString,
+                    request_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.PushRequest.FromString,
+                    response_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.PushReply.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=psserver_dot_rpc_dot_ps__pb2.HeartbeatRequest.FromString,
-                    response_serializer=psserver_dot_rpc_dot_ps__pb2.HeartbeatReply.SerializeToString,
+                    request_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.HeartbeatRequest.FromString,
+                    response_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.HeartbeatReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=psserver_dot_rpc_dot_ps__pb2.StatsRequest.FromString,
-                    response_serializer=psserver_dot_rpc_dot_ps__pb2.StatsReply.SerializeToString,
+                    request_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.StatsRequest.FromString,
+                    response_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.StatsReply.SerializeToString,
             ),
             'Checkpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.Checkpoint,
-                    request_deserializer=psserver_dot_rpc_dot_ps__pb2.CheckpointRequest.FromString,
-                    response_serializer=psserver_dot_rpc_dot_ps__pb2.CheckpointReply.SerializeToString,
+                    request_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.CheckpointRequest.FromString,
+                    response_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.CheckpointReply.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
-                    request_deserializer=psserver_dot_rpc_dot_ps__pb2.ShutdownRequest.FromString,
-                    response_serializer=psserver_dot_rpc_dot_ps__pb2.ShutdownReply.SerializeToString,
+                    request_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.ShutdownRequest.FromString,
+                    response_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.ShutdownReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -205,8 +205,8 @@ class ParameterServer:
             request,
             target,
             '/ps.ParameterServer/Register',
-            psserver_dot_rpc_dot_ps__pb2.RegisterRequest.SerializeToString,
-            psserver_dot_rpc_dot_ps__pb2.RegisterReply.FromString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.RegisterRequest.SerializeToString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.RegisterReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -232,8 +232,8 @@ class ParameterServer:
             request_iterator,
             target,
             '/ps.ParameterServer/Init',
-            psserver_dot_rpc_dot_ps__pb2.InitRequest.SerializeToString,
-            psserver_dot_rpc_dot_ps__pb2.InitReply.FromString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.InitRequest.SerializeToString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.InitReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -259,8 +259,8 @@ class ParameterServer:
             request,
             target,
             '/ps.ParameterServer/Pull',
-            psserver_dot_rpc_dot_ps__pb2.PullRequest.SerializeToString,
-            psserver_dot_rpc_dot_ps__pb2.PullReply.FromString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.PullRequest.SerializeToString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.PullReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -286,8 +286,8 @@ class ParameterServer:
             request_iterator,
             target,
             '/ps.ParameterServer/Push',
-            psserver_dot_rpc_dot_ps__pb2.PushRequest.SerializeToString,
-            psserver_dot_rpc_dot_ps__pb2.PushReply.FromString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.PushRequest.SerializeToString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.PushReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -313,8 +313,8 @@ class ParameterServer:
             request,
             target,
             '/ps.ParameterServer/Heartbeat',
-            psserver_dot_rpc_dot_ps__pb2.HeartbeatRequest.SerializeToString,
-            psserver_dot_rpc_dot_ps__pb2.HeartbeatReply.FromString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.HeartbeatReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -340,8 +340,8 @@ class ParameterServer:
             request,
             target,
             '/ps.ParameterServer/Stats',
-            psserver_dot_rpc_dot_ps__pb2.StatsRequest.SerializeToString,
-            psserver_dot_rpc_dot_ps__pb2.StatsReply.FromString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.StatsRequest.SerializeToString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.StatsReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -367,8 +367,8 @@ class ParameterServer:
             request,
             target,
             '/ps.ParameterServer/Checkpoint',
-            psserver_dot_rpc_dot_ps__pb2.CheckpointRequest.SerializeToString,
-            psserver_dot_rpc_dot_ps__pb2.CheckpointReply.FromString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.CheckpointRequest.SerializeToString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.CheckpointReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -394,8 +394,8 @@ class ParameterServer:
             request,
             target,
             '/ps.ParameterServer/Shutdown',
-            psserver_dot_rpc_dot_ps__pb2.ShutdownRequest.SerializeToString,
-            psserver_dot_rpc_dot_ps__pb2.ShutdownReply.FromString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.ShutdownRequest.SerializeToString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.ShutdownReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,9 +8,9 @@
 
 from __future__ import annotations
 
-from worker.models.base import Model, accuracy, softmax_cross_entropy
-from worker.models.cnn import SmallCNN
-from worker.models.mlp import MLP, SoftmaxRegression
+from psgrid.worker.models.base import Model, accuracy, softmax_cross_entropy
+from psgrid.worker.models.cnn import SmallCNN
+from psgrid.worker.models.mlp import MLP, SoftmaxRegression
 
 MODELS = ("softmax", "mlp", "cnn")
 

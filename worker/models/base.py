@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from psserver.spec import ModelSpec
-from worker.backend import array_module
-from worker.models.layers import Layer
+from psgrid.psserver.spec import ModelSpec
+from psgrid.worker.backend import array_module
+from psgrid.worker.models.layers import Layer
 
 
 def softmax_cross_entropy(logits, y):

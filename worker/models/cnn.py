@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from worker.models.base import Model
-from worker.models.layers import Conv2D, Dense, Flatten, MaxPool2, ReLU
+from psgrid.worker.models.base import Model
+from psgrid.worker.models.layers import Conv2D, Dense, Flatten, MaxPool2, ReLU
 
 
 class SmallCNN(Model):

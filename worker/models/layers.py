@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from worker.backend import array_module
+from psgrid.worker.backend import array_module
 
 
 class Layer:

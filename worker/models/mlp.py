@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from worker.models.base import Model
-from worker.models.layers import Dense, Flatten, ReLU, Sigmoid
+from psgrid.worker.models.base import Model
+from psgrid.worker.models.layers import Dense, Flatten, ReLU, Sigmoid
 
 ACTIVATIONS = {"relu": ReLU, "sigmoid": Sigmoid}
 

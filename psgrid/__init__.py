@@ -1,0 +1,56 @@
+"""psgrid: sharded parameter servers for data-parallel training (sync, async, stale-synchronous).
+
+The user API, imported lazily so that ``psctl --help`` does not pay for NumPy and gRPC::
+
+    import psgrid
+
+    spec = psgrid.ModelSpec([("w", (784, 10)), ("b", (10,))])
+    with psgrid.Client(addresses, spec, world=2, init=initial_weights) as client:
+        client.pull(params).wait()
+        ...
+        client.push(grad).wait()
+
+``psgrid.serve(ServerConfig(...))`` starts a shard in this process; ``DistributedTrainer``
+trains a gradient function in a few lines; ``Admin`` reads and steers a running job.
+
+In the wheel the subpackages live inside this folder. In a source checkout they sit beside
+it at the top of the repository (``psserver/``, ``worker/``, ``cluster/``, which setuptools
+maps in with ``package-dir``), so the package path is extended to find them there too.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path as _Path
+
+_here = _Path(__file__).resolve().parent
+_source_root = _here.parent
+if not (_here / "psserver").is_dir() and (_source_root / "pyproject.toml").is_file() \
+        and (_source_root / "psserver" / "__init__.py").is_file():
+    __path__.append(str(_source_root))  # noqa: F821 - a package's __path__ is defined by the import system
+
+# name -> module that defines it
+_EXPORTS = {
+    "ShardedClient": "psgrid.psserver.client",
+    "ModelSpec": "psgrid.psserver.spec",
+    "ServerConfig": "psgrid.psserver.config",
+    "serve": "psgrid.psserver.server",
+    "DistributedTrainer": "psgrid.worker.api",
+    "TrainConfig": "psgrid.worker.config",
+    "PSError": "psgrid.psserver.exceptions",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'psgrid' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,80 @@
+"""One import package: the wheel's top level is psgrid alone, and a user's own modules never shadow ours."""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def installed_files() -> list[str] | None:
+    """Files of the psgrid installed in this interpreter's site-packages; None for an editable install."""
+    dists = list(metadata.distributions(name="psgrid", path=[sysconfig.get_paths()["purelib"]]))
+    if not dists:
+        return None
+    dist = dists[0]
+    direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    if direct.get("dir_info", {}).get("editable"):
+        return None
+    return [str(f) for f in dist.files]
+
+
+def wheel_files(tmp_path: Path) -> list[str]:
+    # Built from a copy: setuptools never empties build/, so an in-tree build can ship stale files.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "runs", "__pycache__",
+                                                               ".venv", ".whl"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(source)], check=True, capture_output=True, timeout=120)
+    [wheel] = tmp_path.glob("psgrid-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        return z.namelist()
+
+
+@pytest.mark.timeout(150)
+def test_the_distribution_installs_psgrid_alone(tmp_path):
+    files = installed_files() or wheel_files(tmp_path)
+    top = {f.split("/")[0] for f in files if not f.startswith("..")}
+    top = {t for t in top if not t.endswith(".dist-info")}
+    assert top == {"psgrid"}, f"the distribution's top level must be psgrid alone, got {sorted(top)}"
+    for layer in ("psserver", "worker", "cluster"):
+        assert f"psgrid/{layer}/__init__.py" in files
+    assert "psgrid/psserver/rpc/ps_pb2.py" in files
+    for example in (ROOT / "examples").glob("*.toml"):      # the one copy, shipped as package data
+        assert f"psgrid/examples/{example.name}" in files
+
+
+def _psctl() -> list[str]:
+    """``psctl`` as a user runs it: the console script when installed, else the same bootstrap children use."""
+    script = Path(sys.executable).with_name("psctl")
+    if script.exists() and installed_files() is not None:
+        return [str(script)]
+    from psgrid.cluster.procs import CHILD_BOOTSTRAP
+
+    return [sys.executable, "-c", CHILD_BOOTSTRAP]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_launch_from_a_folder_holding_worker_cluster_and_psserver_modules(tmp_path):
+    for name in ("worker", "cluster", "psserver", "psgrid"):
+        (tmp_path / f"{name}.py").write_text(f'raise SystemExit("the user\'s {name}.py was imported by psctl")\n')
+    env = dict(os.environ, PYTHONPATH=str(ROOT) if installed_files() is None else os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([*_psctl(), "launch", "--config", "mnist", "--steps", "30", "--eval-every", "0",
+                           "--out", str(tmp_path / "run")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["workers_completed"] == summary["workers"]
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*.log"))
+    assert "was imported by psctl" not in logs + done.stderr
