@@ -43,7 +43,8 @@ def without_servers(train: TrainConfig, lr: float = 0.01) -> dict:
     """The same model, data loader and buffers, updated on the GPU with plain SGD: no servers at all."""
     from psgrid.worker.backend import sync
     from psgrid.worker.data import BatchLoader
-    from psgrid.worker.loop import FlatBuffers, build
+    from psgrid.worker.flat import FlatBuffers
+    from psgrid.worker.loop import build
 
     xp, device, data, model = build(train, rank=0, world=1)
     bufs = FlatBuffers(model.spec, xp)

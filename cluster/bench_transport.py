@@ -18,24 +18,17 @@ import time
 
 import numpy as np
 
-from psgrid.psserver.client import ShardedClient
+from psgrid.psserver.client import Client
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.optim import make_optimizer
 from psgrid.psserver.spec import ModelSpec
+from psgrid.psserver.transports.tcp_frames import recv_exact
 
 KIB, MIB = 1024, 1024 * 1024
 DEFAULT_SIZES = [4 * KIB, 64 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 
 
 # ----- raw TCP echo on loopback: the reference ---------------------------------------------------
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    while view:
-        n = sock.recv_into(view)
-        if n == 0:
-            raise ConnectionError("peer closed")
-        view = view[n:]
-
 
 def _echo_server(port_queue) -> None:
     listener = socket.create_server(("127.0.0.1", 0))
@@ -46,14 +39,14 @@ def _echo_server(port_queue) -> None:
     header = bytearray(8)
     while True:
         try:
-            _recv_exact(conn, memoryview(header))
+            recv_exact(conn, memoryview(header))
         except ConnectionError:
             return
         (size,) = struct.unpack("<Q", header)
         if len(buf) < size:
             buf = bytearray(size)
         view = memoryview(buf)[:size]
-        _recv_exact(conn, view)        # take the whole payload (like a push) ...
+        recv_exact(conn, view)        # take the whole payload (like a push) ...
         conn.sendall(view)             # ... then send it all back (like a pull)
 
 
@@ -69,7 +62,7 @@ class TcpEcho:
     def round_trip(self, payload: memoryview, into: memoryview) -> None:
         self.sock.sendall(struct.pack("<Q", len(payload)))
         self.sock.sendall(payload)
-        _recv_exact(self.sock, into)
+        recv_exact(self.sock, into)
 
     def close(self) -> None:
         self.sock.close()
@@ -136,7 +129,7 @@ def _median_time(fn, n: int) -> float:
 def transport_rows(sizes, repeat: int = 5, chunk_bytes: int = 1 * MIB):
     """Yield one dict per size: pull+push through a shard vs the TCP echo of the same bytes.
 
-    ``gbps`` is the default path (the bulk data plane); ``grpc_gbps`` the same
+    ``gbps`` is the default path (the TCP data plane); ``grpc_gbps`` the same
     calls with the payload in gRPC streams of ``chunk_bytes`` chunks.
     """
     echo = TcpEcho()
@@ -149,21 +142,15 @@ def transport_rows(sizes, repeat: int = 5, chunk_bytes: int = 1 * MIB):
                 values = np.random.default_rng(0).standard_normal(elems).astype(np.float32)
                 out = np.empty(elems, np.float32)
                 n = _repeats(size, repeat)
-                bulk = ShardedClient([shard.address], chunk_bytes=chunk_bytes, deadline_s=600, bulk=True)
-                grpc_only = ShardedClient([shard.address], chunk_bytes=chunk_bytes, deadline_s=600, bulk=False)
-                try:
-                    for client in (bulk, grpc_only):
-                        client.register(spec)
-                        client.init(values)
+                options = dict(init=values, chunk_bytes=chunk_bytes, deadline_s=600)
+                with Client([shard.address], spec, data_plane="tcp", **options) as tcp, \
+                        Client([shard.address], spec, data_plane="grpc", **options) as grpc_only:
                     payload, into = memoryview(values).cast("B"), memoryview(out).cast("B")
                     times = _interleaved_medians({
-                        "ps": lambda: (bulk.pull(out), bulk.push(values)),
-                        "grpc": lambda: (grpc_only.pull(out), grpc_only.push(values)),
+                        "ps": lambda: (tcp.pull(out).wait(), tcp.push(values).wait()),
+                        "grpc": lambda: (grpc_only.pull(out).wait(), grpc_only.push(values).wait()),
                         "tcp": lambda: echo.round_trip(payload, into),
                     }, n)
-                finally:
-                    bulk.close()
-                    grpc_only.close()
                 ps_s, grpc_s, tcp_s = times["ps"], times["grpc"], times["tcp"]
             finally:
                 shard.close()

@@ -12,7 +12,7 @@ EXAMPLES = """\
 examples:
   psctl launch --config examples/mnist.toml            # the default job: 2 shards, 2 workers, sync
   psctl launch --config mnist --mode ssp --staleness 2  # 'mnist' is the packaged copy of that file
-  mpiexec -n 6 psctl mpi --config mnist --servers 2     # 1 coordinator, 2 shards, 3 workers
+  mpiexec -n 6 psctl mpi --config mnist --shards 2      # 1 coordinator, 2 shards, 3 workers
   psctl status --address-dir runs/mnist-20250101-120000/addr
 
 Run 'psctl COMMAND --help' for a command's options and examples."""
@@ -25,7 +25,12 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """psctl's parser; with ``command``, only that command's options are built (the rest are listed).
+
+    Building only what is run keeps each command's imports its own: ``psctl server`` never
+    loads the worker package, whose settings the job-running commands' flags describe.
+    """
     parser = Parser(
         prog="psctl",
         description="Sharded parameter servers for data-parallel training: start shards and workers, "
@@ -36,7 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
     for name in COMMANDS:
-        importlib.import_module(f"psgrid.cluster.commands.{name}").add_parser(sub)
+        module = importlib.import_module(f"psgrid.cluster.commands.{name}")
+        if command in (None, name):
+            module.add_parser(sub)
+        else:
+            sub.add_parser(name, help=module.HELP)
     return parser
 
 
@@ -53,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run psctl with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     from psgrid.cluster.errors import JobFailed, UsageError
 
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)

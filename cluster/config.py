@@ -1,17 +1,18 @@
-"""Job files: one TOML file describes a whole run (servers, workers, model, data, consistency).
+"""Job files: one TOML file describes a whole run (shards, workers, model, data, consistency).
 
 A job file has three optional tables::
 
-    [job]     name, servers, workers, out, timeout_s, start_timeout_s
+    [job]     name, shards, workers, out, timeout_s, start_timeout_s
     [server]  any ServerConfig field (mode, staleness, optimizer, lr, lease_s, checkpoints, ...)
     [train]   any TrainConfig field (model, dataset, batch_size, steps, eval_every, device, ...)
 
 Any key may also be written at the top level, before the first table, when it is
 unambiguous: ``mode = "ssp"`` means ``[server] mode``, ``steps = 300`` means
-``[train] steps``.  ``chunk_bytes`` and ``token`` at the top level set both the
-servers and the workers.  The TLS keys must sit in a table, because a shard's
+``[train] steps``.  ``chunk_bytes``, ``data_plane`` and ``token`` at the top level set
+both the shards and the workers.  The TLS keys must sit in a table, because a shard's
 certificate and a worker's client certificate are different files.  A key given
-both at the top level and in a table is an error, so is an unknown key.
+both at the top level and in a table is an error, so is an unknown key, and so is a
+key that was renamed (:data:`RENAMED`): its message names the new one.
 
 Precedence: dataclass defaults < job file < overrides (command-line flags and
 ``--set key=value``), see :func:`apply_overrides`.
@@ -38,7 +39,19 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 from psgrid.cluster.errors import ConfigError
 from psgrid.psserver.config import ServerConfig
-from psgrid.worker.config import TrainConfig
+
+if typing.TYPE_CHECKING:
+    from psgrid.worker.config import TrainConfig
+
+SECTIONS = ("job", "server", "train")
+SHARD_SECTIONS = ("job", "server")     # what one shard reads of a job file (load_shard_settings)
+
+
+def _train_config():
+    """The workers' settings class, imported only where a job's [train] part is read: a shard never loads it."""
+    from psgrid.worker.config import TrainConfig
+
+    return TrainConfig
 
 # The job files of examples/ (psgrid/examples in the wheel, the repository's examples/ in a checkout).
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
@@ -48,7 +61,14 @@ SERVER_PER_PROCESS = ("shard_index", "num_shards", "port", "extra")
 # Same name, different meaning on the two sides: a shard's certificate is not a worker's.
 AMBIGUOUS = ("tls_cert", "tls_key", "tls_ca")
 # Same name and meaning on both sides: a top-level value sets both.
-SHARED = ("chunk_bytes", "token")
+SHARED = ("chunk_bytes", "data_plane", "token")
+# Keys of earlier releases, refused wherever they appear (top level or any table) with what replaced them:
+# a job file that still says `servers = 2` must fail loudly, not be read as something else.
+RENAMED = {
+    "servers": "'servers' was renamed: use shards = N (the number of shard processes)",
+    "bulk": "'bulk' was replaced: use data_plane = \"tcp\" (the TCP data plane, the old bulk = true) "
+            "or data_plane = \"grpc\" (gRPC only, the old bulk = false)",
+}
 
 
 @dataclass
@@ -59,7 +79,7 @@ class JobConfig:
     ----------
     name : str
         Used in the default output folder ``runs/<name>-<timestamp>``.
-    servers, workers : int
+    shards, workers : int
         Number of shard processes and worker processes.
     out : str or None
         Output folder (logs, metrics, summary); None picks ``runs/<name>-<timestamp>``.
@@ -75,13 +95,13 @@ class JobConfig:
     """
 
     name: str = "job"
-    servers: int = 1
+    shards: int = 1
     workers: int = 2
     out: str | None = None
     timeout_s: float = 0.0
     start_timeout_s: float = 60.0
     server: ServerConfig = field(default_factory=ServerConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainConfig = field(default_factory=lambda: _train_config()())
     source: str | None = field(default=None, compare=False)
 
     @property
@@ -102,7 +122,7 @@ class JobConfig:
 
     def server_config(self, shard_index: int, *, host: str | None = None, port: int = 0) -> ServerConfig:
         """The ServerConfig of shard ``shard_index`` of this job."""
-        changes: dict[str, Any] = {"shard_index": shard_index, "num_shards": self.servers, "port": port}
+        changes: dict[str, Any] = {"shard_index": shard_index, "num_shards": self.shards, "port": port}
         if host is not None:
             changes["host"] = host
         if self.server.metrics_port:
@@ -127,22 +147,28 @@ def server_keys() -> list[str]:
 
 
 def train_keys() -> list[str]:
-    return list(TrainConfig.field_names())
+    return list(_train_config().field_names())
 
 
 def _section_keys(section: str) -> list[str]:
     return {"job": job_keys, "server": server_keys, "train": train_keys}[section]()
 
 
-def route(key: str) -> list[tuple[str, str]]:
+def route(key: str, sections: tuple[str, ...] = SECTIONS) -> list[tuple[str, str]]:
     """Where a key goes: ``"lr"`` -> ``[("server", "lr")]``; ``"train.steps"`` -> ``[("train", "steps")]``.
 
-    Raises ConfigError naming the valid keys when the key is unknown or ambiguous.
+    Raises ConfigError naming the valid keys when the key is unknown or ambiguous. With
+    ``sections`` lacking "train", a key that is none of the others' is left to the workers
+    (routed nowhere) unchecked.
     """
     if "." in key:
         section, _, name = key.partition(".")
-        if section not in ("job", "server", "train"):
+        if section not in SECTIONS:
             raise ConfigError(f"unknown table {section!r} in {key!r}; tables are job, server and train")
+        if name in RENAMED:
+            raise ConfigError(RENAMED[name])
+        if section not in sections:
+            return []
         valid = _section_keys(section)
         if name not in valid:
             raise ConfigError(_unknown_message(name, f"[{section}]", valid, per_process=section == "server"))
@@ -152,9 +178,13 @@ def route(key: str) -> list[tuple[str, str]]:
             f"{key} is ambiguous at the top level: put it under [server] (the shard's file) "
             f"or [train] (the worker's file), or write server.{key} / train.{key}"
         )
+    if key in RENAMED:
+        raise ConfigError(RENAMED[key])
     if key in SHARED:
-        return [("server", key), ("train", key)]
-    places = [s for s in ("job", "server", "train") if key in _section_keys(s)]
+        return [(s, key) for s in ("server", "train") if s in sections]
+    places = [s for s in sections if key in _section_keys(s)]
+    if not places and "train" not in sections:
+        return []
     if not places:
         valid = sorted(set(job_keys()) | set(server_keys()) | set(train_keys()))
         raise ConfigError(_unknown_message(key, "a job file", valid, per_process=True))
@@ -164,7 +194,7 @@ def route(key: str) -> list[tuple[str, str]]:
 def _unknown_message(key: str, where: str, valid: list[str], per_process: bool) -> str:
     if per_process and key in SERVER_PER_PROCESS:
         return (f"{key} cannot be set in {where}: it is set per shard process "
-                f"(psctl server --shard/--num-shards/--port; [job] servers for launch and mpi)")
+                f"(psctl server --shard/--num-shards/--port; [job] shards for launch and mpi)")
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"unknown key {key!r} in {where}{hint}; valid keys: {', '.join(sorted(valid))}"
@@ -194,42 +224,72 @@ def example_names() -> list[str]:
     return sorted(p.stem for p in EXAMPLES_DIR.glob("*.toml"))
 
 
-def load_job(spec: str | Path) -> JobConfig:
-    """Read a job file (or a packaged example by name) into a validated JobConfig."""
+def _read(spec: str | Path) -> tuple[Path, dict]:
     path = resolve_config_path(spec)
     try:
-        data = tomllib.loads(path.read_text())
+        return path, tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+
+
+def load_job(spec: str | Path) -> JobConfig:
+    """Read a job file (or a packaged example by name) into a validated JobConfig."""
+    path, data = _read(spec)
     job = job_from_dict(data, source=str(path))
     if "name" not in data and "name" not in data.get("job", {}):
         job.name = path.stem
     return job
 
 
+def load_shard_settings(spec: str | Path) -> tuple[ServerConfig, int]:
+    """What one shard needs of a job file: its [server] settings and [job] shards.
+
+    The workers' part ([train] and their top-level keys) is theirs to check: a shard
+    never loads the worker package.
+    """
+    path, data = _read(spec)
+    where = str(path)
+    tables = _tables(data, where, SHARD_SECTIONS)
+    job_hints = typing.get_type_hints(JobConfig, localns={"TrainConfig": object})
+    srv = {k: _coerce(where, "server", k, v, typing.get_type_hints(ServerConfig)[k])
+           for k, v in tables["server"].items()}
+    shards = _coerce(where, "job", "shards", tables["job"].get("shards", JobConfig.shards), job_hints["shards"])
+    if shards < 1:
+        raise ConfigError(f"{where}: [job] shards must be >= 1, got {shards}")
+    try:
+        return ServerConfig(**srv), shards
+    except ValueError as e:
+        raise ConfigError(f"{where}: [server] {e}") from None
+
+
 def job_from_dict(data: Mapping[str, Any], source: str | None = None) -> JobConfig:
     """Build a JobConfig from a parsed job file (tables and top-level keys, see the module doc)."""
     where = source or "job"
-    tables: dict[str, dict[str, Any]] = {"job": {}, "server": {}, "train": {}}
+    return _build(_tables(data, where, SECTIONS), where)
+
+
+def _tables(data: Mapping[str, Any], where: str, sections: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """The job file's keys sorted into its tables; those of sections not asked for are left out."""
+    tables: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     origin: dict[tuple[str, str], str] = {}
     for key, value in data.items():
         if key in tables and isinstance(value, dict):
             for name, item in value.items():
-                for place in _route_in(where, f"{key}.{name}"):
+                for place in _route_in(where, f"{key}.{name}", sections):
                     _put(tables, origin, place, item, f"[{key}] {name}", where)
         elif isinstance(value, dict):
             raise ConfigError(f"{where}: unknown table [{key}]; tables are [job], [server] and [train]")
         else:
-            for place in _route_in(where, key):
+            for place in _route_in(where, key, sections):
                 _put(tables, origin, place, value, f"top-level {key}", where)
-    return _build(tables, where)
+    return tables
 
 
-def _route_in(where: str, key: str) -> list[tuple[str, str]]:
+def _route_in(where: str, key: str, sections: tuple[str, ...] = SECTIONS) -> list[tuple[str, str]]:
     try:
-        return route(key)
+        return route(key, sections)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
 
@@ -242,8 +302,9 @@ def _put(tables, origin, place, value, label, where):
 
 
 def _build(tables: dict[str, dict[str, Any]], where: str) -> JobConfig:
+    TrainConfig = _train_config()
     hints = {
-        "job": typing.get_type_hints(JobConfig),
+        "job": typing.get_type_hints(JobConfig, localns={"TrainConfig": TrainConfig}),
         "server": typing.get_type_hints(ServerConfig),
         "train": typing.get_type_hints(TrainConfig),
     }
@@ -252,7 +313,7 @@ def _build(tables: dict[str, dict[str, Any]], where: str) -> JobConfig:
         for section, values in tables.items()
     }
     srv, trn = typed["server"], typed["train"]
-    # Workers of this job must carry the servers' token.
+    # Workers of this job must carry the shards' token.
     if srv.get("token") and "token" not in trn:
         trn["token"] = srv["token"]
     try:
@@ -270,8 +331,8 @@ def _build(tables: dict[str, dict[str, Any]], where: str) -> JobConfig:
 
 
 def _check_job(job: JobConfig, where: str) -> None:
-    if job.servers < 1:
-        raise ConfigError(f"{where}: [job] servers must be >= 1, got {job.servers}")
+    if job.shards < 1:
+        raise ConfigError(f"{where}: [job] shards must be >= 1, got {job.shards}")
     if job.workers < 1:
         raise ConfigError(f"{where}: [job] workers must be >= 1, got {job.workers}")
     if job.timeout_s < 0 or not job.start_timeout_s > 0:

@@ -226,11 +226,10 @@ def finish(job: JobConfig, addresses: list[str], *, evaluate: bool = True) -> tu
 
     Returns ``(evaluation, shard_stats)``; the shards are asked to stop even if the evaluation fails.
     """
-    from psgrid.psserver.client import ShardedClient
+    from psgrid.worker.loop import make_admin
 
     t = job.train
-    client = ShardedClient(addresses, token=t.token, tls_ca=t.tls_ca, tls_cert=t.tls_cert, tls_key=t.tls_key,
-                           deadline_s=t.deadline_s, retry_s=min(t.retry_s, 10.0))
+    admin = make_admin(t, addresses, deadline_s=t.deadline_s, retry_s=min(t.retry_s, 10.0))
     evaluation = None
     try:
         if evaluate:
@@ -238,17 +237,16 @@ def finish(job: JobConfig, addresses: list[str], *, evaluate: bool = True) -> tu
 
             evaluation = call_with_timeout(lambda: evaluate_weights(job.train, addresses), EVAL_TIMEOUT_S,
                                            "final evaluation")
-        stats = call_with_timeout(client.stats, 60.0, "reading shard stats")
+        stats = call_with_timeout(admin.stats, 60.0, "reading shard stats")
     finally:
         try:
-            call_with_timeout(client.shutdown, 30.0, "shard shutdown")
+            call_with_timeout(admin.shutdown, 30.0, "shard shutdown")
         finally:
-            client.close()
-    return evaluation, [_shard_summary(s, a) for s, a in zip(stats, addresses)]
+            admin.close()
+    return evaluation, [_shard_summary(s) for s in stats]
 
 
-def _shard_summary(stats: dict, address: str) -> dict:
-    stats = dict(stats, address=address)
+def _shard_summary(stats: dict) -> dict:
     out = {k: stats[k] for k in SHARD_FIELDS if k in stats}
     out["members"] = len(stats.get("members", []))
     return out
@@ -294,7 +292,7 @@ def merge_metrics(sources: Iterable[str | Path | list[dict]], out: str | Path) -
 
 
 class EventLog:
-    """The coordinator's own JSON lines (job start, servers ready, exits, final evaluation)."""
+    """The coordinator's own JSON lines (job start, shards ready, exits, final evaluation)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -320,13 +318,17 @@ def build_summary(
     train_wall_s: float | None,
     total_wall_s: float,
     evaluation: dict | None,
-    shards: list[dict],
+    shard_stats: list[dict],
     failures: list[dict],
     worker_exits: dict[int, int | None],
     out: str,
     message: str | None = None,
 ) -> dict:
-    """summary.json: the same fields for ``launch`` and ``mpi``."""
+    """summary.json: the same fields for ``launch`` and ``mpi``.
+
+    ``shards`` is the number of shards (as ``workers`` is of workers); each shard's counters are
+    under ``shard_stats``, as in the coordinator's ``shard_stats`` events.
+    """
     steps, samples = state.steps, state.total_samples
     # Training time as the workers saw it (first step to last end); without their events, the caller's.
     train_wall_s = state.train_wall_s() or train_wall_s
@@ -350,7 +352,7 @@ def build_summary(
         "message": message,
         "launcher": launcher,
         "mode": job.server.mode,
-        "servers": job.servers,
+        "shards": job.shards,
         "workers": job.workers,
         "workers_completed": sum(1 for w in workers if w["completed"]),
         "steps": steps,
@@ -365,7 +367,7 @@ def build_summary(
         "final_version": evaluation.get("version"),
         "final_loss": (sum(losses) / len(losses)) if losses else None,
         "addresses": addresses,
-        "shards": shards,
+        "shard_stats": shard_stats,
         "worker_results": workers,
         "failures": failures,
         "out": out,
@@ -378,7 +380,7 @@ def headline(summary: dict) -> str:
     def f(x, spec):
         return format(x, spec) if _finite(x) else "n/a"
 
-    return (f"{summary['name']} ({summary['mode']}, {_n(summary['servers'], 'server')}, "
+    return (f"{summary['name']} ({summary['mode']}, {_n(summary['shards'], 'shard')}, "
             f"{_n(summary['workers'], 'worker')}): "
             f"{summary['steps']} steps in {f(summary['wall_s'], '.1f')} s, "
             f"{f(summary['samples_per_s'], '.0f')} samples/s, train accuracy {f(summary['train_accuracy'], '.4f')}, "

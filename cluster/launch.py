@@ -52,7 +52,7 @@ class Launcher:
         self.job = job
         self.out = out
         self.progress_enabled = progress
-        self.servers: list[Child] = []
+        self.shards: list[Child] = []  # the psctl server processes, in shard order
         self.workers: list[Child] = []
         self.addresses: list[str] = []
         self.failures: list[dict] = []
@@ -63,37 +63,37 @@ class Launcher:
         self.job_file.write_text(f"# resolved job, as run by psctl launch\n{job.to_toml()}")
         cpus = usable_cpus()
         self.worker_env = child_env(threads=max(1, cpus // job.workers))
-        self.server_env = child_env(threads=1)
+        self.shard_env = child_env(threads=1)
 
     # -- phases ------------------------------------------------------------------------------
 
-    def start_servers(self) -> None:
+    def start_shards(self) -> None:
         job = self.job
-        for i in range(job.servers):
+        for i in range(job.shards):
             addr_file = self.out / "addr" / f"shard-{i}"
             argv = psctl_argv("server", "--config", str(self.job_file), "--shard", str(i),
-                              "--num-shards", str(job.servers), "--port", "0", "--address-file", str(addr_file))
+                              "--num-shards", str(job.shards), "--port", "0", "--address-file", str(addr_file))
             with _deferred_signals():  # a signal between fork and append would leave a child we do not know
-                self.servers.append(Child(f"server {i}", argv, self.out / "logs" / f"server-{i}.log",
-                                          self.server_env))
+                self.shards.append(Child(f"server {i}", argv, self.out / "logs" / f"server-{i}.log",
+                                         self.shard_env))
         deadline = time.monotonic() + job.start_timeout_s
-        files = [self.out / "addr" / f"shard-{i}" for i in range(job.servers)]
+        files = [self.out / "addr" / f"shard-{i}" for i in range(job.shards)]
         while not all(f.exists() for f in files):
-            self._check_servers()
+            self._check_shards()
             if time.monotonic() > deadline:
-                missing = [s.name for s, f in zip(self.servers, files) if not f.exists()]
+                missing = [s.name for s, f in zip(self.shards, files) if not f.exists()]
                 raise JobFailed(f"{', '.join(missing)} did not publish an address within "
                                 f"{job.start_timeout_s:.0f} s; see {self.out / 'logs'}")
             time.sleep(0.05)
         self.addresses = [f.read_text().strip() for f in files]
-        self.log("servers_ready", addresses=self.addresses, pids=[s.pid for s in self.servers])
+        self.log("shards_ready", addresses=self.addresses, pids=[s.pid for s in self.shards])
 
     def start_workers(self) -> None:
         job = self.job
-        servers = ",".join(self.addresses)
+        addresses = ",".join(self.addresses)
         for rank in range(job.workers):
             metrics = self.out / "metrics" / f"worker-{rank}.jsonl"
-            argv = psctl_argv("worker", "--config", str(self.job_file), "--servers", servers,
+            argv = psctl_argv("worker", "--config", str(self.job_file), "--addresses", addresses,
                               "--rank", str(rank), "--world", str(job.workers), "--metrics", str(metrics))
             env = dict(self.worker_env, LOCAL_RANK=str(rank))
             with _deferred_signals():
@@ -111,7 +111,7 @@ class Launcher:
             while True:
                 evals = self.state.update(self.tail.read())
                 progress.update(self.state, evals)
-                self._check_servers()
+                self._check_shards()
                 for rank, w in enumerate(self.workers):
                     code = w.poll()
                     if code is not None and rank not in reported:
@@ -140,8 +140,8 @@ class Launcher:
                             f"{_indent(first.tail())}")
         return wall
 
-    def _check_servers(self) -> None:
-        for i, s in enumerate(self.servers):
+    def _check_shards(self) -> None:
+        for i, s in enumerate(self.shards):
             if s.poll() is not None:
                 self._record_failure(s, "server", i, tolerated=False)
                 raise JobFailed(f"{s.name} (pid {s.pid}) {s.describe_exit()}; a job cannot go on without "
@@ -156,35 +156,35 @@ class Launcher:
             "tail": child.tail(10),
         })
 
-    def wait_servers(self) -> None:
+    def wait_shards(self) -> None:
         deadline = time.monotonic() + SERVER_EXIT_TIMEOUT_S
-        for s in self.servers:
+        for s in self.shards:
             s.wait(deadline - time.monotonic())
-        stop_children(self.servers, STOP_GRACE_S)
+        stop_children(self.shards, STOP_GRACE_S)
 
     def stop_all(self) -> None:
-        stop_children(self.workers + self.servers, STOP_GRACE_S)
+        stop_children(self.workers + self.shards, STOP_GRACE_S)
 
     # -- the whole job -----------------------------------------------------------------------
 
     def run(self) -> dict:
         t0 = time.monotonic()
         job = self.job
-        self.log("job_start", name=job.name, mode=job.mode, servers=job.servers, workers=job.workers,
+        self.log("job_start", name=job.name, mode=job.mode, shards=job.shards, workers=job.workers,
                  out=str(self.out))
         status, message = "ok", None
-        evaluation, shards, train_wall = None, [], None
+        evaluation, shard_stats, train_wall = None, [], None
         try:
-            self.start_servers()
-            print(f"psctl launch: {job.servers} shard(s) at {','.join(self.addresses)}; starting "
+            self.start_shards()
+            print(f"psctl launch: {job.shards} shard(s) at {','.join(self.addresses)}; starting "
                   f"{job.workers} worker(s); logs in {self.out / 'logs'}", file=sys.stderr, flush=True)
             self.start_workers()
             train_wall = self.follow()
-            evaluation, shards = co.finish(job, self.addresses)
+            evaluation, shard_stats = co.finish(job, self.addresses)
             self.log("final_eval", **(evaluation or {}))
-            for s in shards:
+            for s in shard_stats:
                 self.log("shard_stats", **s)
-            self.wait_servers()
+            self.wait_shards()
         except JobFailed as e:
             status, message = "failed", str(e)
             raise
@@ -204,7 +204,8 @@ class Launcher:
             summary = co.build_summary(
                 job, launcher="launch", status=status, addresses=self.addresses, state=self.state,
                 train_wall_s=train_wall, total_wall_s=time.monotonic() - t0, evaluation=evaluation,
-                shards=shards, failures=self.failures, worker_exits=exits, out=str(self.out), message=message,
+                shard_stats=shard_stats, failures=self.failures, worker_exits=exits, out=str(self.out),
+                message=message,
             )
             co.merge_metrics(sorted((self.out / "metrics").glob("*.jsonl")), self.out / "metrics.jsonl")
             co.write_json(self.out / "summary.json", summary)

@@ -30,28 +30,26 @@ from psgrid.cluster.procs import limit_blas_threads, usable_cpus
 
 TAG_DONE = 71
 POLL_S = 0.05
-# Tests: this rank raises once roles are assigned, or once the file PSCTL_TEST_RAISE_RANK_WHEN is not empty.
-RAISE_HOOK_ENV = "PSCTL_TEST_RAISE_RANK"
 LOOPBACK = "127.0.0.1"
 ABORT_GRACE_S = 0.5
 
 
-def min_ranks(servers: int) -> int:
-    return servers + 2
+def min_ranks(shards: int) -> int:
+    return shards + 2
 
 
-def too_few_ranks_message(servers: int, size: int) -> str:
-    return (f"psctl mpi needs at least {min_ranks(servers)} ranks (1 coordinator + {servers} server"
-            f"{'s' if servers != 1 else ''} + at least 1 worker); got {size}")
+def too_few_ranks_message(shards: int, size: int) -> str:
+    return (f"psctl mpi needs at least {min_ranks(shards)} ranks (1 coordinator + {shards} shard"
+            f"{'s' if shards != 1 else ''} + at least 1 worker); got {size}")
 
 
-def role_of(rank: int, servers: int) -> tuple[str, int]:
+def role_of(rank: int, shards: int) -> tuple[str, int]:
     """``("coordinator", 0)``, ``("server", shard_index)`` or ``("worker", worker_rank)``."""
     if rank == 0:
         return "coordinator", 0
-    if rank <= servers:
+    if rank <= shards:
         return "server", rank - 1
-    return "worker", rank - 1 - servers
+    return "worker", rank - 1 - shards
 
 
 def interface_address(iface: str) -> str:
@@ -102,13 +100,13 @@ class MPIJob:
         self.job = job
         self.host, self.iface = host, iface
         self.progress = progress
-        self.role, self.index = role_of(self.rank, job.servers)
+        self.role, self.index = role_of(self.rank, job.shards)
 
     # -- setup -------------------------------------------------------------------------------
 
     def check_size(self) -> str | None:
-        if self.size < min_ranks(self.job0.servers):
-            return too_few_ranks_message(self.job0.servers, self.size)
+        if self.size < min_ranks(self.job0.shards):
+            return too_few_ranks_message(self.job0.shards, self.size)
         return None
 
     def node_layout(self) -> tuple[bool, int]:
@@ -133,7 +131,7 @@ class MPIJob:
         if problem:
             print(problem, file=sys.stderr, flush=True)
             return 2
-        workers = self.size - 1 - self.job0.servers
+        workers = self.size - 1 - self.job0.shards
         # The number of ranks decides the number of workers; every rank computes the same job.
         try:
             self.job = apply_overrides(self.job0, {"workers": workers})
@@ -163,13 +161,10 @@ class MPIJob:
             address = None
         addresses = self.comm.gather(address, root=0)
         if self.rank == 0:
-            addresses = addresses[1: 1 + self.job.servers]
+            addresses = addresses[1: 1 + self.job.shards]
             for i, a in enumerate(addresses):  # as psctl launch does, for psctl status --address-dir
                 (self.out / "addr" / f"shard-{i}").write_text(a + "\n")
         self.addresses = self.comm.bcast(addresses, root=0)
-
-        if os.environ.get(RAISE_HOOK_ENV) == str(self.rank):
-            _test_raise(self.rank)
 
         if self.role == "coordinator":
             code = self.coordinate()
@@ -191,7 +186,7 @@ class MPIJob:
         config = self.job.server_config(self.index, host=bind, port=0)
         running = serve(config)
         address = f"{advertise}:{running.port}"
-        print(f"psctl mpi: shard {self.index}/{self.job.servers} listening on {address} "
+        print(f"psctl mpi: shard {self.index}/{self.job.shards} listening on {address} "
               f"(rank {self.rank} on {self.hostname}, mode {config.mode})", file=sys.stderr, flush=True)
         return running, address
 
@@ -221,16 +216,16 @@ class MPIJob:
         job, out = self.job, self.out
         t0 = time.monotonic()
         log = co.EventLog(out / "metrics" / "coordinator.jsonl")
-        log("job_start", name=job.name, mode=job.mode, servers=job.servers, workers=job.workers,
+        log("job_start", name=job.name, mode=job.mode, shards=job.shards, workers=job.workers,
             out=str(out), launcher="mpi", ranks=self.size)
-        log("servers_ready", addresses=self.addresses)
-        print(f"psctl mpi: {self.size} ranks: coordinator on {self.hostname}, {job.servers} shard(s) at "
+        log("shards_ready", addresses=self.addresses)
+        print(f"psctl mpi: {self.size} ranks: coordinator on {self.hostname}, {job.shards} shard(s) at "
               f"{','.join(self.addresses)}, {job.workers} worker(s); output in {out}", file=sys.stderr, flush=True)
         state = co.JobState()
         tail = co.MetricsTail(out / "metrics" / f"worker-{r}.jsonl" for r in range(job.workers))
         worker_events: list[dict] = []
         received: set[int] = set()
-        status, message, evaluation, shards, train_wall = "ok", None, None, [], None
+        status, message, evaluation, shard_stats, train_wall = "ok", None, None, [], None
         start, last_done = time.time(), None
         progress = co.Progress(co.total_steps(job), self.progress, desc=f"{job.name} {job.mode}")
         try:
@@ -239,7 +234,7 @@ class MPIJob:
                 while len(received) < job.workers:
                     while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_DONE, status=st):
                         msg = self.comm.recv(source=st.Get_source(), tag=TAG_DONE)
-                        wrank = st.Get_source() - 1 - job.servers
+                        wrank = st.Get_source() - 1 - job.shards
                         received.add(wrank)
                         last_done = time.time()
                         worker_events.extend(msg["events"])
@@ -255,9 +250,9 @@ class MPIJob:
             finally:
                 progress.close()
             train_wall = (last_done or time.time()) - start
-            evaluation, shards = co.finish(job, self.addresses)
+            evaluation, shard_stats = co.finish(job, self.addresses)
             log("final_eval", **(evaluation or {}))
-            for s in shards:
+            for s in shard_stats:
                 log("shard_stats", **s)
         except JobFailed as e:
             status, message = "failed", str(e)
@@ -269,8 +264,9 @@ class MPIJob:
             log.close()
             summary = co.build_summary(
                 job, launcher="mpi", status=status, addresses=self.addresses, state=state,
-                train_wall_s=train_wall, total_wall_s=time.monotonic() - t0, evaluation=evaluation, shards=shards,
-                failures=[], worker_exits={r: 0 for r in received}, out=str(out), message=message,
+                train_wall_s=train_wall, total_wall_s=time.monotonic() - t0, evaluation=evaluation,
+                shard_stats=shard_stats, failures=[], worker_exits={r: 0 for r in received}, out=str(out),
+                message=message,
             )
             summary["ranks"] = self.size
             co.merge_metrics([out / "metrics" / "coordinator.jsonl", worker_events], out / "metrics.jsonl")
@@ -290,14 +286,6 @@ def _abort(comm) -> None:
     # still in a pipe when that happens is lost.
     time.sleep(ABORT_GRACE_S)
     comm.Abort(1)
-
-
-def _test_raise(rank: int) -> None:
-    when = os.environ.get(RAISE_HOOK_ENV + "_WHEN")
-    deadline = time.monotonic() + 60
-    while when and not (os.path.exists(when) and os.path.getsize(when)) and time.monotonic() < deadline:
-        time.sleep(POLL_S)  # let the others get busy first
-    raise RuntimeError(f"{RAISE_HOOK_ENV}={rank}: raising on purpose at t={time.time():.3f} (test hook)")
 
 
 def _prepare_out(job: JobConfig) -> Path:

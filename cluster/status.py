@@ -42,14 +42,10 @@ def addresses_from_dir(path: str | Path) -> list[str]:
 
 def fetch(addresses: list[str], timeout_s: float = 5.0, **security) -> list[dict]:
     """Every shard's stats, with its address added; ``security`` is token / tls_ca / tls_cert / tls_key."""
-    from psgrid.psserver.client import ShardedClient
+    from psgrid.psserver.admin import Admin
 
-    client = ShardedClient(addresses, deadline_s=timeout_s, retry_s=timeout_s, **security)
-    try:
-        stats = client.stats()
-    finally:
-        client.close()
-    return [dict(s, address=a) for s, a in zip(stats, addresses)]
+    with Admin(addresses, deadline_s=timeout_s, retry_s=timeout_s, **security) as admin:
+        return admin.stats()
 
 
 def _row(s: dict) -> dict[str, Any]:

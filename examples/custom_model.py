@@ -3,7 +3,7 @@
 The training code is ordinary NumPy; the lines marked `# +ps` are all it takes to
 train it on sharded servers. Run it as it is (it starts two local shards in this
 process for the demonstration), or point it at a running job with
-PSGRID_SERVERS=host:port,host:port.
+PSGRID_ADDRESSES=host:port,host:port.
 
     python examples/custom_model.py
 """
@@ -16,7 +16,7 @@ import threading
 import numpy as np
 from sklearn.datasets import load_digits
 
-from psgrid.worker.api import DistributedTrainer  # +ps
+from psgrid import DistributedTrainer  # +ps
 
 
 def grad_fn(params, batch):
@@ -32,13 +32,13 @@ def grad_fn(params, batch):
     return loss, {"w": x.T @ probs, "b": probs.sum(axis=0)}
 
 
-def train(servers, rank: int, world: int, steps: int = 300) -> dict:
+def train(addresses, rank: int, world: int, steps: int = 300) -> dict:
     digits = load_digits()
     x, y = (digits.data / 16).astype(np.float32), digits.target
     x_train, y_train = x[:1400][rank::world], y[:1400][rank::world]
     params = {"w": np.zeros((64, 10), np.float32), "b": np.zeros(10, np.float32)}
     rng = np.random.default_rng(rank)
-    trainer = DistributedTrainer(servers, params=params, grad_fn=grad_fn)  # +ps
+    trainer = DistributedTrainer(addresses, params=params, grad_fn=grad_fn, world=world)  # +ps
     with trainer:  # +ps
         for _ in range(steps):
             idx = rng.choice(len(y_train), size=64, replace=False)
@@ -49,16 +49,15 @@ def train(servers, rank: int, world: int, steps: int = 300) -> dict:
 
 
 def main() -> list[dict]:
-    if os.environ.get("PSGRID_SERVERS"):
+    if os.environ.get("PSGRID_ADDRESSES"):
         return [train(None, rank=int(os.environ.get("RANK", 0)), world=int(os.environ.get("WORLD", 1)))]
-    from psgrid.psserver.config import ServerConfig
-    from psgrid.psserver.server import serve
+    from psgrid import ServerConfig, serve
 
     shards = [serve(ServerConfig(shard_index=i, num_shards=2, mode="sync", lr=0.5)) for i in range(2)]
     try:
-        servers = [s.address for s in shards]
+        addresses = [s.address for s in shards]
         results = [None, None]
-        workers = [threading.Thread(target=lambda r=r: results.__setitem__(r, train(servers, r, 2)))
+        workers = [threading.Thread(target=lambda r=r: results.__setitem__(r, train(addresses, r, 2)))
                    for r in range(2)]
         for w in workers:
             w.start()

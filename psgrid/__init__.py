@@ -31,13 +31,16 @@ if not (_here / "psserver").is_dir() and (_source_root / "pyproject.toml").is_fi
 
 # name -> module that defines it
 _EXPORTS = {
-    "ShardedClient": "psgrid.psserver.client",
+    "Client": "psgrid.psserver.client",
+    "Handle": "psgrid.psserver.client",
+    "Admin": "psgrid.psserver.admin",
     "ModelSpec": "psgrid.psserver.spec",
     "ServerConfig": "psgrid.psserver.config",
     "serve": "psgrid.psserver.server",
     "DistributedTrainer": "psgrid.worker.api",
     "TrainConfig": "psgrid.worker.config",
     "PSError": "psgrid.psserver.exceptions",
+    "Reason": "psgrid.psserver.protocol",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from psgrid.psserver.exceptions import InvalidArgument
-
-MODES = ("sync", "async", "ssp")
-OPTIMIZERS = ("sgd", "adam")
-DEFAULT_CHUNK_BYTES = 1 << 20
+from psgrid.psserver.protocol import (DATA_PLANES, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, MODES,
+                                      OPTIMIZERS)
 
 
 @dataclass
@@ -42,8 +40,7 @@ class ServerConfig:
     tls_ca: str | None = None          # CA that client certificates must chain to (mutual TLS)
     metrics_port: int | None = None    # serve Prometheus metrics here (0: any free port)
     threads: int = 128                 # gRPC handler threads; blocked pulls each hold one
-    bulk: bool = True                  # serve Pull/Push payloads on a raw TCP data plane too (psserver/bulk.py)
-    extra: dict = field(default_factory=dict)
+    data_plane: str = "tcp"            # "tcp": also serve Pull/Push payloads over plain TCP; "grpc": gRPC only
 
     def __post_init__(self):
         self.validate()
@@ -63,8 +60,11 @@ class ServerConfig:
             raise InvalidArgument(f"lr must be > 0, got {self.lr}")
         if not self.lease_s > 0:
             raise InvalidArgument(f"lease_s must be > 0, got {self.lease_s}")
-        if self.chunk_bytes < 4096:
-            raise InvalidArgument(f"chunk_bytes must be at least 4096, got {self.chunk_bytes}")
+        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise InvalidArgument(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], "
+                                  f"got {self.chunk_bytes}")
+        if self.data_plane not in DATA_PLANES:
+            raise InvalidArgument(f"data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}")
         if not 0 <= self.port <= 65535:
             raise InvalidArgument(f"port must be in 0..65535, got {self.port}")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -72,4 +72,4 @@ class ServerConfig:
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.name != "extra"]
+        return [f.name for f in fields(cls)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.protocol import Reason
 
 _VARINT, _I64, _LEN, _I32 = 0, 1, 2, 5
 _MASK64 = (1 << 64) - 1
@@ -36,7 +37,7 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         if pos >= len(buf) or shift > 63:
-            raise InvalidArgument("malformed message: truncated or overlong varint")
+            raise InvalidArgument("malformed message: truncated or overlong varint", Reason.MALFORMED)
         byte = buf[pos]
         pos += 1
         result |= (byte & 0x7F) << shift
@@ -56,15 +57,15 @@ def _fields(buf: memoryview):
         elif wire_type == _LEN:
             length, pos = _read_varint(buf, pos)
             if pos + length > len(buf):
-                raise InvalidArgument("malformed message: field runs past the end")
+                raise InvalidArgument("malformed message: field runs past the end", Reason.MALFORMED)
             value, pos = buf[pos:pos + length], pos + length
         elif wire_type in (_I64, _I32):
             width = 8 if wire_type == _I64 else 4
             if pos + width > len(buf):
-                raise InvalidArgument("malformed message: fixed-width field runs past the end")
+                raise InvalidArgument("malformed message: fixed-width field runs past the end", Reason.MALFORMED)
             value, pos = buf[pos:pos + width], pos + width
         else:
-            raise InvalidArgument(f"malformed message: wire type {wire_type}")
+            raise InvalidArgument(f"malformed message: wire type {wire_type}", Reason.MALFORMED)
         yield field, wire_type, value
 
 

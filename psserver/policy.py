@@ -25,18 +25,11 @@ it fast-forwards the worker (another shard told it about a newer round).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 from psgrid.psserver.exceptions import InvalidArgument, UnknownWorker
+from psgrid.psserver.protocol import MODES, Outcome
 
-MODES = ("sync", "async", "ssp")
-
-
-class Outcome(Enum):
-    APPLY = "apply"            # apply this gradient now
-    ACCUMULATE = "accumulate"  # sync: add to the round's sum
-    DROP_LATE = "drop_late"    # sync: the round already closed
-    DUPLICATE = "duplicate"    # retried push: already taken
+__all__ = ["MODES", "ConsistencyPolicy", "Outcome", "PushDecision"]
 
 
 @dataclass(frozen=True)
@@ -125,13 +118,13 @@ class ConsistencyPolicy:
             return PushDecision(Outcome.DUPLICATE, clock, expected)
         if self.mode != "sync":
             self.clocks[worker] = clock + 1
-            return PushDecision(Outcome.APPLY, clock, clock + 1)
+            return PushDecision(Outcome.APPLIED, clock, clock + 1)
         if clock < self.closed_rounds:
             self.clocks[worker] = self.closed_rounds
-            return PushDecision(Outcome.DROP_LATE, clock, self.closed_rounds)
+            return PushDecision(Outcome.DROPPED_LATE, clock, self.closed_rounds)
         self.clocks[worker] = clock + 1
         self.round_pushers.setdefault(clock, set()).add(worker)
-        return PushDecision(Outcome.ACCUMULATE, clock, clock + 1)
+        return PushDecision(Outcome.ACCUMULATED, clock, clock + 1)
 
     def quorum(self) -> int:
         """sync: how many live workers must be past a round for it to close."""

@@ -1,97 +1,27 @@
-"""Build, start and stop one shard's gRPC server: ``serve()`` and the blocking ``run_server()``."""
+"""Build, start and stop one shard: its state, its data path and its transports.
+
+``serve(config)`` returns a started :class:`RunningServer`; ``run_server`` is the blocking
+``psctl server``. Only the transport adapters know gRPC or sockets.
+"""
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
-import grpc
-
 from psgrid.psserver.config import ServerConfig
-from psgrid.psserver import framing
-from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
-from psgrid.psserver.servicer import MAX_CHUNK_BYTES, ParameterServerServicer
+from psgrid.psserver.security import server_ssl_context
+from psgrid.psserver.service import ShardService
 from psgrid.psserver.shard import Shard
+from psgrid.psserver.transports.grpc_server import GrpcServer
+from psgrid.psserver.transports.tcp_server import TcpDataServer
 
-log = logging.getLogger("psserver")
-SERVICE = "ps.ParameterServer"
-
-GRPC_OPTIONS = [
-    ("grpc.so_reuseport", 0),    # two servers must never share a port silently
-    ("grpc.max_receive_message_length", MAX_CHUNK_BYTES + (1 << 16)),
-    ("grpc.max_send_message_length", MAX_CHUNK_BYTES + (1 << 16)),
-]
-
-
-class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Refuse every call whose ``authorization`` metadata is not ``Bearer <token>``."""
-
-    def __init__(self, token: str):
-        self.expected = f"Bearer {token}".encode()
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-
-        self.deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self.deny_stream_in = grpc.stream_unary_rpc_method_handler(deny)
-        self.deny_stream_out = grpc.unary_stream_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation, handler_call_details):
-        given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(given.encode(), self.expected):
-            return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        if handler.request_streaming:
-            return self.deny_stream_in
-        if handler.response_streaming:
-            return self.deny_stream_out
-        return self.deny_unary
-
-
-class _HandlerCapture:
-    """Stands in for a grpc.Server to collect the generated method handlers."""
-
-    def add_generic_rpc_handlers(self, handlers):
-        pass
-
-    def add_registered_method_handlers(self, service, handlers):
-        self.handlers = dict(handlers)
-
-
-def add_servicer(servicer, server) -> None:
-    """Register the servicer, with the zero-copy framing (psserver/framing.py) for Pull and Push.
-
-    The generated handlers are reused for every other method; only the
-    (de)serializers of the two bulk methods change, not the bytes on the wire.
-    """
-    capture = _HandlerCapture()
-    ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, capture)
-    handlers = capture.handlers
-    handlers["Pull"] = grpc.unary_stream_rpc_method_handler(
-        servicer.Pull, request_deserializer=ps_pb2.PullRequest.FromString,
-        response_serializer=framing.encode_pull_reply)
-
-    def push(request_iterator, context):
-        # Frames are decoded inside the handler, so a malformed one is refused as bad input
-        # (INVALID_ARGUMENT, counted) rather than as gRPC's INTERNAL "Exception deserializing request!".
-        return servicer.Push(map(framing.decode_push_request, request_iterator), context)
-
-    handlers["Push"] = grpc.stream_unary_rpc_method_handler(
-        push, request_deserializer=None, response_serializer=ps_pb2.PushReply.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-
-
-def _read(path: str | None) -> bytes | None:
-    return Path(path).read_bytes() if path else None
+log = logging.getLogger("psgrid.server")
 
 
 class RunningServer:
@@ -102,27 +32,19 @@ class RunningServer:
         self.shard = Shard(config)
         self.stopped = threading.Event()
         self.shutdown_requested = threading.Event()
-        interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
-        self.grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.threads),
-                                       options=GRPC_OPTIONS, interceptors=interceptors)
-        self.bulk = None
-        if config.bulk:
-            from psgrid.psserver.bulk import BulkServer, server_ssl_context
-
+        self.service = ShardService(self.shard, on_shutdown=self.shutdown_requested.set)
+        self.tcp = None
+        if config.data_plane == "tcp":
             ssl_context = server_ssl_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
-            self.bulk = BulkServer(self.shard, config.host, config.token, ssl_context)
-        add_servicer(ParameterServerServicer(self.shard, on_shutdown=self.shutdown_requested.set,
-                                             bulk_port=self.bulk.port if self.bulk else 0), self.grpc_server)
-        target = f"{config.host}:{config.port}"
-        if config.tls_cert:
-            creds = grpc.ssl_server_credentials([(_read(config.tls_key), _read(config.tls_cert))],
-                                                root_certificates=_read(config.tls_ca),
-                                                require_client_auth=bool(config.tls_ca))
-            self.port = self.grpc_server.add_secure_port(target, creds)
-        else:
-            self.port = self.grpc_server.add_insecure_port(target)
-        if self.port == 0:
-            raise OSError(f"could not bind {target}: address in use or not available")
+            self.tcp = TcpDataServer(self.service, config.host, config.token, ssl_context)
+            self.service.tcp_port = self.tcp.port
+        try:
+            self.grpc = GrpcServer(self.service, config)
+        except BaseException:
+            if self.tcp is not None:
+                self.tcp.listener.close()
+            raise
+        self.port = self.grpc.port
         self.address = f"{config.host}:{self.port}"
         self.metrics = None
         if config.metrics_port is not None:
@@ -131,9 +53,9 @@ class RunningServer:
         self.reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
 
     def start(self) -> "RunningServer":
-        if self.bulk is not None:
-            self.bulk.start()
-        self.grpc_server.start()
+        if self.tcp is not None:
+            self.tcp.start()
+        self.grpc.start()
         self.reaper.start()
         return self
 
@@ -154,9 +76,9 @@ class RunningServer:
             return
         self.stopped.set()
         self.shard.close()        # release waiting pulls first, or stop() waits out their deadlines
-        if self.bulk is not None:
-            self.bulk.stop()
-        self.grpc_server.stop(grace).wait(timeout=(grace or 0) + 5)
+        if self.tcp is not None:
+            self.tcp.stop()
+        self.grpc.stop(grace)
         if self.config.checkpoint_dir and self.shard.initialized:
             try:
                 self.shard.checkpoint()
@@ -164,6 +86,8 @@ class RunningServer:
                 log.exception("shard %d: final checkpoint failed", self.config.shard_index)
         if self.metrics is not None:
             self.metrics.shutdown()
+        if self.reaper.is_alive():
+            self.reaper.join(timeout=5)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server is stopped or a Shutdown RPC asked it to stop; True if so."""
@@ -204,10 +128,10 @@ def run_server(config: ServerConfig, address_file: str | None = None) -> int:
     if address_file:
         write_address(address_file, server.address)
     extra = f", metrics on :{server.metrics.port}" if server.metrics else ""
-    print(f"psserver shard {config.shard_index}/{config.num_shards} listening on {server.address} "
+    print(f"psgrid shard {config.shard_index}/{config.num_shards} listening on {server.address} "
           f"(mode {config.mode}){extra}", flush=True)
     while not done.is_set() and not server.shutdown_requested.is_set():
         done.wait(0.2)
     server.stop(grace=1.0)
-    print(f"psserver shard {config.shard_index} stopped", file=sys.stderr, flush=True)
+    print(f"psgrid shard {config.shard_index} stopped", file=sys.stderr, flush=True)
     return 0

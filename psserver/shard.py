@@ -2,7 +2,8 @@
 
 This is where the pure policy (policy.py) meets threads: every state change
 happens under one condition variable, and every change that could release a
-waiting pull notifies it. Nothing here knows about gRPC; the servicer adapts.
+waiting pull notifies it. Nothing here knows about transports: service.py checks what arrives from the wire
+and calls these methods with validated values.
 """
 
 from __future__ import annotations
@@ -19,33 +20,17 @@ import numpy as np
 from psgrid.psserver import checkpoint
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.membership import Leases
-from psgrid.psserver.exceptions import InvalidArgument, NotInitialized, Restoring, SpecMismatch, UnknownWorker, WaitTimeout
+from psgrid.psserver.buffers import BufferPool
+from psgrid.psserver.exceptions import (InvalidArgument, NotInitialized, SpecMismatch, Unavailable, UnknownWorker,
+                                        WaitTimeout)
 from psgrid.psserver.optim import make_optimizer
-from psgrid.psserver.policy import ConsistencyPolicy, Outcome
+from psgrid.psserver.policy import ConsistencyPolicy
+from psgrid.psserver.protocol import Outcome, PushResult, Reason
 from psgrid.psserver.sharding import shard_range
 from psgrid.psserver.spec import ModelSpec
 
 STALENESS_BUCKETS = 32
 log = logging.getLogger("psserver")
-
-
-class BufferPool:
-    """Reusable float32 buffers of one size, so pushes allocate nothing in the steady state."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.free: list[np.ndarray] = []
-        self.lock = threading.Lock()
-
-    def take(self) -> np.ndarray:
-        with self.lock:
-            if self.free:
-                return self.free.pop()
-        return np.empty(self.size, dtype=np.float32)
-
-    def give(self, buf: np.ndarray) -> None:
-        with self.lock:
-            self.free.append(buf)
 
 
 @dataclass
@@ -70,15 +55,6 @@ class Counters:
         self.staleness_sum += s
         self.staleness_n += 1
         self.max_staleness = max(self.max_staleness, s)
-
-
-@dataclass
-class PushResult:
-    outcome: Outcome
-    version: int
-    staleness: int
-    next_clock: int
-    kept: bool = False    # the shard kept the gradient buffer (sync holds it for its round)
 
 
 class Shard:
@@ -107,7 +83,6 @@ class Shard:
         # sync: open round -> {worker: gradient}. Summed in worker order when the round closes,
         # so a sync run is bitwise reproducible whatever order the pushes arrive in.
         self.round_grads: dict[int, dict[int, np.ndarray]] = {}
-        self.restoring = False
         self.closing = False       # set by close(): waits end, new calls are refused
         # Checkpoints: state is copied under the lock (_capture) and written outside it by the
         # thread whose update made one due, before that update is answered (_flush_capture).
@@ -135,9 +110,13 @@ class Shard:
         for listener in self.listeners:
             listener(event, **fields)
 
-    def _require_ready(self) -> None:
-        if self.restoring:
-            raise Restoring("shard is restoring a checkpoint; retry shortly")
+    def _require_serving(self) -> None:
+        """Data calls: refused while the shard stops (clients retry elsewhere), and before Init."""
+        if self.closing:
+            raise Unavailable(f"shard {self.config.shard_index} is shutting down")
+        self._require_initialized()
+
+    def _require_initialized(self) -> None:
         if not self.initialized:
             raise NotInitialized("shard has no weights yet: a worker must call Init first")
 
@@ -154,8 +133,6 @@ class Shard:
 
     def register(self, spec_hash: str, worker_id: int, start_clock: int, host: str) -> dict:
         with self.cond:
-            if self.restoring:
-                raise Restoring("shard is restoring a checkpoint; retry shortly")
             if self.spec is not None and spec_hash and spec_hash != self.spec.hash():
                 raise SpecMismatch(f"model spec hash {spec_hash[:12]} differs from this shard's "
                                    f"{self.spec.hash()[:12]}: every worker must build the same model")
@@ -194,21 +171,25 @@ class Shard:
 
     # ----- init -------------------------------------------------------------------------------
 
+    def check_spec(self, spec: ModelSpec) -> None:
+        """Refuse, before its payload is read, an Init of a spec other than the one this shard holds."""
+        with self.cond:
+            if self.spec is not None and spec.hash() != self.spec.hash():
+                raise SpecMismatch("Init with a model spec other than the one this shard holds")
+
     def layout(self, spec: ModelSpec) -> tuple[int, int]:
         return shard_range(spec.size, self.config.shard_index, self.config.num_shards)
 
     def init(self, spec: ModelSpec, values: np.ndarray | None) -> bool:
         """Set the initial weights of this shard's range; False if it already had them (same spec)."""
         with self.cond:
-            if self.restoring:
-                raise Restoring("shard is restoring a checkpoint; retry shortly")
             if self.spec is not None:
                 if spec.hash() != self.spec.hash():
                     raise SpecMismatch("Init with a model spec other than the one this shard holds")
                 return False
             begin, end = self.layout(spec)
             if values is None or values.shape != (end - begin,):
-                raise InvalidArgument(f"Init must cover this shard's range [{begin}, {end})")
+                raise InvalidArgument(f"Init must cover this shard's range [{begin}, {end})", Reason.BAD_SIZE)
             self.spec, self.begin, self.end = spec, begin, end
             self.weights = values.astype(np.float32, copy=True)
             self.optimizer = make_optimizer(self.config.optimizer, end - begin, **self._hparams())
@@ -238,13 +219,13 @@ class Shard:
         start = time.monotonic()
         deadline = None if timeout is None else start + timeout
         with self.cond:
-            self._require_ready()
+            self._require_serving()
             if worker >= 0:
                 self._require_live(worker)
                 self.leases.renew(worker, self.now())
             while not self.policy.may_pull(worker, clock):
                 if self.closing:
-                    raise Restoring("shard is shutting down")
+                    raise Unavailable(f"shard {self.config.shard_index} is shutting down")
                 if cancelled is not None and cancelled():
                     raise WaitTimeout("the caller cancelled the pull")
                 remaining = None if deadline is None else deadline - time.monotonic()
@@ -264,7 +245,7 @@ class Shard:
         once it has been sent.
         """
         with self.cond:
-            self._require_ready()
+            self._require_serving()
             copy = self.pool.take()
             np.copyto(copy, self.weights)
             self.counters.pulls += 1
@@ -280,12 +261,15 @@ class Shard:
     def check_pusher(self, worker: int) -> None:
         """Refuse early (before the payload is read) a push from a worker that is not live."""
         with self.cond:
-            self._require_ready()
+            self._require_serving()
             self._require_live(worker)
 
-    def push(self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int) -> PushResult:
+    def push(self, worker: int, clock: int, version_used: int, grad: np.ndarray,
+             nbytes: int) -> tuple[PushResult, bool]:
         """Take one validated gradient of this range (a float32 buffer from ``self.pool``).
 
+        Returns the result and whether the shard kept ``grad`` (sync holds it, without a copy,
+        until its round closes, then gives it back to the pool); if not, the caller gives it back.
         If the update makes a checkpoint due, it is on disk before this returns (so before the
         worker hears of the update), written without holding up other calls.
         """
@@ -294,9 +278,10 @@ class Shard:
         finally:
             self._flush_capture()
 
-    def _push(self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int) -> PushResult:
+    def _push(self, worker: int, clock: int, version_used: int, grad: np.ndarray,
+              nbytes: int) -> tuple[PushResult, bool]:
         with self.cond:
-            self._require_ready()
+            self._require_serving()
             self._require_live(worker)
             decision = self.policy.on_push(worker, clock)
             self.leases.renew(worker, self.now())
@@ -307,24 +292,24 @@ class Shard:
             if decision.outcome is Outcome.DUPLICATE:
                 self.counters.duplicates += 1
                 staleness = -1
-            elif decision.outcome is Outcome.DROP_LATE:
+            elif decision.outcome is Outcome.DROPPED_LATE:
                 self.counters.dropped_late += 1
                 self._emit("dropped_late")
                 staleness = -1
-            elif decision.outcome is Outcome.APPLY:
+            elif decision.outcome is Outcome.APPLIED:
                 scale = 1.0 / max(1, staleness) if self.config.lr_staleness else 1.0
                 self._apply(grad, scale)
                 self.counters.record_staleness(staleness)
                 self._emit("staleness", value=staleness)
-            else:  # ACCUMULATE: hold the buffer itself for the round (no copy); the pool gets it back at close
+            else:  # ACCUMULATED: hold the buffer itself for the round (no copy); the pool gets it back at close
                 self.round_grads.setdefault(decision.round, {})[worker] = grad
                 self.counters.record_staleness(staleness)
                 self._emit("staleness", value=staleness)
-                outcome = Outcome.APPLY if decision.round in self._close_rounds() else decision.outcome
+                outcome = Outcome.APPLIED if decision.round in self._close_rounds() else decision.outcome
                 self.cond.notify_all()
-                return PushResult(outcome, self.version, staleness, decision.next_clock, kept=True)
+                return PushResult(outcome, self.version, staleness, decision.next_clock), True
             self.cond.notify_all()
-            return PushResult(decision.outcome, self.version, staleness, decision.next_clock)
+            return PushResult(decision.outcome, self.version, staleness, decision.next_clock), False
 
     def _close_rounds(self) -> list[int]:
         closed = self.policy.rounds_to_close()
@@ -375,7 +360,7 @@ class Shard:
     def checkpoint(self) -> tuple[str, int]:
         """Write a checkpoint of this moment and return its path once it is on disk."""
         with self.cond:
-            self._require_ready()
+            self._require_initialized()       # also while stopping: that is when the final one is written
             if not self.config.checkpoint_dir:
                 raise InvalidArgument("this shard was started without a checkpoint directory")
             arrays, meta = self._capture()
@@ -426,37 +411,34 @@ class Shard:
     def restore(self) -> bool:
         """Load the latest complete checkpoint, if any; members get a fresh lease to come back."""
         with self.cond:
-            self.restoring = True
-            try:
-                found = checkpoint.load_latest(self._checkpoint_dir())
-                if found is None:
-                    return False
-                arrays, meta = found
-                spec = ModelSpec.from_json(meta["spec"])
-                self.spec, self.begin, self.end = spec, meta["begin"], meta["end"]
-                self.weights = arrays["weights"].astype(np.float32)
-                self.optimizer = make_optimizer(self.config.optimizer, self.size, **self._hparams())
-                opt_state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
-                self.optimizer.load_state_dict({k: (v if v.ndim else v.item()) for k, v in opt_state.items()})
-                self.pool = BufferPool(self.size)
-                for key, value in arrays.items():
-                    if key.startswith("round."):
-                        _, round_, worker = key.split(".")
-                        self.round_grads.setdefault(int(round_), {})[int(worker)] = value.astype(np.float32)
-                        self.policy.round_pushers.setdefault(int(round_), set()).add(int(worker))
-                self.version = meta["version"]
-                self.policy.closed_rounds = meta["closed_rounds"]
-                self.leases.next_id = meta["next_id"]
-                now = self.now()
-                self.policy.departed = {int(w): c for w, c in meta.get("departed", {}).items()}
-                for w, c in meta["clocks"].items():
-                    self.policy.clocks[int(w)] = c
-                    self.leases.add(int(w), meta["hosts"].get(w, ""), now)
-                self.last_checkpoint = str(Path(self._checkpoint_dir()) / checkpoint.MANIFEST)
-                return True
-            finally:
-                self.restoring = False
-                self.cond.notify_all()
+            found = checkpoint.load_latest(self._checkpoint_dir())
+            if found is None:
+                return False
+            arrays, meta = found
+            spec = ModelSpec.from_json(meta["spec"])
+            self.spec, self.begin, self.end = spec, meta["begin"], meta["end"]
+            self.weights = arrays["weights"].astype(np.float32)
+            self.optimizer = make_optimizer(self.config.optimizer, self.size, **self._hparams())
+            opt_state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
+            self.optimizer.load_state_dict({k: (v if v.ndim else v.item()) for k, v in opt_state.items()})
+            self.pool = BufferPool(self.size)
+            for key, value in arrays.items():
+                if key.startswith("round."):
+                    _, round_, worker = key.split(".")
+                    held = self.pool.take()       # the round gives it back to the pool when it closes
+                    np.copyto(held, value)
+                    self.round_grads.setdefault(int(round_), {})[int(worker)] = held
+                    self.policy.round_pushers.setdefault(int(round_), set()).add(int(worker))
+            self.version = meta["version"]
+            self.policy.closed_rounds = meta["closed_rounds"]
+            self.leases.next_id = meta["next_id"]
+            now = self.now()
+            self.policy.departed = {int(w): c for w, c in meta.get("departed", {}).items()}
+            for w, c in meta["clocks"].items():
+                self.policy.clocks[int(w)] = c
+                self.leases.add(int(w), meta["hosts"].get(w, ""), now)
+            self.last_checkpoint = str(Path(self._checkpoint_dir()) / checkpoint.MANIFEST)
+            return True
 
     # ----- stats ------------------------------------------------------------------------------
 

@@ -55,9 +55,19 @@ def test_no_command_prints_help_and_fails(capsys):
     (["launch", "--set", "lr"], "--set expects KEY=VALUE"),
     (["launch", "--staleness", "-1"], "staleness must be >= 0"),
     (["server", "--shard", "2", "--num-shards", "2"], "shard index 2 is outside 0..1"),
-    (["worker", "--servers", "localhost"], "--servers expects host:port"),
-    (["worker", "--servers", "127.0.0.1:1", "--rank", "5", "--world", "2"], "--rank must be in 0..1"),
-    (["status"], "one of the arguments --servers --address-dir is required"),
+    (["worker", "--addresses", "localhost"], "--addresses expects host:port"),
+    (["worker", "--addresses", "127.0.0.1:1", "--rank", "5", "--world", "2"], "--rank must be in 0..1"),
+    (["worker"], "the following arguments are required: --addresses"),
+    (["status"], "one of the arguments --addresses --address-dir is required"),
+    (["status", "--addresses", "host:port"], "--addresses expects host:port"),
+    (["launch", "--set", "servers=2"], "'servers' was renamed: use shards = N (the number of shard processes)"),
+    (["mpi", "--set", "job.servers=2"], "'servers' was renamed: use shards = N"),
+    (["launch", "--set", "bulk=false"], "'bulk' was replaced: use data_plane = \"tcp\""),
+    (["launch", "--servers", "2"], "unrecognized arguments: --servers 2"),
+    (["mpi", "--servers", "2"], "unrecognized arguments: --servers 2"),
+    (["worker", "--addresses", "127.0.0.1:1", "--servers", "127.0.0.1:1"], "unrecognized arguments: --servers"),
+    (["server", "--bulk"], "unrecognized arguments: --bulk"),
+    (["server", "--data-plane", "udp"], "argument --data-plane: invalid choice: 'udp'"),
     (["status", "--address-dir", "/nonexistent"], "no shard-I address files in /nonexistent"),
 ])
 def test_user_errors_are_one_line_and_exit_2(argv, fragment, capsys):
@@ -84,19 +94,19 @@ def test_server_flags_map_onto_server_config(tmp_path):
     from psgrid.cluster.commands.server import server_config_from_args
 
     job = tmp_path / "job.toml"
-    job.write_text("[job]\nservers = 3\n[server]\nmode = 'ssp'\nlr = 0.2\nstaleness = 5\n")
+    job.write_text("[job]\nshards = 3\n[server]\nmode = 'ssp'\nlr = 0.2\nstaleness = 5\n")
     args = build_parser().parse_args([
         "server", "--config", str(job), "--shard", "2", "--staleness", "1", "--nesterov", "--momentum", "0.9",
         "--lease-s", "3", "--checkpoint-dir", "ck", "--checkpoint-every-s", "2.5", "--metrics-port", "0",
-        "--chunk-bytes", "65536", "--host", "0.0.0.0", "--port", "0",
+        "--chunk-bytes", "65536", "--host", "0.0.0.0", "--port", "0", "--data-plane", "grpc",
     ])
     c = server_config_from_args(args)
     assert (c.shard_index, c.num_shards, c.mode, c.lr, c.staleness) == (2, 3, "ssp", 0.2, 1)
     assert (c.nesterov, c.momentum, c.lease_s, c.checkpoint_dir, c.checkpoint_every_s) == (True, 0.9, 3.0, "ck", 2.5)
-    assert (c.metrics_port, c.chunk_bytes, c.host, c.port) == (0, 65536, "0.0.0.0", 0)
+    assert (c.metrics_port, c.chunk_bytes, c.host, c.port, c.data_plane) == (0, 65536, "0.0.0.0", 0, "grpc")
     # Without --config: ServerConfig defaults.
     c = server_config_from_args(build_parser().parse_args(["server", "--mode", "sync", "--no-lr-staleness"]))
-    assert (c.mode, c.num_shards, c.lr_staleness) == ("sync", 1, False)
+    assert (c.mode, c.num_shards, c.lr_staleness, c.data_plane) == ("sync", 1, False, "tcp")
 
 
 def test_every_server_config_field_has_a_flag():
@@ -112,12 +122,33 @@ def test_launch_flags_override_the_job(capsys):
     from psgrid.cluster.commands._common import load_job_from_args
 
     args = build_parser().parse_args([
-        "launch", "--config", "mnist", "--mode", "ssp", "--staleness", "3", "--workers", "4", "--servers", "1",
+        "launch", "--config", "mnist", "--mode", "ssp", "--staleness", "3", "--workers", "4", "--shards", "1",
         "--steps", "9", "--set", "train.hidden=[16]", "--set", "steps=5", "--out", "x", "--timeout", "30",
     ])
     job = load_job_from_args(args)
-    assert (job.mode, job.server.staleness, job.workers, job.servers) == ("ssp", 3, 4, 1)
+    assert (job.mode, job.server.staleness, job.workers, job.shards) == ("ssp", 3, 4, 1)
     assert (job.train.steps, job.train.hidden, job.out, job.timeout_s) == (9, [16], "x", 30.0)  # flags beat --set
+    assert job.server.data_plane == job.train.data_plane == "tcp"
+
+
+@pytest.mark.parametrize("command", ["launch", "mpi"])
+def test_shards_and_data_plane_flags_of_launch_and_mpi(command):
+    from psgrid.cluster.commands._common import load_job_from_args
+
+    job = load_job_from_args(build_parser().parse_args([command, "--config", "mnist", "--shards", "3",
+                                                        "--data-plane", "grpc"]))
+    assert job.shards == 3
+    assert job.server.data_plane == job.train.data_plane == "grpc"  # the flag sets both sides
+    assert job.server_config(2).num_shards == 3
+
+
+def test_worker_takes_addresses_and_data_plane():
+    from psgrid.cluster.commands._common import load_job_from_args, split_addresses
+
+    args = build_parser().parse_args(["worker", "--addresses", "127.0.0.1:1, node2:50051", "--rank", "1",
+                                      "--data-plane", "grpc"])
+    assert split_addresses(args.addresses) == ["127.0.0.1:1", "node2:50051"]
+    assert load_job_from_args(args).train.data_plane == "grpc"
 
 
 def test_server_subprocess_publishes_its_address_and_stops_on_sigterm(tmp_path):
@@ -135,7 +166,7 @@ def test_server_subprocess_publishes_its_address_and_stops_on_sigterm(tmp_path):
             time.sleep(0.05)
         host, _, port = addr.read_text().strip().rpartition(":")
         assert host == "127.0.0.1" and int(port) > 0
-        r = psctl("status", "--servers", addr.read_text().strip(), "--json")
+        r = psctl("status", "--addresses", addr.read_text().strip(), "--json")
         assert r.returncode == 0, r.stderr
         (shard,) = json.loads(r.stdout)
         assert shard["mode"] == "ssp" and shard["address"] == addr.read_text().strip()
@@ -148,27 +179,26 @@ def test_server_subprocess_publishes_its_address_and_stops_on_sigterm(tmp_path):
             proc.wait(timeout=10)
 
 
-def test_status_table(tmp_path, capsys):
-    from tests.cluster_utils import addresses, in_process_cluster
-
-    with in_process_cluster(2, mode="sync") as servers:
-        addr_dir = tmp_path / "addr"
-        addr_dir.mkdir()
-        for i, a in enumerate(addresses(servers)):
-            (addr_dir / f"shard-{i}").write_text(a + "\n")
-        assert main(["status", "--address-dir", str(tmp_path)]) == 0
-        out = capsys.readouterr().out
-        lines = out.splitlines()
-        assert lines[0].split()[:4] == ["shard", "address", "mode", "version"]
-        assert lines[2].split()[:3] == ["0", addresses(servers)[0], "sync"]
-        assert lines[3].split()[:3] == ["1", addresses(servers)[1], "sync"]
-        assert "shard 1 members (0):" in out
-        assert main(["status", "--servers", ",".join(addresses(servers)), "--json"]) == 0
-        stats = json.loads(capsys.readouterr().out)
-        assert [s["shard_index"] for s in stats] == [0, 1]
+@pytest.mark.parametrize("data_plane", ["tcp"])  # status reads stats over gRPC whatever the data plane
+def test_status_table(tmp_path, capsys, cluster):
+    addresses = cluster(2, mode="sync").addresses
+    addr_dir = tmp_path / "addr"
+    addr_dir.mkdir()
+    for i, a in enumerate(addresses):
+        (addr_dir / f"shard-{i}").write_text(a + "\n")
+    assert main(["status", "--address-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["shard", "address", "mode", "version"]
+    assert lines[2].split()[:3] == ["0", addresses[0], "sync"]
+    assert lines[3].split()[:3] == ["1", addresses[1], "sync"]
+    assert "shard 1 members (0):" in out
+    assert main(["status", "--addresses", ",".join(addresses), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert [s["shard_index"] for s in stats] == [0, 1]
 
 
 def test_status_of_an_unreachable_shard_fails_in_one_line(capsys):
-    assert main(["status", "--servers", "127.0.0.1:1", "--timeout", "0.5"]) == 1
+    assert main(["status", "--addresses", "127.0.0.1:1", "--timeout", "0.5"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("psctl status: cannot read stats from 127.0.0.1:1") and "Traceback" not in err

@@ -32,14 +32,14 @@ mode = "ssp"
 steps = 7
 chunk_bytes = 65536
 [job]
-servers = 3
+shards = 3
 [server]
 staleness = 4
 [train]
 hidden = [32, 16]
 """))
     assert job.name == "job"  # the file's stem
-    assert (job.servers, job.workers) == (3, 2)
+    assert (job.shards, job.workers) == (3, 2)
     assert (job.server.mode, job.server.staleness) == ("ssp", 4)
     assert (job.train.steps, job.train.hidden) == (7, [32, 16])
     # chunk_bytes at the top level is shared by both sides
@@ -62,7 +62,7 @@ def test_server_token_reaches_the_workers():
     ({"lrr": 0.1}, "unknown key 'lrr' in a job file (did you mean 'lr'?); valid keys: "),
     ({"server": {"stalenes": 1}}, "unknown key 'stalenes' in [server] (did you mean 'staleness'?)"),
     ({"train": {"modle": "mlp"}}, "unknown key 'modle' in [train] (did you mean 'model'?)"),
-    ({"jobs": {"servers": 1}}, "unknown table [jobs]"),
+    ({"jobs": {"shards": 1}}, "unknown table [jobs]"),
     ({"server": {"port": 5000}}, "port cannot be set in [server]: it is set per shard process"),
     ({"server": {"shard_index": 1}}, "shard_index cannot be set in [server]"),
     ({"tls_cert": "a.pem"}, "tls_cert is ambiguous at the top level"),
@@ -76,7 +76,7 @@ def test_server_token_reaches_the_workers():
     ({"hidden": 64}, "[train] hidden must be a list of int, got 64"),
     ({"wire_dtype": "int8"}, "[train] wire_dtype must be one of"),
     ({"workers": 0}, "[job] workers must be >= 1, got 0"),
-    ({"servers": 0}, "[job] servers must be >= 1, got 0"),
+    ({"shards": 0}, "[job] shards must be >= 1, got 0"),
     ({"mode": "sync", "workers": 2, "backup_workers": 2}, "backup_workers (2) must be less than [job] workers (2)"),
     ({"name": "a/b"}, "[job] name must be a non-empty string without '/'"),
 ])
@@ -85,6 +85,48 @@ def test_errors_name_the_key(data, fragment):
         job_from_dict(data, source="f.toml")
     assert str(err.value).startswith("f.toml: ")
     assert fragment in str(err.value)
+
+
+SHARDS_HINT = "'servers' was renamed: use shards = N (the number of shard processes)"
+DATA_PLANE_HINT = "'bulk' was replaced: use data_plane = \"tcp\""
+
+
+@pytest.mark.parametrize("data, hint", [
+    ({"servers": 2}, SHARDS_HINT),
+    ({"job": {"servers": 2}}, SHARDS_HINT),
+    ({"bulk": True}, DATA_PLANE_HINT),
+    ({"server": {"bulk": False}}, DATA_PLANE_HINT),
+    ({"train": {"bulk": True}}, DATA_PLANE_HINT),
+])
+def test_renamed_keys_are_refused_naming_the_new_key(data, hint):
+    with pytest.raises(ConfigError) as err:
+        job_from_dict(data, source="f.toml")
+    assert str(err.value).startswith(f"f.toml: {hint}"), str(err.value)
+
+
+def test_renamed_keys_are_refused_in_files_and_overrides(tmp_path):
+    with pytest.raises(ConfigError, match="'servers' was renamed: use shards = N"):
+        load_job(write(tmp_path, "[job]\nservers = 2\n"))
+    with pytest.raises(ConfigError, match='use data_plane = "tcp".* or data_plane = "grpc"'):
+        load_job(write(tmp_path, "bulk = false\n", "bulk.toml"))
+    job = job_from_dict({})
+    for key in ("servers", "job.servers"):
+        with pytest.raises(ConfigError, match="use shards = N"):
+            apply_overrides(job, {key: 2})
+    for key in ("bulk", "server.bulk", "train.bulk"):
+        with pytest.raises(ConfigError, match="use data_plane"):
+            apply_overrides(job, {key: True})
+
+
+def test_data_plane_at_the_top_level_sets_both_sides():
+    job = job_from_dict({"data_plane": "grpc"})
+    assert job.server.data_plane == job.train.data_plane == "grpc"
+    job = apply_overrides(job_from_dict({}), {"data_plane": "grpc"})
+    assert job.server.data_plane == job.train.data_plane == "grpc"
+    job = job_from_dict({"server": {"data_plane": "grpc"}})
+    assert (job.server.data_plane, job.train.data_plane) == ("grpc", "tcp")
+    with pytest.raises(ConfigError, match="data_plane must be one of"):
+        job_from_dict({"data_plane": "udp"})
 
 
 def test_not_toml(tmp_path):
@@ -127,6 +169,8 @@ def test_route():
     assert route("steps") == [("train", "steps")]
     assert route("workers") == [("job", "workers")]
     assert route("token") == [("server", "token"), ("train", "token")]
+    assert route("data_plane") == [("server", "data_plane"), ("train", "data_plane")]
+    assert route("server.data_plane") == [("server", "data_plane")]
     assert route("train.tls_ca") == [("train", "tls_ca")]
 
 
@@ -141,7 +185,7 @@ def test_toml_round_trip():
 
 
 def test_server_config_per_shard():
-    job = job_from_dict({"servers": 3, "server": {"metrics_port": 9100}})
+    job = job_from_dict({"shards": 3, "server": {"metrics_port": 9100}})
     c = job.server_config(2, host="0.0.0.0")
     assert (c.shard_index, c.num_shards, c.port, c.host, c.metrics_port) == (2, 3, 0, "0.0.0.0", 9102)
     assert job_from_dict({"metrics_port": 0}).server_config(1 - 1).metrics_port == 0
@@ -169,7 +213,7 @@ def test_every_example_loads(name):
 
 def test_default_job_is_what_the_issue_asks():
     job = load_job("examples/mnist.toml") if Path("examples/mnist.toml").exists() else load_job("mnist")
-    assert (job.servers, job.workers, job.mode) == (2, 2, "sync")
+    assert (job.shards, job.workers, job.mode) == (2, 2, "sync")
     assert (job.train.model, job.train.hidden, job.train.dataset) == ("mlp", [128], "mnist5k")
 
 
@@ -196,3 +240,18 @@ def test_readme_documents_every_key():
     reference = readme[readme.index("## Job files"):]
     missing = [k for k in job_keys() + server_keys() + train_keys() if f"`{k}`" not in reference]
     assert not missing, f"README.md's job-file reference lacks {missing}"
+
+
+def test_a_shard_reads_its_part_of_a_job_file_and_leaves_the_workers_part_to_them(tmp_path):
+    from psgrid.cluster.config import load_shard_settings
+
+    path = write(tmp_path, 'mode = "ssp"\nstepz = 3\n[job]\nshards = 3\n[server]\nlr = 0.5\n[train]\nmodle = "x"\n',
+                 "job.toml")
+    server, shards = load_shard_settings(path)
+    assert (server.mode, server.lr, shards) == ("ssp", 0.5, 3)
+    with pytest.raises(ConfigError, match="did you mean 'steps'"):     # the workers refuse the typos
+        load_job(path)
+    for bad, message in (('[server]\nmdoe = "x"\n', "did you mean 'mode'"), ("servers = 2\n", "use shards"),
+                         ("[job]\nshards = 0\n", "shards must be >= 1"), ('[server]\nlr = "fast"\n', "lr")):
+        with pytest.raises(ConfigError, match=message):
+            load_shard_settings(write(tmp_path, bad, "bad.toml"))

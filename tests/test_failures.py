@@ -17,12 +17,16 @@ import numpy as np
 import pytest
 
 from psgrid.psserver import checkpoint
-from psgrid.psserver.client import ShardedClient
+from psgrid.psserver.admin import Admin
+from psgrid.psserver.client import Client
 from psgrid.psserver.config import ServerConfig
+from psgrid.psserver.exceptions import ShardUnavailable
+from psgrid.psserver.protocol import FLOAT32, REASON_KEY, Outcome, Reason
 from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
 from psgrid.psserver.server import serve
 from psgrid.psserver.spec import ModelSpec
-from tests.cluster_utils import addresses, in_process_cluster, run_threads
+from psgrid.psserver.transports.base import ConnectOptions, open_control
+from tests.support import run_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ModelSpec([("w", (40,)), ("b", (3,))])
@@ -43,85 +47,96 @@ def live_worker(client, steps, start=0):
     waits = []
     for step in range(start, start + steps):
         t0 = time.monotonic()
-        client.pull(params)
+        client.pull(params).wait()
         waits.append(time.monotonic() - t0)
-        client.push(grad_for(client.worker_id, step))
+        client.push(grad_for(client.worker_id, step)).wait()
     return waits
+
+
+class Heartbeats:
+    """Heart-beats for a worker by hand (the client of a "dead" worker beats once an hour)."""
+
+    def __init__(self, addresses, worker_id, interval=LEASE / 5):
+        self.controls = [open_control(a, ConnectOptions()) for a in addresses]
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(worker_id, interval), daemon=True)
+        self.thread.start()
+
+    def _run(self, worker_id, interval):
+        while not self.stop.wait(interval):
+            for control in self.controls:
+                control.heartbeat(worker_id)
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+        for control in self.controls:
+            control.close()
 
 
 # ----- (a) (b) a worker that stops heart-beating is evicted; it may rejoin -----------------------------
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("mode", ["sync", "ssp"])
-def test_dead_worker_is_evicted_and_the_others_finish(mode):
+def test_a_dead_worker_is_evicted_and_the_others_finish(cluster, data_plane, mode):
     steps = 6
-    with in_process_cluster(2, mode=mode, staleness=1, lease_s=LEASE, lr=0.01) as servers:
-        addrs = addresses(servers)
-        alive = [ShardedClient(addrs, deadline_s=10, retry_s=5) for _ in range(2)]
-        dead = ShardedClient(addrs, deadline_s=10, retry_s=5)
-        try:
-            for c in (*alive, dead):
-                c.register(SPEC)
-            for c in alive:
-                c.start_heartbeats()                # the dead one never heart-beats
-            alive[0].init(np.zeros(SPEC.size, np.float32))
-            params = SPEC.flat()
-            dead.pull(params)
-            dead.push(grad_for(dead.worker_id, 0))  # it takes part in clock 0, then goes silent
-            t0 = time.monotonic()
-            waits = run_threads([lambda c=c: live_worker(c, steps) for c in alive], timeout=20)
-            elapsed = time.monotonic() - t0
-            # The others waited for it about one lease (plus the reaper's tick), not forever, not never.
-            assert 0.3 <= elapsed < LEASE + 3.0, elapsed
-            assert max(max(w) for w in waits) >= 0.2
-            for server in servers:
-                stats = server.shard.stats()
-                assert stats["evictions"] == 1
-                assert dead.worker_id not in member_clocks(server)
-                assert member_clocks(server) == {c.worker_id: steps for c in alive}
-                if mode == "sync":
-                    assert stats["version"] == steps
-            # The evicted worker's next push is refused as unknown ("register again") ...
-            stub = ps_pb2_grpc.ParameterServerStub(dead.channels[0])
-            begin, end = dead.ranges[0]
-            request = ps_pb2.PushRequest(worker_id=dead.worker_id, clock=1, version=0, num_chunks=1,
-                                         chunk=ps_pb2.Chunk(offset=begin, dtype=ps_pb2.FLOAT32,
-                                                            data=np.zeros(end - begin, "<f4").tobytes()))
-            with pytest.raises(grpc.RpcError) as err:
-                stub.Push(iter([request]), timeout=5)
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-            assert "register again" in err.value.details()
-            versions_before = [s.shard.version for s in servers]
-            # ... and the ShardedClient registers again by itself and rejoins at the slowest live clock:
-            # its stale gradient (computed at clock 1, far behind) is not applied. In sync it is a late
-            # push for a closed round; in ssp it is past the staleness bound, acknowledged unapplied.
-            results = dead.push(grad_for(dead.worker_id, 1))
-            outcome = "DROPPED_LATE" if mode == "sync" else "DUPLICATE"
-            assert [r["outcome"] for r in results] == [outcome, outcome]
-            assert [r["next_clock"] for r in results] == [steps, steps]
-            assert dead.clock == steps
-            for server, before in zip(servers, versions_before):
-                assert server.shard.version == before
-                stats = server.shard.stats()
-                assert stats["dropped_late" if mode == "sync" else "duplicates"] == 1
-                assert member_clocks(server) == {alive[0].worker_id: steps, alive[1].worker_id: steps,
-                                                 dead.worker_id: steps}
-            # It trains on with the others: nobody is held back waiting for it to catch up.
-            dead.start_heartbeats()
-            run_threads([lambda c=c: live_worker(c, 2, start=steps) for c in (*alive, dead)], timeout=15)
-            for server in servers:
-                assert set(member_clocks(server).values()) == {steps + 2}
-                assert server.shard.stats()["evictions"] == 1
-        finally:
-            for c in (*alive, dead):
-                c.close()
+    c = cluster(2, mode=mode, staleness=1, lease_s=LEASE, lr=0.01)
+    alive = [c.client(SPEC, worker_id=r, init=SPEC.flat()).join() for r in range(2)]
+    dead = c.client(SPEC, worker_id=2, heartbeat_s=3600).join()        # it never heart-beats
+    params = SPEC.flat()
+    dead.pull(params).wait()
+    dead.push(grad_for(dead.worker_id, 0)).wait()  # it takes part in clock 0, then goes silent
+    t0 = time.monotonic()
+    waits = run_threads([lambda cl=cl: live_worker(cl, steps) for cl in alive], timeout=20)
+    elapsed = time.monotonic() - t0
+    # The others waited for it about one lease (plus the reaper's tick), not forever, not never.
+    assert 0.3 <= elapsed < LEASE + 3.0, elapsed
+    assert max(max(w) for w in waits) >= 0.2
+    for server in c.servers:
+        stats = server.shard.stats()
+        assert stats["evictions"] == 1
+        assert dead.worker_id not in member_clocks(server)
+        assert member_clocks(server) == {cl.worker_id: steps for cl in alive}
+        if mode == "sync":
+            assert stats["version"] == steps
+    # The evicted worker's next push is refused as unknown, with the reason that says "register again" ...
+    with grpc.insecure_channel(c.addresses[0]) as channel:
+        request = ps_pb2.PushRequest(worker_id=dead.worker_id, clock=1, version=0, num_chunks=1,
+                                     chunk=ps_pb2.Chunk(offset=0, dtype=FLOAT32, data=np.zeros(21, "<f4").tobytes()))
+        with pytest.raises(grpc.RpcError) as err:
+            ps_pb2_grpc.ParameterServerStub(channel).Push(iter([request]), timeout=5)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert dict(err.value.trailing_metadata())[REASON_KEY] == Reason.UNKNOWN_WORKER.wire_name
+    versions_before = [s.shard.version for s in c.servers]
+    # ... and its client registers again by itself and rejoins at the slowest live clock: its stale
+    # gradient (computed at clock 1, far behind) is not applied. In sync it is a late push for a closed
+    # round; in ssp it is past the staleness bound, acknowledged unapplied.
+    results = dead.push(grad_for(dead.worker_id, 1)).wait()
+    outcome = Outcome.DROPPED_LATE if mode == "sync" else Outcome.DUPLICATE
+    assert [r.outcome for r in results] == [outcome, outcome]
+    assert [r.next_clock for r in results] == [steps, steps]
+    assert dead.clock == steps
+    for server, before in zip(c.servers, versions_before):
+        assert server.shard.version == before
+        stats = server.shard.stats()
+        assert stats["dropped_late" if mode == "sync" else "duplicates"] == 1
+        assert member_clocks(server) == {0: steps, 1: steps, 2: steps}
+    # It trains on with the others: nobody is held back waiting for it to catch up.
+    beats = Heartbeats(c.addresses, dead.worker_id)
+    try:
+        run_threads([lambda cl=cl: live_worker(cl, 2, start=steps) for cl in (*alive, dead)], timeout=15)
+    finally:
+        beats.close()
+    for server in c.servers:
+        assert set(member_clocks(server).values()) == {steps + 2}
+        assert server.shard.stats()["evictions"] == 1
 
 
 @pytest.mark.timeout(10)
 def test_rejoin_with_an_old_clock_lands_at_the_slowest_live_clock_policy_level():
-    from psgrid.psserver.policy import ConsistencyPolicy, Outcome
+    from psgrid.psserver.policy import ConsistencyPolicy
 
-    for mode, outcome in (("ssp", Outcome.DUPLICATE), ("sync", Outcome.DROP_LATE)):
+    for mode, outcome in (("ssp", Outcome.DUPLICATE), ("sync", Outcome.DROPPED_LATE)):
         policy = ConsistencyPolicy(mode, staleness=1)
         for w in range(3):
             policy.join(w)
@@ -149,38 +164,30 @@ def test_rejoin_with_an_old_clock_lands_at_the_slowest_live_clock_policy_level()
 # ----- (c) joining a running job -------------------------------------------------------------------
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
-def test_worker_joins_a_running_job_at_the_slowest_live_clock(mode):
-    with in_process_cluster(2, mode=mode, staleness=3, lease_s=5, lr=0.01) as servers:
-        addrs = addresses(servers)
-        fast, slow = ShardedClient(addrs, deadline_s=10), ShardedClient(addrs, deadline_s=10)
-        late = ShardedClient(addrs, deadline_s=10)
-        try:
-            for c in (fast, slow):
-                c.register(SPEC)
-            fast.init(np.zeros(SPEC.size, np.float32))
-            if mode == "sync":
-                run_threads([lambda: live_worker(fast, 3), lambda: live_worker(slow, 3)], timeout=15)
-                live_worker(fast, 1, start=3)       # fast is at 4, round 3 is open waiting for slow
-                expected = 3
-            else:
-                live_worker(fast, 3)
-                live_worker(slow, 1)
-                expected = 1
-            assert late.register(SPEC) >= 0
-            assert late.clock == expected
-            for server in servers:
-                assert member_clocks(server)[late.worker_id] == expected
-                assert server.shard.stats()["min_clock"] == expected
-            # the newcomer trains with the others at once
-            params = SPEC.flat()
-            late.pull(params)
-            [result, _] = late.push(grad_for(late.worker_id, expected))
-            assert result["outcome"] in ("APPLIED", "ACCUMULATED")
-            assert late.clock == expected + 1
-        finally:
-            for c in (fast, slow, late):
-                c.close()
+def test_a_worker_joins_a_running_job_at_the_slowest_live_clock(cluster, mode):
+    c = cluster(2, mode=mode, staleness=3, lease_s=5, lr=0.01)
+    fast = c.client(SPEC, worker_id=0, init=SPEC.flat()).join()
+    slow = c.client(SPEC, worker_id=1).join()
+    if mode == "sync":
+        run_threads([lambda: live_worker(fast, 3), lambda: live_worker(slow, 3)], timeout=15)
+        live_worker(fast, 1, start=3)       # fast is at 4, round 3 is open waiting for slow
+        expected = 3
+    else:
+        live_worker(fast, 3)
+        live_worker(slow, 1)
+        expected = 1
+    late = c.client(SPEC).join()
+    assert late.worker_id == 2 and late.clock == expected
+    for server in c.servers:
+        assert member_clocks(server)[late.worker_id] == expected
+        assert server.shard.stats()["min_clock"] == expected
+    # the newcomer trains with the others at once
+    late.pull(SPEC.flat()).wait()
+    results = late.push(grad_for(late.worker_id, expected)).wait()
+    assert results[0].outcome in (Outcome.APPLIED, Outcome.ACCUMULATED)
+    assert late.clock == expected + 1
 
 
 # ----- (d) (f) a shard process: kill, restart from its checkpoint; stop cleanly ------------------------
@@ -193,8 +200,8 @@ def start_shard(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     log = open(tmp_path / f"{name}.log", "ab")
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--shard", "0", "--num-shards", "1",
-                                 "--address-file", str(address_file), *args],
+        proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--shard", "0",
+                                 "--num-shards", "1", "--address-file", str(address_file), *args],
                                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     finally:
         log.close()
@@ -218,8 +225,8 @@ def manifest_version(ckpt_dir: Path) -> int:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("use_bulk", [True, False], ids=["bulk", "grpc"])
-def test_killed_shard_restarts_from_its_checkpoint(tmp_path, use_bulk):
+@pytest.mark.parametrize("plane", ["tcp", "grpc"])
+def test_a_killed_shard_restarts_from_its_checkpoint(tmp_path, plane, no_leaks):
     every = 5
     ckpt = tmp_path / "ckpt"
     args = ["--mode", "async", "--optimizer", "adam", "--lr", "0.05", "--lease-s", "30",
@@ -228,61 +235,45 @@ def test_killed_shard_restarts_from_its_checkpoint(tmp_path, use_bulk):
     try:
         first, address = start_shard(tmp_path, "first", "--port", "0", *args)
         port = int(address.rsplit(":", 1)[1])
-        with ShardedClient([address], retry_s=15, deadline_s=5, bulk=use_bulk) as client:
-            client.register(SPEC)
-            client.init(np.zeros(SPEC.size, np.float32))
-            assert (client.bulk[0] is not None) == use_bulk
-            old_bulk_port = client.bulk[0].port if use_bulk else None
+        with Client([address], SPEC, init=SPEC.flat(), retry_s=15, deadline_s=5, data_plane=plane) as client:
             params = SPEC.flat()
             history = {}                    # version -> weights
             for step in range(12):
-                client.pull(params)
-                history[client.versions[0]] = params.copy()
-                client.push(grad_for(0, step))
-            client.pull(params)
-            history[client.versions[0]] = params.copy()
-            assert client.versions == [12] and manifest_version(ckpt) == 10
+                [version] = client.pull(params).wait()
+                history[version] = params.copy()
+                client.push(grad_for(0, step)).wait()
+            [version] = client.pull(params).wait()
+            history[version] = params.copy()
+            assert client.data_planes == [plane] and version == 12 and manifest_version(ckpt) == 10
 
             os.kill(first.pid, signal.SIGKILL)
             first.wait(timeout=10)
-            # The client's next pull starts while the shard is down and retries until it is back.
-            result = {}
-
-            def pull():
-                try:
-                    result["versions"] = client.pull(params)
-                except BaseException as exc:  # noqa: BLE001 - reported below
-                    result["error"] = exc
-
+            # The next pull starts while the shard is down, and retries until it is back.
             t0 = time.monotonic()
-            waiter = threading.Thread(target=pull, daemon=True)
-            waiter.start()
+            pending = client.pull(params)
             time.sleep(0.3)
-            assert waiter.is_alive()
+            assert not pending.done()
             second, address2 = start_shard(tmp_path, "second", "--port", str(port), *args)
             assert address2 == address
-            waiter.join(20)
-            assert not waiter.is_alive(), "pull still retrying 20 s after the shard came back"
-            assert "error" not in result, result.get("error")
+            versions = pending.wait(timeout=20)
             recovered_in = time.monotonic() - t0
             # The restored shard holds the last checkpoint: at most `every` updates were lost.
-            assert result["versions"] == [10] and 12 - result["versions"][0] <= every
+            assert versions == [10] and 12 - versions[0] <= every
             np.testing.assert_array_equal(params, history[10])
             # A push goes through too, and the optimizer state (Adam moments, step count) came back:
             # the update equals the one a shard that never died makes from version 10.
-            [reply] = client.push(grad_for(0, 99))
-            assert reply["outcome"] == "APPLIED" and reply["version"] == 11
-            client.pull(params)
+            [reply] = client.push(grad_for(0, 99)).wait()
+            assert reply.outcome is Outcome.APPLIED and reply.version == 11
+            client.pull(params).wait()
             np.testing.assert_array_equal(params, reference_after(10, grad_for(0, 99)))
-            if use_bulk:
-                # the restarted shard's new bulk port was learned, and the data plane is in use again
-                assert client.bulk[0] is not None and client.bulk[0].port != old_bulk_port
-                assert client.bulk[0].idle, "no pooled bulk connection: the last calls did not use the bulk plane"
+            # The data plane was chosen again from the restarted shard's registration (a TCP plane
+            # listens on a new port), and it is the one in use.
+            assert client.data_planes == [plane]
             assert recovered_in < 15
-            # SIGTERM: a clean exit (0) with a final checkpoint of the version it reached.
-            os.kill(second.pid, signal.SIGTERM)
-            assert second.wait(timeout=15) == 0
-            assert manifest_version(ckpt) == 11
+        # SIGTERM: a clean exit (0) with a final checkpoint of the version it reached.
+        os.kill(second.pid, signal.SIGTERM)
+        assert second.wait(timeout=15) == 0
+        assert manifest_version(ckpt) == 11
     finally:
         kill(first)
         kill(second)
@@ -290,59 +281,60 @@ def test_killed_shard_restarts_from_its_checkpoint(tmp_path, use_bulk):
 
 def reference_after(versions: int, extra: np.ndarray) -> np.ndarray:
     """Weights of an in-process adam shard after the first ``versions`` pushes of grad_for(0, .) and ``extra``."""
-    with in_process_cluster(1, mode="async", optimizer="adam", lr=0.05) as servers:
-        with ShardedClient(addresses(servers), bulk=False) as client:
-            client.register(SPEC)
-            client.init(np.zeros(SPEC.size, np.float32))
+    server = serve(ServerConfig(mode="async", optimizer="adam", lr=0.05))
+    try:
+        with Client([server.address], SPEC, init=SPEC.flat()) as client:
             for step in range(versions):
-                client.push(grad_for(0, step))
-            client.push(extra)
+                client.push(grad_for(0, step)).wait()
+            client.push(extra).wait()
             out = SPEC.flat()
-            client.pull(out)
+            client.pull(out).wait()
             return out
+    finally:
+        server.stop(grace=0.5)
 
 
 @pytest.mark.timeout(40)
-def test_shutdown_rpc_stops_psctl_server_with_a_final_checkpoint(tmp_path):
+def test_the_shutdown_rpc_stops_psctl_server_with_a_final_checkpoint(tmp_path, no_leaks):
     ckpt = tmp_path / "ckpt"
     proc = None
     try:
         proc, address = start_shard(tmp_path, "shard", "--port", "0", "--mode", "sync",
                                     "--checkpoint-dir", str(ckpt))   # no periodic checkpoints
-        with ShardedClient([address], deadline_s=5, retry_s=2) as client:
-            client.register(SPEC)
-            client.init(np.zeros(SPEC.size, np.float32))
+        with Client([address], SPEC, init=SPEC.flat(), deadline_s=5, retry_s=2) as client:
             for step in range(3):
-                client.pull(SPEC.flat())
-                client.push(grad_for(0, step))
+                client.pull(SPEC.flat()).wait()
+                client.push(grad_for(0, step)).wait()
             assert not (ckpt / "shard-0-of-1" / checkpoint.MANIFEST).exists()
-            client.shutdown()
-            assert proc.wait(timeout=15) == 0
+        with Admin([address], deadline_s=5, retry_s=2) as admin:
+            admin.shutdown()
+        assert proc.wait(timeout=15) == 0
         assert manifest_version(ckpt) == 3
         arrays, meta = checkpoint.load_latest(ckpt / "shard-0-of-1")
-        assert meta["clocks"] == {"0": 3} and arrays["weights"].shape == (SPEC.size,)
+        assert meta["clocks"] == {} and meta["departed"] == {"0": 3}     # the worker left after clock 3
+        assert arrays["weights"].shape == (SPEC.size,)
     finally:
         kill(proc)
 
 
 # ----- (e) checkpoint files are atomic --------------------------------------------------------------
 
-def small_checkpointing_cluster(ckpt: Path, **kw):
-    return in_process_cluster(1, mode="async", optimizer="adam", lr=0.05, checkpoint_dir=str(ckpt), **kw)
+def checkpointing_cluster(cluster, ckpt: Path, **kw):
+    return cluster(1, mode="async", optimizer="adam", lr=0.05, checkpoint_dir=str(ckpt), **kw)
 
 
 @pytest.mark.timeout(30)
-def test_restore_trusts_only_the_manifest(tmp_path):
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_restore_trusts_only_the_manifest(cluster, tmp_path):
     ckpt = tmp_path / "ckpt"
-    with small_checkpointing_cluster(ckpt, checkpoint_every=3) as servers:
-        with ShardedClient(addresses(servers), bulk=False) as client:
-            client.register(SPEC)
-            client.init(np.zeros(SPEC.size, np.float32))
-            for step in range(7):
-                client.push(grad_for(0, step))
-        weights = servers[0].shard.weights.copy()
-        opt = servers[0].shard.optimizer.state_dict()
-    # stop() wrote a final checkpoint of version 7; only KEEP files remain
+    c = checkpointing_cluster(cluster, ckpt, checkpoint_every=3)
+    client = c.client(SPEC, worker_id=0, init=SPEC.flat(), heartbeat_s=3600).join()
+    for step in range(7):
+        client.push(grad_for(0, step)).wait()
+    weights = c.shard().weights.copy()
+    opt = c.shard().optimizer.state_dict()
+    c.servers[0].stop(grace=0.5)         # with the worker still a member: stop() writes version 7
+    client.close()
     d = ckpt / "shard-0-of-1"
     assert manifest_version(ckpt) == 7
     assert sorted(p.name for p in d.glob("ckpt-*.npz")) == ["ckpt-000000000006.npz", "ckpt-000000000007.npz"]
@@ -366,111 +358,88 @@ def test_restore_trusts_only_the_manifest(tmp_path):
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.parametrize("crash_at", ["array file", "manifest write", "manifest rename"])
-def test_a_crash_during_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch, crash_at):
+def test_a_crash_during_save_leaves_the_previous_checkpoint(cluster, tmp_path, monkeypatch, crash_at):
     ckpt = tmp_path / "ckpt"
     d = ckpt / "shard-0-of-1"
-    with small_checkpointing_cluster(ckpt) as servers:
-        shard = servers[0].shard
-        with ShardedClient(addresses(servers), bulk=False) as client:
-            client.register(SPEC)
-            client.init(np.zeros(SPEC.size, np.float32))
-            client.push(grad_for(0, 0))
-            client.checkpoint()
-            saved = shard.weights.copy()
-            client.push(grad_for(0, 1))
+    c = checkpointing_cluster(cluster, ckpt)
+    shard = c.shard()
+    client = c.client(SPEC, init=SPEC.flat()).join()
+    admin = c.admin()
+    client.push(grad_for(0, 0)).wait()
+    admin.checkpoint()
+    saved = shard.weights.copy()
+    client.push(grad_for(0, 1)).wait()
 
-            class Crash(Exception):
-                pass
+    class Crash(Exception):
+        pass
 
-            if crash_at == "array file":
-                def savez(f, **arrays):
-                    f.write(b"PK\x03\x04 partial")
-                    raise Crash()
-                monkeypatch.setattr(checkpoint.np, "savez", savez)
-            elif crash_at == "manifest write":
-                def dump(obj, f, *a, **kw):
-                    f.write('{"file": "ckpt-0000')
-                    raise Crash()
-                monkeypatch.setattr(checkpoint.json, "dump", dump)
-            else:
-                real = os.replace
+    if crash_at == "array file":
+        def savez(f, **arrays):
+            f.write(b"PK\x03\x04 partial")
+            raise Crash()
+        monkeypatch.setattr(checkpoint.np, "savez", savez)
+    elif crash_at == "manifest write":
+        def dump(obj, f, *a, **kw):
+            f.write('{"file": "ckpt-0000')
+            raise Crash()
+        monkeypatch.setattr(checkpoint.json, "dump", dump)
+    else:
+        real = os.replace
 
-                def replace(src, dst):
-                    if Path(dst).name == checkpoint.MANIFEST:
-                        raise Crash()
-                    return real(src, dst)
-                monkeypatch.setattr(checkpoint.os, "replace", replace)
-            with pytest.raises(Crash):
-                shard.checkpoint()
-            monkeypatch.undo()
-            found = checkpoint.load_latest(d)
-            assert found is not None
-            arrays, meta = found
-            assert meta["version"] == 1
-            np.testing.assert_array_equal(arrays["weights"], saved)
-            assert json.loads((d / checkpoint.MANIFEST).read_text())["version"] == 1
-            # a checkpoint after the crash works and is what a restart sees
-            client.checkpoint()
-            assert checkpoint.load_latest(d)[1]["version"] == 2
+        def replace(src, dst):
+            if Path(dst).name == checkpoint.MANIFEST:
+                raise Crash()
+            return real(src, dst)
+        monkeypatch.setattr(checkpoint.os, "replace", replace)
+    with pytest.raises(Crash):
+        shard.checkpoint()
+    monkeypatch.undo()
+    found = checkpoint.load_latest(d)
+    assert found is not None
+    arrays, meta = found
+    assert meta["version"] == 1
+    np.testing.assert_array_equal(arrays["weights"], saved)
+    assert json.loads((d / checkpoint.MANIFEST).read_text())["version"] == 1
+    # a checkpoint after the crash works and is what a restart sees
+    admin.checkpoint()
+    assert checkpoint.load_latest(d)[1]["version"] == 2
 
 
 # ----- found in review: shutdown releases waits, checkpoints keep open rounds and never break training
 
 @pytest.mark.timeout(30)
-def test_stopping_a_server_releases_a_waiting_pull():
-    servers = [serve(ServerConfig(mode="sync", lr=0.1))]
-    try:
-        waiting, other = (ShardedClient(addresses(servers), retry_s=0.5, deadline_s=30) for _ in range(2))
-        for c in (waiting, other):
-            c.register(SPEC)
-        waiting.init(np.zeros(SPEC.size, np.float32))
-        waiting.push(np.ones(SPEC.size, np.float32))       # round 0 waits for `other`
-        outcome = {}
-
-        def pull():
-            start = time.monotonic()
-            try:
-                waiting.pull(SPEC.flat())
-            except Exception as exc:  # noqa: BLE001 - what it raised is the point
-                outcome["error"] = exc
-            outcome["seconds"] = time.monotonic() - start
-
-        thread = threading.Thread(target=pull, daemon=True)
-        thread.start()
-        time.sleep(0.5)
-        started = time.monotonic()
-        servers[0].stop(grace=0.5)
-        assert time.monotonic() - started < 8, "stop() waited for the pull's deadline"
-        thread.join(timeout=10)
-        assert not thread.is_alive() and "error" in outcome and outcome["seconds"] < 10
-    finally:
-        for s in servers:
-            s.stop()
-        for c in (waiting, other):
-            c.close()
+def test_stopping_a_server_releases_a_waiting_pull(cluster):
+    c = cluster(1, mode="sync", lr=0.1)
+    waiting = c.client(SPEC, worker_id=0, init=SPEC.flat(), retry_s=0.5, deadline_s=30).join()
+    c.client(SPEC, worker_id=1, retry_s=0.5).join()
+    waiting.push(np.ones(SPEC.size, np.float32)).wait()       # round 0 waits for the other worker
+    pending = waiting.pull(SPEC.flat())
+    time.sleep(0.5)
+    assert not pending.done()
+    started = time.monotonic()
+    c.servers[0].stop(grace=0.5)
+    assert time.monotonic() - started < 8, "stop() waited for the pull's deadline"
+    with pytest.raises(ShardUnavailable):
+        pending.wait(timeout=10)
+    assert time.monotonic() - started < 10
 
 
 @pytest.mark.timeout(30)
-def test_a_failing_checkpoint_does_not_stop_training(tmp_path):
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_a_failing_checkpoint_does_not_stop_training(cluster, tmp_path):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the checkpoint directory should be")
-    with in_process_cluster(1, mode="sync", lr=0.5, checkpoint_dir=str(blocker), checkpoint_every=1) as servers:
-        clients = [ShardedClient(addresses(servers)) for _ in range(2)]
-        try:
-            for c in clients:
-                c.register(SPEC)
-            clients[0].init(np.zeros(SPEC.size, np.float32))
-            for step in range(3):
-                for c in clients:
-                    c.pull(SPEC.flat())
-                    c.push(np.ones(SPEC.size, np.float32))
-            shard = servers[0].shard
-            assert shard.version == 3 and shard.policy.closed_rounds == 3 and not shard.round_grads
-            np.testing.assert_allclose(shard.weights, -1.5)
-        finally:
-            for c in clients:
-                c.close()
+    c = cluster(1, mode="sync", lr=0.5, checkpoint_dir=str(blocker), checkpoint_every=1)
+    clients = [c.client(SPEC, worker_id=r, init=SPEC.flat()).join() for r in range(2)]
+    for _ in range(3):
+        for client in clients:
+            client.pull(SPEC.flat()).wait()
+            client.push(np.ones(SPEC.size, np.float32)).wait()
+    shard = c.shard()
+    assert shard.version == 3 and shard.policy.closed_rounds == 3 and not shard.round_grads
+    np.testing.assert_allclose(shard.weights, -1.5)
 
 
 @pytest.mark.timeout(30)
@@ -482,9 +451,16 @@ def test_a_checkpoint_keeps_the_gradients_of_an_open_sync_round(tmp_path):
     shard.init(SPEC, np.zeros(SPEC.size, np.float32))
     for worker in (0, 1):
         shard.register(SPEC.hash(), worker, -1, "test")
-    shard.push(0, 0, 0, np.full(SPEC.size, 2.0, np.float32), 0)     # held: round 0 waits for worker 1
+    grad = shard.pool.take()
+    grad[...] = 2.0
+    shard.push(0, 0, 0, grad, 0)                                     # held: round 0 waits for worker 1
     shard.checkpoint()
     restored = Shard(config)                                          # a restart
-    assert restored.push(0, 0, 0, np.full(SPEC.size, 2.0, np.float32), 0).outcome.name == "DUPLICATE"
-    restored.push(1, 0, 0, np.full(SPEC.size, 4.0, np.float32), 0)   # closes round 0 with both
+    duplicate = restored.pool.take()
+    assert restored.push(0, 0, 0, duplicate, 0)[0].outcome is Outcome.DUPLICATE
+    restored.pool.give(duplicate)
+    last = restored.pool.take()
+    last[...] = 4.0
+    restored.push(1, 0, 0, last, 0)                                   # closes round 0 with both
     np.testing.assert_allclose(restored.weights, -3.0)
+    assert restored.pool.on_loan == 0

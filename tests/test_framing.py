@@ -256,41 +256,35 @@ def test_field_soup_decodes_like_protobuf(fields, nested):
 # ----- on a live shard ----------------------------------------------------------------------------
 
 @pytest.mark.timeout(30)
-def test_shard_refuses_malformed_push_frames_as_bad_input_and_takes_protobuf_ones():
+@pytest.mark.parametrize("data_plane", ["grpc"])
+def test_shard_refuses_malformed_push_frames_as_bad_input_and_takes_protobuf_ones(cluster):
     import grpc
     import numpy as np
 
-    from psgrid.psserver.client import ShardedClient
     from psgrid.psserver.spec import ModelSpec
-    from tests.cluster_utils import addresses, in_process_cluster
 
     spec = ModelSpec([("w", (10,))])
-    with in_process_cluster(1, mode="async", lr=1.0) as servers:
-        shard = servers[0].shard
-        with ShardedClient(addresses(servers), bulk=False) as client:
-            worker = client.register(spec)
-            client.init(np.zeros(spec.size, np.float32))
-            channel = grpc.insecure_channel(servers[0].address)
-            try:
-                raw_push = channel.stream_unary("/ps.ParameterServer/Push")     # bytes in, bytes out
-                good = ps_pb2.PushRequest(worker_id=worker, clock=0, version=0, num_chunks=1,
-                                          chunk=pb_chunk(0, ps_pb2.FLOAT32, np.ones(10, "<f4").tobytes()))
-                for case, data in sorted(MALFORMED.items()):
-                    if isinstance(data, dict):
-                        data = data["push"]
-                    with pytest.raises(grpc.RpcError) as err:
-                        raw_push(iter([data]), timeout=5)
-                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, err.value.details())
-                    # a malformed second frame after a good first one is refused as well
-                    with pytest.raises(grpc.RpcError) as err:
-                        raw_push(iter([good.SerializeToString(), data]), timeout=5)
-                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, case
-                assert shard.version == 0 and shard.counters.pushes == 0
-                assert shard.stats()["rejected"] == 2 * len(MALFORMED)
-                np.testing.assert_array_equal(shard.weights, 0.0)
-                # A message serialized by protobuf itself (any generated client) is taken.
-                reply = ps_pb2.PushReply.FromString(raw_push(iter([good.SerializeToString()]), timeout=5))
-                assert reply.outcome == ps_pb2.PushReply.APPLIED and reply.version == 1
-                np.testing.assert_array_equal(shard.weights, -1.0)
-            finally:
-                channel.close()
+    c = cluster(1, mode="async", lr=1.0)
+    shard = c.shard()
+    worker = c.client(spec, init=spec.flat()).join().worker_id
+    with grpc.insecure_channel(c.addresses[0]) as channel:
+        raw_push = channel.stream_unary("/ps.ParameterServer/Push")     # bytes in, bytes out
+        good = ps_pb2.PushRequest(worker_id=worker, clock=0, version=0, num_chunks=1,
+                                  chunk=pb_chunk(0, ps_pb2.FLOAT32, np.ones(10, "<f4").tobytes()))
+        for case, data in sorted(MALFORMED.items()):
+            if isinstance(data, dict):
+                data = data["push"]
+            with pytest.raises(grpc.RpcError) as err:
+                raw_push(iter([data]), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, err.value.details())
+            # a malformed second frame after a good first one is refused as well
+            with pytest.raises(grpc.RpcError) as err:
+                raw_push(iter([good.SerializeToString(), data]), timeout=5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, case
+        assert shard.version == 0 and shard.counters.pushes == 0
+        assert shard.stats()["rejected"] == 2 * len(MALFORMED)
+        np.testing.assert_array_equal(shard.weights, 0.0)
+        # A message serialized by protobuf itself (any generated client) is taken.
+        reply = ps_pb2.PushReply.FromString(raw_push(iter([good.SerializeToString()]), timeout=5))
+        assert reply.outcome == ps_pb2.PushReply.APPLIED and reply.version == 1
+        np.testing.assert_array_equal(shard.weights, -1.0)

@@ -1,131 +1,148 @@
-"""Clients fit a linear regression through a real in-process cluster, in every mode."""
+"""Workers fit a linear regression through a real in-process cluster, in every mode.
+
+The long convergence runs use the default data plane; that every plane trains the same is
+shown once, bit for bit (test_every_data_plane_trains_to_identical_weights).
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from psgrid.psserver.client import ShardedClient
-from psgrid.psserver.spec import ModelSpec
-from tests.cluster_utils import addresses, in_process_cluster, run_threads
-
-FEATURES = 12
-SPEC = ModelSpec([("w", (FEATURES,)), ("b", (1,))])
+from psgrid.psserver.protocol import Outcome
+from tests.support import FEATURES, REGRESSION, make_problem, regression_grad, run_threads
 
 
-def make_problem(seed=0, n=400):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
-    w_true = rng.normal(size=FEATURES).astype(np.float32)
-    b_true = np.float32(0.7)
-    return x, x @ w_true + b_true, w_true, b_true
-
-
-def worker(addrs, rank, world, steps, *, wire_dtype="float32", batch=None, seed=0):
-    x, y, _, _ = make_problem(seed)
+def worker(cluster, rank, world, steps, *, batch=None, **client_kw):
+    """One worker's loop: pull, gradient of its slice of the data, push. Returns final weights and outcomes."""
+    x, y, _, _ = make_problem(0)
     x, y = x[rank::world], y[rank::world]
     rng = np.random.default_rng(rank)
-    params = SPEC.flat()
-    grad = SPEC.flat()
-    with ShardedClient(addrs, wire_dtype=wire_dtype, deadline_s=30) as client:
-        client.register(SPEC)
-        client.start_heartbeats()
-        init = np.zeros(SPEC.size, np.float32)
-        client.init(init)
-        outcomes = []
+    params, grad = REGRESSION.flat(), REGRESSION.flat()
+    outcomes = []
+    with cluster.client(REGRESSION, worker_id=rank, world=world, init=REGRESSION.flat(), **client_kw) as client:
         for _ in range(steps):
-            client.pull(params)
+            client.pull(params).wait()
             idx = rng.choice(len(y), size=batch or len(y), replace=False)
-            xb, yb = x[idx], y[idx]
-            residual = xb @ params[:FEATURES] + params[FEATURES] - yb
-            grad[:FEATURES] = xb.T @ residual / len(yb)
-            grad[FEATURES] = residual.mean()
-            outcomes += [r["outcome"] for r in client.push(grad)]
-        client.pull(params, clock=0)   # the final weights, whatever the others are doing
-        return params.copy(), outcomes
+            regression_grad(params, x[idx], y[idx], out=grad)
+            outcomes += [r.outcome for r in client.push(grad).wait()]
+        planes = client.data_planes
+    return params.copy(), outcomes, planes
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
-def test_clients_fit_linear_regression(mode):
+def test_workers_fit_linear_regression(cluster, data_plane, mode):
     _, _, w_true, b_true = make_problem()
-    with in_process_cluster(3, mode=mode, staleness=2, lr=0.1) as servers:
-        results = run_threads([lambda r=r: worker(addresses(servers), r, 4, 150) for r in range(4)], timeout=50)
-        final = results[0][0]
-        np.testing.assert_allclose(final[:FEATURES], w_true, atol=1e-3)
-        assert abs(final[FEATURES] - b_true) < 1e-3
-        stats = [s.shard.stats() for s in servers]
-        if mode == "sync":
-            # One update per round, every round made of all four workers' gradients.
-            assert all(st["applied_updates"] == 150 for st in stats)
-            assert all(st["dropped_late"] == 0 for st in stats)
-            assert all(st["max_staleness"] == 0 for st in stats)
-        else:
-            assert all(st["applied_updates"] == 600 for st in stats)
-        if mode == "ssp":
-            # A pull at clock c waited for the slowest to reach c - 2: clocks never drift further.
-            assert all(st["max_staleness"] <= 3 * 3 + 3 for st in stats)
+    c = cluster(3, mode=mode, staleness=2, lr=0.1)
+    results = run_threads([lambda r=r: worker(c, r, 4, 150) for r in range(4)], timeout=50)
+    assert all(planes == [data_plane] * 3 for _, _, planes in results)
+    final = c.weights()
+    np.testing.assert_allclose(final[:FEATURES], w_true, atol=1e-3)
+    assert abs(final[FEATURES] - b_true) < 1e-3
+    stats = [s.shard.stats() for s in c.servers]
+    if mode == "sync":
+        # One update per round, every round made of all four workers' gradients.
+        assert all(st["applied_updates"] == 150 for st in stats)
+        assert all(st["dropped_late"] == 0 for st in stats)
+        assert all(st["max_staleness"] == 0 for st in stats)
+    else:
+        assert all(st["applied_updates"] == 600 for st in stats)
+    if mode == "ssp":
+        # A pull at clock c waited for the slowest to reach c - 2: clocks never drift further.
+        assert all(st["max_staleness"] <= 3 * 3 + 3 for st in stats)
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.parametrize("mode", ["sync", "ssp"])
-def test_sixteen_clients_no_deadlock(mode):
-    with in_process_cluster(2, mode=mode, staleness=1, lr=0.05) as servers:
-        results = run_threads([lambda r=r: worker(addresses(servers), r, 16, 200, batch=8) for r in range(16)],
-                              timeout=80)
-        assert len(results) == 16
-        for server in servers:
-            assert server.shard.stats()["min_clock"] == 200 or not server.shard.policy.clocks
+def test_sixteen_workers_no_deadlock(cluster, mode):
+    c = cluster(2, mode=mode, staleness=1, lr=0.05)
+    results = run_threads([lambda r=r: worker(c, r, 16, 200, batch=8) for r in range(16)], timeout=80)
+    assert len(results) == 16
+    for server in c.servers:
+        assert server.shard.stats()["applied_updates"] == (200 if mode == "sync" else 16 * 200)
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.parametrize("wire_dtype", ["float16", "bfloat16"])
-def test_low_precision_gradients_still_converge(wire_dtype):
-    _, _, w_true, _ = make_problem()
-    with in_process_cluster(2, mode="sync", lr=0.1) as servers:
-        final, _ = worker(addresses(servers), 0, 1, 200, wire_dtype=wire_dtype)
-        np.testing.assert_allclose(final[:FEATURES], w_true, atol=2e-2)
+def test_low_precision_gradients_converge_like_float32(cluster, wire_dtype):
+    _, _, w_true, b_true = make_problem()
+    finals = {}
+    for dtype in ("float32", wire_dtype):
+        c = cluster(2, mode="sync", lr=0.1)
+        worker(c, 0, 1, 150, wire_dtype=dtype)
+        finals[dtype] = c.weights()
+    np.testing.assert_allclose(finals["float32"][:FEATURES], w_true, atol=1e-3)
+    np.testing.assert_allclose(finals[wire_dtype][:FEATURES], w_true, atol=2e-2)
+    assert abs(finals[wire_dtype][FEATURES] - b_true) < 2e-2
+    np.testing.assert_allclose(finals[wire_dtype], finals["float32"], atol=2e-2)
 
 
 @pytest.mark.timeout(60)
-def test_backup_workers_drop_late_pushes_and_count_them():
-    with in_process_cluster(1, mode="sync", backup_workers=1, lr=0.05) as servers:
-        addrs = addresses(servers)
-        fast = [ShardedClient(addrs) for _ in range(2)]
-        slow = ShardedClient(addrs)
-        try:
-            for c in (*fast, slow):
-                c.register(SPEC)
-            fast[0].init(np.zeros(SPEC.size, np.float32))
-            grad = np.ones(SPEC.size, np.float32)
-            params = SPEC.flat()
-            for c in fast:                 # two of three pushed round 0: it closes without the slow one
-                c.pull(params)
-                c.push(grad)
-            slow.pull(params, clock=0)
-            [result] = slow.push(grad)
-            assert result["outcome"] == "DROPPED_LATE"
-            assert result["next_clock"] == 1 and slow.clock == 1
-            stats = servers[0].shard.stats()
-            assert stats["dropped_late"] == 1 and stats["applied_updates"] == 1
-            np.testing.assert_allclose(servers[0].shard.weights, -0.05)
-        finally:
-            for c in (*fast, slow):
-                c.close()
+@pytest.mark.parametrize("data_plane", ["tcp"])
+@pytest.mark.parametrize("mode, wire_dtype", [("sync", "float32"), ("async", "float32"), ("sync", "bfloat16"),
+                                              ("async", "float16")])
+def test_every_data_plane_trains_to_identical_weights(cluster, tcp_calls, mode, wire_dtype):
+    """The same deterministic run over the TCP plane and over gRPC: bit for bit the same weights."""
+    finals, versions = {}, {}
+    for plane in ("tcp", "grpc"):
+        before = dict(tcp_calls)
+        c = cluster(2, mode=mode, optimizer="adam", lr=0.05)
+        x, y, _, _ = make_problem(0)
+        clients = [c.client(REGRESSION, worker_id=r, init=REGRESSION.flat() if r == 0 else None,
+                            data_plane=plane, wire_dtype=wire_dtype).join() for r in range(2)]
+
+        def step(rank):
+            params = REGRESSION.flat()
+            clients[rank].pull(params).wait()
+            clients[rank].push(regression_grad(params, x[rank::2], y[rank::2])).wait()
+
+        if mode == "sync":       # the rounds make threads deterministic
+            run_threads([lambda r=r: [step(r) for _ in range(12)] for r in range(2)], timeout=40)
+        else:                    # async: a fixed interleaving in one thread
+            for _ in range(12):
+                for rank in range(2):
+                    step(rank)
+        assert all(cl.data_planes == [plane, plane] for cl in clients)
+        served = {k: tcp_calls[k] - before[k] for k in tcp_calls}
+        assert served == ({"pull": 2 * 2 * 12, "push": 2 * 2 * 12} if plane == "tcp" else {"pull": 0, "push": 0})
+        finals[plane], versions[plane] = c.weights(), [s.shard.version for s in c.servers]
+    np.testing.assert_array_equal(finals["tcp"], finals["grpc"])
+    assert versions["tcp"] == versions["grpc"] == ([12, 12] if mode == "sync" else [24, 24])
+    assert np.abs(finals["tcp"]).sum() > 0      # something was learned
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_client_uses_grpc_when_the_shards_offer_no_tcp_plane(cluster, tcp_calls):
+    c = cluster(2, mode="async", data_plane="grpc")
+    assert all(s.tcp is None for s in c.servers)
+    with c.client(REGRESSION, init=REGRESSION.flat()) as client:       # it prefers tcp
+        params = REGRESSION.flat()
+        client.pull(params).wait()
+        client.push(np.ones(REGRESSION.size, np.float32)).wait()
+        client.pull(params).wait()
+        assert client.data_planes == ["grpc", "grpc"]
+    np.testing.assert_allclose(params, -0.01)
+    assert tcp_calls == {"pull": 0, "push": 0}
 
 
 @pytest.mark.timeout(60)
-def test_retried_push_is_applied_once():
-    with in_process_cluster(2, mode="async", lr=1.0) as servers:
-        with ShardedClient(addresses(servers)) as client:
-            client.register(SPEC)
-            client.init(np.zeros(SPEC.size, np.float32))
-            grad = np.ones(SPEC.size, np.float32)
-            client.push(grad)
-            client.clock = 0               # as if the reply was lost and the push sent again
-            results = client.push(grad)
-            assert {r["outcome"] for r in results} == {"DUPLICATE"}
-            assert client.clock == 1
-            for server in servers:
-                np.testing.assert_array_equal(server.shard.weights, -1.0)
-                assert server.shard.stats()["duplicates"] == 1
+def test_backup_workers_drop_late_pushes_and_count_them(cluster):
+    c = cluster(1, mode="sync", backup_workers=1, lr=0.05)
+    fast = [c.client(REGRESSION, worker_id=r, init=REGRESSION.flat()).join() for r in range(2)]
+    slow = c.client(REGRESSION, worker_id=2).join()
+    grad, params = np.ones(REGRESSION.size, np.float32), REGRESSION.flat()
+    slow.pull(params).wait()
+    for client in fast:                # two of three pushed round 0: it closes without the slow one
+        client.pull(params).wait()
+        client.push(grad).wait()
+    [result] = slow.push(grad).wait()
+    assert result.outcome is Outcome.DROPPED_LATE
+    assert result.next_clock == 1 and slow.clock == 1
+    stats = c.shard().stats()
+    assert stats["dropped_late"] == 1 and stats["applied_updates"] == 1
+    np.testing.assert_allclose(c.shard().weights, -0.05)

@@ -56,8 +56,8 @@ def coordinator_events(out: Path) -> list[dict]:
 def child_pids(out: Path) -> dict[str, list[int]]:
     pids = {}
     for e in coordinator_events(out):
-        if e["event"] == "servers_ready":
-            pids["servers"] = e["pids"]
+        if e["event"] == "shards_ready":
+            pids["shards"] = e["pids"]
         if e["event"] == "workers_started":
             pids["workers"] = e["pids"]
     return pids
@@ -77,8 +77,8 @@ class Launch:
         self.out = tmp_path / "run"
         self.log = tmp_path / "launch.log"
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "launch", *args, "--out", str(self.out)],
-                                         cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT,
+            argv = [sys.executable, "-m", "psgrid.cluster.cli", "launch", *args, "--out", str(self.out)]
+            self.proc = subprocess.Popen(argv, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 
     def wait_for(self, predicate, timeout: float, what: str):
@@ -171,27 +171,30 @@ def test_tiny_job_completes_with_a_summary(tmp_path):
     elapsed = time.monotonic() - t
     assert code == 0, text
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("mode", "steps", "wall_s", "samples_per_s", "train_accuracy", "test_accuracy", "servers",
-                "workers", "failures", "shards", "config"):
+    for key in ("mode", "steps", "wall_s", "samples_per_s", "train_accuracy", "test_accuracy", "shards",
+                "workers", "failures", "shard_stats", "config"):
         assert key in summary, key
-    assert (summary["status"], summary["mode"], summary["servers"], summary["workers"]) == ("ok", "sync", 2, 2)
+    assert (summary["status"], summary["mode"], summary["shards"], summary["workers"]) == ("ok", "sync", 2, 2)
     assert summary["steps"] == 200 and summary["failures"] == []
     assert summary["samples_per_s"] > 0 and summary["wall_s"] > 0
     assert summary["test_accuracy"] >= 0.85, summary
-    assert [s["shard_index"] for s in summary["shards"]] == [0, 1]
-    assert all(s["dropped_late"] >= 0 and "mean_staleness" in s for s in summary["shards"])
+    assert [s["shard_index"] for s in summary["shard_stats"]] == [0, 1]
+    assert all(s["dropped_late"] >= 0 and "mean_staleness" in s for s in summary["shard_stats"])
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     times = [e["time"] for e in events]
     assert times == sorted(times)
     kinds = {e["event"] for e in events}
-    assert {"job_start", "step", "eval", "done", "final_eval", "job_end"} <= kinds
+    assert {"job_start", "shards_ready", "step", "eval", "done", "final_eval", "job_end"} <= kinds
+    (start,) = [e for e in events if e["event"] == "job_start"]
+    assert (start["shards"], start["workers"]) == (2, 2)
+    assert "mnist (sync, 2 shards, 2 workers): 200 steps in " in text
     assert "test accuracy" in text and "summary in" in text
     print(f"tiny launch took {elapsed:.1f} s")
 
 
 @pytest.mark.slow
 def test_a_server_that_cannot_start_fails_the_job_by_name(tmp_path):
-    code, text, out = run_launch(tmp_path, *TINY, "--servers", "1",
+    code, text, out = run_launch(tmp_path, *TINY, "--shards", "1",
                                  "--set", "server.tls_cert=/nonexistent/cert.pem",
                                  "--set", "server.tls_key=/nonexistent/key.pem")
     assert code == 1, text
@@ -207,12 +210,12 @@ def test_a_server_killed_mid_run_ends_the_job_and_every_child(tmp_path):
     with Launch(tmp_path, *TINY, "--steps", "5000") as launch:
         launch.wait_for(lambda: steps_seen(launch.out, 0) >= 5, 60, "worker 0 training")
         pids = child_pids(launch.out)
-        os.kill(pids["servers"][1], signal.SIGKILL)
+        os.kill(pids["shards"][1], signal.SIGKILL)
         code = launch.wait(60)
         text = launch.text()
         assert code == 1, text
-        assert f"server 1 (pid {pids['servers'][1]}) was killed by SIGKILL" in text
-        for pid in pids["servers"] + pids["workers"]:
+        assert f"server 1 (pid {pids['shards'][1]}) was killed by SIGKILL" in text
+        for pid in pids["shards"] + pids["workers"]:
             assert not alive(pid), f"pid {pid} outlived the launcher"
 
 
@@ -243,7 +246,7 @@ def test_sigterm_stops_every_child(tmp_path):
         code = launch.wait(30)
         assert code == 128 + signal.SIGTERM, launch.text()
         assert time.monotonic() - t < 15
-        left = [pid for pid in pids["servers"] + pids["workers"] if alive(pid)]
+        left = [pid for pid in pids["shards"] + pids["workers"] if alive(pid)]
         assert not left, f"still running after SIGTERM to launch: {left}"
         summary = json.loads((launch.out / "summary.json").read_text())
         assert summary["status"] == "interrupted"
@@ -257,14 +260,14 @@ def test_a_failure_after_training_fails_the_job(tmp_path, monkeypatch, capsys):
     import psgrid.cluster.coordinator as co
     from psgrid.cluster.config import apply_overrides, load_job
     from psgrid.cluster.launch import launch
-    from psgrid.psserver.exceptions import RemoteError
+    from psgrid.psserver.exceptions import Unauthenticated
 
     def refuse(job, addresses):
-        raise RemoteError("UNAUTHENTICATED", "shard 0: missing or wrong bearer token")
+        raise Unauthenticated("shard 0: missing or wrong bearer token", shard=0)
 
     monkeypatch.setattr(co, "finish", refuse)
     job = apply_overrides(load_job("mnist"), {"steps": 20, "eval_every": 0, "out": str(tmp_path / "run")})
     assert launch(job, progress=False) == 1
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["status"] == "failed" and "UNAUTHENTICATED" in summary["message"]
-    assert "job failed: RemoteError" in capsys.readouterr().err
+    assert summary["status"] == "failed" and "missing or wrong bearer token" in summary["message"]
+    assert "job failed: Unauthenticated: shard 0: missing or wrong bearer token" in capsys.readouterr().err

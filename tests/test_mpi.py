@@ -17,6 +17,7 @@ import pytest
 from psgrid.cluster.mpi import min_ranks, role_of, too_few_ranks_message
 
 ROOT = Path(__file__).resolve().parent.parent
+RAISE_ON_RANK = Path(__file__).resolve().parent / "mpi_raise_on_rank.py"
 # Loopback only: no MPI transport may go looking for a network.
 MPI_ENV = {"HYDRA_IFACE": "lo", "UCX_TLS": "self,sm", "UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}
 
@@ -57,20 +58,22 @@ def test_roles():
     assert [role_of(r, 2) for r in range(6)] == [
         ("coordinator", 0), ("server", 0), ("server", 1), ("worker", 0), ("worker", 1), ("worker", 2)]
     assert min_ranks(2) == 4
-    assert too_few_ranks_message(2, 3) == ("psctl mpi needs at least 4 ranks (1 coordinator + 2 servers "
+    assert too_few_ranks_message(2, 3) == ("psctl mpi needs at least 4 ranks (1 coordinator + 2 shards "
                                            "+ at least 1 worker); got 3")
+    assert too_few_ranks_message(1, 2) == ("psctl mpi needs at least 3 ranks (1 coordinator + 1 shard "
+                                           "+ at least 1 worker); got 2")
 
 
-def check_summary(out_dir: Path, servers: int, workers: int) -> dict:
+def check_summary(out_dir: Path, shards: int, workers: int) -> dict:
     summary = json.loads((out_dir / "summary.json").read_text())
     assert (summary["status"], summary["launcher"]) == ("ok", "mpi")
-    assert (summary["servers"], summary["workers"], summary["ranks"]) == (servers, workers, 1 + servers + workers)
+    assert (summary["shards"], summary["workers"], summary["ranks"]) == (shards, workers, 1 + shards + workers)
     for key in ("mode", "steps", "wall_s", "samples_per_s", "train_accuracy", "test_accuracy"):
         assert summary[key] is not None, key
     assert summary["steps"] == 40 * workers
     assert summary["test_accuracy"] > 0.7
-    assert len(summary["shards"]) == servers
-    assert sorted((out_dir / "addr").iterdir()) == [out_dir / "addr" / f"shard-{i}" for i in range(servers)]
+    assert len(summary["shard_stats"]) == shards
+    assert sorted((out_dir / "addr").iterdir()) == [out_dir / "addr" / f"shard-{i}" for i in range(shards)]
     events = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert {e["rank"] for e in events if e["event"] == "done"} == set(range(workers))
     return summary
@@ -79,45 +82,44 @@ def check_summary(out_dir: Path, servers: int, workers: int) -> dict:
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_four_ranks(tmp_path):
-    code, out, err, took = run_mpi(4, "--config", "mnist", "--servers", "1", "--steps", "40",
+    code, out, err, took = run_mpi(4, "--config", "mnist", "--shards", "1", "--steps", "40",
                                    "--out", str(tmp_path / "run"))
     assert code == 0, err
-    check_summary(tmp_path / "run", servers=1, workers=2)
-    assert "test accuracy" in out
+    check_summary(tmp_path / "run", shards=1, workers=2)
+    assert "mnist (sync, 1 shard, 2 workers): 80 steps in " in out and "test accuracy" in out
     print(f"mpiexec -n 4 took {took:.1f} s")
 
 
 @pytest.mark.mpi
 @pytest.mark.slow
-def test_six_ranks_two_servers(tmp_path):
-    code, out, err, took = run_mpi(6, "--config", "mnist", "--servers", "2", "--steps", "40",
+def test_six_ranks_two_shards(tmp_path):
+    code, out, err, took = run_mpi(6, "--config", "mnist", "--shards", "2", "--steps", "40",
                                    "--out", str(tmp_path / "run"))
     assert code == 0, err
-    summary = check_summary(tmp_path / "run", servers=2, workers=3)
-    assert [s["end"] - s["begin"] for s in summary["shards"]] == [50885, 50885]  # 101,770 parameters halved
+    summary = check_summary(tmp_path / "run", shards=2, workers=3)
+    assert [s["end"] - s["begin"] for s in summary["shard_stats"]] == [50885, 50885]  # 101,770 parameters halved
     print(f"mpiexec -n 6 took {took:.1f} s")
 
 
 @pytest.mark.mpi
 def test_too_few_ranks_fails_at_once(tmp_path):
-    code, out, err, took = run_mpi(2, "--config", "mnist", "--servers", "1", "--out", str(tmp_path / "run"),
+    code, out, err, took = run_mpi(2, "--config", "mnist", "--shards", "1", "--out", str(tmp_path / "run"),
                                    timeout=60)
     assert code != 0
-    assert "psctl mpi needs at least 3 ranks (1 coordinator + 1 server + at least 1 worker); got 2" in err
+    assert "psctl mpi needs at least 3 ranks (1 coordinator + 1 shard + at least 1 worker); got 2" in err
     assert took < 30
     assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.mpi
 @pytest.mark.slow
-@pytest.mark.parametrize("rank", [0, 1, 3])  # the coordinator, a server, a worker
+@pytest.mark.parametrize("rank", [0, 1, 3])  # the coordinator, a shard, a worker
 def test_a_rank_that_raises_ends_the_job(tmp_path, rank):
     out = tmp_path / "run"
-    busy = out / "metrics" / "worker-0.jsonl"  # the hook raises once worker 0 (rank 2) is training
-    code, stdout, err, took = run_mpi(4, "--config", "mnist", "--servers", "1", "--steps", "100000",
-                                 "--out", str(out), timeout=120,
-                                 extra_env={"PSCTL_TEST_RAISE_RANK": str(rank),
-                                            "PSCTL_TEST_RAISE_RANK_WHEN": str(busy)})
+    busy = out / "metrics" / "worker-0.jsonl"  # the rank raises once worker 0 (rank 2) is training
+    code, stdout, err, took = run_mpiexec(4, [str(RAISE_ON_RANK), str(rank), str(busy), "--",
+                                              "mpi", "--config", "mnist", "--shards", "1", "--steps", "100000",
+                                              "--out", str(out)], timeout=120)
     ended = time.time()
     assert code != 0
     assert f"psctl mpi: rank {rank} on " in err and "failed; aborting the job" in err, f"{code}\n{stdout}\n{err}"
@@ -136,7 +138,7 @@ world = MPI.COMM_WORLD
 sub = world.Split(0 if world.rank < 3 else 1, world.rank)
 code = 0
 if world.rank < 3:  # ranks 0-2 run a job on their own communicator; rank 3 stays out of it
-    job = apply_overrides(load_job("mnist"), {"servers": 1, "steps": 20, "eval_every": 0, "out": sys.argv[1]})
+    job = apply_overrides(load_job("mnist"), {"shards": 1, "steps": 20, "eval_every": 0, "out": sys.argv[1]})
     code = run_mpi(job, comm=sub)
 world.Barrier()
 sys.exit(code)
@@ -150,4 +152,4 @@ def test_the_communicator_is_injectable(tmp_path):
     code, _, err, _ = run_mpiexec(4, ["-c", SUBCOMM_SCRIPT, str(out)])
     assert code == 0, err
     summary = json.loads((out / "summary.json").read_text())
-    assert (summary["ranks"], summary["servers"], summary["workers"], summary["steps"]) == (3, 1, 1, 20)
+    assert (summary["ranks"], summary["shards"], summary["workers"], summary["steps"]) == (3, 1, 1, 20)

@@ -56,7 +56,7 @@ def test_sync_barrier_round_by_round(n):
             assert not policy.may_pull(w, c + 1)
         for w in range(n):
             decision = policy.on_push(w, c)
-            assert decision == PushDecision(Outcome.ACCUMULATE, c, c + 1)
+            assert decision == PushDecision(Outcome.ACCUMULATED, c, c + 1)
             if w < n - 1:
                 # the round is still open: nobody may pull at c+1, nothing closes
                 assert policy.rounds_to_close() == []
@@ -73,12 +73,12 @@ def test_sync_barrier_round_by_round(n):
 
 def test_sync_retried_push_is_duplicate():
     policy = make("sync", 2)
-    assert policy.on_push(0, 0).outcome is Outcome.ACCUMULATE
+    assert policy.on_push(0, 0).outcome is Outcome.ACCUMULATED
     # retried push of clock 0 by worker 0: already taken
     assert policy.on_push(0, 0) == PushDecision(Outcome.DUPLICATE, 0, 1)
     assert policy.pushers(0) == {0}
     assert policy.rounds_to_close() == []
-    assert policy.on_push(1, 0).outcome is Outcome.ACCUMULATE
+    assert policy.on_push(1, 0).outcome is Outcome.ACCUMULATED
     assert policy.rounds_to_close() == [0]
     # a retry of an old, closed round is still a duplicate, not a late drop
     assert policy.on_push(1, 0) == PushDecision(Outcome.DUPLICATE, 0, 1)
@@ -90,7 +90,7 @@ def test_sync_pushes_of_next_round_accumulate_before_close():
     policy = make("sync", 2)
     policy.on_push(0, 0)
     # worker 0 races ahead (a fast-forwarding client could do this) and pushes round 1
-    assert policy.on_push(0, 1).outcome is Outcome.ACCUMULATE
+    assert policy.on_push(0, 1).outcome is Outcome.ACCUMULATED
     assert policy.rounds_to_close() == []
     policy.on_push(1, 0)
     assert policy.rounds_to_close() == [0]
@@ -116,18 +116,18 @@ def test_sync_backup_workers(n, b):
     # the fast workers run on through round 1 and 2 without the stragglers
     for c in (1, 2):
         for w in fast:
-            assert policy.on_push(w, c).outcome is Outcome.ACCUMULATE
+            assert policy.on_push(w, c).outcome is Outcome.ACCUMULATED
         assert policy.rounds_to_close() == [c]
     # a straggler's push for closed round 0 is dropped and its clock jumps to the open round
     for w in slow:
-        assert policy.on_push(w, 0) == PushDecision(Outcome.DROP_LATE, 0, 3)
+        assert policy.on_push(w, 0) == PushDecision(Outcome.DROPPED_LATE, 0, 3)
         assert policy.clocks[w] == 3
         assert policy.may_pull(w, 3)
     assert policy.pushers(0) == set()
     assert policy.rounds_to_close() == []
     # and then it takes part in round 3 as usual
     w = slow[0]
-    assert policy.on_push(w, 3).outcome is Outcome.ACCUMULATE
+    assert policy.on_push(w, 3).outcome is Outcome.ACCUMULATED
     assert w in policy.pushers(3)
 
 
@@ -136,7 +136,7 @@ def test_sync_late_push_for_just_closed_round():
     policy.on_push(0, 0)
     policy.on_push(1, 0)
     assert policy.rounds_to_close() == [0]
-    assert policy.on_push(2, 0) == PushDecision(Outcome.DROP_LATE, 0, 1)
+    assert policy.on_push(2, 0) == PushDecision(Outcome.DROPPED_LATE, 0, 1)
     assert policy.clocks[2] == 1
     # its retry is a duplicate now
     assert policy.on_push(2, 0).outcome is Outcome.DUPLICATE
@@ -206,7 +206,7 @@ def test_ssp_bound(s):
     # worker 0 runs ahead alone
     for c in range(s + 1):
         assert policy.may_pull(0, c)
-        assert policy.on_push(0, c) == PushDecision(Outcome.APPLY, c, c + 1)
+        assert policy.on_push(0, c) == PushDecision(Outcome.APPLIED, c, c + 1)
     assert policy.rounds_to_close() == []
     assert not policy.may_pull(0, s + 1)
     assert policy.may_pull(1, 0)
@@ -230,7 +230,7 @@ def test_ssp_duplicate_and_fast_forward():
     policy = make("ssp", 2, staleness=5)
     policy.on_push(0, 0)
     assert policy.on_push(0, 0) == PushDecision(Outcome.DUPLICATE, 0, 1)
-    assert policy.on_push(0, 4) == PushDecision(Outcome.APPLY, 4, 5)
+    assert policy.on_push(0, 4) == PushDecision(Outcome.APPLIED, 4, 5)
     assert policy.clocks[0] == 5
     assert policy.on_push(0, 3).outcome is Outcome.DUPLICATE
 
@@ -265,7 +265,7 @@ def test_ssp_random_interleavings(n, s, steps, data):
             pulled[w] = True
         else:
             decision = policy.on_push(w, clock[w])
-            assert decision == PushDecision(Outcome.APPLY, clock[w], clock[w] + 1)
+            assert decision == PushDecision(Outcome.APPLIED, clock[w], clock[w] + 1)
             clock[w] += 1
             pulled[w] = False
         # occasionally a worker is evicted (never the last unfinished one)
@@ -310,12 +310,12 @@ def test_sync_random_interleavings(n, data, steps):
         open_round = policy.closed_rounds
         decision = policy.on_push(w, clock[w])
         if b == 0:
-            assert decision.outcome is Outcome.ACCUMULATE
-        if decision.outcome is Outcome.DROP_LATE:
+            assert decision.outcome is Outcome.ACCUMULATED
+        if decision.outcome is Outcome.DROPPED_LATE:
             assert clock[w] < open_round
             assert decision.next_clock == open_round
         else:
-            assert decision.outcome is Outcome.ACCUMULATE
+            assert decision.outcome is Outcome.ACCUMULATED
             assert decision.next_clock == clock[w] + 1
         clock[w] = decision.next_clock
         pushers = policy.pushers(policy.closed_rounds)
@@ -341,9 +341,9 @@ def test_async_applies_at_once_and_never_waits():
     policy = make("async", 3)
     for c in range(5):
         assert policy.may_pull(0, c + 100)
-        assert policy.on_push(0, c) == PushDecision(Outcome.APPLY, c, c + 1)
+        assert policy.on_push(0, c) == PushDecision(Outcome.APPLIED, c, c + 1)
     assert policy.may_pull(1, 1000)
-    assert policy.on_push(1, 0).outcome is Outcome.APPLY
+    assert policy.on_push(1, 0).outcome is Outcome.APPLIED
     assert policy.on_push(1, 0).outcome is Outcome.DUPLICATE
     assert policy.rounds_to_close() == []
     assert policy.slowest_clock() == 0
@@ -379,7 +379,7 @@ def test_sync_join_starts_at_least_at_open_round():
     assert policy.slowest_clock() == 0
     assert policy.join(5) == 3
     assert policy.may_pull(5, 3)
-    assert policy.on_push(5, 3).outcome is Outcome.ACCUMULATE
+    assert policy.on_push(5, 3).outcome is Outcome.ACCUMULATED
 
 
 def test_sync_join_after_everyone_left_starts_at_open_round():
@@ -450,7 +450,7 @@ def test_unknown_worker_pull_never_waits(mode):
 def test_sync_fast_forward():
     policy = make("sync", 2)
     decision = policy.on_push(0, 3)
-    assert decision == PushDecision(Outcome.ACCUMULATE, 3, 4)
+    assert decision == PushDecision(Outcome.ACCUMULATED, 3, 4)
     assert policy.clocks[0] == 4
     assert policy.pushers(3) == {0}
     # a push below the new clock is now a duplicate
@@ -466,7 +466,7 @@ def test_sync_fast_forward():
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_fast_forward_applies(mode):
     policy = make(mode, 2, staleness=10)
-    assert policy.on_push(1, 6) == PushDecision(Outcome.APPLY, 6, 7)
+    assert policy.on_push(1, 6) == PushDecision(Outcome.APPLIED, 6, 7)
     assert policy.clocks[1] == 7
     assert policy.fastest_clock() == 7
     assert policy.slowest_clock() == 0
@@ -480,7 +480,7 @@ def test_a_worker_that_comes_back_never_pushes_its_last_clock_twice(mode):
     policy.join(0)
     policy.join(1)
     first = policy.on_push(0, 0)
-    assert first.outcome in (Outcome.APPLY, Outcome.ACCUMULATE)
+    assert first.outcome in (Outcome.APPLIED, Outcome.ACCUMULATED)
     policy.leave(0)
     assert policy.join(0, start_clock=0) == 1
     assert policy.on_push(0, 0).outcome is Outcome.DUPLICATE

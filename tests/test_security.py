@@ -1,43 +1,34 @@
-"""Bearer token and mutual TLS, on the gRPC control plane and the bulk data plane alike."""
+"""Bearer token and mutual TLS, on the gRPC control plane and the TCP data plane alike."""
 
 from __future__ import annotations
 
 import shutil
 import socket
-import ssl
 import subprocess
 
-import grpc
 import numpy as np
 import pytest
 
-from psgrid.psserver.bulk import HELLO, MAGIC, PULL, REPLY, REQUEST, BulkClient, BulkError, client_ssl_context
-from psgrid.psserver.client import ShardedClient
-from psgrid.psserver.exceptions import RemoteError, ShardUnavailable
-from psgrid.psserver.rpc import ps_pb2
-from tests.cluster_utils import addresses, in_process_cluster
-from tests.test_bulk import bulk_calls  # noqa: F401 - a fixture
-from tests.test_integration import FEATURES, SPEC, make_problem
+from psgrid.psserver.exceptions import ShardUnavailable, Unauthenticated, Unavailable
+from psgrid.psserver.protocol import FLOAT32, Reason, Status
+from psgrid.psserver.transports.base import ConnectOptions
+from psgrid.psserver.transports.tcp_client import TcpDataPlane
+from psgrid.psserver.transports.tcp_frames import HELLO, MAGIC, PULL, REPLY, REQUEST, recv_exact, recv_struct
+from tests.support import FEATURES, REGRESSION, make_problem, regression_grad
 
 TOKEN = "s3cret"
-UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 
 
-def fit(addrs, steps=60, **client_kw):
-    """One client fits the regression; returns the final weights and the client's bulk connections."""
+def fit(cluster, steps=60, **client_kw):
+    """One worker fits the regression; returns the final weights, its data planes and the true weights."""
     x, y, w_true, _ = make_problem(0)
-    with ShardedClient(addrs, deadline_s=20, **client_kw) as client:
-        client.register(SPEC)
-        client.init(np.zeros(SPEC.size, np.float32))
-        params, grad = SPEC.flat(), SPEC.flat()
+    with cluster.client(REGRESSION, init=REGRESSION.flat(), **client_kw) as client:
+        params, grad = REGRESSION.flat(), REGRESSION.flat()
         for _ in range(steps):
-            client.pull(params)
-            residual = x @ params[:FEATURES] + params[FEATURES] - y
-            grad[:FEATURES] = x.T @ residual / len(y)
-            grad[FEATURES] = residual.mean()
-            client.push(grad)
-        client.pull(params)
-        return params, list(client.bulk), w_true
+            client.pull(params).wait()
+            client.push(regression_grad(params, x, y, out=grad)).wait()
+        client.pull(params).wait()
+        return params, client.data_planes, w_true
 
 
 def shard_state(server):
@@ -58,102 +49,89 @@ def assert_same_state(before, after):
 # ----- bearer token -------------------------------------------------------------------------------
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("use_bulk", [False, True], ids=["grpc", "bulk"])
-def test_right_token_trains(use_bulk, bulk_calls):  # noqa: F811
-    with in_process_cluster(2, mode="sync", lr=0.3, token=TOKEN) as servers:
-        params, used, w_true = fit(addresses(servers), token=TOKEN, bulk=use_bulk)
-        np.testing.assert_allclose(params[:FEATURES], w_true, atol=0.05)
-        assert all(s.shard.version == 60 for s in servers)
-    if use_bulk:
-        assert all(b is not None for b in used)
-        assert bulk_calls["push"] == 2 * 60 and bulk_calls["pull"] == 2 * 61
-    else:
-        assert used == [None, None] and bulk_calls == {"pull": 0, "push": 0}
+def test_the_right_token_trains(cluster, data_plane, tcp_calls):
+    c = cluster(2, mode="sync", lr=0.3, token=TOKEN)
+    params, planes, w_true = fit(c, token=TOKEN)
+    np.testing.assert_allclose(params[:FEATURES], w_true, atol=0.05)
+    assert all(s.shard.version == 60 for s in c.servers) and planes == [data_plane] * 2
+    expected = {"push": 2 * 60, "pull": 2 * 61} if data_plane == "tcp" else {"pull": 0, "push": 0}
+    assert tcp_calls == expected
 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("token", [None, "wrong", "s3cre", "s3cret "])
-def test_missing_or_wrong_token_is_unauthenticated_on_grpc(token):
-    with in_process_cluster(1, mode="async", token=TOKEN) as servers:
-        before = shard_state(servers[0])
-        with ShardedClient(addresses(servers), token=token, retry_s=1) as client:
-            with pytest.raises(grpc.RpcError) as err:
-                client.register(SPEC)
-            assert err.value.code() == UNAUTHENTICATED
-            with pytest.raises(grpc.RpcError) as err:
-                client.init(np.zeros(SPEC.size, np.float32), spec=SPEC)
-            assert err.value.code() == UNAUTHENTICATED
-            with pytest.raises(RemoteError) as refused:
-                client.stats()            # control calls raise the domain error, named by status
-            assert refused.value.code == "UNAUTHENTICATED"
-        assert_same_state(before, shard_state(servers[0]))
-        assert servers[0].shard.leases.members == {}
+def test_a_missing_or_wrong_token_is_refused_on_the_control_plane(cluster, token):
+    c = cluster(1, mode="async", token=TOKEN)
+    before = shard_state(c.servers[0])
+    with pytest.raises(Unauthenticated) as err:
+        with c.client(REGRESSION, init=REGRESSION.flat(), token=token, retry_s=1):
+            pass
+    assert err.value.reason is Reason.UNAUTHENTICATED
+    with pytest.raises(Unauthenticated):
+        c.admin(token=token).stats()           # control calls raise the same domain error
+    assert_same_state(before, shard_state(c.servers[0]))
+    assert c.shard().leases.members == {}
 
 
 @pytest.fixture
-def token_job():
-    """A token-protected async shard, initialized, with one worker registered by a client holding the token."""
-    with in_process_cluster(1, mode="async", token=TOKEN) as servers:
-        with ShardedClient(addresses(servers), token=TOKEN, bulk=False) as client:
-            worker = client.register(SPEC)
-            client.init(np.arange(SPEC.size, dtype=np.float32))
-            client.push(np.ones(SPEC.size, np.float32))
-            yield servers[0], worker
+def token_job(cluster):
+    """A token-protected async shard, initialised, with one worker registered by a client holding the token."""
+    c = cluster(1, mode="async", token=TOKEN)
+    client = c.client(REGRESSION, init=np.arange(REGRESSION.size, dtype=np.float32), token=TOKEN).join()
+    client.push(np.ones(REGRESSION.size, np.float32)).wait()
+    return c, client.worker_id
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.parametrize("token", [None, "wrong"])
-def test_bulk_plane_refuses_without_or_with_wrong_token(token_job, token):
-    server, worker = token_job
+def test_the_tcp_plane_refuses_without_or_with_a_wrong_token(token_job, token):
+    c, worker = token_job
+    server = c.servers[0]
     before = shard_state(server)
-    bulk = BulkClient("127.0.0.1", server.bulk.port, token=token)
+    plane = TcpDataPlane("127.0.0.1", server.tcp.port, ConnectOptions(token=token))
     try:
-        out = np.empty(SPEC.size, np.float32)
-        with pytest.raises(BulkError) as err:
-            bulk.pull_into(memoryview(out).cast("B"), worker, 1, 5)
-        assert err.value.code() == UNAUTHENTICATED
-        with pytest.raises(BulkError) as err:
-            bulk.push(np.ones(SPEC.size, "<f4").tobytes(), ps_pb2.FLOAT32, worker, 1, 1, 5)
-        assert err.value.code() == UNAUTHENTICATED
+        out = np.empty(REGRESSION.size, np.float32)
+        with pytest.raises(Unauthenticated):
+            plane.pull_into(out, begin=0, worker_id=worker, clock=1, timeout_s=5)
+        with pytest.raises(Unauthenticated):
+            plane.push(np.ones(REGRESSION.size, np.float32), begin=0, wire_dtype=FLOAT32, worker_id=worker, clock=1,
+                       version=1, timeout_s=5)
     finally:
-        bulk.close()
+        plane.close()
     assert_same_state(before, shard_state(server))
-    # the right token on the same plane works
-    bulk = BulkClient("127.0.0.1", server.bulk.port, token=TOKEN)
+    plane = TcpDataPlane("127.0.0.1", server.tcp.port, ConnectOptions(token=TOKEN))    # the right one works
     try:
-        out = np.empty(SPEC.size, np.float32)
-        assert bulk.pull_into(memoryview(out).cast("B"), worker, 1, 5) == before[1]
+        out = np.empty(REGRESSION.size, np.float32)
+        assert plane.pull_into(out, begin=0, worker_id=worker, clock=1, timeout_s=5) == before[1]
         np.testing.assert_array_equal(out, before[0])
     finally:
-        bulk.close()
+        plane.close()
 
 
 @pytest.mark.timeout(30)
-def test_bulk_hello_must_come_first_and_a_refused_hello_closes(token_job):
-    server, worker = token_job
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_the_hello_must_come_first_and_a_refused_hello_closes(token_job):
+    c, worker = token_job
+    server = c.servers[0]
     before = shard_state(server)
-    with socket.create_connection(("127.0.0.1", server.bulk.port), timeout=5) as sock:
+    with socket.create_connection(("127.0.0.1", server.tcp.port), timeout=5) as sock:
         # a pull with no hello: refused, then the shard closes the connection
-        sock.sendall(REQUEST.pack(MAGIC, PULL, ps_pb2.FLOAT32, worker, 1, 0, 0, 5.0))
+        sock.sendall(REQUEST.pack(MAGIC, PULL, FLOAT32, worker, 1, 0, 0, 5.0))
         reply = _read_reply(sock)
-        assert reply[1] == UNAUTHENTICATED.value[0]
+        assert (reply[1], reply[2]) == (Status.UNAUTHENTICATED, Reason.UNAUTHENTICATED)
         assert sock.recv(1) == b""
-    with socket.create_connection(("127.0.0.1", server.bulk.port), timeout=5) as sock:
+    with socket.create_connection(("127.0.0.1", server.tcp.port), timeout=5) as sock:
         wrong = b"S3CRET"
         sock.sendall(REQUEST.pack(MAGIC, HELLO, 0, 0, 0, 0, len(wrong), 0.0) + wrong)
-        assert _read_reply(sock)[1] == UNAUTHENTICATED.value[0]
+        assert _read_reply(sock)[1] == Status.UNAUTHENTICATED
         assert sock.recv(1) == b""
     assert_same_state(before, shard_state(server))
 
 
 def _read_reply(sock):
-    buf = b""
-    while len(buf) < REPLY.size:
-        more = sock.recv(REPLY.size - len(buf))
-        assert more, "shard closed before replying"
-        buf += more
-    fields = REPLY.unpack(buf)
-    sock.recv(fields[-1], socket.MSG_WAITALL)     # the error text
+    fields = recv_struct(sock, REPLY)
+    recv_exact(sock, memoryview(bytearray(fields[-1])))      # the refusal's text
     return fields
 
 
@@ -190,82 +168,71 @@ def certs(tmp_path_factory):
                                        ("rogue_cert", "rogue.pem"), ("rogue_key", "rogue.key"))}
 
 
+def client_tls(certs, who: str = "valid") -> dict:
+    return {"valid": dict(tls_ca=certs["ca"], tls_cert=certs["client_cert"], tls_key=certs["client_key"]),
+            "no client cert": dict(tls_ca=certs["ca"]),
+            "rogue client cert": dict(tls_ca=certs["ca"], tls_cert=certs["rogue_cert"], tls_key=certs["rogue_key"]),
+            "no TLS": {}}[who]
+
+
 @pytest.fixture
-def tls_cluster(certs):
-    with in_process_cluster(2, mode="sync", lr=0.3, tls_cert=certs["server_cert"], tls_key=certs["server_key"],
-                            tls_ca=certs["ca"]) as servers:
-        yield servers, [f"localhost:{s.port}" for s in servers]
+def tls_cluster(cluster, certs):
+    return cluster(2, mode="sync", lr=0.3, tls_cert=certs["server_cert"], tls_key=certs["server_key"],
+                   tls_ca=certs["ca"])
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("use_bulk", [False, True], ids=["grpc", "bulk"])
-def test_mutual_tls_client_trains(tls_cluster, certs, use_bulk, bulk_calls):  # noqa: F811
-    servers, addrs = tls_cluster
-    params, used, w_true = fit(addrs, tls_ca=certs["ca"], tls_cert=certs["client_cert"],
-                               tls_key=certs["client_key"], bulk=use_bulk)
+def test_a_client_with_a_certificate_of_the_ca_trains_over_mutual_tls(tls_cluster, certs, data_plane, tcp_calls):
+    params, planes, w_true = fit(tls_cluster, **client_tls(certs))
     np.testing.assert_allclose(params[:FEATURES], w_true, atol=0.05)
-    assert all(s.shard.version == 60 for s in servers)
-    if use_bulk:
-        assert all(b is not None for b in used)
-        assert bulk_calls["push"] == 2 * 60
-    else:
-        assert bulk_calls == {"pull": 0, "push": 0}
+    assert all(s.shard.version == 60 for s in tls_cluster.servers) and planes == [data_plane] * 2
+    assert tcp_calls["push"] == (2 * 60 if data_plane == "tcp" else 0)
 
 
 @pytest.mark.timeout(30)
-def test_bulk_plane_speaks_tls_to_ip_addresses_too(tls_cluster, certs):
-    """The server certificate names 127.0.0.1 as well, so a client given the IP verifies it."""
-    servers, _ = tls_cluster
-    ctx = client_ssl_context(certs["ca"], certs["client_cert"], certs["client_key"])
-    with ShardedClient([f"localhost:{s.port}" for s in servers], tls_ca=certs["ca"], tls_cert=certs["client_cert"],
-                       tls_key=certs["client_key"], bulk=False) as client:
-        worker = client.register(SPEC)
-        client.init(np.ones(SPEC.size, np.float32))
-    bulk = BulkClient("127.0.0.1", servers[0].bulk.port, ssl_context=ctx)
-    try:
-        out = np.empty(servers[0].shard.size, np.float32)
-        assert bulk.pull_into(memoryview(out).cast("B"), worker, 0, 5) == 0
-        np.testing.assert_array_equal(out, 1.0)
-    finally:
-        bulk.close()
-
-
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("who", ["no client cert", "rogue client cert", "no TLS"])
-def test_client_without_a_valid_certificate_is_refused(tls_cluster, certs, who):
-    servers, addrs = tls_cluster
-    before = [shard_state(s) for s in servers]
-    kw = {"no client cert": dict(tls_ca=certs["ca"]),
-          "rogue client cert": dict(tls_ca=certs["ca"], tls_cert=certs["rogue_cert"], tls_key=certs["rogue_key"]),
-          "no TLS": {}}[who]
-    with ShardedClient(addrs, retry_s=0.5, deadline_s=5, **kw) as client:
-        with pytest.raises(ShardUnavailable):
-            client.register(SPEC)
-    for server, state in zip(servers, before):
-        assert_same_state(state, shard_state(server))
-    assert all(s.shard.leases.members == {} for s in servers)
-
-
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("who", ["no client cert", "rogue client cert", "no TLS"])
-def test_bulk_plane_refuses_a_client_without_a_valid_certificate(tls_cluster, certs, who):
-    servers, addrs = tls_cluster
-    with ShardedClient(addrs, tls_ca=certs["ca"], tls_cert=certs["client_cert"], tls_key=certs["client_key"],
-                       bulk=False) as client:
-        worker = client.register(SPEC)
-        client.init(np.ones(SPEC.size, np.float32))
-    server = servers[0]
-    before = shard_state(server)
-    ctx = {"no client cert": lambda: client_ssl_context(certs["ca"], None, None),
-           "rogue client cert": lambda: client_ssl_context(certs["ca"], certs["rogue_cert"], certs["rogue_key"]),
-           "no TLS": lambda: None}[who]()
-    bulk = BulkClient("localhost", server.bulk.port, ssl_context=ctx)
+@pytest.mark.parametrize("data_plane", ["tcp"])
+@pytest.mark.parametrize("host", ["localhost", "127.0.0.1"])
+def test_the_tcp_plane_verifies_the_shard_by_name_or_address(tls_cluster, certs, host):
+    """The server certificate names localhost and 127.0.0.1, so a client given either verifies it."""
+    client = tls_cluster.client(REGRESSION, init=np.ones(REGRESSION.size, np.float32), **client_tls(certs)).join()
+    server = tls_cluster.servers[0]
+    plane = TcpDataPlane(host, server.tcp.port, ConnectOptions(**client_tls(certs)))
     try:
         out = np.empty(server.shard.size, np.float32)
-        with pytest.raises((OSError, ssl.SSLError)):
-            bulk.pull_into(memoryview(out).cast("B"), worker, 0, 3)
-        with pytest.raises((OSError, ssl.SSLError)):
-            bulk.push(np.full(server.shard.size, 2.0, "<f4").tobytes(), ps_pb2.FLOAT32, worker, 0, 0, 3)
+        assert plane.pull_into(out, begin=0, worker_id=client.worker_id, clock=0, timeout_s=5) == 0
+        np.testing.assert_array_equal(out, 1.0)
     finally:
-        bulk.close()
+        plane.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
+@pytest.mark.parametrize("who", ["no client cert", "rogue client cert", "no TLS"])
+def test_a_client_without_a_valid_certificate_is_refused(tls_cluster, certs, who):
+    before = [shard_state(s) for s in tls_cluster.servers]
+    with pytest.raises(ShardUnavailable):
+        with tls_cluster.client(REGRESSION, init=REGRESSION.flat(), retry_s=0.5, deadline_s=5, **client_tls(certs, who)):
+            pass
+    for server, state in zip(tls_cluster.servers, before):
+        assert_same_state(state, shard_state(server))
+    assert all(s.shard.leases.members == {} for s in tls_cluster.servers)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
+@pytest.mark.parametrize("who", ["no client cert", "rogue client cert", "no TLS"])
+def test_the_tcp_plane_refuses_a_client_without_a_valid_certificate(tls_cluster, certs, who):
+    client = tls_cluster.client(REGRESSION, init=np.ones(REGRESSION.size, np.float32), **client_tls(certs)).join()
+    server = tls_cluster.servers[0]
+    before = shard_state(server)
+    plane = TcpDataPlane("localhost", server.tcp.port, ConnectOptions(**client_tls(certs, who)))
+    try:
+        out = np.empty(server.shard.size, np.float32)
+        with pytest.raises(Unavailable):
+            plane.pull_into(out, begin=0, worker_id=client.worker_id, clock=0, timeout_s=3)
+        with pytest.raises(Unavailable):
+            plane.push(np.full(server.shard.size, 2.0, np.float32), begin=0, wire_dtype=FLOAT32,
+                       worker_id=client.worker_id, clock=0, version=0, timeout_s=3)
+    finally:
+        plane.close()
     assert_same_state(before, shard_state(server))

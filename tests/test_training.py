@@ -7,28 +7,25 @@ import json
 import numpy as np
 import pytest
 
-from tests.cluster_utils import addresses, in_process_cluster, run_threads
+from tests.support import run_threads
 from psgrid.worker.config import TrainConfig
 from psgrid.worker.evaluate import evaluate
 from psgrid.worker.loop import run_worker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("data_plane", ["tcp"])]
 
 
-def train_job(tmp_path, train: TrainConfig, workers: int, shards: int = 2, **server):
-    with in_process_cluster(shards, **server) as servers:
-        addrs = addresses(servers)
-        results = run_threads([lambda r=r: run_worker(train, addrs, r, workers, str(tmp_path / f"w{r}.jsonl"))
-                               for r in range(workers)], timeout=150)
-        scores = evaluate(train, addrs)
-        weights = np.concatenate([s.shard.weights for s in servers])
-    return results, scores, weights
+def train_job(cluster, tmp_path, train: TrainConfig, workers: int, shards: int = 2, **server):
+    c = cluster(shards, **server)
+    results = run_threads([lambda r=r: run_worker(train, c.addresses, r, workers, str(tmp_path / f"w{r}.jsonl"))
+                           for r in range(workers)], timeout=150)
+    return results, evaluate(train, c.addresses), c.weights()
 
 
 @pytest.mark.timeout(180)
-def test_two_worker_sync_mlp_reaches_90_percent_on_mnist5k(tmp_path):
+def test_two_worker_sync_mlp_reaches_90_percent_on_mnist5k(cluster, tmp_path):
     train = TrainConfig(model="mlp", hidden=[128], dataset="mnist5k", batch_size=64, steps=300, eval_every=100)
-    results, scores, _ = train_job(tmp_path, train, workers=2, mode="sync", lr=0.1, momentum=0.9)
+    results, scores, _ = train_job(cluster, tmp_path, train, workers=2, mode="sync", lr=0.1, momentum=0.9)
     assert scores["test_accuracy"] >= 0.90, scores
     assert [r["steps"] for r in results] == [300, 300]
     records = [json.loads(line) for line in (tmp_path / "w0.jsonl").read_text().splitlines()]
@@ -42,19 +39,19 @@ def test_two_worker_sync_mlp_reaches_90_percent_on_mnist5k(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_sigmoid_mlp_full_batch_reaches_95_percent_training_accuracy(tmp_path):
+def test_sigmoid_mlp_full_batch_reaches_95_percent_training_accuracy(cluster, tmp_path):
     # The classic exercise: 784-25-10 sigmoid, full batch. Two workers each hold half the
     # training set; sync averages their gradients, which is exactly the full-batch gradient.
     train = TrainConfig(model="mlp", hidden=[25], activation="sigmoid", dataset="mnist5k", batch_size=0,
                         steps=100, eval_every=0)
-    _, scores, _ = train_job(tmp_path, train, workers=2, mode="sync", lr=1.0, momentum=0.9)
+    _, scores, _ = train_job(cluster, tmp_path, train, workers=2, mode="sync", lr=1.0, momentum=0.9)
     assert scores["train_accuracy"] >= 0.95, scores
 
 
 @pytest.mark.timeout(180)
-def test_same_seed_gives_the_same_weights_in_sync_mode(tmp_path):
+def test_same_seed_gives_the_same_weights_in_sync_mode(cluster, tmp_path):
     train = TrainConfig(model="mlp", hidden=[32], dataset="digits", batch_size=32, steps=40, eval_every=0, seed=3)
-    runs = [train_job(tmp_path / str(i), train, workers=3, mode="sync", lr=0.1)[2] for i in range(2)]
+    runs = [train_job(cluster, tmp_path / str(i), train, workers=3, mode="sync", lr=0.1)[2] for i in range(2)]
     np.testing.assert_array_equal(runs[0], runs[1])
     other = TrainConfig(**{**train.__dict__, "seed": 4})
-    assert not np.array_equal(runs[0], train_job(tmp_path / "other", other, workers=3, mode="sync", lr=0.1)[2])
+    assert not np.array_equal(runs[0], train_job(cluster, tmp_path / "other", other, workers=3, mode="sync", lr=0.1)[2])

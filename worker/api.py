@@ -4,12 +4,11 @@ Bring a function ``grad_fn(params, batch) -> (loss, grads)`` over named arrays
 (NumPy or CuPy); the trainer pulls the shared weights before each step and
 pushes your gradients after it::
 
-    from psgrid.worker.api import DistributedTrainer
+    from psgrid import DistributedTrainer
 
-    trainer = DistributedTrainer(servers, params=initial_params, grad_fn=grad_fn)
-    for batch in batches:
-        loss = trainer.step(batch)
-    trainer.close()
+    with DistributedTrainer(addresses, params=initial_params, grad_fn=grad_fn) as trainer:
+        for batch in batches:
+            loss = trainer.step(batch)
 
 The optimizer and the consistency mode belong to the shards (``psctl server
 --mode ssp --optimizer adam ...``); every worker of a job passes the same
@@ -22,18 +21,19 @@ import os
 
 import numpy as np
 
-from psgrid.psserver.client import ShardedClient
+from psgrid.psserver.client import Client
 from psgrid.psserver.spec import ModelSpec
-from psgrid.worker.backend import array_module, pinned_empty
+from psgrid.worker.backend import array_module, to_host
+from psgrid.worker.flat import FlatBuffers
 
-SERVERS_ENV = "PSGRID_SERVERS"
+ADDRESSES_ENV = "PSGRID_ADDRESSES"
 
 
-def servers_from_env() -> list[str]:
-    """The shard addresses in ``$PSGRID_SERVERS`` (comma-separated), for scripts started by a job."""
-    value = os.environ.get(SERVERS_ENV, "")
+def addresses_from_env() -> list[str]:
+    """The shard addresses in ``$PSGRID_ADDRESSES`` (comma-separated), for scripts started by a job."""
+    value = os.environ.get(ADDRESSES_ENV, "")
     if not value:
-        raise RuntimeError(f"no shard addresses: pass servers=[...] or set {SERVERS_ENV}=host:port,host:port")
+        raise RuntimeError(f"no shard addresses: pass addresses=[...] or set {ADDRESSES_ENV}=host:port,host:port")
     return [a.strip() for a in value.split(",") if a.strip()]
 
 
@@ -42,8 +42,8 @@ class DistributedTrainer:
 
     Parameters
     ----------
-    servers : list of str or None
-        Shard addresses in shard order; None reads ``$PSGRID_SERVERS``.
+    addresses : list of str or None
+        Shard addresses in shard order; None reads ``$PSGRID_ADDRESSES``.
     params : dict of arrays
         Initial values, by name (the names and shapes define the model's layout).
         NumPy or CuPy; the trainer keeps its working copy on the same device.
@@ -51,36 +51,32 @@ class DistributedTrainer:
         ``grad_fn(params, batch) -> (loss, grads)`` with ``grads`` a dict holding
         an array of each parameter's shape.
     **client_options
-        Passed to :class:`psserver.client.ShardedClient` (``wire_dtype``,
+        Passed to :class:`psgrid.psserver.client.Client` (``world``, ``wire_dtype``,
         ``token``, ``deadline_s``, ...).
     """
 
-    def __init__(self, servers, params: dict, grad_fn, heartbeat_s: float = 1.0, **client_options):
+    def __init__(self, addresses, params: dict, grad_fn, **client_options):
         if not params:
             raise ValueError("params must name at least one array")
         self.grad_fn = grad_fn
         self.xp = array_module(next(iter(params.values())))
         self.spec = ModelSpec((name, tuple(value.shape)) for name, value in params.items())
-        self.client = ShardedClient(servers if servers is not None else servers_from_env(), **client_options)
-        self.host_params = pinned_empty(self.spec.size, np.float32, self.xp)
-        self.host_grad = pinned_empty(self.spec.size, np.float32, self.xp)
-        self.flat = self.host_params if self.xp is np else self.spec.flat(self.xp)
-        self.params = self.spec.views(self.flat)
-        self.steps = 0
+        self.buffers = FlatBuffers(self.spec, self.xp)
+        self.params = self.buffers.param_views
+        initial = {name: np.asarray(to_host(value), dtype=np.float32) for name, value in params.items()}
+        self.client = Client(addresses if addresses is not None else addresses_from_env(), self.spec,
+                             init=lambda: self.spec.pack(initial), **client_options)
         try:
-            self.worker_id = self.client.register(self.spec)
-            self.client.start_heartbeats(heartbeat_s)
-            host = {k: np.asarray(v.get() if self.xp is not np else v, dtype=np.float32) for k, v in params.items()}
-            self.client.init(self.spec.pack(host))
+            self.client.join()
         except BaseException:
             self.client.close()
             raise
+        self.steps = 0
 
     def pull(self) -> dict:
         """Fetch the current weights (after this mode's consistency wait) into ``self.params``."""
-        self.client.pull(self.host_params)
-        if self.xp is not np:
-            self.flat.set(self.host_params)
+        self.client.pull(self.buffers.host_params).wait()
+        self.buffers.upload_params()
         return self.params
 
     def step(self, batch):
@@ -90,21 +86,18 @@ class DistributedTrainer:
         missing = set(self.spec.names) - set(grads)
         if missing:
             raise ValueError(f"grad_fn returned no gradient for {sorted(missing)}")
-        views = self.spec.views(self.host_grad)
         for name, grad in grads.items():
-            if name not in views:
+            if name not in self.buffers.grad_views:
                 raise ValueError(f"grad_fn returned a gradient for unknown parameter {name!r}")
-            views[name][...] = grad.get() if self.xp is not np else grad
-        self.client.push(self.host_grad)
+            self.buffers.grad_views[name][...] = grad
+        self.buffers.download_grad()
+        self.client.push(self.buffers.host_grad).wait()
         self.steps += 1
         return loss
 
     def close(self) -> None:
         """Leave the job (so sync and ssp stop waiting for this worker) and close the connections."""
-        try:
-            self.client.leave()
-        finally:
-            self.client.close()
+        self.client.close()
 
     def __enter__(self):
         return self

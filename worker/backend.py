@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 
-DEVICES = ("auto", "cpu", "gpu")
+from psgrid.worker.config import DEVICES
 
 GPU_MISSING = (
     "device='gpu' asked for but no CUDA GPU/CuPy is available: "

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-WIRE_DTYPES = ("float32", "float16", "bfloat16")
+from psgrid.psserver.protocol import DATA_PLANES, DEFAULT_CHUNK_BYTES, WIRE_DTYPES
+
 DEVICES = ("auto", "cpu", "gpu")
 
 
@@ -26,7 +27,8 @@ class TrainConfig:
     init_scale: float = 1.0                # multiplies the default initialisation
     eval_every: int = 50                   # evaluate test accuracy every this many steps (rank 0); 0: only at the end
     device: str = "auto"                   # auto | cpu | gpu
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    data_plane: str = "tcp"                # "tcp": Pull/Push payloads over the shards' TCP data plane; "grpc"
     wire_dtype: str = "float32"            # float32 | float16 | bfloat16 for gradients
     deadline_s: float = 60.0               # per-RPC deadline (a consistency wait counts against it)
     retry_s: float = 30.0                  # retry UNAVAILABLE with backoff for this long
@@ -41,7 +43,9 @@ class TrainConfig:
 
     def validate(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
+            raise ValueError(f"wire_dtype must be one of {tuple(WIRE_DTYPES)}, got {self.wire_dtype!r}")
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.batch_size < 0 or self.steps < 0 or self.epochs < 0:

@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import numpy as np
-
-from psgrid.psserver.client import ShardedClient
 from psgrid.worker.config import TrainConfig
-from psgrid.worker.loop import build, make_client
+from psgrid.worker.loop import build, make_admin
 from psgrid.worker.models import accuracy, softmax_cross_entropy
 
 
-def evaluate(train: TrainConfig, servers: list[str], device: str | None = "cpu") -> dict:
+def evaluate(train: TrainConfig, addresses: list[str], device: str | None = "cpu") -> dict:
     """Train and test accuracy (and test loss) of the shards' current weights on the whole data set."""
     xp, _, data, model = build(train, rank=0, world=1, device=device)
-    client: ShardedClient = make_client(train, servers)
-    try:
-        client.observe(model.spec)
-        flat = np.empty(model.spec.size, np.float32)
-        versions = client.pull(flat)
-    finally:
-        client.close()
+    with make_admin(train, addresses, deadline_s=train.deadline_s, retry_s=train.retry_s) as admin:
+        flat, versions = admin.pull()
+    if flat.shape != (model.spec.size,):
+        raise ValueError(f"the shards hold {flat.size} parameters; this job's model has {model.spec.size}")
     params = model.spec.views(xp.asarray(flat))
     test_x, test_y = xp.asarray(data.test_x), xp.asarray(data.test_y)
     logits = model.predict(params, test_x)

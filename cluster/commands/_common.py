@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import textwrap
 
-from psgrid.psserver.config import MODES, OPTIMIZERS
-from psgrid.worker.config import DEVICES, WIRE_DTYPES
+from psgrid.psserver.protocol import DATA_PLANES, MODES, OPTIMIZERS, WIRE_DTYPES
 
 
 def add_command(subparsers, name: str, help: str, description: str, examples: str) -> argparse.ArgumentParser:
@@ -30,8 +29,20 @@ def add_set_arg(p: argparse.ArgumentParser) -> None:
                         "(TOML values; applied before the other flags; repeatable)")
 
 
-# (flag, job-file key, type or choices, help): flags that override a job file in launch and mpi.
-TRAINING_FLAGS = [
+def training_flags(keys=None) -> list[tuple]:
+    """(flag, job-file key, type or choices, help) of the flags that override a job file, all or ``keys``.
+
+    A function, so that only the commands that take them load the worker's settings
+    (``psctl server`` never imports the worker package).
+    """
+    from psgrid.worker.config import DEVICES
+
+    flags = _training_flags(DEVICES)
+    return flags if keys is None else [f for f in flags if f[1] in keys]
+
+
+def _training_flags(devices: tuple) -> list[tuple]:
+    return [
     ("--mode", "mode", MODES, "consistency: sync (BSP), async (ASP) or ssp (stale-synchronous)"),
     ("--staleness", "staleness", int, "ssp bound s: a worker at clock c waits for the slowest to reach c-s"),
     ("--backup-workers", "backup_workers", int, "sync: close a round when all but this many workers pushed"),
@@ -44,15 +55,17 @@ TRAINING_FLAGS = [
     ("--steps", "steps", int, "steps per worker (ignored when epochs > 0)"),
     ("--epochs", "epochs", int, "passes over each worker's shard of the training set"),
     ("--eval-every", "eval_every", int, "evaluate test accuracy every this many steps on worker 0 (0: at the end)"),
-    ("--device", "device", DEVICES, "where workers compute"),
-    ("--wire-dtype", "wire_dtype", WIRE_DTYPES, "dtype of gradients on the wire"),
+    ("--device", "device", devices, "where workers compute"),
+    ("--wire-dtype", "wire_dtype", tuple(WIRE_DTYPES), "dtype of gradients on the wire"),
+    ("--data-plane", "data_plane", DATA_PLANES,
+     "where Pull/Push payloads travel: tcp (the shards' TCP data plane, gRPC where a shard has none) or grpc"),
     ("--seed", "seed", int, "random seed"),
-]
+    ]
 
 
-def add_training_flags(p: argparse.ArgumentParser, flags=TRAINING_FLAGS) -> None:
+def add_training_flags(p: argparse.ArgumentParser, keys=None) -> None:
     g = p.add_argument_group("job-file overrides")
-    for flag, key, kind, help in flags:
+    for flag, key, kind, help in training_flags(keys):
         if isinstance(kind, tuple):
             g.add_argument(flag, dest=f"override_{key}", choices=kind, default=None, help=help)
         else:
@@ -78,13 +91,14 @@ def load_job_from_args(args: argparse.Namespace):
 
 
 def split_addresses(text: str) -> list[str]:
+    """The value of ``--addresses``: ``"h1:p1,h2:p2"`` -> ``["h1:p1", "h2:p2"]``."""
     from psgrid.cluster.errors import UsageError
 
     addresses = [a.strip() for a in text.split(",") if a.strip()]
     for a in addresses:
         host, sep, port = a.rpartition(":")
         if not sep or not host or not port.isdigit():
-            raise UsageError(f"--servers expects host:port[,host:port...], got {a!r}")
+            raise UsageError(f"--addresses expects host:port[,host:port...], got {a!r}")
     if not addresses:
-        raise UsageError("--servers expects host:port[,host:port...], got nothing")
+        raise UsageError("--addresses expects host:port[,host:port...], got nothing")
     return addresses

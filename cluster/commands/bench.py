@@ -6,6 +6,8 @@ import argparse
 
 from psgrid.cluster.commands._common import add_command
 
+HELP = "performance figures: transport vs raw TCP, apply vs memcpy"
+
 TARGETS = ("transport", "apply")
 
 
@@ -22,7 +24,7 @@ def _size(text: str) -> int:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = add_command(
-        subparsers, "bench", help="performance figures: transport vs raw TCP, apply vs memcpy",
+        subparsers, "bench", help=HELP,
         description="Measure, in one run on loopback, pull+push of one shard's range against a raw TCP "
                     "echo of the same bytes, and the shard's optimizer apply against numpy.copyto of the "
                     "same array. Medians of repeated runs; ratios are what to compare across machines.",

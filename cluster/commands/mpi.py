@@ -6,17 +6,19 @@ import argparse
 
 from psgrid.cluster.commands._common import add_command, add_config_arg, add_set_arg, add_training_flags
 
+HELP = "run a whole job under mpiexec or srun (roles by rank)"
+
 EXAMPLES = """
-mpiexec -n 4 psctl mpi --config examples/mnist.toml --servers 1      # 1 coordinator, 1 shard, 2 workers
-mpiexec -n 6 psctl mpi --config mnist --servers 2 --mode ssp         # 2 shards, 3 workers
+mpiexec -n 4 psctl mpi --config examples/mnist.toml --shards 1       # 1 coordinator, 1 shard, 2 workers
+mpiexec -n 6 psctl mpi --config mnist --shards 2 --mode ssp          # 2 shards, 3 workers
 HYDRA_IFACE=lo mpiexec -n 4 psctl mpi --config mnist                 # a laptop without a network
-srun -N 2 --ntasks-per-node=5 --gpus-per-node=4 psctl mpi --config job.toml --servers 2 --iface ib0
+srun -N 2 --ntasks-per-node=5 --gpus-per-node=4 psctl mpi --config job.toml --shards 2 --iface ib0
 """
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = add_command(
-        subparsers, "mpi", help="run a whole job under mpiexec or srun (roles by rank)",
+        subparsers, "mpi", help=HELP,
         description="Run under mpiexec or srun with N ranks: rank 0 coordinates (progress, final evaluation, "
                     "OUT/summary.json), ranks 1..S serve one shard each, and the other N-1-S ranks are workers, "
                     "each on the GPU of its local rank. Needs N >= S+2. An exception on any rank aborts the "
@@ -25,8 +27,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     add_config_arg(p, "mnist", "flags override it; [job] workers is ignored (N-1-S)")
     g = p.add_argument_group("job")
-    g.add_argument("--servers", dest="override_servers", type=int, metavar="S",
-                   help="number of shard ranks (default: [job] servers)")
+    g.add_argument("--shards", dest="override_shards", type=int, metavar="S",
+                   help="number of shard ranks (default: [job] shards)")
     g.add_argument("--out", dest="override_out", metavar="DIR", help="output folder (default: runs/NAME-TIMESTAMP)")
     g.add_argument("--name", dest="override_name", metavar="NAME", help="job name (default: the job file's name)")
     g.add_argument("--timeout", dest="override_timeout_s", type=float, metavar="SECONDS",

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import MODES, OPTIMIZERS, add_command, add_config_arg
+from psgrid.cluster.commands._common import DATA_PLANES, MODES, OPTIMIZERS, add_command, add_config_arg
+
+HELP = "run one parameter-server shard"
 
 # (flag, ServerConfig field, type or choices, help)
 SERVER_FLAGS = [
     ("--shard", "shard_index", int, "index I of this shard, 0..S-1 (default 0)"),
-    ("--num-shards", "num_shards", int, "number of shards S (default: [job] servers of --config, else 1)"),
+    ("--num-shards", "num_shards", int, "number of shards S (default: [job] shards of --config, else 1)"),
     ("--host", "host", str, "address to bind (default 127.0.0.1; 0.0.0.0 for every interface)"),
     ("--port", "port", int, "port to bind; 0 (the default) picks a free one, see --address-file"),
     ("--mode", "mode", MODES, "consistency: sync, async or ssp"),
@@ -33,19 +35,21 @@ SERVER_FLAGS = [
     ("--tls-ca", "tls_ca", str, "require client certificates signed by this CA (mutual TLS)"),
     ("--metrics-port", "metrics_port", int, "serve Prometheus metrics on this port (0: any free port)"),
     ("--threads", "threads", int, "gRPC handler threads"),
-    ("--bulk", "bulk", bool, "also serve Pull/Push payloads over raw TCP beside gRPC (--no-bulk: gRPC only)"),
+    ("--data-plane", "data_plane", DATA_PLANES, "tcp: also serve Pull/Push payloads over plain TCP beside gRPC; "
+                                                "grpc: gRPC only"),
 ]
 
 EXAMPLES = """
 psctl server --port 0 --address-file /tmp/shard-0 --mode ssp --staleness 2
 psctl server --config examples/mnist.toml --shard 1 --num-shards 2 --host 0.0.0.0 --port 50051
 psctl server --mode sync --metrics-port 9100 --checkpoint-dir ckpt --checkpoint-every-s 30
+psctl server --port 50051 --data-plane grpc       # no TCP data plane: gRPC only
 """
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = add_command(
-        subparsers, "server", help="run one parameter-server shard",
+        subparsers, "server", help=HELP,
         description="Run shard I of S of the parameter server until SIGTERM, SIGINT or a Shutdown RPC. "
                     "Settings come from the [server] table of --config, then from these flags.",
         examples=EXAMPLES,
@@ -68,15 +72,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def server_config_from_args(args: argparse.Namespace):
     import dataclasses
 
-    from psgrid.cluster.config import load_job
+    from psgrid.cluster.config import load_shard_settings
     from psgrid.cluster.errors import ConfigError
     from psgrid.psserver.config import ServerConfig
 
     changes = {k[len("cfg_"):]: v for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
     if args.config:
-        job = load_job(args.config)
-        changes.setdefault("num_shards", job.servers)
-        base = job.server
+        base, shards = load_shard_settings(args.config)
+        changes.setdefault("num_shards", shards)
     else:
         base = ServerConfig()
     try:

@@ -6,26 +6,29 @@ import argparse
 
 from psgrid.cluster.commands._common import add_command
 
+HELP = "show every shard's clocks, members and counters"
+
 EXAMPLES = """
-psctl status --servers 127.0.0.1:41234,127.0.0.1:41235
+psctl status --addresses 127.0.0.1:41234,127.0.0.1:41235
 psctl status --address-dir runs/mnist-20250101-120000        # the shards of a psctl launch job
 psctl status --address-dir runs/mnist-20250101-120000 --json | jq '.[].mean_staleness'
-psctl status --servers node1:50051 --watch 2
+psctl status --addresses node1:50051 --watch 2
 """
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = add_command(
-        subparsers, "status", help="show every shard's clocks, members and counters",
+        subparsers, "status", help=HELP,
         description="Ask every shard for its stats and print them as a table (or JSON with --json).",
         examples=EXAMPLES,
     )
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--servers", metavar="HOST:PORT,...", help="the shards' addresses")
+    where.add_argument("--addresses", metavar="HOST:PORT,...", help="the shards' addresses, in shard order")
     where.add_argument("--address-dir", metavar="DIR",
                        help="a psctl launch output folder (or its addr/ folder) holding shard-I address files")
     p.add_argument("--json", action="store_true", help="print the raw stats as JSON, one object per shard")
-    p.add_argument("--config", metavar="FILE", help="take the bearer token and TLS files from this job's [train] table")
+    p.add_argument("--config", metavar="FILE",
+                   help="take the bearer token and TLS files from this job's [train] table")
     p.add_argument("--token", help="bearer token, if the shards require one")
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                    help="give up on an unreachable shard after this long (default 5)")
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.status import addresses_from_dir, status
     from psgrid.psserver.exceptions import PSError
 
-    addresses = split_addresses(args.servers) if args.servers else addresses_from_dir(args.address_dir)
+    addresses = split_addresses(args.addresses) if args.addresses else addresses_from_dir(args.address_dir)
     security = {"token": args.token}
     if args.config:
         from psgrid.cluster.config import load_job

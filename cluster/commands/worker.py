@@ -4,29 +4,30 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import (
-    TRAINING_FLAGS, add_command, add_config_arg, add_set_arg, add_training_flags, split_addresses,
-)
+from psgrid.cluster.commands._common import add_command, add_config_arg, add_set_arg, add_training_flags
+
+HELP = "run one training worker against running shards"
 
 EXAMPLES = """
-psctl worker --config examples/mnist.toml --servers 127.0.0.1:41234,127.0.0.1:41235 --rank 0 --world 2
-psctl worker --config job.toml --servers node1:50051 --rank 3 --world 8 --metrics worker-3.jsonl --device gpu
+psctl worker --config examples/mnist.toml --addresses 127.0.0.1:41234,127.0.0.1:41235 --rank 0 --world 2
+psctl worker --config job.toml --addresses node1:50051 --rank 3 --world 8 --metrics worker-3.jsonl --device gpu
 """
 
-_TRAIN_ONLY = [f for f in TRAINING_FLAGS if f[1] in (
-    "model", "dataset", "batch_size", "steps", "epochs", "eval_every", "device", "wire_dtype", "seed")]
+_TRAIN_ONLY = ("model", "dataset", "batch_size", "steps", "epochs", "eval_every", "device", "wire_dtype",
+               "data_plane", "seed")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = add_command(
-        subparsers, "worker", help="run one training worker against running shards",
+        subparsers, "worker", help=HELP,
         description="Train worker RANK of WORLD to completion against the given shards, appending JSON lines "
                     "of metrics to --metrics, and print the worker's result as one JSON line. Settings come "
                     "from the [train] table of --config, then from these flags.",
         examples=EXAMPLES,
     )
     add_config_arg(p, "mnist", "its [train] table is the base that flags override")
-    p.add_argument("--servers", required=True, metavar="HOST:PORT,...", help="every shard's address, in shard order")
+    p.add_argument("--addresses", required=True, metavar="HOST:PORT,...",
+                   help="every shard's address, in shard order")
     p.add_argument("--rank", type=int, default=0, help="this worker's rank, 0..WORLD-1 (default 0)")
     p.add_argument("--world", type=int, default=None, help="number of workers (default: [job] workers)")
     p.add_argument("--metrics", metavar="FILE", help="append JSON lines of metrics here")
@@ -39,20 +40,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from psgrid.cluster.commands._common import load_job_from_args
+    from psgrid.cluster.commands._common import load_job_from_args, split_addresses
     from psgrid.cluster.commands.server import check_files
     from psgrid.cluster.errors import UsageError
     from psgrid.cluster.procs import watch_parent
 
     job = load_job_from_args(args)
     check_files(job.train, ("tls_cert", "tls_key", "tls_ca"))
-    servers = split_addresses(args.servers)
+    addresses = split_addresses(args.addresses)
     world = job.workers if args.world is None else args.world
     if not 0 <= args.rank < world:
         raise UsageError(f"--rank must be in 0..{world - 1} for --world {world}, got {args.rank}")
     watch_parent()
     from psgrid.worker.loop import run_worker
 
-    result = run_worker(job.train, servers, args.rank, world, metrics_path=args.metrics)
+    result = run_worker(job.train, addresses, args.rank, world, metrics_path=args.metrics)
     print(json.dumps(result), flush=True)
     return 0

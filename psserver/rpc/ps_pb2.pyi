@@ -47,19 +47,21 @@ class ModelSpecMsg(_message.Message):
     def __init__(self, params: _Optional[_Iterable[_Union[ParamInfo, _Mapping]]] = ..., hash: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("spec_hash", "worker_id", "start_clock", "host")
+    __slots__ = ("spec_hash", "worker_id", "start_clock", "host", "observer")
     SPEC_HASH_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     START_CLOCK_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    OBSERVER_FIELD_NUMBER: _ClassVar[int]
     spec_hash: str
     worker_id: int
     start_clock: int
     host: str
-    def __init__(self, spec_hash: _Optional[str] = ..., worker_id: _Optional[int] = ..., start_clock: _Optional[int] = ..., host: _Optional[str] = ...) -> None: ...
+    observer: bool
+    def __init__(self, spec_hash: _Optional[str] = ..., worker_id: _Optional[int] = ..., start_clock: _Optional[int] = ..., host: _Optional[str] = ..., observer: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("worker_id", "start_clock", "mode", "staleness", "backup_workers", "lease_s", "begin", "end", "total_size", "shard_index", "num_shards", "initialized", "version", "bulk_port")
+    __slots__ = ("worker_id", "start_clock", "mode", "staleness", "backup_workers", "lease_s", "begin", "end", "total_size", "shard_index", "num_shards", "initialized", "version", "tcp_port")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     START_CLOCK_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -73,7 +75,7 @@ class RegisterReply(_message.Message):
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
-    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    TCP_PORT_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     start_clock: int
     mode: str
@@ -87,8 +89,8 @@ class RegisterReply(_message.Message):
     num_shards: int
     initialized: bool
     version: int
-    bulk_port: int
-    def __init__(self, worker_id: _Optional[int] = ..., start_clock: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., lease_s: _Optional[float] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., total_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., bulk_port: _Optional[int] = ...) -> None: ...
+    tcp_port: int
+    def __init__(self, worker_id: _Optional[int] = ..., start_clock: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., lease_s: _Optional[float] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., total_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., tcp_port: _Optional[int] = ...) -> None: ...
 
 class InitRequest(_message.Message):
     __slots__ = ("spec", "num_chunks", "chunk")

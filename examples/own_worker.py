@@ -1,0 +1,27 @@
+"""A worker loop of your own against running shards: the client around your gradient, no threads.
+
+    psctl server --mode sync --lr 0.1 --address-file /tmp/shard-0 &
+    python examples/own_worker.py "$(cat /tmp/shard-0)"
+
+Run it several times at once (the same addresses) and the shards average their gradients.
+"""
+
+import sys
+
+import numpy as np
+
+import psgrid
+
+rng = np.random.default_rng(0)
+x = rng.normal(size=(1000, 20)).astype(np.float32)
+y = x @ rng.normal(size=20).astype(np.float32)
+
+spec = psgrid.ModelSpec([("w", (20,))])
+params, grad = spec.flat(), spec.flat()
+with psgrid.Client(sys.argv[1].split(","), spec, init=np.zeros(20, np.float32)) as client:
+    for step in range(300):
+        client.pull(params).wait()                   # the shards' weights, once the mode allows
+        batch = rng.integers(0, len(x), 64)
+        grad[:] = x[batch].T @ (x[batch] @ params - y[batch]) / 64
+        client.push(grad).wait()                     # the shards apply it with their optimizer
+print(f"worker {client.worker_id}: loss {np.mean((x @ params - y) ** 2):.6f}")

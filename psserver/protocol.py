@@ -1,0 +1,154 @@
+"""What both ends of the wire share: limits, status codes, reasons, push outcomes, names.
+
+Nothing here imports gRPC or NumPy. The numbers of :class:`Status` are gRPC's status
+codes (so the gRPC adapters convert by value, and the TCP data plane sends the same
+numbers); those of :class:`Outcome` and the wire dtypes are the ones in proto/ps.proto.
+A :class:`Reason` says which rule a refused request broke, so a client acts on it
+without reading the message text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+
+MODES = ("sync", "async", "ssp")
+OPTIMIZERS = ("sgd", "adam")
+# The data planes a client may move Pull and Push payloads over; gRPC carries the control calls always.
+DATA_PLANES = ("tcp", "grpc")
+
+# Element types of a chunk, numbered as proto/ps.proto's DType.
+FLOAT32, FLOAT16, BFLOAT16 = 1, 2, 3
+WIRE_DTYPES = {"float32": FLOAT32, "float16": FLOAT16, "bfloat16": BFLOAT16}
+ITEMSIZE = {FLOAT32: 4, FLOAT16: 2, BFLOAT16: 2}
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+MIN_CHUNK_BYTES = 4096
+MAX_CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024     # a chunk stays under gRPC's 4 MiB default message limit
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 16)   # a chunk and its header
+# Both ends of a gRPC channel: message limits, and two servers never silently sharing a port.
+GRPC_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+)
+GRPC_SERVER_OPTIONS = GRPC_OPTIONS + (("grpc.so_reuseport", 0),)
+SERVICE = "ps.ParameterServer"
+# Trailing metadata key that carries a refusal's Reason (its lowercase name) beside the status code.
+REASON_KEY = "ps-reason"
+# A consistency wait answers this long before the caller's deadline, so the caller reads the
+# DEADLINE_EXCEEDED reply instead of timing out on its own.
+REPLY_MARGIN_S = 0.05
+
+
+class Status(IntEnum):
+    """gRPC status codes, by number; the TCP data plane sends the same numbers."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    UNAUTHENTICATED = 16
+
+
+class Reason(IntEnum):
+    """Which rule a refused request broke (numbered for the TCP plane; named in gRPC metadata)."""
+
+    NONE = 0
+    MALFORMED = 1           # a message that does not decode
+    BAD_SIZE = 2            # a payload that is not this shard's range: too many or too few elements
+    BAD_OFFSET = 3          # chunks that do not tile the range in order
+    BAD_DTYPE = 4           # an unknown element type, or one not allowed here
+    NON_FINITE = 5          # NaN or infinity in a gradient or in initial weights
+    BAD_CHUNK_COUNT = 6     # a stream that carried other than the chunks it declared
+    BAD_VALUE = 7           # a number or setting out of its range
+    BAD_SPEC = 8            # a model spec that is not well formed, or whose hash does not match it
+    SPEC_MISMATCH = 9       # a spec other than the one the shard holds
+    UNKNOWN_WORKER = 10     # never registered, evicted, or forgotten: register again
+    NOT_INITIALIZED = 11    # no weights yet: a worker must Init first
+    UNAUTHENTICATED = 12    # missing or wrong bearer token
+    SHUTTING_DOWN = 13      # the shard is stopping
+    WAIT_TIMEOUT = 14       # a consistency wait outlived the caller's deadline
+    NO_CHECKPOINT_DIR = 15  # a checkpoint asked of a shard that has nowhere to write it
+    UNREACHABLE = 16        # (client side) the shard did not answer within retry_s
+    BAD_REPLY = 17          # (client side) the shard answered something that breaks the contract
+
+    @property
+    def wire_name(self) -> str:
+        return self.name.lower()
+
+    @classmethod
+    def from_code(cls, code: int) -> "Reason":
+        try:
+            return cls(code)
+        except ValueError:
+            return cls.NONE
+
+    @classmethod
+    def from_wire_name(cls, name: str | None) -> "Reason":
+        try:
+            return cls[(name or "none").upper()]
+        except KeyError:
+            return cls.NONE
+
+
+class Outcome(IntEnum):
+    """What a shard did with a push (proto/ps.proto's PushReply.Outcome)."""
+
+    APPLIED = 0        # applied to the weights (async, ssp, or the push that closed a sync round)
+    ACCUMULATED = 1    # sync: held until the round closes
+    DROPPED_LATE = 2   # sync: the round had already closed; counted, not applied
+    DUPLICATE = 3      # this (worker, clock) was already received; not applied again
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """A shard's answer to one push."""
+
+    outcome: Outcome
+    version: int       # the shard's version after the push
+    staleness: int     # version at apply time minus version used (-1 when not applied)
+    next_clock: int    # the clock the worker's next push must carry
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A refused request, as every transport puts it on the wire."""
+
+    status: Status
+    reason: Reason
+    message: str
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a shard tells a worker (or an observer) that registers."""
+
+    worker_id: int
+    start_clock: int
+    mode: str
+    staleness: int
+    backup_workers: int
+    lease_s: float
+    begin: int
+    end: int
+    total_size: int
+    shard_index: int
+    num_shards: int
+    initialized: bool
+    version: int
+    tcp_port: int
+
+
+@dataclass(frozen=True)
+class HeartbeatInfo:
+    """A shard's answer to a heartbeat."""
+
+    known: bool
+    lease_s: float
+    min_clock: int
+    version: int

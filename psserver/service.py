@@ -1,0 +1,320 @@
+"""The one data path of a shard: what every call means, checked once, whatever the transport.
+
+Transports (``transports/grpc_server.py``, ``transports/tcp_server.py``) decode their wire
+format and call these methods with plain values. This module alone
+
+* bounds every number that comes from the wire (ids, clocks, versions, sizes);
+* checks payloads as they land: offsets, sizes, dtypes, non-finite values, truncation;
+* owns the pooled buffers payloads land in and snapshots are sent from;
+* turns a caller's deadline into the consistency wait's timeout;
+* counts refused input; and
+* turns any failure into the :class:`Refusal` a transport puts on the wire.
+
+What a valid call does to the state (the consistency rules, the optimizer, membership)
+is the shard's (shard.py); what the bytes look like is the transport's.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from psgrid.psserver import wire
+from psgrid.psserver.buffers import BufferPool
+from psgrid.psserver.exceptions import InvalidArgument, PSError
+from psgrid.psserver.protocol import (FLOAT32, ITEMSIZE, REPLY_MARGIN_S, HeartbeatInfo, PushResult, Reason, Refusal,
+                                      Registration, Status, WIRE_DTYPES)
+from psgrid.psserver.shard import Shard
+from psgrid.psserver.spec import ModelSpec
+
+log = logging.getLogger("psgrid.shard")
+
+# Bounds on numbers from the wire, checked before anything uses or stores them.
+MAX_WORKER_ID = 2**31 - 1
+MAX_CLOCK = 2**53                # exact as a float64, so JSON and checkpoints keep it
+MAX_HOST_CHARS = 256
+MAX_SPEC_PARAMS = 1 << 16
+MAX_MODEL_ELEMENTS = 1 << 40     # 4 TiB of float32: far past any shard, short of overflowing anything
+GRADIENT_DTYPES = frozenset(WIRE_DTYPES.values())
+WEIGHT_DTYPES = frozenset({FLOAT32})
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A consistent copy of the shard's range, to be sent; valid inside ``ShardService.pull``."""
+
+    version: int
+    begin: int
+    values: np.ndarray
+
+    def payload(self) -> memoryview:
+        return memoryview(self.values).cast("B")
+
+
+def check_range(name: str, value: int, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise InvalidArgument(f"{name} must be in [{low}, {high}], got {value}", Reason.BAD_VALUE)
+    return value
+
+
+def check_worker(worker_id: int, *, observer_ok: bool) -> int:
+    """A worker id from the wire: 0..MAX_WORKER_ID, or -1 where an observer may call."""
+    if observer_ok and worker_id == -1:
+        return worker_id
+    return check_range("worker_id", worker_id, 0, MAX_WORKER_ID)
+
+
+class RangeIntake:
+    """One float range arriving from the wire into ``buffer``, checked as it lands.
+
+    A transport either adds chunks that must tile ``[begin, begin + size)`` in order
+    (:meth:`add_chunk`, the gRPC streams), or fills the whole range at once (:meth:`landing`
+    then :meth:`landed`, the TCP plane). Each piece is checked as it arrives, so a bad one is
+    refused before the rest is read, and nothing reaches the shard until :meth:`complete`.
+    """
+
+    def __init__(self, begin: int, size: int, buffer: np.ndarray, allowed: frozenset[int],
+                 scratch: BufferPool | None = None):
+        self.begin, self.size, self.buffer, self.allowed = begin, size, buffer, allowed
+        self.scratch_pool = scratch
+        self.scratch: np.ndarray | None = None
+        self.landing_dtype = 0
+        self.covered = self.chunks = self.nbytes = 0
+
+    def _check_dtype(self, dtype: int) -> None:
+        if dtype not in self.allowed:
+            kinds = "/".join(name for name, code in WIRE_DTYPES.items() if code in self.allowed)
+            raise InvalidArgument(f"dtype {dtype} is not allowed here (expected {kinds})", Reason.BAD_DTYPE)
+
+    def add_chunk(self, offset: int, dtype: int, data) -> None:
+        self._check_dtype(dtype)
+        n = wire.element_count(data, dtype)
+        expected = self.begin + self.covered
+        if offset != expected:
+            raise InvalidArgument(f"chunk {self.chunks} starts at offset {offset}, expected {expected}: chunks must "
+                                  f"tile this shard's range [{self.begin}, {self.begin + self.size}) in order",
+                                  Reason.BAD_OFFSET)
+        if self.covered + n > self.size:
+            raise InvalidArgument(f"chunk {self.chunks} runs past the end of this shard's range "
+                                  f"[{self.begin}, {self.begin + self.size})", Reason.BAD_SIZE)
+        piece = self.buffer[self.covered:self.covered + n]
+        wire.decode_into(piece, data, dtype)
+        if not wire.all_finite(piece):
+            raise InvalidArgument(f"chunk {self.chunks} (offset {offset}) contains NaN or infinity", Reason.NON_FINITE)
+        self.covered += n
+        self.chunks += 1
+        self.nbytes += len(data)
+
+    def landing(self, dtype: int, nbytes: int) -> memoryview:
+        """The bytes a transport that moves the whole range at once must fill (dtype and size checked)."""
+        self._check_dtype(dtype)
+        expected = self.size * ITEMSIZE[dtype]
+        if nbytes != expected:
+            raise InvalidArgument(f"payload of {nbytes} bytes; this shard's range needs {expected} "
+                                  f"({self.size} elements)", Reason.BAD_SIZE)
+        self.landing_dtype = dtype
+        if dtype == FLOAT32:
+            return memoryview(self.buffer).cast("B")
+        self.scratch = self.scratch_pool.take()
+        return memoryview(self.scratch).cast("B")
+
+    def landed(self) -> None:
+        """The landing is full: convert a half-precision payload and check the values."""
+        if self.scratch is not None:
+            wire.decode_into(self.buffer, memoryview(self.scratch).cast("B"), self.landing_dtype)
+            self.release_scratch()
+        if not wire.all_finite(self.buffer):
+            raise InvalidArgument("payload contains NaN or infinity", Reason.NON_FINITE)
+        self.covered, self.chunks = self.size, 1
+        self.nbytes = self.size * ITEMSIZE[self.landing_dtype]
+
+    def complete(self, declared_chunks: int | None = None) -> None:
+        if self.covered != self.size:
+            raise InvalidArgument(f"payload ended early: it covered {self.covered} of this shard's {self.size} "
+                                  f"elements", Reason.BAD_SIZE)
+        if declared_chunks is not None and declared_chunks != self.chunks:
+            raise InvalidArgument(f"stream declared {declared_chunks} chunks but sent {self.chunks}",
+                                  Reason.BAD_CHUNK_COUNT)
+
+    def release_scratch(self) -> None:
+        if self.scratch is not None:
+            self.scratch_pool.give(self.scratch)
+            self.scratch = None
+
+
+class PushIntake(RangeIntake):
+    """One push: the gradient lands in a pooled buffer, then :meth:`commit` hands it to the shard."""
+
+    def __init__(self, service: "ShardService", worker_id: int, clock: int, version: int):
+        shard = service.shard
+        super().__init__(shard.begin, shard.size, shard.pool.take(), GRADIENT_DTYPES, service.half_pool())
+        self.shard, self.worker_id, self.clock, self.version = shard, worker_id, clock, version
+
+    def commit(self, declared_chunks: int | None = None) -> PushResult:
+        self.complete(declared_chunks)
+        result, kept = self.shard.push(self.worker_id, self.clock, self.version, self.buffer, self.nbytes)
+        if kept:
+            self.buffer = None          # the shard holds it for its sync round now
+        return result
+
+    def close(self) -> None:
+        self.release_scratch()
+        if self.buffer is not None:
+            self.shard.pool.give(self.buffer)
+            self.buffer = None
+
+    def __enter__(self) -> "PushIntake":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class InitIntake(RangeIntake):
+    """The initial weights of this shard's range, from the first worker to offer them."""
+
+    def __init__(self, shard: Shard, spec: ModelSpec):
+        begin, end = shard.layout(spec)
+        try:
+            buffer = np.empty(end - begin, np.float32)
+        except MemoryError:
+            raise InvalidArgument(f"a range of {end - begin} elements does not fit in this shard's memory",
+                                  Reason.BAD_SPEC) from None
+        super().__init__(begin, end - begin, buffer, WEIGHT_DTYPES)
+        self.shard, self.spec = shard, spec
+
+    def commit(self, declared_chunks: int | None = None) -> tuple[bool, int]:
+        """Set the weights; returns (applied, version). False when the shard already had them."""
+        self.complete(declared_chunks)
+        applied = self.shard.init(self.spec, self.buffer)
+        return applied, self.shard.version
+
+
+class ShardService:
+    """The transport-neutral API of one shard; every transport's every call goes through here.
+
+    Parameters
+    ----------
+    shard : Shard
+    on_shutdown : callable, optional
+        Called when a Shutdown request arrives (the server stops itself).
+    """
+
+    def __init__(self, shard: Shard, on_shutdown: Callable[[], None] | None = None):
+        self.shard = shard
+        self.on_shutdown = on_shutdown
+        self.tcp_port = 0        # set by the server once the TCP data plane listens (0: none)
+        self._half: BufferPool | None = None
+
+    def half_pool(self) -> BufferPool:
+        """Landing buffers for float16/bfloat16 payloads (made on first use: most jobs push float32)."""
+        if self._half is None or self._half.size != self.shard.size:
+            self._half = BufferPool(self.shard.size, np.uint16)
+        return self._half
+
+    # ----- refusals -----------------------------------------------------------------------------
+
+    def refuse(self, exc: BaseException, what: str = "request") -> Refusal:
+        """The refusal to put on the wire for ``exc``; the one place refused input is counted.
+
+        An exception that is not a PSError is a bug of ours: it is logged with its traceback
+        and answered INTERNAL, and the shard keeps serving.
+        """
+        if isinstance(exc, PSError):
+            if exc.status == Status.INVALID_ARGUMENT:
+                self.shard.reject()
+            return exc.refusal()
+        log.error("shard %d: unexpected error in %s", self.shard.config.shard_index, what, exc_info=exc)
+        return Refusal(Status.INTERNAL, Reason.NONE, f"internal error in {what}: {type(exc).__name__}")
+
+    # ----- control ------------------------------------------------------------------------------
+
+    def register(self, *, spec_hash: str, worker_id: int, start_clock: int, host: str,
+                 observer: bool = False) -> Registration:
+        """Join (or rejoin) the membership; an observer only learns the layout and data planes."""
+        check_worker(worker_id, observer_ok=True)
+        if start_clock != -1:
+            check_range("start_clock", start_clock, 0, MAX_CLOCK)
+        if len(host) > MAX_HOST_CHARS or len(spec_hash) > 64:
+            raise InvalidArgument("host or spec_hash too long", Reason.BAD_VALUE)
+        shard, config = self.shard, self.shard.config
+        if observer:
+            joined = {"worker_id": -1, "start_clock": 0, "version": shard.version}
+        else:
+            joined = shard.register(spec_hash, worker_id, start_clock, host)
+        return Registration(
+            worker_id=joined["worker_id"], start_clock=joined["start_clock"], mode=config.mode,
+            staleness=config.staleness, backup_workers=config.backup_workers, lease_s=config.lease_s,
+            begin=shard.begin, end=shard.end, total_size=shard.spec.size if shard.spec else 0,
+            shard_index=config.shard_index, num_shards=config.num_shards, initialized=shard.initialized,
+            version=joined["version"], tcp_port=self.tcp_port)
+
+    def open_init(self, params: list[tuple[str, tuple, str]], spec_hash: str) -> InitIntake:
+        """Start taking initial weights for the model ``params`` (whose hash must be ``spec_hash``)."""
+        if not params or len(params) > MAX_SPEC_PARAMS:
+            raise InvalidArgument(f"a model spec needs 1 to {MAX_SPEC_PARAMS} parameters", Reason.BAD_SPEC)
+        for name, shape, _ in params:
+            if any(not 0 <= d <= MAX_MODEL_ELEMENTS for d in shape):
+                raise InvalidArgument(f"parameter {name!r} has a dimension out of range: {shape}", Reason.BAD_SPEC)
+        try:
+            spec = ModelSpec(params)
+        except InvalidArgument as exc:
+            raise InvalidArgument(str(exc), Reason.BAD_SPEC) from None
+        if spec.size > MAX_MODEL_ELEMENTS:
+            raise InvalidArgument(f"model of {spec.size} elements is past the limit of {MAX_MODEL_ELEMENTS}",
+                                  Reason.BAD_SPEC)
+        if spec_hash != spec.hash():
+            raise InvalidArgument("the spec's hash does not match its parameters", Reason.BAD_SPEC)
+        self.shard.check_spec(spec)
+        return InitIntake(self.shard, spec)
+
+    def heartbeat(self, *, worker_id: int, leaving: bool) -> HeartbeatInfo:
+        check_worker(worker_id, observer_ok=False)
+        known = self.shard.heartbeat(worker_id)
+        if leaving and known:
+            self.shard.leave(worker_id)
+        return HeartbeatInfo(known=known, lease_s=self.shard.config.lease_s,
+                             min_clock=self.shard.policy.slowest_clock(), version=self.shard.version)
+
+    def stats(self) -> dict:
+        return self.shard.stats()
+
+    def checkpoint(self) -> tuple[str, int]:
+        return self.shard.checkpoint()
+
+    def shutdown(self) -> None:
+        if self.on_shutdown is not None:
+            self.on_shutdown()
+
+    # ----- data ---------------------------------------------------------------------------------
+
+    @contextmanager
+    def pull(self, *, worker_id: int, clock: int, timeout_s: float | None,
+             cancelled: Callable[[], bool] | None = None) -> Iterator[Snapshot]:
+        """Wait until the consistency rule lets ``worker_id`` pull at ``clock``, then lend a snapshot.
+
+        ``timeout_s`` is what is left of the caller's deadline (None: no deadline); the wait ends
+        early enough for the refusal to reach the caller first. The snapshot's buffer goes back
+        to the pool when the block ends.
+        """
+        check_worker(worker_id, observer_ok=True)
+        check_range("clock", clock, 0, MAX_CLOCK)
+        wait_s = None if timeout_s is None else max(0.0, timeout_s - REPLY_MARGIN_S)
+        self.shard.wait_for_pull(worker_id, clock, wait_s, cancelled=cancelled)
+        version, values = self.shard.snapshot()
+        try:
+            yield Snapshot(version, self.shard.begin, values)
+        finally:
+            self.shard.release_snapshot(values)
+
+    def open_push(self, *, worker_id: int, clock: int, version: int) -> PushIntake:
+        """Start taking one gradient; refused at once (before the payload) for a worker that is not live."""
+        check_worker(worker_id, observer_ok=False)
+        check_range("clock", clock, 0, MAX_CLOCK)
+        check_range("version", version, 0, MAX_CLOCK)
+        self.shard.check_pusher(worker_id)
+        return PushIntake(self, worker_id, clock, version)

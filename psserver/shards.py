@@ -1,0 +1,135 @@
+"""Connections to every shard of a job, shared by the Client and Admin.
+
+One control connection and one data plane per shard. Calls to several shards run
+concurrently; each is retried with backoff while its shard is unavailable, for up to
+``retry_s``; a data plane that lost its connection is dropped and chosen again from a
+fresh registration (a restarted shard listens on another data port), over gRPC meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Callable, Sequence, TypeVar
+
+from psgrid.psserver.exceptions import BadReply, InvalidArgument, ShardUnavailable, Unavailable
+from psgrid.psserver.protocol import DATA_PLANES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, Reason, Registration
+from psgrid.psserver.transports.base import ConnectOptions, DataPlane, open_control, open_data_plane
+
+log = logging.getLogger("psgrid.client")
+T = TypeVar("T")
+BACKOFF_S = (0.05, 1.0)     # first and longest sleep between retries
+
+
+class ShardConnections:
+    """Every shard of one job, by index.
+
+    Parameters
+    ----------
+    addresses : list of str
+        ``host:port`` of shard 0, 1, ... in shard order.
+    data_plane : {"tcp", "grpc"}
+        Where Pull and Push payloads go when the shard offers it; gRPC otherwise.
+    options : ConnectOptions
+    retry_s : float
+        How long an unavailable shard is retried before :class:`ShardUnavailable`.
+    register : callable
+        ``register(shard) -> Registration``: how the owner registers (a worker joins, an observer
+        looks); a data plane is chosen from what the registration offers.
+    """
+
+    def __init__(self, addresses: Sequence[str], *, data_plane: str, options: ConnectOptions, retry_s: float,
+                 register: Callable[[int], Registration]):
+        if not addresses:
+            raise InvalidArgument("at least one shard address is needed")
+        if data_plane not in DATA_PLANES:
+            raise InvalidArgument(f"data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
+        if not MIN_CHUNK_BYTES <= options.chunk_bytes <= MAX_CHUNK_BYTES:
+            raise InvalidArgument(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], "
+                                  f"got {options.chunk_bytes}")
+        self.addresses = list(addresses)
+        self.preference, self.options, self.retry_s, self.register = data_plane, options, retry_s, register
+        self.controls = [open_control(a, options) for a in self.addresses]
+        self.planes: list[DataPlane | None] = [None] * len(self.addresses)
+        self.plane_lock = threading.Lock()
+        # Two calls per shard may run at once: a push and the pull that overlaps it.
+        self.executor = ThreadPoolExecutor(max_workers=2 * len(self.addresses) + 2, thread_name_prefix="psgrid-client")
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.addresses)
+
+    def check_registration(self, shard: int, reply: Registration) -> Registration:
+        if reply.num_shards != self.num_shards or reply.shard_index != shard:
+            raise BadReply(f"address {self.addresses[shard]} is shard {reply.shard_index} of {reply.num_shards}, "
+                           f"but was given as shard {shard} of {self.num_shards}", shard=shard)
+        return reply
+
+    # ----- running calls ------------------------------------------------------------------------
+
+    def map(self, fn: Callable[[int], T], shards: Sequence[int] | None = None) -> list[T]:
+        """``fn(i)`` for every shard, concurrently; the caller's thread runs one of them itself."""
+        shards = list(range(self.num_shards) if shards is None else shards)
+        if not shards:
+            return []
+        futures = [self.executor.submit(fn, i) for i in shards[1:]]
+        try:
+            first = fn(shards[0])       # no thread hop for the first: it is most of a small call's latency
+        finally:
+            wait(futures)               # none outlives a failure of another: callers reuse their buffers
+        return [first, *(f.result() for f in futures)]
+
+    def retrying(self, shard: int, call: Callable[[], T], *, data: bool = False) -> T:
+        """``call()``, retried with backoff while the shard is unavailable, for up to ``retry_s``.
+
+        With ``data``, a failure drops the shard's data plane, so the next attempt learns it anew.
+        """
+        start = time.monotonic()
+        backoff = BACKOFF_S[0]
+        while True:
+            try:
+                return call()
+            except Unavailable as exc:
+                if data:
+                    self.drop_plane(shard)
+                if time.monotonic() - start >= self.retry_s:
+                    raise ShardUnavailable(f"shard {shard} at {self.addresses[shard]} unavailable for "
+                                           f"{self.retry_s:.0f} s: {exc}", Reason.UNREACHABLE, shard=shard) from exc
+                time.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_S[1])
+
+    # ----- data planes --------------------------------------------------------------------------
+
+    def plane(self, shard: int) -> DataPlane:
+        """The shard's data plane, chosen from a fresh registration when there is none yet."""
+        plane = self.planes[shard]
+        if plane is not None:
+            return plane
+        return self.use_plane_of(shard, self.check_registration(shard, self.register(shard)))
+
+    def use_plane_of(self, shard: int, reply: Registration) -> DataPlane:
+        """The shard's data plane: the one in use, else one chosen from what ``reply`` offers."""
+        with self.plane_lock:        # a pull and a push may both be choosing one
+            if self.planes[shard] is None:
+                self.planes[shard] = open_data_plane(self.preference, self.controls[shard], reply, self.options)
+            return self.planes[shard]
+
+    def drop_plane(self, shard: int) -> None:
+        with self.plane_lock:
+            plane, self.planes[shard] = self.planes[shard], None
+        if plane is not None:
+            plane.close()
+
+    @property
+    def data_planes(self) -> list[str | None]:
+        """The data plane in use per shard (None: not chosen yet, or dropped after a failure)."""
+        return [None if p is None else p.name for p in self.planes]
+
+    def close_connections(self) -> None:
+        self.executor.shutdown(wait=True)
+        for shard in range(self.num_shards):
+            self.drop_plane(shard)
+        for control in self.controls:
+            control.close()

@@ -1,0 +1,37 @@
+"""The TCP data plane's frames, shared by both ends: a fixed header, then raw little-endian payload.
+
+A request is ``REQUEST`` (magic, op, dtype, worker, clock, version, payload bytes, timeout)
+and, for a push or a hello, the payload. A reply is ``REPLY`` (magic, status, reason,
+outcome, version, staleness, next_clock, payload bytes) and the payload: a pull's weights,
+or the text of a refusal. Status and reason numbers are those of protocol.py.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+MAGIC = b"PST2"
+HELLO, PULL, PUSH = 1, 2, 3
+REQUEST = struct.Struct("<4sBBqqQQd")      # magic, op, dtype, worker_id, clock, version, nbytes, timeout_s
+REPLY = struct.Struct("<4sBBBQqqQ")        # magic, status, reason, outcome, version, staleness, next_clock, nbytes
+MAX_MESSAGE = 1 << 16                      # longest refusal text or token
+HANDSHAKE_S = 30.0                         # time a new connection has for its TLS handshake and hello
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``; ConnectionError if the peer closes first."""
+    while view.nbytes:
+        n = sock.recv_into(view)
+        if n == 0:
+            raise ConnectionError("peer closed the connection")
+        view = view[n:]
+
+
+def recv_struct(sock: socket.socket, layout: struct.Struct) -> tuple:
+    buf = bytearray(layout.size)
+    recv_exact(sock, memoryview(buf))
+    fields = layout.unpack(buf)
+    if fields[0] != MAGIC:
+        raise ConnectionError("peer does not speak the psgrid TCP data plane")
+    return fields

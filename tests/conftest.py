@@ -1,0 +1,186 @@
+"""The in-process cluster every test module uses, in the manner of dask's ``gen_cluster``.
+
+``cluster(num_shards, **ServerConfig fields)`` starts shards in this process on 127.0.0.1
+port 0 and hands out clients that move payloads over the test's data plane: the fixture is
+parametrised over every transport, so a test written once runs over each (a test that is
+about something else pins one with ``@pytest.mark.parametrize("data_plane", ["tcp"])``).
+On teardown it checks invariants every shard must hold after any run, stops everything,
+and fails the test if it left threads, sockets or child processes behind.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from psgrid.psserver.admin import Admin
+from psgrid.psserver.client import Client
+from psgrid.psserver.config import ServerConfig
+from psgrid.psserver.protocol import DATA_PLANES
+from psgrid.psserver.server import RunningServer, serve
+from psgrid.psserver.spec import ModelSpec
+
+LEAK_GRACE_S = 5.0     # threads and sockets get this long to wind down after teardown
+
+
+def check_invariants(server: RunningServer) -> None:
+    """What holds for every shard after any run, whatever the test did to it."""
+    shard = server.shard
+    assert not shard.cond._is_owned(), "shard lock left held"
+    stats = shard.stats()
+    for key in ("pushes", "pulls", "applied_updates", "dropped_late", "duplicates", "evictions", "rejected"):
+        assert stats[key] >= 0, key
+    assert sum(stats["staleness_counts"]) <= stats["pushes"]
+    if shard.initialized:
+        assert np.isfinite(shard.weights).all(), "weights went non-finite"
+        assert stats["applied_updates"] == stats["version"]
+        held = sum(len(grads) for grads in shard.round_grads.values())
+        assert shard.pool.on_loan == held, f"{shard.pool.on_loan - held} pooled buffers never came back"
+    half = server.service._half
+    assert half is None or half.on_loan == 0, "a half-precision landing buffer never came back"
+
+
+class InProcessCluster:
+    """Shards in this process; clients and admins made here use the cluster's data plane and close with it."""
+
+    def __init__(self, num_shards: int, client_plane: str, **settings):
+        self.data_plane = client_plane       # what its clients prefer; settings["data_plane"] is what shards offer
+        self.servers: list[RunningServer] = []
+        self.owned: list = []
+        for i in range(num_shards):
+            self.servers.append(serve(ServerConfig(shard_index=i, num_shards=num_shards, host="127.0.0.1", port=0,
+                                                   **settings)))
+        self.addresses = [s.address for s in self.servers]
+
+    def shard(self, i: int = 0):
+        return self.servers[i].shard
+
+    def client(self, spec: ModelSpec, **kw) -> Client:
+        """A client of this cluster (not joined yet: use it with ``with``)."""
+        kw.setdefault("data_plane", self.data_plane)
+        kw.setdefault("deadline_s", 20)
+        kw.setdefault("retry_s", 5)
+        client = Client(self.addresses, spec, **kw)
+        self.owned.append(client)
+        return client
+
+    def admin(self, **kw) -> Admin:
+        kw.setdefault("data_plane", self.data_plane)
+        admin = Admin(self.addresses, **kw)
+        self.owned.append(admin)
+        return admin
+
+    def weights(self) -> np.ndarray:
+        return np.concatenate([s.shard.weights for s in self.servers])
+
+    def checksum(self) -> float:
+        return sum(s.shard.checksum() for s in self.servers)
+
+    def close(self) -> None:
+        """Close its clients, check the invariants of every shard still running, stop them all."""
+        try:
+            for obj in self.owned:
+                obj.close()
+            for server in self.servers:
+                if not server.stopped.is_set():
+                    check_invariants(server)
+        finally:
+            for server in self.servers:
+                server.stop(grace=0.5)
+
+
+# ----- what a test may not leave behind --------------------------------------------------------------
+
+def _sockets() -> set[str]:
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue          # closed while listing
+        if target.startswith("socket:"):
+            found.add(target)
+    return found
+
+
+def _children() -> set[int]:
+    pids = set()
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids |= {int(p) for p in f.read().split()}
+        except OSError:
+            continue
+    return pids
+
+
+def _alive_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.is_alive()}
+
+
+@pytest.fixture
+def no_leaks():
+    """Fail the test if it leaves threads, sockets or child processes that were not there before."""
+    threads, sockets, children = _alive_threads(), _sockets(), _children()
+    yield
+    deadline = time.monotonic() + LEAK_GRACE_S
+    while True:
+        extra_threads = _alive_threads() - threads
+        extra_sockets = _sockets() - sockets
+        extra_children = _children() - children
+        if not (extra_threads or extra_sockets or extra_children) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not extra_threads, f"threads left running: {sorted(t.name for t in extra_threads)}"
+    assert not extra_sockets, f"{len(extra_sockets)} sockets left open"
+    assert not extra_children, f"child processes left running: {sorted(extra_children)}"
+
+
+@pytest.fixture(params=DATA_PLANES)
+def data_plane(request) -> str:
+    """Each data plane in turn; pin one with @pytest.mark.parametrize("data_plane", [...])."""
+    return request.param
+
+
+@pytest.fixture
+def cluster(data_plane, no_leaks):
+    """``cluster(num_shards=2, **settings)`` starts an InProcessCluster; all are checked and stopped after."""
+    made: list[InProcessCluster] = []
+
+    def start(num_shards: int = 2, **settings) -> InProcessCluster:
+        made.append(InProcessCluster(num_shards, data_plane, **settings))
+        return made[-1]
+
+    yield start
+    errors = []
+    for c in made:
+        try:
+            c.close()
+        except BaseException as exc:  # noqa: BLE001 - stop every cluster before reporting
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture
+def tcp_calls(monkeypatch):
+    """Counts of the pulls and pushes shards served over the TCP data plane."""
+    from psgrid.psserver.transports.tcp_server import TcpDataServer
+
+    calls = {"pull": 0, "push": 0}
+    lock = threading.Lock()
+
+    def counting(kind, real):
+        def method(self, *args):
+            with lock:
+                calls[kind] += 1
+            return real(self, *args)
+        return method
+
+    monkeypatch.setattr(TcpDataServer, "_pull", counting("pull", TcpDataServer._pull))
+    monkeypatch.setattr(TcpDataServer, "_push", counting("push", TcpDataServer._push))
+    return calls

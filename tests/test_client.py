@@ -1,0 +1,193 @@
+"""The client is hard to misuse: it joins, initialises, overlaps, leaves and fails in one clear way."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from psgrid.psserver.exceptions import (InvalidArgument, NotInitialized, PSError, ShardUnavailable, SpecMismatch,
+                                        UnknownWorker)
+from psgrid.psserver.protocol import Outcome, Reason
+from psgrid.psserver.service import ShardService
+from psgrid.psserver.spec import ModelSpec
+from psgrid.psserver.transports.base import ConnectOptions, open_control, open_data_plane
+from tests.support import REGRESSION, run_threads
+
+SPEC = ModelSpec([("w", (40,)), ("b", (3,))])
+ONES = np.ones(SPEC.size, np.float32)
+
+
+def members(cluster, shard=0) -> list[int]:
+    return sorted(m["worker_id"] for m in cluster.shard(shard).stats()["members"])
+
+
+@pytest.mark.timeout(30)
+def test_leaving_the_context_releases_a_sync_peer_at_once(cluster):
+    c = cluster(2, mode="sync", lease_s=30, lr=0.1)
+    stayer = c.client(SPEC, worker_id=0, init=SPEC.flat()).join()
+    with c.client(SPEC, worker_id=1) as leaver:
+        leaver.pull(SPEC.flat()).wait()
+        leaver.push(ONES).wait()
+        assert members(c) == [0, 1]
+    assert members(c) == [0] and members(c, 1) == [0]      # it left when the block ended
+    params = SPEC.flat()
+    start = time.monotonic()
+    for _ in range(3):                  # rounds close with the one worker left, not after a 30 s lease
+        stayer.pull(params).wait()
+        stayer.push(ONES).wait()
+    assert time.monotonic() - start < 5
+    assert c.shard().stats()["evictions"] == 0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_an_exception_in_the_block_still_leaves(cluster):
+    c = cluster(1, mode="sync")
+    with pytest.raises(RuntimeError, match="the user's bug"):
+        with c.client(SPEC, init=SPEC.flat()) as client:
+            client.pull(SPEC.flat()).wait()
+            assert members(c) == [client.worker_id]
+            raise RuntimeError("the user's bug")
+    assert members(c) == []
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_joining_waits_for_the_job_on_every_shard_not_only_the_first(cluster):
+    c = cluster(2, mode="sync")
+    # A stranger that registered with shard 0 only: shard 0 counts two members, shard 1 one.
+    stranger = open_control(c.addresses[0], ConnectOptions())
+    try:
+        stranger.register(spec_hash=SPEC.hash(), worker_id=7, start_clock=-1, host="elsewhere")
+        client = c.client(SPEC, worker_id=0, world=2, init=SPEC.flat(), join_timeout_s=20)
+        joined = threading.Thread(target=client.join, daemon=True)
+        joined.start()
+        joined.join(1.0)
+        assert joined.is_alive(), "started although shard 1 has only one of the job's two workers"
+        open_control(c.addresses[1], ConnectOptions()).register(spec_hash=SPEC.hash(), worker_id=7,
+                                                                start_clock=-1, host="elsewhere")
+        joined.join(10)
+        assert not joined.is_alive()
+        assert members(c, 0) == members(c, 1) == [0, 7]
+    finally:
+        stranger.close()
+
+
+@pytest.mark.timeout(30)
+def test_one_worker_sends_the_initial_weights(cluster, monkeypatch):
+    inits = []
+    real = ShardService.open_init
+
+    def counting(self, *args, **kw):
+        inits.append(self.shard.config.shard_index)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(ShardService, "open_init", counting)
+    c = cluster(2, mode="sync")
+    weights = np.arange(SPEC.size, dtype=np.float32)
+
+    def work(rank):
+        with c.client(SPEC, worker_id=rank, world=3, init=lambda: weights + rank) as client:
+            out = SPEC.flat()
+            client.pull(out).wait()
+            return out
+
+    pulled = run_threads([lambda r=r: work(r) for r in range(3)], timeout=20)
+    assert sorted(inits) == [0, 1], "each shard must receive the weights once"
+    for out in pulled:
+        np.testing.assert_array_equal(out, weights)        # rank 0's, the lowest id
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_a_client_without_weights_waits_for_them_and_says_so_when_none_come(cluster):
+    c = cluster(1, mode="async")
+    with pytest.raises(NotInitialized, match="pass init="):
+        with c.client(SPEC, join_timeout_s=0.5):
+            pass
+    with c.client(SPEC, init={"w": np.full(40, 2.0), "b": np.zeros(3)}) as owner:   # by name
+        with c.client(SPEC) as reader:
+            out = SPEC.flat()
+            reader.pull(out).wait()
+            assert out[:40].tolist() == [2.0] * 40 and owner.worker_id != reader.worker_id
+
+
+@pytest.mark.timeout(30)
+def test_failures_are_domain_exceptions_with_reasons(cluster):
+    c = cluster(2, mode="async")
+    with c.client(SPEC, init=SPEC.flat()) as client:
+        with pytest.raises(InvalidArgument, match="float32"):
+            client.pull(np.zeros(SPEC.size, np.float64))
+        with pytest.raises(InvalidArgument, match="wire dtype"):
+            c.client(SPEC, wire_dtype="float8")
+        other = ModelSpec([("w", (40,)), ("b", (4,))])
+        with pytest.raises(SpecMismatch) as err:
+            with c.client(other):
+                pass
+        assert err.value.reason is Reason.SPEC_MISMATCH and isinstance(err.value, PSError)
+        not_joined = c.client(SPEC)
+        with pytest.raises(InvalidArgument, match="context manager"):
+            not_joined.pull(SPEC.flat())
+    nobody = c.client(SPEC, retry_s=0.3)
+    nobody._conn.addresses[:] = ["127.0.0.1:1"] * 2    # noqa: SLF001 - a client for shards that are not there
+    from psgrid.psserver.transports.base import open_control as reopen
+
+    nobody._conn.controls[:] = [reopen("127.0.0.1:1", ConnectOptions()) for _ in range(2)]
+    with pytest.raises(ShardUnavailable) as err:
+        nobody.join()
+    assert err.value.reason is Reason.UNREACHABLE and err.value.shard == 0
+    nobody.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_pull_issued_while_a_push_is_in_flight_is_for_the_next_step(cluster):
+    c = cluster(2, mode="sync", lr=1.0)
+    with c.client(SPEC, init=SPEC.flat()) as client:
+        params = SPEC.flat()
+        for step in range(5):
+            pushed = client.push(ONES)              # not waited for: the pull overlaps it
+            versions = client.pull(params).wait()   # at clock step+1: waits for the round the push closes
+            assert versions == [step + 1, step + 1] and client.clock == step + 1
+            results = pushed.wait()
+            assert [r.outcome for r in results] == [Outcome.APPLIED] * 2
+            assert pushed.seconds is not None and pushed.seconds > 0
+            np.testing.assert_allclose(params, -(step + 1.0))
+
+
+@pytest.mark.timeout(30)
+def test_a_retried_push_is_applied_once(cluster):
+    c = cluster(1, mode="async", lr=1.0)
+    with c.client(REGRESSION, init=REGRESSION.flat()) as client:
+        grad = np.ones(REGRESSION.size, np.float32)
+        client.push(grad).wait()
+        # The same (worker, clock) again, as a client whose reply was lost sends it: acknowledged, not applied.
+        control = open_control(c.addresses[0], ConnectOptions())
+        try:
+            registration = control.register(spec_hash=REGRESSION.hash(), worker_id=client.worker_id,
+                                             start_clock=-1, host="test")
+            plane = open_data_plane(c.data_plane, control, registration, ConnectOptions())
+            result = plane.push(grad, begin=0, wire_dtype=1, worker_id=client.worker_id, clock=0, version=0,
+                                timeout_s=5)
+            plane.close()
+        finally:
+            control.close()
+        assert result.outcome is Outcome.DUPLICATE and result.next_clock == 1
+        np.testing.assert_array_equal(c.shard().weights, -1.0)
+        assert c.shard().stats()["duplicates"] == 1
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_a_forgotten_worker_registers_again_by_itself(cluster):
+    c = cluster(2, mode="async", lr=1.0)
+    with c.client(SPEC, init=SPEC.flat()) as client:
+        client.push(ONES).wait()
+        c.shard(1).leave(client.worker_id)            # as if shard 1 evicted it
+        with pytest.raises(UnknownWorker):
+            c.shard(1).check_pusher(client.worker_id)
+        results = client.push(ONES).wait()           # registers again on shard 1 and pushes
+        assert [r.outcome for r in results] == [Outcome.APPLIED] * 2
+        assert members(c, 1) == [client.worker_id]

@@ -1,0 +1,196 @@
+"""What only the gRPC transport has: chunked streams, Init and Register, and messages that do not decode."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from psgrid.psserver.protocol import FLOAT32, REASON_KEY, SERVICE, Reason
+from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
+from psgrid.psserver.spec import ModelSpec
+
+pytestmark = pytest.mark.parametrize("data_plane", ["grpc"])
+
+SPEC = ModelSpec([("w", (64,)), ("b", (8,))])    # shard 0 of 2 owns [0, 36), shard 1 [36, 72)
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def chunk(offset, values, dtype=FLOAT32):
+    return ps_pb2.Chunk(offset=offset, dtype=dtype, data=np.asarray(values, "<f4").tobytes())
+
+
+def reason(err: grpc.RpcError) -> Reason:
+    return Reason.from_wire_name(dict(err.trailing_metadata() or ()).get(REASON_KEY))
+
+
+@pytest.fixture
+def job(cluster):
+    c = cluster(2, mode="async", lr=0.5)
+    client = c.client(SPEC, init=np.arange(SPEC.size, dtype=np.float32) / 10).join()
+    channel = grpc.insecure_channel(c.addresses[0])
+    yield c, ps_pb2_grpc.ParameterServerStub(channel), client.worker_id, channel
+    channel.close()
+
+
+def state(server):
+    shard = server.shard
+    return shard.weights.copy(), shard.version, dict(shard.policy.clocks)
+
+
+def push_stream(worker, chunks, num_chunks=None, clock=0, version=0):
+    first, *rest = chunks
+    yield ps_pb2.PushRequest(worker_id=worker, clock=clock, version=version,
+                             num_chunks=len(chunks) if num_chunks is None else num_chunks, chunk=first)
+    for c in rest:
+        yield ps_pb2.PushRequest(chunk=c)
+
+
+BAD_STREAMS = {  # name: (chunks, declared chunk count or None, reason)
+    "offset outside the shard": ([chunk(36, np.ones(36))], None, Reason.BAD_OFFSET),
+    "offset not at the range start": ([chunk(1, np.ones(35))], None, Reason.BAD_OFFSET),
+    "gap between chunks": ([chunk(0, np.ones(10)), chunk(12, np.ones(24))], None, Reason.BAD_OFFSET),
+    "overlap between chunks": ([chunk(0, np.ones(10)), chunk(8, np.ones(28))], None, Reason.BAD_OFFSET),
+    "stream ends early": ([chunk(0, np.ones(20))], None, Reason.BAD_SIZE),
+    "more chunks than declared": ([chunk(0, np.ones(18)), chunk(18, np.ones(18))], 1, Reason.BAD_CHUNK_COUNT),
+    "fewer chunks than declared": ([chunk(0, np.ones(36))], 2, Reason.BAD_CHUNK_COUNT),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", sorted(BAD_STREAMS))
+def test_a_push_stream_that_does_not_tile_the_range_is_refused(job, case):
+    c, stub, worker, _ = job
+    chunks, declared, expected = BAD_STREAMS[case]
+    before, checksum = state(c.servers[0]), c.checksum()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Push(push_stream(worker, chunks, declared), timeout=5)
+    assert err.value.code() == INVALID and reason(err.value) is expected, err.value.details()
+    np.testing.assert_array_equal(before[0], state(c.servers[0])[0])
+    assert before[1:] == state(c.servers[0])[1:] and c.checksum() == checksum
+    assert c.shard().stats()["pushes"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_an_empty_push_stream_is_refused(job):
+    c, stub, _, _ = job
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Push(iter([]), timeout=5)
+    assert err.value.code() == INVALID and reason(err.value) is Reason.BAD_SIZE
+
+
+METHODS = {  # method: (request streams?, reply streams?)
+    "Register": (False, False), "Init": (True, False), "Pull": (False, True), "Push": (True, False),
+    "Heartbeat": (False, False), "Stats": (False, False), "Checkpoint": (False, False), "Shutdown": (False, False),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_a_message_that_does_not_decode_is_bad_input_on_every_rpc(job, method):
+    c, _, _, channel = job
+    garbage = b"\xff\xff\xff\xff"            # a field key whose varint never ends
+    streams_in, streams_out = METHODS[method]
+    identity = dict(request_serializer=None, response_deserializer=None)
+    if streams_in:
+        call = channel.stream_unary(f"/{SERVICE}/{method}", **identity)
+        invoke = lambda: call(iter([garbage]), timeout=5)  # noqa: E731
+    elif streams_out:
+        call = channel.unary_stream(f"/{SERVICE}/{method}", **identity)
+        invoke = lambda: list(call(garbage, timeout=5))  # noqa: E731
+    else:
+        call = channel.unary_unary(f"/{SERVICE}/{method}", **identity)
+        invoke = lambda: call(garbage, timeout=5)  # noqa: E731
+    checksum, rejected = c.checksum(), c.shard().stats()["rejected"]
+    with pytest.raises(grpc.RpcError) as err:
+        invoke()
+    assert err.value.code() == INVALID and reason(err.value) is Reason.MALFORMED, err.value.details()
+    assert c.checksum() == checksum and c.shard().stats()["rejected"] == rejected + 1
+    assert not c.servers[0].shutdown_requested.is_set()
+
+
+@pytest.mark.timeout(30)
+def test_a_spec_mismatch_is_refused_at_registration_and_init(job):
+    c, stub, _, _ = job
+    other = ModelSpec([("w", (64,)), ("b", (9,))])
+    before = state(c.servers[0])
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Register(ps_pb2.RegisterRequest(spec_hash=other.hash(), worker_id=-1, start_clock=-1), timeout=5)
+    assert err.value.code() == PRECONDITION and reason(err.value) is Reason.SPEC_MISMATCH
+    spec_msg = ps_pb2.ModelSpecMsg(params=[ps_pb2.ParamInfo(name=p.name, shape=list(p.shape), dtype=p.dtype)
+                                           for p in other.params], hash=other.hash())
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Init(iter([ps_pb2.InitRequest(spec=spec_msg, num_chunks=1, chunk=chunk(0, np.zeros(36)))]), timeout=5)
+    assert err.value.code() == PRECONDITION and reason(err.value) is Reason.SPEC_MISMATCH
+    np.testing.assert_array_equal(before[0], state(c.servers[0])[0])
+    assert len(c.shard().policy.clocks) == 1
+
+
+@pytest.mark.timeout(30)
+def test_the_same_spec_again_at_init_is_a_noop(job):
+    c, stub, _, _ = job
+    before = state(c.servers[0])
+    spec_msg = ps_pb2.ModelSpecMsg(params=[ps_pb2.ParamInfo(name=p.name, shape=list(p.shape), dtype=p.dtype)
+                                           for p in SPEC.params], hash=SPEC.hash())
+    reply = stub.Init(iter([ps_pb2.InitRequest(spec=spec_msg, num_chunks=1, chunk=chunk(0, np.zeros(36)))]),
+                      timeout=5)
+    assert reply.applied is False
+    np.testing.assert_array_equal(before[0], state(c.servers[0])[0])
+
+
+BAD_INITS = {  # name: (params, hash, values, dtype, reason)
+    "tampered hash": (SPEC.params, "0" * 32, np.zeros(72), FLOAT32, Reason.BAD_SPEC),
+    "NaN in weights": (SPEC.params, SPEC.hash(), np.r_[np.zeros(71), np.nan], FLOAT32, Reason.NON_FINITE),
+    "half-precision weights": (SPEC.params, SPEC.hash(), np.zeros(72), 2, Reason.BAD_DTYPE),
+    "absurd shape": ([("w", (2**41,))], ModelSpec([("w", (2**41,))]).hash(), np.zeros(4), FLOAT32, Reason.BAD_SPEC),
+    "negative dimension": ([("w", (-4,))], "x", np.zeros(4), FLOAT32, Reason.BAD_SPEC),
+    "no parameters": ([], "x", np.zeros(4), FLOAT32, Reason.BAD_SPEC),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", sorted(BAD_INITS))
+def test_a_bad_init_is_refused_and_leaves_the_shard_empty(cluster, case):
+    params, spec_hash, values, dtype, expected = BAD_INITS[case]
+    c = cluster(1)
+    with grpc.insecure_channel(c.addresses[0]) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        infos = [ps_pb2.ParamInfo(name=p[0] if isinstance(p, tuple) else p.name,
+                                  shape=list(p[1] if isinstance(p, tuple) else p.shape)) for p in params]
+        msg = ps_pb2.InitRequest(spec=ps_pb2.ModelSpecMsg(params=infos, hash=spec_hash), num_chunks=1,
+                                 chunk=ps_pb2.Chunk(offset=0, dtype=dtype, data=np.asarray(values, "<f4").tobytes()
+                                                    if dtype == FLOAT32 else np.asarray(values, "<f2").tobytes()))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Init(iter([msg]), timeout=5)
+    assert err.value.code() == INVALID and reason(err.value) is expected, err.value.details()
+    assert not c.shard().initialized
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("fields", [dict(worker_id=-5), dict(worker_id=2**40), dict(start_clock=-7),
+                                    dict(start_clock=2**60), dict(host="x" * 1000)])
+def test_a_registration_with_numbers_out_of_range_is_refused_and_stores_nothing(job, fields):
+    c, stub, _, _ = job
+    before = dict(c.shard().policy.clocks), c.shard().leases.next_id
+    request = ps_pb2.RegisterRequest(spec_hash=SPEC.hash(), **{"worker_id": -1, "start_clock": -1, **fields})
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Register(request, timeout=5)
+    assert err.value.code() == INVALID and reason(err.value) is Reason.BAD_VALUE
+    assert (dict(c.shard().policy.clocks), c.shard().leases.next_id) == before
+    # and registrations asking for a new id still work
+    assert stub.Register(ps_pb2.RegisterRequest(spec_hash=SPEC.hash(), worker_id=-1, start_clock=-1),
+                         timeout=5).worker_id == before[1]
+
+
+@pytest.mark.timeout(30)
+def test_a_generated_client_trains_over_grpc_alone(job):
+    """Any client generated from proto/ps.proto can train: register, pull, push with the stub only."""
+    c, stub, _, _ = job
+    reply = stub.Register(ps_pb2.RegisterRequest(spec_hash=SPEC.hash(), worker_id=-1, start_clock=-1), timeout=5)
+    assert reply.tcp_port == c.servers[0].tcp.port and reply.begin == 0 and reply.end == 36
+    version = list(stub.Pull(ps_pb2.PullRequest(worker_id=reply.worker_id, clock=reply.start_clock), timeout=5))[0]
+    pushed = stub.Push(push_stream(reply.worker_id, [chunk(0, np.ones(36))], clock=reply.start_clock,
+                                   version=version.version), timeout=5)
+    assert pushed.outcome == ps_pb2.PushReply.APPLIED and pushed.version == version.version + 1
+    np.testing.assert_allclose(c.shard().weights, np.arange(36, dtype=np.float32) / 10 - 0.5)

@@ -1,0 +1,83 @@
+"""The layers' import rules, checked on the source: who may import gRPC, and nothing imports upward."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Only the transports speak gRPC (and the generated code, which is gRPC).
+GRPC_ALLOWED = {"psserver/transports/grpc_server.py", "psserver/transports/grpc_client.py",
+                "psserver/rpc/ps_pb2_grpc.py", "psserver/rpc/ps_pb2.py"}
+# Modules the client side uses: none of them may import the server side.
+CLIENT_SIDE = ["psserver/client.py", "psserver/admin.py", "psserver/shards.py", "psserver/transports/base.py",
+               "psserver/transports/grpc_client.py", "psserver/transports/tcp_client.py"]
+SERVER_SIDE = {"psgrid.psserver.shard", "psgrid.psserver.service", "psgrid.psserver.server",
+               "psgrid.psserver.transports.grpc_server", "psgrid.psserver.transports.tcp_server",
+               "psgrid.psserver.checkpoint", "psgrid.psserver.optim", "psgrid.psserver.policy",
+               "psgrid.psserver.membership", "psgrid.psserver.metrics"}
+
+
+def sources(*folders: str) -> list[Path]:
+    return sorted(p for folder in folders for p in (ROOT / folder).rglob("*.py"))
+
+
+def imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth of its code (lazy imports in functions included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+@pytest.mark.parametrize("path", sources("psserver", "worker", "cluster", "psgrid"), ids=rel)
+def test_only_the_transports_import_grpc(path):
+    grpc = {m for m in imports(path) if m == "grpc" or m.startswith(("grpc.", "google.protobuf"))
+            or m.endswith(".rpc") or ".rpc." in m}
+    if rel(path) not in GRPC_ALLOWED:
+        assert not grpc, f"{rel(path)} imports {sorted(grpc)}: only the transport modules may speak gRPC"
+
+
+@pytest.mark.parametrize("path", CLIENT_SIDE)
+def test_the_client_imports_nothing_of_the_server(path):
+    server = imports(ROOT / path) & SERVER_SIDE
+    assert not server, f"{path} imports {sorted(server)}"
+
+
+@pytest.mark.parametrize("path", sources("psserver"), ids=rel)
+def test_the_shard_side_knows_nothing_of_workers_or_jobs(path):
+    upward = {m for m in imports(path) if m.startswith(("psgrid.worker", "psgrid.cluster"))}
+    assert not upward, f"{rel(path)} imports {sorted(upward)}: psserver knows nothing of models, GPUs or jobs"
+
+
+@pytest.mark.parametrize("path", sources("worker"), ids=rel)
+def test_workers_never_import_the_cluster_tools(path):
+    upward = {m for m in imports(path) if m.startswith("psgrid.cluster")}
+    assert not upward, f"{rel(path)} imports {sorted(upward)}"
+
+
+def test_psctl_server_does_not_import_the_worker_package():
+    import subprocess
+    import sys
+
+    # What `psctl server --config mnist` runs before it serves: the parser, the job file, the server.
+    code = ("import sys\n"
+            "from psgrid.cluster.cli import build_parser\n"
+            "from psgrid.cluster.commands.server import server_config_from_args\n"
+            "import psgrid.psserver.server\n"
+            "args = build_parser('server').parse_args(['server', '--config', 'mnist', '--shard', '1'])\n"
+            "config = server_config_from_args(args)\n"
+            "assert (config.num_shards, config.mode) == (2, 'sync'), config\n"
+            "print(sorted(m for m in sys.modules if m.startswith('psgrid.worker')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"psctl server loads the worker package: {out.stdout}"
