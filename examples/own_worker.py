@@ -20,8 +20,8 @@ spec = psgrid.ModelSpec([("w", (20,))])
 params, grad = spec.flat(), spec.flat()
 with psgrid.Client(sys.argv[1].split(","), spec, init=np.zeros(20, np.float32)) as client:
     for step in range(300):
-        client.pull(params).wait()                   # the shards' weights, once the mode allows
+        client.pull(params)                          # the shards' weights, once the mode allows
         batch = rng.integers(0, len(x), 64)
         grad[:] = x[batch].T @ (x[batch] @ params - y[batch]) / 64
-        client.push(grad).wait()                     # the shards apply it with their optimizer
+        client.push(grad)                            # the shards apply it with their optimizer
 print(f"worker {client.worker_id}: loss {np.mean((x @ params - y) ** 2):.6f}")

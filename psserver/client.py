@@ -1,12 +1,12 @@
-"""A worker's client: join a job, pull and push in the background, leave.
+"""A worker's client: join a job, pull and push, leave.
 
 ::
 
     with Client(addresses, spec, world=2, init=initial_weights) as client:
         for step in range(steps):
-            client.pull(params).wait()
+            client.pull(params)
             compute_gradient(params, grad)
-            client.push(grad).wait()
+            client.push(grad)
 
 Entering registers with every shard under one worker id and one starting clock, heartbeats
 from a background thread, waits until the job's ``world`` workers have joined every shard,
@@ -14,12 +14,15 @@ and gives initial weights to the shards that have none (one worker sends them). 
 also on an exception, tells every shard this worker is done, so sync and ssp stop waiting
 for it.
 
-``pull`` and ``push`` return at once with a :class:`Handle`; ``wait()`` blocks until every
-shard has answered (ps-lite's Push, Pull and Wait). The client keeps the clocks: a push
-carries the next clock and the versions of the last pull, and a pull issued while a push is
-in flight is for the step after it, so a loop overlaps them without threads or arithmetic of
-its own. One pull and one push may be in flight; a second of the same kind first waits for
-the one before. A buffer given to a pull or push is its own until the handle is waited for.
+``pull`` and ``push`` return a :class:`Handle` (ps-lite's Push, Pull and Wait). By default
+they run in the calling thread and the handle is done when they return, so a buffer is never
+read half filled. With ``background=True`` they run on the client's threads and ``wait()``
+blocks until every shard has answered; a buffer given to them is theirs until then. The
+client keeps the clocks: a push carries the next clock and the versions of the last pull,
+and a pull issued while a background push is in flight is for the step after it, so a loop
+overlaps them without threads or arithmetic of its own. One pull and one push may be in
+flight; a second of the same kind first waits for the one before. A client is used from one
+thread (its own threads do the background work).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 
 from psgrid.psserver import wire
 from psgrid.psserver.exceptions import InvalidArgument, NotInitialized, PSError, UnknownWorker, WaitTimeout
-from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, PushResult, Registration
+from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, PushResult, Reason, Registration
 from psgrid.psserver.shards import ShardConnections
 from psgrid.psserver.sharding import shard_ranges
 from psgrid.psserver.spec import ModelSpec
@@ -42,18 +45,24 @@ from psgrid.psserver.transports.base import ConnectOptions
 
 log = logging.getLogger("psgrid.client")
 T = TypeVar("T")
-POLL_S = 0.05      # how often the join and init waits ask the shards
+# The join and init waits ask the shards again after 5 ms, then less and less often: a job whose
+# workers start together sees the last one join (or the weights land) at once, and a long wait
+# does not flood the shards.
+POLL_S = (0.005, 0.1)
+
+
+def _polls(first: float, longest: float):
+    """Sleep lengths for a wait that polls: ``first``, growing by half each time up to ``longest``."""
+    interval = first
+    while True:
+        yield interval
+        interval = min(longest, interval * 1.5)
 
 
 class Handle(Generic[T]):
-    """A pull or push in flight; :meth:`wait` returns its result or raises its failure.
+    """A pull or push: :meth:`wait` returns its result or raises its failure; ``seconds`` its duration."""
 
-    The work is handed to the client's threads at once, so it runs in the background; a
-    caller that waits before any thread has picked it up runs it itself, which saves the
-    thread hop in the common ``client.pull(x).wait()``.
-    """
-
-    def __init__(self, executor, run: Callable[[], T]):
+    def __init__(self, run: Callable[[], T]):
         self.started = time.perf_counter()
         self.finished: float | None = None
         self._run = run
@@ -61,17 +70,17 @@ class Handle(Generic[T]):
         self._done = threading.Event()
         self._result: T | None = None
         self._error: BaseException | None = None
-        executor.submit(self._execute)
 
     def _execute(self) -> None:
+        """Run the work, unless someone already does (a background thread or a waiting caller)."""
         if not self._claim.acquire(blocking=False):
-            return                      # the waiting caller runs it
+            return
         try:
             self._result = self._run()
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
             self._error = exc
         finally:
-            self.finished = time.perf_counter()
+            self.finished = time.perf_counter()    # before done is set, so wait() sees it
             self._done.set()
 
     @property
@@ -83,10 +92,15 @@ class Handle(Generic[T]):
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> T:
-        """Block until every shard answered; the result, or the first shard's domain exception."""
-        self._execute()
+        """Block until every shard answered; the result, or the first shard's domain exception.
+
+        A background call that no client thread has picked up yet is run here (without a
+        timeout only: with one, the caller waits for a thread and keeps its limit).
+        """
+        if timeout is None:
+            self._execute()
         if not self._done.wait(timeout):
-            raise TimeoutError(f"still waiting for the shards after {timeout} s")
+            raise WaitTimeout(f"still waiting for the shards after {timeout} s", Reason.WAIT_TIMEOUT)
         if self._error is not None:
             raise self._error
         return self._result
@@ -156,7 +170,8 @@ class Client:
         self._conn = ShardConnections(addresses, data_plane=data_plane, options=options, retry_s=retry_s,
                                       register=self._register_one)
         self.ranges = shard_ranges(spec.size, self._conn.num_shards)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()          # clocks and versions
+        self._calls = threading.Lock()         # one pull() or push() being issued at a time
         self.worker_id = -1
         self.mode = ""
         self.lease_s = 0.0
@@ -165,7 +180,10 @@ class Client:
         self._versions = [0] * self._conn.num_shards
         self._pull_handle: Handle | None = None
         self._push_handle: Handle | None = None
-        self._registered = self._closed = False
+        self._registered = False    # shard 0 gave this worker an id: it must leave
+        self._joined = False        # every step of join() is done
+        self._leaving = False       # leave() began: never register again
+        self._closed = False
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
 
@@ -194,32 +212,38 @@ class Client:
     # ----- joining and leaving ------------------------------------------------------------------
 
     def __enter__(self) -> "Client":
-        try:
-            return self.join()
-        except BaseException:
-            self.close()
-            raise
+        return self.join()
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def join(self) -> "Client":
-        """Register with every shard, heartbeat, wait for the job's workers, initialise empty shards."""
-        if self._registered:
+        """Register with every shard, heartbeat, wait for the job's workers, initialise empty shards.
+
+        If any of it fails, the client leaves what it joined and closes, and the error is raised.
+        """
+        if self._joined:
             return self
-        conn = self._conn
-        first = conn.retrying(0, lambda: self._register_one(0, start_clock=-1))
-        self.worker_id, self.mode, self.lease_s = first.worker_id, first.mode, first.lease_s
-        with self._lock:
-            self._next_clock = first.start_clock
-        self._registered = True
-        others = conn.map(lambda i: conn.retrying(i, lambda: self._register_one(i)), range(1, conn.num_shards))
-        registrations = [first, *others]
-        with self._lock:
-            self._versions = [r.version for r in registrations]
-        self._start_heartbeats()
-        stats = self._wait_for_workers()
-        self._initialize(registrations, stats)
+        if self._closed:
+            raise InvalidArgument("this client is closed: make a new one to join again")
+        try:
+            conn = self._conn
+            first = conn.retrying(0, lambda: self._register_one(0, start_clock=-1))
+            self.worker_id, self.mode, self.lease_s = first.worker_id, first.mode, first.lease_s
+            with self._lock:
+                self._next_clock = first.start_clock
+            self._registered = True
+            others = conn.map(lambda i: conn.retrying(i, lambda: self._register_one(i)), range(1, conn.num_shards))
+            registrations = [first, *others]
+            with self._lock:
+                self._versions = [r.version for r in registrations]
+            self._start_heartbeats()
+            stats = self._wait_for_workers()
+            self._initialize(registrations, stats)
+        except BaseException:
+            self.close()
+            raise
+        self._joined = True
         return self
 
     def _register_one(self, shard: int, start_clock: int | None = None) -> Registration:
@@ -228,6 +252,9 @@ class Client:
         Registering again (a shard forgot this worker) asks for the clock of the push in flight,
         if any: that push is about to be retried, and must not be taken as a duplicate.
         """
+        if self._leaving:
+            raise UnknownWorker("this client has left the job; it does not register again",
+                                Reason.UNKNOWN_WORKER, shard=shard)
         worker_id = self.worker_id if self._registered else self._requested_id
         if start_clock is None:
             with self._lock:
@@ -244,7 +271,7 @@ class Client:
             return None
         conn = self._conn
         deadline = time.monotonic() + self.join_timeout_s
-        while True:
+        for pause in _polls(*POLL_S):
             stats = conn.map(lambda i: conn.retrying(i, conn.controls[i].stats))
             joined = min(len(s["members"]) for s in stats)
             if joined >= self.world:
@@ -253,12 +280,10 @@ class Client:
                 log.warning("worker %d starting with %d of %d workers registered after %.0f s",
                             self.worker_id, joined, self.world, self.join_timeout_s)
                 return stats
-            time.sleep(POLL_S)
+            time.sleep(pause)
 
-    def _initial_values(self) -> np.ndarray | None:
+    def _initial_values(self) -> np.ndarray:
         values = self._init() if callable(self._init) else self._init
-        if values is None:
-            return None
         if isinstance(values, Mapping):
             values = self.spec.pack({k: np.asarray(v, dtype=np.float32) for k, v in values.items()})
         return check_flat(np.ascontiguousarray(values, dtype=np.float32), self.spec, "init")
@@ -269,23 +294,24 @@ class Client:
                    if not r.initialized and not (stats and stats[i]["initialized"])]
         if not pending:
             return
-        values = self._initial_values()
         members = [m["worker_id"] for m in stats[0]["members"]] if stats else []
-        if values is not None and (not members or self.worker_id == min(members)):
-            self._send_init(values, pending)
+        if self._init is not None and (not members or self.worker_id == min(members)):
+            self._send_init(self._initial_values(), pending)
             return
         # Another worker sends them (first writer wins on each shard): wait, bounded, then offer ours.
         deadline = time.monotonic() + self.join_timeout_s
-        while pending:
-            time.sleep(POLL_S)
+        for pause in _polls(*POLL_S):
+            if not pending:
+                return
+            time.sleep(pause)
             initialized = conn.map(lambda i: conn.retrying(i, conn.controls[i].stats)["initialized"], pending)
             pending = [i for i, done in zip(pending, initialized) if not done]
             if pending and time.monotonic() >= deadline:
-                if values is None:
+                if self._init is None:
                     raise NotInitialized(f"shards {pending} still have no weights after {self.join_timeout_s:.0f} s, "
                                          f"and this client has none to offer: pass init=")
                 log.warning("worker %d: shards %s still have no weights; offering its own", self.worker_id, pending)
-                self._send_init(values, pending)
+                self._send_init(self._initial_values(), pending)
                 return
 
     def _send_init(self, values: np.ndarray, shards: list[int]) -> None:
@@ -299,12 +325,15 @@ class Client:
 
     def _start_heartbeats(self) -> None:
         interval = self._heartbeat_s or max(0.05, min(1.0, self.lease_s / 4))
+        timeout = min(max(interval, 1.0), 5.0)
 
         def beat():
             while not self._heartbeat_stop.wait(interval):
                 for control in self._conn.controls:
+                    if self._heartbeat_stop.is_set():
+                        return
                     try:
-                        control.heartbeat(self.worker_id, timeout_s=max(interval, 1.0))
+                        control.heartbeat(self.worker_id, timeout_s=timeout)
                     except PSError:
                         pass    # the next data call reports (and retries) a shard that is down
 
@@ -313,9 +342,10 @@ class Client:
 
     def leave(self) -> None:
         """Tell every shard this worker is done, so sync and ssp stop waiting for it."""
+        self._leaving = True
         self._heartbeat_stop.set()
         if self._heartbeat_thread is not None:
-            self._heartbeat_thread.join(timeout=5)
+            self._heartbeat_thread.join(timeout=10)
         if not self._registered:
             return
         self._registered = False
@@ -334,7 +364,7 @@ class Client:
             return
         self._closed = True
         try:
-            _settle(self._push_handle)      # before leaving: a push after the leave would register again
+            _settle(self._push_handle)      # before leaving: the shards must take this worker's last push
             self.leave()                    # ... and leaving ends any consistency wait of a pull in flight
             _settle(self._pull_handle)
         finally:
@@ -342,57 +372,80 @@ class Client:
 
     # ----- pull and push ------------------------------------------------------------------------
 
-    def pull(self, out: np.ndarray) -> Handle[list[int]]:
-        """Fill ``out`` (flat float32) with every shard's weights once the mode allows; returns a handle.
+    def pull(self, out: np.ndarray, *, background: bool = False) -> Handle[list[int]]:
+        """Fill ``out`` (flat float32) with every shard's weights once the mode allows.
 
-        ``wait()`` returns the shards' versions.
+        Returns a handle whose ``wait()`` gives the shards' versions: done already, unless
+        ``background`` (then ``out`` is the pull's until ``wait()`` returns).
         """
         self._require_joined()
         check_flat(out, self.spec, "the pull buffer")
-        _settle(self._pull_handle)
-        clock = self.clock
+        with self._calls:
+            _settle(self._pull_handle)
+            clock = self.clock
 
-        def run() -> list[int]:
-            versions = self._conn.map(lambda i: self._pull_one(i, out, clock))
-            with self._lock:
-                self._versions = versions
-            return versions
+            def run() -> list[int]:
+                versions = self._conn.map(lambda i: self._pull_one(i, out, clock))
+                with self._lock:
+                    self._versions = versions
+                return versions
 
-        self._pull_handle = Handle(self._conn.executor, run)
-        return self._pull_handle
+            self._pull_handle = self._launch(run, background)
+        return self._finish_unless(self._pull_handle, background)
 
-    def push(self, grad: np.ndarray, *, versions: Sequence[int] | None = None) -> Handle[list[PushResult]]:
-        """Push one gradient (flat float32) at the next clock; returns a handle.
+    def push(self, grad: np.ndarray, *, versions: Sequence[int] | None = None,
+             background: bool = False) -> Handle[list[PushResult]]:
+        """Push one gradient (flat float32) at the next clock.
 
         ``versions`` are the shard versions the gradient was computed from (default: those of
-        the last pull). ``wait()`` returns each shard's :class:`PushResult`.
+        the last pull). Returns a handle whose ``wait()`` gives each shard's
+        :class:`PushResult`: done already, unless ``background`` (then ``grad`` is the push's
+        until ``wait()`` returns).
         """
         self._require_joined()
         check_flat(grad, self.spec, "the gradient")
-        _settle(self._push_handle)
-        with self._lock:
-            clock = self._next_clock
-            self._next_clock += 1
-            self._unacked_clock = clock
-            used = list(self._versions if versions is None else versions)
+        if versions is not None and len(versions) != self.num_shards:
+            raise InvalidArgument(f"versions must give one version per shard ({self.num_shards}), got {len(versions)}")
+        with self._calls:
+            _settle(self._push_handle)
+            with self._lock:
+                clock = self._next_clock
+                self._next_clock += 1
+                self._unacked_clock = clock
+                used = list(self._versions if versions is None else versions)
 
-        def run() -> list[PushResult]:
-            try:
-                results = self._conn.map(lambda i: self._push_one(i, grad, clock, used[i]))
-            finally:
-                with self._lock:
-                    self._unacked_clock = None
-            with self._lock:     # a sync push dropped as late moves this worker to the open round
-                self._next_clock = max(self._next_clock, max(r.next_clock for r in results))
-            return results
+            def run() -> list[PushResult]:
+                results = None
+                try:
+                    results = self._conn.map(lambda i: self._push_one(i, grad, clock, used[i]))
+                    return results
+                finally:
+                    with self._lock:
+                        self._unacked_clock = None
+                        if results:     # a sync push dropped as late moves this worker to the open round
+                            self._next_clock = max(self._next_clock, max(r.next_clock for r in results))
 
-        self._push_handle = Handle(self._conn.executor, run)
-        return self._push_handle
+            self._push_handle = self._launch(run, background)
+        return self._finish_unless(self._push_handle, background)
+
+    def _launch(self, run: Callable[[], T], background: bool) -> Handle[T]:
+        handle = Handle(run)
+        if background:
+            self._conn.executor.submit(handle._execute)
+        else:
+            handle._execute()    # here, in the caller's thread: no hand-off to another thread
+        return handle
+
+    @staticmethod
+    def _finish_unless(handle: Handle[T], background: bool) -> Handle[T]:
+        if not background:
+            handle.wait()        # a failure is raised now, where the call was made
+        return handle
 
     def _require_joined(self) -> None:
         if self._closed:
             raise InvalidArgument("this client is closed")
-        if not self._registered:
+        if not self._joined:
             raise InvalidArgument("the client has not joined: use it as a context manager (with Client(...) as "
                                   "client:) or call join() first")
 
@@ -404,9 +457,9 @@ class Client:
             try:
                 return self._worker_call(shard, lambda: self._conn.plane(shard).pull_into(
                     view, begin=begin, worker_id=self.worker_id, clock=clock, timeout_s=self.deadline_s))
-            except WaitTimeout:
+            except WaitTimeout as exc:
                 # A consistency wait may outlast one deadline (slow peers): keep waiting, up to max_wait_s.
-                if time.monotonic() - waited_since < self.max_wait_s:
+                if exc.reason is Reason.WAIT_TIMEOUT and time.monotonic() - waited_since < self.max_wait_s:
                     continue
                 raise
 
@@ -423,6 +476,8 @@ class Client:
         try:
             return self._conn.retrying(shard, call, data=True)
         except UnknownWorker:
+            if self._leaving:
+                raise
             log.warning("shard %d forgot worker %d (evicted, or restarted from an older checkpoint); "
                         "registering again", shard, self.worker_id)
             self._conn.retrying(shard, lambda: self._register_one(shard))

@@ -82,9 +82,15 @@ class Unavailable(PSError, ConnectionError):
 
 
 class ShardUnavailable(Unavailable):
-    """The client gave up on a shard after retrying for ``retry_s`` seconds."""
+    """The client gave up on a shard after retrying for ``retry_s`` seconds (raised by the client alone)."""
 
     default_reason = Reason.UNREACHABLE
+
+
+class CheckpointFailed(FailedPrecondition):
+    """A checkpoint could not be written (no checkpoint directory, or the disk refused it)."""
+
+    default_reason = Reason.CHECKPOINT_FAILED
 
 
 class WaitTimeout(PSError, TimeoutError):
@@ -105,7 +111,8 @@ _BY_REASON = {
     Reason.SPEC_MISMATCH: SpecMismatch,
     Reason.UNKNOWN_WORKER: UnknownWorker,
     Reason.NOT_INITIALIZED: NotInitialized,
-    Reason.UNREACHABLE: ShardUnavailable,
+    Reason.NO_CHECKPOINT_DIR: CheckpointFailed,
+    Reason.CHECKPOINT_FAILED: CheckpointFailed,
     Reason.BAD_REPLY: BadReply,
 }
 _BY_STATUS = {
@@ -124,7 +131,7 @@ def error_from_wire(status: int, reason: Reason, message: str, *, shard: int | N
     except ValueError:
         status = Status.UNKNOWN
     cls = _BY_REASON.get(reason) or _BY_STATUS.get(status, PSError)
-    exc = cls(message, reason, shard=shard)
+    exc = cls(message, None if reason is Reason.NONE else reason, shard=shard)
     if cls is PSError:
         exc.status = status
     return exc

@@ -44,11 +44,9 @@ class Status(IntEnum):
     """gRPC status codes, by number; the TCP data plane sends the same numbers."""
 
     OK = 0
-    CANCELLED = 1
     UNKNOWN = 2
     INVALID_ARGUMENT = 3
     DEADLINE_EXCEEDED = 4
-    RESOURCE_EXHAUSTED = 8
     FAILED_PRECONDITION = 9
     INTERNAL = 13
     UNAVAILABLE = 14
@@ -74,8 +72,10 @@ class Reason(IntEnum):
     SHUTTING_DOWN = 13      # the shard is stopping
     WAIT_TIMEOUT = 14       # a consistency wait outlived the caller's deadline
     NO_CHECKPOINT_DIR = 15  # a checkpoint asked of a shard that has nowhere to write it
-    UNREACHABLE = 16        # (client side) the shard did not answer within retry_s
+    UNREACHABLE = 16        # (client side) no connection to the shard, or it broke
     BAD_REPLY = 17          # (client side) the shard answered something that breaks the contract
+    TIMED_OUT = 18          # (client side) a call outlived its deadline without the shard's answer
+    CHECKPOINT_FAILED = 19  # the shard could not write its checkpoint (a full disk, say)
 
     @property
     def wire_name(self) -> str:

@@ -5,7 +5,8 @@ format and call these methods with plain values. This module alone
 
 * bounds every number that comes from the wire (ids, clocks, versions, sizes);
 * checks payloads as they land: offsets, sizes, dtypes, non-finite values, truncation;
-* owns the pooled buffers payloads land in and snapshots are sent from;
+* lends the transports the pooled buffers (the shard's) that payloads land in and snapshots
+  are sent from, and takes them back on every path;
 * turns a caller's deadline into the consistency wait's timeout;
 * counts refused input; and
 * turns any failure into the :class:`Refusal` a transport puts on the wire.
@@ -17,6 +18,8 @@ is the shard's (shard.py); what the bytes look like is the transport's.
 from __future__ import annotations
 
 import logging
+import math
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -209,12 +212,14 @@ class ShardService:
         self.on_shutdown = on_shutdown
         self.tcp_port = 0        # set by the server once the TCP data plane listens (0: none)
         self._half: BufferPool | None = None
+        self._half_lock = threading.Lock()
 
     def half_pool(self) -> BufferPool:
         """Landing buffers for float16/bfloat16 payloads (made on first use: most jobs push float32)."""
-        if self._half is None or self._half.size != self.shard.size:
-            self._half = BufferPool(self.shard.size, np.uint16)
-        return self._half
+        with self._half_lock:
+            if self._half is None:
+                self._half = BufferPool(self.shard.size, np.uint16)
+            return self._half
 
     # ----- refusals -----------------------------------------------------------------------------
 
@@ -243,15 +248,13 @@ class ShardService:
             raise InvalidArgument("host or spec_hash too long", Reason.BAD_VALUE)
         shard, config = self.shard, self.shard.config
         if observer:
-            joined = {"worker_id": -1, "start_clock": 0, "version": shard.version}
+            joined = {"worker_id": -1, "start_clock": 0, **shard.layout_info()}
         else:
             joined = shard.register(spec_hash, worker_id, start_clock, host)
         return Registration(
-            worker_id=joined["worker_id"], start_clock=joined["start_clock"], mode=config.mode,
-            staleness=config.staleness, backup_workers=config.backup_workers, lease_s=config.lease_s,
-            begin=shard.begin, end=shard.end, total_size=shard.spec.size if shard.spec else 0,
-            shard_index=config.shard_index, num_shards=config.num_shards, initialized=shard.initialized,
-            version=joined["version"], tcp_port=self.tcp_port)
+            mode=config.mode, staleness=config.staleness, backup_workers=config.backup_workers,
+            lease_s=config.lease_s, shard_index=config.shard_index, num_shards=config.num_shards,
+            tcp_port=self.tcp_port, **joined)
 
     def open_init(self, params: list[tuple[str, tuple, str]], spec_hash: str) -> InitIntake:
         """Start taking initial weights for the model ``params`` (whose hash must be ``spec_hash``)."""
@@ -303,6 +306,8 @@ class ShardService:
         """
         check_worker(worker_id, observer_ok=True)
         check_range("clock", clock, 0, MAX_CLOCK)
+        if timeout_s is not None and not math.isfinite(timeout_s):
+            raise InvalidArgument(f"a deadline must be a finite number of seconds, got {timeout_s}", Reason.BAD_VALUE)
         wait_s = None if timeout_s is None else max(0.0, timeout_s - REPLY_MARGIN_S)
         self.shard.wait_for_pull(worker_id, clock, wait_s, cancelled=cancelled)
         version, values = self.shard.snapshot()

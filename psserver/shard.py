@@ -21,8 +21,8 @@ from psgrid.psserver import checkpoint
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.membership import Leases
 from psgrid.psserver.buffers import BufferPool
-from psgrid.psserver.exceptions import (InvalidArgument, NotInitialized, SpecMismatch, Unavailable, UnknownWorker,
-                                        WaitTimeout)
+from psgrid.psserver.exceptions import (CheckpointFailed, InvalidArgument, NotInitialized, SpecMismatch, Unavailable,
+                                        UnknownWorker, WaitTimeout)
 from psgrid.psserver.optim import make_optimizer
 from psgrid.psserver.policy import ConsistencyPolicy
 from psgrid.psserver.protocol import Outcome, PushResult, Reason
@@ -75,6 +75,7 @@ class Shard:
         self.leases = Leases(config.lease_s)
         self.counters = Counters()
         self.spec: ModelSpec | None = None
+        self.expected_hash: str | None = None    # before Init: the spec hash the members registered with
         self.begin = self.end = 0
         self.weights: np.ndarray | None = None
         self.optimizer = None
@@ -132,16 +133,29 @@ class Shard:
     # ----- membership -------------------------------------------------------------------------
 
     def register(self, spec_hash: str, worker_id: int, start_clock: int, host: str) -> dict:
+        """Join (or rejoin) ``worker_id`` (-1: a new id); returns the join and the layout, read together."""
         with self.cond:
-            if self.spec is not None and spec_hash and spec_hash != self.spec.hash():
+            expected = self.spec.hash() if self.spec is not None else self.expected_hash
+            if spec_hash and expected and spec_hash != expected:
                 raise SpecMismatch(f"model spec hash {spec_hash[:12]} differs from this shard's "
-                                   f"{self.spec.hash()[:12]}: every worker must build the same model")
+                                   f"{expected[:12]}: every worker must build the same model")
+            if spec_hash and self.spec is None:
+                self.expected_hash = spec_hash     # before Init, the first worker's model is the job's
             if worker_id < 0:
                 worker_id = self.leases.new_id()
             clock = self.policy.join(worker_id, start_clock if start_clock >= 0 else None)
             self.leases.add(worker_id, host, self.now())
             self.cond.notify_all()
-            return {"worker_id": worker_id, "start_clock": clock, "version": self.version}
+            return {"worker_id": worker_id, "start_clock": clock, **self._layout_info()}
+
+    def layout_info(self) -> dict:
+        """Version, range and whether weights are set, read together (what an observer learns)."""
+        with self.cond:
+            return self._layout_info()
+
+    def _layout_info(self) -> dict:
+        return {"version": self.version, "begin": self.begin, "end": self.end, "initialized": self.initialized,
+                "total_size": self.spec.size if self.spec is not None else 0}
 
     def heartbeat(self, worker: int) -> bool:
         with self.cond:
@@ -155,6 +169,8 @@ class Shard:
     def _drop(self, worker: int) -> None:
         self.leases.remove(worker)
         self.policy.leave(worker)
+        if not self.leases.members and self.spec is None:
+            self.expected_hash = None          # everyone left before Init: the next job may bring its own model
         self._close_rounds()
         self.cond.notify_all()
 
@@ -172,10 +188,15 @@ class Shard:
     # ----- init -------------------------------------------------------------------------------
 
     def check_spec(self, spec: ModelSpec) -> None:
-        """Refuse, before its payload is read, an Init of a spec other than the one this shard holds."""
+        """Refuse, before its payload is read, an Init of a spec other than the job's."""
         with self.cond:
-            if self.spec is not None and spec.hash() != self.spec.hash():
-                raise SpecMismatch("Init with a model spec other than the one this shard holds")
+            self._check_spec(spec)
+
+    def _check_spec(self, spec: ModelSpec) -> None:
+        if self.spec is not None and spec.hash() != self.spec.hash():
+            raise SpecMismatch("Init with a model spec other than the one this shard holds")
+        if self.spec is None and self.expected_hash and spec.hash() != self.expected_hash:
+            raise SpecMismatch("Init with a model spec other than the one the job's workers registered with")
 
     def layout(self, spec: ModelSpec) -> tuple[int, int]:
         return shard_range(spec.size, self.config.shard_index, self.config.num_shards)
@@ -183,9 +204,8 @@ class Shard:
     def init(self, spec: ModelSpec, values: np.ndarray | None) -> bool:
         """Set the initial weights of this shard's range; False if it already had them (same spec)."""
         with self.cond:
+            self._check_spec(spec)
             if self.spec is not None:
-                if spec.hash() != self.spec.hash():
-                    raise SpecMismatch("Init with a model spec other than the one this shard holds")
                 return False
             begin, end = self.layout(spec)
             if values is None or values.shape != (end - begin,):
@@ -259,10 +279,14 @@ class Shard:
     # ----- push -------------------------------------------------------------------------------
 
     def check_pusher(self, worker: int) -> None:
-        """Refuse early (before the payload is read) a push from a worker that is not live."""
-        with self.cond:
-            self._require_serving()
-            self._require_live(worker)
+        """Refuse early (before the payload is read) a push from a worker that is not live.
+
+        Read without the lock: a pull copying a large snapshot holds it for milliseconds, and the
+        push would wait that long before it starts to receive. The check is advisory; push()
+        checks again under the lock.
+        """
+        self._require_serving()
+        self._require_live(worker)
 
     def push(self, worker: int, clock: int, version_used: int, grad: np.ndarray,
              nbytes: int) -> tuple[PushResult, bool]:
@@ -362,9 +386,13 @@ class Shard:
         with self.cond:
             self._require_initialized()       # also while stopping: that is when the final one is written
             if not self.config.checkpoint_dir:
-                raise InvalidArgument("this shard was started without a checkpoint directory")
+                raise CheckpointFailed("this shard was started without a checkpoint directory "
+                                       "(psctl server --checkpoint-dir)", Reason.NO_CHECKPOINT_DIR)
             arrays, meta = self._capture()
-        return self._write(arrays, meta), meta["version"]
+        try:
+            return self._write(arrays, meta), meta["version"]
+        except OSError as exc:
+            raise CheckpointFailed(f"shard {self.config.shard_index} could not write its checkpoint: {exc}") from exc
 
     def _write_logged(self, arrays: dict, meta: dict) -> None:
         try:

@@ -2,8 +2,8 @@
 
 One control connection and one data plane per shard. Calls to several shards run
 concurrently; each is retried with backoff while its shard is unavailable, for up to
-``retry_s``; a data plane that lost its connection is dropped and chosen again from a
-fresh registration (a restarted shard listens on another data port), over gRPC meanwhile.
+``retry_s``; a data plane that lost its connection is dropped, and the next attempt chooses
+one again from a fresh registration (a restarted shard listens on another data port).
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ LEAK_GRACE_S = 5.0     # threads and sockets get this long to wind down after te
 def check_invariants(server: RunningServer) -> None:
     """What holds for every shard after any run, whatever the test did to it."""
     shard = server.shard
-    assert not shard.cond._is_owned(), "shard lock left held"
+    assert shard.cond.acquire(timeout=5), "shard lock held by someone after the test"
+    shard.cond.release()
     stats = shard.stats()
     for key in ("pushes", "pulls", "applied_updates", "dropped_late", "duplicates", "evictions", "rejected"):
         assert stats[key] >= 0, key

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from psgrid.psserver.exceptions import (InvalidArgument, NotInitialized, PSError, ShardUnavailable, SpecMismatch,
-                                        UnknownWorker)
+                                        UnknownWorker, WaitTimeout)
 from psgrid.psserver.protocol import Outcome, Reason
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.spec import ModelSpec
@@ -148,7 +148,7 @@ def test_a_pull_issued_while_a_push_is_in_flight_is_for_the_next_step(cluster):
     with c.client(SPEC, init=SPEC.flat()) as client:
         params = SPEC.flat()
         for step in range(5):
-            pushed = client.push(ONES)              # not waited for: the pull overlaps it
+            pushed = client.push(ONES, background=True)     # not waited for: the pull overlaps it
             versions = client.pull(params).wait()   # at clock step+1: waits for the round the push closes
             assert versions == [step + 1, step + 1] and client.clock == step + 1
             results = pushed.wait()
@@ -191,3 +191,88 @@ def test_a_forgotten_worker_registers_again_by_itself(cluster):
         results = client.push(ONES).wait()           # registers again on shard 1 and pushes
         assert [r.outcome for r in results] == [Outcome.APPLIED] * 2
         assert members(c, 1) == [client.worker_id]
+
+
+# ----- found in review ------------------------------------------------------------------------------
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_workers_with_different_models_are_refused_before_any_weights_exist(cluster):
+    c = cluster(2, mode="sync")
+    other = ModelSpec([("w", (3, 40)), ("b", (3,))])          # the same size, another layout
+    first = c.client(SPEC, worker_id=0, world=2, init=SPEC.flat(), join_timeout_s=10)
+    waiting = threading.Thread(target=first.join, daemon=True)
+    waiting.start()
+    time.sleep(0.3)                                           # first has registered on every shard, no Init yet
+    assert not c.shard().initialized
+    with pytest.raises(SpecMismatch):
+        c.client(other, worker_id=1).join()
+    assert members(c) == [0] and members(c, 1) == [0]          # the refused one left nothing behind
+    c.client(SPEC, worker_id=1).join()                         # the right model joins, and the job starts
+    waiting.join(10)
+    assert not waiting.is_alive() and c.shard().initialized
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_a_client_that_left_never_registers_again(cluster):
+    c = cluster(1, mode="async")
+    client = c.client(SPEC, init=SPEC.flat()).join()
+    c.shard().leave(client.worker_id)          # the shard forgot it (evicted) ...
+    client.leave()                             # ... and it is leaving: a data call must not rejoin
+    with pytest.raises(UnknownWorker):
+        client.pull(SPEC.flat())
+    assert members(c) == []
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_waiting_on_a_handle_keeps_its_timeout(cluster):
+    c = cluster(1, mode="sync")
+    client = c.client(SPEC, worker_id=0, init=SPEC.flat()).join()
+    c.client(SPEC, worker_id=1).join()
+    client.push(ONES)                          # round 0 waits for worker 1
+    pending = client.pull(SPEC.flat(), background=True)
+    t0 = time.monotonic()
+    with pytest.raises(WaitTimeout) as err:
+        pending.wait(timeout=0.2)
+    assert err.value.reason is Reason.WAIT_TIMEOUT and time.monotonic() - t0 < 2
+    assert not pending.done()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_a_join_that_fails_halfway_leaves_and_closes(cluster):
+    c = cluster(2, mode="async")
+    other = ModelSpec([("w", (41,)), ("b", (3,))])
+    stranger = open_control(c.addresses[1], ConnectOptions())
+    stranger.register(spec_hash=other.hash(), worker_id=9, start_clock=-1, host="elsewhere")
+    stranger.close()
+    client = c.client(SPEC, init=SPEC.flat())
+    with pytest.raises(SpecMismatch):
+        client.join()                          # shard 0 took it, shard 1 refused it
+    assert members(c) == []                    # it left shard 0 again
+    with pytest.raises(InvalidArgument, match="closed"):
+        client.join()
+
+
+@pytest.mark.timeout(30)
+def test_bad_arguments_are_refused_before_anything_is_sent(cluster, tmp_path):
+    c = cluster(2, mode="async")
+    with c.client(SPEC, init=SPEC.flat()) as client:
+        with pytest.raises(InvalidArgument, match="one version per shard"):
+            client.push(ONES, versions=[0])
+        assert client.clock == 0
+    with pytest.raises(InvalidArgument, match="no such file"):
+        c.client(SPEC, tls_ca=str(tmp_path / "missing-ca.pem"))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["grpc"])
+def test_a_call_that_runs_out_of_time_is_not_taken_for_a_consistency_wait(cluster, monkeypatch):
+    real = ShardService.stats
+    monkeypatch.setattr(ShardService, "stats", lambda self: (time.sleep(0.3), real(self))[1])    # a slow shard
+    c = cluster(1, mode="async")
+    with pytest.raises(ShardUnavailable) as err:
+        c.admin(deadline_s=0.1, retry_s=0.3).stats()           # gRPC's own deadline: no answer from the shard
+    assert err.value.__cause__.reason is Reason.TIMED_OUT

@@ -257,3 +257,21 @@ def test_a_sync_pull_waits_for_its_round_and_times_out_with_the_callers_deadline
         np.testing.assert_array_equal(c.shard().weights, -1.0)
     finally:
         raw.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_bug_in_the_shard_is_answered_internal_on_every_transport_and_the_shard_goes_on(job, monkeypatch):
+    from psgrid.psserver.service import ShardService
+
+    c, raw, worker = job
+    real = ShardService.pull
+
+    def broken(self, **kw):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(ShardService, "pull", broken)
+    with pytest.raises(Refused) as refused:
+        raw.pull(worker, 1)
+    assert refused.value.status == Status.INTERNAL and "RuntimeError" in refused.value.message
+    monkeypatch.setattr(ShardService, "pull", real)
+    assert raw.pull(-1, 0)[0] == c.shard().version        # still serving

@@ -250,7 +250,7 @@ def test_a_killed_shard_restarts_from_its_checkpoint(tmp_path, plane, no_leaks):
             first.wait(timeout=10)
             # The next pull starts while the shard is down, and retries until it is back.
             t0 = time.monotonic()
-            pending = client.pull(params)
+            pending = client.pull(params, background=True)
             time.sleep(0.3)
             assert not pending.done()
             second, address2 = start_shard(tmp_path, "second", "--port", str(port), *args)
@@ -415,7 +415,7 @@ def test_stopping_a_server_releases_a_waiting_pull(cluster):
     waiting = c.client(SPEC, worker_id=0, init=SPEC.flat(), retry_s=0.5, deadline_s=30).join()
     c.client(SPEC, worker_id=1, retry_s=0.5).join()
     waiting.push(np.ones(SPEC.size, np.float32)).wait()       # round 0 waits for the other worker
-    pending = waiting.pull(SPEC.flat())
+    pending = waiting.pull(SPEC.flat(), background=True)
     time.sleep(0.5)
     assert not pending.done()
     started = time.monotonic()
@@ -464,3 +464,19 @@ def test_a_checkpoint_keeps_the_gradients_of_an_open_sync_round(tmp_path):
     restored.push(1, 0, 0, last, 0)                                   # closes round 0 with both
     np.testing.assert_allclose(restored.weights, -3.0)
     assert restored.pool.on_loan == 0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_a_checkpoint_that_cannot_be_written_is_a_precondition_with_its_reason(cluster, tmp_path):
+    from psgrid.psserver.exceptions import CheckpointFailed
+
+    for settings, reason in (({}, Reason.NO_CHECKPOINT_DIR),
+                             ({"checkpoint_dir": str(tmp_path / "a-file")}, Reason.CHECKPOINT_FAILED)):
+        (tmp_path / "a-file").write_text("a file where the checkpoint directory should be")
+        c = cluster(1, mode="async", **settings)
+        c.client(SPEC, init=SPEC.flat()).join()
+        with pytest.raises(CheckpointFailed) as err:
+            c.admin().checkpoint()
+        assert err.value.reason is reason and err.value.status.name == "FAILED_PRECONDITION"
+        assert c.shard().stats()["rejected"] == 0            # not bad input

@@ -75,7 +75,7 @@ class DistributedTrainer:
 
     def pull(self) -> dict:
         """Fetch the current weights (after this mode's consistency wait) into ``self.params``."""
-        self.client.pull(self.buffers.host_params).wait()
+        self.client.pull(self.buffers.host_params)
         self.buffers.upload_params()
         return self.params
 
@@ -91,7 +91,7 @@ class DistributedTrainer:
                 raise ValueError(f"grad_fn returned a gradient for unknown parameter {name!r}")
             self.buffers.grad_views[name][...] = grad
         self.buffers.download_grad()
-        self.client.push(self.buffers.host_grad).wait()
+        self.client.push(self.buffers.host_grad)
         self.steps += 1
         return loss
 

@@ -1,9 +1,9 @@
 """The training loop of one worker: pull, compute, push, and record what each took.
 
 Parameters and gradients live in :class:`FlatBuffers` (flat device arrays with views by
-name, mirrored in pinned host memory). The client runs pulls and pushes in the background:
-the push of step c is in flight while the pull for step c+1 waits for its weights (in sync,
-for the round to close), and it is waited for before the next gradient overwrites its buffer.
+name, mirrored in pinned host memory). In async and ssp the push of step c runs in the
+background while the pull for step c+1 waits for its weights, and it is waited for before
+the next gradient overwrites its buffer; in sync the steps stay in order.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 
 from psgrid.psserver.admin import Admin
 from psgrid.psserver.client import Client, Handle
+from psgrid.psserver.protocol import ITEMSIZE
 from psgrid.worker.backend import get_xp, select_gpu
 from psgrid.worker.config import TrainConfig
 from psgrid.worker.data import BatchLoader, load_dataset
@@ -123,16 +124,20 @@ def run_worker(train: TrainConfig, addresses: list[str], rank: int, world: int,
             delay = train.step_delay_s if rank in train.straggler_ranks else 0.0
             test_x, test_y = xp.asarray(data.test_x), xp.asarray(data.test_y)
             in_flight = None         # (push handle, its step's record): the push of the step before
+            # In async and ssp the push runs in the background while the next pull waits for weights.
+            # In sync that pull is answered only once the round the push closes is applied, so an
+            # overlap saves one request's latency and costs a thread hand-off: it stays in order.
+            overlap = client.mode != "sync"
             samples = 0
             loss_value = float("nan")
             start = time.perf_counter()
             for step in range(steps):
                 t0 = time.perf_counter()
-                client.pull(bufs.host_params).wait()
+                client.pull(bufs.host_params)
                 bufs.upload_params()              # pull_s: from the request to the weights on the device
                 pull_s = time.perf_counter() - t0
                 if in_flight is not None:         # its buffer is about to be overwritten
-                    metrics.write(**_finish(*in_flight, bufs.host_grad.nbytes))
+                    metrics.write(**_finish(*in_flight, spec.size, client.wire_dtype))
                 t1 = time.perf_counter()
                 x, y = next(loader)
                 loss = model.loss_and_grad(bufs.param_views, x, y, bufs.grad_views)
@@ -144,12 +149,15 @@ def run_worker(train: TrainConfig, addresses: list[str], rank: int, world: int,
                 samples += len(y)
                 record = dict(event="step", rank=rank, worker=client.worker_id, step=step, clock=client.clock,
                               loss=loss_value, pull_s=pull_s, compute_s=compute_s, samples=len(y))
-                in_flight = (client.push(bufs.host_grad), record)
+                in_flight = (client.push(bufs.host_grad, background=overlap), record)
+                if not overlap:
+                    metrics.write(**_finish(*in_flight, spec.size, client.wire_dtype))
+                    in_flight = None
                 if rank == 0 and train.eval_every and (step + 1) % train.eval_every == 0:
                     acc = accuracy(model, bufs.param_views, test_x, test_y)
                     metrics.write(event="eval", rank=rank, step=step + 1, test_accuracy=acc)
             if in_flight is not None:
-                metrics.write(**_finish(*in_flight, bufs.host_grad.nbytes))
+                metrics.write(**_finish(*in_flight, spec.size, client.wire_dtype))
             wall = time.perf_counter() - start
             result = {"rank": rank, "worker": client.worker_id, "steps": steps, "samples": samples, "wall_s": wall,
                       "final_loss": loss_value, "device": device_name}
@@ -161,12 +169,12 @@ def run_worker(train: TrainConfig, addresses: list[str], rank: int, world: int,
         metrics.close()
 
 
-def _finish(push: Handle, record: dict, nbytes: int) -> dict:
-    """Complete a step's record with its push: outcome, staleness and time."""
+def _finish(push: Handle, record: dict, params: int, wire_dtype: int) -> dict:
+    """Complete a step's record with its push: outcome, staleness, time and bytes moved."""
     results = push.wait()
     record["push_s"] = push.seconds
     record["staleness"] = max((r.staleness for r in results), default=0)
     outcomes = {r.outcome.name for r in results}
     record["outcome"] = outcomes.pop() if len(outcomes) == 1 else "MIXED"
-    record["bytes"] = nbytes * 2     # this push and the pull that preceded it
+    record["bytes"] = params * (4 + ITEMSIZE[wire_dtype])    # the pull (float32) and this push
     return record

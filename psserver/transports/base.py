@@ -12,13 +12,15 @@ exception of exceptions.py, with its reason; a lost connection is :class:`Unavai
 from __future__ import annotations
 
 import importlib
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, HeartbeatInfo, PushResult, Registration
+from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, HeartbeatInfo, PushResult, Reason, Registration
 from psgrid.psserver.spec import ModelSpec
 
 
@@ -32,6 +34,14 @@ class ConnectOptions:
     tls_key: str | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     deadline_s: float = 60.0
+
+    def __post_init__(self):
+        for name in ("tls_ca", "tls_cert", "tls_key"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise InvalidArgument(f"{name} {path!r}: no such file", Reason.BAD_VALUE)
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise InvalidArgument("tls_cert and tls_key must be given together", Reason.BAD_VALUE)
 
     @property
     def tls(self) -> bool:

@@ -38,8 +38,11 @@ def domain_error(err: grpc.RpcError, address: str) -> PSError:
         if key == REASON_KEY:
             reason = Reason.from_wire_name(value)
     status = err.code().value[0]
-    if status == Status.UNAVAILABLE and reason == Reason.NONE:
-        reason = Reason.UNREACHABLE        # gRPC's own: no connection (refused, reset, TLS handshake failed)
+    if reason is Reason.NONE and status in (Status.UNAVAILABLE, Status.DEADLINE_EXCEEDED):
+        # gRPC's own, not the shard's: no connection (refused, reset, TLS handshake failed), or a
+        # call that ran out of time without an answer. Both are retried like a shard that is down.
+        reason = Reason.UNREACHABLE if status == Status.UNAVAILABLE else Reason.TIMED_OUT
+        return Unavailable(f"shard at {address}: {err.details()}", reason)
     return error_from_wire(status, reason, f"shard at {address}: {err.details()}")
 
 
@@ -147,14 +150,17 @@ class GrpcDataPlane(DataPlane):
         c = self.control
         request = ps_pb2.PullRequest(worker_id=worker_id, clock=clock, chunk_bytes=c.options.chunk_bytes)
         version, covered, size = None, 0, len(out)
+        call = c.pull_call(request, timeout=timeout_s, metadata=c.metadata)
         try:
-            for frame in c.pull_call(request, timeout=timeout_s, metadata=c.metadata):
+            for frame in call:
                 chunk = frame.chunk
                 n = len(chunk.data) // 4
                 if version is None:
                     version = frame.version
-                if chunk.offset != begin + covered or covered + n > size or chunk.dtype != FLOAT32:
-                    raise BadReply(f"shard at {c.address} sent a chunk at {chunk.offset} outside its range")
+                if (chunk.offset != begin + covered or covered + n > size or chunk.dtype != FLOAT32
+                        or len(chunk.data) % 4):
+                    call.cancel()
+                    raise BadReply(f"shard at {c.address} sent a chunk at {chunk.offset} that breaks its range")
                 out[covered:covered + n] = np.frombuffer(chunk.data, dtype="<f4")
                 covered += n
         except grpc.RpcError as err:

@@ -3,8 +3,8 @@
 A pull is received with ``recv_into`` straight into the caller's buffer and a float32
 push is sent with ``sendall`` straight from it: no user-space copy. Two connections may be
 in use at once (a push and the pull that overlaps it). A connection that breaks is never
-reused, and the failure is :class:`Unavailable`, so the client retries (over gRPC until it
-learns the data port again: a restarted shard listens on another one).
+reused, and the failure is :class:`Unavailable`: the client retries, choosing the shard's
+data plane again from a fresh registration (a restarted shard listens on another port).
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ class TcpDataServer:
                         return
                     conn.settimeout(None)    # an authenticated idle connection may wait for its next call
                 elif not authenticated:
-                    self._refuse(conn, Unauthenticated("missing or wrong bearer token"))
+                    self._refuse_unread(conn, Unauthenticated("missing or wrong bearer token"), nbytes)
                     return
                 elif op == PULL:
                     self._pull(conn, worker, clock, timeout)
@@ -108,7 +108,8 @@ class TcpDataServer:
                     if not self._push(conn, dtype, worker, clock, version, nbytes):
                         return
                 else:
-                    self._refuse(conn, InvalidArgument(f"unknown data-plane operation {op}", Reason.MALFORMED))
+                    self._refuse_unread(conn, InvalidArgument(f"unknown data-plane operation {op}", Reason.MALFORMED),
+                                        nbytes)
                     return
         except (ConnectionError, OSError, ssl.SSLError):
             pass      # the client went away; nothing half-applied: a push reaches the shard only once complete
@@ -151,36 +152,41 @@ class TcpDataServer:
 
     def _pull(self, conn, worker: int, clock: int, timeout: float) -> None:
         try:
-            with self.service.pull(worker_id=worker, clock=clock, timeout_s=timeout if timeout > 0 else None) as snap:
+            # On this plane a timeout of 0 means "no deadline"; the service checks any other value.
+            with self.service.pull(worker_id=worker, clock=clock, timeout_s=timeout or None) as snap:
                 self._reply(conn, version=snap.version, payload=snap.payload())
-        except PSError as exc:
+        except PSError as exc:       # first: a WaitTimeout is also an OSError
+            self._refuse(conn, exc)
+        except OSError:
+            raise                    # the connection broke while sending: nobody to answer
+        except Exception as exc:  # noqa: BLE001 - a bug of ours: answered INTERNAL, never silence
             self._refuse(conn, exc)
 
     def _push(self, conn, dtype: int, worker: int, clock: int, version: int, nbytes: int) -> bool:
         """Take one push; False if the connection cannot be trusted to stay in step and must close."""
         try:
             intake = self.service.open_push(worker_id=worker, clock=clock, version=version)
-        except PSError as exc:
+        except Exception as exc:  # noqa: BLE001 - refused before the payload: drop it, then close
             self._refuse_unread(conn, exc, nbytes)
             return False
         with intake:
             try:
                 landing = intake.landing(dtype, nbytes)
-            except PSError as exc:
+            except Exception as exc:  # noqa: BLE001
                 self._refuse_unread(conn, exc, nbytes)
                 return False
             recv_exact(conn, landing)
             try:
                 intake.landed()
                 result = intake.commit()
-            except PSError as exc:
+            except Exception as exc:  # noqa: BLE001 - the payload was read: the connection stays in step
                 self._refuse(conn, exc)
                 return True
         self._reply(conn, outcome=result.outcome, version=result.version, staleness=result.staleness,
                     next_clock=result.next_clock)
         return True
 
-    def _refuse_unread(self, conn, exc: PSError, nbytes: int) -> None:
+    def _refuse_unread(self, conn, exc: BaseException, nbytes: int) -> None:
         """Refuse a push whose payload is still on its way, then read and drop it (bounded).
 
         Closing a socket with unread data resets the connection, and a reset can destroy the
