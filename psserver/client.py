@@ -62,18 +62,19 @@ def _polls(first: float, longest: float):
 class Handle(Generic[T]):
     """A pull or push: :meth:`wait` returns its result or raises its failure; ``seconds`` its duration."""
 
-    def __init__(self, run: Callable[[], T]):
+    def __init__(self, run: Callable[[], T], background: bool):
         self.started = time.perf_counter()
         self.finished: float | None = None
         self._run = run
-        self._claim = threading.Lock()
-        self._done = threading.Event()
         self._result: T | None = None
         self._error: BaseException | None = None
+        # Only work another thread may run needs these; a call that runs where it is made does not.
+        self._claim = threading.Lock() if background else None
+        self._done = threading.Event() if background else None
 
     def _execute(self) -> None:
         """Run the work, unless someone already does (a background thread or a waiting caller)."""
-        if not self._claim.acquire(blocking=False):
+        if self._claim is not None and not self._claim.acquire(blocking=False):
             return
         try:
             self._result = self._run()
@@ -81,7 +82,8 @@ class Handle(Generic[T]):
             self._error = exc
         finally:
             self.finished = time.perf_counter()    # before done is set, so wait() sees it
-            self._done.set()
+            if self._done is not None:
+                self._done.set()
 
     @property
     def seconds(self) -> float | None:
@@ -89,7 +91,7 @@ class Handle(Generic[T]):
         return None if self.finished is None else self.finished - self.started
 
     def done(self) -> bool:
-        return self._done.is_set()
+        return self.finished is not None if self._done is None else self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> T:
         """Block until every shard answered; the result, or the first shard's domain exception.
@@ -97,10 +99,11 @@ class Handle(Generic[T]):
         A background call that no client thread has picked up yet is run here (without a
         timeout only: with one, the caller waits for a thread and keeps its limit).
         """
-        if timeout is None:
-            self._execute()
-        if not self._done.wait(timeout):
-            raise WaitTimeout(f"still waiting for the shards after {timeout} s", Reason.WAIT_TIMEOUT)
+        if self._done is not None:
+            if timeout is None:
+                self._execute()
+            if not self._done.wait(timeout):
+                raise WaitTimeout(f"still waiting for the shards after {timeout} s", Reason.WAIT_TIMEOUT)
         if self._error is not None:
             raise self._error
         return self._result
@@ -429,7 +432,7 @@ class Client:
         return self._finish_unless(self._push_handle, background)
 
     def _launch(self, run: Callable[[], T], background: bool) -> Handle[T]:
-        handle = Handle(run)
+        handle = Handle(run, background)
         if background:
             self._conn.executor.submit(handle._execute)
         else:

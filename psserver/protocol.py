@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import NamedTuple
 
 MODES = ("sync", "async", "ssp")
 OPTIMIZERS = ("sgd", "adam")
@@ -105,9 +106,8 @@ class Outcome(IntEnum):
     DUPLICATE = 3      # this (worker, clock) was already received; not applied again
 
 
-@dataclass(frozen=True)
-class PushResult:
-    """A shard's answer to one push."""
+class PushResult(NamedTuple):
+    """A shard's answer to one push (a named tuple: one is made for every push)."""
 
     outcome: Outcome
     version: int       # the shard's version after the push

@@ -20,9 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -46,8 +44,7 @@ GRADIENT_DTYPES = frozenset(WIRE_DTYPES.values())
 WEIGHT_DTYPES = frozenset({FLOAT32})
 
 
-@dataclass(frozen=True)
-class Snapshot:
+class Snapshot(NamedTuple):
     """A consistent copy of the shard's range, to be sent; valid inside ``ShardService.pull``."""
 
     version: int
@@ -58,17 +55,30 @@ class Snapshot:
         return memoryview(self.values).cast("B")
 
 
-def check_range(name: str, value: int, low: int, high: int) -> int:
+def check_range(name: str, value: int, low: int, high: int) -> None:
     if not low <= value <= high:
         raise InvalidArgument(f"{name} must be in [{low}, {high}], got {value}", Reason.BAD_VALUE)
-    return value
 
 
-def check_worker(worker_id: int, *, observer_ok: bool) -> int:
+def check_worker(worker_id: int, *, observer_ok: bool) -> None:
     """A worker id from the wire: 0..MAX_WORKER_ID, or -1 where an observer may call."""
-    if observer_ok and worker_id == -1:
-        return worker_id
-    return check_range("worker_id", worker_id, 0, MAX_WORKER_ID)
+    if not (0 <= worker_id <= MAX_WORKER_ID or observer_ok and worker_id == -1):
+        raise InvalidArgument(f"worker_id must be in [0, {MAX_WORKER_ID}], got {worker_id}", Reason.BAD_VALUE)
+
+
+class PullLease:
+    """A snapshot lent to a transport; ``with`` it, and its buffer goes back to the pool at the end."""
+
+    __slots__ = ("shard", "snapshot")
+
+    def __init__(self, shard: Shard, snapshot: Snapshot):
+        self.shard, self.snapshot = shard, snapshot
+
+    def __enter__(self) -> Snapshot:
+        return self.snapshot
+
+    def __exit__(self, *exc) -> None:
+        self.shard.release_snapshot(self.snapshot.values)
 
 
 class RangeIntake:
@@ -80,10 +90,13 @@ class RangeIntake:
     refused before the rest is read, and nothing reaches the shard until :meth:`complete`.
     """
 
+    __slots__ = ("begin", "size", "buffer", "allowed", "scratch_pool", "scratch", "landing_dtype", "covered",
+                 "chunks", "nbytes")
+
     def __init__(self, begin: int, size: int, buffer: np.ndarray, allowed: frozenset[int],
-                 scratch: BufferPool | None = None):
+                 scratch: Callable[[], BufferPool] | None = None):
         self.begin, self.size, self.buffer, self.allowed = begin, size, buffer, allowed
-        self.scratch_pool = scratch
+        self.scratch_pool = scratch          # where half-precision landings come from (asked only for those)
         self.scratch: np.ndarray | None = None
         self.landing_dtype = 0
         self.covered = self.chunks = self.nbytes = 0
@@ -114,7 +127,8 @@ class RangeIntake:
 
     def landing(self, dtype: int, nbytes: int) -> memoryview:
         """The bytes a transport that moves the whole range at once must fill (dtype and size checked)."""
-        self._check_dtype(dtype)
+        if dtype not in self.allowed:
+            self._check_dtype(dtype)
         expected = self.size * ITEMSIZE[dtype]
         if nbytes != expected:
             raise InvalidArgument(f"payload of {nbytes} bytes; this shard's range needs {expected} "
@@ -122,7 +136,7 @@ class RangeIntake:
         self.landing_dtype = dtype
         if dtype == FLOAT32:
             return memoryview(self.buffer).cast("B")
-        self.scratch = self.scratch_pool.take()
+        self.scratch = self.scratch_pool().take()
         return memoryview(self.scratch).cast("B")
 
     def landed(self) -> None:
@@ -145,16 +159,18 @@ class RangeIntake:
 
     def release_scratch(self) -> None:
         if self.scratch is not None:
-            self.scratch_pool.give(self.scratch)
+            self.scratch_pool().give(self.scratch)
             self.scratch = None
 
 
 class PushIntake(RangeIntake):
     """One push: the gradient lands in a pooled buffer, then :meth:`commit` hands it to the shard."""
 
+    __slots__ = ("shard", "worker_id", "clock", "version")
+
     def __init__(self, service: "ShardService", worker_id: int, clock: int, version: int):
         shard = service.shard
-        super().__init__(shard.begin, shard.size, shard.pool.take(), GRADIENT_DTYPES, service.half_pool())
+        super().__init__(shard.begin, shard.size, shard.pool.take(), GRADIENT_DTYPES, service.half_pool)
         self.shard, self.worker_id, self.clock, self.version = shard, worker_id, clock, version
 
     def commit(self, declared_chunks: int | None = None) -> PushResult:
@@ -165,7 +181,8 @@ class PushIntake(RangeIntake):
         return result
 
     def close(self) -> None:
-        self.release_scratch()
+        if self.scratch is not None:
+            self.release_scratch()
         if self.buffer is not None:
             self.shard.pool.give(self.buffer)
             self.buffer = None
@@ -179,6 +196,8 @@ class PushIntake(RangeIntake):
 
 class InitIntake(RangeIntake):
     """The initial weights of this shard's range, from the first worker to offer them."""
+
+    __slots__ = ("shard", "spec")
 
     def __init__(self, shard: Shard, spec: ModelSpec):
         begin, end = shard.layout(spec)
@@ -295,31 +314,32 @@ class ShardService:
 
     # ----- data ---------------------------------------------------------------------------------
 
-    @contextmanager
     def pull(self, *, worker_id: int, clock: int, timeout_s: float | None,
-             cancelled: Callable[[], bool] | None = None) -> Iterator[Snapshot]:
+             cancelled: Callable[[], bool] | None = None) -> "PullLease":
         """Wait until the consistency rule lets ``worker_id`` pull at ``clock``, then lend a snapshot.
 
         ``timeout_s`` is what is left of the caller's deadline (None: no deadline); the wait ends
-        early enough for the refusal to reach the caller first. The snapshot's buffer goes back
-        to the pool when the block ends.
+        early enough for the refusal to reach the caller first. Use it as a context manager: the
+        snapshot's buffer goes back to the pool when the block ends.
         """
-        check_worker(worker_id, observer_ok=True)
-        check_range("clock", clock, 0, MAX_CLOCK)
-        if timeout_s is not None and not math.isfinite(timeout_s):
-            raise InvalidArgument(f"a deadline must be a finite number of seconds, got {timeout_s}", Reason.BAD_VALUE)
-        wait_s = None if timeout_s is None else max(0.0, timeout_s - REPLY_MARGIN_S)
+        if not ((0 <= worker_id <= MAX_WORKER_ID or worker_id == -1) and 0 <= clock <= MAX_CLOCK):
+            check_worker(worker_id, observer_ok=True)       # one of them is out of range: say which
+            check_range("clock", clock, 0, MAX_CLOCK)
+        wait_s = None
+        if timeout_s is not None:
+            if not math.isfinite(timeout_s):
+                raise InvalidArgument(f"a deadline must be a finite number of seconds, got {timeout_s}",
+                                      Reason.BAD_VALUE)
+            wait_s = max(0.0, timeout_s - REPLY_MARGIN_S)
         self.shard.wait_for_pull(worker_id, clock, wait_s, cancelled=cancelled)
         version, values = self.shard.snapshot()
-        try:
-            yield Snapshot(version, self.shard.begin, values)
-        finally:
-            self.shard.release_snapshot(values)
+        return PullLease(self.shard, Snapshot(version, self.shard.begin, values))
 
     def open_push(self, *, worker_id: int, clock: int, version: int) -> PushIntake:
         """Start taking one gradient; refused at once (before the payload) for a worker that is not live."""
-        check_worker(worker_id, observer_ok=False)
-        check_range("clock", clock, 0, MAX_CLOCK)
-        check_range("version", version, 0, MAX_CLOCK)
+        if not (0 <= worker_id <= MAX_WORKER_ID and 0 <= clock <= MAX_CLOCK and 0 <= version <= MAX_CLOCK):
+            check_worker(worker_id, observer_ok=False)       # one of them is out of range: say which
+            check_range("clock", clock, 0, MAX_CLOCK)
+            check_range("version", version, 0, MAX_CLOCK)
         self.shard.check_pusher(worker_id)
         return PushIntake(self, worker_id, clock, version)

@@ -115,7 +115,8 @@ class Shard:
         """Data calls: refused while the shard stops (clients retry elsewhere), and before Init."""
         if self.closing:
             raise Unavailable(f"shard {self.config.shard_index} is shutting down")
-        self._require_initialized()
+        if self.weights is None:
+            self._require_initialized()
 
     def _require_initialized(self) -> None:
         if not self.initialized:
@@ -285,8 +286,9 @@ class Shard:
         push would wait that long before it starts to receive. The check is advisory; push()
         checks again under the lock.
         """
-        self._require_serving()
-        self._require_live(worker)
+        if self.closing or self.weights is None or worker not in self.policy.clocks:
+            self._require_serving()         # one of them fails: raise the error that says which
+            self._require_live(worker)
 
     def push(self, worker: int, clock: int, version_used: int, grad: np.ndarray,
              nbytes: int) -> tuple[PushResult, bool]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
 
 from psgrid.psserver.exceptions import BadReply, InvalidArgument, ShardUnavailable, Unavailable
@@ -74,12 +74,22 @@ class ShardConnections:
         shards = list(range(self.num_shards) if shards is None else shards)
         if not shards:
             return []
+        if len(shards) == 1:
+            return [fn(shards[0])]
         futures = [self.executor.submit(fn, i) for i in shards[1:]]
+        results, error = [], None
         try:
-            first = fn(shards[0])       # no thread hop for the first: it is most of a small call's latency
-        finally:
-            wait(futures)               # none outlives a failure of another: callers reuse their buffers
-        return [first, *(f.result() for f in futures)]
+            results.append(fn(shards[0]))   # no thread hop for the first: it is most of a small call's latency
+        except BaseException as exc:  # noqa: BLE001 - raised once every call has ended
+            error = exc
+        for future in futures:              # none outlives a failure of another: callers reuse their buffers
+            try:
+                results.append(future.result())
+            except BaseException as exc:  # noqa: BLE001
+                error = error or exc
+        if error is not None:
+            raise error
+        return results
 
     def retrying(self, shard: int, call: Callable[[], T], *, data: bool = False) -> T:
         """``call()``, retried with backoff while the shard is unavailable, for up to ``retry_s``.

@@ -42,6 +42,7 @@ class TcpDataServer:
         self.port = self.listener.getsockname()[1]
         self.stopped = threading.Event()
         self.connections: set[socket.socket] = set()
+        self.handlers: set[threading.Thread] = set()
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self._accept, name="tcp-accept", daemon=True)
 
@@ -64,6 +65,10 @@ class TcpDataServer:
                     pass
                 conn.close()
         self.thread.join(timeout=5)
+        with self.lock:
+            handlers = list(self.handlers)
+        for handler in handlers:     # each gives back what it holds (pooled buffers) as it ends
+            handler.join(timeout=5)
 
     def _accept(self) -> None:
         while not self.stopped.is_set():
@@ -71,7 +76,10 @@ class TcpDataServer:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), name="tcp-conn", daemon=True).start()
+            handler = threading.Thread(target=self._serve, args=(conn,), name="tcp-conn", daemon=True)
+            with self.lock:
+                self.handlers.add(handler)
+            handler.start()
 
     def _serve(self, conn: socket.socket) -> None:
         raw_conn = conn
@@ -119,6 +127,7 @@ class TcpDataServer:
             with self.lock:
                 self.connections.discard(raw_conn)
                 self.connections.discard(conn)
+                self.handlers.discard(threading.current_thread())
             conn.close()
             raw_conn.close()
 
