@@ -130,6 +130,7 @@ def assert_unchanged(before, after):
 GOOD = f32(np.ones(SIZE))
 BAD_PUSHES = {  # name: ((worker or None for the job's, clock, version, dtype, payload), status, reason)
     "too few elements": ((None, 1, 1, FLOAT32, f32(np.ones(20))), Status.INVALID_ARGUMENT, Reason.BAD_SIZE),
+    "empty payload": ((None, 1, 1, FLOAT32, b""), Status.INVALID_ARGUMENT, Reason.BAD_SIZE),
     "too many elements": ((None, 1, 1, FLOAT32, f32(np.ones(40))), Status.INVALID_ARGUMENT, Reason.BAD_SIZE),
     "not whole elements": ((None, 1, 1, FLOAT32, b"\0" * 143), Status.INVALID_ARGUMENT, Reason.BAD_SIZE),
     "unspecified dtype": ((None, 1, 1, 0, GOOD), Status.INVALID_ARGUMENT, Reason.BAD_DTYPE),
@@ -275,3 +276,32 @@ def test_a_bug_in_the_shard_is_answered_internal_on_every_transport_and_the_shar
     assert refused.value.status == Status.INTERNAL and "RuntimeError" in refused.value.message
     monkeypatch.setattr(ShardService, "pull", real)
     assert raw.pull(-1, 0)[0] == c.shard().version        # still serving
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_a_non_finite_gradient_in_any_wire_dtype_is_refused_on_every_transport(job, bad, dtype):
+    from psgrid.psserver import wire
+
+    c, raw, worker = job
+    grad = np.ones(SIZE, np.float32)
+    grad[17] = bad
+    code = wire.wire_dtype(dtype)
+    before, checksum = state(c.servers[0]), c.checksum()
+    with pytest.raises(Refused) as refused:
+        raw.push(worker, 1, 1, code, wire.encode(grad, code))
+    assert (refused.value.status, refused.value.reason) == (Status.INVALID_ARGUMENT, Reason.NON_FINITE)
+    assert_unchanged(before, state(c.servers[0]))
+    assert c.checksum() == checksum
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("dtype", [0, 7, 255])
+def test_an_unknown_dtype_is_refused_on_every_transport(job, dtype):
+    c, raw, worker = job
+    before = state(c.servers[0])
+    with pytest.raises(Refused) as refused:
+        raw.push(worker, 1, 1, dtype, GOOD)
+    assert (refused.value.status, refused.value.reason) == (Status.INVALID_ARGUMENT, Reason.BAD_DTYPE)
+    assert_unchanged(before, state(c.servers[0]))
