@@ -61,6 +61,7 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run psctl with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     from psgrid.cluster.errors import JobFailed, UsageError
+    from psgrid.psserver.exceptions import PSError, Unavailable
 
     argv = sys.argv[1:] if argv is None else list(argv)
     command = next((a for a in argv if not a.startswith("-")), None)
@@ -76,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except JobFailed as e:
         print(f"psctl {args.command}: {e}", file=sys.stderr)
+        return 1
+    except PSError as e:
+        # A shard refused, or could not be reached: the domain error says which and why.
+        hint = " (are the shards running, at those addresses?)" if isinstance(e, Unavailable) else ""
+        print(f"psctl {args.command}: {e}{hint}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"psctl {args.command}: interrupted", file=sys.stderr)

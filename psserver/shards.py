@@ -105,8 +105,9 @@ class ShardConnections:
                 if data:
                     self.drop_plane(shard)
                 if time.monotonic() - start >= self.retry_s:
-                    raise ShardUnavailable(f"shard {shard} at {self.addresses[shard]} unavailable for "
-                                           f"{self.retry_s:.0f} s: {exc}", Reason.UNREACHABLE, shard=shard) from exc
+                    # exc names the address already
+                    raise ShardUnavailable(f"shard {shard} unavailable for {self.retry_s:g} s: {exc}",
+                                           Reason.UNREACHABLE, shard=shard) from exc
                 time.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_S[1])
 

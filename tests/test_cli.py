@@ -202,3 +202,11 @@ def test_status_of_an_unreachable_shard_fails_in_one_line(capsys):
     assert main(["status", "--addresses", "127.0.0.1:1", "--timeout", "0.5"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("psctl status: cannot read stats from 127.0.0.1:1") and "Traceback" not in err
+
+
+def test_unreachable_shards_are_one_line_and_exit_1_not_a_traceback():
+    done = psctl("worker", "--addresses", "127.0.0.1:1", "--set", "train.retry_s=0.5", "--steps", "1", timeout=60)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("psctl worker: shard 0 unavailable")
+    assert "are the shards running" in done.stderr
