@@ -8,7 +8,6 @@ fast data plane too; it learns the plane by registering as an observer.
 from __future__ import annotations
 
 import socket
-import time
 from typing import Sequence
 
 import numpy as np
@@ -17,8 +16,6 @@ from psgrid.psserver.exceptions import InvalidArgument, Unavailable
 from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, Registration
 from psgrid.psserver.shards import ShardConnections
 from psgrid.psserver.transports.base import ConnectOptions
-
-POLL_S = 0.05
 
 
 class Admin:
@@ -48,17 +45,13 @@ class Admin:
         return self._conn.controls[shard].register(spec_hash="", worker_id=-1, start_clock=-1,
                                                    host=socket.gethostname(), observer=True)
 
-    def _each(self, method: str) -> list:
-        conn = self._conn
-        return conn.map(lambda i: conn.retrying(i, getattr(conn.controls[i], method)))
-
     def stats(self) -> list[dict]:
         """Every shard's clocks, members and counters (StatsReply in proto/ps.proto), with its address."""
-        return [dict(s, address=a) for s, a in zip(self._each("stats"), self.addresses)]
+        return [dict(s, address=a) for s, a in zip(self._conn.each("stats"), self.addresses)]
 
     def checkpoint(self) -> list[str]:
         """Ask every shard to write a checkpoint now; returns their paths."""
-        return [path for path, _ in self._each("checkpoint")]
+        return [path for path, _ in self._conn.each("checkpoint")]
 
     def shutdown(self) -> None:
         """Ask every shard to stop (each writes a final checkpoint where it has a directory).
@@ -72,15 +65,6 @@ class Admin:
                 pass
 
         self._conn.map(one)
-
-    def wait_for_members(self, count: int, timeout_s: float) -> int:
-        """Block until every shard has ``count`` live members, or ``timeout_s`` passed; the fewest seen."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            fewest = min(len(s["members"]) for s in self._each("stats"))
-            if fewest >= count or time.monotonic() >= deadline:
-                return fewest
-            time.sleep(POLL_S)
 
     def pull(self, out: np.ndarray | None = None) -> tuple[np.ndarray, list[int]]:
         """The weights every shard holds now (never waiting, never counted); returns them and the versions."""

@@ -275,7 +275,7 @@ class Client:
         conn = self._conn
         deadline = time.monotonic() + self.join_timeout_s
         for pause in _polls(*POLL_S):
-            stats = conn.map(lambda i: conn.retrying(i, conn.controls[i].stats))
+            stats = conn.each("stats")
             joined = min(len(s["members"]) for s in stats)
             if joined >= self.world:
                 return stats
@@ -307,8 +307,8 @@ class Client:
             if not pending:
                 return
             time.sleep(pause)
-            initialized = conn.map(lambda i: conn.retrying(i, conn.controls[i].stats)["initialized"], pending)
-            pending = [i for i, done in zip(pending, initialized) if not done]
+            stats = conn.each("stats", pending)
+            pending = [i for i, s in zip(pending, stats) if not s["initialized"]]
             if pending and time.monotonic() >= deadline:
                 if self._init is None:
                     raise NotInitialized(f"shards {pending} still have no weights after {self.join_timeout_s:.0f} s, "

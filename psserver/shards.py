@@ -91,6 +91,10 @@ class ShardConnections:
             raise error
         return results
 
+    def each(self, method: str, shards: Sequence[int] | None = None) -> list:
+        """A control call (``"stats"``, ``"checkpoint"``, ...) on every shard, concurrently, each retried."""
+        return self.map(lambda i: self.retrying(i, getattr(self.controls[i], method)), shards)
+
     def retrying(self, shard: int, call: Callable[[], T], *, data: bool = False) -> T:
         """``call()``, retried with backoff while the shard is unavailable, for up to ``retry_s``.
 

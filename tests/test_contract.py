@@ -228,7 +228,7 @@ def test_a_sync_pull_waits_for_its_round_and_times_out_with_the_callers_deadline
     import time
 
     c = cluster(1, mode="sync", lr=1.0)
-    a = c.client(SPEC, worker_id=0, init=SPEC.flat()).join()
+    c.client(SPEC, worker_id=0, init=SPEC.flat()).join()      # worker 0, with the weights
     b = c.client(SPEC, worker_id=1).join()
     raw = sender(c, data_plane)
     try:
