@@ -68,6 +68,9 @@ RENAMED = {
     "servers": "'servers' was renamed: use shards = N (the number of shard processes)",
     "bulk": "'bulk' was replaced: use data_plane = \"tcp\" (the TCP data plane, the old bulk = true) "
             "or data_plane = \"grpc\" (gRPC only, the old bulk = false)",
+    "step_delay_s": "'step_delay_s' was replaced: use stragglers = [\"K:F\"] (worker K F times slower than "
+                    "its own compute) or [\"K:exp:MEAN_MS\"] (a random delay per step)",
+    "straggler_ranks": "'straggler_ranks' was replaced: use stragglers = [\"K:F\"], e.g. [\"3:3\"]",
 }
 
 

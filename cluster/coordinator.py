@@ -26,7 +26,7 @@ SHARD_FIELDS = (
     "shard_index", "address", "mode", "version", "begin", "end", "min_clock", "max_clock",
     "pushes", "pulls", "bytes_in", "bytes_out", "applied_updates", "dropped_late", "duplicates",
     "evictions", "rejected", "staleness_counts", "mean_staleness", "max_staleness", "wait_s_total",
-    "checkpoint",
+    "checkpoint", "waits",
 )
 
 

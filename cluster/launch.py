@@ -48,10 +48,13 @@ def prepare_out(job: JobConfig) -> Path:
 class Launcher:
     """Runs one job; :meth:`run` returns the summary or raises JobFailed / Interrupted after cleaning up."""
 
-    def __init__(self, job: JobConfig, out: Path, progress: bool | None = None):
+    def __init__(self, job: JobConfig, out: Path, progress: bool | None = None, *, bar=None,
+                 quiet: bool = False):
         self.job = job
         self.out = out
         self.progress_enabled = progress
+        self.bar = bar          # a caller's progress bar (psctl compare's, over many jobs) instead of our own
+        self.quiet = quiet
         self.shards: list[Child] = []  # the psctl server processes, in shard order
         self.workers: list[Child] = []
         self.addresses: list[str] = []
@@ -105,7 +108,7 @@ class Launcher:
         """Wait for every worker to end, feeding the progress bar; returns the training wall time."""
         job = self.job
         start = time.monotonic()
-        progress = co.Progress(co.total_steps(job), self.progress_enabled, desc=f"{job.name} {job.mode}")
+        progress = self.bar or co.Progress(co.total_steps(job), self.progress_enabled, desc=f"{job.name} {job.mode}")
         reported: set[int] = set()
         try:
             while True:
@@ -129,7 +132,8 @@ class Launcher:
             self.state.update(self.tail.read())
             progress.update(self.state, [])
         finally:
-            progress.close()
+            if progress is not self.bar:
+                progress.close()
         wall = max((w.ended or time.time()) for w in self.workers) - min(w.started for w in self.workers)
         if not any(w.returncode == 0 for w in self.workers):
             for f in self.failures:
@@ -176,8 +180,9 @@ class Launcher:
         evaluation, shard_stats, train_wall = None, [], None
         try:
             self.start_shards()
-            print(f"psctl launch: {job.shards} shard(s) at {','.join(self.addresses)}; starting "
-                  f"{job.workers} worker(s); logs in {self.out / 'logs'}", file=sys.stderr, flush=True)
+            if not self.quiet:
+                print(f"psctl launch: {job.shards} shard(s) at {','.join(self.addresses)}; starting "
+                      f"{job.workers} worker(s); logs in {self.out / 'logs'}", file=sys.stderr, flush=True)
             self.start_workers()
             train_wall = self.follow()
             evaluation, shard_stats = co.finish(job, self.addresses)

@@ -70,6 +70,11 @@ class ServerConfig:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidArgument("tls_cert and tls_key must be given together")
 
+    def optimizer_hparams(self) -> dict:
+        """The optimizer's settings, as :func:`~psgrid.psserver.optim.make_optimizer` takes them."""
+        return dict(lr=self.lr, momentum=self.momentum, nesterov=self.nesterov, weight_decay=self.weight_decay,
+                    beta1=self.beta1, beta2=self.beta2, eps=self.eps)
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]

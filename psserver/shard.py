@@ -45,6 +45,7 @@ class Counters:
     evictions: int = 0
     rejected: int = 0
     wait_s_total: float = 0.0
+    wait_s_by_worker: dict[int, float] = field(default_factory=dict)
     staleness_counts: list[int] = field(default_factory=lambda: [0] * STALENESS_BUCKETS)
     staleness_sum: int = 0
     staleness_n: int = 0
@@ -213,15 +214,10 @@ class Shard:
                 raise InvalidArgument(f"Init must cover this shard's range [{begin}, {end})", Reason.BAD_SIZE)
             self.spec, self.begin, self.end = spec, begin, end
             self.weights = values.astype(np.float32, copy=True)
-            self.optimizer = make_optimizer(self.config.optimizer, end - begin, **self._hparams())
+            self.optimizer = make_optimizer(self.config.optimizer, end - begin, **self.config.optimizer_hparams())
             self.pool = BufferPool(end - begin)
             self.cond.notify_all()
             return True
-
-    def _hparams(self) -> dict:
-        c = self.config
-        return dict(lr=c.lr, momentum=c.momentum, nesterov=c.nesterov, weight_decay=c.weight_decay,
-                    beta1=c.beta1, beta2=c.beta2, eps=c.eps)
 
     # ----- pull -------------------------------------------------------------------------------
 
@@ -256,6 +252,8 @@ class Shard:
                 self.cond.wait(timeout=min(remaining, 1.0) if remaining is not None else 1.0)
             waited = time.monotonic() - start
             self.counters.wait_s_total += waited
+            if worker >= 0:
+                self.counters.wait_s_by_worker[worker] = self.counters.wait_s_by_worker.get(worker, 0.0) + waited
             self._emit("wait", seconds=waited)
             return waited
 
@@ -448,7 +446,7 @@ class Shard:
             spec = ModelSpec.from_json(meta["spec"])
             self.spec, self.begin, self.end = spec, meta["begin"], meta["end"]
             self.weights = arrays["weights"].astype(np.float32)
-            self.optimizer = make_optimizer(self.config.optimizer, self.size, **self._hparams())
+            self.optimizer = make_optimizer(self.config.optimizer, self.size, **self.config.optimizer_hparams())
             opt_state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
             self.optimizer.load_state_dict({k: (v if v.ndim else v.item()) for k, v in opt_state.items()})
             self.pool = BufferPool(self.size)
@@ -491,6 +489,7 @@ class Shard:
                 "max_staleness": c.max_staleness, "wait_s_total": c.wait_s_total,
                 "checkpoint": self.last_checkpoint, "initialized": self.initialized,
                 "total_size": self.spec.size if self.spec else 0,
+                "waits": [{"worker_id": w, "seconds": s} for w, s in sorted(c.wait_s_by_worker.items())],
             }
 
     def checksum(self) -> float:

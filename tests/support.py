@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from psgrid.psserver.spec import ModelSpec
 
@@ -51,3 +59,35 @@ def run_threads(targets, timeout: float) -> list:
         raise errors[0]
     assert not alive, f"{len(alive)} threads still running after {timeout}s (deadlock?)"
     return results
+
+
+ROOT = Path(__file__).resolve().parent.parent
+# Loopback only: no MPI transport may go looking for a network.
+MPI_ENV = {"HYDRA_IFACE": "lo", "UCX_TLS": "self,sm", "UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}
+
+
+def mpiexec() -> str:
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if not found:
+        pytest.fail("mpiexec not found: install the test extra (pip install '.[test]'), which brings mpich")
+    return found
+
+
+def run_mpiexec(n: int, python_args: list[str], timeout: float = 120, extra_env: dict | None = None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **MPI_ENV, **(extra_env or {}))
+    argv = [mpiexec(), "-n", str(n), sys.executable, *python_args]
+    t = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=10)
+        pytest.fail(f"mpiexec -n {n} did not finish in {timeout} s:\n{out}\n{err}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    return proc.returncode, out, err, time.monotonic() - t

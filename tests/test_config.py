@@ -177,7 +177,7 @@ def test_route():
 def test_toml_round_trip():
     job = job_from_dict({"name": "rt", "mode": "ssp", "lr": 0.125, "hidden": [3, 4], "token": 'a"b\\c',
                          "server": {"checkpoint_dir": "ck pt", "tls_cert": "c.pem", "tls_key": "k.pem"},
-                         "straggler_ranks": [1]})
+                         "stragglers": ["1:3", "0:exp:2.5"]})
     text = job.to_toml()
     again = job_from_dict(tomllib.loads(text))
     assert again == job

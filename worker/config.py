@@ -38,8 +38,7 @@ class TrainConfig:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
-    step_delay_s: float = 0.0              # artificial delay per step, for straggler experiments
-    straggler_ranks: list[int] = field(default_factory=list)  # ranks that get step_delay_s
+    stragglers: list[str] = field(default_factory=list)  # e.g. ["3:3"] (worker 3 3x slower), ["1:exp:20"]
 
     def validate(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
@@ -50,6 +49,12 @@ class TrainConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.batch_size < 0 or self.steps < 0 or self.epochs < 0:
             raise ValueError("batch_size, steps and epochs must be non-negative")
+        from psgrid.worker.straggler import parse_stragglers
+
+        try:
+            parse_stragglers(self.stragglers)
+        except ValueError as e:
+            raise ValueError(f"stragglers: {e}") from None
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -26,6 +26,7 @@ from psgrid.worker.config import TrainConfig
 from psgrid.worker.data import BatchLoader, load_dataset
 from psgrid.worker.flat import FlatBuffers
 from psgrid.worker.models import accuracy, build_model
+from psgrid.worker.straggler import Delay
 
 LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK", "SLURM_LOCALID")
 
@@ -108,59 +109,79 @@ def run_worker(train: TrainConfig, addresses: list[str], rank: int, world: int,
     train.validate()
     xp, device_name, data, model = build(train, rank, world)
     spec = model.spec
+    # The rank is the worker id, so a sync round sums its gradients in the same order every run;
+    # entering waits for the whole job, since sync and ssp count the members they have.
+    init = lambda: spec.pack(model.init_params(train.seed, train.init_scale))  # noqa: E731
+    client = make_client(train, addresses, spec, worker_id=rank, world=world, init=init)
+    return train_loop(train, client, rank, xp, device_name, data, model, metrics_path)
+
+
+def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, data, model,
+               metrics_path: str | None = None) -> dict:
+    """The steps of one worker, whatever moves its weights and gradients.
+
+    ``exchange`` is a :class:`Client` (the shards) or an
+    :class:`~psgrid.worker.allreduce.AllreduceExchange` (no shards): a context manager with
+    ``pull(out)``, ``push(grad, background=)`` returning a handle, and ``mode``, ``worker_id``,
+    ``clock``, ``data_planes`` and ``wire_dtype``. Everything else (data order, model, the
+    straggler's delay, what is recorded) is the same, so the two are measured on equal terms.
+    """
+    spec = model.spec
     metrics = MetricsWriter(metrics_path)
     loader = None
     try:
-        # The rank is the worker id, so a sync round sums its gradients in the same order every run;
-        # entering waits for the whole job, since sync and ssp count the members they have.
-        init = lambda: spec.pack(model.init_params(train.seed, train.init_scale))  # noqa: E731
-        with make_client(train, addresses, spec, worker_id=rank, world=world, init=init) as client:
+        with exchange:
             steps = steps_for(train, len(data.train_y))
-            metrics.write(event="start", rank=rank, worker=client.worker_id, host=socket.gethostname(),
-                          device=device_name, mode=client.mode, steps=steps, params=spec.size,
-                          shard_rows=len(data.train_y), data_planes=client.data_planes)
+            metrics.write(event="start", rank=rank, worker=exchange.worker_id, host=socket.gethostname(),
+                          device=device_name, mode=exchange.mode, steps=steps, params=spec.size,
+                          shard_rows=len(data.train_y), data_planes=exchange.data_planes,
+                          stragglers=list(train.stragglers))
             bufs = FlatBuffers(spec, xp)
             loader = BatchLoader(data.train_x, data.train_y, train.batch_size, xp=xp, seed=train.seed + 1000 * rank)
-            delay = train.step_delay_s if rank in train.straggler_ranks else 0.0
+            delay = Delay(train.stragglers, rank, train.seed)
+            step_bytes = bytes_per_step(exchange, spec.size)
             test_x, test_y = xp.asarray(data.test_x), xp.asarray(data.test_y)
             in_flight = None         # (push handle, its step's record): the push of the step before
             # In async and ssp the push runs in the background while the next pull waits for weights.
             # In sync that pull is answered only once the round the push closes is applied, so an
             # overlap saves one request's latency and costs a thread hand-off: it stays in order.
-            overlap = client.mode != "sync"
+            overlap = exchange.mode not in ("sync", "allreduce")
             samples = 0
             loss_value = float("nan")
             start = time.perf_counter()
             for step in range(steps):
+                started = time.time()
                 t0 = time.perf_counter()
-                client.pull(bufs.host_params)
+                exchange.pull(bufs.host_params)
                 bufs.upload_params()              # pull_s: from the request to the weights on the device
                 pull_s = time.perf_counter() - t0
                 if in_flight is not None:         # its buffer is about to be overwritten
-                    metrics.write(**_finish(*in_flight, spec.size, client.wire_dtype))
+                    metrics.write(**_finish(*in_flight, step_bytes))
                 t1 = time.perf_counter()
                 x, y = next(loader)
                 loss = model.loss_and_grad(bufs.param_views, x, y, bufs.grad_views)
                 bufs.download_grad()          # compute_s includes this copy to the host, which also synchronizes
                 loss_value = float(loss)
-                if delay:
-                    time.sleep(delay)
                 compute_s = time.perf_counter() - t1
+                delay_s = delay.seconds(compute_s)
+                if delay_s:
+                    time.sleep(delay_s)
                 samples += len(y)
-                record = dict(event="step", rank=rank, worker=client.worker_id, step=step, clock=client.clock,
-                              loss=loss_value, pull_s=pull_s, compute_s=compute_s, samples=len(y))
-                in_flight = (client.push(bufs.host_grad, background=overlap), record)
+                record = dict(event="step", rank=rank, worker=exchange.worker_id, step=step,
+                              clock=exchange.clock, started=started, loss=loss_value, pull_s=pull_s,
+                              compute_s=compute_s, delay_s=delay_s, samples=len(y))
+                in_flight = (exchange.push(bufs.host_grad, background=overlap), record)
                 if not overlap:
-                    metrics.write(**_finish(*in_flight, spec.size, client.wire_dtype))
+                    metrics.write(**_finish(*in_flight, step_bytes))
                     in_flight = None
                 if rank == 0 and train.eval_every and (step + 1) % train.eval_every == 0:
                     acc = accuracy(model, bufs.param_views, test_x, test_y)
                     metrics.write(event="eval", rank=rank, step=step + 1, test_accuracy=acc)
             if in_flight is not None:
-                metrics.write(**_finish(*in_flight, spec.size, client.wire_dtype))
+                metrics.write(**_finish(*in_flight, step_bytes))
             wall = time.perf_counter() - start
-            result = {"rank": rank, "worker": client.worker_id, "steps": steps, "samples": samples, "wall_s": wall,
-                      "final_loss": loss_value, "device": device_name}
+            result = {"rank": rank, "worker": exchange.worker_id, "steps": steps, "samples": samples,
+                      "wall_s": wall, "final_loss": loss_value, "device": device_name}
         metrics.write(event="done", **result)
         return result
     finally:
@@ -169,12 +190,19 @@ def run_worker(train: TrainConfig, addresses: list[str], rank: int, world: int,
         metrics.close()
 
 
-def _finish(push: Handle, record: dict, params: int, wire_dtype: int) -> dict:
+def bytes_per_step(exchange, params: int) -> int:
+    """What one step sends and receives: the pull (float32) and the push, or the exchange's own figure."""
+    if hasattr(exchange, "bytes_per_step"):
+        return exchange.bytes_per_step(params)
+    return params * (4 + ITEMSIZE[exchange.wire_dtype])
+
+
+def _finish(push: Handle, record: dict, step_bytes: int) -> dict:
     """Complete a step's record with its push: outcome, staleness, time and bytes moved."""
     results = push.wait()
     record["push_s"] = push.seconds
     record["staleness"] = max((r.staleness for r in results), default=0)
     outcomes = {r.outcome.name for r in results}
     record["outcome"] = outcomes.pop() if len(outcomes) == 1 else "MIXED"
-    record["bytes"] = params * (4 + ITEMSIZE[wire_dtype])    # the pull (float32) and this push
+    record["bytes"] = step_bytes
     return record

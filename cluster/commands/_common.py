@@ -60,7 +60,15 @@ def _training_flags(devices: tuple) -> list[tuple]:
     ("--data-plane", "data_plane", DATA_PLANES,
      "where Pull/Push payloads travel: tcp (the shards' TCP data plane, gRPC where a shard has none) or grpc"),
     ("--seed", "seed", int, "random seed"),
+    ("--stragglers", "stragglers", split_list,
+     "slow workers down: K:F (worker K F times slower than its own compute) or K:exp:MEAN_MS "
+     "(a random delay per step), comma-separated, e.g. 3:3,1:exp:20"),
     ]
+
+
+def split_list(text: str) -> list[str]:
+    """A comma-separated flag value as a list: ``"3:3,1:exp:20"`` -> ``["3:3", "1:exp:20"]``."""
+    return [item.strip() for item in text.split(",") if item.strip()]
 
 
 def add_training_flags(p: argparse.ArgumentParser, keys=None) -> None:

@@ -100,7 +100,8 @@ class GrpcAdapter:
         _decode(ps_pb2.StatsRequest, raw)
         stats = self.service.stats()
         members = [ps_pb2.MemberInfo(**m) for m in stats.pop("members")]
-        return ps_pb2.StatsReply(members=members, **stats)
+        waits = [ps_pb2.WorkerWait(**w) for w in stats.pop("waits")]
+        return ps_pb2.StatsReply(members=members, waits=waits, **stats)
 
     def Checkpoint(self, raw, context):
         _decode(ps_pb2.CheckpointRequest, raw)

@@ -1,0 +1,92 @@
+"""The all-reduce baseline computes what a sync parameter-server job computes (under mpiexec)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from psgrid.worker.allreduce import AllreduceExchange
+from tests.support import run_mpiexec
+
+# Two ranks train the same job twice: once with no shards (Allreduce), once as the two workers of a
+# sync job whose shards rank 0 serves in-process. Rank 0 writes both final weights.
+SAME_WEIGHTS_SCRIPT = r"""
+import sys
+import numpy as np
+from mpi4py import MPI
+from psgrid.cluster.config import apply_overrides, load_job
+from psgrid.psserver.server import serve
+from psgrid.worker.allreduce import AllreduceExchange
+from psgrid.worker.loop import build, make_admin, run_worker, train_loop
+
+comm = MPI.COMM_WORLD
+rank, world = comm.Get_rank(), comm.Get_size()
+job = apply_overrides(load_job("mnist"), {
+    "mode": "sync", "shards": 2, "workers": world, "steps": int(sys.argv[2]), "batch_size": 32,
+    "eval_every": 0, "optimizer": "sgd", "momentum": 0.9, "lr": 0.05, "seed": 7})
+train = job.train
+xp, device, data, model = build(train, rank, world)
+init = model.spec.pack(model.init_params(train.seed, train.init_scale))
+exchange = AllreduceExchange(comm, init, job.server)
+train_loop(train, exchange, rank, xp, device, data, model)
+
+running = [serve(job.server_config(i, port=0)) for i in range(job.shards)] if rank == 0 else []
+addresses = comm.bcast([f"127.0.0.1:{r.port}" for r in running], root=0)
+run_worker(train, addresses, rank, world)
+comm.Barrier()
+if rank == 0:
+    with make_admin(train, addresses) as admin:
+        ps_weights, _ = admin.pull()
+    for r in running:
+        r.stop(grace=1.0)
+    np.savez(sys.argv[1], allreduce=exchange.weights, sync=ps_weights, init=init)
+"""
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_allreduce_and_sync_reach_the_same_weights(tmp_path, ranks):
+    out = tmp_path / "weights.npz"
+    code, _, err, _ = run_mpiexec(ranks, ["-c", SAME_WEIGHTS_SCRIPT, str(out), "30"])
+    assert code == 0, err
+    w = np.load(out)
+    moved = np.abs(w["sync"] - w["init"]).max()
+    assert moved > 1e-2                    # 30 steps of momentum SGD went somewhere
+    # The same algorithm: only the order of float32 additions may differ (Allreduce's tree, the shard's loop).
+    np.testing.assert_allclose(w["allreduce"], w["sync"], rtol=1e-4, atol=1e-6)
+
+
+class FakeComm:
+    """One rank: enough of a communicator for the exchange's bookkeeping."""
+
+    def Get_size(self):
+        return 4
+
+    def Get_rank(self):
+        return 2
+
+
+def test_a_ring_all_reduce_moves_2_w_minus_1_over_w_of_the_gradient_each_way():
+    from psgrid.psserver.config import ServerConfig
+
+    ex = AllreduceExchange(FakeComm(), np.zeros(10, np.float32), ServerConfig(lr=0.1))
+    assert (ex.worker_id, ex.world, ex.mode) == (2, 4, "allreduce")
+    assert ex.bytes_per_step(1000) == 2 * 2 * 3 * 1000 * 4 // 4
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_psctl_allreduce_writes_a_summary(tmp_path):
+    out = tmp_path / "ar"
+    code, stdout, err, _ = run_mpiexec(2, ["-m", "psgrid.cluster.cli", "allreduce", "--config", "mnist",
+                                           "--steps", "40", "--eval-every", "20", "--out", str(out)])
+    assert code == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["mode"], summary["shards"], summary["workers"], summary["steps"]) == ("allreduce", 0, 2, 80)
+    assert summary["test_accuracy"] > 0.5 and len(summary["wait_s_by_worker"]) == 2
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {e["rank"] for e in steps if e["event"] == "step"} == {0, 1}
+    assert "allreduce, 0 shards, 2 workers" in stdout
