@@ -1,0 +1,234 @@
+"""The write-up of a ``psctl compare`` experiment: ``report.md`` and ``report.html`` from its rows.
+
+The content is built once as a list of blocks (:class:`Heading`, :class:`Paragraph`,
+:class:`Table`, :class:`Image`, :class:`Code`) and rendered twice: markdown that points at
+``plots/NAME.png``, and one self-contained HTML page with the PNGs embedded, which opens
+offline. The plots come from :mod:`psgrid.cluster.plots` (imported only by
+:func:`write_report`, so matplotlib is loaded only when a report is written); the prose comes
+from :mod:`psgrid.cluster.reading`, which only restates the numbers.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from psgrid.cluster.grouping import Spread, acc, finished, groups_of, modes_of, rows_of, secs, sig, spread
+from psgrid.cluster.reading import reading
+
+
+# ---- the blocks and their two renderings ---------------------------------------------------
+
+@dataclass
+class Heading:
+    text: str
+    level: int = 2
+
+
+@dataclass
+class Paragraph:
+    text: str
+
+
+@dataclass
+class Table:
+    header: list[str]
+    rows: list[list[str]]
+
+
+@dataclass
+class Image:
+    path: Path          # the PNG on disk, embedded in the HTML
+    rel: str            # its path relative to the report, for the markdown
+    caption: str
+
+
+@dataclass
+class Code:
+    text: str
+
+
+def to_markdown(blocks: list) -> str:
+    out = []
+    for b in blocks:
+        if isinstance(b, Heading):
+            out.append("#" * b.level + " " + _md(b.text))
+        elif isinstance(b, Paragraph):
+            out.append(_md(b.text))
+        elif isinstance(b, Table):
+            cells = [[_md(c).replace("|", "\\|") for c in row] for row in [b.header, *b.rows]]
+            lines = ["| " + " | ".join(row) + " |" for row in cells]
+            out.append("\n".join([lines[0], "|" + "---|" * len(b.header), *lines[1:]]))
+        elif isinstance(b, Image):
+            out.append(f"![{_md(b.caption)}]({b.rel})\n\n*{_md(b.caption)}*")
+        elif isinstance(b, Code):
+            fence = "`" * max(3, 1 + max((len(m) for m in re.findall(r"`+", b.text)), default=0))
+            out.append(f"{fence}\n{b.text}\n{fence}")
+    return "\n\n".join(out) + "\n"
+
+
+def _md(text: str) -> str:
+    # Markdown passes HTML through: a '<' in a label or path must not become a tag.
+    return text.replace("&", "&amp;").replace("<", "&lt;")
+
+
+CSS = """body{font-family:system-ui,sans-serif;max-width:72rem;margin:2rem auto;padding:0 1rem;color:#222;
+line-height:1.45}table{border-collapse:collapse;margin:1rem 0;font-size:.9rem}
+th,td{border:1px solid #ccc;padding:.25rem .5rem;text-align:right}th{background:#f0f0f0}
+td:first-child,th:first-child{text-align:left}pre{background:#f6f6f6;padding:.75rem;overflow-x:auto}
+figure{margin:1.5rem 0}img{max-width:100%}figcaption{color:#555;font-style:italic}"""
+
+
+def to_html(blocks: list, title: str) -> str:
+    e = html.escape
+    body = []
+    for b in blocks:
+        if isinstance(b, Heading):
+            body.append(f"<h{b.level}>{e(b.text)}</h{b.level}>")
+        elif isinstance(b, Paragraph):
+            body.append(f"<p>{e(b.text)}</p>")
+        elif isinstance(b, Table):
+            head = "".join(f"<th>{e(c)}</th>" for c in b.header)
+            rows = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>\n" for row in b.rows)
+            body.append(f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{rows}</tbody>\n</table>")
+        elif isinstance(b, Image):
+            data = base64.b64encode(b.path.read_bytes()).decode("ascii")
+            body.append(f'<figure><img alt="{e(b.caption)}" src="data:image/png;base64,{data}">'
+                        f"<figcaption>{e(b.caption)}</figcaption></figure>")
+        elif isinstance(b, Code):
+            body.append(f"<pre><code>{e(b.text)}</code></pre>")
+    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{e(title)}</title>\n'
+            f"<style>{CSS}</style>\n</head>\n<body>\n" + "\n".join(body) + "\n</body>\n</html>\n")
+
+
+# ---- the content ------------------------------------------------------------------------------------
+
+# The per-mode tables' numbers: row key, column title, format.
+METRICS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
+    ("time_to_target_s", "time to target (s)", secs),
+    ("final_test_accuracy", "final test accuracy", acc),
+    ("samples_per_s", "samples/s", sig),
+    ("mean_staleness", "mean staleness", sig),
+    ("p99_staleness", "p99 staleness", sig),
+    ("dropped_pushes", "dropped pushes", sig),
+    ("mean_wait_s", "mean wait per worker (s)", secs),
+)
+
+
+def _cell(s: Spread, fmt: Callable[[float], str], with_range: bool) -> str:
+    if s.median is None:
+        return "-"
+    if with_range and s.low != s.high:
+        return f"{fmt(s.median)} [{fmt(s.low)}..{fmt(s.high)}]"
+    return fmt(s.median)
+
+
+def _metric_cells(runs: list[dict], with_range: bool) -> list[str]:
+    cells = []
+    for key, _, fmt in METRICS:
+        s = spread(runs, key)
+        cell = _cell(s, fmt, with_range)
+        if key == "time_to_target_s" and runs and s.n < len(runs):
+            cell = "never" if s.n == 0 else f"{cell} ({s.n} of {len(runs)} reached)"
+        cells.append(cell)
+    return cells + [str(len(runs))]
+
+
+def summary_table(ok: list[dict], settings: dict) -> Table:
+    """One row per (group, mode), medians only: what a reader looks at first."""
+    rows = [[str(g[0]), g[1], m, *_metric_cells(runs, with_range=False)]
+            for g in groups_of(ok, settings) for m in modes_of(ok, settings)
+            if (runs := rows_of(ok, g, m))]
+    return Table(["workers", "stragglers", "mode", *(t for _, t, _ in METRICS), "n"], rows)
+
+
+def mode_table(ok: list[dict], settings: dict, mode: str) -> Table:
+    """One row per group: median [min..max] over repeats."""
+    rows = [[str(g[0]), g[1], *_metric_cells(runs, with_range=True)]
+            for g in groups_of(ok, settings) if (runs := rows_of(ok, g, mode))]
+    return Table(["workers", "stragglers", *(t for _, t, _ in METRICS), "n"], rows)
+
+
+def _target_text(settings: dict) -> str:
+    target = settings.get("target_accuracy")
+    if target is None:
+        return "Target test accuracy: none (no finished run recorded an evaluation), so no time to target."
+    how = ("given on the command line" if settings.get("target_source") == "given"
+           else "chosen automatically: the highest test accuracy that every finished run reached")
+    return f"Target test accuracy: {acc(target)}, {how}. Time to target counts from the run's start."
+
+
+def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]]) -> list:
+    """The report's blocks; ``plots`` maps a plot's name to its PNG and caption."""
+    ok = finished(rows)
+    blocks: list = [Heading(settings.get("title") or "psctl compare", 1),
+                    Paragraph("The command that ran this experiment and wrote this report "
+                              "(run it again to reproduce both):"),
+                    Code(str(settings.get("command") or "(command not recorded)")),
+                    Heading("Setup")]
+    if machine := settings.get("machine") or {}:
+        blocks.append(Table(["machine", ""], [[str(k), "none" if v is None else str(v)] for k, v in machine.items()]))
+    blocks += [Paragraph("Job: " + str(settings.get("job_summary") or "not recorded") + "."),
+               Paragraph(_target_text(settings)),
+               Heading("Summary"),
+               Paragraph("Medians over the repeats that finished; n counts them. Staleness is how many updates "
+                         "behind the weights a push was computed on; wait is the time a worker spent blocked "
+                         "waiting for the others."),
+               summary_table(ok, settings) if ok else Paragraph("No run finished."),
+               Heading("Per mode"),
+               Paragraph("Median [min..max] over the repeats that finished.")]
+    for mode in modes_of(ok, settings):
+        if any(r["mode"] == mode for r in ok):
+            blocks += [Heading(mode, 3), mode_table(ok, settings, mode)]
+    if plots:
+        blocks.append(Heading("Plots"))
+        blocks += [Image(path, f"plots/{path.name}", caption) for path, caption in plots.values()]
+    blocks.append(Heading("Reading"))
+    blocks += [Paragraph(p) for p in reading(rows, settings)]
+    failed = [r for r in rows if r.get("status") != "ok"]
+    if failed:
+        blocks += [Heading("Runs that did not finish"),
+                   Paragraph("These are left out of every number above."),
+                   Table(["run", "mode", "workers", "stragglers", "repeat", "status"],
+                         [[str(r.get(k)) for k in ("run", "mode", "workers", "stragglers", "repeat", "status")]
+                          for r in failed])]
+    return blocks
+
+
+def write_report(out: Path, settings: dict, rows: list[dict], events: dict[str, list[dict]]) -> dict[str, Path]:
+    """Write ``out/report.md``, ``out/report.html`` and ``out/plots/*.png``.
+
+    Parameters
+    ----------
+    out : the experiment's folder.
+    settings : the experiment's settings (``command``, ``modes``, ``workers``, ``stragglers``,
+        ``target_accuracy``, ``target_source``, ``machine``, ``job_summary``, optional ``title``).
+    rows : one summary row per run (keys: :data:`psgrid.cluster.experiment.ROW_FIELDS`).
+    events : each run's step and eval events, by run id.
+
+    Returns
+    -------
+    The paths written: ``"md"``, ``"html"`` and one per plot, by the plot's name.
+    """
+    from psgrid.cluster import plots as plotting   # matplotlib is loaded only to write a report
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = plotting.write_plots(out / "plots", rows, events, settings)
+    blocks = build(settings, rows, plots)
+    paths = {"md": out / "report.md", "html": out / "report.html"}
+    _write(paths["md"], to_markdown(blocks))
+    _write(paths["html"], to_html(blocks, settings.get("title") or "psctl compare"))
+    return {**paths, **{name: path for name, (path, _) in plots.items()}}
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+

@@ -1,0 +1,145 @@
+"""psctl compare end to end: every mode of a tiny job, the report and plots, resume, Ctrl-C and --mpi."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.support import MPI_ENV, ROOT, run_mpiexec
+
+TINY = ["--config", "mnist", "--steps", "30", "--eval-every", "10", "--batch-size", "32", "--shards", "1"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def psctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **MPI_ENV)
+    return subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+def rows_of(out) -> list[dict]:
+    with open(out / "summary.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_compare_runs_every_mode_and_writes_the_report(tmp_path):
+    out = tmp_path / "cmp"
+    t0 = time.monotonic()
+    p = psctl("compare", *TINY, "--workers", "2", "--modes", "sync,async,ssp:2,allreduce",
+              "--stragglers", "none", "--stragglers", "1:3", "--out", str(out))
+    took = time.monotonic() - t0
+    assert p.returncode == 0, p.stderr
+    assert took < 60, f"compare of 8 tiny runs took {took:.0f} s"
+    rows = rows_of(out)
+    modes = ["sync", "async", "ssp:2", "allreduce"]
+    assert sorted((r["mode"], r["stragglers"]) for r in rows) == sorted(
+        (m, s) for m in modes for s in ("none", "1:3"))
+    assert all(r["status"] == "ok" and float(r["samples_per_s"]) > 0 for r in rows)
+    assert all(0.0 < float(r["final_test_accuracy"]) <= 1.0 for r in rows)
+    # The straggler's injected delay is in the results, and only where a straggler was asked for.
+    assert all((float(r["delay_s"]) > 0) == (r["stragglers"] == "1:3") for r in rows)
+    steps = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {s["run"] for s in steps} == {r["run"] for r in rows}
+    assert sum(1 for s in steps if s["event"] == "step") == 8 * 2 * 30
+    md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    for mode in modes:
+        assert mode in md and mode in html
+    assert "data:image/png;base64," in html and 'src="plots/' not in html
+    pngs = sorted((out / "plots").glob("*.png"))
+    assert {p.name for p in pngs} >= {"accuracy_vs_time.png", "loss_vs_steps.png", "samples_per_s.png",
+                                     "staleness.png", "timeline.png"}
+    for png in pngs:
+        data = png.read_bytes()
+        assert data.startswith(PNG) and len(data) > 5000, png.name
+    assert "Reading" in md and "reached the target" in md
+
+
+@pytest.mark.slow
+def test_resume_runs_only_what_is_missing(tmp_path):
+    out = tmp_path / "cmp"
+    args = ["compare", *TINY, "--workers", "1", "--modes", "sync,async", "--out", str(out), "--no-progress"]
+    assert psctl(*args).returncode == 0
+    again = psctl(*args)
+    assert again.returncode == 2 and "--resume" in again.stderr          # an experiment is never overwritten
+    (out / "runs" / "async-w1-r0" / "summary.json").unlink()                # as if cut short
+    resumed = psctl(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "1 already finished, skipped" in resumed.stderr
+    assert sorted(r["run"] for r in rows_of(out)) == ["async-w1-r0", "sync-w1-r0"]
+    steps = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted(s["run"] for s in steps if s["event"] == "step") == ["async-w1-r0"] * 30 + ["sync-w1-r0"] * 30
+    other = psctl(*[a if a != "sync,async" else "sync" for a in args], "--resume")
+    assert other.returncode == 2 and "other settings" in other.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_cleanly_and_keeps_the_finished_runs(tmp_path):
+    out = tmp_path / "cmp"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "compare", "--config", "mnist",
+                             "--steps", "400", "--eval-every", "100", "--shards", "1", "--workers", "1",
+                             "--modes", "sync,async,ssp:1", "--out", str(out)],
+                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = out / "runs" / "sync-w1-r0" / "summary.json"
+        deadline = time.monotonic() + 90
+        while not (out / "runs" / "async-w1-r0" / "metrics" / "worker-0.jsonl").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 130, err
+    assert "--resume" in err
+    assert json.loads(first.read_text())["status"] == "ok"
+    rows = {r["run"]: r["status"] for r in rows_of(out)}
+    assert rows["sync-w1-r0"] == "ok" and rows.get("async-w1-r0") == "interrupted"
+    assert "ssp1-w1-r0" not in rows
+    # No child of the stopped run is left: every pid its launcher recorded is gone.
+    log = [json.loads(line) for line in (out / "runs" / "async-w1-r0" / "metrics" / "coordinator.jsonl")
+           .read_text().splitlines()]
+    pids = [p for e in log for p in e.get("pids", [])]
+    assert pids and not [p for p in pids if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.mpi
+def test_compare_under_mpiexec_runs_each_run_on_its_ranks(tmp_path):
+    out = tmp_path / "cmp"
+    code, stdout, err, _ = run_mpiexec(4, ["-m", "psgrid.cluster.cli", "compare", "--mpi", *TINY, "--workers", "2",
+                                           "--modes", "sync,allreduce", "--out", str(out)], timeout=180)
+    assert code == 0, err
+    rows = rows_of(out)
+    assert sorted(r["mode"] for r in rows) == ["allreduce", "sync"] and all(r["status"] == "ok" for r in rows)
+    assert json.loads((out / "runs" / "sync-w2-r0" / "summary.json").read_text())["launcher"] == "mpi"
+    # The same algorithm on both: the same final accuracy.
+    assert rows[0]["final_test_accuracy"] == rows[1]["final_test_accuracy"]
+    assert (out / "report.html").exists()
+
+
+@pytest.mark.mpi
+def test_compare_under_mpiexec_with_too_few_ranks_fails_at_once(tmp_path):
+    code, _, err, took = run_mpiexec(2, ["-m", "psgrid.cluster.cli", "compare", "--mpi", *TINY, "--workers", "2",
+                                         "--modes", "sync", "--out", str(tmp_path / "cmp")])
+    assert code != 0 and "needs at least 4 ranks" in err
+    assert not (tmp_path / "cmp").exists()

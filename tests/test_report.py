@@ -1,0 +1,235 @@
+"""psctl compare's report and plots, from synthetic rows and events (no runs, no processes)."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import subprocess
+import sys
+import zlib
+
+import pytest
+
+from psgrid.cluster.experiment import ROW_FIELDS
+from psgrid.cluster.grouping import secs
+from psgrid.cluster.reading import reading
+from psgrid.cluster.report import Paragraph, Table, to_html, to_markdown, write_report
+from tests.support import ROOT
+
+PNG = b"\x89PNG\r\n\x1a\n"
+MODES = ["sync", "async", "ssp:2", "allreduce"]
+TARGET = 0.9
+# Designed seconds to the target: with stragglers async is clearly first, then ssp:2, and sync waits.
+TIME_TO_TARGET = {("sync", "none"): 0.50, ("async", "none"): 0.45, ("ssp:2", "none"): 0.47,
+                  ("allreduce", "none"): 0.40, ("sync", "3:3"): 1.40, ("async", "3:3"): 0.60,
+                  ("ssp:2", "3:3"): 0.85, ("allreduce", "3:3"): 1.30}
+
+
+def synthetic_run(mode: str, workers: int, stragglers: str, repeat: int, ttt: float, steps: int = 30):
+    """A plausible run: its summary row and its events.
+
+    Each step: pull, compute, an injected delay on the straggler, push. Sync-like modes wait
+    for the slowest worker each round (in the pull), ssp:2 waits half as long, async never.
+    """
+    rng = random.Random(zlib.crc32(f"{mode}{workers}{stragglers}{repeat}".encode()))
+    slow = int(stragglers.split(":")[0]) if stragglers != "none" else None
+    compute, push = 0.02, 0.002 * workers
+    work = [0.003 + compute + push + (2 * compute if r == slow else 0.0) for r in range(workers)]
+    share = {"async": 0.0, "ssp:2": 0.5}.get(mode, 1.0)
+    waits = [share * (max(work) - w) for w in work]
+    events, ends = [], []
+    for rank in range(workers):
+        t = 0.001 * rank
+        for step in range(steps):
+            stale = 0 if share == 1.0 else rng.randint(0, 2 if mode == "ssp:2" else 2 * workers)
+            events.append({"event": "step", "rank": rank, "step": step, "t": t,
+                           "loss": 2.3 * math.exp(-step / 10) + 0.1 + 0.02 * rng.random(),
+                           "pull_s": 0.003 + waits[rank], "compute_s": compute,
+                           "delay_s": 2 * compute if rank == slow else 0.0, "push_s": push, "staleness": stale,
+                           "outcome": "APPLIED", "samples": 64, "bytes": 4000})
+            t += work[rank] + waits[rank]
+        ends.append(t)
+    wall = max(ends)
+    ttt *= 1 + 0.05 * repeat
+    evals = [{"event": "eval", "rank": 0, "step": k, "t": 0.05 * k,
+              "test_accuracy": 0.95 * (1 - math.exp(-2.9444 * 0.05 * k / ttt))} for k in range(1, int(wall / 0.05))]
+    events += evals
+    staleness = sorted(e["staleness"] for e in events if e["event"] == "step")
+    row = dict.fromkeys(ROW_FIELDS)
+    row.update(run=f"{mode.replace(':', '')}-w{workers}-{stragglers.replace(':', 'x')}-r{repeat}", mode=mode,
+               workers=workers, stragglers=stragglers, repeat=repeat, status="ok", target_accuracy=TARGET,
+               time_to_target_s=next((e["t"] for e in evals if e["test_accuracy"] >= TARGET), None),
+               final_test_accuracy=evals[-1]["test_accuracy"] - (0.02 if mode == "async" else 0.0),
+               final_loss=0.12, steps=workers * steps, samples=64 * workers * steps, wall_s=wall,
+               samples_per_s=64 * workers * steps / wall, mean_staleness=statistics.fmean(staleness),
+               p99_staleness=float(staleness[int(0.99 * (len(staleness) - 1))]), dropped_pushes=0,
+               bytes_moved=4000 * workers * steps, mean_wait_s=statistics.fmean(waits) * steps,
+               max_wait_s=max(waits) * steps, wait_s_by_worker=";".join(f"{w * steps:.3f}" for w in waits),
+               pull_s=0.003 + statistics.fmean(waits), compute_s=compute,
+               delay_s=2 * compute / workers if slow is not None else 0.0, push_s=push)
+    return row, events
+
+
+def experiment(modes, workers, stragglers, repeats, ttt, **settings):
+    rows, events = [], {}
+    for r in range(repeats):
+        for s in stragglers:
+            for w in workers:
+                for m in modes:
+                    row, evs = synthetic_run(m, w, s, r, ttt(m, w, s))
+                    rows.append(row)
+                    events[row["run"]] = evs
+    settings = {"command": "psctl compare --config mnist --out runs/cmp", "modes": modes, "workers": workers,
+                "stragglers": stragglers, "repeats": repeats, "target_accuracy": TARGET, "target_source": "given",
+                "machine": {"host": "box", "cpus": 8, "gpu": None, "python": "3.12.1"},
+                "job_summary": "mlp [128] relu on mnist5k, batch 64 per worker, 30 steps per worker", **settings}
+    return rows, events, settings
+
+
+def failed_row(run: str, mode: str, status: str) -> dict:
+    row = dict.fromkeys(ROW_FIELDS)
+    row.update(run=run, mode=mode, workers=4, stragglers="3:3", repeat=2, status=status)
+    return row
+
+
+@pytest.fixture(scope="module")
+def stragglers_case(tmp_path_factory):
+    """4 modes x {no stragglers, 3:3} x 2 repeats on 4 workers, one failed run; the command holds a '<'."""
+    rows, events, settings = experiment(MODES, [4], ["none", "3:3"], 2, lambda m, w, s: TIME_TO_TARGET[m, s],
+                                        command="psctl compare --title '<b>bold</b>' --out runs/cmp")
+    rows.append(failed_row("sync-w4-s3x3-r2", "sync", "failed"))
+    events["sync-w4-s3x3-r2"] = events[rows[0]["run"]][:10]
+    out = tmp_path_factory.mktemp("stragglers")
+    return rows, events, settings, write_report(out, settings, rows, events)
+
+
+@pytest.fixture(scope="module")
+def scaling_case(tmp_path_factory):
+    """sync and async on 1, 2 and 4 workers, no stragglers."""
+    rows, events, settings = experiment(["sync", "async"], [1, 2, 4], ["none"], 1,
+                                        lambda m, w, s: 0.6 / w ** 0.7 * (1.1 if m == "sync" else 1.0))
+    out = tmp_path_factory.mktemp("scaling")
+    return rows, events, settings, write_report(out, settings, rows, events)
+
+
+def test_the_report_mentions_every_mode_and_embeds_every_plot(stragglers_case):
+    rows, _, settings, paths = stragglers_case
+    md, html = paths["md"].read_text(), paths["html"].read_text()
+    for mode in MODES:
+        assert f"| {mode} |" in md and f"<td>{mode}</td>" in html
+    pngs = {name: p for name, p in paths.items() if name not in ("md", "html")}
+    assert set(pngs) == {"accuracy_vs_time", "loss_vs_steps", "samples_per_s", "staleness", "timeline"}
+    for name in pngs:
+        assert f"](plots/{name}.png)" in md
+    assert html.count("data:image/png;base64,") == len(pngs) and 'src="plots/' not in html
+    assert "http://" not in html and "https://" not in html        # opens offline
+    assert "Target test accuracy: 0.900, given" in md and "| gpu | none |" in md
+
+
+def test_every_plot_is_a_real_picture(stragglers_case, scaling_case):
+    from matplotlib.image import imread
+
+    for *_, paths in (stragglers_case, scaling_case):
+        for name, path in paths.items():
+            if name in ("md", "html"):
+                continue
+            data = path.read_bytes()
+            assert data.startswith(PNG) and len(data) > 10_000, name
+            pixels = imread(path)
+            assert pixels.ndim == 3 and pixels.std() > 0.02, name
+
+
+def test_scaling_is_plotted_and_read_only_with_several_worker_counts(stragglers_case, scaling_case):
+    one_count = stragglers_case[3]
+    assert "scaling" not in one_count and not (one_count["md"].parent / "plots" / "scaling.png").exists()
+    assert "Scaling efficiency" not in one_count["md"].read_text()
+    rows, _, settings, paths = scaling_case
+    assert paths["scaling"].name == "scaling.png" and "](plots/scaling.png)" in paths["md"].read_text()
+    text = " ".join(reading(rows, settings))
+    sps = {(r["mode"], r["workers"]): r["samples_per_s"] for r in rows}
+    efficiency = [sps["sync", n] / (n * sps["sync", 1]) for n in (2, 4)]
+    assert (f"Scaling efficiency (no stragglers), samples/s with n workers divided by n times the samples/s of "
+            f"1 worker (1.00 is perfect): sync {efficiency[0]:.2f} at 2 workers and {efficiency[1]:.2f} at 4 workers"
+            in text)
+
+
+def test_the_reading_names_the_fastest_mode_and_by_how_much(stragglers_case):
+    rows, _, settings, _ = stragglers_case
+    paras = reading(rows, settings)
+    ok = [r for r in rows if r["status"] == "ok"]
+
+    def ttt(mode):
+        return statistics.median(r["time_to_target_s"] for r in ok if r["mode"] == mode and r["stragglers"] == "3:3")
+
+    race = next(p for p in paras if p.startswith("With 4 workers and stragglers 3:3"))
+    assert race.startswith(f"With 4 workers and stragglers 3:3, async reached the target test accuracy 0.900 first, "
+                           f"in {secs(ttt('async'))} s")
+    assert f"the next, ssp:2 ({secs(ttt('ssp:2'))} s, {ttt('ssp:2') / ttt('async'):.3g}x as long)" in race
+    assert f"sync took {secs(ttt('sync'))} s, {ttt('sync') / ttt('async'):.3g}x as long" in race
+    text = " ".join(paras)
+    assert "async and ssp:2 reached the target before sync, as theory predicts (Cui et al., ATC'14" in text
+    assert "Stragglers 3:3 with 4 workers, against none: sync took" in text
+    # In sync the straggler (worker 3) waits least: the others wait for it.
+    assert "in sync the straggling worker 3 waited 0.000 s and the others" in text
+    assert "async ended 0.0" in text and "staler weights" in text     # async's synthetic accuracy cost
+    assert "1 run did not finish" in text
+
+
+def test_the_reading_says_plainly_when_stale_modes_lose_to_sync():
+    rows, _, settings = experiment(["sync", "ssp:2"], [2], ["1:3"], 1,
+                                   lambda m, w, s: 0.5 if m == "sync" else 0.9)
+    text = " ".join(reading(rows, settings))
+    assert "ssp:2 did not reach the target before sync, contrary to what theory predicts" in text
+    assert "With 2 workers and stragglers 1:3, sync reached the target" in text
+    never = [dict(r, time_to_target_s=None) if r["mode"] == "ssp:2" else r for r in rows]
+    assert "ssp:2 never reached the target, sync did in" in " ".join(reading(never, settings))
+
+
+def test_the_reading_says_when_a_lead_is_within_the_spread_of_repeats():
+    rows, _, settings = experiment(["sync", "async"], [2], ["none"], 2, lambda m, w, s: 0.5 if m == "sync" else 0.49)
+    assert "though their ranges over repeats overlap" in reading(rows, settings)[0]
+
+
+def test_failed_runs_are_listed_and_left_out(stragglers_case):
+    rows, _, _, paths = stragglers_case
+    md = paths["md"].read_text()
+    assert "## Runs that did not finish" in md and "| sync-w4-s3x3-r2 | sync | 4 | 3:3 | 2 | failed |" in md
+    summary = md.split("## Summary")[1].split("## Per mode")[0]
+    sync_row = next(line for line in summary.splitlines() if line.startswith("| 4 | 3:3 | sync |"))
+    assert sync_row.endswith("| 2 |")       # n: the two repeats that finished
+
+
+def test_missing_values_and_failed_runs_do_not_crash(tmp_path):
+    rows, events, settings = experiment(["sync", "async"], [2], ["none"], 1, lambda m, w, s: 0.3)
+    for key in ("time_to_target_s", "final_test_accuracy", "samples_per_s", "mean_staleness", "p99_staleness",
+                "mean_wait_s", "wait_s_by_worker", "wall_s"):
+        rows[1][key] = None                  # async: finished, but with nothing measured
+    del events[rows[1]["run"]]
+    rows.append(failed_row("async-w2-r1", "async", "interrupted"))
+    paths = write_report(tmp_path, settings, rows, events)
+    md = paths["md"].read_text()
+    assert "async never reached it" in md and "| 2 | none | async | never | - |" in md
+    assert "interrupted" in md
+    # Nothing finished at all, and no target: still a report, saying so.
+    only_failed = [failed_row("sync-w4-s3x3-r0", "sync", "failed")]
+    paths = write_report(tmp_path / "none", dict(settings, target_accuracy=None, target_source="auto"),
+                         only_failed, {})
+    md = paths["md"].read_text()
+    assert set(paths) == {"md", "html"} and "No run finished" in md and "sync-w4-s3x3-r0" in md
+    assert not (tmp_path / "none" / "plots").exists() or not list((tmp_path / "none" / "plots").iterdir())
+
+
+def test_text_is_escaped_in_html_and_markdown(stragglers_case):
+    html = stragglers_case[3]["html"].read_text()
+    assert "&lt;b&gt;bold&lt;/b&gt;" in html and "<b>" not in html
+    blocks = [Paragraph("a < b & c"), Table(["mode"], [["<ssp:2>|x"]])]
+    assert "<td>&lt;ssp:2&gt;|x</td>" in to_html(blocks, "t<")
+    assert "<title>t&lt;</title>" in to_html(blocks, "t<")
+    md = to_markdown(blocks)
+    assert "a &lt; b &amp; c" in md and "| &lt;ssp:2>\\|x |" in md
+
+
+def test_importing_the_report_does_not_load_matplotlib():
+    code = "import sys, psgrid.cluster.report; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
