@@ -51,11 +51,14 @@ class ProgressThread:
         return self.state
 
 
-def run_allreduce(job: JobConfig, comm=None, *, progress: bool | None = None, quiet: bool = False) -> int:
+def run_allreduce(job: JobConfig, comm=None, *, progress: bool | None = None, quiet: bool = False,
+                  ranks: int | None = None) -> int:
     """Run this rank's part of ``job`` as all-reduce data parallelism on ``comm`` (default COMM_WORLD).
 
-    The number of ranks is the number of workers. Returns the exit code; any exception on any
-    rank is printed with its rank and host and aborts the job.
+    The number of ranks is the number of workers; with ``ranks``, any other number is an error
+    (an ``mpiexec`` of another MPI than mpi4py's starts N separate one-rank jobs, each of which
+    would train alone). Returns the exit code; any exception on any rank is printed with its rank
+    and host and aborts the job.
     """
     if comm is None:
         from mpi4py import MPI
@@ -63,12 +66,22 @@ def run_allreduce(job: JobConfig, comm=None, *, progress: bool | None = None, qu
         comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     try:
+        if ranks is not None and comm.Get_size() != ranks:
+            print(f"psctl allreduce: error: expected {ranks} ranks, this job has {comm.Get_size()}; is this "
+                  f"mpiexec from the MPI that mpi4py uses? (mpi4py: {_mpi_library()})", file=sys.stderr, flush=True)
+            return 2
         return _run(job, comm, progress, quiet)
     except BaseException:
         print(f"psctl allreduce: rank {rank} on {socket.gethostname()} failed; aborting the job:\n"
               f"{traceback.format_exc()}", file=sys.stderr, flush=True)
         _abort(comm)
         raise  # not reached: Abort ends the process
+
+
+def _mpi_library() -> str:
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().splitlines()[0].strip("\x00 ")
 
 
 def _run(job: JobConfig, comm, progress: bool | None, quiet: bool) -> int:
@@ -112,7 +125,7 @@ def _run(job: JobConfig, comm, progress: bool | None, quiet: bool) -> int:
     os.environ.setdefault("LOCAL_RANK", str(rank))
     xp, device_name, data, model = build(train, rank, size)
     init = model.spec.pack(model.init_params(train.seed, train.init_scale))
-    exchange = AllreduceExchange(comm, init, job.server)
+    exchange = AllreduceExchange(comm, init, job.server, train.wire_dtype)
     result = train_loop(train, exchange, rank, xp, device_name, data, model, str(metrics_files[rank]))
     result["wait_s"] = exchange.wait_s
     events = co.MetricsTail([metrics_files[rank]]).read()   # rank 0 may not see this node's files

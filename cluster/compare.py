@@ -35,8 +35,10 @@ from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, us
 
 SETTINGS_FILE = "experiment.json"
 POLL_S = 0.2
-# A local all-reduce run is a single-host MPI job: keep every transport on loopback unless told otherwise.
-LOCAL_MPI_ENV = {"HYDRA_IFACE": "lo", "UCX_TLS": "self,sm", "UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}
+# A local all-reduce run is a single-host MPI job: keep every transport on loopback unless told otherwise
+# (MPICH's launcher, UCX, libfabric, Open MPI's launcher and TCP transport).
+LOCAL_MPI_ENV = {"HYDRA_IFACE": "lo", "UCX_TLS": "self,sm", "UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo",
+                 "OMPI_MCA_oob_tcp_if_include": "lo", "OMPI_MCA_btl_tcp_if_include": "lo"}
 
 
 @dataclass
@@ -164,7 +166,8 @@ def run_allreduce_local(job: JobConfig, out: Path, progress: RunProgress) -> Non
     job_file = out / "job.toml"
     job_file.write_text(f"# resolved job, as run by psctl compare\n{job.to_toml()}")
     argv = [mpiexec_path(), "-n", str(job.workers),
-            *psctl_argv("allreduce", "--config", str(job_file), "--out", str(out), "--no-progress")]
+            *psctl_argv("allreduce", "--config", str(job_file), "--out", str(out), "--no-progress",
+                       "--ranks", str(job.workers))]
     env = child_env(threads=max(1, usable_cpus() // job.workers))
     for key, value in LOCAL_MPI_ENV.items():
         env.setdefault(key, value)

@@ -25,11 +25,11 @@ comm = MPI.COMM_WORLD
 rank, world = comm.Get_rank(), comm.Get_size()
 job = apply_overrides(load_job("mnist"), {
     "mode": "sync", "shards": 2, "workers": world, "steps": int(sys.argv[2]), "batch_size": 32,
-    "eval_every": 0, "optimizer": "sgd", "momentum": 0.9, "lr": 0.05, "seed": 7})
+    "eval_every": 0, "optimizer": "sgd", "momentum": 0.9, "lr": 0.05, "seed": 7, "wire_dtype": sys.argv[3]})
 train = job.train
 xp, device, data, model = build(train, rank, world)
 init = model.spec.pack(model.init_params(train.seed, train.init_scale))
-exchange = AllreduceExchange(comm, init, job.server)
+exchange = AllreduceExchange(comm, init, job.server, train.wire_dtype)
 train_loop(train, exchange, rank, xp, device, data, model)
 
 running = [serve(job.server_config(i, port=0)) for i in range(job.shards)] if rank == 0 else []
@@ -47,10 +47,10 @@ if rank == 0:
 
 @pytest.mark.mpi
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_allreduce_and_sync_reach_the_same_weights(tmp_path, ranks):
+@pytest.mark.parametrize("ranks, wire_dtype", [(2, "float32"), (3, "float32"), (2, "bfloat16")])
+def test_allreduce_and_sync_reach_the_same_weights(tmp_path, ranks, wire_dtype):
     out = tmp_path / "weights.npz"
-    code, _, err, _ = run_mpiexec(ranks, ["-c", SAME_WEIGHTS_SCRIPT, str(out), "30"])
+    code, _, err, _ = run_mpiexec(ranks, ["-c", SAME_WEIGHTS_SCRIPT, str(out), "30", wire_dtype])
     assert code == 0, err
     w = np.load(out)
     moved = np.abs(w["sync"] - w["init"]).max()
@@ -90,3 +90,12 @@ def test_psctl_allreduce_writes_a_summary(tmp_path):
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {e["rank"] for e in steps if e["event"] == "step"} == {0, 1}
     assert "allreduce, 0 shards, 2 workers" in stdout
+
+
+@pytest.mark.mpi
+def test_psctl_allreduce_refuses_a_job_of_the_wrong_size(tmp_path):
+    # What an mpiexec of another MPI than mpi4py's looks like: N one-rank jobs instead of one N-rank job.
+    code, _, err, _ = run_mpiexec(2, ["-m", "psgrid.cluster.cli", "allreduce", "--config", "mnist", "--ranks", "3",
+                                      "--out", str(tmp_path / "ar")])
+    assert code != 0 and "expected 3 ranks, this job has 2" in err
+    assert not (tmp_path / "ar" / "summary.json").exists()

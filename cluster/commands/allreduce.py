@@ -31,6 +31,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g = p.add_argument_group("job")
     g.add_argument("--out", dest="override_out", metavar="DIR", help="output folder (default: runs/NAME-TIMESTAMP)")
     g.add_argument("--name", dest="override_name", metavar="NAME", help="job name (default: the job file's name)")
+    g.add_argument("--ranks", type=int, metavar="N",
+                   help="fail unless the job has N ranks (catches an mpiexec of another MPI, which starts N "
+                        "separate one-rank jobs)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show the progress bar on rank 0 (default: when stderr is a terminal)")
     add_set_arg(p)
@@ -49,4 +52,4 @@ def run(args: argparse.Namespace) -> int:
         from mpi4py import MPI  # noqa: F401
     except ImportError:
         raise UsageError("psctl allreduce needs mpi4py: pip install 'psgrid[mpi]', then run it under mpiexec") from None
-    return run_allreduce(job, progress=args.progress)
+    return run_allreduce(job, progress=args.progress, ranks=args.ranks)
