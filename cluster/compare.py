@@ -280,6 +280,27 @@ def write_results(x: Experiment) -> list[dict]:
     return rows
 
 
+def rewrite_report(out: Path, target: float | None = None) -> list[dict]:
+    """Write summary.csv, results.jsonl and the report of the experiment in ``out`` again, from its runs.
+
+    Nothing is run; the settings (machine included) are those saved when it ran, except the target
+    accuracy when one is given.
+    """
+    from psgrid.cluster.config import job_from_dict
+    from psgrid.cluster.experiment import parse_modes, plan
+
+    try:
+        settings = json.loads((out / SETTINGS_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        raise UsageError(f"{out} holds no experiment ({SETTINGS_FILE} is missing or unreadable)") from None
+    runs = plan(parse_modes(",".join(settings["modes"])), settings["workers"], settings["stragglers"],
+                settings["repeats"])
+    if target is not None:
+        settings.update(target_accuracy=target, target_source="given")
+    x = Experiment(job_from_dict(settings["job"]), runs, out, settings.get("target_accuracy"), settings)
+    return write_results(x)
+
+
 def table_text(rows: list[dict], target: float | None) -> str:
     """The terminal's summary: one line per run."""
     head = f"{'run':<28} {'status':<11} {'to target':>10} {'test acc':>8} {'samples/s':>10} {'staleness':>9}"

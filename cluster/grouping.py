@@ -44,8 +44,10 @@ def rows_of(rows: list[dict], group: Group, mode: str) -> list[dict]:
 
 
 def showcase_group(groups: list[Group]) -> Group | None:
-    """The group the detailed plots show: the first with stragglers, where the modes differ most."""
-    return next((g for g in groups if g[1] != NO_STRAGGLERS), groups[0] if groups else None)
+    """The group the detailed plots show: the first with stragglers, where the modes differ most, else the
+    one with the most workers."""
+    return next((g for g in groups if g[1] != NO_STRAGGLERS),
+                max(groups, key=lambda g: g[0]) if groups else None)
 
 
 def group_title(group: Group) -> str:

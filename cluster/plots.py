@@ -247,12 +247,12 @@ def timeline(plot_dir: Path, rows: list[dict], events: dict, settings: dict) -> 
     if not shown:
         return None
     ranks = 1 + max(e["rank"] for _, _, steps, _ in shown for e in steps)
-    fig, axes = _grid(len(shown), 1, 11.0, 1.0 + 0.35 * ranks)
+    fig, axes = _grid(len(shown), 1, 11.0, 1.0 + 0.35 * max(ranks, 2))
     for ax, (m, run, steps, (lo, hi)) in zip(axes, shown):
         _draw_timeline(ax, steps, lo, hi)
         ax.set(xlim=(lo, hi), ylim=(ranks - 0.5, -0.5), title=f"{m} (run {run})", xlabel=TIME_AXIS,
                ylabel="worker rank")
-        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_yticks(range(ranks))
     _legend(fig, [Patch(facecolor=c, hatch=h, edgecolor="#e6550d" if h else c, label=label)
                   for _, label, c, h in SEGMENTS])
     fig.suptitle(f"Per-worker timeline, {group_title(group)}, about {TIMELINE_STEPS} steps of the first repeat")
@@ -304,8 +304,8 @@ PLOTS = (
     (accuracy_vs_time, "Test accuracy against seconds since the run's start, per mode; the dashed line is the target."),
     (loss_vs_steps, "Training loss per step, averaged over workers and repeats."),
     (samples_per_s, "Samples per second of all workers together: median over repeats, error bars min to max."),
-    (staleness, "How many updates behind the weights each push was computed on, per mode (first group with "
-                "stragglers, else the first group)."),
+    (staleness, "How many updates behind the weights each push was computed on, per mode (the first group with "
+                "stragglers, else the one with the most workers)."),
     (timeline, "What each worker did over about twenty steps of one run per mode: pulling (including waiting for "
                "the others), computing, the injected straggler delay and pushing."),
     (scaling, "Throughput and time to target against the number of workers; the dashed line is perfect scaling."),

@@ -174,9 +174,7 @@ def _theory(ok: list[dict], group: Group, modes: list[str]) -> str | None:
             if t is None:
                 why.append(f"{m} never reached the target, sync did in {secs(t_sync)} s")
             elif s is not None and s_sync is not None:
-                why.append(f"{m} processed more samples per second than sync ({sig(s)} against {sig(s_sync)}) "
-                           f"but needed more of them to reach the target" if s > s_sync else
-                           f"{m} did not even process more samples per second ({sig(s)} against {sig(s_sync)})")
+                why.append(_throughput_versus_sync(m, s, s_sync))
     head = f"Under stragglers ({group_title(group)}), "
     if not won and not lost:
         return head + f"neither sync nor {join(rivals)} reached the target, so this cannot say whether {THEORY}."
@@ -224,3 +222,17 @@ def _scaling(ok: list[dict], groups: list[Group], modes: list[str]) -> str | Non
     where = "no stragglers" if setting == NO_STRAGGLERS else f"stragglers {setting}"
     return (f"Scaling efficiency ({where}), samples/s with n workers divided by n times {basis} "
             f"(1.00 is perfect): " + "; ".join(parts) + ".")
+
+
+SAME_THROUGHPUT = 0.03    # samples/s within 3% of each other are called the same: run-to-run noise is larger
+
+
+def _throughput_versus_sync(mode: str, s: float, s_sync: float) -> str:
+    against = f"({sig(s)} against {sig(s_sync)})"
+    if abs(s - s_sync) <= SAME_THROUGHPUT * s_sync:
+        bound = (": its staleness bound still holds the fast workers back when a straggler is slow at every "
+                 "step, and it" if mode.startswith("ssp:") else ", and")
+        return f"{mode} processed about as many samples per second as sync {against}{bound} needed more samples to reach the target"
+    if s > s_sync:
+        return f"{mode} processed more samples per second than sync {against} but needed more of them to reach the target"
+    return f"{mode} did not even process more samples per second {against}"

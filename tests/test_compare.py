@@ -79,6 +79,12 @@ def test_resume_runs_only_what_is_missing(tmp_path):
     assert sorted(s["run"] for s in steps if s["event"] == "step") == ["async-w1-r0"] * 30 + ["sync-w1-r0"] * 30
     other = psctl(*[a if a != "sync,async" else "sync" for a in args], "--resume")
     assert other.returncode == 2 and "other settings" in other.stderr
+    # The report again, for another target, from the runs there are: nothing runs.
+    report = psctl("compare", "--report-only", "--out", str(out), "--target-accuracy", "0.5")
+    assert report.returncode == 0, report.stderr
+    rows = rows_of(out)
+    assert len(rows) == 2 and all(float(r["target_accuracy"]) == 0.5 for r in rows)
+    assert "0.500" in (out / "report.md").read_text()
 
 
 @pytest.mark.slow

@@ -233,3 +233,13 @@ def test_text_is_escaped_in_html_and_markdown(stragglers_case):
 def test_importing_the_report_does_not_load_matplotlib():
     code = "import sys, psgrid.cluster.report; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
+
+
+def test_throughput_within_noise_of_sync_is_called_the_same():
+    from psgrid.cluster.reading import _throughput_versus_sync
+
+    assert "about as many samples per second" in _throughput_versus_sync("ssp:2", 15304, 15259)
+    assert "staleness bound" in _throughput_versus_sync("ssp:2", 15304, 15259)
+    assert "staleness bound" not in _throughput_versus_sync("async", 15304, 15259)
+    assert "processed more samples per second" in _throughput_versus_sync("async", 21929, 15259)
+    assert "did not even process more" in _throughput_versus_sync("ssp:8", 12000, 15259)

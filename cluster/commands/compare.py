@@ -49,6 +49,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="test accuracy whose time to reach is compared (default: the highest every run reached)")
     e.add_argument("--out", required=True, metavar="DIR", help="output folder of the experiment")
     e.add_argument("--resume", action="store_true", help="finish an experiment in OUT: skip the runs already done")
+    e.add_argument("--report-only", action="store_true",
+                   help="run nothing: write summary.csv and the report of the experiment in OUT again from its runs "
+                        "(with --target-accuracy, for another target)")
     e.add_argument("--mpi", action="store_true",
                    help="run under mpiexec or srun (every rank runs this same command): each run takes the first "
                         "1+S+W ranks as psctl mpi does (W for allreduce); needs 1+S+max(workers) ranks")
@@ -81,6 +84,12 @@ def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.errors import UsageError
     from psgrid.cluster.experiment import parse_counts, parse_modes, parse_straggler_setting, plan
 
+    if args.report_only:
+        from psgrid.cluster.compare import rewrite_report, table_text
+
+        rows = rewrite_report(Path(args.out), args.target_accuracy)
+        print(table_text(rows, rows[0]["target_accuracy"] if rows else None))
+        return 0
     job = load_job_from_args(args)
     modes = parse_modes(args.modes)
     workers = parse_counts(args.workers, "--workers") if args.workers else [job.workers]
