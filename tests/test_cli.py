@@ -69,6 +69,14 @@ def test_no_command_prints_help_and_fails(capsys):
     (["server", "--bulk"], "unrecognized arguments: --bulk"),
     (["server", "--data-plane", "udp"], "argument --data-plane: invalid choice: 'udp'"),
     (["status", "--address-dir", "/nonexistent"], "no shard-I address files in /nonexistent"),
+    (["launch", "--stragglers", "3:0.5"], "the slowdown factor F in K:F must be >= 1"),
+    (["launch", "--set", "step_delay_s=0.02"], "'step_delay_s' was replaced: use stragglers"),
+    (["compare", "--out", "x", "--modes", "ssp"], "--modes: write ssp:S"),
+    (["compare", "--out", "x", "--workers", "2", "--stragglers", "3:3"], "worker 3 does not exist with --workers 2"),
+    (["compare", "--out", "x", "--stragglers", "1:exp:0"], "--stragglers: '1:exp:0'"),
+    (["compare", "--out", "x", "--repeats", "0"], "--repeats must be at least 1"),
+    (["compare", "--out", "x", "--target-accuracy", "1.5"], "--target-accuracy must be in (0, 1]"),
+    (["compare", "--report-only", "--out", "/nonexistent"], "holds no experiment"),
 ])
 def test_user_errors_are_one_line_and_exit_2(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit:
