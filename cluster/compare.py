@@ -143,11 +143,7 @@ class RunProgress:
         if state.steps > self.shown:
             self.bar.update(state.steps - self.shown)
             self.shown = state.steps
-        post = {}
-        if state.mean_loss is not None:
-            post["loss"] = f"{state.mean_loss:.4f}"
-        if state.test_accuracy is not None:
-            post["test_acc"] = f"{state.test_accuracy:.4f}"
+        post = co.postfix(state)
         if post and self.enabled:
             self.bar.set_postfix(post, refresh=False)
 

@@ -168,11 +168,7 @@ class Progress:
         if steps > self._shown:
             self.bar.update(steps - self._shown)
             self._shown = steps
-        post = {}
-        if state.mean_loss is not None:
-            post["loss"] = f"{state.mean_loss:.4f}"
-        if state.test_accuracy is not None:
-            post["test_acc"] = f"{state.test_accuracy:.4f}"
+        post = postfix(state)
         if post and self.enabled:
             self.bar.set_postfix(post, refresh=False)
         if not self.enabled:
@@ -192,6 +188,16 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+def postfix(state: JobState) -> dict:
+    """What a progress bar shows after its count: the mean training loss and the latest test accuracy."""
+    post = {}
+    if state.mean_loss is not None:
+        post["loss"] = f"{state.mean_loss:.4f}"
+    if state.test_accuracy is not None:
+        post["test_acc"] = f"{state.test_accuracy:.4f}"
+    return post
 
 
 def total_steps(job: JobConfig) -> int | None:
