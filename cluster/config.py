@@ -2,7 +2,7 @@
 
 A job file has three optional tables::
 
-    [job]     name, shards, workers, out, timeout_s, start_timeout_s
+    [job]     name, shards, workers, out, timeout_s, start_timeout_s, restart_failed, max_restarts
     [server]  any ServerConfig field (mode, staleness, optimizer, lr, lease_s, checkpoints, ...)
     [train]   any TrainConfig field (model, dataset, batch_size, steps, eval_every, device, ...)
 
@@ -90,6 +90,11 @@ class JobConfig:
         Stop the job if training has not finished after this long; 0 means no limit.
     start_timeout_s : float
         How long to wait for the shards to publish their addresses.
+    restart_failed : bool
+        Start a shard that dies again, on its address, from its latest checkpoint (needs
+        ``[server] checkpoint_dir`` and a checkpoint interval).
+    max_restarts : int
+        How many times each shard may be restarted before the job fails.
     server, train : ServerConfig, TrainConfig
         Settings shared by every shard (the shard index, count and port are set per
         process) and by every worker.
@@ -103,6 +108,8 @@ class JobConfig:
     out: str | None = None
     timeout_s: float = 0.0
     start_timeout_s: float = 60.0
+    restart_failed: bool = False
+    max_restarts: int = 3
     server: ServerConfig = field(default_factory=ServerConfig)
     train: TrainConfig = field(default_factory=lambda: _train_config()())
     source: str | None = field(default=None, compare=False)
@@ -340,6 +347,12 @@ def _check_job(job: JobConfig, where: str) -> None:
         raise ConfigError(f"{where}: [job] workers must be >= 1, got {job.workers}")
     if job.timeout_s < 0 or not job.start_timeout_s > 0:
         raise ConfigError(f"{where}: [job] timeout_s must be >= 0 and start_timeout_s > 0")
+    if job.restart_failed and not (job.server.checkpoint_dir and (job.server.checkpoint_every
+                                                                  or job.server.checkpoint_every_s)):
+        raise ConfigError(f"{where}: [job] restart_failed needs [server] checkpoint_dir and checkpoint_every or "
+                          f"checkpoint_every_s: a restarted shard starts from its latest checkpoint")
+    if job.max_restarts < 0:
+        raise ConfigError(f"{where}: [job] max_restarts must be >= 0, got {job.max_restarts}")
     if not job.name or "/" in job.name:
         raise ConfigError(f"{where}: [job] name must be a non-empty string without '/', got {job.name!r}")
     if job.server.mode == "sync" and job.server.backup_workers >= job.workers:

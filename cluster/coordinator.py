@@ -26,7 +26,7 @@ SHARD_FIELDS = (
     "shard_index", "address", "mode", "version", "begin", "end", "min_clock", "max_clock",
     "pushes", "pulls", "bytes_in", "bytes_out", "applied_updates", "dropped_late", "duplicates",
     "evictions", "rejected", "staleness_counts", "mean_staleness", "max_staleness", "wait_s_total",
-    "checkpoint", "waits",
+    "checkpoint", "waits", "departed", "lost_updates", "restored_version", "stalled_evictions",
 )
 
 
@@ -85,6 +85,8 @@ class JobState:
         self.loss: dict[int, float] = {}
         self.last_eval: dict | None = None
         self.done: dict[int, dict] = {}
+        self.first_step: dict[int, int] = {}    # where each worker started: above 0 when a job resumes
+        self.started: set[int] = set()          # ranks whose "start" event arrived: they joined the job
         self.first_start: float | None = None   # time of the first worker's "start" event
         self.last_done: float | None = None     # time of the last worker's "done" event
 
@@ -107,14 +109,29 @@ class JobState:
                 evals.append(e)
             elif kind == "start" and _finite(e.get("time")):
                 self.first_start = min(self.first_start or e["time"], e["time"])
+                if isinstance(rank, int):
+                    self.started.add(rank)
+                    if isinstance(e.get("first_step"), int):
+                        self.first_step[rank] = e["first_step"]
             elif kind == "done" and isinstance(rank, int):
                 self.done[rank] = e
                 if _finite(e.get("time")):
                     self.last_done = max(self.last_done or e["time"], e["time"])
         return evals
 
+    def worker_position(self, rank: int) -> int:
+        """The step a worker has reached, counting those made before a resume."""
+        first = self.first_step.get(rank, 0)
+        return max(self.steps_done.get(rank, first), first + int(self.done.get(rank, {}).get("steps", 0)))
+
     def worker_steps(self, rank: int) -> int:
-        return max(self.steps_done.get(rank, 0), int(self.done.get(rank, {}).get("steps", 0)))
+        """Steps a worker made in this run."""
+        return self.worker_position(rank) - self.first_step.get(rank, 0)
+
+    @property
+    def position(self) -> int:
+        """All workers' steps reached, counting those made before a resume (what a progress bar shows)."""
+        return sum(self.worker_position(r) for r in set(self.steps_done) | set(self.done) | set(self.first_step))
 
     def worker_samples(self, rank: int) -> int:
         return int(self.done[rank].get("samples", 0)) if rank in self.done else self.samples.get(rank, 0)
@@ -164,7 +181,7 @@ class Progress:
         return not self.bar.disable
 
     def update(self, state: JobState, evals: list[dict]) -> None:
-        steps = state.steps
+        steps = state.position
         if steps > self._shown:
             self.bar.update(steps - self._shown)
             self._shown = steps
@@ -329,6 +346,8 @@ def build_summary(
     worker_exits: dict[int, int | None],
     out: str,
     message: str | None = None,
+    restarts: list[dict] | None = None,
+    resumed: list[dict] | None = None,
 ) -> dict:
     """summary.json: the same fields for ``launch`` and ``mpi``.
 
@@ -376,6 +395,9 @@ def build_summary(
         "shard_stats": shard_stats,
         "worker_results": workers,
         "failures": failures,
+        "restarts": restarts or [],
+        "resumed": resumed,
+        "lost_updates": sum(s.get("lost_updates", 0) for s in shard_stats),
         "out": out,
         "config": job.to_dict(),
     }

@@ -6,10 +6,19 @@ publish in ``OUT/addr/shard-I``, starts the workers, follows their metrics for t
 progress bar, and at the end evaluates, stops the shards and writes ``OUT/summary.json``
 and ``OUT/metrics.jsonl``.
 
-What the job survives: a worker that fails is evicted by the shards after ``lease_s``
-and the others go on (in every mode), so worker failures are tolerated as long as one
-worker completes; they are listed in the summary.  A shard holds a slice of the weights
-that exists nowhere else, so a shard that exits early ends the job.
+What the job survives (docs/reliability.md has the whole contract):
+
+* a worker that dies is evicted by the shards after ``lease_s`` and the others go on, in
+  every mode, as long as one worker completes; one that dies before it joined is reported
+  gone to the shards at once, so nobody waits ``join_timeout_s`` for it;
+* a worker whose loop hangs while its heartbeat lives is evicted by the shards after
+  ``progress_timeout_s`` (sync and ssp), and then stopped here;
+* a shard holds a slice of the weights that exists nowhere else: one that exits ends the
+  job, unless ``restart_failed`` is set, when it is started again on its address from its
+  latest checkpoint (the workers retry meanwhile).
+
+Every failure is listed in the summary. ``--resume DIR`` continues a stopped job from its
+shards' checkpoints toward its total steps (cluster/resume.py).
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from psgrid.cluster import coordinator as co
 from psgrid.cluster.config import JobConfig
 from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
+from psgrid.cluster.watch import ShardWatch
 
 POLL_S = 0.2
 STOP_GRACE_S = 5.0
@@ -36,10 +46,15 @@ class Interrupted(Exception):
         self.signum = signum
 
 
-def prepare_out(job: JobConfig) -> Path:
+def prepare_out(job: JobConfig, resume: bool = False) -> Path:
     out = Path(job.out or job.default_out())
-    if out.exists() and any((out / name).exists() for name in ("summary.json", "metrics", "addr", "logs")):
-        raise UsageError(f"{out} already holds a run; choose another --out or remove it")
+    if resume:
+        from psgrid.cluster.resume import archive_attempt
+
+        archive_attempt(out)
+    elif out.exists() and any((out / name).exists() for name in ("summary.json", "metrics", "addr", "logs")):
+        raise UsageError(f"{out} already holds a run; choose another --out, remove it, or continue it with "
+                         f"psctl launch --resume {out}")
     for sub in ("addr", "logs", "metrics"):
         (out / sub).mkdir(parents=True, exist_ok=True)
     return out
@@ -49,8 +64,9 @@ class Launcher:
     """Runs one job; :meth:`run` returns the summary or raises JobFailed / Interrupted after cleaning up."""
 
     def __init__(self, job: JobConfig, out: Path, progress: bool | None = None, *, bar=None,
-                 quiet: bool = False):
+                 quiet: bool = False, resumed: list[dict] | None = None):
         self.job = job
+        self.resumed = resumed     # where each shard's checkpoint stood, when this run resumes a job
         self.out = out
         self.progress_enabled = progress
         self.bar = bar          # a caller's progress bar (psctl compare's, over many jobs) instead of our own
@@ -59,9 +75,15 @@ class Launcher:
         self.workers: list[Child] = []
         self.addresses: list[str] = []
         self.failures: list[dict] = []
+        self.restarts: list[dict] = []     # shards started again (restart_failed)
+        self.watch: ShardWatch | None = None
+        self.started_at: dict[int, float] = {}    # rank -> when its "start" event was seen
+        self.why: dict[str, str] = {}             # child name -> what the launcher did to it, and why
         self.state = co.JobState()
         self.tail = co.MetricsTail()
         self.log = co.EventLog(out / "metrics" / "coordinator.jsonl")
+        if job.server.checkpoint_dir:    # absolute, so a resume from another folder finds the checkpoints
+            job.server.checkpoint_dir = str(Path(job.server.checkpoint_dir).resolve())
         self.job_file = out / "job.toml"
         self.job_file.write_text(f"# resolved job, as run by psctl launch\n{job.to_toml()}")
         cpus = usable_cpus()
@@ -70,15 +92,17 @@ class Launcher:
 
     # -- phases ------------------------------------------------------------------------------
 
+    def _shard_child(self, i: int, port: int) -> Child:
+        addr_file = self.out / "addr" / f"shard-{i}"
+        argv = psctl_argv("server", "--config", str(self.job_file), "--shard", str(i),
+                          "--num-shards", str(self.job.shards), "--port", str(port), "--address-file", str(addr_file))
+        return Child(f"server {i}", argv, self.out / "logs" / f"server-{i}.log", self.shard_env)
+
     def start_shards(self) -> None:
         job = self.job
         for i in range(job.shards):
-            addr_file = self.out / "addr" / f"shard-{i}"
-            argv = psctl_argv("server", "--config", str(self.job_file), "--shard", str(i),
-                              "--num-shards", str(job.shards), "--port", "0", "--address-file", str(addr_file))
             with _deferred_signals():  # a signal between fork and append would leave a child we do not know
-                self.shards.append(Child(f"server {i}", argv, self.out / "logs" / f"server-{i}.log",
-                                         self.shard_env))
+                self.shards.append(self._shard_child(i, 0))
         deadline = time.monotonic() + job.start_timeout_s
         files = [self.out / "addr" / f"shard-{i}" for i in range(job.shards)]
         while not all(f.exists() for f in files):
@@ -90,6 +114,9 @@ class Launcher:
             time.sleep(0.05)
         self.addresses = [f.read_text().strip() for f in files]
         self.log("shards_ready", addresses=self.addresses, pids=[s.pid for s in self.shards])
+        from psgrid.worker.loop import make_admin
+
+        self.watch = ShardWatch(lambda: make_admin(job.train, self.addresses, deadline_s=10.0, retry_s=2.0)).start()
 
     def start_workers(self) -> None:
         job = self.job
@@ -117,12 +144,20 @@ class Launcher:
                 self._check_shards()
                 for rank, w in enumerate(self.workers):
                     code = w.poll()
-                    if code is not None and rank not in reported:
+                    if code is None:
+                        self._stop_if_evicted(rank, w, progress)
+                    elif rank not in reported:
                         reported.add(rank)
                         self.log("worker_exit", rank=rank, exit_code=code)
+                        joined = rank in self.state.started
+                        if not joined:
+                            # The others wait for the whole job to join: tell the shards not to wait for this one.
+                            self.watch.report_gone(rank)
                         if code != 0:
                             self._record_failure(w, "worker", rank, tolerated=True)
-                            progress.bar.write(f"psctl launch: {w.name} {w.describe_exit()}; the others go on "
+                            what = self.why.get(w.name) or f"{w.name} {w.describe_exit()}"
+                            before = "" if joined else " before it joined; the shards were told not to wait for it"
+                            progress.bar.write(f"psctl launch: {what}{before}; the others go on "
                                                f"(log: {w.log_path})", file=sys.stderr)
                 if len(reported) == len(self.workers):
                     break
@@ -144,20 +179,63 @@ class Launcher:
                             f"{_indent(first.tail())}")
         return wall
 
+    def _stop_if_evicted(self, rank: int, worker: Child, progress) -> None:
+        """Stop a worker whose process lives on after the shards evicted it (a hung training loop)."""
+        if rank not in self.state.started or rank in self.state.done or self.watch is None:
+            return
+        started = self.started_at.setdefault(rank, time.monotonic())
+        absent = self.watch.absent_since(rank, started)
+        # Two leases and a margin: long enough for an evicted worker that still runs to register again.
+        if absent is None or absent < max(2 * self.job.server.lease_s, 5.0):
+            return
+        self.why[worker.name] = (f"{worker.name} was evicted by the shards (no push for progress_timeout_s = "
+                                 f"{self.job.server.progress_timeout_s:g} s while the others waited on it, or no "
+                                 f"heartbeat for lease_s) and did not come back in {absent:.0f} s: stopped it")
+        self.log("worker_stopped", rank=rank, reason=self.why[worker.name])
+        stop_children([worker], STOP_GRACE_S)
+
     def _check_shards(self) -> None:
         for i, s in enumerate(self.shards):
             if s.poll() is not None:
+                if self._may_restart(s):
+                    self._restart_shard(i, s)
+                    continue
                 self._record_failure(s, "server", i, tolerated=False)
                 raise JobFailed(f"{s.name} (pid {s.pid}) {s.describe_exit()}; a job cannot go on without "
                                 f"one of its shards. Last lines of {s.log_path}:\n{_indent(s.tail())}")
 
+    def _may_restart(self, shard: Child) -> bool:
+        job = self.job
+        return bool(job.restart_failed and self.addresses and sum(r["name"] == shard.name for r in self.restarts)
+                    < job.max_restarts)
+
+    def _restart_shard(self, i: int, dead: Child) -> None:
+        """Start shard ``i`` again on its address; it restores its latest checkpoint while clients retry."""
+        from psgrid.psserver import checkpoint
+
+        port = int(self.addresses[i].rpartition(":")[2])
+        manifest = checkpoint.read_manifest(checkpoint.shard_dir(self.job.server.checkpoint_dir, i, self.job.shards))
+        restart = {"name": dead.name, "shard": i, "pid": dead.pid, "exit_code": dead.returncode, "time": time.time(),
+                   "checkpoint_version": None if manifest is None else manifest["version"]}
+        self.restarts.append(restart)
+        self.failures.append({"name": dead.name, "role": "server", "index": i, "pid": dead.pid,
+                              "exit_code": dead.returncode, "tolerated": True, "restarted": True,
+                              "log": str(dead.log_path), "tail": dead.tail(10)})
+        self.log("shard_restart", **restart)
+        n = sum(r["name"] == dead.name for r in self.restarts)
+        print(f"psctl launch: {dead.name} {dead.describe_exit()}; restarting it on {self.addresses[i]} from its "
+              f"checkpoint at version {restart['checkpoint_version']} (restart {n} of {self.job.max_restarts})",
+              file=sys.stderr, flush=True)
+        with _deferred_signals():
+            self.shards[i] = self._shard_child(i, port)
+
     def _record_failure(self, child: Child, role: str, index: int, tolerated: bool) -> None:
-        if any(f["name"] == child.name for f in self.failures):
+        if any(f["name"] == child.name and f["pid"] == child.pid for f in self.failures):
             return
         self.failures.append({
             "name": child.name, "role": role, "index": index, "pid": child.pid,
             "exit_code": child.returncode, "tolerated": tolerated, "log": str(child.log_path),
-            "tail": child.tail(10),
+            "tail": child.tail(10), **({"reason": self.why[child.name]} if child.name in self.why else {}),
         })
 
     def wait_shards(self) -> None:
@@ -167,6 +245,8 @@ class Launcher:
         stop_children(self.shards, STOP_GRACE_S)
 
     def stop_all(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
         stop_children(self.workers + self.shards, STOP_GRACE_S)
 
     # -- the whole job -----------------------------------------------------------------------
@@ -185,6 +265,7 @@ class Launcher:
                       f"{job.workers} worker(s); logs in {self.out / 'logs'}", file=sys.stderr, flush=True)
             self.start_workers()
             train_wall = self.follow()
+            self.watch.close()
             evaluation, shard_stats = co.finish(job, self.addresses)
             self.log("final_eval", **(evaluation or {}))
             for s in shard_stats:
@@ -210,7 +291,7 @@ class Launcher:
                 job, launcher="launch", status=status, addresses=self.addresses, state=self.state,
                 train_wall_s=train_wall, total_wall_s=time.monotonic() - t0, evaluation=evaluation,
                 shard_stats=shard_stats, failures=self.failures, worker_exits=exits, out=str(self.out),
-                message=message,
+                message=message, restarts=self.restarts, resumed=self.resumed,
             )
             co.merge_metrics(sorted((self.out / "metrics").glob("*.jsonl")), self.out / "metrics.jsonl")
             co.write_json(self.out / "summary.json", summary)
@@ -250,12 +331,24 @@ def _ignore_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def launch(job: JobConfig, progress: bool | None = None) -> int:
-    """Run ``job`` on this machine; returns the exit code (0 ok, 1 job failed, 128+N on signal N)."""
-    out = prepare_out(job)
+def launch(job: JobConfig, progress: bool | None = None, *, resume: bool = False) -> int:
+    """Run ``job`` on this machine; returns the exit code (0 ok, 1 job failed, 128+N on signal N).
+
+    With ``resume``, ``job.out`` is a stopped job's folder: its shards restore their checkpoints.
+    """
+    resumed = None
+    if resume:
+        from dataclasses import asdict
+
+        from psgrid.cluster.resume import check_resumable, describe
+
+        found = check_resumable(job, Path(job.out))
+        print(f"psctl launch: {describe(found)}", file=sys.stderr, flush=True)
+        resumed = [asdict(c) for c in found]
+    out = prepare_out(job, resume=resume)
     old = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        summary = Launcher(job, out, progress).run()
+        summary = Launcher(job, out, progress, resumed=resumed).run()
     except JobFailed as e:
         print(f"psctl launch: job failed: {e}", file=sys.stderr)
         print(f"psctl launch: summary in {out / 'summary.json'}", file=sys.stderr)

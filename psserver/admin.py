@@ -53,6 +53,14 @@ class Admin:
         """Ask every shard to write a checkpoint now; returns their paths."""
         return [path for path, _ in self._conn.each("checkpoint")]
 
+    def report_gone(self, worker_id: int) -> None:
+        """Tell every shard that worker ``worker_id`` will not come (it died before it joined).
+
+        Workers waiting for the whole job to join count it as departed and start at once,
+        instead of waiting ``join_timeout_s`` for it.
+        """
+        self._conn.each_call(lambda control: control.heartbeat(worker_id, leaving=True))
+
     def shutdown(self) -> None:
         """Ask every shard to stop (each writes a final checkpoint where it has a directory).
 

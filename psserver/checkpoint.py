@@ -1,12 +1,15 @@
 """Atomic shard checkpoints: write to a temp file, fsync, rename, manifest last.
 
 A reader trusts only the manifest: a crash at any point leaves either the old
-checkpoint or the new one complete, never a torn file that looks valid.
+checkpoint or the new one complete, never a torn file that looks valid. What a crash
+can leave behind is a temporary file (``.tmp-*``); :func:`remove_leftovers` deletes
+them when a shard starts, and a write that fails deletes its own.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -14,7 +17,15 @@ from pathlib import Path
 import numpy as np
 
 MANIFEST = "latest.json"
-KEEP = 2
+DEFAULT_KEEP = 3
+TMP_PREFIX = ".tmp-"
+
+log = logging.getLogger("psgrid.checkpoint")
+
+
+def shard_dir(root: str | Path, shard_index: int, num_shards: int) -> Path:
+    """Where shard ``shard_index`` of ``num_shards`` keeps its checkpoints under a job's ``checkpoint_dir``."""
+    return Path(root) / f"shard-{shard_index}-of-{num_shards}"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -25,42 +36,80 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save(directory: str | Path, arrays: dict[str, np.ndarray], meta: dict) -> Path:
-    """Write one checkpoint and point the manifest at it; returns the checkpoint's path."""
+def save(directory: str | Path, arrays: dict[str, np.ndarray], meta: dict, keep: int = DEFAULT_KEEP) -> Path:
+    """Write one checkpoint, point the manifest at it and keep the newest ``keep``; returns its path."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     name = f"ckpt-{meta['version']:012d}.npz"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".npz")
-    with os.fdopen(fd, "wb") as f:
-        np.savez(f, **arrays, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / name)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=TMP_PREFIX, suffix=".npz")
     manifest_tmp = directory / (MANIFEST + ".tmp")
-    with open(manifest_tmp, "w") as f:
-        json.dump({"file": name, "version": meta["version"]}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(manifest_tmp, directory / MANIFEST)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / name)
+        with open(manifest_tmp, "w") as f:
+            json.dump({"file": name, "version": meta["version"]}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(manifest_tmp, directory / MANIFEST)
+    except BaseException:
+        # A full disk or a crash in the middle must not leave its half-written file forever.
+        for leftover in (Path(tmp), manifest_tmp):
+            leftover.unlink(missing_ok=True)
+        raise
     _fsync_dir(directory)
-    _prune(directory, keep_name=name)
+    _prune(directory, keep_name=name, keep=keep)
     return directory / name
 
 
-def _prune(directory: Path, keep_name: str) -> None:
+def _prune(directory: Path, keep_name: str, keep: int) -> None:
     old = sorted(p for p in directory.glob("ckpt-*.npz") if p.name != keep_name)
-    for path in old[: max(0, len(old) - (KEEP - 1))]:
+    for path in old[: max(0, len(old) - (max(1, keep) - 1))]:
         path.unlink(missing_ok=True)
+
+
+def remove_leftovers(directory: str | Path) -> list[str]:
+    """Delete temporary files a crashed write left behind; returns their names."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    removed = []
+    for path in [*directory.glob(TMP_PREFIX + "*"), directory / (MANIFEST + ".tmp")]:
+        if path.is_file():
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    if removed:
+        log.info("removed %d leftover temporary checkpoint file(s) in %s", len(removed), directory)
+    return removed
+
+
+def read_manifest(directory: str | Path) -> dict | None:
+    """The manifest ``{"file", "version"}``, or None when there is no complete checkpoint."""
+    manifest = Path(directory) / MANIFEST
+    if not manifest.exists():
+        return None
+    return json.loads(manifest.read_text())
+
+
+def load(path: str | Path) -> tuple[dict[str, np.ndarray], dict]:
+    """One checkpoint file as (arrays, meta)."""
+    with np.load(path) as data:
+        arrays = {k: data[k].copy() for k in data.files if k != "__meta__"}
+        meta = json.loads(bytes(data["__meta__"]).decode())
+    return arrays, meta
+
+
+def load_meta(path: str | Path) -> dict:
+    """Only the metadata of one checkpoint file (the arrays stay on disk)."""
+    with np.load(path) as data:
+        return json.loads(bytes(data["__meta__"]).decode())
 
 
 def load_latest(directory: str | Path) -> tuple[dict[str, np.ndarray], dict] | None:
     """The latest complete checkpoint as (arrays, meta), or None when there is none."""
-    directory = Path(directory)
-    manifest = directory / MANIFEST
-    if not manifest.exists():
+    manifest = read_manifest(directory)
+    if manifest is None:
         return None
-    name = json.loads(manifest.read_text())["file"]
-    with np.load(directory / name) as data:
-        arrays = {k: data[k].copy() for k in data.files if k != "__meta__"}
-        meta = json.loads(bytes(data["__meta__"]).decode())
-    return arrays, meta
+    return load(Path(directory) / manifest["file"])

@@ -233,12 +233,15 @@ class Client:
             conn = self._conn
             first = conn.retrying(0, lambda: self._register_one(0, start_clock=-1))
             self.worker_id, self.mode, self.lease_s = first.worker_id, first.mode, first.lease_s
-            with self._lock:
-                self._next_clock = first.start_clock
             self._registered = True
-            others = conn.map(lambda i: conn.retrying(i, lambda: self._register_one(i)), range(1, conn.num_shards))
+            # Every shard says where this worker stands; they differ only after shards restored
+            # checkpoints of different moments. The worker starts at the earliest: a shard that is
+            # ahead answers the pushes it already has as duplicates, and none is skipped.
+            others = conn.map(lambda i: conn.retrying(i, lambda: self._register_one(i, start_clock=-1)),
+                              range(1, conn.num_shards))
             registrations = [first, *others]
             with self._lock:
+                self._next_clock = min(r.start_clock for r in registrations)
                 self._versions = [r.version for r in registrations]
             self._start_heartbeats()
             stats = self._wait_for_workers()
@@ -269,7 +272,11 @@ class Client:
         return reply
 
     def _wait_for_workers(self) -> list[dict] | None:
-        """Until every shard has ``world`` live members (or ``join_timeout_s`` passed): their stats."""
+        """Until every shard has seen each of ``world`` workers join or go (or ``join_timeout_s`` passed).
+
+        A worker that is gone (left, evicted, or reported dead by its launcher before it joined)
+        is not waited for. Returns the shards' stats.
+        """
         if not self.world:
             return None
         conn = self._conn
@@ -277,7 +284,8 @@ class Client:
         for pause in _polls(*POLL_S):
             stats = conn.each("stats")
             joined = min(len(s["members"]) for s in stats)
-            if joined >= self.world:
+            accounted = min(len({m["worker_id"] for m in s["members"]} | set(s["departed"])) for s in stats)
+            if accounted >= self.world:
                 return stats
             if time.monotonic() >= deadline:
                 log.warning("worker %d starting with %d of %d workers registered after %.0f s",

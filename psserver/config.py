@@ -30,9 +30,11 @@ class ServerConfig:
     eps: float = 1e-8
     lr_staleness: bool = False         # scale each step by 1/max(1, staleness)
     lease_s: float = 10.0
+    progress_timeout_s: float = 300.0  # sync/ssp: evict a worker others wait on that has not pushed this long (0: off)
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0          # updates between checkpoints (0: never by count)
     checkpoint_every_s: float = 0.0    # seconds between checkpoints (0: never by time)
+    checkpoint_keep: int = 3           # complete checkpoints kept on disk (the newest ones)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     token: str | None = None           # bearer token every request must carry
     tls_cert: str | None = None        # server certificate (PEM); enables TLS
@@ -60,6 +62,10 @@ class ServerConfig:
             raise InvalidArgument(f"lr must be > 0, got {self.lr}")
         if not self.lease_s > 0:
             raise InvalidArgument(f"lease_s must be > 0, got {self.lease_s}")
+        if not self.progress_timeout_s >= 0:
+            raise InvalidArgument(f"progress_timeout_s must be >= 0 (0 turns it off), got {self.progress_timeout_s}")
+        if self.checkpoint_keep < 1:
+            raise InvalidArgument(f"checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
         if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
             raise InvalidArgument(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], "
                                   f"got {self.chunk_bytes}")

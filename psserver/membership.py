@@ -1,4 +1,9 @@
-"""Leases: who is alive, judged against a clock the caller passes in (pure, testable)."""
+"""Leases: who is alive and who makes progress, judged against a clock the caller passes in (pure, testable).
+
+Two signs are tracked per member: ``last_seen`` (any heartbeat or request: the process lives)
+and ``last_progress`` (joining or pushing: the training loop moves). A worker whose heartbeat
+thread lives while its loop hangs keeps the first fresh and lets the second age.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ class Member:
     worker_id: int
     host: str
     last_seen: float
+    last_progress: float
 
 
 class Leases:
@@ -26,7 +32,7 @@ class Leases:
         return worker_id
 
     def add(self, worker_id: int, host: str, now: float) -> None:
-        self.members[worker_id] = Member(worker_id, host, now)
+        self.members[worker_id] = Member(worker_id, host, now, now)
         self.next_id = max(self.next_id, worker_id + 1)
 
     def renew(self, worker_id: int, now: float) -> bool:
@@ -36,8 +42,17 @@ class Leases:
         member.last_seen = now
         return True
 
+    def progressed(self, worker_id: int, now: float) -> None:
+        member = self.members.get(worker_id)
+        if member is not None:
+            member.last_seen = member.last_progress = now
+
     def remove(self, worker_id: int) -> None:
         self.members.pop(worker_id, None)
 
     def expired(self, now: float) -> list[int]:
         return [m.worker_id for m in self.members.values() if now - m.last_seen > self.lease_s]
+
+    def stalled(self, now: float, timeout: float) -> list[int]:
+        """Members that have not joined or pushed for more than ``timeout`` seconds."""
+        return [m.worker_id for m in self.members.values() if now - m.last_progress > timeout]

@@ -77,6 +77,11 @@ class ConsistencyPolicy:
         bound). In sync such pushes are dropped as late and the worker jumps to the open round.
         """
         if worker in self.clocks:
+            # A live worker asking for a later clock is ahead of what this shard remembers: the shard
+            # restarted from a checkpoint older than the worker's last pushes. It moves forward (what
+            # it missed is lost, and counted by the shard) instead of holding the others back.
+            if start_clock is not None and start_clock > self.clocks[worker]:
+                self.clocks[worker] = start_clock
             return self.clocks[worker]
         if start_clock is None or start_clock < 0:
             start_clock = self.slowest_clock()
@@ -104,6 +109,19 @@ class ConsistencyPolicy:
 
     def fastest_clock(self) -> int:
         return max(self.clocks.values()) if self.clocks else self.slowest_clock()
+
+    def holding_back(self, worker: int) -> bool:
+        """Whether a live worker is one that others' pulls wait on now (sync and ssp; never async).
+
+        sync: it has not pushed the open round while another worker has (and waits for the round
+        to close). ssp: its clock is more than the bound behind the fastest worker's.
+        """
+        clock = self.clocks.get(worker)
+        if clock is None or self.mode == "async":
+            return False
+        if self.mode == "sync":
+            return clock <= self.closed_rounds and self.fastest_clock() > self.closed_rounds
+        return clock < self.fastest_clock() - self.staleness
 
     # ----- pushes -----------------------------------------------------------------------------
 

@@ -77,6 +77,7 @@ class Reason(IntEnum):
     BAD_REPLY = 17          # (client side) the shard answered something that breaks the contract
     TIMED_OUT = 18          # (client side) a call outlived its deadline without the shard's answer
     CHECKPOINT_FAILED = 19  # the shard could not write its checkpoint (a full disk, say)
+    RESTORING = 20          # the shard is restoring its checkpoint: retry shortly
 
     @property
     def wire_name(self) -> str:

@@ -29,7 +29,7 @@ class RunningServer:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.shard = Shard(config)
+        self.shard = Shard(config, restore=False)     # restored in start(), once the transports listen
         self.stopped = threading.Event()
         self.shutdown_requested = threading.Event()
         self.service = ShardService(self.shard, on_shutdown=self.shutdown_requested.set)
@@ -53,9 +53,24 @@ class RunningServer:
         self.reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
 
     def start(self) -> "RunningServer":
+        """Listen, restore the latest checkpoint (if any), then serve.
+
+        While a checkpoint loads, the shard already answers: every call is refused as
+        UNAVAILABLE with reason ``restoring``, so clients retry instead of finding the port
+        closed, and a restarted shard's address is taken at once.
+        """
+        restoring = bool(self.config.checkpoint_dir)
+        if restoring:
+            self.shard.begin_restore()
         if self.tcp is not None:
             self.tcp.start()
         self.grpc.start()
+        if restoring:
+            try:
+                self.shard.restore()
+            except BaseException:
+                self.stop(grace=0)
+                raise
         self.reaper.start()
         return self
 
@@ -67,6 +82,11 @@ class RunningServer:
                 for worker in self.shard.evict_expired():
                     log.warning("shard %d evicted worker %d: no heartbeat for %.1fs",
                                 self.config.shard_index, worker, self.config.lease_s)
+                for worker in self.shard.evict_stalled():
+                    log.warning("shard %d evicted worker %d: the others waited on it and it pushed nothing "
+                                "for %gs (progress_timeout_s); its heartbeat was alive, so its training loop is "
+                                "hung or far too slow", self.config.shard_index, worker,
+                                self.config.progress_timeout_s)
                 self.shard.checkpoint_if_due()
             except Exception:  # noqa: BLE001 - the reaper must keep running
                 log.exception("lease reaper failed")

@@ -299,6 +299,8 @@ class ShardService:
         known = self.shard.heartbeat(worker_id)
         if leaving and known:
             self.shard.leave(worker_id)
+        elif leaving:
+            self.shard.mark_gone(worker_id)     # a launcher reporting a worker that died before it joined
         return HeartbeatInfo(known=known, lease_s=self.shard.config.lease_s,
                              min_clock=self.shard.policy.slowest_clock(), version=self.shard.version)
 

@@ -43,6 +43,8 @@ class Counters:
     dropped_late: int = 0
     duplicates: int = 0
     evictions: int = 0
+    stalled_evictions: int = 0     # of those, workers others waited on that made no progress
+    lost_updates: int = 0          # known lost to a restart (see StatsReply.lost_updates)
     rejected: int = 0
     wait_s_total: float = 0.0
     wait_s_by_worker: dict[int, float] = field(default_factory=dict)
@@ -68,7 +70,7 @@ class Shard:
         Monotonic clock; tests inject a fake one to expire leases.
     """
 
-    def __init__(self, config: ServerConfig, now=time.monotonic):
+    def __init__(self, config: ServerConfig, now=time.monotonic, *, restore: bool = True):
         self.config = config
         self.now = now
         self.cond = threading.Condition()
@@ -86,6 +88,8 @@ class Shard:
         # so a sync run is bitwise reproducible whatever order the pushes arrive in.
         self.round_grads: dict[int, dict[int, np.ndarray]] = {}
         self.closing = False       # set by close(): waits end, new calls are refused
+        self.restoring = False     # set while a checkpoint is loaded: calls are refused as UNAVAILABLE
+        self.restored_version = -1
         # Checkpoints: state is copied under the lock (_capture) and written outside it by the
         # thread whose update made one due, before that update is answered (_flush_capture).
         self.pending_capture: tuple[dict, dict] | None = None
@@ -96,7 +100,9 @@ class Shard:
         self.last_checkpoint_time = now()
         self.listeners: list = []   # callables(event: str, **fields) for metrics exporters
         if config.checkpoint_dir:
-            self.restore()
+            checkpoint.remove_leftovers(self._checkpoint_dir())
+            if restore:
+                self.restore()
 
     # ----- helpers ----------------------------------------------------------------------------
 
@@ -113,11 +119,17 @@ class Shard:
             listener(event, **fields)
 
     def _require_serving(self) -> None:
-        """Data calls: refused while the shard stops (clients retry elsewhere), and before Init."""
-        if self.closing:
-            raise Unavailable(f"shard {self.config.shard_index} is shutting down")
+        """Data calls: refused while the shard stops or restores (clients retry), and before Init."""
+        if self.closing or self.restoring:
+            self._require_up()
         if self.weights is None:
             self._require_initialized()
+
+    def _require_up(self) -> None:
+        if self.closing:
+            raise Unavailable(f"shard {self.config.shard_index} is shutting down")
+        if self.restoring:
+            raise Unavailable(f"shard {self.config.shard_index} is restoring its checkpoint", Reason.RESTORING)
 
     def _require_initialized(self) -> None:
         if not self.initialized:
@@ -136,7 +148,14 @@ class Shard:
 
     def register(self, spec_hash: str, worker_id: int, start_clock: int, host: str) -> dict:
         """Join (or rejoin) ``worker_id`` (-1: a new id); returns the join and the layout, read together."""
+        try:
+            return self._register(spec_hash, worker_id, start_clock, host)
+        finally:
+            self._flush_capture()     # moving a worker forward may have closed a sync round
+
+    def _register(self, spec_hash: str, worker_id: int, start_clock: int, host: str) -> dict:
         with self.cond:
+            self._require_up()
             expected = self.spec.hash() if self.spec is not None else self.expected_hash
             if spec_hash and expected and spec_hash != expected:
                 raise SpecMismatch(f"model spec hash {spec_hash[:12]} differs from this shard's "
@@ -145,8 +164,12 @@ class Shard:
                 self.expected_hash = spec_hash     # before Init, the first worker's model is the job's
             if worker_id < 0:
                 worker_id = self.leases.new_id()
+            before = self.policy.clocks.get(worker_id)
             clock = self.policy.join(worker_id, start_clock if start_clock >= 0 else None)
+            if before is not None and clock > before:
+                self._skipped(worker_id, before, clock, "registered")
             self.leases.add(worker_id, host, self.now())
+            self._close_rounds()
             self.cond.notify_all()
             return {"worker_id": worker_id, "start_clock": clock, **self._layout_info()}
 
@@ -158,6 +181,28 @@ class Shard:
     def _layout_info(self) -> dict:
         return {"version": self.version, "begin": self.begin, "end": self.end, "initialized": self.initialized,
                 "total_size": self.spec.size if self.spec is not None else 0}
+
+    def _skipped(self, worker: int, had: int, now_at: int, how: str) -> None:
+        """A live worker moved ahead of the clock this shard had for it: this shard missed its pushes.
+
+        In async and ssp each missed push is a lost update; in sync the rounds it skipped are
+        counted when they close with no gradient (:meth:`_close_rounds`).
+        """
+        log.warning("shard %d: worker %d %s at clock %d, this shard had it at %d: %d push(es) it never received "
+                    "(a restart from an older checkpoint)", self.config.shard_index, worker, how, now_at, had,
+                    now_at - had)
+        if self.config.mode != "sync":
+            self.counters.lost_updates += now_at - had
+
+    def mark_gone(self, worker: int) -> None:
+        """Record that a worker which never joined will not come (its launcher saw it exit).
+
+        Those waiting for the whole job count it as departed; if it does come after all, it joins.
+        """
+        with self.cond:
+            if not self.policy.is_live(worker):
+                self.policy.departed.setdefault(worker, 0)
+                self.cond.notify_all()
 
     def heartbeat(self, worker: int) -> bool:
         with self.cond:
@@ -186,6 +231,25 @@ class Shard:
                 self._emit("eviction", worker=worker)
         self._flush_capture()
         return expired
+
+    def evict_stalled(self) -> list[int]:
+        """sync and ssp: drop every worker the others wait on that has not pushed for ``progress_timeout_s``.
+
+        Its heartbeat may be alive (a hung training loop with a live heartbeat thread): leases alone
+        would never release the others. A worker that pushes again later registers anew.
+        """
+        timeout = self.config.progress_timeout_s
+        if not timeout or self.config.mode == "async":
+            return []
+        with self.cond:
+            stalled = [w for w in self.leases.stalled(self.now(), timeout) if self.policy.holding_back(w)]
+            for worker in stalled:
+                self.counters.evictions += 1
+                self.counters.stalled_evictions += 1
+                self._drop(worker)
+                self._emit("eviction", worker=worker)
+        self._flush_capture()
+        return stalled
 
     # ----- init -------------------------------------------------------------------------------
 
@@ -307,8 +371,11 @@ class Shard:
         with self.cond:
             self._require_serving()
             self._require_live(worker)
+            expected = self.policy.clocks[worker]
             decision = self.policy.on_push(worker, clock)
-            self.leases.renew(worker, self.now())
+            if clock > expected and decision.outcome is Outcome.APPLIED:
+                self._skipped(worker, expected, clock, "pushed")
+            self.leases.progressed(worker, self.now())
             self.counters.pushes += 1
             self.counters.bytes_in += nbytes
             self._emit("push", nbytes=nbytes)
@@ -340,7 +407,9 @@ class Shard:
         for round_ in closed:
             grads = self.round_grads.pop(round_, {})
             if not grads:
-                continue    # nobody's gradient reached this round (all skipped it): nothing to apply
+                # Every worker skipped this round: only a restart from an older checkpoint does that.
+                self.counters.lost_updates += 1
+                continue
             ordered = [grads[w] for w in sorted(grads)]
             total = ordered[0]
             for other in ordered[1:]:
@@ -406,7 +475,7 @@ class Shard:
         with self.write_lock:
             if meta["version"] < self.written_version:
                 return self.last_checkpoint
-            path = str(checkpoint.save(self._checkpoint_dir(), arrays, meta))
+            path = str(checkpoint.save(self._checkpoint_dir(), arrays, meta, keep=self.config.checkpoint_keep))
             self.written_version = meta["version"]
             with self.cond:
                 self.last_checkpoint = path
@@ -434,10 +503,23 @@ class Shard:
         return arrays, meta
 
     def _checkpoint_dir(self) -> str:
-        return str(Path(self.config.checkpoint_dir) / f"shard-{self.config.shard_index}-of-{self.config.num_shards}")
+        return str(checkpoint.shard_dir(self.config.checkpoint_dir, self.config.shard_index, self.config.num_shards))
+
+    def begin_restore(self) -> None:
+        """Refuse every call as UNAVAILABLE (reason ``restoring``) until :meth:`restore` has run."""
+        with self.cond:
+            self.restoring = True
 
     def restore(self) -> bool:
         """Load the latest complete checkpoint, if any; members get a fresh lease to come back."""
+        try:
+            return self._restore()
+        finally:
+            with self.cond:
+                self.restoring = False
+                self.cond.notify_all()
+
+    def _restore(self) -> bool:
         with self.cond:
             found = checkpoint.load_latest(self._checkpoint_dir())
             if found is None:
@@ -466,6 +548,12 @@ class Shard:
                 self.policy.clocks[int(w)] = c
                 self.leases.add(int(w), meta["hosts"].get(w, ""), now)
             self.last_checkpoint = str(Path(self._checkpoint_dir()) / checkpoint.MANIFEST)
+            self.restored_version = self.written_version = self.version
+            clocks = sorted(self.policy.clocks.values())
+            log.warning("shard %d restored its checkpoint at version %d (%s; worker clocks %s)",
+                        self.config.shard_index, self.version,
+                        f"{self.policy.closed_rounds} rounds closed" if self.config.mode == "sync" else self.config.mode,
+                        f"{clocks[0]}..{clocks[-1]}" if clocks else "none")
             return True
 
     # ----- stats ------------------------------------------------------------------------------
@@ -485,6 +573,8 @@ class Shard:
                 "bytes_in": c.bytes_in, "bytes_out": c.bytes_out, "applied_updates": c.applied_updates,
                 "dropped_late": c.dropped_late, "duplicates": c.duplicates, "evictions": c.evictions,
                 "rejected": c.rejected, "staleness_counts": list(c.staleness_counts),
+                "departed": sorted(self.policy.departed), "lost_updates": c.lost_updates,
+                "restored_version": self.restored_version, "stalled_evictions": c.stalled_evictions,
                 "mean_staleness": c.staleness_sum / c.staleness_n if c.staleness_n else 0.0,
                 "max_staleness": c.max_staleness, "wait_s_total": c.wait_s_total,
                 "checkpoint": self.last_checkpoint, "initialized": self.initialized,

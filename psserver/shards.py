@@ -16,7 +16,7 @@ from typing import Callable, Sequence, TypeVar
 
 from psgrid.psserver.exceptions import BadReply, InvalidArgument, ShardUnavailable, Unavailable
 from psgrid.psserver.protocol import DATA_PLANES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, Reason, Registration
-from psgrid.psserver.transports.base import ConnectOptions, DataPlane, open_control, open_data_plane
+from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, open_control, open_data_plane
 
 log = logging.getLogger("psgrid.client")
 T = TypeVar("T")
@@ -94,6 +94,10 @@ class ShardConnections:
     def each(self, method: str, shards: Sequence[int] | None = None) -> list:
         """A control call (``"stats"``, ``"checkpoint"``, ...) on every shard, concurrently, each retried."""
         return self.map(lambda i: self.retrying(i, getattr(self.controls[i], method)), shards)
+
+    def each_call(self, call: Callable[[Control], T], shards: Sequence[int] | None = None) -> list[T]:
+        """``call(control)`` on every shard's control connection, concurrently, each retried."""
+        return self.map(lambda i: self.retrying(i, lambda: call(self.controls[i])), shards)
 
     def retrying(self, shard: int, call: Callable[[], T], *, data: bool = False) -> T:
         """``call()``, retried with backoff while the shard is unavailable, for up to ``retry_s``.

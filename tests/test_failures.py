@@ -337,7 +337,8 @@ def test_restore_trusts_only_the_manifest(cluster, tmp_path):
     client.close()
     d = ckpt / "shard-0-of-1"
     assert manifest_version(ckpt) == 7
-    assert sorted(p.name for p in d.glob("ckpt-*.npz")) == ["ckpt-000000000006.npz", "ckpt-000000000007.npz"]
+    # the newest checkpoint_keep (default 3) are kept
+    assert sorted(p.name for p in d.glob("ckpt-*.npz")) == [f"ckpt-00000000000{v}.npz" for v in (3, 6, 7)]
     # Leftovers of a crash in the middle of later saves: a half-written temp file, a temp manifest
     # pointing at it, and a newer-looking checkpoint the manifest never named (torn).
     (d / ".tmp-abc123.npz").write_bytes(b"PK\x03\x04 half a zip")
@@ -353,6 +354,9 @@ def test_restore_trusts_only_the_manifest(cluster, tmp_path):
         for k in opt:
             np.testing.assert_array_equal(restored[k], opt[k])
         assert shard.policy.clocks == {0: 7}
+        assert shard.restored_version == 7
+        # the crash's temporary files are gone; the torn file the manifest never named is left alone
+        assert not (d / ".tmp-abc123.npz").exists() and not (d / (checkpoint.MANIFEST + ".tmp")).exists()
     finally:
         server.stop(grace=0.5)
 

@@ -57,8 +57,22 @@ def test_add_again_resets_member():
     leases = Leases(lease_s=1.0)
     leases.add(0, "old-host", now=0.0)
     leases.add(0, "new-host", now=10.0)
-    assert leases.members[0] == Member(0, "new-host", 10.0)
+    assert leases.members[0] == Member(0, "new-host", 10.0, 10.0)
     assert leases.expired(10.5) == []
+
+
+def test_a_live_heartbeat_does_not_count_as_progress():
+    leases = Leases(lease_s=1.0)
+    leases.add(0, "a", now=0.0)
+    leases.add(1, "b", now=0.0)
+    for t in range(1, 10):
+        leases.renew(0, now=float(t))       # heartbeats only: the process lives, its loop does not move
+        leases.renew(1, now=float(t))
+        leases.progressed(1, now=float(t))  # pushes
+    assert leases.expired(9.5) == []
+    assert leases.stalled(9.5, timeout=5.0) == [0]
+    leases.progressed(0, now=9.5)
+    assert leases.stalled(9.5, timeout=5.0) == []
 
 
 def test_new_id_monotone():

@@ -363,10 +363,34 @@ def test_join_running_job_starts_at_slowest_clock(mode):
     policy.rounds_to_close()
     assert policy.join(7) == 2
     assert policy.clocks[7] == 2
-    # joining an already-live id returns its current clock, whatever start clock it asks for
+    # joining an already-live id returns its current clock; an earlier start clock changes nothing
     assert policy.join(0) == 3
     assert policy.join(0, start_clock=0) == 3
-    assert policy.join(7, start_clock=10) == 2
+    # a later one moves it forward: the shard restarted from a checkpoint older than the worker
+    assert policy.join(7, start_clock=10) == 10
+    assert policy.clocks[7] == 10
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_holding_back_names_the_workers_others_wait_on(mode):
+    policy = make(mode, 3, staleness=1)
+    assert not any(policy.holding_back(w) for w in range(3))       # nobody has moved yet
+    for w in (0, 1):
+        for c in range(3 if mode == "ssp" else 1):
+            policy.on_push(w, c)
+    policy.rounds_to_close()
+    assert [policy.holding_back(w) for w in range(3)] == [False, False, True]
+    policy.on_push(2, 0)
+    policy.rounds_to_close()
+    assert policy.holding_back(2) is (mode == "ssp")     # ssp: 1 is still more than the bound behind 3
+    assert not policy.holding_back(99)
+
+
+def test_async_never_holds_anyone_back():
+    policy = make("async", 2)
+    for c in range(50):
+        policy.on_push(0, c)
+    assert not policy.holding_back(1)
 
 
 def test_sync_join_starts_at_least_at_open_round():

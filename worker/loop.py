@@ -132,8 +132,12 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
     try:
         with exchange:
             steps = steps_for(train, len(data.train_y))
+            # `steps` is the clock a worker trains to: one that joins at clock c (a job resumed from its
+            # shards' checkpoints, or a replacement worker) makes the steps that are left.
+            first_step = min(max(0, exchange.clock), steps)
             metrics.write(event="start", rank=rank, worker=exchange.worker_id, host=socket.gethostname(),
-                          device=device_name, mode=exchange.mode, steps=steps, params=spec.size,
+                          device=device_name, mode=exchange.mode, steps=steps, first_step=first_step,
+                          params=spec.size,
                           shard_rows=len(data.train_y), data_planes=exchange.data_planes,
                           stragglers=list(train.stragglers))
             bufs = FlatBuffers(spec, xp)
@@ -149,7 +153,7 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
             samples = 0
             loss_value = float("nan")
             start = time.perf_counter()
-            for step in range(steps):
+            for step in range(first_step, steps):
                 started = time.time()
                 t0 = time.perf_counter()
                 exchange.pull(bufs.host_params)
@@ -180,7 +184,7 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
             if in_flight is not None:
                 metrics.write(**_finish(*in_flight, step_bytes))
             wall = time.perf_counter() - start
-            result = {"rank": rank, "worker": exchange.worker_id, "steps": steps, "samples": samples,
+            result = {"rank": rank, "worker": exchange.worker_id, "steps": steps - first_step, "samples": samples,
                       "wall_s": wall, "final_loss": loss_value, "device": device_name}
         metrics.write(event="done", **result)
         return result

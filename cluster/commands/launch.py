@@ -12,6 +12,8 @@ EXAMPLES = """
 psctl launch --config examples/mnist.toml
 psctl launch --config mnist --mode ssp --staleness 3 --workers 4 --out runs/ssp-4
 psctl launch --config examples/synthetic-20m.toml --shards 4 --workers 2 --device gpu --set wire_dtype=float16
+psctl launch --config mnist --set checkpoint_dir=ckpt --set checkpoint_every=100 --restart-failed --out runs/a
+psctl launch --resume runs/a          # after Ctrl-C: continue from the shards' checkpoints
 """
 
 
@@ -20,11 +22,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         subparsers, "launch", help=HELP,
         description="Start S shard processes and W worker processes on this machine, show one progress bar, "
                     "evaluate the final weights, and write OUT/summary.json and OUT/metrics.jsonl. "
-                    "A worker that fails is tolerated while another completes; a shard that fails ends the job. "
+                    "A worker that fails is tolerated while another completes; a shard that fails ends the job "
+                    "unless --restart-failed. "
                     "Exit code 0 when the job completed, 1 when it failed, 128+N when stopped by signal N.",
         examples=EXAMPLES,
     )
-    add_config_arg(p, "mnist", "flags override it")
+    add_config_arg(p, None, "flags override it (default: mnist)")
     g = p.add_argument_group("job")
     g.add_argument("--shards", dest="override_shards", type=int, metavar="S",
                    help="number of shard processes (default: [job] shards)")
@@ -34,6 +37,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--name", dest="override_name", metavar="NAME", help="job name (default: the job file's name)")
     g.add_argument("--timeout", dest="override_timeout_s", type=float, metavar="SECONDS",
                    help="stop the job if training takes longer than this (default: no limit)")
+    g.add_argument("--restart-failed", dest="override_restart_failed", action="store_true", default=None,
+                   help="restart a shard that dies, on its address, from its latest checkpoint "
+                        "(needs checkpoint_dir and checkpoint_every or checkpoint_every_s)")
+    g.add_argument("--resume", metavar="DIR",
+                   help="continue the stopped job in DIR from its shards' checkpoints, toward its total steps "
+                        "(its job.toml is the job; flags and --set still override it)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show the progress bar (default: when stderr is a terminal)")
     add_set_arg(p)
@@ -46,4 +55,25 @@ def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.commands._common import load_job_from_args
     from psgrid.cluster.launch import launch
 
+    if args.resume:
+        return launch(_resumed_job(args), progress=args.progress, resume=True)
+    args.config = args.config or "mnist"
     return launch(load_job_from_args(args), progress=args.progress)
+
+
+def _resumed_job(args: argparse.Namespace):
+    from pathlib import Path
+
+    from psgrid.cluster.commands._common import collect_overrides
+    from psgrid.cluster.config import apply_overrides, load_job
+    from psgrid.cluster.errors import UsageError
+
+    folder = Path(args.resume)
+    if not (folder / "job.toml").is_file():
+        raise UsageError(f"--resume {folder}: no job.toml there; give the folder of an earlier psctl launch (its --out)")
+    if args.config is not None:
+        raise UsageError("--resume takes the job from DIR/job.toml: leave out --config (flags and --set still apply)")
+    overrides = collect_overrides(args)
+    if overrides.get("out", str(folder)) != str(folder):
+        raise UsageError("--resume continues in DIR itself: leave out --out")
+    return apply_overrides(load_job(str(folder / "job.toml")), {**overrides, "out": str(folder)})

@@ -24,9 +24,12 @@ SERVER_FLAGS = [
     ("--weight-decay", "weight_decay", float, "L2 weight decay"),
     ("--lr-staleness", "lr_staleness", bool, "scale each update by 1/max(1, staleness)"),
     ("--lease-s", "lease_s", float, "evict a worker that has not heart-beaten for this many seconds"),
+    ("--progress-timeout-s", "progress_timeout_s", float, "sync/ssp: evict a worker the others wait on that has "
+                                                          "not pushed for this many seconds (0: never)"),
     ("--checkpoint-dir", "checkpoint_dir", str, "checkpoint here, and restore the latest checkpoint on start"),
     ("--checkpoint-every", "checkpoint_every", int, "checkpoint every this many updates (0: never by count)"),
     ("--checkpoint-every-s", "checkpoint_every_s", float, "checkpoint every this many seconds (0: never by time)"),
+    ("--checkpoint-keep", "checkpoint_keep", int, "keep this many newest checkpoints"),
     ("--chunk-bytes", "chunk_bytes", int, "largest chunk of a streamed range, in bytes"),
     ("--token", "token", str, "bearer token every request must carry (prefer [server] token in a job file: "
                               "command lines are visible to other users)"),
