@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from psgrid.cluster.coordinator import JobState, MetricsTail
 from psgrid.psserver.spec import ModelSpec
 
 FEATURES = 12
@@ -91,3 +93,100 @@ def run_mpiexec(n: int, python_args: list[str], timeout: float = 120, extra_env:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
     return proc.returncode, out, err, time.monotonic() - t
+
+
+# ----- psctl launch as a background process ------------------------------------------------------
+
+def launch_env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT))
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(poll)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def coordinator_events(out: Path) -> list[dict]:
+    try:
+        return [json.loads(line) for line in (out / "metrics" / "coordinator.jsonl").read_text().splitlines()
+                if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def child_pids(out: Path) -> dict[str, list[int]]:
+    pids = {}
+    for e in coordinator_events(out):
+        if e["event"] == "shards_ready":
+            pids["shards"] = e["pids"]
+        if e["event"] == "workers_started":
+            pids["workers"] = e["pids"]
+    return pids
+
+
+def steps_seen(out: Path, rank: int) -> int:
+    path = out / "metrics" / f"worker-{rank}.jsonl"
+    state = JobState()
+    state.update(MetricsTail([path]).read())
+    return state.position     # a resumed worker's steps count from where the job was
+
+
+class Launch:
+    """``psctl launch`` as a background process; everything it started is killed by pid on exit."""
+
+    def __init__(self, tmp_path: Path, *args: str, log: str = "launch.log"):
+        self.out = tmp_path / "run"
+        self.log = tmp_path / log
+        with open(self.log, "wb") as log:
+            argv = [sys.executable, "-m", "psgrid.cluster.cli", "launch", *args, "--out", str(self.out)]
+            self.proc = subprocess.Popen(argv, cwd=ROOT, env=launch_env(), stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def wait_for(self, predicate, timeout: float, what: str):
+        def check():
+            if predicate():
+                return True
+            assert self.proc.poll() is None, f"launch exited ({self.proc.returncode}) before {what}:\n{self.text()}"
+            return False
+        return wait_for(check, timeout, what)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pids = [p for group in child_pids(self.out).values() for p in group]
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def run_launch(tmp_path: Path, *args: str, timeout: float = 120) -> tuple[int, str, Path]:
+    with Launch(tmp_path, *args) as launch:
+        code = launch.wait(timeout)
+        return code, launch.text(), launch.out

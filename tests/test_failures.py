@@ -484,3 +484,110 @@ def test_a_checkpoint_that_cannot_be_written_is_a_precondition_with_its_reason(c
             c.admin().checkpoint()
         assert err.value.reason is reason and err.value.status.name == "FAILED_PRECONDITION"
         assert c.shard().stats()["rejected"] == 0            # not bad input
+
+
+# ----- (g) shards restored from checkpoints of different moments; progress leases ----------------------
+
+def _sync_servers(ckpt: Path) -> list:
+    return [serve(ServerConfig(shard_index=i, num_shards=2, mode="sync", lr=0.01, lease_s=30,
+                               checkpoint_dir=str(ckpt))) for i in range(2)]
+
+
+@pytest.mark.timeout(60)
+def test_shards_restored_at_different_rounds_resume_from_the_earliest(tmp_path, no_leaks):
+    # A Ctrl-C lands between two shards' final checkpoints: shard 0 holds round 5, shard 1 round 4.
+    first, saved = tmp_path / "first", tmp_path / "saved"
+    servers = _sync_servers(first)
+    addresses = [s.address for s in servers]
+    clients = [Client(addresses, SPEC, worker_id=w, world=2, init=SPEC.flat()) for w in (0, 1)]
+    try:
+        run_threads([lambda c=c: c.join() for c in clients], timeout=20)
+        run_threads([lambda c=c: live_worker(c, 4) for c in clients], timeout=20)
+        servers[1].shard.checkpoint()
+        run_threads([lambda c=c: live_worker(c, 1, start=4) for c in clients], timeout=20)
+        servers[0].shard.checkpoint()
+        for i in range(2):
+            name = f"shard-{i}-of-2"
+            (saved / name).mkdir(parents=True)
+            manifest = checkpoint.read_manifest(first / name)
+            for f in (manifest["file"], checkpoint.MANIFEST):
+                (saved / name / f).write_bytes((first / name / f).read_bytes())
+    finally:
+        for c in clients:
+            c.close()
+        for s in servers:
+            s.stop(grace=0.5)
+    servers = _sync_servers(saved)
+    try:
+        assert [s.shard.policy.closed_rounds for s in servers] == [5, 4]
+        assert [s.shard.restored_version for s in servers] == [5, 4]
+        addresses = [s.address for s in servers]
+        clients = [Client(addresses, SPEC, worker_id=w, world=2) for w in (0, 1)]
+        try:
+            run_threads([lambda c=c: c.join() for c in clients], timeout=20)
+            assert [c.clock for c in clients] == [4, 4]          # the earliest shard's round
+            run_threads([lambda c=c: live_worker(c, 3, start=4) for c in clients], timeout=20)
+        finally:
+            for c in clients:
+                c.close()
+        # shard 1 applied rounds 4, 5 and 6; shard 0 took round 4 again as duplicates, then 5 and 6
+        assert [s.shard.policy.closed_rounds for s in servers] == [7, 7]
+        assert [s.shard.version for s in servers] == [7, 7]
+        assert servers[0].shard.counters.duplicates == 2
+        assert [s.shard.counters.lost_updates for s in servers] == [0, 0]
+    finally:
+        for s in servers:
+            s.stop(grace=0.5)
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp", "async"])
+def test_progress_lease_evicts_only_a_worker_the_others_wait_on(mode):
+    from psgrid.psserver.shard import Shard
+
+    now = [0.0]
+    shard = Shard(ServerConfig(mode=mode, staleness=1, lease_s=5, progress_timeout_s=30), now=lambda: now[0])
+    shard.init(SPEC, SPEC.flat())
+    for w in (0, 1, 2):
+        shard.register(SPEC.hash(), w, -1, "h")
+    grad = SPEC.flat()
+    for step in range(20):
+        now[0] += 2.0
+        for w in (0, 1, 2):
+            shard.heartbeat(w)                # everyone's heartbeat is alive
+        for w in (0, 1):                      # ... but worker 2 never pushes
+            if mode != "sync" or step == 0:
+                buf = shard.pool.take()
+                np.copyto(buf, grad)
+                _, kept = shard.push(w, step if mode != "sync" else 0, shard.version, buf, 4)
+                if not kept:
+                    shard.pool.give(buf)
+        evicted = shard.evict_stalled()
+        if evicted:
+            break
+    if mode == "async":
+        assert evicted == [] and shard.counters.stalled_evictions == 0    # nobody waits in async
+    else:
+        assert evicted == [2] and now[0] > 30.0
+        assert shard.counters.stalled_evictions == 1 and not shard.policy.is_live(2)
+        assert shard.policy.is_live(0) and shard.policy.is_live(1)     # they pushed: progress
+        if mode == "sync":
+            assert shard.policy.closed_rounds == 1                     # the round it held closed
+
+
+def test_a_failed_checkpoint_write_removes_its_temporary_file(tmp_path, monkeypatch):
+    def full_disk(file, **arrays):
+        file.write(b"PK\x03\x04 partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.np, "savez", full_disk)
+    with pytest.raises(OSError):
+        checkpoint.save(tmp_path, {"w": np.zeros(3, np.float32)}, {"version": 1})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_checkpoint_keep_keeps_the_newest(tmp_path):
+    for version in range(1, 7):
+        checkpoint.save(tmp_path, {"w": np.full(3, version, np.float32)}, {"version": version}, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == ["ckpt-000000000005.npz", "ckpt-000000000006.npz"]
+    arrays, meta = checkpoint.load_latest(tmp_path)
+    assert meta["version"] == 6 and arrays["w"][0] == 6

@@ -5,113 +5,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from psgrid.cluster.coordinator import JobState, MetricsTail, merge_metrics
 from psgrid.cluster.procs import Child, stop_children
+from tests.support import Launch, alive, child_pids, run_launch, steps_seen, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--config", "mnist", "--steps", "100", "--eval-every", "25", "--no-progress"]
-
-
-def env() -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT))
-
-
-def wait_for(predicate, timeout: float, what: str, poll: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(poll)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def coordinator_events(out: Path) -> list[dict]:
-    try:
-        return [json.loads(line) for line in (out / "metrics" / "coordinator.jsonl").read_text().splitlines()
-                if line.strip()]
-    except FileNotFoundError:
-        return []
-
-
-def child_pids(out: Path) -> dict[str, list[int]]:
-    pids = {}
-    for e in coordinator_events(out):
-        if e["event"] == "shards_ready":
-            pids["shards"] = e["pids"]
-        if e["event"] == "workers_started":
-            pids["workers"] = e["pids"]
-    return pids
-
-
-def steps_seen(out: Path, rank: int) -> int:
-    path = out / "metrics" / f"worker-{rank}.jsonl"
-    state = JobState()
-    state.update(MetricsTail([path]).read())
-    return state.steps
-
-
-class Launch:
-    """``psctl launch`` as a background process; everything it started is killed by pid on exit."""
-
-    def __init__(self, tmp_path: Path, *args: str):
-        self.out = tmp_path / "run"
-        self.log = tmp_path / "launch.log"
-        with open(self.log, "wb") as log:
-            argv = [sys.executable, "-m", "psgrid.cluster.cli", "launch", *args, "--out", str(self.out)]
-            self.proc = subprocess.Popen(argv, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-
-    def wait_for(self, predicate, timeout: float, what: str):
-        def check():
-            if predicate():
-                return True
-            assert self.proc.poll() is None, f"launch exited ({self.proc.returncode}) before {what}:\n{self.text()}"
-            return False
-        return wait_for(check, timeout, what)
-
-    def wait(self, timeout: float) -> int:
-        return self.proc.wait(timeout=timeout)
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pids = [p for group in child_pids(self.out).values() for p in group]
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        for pid in pids:
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
-
-
-def run_launch(tmp_path: Path, *args: str, timeout: float = 120) -> tuple[int, str, Path]:
-    with Launch(tmp_path, *args) as launch:
-        code = launch.wait(timeout)
-        return code, launch.text(), launch.out
 
 
 # -- units -------------------------------------------------------------------------------------

@@ -1,0 +1,220 @@
+"""What a job survives, end to end through ``psctl launch``: dead, hung and never-joined workers,
+a killed shard restarted from its checkpoint, and Ctrl-C followed by ``--resume``.
+
+Each test runs real processes on loopback and ends every one of them by its pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from tests.support import Launch, child_pids, coordinator_events, steps_seen, wait_for
+
+MNIST = ["--config", "mnist", "--eval-every", "0", "--no-progress", "--lease-s", "2"]
+
+
+def summary_of(out) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def worker_events(out, rank: int, kind: str) -> list[dict]:
+    path = out / "metrics" / f"worker-{rank}.jsonl"
+    if not path.exists():       # an attempt stopped before the worker wrote anything
+        return []
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e.get("event") == kind]
+
+
+# ----- workers --------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+def test_a_worker_killed_in_any_mode_is_named_and_the_job_completes(tmp_path, mode):
+    with Launch(tmp_path, *MNIST, "--mode", mode, "--workers", "3", "--steps", "250") as launch:
+        launch.wait_for(lambda: steps_seen(launch.out, 2) >= 10, 60, "worker 2 training")
+        victim = child_pids(launch.out)["workers"][2]
+        os.kill(victim, signal.SIGKILL)
+        code = launch.wait(120)
+        text = launch.text()
+    assert code == 0, text
+    summary = summary_of(launch.out)
+    (failure,) = summary["failures"]
+    assert (failure["name"], failure["pid"], failure["exit_code"], failure["tolerated"]) == (
+        "worker 2", victim, -9, True)
+    assert "tolerated failure: worker 2" in text
+    assert summary["workers_completed"] == 2
+    assert summary["test_accuracy"] > 0.85, summary["test_accuracy"]
+    if mode != "async":     # the others waited on it: one lease, not forever (async never waits)
+        assert all(s["evictions"] >= 1 for s in summary["shard_stats"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_a_hung_worker_with_a_live_heartbeat_is_evicted_and_stopped(tmp_path, mode):
+    # Worker 1 sleeps 10^6 times its compute after its first gradient: its heartbeat thread lives on.
+    args = [*MNIST, "--mode", mode, "--staleness", "1", "--steps", "120", "--stragglers", "1:1000000",
+            "--set", "progress_timeout_s=3"]
+    with Launch(tmp_path, *args) as launch:
+        code = launch.wait(120)
+        text = launch.text()
+    assert code == 0, text
+    summary = summary_of(launch.out)
+    assert summary["worker_results"][0]["completed"] and summary["worker_results"][0]["steps"] == 120
+    (failure,) = summary["failures"]
+    assert failure["name"] == "worker 1" and failure["tolerated"]
+    assert "progress_timeout_s = 3 s" in failure["reason"]
+    assert "worker 1 was evicted by the shards" in text
+    assert sum(s["stalled_evictions"] for s in summary["shard_stats"]) >= 1
+    log = (launch.out / "logs" / "server-0.log").read_text()
+    assert "evicted worker 1: the others waited on it and it pushed nothing" in log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_worker_killed_before_it_joins_is_not_waited_for(tmp_path):
+    args = [*MNIST, "--mode", "sync", "--steps", "60", "--set", "join_timeout_s=100"]
+    with Launch(tmp_path, *args) as launch:
+        # Killed as soon as it exists: it is still importing, long before it can register.
+        pids = wait_for(lambda: child_pids(launch.out).get("workers"), 30, "workers started", poll=0.01)
+        os.kill(pids[1], signal.SIGKILL)
+        code = launch.wait(100)
+        text = launch.text()
+    assert code == 0, text
+    assert "worker 1 was killed by SIGKILL (exit code -9) before it joined; the shards were told not to wait for it" in text
+    summary = summary_of(launch.out)
+    assert summary["worker_results"][0]["completed"]
+    assert all(set(s["departed"]) == {0, 1} for s in summary["shard_stats"])     # 1 reported gone, 0 left
+    started = next(e["time"] for e in coordinator_events(launch.out) if e["event"] == "workers_started")
+    (start,) = worker_events(launch.out, 0, "start")
+    assert start["time"] - started < 30, "worker 0 waited for the dead worker (join_timeout_s is 100 s)"
+    # wall_s is training time: from the first step, not from the processes' start
+    assert summary["wall_s"] <= worker_events(launch.out, 0, "done")[0]["time"] - start["time"] + 1.0
+
+
+# ----- shards ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_killed_shard_is_restarted_from_its_checkpoint_and_the_job_completes(tmp_path, mode):
+    every = 10
+    args = [*MNIST, "--mode", mode, "--shards", "2", "--steps", "300", "--restart-failed",
+            "--set", f"checkpoint_dir={tmp_path / 'ckpt'}", "--set", f"checkpoint_every={every}"]
+    with Launch(tmp_path, *args) as launch:
+        launch.wait_for(lambda: steps_seen(launch.out, 0) >= 40, 60, "worker 0 training")
+        victim = child_pids(launch.out)["shards"][1]
+        os.kill(victim, signal.SIGKILL)
+        code = launch.wait(150)
+        text = launch.text()
+    assert code == 0, text
+    summary = summary_of(launch.out)
+    (restart,) = summary["restarts"]
+    assert (restart["shard"], restart["pid"], restart["exit_code"]) == (1, victim, -9)
+    assert f"server 1 was killed by SIGKILL (exit code -9); restarting it on {summary['addresses'][1]}" in text
+    shard0, shard1 = summary["shard_stats"]
+    # the restarted shard went on from its checkpoint's version, on the same address
+    assert shard1["restored_version"] == restart["checkpoint_version"] >= every
+    assert 0 <= shard1["lost_updates"] <= every
+    assert shard0["lost_updates"] == 0
+    if mode == "sync":   # every round the restarted shard did not lose, it applied
+        assert shard1["version"] + shard1["lost_updates"] == shard0["version"]
+    assert all(w["completed"] for w in summary["worker_results"])
+    assert summary["test_accuracy"] > 0.85, summary["test_accuracy"]
+    assert "restored its checkpoint at version" in (launch.out / "logs" / "server-1.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_ctrl_c_at_random_moments_then_resume_finishes_the_total_steps(tmp_path):
+    # About 25 s of training (each step sleeps 10 ms on average), so most interrupts land in it.
+    steps = 2000
+    args = [*MNIST, "--mode", "sync", "--shards", "2", "--steps", str(steps), "--set", "checkpoint_every=50",
+            "--set", f"checkpoint_dir={tmp_path / 'ckpt'}", "--set", 'stragglers=["0:exp:10", "1:exp:10"]']
+    rng = random.Random(9)
+    out = tmp_path / "run"
+    codes = []
+    for attempt in range(21):
+        resume = ["--resume", str(out)] if attempt else []
+        flags = ["--no-progress", *resume] if attempt else args
+        with Launch(tmp_path, *flags, log=f"launch-{attempt}.log") as launch:
+            if attempt < 20:
+                time.sleep(rng.uniform(0.3, 4.0))
+                launch.proc.send_signal(signal.SIGINT)
+            code = launch.wait(150)
+            codes.append(code)
+            assert code in (0, 128 + signal.SIGINT), launch.text()
+    assert codes[-1] == 0
+    assert codes.count(128 + signal.SIGINT) >= 15, codes      # most landed while the job ran
+    summary = summary_of(out)
+    assert summary["status"] == "ok"
+    for s in summary["shard_stats"]:
+        assert s["min_clock"] == steps, s     # every round of the job closed on every shard
+    attempts = sorted((out / "attempts").iterdir())
+    assert len(attempts) == 20
+    for rank in (0, 1):     # the steps of all attempts together reach the job's last step
+        last = [e["step"] for folder in [*attempts, out] for e in worker_events(folder, rank, "step")]
+        assert max(last) == steps - 1
+    assert summary["test_accuracy"] > 0.85
+
+
+# ----- resume: what is checked before anything starts ----------------------------------------------
+
+
+def _job(tmp_path, shards=2, mode="sync", ckpt=True):
+    from psgrid.cluster.config import job_from_dict
+
+    server = {"mode": mode, **({"checkpoint_dir": str(tmp_path / "ckpt")} if ckpt else {})}
+    return job_from_dict({"job": {"shards": shards, "out": str(tmp_path / "run")}, "server": server})
+
+
+def _fake_checkpoint(tmp_path, shard, of, version, mode="sync", spec="S"):
+    from psgrid.psserver import checkpoint
+
+    meta = {"version": version, "mode": mode, "spec": spec, "clocks": {"0": version, "1": version},
+            "closed_rounds": version}
+    checkpoint.save(checkpoint.shard_dir(tmp_path / "ckpt", shard, of), {"w": np.zeros(2)}, meta)
+
+
+def test_resume_refuses_checkpoints_that_do_not_belong_together(tmp_path):
+    from psgrid.cluster.errors import UsageError
+    from psgrid.cluster.resume import check_resumable, describe
+
+    with pytest.raises(UsageError, match="ran without checkpoints. Set \\[server\\] checkpoint_dir"):
+        check_resumable(_job(tmp_path, ckpt=False), tmp_path / "run")
+    assert check_resumable(_job(tmp_path), tmp_path / "run") == []       # stopped before any: from the start
+    _fake_checkpoint(tmp_path, 0, 2, 40)
+    with pytest.raises(UsageError, match=r"shard\(s\) \[1\] have no checkpoint .* shard 0 at version 40 \(round 40\)"):
+        check_resumable(_job(tmp_path), tmp_path / "run")
+    _fake_checkpoint(tmp_path, 1, 2, 39)
+    found = check_resumable(_job(tmp_path), tmp_path / "run")
+    assert [c.version for c in found] == [40, 39]
+    assert "each worker resumes at the earliest clock a shard has for it" in describe(found)
+    with pytest.raises(UsageError, match="written in mode 'sync', the job says 'async'"):
+        check_resumable(_job(tmp_path, mode="async"), tmp_path / "run")
+    with pytest.raises(UsageError, match="for another number of shards"):
+        check_resumable(_job(tmp_path, shards=3), tmp_path / "run")
+    _fake_checkpoint(tmp_path, 1, 2, 41, spec="other")
+    with pytest.raises(UsageError, match="hold different models"):
+        check_resumable(_job(tmp_path), tmp_path / "run")
+
+
+def test_resume_cli_errors_name_the_fix(tmp_path, capsys):
+    from psgrid.cluster.cli import main
+
+    assert main(["launch", "--resume", str(tmp_path)]) == 2
+    assert "no job.toml there; give the folder of an earlier psctl launch" in capsys.readouterr().err
+    (tmp_path / "job.toml").write_text("[job]\nworkers = 1\n")
+    assert main(["launch", "--resume", str(tmp_path), "--config", "mnist"]) == 2
+    assert "leave out --config" in capsys.readouterr().err
+    assert main(["launch", "--resume", str(tmp_path)]) == 2
+    assert "its job ran without checkpoints" in capsys.readouterr().err
