@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from psgrid.cluster import coordinator as co
+from psgrid.cluster import credentials
 from psgrid.cluster import results as res
 from psgrid.cluster.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import JobFailed, UsageError
@@ -164,7 +165,7 @@ def run_allreduce_local(job: JobConfig, out: Path, progress: RunProgress) -> Non
     argv = [mpiexec_path(), "-n", str(job.workers),
             *psctl_argv("allreduce", "--config", str(job_file), "--out", str(out), "--no-progress",
                        "--ranks", str(job.workers))]
-    env = child_env(threads=max(1, usable_cpus() // job.workers))
+    env = child_env(credentials.child_env(job), threads=max(1, usable_cpus() // job.workers))
     for key, value in LOCAL_MPI_ENV.items():
         env.setdefault(key, value)
     state, tail = co.JobState(), co.MetricsTail(out / "metrics" / f"worker-{r}.jsonl" for r in range(job.workers))
@@ -353,7 +354,7 @@ def settings_for(job: JobConfig, *, command: list[str], modes, workers, straggle
         "modes": [m.label for m in modes], "workers": list(workers), "stragglers": list(stragglers),
         "repeats": repeats, "backup_workers": backup_workers, "target_accuracy": target,
         "target_source": "given" if target is not None else "auto",
-        "machine": info, "job_summary": job_summary(job), "job": job.to_dict(),
+        "machine": info, "job_summary": job_summary(job), "job": job.public_dict(),
         "title": f"psctl compare: {job.name}",
     }
 

@@ -37,6 +37,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+from psgrid.cluster.credentials import resolve_token
 from psgrid.cluster.errors import ConfigError
 from psgrid.psserver.config import ServerConfig
 
@@ -126,9 +127,19 @@ class JobConfig:
             "train": {k: getattr(self.train, k) for k in train_keys() if getattr(self.train, k) is not None},
         }
 
+    def public_dict(self) -> dict[str, dict[str, Any]]:
+        """:meth:`to_dict` fit to be written where others may read it: the token redacted."""
+        from psgrid.cluster.credentials import redact
+
+        return redact(self.to_dict())
+
     def to_toml(self) -> str:
-        """A job file that :func:`load_job` reads back into an equal JobConfig."""
-        return dump_toml(self.to_dict())
+        """A job file that :func:`load_job` reads back into an equal JobConfig, but for its token.
+
+        The token is redacted: a process that reads the file takes it from its environment
+        (see cluster/credentials.py).
+        """
+        return dump_toml(self.public_dict())
 
     def server_config(self, shard_index: int, *, host: str | None = None, port: int = 0) -> ServerConfig:
         """The ServerConfig of shard ``shard_index`` of this job."""
@@ -244,10 +255,14 @@ def _read(spec: str | Path) -> tuple[Path, dict]:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
 
 
-def load_job(spec: str | Path) -> JobConfig:
-    """Read a job file (or a packaged example by name) into a validated JobConfig."""
+def load_job(spec: str | Path, *, redacted_ok: bool = False) -> JobConfig:
+    """Read a job file (or a packaged example by name) into a validated JobConfig.
+
+    A redacted token is taken from the environment (cluster/credentials.py); with
+    ``redacted_ok`` and none there, the job has no token (its launcher makes a new one).
+    """
     path, data = _read(spec)
-    job = job_from_dict(data, source=str(path))
+    job = job_from_dict(data, source=str(path), redacted_ok=redacted_ok)
     if "name" not in data and "name" not in data.get("job", {}):
         job.name = path.stem
     return job
@@ -265,6 +280,7 @@ def load_shard_settings(spec: str | Path) -> tuple[ServerConfig, int]:
     job_hints = typing.get_type_hints(JobConfig, localns={"TrainConfig": object})
     srv = {k: _coerce(where, "server", k, v, typing.get_type_hints(ServerConfig)[k])
            for k, v in tables["server"].items()}
+    srv["token"] = resolve_token(srv.get("token"), where)
     shards = _coerce(where, "job", "shards", tables["job"].get("shards", JobConfig.shards), job_hints["shards"])
     if shards < 1:
         raise ConfigError(f"{where}: [job] shards must be >= 1, got {shards}")
@@ -274,10 +290,10 @@ def load_shard_settings(spec: str | Path) -> tuple[ServerConfig, int]:
         raise ConfigError(f"{where}: [server] {e}") from None
 
 
-def job_from_dict(data: Mapping[str, Any], source: str | None = None) -> JobConfig:
+def job_from_dict(data: Mapping[str, Any], source: str | None = None, *, redacted_ok: bool = False) -> JobConfig:
     """Build a JobConfig from a parsed job file (tables and top-level keys, see the module doc)."""
     where = source or "job"
-    return _build(_tables(data, where, SECTIONS), where)
+    return _build(_tables(data, where, SECTIONS), where, redacted_ok=redacted_ok)
 
 
 def _tables(data: Mapping[str, Any], where: str, sections: tuple[str, ...]) -> dict[str, dict[str, Any]]:
@@ -311,7 +327,7 @@ def _put(tables, origin, place, value, label, where):
     tables[place[0]][place[1]] = value
 
 
-def _build(tables: dict[str, dict[str, Any]], where: str) -> JobConfig:
+def _build(tables: dict[str, dict[str, Any]], where: str, *, redacted_ok: bool = False) -> JobConfig:
     TrainConfig = _train_config()
     hints = {
         "job": typing.get_type_hints(JobConfig, localns={"TrainConfig": TrainConfig}),
@@ -323,6 +339,10 @@ def _build(tables: dict[str, dict[str, Any]], where: str) -> JobConfig:
         for section, values in tables.items()
     }
     srv, trn = typed["server"], typed["train"]
+    for table in (srv, trn):
+        token = resolve_token(table.pop("token", None), where, redacted_ok=redacted_ok)
+        if token:
+            table["token"] = token
     # Workers of this job must carry the shards' token.
     if srv.get("token") and "token" not in trn:
         trn["token"] = srv["token"]

@@ -263,7 +263,7 @@ def finish(job: JobConfig, addresses: list[str], *, evaluate: bool = True) -> tu
         stats = call_with_timeout(admin.stats, 60.0, "reading shard stats")
     finally:
         try:
-            call_with_timeout(admin.shutdown, 30.0, "shard shutdown")
+            call_with_timeout(lambda: admin.shutdown(job.server.job_id or ""), 30.0, "shard shutdown")
         finally:
             admin.close()
     return evaluation, [_shard_summary(s) for s in stats]
@@ -399,7 +399,8 @@ def build_summary(
         "resumed": resumed,
         "lost_updates": sum(s.get("lost_updates", 0) for s in shard_stats),
         "out": out,
-        "config": job.to_dict(),
+        "job_id": job.server.job_id,
+        "config": job.public_dict(),
     }
 
 

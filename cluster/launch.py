@@ -30,10 +30,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from psgrid.cluster import coordinator as co
+from psgrid.cluster import credentials
 from psgrid.cluster.config import JobConfig
 from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 from psgrid.cluster.watch import ShardWatch
+from psgrid.psserver.protocol import parse_address_file
 
 POLL_S = 0.2
 STOP_GRACE_S = 5.0
@@ -65,6 +67,7 @@ class Launcher:
 
     def __init__(self, job: JobConfig, out: Path, progress: bool | None = None, *, bar=None,
                  quiet: bool = False, resumed: list[dict] | None = None):
+        job = credentials.secure(job)     # a token and a job id of its own, unless the job gives them
         self.job = job
         self.resumed = resumed     # where each shard's checkpoint stood, when this run resumes a job
         self.out = out
@@ -85,10 +88,12 @@ class Launcher:
         if job.server.checkpoint_dir:    # absolute, so a resume from another folder finds the checkpoints
             job.server.checkpoint_dir = str(Path(job.server.checkpoint_dir).resolve())
         self.job_file = out / "job.toml"
-        self.job_file.write_text(f"# resolved job, as run by psctl launch\n{job.to_toml()}")
+        self.job_file.write_text(f"# resolved job, as run by psctl launch (token redacted)\n{job.to_toml()}")
+        credentials.write_token_file(out, job)
         cpus = usable_cpus()
-        self.worker_env = child_env(threads=max(1, cpus // job.workers))
-        self.shard_env = child_env(threads=1)
+        secret = credentials.child_env(job)       # the token travels in the environment, never in argv
+        self.worker_env = child_env(secret, threads=max(1, cpus // job.workers))
+        self.shard_env = child_env(secret, threads=1)
 
     # -- phases ------------------------------------------------------------------------------
 
@@ -112,7 +117,7 @@ class Launcher:
                 raise JobFailed(f"{', '.join(missing)} did not publish an address within "
                                 f"{job.start_timeout_s:.0f} s; see {self.out / 'logs'}")
             time.sleep(0.05)
-        self.addresses = [f.read_text().strip() for f in files]
+        self.addresses = [parse_address_file(f.read_text())[0] for f in files]
         self.log("shards_ready", addresses=self.addresses, pids=[s.pid for s in self.shards])
         from psgrid.worker.loop import make_admin
 

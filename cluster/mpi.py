@@ -24,9 +24,11 @@ import traceback
 from pathlib import Path
 
 from psgrid.cluster import coordinator as co
+from psgrid.cluster import credentials
 from psgrid.cluster.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.procs import limit_blas_threads, usable_cpus
+from psgrid.psserver.protocol import format_address_file
 
 TAG_DONE = 71
 POLL_S = 0.05
@@ -140,6 +142,9 @@ class MPIJob:
                 print(f"psctl mpi: error: {e}", file=sys.stderr, flush=True)
             return 2
         single_node, local_index = self.node_layout()
+        # One token and one job id for the whole job, made on rank 0 and sent over MPI: never in a file or argv.
+        made = (credentials.new_token(), credentials.new_job_id()) if self.rank == 0 else None
+        self.job = credentials.secure(self.job, *self.comm.bcast(made, root=0))
 
         out, error = None, None
         if self.rank == 0:
@@ -163,7 +168,8 @@ class MPIJob:
         if self.rank == 0:
             addresses = addresses[1: 1 + self.job.shards]
             for i, a in enumerate(addresses):  # as psctl launch does, for psctl status --address-dir
-                (self.out / "addr" / f"shard-{i}").write_text(a + "\n")
+                (self.out / "addr" / f"shard-{i}").write_text(format_address_file(a, self.job.server.job_id))
+            credentials.write_token_file(self.out, self.job)
         self.addresses = self.comm.bcast(addresses, root=0)
 
         if self.role == "coordinator":

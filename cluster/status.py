@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from psgrid.cluster.errors import UsageError
+from psgrid.psserver.protocol import parse_address_file
 
 COLUMNS = [  # (header, stats key, format)
     ("shard", "shard_index", "{}"),
@@ -37,7 +38,15 @@ def addresses_from_dir(path: str | Path) -> list[str]:
                    else 0)
     if not files:
         raise UsageError(f"no shard-I address files in {path}")
-    return [f.read_text().strip() for f in files]
+    return [parse_address_file(f.read_text())[0] for f in files]
+
+
+def token_of_dir(path: str | Path) -> str | None:
+    """The job's token that ``psctl launch`` keeps in ``OUT/token`` (readable by its owner only)."""
+    from psgrid.cluster.credentials import read_token_file
+
+    path = Path(path)
+    return read_token_file(path.parent if path.name == "addr" else path)
 
 
 def fetch(addresses: list[str], timeout_s: float = 5.0, **security) -> list[dict]:

@@ -61,14 +61,14 @@ class Admin:
         """
         self._conn.each_call(lambda control: control.heartbeat(worker_id, leaving=True))
 
-    def shutdown(self) -> None:
+    def shutdown(self, job_id: str) -> None:
         """Ask every shard to stop (each writes a final checkpoint where it has a directory).
 
         A shard that is already gone is what was asked for: it is not retried.
         """
         def one(i):
             try:
-                self._conn.controls[i].shutdown()
+                self._conn.controls[i].shutdown(job_id)
             except Unavailable:
                 pass
 

@@ -37,6 +37,7 @@ class ServerConfig:
     checkpoint_keep: int = 3           # complete checkpoints kept on disk (the newest ones)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     token: str | None = None           # bearer token every request must carry
+    job_id: str | None = None          # the job this shard belongs to: a Shutdown must name it (made when not given)
     tls_cert: str | None = None        # server certificate (PEM); enables TLS
     tls_key: str | None = None         # server private key (PEM)
     tls_ca: str | None = None          # CA that client certificates must chain to (mutual TLS)

@@ -67,6 +67,12 @@ class NotInitialized(FailedPrecondition):
     default_reason = Reason.NOT_INITIALIZED
 
 
+class WrongJob(FailedPrecondition):
+    """A Shutdown that does not name the job this shard belongs to."""
+
+    default_reason = Reason.WRONG_JOB
+
+
 class Unauthenticated(PSError):
     """Missing or wrong bearer token."""
 

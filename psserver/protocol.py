@@ -78,6 +78,7 @@ class Reason(IntEnum):
     TIMED_OUT = 18          # (client side) a call outlived its deadline without the shard's answer
     CHECKPOINT_FAILED = 19  # the shard could not write its checkpoint (a full disk, say)
     RESTORING = 20          # the shard is restoring its checkpoint: retry shortly
+    WRONG_JOB = 21          # a Shutdown that does not name this shard's job
 
     @property
     def wire_name(self) -> str:
@@ -153,3 +154,18 @@ class HeartbeatInfo:
     lease_s: float
     min_clock: int
     version: int
+
+
+# ----- the address file a shard publishes (psctl server --address-file) ---------------------------
+
+def format_address_file(address: str, job_id: str) -> str:
+    """``host:port`` on the first line, ``job JOB_ID`` on the second."""
+    return f"{address}\njob {job_id}\n"
+
+
+def parse_address_file(text: str) -> tuple[str, str | None]:
+    """(address, job id) from an address file; the job id is None in a file of one line."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    address = lines[0] if lines else ""
+    job = next((line[4:].strip() for line in lines[1:] if line.startswith("job ")), None)
+    return address, job

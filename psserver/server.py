@@ -6,8 +6,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -15,6 +18,7 @@ import time
 from pathlib import Path
 
 from psgrid.psserver.config import ServerConfig
+from psgrid.psserver.protocol import format_address_file
 from psgrid.psserver.security import server_ssl_context
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.shard import Shard
@@ -28,7 +32,13 @@ class RunningServer:
     """A started shard: its address, its state, and how to stop it."""
 
     def __init__(self, config: ServerConfig):
+        if not config.job_id:       # a Shutdown must name it (see ShardService.shutdown)
+            config = dataclasses.replace(config, job_id=secrets.token_hex(6))
         self.config = config
+        if not (config.token or config.tls_cert or is_loopback(config.host)):
+            log.warning("shard %d listens on %s with no token and no TLS: anyone who can reach the port can read "
+                        "and change the weights. Set token (or psctl launch/mpi, which make one per job) or "
+                        "tls_cert/tls_key/tls_ca", config.shard_index, config.host)
         self.shard = Shard(config, restore=False)     # restored in start(), once the transports listen
         self.stopped = threading.Event()
         self.shutdown_requested = threading.Event()
@@ -125,12 +135,22 @@ def serve(config: ServerConfig) -> RunningServer:
     return RunningServer(config).start()
 
 
-def write_address(path: str | os.PathLike, address: str) -> None:
-    """Publish the bound address atomically so a reader never sees half of it."""
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps a shard to this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False      # a name, or 0.0.0.0 / :: (every interface)
+
+
+def write_address(path: str | os.PathLike, address: str, job_id: str) -> None:
+    """Publish the bound address and the job id atomically so a reader never sees half of them."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(address + "\n")
+    tmp.write_text(format_address_file(address, job_id))
     os.replace(tmp, path)
 
 
@@ -146,10 +166,10 @@ def run_server(config: ServerConfig, address_file: str | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     if address_file:
-        write_address(address_file, server.address)
+        write_address(address_file, server.address, server.config.job_id)
     extra = f", metrics on :{server.metrics.port}" if server.metrics else ""
     print(f"psgrid shard {config.shard_index}/{config.num_shards} listening on {server.address} "
-          f"(mode {config.mode}){extra}", flush=True)
+          f"(mode {config.mode}, job {server.config.job_id}){extra}", flush=True)
     while not done.is_set() and not server.shutdown_requested.is_set():
         done.wait(0.2)
     server.stop(grace=1.0)

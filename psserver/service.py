@@ -17,6 +17,7 @@ is the shard's (shard.py); what the bytes look like is the transport's.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
 import threading
@@ -26,7 +27,7 @@ import numpy as np
 
 from psgrid.psserver import wire
 from psgrid.psserver.buffers import BufferPool
-from psgrid.psserver.exceptions import InvalidArgument, PSError
+from psgrid.psserver.exceptions import InvalidArgument, PSError, WrongJob
 from psgrid.psserver.protocol import (FLOAT32, ITEMSIZE, REPLY_MARGIN_S, HeartbeatInfo, PushResult, Reason, Refusal,
                                       Registration, Status, WIRE_DTYPES)
 from psgrid.psserver.shard import Shard
@@ -310,7 +311,11 @@ class ShardService:
     def checkpoint(self) -> tuple[str, int]:
         return self.shard.checkpoint()
 
-    def shutdown(self) -> None:
+    def shutdown(self, job_id: str) -> None:
+        """Stop the shard, if ``job_id`` names its job: garbage or another job's tool cannot stop it."""
+        if not hmac.compare_digest(job_id.encode(), self.shard.config.job_id.encode()):
+            raise WrongJob("Shutdown must name this shard's job: the id psctl prints when the shard starts and "
+                           "writes with its address (OUT/addr/shard-I)")
         if self.on_shutdown is not None:
             self.on_shutdown()
 

@@ -172,12 +172,13 @@ def test_server_subprocess_publishes_its_address_and_stops_on_sigterm(tmp_path):
             assert proc.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "no address file after 30 s"
             time.sleep(0.05)
-        host, _, port = addr.read_text().strip().rpartition(":")
-        assert host == "127.0.0.1" and int(port) > 0
-        r = psctl("status", "--addresses", addr.read_text().strip(), "--json")
+        address, job = addr.read_text().splitlines()      # the address, then the job id Shutdown must name
+        host, _, port = address.rpartition(":")
+        assert host == "127.0.0.1" and int(port) > 0 and job.startswith("job ")
+        r = psctl("status", "--addresses", address, "--json")
         assert r.returncode == 0, r.stderr
         (shard,) = json.loads(r.stdout)
-        assert shard["mode"] == "ssp" and shard["address"] == addr.read_text().strip()
+        assert shard["mode"] == "ssp" and shard["address"] == address
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
         assert "listening on 127.0.0.1:" in log.read_text()

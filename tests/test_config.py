@@ -179,7 +179,13 @@ def test_toml_round_trip():
                          "server": {"checkpoint_dir": "ck pt", "tls_cert": "c.pem", "tls_key": "k.pem"},
                          "stragglers": ["1:3", "0:exp:2.5"]})
     text = job.to_toml()
-    again = job_from_dict(tomllib.loads(text))
+    assert 'a"b' not in text and text.count('token = "<redacted>"') == 2     # never written in clear
+    with pytest.raises(ConfigError, match="the token in this file is redacted.*Set PSGRID_TOKEN"):
+        job_from_dict(tomllib.loads(text))
+    assert job_from_dict(tomllib.loads(text), redacted_ok=True).server.token is None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PSGRID_TOKEN", 'a"b\\c')       # what the launcher hands its children
+        again = job_from_dict(tomllib.loads(text))
     assert again == job
     assert tomllib.loads(dump_toml({"t": {"x": float("inf"), "n": None}})) == {"t": {"x": float("inf")}}
 

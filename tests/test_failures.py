@@ -20,8 +20,8 @@ from psgrid.psserver import checkpoint
 from psgrid.psserver.admin import Admin
 from psgrid.psserver.client import Client
 from psgrid.psserver.config import ServerConfig
-from psgrid.psserver.exceptions import ShardUnavailable
-from psgrid.psserver.protocol import FLOAT32, REASON_KEY, Outcome, Reason
+from psgrid.psserver.exceptions import FailedPrecondition, ShardUnavailable
+from psgrid.psserver.protocol import FLOAT32, REASON_KEY, Outcome, Reason, parse_address_file
 from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
 from psgrid.psserver.server import serve
 from psgrid.psserver.spec import ModelSpec
@@ -211,7 +211,12 @@ def start_shard(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen
             kill(proc)
             raise AssertionError(f"shard did not start: {(tmp_path / f'{name}.log').read_text()}")
         time.sleep(0.05)
-    return proc, address_file.read_text().strip()
+    return proc, parse_address_file(address_file.read_text())[0]
+
+
+def job_of(tmp_path: Path, name: str) -> str:
+    """The job id a shard started by :func:`start_shard` published with its address."""
+    return parse_address_file((tmp_path / f"{name}.addr").read_text())[1]
 
 
 def kill(proc: subprocess.Popen | None) -> None:
@@ -306,8 +311,16 @@ def test_the_shutdown_rpc_stops_psctl_server_with_a_final_checkpoint(tmp_path, n
                 client.pull(SPEC.flat()).wait()
                 client.push(grad_for(0, step)).wait()
             assert not (ckpt / "shard-0-of-1" / checkpoint.MANIFEST).exists()
+        job = job_of(tmp_path, "shard")
+        assert len(job) == 12 and f"job {job}" in (tmp_path / "shard.log").read_text()   # printed and published
         with Admin([address], deadline_s=5, retry_s=2) as admin:
-            admin.shutdown()
+            for wrong in ("", "another-job", job[:-1]):       # garbage or another job's psctl cannot stop it
+                with pytest.raises(FailedPrecondition) as refused:
+                    admin.shutdown(wrong)
+                assert refused.value.reason is Reason.WRONG_JOB
+                assert "must name this shard's job" in str(refused.value)
+            assert proc.poll() is None and admin.stats()[0]["version"] == 3
+            admin.shutdown(job)
         assert proc.wait(timeout=15) == 0
         assert manifest_version(ckpt) == 3
         arrays, meta = checkpoint.load_latest(ckpt / "shard-0-of-1")

@@ -76,4 +76,5 @@ def _resumed_job(args: argparse.Namespace):
     overrides = collect_overrides(args)
     if overrides.get("out", str(folder)) != str(folder):
         raise UsageError("--resume continues in DIR itself: leave out --out")
-    return apply_overrides(load_job(str(folder / "job.toml")), {**overrides, "out": str(folder)})
+    # its token is redacted there: the resumed job gets a new one, as every job does
+    return apply_overrides(load_job(str(folder / "job.toml"), redacted_ok=True), {**overrides, "out": str(folder)})

@@ -31,8 +31,10 @@ SERVER_FLAGS = [
     ("--checkpoint-every-s", "checkpoint_every_s", float, "checkpoint every this many seconds (0: never by time)"),
     ("--checkpoint-keep", "checkpoint_keep", int, "keep this many newest checkpoints"),
     ("--chunk-bytes", "chunk_bytes", int, "largest chunk of a streamed range, in bytes"),
-    ("--token", "token", str, "bearer token every request must carry (prefer [server] token in a job file: "
-                              "command lines are visible to other users)"),
+    ("--token", "token", str, "bearer token every request must carry (prefer $PSGRID_TOKEN or [server] token in "
+                              "a job file: command lines are visible to other users)"),
+    ("--job-id", "job_id", str, "the job this shard belongs to; a Shutdown must name it (default: a random id, "
+                                "printed at start and written with the address)"),
     ("--tls-cert", "tls_cert", str, "server certificate (PEM); enables TLS"),
     ("--tls-key", "tls_key", str, "server private key (PEM)"),
     ("--tls-ca", "tls_ca", str, "require client certificates signed by this CA (mutual TLS)"),

@@ -29,7 +29,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the raw stats as JSON, one object per shard")
     p.add_argument("--config", metavar="FILE",
                    help="take the bearer token and TLS files from this job's [train] table")
-    p.add_argument("--token", help="bearer token, if the shards require one")
+    p.add_argument("--token", help="bearer token, if the shards require one (default: $PSGRID_TOKEN, or the job's "
+                                   "OUT/token with --address-dir; a command line is visible to other users)")
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                    help="give up on an unreachable shard after this long (default 5)")
     p.add_argument("--watch", type=float, default=None, metavar="SECONDS",
@@ -39,20 +40,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
     import time
 
     from psgrid.cluster.commands._common import split_addresses
     from psgrid.cluster.errors import JobFailed
-    from psgrid.cluster.status import addresses_from_dir, status
+    from psgrid.cluster.credentials import TOKEN_ENV
+    from psgrid.cluster.status import addresses_from_dir, status, token_of_dir
     from psgrid.psserver.exceptions import PSError
 
     addresses = split_addresses(args.addresses) if args.addresses else addresses_from_dir(args.address_dir)
-    security = {"token": args.token}
+    # The job's token: given, in the environment, or the one psctl launch keeps in OUT/token (mode 0600).
+    token = args.token or os.environ.get(TOKEN_ENV) or (token_of_dir(args.address_dir) if args.address_dir else None)
+    security = {"token": token}
     if args.config:
         from psgrid.cluster.config import load_job
 
-        train = load_job(args.config).train
-        security = {"token": args.token or train.token, "tls_ca": train.tls_ca, "tls_cert": train.tls_cert,
+        train = load_job(args.config, redacted_ok=True).train
+        security = {"token": token or train.token, "tls_ca": train.tls_ca, "tls_cert": train.tls_cert,
                     "tls_key": train.tls_key}
     while True:
         try:

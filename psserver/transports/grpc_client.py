@@ -114,8 +114,8 @@ class GrpcControl(Control):
         reply = self.call("Checkpoint", ps_pb2.CheckpointRequest())
         return reply.path, reply.version
 
-    def shutdown(self) -> None:
-        self.call("Shutdown", ps_pb2.ShutdownRequest())
+    def shutdown(self, job_id: str) -> None:
+        self.call("Shutdown", ps_pb2.ShutdownRequest(job_id=job_id))
 
     def close(self) -> None:
         self.channel.close()

@@ -109,8 +109,8 @@ class GrpcAdapter:
         return ps_pb2.CheckpointReply(path=path, version=version)
 
     def Shutdown(self, raw, context):
-        _decode(ps_pb2.ShutdownRequest, raw)
-        self.service.shutdown()
+        r = _decode(ps_pb2.ShutdownRequest, raw)
+        self.service.shutdown(r.job_id)
         return ps_pb2.ShutdownReply()
 
 

@@ -1,0 +1,86 @@
+"""A job's credentials: its bearer token (a secret) and its job id (a name, not a secret).
+
+``psctl launch`` and ``psctl mpi`` make both per job unless the job gives them (other users
+of an HPC node reach its loopback too, so a job is closed to strangers by default). The
+token travels to the children in the environment (:data:`TOKEN_ENV`), never on a command
+line (``ps`` shows those to every user) and never in a file others can read: the copies of
+the job that are written (``OUT/job.toml``, ``summary.json``) hold :data:`REDACTED` in its
+place. The job id is given to every shard, which refuses a Shutdown that does not name it:
+garbage, or another job's ``psctl``, cannot stop it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+TOKEN_ENV = "PSGRID_TOKEN"
+REDACTED = "<redacted>"
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def new_job_id() -> str:
+    return secrets.token_hex(6)
+
+
+def secure(job, token: str | None = None, job_id: str | None = None):
+    """``job`` with a token and a job id: the ones it gives, else these, else new ones (``job`` is not changed)."""
+    token = job.server.token or job.train.token or token or new_token()
+    job_id = job.server.job_id or job_id or new_job_id()
+    server = dataclasses.replace(job.server, token=token, job_id=job_id)
+    train = dataclasses.replace(job.train, token=token)
+    return dataclasses.replace(job, server=server, train=train)
+
+
+def child_env(job) -> dict[str, str]:
+    """What a child needs in its environment to use the job's token (nothing when it has none)."""
+    return {TOKEN_ENV: job.server.token} if job.server.token else {}
+
+
+TOKEN_FILE = "token"
+
+
+def write_token_file(out, job) -> None:
+    """``OUT/token``, readable by its owner alone, so that ``psctl status OUT`` can reach the job."""
+    if not job.server.token:
+        return
+    path = Path(out) / TOKEN_FILE
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)    # never readable by others, not even briefly
+    with os.fdopen(fd, "w") as f:
+        f.write(job.server.token + "\n")
+
+
+def read_token_file(out) -> str | None:
+    path = Path(out) / TOKEN_FILE
+    return path.read_text().strip() if path.is_file() else None
+
+
+def redact(tables: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A copy of a job's tables fit to be written where others may read it: the token replaced."""
+    return {section: {k: (REDACTED if k == "token" and v else v) for k, v in values.items()}
+            for section, values in tables.items()}
+
+
+def resolve_token(value: str | None, where: str, *, redacted_ok: bool = False) -> str | None:
+    """The token a setting stands for: a redacted one is the environment's :data:`TOKEN_ENV`.
+
+    A setting with no token takes the environment's too, so ``PSGRID_TOKEN=... psctl server``
+    works without the token on its command line. With ``redacted_ok`` (a launcher rereading a
+    job it wrote, which makes a new token anyway) a redacted token without the variable is None.
+    """
+    from psgrid.cluster.errors import ConfigError
+
+    env = os.environ.get(TOKEN_ENV) or None
+    if value != REDACTED:
+        return value or env
+    if env is None and not redacted_ok:
+        raise ConfigError(f"{where}: the token in this file is redacted; its job's launcher hands the real one to "
+                          f"its processes in {TOKEN_ENV}. Set {TOKEN_ENV}, or give token = ... (not on a command line)")
+    return env
