@@ -190,3 +190,15 @@ def run_launch(tmp_path: Path, *args: str, timeout: float = 120) -> tuple[int, s
     with Launch(tmp_path, *args) as launch:
         code = launch.wait(timeout)
         return code, launch.text(), launch.out
+
+
+def assert_token_kept(out: Path) -> str:
+    """The job's token (from OUT/token) appears in no file of OUT that others can read; returns it."""
+    token_file = out / "token"
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    token = token_file.read_text().strip()
+    assert len(token) >= 32
+    for path in out.rglob("*"):
+        if path.is_file() and token.encode() in path.read_bytes():
+            assert path.stat().st_mode & 0o077 == 0, f"{path} holds the token and others may read it"
+    return token

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from psgrid.cluster.mpi import min_ranks, role_of, too_few_ranks_message
-from tests.support import run_mpiexec
+from tests.support import assert_token_kept, run_mpiexec
 
 RAISE_ON_RANK = Path(__file__).resolve().parent / "mpi_raise_on_rank.py"
 
@@ -42,6 +42,10 @@ def check_summary(out_dir: Path, shards: int, workers: int) -> dict:
     assert sorted((out_dir / "addr").iterdir()) == [out_dir / "addr" / f"shard-{i}" for i in range(shards)]
     events = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert {e["rank"] for e in events if e["event"] == "done"} == set(range(workers))
+    # secure by default: one token for the job, sent over MPI, written only where its owner alone reads it
+    assert_token_kept(out_dir)
+    assert summary["config"]["server"]["token"] == summary["config"]["train"]["token"] == "<redacted>"
+    assert (out_dir / "addr" / "shard-0").read_text().splitlines()[1] == f"job {summary['job_id']}"
     return summary
 
 

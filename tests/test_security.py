@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
 import socket
-import subprocess
 
 import numpy as np
 import pytest
@@ -137,35 +135,17 @@ def _read_reply(sock):
 
 # ----- mutual TLS ---------------------------------------------------------------------------------
 
-def _openssl(*args, cwd):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=30)
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
-    """A CA, a server certificate for localhost / 127.0.0.1 and a client certificate, made with openssl."""
-    if shutil.which("openssl") is None:
-        pytest.skip("the openssl command line tool is not installed")
+    """``psctl certs`` twice: this job's CA and certificates, and another job's (right shape, wrong issuer)."""
+    from psgrid.cluster.pki import make_certs
+
     d = tmp_path_factory.mktemp("pki")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=psgrid test CA",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-             cwd=d)
-    for name, cn, ext in (
-            ("server", "localhost", "subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n"),
-            ("client", "worker-0", "extendedKeyUsage=clientAuth\n"),
-            ):
-        (d / f"{name}.ext").write_text("basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\n"
-                                       "authorityKeyIdentifier=keyid\nsubjectKeyIdentifier=hash\n" + ext)
-        _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={cn}", cwd=d)
-        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext", cwd=d)
-    # a second, unrelated CA and a client certificate it signed: right shape, wrong issuer
-    _openssl("req", "-x509", *ec, "-keyout", "rogue.key", "-out", "rogue.pem", "-days", "2", "-subj", "/CN=worker-0",
-             cwd=d)
-    return {k: str(d / v) for k, v in (("ca", "ca.pem"), ("server_cert", "server.pem"), ("server_key", "server.key"),
-                                       ("client_cert", "client.pem"), ("client_key", "client.key"),
-                                       ("rogue_cert", "rogue.pem"), ("rogue_key", "rogue.key"))}
+    ours = make_certs(d / "job", ["localhost", "127.0.0.1"], days=2)
+    theirs = make_certs(d / "other", ["localhost", "127.0.0.1"], days=2)
+    return {"ca": str(ours["ca_cert"]), "server_cert": str(ours["shard_cert"]), "server_key": str(ours["shard_key"]),
+            "client_cert": str(ours["client_cert"]), "client_key": str(ours["client_key"]),
+            "rogue_cert": str(theirs["client_cert"]), "rogue_key": str(theirs["client_key"])}
 
 
 def client_tls(certs, who: str = "valid") -> dict:
@@ -236,3 +216,77 @@ def test_the_tcp_plane_refuses_a_client_without_a_valid_certificate(tls_cluster,
     finally:
         plane.close()
     assert_same_state(before, shard_state(server))
+
+
+# ----- secure by default: psctl launch ------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_launch_without_a_token_flag_refuses_strangers_and_keeps_its_token_secret(tmp_path):
+    import json
+    import signal as signals
+    from pathlib import Path
+
+    from psgrid.psserver.admin import Admin
+    from psgrid.psserver.exceptions import FailedPrecondition
+    from psgrid.psserver.protocol import parse_address_file
+    from tests.support import Launch, assert_token_kept, child_pids, steps_seen
+
+    args = ["--config", "mnist", "--steps", "100000", "--no-progress", "--set", 'stragglers=["0:exp:5", "1:exp:5"]']
+    with Launch(tmp_path, *args) as launch:
+        out = launch.out
+        launch.wait_for(lambda: steps_seen(out, 0) >= 3, 60, "training")
+        pids = child_pids(out)
+        token = assert_token_kept(out)
+        for pid in [launch.proc.pid, *pids["shards"], *pids["workers"]]:     # what `ps` shows every user
+            assert token.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        assert "<redacted>" in (out / "job.toml").read_text()
+        address, job_id = parse_address_file((out / "addr" / "shard-0").read_text())
+        # a stranger (no token, or a wrong one) is refused on the control plane, Shutdown included
+        for stranger in (None, token[:-1] + "x"):
+            with Admin([address], token=stranger, deadline_s=5, retry_s=1) as admin:
+                for call in (admin.stats, lambda: admin.shutdown(job_id), lambda: admin.report_gone(0)):
+                    with pytest.raises(Unauthenticated):
+                        call()
+        with Admin([address], token=token, deadline_s=5, retry_s=1) as admin:
+            with pytest.raises(FailedPrecondition):
+                admin.shutdown("not-this-job")               # the token alone does not stop it either
+            look = admin._look(0)
+            assert admin.stats()[0]["initialized"]            # the job's token is served
+        # ... and on the TCP data plane
+        for hello in (b"", b"wrong"):
+            with socket.create_connection(("127.0.0.1", look.tcp_port), timeout=5) as sock:
+                sock.sendall(REQUEST.pack(MAGIC, HELLO, 0, 0, 0, 0, len(hello), 0.0) + hello)
+                assert recv_struct(sock, REPLY)[1] == Status.UNAUTHENTICATED
+        assert steps_seen(out, 0) >= 3 and launch.proc.poll() is None     # the job goes on
+        launch.proc.send_signal(signals.SIGTERM)
+        assert launch.wait(30) == 128 + signals.SIGTERM
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["server"]["token"] == "<redacted>" and summary["job_id"] == job_id
+    assert_token_kept(out)
+
+
+def test_psctl_certs_writes_private_keys_for_their_owner_alone(tmp_path, capsys):
+    import os
+    import stat
+
+    from psgrid.cluster.cli import main
+
+    assert main(["certs", str(tmp_path / "pki"), "--host", "node1", "--host", "10.0.0.7", "--days", "3"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("ca", "shard", "client"):
+        assert stat.S_IMODE(os.stat(tmp_path / "pki" / f"{name}.key").st_mode) == 0o600
+        assert f"{name}.pem" in printed
+    assert "[server]\ntls_cert = " in printed and "[train]\ntls_ca = " in printed
+    from cryptography import x509
+
+    shard = x509.load_pem_x509_certificate((tmp_path / "pki" / "shard.pem").read_bytes())
+    names = shard.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["node1"]
+    assert [str(a) for a in names.get_values_for_type(x509.IPAddress)] == ["10.0.0.7"]
+    before = (tmp_path / "pki" / "ca.pem").read_bytes()
+    assert main(["certs", str(tmp_path / "pki")]) == 2                       # never overwritten unasked
+    assert "already holds" in capsys.readouterr().err
+    assert (tmp_path / "pki" / "ca.pem").read_bytes() == before
+    assert main(["certs", str(tmp_path / "pki"), "--force"]) == 0
+    assert (tmp_path / "pki" / "ca.pem").read_bytes() != before

@@ -6,4 +6,4 @@ Modules import their heavy dependencies (grpc, numpy, mpi4py) inside ``run`` so 
 ``psctl --help`` stays fast.
 """
 
-COMMANDS = ("launch", "mpi", "compare", "allreduce", "server", "worker", "status", "bench")
+COMMANDS = ("launch", "mpi", "compare", "allreduce", "server", "worker", "status", "bench", "certs")
