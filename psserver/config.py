@@ -44,6 +44,7 @@ class ServerConfig:
     metrics_port: int | None = None    # serve Prometheus metrics here (0: any free port)
     threads: int = 128                 # gRPC handler threads; blocked pulls each hold one
     data_plane: str = "tcp"            # "tcp": also serve Pull/Push payloads over plain TCP; "grpc": gRPC only
+    tcp_max_connections: int = 1024    # data-plane connections at once; past it a new one is refused (clients retry)
 
     def __post_init__(self):
         self.validate()
@@ -72,6 +73,8 @@ class ServerConfig:
                                   f"got {self.chunk_bytes}")
         if self.data_plane not in DATA_PLANES:
             raise InvalidArgument(f"data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}")
+        if self.tcp_max_connections < 1:
+            raise InvalidArgument(f"tcp_max_connections must be >= 1, got {self.tcp_max_connections}")
         if not 0 <= self.port <= 65535:
             raise InvalidArgument(f"port must be in 0..65535, got {self.port}")
         if bool(self.tls_cert) != bool(self.tls_key):

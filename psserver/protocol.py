@@ -79,6 +79,7 @@ class Reason(IntEnum):
     CHECKPOINT_FAILED = 19  # the shard could not write its checkpoint (a full disk, say)
     RESTORING = 20          # the shard is restoring its checkpoint: retry shortly
     WRONG_JOB = 21          # a Shutdown that does not name this shard's job
+    TOO_MANY_CONNECTIONS = 22  # the data plane holds its most connections: retry later
 
     @property
     def wire_name(self) -> str:

@@ -46,13 +46,15 @@ class RunningServer:
         self.tcp = None
         if config.data_plane == "tcp":
             ssl_context = server_ssl_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
-            self.tcp = TcpDataServer(self.service, config.host, config.token, ssl_context)
+            self.tcp = TcpDataServer(self.service, config.host, config.token, ssl_context, handlers=config.threads,
+                                     max_connections=config.tcp_max_connections,
+                                     on_failure=lambda: self.set_health(False))
             self.service.tcp_port = self.tcp.port
         try:
             self.grpc = GrpcServer(self.service, config)
         except BaseException:
             if self.tcp is not None:
-                self.tcp.listener.close()
+                self.tcp.stop()
             raise
         self.port = self.grpc.port
         self.address = f"{config.host}:{self.port}"
@@ -82,7 +84,12 @@ class RunningServer:
                 self.stop(grace=0)
                 raise
         self.reaper.start()
+        self.grpc.set_serving(True)
         return self
+
+    def set_health(self, serving: bool) -> None:
+        """What the gRPC health service answers (NOT_SERVING while restoring, or if a data plane died)."""
+        self.grpc.set_serving(serving)
 
     def _reap(self) -> None:
         # Evicts expired workers often enough that a wait is released within a fraction of a lease.

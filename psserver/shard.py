@@ -176,6 +176,7 @@ class Shard:
     def layout_info(self) -> dict:
         """Version, range and whether weights are set, read together (what an observer learns)."""
         with self.cond:
+            self._require_up()
             return self._layout_info()
 
     def _layout_info(self) -> dict:
@@ -520,10 +521,10 @@ class Shard:
                 self.cond.notify_all()
 
     def _restore(self) -> bool:
+        found = checkpoint.load_latest(self._checkpoint_dir())   # read outside the lock: calls meanwhile are refused
+        if found is None:
+            return False
         with self.cond:
-            found = checkpoint.load_latest(self._checkpoint_dir())
-            if found is None:
-                return False
             arrays, meta = found
             spec = ModelSpec.from_json(meta["spec"])
             self.spec, self.begin, self.end = spec, meta["begin"], meta["end"]

@@ -40,6 +40,8 @@ SERVER_FLAGS = [
     ("--tls-ca", "tls_ca", str, "require client certificates signed by this CA (mutual TLS)"),
     ("--metrics-port", "metrics_port", int, "serve Prometheus metrics on this port (0: any free port)"),
     ("--threads", "threads", int, "gRPC handler threads"),
+    ("--tcp-max-connections", "tcp_max_connections", int, "most TCP data-plane connections at once; past it a new "
+                                                          "one is refused and its client retries"),
     ("--data-plane", "data_plane", DATA_PLANES, "tcp: also serve Pull/Push payloads over plain TCP beside gRPC; "
                                                 "grpc: gRPC only"),
 ]

@@ -16,6 +16,7 @@ from concurrent import futures
 
 import grpc
 from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from psgrid.psserver import framing
 from psgrid.psserver.config import ServerConfig
@@ -28,6 +29,7 @@ from psgrid.psserver.service import ShardService
 from psgrid.psserver.sharding import chunk_ranges
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
 def _decode(message_cls, raw: bytes):
@@ -173,21 +175,32 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
                      (False, True): grpc.unary_stream_rpc_method_handler(deny)}
 
     def intercept_service(self, continuation, handler_call_details):
-        given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
         handler = continuation(handler_call_details)
-        if handler is None or token_matches(given, self.expected):
+        # Health checks need no token, as a cluster's probes (Kubernetes, Slurm prologs) carry none:
+        # they say whether the shard serves, nothing of the job.
+        if handler is None or handler_call_details.method.startswith(HEALTH_PREFIX):
+            return handler
+        given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if token_matches(given, self.expected):
             return handler
         return self.deny[(handler.request_streaming, handler.response_streaming)]
 
 
 class GrpcServer:
-    """The shard's gRPC server, bound and ready to start; ``port`` is the real port (never 0)."""
+    """The shard's gRPC server, bound and ready to start; ``port`` is the real port (never 0).
+
+    It also serves the standard health service (``grpc.health.v1.Health``), for the overall
+    server ("") and for the psgrid service: NOT_SERVING until :meth:`set_serving` says otherwise.
+    """
 
     def __init__(self, service: ShardService, config: ServerConfig):
         interceptors = [BearerTokenInterceptor(config.token)] if config.token else []
         self.executor = futures.ThreadPoolExecutor(max_workers=config.threads, thread_name_prefix="grpc-handler")
         self.server = grpc.server(self.executor, options=list(GRPC_SERVER_OPTIONS), interceptors=interceptors)
         self.server.add_generic_rpc_handlers((method_handlers(service, config.chunk_bytes),))
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.set_serving(False)
         target = f"{config.host}:{config.port}"
         if config.tls_cert:
             creds = grpc.ssl_server_credentials([(read_pem(config.tls_key), read_pem(config.tls_cert))],
@@ -203,6 +216,12 @@ class GrpcServer:
     def start(self) -> None:
         self.server.start()
 
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            self.health.set(name, status)
+
     def stop(self, grace: float | None) -> None:
+        self.health.enter_graceful_shutdown()     # NOT_SERVING to every probe from now on
         self.server.stop(grace).wait(timeout=(grace or 0) + 5)
         self.executor.shutdown(wait=True)     # grpc leaves its handler threads to their owner
