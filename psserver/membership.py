@@ -26,10 +26,14 @@ class Leases:
         self.members: dict[int, Member] = {}
         self.next_id = 0
 
-    def new_id(self) -> int:
-        worker_id = self.next_id
-        self.next_id += 1
-        return worker_id
+    def new_id(self, taken=(), limit: int = 2**31 - 1) -> int:
+        """A worker id nobody holds: the next after every id seen, or, once that passed ``limit``
+        (a worker asked for a huge id), the lowest that is neither a member's nor in ``taken``."""
+        if self.next_id <= limit:
+            worker_id = self.next_id
+            self.next_id += 1
+            return worker_id
+        return next(i for i in range(limit + 1) if i not in self.members and i not in taken)
 
     def add(self, worker_id: int, host: str, now: float) -> None:
         self.members[worker_id] = Member(worker_id, host, now, now)

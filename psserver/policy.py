@@ -31,6 +31,8 @@ from psgrid.psserver.protocol import MODES, Outcome
 
 __all__ = ["MODES", "ConsistencyPolicy", "Outcome", "PushDecision"]
 
+MAX_DEPARTED = 1 << 16     # departed workers remembered (the newest)
+
 
 @dataclass(frozen=True)
 class PushDecision:
@@ -97,6 +99,12 @@ class ConsistencyPolicy:
         """Drop a worker (evicted or finished): waits stop counting it. Its accumulated gradient stays."""
         if worker in self.clocks:
             self.departed[worker] = self.clocks.pop(worker)
+            self.forget_oldest_departed()
+
+    def forget_oldest_departed(self) -> None:
+        # Bounded, so that ids made up by strangers cannot grow it without end; the oldest go first.
+        while len(self.departed) > MAX_DEPARTED:
+            del self.departed[next(iter(self.departed))]
 
     def is_live(self, worker: int) -> bool:
         return worker in self.clocks

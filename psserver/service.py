@@ -20,6 +20,7 @@ from __future__ import annotations
 import hmac
 import logging
 import math
+import os
 import threading
 from typing import Callable, NamedTuple
 
@@ -41,6 +42,8 @@ MAX_CLOCK = 2**53                # exact as a float64, so JSON and checkpoints k
 MAX_HOST_CHARS = 256
 MAX_SPEC_PARAMS = 1 << 16
 MAX_MODEL_ELEMENTS = 1 << 40     # 4 TiB of float32: far past any shard, short of overflowing anything
+RANGE_COPIES = 4                 # weights, optimizer state, and at least two pooled buffers
+PHYSICAL_MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 GRADIENT_DTYPES = frozenset(WIRE_DTYPES.values())
 WEIGHT_DTYPES = frozenset({FLOAT32})
 
@@ -293,6 +296,14 @@ class ShardService:
         if spec_hash != spec.hash():
             raise InvalidArgument("the spec's hash does not match its parameters", Reason.BAD_SPEC)
         self.shard.check_spec(spec)
+        begin, end = self.shard.layout(spec)
+        # The weights, the optimizer's state and the pooled buffers are each this range: refuse, before
+        # anything is allocated, a model whose range could not fit in this machine's memory.
+        need = (end - begin) * ITEMSIZE[FLOAT32] * RANGE_COPIES
+        if need > PHYSICAL_MEMORY:
+            raise InvalidArgument(f"a range of {end - begin} elements ({need / 2**30:.1f} GiB with optimizer state and "
+                                  f"buffers) is more than this shard can hold ({PHYSICAL_MEMORY / 2**30:.1f} GiB of "
+                                  f"memory): use more shards", Reason.BAD_SPEC)
         return InitIntake(self.shard, spec)
 
     def heartbeat(self, *, worker_id: int, leaving: bool) -> HeartbeatInfo:

@@ -163,7 +163,7 @@ class Shard:
             if spec_hash and self.spec is None:
                 self.expected_hash = spec_hash     # before Init, the first worker's model is the job's
             if worker_id < 0:
-                worker_id = self.leases.new_id()
+                worker_id = self.leases.new_id(taken=self.policy.departed)
             before = self.policy.clocks.get(worker_id)
             clock = self.policy.join(worker_id, start_clock if start_clock >= 0 else None)
             if before is not None and clock > before:
@@ -203,6 +203,7 @@ class Shard:
         with self.cond:
             if not self.policy.is_live(worker):
                 self.policy.departed.setdefault(worker, 0)
+                self.policy.forget_oldest_departed()
                 self.cond.notify_all()
 
     def heartbeat(self, worker: int) -> bool:
