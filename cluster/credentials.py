@@ -17,8 +17,9 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from psgrid.psserver.security import REDACTED_TOKEN as REDACTED  # noqa: F401 - re-exported for the cluster
+
 TOKEN_ENV = "PSGRID_TOKEN"
-REDACTED = "<redacted>"
 
 
 def new_token() -> str:

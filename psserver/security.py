@@ -7,6 +7,19 @@ import ssl
 from pathlib import Path
 
 
+# What the written copies of a job hold in place of its token (cluster/credentials.py).
+REDACTED_TOKEN = "<redacted>"
+
+
+def check_token(token: str | None) -> None:
+    """Refuse the redacted placeholder as a token: it means the real one was not passed along."""
+    if token == REDACTED_TOKEN:
+        from psgrid.psserver.exceptions import InvalidArgument
+
+        raise InvalidArgument("the token is the placeholder of a redacted job file; pass the job's real token "
+                              "(PSGRID_TOKEN)")
+
+
 def read_pem(path: str | None) -> bytes | None:
     """The bytes of a PEM file, or None when no path is given."""
     return Path(path).read_bytes() if path else None

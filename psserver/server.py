@@ -19,7 +19,7 @@ from pathlib import Path
 
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.protocol import format_address_file
-from psgrid.psserver.security import server_ssl_context
+from psgrid.psserver.security import check_token, server_ssl_context
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.shard import Shard
 from psgrid.psserver.transports.grpc_server import GrpcServer
@@ -35,10 +35,8 @@ class RunningServer:
         if not config.job_id:       # a Shutdown must name it (see ShardService.shutdown)
             config = dataclasses.replace(config, job_id=secrets.token_hex(6))
         self.config = config
-        if not (config.token or config.tls_cert or is_loopback(config.host)):
-            log.warning("shard %d listens on %s with no token and no TLS: anyone who can reach the port can read "
-                        "and change the weights. Set token (or psctl launch/mpi, which make one per job) or "
-                        "tls_cert/tls_key/tls_ca", config.shard_index, config.host)
+        check_token(config.token)
+        warn_if_open(config)
         self.shard = Shard(config, restore=False)     # restored in start(), once the transports listen
         self.stopped = threading.Event()
         self.shutdown_requested = threading.Event()
@@ -140,6 +138,19 @@ class RunningServer:
 def serve(config: ServerConfig) -> RunningServer:
     """Build and start a shard server; the caller stops it with ``.stop()``."""
     return RunningServer(config).start()
+
+
+def warn_if_open(config: ServerConfig) -> bool:
+    """Warn (and say True) when a shard would take anyone's calls: beyond loopback, no token, no client certs.
+
+    TLS without client certificates (no ``tls_ca``) encrypts, but lets anyone in.
+    """
+    if config.token or config.tls_ca or is_loopback(config.host):
+        return False
+    log.warning("shard %d listens on %s with no token and no client certificates: anyone who can reach the port "
+                "can read and change the weights. Set token (psctl launch and mpi make one per job) or "
+                "tls_cert/tls_key/tls_ca", config.shard_index, config.host)
+    return True
 
 
 def is_loopback(host: str) -> bool:

@@ -290,3 +290,28 @@ def test_psctl_certs_writes_private_keys_for_their_owner_alone(tmp_path, capsys)
     assert (tmp_path / "pki" / "ca.pem").read_bytes() == before
     assert main(["certs", str(tmp_path / "pki"), "--force"]) == 0
     assert (tmp_path / "pki" / "ca.pem").read_bytes() != before
+
+
+def test_the_redacted_placeholder_is_never_taken_for_a_token():
+    from psgrid.psserver.config import ServerConfig
+    from psgrid.psserver.exceptions import InvalidArgument
+    from psgrid.psserver.server import RunningServer
+
+    with pytest.raises(InvalidArgument, match="placeholder of a redacted job file"):
+        ConnectOptions(token="<redacted>")
+    with pytest.raises(InvalidArgument, match="placeholder of a redacted job file"):
+        RunningServer(ServerConfig(token="<redacted>"))
+
+
+def test_a_shard_beyond_loopback_without_token_or_client_certificates_warns(caplog):
+    from psgrid.psserver.config import ServerConfig
+    from psgrid.psserver.server import is_loopback, warn_if_open
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("node1")
+    assert warn_if_open(ServerConfig(host="0.0.0.0"))          # decided from the settings: nothing is bound
+    assert "with no token and no client certificates" in caplog.text
+    assert not warn_if_open(ServerConfig(host="0.0.0.0", token="t"))
+    assert warn_if_open(ServerConfig(host="node1", tls_cert="c.pem", tls_key="k.pem"))   # TLS, but anyone may connect
+    assert not warn_if_open(ServerConfig(host="node1", tls_cert="c.pem", tls_key="k.pem", tls_ca="ca.pem"))
+    assert not warn_if_open(ServerConfig())

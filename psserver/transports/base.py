@@ -21,6 +21,7 @@ import numpy as np
 
 from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, HeartbeatInfo, PushResult, Reason, Registration
+from psgrid.psserver.security import check_token
 from psgrid.psserver.spec import ModelSpec
 
 
@@ -42,6 +43,7 @@ class ConnectOptions:
                 raise InvalidArgument(f"{name} {path!r}: no such file", Reason.BAD_VALUE)
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidArgument("tls_cert and tls_key must be given together", Reason.BAD_VALUE)
+        check_token(self.token)
 
     @property
     def tls(self) -> bool:
