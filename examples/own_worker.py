@@ -1,7 +1,7 @@
 """A worker loop of your own against running shards: the client around your gradient, no threads.
 
     psctl server --mode sync --lr 0.1 --address-file /tmp/shard-0 &
-    python examples/own_worker.py "$(cat /tmp/shard-0)"
+    python examples/own_worker.py "$(head -1 /tmp/shard-0)"      # line 1: the address; line 2: the job id
 
 Run it several times at once (the same addresses) and the shards average their gradients.
 """

@@ -78,10 +78,12 @@ def test_the_readmes_worker_trains_against_running_shards(cluster, data_plane, m
         assert proc.returncode == 0, err
         assert float(out.split("loss")[1]) < 1e-3, out
     # two workers joined, pushed and left. In async every push is an update; in sync a round is one
-    # update, of both workers once both are there (without world=, one may start a few rounds alone).
+    # update, of both workers where both were there (without world=, one may run rounds alone: on a
+    # loaded machine the second process can even start after the first has finished).
     stats = c.shard().stats()
     assert stats["members"] == [] and stats["pushes"] == 600
     if mode == "async":
         assert stats["applied_updates"] == 600
     else:
-        assert 300 <= stats["applied_updates"] < 600 and stats["dropped_late"] == 0
+        assert 300 <= stats["applied_updates"] <= 600 and stats["dropped_late"] == 0
+        assert stats["version"] == stats["applied_updates"] == c.shard().policy.closed_rounds

@@ -63,7 +63,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     add_config_arg(p, None, "its [server] table is the base that flags override")
     p.add_argument("--address-file", metavar="FILE",
-                   help="write the bound host:port here (atomically) once listening")
+                   help="write the bound host:port (first line) and the job id (second line, 'job ID') here, "
+                        "atomically, once listening")
     g = p.add_argument_group("shard settings (ServerConfig fields)")
     for flag, name, kind, help in SERVER_FLAGS:
         if kind is bool:
