@@ -62,7 +62,7 @@ SERVER_PER_PROCESS = ("shard_index", "num_shards", "port", "extra")
 # Same name, different meaning on the two sides: a shard's certificate is not a worker's.
 AMBIGUOUS = ("tls_cert", "tls_key", "tls_ca")
 # Same name and meaning on both sides: a top-level value sets both.
-SHARED = ("chunk_bytes", "data_plane", "token")
+SHARED = ("chunk_bytes", "data_plane", "shared_memory", "token")
 # Keys of earlier releases, refused wherever they appear (top level or any table) with what replaced them:
 # a job file that still says `servers = 2` must fail loudly, not be read as something else.
 RENAMED = {

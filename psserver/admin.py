@@ -27,15 +27,16 @@ class Admin:
         ``host:port`` of shard 0, 1, ... in shard order.
     token, tls_ca, tls_cert, tls_key
         The job's bearer token and TLS material, if it uses them.
-    data_plane, chunk_bytes, deadline_s, retry_s
-        As for :class:`psgrid.psserver.client.Client`.
+    data_plane, shared_memory, chunk_bytes, deadline_s, retry_s
+        As for :class:`psgrid.psserver.client.Client` (an observer reads shards on this host in place too).
     """
 
     def __init__(self, addresses: Sequence[str], *, token: str | None = None, tls_ca: str | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None, data_plane: str = "tcp",
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, deadline_s: float = 30.0, retry_s: float = 10.0):
+                 shared_memory: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES, deadline_s: float = 30.0,
+                 retry_s: float = 10.0):
         options = ConnectOptions(token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                                 chunk_bytes=chunk_bytes, deadline_s=deadline_s)
+                                 chunk_bytes=chunk_bytes, deadline_s=deadline_s, shared_memory=shared_memory)
         self._conn = ShardConnections(addresses, data_plane=data_plane, options=options, retry_s=retry_s,
                                       register=self._look)
         self.deadline_s = deadline_s

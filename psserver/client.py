@@ -36,6 +36,7 @@ from typing import Callable, Generic, Mapping, Sequence, TypeVar
 import numpy as np
 
 from psgrid.psserver import wire
+from psgrid.psserver.client_memory import ClientMemory, Pinner
 from psgrid.psserver.exceptions import InvalidArgument, NotInitialized, PSError, UnknownWorker, WaitTimeout
 from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, PushResult, Reason, Registration
 from psgrid.psserver.shards import ShardConnections
@@ -138,7 +139,14 @@ class Client:
         either) for shards that have none. With ``world``, only the worker with the lowest id
         sends them and the others wait; a client without ``init`` waits for them.
     data_plane : {"tcp", "grpc"}
-        Where Pull and Push payloads go when a shard offers it (gRPC otherwise).
+        Where Pull and Push payloads go when a shard offers it (gRPC otherwise), unless the
+        shard is on this host and ``shared_memory`` is on.
+    shared_memory : bool
+        Read the weights of shards on this host in place and push through shared memory
+        (the ``shm`` data plane); off, payloads take ``data_plane`` even on one host.
+    pin_memory : Pinner, optional
+        Registers the host buffers a device copies to and from (the gradient buffer, the
+        shards' weights mapped here): how a GPU worker gets DMA speed from shared memory.
     wire_dtype : {"float32", "float16", "bfloat16"}
         Element type of pushed gradients.
     deadline_s, retry_s, max_wait_s
@@ -155,7 +163,8 @@ class Client:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, deadline_s: float = 60.0, retry_s: float = 30.0,
                  max_wait_s: float = 3600.0, heartbeat_s: float | None = None, join_timeout_s: float = 120.0,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, host: str | None = None):
+                 tls_key: str | None = None, host: str | None = None, shared_memory: bool = True,
+                 pin_memory: Pinner | None = None):
         if not isinstance(spec, ModelSpec):
             raise InvalidArgument(f"spec must be a ModelSpec, got {type(spec).__name__}")
         if world is not None and world < 1:
@@ -168,8 +177,10 @@ class Client:
         self.deadline_s, self.max_wait_s, self.join_timeout_s = deadline_s, max_wait_s, join_timeout_s
         self._heartbeat_s = heartbeat_s
         self.host = host or socket.gethostname()
+        self._memory = ClientMemory(spec.size, shared=shared_memory, pinner=pin_memory)
         options = ConnectOptions(token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                                 chunk_bytes=chunk_bytes, deadline_s=deadline_s)
+                                 chunk_bytes=chunk_bytes, deadline_s=deadline_s, shared_memory=shared_memory,
+                                 memory=self._memory)
         self._conn = ShardConnections(addresses, data_plane=data_plane, options=options, retry_s=retry_s,
                                       register=self._register_one)
         self.ranges = shard_ranges(spec.size, self._conn.num_shards)
@@ -211,6 +222,14 @@ class Client:
     @property
     def data_planes(self) -> list[str | None]:
         return self._conn.data_planes
+
+    def gradient_buffer(self) -> np.ndarray:
+        """A flat float32 buffer of the model's size that pushes take without a copy.
+
+        On this host's shards it is shared memory they read in place; compute the gradient
+        into it (or copy it there from a device) and pass it to :meth:`push`.
+        """
+        return self._memory.gradient()
 
     # ----- joining and leaving ------------------------------------------------------------------
 
@@ -380,23 +399,33 @@ class Client:
             _settle(self._pull_handle)
         finally:
             self._conn.close_connections()
+            self._memory.close()
 
     # ----- pull and push ------------------------------------------------------------------------
 
-    def pull(self, out: np.ndarray, *, background: bool = False) -> Handle[list[int]]:
-        """Fill ``out`` (flat float32) with every shard's weights once the mode allows.
+    def pull(self, out: np.ndarray | None = None, *, into: Callable[[int, int, np.ndarray], object] | None = None,
+             background: bool = False) -> Handle[list[int]]:
+        """Every shard's weights, once the mode allows: into ``out`` (flat float32), or to ``into``.
 
+        ``into(begin, end, values)`` is called once per shard with its range's weights, valid
+        during the call only: a shard on this host hands over its own memory, so a caller that
+        copies them to a device (``device_params[begin:end].set(values)``) moves them once.
         Returns a handle whose ``wait()`` gives the shards' versions: done already, unless
         ``background`` (then ``out`` is the pull's until ``wait()`` returns).
         """
         self._require_joined()
-        check_flat(out, self.spec, "the pull buffer")
+        if (out is None) == (into is None):
+            raise InvalidArgument("pull takes either out= (a flat float32 array) or into= (a callable), not both")
+        if out is not None:
+            check_flat(out, self.spec, "the pull buffer")
+        elif not callable(into):
+            raise InvalidArgument(f"into must be a callable into(begin, end, values), got {type(into).__name__}")
         with self._calls:
             _settle(self._pull_handle)
             clock = self.clock
 
             def run() -> list[int]:
-                versions = self._conn.map(lambda i: self._pull_one(i, out, clock))
+                versions = self._conn.map(lambda i: self._pull_one(i, out, into, clock))
                 with self._lock:
                     self._versions = versions
                 return versions
@@ -460,14 +489,20 @@ class Client:
             raise InvalidArgument("the client has not joined: use it as a context manager (with Client(...) as "
                                   "client:) or call join() first")
 
-    def _pull_one(self, shard: int, out: np.ndarray, clock: int) -> int:
+    def _pull_one(self, shard: int, out: np.ndarray | None, into, clock: int) -> int:
         begin, end = self.ranges[shard]
-        view = out[begin:end]
+        if out is not None:
+            view = out[begin:end]
+            call = lambda: self._conn.plane(shard).pull_into(  # noqa: E731
+                view, begin=begin, worker_id=self.worker_id, clock=clock, timeout_s=self.deadline_s)
+        else:
+            call = lambda: self._conn.plane(shard).pull_with(  # noqa: E731
+                into, begin=begin, end=end, staging=self._memory.staging, worker_id=self.worker_id, clock=clock,
+                timeout_s=self.deadline_s)
         waited_since = time.monotonic()
         while True:
             try:
-                return self._worker_call(shard, lambda: self._conn.plane(shard).pull_into(
-                    view, begin=begin, worker_id=self.worker_id, clock=clock, timeout_s=self.deadline_s))
+                return self._worker_call(shard, call)
             except WaitTimeout as exc:
                 # A consistency wait may outlast one deadline (slow peers): keep waiting, up to max_wait_s.
                 if exc.reason is Reason.WAIT_TIMEOUT and time.monotonic() - waited_since < self.max_wait_s:

@@ -44,6 +44,7 @@ class ServerConfig:
     metrics_port: int | None = None    # serve Prometheus metrics here (0: any free port)
     threads: int = 128                 # gRPC handler threads; blocked pulls each hold one
     data_plane: str = "tcp"            # "tcp": also serve Pull/Push payloads over plain TCP; "grpc": gRPC only
+    shared_memory: bool = True         # offer workers on this host the shared-memory data plane
     tcp_max_connections: int = 1024    # data-plane connections at once; past it a new one is refused (clients retry)
 
     def __post_init__(self):

@@ -1,4 +1,4 @@
-"""Server-side optimizers that update a shard's flat float32 weight range in place.
+"""Server-side optimizers that update a shard's flat float32 weight range (in place, or into another buffer).
 
 Each optimizer owns the state of one shard's range (momentum, Adam moments) and a few scratch
 blocks, so ``step`` is not reentrant: the shard calls it under its update lock.
@@ -86,8 +86,9 @@ class Optimizer:
             hi = min(lo + self._block, self.size)
             yield slice(lo, hi), t[: hi - lo], u[: hi - lo]
 
-    def step(self, weights: np.ndarray, grad: np.ndarray, lr_scale: float = 1.0) -> None:
-        """Apply one update to ``weights`` in place; ``grad`` is only read.
+    def step(self, weights: np.ndarray, grad: np.ndarray, lr_scale: float = 1.0, *,
+             out: np.ndarray | None = None) -> None:
+        """Apply one update to ``weights``, in place or into ``out``; ``grad`` is only read.
 
         Parameters
         ----------
@@ -95,23 +96,28 @@ class Optimizer:
             1-D float32 arrays of length ``size``.
         lr_scale : float, optional
             Multiplies ``lr`` for this step only (staleness-aware scaling). Finite and > 0.
+        out : numpy.ndarray, optional
+            Where the updated weights go (``weights`` itself by default). A shard writes each
+            version into a buffer of its own (weight_ring.py), so readers of the previous one
+            never see it change; the traffic is the same as in place.
 
         Raises
         ------
         InvalidArgument
             On a wrong shape or dtype or a bad ``lr_scale``; nothing is changed then.
         """
-        for name, a in (("weights", weights), ("grad", grad)):
+        out = weights if out is None else out
+        for name, a in (("weights", weights), ("grad", grad), ("out", out)):
             if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != (self.size,):
                 got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
                 raise InvalidArgument(f"{name} must be float32 of shape ({self.size},), got {got}")
-        if not weights.flags.writeable:
-            raise InvalidArgument("weights must be writeable")
+        if not out.flags.writeable:
+            raise InvalidArgument(f"{'weights' if out is weights else 'out'} must be writeable")
         scale = _hparam("lr_scale", lr_scale, _positive, "finite and > 0")
         self.steps += 1
-        self._apply(weights, grad, self.lr * scale)
+        self._apply(weights, grad, self.lr * scale, out)
 
-    def _apply(self, w: np.ndarray, g: np.ndarray, lr: float) -> None:
+    def _apply(self, w: np.ndarray, g: np.ndarray, lr: float, out: np.ndarray) -> None:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, np.ndarray | float | int]:
@@ -183,7 +189,7 @@ class SGD(Optimizer):
         self.nesterov = bool(nesterov)
         self._v = self._buffer("momentum_buffer") if self.momentum else None
 
-    def _apply(self, w, g, lr):
+    def _apply(self, w, g, lr, out):
         mu, wd, v = self.momentum, self.weight_decay, self._v
         for s, t, u in self._blocks():
             wb, d = w[s], g[s]
@@ -200,7 +206,7 @@ class SGD(Optimizer):
                 else:
                     d = vb
             np.multiply(d, lr, out=t)
-            wb -= t
+            np.subtract(wb, t, out=out[s])
 
 
 class Adam(Optimizer):
@@ -229,7 +235,7 @@ class Adam(Optimizer):
         self._m = self._buffer("exp_avg")
         self._v = self._buffer("exp_avg_sq")
 
-    def _apply(self, w, g, lr):
+    def _apply(self, w, g, lr, out):
         b1, b2, eps, wd = self.beta1, self.beta2, self.eps, self.weight_decay
         # torch: w -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps); multiplying through by sqrt(bc2)
         # folds the bias correction into two scalars and saves a pass per block
@@ -253,7 +259,7 @@ class Adam(Optimizer):
             u += eps_hat
             np.divide(m, u, out=u)
             u *= step_size
-            wb -= u
+            np.subtract(wb, u, out=out[s])
 
 
 _KINDS = {

@@ -145,6 +145,7 @@ class Registration:
     initialized: bool
     version: int
     tcp_port: int
+    shm_socket: str = ""      # the shared-memory plane's Unix socket ("@name": abstract), "" when not offered
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from psgrid.psserver.service import ShardService
 from psgrid.psserver.shard import Shard
 from psgrid.psserver.transports.grpc_server import GrpcServer
 from psgrid.psserver.transports.tcp_server import TcpDataServer
+from psgrid.psserver import shared_memory
 
 log = logging.getLogger("psgrid.server")
 
@@ -48,11 +49,20 @@ class RunningServer:
                                      max_connections=config.tcp_max_connections,
                                      on_failure=lambda: self.set_health(False))
             self.service.tcp_port = self.tcp.port
+        self.shm = None
         try:
+            if config.shared_memory and shared_memory.available():
+                from psgrid.psserver.transports.shm_server import ShmDataServer
+
+                self.shm = ShmDataServer(self.service, config.token, handlers=config.threads,
+                                         max_connections=config.tcp_max_connections,
+                                         on_failure=lambda: self.set_health(False))
+                self.service.shm_socket = self.shm.address
             self.grpc = GrpcServer(self.service, config)
         except BaseException:
-            if self.tcp is not None:
-                self.tcp.stop()
+            for plane in (self.tcp, self.shm):
+                if plane is not None:
+                    plane.stop()
             raise
         self.port = self.grpc.port
         self.address = f"{config.host}:{self.port}"
@@ -72,8 +82,9 @@ class RunningServer:
         restoring = bool(self.config.checkpoint_dir)
         if restoring:
             self.shard.begin_restore()
-        if self.tcp is not None:
-            self.tcp.start()
+        for plane in (self.tcp, self.shm):
+            if plane is not None:
+                plane.start()
         self.grpc.start()
         if restoring:
             try:
@@ -111,8 +122,9 @@ class RunningServer:
             return
         self.stopped.set()
         self.shard.close()        # release waiting pulls first, or stop() waits out their deadlines
-        if self.tcp is not None:
-            self.tcp.stop()
+        for plane in (self.tcp, self.shm):
+            if plane is not None:
+                plane.stop()
         self.grpc.stop(grace)
         if self.config.checkpoint_dir and self.shard.initialized:
             try:

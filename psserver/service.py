@@ -28,7 +28,7 @@ import numpy as np
 
 from psgrid.psserver import wire
 from psgrid.psserver.buffers import BufferPool
-from psgrid.psserver.exceptions import InvalidArgument, PSError, WrongJob
+from psgrid.psserver.exceptions import InvalidArgument, PSError, Unavailable, WrongJob
 from psgrid.psserver.protocol import (FLOAT32, ITEMSIZE, REPLY_MARGIN_S, HeartbeatInfo, PushResult, Reason, Refusal,
                                       Registration, Status, WIRE_DTYPES)
 from psgrid.psserver.shard import Shard
@@ -234,6 +234,7 @@ class ShardService:
         self.shard = shard
         self.on_shutdown = on_shutdown
         self.tcp_port = 0        # set by the server once the TCP data plane listens (0: none)
+        self.shm_socket = ""     # set by the server once the shared-memory plane listens ("": none)
         self._half: BufferPool | None = None
         self._half_lock = threading.Lock()
 
@@ -277,7 +278,7 @@ class ShardService:
         return Registration(
             mode=config.mode, staleness=config.staleness, backup_workers=config.backup_workers,
             lease_s=config.lease_s, shard_index=config.shard_index, num_shards=config.num_shards,
-            tcp_port=self.tcp_port, **joined)
+            tcp_port=self.tcp_port, shm_socket=self.shm_socket, **joined)
 
     def open_init(self, params: list[tuple[str, tuple, str]], spec_hash: str) -> InitIntake:
         """Start taking initial weights for the model ``params`` (whose hash must be ``spec_hash``)."""
@@ -340,6 +341,11 @@ class ShardService:
         early enough for the refusal to reach the caller first. Use it as a context manager: the
         snapshot's buffer goes back to the pool when the block ends.
         """
+        self._wait_for_pull(worker_id, clock, timeout_s, cancelled)
+        version, values = self.shard.snapshot()
+        return PullLease(self.shard, Snapshot(version, self.shard.begin, values))
+
+    def _wait_for_pull(self, worker_id: int, clock: int, timeout_s: float | None, cancelled) -> None:
         if not ((0 <= worker_id <= MAX_WORKER_ID or worker_id == -1) and 0 <= clock <= MAX_CLOCK):
             check_worker(worker_id, observer_ok=True)       # one of them is out of range: say which
             check_range("clock", clock, 0, MAX_CLOCK)
@@ -350,14 +356,73 @@ class ShardService:
                                       Reason.BAD_VALUE)
             wait_s = max(0.0, timeout_s - REPLY_MARGIN_S)
         self.shard.wait_for_pull(worker_id, clock, wait_s, cancelled=cancelled)
-        version, values = self.shard.snapshot()
-        return PullLease(self.shard, Snapshot(version, self.shard.begin, values))
+
+    # ----- the shared-memory plane: readers and writers in other processes of this host ----------
+
+    def open_reader(self) -> tuple[int, int]:
+        """A slot in the shard's table of reader marks, and that table's shared file (see weight_ring.py)."""
+        try:
+            slot = self.shard.take_reader_slot()
+        except ValueError as exc:
+            raise Unavailable(str(exc), Reason.TOO_MANY_CONNECTIONS) from None
+        return slot, self.shard.ring.marks_fd
+
+    def marks_fd(self) -> int:
+        return self.shard.ring.marks_fd
+
+    def close_reader(self, slot: int) -> None:
+        self.shard.free_reader_slot(slot)
+
+    def buffer_fd(self, index: int) -> tuple[int, int]:
+        """The shared file of the ring's buffer ``index`` and its size in bytes."""
+        ring = self.shard.ring
+        if ring is None or not 0 <= index < len(ring.arrays):
+            raise InvalidArgument(f"no weight buffer {index}", Reason.BAD_VALUE)
+        return ring.fd(index), ring.size * ITEMSIZE[FLOAT32]
+
+    def pull_shared(self, *, worker_id: int, clock: int, timeout_s: float | None, slot: int) -> tuple[int, int]:
+        """Wait as :meth:`pull` does, then hand the current version to the reader of ``slot``.
+
+        Returns (version, buffer index): the reader reads that buffer in place and clears its
+        mark when done; nothing is copied here.
+        """
+        self._wait_for_pull(worker_id, clock, timeout_s, None)
+        return self.shard.mark_current(slot)
+
+    def push_shared(self, *, worker_id: int, clock: int, version: int, dtype: int, segment: np.ndarray) -> PushResult:
+        """One gradient in a worker's shared memory: ``segment`` is the whole model in ``dtype``, read in place.
+
+        A float32 gradient is checked and used where it lies (no copy); a half-precision one
+        is converted into a pooled buffer as it is checked.
+        """
+        self._check_push_numbers(worker_id, clock, version)
+        self.shard.check_pusher(worker_id)
+        shard = self.shard
+        if dtype not in GRADIENT_DTYPES:
+            raise InvalidArgument(f"dtype {dtype} is not a gradient dtype", Reason.BAD_DTYPE)
+        if len(segment) < shard.end:
+            raise InvalidArgument(f"the shared gradient holds {len(segment)} elements; this shard's range ends at "
+                                  f"{shard.end}", Reason.BAD_SIZE)
+        payload = segment[shard.begin:shard.end]
+        nbytes = payload.nbytes
+        if dtype != FLOAT32:
+            with PushIntake(self, worker_id, clock, version) as intake:
+                intake.add_chunk(shard.begin, dtype, memoryview(payload).cast("B"))
+                return intake.commit(1)
+        if not wire.all_finite(payload):
+            raise InvalidArgument("payload contains NaN or infinity", Reason.NON_FINITE)
+        result, _ = shard.push(worker_id, clock, version, payload, nbytes, borrowed=True)
+        return result
 
     def open_push(self, *, worker_id: int, clock: int, version: int) -> PushIntake:
         """Start taking one gradient; refused at once (before the payload) for a worker that is not live."""
+        self._check_push_numbers(worker_id, clock, version)
+        self.shard.check_pusher(worker_id)
+        return PushIntake(self, worker_id, clock, version)
+
+    @staticmethod
+    def _check_push_numbers(worker_id: int, clock: int, version: int) -> None:
         if not (0 <= worker_id <= MAX_WORKER_ID and 0 <= clock <= MAX_CLOCK and 0 <= version <= MAX_CLOCK):
             check_worker(worker_id, observer_ok=False)       # one of them is out of range: say which
             check_range("clock", clock, 0, MAX_CLOCK)
             check_range("version", version, 0, MAX_CLOCK)
-        self.shard.check_pusher(worker_id)
-        return PushIntake(self, worker_id, clock, version)

@@ -28,8 +28,13 @@ from psgrid.psserver.policy import ConsistencyPolicy
 from psgrid.psserver.protocol import Outcome, PushResult, Reason
 from psgrid.psserver.sharding import shard_range
 from psgrid.psserver.spec import ModelSpec
+from psgrid.psserver.weight_ring import WeightRing
+from psgrid.psserver import shared_memory
 
 STALENESS_BUCKETS = 32
+# A pull over TCP or gRPC sends straight from the current version while at most this many buffers
+# are lent so (each lent buffer may make the ring grow by one); past it, it sends a pooled copy.
+MAX_LENT_BUFFERS = 2
 log = logging.getLogger("psserver")
 
 
@@ -80,7 +85,7 @@ class Shard:
         self.spec: ModelSpec | None = None
         self.expected_hash: str | None = None    # before Init: the spec hash the members registered with
         self.begin = self.end = 0
-        self.weights: np.ndarray | None = None
+        self.ring: WeightRing | None = None      # the weights: versions readers hold, and the current one
         self.optimizer = None
         self.version = 0
         self.pool: BufferPool | None = None
@@ -108,7 +113,20 @@ class Shard:
 
     @property
     def initialized(self) -> bool:
-        return self.weights is not None
+        return self.ring is not None
+
+    @property
+    def weights(self) -> np.ndarray | None:
+        """The current version of this range's weights (read only: updates write a new buffer)."""
+        return None if self.ring is None else self.ring.weights
+
+    def _new_ring(self, values: np.ndarray) -> None:
+        """Hold ``values`` as the weights, in shared memory when readers on this host may map them."""
+        ring = WeightRing(len(values), shared=self.config.shared_memory and shared_memory.available())
+        np.copyto(ring.weights, values, casting="same_kind")
+        if self.ring is not None:
+            self.ring.close()
+        self.ring = ring
 
     @property
     def size(self) -> int:
@@ -122,7 +140,7 @@ class Shard:
         """Data calls: refused while the shard stops or restores (clients retry), and before Init."""
         if self.closing or self.restoring:
             self._require_up()
-        if self.weights is None:
+        if self.ring is None:
             self._require_initialized()
 
     def _require_up(self) -> None:
@@ -279,7 +297,7 @@ class Shard:
             if values is None or values.shape != (end - begin,):
                 raise InvalidArgument(f"Init must cover this shard's range [{begin}, {end})", Reason.BAD_SIZE)
             self.spec, self.begin, self.end = spec, begin, end
-            self.weights = values.astype(np.float32, copy=True)
+            self._new_ring(values)
             self.optimizer = make_optimizer(self.config.optimizer, end - begin, **self.config.optimizer_hparams())
             self.pool = BufferPool(end - begin)
             self.cond.notify_all()
@@ -324,22 +342,56 @@ class Shard:
             return waited
 
     def snapshot(self) -> tuple[int, np.ndarray]:
-        """The version and a copy of this range's weights, taken atomically.
+        """The version and this range's weights at that version, to send; hand them back with
+        :meth:`release_snapshot` once sent.
 
-        The copy is a pooled buffer: hand it back with :meth:`release_snapshot`
-        once it has been sent.
+        Usually the current buffer itself, lent (updates write other buffers meanwhile); when
+        ``MAX_LENT_BUFFERS`` are lent already, a pooled copy, so slow senders cannot make the ring grow.
         """
         with self.cond:
             self._require_serving()
-            copy = self.pool.take()
-            np.copyto(copy, self.weights)
-            self.counters.pulls += 1
-            self.counters.bytes_out += self.size * 4
-            self._emit("pull", nbytes=self.size * 4)
-            return self.version, copy
+            if self.ring.lent_buffers() < MAX_LENT_BUFFERS or self.ring.lent[self.ring.current]:
+                values = self.ring.arrays[self.ring.lend()]
+            else:
+                values = self.pool.take()
+                np.copyto(values, self.ring.weights)
+            self._count_pull()
+            return self.version, values
 
-    def release_snapshot(self, copy: np.ndarray) -> None:
-        self.pool.give(copy)
+    def _count_pull(self) -> None:
+        self.counters.pulls += 1
+        self.counters.bytes_out += self.size * 4
+        self._emit("pull", nbytes=self.size * 4)
+
+    def mark_current(self, slot: int) -> tuple[int, int]:
+        """Hand the current version to the reader in another process that holds ``slot``.
+
+        Returns (version, buffer index); the reader reads that buffer of the ring in place and
+        clears its mark when done (weight_ring.py). Call after :meth:`wait_for_pull`.
+        """
+        with self.cond:
+            self._require_serving()
+            index = self.ring.mark(slot)
+            self._count_pull()
+            return self.version, index
+
+    def take_reader_slot(self) -> int:
+        with self.cond:
+            self._require_serving()
+            return self.ring.take_slot()
+
+    def free_reader_slot(self, slot: int) -> None:
+        with self.cond:
+            if self.ring is not None:
+                self.ring.free_slot(slot)
+
+    def release_snapshot(self, values: np.ndarray) -> None:
+        with self.cond:
+            for index, array in enumerate(self.ring.arrays):
+                if array is values:
+                    self.ring.give_back(index)
+                    return
+        self.pool.give(values)
 
     # ----- push -------------------------------------------------------------------------------
 
@@ -355,21 +407,23 @@ class Shard:
             self._require_live(worker)
 
     def push(self, worker: int, clock: int, version_used: int, grad: np.ndarray,
-             nbytes: int) -> tuple[PushResult, bool]:
+             nbytes: int, *, borrowed: bool = False) -> tuple[PushResult, bool]:
         """Take one validated gradient of this range (a float32 buffer from ``self.pool``).
 
         Returns the result and whether the shard kept ``grad`` (sync holds it, without a copy,
         until its round closes, then gives it back to the pool); if not, the caller gives it back.
+        A ``borrowed`` gradient is the worker's own memory (the shared-memory plane): it is read
+        during this call only, so a sync round that stays open keeps a pooled copy of it.
         If the update makes a checkpoint due, it is on disk before this returns (so before the
         worker hears of the update), written without holding up other calls.
         """
         try:
-            return self._push(worker, clock, version_used, grad, nbytes)
+            return self._push(worker, clock, version_used, grad, nbytes, borrowed)
         finally:
             self._flush_capture()
 
     def _push(self, worker: int, clock: int, version_used: int, grad: np.ndarray,
-              nbytes: int) -> tuple[PushResult, bool]:
+              nbytes: int, borrowed: bool) -> tuple[PushResult, bool]:
         with self.cond:
             self._require_serving()
             self._require_live(worker)
@@ -395,16 +449,22 @@ class Shard:
                 self.counters.record_staleness(staleness)
                 self._emit("staleness", value=staleness)
             else:  # ACCUMULATED: hold the buffer itself for the round (no copy); the pool gets it back at close
-                self.round_grads.setdefault(decision.round, {})[worker] = grad
+                held = self.round_grads.setdefault(decision.round, {})
+                held[worker] = grad
                 self.counters.record_staleness(staleness)
                 self._emit("staleness", value=staleness)
-                outcome = Outcome.APPLIED if decision.round in self._close_rounds() else decision.outcome
+                closed = decision.round in self._close_rounds(borrowed=grad if borrowed else None)
+                if borrowed and not closed:       # the worker may write its memory again once answered
+                    held[worker] = self.pool.take()
+                    np.copyto(held[worker], grad)
                 self.cond.notify_all()
-                return PushResult(outcome, self.version, staleness, decision.next_clock), True
+                outcome = Outcome.APPLIED if closed else decision.outcome
+                return PushResult(outcome, self.version, staleness, decision.next_clock), not borrowed
             self.cond.notify_all()
             return PushResult(decision.outcome, self.version, staleness, decision.next_clock), False
 
-    def _close_rounds(self) -> list[int]:
+    def _close_rounds(self, borrowed: np.ndarray | None = None) -> list[int]:
+        """Apply the mean of every round that may close; ``borrowed`` (a worker's own memory) is only read."""
         closed = self.policy.rounds_to_close()
         for round_ in closed:
             grads = self.round_grads.pop(round_, {})
@@ -414,16 +474,24 @@ class Shard:
                 continue
             ordered = [grads[w] for w in sorted(grads)]
             total = ordered[0]
-            for other in ordered[1:]:
-                np.add(total, other, out=total)
-            np.multiply(total, 1.0 / len(ordered), out=total)
+            if len(ordered) > 1:
+                if total is borrowed:
+                    total = self.pool.take()
+                np.add(ordered[0], ordered[1], out=total)
+                for other in ordered[2:]:
+                    np.add(total, other, out=total)
+                np.multiply(total, 1.0 / len(ordered), out=total)
             self._apply(total, 1.0)
-            for buf in ordered:
-                self.pool.give(buf)
+            for buf in {id(b): b for b in (*ordered, total)}.values():
+                if buf is not borrowed:
+                    self.pool.give(buf)
         return closed
 
     def _apply(self, grad: np.ndarray, lr_scale: float) -> None:
-        self.optimizer.step(self.weights, grad, lr_scale)
+        ring = self.ring
+        target = ring.spare()      # never the buffer readers see: they keep the version they were given
+        self.optimizer.step(ring.weights, grad, lr_scale, out=ring.arrays[target])
+        ring.publish(target)
         self.version += 1
         self.counters.applied_updates += 1
         self.updates_since_checkpoint += 1
@@ -529,7 +597,7 @@ class Shard:
             arrays, meta = found
             spec = ModelSpec.from_json(meta["spec"])
             self.spec, self.begin, self.end = spec, meta["begin"], meta["end"]
-            self.weights = arrays["weights"].astype(np.float32)
+            self._new_ring(arrays["weights"])
             self.optimizer = make_optimizer(self.config.optimizer, self.size, **self.config.optimizer_hparams())
             opt_state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
             self.optimizer.load_state_dict({k: (v if v.ndim else v.item()) for k, v in opt_state.items()})

@@ -2,8 +2,9 @@
 
 ``cluster(num_shards, **ServerConfig fields)`` starts shards in this process on 127.0.0.1
 port 0 and hands out clients that move payloads over the test's data plane: the fixture is
-parametrised over every transport, so a test written once runs over each (a test that is
-about something else pins one with ``@pytest.mark.parametrize("data_plane", ["tcp"])``).
+parametrised over every transport (``shm``: shared memory on this host; ``tcp``; ``grpc``), so
+a test written once runs over each (a test that is about something else pins one with
+``@pytest.mark.parametrize("data_plane", ["tcp"])``).
 On teardown it checks invariants every shard must hold after any run, stops everything,
 and fails the test if it left threads, sockets or child processes behind.
 """
@@ -20,8 +21,9 @@ import pytest
 from psgrid.psserver.admin import Admin
 from psgrid.psserver.client import Client
 from psgrid.psserver.config import ServerConfig
-from psgrid.psserver.protocol import DATA_PLANES
 from psgrid.psserver.server import RunningServer, serve
+from psgrid.psserver.shard import MAX_LENT_BUFFERS
+from tests.support import PLANES, plane_options
 from psgrid.psserver.spec import ModelSpec
 
 LEAK_GRACE_S = 5.0     # threads and sockets get this long to wind down after teardown
@@ -41,6 +43,10 @@ def check_invariants(server: RunningServer) -> None:
         assert stats["applied_updates"] == stats["version"]
         held = sum(len(grads) for grads in shard.round_grads.values())
         assert shard.pool.on_loan == held, f"{shard.pool.on_loan - held} pooled buffers never came back"
+        ring = shard.ring
+        assert not any(ring.lent), f"weight buffers still lent to senders: {ring.lent}"
+        bound = 2 + MAX_LENT_BUFFERS + ring.peak_readers     # current, one to write, and one per reader
+        assert len(ring.arrays) <= bound, f"the ring grew to {len(ring.arrays)} buffers (bound {bound})"
     half = server.service._half
     assert half is None or half.on_loan == 0, "a half-precision landing buffer never came back"
 
@@ -49,7 +55,7 @@ class InProcessCluster:
     """Shards in this process; clients and admins made here use the cluster's data plane and close with it."""
 
     def __init__(self, num_shards: int, client_plane: str, **settings):
-        self.data_plane = client_plane       # what its clients prefer; settings["data_plane"] is what shards offer
+        self.data_plane = client_plane       # what its clients use; settings["data_plane"] is what shards offer
         self.servers: list[RunningServer] = []
         self.owned: list = []
         for i in range(num_shards):
@@ -62,7 +68,8 @@ class InProcessCluster:
 
     def client(self, spec: ModelSpec, **kw) -> Client:
         """A client of this cluster (not joined yet: use it with ``with``)."""
-        kw.setdefault("data_plane", self.data_plane)
+        for key, value in plane_options(self.data_plane).items():
+            kw.setdefault(key, value)
         kw.setdefault("deadline_s", 20)
         kw.setdefault("retry_s", 5)
         client = Client(self.addresses, spec, **kw)
@@ -70,7 +77,7 @@ class InProcessCluster:
         return client
 
     def admin(self, **kw) -> Admin:
-        kw.setdefault("data_plane", self.data_plane)
+        kw.setdefault("data_plane", plane_options(self.data_plane)["data_plane"])
         admin = Admin(self.addresses, **kw)
         self.owned.append(admin)
         return admin
@@ -140,7 +147,7 @@ def no_leaks():
     assert not extra_children, f"child processes left running: {sorted(extra_children)}"
 
 
-@pytest.fixture(params=DATA_PLANES)
+@pytest.fixture(params=PLANES)
 def data_plane(request) -> str:
     """Each data plane in turn; pin one with @pytest.mark.parametrize("data_plane", [...])."""
     return request.param

@@ -22,6 +22,14 @@ FEATURES = 12
 REGRESSION = ModelSpec([("w", (FEATURES,)), ("b", (1,))])
 
 
+PLANES = ("shm", "tcp", "grpc")     # every data plane a client can use, in the order it prefers them
+
+
+def plane_options(plane: str) -> dict:
+    """A client's settings that make it use ``plane``: shared memory is chosen first where it is offered."""
+    return {"data_plane": "tcp" if plane == "shm" else plane, "shared_memory": plane == "shm"}
+
+
 def make_problem(seed: int = 0, n: int = 400):
     """A linear regression problem: inputs, targets, true weights and bias."""
     rng = np.random.default_rng(seed)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from psgrid.worker.api import DistributedTrainer, addresses_from_env
+from tests.support import plane_options
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "custom_model.py"
 
@@ -28,7 +29,7 @@ def test_trainer_pushes_the_users_gradients_by_name(cluster, data_plane):
     def grad_fn(p, batch):
         return 0.0, {"a": np.full((2, 3), batch, np.float32), "b": np.zeros(4, np.float32)}
 
-    with DistributedTrainer(c.addresses, params=params, grad_fn=grad_fn, data_plane=data_plane) as trainer:
+    with DistributedTrainer(c.addresses, params=params, grad_fn=grad_fn, **plane_options(data_plane)) as trainer:
         trainer.step(1.0)
         trainer.step(2.0)
         final = trainer.pull()

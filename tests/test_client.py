@@ -14,7 +14,8 @@ from psgrid.psserver.protocol import Outcome, Reason
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.transports.base import ConnectOptions, open_control, open_data_plane
-from tests.support import REGRESSION, run_threads
+from psgrid.psserver.client_memory import ClientMemory
+from tests.support import REGRESSION, plane_options, run_threads
 
 SPEC = ModelSpec([("w", (40,)), ("b", (3,))])
 ONES = np.ones(SPEC.size, np.float32)
@@ -168,10 +169,15 @@ def test_a_retried_push_is_applied_once(cluster):
         try:
             registration = control.register(spec_hash=REGRESSION.hash(), worker_id=client.worker_id,
                                              start_clock=-1, host="test")
-            plane = open_data_plane(c.data_plane, control, registration, ConnectOptions())
-            result = plane.push(grad, begin=0, wire_dtype=1, worker_id=client.worker_id, clock=0, version=0,
-                                timeout_s=5)
-            plane.close()
+            options = ConnectOptions(shared_memory=c.data_plane == "shm", memory=ClientMemory(REGRESSION.size))
+            plane = open_data_plane(plane_options(c.data_plane)["data_plane"], control, registration, options)
+            try:
+                assert plane.name == c.data_plane
+                result = plane.push(grad, begin=0, wire_dtype=1, worker_id=client.worker_id, clock=0, version=0,
+                                    timeout_s=5)
+            finally:
+                plane.close()
+                options.memory.close()
         finally:
             control.close()
         assert result.outcome is Outcome.DUPLICATE and result.next_clock == 1

@@ -26,7 +26,7 @@ from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
 from psgrid.psserver.server import serve
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.transports.base import ConnectOptions, open_control
-from tests.support import run_threads
+from tests.support import PLANES, plane_options, run_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ModelSpec([("w", (40,)), ("b", (3,))])
@@ -230,7 +230,7 @@ def manifest_version(ckpt_dir: Path) -> int:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("plane", ["tcp", "grpc"])
+@pytest.mark.parametrize("plane", PLANES)
 def test_a_killed_shard_restarts_from_its_checkpoint(tmp_path, plane, no_leaks):
     every = 5
     ckpt = tmp_path / "ckpt"
@@ -240,7 +240,7 @@ def test_a_killed_shard_restarts_from_its_checkpoint(tmp_path, plane, no_leaks):
     try:
         first, address = start_shard(tmp_path, "first", "--port", "0", *args)
         port = int(address.rsplit(":", 1)[1])
-        with Client([address], SPEC, init=SPEC.flat(), retry_s=15, deadline_s=5, data_plane=plane) as client:
+        with Client([address], SPEC, init=SPEC.flat(), retry_s=15, deadline_s=5, **plane_options(plane)) as client:
             params = SPEC.flat()
             history = {}                    # version -> weights
             for step in range(12):

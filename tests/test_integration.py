@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from psgrid.psserver.protocol import Outcome
-from tests.support import FEATURES, REGRESSION, make_problem, regression_grad, run_threads
+from tests.support import FEATURES, PLANES, REGRESSION, make_problem, plane_options, regression_grad, run_threads
 
 
 def worker(cluster, rank, world, steps, *, batch=None, **client_kw):
@@ -86,14 +86,14 @@ def test_low_precision_gradients_converge_like_float32(cluster, wire_dtype):
 @pytest.mark.parametrize("mode, wire_dtype", [("sync", "float32"), ("async", "float32"), ("sync", "bfloat16"),
                                               ("async", "float16")])
 def test_every_data_plane_trains_to_identical_weights(cluster, tcp_calls, mode, wire_dtype):
-    """The same deterministic run over the TCP plane and over gRPC: bit for bit the same weights."""
+    """The same deterministic run over shared memory, the TCP plane and gRPC: bit for bit the same weights."""
     finals, versions = {}, {}
-    for plane in ("tcp", "grpc"):
+    for plane in PLANES:
         before = dict(tcp_calls)
         c = cluster(2, mode=mode, optimizer="adam", lr=0.05)
         x, y, _, _ = make_problem(0)
         clients = [c.client(REGRESSION, worker_id=r, init=REGRESSION.flat() if r == 0 else None,
-                            data_plane=plane, wire_dtype=wire_dtype).join() for r in range(2)]
+                            wire_dtype=wire_dtype, **plane_options(plane)).join() for r in range(2)]
 
         def step(rank):
             params = REGRESSION.flat()
@@ -111,7 +111,8 @@ def test_every_data_plane_trains_to_identical_weights(cluster, tcp_calls, mode, 
         assert served == ({"pull": 2 * 2 * 12, "push": 2 * 2 * 12} if plane == "tcp" else {"pull": 0, "push": 0})
         finals[plane], versions[plane] = c.weights(), [s.shard.version for s in c.servers]
     np.testing.assert_array_equal(finals["tcp"], finals["grpc"])
-    assert versions["tcp"] == versions["grpc"] == ([12, 12] if mode == "sync" else [24, 24])
+    np.testing.assert_array_equal(finals["shm"], finals["grpc"])
+    assert versions["shm"] == versions["tcp"] == versions["grpc"] == ([12, 12] if mode == "sync" else [24, 24])
     assert np.abs(finals["tcp"]).sum() > 0      # something was learned
 
 

@@ -25,7 +25,7 @@ from psgrid.psserver.exceptions import Unavailable
 from psgrid.psserver.protocol import SERVICE, Reason, Status
 from psgrid.psserver.server import RunningServer, serve
 from psgrid.psserver.transports.base import ConnectOptions, open_control
-from psgrid.psserver.transports import tcp_server
+from psgrid.psserver.transports import socket_server
 from psgrid.psserver.transports.tcp_frames import HELLO, MAGIC, MAX_MESSAGE, REPLY, REQUEST, recv_exact, recv_struct
 from tests.support import REGRESSION, make_problem, regression_grad
 
@@ -114,7 +114,7 @@ def test_past_the_limit_a_connection_is_refused_with_a_reason_and_clients_retry(
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_connection_that_never_says_hello_is_closed(cluster, monkeypatch):
-    monkeypatch.setattr(tcp_server, "HANDSHAKE_S", 0.5)
+    monkeypatch.setattr(socket_server, "HANDSHAKE_S", 0.5)
     c = cluster(1, mode="async", token="s3cret")
     server = c.servers[0]
     with socket.create_connection(("127.0.0.1", server.tcp.port), timeout=5) as silent:

@@ -29,6 +29,7 @@ class TrainConfig:
     device: str = "auto"                   # auto | cpu | gpu
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     data_plane: str = "tcp"                # "tcp": Pull/Push payloads over the shards' TCP data plane; "grpc"
+    shared_memory: bool = True             # use the shards' shared memory where they run on this host
     wire_dtype: str = "float32"            # float32 | float16 | bfloat16 for gradients
     deadline_s: float = 60.0               # per-RPC deadline (a consistency wait counts against it)
     retry_s: float = 30.0                  # retry UNAVAILABLE with backoff for this long

@@ -1,9 +1,15 @@
-"""Flat parameter and gradient buffers: one device array each, per-parameter views, a pinned host mirror.
+"""Flat parameter and gradient buffers: one device array each, with per-parameter views.
 
-The training loop and the few-lines trainer (api.py) share this one layout. A pull lands in
-the pinned host buffer and moves to the device in one copy; a gradient moves back in one
-copy and is pushed from pinned memory. On the CPU host and device are the same array: no
-copy at all.
+The training loop and the few-lines trainer (api.py) share this one layout, and the copies
+between the shards and the device happen here, as few as the exchange allows:
+
+* a pull lands on the device straight from where the exchange has the weights: from a shard's
+  own memory when it is on this host (one DMA, or one copy on the CPU), else from the pinned
+  buffer a network plane received into;
+* the gradient is computed into, or copied from the GPU into, the exchange's gradient buffer
+  (shared memory a shard on this host reads in place), so a push copies nothing more.
+
+On the CPU the device arrays are host arrays: a pull is one copy, a gradient none.
 """
 
 from __future__ import annotations
@@ -16,23 +22,63 @@ from psgrid.worker.backend import pinned_empty
 
 class FlatBuffers:
     """``params``/``grad`` on the device (views by name in ``param_views``/``grad_views``);
-    ``host_params``/``host_grad`` what the client pulls into and pushes from."""
+    ``host_grad`` what the exchange pushes from.
 
-    def __init__(self, spec: ModelSpec, xp):
+    Parameters
+    ----------
+    spec : ModelSpec
+    xp : module
+        numpy or cupy.
+    exchange : optional
+        The :class:`~psgrid.psserver.client.Client` (or another exchange with ``pull``/``push``)
+        these buffers move through; one with ``gradient_buffer()`` lends the gradient's host
+        memory, and one whose ``pull`` takes ``into=`` hands the weights over in place.
+    """
+
+    def __init__(self, spec: ModelSpec, xp, exchange=None):
         self.xp = xp
-        self.host_params = pinned_empty(spec.size, np.float32, xp)
-        self.host_grad = pinned_empty(spec.size, np.float32, xp)
+        self.exchange = exchange
+        self.in_place = exchange is not None and hasattr(exchange, "gradient_buffer")
+        self.host_grad = exchange.gradient_buffer() if self.in_place else pinned_empty(spec.size, np.float32, xp)
+        self._host_params = None
         if xp is np:
-            self.params, self.grad = self.host_params, self.host_grad
+            self.params, self.grad = np.empty(spec.size, np.float32), self.host_grad
         else:
             self.params, self.grad = spec.flat(xp), spec.flat(xp)
         self.param_views = spec.views(self.params)
         self.grad_views = spec.views(self.grad)
 
+    @property
+    def host_params(self) -> np.ndarray:
+        """A pinned host mirror of the weights, for exchanges that can only fill a host array."""
+        if self.xp is np:
+            return self.params
+        if self._host_params is None:
+            self._host_params = pinned_empty(self.params.size, np.float32, self.xp)
+        return self._host_params
+
+    def pull(self, exchange=None):
+        """Pull the weights onto the device; returns the exchange's handle (done: versions in ``wait()``)."""
+        exchange = exchange or self.exchange
+        if self.xp is np:
+            return exchange.pull(self.params)
+        if self.in_place:
+            return exchange.pull(into=self._to_device)
+        handle = exchange.pull(self.host_params)
+        self.params.set(self.host_params)
+        return handle
+
+    def _to_device(self, begin: int, end: int, values: np.ndarray) -> None:
+        # Called from the client's threads, one per shard: the device is named, not taken from the thread.
+        with self.params.device:
+            self.params[begin:end].set(values)     # from page-locked memory: one DMA, done when it returns
+
     def upload_params(self) -> None:
+        """Copy ``host_params`` (filled by hand) to the device."""
         if self.xp is not np:
             self.params.set(self.host_params)
 
     def download_grad(self) -> None:
+        """Copy the gradient to ``host_grad`` (the exchange's buffer); nothing to do on the CPU."""
         if self.xp is not np:
             self.grad.get(out=self.host_grad)

@@ -21,7 +21,7 @@ import numpy as np
 from psgrid.psserver.admin import Admin
 from psgrid.psserver.client import Client, Handle
 from psgrid.psserver.protocol import ITEMSIZE
-from psgrid.worker.backend import get_xp, select_gpu
+from psgrid.worker.backend import get_xp, pinner_for, select_gpu, sync
 from psgrid.worker.config import TrainConfig
 from psgrid.worker.data import BatchLoader, load_dataset
 from psgrid.worker.flat import FlatBuffers
@@ -88,15 +88,16 @@ def security(train: TrainConfig) -> dict:
 
 
 def make_client(train: TrainConfig, addresses: list[str], spec, *, worker_id: int | None = None,
-                world: int | None = None, init=None) -> Client:
+                world: int | None = None, init=None, xp=np) -> Client:
     return Client(addresses, spec, worker_id=worker_id, world=world, init=init, data_plane=train.data_plane,
-                  wire_dtype=train.wire_dtype, chunk_bytes=train.chunk_bytes, deadline_s=train.deadline_s,
-                  retry_s=train.retry_s, heartbeat_s=train.heartbeat_s, join_timeout_s=train.join_timeout_s,
-                  **security(train))
+                  shared_memory=train.shared_memory, pin_memory=pinner_for(xp), wire_dtype=train.wire_dtype,
+                  chunk_bytes=train.chunk_bytes, deadline_s=train.deadline_s, retry_s=train.retry_s,
+                  heartbeat_s=train.heartbeat_s, join_timeout_s=train.join_timeout_s, **security(train))
 
 
 def make_admin(train: TrainConfig, addresses: list[str], **kw) -> Admin:
-    return Admin(addresses, data_plane=train.data_plane, chunk_bytes=train.chunk_bytes, **security(train), **kw)
+    return Admin(addresses, data_plane=train.data_plane, chunk_bytes=train.chunk_bytes,
+                 shared_memory=train.shared_memory, **security(train), **kw)
 
 
 def run_worker(train: TrainConfig, addresses: list[str], rank: int, world: int,
@@ -112,7 +113,7 @@ def run_worker(train: TrainConfig, addresses: list[str], rank: int, world: int,
     # The rank is the worker id, so a sync round sums its gradients in the same order every run;
     # entering waits for the whole job, since sync and ssp count the members they have.
     init = lambda: spec.pack(model.init_params(train.seed, train.init_scale))  # noqa: E731
-    client = make_client(train, addresses, spec, worker_id=rank, world=world, init=init)
+    client = make_client(train, addresses, spec, worker_id=rank, world=world, init=init, xp=xp)
     return train_loop(train, client, rank, xp, device_name, data, model, metrics_path)
 
 
@@ -130,6 +131,10 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
     metrics = MetricsWriter(metrics_path)
     loader = None
     try:
+        # On a GPU, the first use of each kernel compiles it (seconds on a fresh machine): do that now,
+        # before joining, so that it is not counted in training time (the other workers are warming up
+        # or starting meanwhile) and the first run on a machine trains as fast as the next.
+        warmup_s = warm_up(model, data, train, xp, evaluate=rank == 0 and bool(train.eval_every))
         with exchange:
             steps = steps_for(train, len(data.train_y))
             # `steps` is the clock a worker trains to: one that joins at clock c (a job resumed from its
@@ -139,8 +144,8 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
                           device=device_name, mode=exchange.mode, steps=steps, first_step=first_step,
                           params=spec.size,
                           shard_rows=len(data.train_y), data_planes=exchange.data_planes,
-                          stragglers=list(train.stragglers))
-            bufs = FlatBuffers(spec, xp)
+                          stragglers=list(train.stragglers), warmup_s=warmup_s)
+            bufs = FlatBuffers(spec, xp, exchange)
             loader = BatchLoader(data.train_x, data.train_y, train.batch_size, xp=xp, seed=train.seed + 1000 * rank)
             delay = Delay(train.stragglers, rank, train.seed)
             step_bytes = bytes_per_step(exchange, spec.size)
@@ -156,8 +161,7 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
             for step in range(first_step, steps):
                 started = time.time()
                 t0 = time.perf_counter()
-                exchange.pull(bufs.host_params)
-                bufs.upload_params()              # pull_s: from the request to the weights on the device
+                bufs.pull()                       # pull_s: from the request to the weights on the device
                 pull_s = time.perf_counter() - t0
                 if in_flight is not None:         # its buffer is about to be overwritten
                     metrics.write(**_finish(*in_flight, step_bytes))
@@ -185,13 +189,34 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
                 metrics.write(**_finish(*in_flight, step_bytes))
             wall = time.perf_counter() - start
             result = {"rank": rank, "worker": exchange.worker_id, "steps": steps - first_step, "samples": samples,
-                      "wall_s": wall, "final_loss": loss_value, "device": device_name}
+                      "wall_s": wall, "final_loss": loss_value, "device": device_name, "warmup_s": warmup_s}
         metrics.write(event="done", **result)
         return result
     finally:
         if loader is not None:
             loader.close()
         metrics.close()
+
+
+def warm_up(model, data, train: TrainConfig, xp, *, evaluate: bool) -> float:
+    """Run the model's kernels once on a GPU (a step and, with ``evaluate``, an evaluation); seconds taken.
+
+    CuPy compiles a kernel the first time it runs; a step of the real training must not pay
+    for that. Nothing to do on the CPU.
+    """
+    if xp is np:
+        return 0.0
+    t0 = time.perf_counter()
+    spec = model.spec
+    params = xp.asarray(spec.pack(model.init_params(train.seed, train.init_scale)))
+    grad = spec.flat(xp)
+    rows = min(len(data.train_y), train.batch_size or len(data.train_y))
+    x, y = xp.asarray(data.train_x[:rows]), xp.asarray(data.train_y[:rows])
+    float(model.loss_and_grad(spec.views(params), x, y, spec.views(grad)))
+    if evaluate:
+        accuracy(model, spec.views(params), xp.asarray(data.test_x[:rows]), xp.asarray(data.test_y[:rows]))
+    sync(xp)
+    return time.perf_counter() - t0
 
 
 def bytes_per_step(exchange, params: int) -> int:

@@ -59,6 +59,8 @@ def _training_flags(devices: tuple) -> list[tuple]:
     ("--wire-dtype", "wire_dtype", tuple(WIRE_DTYPES), "dtype of gradients on the wire"),
     ("--data-plane", "data_plane", DATA_PLANES,
      "where Pull/Push payloads travel: tcp (the shards' TCP data plane, gRPC where a shard has none) or grpc"),
+    ("--shared-memory", "shared_memory", bool, "use the shards' shared memory where they run on this host "
+                                               "(default: on; --no-shared-memory moves payloads over the network plane)"),
     ("--seed", "seed", int, "random seed"),
     ("--stragglers", "stragglers", split_list,
      "slow workers down: K:F (worker K F times slower than its own compute) or K:exp:MEAN_MS "
@@ -76,6 +78,9 @@ def add_training_flags(p: argparse.ArgumentParser, keys=None) -> None:
     for flag, key, kind, help in training_flags(keys):
         if isinstance(kind, tuple):
             g.add_argument(flag, dest=f"override_{key}", choices=kind, default=None, help=help)
+        elif kind is bool:
+            g.add_argument(flag, dest=f"override_{key}", action=argparse.BooleanOptionalAction, default=None,
+                           help=help)
         else:
             g.add_argument(flag, dest=f"override_{key}", type=kind, default=None,
                            metavar=key.upper(), help=help)

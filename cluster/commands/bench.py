@@ -6,9 +6,9 @@ import argparse
 
 from psgrid.cluster.commands._common import add_command
 
-HELP = "performance figures: transport vs raw TCP, apply vs memcpy"
+HELP = "performance figures: transport vs raw TCP, apply vs memcpy, the parameter server vs its floor, training"
 
-TARGETS = ("transport", "apply")
+TARGETS = ("transport", "apply", "ps")
 
 
 def _size(text: str) -> int:
@@ -22,21 +22,74 @@ def _size(text: str) -> int:
     return value
 
 
+def _counts(text: str) -> list[int]:
+    """``1M,10M`` -> [1000000, 10000000] (K and M are powers of ten: parameter counts)."""
+    units = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}
+    values = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        try:
+            values.append(int(float(part[:-1]) * units[part[-1]]) if part[-1:] in units else int(part))
+        except (ValueError, IndexError):
+            raise argparse.ArgumentTypeError(f"expected counts such as 1M,10M or 2,4, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"counts must be at least 1, got {text!r}")
+    return values
+
+
+def _names(choices):
+    def parse(text: str) -> list[str]:
+        names = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"choose from {','.join(choices)}, got {text!r}")
+        return names
+    return parse
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = add_command(
         subparsers, "bench", help=HELP,
-        description="Measure, in one run on loopback, pull+push of one shard's range against a raw TCP "
-                    "echo of the same bytes, and the shard's optimizer apply against numpy.copyto of the "
-                    "same array. Medians of repeated runs; ratios are what to compare across machines.",
+        description="Measure, in one run on loopback, each figure beside a reference: "
+                    "transport: pull+push of one shard's range through each data plane against a raw TCP echo "
+                    "and numpy.copyto of the same bytes; apply: the shard's optimizer against numpy.copyto; "
+                    "ps: updates/s of shards and workers moving a fixed gradient, against the floor of one update "
+                    "(two copies and the apply of P floats); train: samples/s of real training per mode, with "
+                    "pull/compute/push/wait per step, against the same model trained with no servers. "
+                    "Medians of repeated runs; ratios are what to compare across machines.",
         examples="""
             psctl bench transport                     # table: 4 KiB .. 256 MiB
             psctl bench transport --json > bench.jsonl
             psctl bench transport --sizes 1M,64M --repeat 9
             psctl bench apply --sizes 64M
+            psctl bench ps                            # P 1M,10M,100M x S 1,2,4 x W 1,2,4,8 x each plane
+            psctl bench ps --params 10M --shards 1 --workers 2 --against HEAD~1 --repeats 3
+            psctl bench train --models mlp,cnn --modes sync,async,ssp --json
+            psctl bench train --device gpu --hidden 4096,4096 --batch-size 512 --shards 4 --workers 1
         """,
     )
-    p.add_argument("target", choices=TARGETS, help="transport (includes the apply rows) or apply only")
+    p.add_argument("target", choices=TARGETS, help="transport (includes the apply rows), apply, ps or train")
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    ps = p.add_argument_group("ps and train")
+    ps.add_argument("--params", type=_counts, default=[10 ** 6, 10 ** 7, 10 ** 8],
+                    help="ps: model sizes in floats (default 1M,10M,100M)")
+    ps.add_argument("--shards", type=_counts, default=None, help="shard counts (ps default 1,2,4; train 2)")
+    ps.add_argument("--workers", type=_counts, default=None, help="worker counts (ps default 1,2,4,8; train 2)")
+    ps.add_argument("--planes", type=_names(("shm", "tcp", "grpc")), default=None,
+                    help="data planes (ps default shm,tcp,grpc; train shm)")
+    ps.add_argument("--mode", choices=("sync", "async", "ssp"), default="async", help="ps: consistency (default async)")
+    ps.add_argument("--seconds", type=float, default=2.0, help="ps: seconds each configuration runs (default 2)")
+    ps.add_argument("--against", metavar="REV", help="ps: also run the grid with the code of git revision REV, "
+                                                     "interleaved (the previous commit: HEAD~1)")
+    ps.add_argument("--repeats", type=int, default=1, help="ps and train: runs per configuration (median reported)")
+    tr = p.add_argument_group("train")
+    tr.add_argument("--models", type=_names(("mlp", "cnn")), default=["mlp", "cnn"], help="default mlp,cnn")
+    tr.add_argument("--modes", type=_names(("sync", "async", "ssp")), default=["sync", "async", "ssp"],
+                    help="default sync,async,ssp")
+    tr.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="where workers compute (default cpu)")
+    tr.add_argument("--hidden", type=_counts, default=None, help="MLP widths (default 1024,1024)")
+    tr.add_argument("--batch-size", type=int, default=None, help="batch per worker (default 256)")
+    tr.add_argument("--steps", type=int, default=None, help="steps per worker (default 60)")
     p.add_argument("--sizes", type=lambda s: [_size(x) for x in s.split(",")], default=None,
                    help="comma-separated sizes such as 4K,1M,64M (default 4K..256M)")
     p.add_argument("--repeat", type=int, default=5, help="timed repeats per size (median reported; default 5)")
@@ -47,6 +100,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.bench_transport import run as bench
 
+    if args.target == "ps":
+        from psgrid.cluster import bench_ps
+
+        bench_ps.run(args.params, args.shards or [1, 2, 4], args.workers or [1, 2, 4, 8],
+                     args.planes or list(bench_ps.PLANES), args.mode, args.seconds, args.against,
+                     max(1, args.repeats), args.json)
+        return 0
+    if args.target == "train":
+        from psgrid.cluster import bench_train
+
+        bench_train.run(models=args.models, modes=args.modes, device=args.device, shards=args.shards or [2],
+                        workers=args.workers or [2], planes=args.planes or ["shm"],
+                        hidden=args.hidden or [1024, 1024], batch_size=args.batch_size or 256,
+                        steps=args.steps or 60, repeats=max(1, args.repeats), as_json=args.json)
+        return 0
     what = ("transport", "apply") if args.target == "transport" else ("apply",)
     bench(sizes=args.sizes, repeat=max(1, args.repeat), as_json=args.json, what=what)
     return 0

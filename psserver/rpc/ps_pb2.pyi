@@ -61,7 +61,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, spec_hash: _Optional[str] = ..., worker_id: _Optional[int] = ..., start_clock: _Optional[int] = ..., host: _Optional[str] = ..., observer: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("worker_id", "start_clock", "mode", "staleness", "backup_workers", "lease_s", "begin", "end", "total_size", "shard_index", "num_shards", "initialized", "version", "tcp_port")
+    __slots__ = ("worker_id", "start_clock", "mode", "staleness", "backup_workers", "lease_s", "begin", "end", "total_size", "shard_index", "num_shards", "initialized", "version", "tcp_port", "shm_socket")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     START_CLOCK_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +76,7 @@ class RegisterReply(_message.Message):
     INITIALIZED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TCP_PORT_FIELD_NUMBER: _ClassVar[int]
+    SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     start_clock: int
     mode: str
@@ -90,7 +91,8 @@ class RegisterReply(_message.Message):
     initialized: bool
     version: int
     tcp_port: int
-    def __init__(self, worker_id: _Optional[int] = ..., start_clock: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., lease_s: _Optional[float] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., total_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., tcp_port: _Optional[int] = ...) -> None: ...
+    shm_socket: str
+    def __init__(self, worker_id: _Optional[int] = ..., start_clock: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., lease_s: _Optional[float] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., total_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., tcp_port: _Optional[int] = ..., shm_socket: _Optional[str] = ...) -> None: ...
 
 class InitRequest(_message.Message):
     __slots__ = ("spec", "num_chunks", "chunk")

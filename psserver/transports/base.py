@@ -14,8 +14,8 @@ from __future__ import annotations
 import importlib
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
@@ -35,6 +35,8 @@ class ConnectOptions:
     tls_key: str | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     deadline_s: float = 60.0
+    shared_memory: bool = True     # use a shard's shared memory when it is on this host
+    memory: Any = field(default=None, compare=False)    # the client's ClientMemory (None: an observer's)
 
     def __post_init__(self):
         for name in ("tls_ca", "tls_cert", "tls_key"):
@@ -83,11 +85,25 @@ class DataPlane(ABC):
     """How the payloads of Pull and Push move to and from one shard."""
 
     name: str
+    reads_in_place = False      # a pull can hand over the shard's own memory (no copy of ours first)
 
     @abstractmethod
     def pull_into(self, out: np.ndarray, *, begin: int, worker_id: int, clock: int, timeout_s: float) -> int:
         """Fill ``out`` (this shard's range, from element ``begin``, float32) once the consistency rule
         allows; returns the version."""
+
+    def pull_with(self, write: Callable[[int, int, np.ndarray], object], *, begin: int, end: int,
+                  staging: Callable[[], np.ndarray], worker_id: int, clock: int, timeout_s: float) -> int:
+        """Hand this shard's weights to ``write(begin, end, values)`` once the consistency rule allows.
+
+        ``values`` are valid during the call only. A plane that reads in place hands over the
+        shard's memory; the others first receive into ``staging()`` (the client's whole-model
+        host buffer, from element ``begin``).
+        """
+        view = staging()[begin:end]
+        version = self.pull_into(view, begin=begin, worker_id=worker_id, clock=clock, timeout_s=timeout_s)
+        write(begin, end, view)
+        return version
 
     @abstractmethod
     def push(self, grad: np.ndarray, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int,
@@ -103,6 +119,7 @@ DataPlaneFactory = Callable[[Control, Registration, ConnectOptions], "DataPlane 
 _DATA_PLANES: dict[str, str] = {     # name -> module that registers it when imported
     "grpc": "psgrid.psserver.transports.grpc_client",
     "tcp": "psgrid.psserver.transports.tcp_client",
+    "shm": "psgrid.psserver.transports.shm_client",
 }
 _FACTORIES: dict[str, DataPlaneFactory] = {}
 
@@ -122,8 +139,8 @@ def data_plane_factory(name: str) -> DataPlaneFactory:
 
 def open_data_plane(preference: str, control: Control, registration: Registration,
                     options: ConnectOptions) -> DataPlane:
-    """The preferred data plane when the shard offers it, else gRPC (which every shard speaks)."""
-    for name in dict.fromkeys((preference, "grpc")):
+    """Shared memory when the shard offers it on this host, else the preferred network plane, else gRPC."""
+    for name in dict.fromkeys(("shm", preference, "grpc") if options.shared_memory else (preference, "grpc")):
         plane = data_plane_factory(name)(control, registration, options)
         if plane is not None:
             return plane

@@ -13,6 +13,11 @@ import struct
 
 MAGIC = b"PST2"
 HELLO, PULL, PUSH = 1, 2, 3
+# The shared-memory plane (shm_server.py) speaks these frames over a Unix socket, with three more
+# operations that hand memory across by file descriptor; there a PULL's reply carries the index of
+# the buffer to read in its ``staleness`` field, and a PUSH carries no payload (it is in shared memory).
+OPEN, MAP, ATTACH = 4, 5, 6
+FD_BYTE = b"F"       # the one byte that carries a file descriptor (SCM_RIGHTS) after a header
 REQUEST = struct.Struct("<4sBBqqQQd")      # magic, op, dtype, worker_id, clock, version, nbytes, timeout_s
 REPLY = struct.Struct("<4sBBBQqqQ")        # magic, status, reason, outcome, version, staleness, next_clock, nbytes
 MAX_MESSAGE = 1 << 16                      # longest refusal text or token

@@ -1,0 +1,242 @@
+"""The shared-memory data plane, client side: read a shard's weights in place, push from shared memory.
+
+Offered when a shard on this host answers on the Unix socket its registration names (a shard
+on another host cannot be reached there, so the client falls back to its network plane). A pull
+asks the shard for the buffer that holds the version this worker may read, maps it (once per
+buffer), hands it to the caller (a copy into ``out``, or a device copy through ``write``) and
+clears this connection's mark, so the shard may write that buffer again. A push puts the
+gradient into the client's shared gradient file (nothing to do when the caller computed it
+there), attaches that file once per connection, and sends a header. See shm_server.py.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Callable
+
+import numpy as np
+
+from psgrid.psserver import wire
+from psgrid.psserver.exceptions import BadReply, PSError, Unavailable, error_from_wire
+from psgrid.psserver.protocol import FLOAT32, ITEMSIZE, Outcome, PushResult, Reason, Registration, Status
+from psgrid.psserver.shared_memory import map_fd
+from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, register_data_plane
+from psgrid.psserver.transports.tcp_frames import (ATTACH, FD_BYTE, HELLO, MAGIC, MAP, MAX_MESSAGE, OPEN, PULL, PUSH,
+                                                   REPLY, REQUEST, recv_exact, recv_struct)
+
+CONNECT_S = 5.0
+SOCKET_SLACK_S = 5.0       # beyond a call's deadline: the shard answers a timed-out wait itself
+NO_MARK = -1
+
+
+class _Connection:
+    __slots__ = ("sock", "slot", "attached")
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.slot = -1                   # this connection's slot in the shard's marks, once OPENed
+        self.attached: set[int] = set()  # wire dtypes whose gradient file the shard has mapped for it
+
+
+class ShmDataPlane(DataPlane):
+    """Pulls and pushes of one shard's range through shared memory on this host."""
+
+    name = "shm"
+    reads_in_place = True
+
+    def __init__(self, address: str, options: ConnectOptions):
+        self.address = address
+        self.path = "\0" + address[1:] if address.startswith("@") else address
+        self.token = options.token
+        self.memory = options.memory
+        self.idle: list[_Connection] = []
+        self.lock = threading.Lock()
+        self.closed = False
+        self.buffers: dict[int, np.ndarray] = {}      # the shard's ring buffers mapped here (read only)
+        self.marks: np.ndarray | None = None           # the shard's table of reader marks
+        self.map_lock = threading.Lock()
+
+    # ----- connections --------------------------------------------------------------------------
+
+    def connect(self, timeout: float) -> _Connection:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(self.path)
+            if self.token:
+                token = self.token.encode()
+                sock.sendall(REQUEST.pack(MAGIC, HELLO, 0, 0, 0, 0, len(token), 0.0) + token)
+                self._read_reply(sock)
+        except BaseException:
+            sock.close()
+            raise
+        return _Connection(sock)
+
+    def _take(self, timeout: float) -> _Connection:
+        with self.lock:
+            conn = self.idle.pop() if self.idle else None
+        return conn or self.connect(min(timeout, CONNECT_S) if timeout else CONNECT_S)
+
+    def _give(self, conn: _Connection) -> None:
+        with self.lock:
+            if not self.closed:
+                self.idle.append(conn)
+                return
+        conn.sock.close()
+
+    def _read_reply(self, sock) -> tuple:
+        _, status, reason, outcome, version, staleness, next_clock, nbytes = recv_struct(sock, REPLY)
+        if status != Status.OK:
+            text = bytearray(min(nbytes, MAX_MESSAGE))
+            recv_exact(sock, memoryview(text))
+            raise error_from_wire(status, Reason.from_code(reason),
+                                  f"shard shared memory at {self.address}: {text.decode(errors='replace')}")
+        return outcome, version, staleness, next_clock
+
+    def _round_trip(self, timeout_s: float, call: Callable[[_Connection], object]):
+        try:
+            conn = self._take(timeout_s)
+        except OSError as exc:
+            raise Unavailable(f"cannot connect to the shared-memory plane at {self.address}: {exc}",
+                              Reason.UNREACHABLE) from exc
+        try:
+            conn.sock.settimeout(timeout_s + SOCKET_SLACK_S if timeout_s else None)
+            result = call(conn)
+        except PSError as err:
+            # A refusal leaves the connection in step (nothing is left unread on this plane) unless
+            # the shard closes it; one that says so is not reused.
+            if err.status in (Status.DEADLINE_EXCEEDED, Status.INVALID_ARGUMENT, Status.FAILED_PRECONDITION):
+                self._give(conn)
+            else:
+                conn.sock.close()
+            raise
+        except OSError as exc:
+            conn.sock.close()
+            raise Unavailable(f"shared-memory connection to {self.address} lost: {exc}", Reason.UNREACHABLE) from exc
+        except BaseException:
+            conn.sock.close()
+            raise
+        self._give(conn)
+        return result
+
+    def _receive_fd(self, sock) -> int:
+        _, fds, _, _ = socket.recv_fds(sock, len(FD_BYTE), 1)
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise BadReply(f"shard shared memory at {self.address} sent no file descriptor")
+        return fds[0]
+
+    # ----- mapping the shard's memory -----------------------------------------------------------
+
+    def _open(self, conn: _Connection) -> None:
+        conn.sock.sendall(REQUEST.pack(MAGIC, OPEN, 0, 0, 0, 0, 0, 0.0))
+        _, slot, _, _ = self._read_reply(conn.sock)
+        fd = self._receive_fd(conn.sock)
+        try:
+            with self.map_lock:
+                if self.marks is None:
+                    self.marks = map_fd(fd, os.fstat(fd).st_size // 8, np.int64)
+        finally:
+            os.close(fd)
+        conn.slot = slot
+
+    def _buffer(self, conn: _Connection, index: int, size: int) -> np.ndarray:
+        buffer = self.buffers.get(index)
+        if buffer is not None and len(buffer) == size:
+            return buffer
+        conn.sock.sendall(REQUEST.pack(MAGIC, MAP, 0, 0, index, 0, 0, 0.0))
+        _, nbytes, _, _ = self._read_reply(conn.sock)
+        fd = self._receive_fd(conn.sock)
+        try:
+            if nbytes != size * ITEMSIZE[FLOAT32]:
+                raise BadReply(f"shard shared memory at {self.address} offers a buffer of {nbytes} bytes for a "
+                               f"range of {size} elements")
+            buffer = map_fd(fd, size, np.float32, writable=False)
+        finally:
+            os.close(fd)
+        with self.map_lock:
+            old = self.buffers.get(index)
+            self.buffers[index] = buffer
+        if self.memory is not None:
+            if old is not None:
+                self.memory.unpin(old)
+            self.memory.pin(buffer, read_only=True)
+        return buffer
+
+    # ----- calls --------------------------------------------------------------------------------
+
+    def pull_into(self, out: np.ndarray, *, begin: int, worker_id: int, clock: int, timeout_s: float) -> int:
+        return self._pull(lambda values: np.copyto(out, values), len(out), worker_id, clock, timeout_s)
+
+    def pull_with(self, write, *, begin: int, end: int, staging, worker_id: int, clock: int, timeout_s: float) -> int:
+        return self._pull(lambda values: write(begin, end, values), end - begin, worker_id, clock, timeout_s)
+
+    def _pull(self, consume: Callable[[np.ndarray], object], size: int, worker_id: int, clock: int,
+              timeout_s: float) -> int:
+        def call(conn: _Connection) -> int:
+            if conn.slot < 0:
+                self._open(conn)
+            conn.sock.sendall(REQUEST.pack(MAGIC, PULL, FLOAT32, worker_id, clock, 0, 0, timeout_s))
+            _, version, index, _ = self._read_reply(conn.sock)
+            try:
+                consume(self._buffer(conn, index, size))
+            finally:
+                self.marks[conn.slot] = NO_MARK      # the shard may write this buffer again
+            return version
+
+        return self._round_trip(timeout_s, call)
+
+    def push(self, grad: np.ndarray, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int,
+             timeout_s: float) -> PushResult:
+        if self.memory is None:
+            raise BadReply("this connection has no gradient memory to push from (an observer's)")
+        segment, fd = self.memory.segment(wire_dtype)
+        end = begin + len(grad)
+        if wire_dtype == FLOAT32:
+            if not self.memory.is_gradient(grad, begin):
+                np.copyto(segment[begin:end], grad)
+        else:
+            segment[begin:end] = np.frombuffer(wire.encode(grad, wire_dtype), np.uint16)
+
+        def call(conn: _Connection) -> PushResult:
+            if wire_dtype not in conn.attached:
+                conn.sock.sendall(REQUEST.pack(MAGIC, ATTACH, wire_dtype, 0, 0, 0, segment.nbytes, 0.0))
+                socket.send_fds(conn.sock, [FD_BYTE], [fd])
+                self._read_reply(conn.sock)
+                conn.attached.add(wire_dtype)
+            conn.sock.sendall(REQUEST.pack(MAGIC, PUSH, wire_dtype, worker_id, clock, version, 0, timeout_s))
+            outcome, new_version, staleness, next_clock = self._read_reply(conn.sock)
+            return PushResult(Outcome(outcome), new_version, staleness, next_clock)
+
+        return self._round_trip(timeout_s, call)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            idle, self.idle = self.idle, []
+        for conn in idle:
+            conn.sock.close()
+        with self.map_lock:
+            buffers, self.buffers = list(self.buffers.values()), {}
+        if self.memory is not None:
+            for buffer in buffers:
+                self.memory.unpin(buffer)
+
+
+def _offered(control: Control, registration: Registration, options: ConnectOptions) -> ShmDataPlane | None:
+    """The shard's shared memory, when it offers it and is on this host (its socket answers here)."""
+    if not (options.shared_memory and registration.shm_socket):
+        return None
+    plane = ShmDataPlane(registration.shm_socket, options)
+    try:
+        plane._give(plane.connect(CONNECT_S))
+    except (OSError, PSError):
+        plane.close()
+        return None
+    return plane
+
+
+register_data_plane("shm", _offered)

@@ -1,0 +1,158 @@
+"""The shared-memory data plane, server side: workers on this host read the weights where they lie.
+
+A worker on the shard's host reaches it on an abstract Unix socket (its name travels in
+RegisterReply's ``shm_socket``; a worker elsewhere cannot connect, and falls back to TCP). Only
+small frames (tcp_frames.py) cross the socket; memory crosses by file descriptor:
+
+* ``OPEN`` gives the connection a slot in the shard's table of reader marks and the table itself;
+* ``PULL`` waits for the consistency rule, then answers the index of the ring buffer that holds the
+  current version (weight_ring.py), marked as read by this connection's slot; the worker copies it
+  (or DMAs it to its GPU) in place and clears the mark;
+* ``MAP`` hands over a ring buffer's file (once per buffer), ``ATTACH`` takes the worker's gradient
+  file (the whole model, in one wire dtype), mapped read-only here;
+* ``PUSH`` says the gradient is in the attached file: the shard checks it and applies it from there.
+
+So a pull costs the worker one copy (none in the shard), and a push none at all when the worker
+computes its gradient into the shared file. Files are anonymous (shared_memory.py): nothing is
+ever left in ``/dev/shm``. Only processes of the shard's own user may connect (``SO_PEERCRED``),
+and the job's token is asked for as on the TCP plane.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import struct
+from typing import Callable
+
+import numpy as np
+
+from psgrid.psserver.exceptions import InvalidArgument, PSError
+from psgrid.psserver.protocol import BFLOAT16, FLOAT16, FLOAT32, Reason
+from psgrid.psserver.service import MAX_MODEL_ELEMENTS, ShardService
+from psgrid.psserver.shared_memory import map_fd
+from psgrid.psserver.transports.socket_server import DEFAULT_MAX_CONNECTIONS, SocketDataServer, reply_timeout
+from psgrid.psserver.transports.tcp_frames import ATTACH, FD_BYTE, MAP, OPEN, PULL, PUSH
+
+SEGMENT_DTYPES = {FLOAT32: np.dtype("<f4"), FLOAT16: np.dtype("<u2"), BFLOAT16: np.dtype("<u2")}
+PEERCRED = struct.Struct("3i")     # pid, uid, gid
+
+
+class Reader:
+    """What the plane keeps for one connection: its slot in the marks table and the gradients it attached."""
+
+    __slots__ = ("slot", "segments")
+
+    def __init__(self):
+        self.slot = -1
+        self.segments: dict[int, np.ndarray] = {}
+
+
+class ShmDataServer(SocketDataServer):
+    """Serves one shard's Pull and Push through shared memory to processes of this host and user."""
+
+    name = "shared-memory plane"
+
+    def __init__(self, service: ShardService, token: str | None = None, *, handlers: int = 128,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, on_failure: Callable[[], None] | None = None):
+        name = f"psgrid-{secrets.token_hex(16)}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind("\0" + name)          # abstract: no file to leave behind, unreachable from other hosts
+            listener.listen(256)
+        except BaseException:
+            listener.close()
+            raise
+        self.address = "@" + name
+        super().__init__(service, listener, token, None, handlers=handlers, max_connections=max_connections,
+                         on_failure=on_failure)
+
+    def _accepted(self, sock: socket.socket) -> str | None:
+        _, uid, _ = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
+        if uid not in (os.geteuid(), 0):
+            return f"this shard's shared memory is for processes of user {os.geteuid()} only"
+        return None
+
+    def _released(self, conn) -> None:
+        reader = conn.state
+        if reader is not None and reader.slot >= 0:
+            self.service.close_reader(reader.slot)
+            reader.slot = -1
+        conn.state = None
+
+    def _operation(self, conn, op, dtype, worker, clock, version, nbytes, timeout) -> bool:
+        sock = conn.sock
+        if op not in (OPEN, MAP, ATTACH, PULL, PUSH) or nbytes and op != ATTACH:
+            return super()._operation(conn, op, dtype, worker, clock, version, nbytes, timeout)
+        if conn.state is None:
+            conn.state = Reader()
+        reader: Reader = conn.state
+        try:
+            if op == OPEN:
+                self._open(sock, reader)
+            elif op == MAP:
+                fd, size = self.service.buffer_fd(clock)
+                self._reply(sock, version=size)
+                socket.send_fds(sock, [FD_BYTE], [fd])
+            elif op == ATTACH:
+                return self._attach(sock, reader, dtype, nbytes)
+            elif op == PULL:
+                if reader.slot < 0:
+                    raise InvalidArgument("OPEN before the first PULL on a shared-memory connection", Reason.MALFORMED)
+                sock.settimeout(reply_timeout(timeout))
+                # On this plane a timeout of 0 means "no deadline"; the service checks any other value.
+                pulled, index = self.service.pull_shared(worker_id=worker, clock=clock, timeout_s=timeout or None,
+                                                         slot=reader.slot)
+                self._reply(sock, version=pulled, staleness=index)
+            else:
+                segment = reader.segments.get(dtype)
+                if segment is None:
+                    raise InvalidArgument(f"no gradient of dtype {dtype} attached to this connection: ATTACH it first",
+                                          Reason.BAD_DTYPE)
+                result = self.service.push_shared(worker_id=worker, clock=clock, version=version, dtype=dtype,
+                                                  segment=segment)
+                self._reply(sock, outcome=result.outcome, version=result.version, staleness=result.staleness,
+                            next_clock=result.next_clock)
+        except PSError as exc:       # first: a WaitTimeout is also an OSError
+            self._refuse(sock, exc)
+        except OSError:
+            raise                    # the connection broke while answering: nobody to answer
+        except Exception as exc:  # noqa: BLE001 - a bug of ours: answered INTERNAL, never silence
+            self._refuse(sock, exc)
+        return True
+
+    def _open(self, sock, reader: Reader) -> None:
+        if reader.slot < 0:
+            reader.slot, marks_fd = self.service.open_reader()
+        else:
+            marks_fd = self.service.marks_fd()
+        self._reply(sock, version=reader.slot)
+        socket.send_fds(sock, [FD_BYTE], [marks_fd])
+
+    def _attach(self, sock, reader: Reader, dtype: int, nbytes: int) -> bool:
+        """Take the worker's gradient file; False (close) when the descriptor did not come with it."""
+        _, fds, _, _ = socket.recv_fds(sock, len(FD_BYTE), 1)
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            self._refuse(sock, InvalidArgument("ATTACH must carry one file descriptor", Reason.MALFORMED))
+            return False
+        try:
+            kind = SEGMENT_DTYPES.get(dtype)
+            if kind is None:
+                raise InvalidArgument(f"dtype {dtype} is not a gradient dtype", Reason.BAD_DTYPE)
+            if not 0 < nbytes <= MAX_MODEL_ELEMENTS * kind.itemsize or nbytes % kind.itemsize:
+                raise InvalidArgument(f"a shared gradient of {nbytes} bytes is not a whole number of "
+                                      f"{kind.itemsize}-byte elements within the model limit", Reason.BAD_SIZE)
+            try:
+                reader.segments[dtype] = map_fd(fds[0], nbytes // kind.itemsize, kind, writable=False)
+            except (ValueError, OSError) as exc:
+                raise InvalidArgument(f"cannot map the shared gradient: {exc}", Reason.BAD_SIZE) from None
+        except PSError as exc:
+            self._refuse(sock, exc)
+            return True
+        finally:
+            os.close(fds[0])
+        self._reply(sock)
+        return True
