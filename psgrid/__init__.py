@@ -43,6 +43,7 @@ _EXPORTS = {
     "Session": "psgrid.worker.api",
     "job_env": "psgrid.worker.env",
     "JobEnv": "psgrid.worker.env",
+    "LocalCluster": "psgrid.cluster.local",
     "TrainConfig": "psgrid.worker.config",
     "PSError": "psgrid.psserver.exceptions",
     "Reason": "psgrid.psserver.protocol",
