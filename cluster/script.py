@@ -15,8 +15,10 @@ joined is reported gone to the shards at once, so nobody waits for it.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -87,8 +89,21 @@ def visible_gpus() -> int:
                 break           # CUDA ignores the list from the first invalid entry on
             count += 1
         return count
+    return _driver_gpus()
+
+
+@functools.lru_cache(maxsize=1)
+def _driver_gpus() -> int:
+    """The GPUs the NVIDIA driver shows this machine (or container): nvidia-smi, else /proc."""
+    if shutil.which("nvidia-smi"):
+        try:
+            listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            listed = None
+        if listed is not None and listed.returncode == 0:
+            return sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
     try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))
+        return len(os.listdir("/proc/driver/nvidia/gpus"))     # may count GPUs a container cannot use
     except OSError:
         return 0
 

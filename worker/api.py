@@ -227,7 +227,7 @@ class Session:
                 _copy_into(self.bufs.grad_views[name], source, name, self.xp)
             self.bufs.download_grad()
         t_push = time.perf_counter()
-        loss_value = float("nan") if loss is None else float(loss)
+        loss_value = float("nan") if loss is None else float(dlpack.exportable(loss))    # a tensor: its detached self
         record = dict(event="step", rank=self.rank, worker=self.client.worker_id, step=self.steps,
                       clock=self.client.clock, started=self._started or time.time(), loss=loss_value,
                       pull_s=self._pull_s, compute_s=t_push - (self._pulled_at or t_push), delay_s=0.0)
