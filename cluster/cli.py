@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if user_command is not None:
         if not hasattr(args, "user_command"):
-            parser.error(f"psctl {args.command} runs no command of yours: only launch and mpi take one after --")
+            parser.error(f"only launch and mpi run a command of yours after --, not {args.command}")
         args.user_command = user_command
     try:
         return int(args.func(args) or 0)

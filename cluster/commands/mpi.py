@@ -46,6 +46,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_set_arg(p)
     add_training_flags(p)
     p.set_defaults(func=run, user_command=None)
+    p.usage = p.format_usage().removeprefix("usage: ").rstrip() + " [-- COMMAND ...]"   # split off by cli.main
     return p
 
 
