@@ -161,6 +161,7 @@ def test_parameters_psgrid_cannot_exchange_are_refused_before_joining(params, me
         init(params, addresses=["127.0.0.1:1"], world=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.timeout(90)
 def test_two_scripts_started_3_s_apart_average_every_round(cluster, data_plane, tmp_path):
