@@ -64,12 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     from psgrid.psserver.exceptions import PSError, Unavailable
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    # Everything after the first `--` is the user's own command (psctl launch -- python train.py ARGS):
+    # it is never parsed as psctl's options.
+    user_command = argv[argv.index("--") + 1:] if "--" in argv else None
+    argv = argv[:argv.index("--")] if "--" in argv else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if user_command is not None:
+        if not hasattr(args, "user_command"):
+            parser.error(f"only launch and mpi run a command of yours after --, not {args.command}")
+        args.user_command = user_command
     try:
         return int(args.func(args) or 0)
     except UsageError as e:

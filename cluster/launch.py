@@ -31,6 +31,7 @@ from pathlib import Path
 
 from psgrid.cluster import coordinator as co
 from psgrid.cluster import credentials
+from psgrid.cluster import script as user_script
 from psgrid.cluster.config import JobConfig
 from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
@@ -66,7 +67,7 @@ class Launcher:
     """Runs one job; :meth:`run` returns the summary or raises JobFailed / Interrupted after cleaning up."""
 
     def __init__(self, job: JobConfig, out: Path, progress: bool | None = None, *, bar=None,
-                 quiet: bool = False, resumed: list[dict] | None = None):
+                 quiet: bool = False, resumed: list[dict] | None = None, command: list[str] | None = None):
         job = credentials.secure(job)     # a token and a job id of its own, unless the job gives them
         self.job = job
         self.resumed = resumed     # where each shard's checkpoint stood, when this run resumes a job
@@ -74,6 +75,8 @@ class Launcher:
         self.progress_enabled = progress
         self.bar = bar          # a caller's progress bar (psctl compare's, over many jobs) instead of our own
         self.quiet = quiet
+        self.command = command      # the user's own command, run by each worker instead of the built-in trainer
+        self.relay = None           # copies the commands' output to the terminal, prefixed by rank
         self.shards: list[Child] = []  # the psctl server processes, in shard order
         self.workers: list[Child] = []
         self.addresses: list[str] = []
@@ -128,24 +131,33 @@ class Launcher:
         addresses = ",".join(self.addresses)
         for rank in range(job.workers):
             metrics = self.out / "metrics" / f"worker-{rank}.jsonl"
-            argv = psctl_argv("worker", "--config", str(self.job_file), "--addresses", addresses,
-                              "--rank", str(rank), "--world", str(job.workers), "--metrics", str(metrics))
-            env = dict(self.worker_env, LOCAL_RANK=str(rank))
+            if self.command:
+                argv = self.command
+                env = user_script.worker_env(self.worker_env, job, self.out, self.addresses, rank, job.workers, rank)
+            else:
+                argv = psctl_argv("worker", "--config", str(self.job_file), "--addresses", addresses,
+                                  "--rank", str(rank), "--world", str(job.workers), "--metrics", str(metrics))
+                env = dict(self.worker_env, LOCAL_RANK=str(rank))
             with _deferred_signals():
                 self.workers.append(Child(f"worker {rank}", argv, self.out / "logs" / f"worker-{rank}.log", env))
             self.tail.add(metrics)
         self.log("workers_started", pids=[w.pid for w in self.workers])
+        if self.command:
+            self.relay = user_script.OutputRelay({rank: w.log_path for rank, w in enumerate(self.workers)})
 
     def follow(self) -> float:
         """Wait for every worker to end, feeding the progress bar; returns the training wall time."""
         job = self.job
         start = time.monotonic()
-        progress = self.bar or co.Progress(co.total_steps(job), self.progress_enabled, desc=f"{job.name} {job.mode}")
+        total = None if self.command else co.total_steps(job)     # a script's steps are its own
+        progress = self.bar or co.Progress(total, self.progress_enabled, desc=f"{job.name} {job.mode}")
         reported: set[int] = set()
         try:
             while True:
                 evals = self.state.update(self.tail.read())
                 progress.update(self.state, evals)
+                if self.relay:
+                    self.relay.pump()
                 self._check_shards()
                 for rank, w in enumerate(self.workers):
                     code = w.poll()
@@ -154,6 +166,8 @@ class Launcher:
                     elif rank not in reported:
                         reported.add(rank)
                         self.log("worker_exit", rank=rank, exit_code=code)
+                        if code == 0 and self.command:    # completed, with or without psgrid.init's records
+                            self.state.done.setdefault(rank, {"event": "done", "rank": rank})
                         joined = rank in self.state.started
                         if not joined:
                             # The others wait for the whole job to join: tell the shards not to wait for this one.
@@ -172,6 +186,8 @@ class Launcher:
             self.state.update(self.tail.read())
             progress.update(self.state, [])
         finally:
+            if self.relay:
+                self.relay.pump(final=True)
             if progress is not self.bar:
                 progress.close()
         wall = max((w.ended or time.time()) for w in self.workers) - min(w.started for w in self.workers)
@@ -271,7 +287,10 @@ class Launcher:
             self.start_workers()
             train_wall = self.follow()
             self.watch.close()
-            evaluation, shard_stats = co.finish(job, self.addresses)
+            if self.command:
+                evaluation, shard_stats = user_script.finish(job, self.addresses, self.state)
+            else:
+                evaluation, shard_stats = co.finish(job, self.addresses)
             self.log("final_eval", **(evaluation or {}))
             for s in shard_stats:
                 self.log("shard_stats", **s)
@@ -298,6 +317,8 @@ class Launcher:
                 shard_stats=shard_stats, failures=self.failures, worker_exits=exits, out=str(self.out),
                 message=message, restarts=self.restarts, resumed=self.resumed,
             )
+            if self.command:
+                summary["command"] = self.command
             co.merge_metrics(sorted((self.out / "metrics").glob("*.jsonl")), self.out / "metrics.jsonl")
             co.write_json(self.out / "summary.json", summary)
         return summary
@@ -336,10 +357,12 @@ def _ignore_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def launch(job: JobConfig, progress: bool | None = None, *, resume: bool = False) -> int:
+def launch(job: JobConfig, progress: bool | None = None, *, resume: bool = False,
+           command: list[str] | None = None) -> int:
     """Run ``job`` on this machine; returns the exit code (0 ok, 1 job failed, 128+N on signal N).
 
     With ``resume``, ``job.out`` is a stopped job's folder: its shards restore their checkpoints.
+    With ``command``, each worker runs it instead of the built-in trainer (cluster/script.py).
     """
     resumed = None
     if resume:
@@ -353,7 +376,7 @@ def launch(job: JobConfig, progress: bool | None = None, *, resume: bool = False
     out = prepare_out(job, resume=resume)
     old = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        summary = Launcher(job, out, progress, resumed=resumed).run()
+        summary = Launcher(job, out, progress, resumed=resumed, command=command).run()
     except JobFailed as e:
         print(f"psctl launch: job failed: {e}", file=sys.stderr)
         print(f"psctl launch: summary in {out / 'summary.json'}", file=sys.stderr)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from psgrid.cluster import coordinator as co
 from psgrid.cluster import credentials
+from psgrid.cluster import script as user_script
 from psgrid.cluster.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.procs import limit_blas_threads, usable_cpus
@@ -93,7 +94,7 @@ class MPIJob:
     """One rank's part of an MPI job; :meth:`run` returns this rank's exit code."""
 
     def __init__(self, job: JobConfig, comm, *, host: str | None = None, iface: str | None = None,
-                 progress: bool | None = None):
+                 progress: bool | None = None, command: list[str] | None = None):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -102,6 +103,7 @@ class MPIJob:
         self.job = job
         self.host, self.iface = host, iface
         self.progress = progress
+        self.command = command      # the user's own command, run by each worker rank (cluster/script.py)
         self.role, self.index = role_of(self.rank, job.shards)
 
     # -- setup -------------------------------------------------------------------------------
@@ -209,12 +211,15 @@ class MPIJob:
         os.environ["LOCAL_RANK"] = str(local_index)  # among the workers of this node, so GPUs are not skipped
         metrics = self.out / "metrics" / f"worker-{self.index}.jsonl"
         metrics.parent.mkdir(parents=True, exist_ok=True)
-        result = run_worker(self.job.train, self.addresses, self.index, self.job.workers,
-                            metrics_path=str(metrics))
-        # Send the events along: rank 0 may not see this node's files (no shared file system).
-        events = co.MetricsTail([metrics]).read()
-        _wait_request(self.comm.isend({"result": result, "events": events}, dest=0, tag=TAG_DONE),
-                      None, "sending results to rank 0")
+        if self.command:
+            message = user_script.run_on_rank(self.command, self.job, self.out, self.addresses, self.index,
+                                              self.job.workers, local_index)
+        else:
+            result = run_worker(self.job.train, self.addresses, self.index, self.job.workers,
+                                metrics_path=str(metrics))
+            # Send the events along: rank 0 may not see this node's files (no shared file system).
+            message = {"result": result, "events": co.MetricsTail([metrics]).read()}
+        _wait_request(self.comm.isend(message, dest=0, tag=TAG_DONE), None, "sending results to rank 0")
 
     def coordinate(self) -> int:
         from mpi4py import MPI
@@ -231,9 +236,11 @@ class MPIJob:
         tail = co.MetricsTail(out / "metrics" / f"worker-{r}.jsonl" for r in range(job.workers))
         worker_events: list[dict] = []
         received: set[int] = set()
+        failures: list[dict] = []       # worker ranks whose command failed (cluster/script.py)
         status, message, evaluation, shard_stats, train_wall = "ok", None, None, [], None
         start, last_done = time.time(), None
-        progress = co.Progress(co.total_steps(job), self.progress, desc=f"{job.name} {job.mode}")
+        total = None if self.command else co.total_steps(job)     # a script's steps are its own
+        progress = co.Progress(total, self.progress, desc=f"{job.name} {job.mode}")
         try:
             try:
                 st = MPI.Status()
@@ -245,6 +252,8 @@ class MPIJob:
                         last_done = time.time()
                         worker_events.extend(msg["events"])
                         state.update(msg["events"])
+                        if user_script.record_failure(msg, failures, log, wrank):
+                            continue
                         state.done.setdefault(wrank, {"event": "done", **msg["result"]})
                         log("worker_exit", rank=wrank, exit_code=0)
                     evals = state.update(tail.read())
@@ -256,7 +265,11 @@ class MPIJob:
             finally:
                 progress.close()
             train_wall = (last_done or time.time()) - start
-            evaluation, shard_stats = co.finish(job, self.addresses)
+            if self.command:
+                user_script.check_completed(failures, job.workers)
+                evaluation, shard_stats = user_script.finish(job, self.addresses, state)
+            else:
+                evaluation, shard_stats = co.finish(job, self.addresses)
             log("final_eval", **(evaluation or {}))
             for s in shard_stats:
                 log("shard_stats", **s)
@@ -271,10 +284,12 @@ class MPIJob:
             summary = co.build_summary(
                 job, launcher="mpi", status=status, addresses=self.addresses, state=state,
                 train_wall_s=train_wall, total_wall_s=time.monotonic() - t0, evaluation=evaluation,
-                shard_stats=shard_stats, failures=[], worker_exits={r: 0 for r in received}, out=str(out),
-                message=message,
+                shard_stats=shard_stats, failures=failures, out=str(out), message=message,
+                worker_exits={r: next((f["exit_code"] for f in failures if f["index"] == r), 0) for r in received},
             )
             summary["ranks"] = self.size
+            if self.command:
+                summary["command"] = self.command
             co.merge_metrics([out / "metrics" / "coordinator.jsonl", worker_events], out / "metrics.jsonl")
             co.write_json(out / "summary.json", summary)
         if status != "ok":
@@ -301,10 +316,11 @@ def _prepare_out(job: JobConfig) -> Path:
 
 
 def run_mpi(job: JobConfig, comm=None, *, host: str | None = None, iface: str | None = None,
-            progress: bool | None = None) -> int:
+            progress: bool | None = None, command: list[str] | None = None) -> int:
     """Run this rank's part of ``job`` on ``comm`` (default ``MPI.COMM_WORLD``); returns the exit code.
 
-    Any exception on any rank is printed with the rank and host and aborts the whole job.
+    Any exception on any rank is printed with the rank and host and aborts the whole job. With
+    ``command``, each worker rank runs it instead of the built-in trainer (cluster/script.py).
     """
     if comm is None:
         from mpi4py import MPI
@@ -312,7 +328,7 @@ def run_mpi(job: JobConfig, comm=None, *, host: str | None = None, iface: str | 
         comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     try:
-        return MPIJob(job, comm, host=host, iface=iface, progress=progress).run()
+        return MPIJob(job, comm, host=host, iface=iface, progress=progress, command=command).run()
     except BaseException:
         print(f"psctl mpi: rank {rank} on {socket.gethostname()} failed; aborting the job:\n"
               f"{traceback.format_exc()}", file=sys.stderr, flush=True)

@@ -10,8 +10,10 @@ The user API, imported lazily so that ``psctl --help`` does not pay for NumPy an
         ...
         client.push(grad).wait()
 
-``psgrid.serve(ServerConfig(...))`` starts a shard in this process; ``DistributedTrainer``
-trains a gradient function in a few lines; ``Admin`` reads and steers a running job.
+``psgrid.init(model)`` joins the job a script was started in (``psctl launch -- python train.py``)
+and exchanges the model's parameters and gradients with its shards, in about five added lines;
+``LocalCluster`` starts a job's shards in the background (for notebooks); ``psgrid.serve(ServerConfig(...))``
+starts a shard in this process; ``Admin`` reads and steers a running job.
 
 In the wheel the subpackages live inside this folder. In a source checkout they sit beside
 it at the top of the repository (``psserver/``, ``worker/``, ``cluster/``, which setuptools
@@ -37,7 +39,11 @@ _EXPORTS = {
     "ModelSpec": "psgrid.psserver.spec",
     "ServerConfig": "psgrid.psserver.config",
     "serve": "psgrid.psserver.server",
-    "DistributedTrainer": "psgrid.worker.api",
+    "init": "psgrid.worker.api",
+    "Session": "psgrid.worker.api",
+    "job_env": "psgrid.worker.env",
+    "JobEnv": "psgrid.worker.env",
+    "LocalCluster": "psgrid.cluster.local",
     "TrainConfig": "psgrid.worker.config",
     "PSError": "psgrid.psserver.exceptions",
     "Reason": "psgrid.psserver.protocol",

@@ -163,7 +163,9 @@ class Launch:
         self.out = tmp_path / "run"
         self.log = tmp_path / log
         with open(self.log, "wb") as log:
-            argv = [sys.executable, "-m", "psgrid.cluster.cli", "launch", *args, "--out", str(self.out)]
+            args = list(args)
+            at = args.index("--") if "--" in args else len(args)     # after `--` comes the user's command
+            argv = [sys.executable, "-m", "psgrid.cluster.cli", "launch", *args[:at], "--out", str(self.out), *args[at:]]
             self.proc = subprocess.Popen(argv, cwd=ROOT, env=launch_env(), stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
 

@@ -1,106 +1,355 @@
-"""Train your own model on the shards with a few added lines.
+"""Your own training script on the shards, in about five added lines (in the manner of Horovod)::
 
-Bring a function ``grad_fn(params, batch) -> (loss, grads)`` over named arrays
-(NumPy or CuPy); the trainer pulls the shared weights before each step and
-pushes your gradients after it::
+    import psgrid
 
-    from psgrid import DistributedTrainer
+    ps = psgrid.init(model)              # join the job: its shards, rank and size come from the environment
+    for x, y in batches:
+        ps.pull()                        # the shards' weights, written into the model's own tensors
+        loss = loss_fn(model(x), y)
+        model.zero_grad()
+        loss.backward()
+        ps.push(loss=loss)               # the model's .grads to the shards, whose optimizer applies them
+    ps.close()
 
-    with DistributedTrainer(addresses, params=initial_params, grad_fn=grad_fn) as trainer:
-        for batch in batches:
-            loss = trainer.step(batch)
-
-The optimizer and the consistency mode belong to the shards (``psctl server
---mode ssp --optimizer adam ...``); every worker of a job passes the same
-parameter names and shapes, and the first one to arrive sets the initial weights.
+``model`` is a PyTorch ``nn.Module``, or parameters by name (a dict) or in order (a list) as
+NumPy, CuPy or any DLPack arrays (PyTorch or JAX tensors, on the CPU or a GPU). They are never
+copied into another framework's memory: each is viewed through DLPack (worker/dlpack.py), the
+weights land in it in place and the gradients are read from it. Run the script with
+``psctl launch -- python train.py`` or ``mpiexec -n N psctl mpi -- python train.py``, which set
+the job's environment (worker/env.py) and show the records this writes (the same step, eval
+and done records as the built-in loop, worker/loop.py) as one progress bar and summary.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
+import socket
+import sys
+import time
+from typing import Mapping
 
 import numpy as np
 
-from psgrid.psserver.client import Client
+from psgrid.psserver.client import Client, Handle
 from psgrid.psserver.spec import ModelSpec
-from psgrid.worker.backend import array_module, to_host
+from psgrid.worker import dlpack
+from psgrid.worker.backend import sync, to_host
+from psgrid.worker.env import ADDRESSES, WORLD_SIZE, job_env, watch_launcher
 from psgrid.worker.flat import FlatBuffers
+from psgrid.worker.loop import MetricsWriter, bytes_per_step
 
-ADDRESSES_ENV = "PSGRID_ADDRESSES"
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+# What a client takes from the job file's [train] table (the rest of it is the built-in trainer's).
+CLIENT_SETTINGS = ("data_plane", "wire_dtype", "chunk_bytes", "deadline_s", "retry_s", "heartbeat_s",
+                   "join_timeout_s", "tls_ca", "tls_cert", "tls_key")
+
+NO_JOB = (f"psgrid.init() found no job: run the script with `psctl launch -- python SCRIPT` (or under "
+          f"`psctl mpi -- ...`), or pass addresses=[...] and world=N (or set {ADDRESSES} and {WORLD_SIZE})")
 
 
-def addresses_from_env() -> list[str]:
-    """The shard addresses in ``$PSGRID_ADDRESSES`` (comma-separated), for scripts started by a job."""
-    value = os.environ.get(ADDRESSES_ENV, "")
-    if not value:
-        raise RuntimeError(f"no shard addresses: pass addresses=[...] or set {ADDRESSES_ENV}=host:port,host:port")
-    return [a.strip() for a in value.split(",") if a.strip()]
+def init(params, *, addresses=None, rank: int | None = None, world: int | None = None, metrics: str | None = None,
+         job_file: str | None = None, **client_options) -> "Session":
+    """Join the job this process belongs to with a model's parameters; returns the :class:`Session`.
 
-
-class DistributedTrainer:
-    """Pull, compute with ``grad_fn``, push: one call of :meth:`step` per batch.
+    Waits until the job's ``world`` workers have joined every shard (sync and ssp count the
+    workers they wait for) and, if the shards have no weights yet, gives them those of the
+    worker with the lowest rank (Horovod's ``broadcast_parameters``).
 
     Parameters
     ----------
-    addresses : list of str or None
-        Shard addresses in shard order; None reads ``$PSGRID_ADDRESSES``.
-    params : dict of arrays
-        Initial values, by name (the names and shapes define the model's layout).
-        NumPy or CuPy; the trainer keeps its working copy on the same device.
-    grad_fn : callable
-        ``grad_fn(params, batch) -> (loss, grads)`` with ``grads`` a dict holding
-        an array of each parameter's shape.
+    params : nn.Module, dict of arrays or list of arrays
+        The model's trainable parameters: a PyTorch module (its parameters that require grad),
+        arrays by name, or arrays in order. NumPy, CuPy or DLPack arrays of a float dtype, all
+        on the CPU or all on one GPU; exchanged as float32.
+    addresses, rank, world, metrics, job_file
+        The job, where it is not in the environment (worker/env.py): the shards' ``host:port``
+        in shard order, this worker's rank (default: the shards assign one), the job's number
+        of workers, the JSON-lines file for the records, the job file whose ``[train]``
+        transport settings the client uses.
     **client_options
-        Passed to :class:`psgrid.psserver.client.Client` (``world``, ``wire_dtype``,
-        ``token``, ``deadline_s``, ...).
+        Passed to :class:`psgrid.Client` (``token``, ``wire_dtype``, ``deadline_s``, ...); they
+        override the environment and the job file.
+
+    Raises
+    ------
+    RuntimeError
+        No job: no addresses or no size, neither given nor in the environment.
+    """
+    env = job_env()
+    addresses = list(addresses) if addresses is not None else env.addresses
+    world = world if world is not None else env.world
+    if not addresses or world is None:
+        raise RuntimeError(NO_JOB)
+    settings = job_file_settings(job_file or env.job_file)
+    settings.update({key: value for key, value in (("token", env.token), ("tls_ca", env.tls_ca),
+                                                   ("tls_cert", env.tls_cert), ("tls_key", env.tls_key)) if value})
+    settings.update(client_options)
+    watch_launcher()
+    return Session(params, addresses=addresses, world=world, rank=rank if rank is not None else env.rank,
+                   metrics=metrics or env.metrics, local_rank=env.local_rank, gpu=env.gpu, **settings)
+
+
+def job_file_settings(path: str | None) -> dict:
+    """The client settings of a job file's ``[train]`` table (its token is the environment's, not read here)."""
+    if not path:
+        return {}
+    try:
+        with open(path, "rb") as f:
+            train = tomllib.load(f).get("train", {})
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise RuntimeError(f"cannot read the job file {path}: {exc}") from None
+    return {key: train[key] for key in CLIENT_SETTINGS if key in train}
+
+
+def named_parameters(params) -> list[tuple[str, object]]:
+    """``(name, array)`` of a PyTorch module's trainable parameters, a dict's items, or a list's by index."""
+    if callable(getattr(params, "named_parameters", None)):
+        return [(name, p) for name, p in params.named_parameters() if getattr(p, "requires_grad", True)]
+    if isinstance(params, Mapping):
+        return [(str(name), a) for name, a in params.items()]
+    if isinstance(params, (str, bytes)) or not hasattr(params, "__iter__") or hasattr(params, "__dlpack__"):
+        raise dlpack.ArrayError("params must be a PyTorch module, a dict of arrays by name, or a list of arrays")
+    return [(str(i), a) for i, a in enumerate(params)]
+
+
+class Session:
+    """One worker's exchange of a model's parameters and gradients with the shards (made by :func:`init`).
+
+    ``pull()`` writes the shards' weights into the parameters, ``push()`` sends their gradients;
+    each pull-push pair is one step, recorded with its loss and timings. ``params`` holds the
+    weights of the last pull as NumPy or CuPy arrays by name (what a JAX user rebuilds from).
+    ``rank``, ``world``, ``local_rank``, ``gpu``, ``mode`` and ``steps`` describe the job and
+    this worker; ``last_step`` is the record of the latest completed step.
     """
 
-    def __init__(self, addresses, params: dict, grad_fn, **client_options):
-        if not params:
-            raise ValueError("params must name at least one array")
-        self.grad_fn = grad_fn
-        self.xp = array_module(next(iter(params.values())))
-        self.spec = ModelSpec((name, tuple(value.shape)) for name, value in params.items())
-        self.buffers = FlatBuffers(self.spec, self.xp)
-        self.params = self.buffers.param_views
-        initial = {name: np.asarray(to_host(value), dtype=np.float32) for name, value in params.items()}
-        self.client = Client(addresses if addresses is not None else addresses_from_env(), self.spec,
-                             init=lambda: self.spec.pack(initial), **client_options)
+    def __init__(self, params, *, addresses, world: int, rank: int | None = None, metrics: str | None = None,
+                 local_rank: int = 0, gpu: int | None = None, **client_options):
+        named = named_parameters(params)
+        if not named:
+            raise dlpack.ArrayError("params holds no parameters (a module whose parameters all have "
+                                    "requires_grad=False, or an empty dict or list)")
+        self.names = [name for name, _ in named]
+        self._originals = [a for _, a in named]
+        self._device = _one_device(self._originals)
+        views = [dlpack.view(a) for a in self._originals]
+        for name, v in zip(self.names, views):
+            if v.dtype.kind != "f":
+                raise dlpack.ArrayError(f"parameter {name!r} is {v.dtype}: psgrid exchanges floating-point parameters")
+        self.world, self.local_rank, self.gpu = world, local_rank, gpu
+        self.xp = dlpack.module_of(views[0])
+        self.spec = ModelSpec((name, tuple(v.shape)) for name, v in zip(self.names, views))
+        with self._on_device():
+            self.bufs = FlatBuffers(self.spec, self.xp)
+        # Weights are written into the parameters themselves, where their framework lets them be changed.
+        self._targets = [(name, v) for name, v, a in zip(self.names, views, self._originals) if dlpack.writable(a, v)]
+
+        def initial():       # the shards' first weights, where this worker is the one that gives them
+            return self.spec.pack({n: to_host(v).astype(np.float32) for n, v in zip(self.names, views)})
+
+        self._metrics = MetricsWriter(metrics)
+        self._closed = False
+        try:
+            self.client = Client(addresses, self.spec, worker_id=rank, world=world, init=initial, **client_options)
+        except BaseException:
+            self._metrics.close()
+            raise
         try:
             self.client.join()
+            self.rank = rank if rank is not None else self.client.worker_id
+            self.mode = self.client.mode
+            # As the built-in loop: in async and ssp a push runs in the background while the next pull waits.
+            self._overlap = self.mode != "sync"
+            self._step_bytes = bytes_per_step(self.client, self.spec.size)
+            self.steps, self.samples, self.final_loss = 0, 0, float("nan")
+            self.last_step: dict | None = None
+            self._in_flight: tuple[Handle, dict] | None = None
+            self._pulled_at: float | None = None
+            self._pull_s, self._started = 0.0, None
+            self._t0 = time.perf_counter()
+            self._metrics.write(event="start", rank=self.rank, worker=self.client.worker_id, host=socket.gethostname(),
+                                device=self._device_name(), mode=self.mode, first_step=0, params=self.spec.size,
+                                data_planes=self.client.data_planes, stragglers=[])
         except BaseException:
+            self._closed = True
             self.client.close()
+            self._metrics.close()
             raise
-        self.steps = 0
+
+    # ----- the exchange ---------------------------------------------------------------------------
+
+    @property
+    def params(self) -> dict:
+        """The weights of the last pull by name (NumPy or CuPy views of this session's buffer)."""
+        return self.bufs.param_views
+
+    @property
+    def clock(self) -> int:
+        return self.client.clock
 
     def pull(self) -> dict:
-        """Fetch the current weights (after this mode's consistency wait) into ``self.params``."""
-        self.client.pull(self.buffers.host_params)
-        self.buffers.upload_params()
+        """Wait for the shards' weights (as the mode says), write them into the parameters; returns :attr:`params`."""
+        self._check_open()
+        started, t0 = time.time(), time.perf_counter()
+        with self._on_device():
+            self.client.pull(self.bufs.host_params)
+            self.bufs.upload_params()
+            for name, target in self._targets:
+                target[...] = self.bufs.param_views[name]
+            sync(self.xp)      # the model's framework may read them on another stream
+        self._pull_s = time.perf_counter() - t0
+        self._finish_push()
+        self._started, self._pulled_at = started, time.perf_counter()
         return self.params
 
-    def step(self, batch):
-        """One training step on ``batch``: pull, ``grad_fn``, push. Returns the loss."""
-        self.pull()
-        loss, grads = self.grad_fn(self.params, batch)
-        missing = set(self.spec.names) - set(grads)
-        if missing:
-            raise ValueError(f"grad_fn returned no gradient for {sorted(missing)}")
-        for name, grad in grads.items():
-            if name not in self.buffers.grad_views:
-                raise ValueError(f"grad_fn returned a gradient for unknown parameter {name!r}")
-            self.buffers.grad_views[name][...] = grad
-        self.buffers.download_grad()
-        self.client.push(self.buffers.host_grad)
+    def push(self, grads=None, *, loss=None, samples: int | None = None) -> None:
+        """Send one gradient to the shards; the shards' optimizer applies it as the mode says.
+
+        Parameters
+        ----------
+        grads : dict or list of arrays, optional
+            Gradients by name or in the parameters' order, each of its parameter's shape (any
+            float dtype, NumPy, CuPy or DLPack). Default: each parameter's ``.grad`` (PyTorch);
+            a parameter whose ``.grad`` is None pushes zeros.
+        loss : float or scalar tensor, optional
+            The step's loss, for the records and the progress bar.
+        samples : int, optional
+            The step's batch size, for samples/s in the summary.
+        """
+        self._check_open()
+        sources = self._gradients(grads)
+        self._finish_push()        # a push in flight still reads the gradient buffer
+        with self._on_device():
+            for name, source in sources:
+                _copy_into(self.bufs.grad_views[name], source, name, self.xp)
+            self.bufs.download_grad()
+        t_push = time.perf_counter()
+        loss_value = float("nan") if loss is None else float(dlpack.exportable(loss))    # a tensor: its detached self
+        record = dict(event="step", rank=self.rank, worker=self.client.worker_id, step=self.steps,
+                      clock=self.client.clock, started=self._started or time.time(), loss=loss_value,
+                      pull_s=self._pull_s, compute_s=t_push - (self._pulled_at or t_push), delay_s=0.0)
+        if samples is not None:
+            record["samples"] = int(samples)
+            self.samples += int(samples)
+        self._in_flight = (self.client.push(self.bufs.host_grad, background=self._overlap), record)
+        if not self._overlap:
+            self._finish_push()
         self.steps += 1
-        return loss
+        self.final_loss = loss_value
+        self._pulled_at, self._pull_s, self._started = None, 0.0, None
+
+    def log_eval(self, test_accuracy: float | None = None, **values: float) -> None:
+        """Record an evaluation (the progress bar and summary.json show the latest ``test_accuracy``)."""
+        self._check_open()
+        fields = {k: float(v) for k, v in dict(values, test_accuracy=test_accuracy).items() if v is not None}
+        self._metrics.write(event="eval", rank=self.rank, step=self.steps, **fields)
+
+    def result(self) -> dict:
+        """This worker's totals: the fields of its ``done`` record."""
+        return {"rank": self.rank, "worker": self.client.worker_id, "steps": self.steps, "samples": self.samples,
+                "wall_s": time.perf_counter() - self._t0, "final_loss": self.final_loss, "device": self._device_name()}
+
+    # ----- leaving --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Leave the job (so sync and ssp stop waiting for this worker) and close the connections."""
-        self.client.close()
+        """Finish the push in flight, leave the job (sync and ssp stop waiting for this worker), record ``done``."""
+        self._close(completed=True)
 
-    def __enter__(self):
+    def __enter__(self) -> "Session":
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self._close(completed=exc_type is None)
+
+    def _close(self, completed: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            try:
+                if completed:
+                    self._finish_push()
+            finally:
+                self.client.close()
+            if completed:
+                self._metrics.write(event="done", **self.result())
+        finally:
+            self._metrics.close()
+
+    # ----- helpers --------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this psgrid session is closed; call psgrid.init() again to rejoin")
+
+    def _finish_push(self) -> None:
+        """Wait for the push in flight and complete its step's record: outcome, staleness, time, bytes."""
+        if self._in_flight is None:
+            return
+        handle, record = self._in_flight
+        self._in_flight = None
+        results = handle.wait()
+        outcomes = {r.outcome.name for r in results}
+        record.update(push_s=handle.seconds, staleness=max((r.staleness for r in results), default=0),
+                      outcome=outcomes.pop() if len(outcomes) == 1 else "MIXED", bytes=self._step_bytes)
+        self._metrics.write(**record)
+        self.last_step = record
+
+    def _gradients(self, grads) -> list[tuple[str, object]]:
+        if grads is None:
+            missing = [n for n, a in zip(self.names, self._originals) if not hasattr(a, "grad")]
+            if missing:
+                raise dlpack.ArrayError(f"push() needs the gradients: push(grads) by name or in the parameters' "
+                                        f"order ({missing[0]!r} has no .grad of its own)")
+            return [(n, a.grad) for n, a in zip(self.names, self._originals)]
+        if isinstance(grads, Mapping):
+            unknown = sorted(set(map(str, grads)) - set(self.names))
+            missing = [n for n in self.names if n not in grads]
+            if unknown or missing:
+                raise dlpack.ArrayError(f"push(grads): unknown parameter(s) {unknown}" if unknown else
+                                        f"push(grads): no gradient for {missing}")
+            return [(n, grads[n]) for n in self.names]
+        if isinstance(grads, (list, tuple)):
+            if len(grads) != len(self.names):
+                raise dlpack.ArrayError(f"push(grads): {len(grads)} gradients for {len(self.names)} parameters")
+            return list(zip(self.names, grads))
+        if np.isscalar(grads) or getattr(grads, "ndim", None) == 0:
+            raise dlpack.ArrayError("push(grads): gradients by name or in order; pass the loss as push(loss=...)")
+        raise dlpack.ArrayError(f"push(grads): a dict by name or a list in order, got {type(grads).__name__}")
+
+    def _on_device(self):
+        """Where this session's CuPy work runs: the parameters' GPU."""
+        if self._device is None:
+            return contextlib.nullcontext()
+        return self.xp.cuda.Device(self._device)
+
+    def _device_name(self) -> str:
+        return "cpu" if self._device is None else f"cuda:{self._device}"
+
+
+def _one_device(arrays: list) -> int | None:
+    """The GPU every parameter is on (None: all on the CPU); parameters on different devices are refused."""
+    devices = {dlpack.device_of(dlpack.exportable(a)) for a in arrays}
+    if len(devices) > 1:
+        found = ", ".join(sorted(f"{kind}:{index}" for kind, index in devices))
+        raise dlpack.ArrayError(f"the parameters are on different devices ({found}): psgrid exchanges a model "
+                                f"that lives on one device")
+    kind, index = devices.pop()
+    return index if kind == "cuda" else None
+
+
+def _copy_into(target, source, name: str, xp) -> None:
+    """Copy a gradient into this session's buffer (a view of ``source``, never a copy in its framework)."""
+    if source is None:              # a parameter that took no part in the loss
+        target.fill(0)
+        return
+    array = dlpack.view(source)
+    if tuple(array.shape) != tuple(target.shape):
+        raise dlpack.ArrayError(f"the gradient of {name!r} has shape {tuple(array.shape)}, the parameter "
+                                f"{tuple(target.shape)}")
+    if dlpack.module_of(array) is not xp:
+        array = to_host(array) if xp is np else xp.asarray(array)
+    target[...] = array

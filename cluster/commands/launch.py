@@ -14,6 +14,7 @@ psctl launch --config mnist --mode ssp --staleness 3 --workers 4 --out runs/ssp-
 psctl launch --config examples/synthetic-20m.toml --shards 4 --workers 2 --device gpu --set wire_dtype=float16
 psctl launch --config mnist --set checkpoint_dir=ckpt --set checkpoint_every=100 --restart-failed --out runs/a
 psctl launch --resume runs/a          # after Ctrl-C: continue from the shards' checkpoints
+psctl launch --workers 4 --mode async -- python train.py --epochs 3   # your own script, once per worker
 """
 
 
@@ -24,7 +25,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "evaluate the final weights, and write OUT/summary.json and OUT/metrics.jsonl. "
                     "A worker that fails is tolerated while another completes; a shard that fails ends the job "
                     "unless --restart-failed. "
-                    "Exit code 0 when the job completed, 1 when it failed, 128+N when stopped by signal N.",
+                    "Exit code 0 when the job completed, 1 when it failed, 128+N when stopped by signal N. "
+                    "After -- comes your own command (-- python train.py ARGS): each worker runs it instead of the "
+                    "built-in trainer, with the job in its environment (PSGRID_ADDRESSES, PSGRID_RANK, "
+                    "PSGRID_WORLD_SIZE, ...; see README, 'Your own training script').",
         examples=EXAMPLES,
     )
     add_config_arg(p, None, "flags override it (default: mnist)")
@@ -47,18 +51,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="show the progress bar (default: when stderr is a terminal)")
     add_set_arg(p)
     add_training_flags(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, user_command=None)
+    p.usage = p.format_usage().removeprefix("usage: ").rstrip() + " [-- COMMAND ...]"   # split off by cli.main
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    from psgrid.cluster import script
     from psgrid.cluster.commands._common import load_job_from_args
     from psgrid.cluster.launch import launch
 
+    command = None if args.user_command is None else script.resolve_command(args.user_command)
     if args.resume:
-        return launch(_resumed_job(args), progress=args.progress, resume=True)
+        return launch(script.for_command(_resumed_job(args), command), progress=args.progress, resume=True,
+                      command=command)
+    named = args.config is not None or args.override_name is not None
     args.config = args.config or "mnist"
-    return launch(load_job_from_args(args), progress=args.progress)
+    job = script.for_command(load_job_from_args(args), command, named=named)
+    return launch(job, progress=args.progress, command=command)
 
 
 def _resumed_job(args: argparse.Namespace):

@@ -13,6 +13,7 @@ mpiexec -n 4 psctl mpi --config examples/mnist.toml --shards 1       # 1 coordin
 mpiexec -n 6 psctl mpi --config mnist --shards 2 --mode ssp          # 2 shards, 3 workers
 HYDRA_IFACE=lo mpiexec -n 4 psctl mpi --config mnist                 # a laptop without a network
 srun -N 2 --ntasks-per-node=5 --gpus-per-node=4 psctl mpi --config job.toml --shards 2 --iface ib0
+mpiexec -n 6 psctl mpi --shards 1 -- python train.py --epochs 3     # your own script on each worker rank
 """
 
 
@@ -22,7 +23,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Run under mpiexec or srun with N ranks: rank 0 coordinates (progress, final evaluation, "
                     "OUT/summary.json), ranks 1..S serve one shard each, and the other N-1-S ranks are workers, "
                     "each on the GPU of its local rank. Needs N >= S+2. An exception on any rank aborts the "
-                    "whole job. OUT should be on a shared file system for the progress bar to see the workers.",
+                    "whole job. OUT should be on a shared file system for the progress bar to see the workers. "
+                    "After -- comes your own command (-- python train.py ARGS): each worker rank runs it instead of "
+                    "the built-in trainer, with the job in its environment (see README, 'Your own training script').",
         examples=EXAMPLES,
     )
     add_config_arg(p, "mnist", "flags override it; [job] workers is ignored (N-1-S)")
@@ -42,12 +45,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     n.add_argument("--iface", help="bind shards to the IPv4 address of this interface and advertise it (e.g. ib0)")
     add_set_arg(p)
     add_training_flags(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, user_command=None)
+    p.usage = p.format_usage().removeprefix("usage: ").rstrip() + " [-- COMMAND ...]"   # split off by cli.main
     return p
 
 
 def run(args: argparse.Namespace) -> int:
+    from psgrid.cluster import script
     from psgrid.cluster.commands._common import load_job_from_args
     from psgrid.cluster.mpi import run_mpi
 
-    return run_mpi(load_job_from_args(args), host=args.host, iface=args.iface, progress=args.progress)
+    command = None if args.user_command is None else script.resolve_command(args.user_command)
+    named = args.config != "mnist" or args.override_name is not None
+    job = script.for_command(load_job_from_args(args), command, named=named, local_gpus=False)
+    return run_mpi(job, host=args.host, iface=args.iface, progress=args.progress, command=command)

@@ -1,0 +1,141 @@
+"""The job a script belongs to, as its launcher puts it in the environment.
+
+``psctl launch -- python train.py`` and ``psctl mpi -- python train.py`` run the user's command
+once per worker, with these variables set (as ``torchrun`` and ``horovodrun`` do); a script
+started by hand may set them itself, and :func:`psgrid.init` also takes them as arguments:
+
+=====================  ==========================================================================
+``PSGRID_ADDRESSES``   every shard's ``host:port``, comma-separated, in shard order
+``PSGRID_RANK``        this worker's rank, ``0 .. PSGRID_WORLD_SIZE-1`` (its worker id)
+``PSGRID_WORLD_SIZE``  the job's number of workers (sync and ssp wait for that many to join)
+``PSGRID_LOCAL_RANK``  this worker's index among the job's workers on its node
+``PSGRID_GPU``         the GPU (CUDA device index) this worker uses; unset where it has none
+``PSGRID_TOKEN``       the job's bearer token (in the environment only, never on a command line)
+``PSGRID_TLS_CA``      CA file the shards' certificates chain to (TLS); also ``PSGRID_TLS_CERT``,
+                       ``PSGRID_TLS_KEY``: the worker's client certificate and key (mutual TLS)
+``PSGRID_METRICS``     the JSON-lines file the worker's step, eval and done records go to
+``PSGRID_JOB_FILE``    the job as it runs (``OUT/job.toml``): the client reads its ``[train]``
+                       transport settings (``data_plane``, ``wire_dtype``, deadlines) from it
+``PSGRID_OUT``         the job's output folder
+=====================  ==========================================================================
+
+This module is the one place the names are spelled; the launchers (cluster/script.py) write
+them with :meth:`JobEnv.to_env` and the user API reads them with :func:`job_env`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Mapping
+
+ADDRESSES = "PSGRID_ADDRESSES"
+RANK = "PSGRID_RANK"
+WORLD_SIZE = "PSGRID_WORLD_SIZE"
+LOCAL_RANK = "PSGRID_LOCAL_RANK"
+GPU = "PSGRID_GPU"
+TOKEN = "PSGRID_TOKEN"          # the same variable cluster/credentials.py hands to every child
+TLS_CA = "PSGRID_TLS_CA"
+TLS_CERT = "PSGRID_TLS_CERT"
+TLS_KEY = "PSGRID_TLS_KEY"
+METRICS = "PSGRID_METRICS"
+JOB_FILE = "PSGRID_JOB_FILE"
+OUT = "PSGRID_OUT"
+# Set by a launcher for its children (cluster/procs.py): a script watches it and stops when its
+# launcher vanished without stopping it (kill -9), as psctl's own children do.
+PARENT = "PSCTL_PARENT_PID"
+
+NAMES = (ADDRESSES, RANK, WORLD_SIZE, LOCAL_RANK, GPU, TOKEN, TLS_CA, TLS_CERT, TLS_KEY, METRICS, JOB_FILE, OUT)
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """One worker's view of its job: where the shards are, who it is, what it may use."""
+
+    addresses: list[str] = field(default_factory=list)
+    rank: int | None = None
+    world: int | None = None
+    local_rank: int = 0
+    gpu: int | None = None
+    token: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    metrics: str | None = None
+    job_file: str | None = None
+    out: str | None = None
+
+    @property
+    def device(self) -> str:
+        """``"cuda:N"`` for the worker's GPU, else ``"cpu"`` (what ``torch.device`` takes)."""
+        return "cpu" if self.gpu is None else f"cuda:{self.gpu}"
+
+    def to_env(self) -> dict[str, str]:
+        """The variables that describe this job to a child process (unset values left out)."""
+        values = {
+            ADDRESSES: ",".join(self.addresses), RANK: self.rank, WORLD_SIZE: self.world,
+            LOCAL_RANK: self.local_rank, GPU: self.gpu, TOKEN: self.token, TLS_CA: self.tls_ca,
+            TLS_CERT: self.tls_cert, TLS_KEY: self.tls_key, METRICS: self.metrics, JOB_FILE: self.job_file,
+            OUT: self.out,
+        }
+        return {name: str(value) for name, value in values.items() if value not in (None, "")}
+
+
+def job_env(environ: Mapping[str, str] | None = None) -> JobEnv:
+    """The job described by ``environ`` (default: this process's environment).
+
+    Variables that are not set are None (``local_rank`` 0); a value that is not what its
+    variable takes is a ``ValueError`` naming the variable.
+    """
+    environ = os.environ if environ is None else environ
+
+    def text(name: str) -> str | None:
+        return environ.get(name, "").strip() or None
+
+    def number(name: str, low: int) -> int | None:
+        value = text(name)
+        if value is None:
+            return None
+        if not value.isdigit() or int(value) < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        return int(value)
+
+    addresses = [a.strip() for a in (text(ADDRESSES) or "").split(",") if a.strip()]
+    for address in addresses:
+        host, sep, port = address.rpartition(":")
+        if not (sep and host and port.isdigit()):
+            raise ValueError(f"{ADDRESSES} must be host:port[,host:port...], got {address!r}")
+    env = JobEnv(addresses=addresses, rank=number(RANK, 0), world=number(WORLD_SIZE, 1),
+                 local_rank=number(LOCAL_RANK, 0) or 0, gpu=number(GPU, 0), token=text(TOKEN),
+                 tls_ca=text(TLS_CA), tls_cert=text(TLS_CERT), tls_key=text(TLS_KEY), metrics=text(METRICS),
+                 job_file=text(JOB_FILE), out=text(OUT))
+    if env.rank is not None and env.world is not None and env.rank >= env.world:
+        raise ValueError(f"{RANK} ({env.rank}) must be less than {WORLD_SIZE} ({env.world})")
+    return env
+
+
+_watching = threading.Event()
+
+
+def watch_launcher(interval: float = 1.0) -> None:
+    """Stop this process (SIGTERM) when the launcher that started it is gone.
+
+    A launcher stops its children itself; this covers the launcher killed with SIGKILL, which
+    would leave a user's script training against shards that are gone. Nothing happens when
+    no launcher started this process (or its parent is not that launcher, e.g. a shell between).
+    """
+    want = os.environ.get(PARENT, "")
+    if not want.isdigit() or os.getppid() != int(want) or _watching.is_set():
+        return
+    _watching.set()
+    parent = int(want)
+
+    def run():
+        while os.getppid() == parent:
+            time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=run, name="psgrid-launcher-watch", daemon=True).start()
