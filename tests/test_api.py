@@ -17,6 +17,7 @@ from psgrid.cluster.coordinator import JobState, MetricsTail
 from psgrid.worker import env as job_vars
 from psgrid.worker.api import NO_JOB, init, job_file_settings
 from psgrid.worker.dlpack import ArrayError
+from tests.support import plane_options
 from tests.test_dlpack import Foreign, Immutable, TorchLike
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,7 +92,7 @@ def test_weights_land_in_the_users_arrays_and_gradients_leave_them(cluster, data
     frozen = np.full(2, 5.0, np.float32)
     metrics = tmp_path / "worker-0.jsonl"
     with init({"a": Foreign(a), "b": b, "c": Immutable(frozen)}, addresses=c.addresses, world=1, rank=0,
-              metrics=str(metrics), data_plane=data_plane) as ps:
+              metrics=str(metrics), **plane_options(data_plane)) as ps:
         assert (ps.rank, ps.world, ps.mode, ps.names) == (0, 1, "sync", ["a", "b", "c"])
         weights = ps.pull()
         np.testing.assert_array_equal(a, 0)

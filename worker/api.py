@@ -33,7 +33,7 @@ import numpy as np
 from psgrid.psserver.client import Client, Handle
 from psgrid.psserver.spec import ModelSpec
 from psgrid.worker import dlpack
-from psgrid.worker.backend import sync, to_host
+from psgrid.worker.backend import pinner_for, sync, to_host
 from psgrid.worker.env import ADDRESSES, WORLD_SIZE, job_env, watch_launcher
 from psgrid.worker.flat import FlatBuffers
 from psgrid.worker.loop import MetricsWriter, bytes_per_step
@@ -44,7 +44,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 # What a client takes from the job file's [train] table (the rest of it is the built-in trainer's).
-CLIENT_SETTINGS = ("data_plane", "wire_dtype", "chunk_bytes", "deadline_s", "retry_s", "heartbeat_s",
+CLIENT_SETTINGS = ("data_plane", "shared_memory", "wire_dtype", "chunk_bytes", "deadline_s", "retry_s", "heartbeat_s",
                    "join_timeout_s", "tls_ca", "tls_cert", "tls_key")
 
 NO_JOB = (f"psgrid.init() found no job: run the script with `psctl launch -- python SCRIPT` (or under "
@@ -142,8 +142,6 @@ class Session:
         self.world, self.local_rank, self.gpu = world, local_rank, gpu
         self.xp = dlpack.module_of(views[0])
         self.spec = ModelSpec((name, tuple(v.shape)) for name, v in zip(self.names, views))
-        with self._on_device():
-            self.bufs = FlatBuffers(self.spec, self.xp)
         # Weights are written into the parameters themselves, where their framework lets them be changed.
         self._targets = [(name, v) for name, v, a in zip(self.names, views, self._originals) if dlpack.writable(a, v)]
 
@@ -153,11 +151,15 @@ class Session:
         self._metrics = MetricsWriter(metrics)
         self._closed = False
         try:
-            self.client = Client(addresses, self.spec, worker_id=rank, world=world, init=initial, **client_options)
+            self.client = Client(addresses, self.spec, worker_id=rank, world=world, init=initial,
+                                 pin_memory=pinner_for(self.xp), **client_options)
         except BaseException:
             self._metrics.close()
             raise
         try:
+            with self._on_device():
+                # The gradient buffer is the client's (shared memory a shard on this host reads in place).
+                self.bufs = FlatBuffers(self.spec, self.xp, self.client)
             self.client.join()
             self.rank = rank if rank is not None else self.client.worker_id
             self.mode = self.client.mode
@@ -195,8 +197,7 @@ class Session:
         self._check_open()
         started, t0 = time.time(), time.perf_counter()
         with self._on_device():
-            self.client.pull(self.bufs.host_params)
-            self.bufs.upload_params()
+            self.bufs.pull()       # onto the device straight from a shard's memory where it is on this host
             for name, target in self._targets:
                 target[...] = self.bufs.param_views[name]
             sync(self.xp)      # the model's framework may read them on another stream
