@@ -73,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UsageError as e:
-        print(f"psctl {args.command}: error: {e}", file=sys.stderr)
+        from psgrid.cluster.preflight import quiet_rank
+
+        if not quiet_rank():     # every MPI rank meets the same error: rank 0 says it once
+            print(f"psctl {args.command}: error: {e}", file=sys.stderr)
         return 2
     except JobFailed as e:
         print(f"psctl {args.command}: {e}", file=sys.stderr)

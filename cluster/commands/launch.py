@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import add_command, add_config_arg, add_set_arg, add_training_flags
+from psgrid.cluster.commands._common import (add_command, add_config_arg, add_overwrite_arg, add_set_arg,
+                                             add_token_arg, add_training_flags)
 
 HELP = "run a whole job on this machine (S shards + W workers)"
 
@@ -45,6 +46,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(its job.toml is the job; flags and --set still override it)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show the progress bar (default: when stderr is a terminal)")
+    add_overwrite_arg(p)
+    add_token_arg(p)
     add_set_arg(p)
     add_training_flags(p)
     p.set_defaults(func=run)
@@ -52,13 +55,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from psgrid.cluster.commands._common import load_job_from_args
+    from psgrid.cluster.commands._common import flag_names, load_job_from_args
     from psgrid.cluster.launch import launch
+    from psgrid.cluster.preflight import check_device, refuse_mpi_rank
 
+    refuse_mpi_rank("launch")
     if args.resume:
         return launch(_resumed_job(args), progress=args.progress, resume=True)
     args.config = args.config or "mnist"
-    return launch(load_job_from_args(args), progress=args.progress)
+    job = load_job_from_args(args)
+    check_device(job.train, flag_names(args))
+    return launch(job, progress=args.progress)
 
 
 def _resumed_job(args: argparse.Namespace):
