@@ -198,10 +198,15 @@ def test_status_table(tmp_path, capsys, cluster):
     assert main(["status", "--address-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0].split()[:4] == ["shard", "address", "mode", "version"]
-    assert lines[2].split()[:3] == ["0", addresses[0], "sync"]
-    assert lines[3].split()[:3] == ["1", addresses[1], "sync"]
+    assert lines[0].startswith("2 shards, mode sync")
+    assert lines[1].split()[:3] == ["shard", "address", "version"]
+    assert lines[3].split()[:2] == ["0", addresses[0]]
+    assert lines[4].split()[:2] == ["1", addresses[1]]
     assert "shard 1 members (0):" in out
+    assert max(len(line) for line in lines) <= 80
+    assert main(["status", "--address-dir", str(tmp_path), "--wide"]) == 0
+    wide = capsys.readouterr().out.splitlines()
+    assert wide[0].split()[:3] == ["shard", "address", "mode"] and "dups" in wide[0] and "MB" in wide[0]
     assert main(["status", "--addresses", ",".join(addresses), "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert [s["shard_index"] for s in stats] == [0, 1]
