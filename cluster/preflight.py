@@ -34,6 +34,11 @@ ACTIVATIONS = ("relu", "sigmoid")
 IMAGE_DATASETS = ("mnist5k", "digits")
 
 
+# What this process's command line set, by job-file key ({"device": "--device"}), for checks made far from it
+# (a worker rank of psctl mpi): filled by the command that parsed the flags (cluster/commands/_common.py).
+command_line: dict[str, str] = {}
+
+
 class Names:
     """How a message names a setting: the flag or ``--set`` that gave it, else its job-file key and file.
 
@@ -42,7 +47,7 @@ class Names:
     """
 
     def __init__(self, flags: Mapping[str, str] | None = None, source: str | None = None):
-        self.flags = dict(flags or {})
+        self.flags = dict(command_line if flags is None else flags)
         self.source = re.sub(r"( \(with overrides\))+$", "", source or "") or None
 
     def setting(self, key: str, value) -> str:
@@ -132,6 +137,29 @@ def check_device(train, flags: Mapping[str, str] | None = None) -> None:
                           f"or 13) on a machine with an NVIDIA GPU, or use --device cpu")
 
 
+def check_machine(job, flags: Mapping[str, str] | None = None) -> None:
+    """What this machine must offer a job that ``psctl launch`` runs here: its GPUs, its shards' metrics ports."""
+    check_device(job.train, flags)
+    base = job.server.metrics_port
+    if base:
+        for i in range(job.shards):
+            check_port_free("127.0.0.1", base + i, "metrics_port" if i == 0 else f"metrics_port + {i}")
+
+
+def gathered_device_problem(comm, is_worker: bool, train) -> str | None:
+    """Under MPI: the first worker rank's :func:`check_device` problem, the same answer on every rank.
+
+    Each worker rank checks its own node (one may lack CuPy or a GPU); a collective, so call it on every rank.
+    """
+    problem = None
+    if is_worker:
+        try:
+            check_device(train)
+        except ConfigError as e:
+            problem = f"rank {comm.Get_rank()} on {socket.gethostname()}: {e}"
+    return next((p for p in comm.allgather(problem) if p), None)
+
+
 def _either(names) -> str:
     names = [str(n) for n in names]
     return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
@@ -179,11 +207,11 @@ def refuse_mpi_rank(command: str, instead: str = "psctl mpi") -> None:
 
 def require_mpi(command: str) -> None:
     """``psctl mpi`` needs mpi4py and a launcher; say which is missing, and the fix, before MPI starts."""
-    import importlib.util
-
-    if importlib.util.find_spec("mpi4py") is None:
+    try:
+        import mpi4py  # noqa: F401 - the package alone: MPI starts with mpi4py.MPI
+    except ImportError:
         raise UsageError(f"psctl {command} needs mpi4py: pip install 'psgrid[mpi]' (mpi4py and MPICH, with its "
-                         f"mpiexec), then run 'mpiexec -n 4 psctl {command} ...'")
+                         f"mpiexec), then run 'mpiexec -n 4 psctl {command} ...'") from None
     found = launcher_rank()
     if found is None or found[1] == 1:
         from mpi4py import MPI
@@ -272,7 +300,8 @@ def _tls_problem(sock: socket.socket, host: str, train) -> str | None:
             # TLS 1.3: a shard refuses a client certificate after the client's side of the handshake, in an alert
             # that arrives with the first read; a shard that accepts sends its HTTP/2 settings instead.
             tls.settimeout(1.0)
-            tls.recv(1)
+            if tls.recv(1) == b"":       # gRPC closes without an alert
+                return _refused_client(train)
     except ssl.SSLCertVerificationError as e:
         if e.verify_code == 62 or "hostname" in (e.verify_message or "").lower():
             return (f"its certificate is not for the name {host!r}: make the certificates with "
@@ -294,12 +323,18 @@ def _tls_problem(sock: socket.socket, host: str, train) -> str | None:
         return f"TLS handshake failed: {e.reason or e}"
     except (socket.timeout, TimeoutError):
         return None          # nothing refused us: the shard waits for a request
-    except (ConnectionError, OSError) as e:
-        if not train.tls_cert:
-            return ("TLS handshake failed: the shard closed the connection, as one that requires a client "
-                    "certificate does: set [train] tls_cert and tls_key (psctl certs DIR makes them)")
-        return f"TLS handshake failed: the shard closed the connection ({e})"
+    except (ConnectionError, OSError):
+        return _refused_client(train)
     return None
+
+
+def _refused_client(train) -> str:
+    """The shard ended the connection after the handshake: it did not take our client certificate, or its absence."""
+    if not train.tls_cert:
+        return ("TLS handshake failed: the shard requires a client certificate: set [train] tls_cert and tls_key "
+                "(psctl certs DIR makes them)")
+    return (f"TLS handshake failed: the shard does not accept our client certificate ([train] tls_cert "
+            f"{train.tls_cert} is not signed by the CA of the shard's tls_ca)")
 
 
 def _plaintext_problem(sock: socket.socket, host: str) -> str | None:

@@ -168,5 +168,4 @@ def summary_status(summary: dict, *, as_json: bool = False, wide: bool = False) 
     head = (f"{summary.get('name')} finished: status {summary.get('status')}, {summary.get('steps')} steps, "
             f"test accuracy {acc:.4f}" if isinstance(acc, (int, float)) else
             f"{summary.get('name')} finished: status {summary.get('status')}, {summary.get('steps')} steps")
-    return f"{head} (from {summary.get('out', '.')}/summary.json; its shards have stopped)\n" + \
-        format_table(stats, wide=wide)
+    return f"{head}\n(from its summary.json: the shards have stopped)\n" + format_table(stats, wide=wide)

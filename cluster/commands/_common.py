@@ -140,12 +140,14 @@ def load_job_from_args(args: argparse.Namespace, *, check: bool = True):
     An error about a value names what gave it: the flag (``--staleness must be >= 0``), ``--set KEY=VALUE``,
     or the job file's key.
     """
+    from psgrid.cluster import preflight
     from psgrid.cluster.config import load_job
-    from psgrid.cluster.preflight import check_job
 
     job = with_overrides(load_job(args.config), args)
+    preflight.command_line.clear()
+    preflight.command_line.update(given_names(args))
     if check:
-        check_job(job, given_names(args), starts_shards=getattr(args, "command", None) in STARTS_SHARDS)
+        preflight.check_job(job, given_names(args), starts_shards=getattr(args, "command", None) in STARTS_SHARDS)
     return job
 
 

@@ -57,14 +57,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.commands._common import flag_names, load_job_from_args
     from psgrid.cluster.launch import launch
-    from psgrid.cluster.preflight import check_device, refuse_mpi_rank
+    from psgrid.cluster.preflight import check_machine, refuse_mpi_rank
 
     refuse_mpi_rank("launch")
     if args.resume:
         return launch(_resumed_job(args), progress=args.progress, resume=True)
     args.config = args.config or "mnist"
     job = load_job_from_args(args)
-    check_device(job.train, flag_names(args))
+    check_machine(job, flag_names(args))
     return launch(job, progress=args.progress)
 
 
