@@ -60,6 +60,14 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run psctl with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:       # a Ctrl-C while the command still loads its modules
+        print("psctl: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     from psgrid.cluster.errors import JobFailed, UsageError
     from psgrid.psserver.exceptions import PSError, Unavailable
 

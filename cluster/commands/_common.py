@@ -156,13 +156,18 @@ def with_overrides(job, args: argparse.Namespace):
     from psgrid.cluster.config import apply_overrides, parse_assignment
     from psgrid.cluster.errors import ConfigError
 
-    for text in getattr(args, "set", []) or []:
-        try:
-            job = apply_overrides(job, dict([parse_assignment(text)]))
-        except ConfigError as e:
-            message = str(e)
-            raise ConfigError(message if message.startswith("--set") else f"--set {text}: {_reason(message)}") \
-                from None
+    sets = {text: parse_assignment(text) for text in getattr(args, "set", []) or []}
+    try:
+        job = apply_overrides(job, dict(sets.values()))
+    except ConfigError as e:
+        # Name the --set without which the job would be valid (some keys must come together: tls_cert, tls_key).
+        for text in sets:
+            try:
+                apply_overrides(job, dict(v for t, v in sets.items() if t != text))
+            except ConfigError:
+                continue
+            raise ConfigError(f"--set {text}: {_reason(str(e))}") from None
+        raise ConfigError(f"{' '.join('--set ' + t for t in sets)}: {_reason(str(e))}") from None
     overrides = collect_overrides(args, sets=False)
     flags = flag_names(args)
     try:
