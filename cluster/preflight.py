@@ -117,9 +117,6 @@ def _check_tls_pairing(job) -> None:
     if s.tls_ca and not t.tls_cert:
         raise ConfigError(f"[server] tls_ca makes the shards require client certificates: set [train] tls_cert and "
                           f"tls_key (psctl certs DIR makes them), or leave out [server] tls_ca")
-    if s.tls_cert and not t.tls_ca:
-        raise ConfigError("[server] tls_cert makes the shards speak TLS: set [train] tls_ca to the CA that signed it "
-                          "(psctl certs DIR prints the lines)")
     if t.tls_ca and not s.tls_cert:
         raise ConfigError("[train] tls_ca asks for TLS but the shards have no certificate: set [server] tls_cert "
                           "and tls_key, or leave out [train] tls_ca")
@@ -133,8 +130,9 @@ def check_device(train, flags: Mapping[str, str] | None = None) -> None:
 
     why = gpu_unavailable()
     if why:
-        raise ConfigError(f"{Names(flags).setting('device', 'gpu')}, but {why}: install psgrid[cuda12] or psgrid[cuda13] (CuPy for CUDA 12 "
-                          f"or 13) on a machine with an NVIDIA GPU, or use --device cpu")
+        raise ConfigError(f"{Names(flags).setting('device', 'gpu')}, but {why}: install psgrid[cuda12] or "
+                          f"psgrid[cuda13] (CuPy for CUDA 12 or 13) on a machine with an NVIDIA GPU, "
+                          f"or use --device cpu")
 
 
 def check_machine(job, flags: Mapping[str, str] | None = None) -> None:
