@@ -60,6 +60,14 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run psctl with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:       # a Ctrl-C while the command still loads its modules
+        print("psctl: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     from psgrid.cluster.errors import JobFailed, UsageError
     from psgrid.psserver.exceptions import PSError, Unavailable
 
@@ -81,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except UsageError as e:
-        print(f"psctl {args.command}: error: {e}", file=sys.stderr)
+        from psgrid.cluster.preflight import quiet_rank
+
+        if not quiet_rank():     # every MPI rank meets the same error: rank 0 says it once
+            print(f"psctl {args.command}: error: {e}", file=sys.stderr)
         return 2
     except JobFailed as e:
         print(f"psctl {args.command}: {e}", file=sys.stderr)

@@ -2,7 +2,7 @@
 
 A job file has three optional tables::
 
-    [job]     name, shards, workers, out, timeout_s, start_timeout_s, restart_failed, max_restarts
+    [job]     name, shards, workers, out, overwrite, timeout_s, start_timeout_s, restart_failed, max_restarts
     [server]  any ServerConfig field (mode, staleness, optimizer, lr, lease_s, checkpoints, ...)
     [train]   any TrainConfig field (model, dataset, batch_size, steps, eval_every, device, ...)
 
@@ -86,7 +86,10 @@ class JobConfig:
     shards, workers : int
         Number of shard processes and worker processes.
     out : str or None
-        Output folder (logs, metrics, summary); None picks ``runs/<name>-<timestamp>``.
+        Output folder (logs, metrics, summary); None picks a new ``runs/<name>-<timestamp>``
+        (``-2``, ``-3``, ... when that is taken).
+    overwrite : bool
+        Replace an earlier run in ``out`` (its files only) instead of refusing to start.
     timeout_s : float
         Stop the job if training has not finished after this long; 0 means no limit.
     start_timeout_s : float
@@ -107,6 +110,7 @@ class JobConfig:
     shards: int = 1
     workers: int = 2
     out: str | None = None
+    overwrite: bool = False
     timeout_s: float = 0.0
     start_timeout_s: float = 60.0
     restart_failed: bool = False

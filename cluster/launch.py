@@ -33,7 +33,7 @@ from psgrid.cluster import coordinator as co
 from psgrid.cluster import credentials
 from psgrid.cluster import script as user_script
 from psgrid.cluster.config import JobConfig
-from psgrid.cluster.errors import JobFailed, UsageError
+from psgrid.cluster.errors import JobFailed
 from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 from psgrid.cluster.watch import ShardWatch
 from psgrid.psserver.protocol import parse_address_file
@@ -50,17 +50,10 @@ class Interrupted(Exception):
 
 
 def prepare_out(job: JobConfig, resume: bool = False) -> Path:
-    out = Path(job.out or job.default_out())
-    if resume:
-        from psgrid.cluster.resume import archive_attempt
+    """The job's output folder, ready for this run (cluster/outdir.py: never a collision, ``--overwrite``)."""
+    from psgrid.cluster.outdir import prepare
 
-        archive_attempt(out)
-    elif out.exists() and any((out / name).exists() for name in ("summary.json", "metrics", "addr", "logs")):
-        raise UsageError(f"{out} already holds a run; choose another --out, remove it, or continue it with "
-                         f"psctl launch --resume {out}")
-    for sub in ("addr", "logs", "metrics"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
-    return out
+    return prepare(job, resume=resume)
 
 
 class Launcher:

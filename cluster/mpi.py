@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 
 from psgrid.cluster import coordinator as co
-from psgrid.cluster import credentials
+from psgrid.cluster import credentials, mpi_report, preflight
 from psgrid.cluster import script as user_script
 from psgrid.cluster.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import JobFailed, UsageError
@@ -133,7 +133,8 @@ class MPIJob:
     def run(self) -> int:
         problem = self.check_size()
         if problem:
-            print(problem, file=sys.stderr, flush=True)
+            if self.rank == 0:       # every rank fails at once; one says why
+                print(problem, file=sys.stderr, flush=True)
             return 2
         workers = self.size - 1 - self.job0.shards
         # The number of ranks decides the number of workers; every rank computes the same job.
@@ -142,6 +143,11 @@ class MPIJob:
         except UsageError as e:
             if self.rank == 0:
                 print(f"psctl mpi: error: {e}", file=sys.stderr, flush=True)
+            return 2
+        problem = preflight.gathered_device_problem(self.comm, self.role == "worker", self.job.train)
+        if problem:     # before any shard binds: a worker rank cannot compute where the job asks
+            if self.rank == 0:
+                print(f"psctl mpi: error: {problem}", file=sys.stderr, flush=True)
             return 2
         single_node, local_index = self.node_layout()
         # One token and one job id for the whole job, made on rank 0 and sent over MPI: never in a file or argv.
@@ -160,6 +166,9 @@ class MPIJob:
                 print(f"psctl mpi: error: {error}", file=sys.stderr, flush=True)
             return 2
         self.out = Path(out)
+        mpi_report.tee_to_log(self.out, self.rank, self.role, self.index)     # OUT/logs/ROLE-I.log
+        if self.rank == 0:
+            mpi_report.write_job_file(self.out, self.job)
 
         running = None
         if self.role == "server":
@@ -183,6 +192,7 @@ class MPIJob:
             self.train(local_index)
             code = 0
         _wait_request(self.comm.Ibarrier(), None, "final barrier")
+        mpi_report.untee()
         return code
 
     # -- roles -------------------------------------------------------------------------------
@@ -235,8 +245,10 @@ class MPIJob:
         state = co.JobState()
         tail = co.MetricsTail(out / "metrics" / f"worker-{r}.jsonl" for r in range(job.workers))
         worker_events: list[dict] = []
+        # ranks that raised and said so before the abort (cluster/mpi_report.py), and worker ranks whose
+        # command failed (cluster/script.py)
+        failures: list[dict] = []
         received: set[int] = set()
-        failures: list[dict] = []       # worker ranks whose command failed (cluster/script.py)
         status, message, evaluation, shard_stats, train_wall = "ok", None, None, [], None
         start, last_done = time.time(), None
         total = None if self.command else co.total_steps(job)     # a script's steps are its own
@@ -256,6 +268,10 @@ class MPIJob:
                             continue
                         state.done.setdefault(wrank, {"event": "done", **msg["result"]})
                         log("worker_exit", rank=wrank, exit_code=0)
+                    failed = mpi_report.failures_reported(self.comm)
+                    if failed:
+                        failures.extend(failed)
+                        raise JobFailed(mpi_report.describe(failed))
                     evals = state.update(tail.read())
                     progress.update(state, evals)
                     if job.timeout_s and time.monotonic() - t0 > job.timeout_s:
@@ -285,7 +301,8 @@ class MPIJob:
                 job, launcher="mpi", status=status, addresses=self.addresses, state=state,
                 train_wall_s=train_wall, total_wall_s=time.monotonic() - t0, evaluation=evaluation,
                 shard_stats=shard_stats, failures=failures, out=str(out), message=message,
-                worker_exits={r: next((f["exit_code"] for f in failures if f["index"] == r), 0) for r in received},
+                worker_exits={r: next((f.get("exit_code", 1) for f in failures if f["index"] == r), 0)
+                              for r in received},
             )
             summary["ranks"] = self.size
             if self.command:
@@ -327,10 +344,14 @@ def run_mpi(job: JobConfig, comm=None, *, host: str | None = None, iface: str | 
 
         comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
+    part = None
     try:
-        return MPIJob(job, comm, host=host, iface=iface, progress=progress, command=command).run()
-    except BaseException:
+        part = MPIJob(job, comm, host=host, iface=iface, progress=progress, command=command)
+        return part.run()
+    except BaseException as e:
         print(f"psctl mpi: rank {rank} on {socket.gethostname()} failed; aborting the job:\n"
               f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if part is not None:     # rank 0 writes a partial summary, then aborts the job itself
+            mpi_report.tell_coordinator(comm, rank, part.role, part.index, f"{type(e).__name__}: {e}")
         _abort(comm)
         raise  # not reached: Abort ends the process

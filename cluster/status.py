@@ -1,4 +1,9 @@
-"""``psctl status``: every shard's clocks, members and counters, as a table or JSON."""
+"""``psctl status``: every shard's clocks, members and counters, as a table or JSON.
+
+The default table fits an 80-column terminal (a long address is shortened in the middle);
+``wide`` shows every counter. A finished job's folder holds ``summary.json`` with its shards'
+final counters, which is read instead of shards that are gone.
+"""
 
 from __future__ import annotations
 
@@ -9,21 +14,25 @@ from typing import Any
 from psgrid.cluster.errors import UsageError
 from psgrid.psserver.protocol import parse_address_file
 
+WIDTH = 80
+# The default columns: what a person watching a job looks at first; the rest are in --wide and --json.
+# (The mode, the same on every shard, heads the table instead of taking a column.)
+NARROW = ("shard", "address", "version", "members", "clocks", "applied", "late", "stale")
 COLUMNS = [  # (header, stats key, format)
     ("shard", "shard_index", "{}"),
     ("address", "address", "{}"),
     ("mode", "mode", "{}"),
     ("version", "version", "{}"),
     ("members", "n_members", "{}"),
-    ("clock min/max", "clocks", "{}"),
+    ("clocks", "clocks", "{}"),
     ("pushes", "pushes", "{}"),
     ("pulls", "pulls", "{}"),
     ("applied", "applied_updates", "{}"),
-    ("dropped late", "dropped_late", "{}"),
+    ("late", "dropped_late", "{}"),
     ("dups", "duplicates", "{}"),
     ("evicted", "evictions", "{}"),
     ("rejected", "rejected", "{}"),
-    ("staleness mean/max", "staleness", "{}"),
+    ("stale", "staleness", "{}"),
     ("wait s", "wait_s_total", "{:.1f}"),
     ("MB in/out", "mb", "{}"),
 ]
@@ -59,7 +68,8 @@ def fetch(addresses: list[str], timeout_s: float = 5.0, **security) -> list[dict
 
 def _row(s: dict) -> dict[str, Any]:
     row = dict(s)
-    row["n_members"] = len(s.get("members", []))
+    members = s.get("members", [])
+    row["n_members"] = members if isinstance(members, int) else len(members)    # summary.json keeps the count
     row["clocks"] = f"{s.get('min_clock', '-')}/{s.get('max_clock', '-')}"
     mean, mx = s.get("mean_staleness"), s.get("max_staleness")
     row["staleness"] = f"{mean:.2f}/{mx}" if isinstance(mean, (int, float)) else f"-/{mx}"
@@ -75,19 +85,28 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def format_table(stats: list[dict]) -> str:
-    """The shards table, then one members table (worker, clock, idle, host) per shard."""
+def format_table(stats: list[dict], wide: bool = False) -> str:
+    """The shards table, then one members table (worker, clock, idle, host) per shard that lists them.
+
+    Without ``wide`` only the :data:`NARROW` columns, and the address shortened to fit :data:`WIDTH`.
+    """
+    columns = COLUMNS if wide else [c for c in COLUMNS if c[0] in NARROW]
     rows = []
     for s in stats:
         r = _row(s)
         cells = []
-        for _, key, fmt in COLUMNS:
+        for _, key, fmt in columns:
             v = r.get(key)
             cells.append("-" if v is None else (fmt.format(v) if not isinstance(v, str) else v))
         rows.append(cells)
-    parts = [_table([h for h, _, _ in COLUMNS], rows)]
+    headers = [h for h, _, _ in columns]
+    parts = [_table(headers, rows)]
+    if not wide:
+        parts = [_title(stats), _table(headers, _fit(headers, rows, headers.index("address")))]
     for s in stats:
         members = s.get("members", [])
+        if isinstance(members, int):
+            continue
         parts.append(f"\nshard {s.get('shard_index')} members ({len(members)}):")
         if members:
             parts.append(_table(
@@ -99,6 +118,54 @@ def format_table(stats: list[dict]) -> str:
     return "\n".join(parts)
 
 
-def status(addresses: list[str], *, as_json: bool = False, timeout_s: float = 5.0, **security) -> str:
+def _title(stats: list[dict]) -> str:
+    modes = sorted({str(s.get("mode")) for s in stats})
+    return (f"{len(stats)} shard{'s' if len(stats) != 1 else ''}, mode {'/'.join(modes)}; clocks min/max, stale "
+            f"mean/max (--wide: every counter)")
+
+
+def _fit(headers: list[str], rows: list[list[str]], column: int) -> list[list[str]]:
+    """Shorten the cells of ``column`` in the middle until the table is :data:`WIDTH` wide (or they are short)."""
+    if not rows:
+        return rows
+    over = max(len(line) for line in _table(headers, rows).splitlines()) - WIDTH
+    if over <= 0:
+        return rows
+    keep = max(len(headers[column]), max(len(r[column]) for r in rows) - over, 9)
+    return [[_elide(c, keep) if i == column else c for i, c in enumerate(r)] for r in rows]
+
+
+def _elide(text: str, keep: int) -> str:
+    if len(text) <= keep:
+        return text
+    tail = keep // 2
+    return text[: keep - tail - 1] + "~" + text[-tail:]
+
+
+def status(addresses: list[str], *, as_json: bool = False, timeout_s: float = 5.0, wide: bool = False,
+           **security) -> str:
     stats = fetch(addresses, timeout_s=timeout_s, **security)
-    return json.dumps(stats, indent=2, default=str) if as_json else format_table(stats)
+    return json.dumps(stats, indent=2, default=str) if as_json else format_table(stats, wide=wide)
+
+
+def finished_job(path: str | Path) -> dict | None:
+    """The ``summary.json`` of a finished job in ``path`` (OUT or OUT/addr), or None while it runs."""
+    path = Path(path)
+    folder = path.parent if path.name == "addr" else path
+    try:
+        summary = json.loads((folder / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and isinstance(summary.get("shard_stats"), list) else None
+
+
+def summary_status(summary: dict, *, as_json: bool = False, wide: bool = False) -> str:
+    """What ``psctl status`` shows of a finished job: its end, then its shards' final counters."""
+    stats = summary["shard_stats"]
+    if as_json:
+        return json.dumps(stats, indent=2, default=str)
+    acc = summary.get("test_accuracy")
+    head = (f"{summary.get('name')} finished: status {summary.get('status')}, {summary.get('steps')} steps, "
+            f"test accuracy {acc:.4f}" if isinstance(acc, (int, float)) else
+            f"{summary.get('name')} finished: status {summary.get('status')}, {summary.get('steps')} steps")
+    return f"{head}\n(from its summary.json: the shards have stopped)\n" + format_table(stats, wide=wide)

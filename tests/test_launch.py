@@ -99,7 +99,8 @@ def test_tiny_job_completes_with_a_summary(tmp_path):
 def test_a_server_that_cannot_start_fails_the_job_by_name(tmp_path):
     code, text, out = run_launch(tmp_path, *TINY, "--shards", "1",
                                  "--set", "server.tls_cert=/nonexistent/cert.pem",
-                                 "--set", "server.tls_key=/nonexistent/key.pem")
+                                 "--set", "server.tls_key=/nonexistent/key.pem",
+                                 "--set", "train.tls_ca=/nonexistent/ca.pem")     # the workers' side agrees
     assert code == 1, text
     assert "psctl launch: job failed: server 0 (pid" in text and "exited with code 2" in text
     assert "psctl server: error: tls_cert '/nonexistent/cert.pem': no such file" in text  # its log's tail

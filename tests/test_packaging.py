@@ -79,3 +79,57 @@ def test_launch_from_a_folder_holding_worker_cluster_and_psserver_modules(tmp_pa
     assert summary["status"] == "ok" and summary["workers_completed"] == summary["workers"]
     logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs").glob("*.log"))
     assert "was imported by psctl" not in logs + done.stderr
+
+
+# Requirements that no module imports by name, and what uses them instead.
+NOT_IMPORTED = {
+    "mpich": "the MPI library and the mpiexec that mpi4py loads",
+    "pytest-timeout": "a pytest plugin: the timeout setting of [tool.pytest.ini_options]",
+}
+# Requirements that may be missing here (GPU extras, tomli before Python 3.11): their import name.
+IMPORT_NAMES = {"cupy-cuda12x": "cupy", "cupy-cuda13x": "cupy", "tomli": "tomli"}
+
+
+def _requirements() -> dict[str, str]:
+    """Every requirement of pyproject.toml, base and extras: ``{name: where}``."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    found = {}
+    for where, reqs in [("dependencies", project["dependencies"]), *project["optional-dependencies"].items()]:
+        for req in reqs:
+            found.setdefault(re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower(), where)
+    return found
+
+
+def _imported_top_levels() -> set[str]:
+    import ast
+
+    names = set()
+    for folder in ("psserver", "worker", "cluster", "psgrid", "scripts", "tests", "examples"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="reads pyproject.toml with tomllib")
+def test_every_requirement_is_imported_somewhere():
+    by_dist: dict[str, set[str]] = {}
+    for top, dists in metadata.packages_distributions().items():
+        for d in dists:
+            by_dist.setdefault(d.lower().replace("_", "-"), set()).add(top)
+    imported = _imported_top_levels()
+    unused = []
+    for name, where in _requirements().items():
+        if name in NOT_IMPORTED:
+            continue
+        tops = by_dist.get(name) or {IMPORT_NAMES.get(name)} - {None}
+        assert tops, f"{name} ({where}) is not installed here and has no entry in IMPORT_NAMES"
+        if not tops & imported:
+            unused.append(f"{name} ({where}; provides {sorted(tops)})")
+    assert not unused, f"installed but imported by nothing: {unused}"

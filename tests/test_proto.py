@@ -30,3 +30,25 @@ def test_every_rpc_and_field_is_commented():
         if stripped.startswith("rpc ") or is_field:
             commented = "//" in line or lines[i - 1].strip().startswith("//")
             assert commented, f"proto/ps.proto:{i + 1} has no comment: {stripped}"
+
+
+def test_generated_code_does_not_refuse_older_runtimes():
+    # grpcio-tools writes checks that refuse any grpcio/protobuf older than itself; gen_proto.py cuts them out,
+    # and pyproject.toml's lower bounds are what scripts/check_oldest_deps.py runs the wire tests on.
+    for name in ("ps_pb2.py", "ps_pb2_grpc.py"):
+        text = (ROOT / "psserver" / "rpc" / name).read_text()
+        for check in ("ValidateProtobufRuntimeVersion", "runtime_version", "GRPC_GENERATED_VERSION",
+                      "first_version_is_lower"):
+            assert check not in text, f"psserver/rpc/{name} has {check}: regenerate with scripts/gen_proto.py"
+
+
+def test_the_oldest_deps_script_reads_the_lower_bounds_of_pyproject():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from check_oldest_deps import lower_bounds
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    bounds = lower_bounds()
+    assert set(bounds) == {"grpcio", "grpcio-health-checking", "protobuf"}
+    # the health service's generated code needs a protobuf of its own release: the floors must move together
+    assert bounds["grpcio"] == bounds["grpcio-health-checking"]

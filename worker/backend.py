@@ -34,6 +34,16 @@ def _usable_cupy():
     return cupy, None
 
 
+def gpu_unavailable() -> str | None:
+    """Why this process cannot compute on a GPU (``"CuPy is not installed"``, ...), or None when it can."""
+    cupy, reason = _usable_cupy()
+    if cupy is not None:
+        return None
+    if isinstance(reason, ImportError):
+        return f"CuPy does not import here ({reason})"
+    return f"CuPy finds no CUDA GPU ({type(reason).__name__}: {reason})"
+
+
 def get_xp(device: str = "auto"):
     """Choose the array module for this process.
 

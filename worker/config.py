@@ -48,8 +48,9 @@ class TrainConfig:
             raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
-        if self.batch_size < 0 or self.steps < 0 or self.epochs < 0:
-            raise ValueError("batch_size, steps and epochs must be non-negative")
+        for name in ("batch_size", "steps", "epochs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         from psgrid.worker.straggler import parse_stragglers
 
         try:

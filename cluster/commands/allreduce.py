@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import add_command, add_config_arg, add_set_arg, add_training_flags
+from psgrid.cluster.commands._common import (add_command, add_config_arg, add_overwrite_arg, add_set_arg,
+                                             add_token_arg, add_training_flags)
 
 HELP = "train a job with no shards, gradients averaged by MPI Allreduce (the baseline; under mpiexec)"
 
@@ -36,6 +37,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "separate one-rank jobs)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show the progress bar on rank 0 (default: when stderr is a terminal)")
+    add_overwrite_arg(p)
+    add_token_arg(p)
     add_set_arg(p)
     add_training_flags(p, _FLAGS)
     p.set_defaults(func=run)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import add_command, add_config_arg, add_set_arg, add_training_flags
+from psgrid.cluster.commands._common import (add_command, add_config_arg, add_set_arg, add_token_arg,
+                                             add_training_flags)
 
 HELP = "compare sync, async, ssp and all-reduce on one job: runs, a report and plots"
 
@@ -49,6 +50,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="test accuracy whose time to reach is compared (default: the highest every run reached)")
     e.add_argument("--out", required=True, metavar="DIR", help="output folder of the experiment")
     e.add_argument("--resume", action="store_true", help="finish an experiment in OUT: skip the runs already done")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier experiment in OUT (its runs, results and report) instead of refusing")
     e.add_argument("--report-only", action="store_true",
                    help="run nothing: write summary.csv and the report of the experiment in OUT again from its runs "
                         "(with --target-accuracy, for another target)")
@@ -61,6 +64,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="stop a run that trains longer than this (default: no limit)")
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show the progress bar (default: when stderr is a terminal)")
+    add_token_arg(p)
     add_set_arg(p)
     add_training_flags(p, keys=_training_keys())
     p.set_defaults(func=run)
@@ -90,7 +94,13 @@ def run(args: argparse.Namespace) -> int:
         rows = rewrite_report(Path(args.out), args.target_accuracy)
         print(table_text(rows, rows[0]["target_accuracy"] if rows else None))
         return 0
+    from psgrid.cluster.commands._common import flag_names
+    from psgrid.cluster.preflight import check_device, refuse_mpi_rank
+
+    if not args.mpi:
+        refuse_mpi_rank("compare", "psctl compare --mpi")
     job = load_job_from_args(args)
+    check_device(job.train, flag_names(args))
     modes = parse_modes(args.modes)
     workers = parse_counts(args.workers, "--workers") if args.workers else [job.workers]
     stragglers = [parse_straggler_setting(s) for s in (args.stragglers or ["none"])]
@@ -109,6 +119,14 @@ def run(args: argparse.Namespace) -> int:
                             modes=modes, workers=workers, stragglers=stragglers, repeats=args.repeats,
                             target=args.target_accuracy, backup_workers=args.backup_workers)
     experiment = Experiment(job, runs, Path(args.out), args.target_accuracy, settings)
+    if args.overwrite:
+        from psgrid.cluster.outdir import EXPERIMENT_FILES, clear_run
+        from psgrid.cluster.preflight import launcher_rank
+
+        if args.resume:
+            raise UsageError("--overwrite starts the experiment again and --resume finishes it: give one of them")
+        if (launcher_rank() or (0, 1))[0] == 0:      # under --mpi, world rank 0 alone prepares the folder
+            clear_run(Path(args.out), EXPERIMENT_FILES)
     if args.mpi:
         return _run_mpi(experiment, args)
     return Compare(experiment, resume=args.resume, progress=args.progress).run()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import add_command, add_config_arg, add_set_arg, add_training_flags
+from psgrid.cluster.commands._common import (add_command, add_config_arg, add_overwrite_arg, add_set_arg,
+                                             add_token_arg, add_training_flags)
 
 HELP = "run a whole job on this machine (S shards + W workers)"
 
@@ -49,6 +50,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(its job.toml is the job; flags and --set still override it)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show the progress bar (default: when stderr is a terminal)")
+    add_overwrite_arg(p)
+    add_token_arg(p)
     add_set_arg(p)
     add_training_flags(p)
     p.set_defaults(func=run, user_command=None)
@@ -58,9 +61,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from psgrid.cluster import script
-    from psgrid.cluster.commands._common import load_job_from_args
+    from psgrid.cluster.commands._common import flag_names, load_job_from_args
     from psgrid.cluster.launch import launch
+    from psgrid.cluster.preflight import check_machine, refuse_mpi_rank
 
+    refuse_mpi_rank("launch")
     command = None if args.user_command is None else script.resolve_command(args.user_command)
     if args.resume:
         return launch(script.for_command(_resumed_job(args), command), progress=args.progress, resume=True,
@@ -68,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     named = args.config is not None or args.override_name is not None
     args.config = args.config or "mnist"
     job = script.for_command(load_job_from_args(args), command, named=named)
+    if command is None:          # a user's script chooses its own device (it may not use CuPy at all)
+        check_machine(job, flag_names(args))
     return launch(job, progress=args.progress, command=command)
 
 

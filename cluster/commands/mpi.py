@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import add_command, add_config_arg, add_set_arg, add_training_flags
+from psgrid.cluster.commands._common import (add_command, add_config_arg, add_overwrite_arg, add_set_arg,
+                                             add_token_arg, add_training_flags)
 
 HELP = "run a whole job under mpiexec or srun (roles by rank)"
 
@@ -43,6 +44,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                   "advertised by host name); default: 127.0.0.1 when all ranks share one node, "
                                   "else 0.0.0.0")
     n.add_argument("--iface", help="bind shards to the IPv4 address of this interface and advertise it (e.g. ib0)")
+    add_overwrite_arg(p)
+    add_token_arg(p)
     add_set_arg(p)
     add_training_flags(p)
     p.set_defaults(func=run, user_command=None)
@@ -53,9 +56,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from psgrid.cluster import script
     from psgrid.cluster.commands._common import load_job_from_args
-    from psgrid.cluster.mpi import run_mpi
+    from psgrid.cluster.preflight import require_mpi
 
     command = None if args.user_command is None else script.resolve_command(args.user_command)
     named = args.config != "mnist" or args.override_name is not None
     job = script.for_command(load_job_from_args(args), command, named=named, local_gpus=False)
+    require_mpi("mpi")
+    from psgrid.cluster.mpi import run_mpi
+
     return run_mpi(job, host=args.host, iface=args.iface, progress=args.progress, command=command)

@@ -63,7 +63,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "Settings come from the [server] table of --config, then from these flags.",
         examples=EXAMPLES,
     )
-    add_config_arg(p, None, "its [server] table is the base that flags override")
+    add_config_arg(p, None, "its [server] table is the base that --set and the flags override")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a [server] key of the job file, e.g. --set lr=0.1 --set server.momentum=0.9 "
+                        "(TOML values; applied before the other flags; repeatable)")
     p.add_argument("--address-file", metavar="FILE",
                    help="write the bound host:port (first line) and the job id (second line, 'job ID') here, "
                         "atomically, once listening")
@@ -80,24 +83,56 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def server_config_from_args(args: argparse.Namespace):
+    """The shard's settings: the job file's [server] table, then ``--set``, then the flags (errors name them)."""
     import dataclasses
 
-    from psgrid.cluster.config import load_shard_settings
+    from psgrid.cluster.config import load_shard_settings, parse_assignment, route
     from psgrid.cluster.errors import ConfigError
     from psgrid.psserver.config import ServerConfig
 
-    changes = {k[len("cfg_"):]: v for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
     if args.config:
         base, shards = load_shard_settings(args.config)
-        changes.setdefault("num_shards", shards)
+        base = dataclasses.replace(base, num_shards=shards)
     else:
         base = ServerConfig()
+    for text in args.set:
+        key, value = parse_assignment(text)
+        places = [name for section, name in route(key, ("job", "server")) if section == "server"]
+        if not places:
+            raise ConfigError(f"--set {text}: psctl server takes [server] keys only (the shards' settings)")
+        base = _replaced(base, {places[0]: value}, f"--set {text}")
+    flags = {a.dest[len("cfg_"):]: max(a.option_strings, key=len) for a in args.parser._actions
+             if a.dest.startswith("cfg_")}
+    changes = {k[len("cfg_"):]: v for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
     try:
         config = dataclasses.replace(base, **changes)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        # Name the flag without which the settings would be valid (else all of them).
+        blamed = [k for k in changes if _valid(base, {o: v for o, v in changes.items() if o != k})] or list(changes)
+        raise ConfigError(f"{' '.join(f'{flags[k]} {changes[k]}' for k in blamed)}: {e}") from None
     check_files(config, ("tls_cert", "tls_key", "tls_ca"))
     return config
+
+
+def _valid(config, changes: dict) -> bool:
+    import dataclasses
+
+    try:
+        dataclasses.replace(config, **changes)
+    except ValueError:
+        return False
+    return True
+
+
+def _replaced(config, changes: dict, given: str):
+    import dataclasses
+
+    from psgrid.cluster.errors import ConfigError
+
+    try:
+        return dataclasses.replace(config, **changes)
+    except ValueError as e:
+        raise ConfigError(f"{given}: {e}") from None
 
 
 def check_files(config, names) -> None:
@@ -113,10 +148,15 @@ def check_files(config, names) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from psgrid.cluster.procs import watch_parent
+    from psgrid.cluster.preflight import check_port_free
+    from psgrid.cluster.procs import limit_blas_threads, watch_parent
 
     config = server_config_from_args(args)
+    check_port_free(config.host, config.port, "--port")
+    if config.metrics_port:
+        check_port_free(config.host, config.metrics_port, "--metrics-port")
     watch_parent()
+    limit_blas_threads(1)        # as psctl launch starts its shards: a shard's arithmetic is elementwise
     from psgrid.psserver.server import run_server
 
     return run_server(config, address_file=args.address_file)

@@ -19,7 +19,9 @@ psctl status --addresses node1:50051 --watch 2
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = add_command(
         subparsers, "status", help=HELP,
-        description="Ask every shard for its stats and print them as a table (or JSON with --json).",
+        description="Ask every shard for its stats and print them as a table that fits 80 columns (--wide: every "
+                    "counter; --json: the raw stats). For a finished job's folder (--address-dir DIR with "
+                    "DIR/summary.json), show its shards' final counters from the summary.",
         examples=EXAMPLES,
     )
     where = p.add_mutually_exclusive_group(required=True)
@@ -27,8 +29,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     where.add_argument("--address-dir", metavar="DIR",
                        help="a psctl launch output folder (or its addr/ folder) holding shard-I address files")
     p.add_argument("--json", action="store_true", help="print the raw stats as JSON, one object per shard")
+    p.add_argument("--wide", action="store_true",
+                   help="every counter (pushes, pulls, duplicates, evictions, rejected, waits, MB); the default "
+                        "table fits 80 columns")
     p.add_argument("--config", metavar="FILE",
                    help="take the bearer token and TLS files from this job's [train] table")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a key of --config's job, e.g. --set train.tls_ca=pki/ca.pem (repeatable)")
     p.add_argument("--token", help="bearer token, if the shards require one (default: $PSGRID_TOKEN, or the job's "
                                    "OUT/token with --address-dir; a command line is visible to other users)")
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
@@ -44,24 +51,29 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from psgrid.cluster.commands._common import split_addresses
-    from psgrid.cluster.errors import JobFailed
     from psgrid.cluster.credentials import TOKEN_ENV
-    from psgrid.cluster.status import addresses_from_dir, status, token_of_dir
+    from psgrid.cluster.errors import JobFailed, UsageError
+    from psgrid.cluster.preflight import probe_shards
+    from psgrid.cluster.status import addresses_from_dir, finished_job, status, summary_status, token_of_dir
     from psgrid.psserver.exceptions import PSError
 
+    summary = finished_job(args.address_dir) if args.address_dir and not args.watch else None
+    if summary is not None:          # the job is over and its shards are gone: its summary has their last counters
+        print(summary_status(summary, as_json=args.json, wide=args.wide), flush=True)
+        return 0
     addresses = split_addresses(args.addresses) if args.addresses else addresses_from_dir(args.address_dir)
     # The job's token: given, in the environment, or the one psctl launch keeps in OUT/token (mode 0600).
     token = args.token or os.environ.get(TOKEN_ENV) or (token_of_dir(args.address_dir) if args.address_dir else None)
-    security = {"token": token}
-    if args.config:
-        from psgrid.cluster.config import load_job
-
-        train = load_job(args.config, redacted_ok=True).train
-        security = {"token": token or train.token, "tls_ca": train.tls_ca, "tls_cert": train.tls_cert,
-                    "tls_key": train.tls_key}
+    train = _job(args).train
+    security = {"token": token or train.token, "tls_ca": train.tls_ca, "tls_cert": train.tls_cert,
+                "tls_key": train.tls_key}
+    try:      # unreachable, or a TLS handshake that fails: say which shard and why
+        probe_shards(addresses, train, args.timeout)
+    except UsageError as e:
+        raise JobFailed(f"cannot read stats from {','.join(addresses)}: {e}") from None
     while True:
         try:
-            text = status(addresses, as_json=args.json, timeout_s=args.timeout, **security)
+            text = status(addresses, as_json=args.json, timeout_s=args.timeout, wide=args.wide, **security)
         except (PSError, ConnectionError, TimeoutError) as e:
             raise JobFailed(f"cannot read stats from {','.join(addresses)}: {e}") from None
         if args.watch:
@@ -70,3 +82,12 @@ def run(args: argparse.Namespace) -> int:
         if not args.watch:
             return 0
         time.sleep(args.watch)
+
+
+def _job(args: argparse.Namespace):
+    """The job whose [train] table says how to reach the shards (TLS files, token): --config, then --set."""
+    from psgrid.cluster.commands._common import with_overrides
+    from psgrid.cluster.config import JobConfig, load_job
+
+    job = load_job(args.config, redacted_ok=True) if args.config else JobConfig()
+    return with_overrides(job, args)

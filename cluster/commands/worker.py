@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import add_command, add_config_arg, add_set_arg, add_training_flags
+from psgrid.cluster.commands._common import (add_command, add_config_arg, add_set_arg, add_token_arg,
+                                             add_training_flags)
 
 HELP = "run one training worker against running shards"
 
@@ -31,6 +32,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=0, help="this worker's rank, 0..WORLD-1 (default 0)")
     p.add_argument("--world", type=int, default=None, help="number of workers (default: [job] workers)")
     p.add_argument("--metrics", metavar="FILE", help="append JSON lines of metrics here")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="BLAS/OpenMP threads (default: $OMP_NUM_THREADS if set, else this machine's CPUs / WORLD, "
+                        "as psctl launch gives its workers)")
+    add_token_arg(p)
     add_set_arg(p)
     add_training_flags(p, _TRAIN_ONLY)
     p.set_defaults(func=run)
@@ -40,10 +45,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from psgrid.cluster.commands._common import load_job_from_args, split_addresses
+    from psgrid.cluster.commands._common import flag_names, load_job_from_args, split_addresses
     from psgrid.cluster.commands.server import check_files
     from psgrid.cluster.errors import UsageError
-    from psgrid.cluster.procs import watch_parent
+    from psgrid.cluster.preflight import check_device, probe_shards
+    from psgrid.cluster.procs import limit_blas_threads, usable_cpus, watch_parent
 
     job = load_job_from_args(args)
     check_files(job.train, ("tls_cert", "tls_key", "tls_ca"))
@@ -51,7 +57,12 @@ def run(args: argparse.Namespace) -> int:
     world = job.workers if args.world is None else args.world
     if not 0 <= args.rank < world:
         raise UsageError(f"--rank must be in 0..{world - 1} for --world {world}, got {args.rank}")
+    check_device(job.train, flag_names(args))
     watch_parent()
+    # Started by hand, nobody set OMP_NUM_THREADS for us: W workers each starting one BLAS thread per core made
+    # a small model 30x slower than under psctl launch, which gives each worker CPUs / W (as here, unless set).
+    limit_blas_threads(args.threads or max(1, usable_cpus() // world))
+    probe_shards(addresses, job.train)     # unreachable, or a TLS handshake that fails: said now, with the reason
     from psgrid.worker.loop import run_worker
 
     result = run_worker(job.train, addresses, args.rank, world, metrics_path=args.metrics)

@@ -1,0 +1,354 @@
+"""Checks made before any process of a job starts: each failure is one line that names the fix.
+
+A job that cannot train should say so before shards bind, workers load data or ranks
+wait on each other, in words that point at what to change: the flag the user typed
+(``--dataset``), or the job-file key when the value came from the file. The commands call
+
+* :func:`check_job` on every job they load (names of models and datasets, steps, TLS
+  settings that cannot agree) and :func:`check_device` where workers will run;
+* :func:`refuse_mpi_rank` in ``psctl launch`` (a launcher started once per MPI rank) and
+  :func:`require_mpi` in ``psctl mpi`` (mpi4py present, and running under a launcher);
+* :func:`check_port_free` before a shard binds a fixed port;
+* :func:`probe_shards` before a worker or ``psctl status`` talks to shards: a shard that
+  cannot be reached, or whose TLS handshake fails, is named with the reason within
+  seconds, instead of after the client's ``retry_s`` of silent retries.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import socket
+import ssl
+import time
+from typing import Mapping
+
+from psgrid.cluster.errors import ConfigError, UsageError
+
+# How long a worker waits for a shard's port to open before it says the shard cannot be reached:
+# long enough for shards started at the same moment, short enough that a typo is told at once.
+REACH_WAIT_S = 5.0
+ACTIVATIONS = ("relu", "sigmoid")
+IMAGE_DATASETS = ("mnist5k", "digits")
+
+
+# What this process's command line set, by job-file key ({"device": "--device"}), for checks made far from it
+# (a worker rank of psctl mpi): filled by the command that parsed the flags (cluster/commands/_common.py).
+command_line: dict[str, str] = {}
+
+
+class Names:
+    """How a message names a setting: the flag or ``--set`` that gave it, else its job-file key and file.
+
+    ``flags`` maps a job-file key to what set it on the command line: ``{"steps": "--steps"}`` or
+    ``{"steps": "--set steps=0"}``.
+    """
+
+    def __init__(self, flags: Mapping[str, str] | None = None, source: str | None = None):
+        self.flags = dict(command_line if flags is None else flags)
+        self.source = re.sub(r"( \(with overrides\))+$", "", source or "") or None
+
+    def setting(self, key: str, value) -> str:
+        """The setting as the user wrote it: ``--steps 0``, ``--set steps=0`` or ``steps = 0 (job.toml)``."""
+        given = self.flags.get(key)
+        if given and given.startswith("--set"):
+            return given
+        if given:
+            return f"{given} {value}"
+        where = f" ({self.source})" if self.source and not self.source.startswith("override") else ""
+        return f"{key} = {_toml(value)}{where}"
+
+    def __call__(self, key: str) -> str:
+        """The name to change it by: the flag, else the key."""
+        given = self.flags.get(key, key)
+        return key if given.startswith("--set") else given
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value) if isinstance(value, (str, list)) else str(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# The job
+
+
+def check_job(job, flags: Mapping[str, str] | None = None, *, starts_shards: bool = True) -> None:
+    """Refuse a job that cannot train; ``flags`` maps job-file keys to the flags that set them.
+
+    With ``starts_shards`` (launch, mpi, compare) the shards' and the workers' settings must also
+    agree; a worker alone (``psctl worker``) talks to shards that someone else configured.
+
+    Raises
+    ------
+    ConfigError
+        One line naming the setting (its flag, or its key) and what to write instead.
+    """
+    from psgrid.worker.data import DATASETS
+    from psgrid.worker.models import MODELS
+
+    name = Names(flags, job.source)
+    t = job.train
+    if t.model not in MODELS:
+        raise ConfigError(f"{name.setting('model', t.model)}: no such model; choose {_either(MODELS)}")
+    if t.dataset not in DATASETS:
+        raise ConfigError(f"{name.setting('dataset', t.dataset)}: no such dataset; choose {_either(DATASETS)}")
+    if t.model == "mlp" and t.activation not in ACTIVATIONS:
+        raise ConfigError(f"{name.setting('activation', t.activation)}: no such activation; choose "
+                          f"{_either(ACTIVATIONS)}")
+    if t.model == "cnn" and t.dataset not in IMAGE_DATASETS:
+        raise ConfigError(f"{name.setting('model', t.model)} needs images, and {name.setting('dataset', t.dataset)} "
+                          f"has flat features: choose {name('dataset')} mnist5k or digits, or {name('model')} mlp")
+    if t.model in ("mlp", "cnn") and (not t.hidden or any(h < 1 for h in t.hidden)):
+        raise ConfigError(f"{name.setting('hidden', t.hidden)}: give positive layer widths, e.g. [128]")
+    if t.steps == 0 and t.epochs == 0:
+        raise ConfigError(f"{name.setting('steps', 0)} trains nothing: give {name('steps')} 1 or more "
+                          f"(or {name('epochs')} 1 or more)")
+    if starts_shards:
+        _check_tls_pairing(job)
+
+
+def _check_tls_pairing(job) -> None:
+    """Shards and workers of one job must agree on TLS: what the shards ask for, the workers must have."""
+    s, t = job.server, job.train
+    if s.tls_ca and not t.tls_cert:
+        raise ConfigError(f"[server] tls_ca makes the shards require client certificates: set [train] tls_cert and "
+                          f"tls_key (psctl certs DIR makes them), or leave out [server] tls_ca")
+    if t.tls_ca and not s.tls_cert:
+        raise ConfigError("[train] tls_ca asks for TLS but the shards have no certificate: set [server] tls_cert "
+                          "and tls_key, or leave out [train] tls_ca")
+
+
+def check_device(train, flags: Mapping[str, str] | None = None) -> None:
+    """Refuse ``device = "gpu"`` where CuPy or a CUDA GPU is missing, before anything starts."""
+    if train.device != "gpu":
+        return
+    from psgrid.worker.backend import gpu_unavailable
+
+    why = gpu_unavailable()
+    if why:
+        raise ConfigError(f"{Names(flags).setting('device', 'gpu')}, but {why}: install psgrid[cuda12] or "
+                          f"psgrid[cuda13] (CuPy for CUDA 12 or 13) on a machine with an NVIDIA GPU, "
+                          f"or use --device cpu")
+
+
+def check_machine(job, flags: Mapping[str, str] | None = None) -> None:
+    """What this machine must offer a job that ``psctl launch`` runs here: its GPUs, its shards' metrics ports."""
+    check_device(job.train, flags)
+    base = job.server.metrics_port
+    if base:
+        for i in range(job.shards):
+            check_port_free("127.0.0.1", base + i, "metrics_port" if i == 0 else f"metrics_port + {i}")
+
+
+def gathered_device_problem(comm, is_worker: bool, train) -> str | None:
+    """Under MPI: the first worker rank's :func:`check_device` problem, the same answer on every rank.
+
+    Each worker rank checks its own node (one may lack CuPy or a GPU); a collective, so call it on every rank.
+    """
+    problem = None
+    if is_worker:
+        try:
+            check_device(train)
+        except ConfigError as e:
+            problem = f"rank {comm.Get_rank()} on {socket.gethostname()}: {e}"
+    return next((p for p in comm.allgather(problem) if p), None)
+
+
+def _either(names) -> str:
+    names = [str(n) for n in names]
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# MPI launchers
+
+# (rank, size) variables each launcher sets for its processes: MPICH's and Intel's hydra, srun --mpi=pmi2
+# (PMI_*), Open MPI, MVAPICH.
+_LAUNCHER_VARS = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+                  ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
+
+
+def launcher_rank() -> tuple[int, int] | None:
+    """``(rank, size)`` when this process is one of several started by mpiexec or srun, else None."""
+    env = os.environ
+    for rank, size in _LAUNCHER_VARS:
+        if env.get(rank, "").isdigit() and env.get(size, "").isdigit():
+            return int(env[rank]), int(env[size])
+    # srun without an MPI plugin: a job step's tasks (not the batch script itself, which has no step of its own).
+    step = env.get("SLURM_STEP_ID", "")
+    if step.isdigit() and int(step) < 0xFFFFFFF0 and env.get("SLURM_PROCID", "").isdigit() \
+            and env.get("SLURM_STEP_NUM_TASKS", "").isdigit():
+        return int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
+    if env.get("PMIX_RANK", "").isdigit():
+        return int(env["PMIX_RANK"]), 0     # PMIx gives no size in the environment; 0: unknown
+    return None
+
+
+def quiet_rank() -> bool:
+    """True on MPI ranks other than 0: an error every rank meets is printed by rank 0 alone."""
+    found = launcher_rank()
+    return bool(found and found[0] > 0 and found[1] != 1)
+
+
+def refuse_mpi_rank(command: str, instead: str = "psctl mpi") -> None:
+    """``psctl launch`` runs a whole job itself: started once per rank, N launchers would collide."""
+    found = launcher_rank()
+    if found and found[1] != 1:
+        n = found[1] or "N"
+        raise UsageError(f"psctl {command} starts a whole job by itself and is running as rank {found[0]} of {n} "
+                         f"under mpiexec or srun: use 'mpiexec -n {n} {instead} ...' (same options) instead")
+
+
+def require_mpi(command: str) -> None:
+    """``psctl mpi`` needs mpi4py and a launcher; say which is missing, and the fix, before MPI starts."""
+    try:
+        import mpi4py  # noqa: F401 - the package alone: MPI starts with mpi4py.MPI
+    except ImportError:
+        raise UsageError(f"psctl {command} needs mpi4py: pip install 'psgrid[mpi]' (mpi4py and MPICH, with its "
+                         f"mpiexec), then run 'mpiexec -n 4 psctl {command} ...'") from None
+    found = launcher_rank()
+    if found is None or found[1] == 1:
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_size() == 1:
+            raise UsageError(f"psctl {command} runs one role per MPI rank and was started as a single process: run "
+                             f"it under a launcher ('mpiexec -n 4 psctl {command} ...' or srun), or use "
+                             f"'psctl launch' for a job on this machine without MPI")
+    elif found[1] > 1:
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.Get_size() == 1:
+            raise UsageError(f"mpiexec started {found[1]} processes but MPI sees each alone: that mpiexec belongs "
+                             f"to another MPI than mpi4py's; use the mpiexec installed with psgrid[mpi] (the "
+                             f"one beside this python) or rebuild mpi4py for your MPI")
+
+
+# ---------------------------------------------------------------------------------------------
+# Ports and shards
+
+
+def check_port_free(host: str, port: int, flag: str) -> None:
+    """Refuse a fixed port that something already listens on (port 0 picks a free one and always works)."""
+    if not port:
+        return
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # As the server will: SO_REUSEADDR lets a port in TIME_WAIT be taken, never one with a listener.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UsageError(f"{flag} {port}: {host}:{port} is already in use (another shard, or another "
+                                 f"program): choose another {flag}, or {flag} 0 for any free port") from None
+            raise UsageError(f"{flag} {port}: cannot bind {host}:{port} ({e.strerror})") from None
+
+
+def probe_shards(addresses: list[str], train, wait_s: float = REACH_WAIT_S) -> None:
+    """Reach every shard and complete a TLS handshake as the job's workers will, or say why not.
+
+    Raises
+    ------
+    UsageError
+        One line naming the shard, its address, what failed (refused, no route, no client
+        certificate, an unknown CA, TLS on one side only) and what to change.
+    """
+    for i, address in enumerate(addresses):
+        problem = probe(address, train, wait_s)
+        if problem:
+            raise UsageError(f"shard {i} at {address}: {problem}")
+
+
+def probe(address: str, train, wait_s: float = REACH_WAIT_S) -> str | None:
+    """What stops a worker with ``train``'s TLS settings from talking to the shard at ``address``; None if nothing."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=max(0.2, deadline - time.monotonic()))
+            break
+        except socket.gaierror as e:
+            return f"unknown host {host!r} ({e.strerror}): check the address"
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                why = e.strerror or type(e).__name__
+                return (f"cannot connect for {wait_s:g} s ({why}): is the shard running, at that address? "
+                        f"(psctl server prints its address; psctl launch starts shards and workers together)")
+            time.sleep(0.1)
+    with sock:
+        sock.settimeout(max(1.0, deadline - time.monotonic()))
+        if train.tls_ca or train.tls_cert:
+            return _tls_problem(sock, host, train)
+        return _plaintext_problem(sock, host)
+
+
+def _tls_problem(sock: socket.socket, host: str, train) -> str | None:
+    context = ssl.create_default_context(cafile=train.tls_ca)
+    if train.tls_cert:
+        context.load_cert_chain(train.tls_cert, train.tls_key)
+    context.set_alpn_protocols(["h2"])
+    try:
+        with context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False) as tls:
+            tls.do_handshake()
+            # TLS 1.3: a shard refuses a client certificate after the client's side of the handshake, in an alert
+            # that arrives with the first read; a shard that accepts sends its HTTP/2 settings instead.
+            tls.settimeout(1.0)
+            if tls.recv(1) == b"":       # gRPC closes without an alert
+                return _refused_client(train)
+    except ssl.SSLCertVerificationError as e:
+        if e.verify_code == 62 or "hostname" in (e.verify_message or "").lower():
+            return (f"its certificate is not for the name {host!r}: make the certificates with "
+                    f"'psctl certs DIR --host {host}', or reach the shard by a name its certificate has")
+        ca = train.tls_ca or "the system's CAs"
+        return (f"TLS handshake failed: its certificate is not signed by [train] tls_ca ({ca}): unknown CA "
+                f"({e.verify_message}); give the CA that signed the shard's certificate")
+    except ssl.SSLError as e:
+        reason = (e.reason or "").upper()
+        if "CERTIFICATE_REQUIRED" in reason or (not train.tls_cert and "HANDSHAKE_FAILURE" in reason):
+            return ("TLS handshake failed: the shard requires a client certificate: set [train] tls_cert and "
+                    "tls_key (psctl certs DIR makes them)")
+        if "UNKNOWN_CA" in reason or "BAD_CERTIFICATE" in reason or "DECRYPT_ERROR" in reason:
+            return ("TLS handshake failed: the shard does not accept our client certificate ([train] tls_cert is "
+                    "not signed by the CA of its [server] tls_ca)")
+        if "WRONG_VERSION_NUMBER" in reason or "RECORD_LAYER" in reason or "PACKET_LENGTH" in reason:
+            return ("the shard does not speak TLS: leave out [train] tls_ca/tls_cert, or start the shard with "
+                    "tls_cert and tls_key")
+        return f"TLS handshake failed: {e.reason or e}"
+    except (socket.timeout, TimeoutError):
+        return None          # nothing refused us: the shard waits for a request
+    except (ConnectionError, OSError):
+        return _refused_client(train)
+    return None
+
+
+def _refused_client(train) -> str:
+    """The shard ended the connection after the handshake: it did not take our client certificate, or its absence."""
+    if not train.tls_cert:
+        return ("TLS handshake failed: the shard requires a client certificate: set [train] tls_cert and tls_key "
+                "(psctl certs DIR makes them)")
+    return (f"TLS handshake failed: the shard does not accept our client certificate ([train] tls_cert "
+            f"{train.tls_cert} is not signed by the CA of the shard's tls_ca)")
+
+
+def _plaintext_problem(sock: socket.socket, host: str) -> str | None:
+    """A shard that speaks TLS answers a TLS hello; a plaintext gRPC shard does not."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    context.set_alpn_protocols(["h2"])
+    try:
+        with context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False) as tls:
+            tls.do_handshake()
+    except ssl.SSLError as e:
+        reason = (e.reason or "").upper()
+        if "ALERT" not in reason:
+            return None        # not TLS at all: a plaintext shard, as the job expects
+    except OSError:
+        return None
+    return ("the shard speaks TLS and the job has no TLS settings for its workers: set [train] tls_ca (and "
+            "tls_cert/tls_key if the shard requires client certificates)")

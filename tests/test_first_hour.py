@@ -1,0 +1,380 @@
+"""The first hour of a new user: each mistake is one line naming the fix, a non-zero exit, nothing left running.
+
+Every command runs as ``psctl`` would, in a session of its own; afterwards no process of that session may
+be alive (a shard or worker it started, an MPI rank), and nothing may have been started at all where the
+check belongs before any process starts (no ``runs/`` folder appears in the command's folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import MPI_ENV, ROOT, mpiexec
+
+pytestmark = pytest.mark.timeout(120)
+
+CHOOSE_DATASET = "no such dataset; choose mnist5k, digits or synthetic"
+NO_CUPY = "--device gpu, but CuPy does not import here"
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (zombies excluded)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            found.append(int(entry.name))
+    return found
+
+
+def run(argv: list[str], cwd: Path, env: dict | None = None, timeout: float = 60):
+    """Run ``argv`` in a new session: (exit code, stderr, seconds); fails if any process of the session is left."""
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=10)
+    took = time.monotonic() - started
+    deadline = time.monotonic() + 5
+    while (left := session_pids(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{argv} left processes {left} running"
+    return proc.returncode, err, took
+
+
+def env_with(*paths: Path, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PSGRID_TOKEN")}
+    env["PYTHONPATH"] = os.pathsep.join([*(str(p) for p in paths), str(ROOT)])
+    return {**env, **extra}
+
+
+def psctl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "psgrid.cluster.cli", *args]
+
+
+def one_line(code: int, err: str, fragment: str, expected_code: int = 2) -> str:
+    assert code == expected_code, f"exit code {code}, expected {expected_code}:\n{err}"
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line, got:\n{err}"
+    assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+@pytest.fixture
+def no_cupy(tmp_path) -> Path:
+    """A folder to put first on PYTHONPATH in which ``import cupy`` fails, as on a machine without CuPy."""
+    folder = tmp_path / "no-cupy"
+    (folder / "cupy").mkdir(parents=True)
+    (folder / "cupy" / "__init__.py").write_text("raise ImportError(\"No module named 'cupy' (test)\")\n")
+    return folder
+
+
+@pytest.fixture
+def no_mpi4py(tmp_path) -> Path:
+    folder = tmp_path / "no-mpi4py"
+    (folder / "mpi4py").mkdir(parents=True)
+    (folder / "mpi4py" / "__init__.py").write_text("raise ImportError(\"No module named 'mpi4py' (test)\")\n")
+    return folder
+
+
+# ---- the job: checked before any process starts ------------------------------------------------------
+
+@pytest.mark.parametrize("args, fragment", [
+    (["launch", "--dataset", "mnist"], f"psctl launch: error: --dataset mnist: {CHOOSE_DATASET}"),
+    (["launch", "--model", "resnet"], "--model resnet: no such model; choose softmax, mlp or cnn"),
+    (["launch", "--steps", "0"], "--steps 0 trains nothing: give --steps 1 or more"),
+    (["launch", "--set", "steps=0"], "--set steps=0 trains nothing"),
+    (["launch", "--model", "cnn", "--dataset", "synthetic"], "--model cnn needs images"),
+    (["compare", "--out", "cmp", "--dataset", "mnist"], f"psctl compare: error: --dataset mnist: {CHOOSE_DATASET}"),
+    (["worker", "--addresses", "127.0.0.1:9", "--dataset", "mnist"], f"--dataset mnist: {CHOOSE_DATASET}"),
+    (["server", "--set", "mode=bsp"], "psctl server: error: --set mode=bsp: mode must be one of"),
+    # an error about a flag names the flag, not the job-file key
+    (["launch", "--staleness", "-1"], "psctl launch: error: --staleness must be >= 0, got -1"),
+    (["launch", "--batch-size", "-1"], "psctl launch: error: --batch-size must be >= 0, got -1"),
+    (["server", "--shard", "2", "--num-shards", "2"], "psctl server: error: --shard 2: shard index 2 is outside 0..1"),
+])
+def test_a_job_that_cannot_train_is_refused_before_anything_starts(tmp_path, args, fragment):
+    code, err, _ = run(psctl(*args), tmp_path, env_with())
+    one_line(code, err, fragment)
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "cmp").exists()
+
+
+def test_a_job_file_key_is_named_with_its_file(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text('dataset = "mnist"\n')
+    code, err, _ = run(psctl("launch", "--config", str(job)), tmp_path, env_with())
+    one_line(code, err, f'dataset = "mnist" ({job}): {CHOOSE_DATASET}')
+
+
+@pytest.mark.parametrize("command", [["launch"], ["compare", "--out", "cmp"],
+                                     ["worker", "--addresses", "127.0.0.1:9"]])
+def test_a_gpu_asked_for_without_cupy(tmp_path, no_cupy, command):
+    code, err, _ = run(psctl(*command, "--device", "gpu"), tmp_path, env_with(no_cupy))
+    line = one_line(code, err, NO_CUPY)
+    assert "install psgrid[cuda12] or psgrid[cuda13]" in line and "or use --device cpu" in line
+    assert not (tmp_path / "runs").exists()
+
+
+# ---- MPI: the wrong launcher, no mpi4py, one rank ----------------------------------------------------
+
+@pytest.mark.mpi
+def test_launch_under_mpiexec_suggests_psctl_mpi(tmp_path):
+    code, err, took = run([mpiexec(), "-n", "3", *psctl("launch", "--steps", "5")], tmp_path,
+                          env_with(**MPI_ENV))
+    one_line(code, err, "psctl launch: error: psctl launch starts a whole job by itself and is running as rank 0 "
+                        "of 3 under mpiexec or srun: use 'mpiexec -n 3 psctl mpi ...' (same options) instead")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.mpi
+def test_mpi_job_checks_are_said_once_before_any_shard_starts(tmp_path, no_cupy):
+    code, err, _ = run([mpiexec(), "-n", "3", *psctl("mpi", "--dataset", "mnist")], tmp_path, env_with(**MPI_ENV))
+    one_line(code, err, f"psctl mpi: error: --dataset mnist: {CHOOSE_DATASET}")
+    code, err, _ = run([mpiexec(), "-n", "3", *psctl("mpi", "--shards", "2")], tmp_path, env_with(**MPI_ENV))
+    one_line(code, err, "psctl mpi needs at least 4 ranks (1 coordinator + 2 shards + at least 1 worker); got 3")
+    code, err, _ = run([mpiexec(), "-n", "3", *psctl("mpi", "--device", "gpu", "--shards", "1")], tmp_path,
+                       env_with(no_cupy, **MPI_ENV))
+    line = one_line(code, err, "psctl mpi: error: rank 2 on ")
+    assert NO_CUPY in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_mpi_without_mpi4py_names_the_extra(tmp_path, no_mpi4py):
+    code, err, _ = run(psctl("mpi"), tmp_path, env_with(no_mpi4py))
+    one_line(code, err, "psctl mpi: error: psctl mpi needs mpi4py: pip install 'psgrid[mpi]'")
+
+
+@pytest.mark.mpi
+def test_mpi_outside_mpiexec_says_how_to_run_it(tmp_path):
+    code, err, _ = run(psctl("mpi", "--steps", "5"), tmp_path, env_with())
+    one_line(code, err, "psctl mpi: error: psctl mpi runs one role per MPI rank and was started as a single "
+                        "process: run it under a launcher ('mpiexec -n 4 psctl mpi ...' or srun)")
+    assert not (tmp_path / "runs").exists()
+
+
+# ---- ports, unreachable shards, TLS ------------------------------------------------------------------
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_a_port_already_in_use(tmp_path, busy_port, flag):
+    code, err, _ = run(psctl("server", flag, str(busy_port)), tmp_path, env_with())
+    one_line(code, err, f"psctl server: error: {flag} {busy_port}: 127.0.0.1:{busy_port} is already in use")
+
+
+def test_a_metrics_port_in_use_stops_launch_before_it_starts(tmp_path, busy_port):
+    code, err, _ = run(psctl("launch", "--set", f"metrics_port={busy_port}"), tmp_path, env_with())
+    one_line(code, err, f"metrics_port {busy_port}: 127.0.0.1:{busy_port} is already in use")
+    assert not (tmp_path / "runs").exists()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_shards_are_said_within_seconds(tmp_path):
+    port = closed_port()
+    code, err, took = run(psctl("worker", "--addresses", f"127.0.0.1:{port}"), tmp_path, env_with())
+    one_line(code, err, f"psctl worker: error: shard 0 at 127.0.0.1:{port}: cannot connect for 5 s "
+                        "(Connection refused): is the shard running, at that address?")
+    assert took < 15, f"took {took:.0f} s"
+
+
+@pytest.fixture
+def tls_shard(tmp_path):
+    """A ``psctl server`` that requires client certificates of its CA; yields (address, pki folder)."""
+    from psgrid.cluster.pki import make_certs
+
+    pki = tmp_path / "pki"
+    make_certs(pki, ["localhost", "127.0.0.1"])
+    job = tmp_path / "shard.toml"
+    job.write_text(f'[server]\ntls_cert = "{pki / "shard.pem"}"\ntls_key = "{pki / "shard.key"}"\n'
+                   f'tls_ca = "{pki / "ca.pem"}"\n')
+    addr = tmp_path / "addr"
+    log = open(tmp_path / "shard.log", "wb")
+    proc = subprocess.Popen(psctl("server", "--config", str(job), "--address-file", str(addr)), cwd=tmp_path,
+                            env=env_with(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not addr.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "shard.log").read_text()
+            time.sleep(0.05)
+        yield addr.read_text().splitlines()[0], pki
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
+
+
+def worker_job(tmp_path: Path, name: str, **tls: Path) -> Path:
+    job = tmp_path / f"{name}.toml"
+    job.write_text("[train]\n" + "".join(f'{k} = "{v}"\n' for k, v in tls.items()))
+    return job
+
+
+def test_tls_handshake_failures_say_why(tmp_path, tls_shard):
+    from psgrid.cluster.pki import make_certs
+
+    address, pki = tls_shard
+    other = tmp_path / "other-pki"
+    make_certs(other, ["localhost", "127.0.0.1"])
+    cases = [
+        (worker_job(tmp_path, "no-cert", tls_ca=pki / "ca.pem"),
+         "TLS handshake failed: the shard requires a client certificate: set [train] tls_cert and tls_key"),
+        (worker_job(tmp_path, "other-ca", tls_ca=other / "ca.pem", tls_cert=other / "client.pem",
+                    tls_key=other / "client.key"),
+         f"TLS handshake failed: its certificate is not signed by [train] tls_ca ({other / 'ca.pem'}): unknown CA"),
+        (worker_job(tmp_path, "plain"),
+         "the shard speaks TLS and the job has no TLS settings for its workers: set [train] tls_ca"),
+    ]
+    for job, fragment in cases:
+        code, err, took = run(psctl("worker", "--config", str(job), "--addresses", address), tmp_path, env_with())
+        one_line(code, err, f"psctl worker: error: shard 0 at {address}: {fragment}")
+        assert took < 15
+
+
+def test_status_names_the_tls_problem(tmp_path, tls_shard):
+    address, pki = tls_shard
+    job = worker_job(tmp_path, "no-cert", tls_ca=pki / "ca.pem")
+    code, err, _ = run(psctl("status", "--addresses", address, "--config", str(job)), tmp_path, env_with())
+    one_line(code, err, "the shard requires a client certificate", expected_code=1)
+
+
+# ---- output folders, status of a finished job -------------------------------------------------------
+
+def test_an_earlier_run_is_kept_unless_overwrite(tmp_path):
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    (out / "summary.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    code, err, _ = run(psctl("launch", "--out", str(out), "--steps", "5"), tmp_path, env_with())
+    one_line(code, err, f"{out} already holds a run: choose another --out, add --overwrite to replace it")
+    assert (out / "summary.json").read_text() == "{}"
+
+    from psgrid.cluster.config import JobConfig
+    from psgrid.cluster.outdir import prepare
+
+    prepare(JobConfig(out=str(out), overwrite=True))
+    assert not (out / "summary.json").exists() and (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == ["addr", "logs", "metrics", "notes.txt"]
+
+
+def test_default_output_folders_never_collide(tmp_path, monkeypatch):
+    from psgrid.cluster.config import JobConfig
+    from psgrid.cluster.outdir import prepare
+
+    monkeypatch.chdir(tmp_path)
+    job = JobConfig(name="same")
+    monkeypatch.setattr(JobConfig, "default_out", lambda self, now=None: "runs/same-20260101-120000")
+    folders = [prepare(job) for _ in range(3)]       # three launches in the same second
+    assert [f.name for f in folders] == ["same-20260101-120000", "same-20260101-120000-2", "same-20260101-120000-3"]
+
+
+def test_status_of_a_finished_job_reads_its_summary(tmp_path, capsys):
+    from psgrid.cluster.cli import main
+
+    shard = {"shard_index": 0, "address": "127.0.0.1:45123", "mode": "sync", "version": 400, "members": 2,
+             "min_clock": 200, "max_clock": 200, "applied_updates": 400, "dropped_late": 3,
+             "mean_staleness": 0.0, "max_staleness": 0}
+    (tmp_path / "addr").mkdir()
+    (tmp_path / "addr" / "shard-0").write_text("127.0.0.1:45123\njob abc\n")   # nobody listens there any more
+    (tmp_path / "summary.json").write_text(json.dumps({"name": "mnist", "status": "ok", "steps": 400,
+                                                       "test_accuracy": 0.9, "out": str(tmp_path),
+                                                       "shard_stats": [shard]}))
+    assert main(["status", "--address-dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("mnist finished: status ok, 400 steps, test accuracy 0.9000")
+    assert lines[1] == "(from its summary.json: the shards have stopped)"
+    assert lines[5].split() == ["0", "127.0.0.1:45123", "400", "2", "200/200", "400", "3", "0.00/0"]
+    assert max(len(line) for line in lines) <= 80
+
+
+# ---- a worker started by hand limits its BLAS threads -----------------------------------------------
+
+BLAS_PROBE = """
+import json, sys
+from threadpoolctl import threadpool_info
+import psgrid.cluster.preflight as preflight
+import psgrid.worker.loop as loop
+preflight.probe_shards = lambda *a, **k: None
+loop.run_worker = lambda *a, **k: {"blas": max([p["num_threads"] for p in threadpool_info()] or [1])}
+from psgrid.cluster.cli import main
+sys.exit(main(["worker", "--addresses", "127.0.0.1:9", "--world", sys.argv[1]]))
+"""
+
+
+def test_a_worker_started_by_hand_limits_its_blas_threads(tmp_path):
+    from threadpoolctl import threadpool_info
+
+    from psgrid.cluster.procs import usable_cpus
+
+    if not threadpool_info():
+        pytest.fail("numpy loaded no BLAS that threadpoolctl sees")
+    for world, env in [(2, env_with()), (1, env_with(OMP_NUM_THREADS="1"))]:
+        done = subprocess.run([sys.executable, "-c", BLAS_PROBE, str(world)], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        blas = json.loads(done.stdout.strip().splitlines()[-1])["blas"]
+        # as psctl launch gives its workers: the CPUs divided among the job's workers (or what the user set)
+        assert blas == (max(1, usable_cpus() // world) if "OMP_NUM_THREADS" not in env else 1)
+
+
+# ---- psctl mpi writes what the README says, and a partial summary when a rank dies --------------------
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_mpi_writes_its_job_and_logs_and_a_partial_summary_when_a_rank_raises(tmp_path):
+    from tests.support import run_mpiexec
+
+    out = tmp_path / "run"
+    busy = out / "metrics" / "worker-0.jsonl"      # worker 1 (rank 3) raises once worker 0 trains
+    raiser = ROOT / "tests" / "mpi_raise_on_rank.py"
+    code, _, err, took = run_mpiexec(4, [str(raiser), "3", str(busy), "--", "mpi", "--config", "mnist", "--shards",
+                                         "1", "--steps", "100000", "--out", str(out)], timeout=120)
+    assert code != 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["launcher"] == "mpi"
+    (failure,) = summary["failures"]
+    assert (failure["rank"], failure["role"], failure["index"], failure["name"]) == (3, "worker", 1, "worker 1")
+    assert "RuntimeError: rank 3: raising on purpose" in failure["error"]
+    assert summary["message"].startswith("rank 3 (worker 1 on ")
+    assert summary["ranks"] == 4 and took < 60
+    # the job as it ran, and one log per rank, as psctl launch writes them
+    assert "[train]" in (out / "job.toml").read_text() and '"<redacted>"' in (out / "job.toml").read_text()
+    logs = {p.name: p.read_text() for p in (out / "logs").iterdir()}
+    assert set(logs) == {"coordinator.log", "server-0.log", "worker-0.log", "worker-1.log"}
+    assert "raising on purpose" in logs["worker-1.log"] and "listening on" in logs["server-0.log"]
+    assert "job failed" in logs["coordinator.log"]
