@@ -368,6 +368,7 @@ def build_summary(
             "samples": state.worker_samples(rank),
             "wall_s": d.get("wall_s"),
             "final_loss": d.get("final_loss", state.loss.get(rank)),
+            "warmup_s": d.get("warmup_s", 0.0),    # compiling GPU kernels before joining: not in wall_s
         })
     losses = [w["final_loss"] for w in workers if _finite(w["final_loss"])]
     evaluation = evaluation or {}
@@ -383,6 +384,7 @@ def build_summary(
         "steps": steps,
         "samples": samples,
         "wall_s": train_wall_s,
+        "warmup_s": max((w["warmup_s"] or 0.0 for w in workers), default=0.0),
         "total_wall_s": round(total_wall_s, 3),
         "samples_per_s": (samples / train_wall_s) if train_wall_s else None,
         "steps_per_s": (steps / train_wall_s) if train_wall_s else None,

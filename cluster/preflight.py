@@ -99,9 +99,10 @@ def check_job(job, flags: Mapping[str, str] | None = None, *, starts_shards: boo
     if t.model == "mlp" and t.activation not in ACTIVATIONS:
         raise ConfigError(f"{name.setting('activation', t.activation)}: no such activation; choose "
                           f"{_either(ACTIVATIONS)}")
-    if t.model == "cnn" and t.dataset not in IMAGE_DATASETS:
+    if t.model == "cnn" and t.dataset not in IMAGE_DATASETS and not (t.dataset == "synthetic" and t.synthetic_image):
         raise ConfigError(f"{name.setting('model', t.model)} needs images, and {name.setting('dataset', t.dataset)} "
-                          f"has flat features: choose {name('dataset')} mnist5k or digits, or {name('model')} mlp")
+                          f"has flat features: choose {name('dataset')} mnist5k or digits, set synthetic_image = "
+                          f"[C, H, W], or choose {name('model')} mlp")
     if t.model in ("mlp", "cnn") and (not t.hidden or any(h < 1 for h in t.hidden)):
         raise ConfigError(f"{name.setting('hidden', t.hidden)}: give positive layer widths, e.g. [128]")
     if t.steps == 0 and t.epochs == 0:

@@ -20,6 +20,7 @@ class TrainConfig:
     synthetic_features: int = 784
     synthetic_samples: int = 10000
     synthetic_classes: int = 10
+    synthetic_image: list[int] = field(default_factory=list)   # [C, H, W]: synthetic samples as images (the cnn)
     batch_size: int = 64                   # per worker; 0 means the worker's whole shard (full batch)
     steps: int = 200                       # steps per worker (ignored when epochs > 0)
     epochs: int = 0                        # passes over the worker's shard
@@ -48,6 +49,8 @@ class TrainConfig:
             raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.synthetic_image and (len(self.synthetic_image) != 3 or min(self.synthetic_image) < 1):
+            raise ValueError(f"synthetic_image must be [C, H, W] of positive sizes, got {self.synthetic_image}")
         for name in ("batch_size", "steps", "epochs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

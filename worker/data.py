@@ -124,14 +124,19 @@ _BLOCK = 1024  # samples are drawn in blocks seeded by (seed, block), so any sha
 
 def synthetic_shard(rank: int = 0, world: int = 1, seed: int = 0, *, features: int = 784,
                     samples: int = 10000, classes: int = 10, test_samples: int = 2000,
-                    teacher_hidden: int = 32) -> Dataset:
+                    teacher_hidden: int = 32, image: tuple[int, ...] | None = None) -> Dataset:
     """Gaussian inputs labelled by a seeded random teacher MLP; only this rank's shard is generated.
+
+    With ``image = (C, H, W)`` each sample is an image of that shape (``features`` is then
+    C*H*W), for the cnn: a compute-bound model of any size on data that costs nothing to read.
 
     The teacher is ``argmax(tanh(x @ w1 + b1) @ w2 + b2)`` with ``b2`` tuned so
     the classes come out about equally often. Worker ``rank`` gets the
     contiguous rows ``[samples*rank//world, samples*(rank+1)//world)``; since
     rows are independent draws, a contiguous shard is as random as any.
     """
+    if image:
+        features = int(np.prod(image))
     features, samples, classes = int(features), int(samples), int(classes)
     if min(features, samples, classes, test_samples, teacher_hidden) < 1 or classes < 2:
         raise ValueError("synthetic dataset needs positive sizes and at least 2 classes")
@@ -139,7 +144,8 @@ def synthetic_shard(rank: int = 0, world: int = 1, seed: int = 0, *, features: i
     lo, hi = samples * rank // world, samples * (rank + 1) // world
     train_x = _gaussian_rows(seed, 1, lo, hi, features)
     test_x = _gaussian_rows(seed, 2, 0, test_samples, features)
-    return Dataset("synthetic", train_x, teacher(train_x), test_x, teacher(test_x), (features,), classes,
+    shape = tuple(int(d) for d in image) if image else (features,)
+    return Dataset("synthetic", train_x, teacher(train_x), test_x, teacher(test_x), shape, classes,
                    np.arange(lo, hi), samples, rank, world)
 
 

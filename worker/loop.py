@@ -69,7 +69,7 @@ def build(train: TrainConfig, rank: int, world: int, device: str | None = None):
     kw = {}
     if train.dataset == "synthetic":
         kw = dict(features=train.synthetic_features, samples=train.synthetic_samples,
-                  classes=train.synthetic_classes)
+                  classes=train.synthetic_classes, image=tuple(train.synthetic_image) or None)
     data = load_dataset(train.dataset, rank=rank, world=world, seed=train.seed, **kw)
     model = build_model(train.model, data.input_shape, data.num_classes, hidden=tuple(train.hidden),
                         activation=train.activation)

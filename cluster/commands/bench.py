@@ -8,7 +8,7 @@ from psgrid.cluster.commands._common import add_command
 
 HELP = "performance figures: transport vs raw TCP, apply vs memcpy, the parameter server vs its floor, training"
 
-TARGETS = ("transport", "apply", "ps")
+TARGETS = ("transport", "apply", "ps", "train")
 
 
 def _size(text: str) -> int:
