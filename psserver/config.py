@@ -45,6 +45,7 @@ class ServerConfig:
     threads: int = 128                 # gRPC handler threads; blocked pulls each hold one
     data_plane: str = "tcp"            # "tcp": also serve Pull/Push payloads over plain TCP; "grpc": gRPC only
     shared_memory: bool = True         # offer workers on this host the shared-memory data plane
+    apply_threads: int = 0             # threads an update's passes over the range use (0: a quarter of the CPUs, 1..8)
     tcp_max_connections: int = 1024    # data-plane connections at once; past it a new one is refused (clients retry)
 
     def __post_init__(self):
@@ -74,6 +75,8 @@ class ServerConfig:
                                   f"got {self.chunk_bytes}")
         if self.data_plane not in DATA_PLANES:
             raise InvalidArgument(f"data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}")
+        if self.apply_threads < 0:
+            raise InvalidArgument(f"apply_threads must be >= 0 (0: chosen from the CPUs), got {self.apply_threads}")
         if self.tcp_max_connections < 1:
             raise InvalidArgument(f"tcp_max_connections must be >= 1, got {self.tcp_max_connections}")
         if not 0 <= self.port <= 65535:

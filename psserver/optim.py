@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.parallel import SERIAL, Chunks
 
 # Elements per block. 256K float32 = 1 MiB per array, so the up to six blocks one iteration touches
 # (weights, gradient, two state, two scratch) stay in L3. Measured on 64 MiB (AMD EPYC, 1 MiB L2,
@@ -62,7 +63,7 @@ class Optimizer:
         Updates applied so far (Adam's bias correction counts from it).
     """
 
-    def __init__(self, size: int, lr: float, weight_decay: float = 0.0):
+    def __init__(self, size: int, lr: float, weight_decay: float = 0.0, chunks: Chunks = SERIAL):
         if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
             raise InvalidArgument(f"size must be an integer >= 0, got {size!r}")
         self.size = int(size)
@@ -72,19 +73,20 @@ class Optimizer:
         self.steps = 0
         self._buffers: dict[str, np.ndarray] = {}
         self._block = BLOCK
-        self._scratch = np.empty((2, min(self.size, self._block)), np.float32)
+        self.chunks = chunks        # the range is cut among this many threads (parallel.py)
+        self._scratch = [np.empty((2, min(self.size, self._block)), np.float32) for _ in range(chunks.threads)]
 
     def _buffer(self, name: str) -> np.ndarray:
         """Allocate a zeroed state array that ``state_dict`` saves under ``name``."""
         self._buffers[name] = np.zeros(self.size, np.float32)
         return self._buffers[name]
 
-    def _blocks(self):
-        """Yield ``(slice, scratch, scratch2)`` per block, the scratch views cut to its length."""
-        t, u = self._scratch
-        for lo in range(0, self.size, self._block):
-            hi = min(lo + self._block, self.size)
-            yield slice(lo, hi), t[: hi - lo], u[: hi - lo]
+    def _blocks(self, lo: int, hi: int, index: int):
+        """Yield ``(slice, scratch, scratch2)`` per block of ``[lo, hi)``, with thread ``index``'s scratch."""
+        t, u = self._scratch[index]
+        for start in range(lo, hi, self._block):
+            stop = min(start + self._block, hi)
+            yield slice(start, stop), t[: stop - start], u[: stop - start]
 
     def step(self, weights: np.ndarray, grad: np.ndarray, lr_scale: float = 1.0, *,
              out: np.ndarray | None = None) -> None:
@@ -115,9 +117,10 @@ class Optimizer:
             raise InvalidArgument(f"{'weights' if out is weights else 'out'} must be writeable")
         scale = _hparam("lr_scale", lr_scale, _positive, "finite and > 0")
         self.steps += 1
-        self._apply(weights, grad, self.lr * scale, out)
+        lr = self.lr * scale
+        self.chunks.map(lambda lo, hi, i: self._apply(weights, grad, lr, out, self._blocks(lo, hi, i)), self.size)
 
-    def _apply(self, w: np.ndarray, g: np.ndarray, lr: float, out: np.ndarray) -> None:
+    def _apply(self, w: np.ndarray, g: np.ndarray, lr: float, out: np.ndarray, blocks) -> None:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, np.ndarray | float | int]:
@@ -179,8 +182,8 @@ class SGD(Optimizer):
     """
 
     def __init__(self, size: int, lr: float, momentum: float = 0.0, nesterov: bool = False,
-                 weight_decay: float = 0.0):
-        super().__init__(size, lr, weight_decay)
+                 weight_decay: float = 0.0, chunks: Chunks = SERIAL):
+        super().__init__(size, lr, weight_decay, chunks)
         self.momentum = _hparam("momentum", momentum, _unit, "in [0, 1)")
         if not isinstance(nesterov, (bool, np.bool_)):
             raise InvalidArgument(f"nesterov must be a bool, got {nesterov!r}")
@@ -189,9 +192,9 @@ class SGD(Optimizer):
         self.nesterov = bool(nesterov)
         self._v = self._buffer("momentum_buffer") if self.momentum else None
 
-    def _apply(self, w, g, lr, out):
+    def _apply(self, w, g, lr, out, blocks):
         mu, wd, v = self.momentum, self.weight_decay, self._v
-        for s, t, u in self._blocks():
+        for s, t, u in blocks:
             wb, d = w[s], g[s]
             if wd:
                 np.multiply(wb, wd, out=t)
@@ -227,22 +230,22 @@ class Adam(Optimizer):
     """
 
     def __init__(self, size: int, lr: float, beta1: float = 0.9, beta2: float = 0.999,
-                 eps: float = 1e-8, weight_decay: float = 0.0):
-        super().__init__(size, lr, weight_decay)
+                 eps: float = 1e-8, weight_decay: float = 0.0, chunks: Chunks = SERIAL):
+        super().__init__(size, lr, weight_decay, chunks)
         self.beta1 = _hparam("beta1", beta1, _unit, "in [0, 1)")
         self.beta2 = _hparam("beta2", beta2, _unit, "in [0, 1)")
         self.eps = _hparam("eps", eps, _positive, "finite and > 0")
         self._m = self._buffer("exp_avg")
         self._v = self._buffer("exp_avg_sq")
 
-    def _apply(self, w, g, lr, out):
+    def _apply(self, w, g, lr, out, blocks):
         b1, b2, eps, wd = self.beta1, self.beta2, self.eps, self.weight_decay
         # torch: w -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps); multiplying through by sqrt(bc2)
         # folds the bias correction into two scalars and saves a pass per block
         sqrt_bc2 = math.sqrt(1.0 - b2 ** self.steps)
         step_size = lr / (1.0 - b1 ** self.steps) * sqrt_bc2
         eps_hat = eps * sqrt_bc2
-        for s, t, u in self._blocks():
+        for s, t, u in blocks:
             wb, gb, m, v = w[s], g[s], self._m[s], self._v[s]
             if wd:
                 np.multiply(wb, wd, out=t)
@@ -268,7 +271,7 @@ _KINDS = {
 }
 
 
-def make_optimizer(name: str, size: int, **hparams) -> Optimizer:
+def make_optimizer(name: str, size: int, *, chunks: Chunks = SERIAL, **hparams) -> Optimizer:
     """Build the optimizer ``name`` ("sgd" or "adam") for a range of ``size`` elements.
 
     ``hparams`` may hold any of ``HPARAMS``, so one settings dict serves every optimizer; those
@@ -287,4 +290,4 @@ def make_optimizer(name: str, size: int, **hparams) -> Optimizer:
     if "lr" not in hparams:
         raise InvalidArgument(f"{name} needs lr")
     cls, keys = _KINDS[name]
-    return cls(size, **{k: v for k, v in hparams.items() if k in keys})
+    return cls(size, chunks=chunks, **{k: v for k, v in hparams.items() if k in keys})

@@ -95,11 +95,13 @@ class RangeIntake:
     """
 
     __slots__ = ("begin", "size", "buffer", "allowed", "scratch_pool", "scratch", "landing_dtype", "covered",
-                 "chunks", "nbytes")
+                 "chunks", "nbytes", "finite")
 
     def __init__(self, begin: int, size: int, buffer: np.ndarray, allowed: frozenset[int],
-                 scratch: Callable[[], BufferPool] | None = None):
+                 scratch: Callable[[], BufferPool] | None = None,
+                 finite: Callable[[np.ndarray], bool] = wire.all_finite):
         self.begin, self.size, self.buffer, self.allowed = begin, size, buffer, allowed
+        self.finite = finite                 # the check of a whole landed range (the shard's threads)
         self.scratch_pool = scratch          # where half-precision landings come from (asked only for those)
         self.scratch: np.ndarray | None = None
         self.landing_dtype = 0
@@ -148,7 +150,7 @@ class RangeIntake:
         if self.scratch is not None:
             wire.decode_into(self.buffer, memoryview(self.scratch).cast("B"), self.landing_dtype)
             self.release_scratch()
-        if not wire.all_finite(self.buffer):
+        if not self.finite(self.buffer):
             raise InvalidArgument("payload contains NaN or infinity", Reason.NON_FINITE)
         self.covered, self.chunks = self.size, 1
         self.nbytes = self.size * ITEMSIZE[self.landing_dtype]
@@ -174,7 +176,8 @@ class PushIntake(RangeIntake):
 
     def __init__(self, service: "ShardService", worker_id: int, clock: int, version: int):
         shard = service.shard
-        super().__init__(shard.begin, shard.size, shard.pool.take(), GRADIENT_DTYPES, service.half_pool)
+        super().__init__(shard.begin, shard.size, shard.pool.take(), GRADIENT_DTYPES, service.half_pool,
+                         shard.all_finite)
         self.shard, self.worker_id, self.clock, self.version = shard, worker_id, clock, version
 
     def commit(self, declared_chunks: int | None = None) -> PushResult:
@@ -409,7 +412,7 @@ class ShardService:
             with PushIntake(self, worker_id, clock, version) as intake:
                 intake.add_chunk(shard.begin, dtype, memoryview(payload).cast("B"))
                 return intake.commit(1)
-        if not wire.all_finite(payload):
+        if not shard.all_finite(payload):
             raise InvalidArgument("payload contains NaN or infinity", Reason.NON_FINITE)
         result, _ = shard.push(worker_id, clock, version, payload, nbytes, borrowed=True)
         return result

@@ -29,7 +29,8 @@ from psgrid.psserver.protocol import Outcome, PushResult, Reason
 from psgrid.psserver.sharding import shard_range
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.weight_ring import WeightRing
-from psgrid.psserver import shared_memory
+from psgrid.psserver import shared_memory, wire
+from psgrid.psserver.parallel import Chunks
 
 STALENESS_BUCKETS = 32
 # A pull over TCP or gRPC sends straight from the current version while at most this many buffers
@@ -79,6 +80,10 @@ class Shard:
         self.config = config
         self.now = now
         self.cond = threading.Condition()
+        # async: an update is computed outside ``cond`` (weights are never changed in place, so pulls
+        # and everything else go on meanwhile); updates queue on this lock, taken before ``cond``.
+        self.apply_lock = threading.Lock()
+        self.chunks = Chunks(config.apply_threads or default_apply_threads())
         self.policy = ConsistencyPolicy(config.mode, config.staleness, config.backup_workers)
         self.leases = Leases(config.lease_s)
         self.counters = Counters()
@@ -298,7 +303,8 @@ class Shard:
                 raise InvalidArgument(f"Init must cover this shard's range [{begin}, {end})", Reason.BAD_SIZE)
             self.spec, self.begin, self.end = spec, begin, end
             self._new_ring(values)
-            self.optimizer = make_optimizer(self.config.optimizer, end - begin, **self.config.optimizer_hparams())
+            self.optimizer = make_optimizer(self.config.optimizer, end - begin, chunks=self.chunks,
+                                            **self.config.optimizer_hparams())
             self.pool = BufferPool(end - begin)
             self.cond.notify_all()
             return True
@@ -310,6 +316,10 @@ class Shard:
         with self.cond:
             self.closing = True
             self.cond.notify_all()
+
+    def all_finite(self, values: np.ndarray) -> bool:
+        """Whether a gradient of this range holds no NaN or infinity (checked by the update's threads)."""
+        return all(self.chunks.map(lambda lo, hi, _: wire.all_finite(values[lo:hi]), len(values)))
 
     def wait_for_pull(self, worker: int, clock: int, timeout: float | None, cancelled=None) -> float:
         """Block until the policy lets ``worker`` pull at ``clock``; returns seconds waited.
@@ -424,6 +434,7 @@ class Shard:
 
     def _push(self, worker: int, clock: int, version_used: int, grad: np.ndarray,
               nbytes: int, borrowed: bool) -> tuple[PushResult, bool]:
+        deferred = None
         with self.cond:
             self._require_serving()
             self._require_live(worker)
@@ -445,9 +456,12 @@ class Shard:
                 staleness = -1
             elif decision.outcome is Outcome.APPLIED:
                 scale = 1.0 / max(1, staleness) if self.config.lr_staleness else 1.0
-                self._apply(grad, scale)
                 self.counters.record_staleness(staleness)
                 self._emit("staleness", value=staleness)
+                if self.config.mode == "async":       # a pull returns at once: it need not wait for this update
+                    deferred = scale
+                else:
+                    self._apply(grad, scale)
             else:  # ACCUMULATED: hold the buffer itself for the round (no copy); the pool gets it back at close
                 held = self.round_grads.setdefault(decision.round, {})
                 held[worker] = grad
@@ -460,8 +474,29 @@ class Shard:
                 self.cond.notify_all()
                 outcome = Outcome.APPLIED if closed else decision.outcome
                 return PushResult(outcome, self.version, staleness, decision.next_clock), not borrowed
-            self.cond.notify_all()
-            return PushResult(decision.outcome, self.version, staleness, decision.next_clock), False
+            if deferred is None:
+                self.cond.notify_all()
+                return PushResult(decision.outcome, self.version, staleness, decision.next_clock), False
+        version = self._apply_outside_lock(grad, deferred)
+        return PushResult(decision.outcome, version, staleness, decision.next_clock), False
+
+    def _apply_outside_lock(self, grad: np.ndarray, lr_scale: float) -> int:
+        """async: compute the next version without holding ``cond``, then publish it; returns its version.
+
+        Updates are serialised on ``apply_lock`` (each reads the version the one before published),
+        the buffer written is one no reader holds, and the optimizer's state is changed under
+        ``apply_lock`` only, which a checkpoint also takes.
+        """
+        with self.apply_lock:
+            with self.cond:
+                ring = self.ring
+                source, target = ring.current, ring.spare()
+            self.optimizer.step(ring.arrays[source], grad, lr_scale, out=ring.arrays[target])
+            with self.cond:
+                ring.publish(target)
+                self._count_applied()
+                self.cond.notify_all()
+                return self.version
 
     def _close_rounds(self, borrowed: np.ndarray | None = None) -> list[int]:
         """Apply the mean of every round that may close; ``borrowed`` (a worker's own memory) is only read."""
@@ -492,6 +527,10 @@ class Shard:
         target = ring.spare()      # never the buffer readers see: they keep the version they were given
         self.optimizer.step(ring.weights, grad, lr_scale, out=ring.arrays[target])
         ring.publish(target)
+        self._count_applied()
+
+    def _count_applied(self) -> None:
+        """A new version is published (call under ``cond``): count it, and capture a checkpoint if one is due."""
         self.version += 1
         self.counters.applied_updates += 1
         self.updates_since_checkpoint += 1
@@ -506,7 +545,7 @@ class Shard:
             or (every_s and self.now() - self.last_checkpoint_time >= every_s)))
 
     def checkpoint_if_due(self) -> None:
-        with self.cond:
+        with self.apply_lock, self.cond:      # never while an async update changes the optimizer's state
             if self._checkpoint_due():
                 self.pending_capture = self._capture()
         self._flush_capture()
@@ -522,7 +561,7 @@ class Shard:
 
     def checkpoint(self) -> tuple[str, int]:
         """Write a checkpoint of this moment and return its path once it is on disk."""
-        with self.cond:
+        with self.apply_lock, self.cond:
             self._require_initialized()       # also while stopping: that is when the final one is written
             if not self.config.checkpoint_dir:
                 raise CheckpointFailed("this shard was started without a checkpoint directory "
@@ -598,7 +637,8 @@ class Shard:
             spec = ModelSpec.from_json(meta["spec"])
             self.spec, self.begin, self.end = spec, meta["begin"], meta["end"]
             self._new_ring(arrays["weights"])
-            self.optimizer = make_optimizer(self.config.optimizer, self.size, **self.config.optimizer_hparams())
+            self.optimizer = make_optimizer(self.config.optimizer, self.size, chunks=self.chunks,
+                                            **self.config.optimizer_hparams())
             opt_state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
             self.optimizer.load_state_dict({k: (v if v.ndim else v.item()) for k, v in opt_state.items()})
             self.pool = BufferPool(self.size)
@@ -656,3 +696,13 @@ class Shard:
         with self.cond:
             return math.fsum(self.weights.astype(np.float64)) if self.initialized else 0.0
 
+
+def default_apply_threads() -> int:
+    """A quarter of the CPUs this process may use, 1 to 8: shards share a machine with workers and each other."""
+    import os
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus // 4))

@@ -6,10 +6,13 @@ shown once, bit for bit (test_every_data_plane_trains_to_identical_weights).
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 from psgrid.psserver.protocol import Outcome
+from psgrid.psserver.spec import ModelSpec
 from tests.support import FEATURES, PLANES, REGRESSION, make_problem, plane_options, regression_grad, run_threads
 
 
@@ -147,3 +150,43 @@ def test_backup_workers_drop_late_pushes_and_count_them(cluster):
     stats = c.shard().stats()
     assert stats["dropped_late"] == 1 and stats["applied_updates"] == 1
     np.testing.assert_allclose(c.shard().weights, -0.05)
+
+
+@pytest.mark.timeout(90)
+def test_async_updates_lose_nothing_and_no_pull_sees_a_version_half_written(cluster, data_plane):
+    """Two workers push while a third pulls without pause, on a shard whose updates run outside its lock on
+    three threads: every pull holds one version whole (all elements equal, the negated version), and every
+    push is applied once."""
+    from psgrid.psserver.parallel import MIN_CHUNK
+
+    spec = ModelSpec([("x", (3 * MIN_CHUNK + 5,))])
+    c = cluster(1, mode="async", lr=1.0, apply_threads=3)
+    ones = np.ones(spec.size, np.float32)
+    pushers = [c.client(spec, worker_id=r, init=np.zeros(spec.size, np.float32) if r == 0 else None, world=3)
+               for r in range(2)]
+    reader = c.client(spec, worker_id=2, world=3)
+    seen, stop = [], threading.Event()
+
+    def push(client):
+        for _ in range(25):
+            client.push(ones).wait()
+
+    def pull():
+        out = np.empty(spec.size, np.float32)
+        while not stop.is_set():
+            [version] = reader.pull(out).wait()
+            seen.append((version, float(out.min()), float(out.max())))
+
+    run_threads([lambda: pushers[0].join(), lambda: pushers[1].join(), lambda: reader.join()], timeout=30)
+    puller = threading.Thread(target=pull)
+    puller.start()
+    try:
+        run_threads([lambda: push(pushers[0]), lambda: push(pushers[1])], timeout=60)
+    finally:
+        stop.set()
+        puller.join(timeout=30)
+    assert len(seen) > 5
+    for version, low, high in seen:
+        assert low == high == -version, (version, low, high)
+    assert c.shard().version == 50
+    np.testing.assert_array_equal(c.weights(), -50.0)

@@ -90,6 +90,54 @@ def test_matches_reference_across_default_block(name, hp, ref):
     np.testing.assert_allclose(w, ref(data(size, steps=2)[0], grads, SCALES, **hp), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(("name", "hp", "ref"), CASES, ids=CASE_IDS)
+def test_threads_over_chunks_give_the_same_bits_as_one_and_write_only_out(monkeypatch, name, hp, ref):
+    """A range cut among threads (parallel.py) is updated exactly as by one thread, into ``out`` alone."""
+    from psgrid.psserver import parallel
+
+    monkeypatch.setattr(parallel, "MIN_CHUNK", 100)
+    size = 1003                                            # 3 chunks of uneven length, many 64-element blocks
+    monkeypatch.setattr(optim, "BLOCK", 64)
+    w, grads = data(size)
+    chunks = parallel.Chunks(3)
+    try:
+        assert len(chunks.split(size)) == 3
+        one, three = make_optimizer(name, size, **hp), make_optimizer(name, size, chunks=chunks, **hp)
+        w1, w3 = w.copy(), w.copy()
+        for g, s in zip(grads, SCALES):
+            out1, out3 = np.full(size, np.nan, np.float32), np.full(size, np.nan, np.float32)
+            one.step(w1, g, lr_scale=s, out=out1)
+            before = w3.copy()
+            three.step(w3, g, lr_scale=s, out=out3)
+            np.testing.assert_array_equal(w3, before)       # the weights read are never written
+            np.testing.assert_array_equal(out3, out1)      # every element written, bit for bit the same
+            w1, w3 = out1, out3
+        for key, value in one.state_dict().items():
+            np.testing.assert_array_equal(three.state_dict()[key], value)
+        np.testing.assert_allclose(w3, ref(w, grads, SCALES, **hp), rtol=1e-5, atol=1e-6)
+    finally:
+        chunks.close()
+
+
+def test_a_failing_chunk_is_raised_after_every_chunk_ended():
+    from psgrid.psserver.parallel import Chunks
+
+    chunks, ended = Chunks(3), []
+
+    def work(lo, hi, index):
+        if index == 1:
+            raise ValueError("chunk 1")
+        ended.append(index)
+        return index
+
+    try:
+        with pytest.raises(ValueError, match="chunk 1"):
+            chunks.map(work, 3 << 20)
+        assert sorted(ended) == [0, 2]
+    finally:
+        chunks.close()
+
+
 def test_grad_not_modified(small_block):
     w, grads = data(200)
     for opt in (SGD(200, 0.1, momentum=0.9, nesterov=True, weight_decay=0.1),

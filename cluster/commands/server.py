@@ -44,6 +44,8 @@ SERVER_FLAGS = [
                                                           "one is refused and its client retries"),
     ("--data-plane", "data_plane", DATA_PLANES, "tcp: also serve Pull/Push payloads over plain TCP beside gRPC; "
                                                 "grpc: gRPC only"),
+    ("--apply-threads", "apply_threads", int, "threads an update's passes over the range use (0, the default: a "
+                                              "quarter of this machine's CPUs, at most 8)"),
     ("--shared-memory", "shared_memory", bool, "offer workers on this host the shared-memory data plane "
                                                "(default: on)"),
 ]
