@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Everything the GPU code paths need to show, in one call on a machine with CUDA GPUs:
-# the model and loader tests on CuPy (compared with NumPy), benchmarks/gpu_workers.py, and the
-# default job trained by GPU workers through psctl launch (twice: a first and a warm run).
-# On the lent device: wheels for what its image lacks travel in .whl/ (see the device notes).
+#  1. the default job trained by GPU workers through psctl launch on a fresh CuPy kernel cache, twice
+#     (the first run on a machine against the next: warm-up is reported apart from training time);
+#  2. the model, loader and backend tests on CuPy (compared with NumPy) and the GPU data path on
+#     every plane (shared memory page-locked for DMA, TCP, gRPC);
+#  3. benchmarks/gpu_workers.py: the 20M MLP with no servers, with 1 and 4 shards over shared memory
+#     and over TCP, each pull and push against CuPy's pinned copy of the same bytes in the same run;
+#  4. psctl bench train on the GPU (MLP and CNN, async and sync, 4 shards) beside no servers.
+# Logs and JSON land in $OUT. On the lent device: wheels for what its image lacks travel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -11,18 +16,43 @@ if [ -d .whl ]; then
 else
   export PYTHONPATH=$PWD
 fi
+export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+psctl() { python3 -m psgrid.cluster.cli "$@"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import grpc, google.protobuf, cupy; print('grpc', grpc.__version__, 'protobuf', google.protobuf.__version__, 'cupy', cupy.__version__)"
-echo "== GPU tests (CuPy against NumPy) and the model/data/backend tests on this machine"
-python3 -m pytest -q -p no:cacheprovider tests/test_models.py tests/test_data.py tests/test_backend.py \
-  -o addopts="--strict-markers -ra" 2>&1 | tee "$OUT/gpu-tests.log" | tail -15
-echo "== worker figures"
-python3 benchmarks/gpu_workers.py --json "$OUT/gpu-workers.jsonl" "$@" 2>&1 | tee "$OUT/gpu-workers.log"
-echo "== the default job on GPU workers (psctl launch), a first run and a second"
+echo "cores $(nproc), $(grep MemTotal /proc/meminfo)"
+python3 -c "import grpc, google.protobuf, cupy, numpy; print('grpc', grpc.__version__, 'protobuf', google.protobuf.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
+python3 -c "import grpc_health, mlxtend, tqdm, prometheus_client, threadpoolctl, matplotlib; print('imports ok')"
+
+echo "== 1. the default job on GPU workers, on a fresh CuPy kernel cache: a first run and a second"
+export CUPY_CACHE_DIR=/tmp/cupy-fresh-cache
+rm -rf "$CUPY_CACHE_DIR"
 for run in first second; do
   rm -rf "/tmp/launch-$run"
-  python3 -m psgrid.cluster.cli launch --config examples/mnist.toml --device gpu --out "/tmp/launch-$run" \
-    --no-progress 2>&1 | tail -2 | tee -a "$OUT/gpu-launch.log"
+  psctl launch --config examples/mnist.toml --device gpu --out "/tmp/launch-$run" --no-progress 2>&1 | tail -2 \
+    | tee -a "$OUT/gpu-launch.log"
   cp "/tmp/launch-$run/summary.json" "$OUT/launch-$run-summary.json" 2>/dev/null
 done
+python3 - <<'PY' | tee -a "$OUT/gpu-launch.log"
+import json
+first, second = (json.load(open(f"/tmp/launch-{r}/summary.json")) for r in ("first", "second"))
+for name, s in (("first", first), ("second", second)):
+    starts = [json.loads(l) for l in open(f"/tmp/launch-{name}/metrics.jsonl") if '"event": "start"' in l]
+    print(f"{name}: training {s['wall_s']:.2f} s, warm-up before joining {s['warmup_s']:.2f} s, "
+          f"whole job {s['total_wall_s']:.2f} s, test accuracy {s['test_accuracy']:.4f}, "
+          f"data planes {sorted({p for e in starts for p in e.get('data_planes') or []})}")
+print(f"first run's training time / second run's: {first['wall_s'] / second['wall_s']:.2f}")
+PY
+unset CUPY_CACHE_DIR
+
+echo "== 2. GPU tests (CuPy against NumPy; the GPU data path on every plane)"
+python3 -m pytest -q -p no:cacheprovider tests/test_models.py tests/test_data.py tests/test_backend.py \
+  tests/test_gpu_data_path.py -o addopts="--strict-markers -ra" 2>&1 | tee "$OUT/gpu-tests.log" | tail -6
+
+echo "== 3. worker figures: no servers, shared memory and TCP, against CuPy's pinned copy"
+python3 benchmarks/gpu_workers.py --json "$OUT/gpu-workers.jsonl" --planes shm,tcp --shards 1,4 --modes async,sync \
+  --steps 80 "$@" 2>&1 | tee "$OUT/gpu-workers.log" | grep -v '^{'
+
+echo "== 4. psctl bench train on the GPU"
+psctl bench train --device gpu --models mlp,cnn --hidden 4096,4096 --batch-size 512 --shards 4 --workers 1 \
+  --modes async,sync --steps 80 2>&1 | tee "$OUT/gpu-bench-train.log"

@@ -1,11 +1,13 @@
 """GPU worker figures: samples/s of a ~20M-parameter MLP with and without the servers in the loop,
-the pull / compute / push time per step, and a two-GPU-worker MNIST run to test accuracy.
+the pull / compute / push time per step against CuPy's own pinned copy of the same bytes (measured
+in the same run), and a two-GPU-worker MNIST run to test accuracy.
 
 Run on a machine with CUDA GPUs (benchmarks/gpu_verify.sh runs it on the lent device):
 
-    python benchmarks/gpu_workers.py --steps 60 --batch 512 --shards 1,4
+    python benchmarks/gpu_workers.py --steps 60 --batch 512 --shards 1,4 --planes shm,tcp
 
-Shards run as CPU processes on the same host, as they would on a single GPU box.
+Shards run as CPU processes on the same host, as they would on a single GPU box: the worker reaches
+them through shared memory (``shm``, the default there) or, for comparison, the TCP data plane.
 Times are medians over the steps after a warm-up; the device is synchronized
 inside each timed region (the gradient's copy to the host waits for it).
 """
@@ -18,6 +20,8 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+
+import numpy as np
 import tempfile
 import time
 from pathlib import Path
@@ -68,11 +72,34 @@ def without_servers(train: TrainConfig, lr: float = 0.01) -> dict:
             "pull_s": 0.0, "push_s": 0.0}
 
 
-def with_servers(train: TrainConfig, shards: int, mode: str) -> dict:
+def pinned_copies(params: int, repeat: int = 20) -> dict:
+    """CuPy's own copies of ``params`` floats between pinned host memory and the device: the reference."""
+    import cupy
+    import cupyx
+
+    host = cupyx.empty_pinned(params, np.float32)
+    host[:] = 1.0
+    device = cupy.empty(params, np.float32)
+    times = {"h2d": [], "d2h": []}
+    for _ in range(repeat + 2):
+        t = time.perf_counter()
+        device.set(host)
+        cupy.cuda.Device().synchronize()
+        times["h2d"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        device.get(out=host)
+        times["d2h"].append(time.perf_counter() - t)
+    h2d, d2h = (statistics.median(times[k][2:]) for k in ("h2d", "d2h"))
+    return {"setting": "CuPy pinned copy (reference)", "h2d_s": h2d, "d2h_s": d2h,
+            "h2d_gbps": 4 * params / h2d / 1e9, "d2h_gbps": 4 * params / d2h / 1e9}
+
+
+def with_servers(train: TrainConfig, shards: int, mode: str, plane: str = "shm") -> dict:
     from psgrid.worker.loop import run_worker
 
     procs = [ShardProcess(ServerConfig(shard_index=i, num_shards=shards, mode=mode, lr=0.01, threads=16))
              for i in range(shards)]
+    train.shared_memory = plane == "shm"
     try:
         with tempfile.TemporaryDirectory() as tmp:
             metrics = Path(tmp) / "worker.jsonl"
@@ -81,10 +108,12 @@ def with_servers(train: TrainConfig, shards: int, mode: str) -> dict:
     finally:
         for p in procs:
             p.close()
+    planes = next((s["data_planes"] for s in steps if s.get("event") == "start"), None)
     steps = [s for s in steps if s.get("event") == "step"][5:]
     med = {k: statistics.median(s[k] for s in steps) for k in ("pull_s", "compute_s", "push_s")}
     step_s = med["pull_s"] + med["compute_s"] + med["push_s"]
-    return {"setting": f"{shards} shard(s), {mode}", "device": result["device"],
+    return {"setting": f"{shards} shard(s), {mode}, {plane}", "device": result["device"], "planes": planes,
+            "warmup_s": result.get("warmup_s"),
             "params": None, "samples_per_s": result["samples"] / result["wall_s"],
             "step_s": result["wall_s"] / result["steps"], **med, "sum_of_medians_s": step_s}
 
@@ -133,6 +162,8 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=65536)
     parser.add_argument("--shards", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     parser.add_argument("--modes", type=lambda s: s.split(","), default=["async", "sync"])
+    parser.add_argument("--planes", type=lambda s: s.split(","), default=["shm", "tcp"],
+                        help="data planes to measure (shm: shared memory, the default on one host; tcp)")
     parser.add_argument("--skip-two-gpu", action="store_true")
     parser.add_argument("--json", default=None, help="also write all rows to this file")
     parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"], help="cpu: a dry run of this script")
@@ -147,16 +178,30 @@ def main() -> int:
         print(f"GPU: {props['name'].decode()} x{gpus}, CuPy {cupy.__version__}", flush=True)
     rows = [without_servers(big_mlp(args))]
     params = rows[0]["params"]
+    reference = pinned_copies(params) if args.device == "gpu" else None
     print(f"MLP 784-{'-'.join(map(str, args.hidden))}-10: {params / 1e6:.1f}M parameters, "
           f"batch {args.batch}, {args.steps} steps", flush=True)
-    for mode in args.modes:
-        for shards in args.shards:
-            rows.append(with_servers(big_mlp(args), shards, mode))
-            print(json.dumps(rows[-1]), flush=True)
-    print(f"\n{'setting':<36} {'samples/s':>10} {'step ms':>8} {'pull ms':>8} {'compute ms':>11} {'push ms':>8}")
+    if reference:
+        print(json.dumps(reference), flush=True)
+    for plane in args.planes:
+        for mode in args.modes:
+            for shards in args.shards:
+                rows.append(with_servers(big_mlp(args), shards, mode, plane))
+                print(json.dumps(rows[-1]), flush=True)
+    alone = rows[0]["samples_per_s"]
+    h2d = reference["h2d_s"] if reference else float("nan")
+    d2h = reference["d2h_s"] if reference else float("nan")
+    if reference:
+        print(f"\nCuPy pinned copy of {4 * params / 1e6:.0f} MB: host to device {1e3 * h2d:.2f} ms "
+              f"({reference['h2d_gbps']:.1f} GB/s), device to host {1e3 * d2h:.2f} ms ({reference['d2h_gbps']:.1f} GB/s)")
+    print(f"\n{'setting':<30} {'samples/s':>10} {'x alone':>7} {'step ms':>8} {'pull ms':>8} {'x copy':>6} "
+          f"{'compute ms':>11} {'push ms':>8} {'x copy':>6}")
     for r in rows:
-        print(f"{r['setting']:<36} {r['samples_per_s']:10.0f} {1e3 * r['step_s']:8.1f} {1e3 * r['pull_s']:8.1f} "
-              f"{1e3 * r['compute_s']:11.2f} {1e3 * r['push_s']:8.1f}", flush=True)
+        print(f"{r['setting']:<30} {r['samples_per_s']:10.0f} {r['samples_per_s'] / alone:7.3f} "
+              f"{1e3 * r['step_s']:8.2f} {1e3 * r['pull_s']:8.2f} {r['pull_s'] / h2d:6.2f} "
+              f"{1e3 * r['compute_s']:11.2f} {1e3 * r['push_s']:8.2f} {r['push_s'] / d2h:6.2f}", flush=True)
+    if reference:
+        rows.append(reference)
     if (gpus >= 2 or args.device == "cpu") and not args.skip_two_gpu:
         two = two_gpu_mnist(device=args.device)
         rows.append(two)
