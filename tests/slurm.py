@@ -104,10 +104,16 @@ def find_programs() -> dict[str, str]:
     return found
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """Ports free on loopback now, all different (each held until all are picked)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def mpich_shm_name(step: str) -> str:
@@ -155,8 +161,9 @@ class SlurmCluster:
                     f"--pid-file={munge}/munged.pid", f"--seed-file={munge}/munged.seed",
                     f"--log-file={self.root}/log/munged.log")
         self._wait(lambda: (munge / "munge.socket.2").exists(), "munged's socket")
+        ctld_port, slurmd_port = free_ports(2)
         self.conf.write_text(CONFIG.format(
-            root=self.root, ctld_port=free_port(), slurmd_port=free_port(), user=_user(), node=NODE,
+            root=self.root, ctld_port=ctld_port, slurmd_port=slurmd_port, user=_user(), node=NODE,
             hostname=socket.gethostname(), cpus=NODE_CPUS, gpus=NODE_GPUS, partition=PARTITION,
             first_job_id=self.first_job_id))
         for i in range(NODE_GPUS):
