@@ -11,6 +11,7 @@ import pytest
 
 from psgrid.cluster.mpi import min_ranks, too_few_ranks_message
 from psgrid.cluster.mpich_shm import mapped_init_shm
+from tests.gpu import cupy_or_skip
 from tests.support import assert_token_kept, run_mpiexec
 
 RAISE_ON_RANK = Path(__file__).resolve().parent / "mpi_raise_on_rank.py"
@@ -94,6 +95,25 @@ def test_more_workers_than_gpus_fails_at_once_on_every_rank(tmp_path):
     assert "Traceback" not in err
     assert not (tmp_path / "run").exists()
     assert took < 30
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_each_worker_trains_on_a_gpu_of_its_own(tmp_path):
+    cupy = cupy_or_skip()
+    total = cupy.cuda.runtime.getDeviceCount()
+    gpus = min(total, 4)
+    code, _, err, _ = run_mpi(2 + gpus, "--config", "mnist", "--shards", "1", "--steps", "40", "--device", "gpu",
+                              "--out", str(tmp_path / "run"))
+    assert code == 0, err
+    summary = check_summary(tmp_path / "run", shards=1, workers=gpus)
+    assert sorted(w["device"] for w in summary["worker_results"]) == [f"cuda:{i}" for i in range(gpus)]
+    # one worker more than there are GPUs: refused on every rank before anything starts
+    code, _, err, took = run_mpi(3 + total, "--config", "mnist", "--shards", "1", "--device", "gpu",
+                                 "--out", str(tmp_path / "refused"), timeout=60)
+    assert code == 2 and f"psctl mpi: error: {3 + total} ranks leave {1 + total} workers" in err, err
+    assert not (tmp_path / "refused").exists()
 
 
 SHM_SCRIPT = """
