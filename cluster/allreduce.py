@@ -23,6 +23,7 @@ from psgrid.cluster import coordinator as co
 from psgrid.cluster.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import UsageError
 from psgrid.cluster.mpi import _abort
+from psgrid.cluster.mpich_shm import unlink_init_shm
 from psgrid.cluster.procs import limit_blas_threads, usable_cpus
 
 TAG_RESULT = 72
@@ -60,12 +61,15 @@ def run_allreduce(job: JobConfig, comm=None, *, progress: bool | None = None, qu
     would train alone). Returns the exit code; any exception on any rank is printed with its rank
     and host and aborts the job.
     """
-    if comm is None:
+    world = comm is None
+    if world:
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     try:
+        if world:   # the job is ours: leave no MPICH file in /dev/shm, however it ends
+            unlink_init_shm(comm)
         if ranks is not None and comm.Get_size() != ranks:
             print(f"psctl allreduce: error: expected {ranks} ranks, this job has {comm.Get_size()}; is this "
                   f"mpiexec from the MPI that mpi4py uses? (mpi4py: {_mpi_library()})", file=sys.stderr, flush=True)

@@ -1,7 +1,9 @@
 """``psctl mpi``: a whole job under ``mpiexec`` or ``srun``, roles given by rank.
 
-Rank 0 coordinates (progress, final evaluation, summary), ranks 1..S each serve one
-shard in-process, and every other rank is a worker (worker rank = MPI rank - 1 - S).
+Rank 0 coordinates (progress, final evaluation, summary), S ranks each serve one shard
+in-process, and every other rank is a worker. Which ranks serve and which train is decided by
+:mod:`psgrid.cluster.placement` from every rank's host and GPUs: one worker per GPU on every node
+(or a one-line error naming the numbers to run), ranks 1..S as the shards in a CPU job.
 The shards bind port 0; their real addresses are gathered on rank 0 and broadcast.
 
 Two habits from ``mpi4py.run`` and ``dask_mpi.initialize``: an unhandled exception on any
@@ -28,6 +30,8 @@ from psgrid.cluster import credentials, mpi_report, preflight
 from psgrid.cluster import script as user_script
 from psgrid.cluster.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import JobFailed, UsageError
+from psgrid.cluster.mpich_shm import unlink_init_shm
+from psgrid.cluster.placement import SERVER, Placement, PlacementError, Role, place
 from psgrid.cluster.procs import limit_blas_threads, usable_cpus
 from psgrid.psserver.protocol import format_address_file
 
@@ -44,15 +48,6 @@ def min_ranks(shards: int) -> int:
 def too_few_ranks_message(shards: int, size: int) -> str:
     return (f"psctl mpi needs at least {min_ranks(shards)} ranks (1 coordinator + {shards} shard"
             f"{'s' if shards != 1 else ''} + at least 1 worker); got {size}")
-
-
-def role_of(rank: int, shards: int) -> tuple[str, int]:
-    """``("coordinator", 0)``, ``("server", shard_index)`` or ``("worker", worker_rank)``."""
-    if rank == 0:
-        return "coordinator", 0
-    if rank <= shards:
-        return "server", rank - 1
-    return "worker", rank - 1 - shards
 
 
 def interface_address(iface: str) -> str:
@@ -94,7 +89,7 @@ class MPIJob:
     """One rank's part of an MPI job; :meth:`run` returns this rank's exit code."""
 
     def __init__(self, job: JobConfig, comm, *, host: str | None = None, iface: str | None = None,
-                 progress: bool | None = None, command: list[str] | None = None):
+                 progress: bool | None = None, command: list[str] | None = None, oversubscribe: bool = False):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -104,7 +99,9 @@ class MPIJob:
         self.host, self.iface = host, iface
         self.progress = progress
         self.command = command      # the user's own command, run by each worker rank (cluster/script.py)
-        self.role, self.index = role_of(self.rank, job.shards)
+        self.oversubscribe = oversubscribe
+        self.placement: Placement | None = None     # every rank's role, once run() has gathered them
+        self.role, self.index = ("coordinator", 0) if self.rank == 0 else ("rank", self.rank)   # until placed
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -113,22 +110,20 @@ class MPIJob:
             return too_few_ranks_message(self.job0.shards, self.size)
         return None
 
-    def node_layout(self) -> tuple[bool, int]:
-        """(all ranks on one node?, this rank's index among the workers of its node).
+    def place_ranks(self) -> Placement:
+        """Every rank's role, from every rank's host and GPUs (the same answer on every rank).
 
-        Also caps this rank's BLAS threads at the node's CPUs divided among its workers.
+        Raises PlacementError on every rank alike; caps this rank's BLAS threads at the node's
+        CPUs divided among its workers.
         """
-        from mpi4py import MPI
+        from psgrid.worker.backend import visible_gpus
 
-        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        try:
-            single = node.Get_size() == self.size
-            is_worker = node.allgather(self.role == "worker")
-            local_index = sum(is_worker[: node.Get_rank()])
-        finally:
-            node.Free()
-        limit_blas_threads(usable_cpus() // max(1, sum(is_worker)))
-        return single, local_index
+        gpus = visible_gpus() if self.job.train.device != "cpu" else []
+        reports = self.comm.allgather((self.hostname, gpus))
+        placement = place([h for h, _ in reports], [g for _, g in reports], self.job.shards,
+                          device=self.job.train.device, oversubscribe=self.oversubscribe)
+        limit_blas_threads(usable_cpus() // max(1, placement.workers_on(placement.roles[self.rank].node)))
+        return placement
 
     def run(self) -> int:
         problem = self.check_size()
@@ -144,12 +139,23 @@ class MPIJob:
             if self.rank == 0:
                 print(f"psctl mpi: error: {e}", file=sys.stderr, flush=True)
             return 2
+        try:
+            self.placement = self.place_ranks()
+        except PlacementError as e:
+            if self.rank == 0:
+                print(f"psctl mpi: error: {e}", file=sys.stderr, flush=True)
+            return 2
+        me = self.placement.roles[self.rank]
+        self.role, self.index = me.kind, me.index
+        single_node = len(self.placement.hosts) == 1
+        if self.rank == 0:
+            for note in self.placement.notes:
+                print(f"psctl mpi: warning: {note}", file=sys.stderr, flush=True)
         problem = preflight.gathered_device_problem(self.comm, self.role == "worker", self.job.train)
         if problem:     # before any shard binds: a worker rank cannot compute where the job asks
             if self.rank == 0:
                 print(f"psctl mpi: error: {problem}", file=sys.stderr, flush=True)
             return 2
-        single_node, local_index = self.node_layout()
         # One token and one job id for the whole job, made on rank 0 and sent over MPI: never in a file or argv.
         made = (credentials.new_token(), credentials.new_job_id()) if self.rank == 0 else None
         self.job = credentials.secure(self.job, *self.comm.bcast(made, root=0))
@@ -177,7 +183,7 @@ class MPIJob:
             address = None
         addresses = self.comm.gather(address, root=0)
         if self.rank == 0:
-            addresses = addresses[1: 1 + self.job.shards]
+            addresses = [addresses[r] for r in self.placement.ranks(SERVER)]
             for i, a in enumerate(addresses):  # as psctl launch does, for psctl status --address-dir
                 (self.out / "addr" / f"shard-{i}").write_text(format_address_file(a, self.job.server.job_id))
             credentials.write_token_file(self.out, self.job)
@@ -189,7 +195,7 @@ class MPIJob:
             self.serve_until_shutdown(running)
             code = 0
         else:
-            self.train(local_index)
+            self.train(me)
             code = 0
         _wait_request(self.comm.Ibarrier(), None, "final barrier")
         mpi_report.untee()
@@ -215,15 +221,17 @@ class MPIJob:
                 return
         running.stop(grace=1.0)
 
-    def train(self, local_index: int) -> None:
+    def train(self, me: Role) -> None:
         from psgrid.worker.loop import run_worker
 
-        os.environ["LOCAL_RANK"] = str(local_index)  # among the workers of this node, so GPUs are not skipped
+        # The worker's GPU reaches select_gpu as LOCAL_RANK (taken modulo the GPUs it sees), as torchrun's does.
+        os.environ["LOCAL_RANK"] = str(me.gpu if me.gpu is not None else me.local_rank)
         metrics = self.out / "metrics" / f"worker-{self.index}.jsonl"
         metrics.parent.mkdir(parents=True, exist_ok=True)
         if self.command:
+            gpu = me.gpu if me.gpu is not None else (me.local_rank or 0)
             message = user_script.run_on_rank(self.command, self.job, self.out, self.addresses, self.index,
-                                              self.job.workers, local_index)
+                                              self.job.workers, gpu)
         else:
             result = run_worker(self.job.train, self.addresses, self.index, self.job.workers,
                                 metrics_path=str(metrics))
@@ -259,7 +267,7 @@ class MPIJob:
                 while len(received) < job.workers:
                     while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_DONE, status=st):
                         msg = self.comm.recv(source=st.Get_source(), tag=TAG_DONE)
-                        wrank = st.Get_source() - 1 - job.shards
+                        wrank = self.placement.roles[st.Get_source()].index
                         received.add(wrank)
                         last_done = time.time()
                         worker_events.extend(msg["events"])
@@ -333,20 +341,25 @@ def _prepare_out(job: JobConfig) -> Path:
 
 
 def run_mpi(job: JobConfig, comm=None, *, host: str | None = None, iface: str | None = None,
-            progress: bool | None = None, command: list[str] | None = None) -> int:
+            progress: bool | None = None, command: list[str] | None = None, oversubscribe: bool = False) -> int:
     """Run this rank's part of ``job`` on ``comm`` (default ``MPI.COMM_WORLD``); returns the exit code.
 
     Any exception on any rank is printed with the rank and host and aborts the whole job. With
-    ``command``, each worker rank runs it instead of the built-in trainer (cluster/script.py).
+    ``command``, each worker rank runs it instead of the built-in trainer (cluster/script.py); with
+    ``oversubscribe``, workers may share GPUs when there are more of them than GPUs.
     """
-    if comm is None:
+    world = comm is None
+    if world:
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     part = None
     try:
-        part = MPIJob(job, comm, host=host, iface=iface, progress=progress, command=command)
+        if world:   # the job is ours: leave no MPICH file in /dev/shm, however it ends
+            unlink_init_shm(comm)
+        part = MPIJob(job, comm, host=host, iface=iface, progress=progress, command=command,
+                      oversubscribe=oversubscribe)
         return part.run()
     except BaseException as e:
         print(f"psctl mpi: rank {rank} on {socket.gethostname()} failed; aborting the job:\n"

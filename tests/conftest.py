@@ -191,3 +191,19 @@ def tcp_calls(monkeypatch):
     monkeypatch.setattr(TcpDataServer, "_pull", counting("pull", TcpDataServer._pull))
     monkeypatch.setattr(TcpDataServer, "_push", counting("push", TcpDataServer._push))
     return calls
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A one-node Slurm cluster on this machine (tests/slurm.py), started once per session, stopped after.
+
+    ``slurm.srun(n, argv, timeout=...)`` runs a job step and returns the completed process;
+    ``slurm.strays()`` and ``slurm.shm_leftovers()`` say what a job left behind.
+    """
+    from tests.slurm import SlurmCluster
+
+    cluster = SlurmCluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -155,8 +155,9 @@ def test_mpi_job_checks_are_said_once_before_any_shard_starts(tmp_path, no_cupy)
     one_line(code, err, "psctl mpi needs at least 4 ranks (1 coordinator + 2 shards + at least 1 worker); got 3")
     code, err, _ = run([mpiexec(), "-n", "3", *psctl("mpi", "--device", "gpu", "--shards", "1")], tmp_path,
                        env_with(no_cupy, **MPI_ENV))
-    line = one_line(code, err, "psctl mpi: error: rank 2 on ")
-    assert NO_CUPY in line
+    # Placement asks every rank which GPUs it sees, before anything starts: none here.
+    line = one_line(code, err, "psctl mpi: error: device = gpu, but no rank sees a CUDA GPU")
+    assert "install psgrid[gpu] (CuPy) where the workers run, or use --device cpu" in line
     assert not (tmp_path / "runs").exists()
 
 

@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from psgrid.cluster.mpi import min_ranks, role_of, too_few_ranks_message
+from psgrid.cluster.mpi import min_ranks, too_few_ranks_message
+from psgrid.cluster.mpich_shm import mapped_init_shm
+from tests.gpu import cupy_or_skip
 from tests.support import assert_token_kept, run_mpiexec
 
 RAISE_ON_RANK = Path(__file__).resolve().parent / "mpi_raise_on_rank.py"
+FAKE_GPUS = Path(__file__).resolve().parent / "mpi_fake_gpus.py"
 
 
 def run_mpi(n: int, *args: str, timeout: float = 120, extra_env: dict | None = None):
@@ -20,9 +23,7 @@ def run_mpi(n: int, *args: str, timeout: float = 120, extra_env: dict | None = N
     return run_mpiexec(n, ["-m", "psgrid.cluster.cli", "mpi", *args], timeout, extra_env)
 
 
-def test_roles():
-    assert [role_of(r, 2) for r in range(6)] == [
-        ("coordinator", 0), ("server", 0), ("server", 1), ("worker", 0), ("worker", 1), ("worker", 2)]
+def test_too_few_ranks_message():
     assert min_ranks(2) == 4
     assert too_few_ranks_message(2, 3) == ("psctl mpi needs at least 4 ranks (1 coordinator + 2 shards "
                                            "+ at least 1 worker); got 3")
@@ -79,6 +80,79 @@ def test_too_few_ranks_fails_at_once(tmp_path):
     assert "psctl mpi needs at least 3 ranks (1 coordinator + 1 shard + at least 1 worker); got 2" in err
     assert took < 30
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.mpi
+def test_more_workers_than_gpus_fails_at_once_on_every_rank(tmp_path):
+    # 6 ranks, 1 shard: 4 workers for the 2 GPUs every rank sees
+    code, out, err, took = run_mpiexec(6, [str(FAKE_GPUS), "2", "--", "mpi", "--config", "mnist", "--shards", "1",
+                                           "--out", str(tmp_path / "run")], timeout=60)
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.startswith("psctl mpi")]
+    assert lines == ["psctl mpi: error: 6 ranks leave 4 workers beside the coordinator and 1 shard, for 2 GPUs on "
+                     "1 node; run 4 ranks (-n 4), or keep 6 ranks with --shards 3 for one worker per GPU, or let "
+                     "workers share GPUs with --oversubscribe"], err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()
+    assert took < 30
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_each_worker_trains_on_a_gpu_of_its_own(tmp_path):
+    cupy = cupy_or_skip()
+    total = cupy.cuda.runtime.getDeviceCount()
+    gpus = min(total, 4)
+    code, _, err, _ = run_mpi(2 + gpus, "--config", "mnist", "--shards", "1", "--steps", "40", "--device", "gpu",
+                              "--out", str(tmp_path / "run"))
+    assert code == 0, err
+    summary = check_summary(tmp_path / "run", shards=1, workers=gpus)
+    assert sorted(w["device"] for w in summary["worker_results"]) == [f"cuda:{i}" for i in range(gpus)]
+    # one worker more than there are GPUs: refused on every rank before anything starts
+    code, _, err, took = run_mpi(3 + total, "--config", "mnist", "--shards", "1", "--device", "gpu",
+                                 "--out", str(tmp_path / "refused"), timeout=60)
+    assert code == 2 and f"psctl mpi: error: {3 + total} ranks leave {1 + total} workers" in err, err
+    assert not (tmp_path / "refused").exists()
+
+
+SHM_SCRIPT = """
+import os, sys, time
+from mpi4py import MPI
+from psgrid.cluster.mpich_shm import mapped_init_shm, unlink_init_shm
+
+world = MPI.COMM_WORLD
+mapped = mapped_init_shm()
+unlink_init_shm(world)
+print(f"rank {world.rank} mapped {','.join(mapped)}", flush=True)
+world.allreduce(1)                      # MPI still works on the unlinked mappings
+world.Barrier()
+if world.rank == 1:
+    world.Abort(1)                      # which leaves MPICH's file behind, unless it was unlinked
+time.sleep(30)
+"""
+
+
+@pytest.mark.mpi
+def test_an_aborted_job_leaves_no_mpich_file_in_dev_shm():
+    code, out, err, _ = run_mpiexec(3, ["-c", SHM_SCRIPT], timeout=60)
+    assert code != 0
+    # the ranks' lines may run together in mpiexec's forwarding: find the names, not the lines
+    mapped = set(re.findall(r"/dev/shm/mpich_shm_[0-9a-f]+_[0-9]+", out))
+    assert out.count(" mapped /dev/shm/mpich_shm_") == 3 and len(mapped) == 1, out + err   # one file per node
+    assert not Path(next(iter(mapped))).exists()
+
+
+def test_mapped_init_shm_reads_only_named_mpich_files(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f0000000000-7f0000400000 rw-s 00000000 00:1a 123 /dev/shm/mpich_shm_1a2b3c_0\n"
+        "7f0000400000-7f0000800000 rw-s 00000000 00:1a 123 /dev/shm/mpich_shm_1a2b3c_0\n"
+        "7f0000800000-7f0000900000 rw-s 00000000 00:1a 124 /dev/shm/mpich_shm_99_0 (deleted)\n"
+        "7f0000900000-7f0000a00000 rw-s 00000000 00:1a 125 /dev/shm/other_file\n"
+        "7f0000a00000-7f0000b00000 rw-p 00000000 00:00 0 \n")
+    assert mapped_init_shm(str(maps)) == ["/dev/shm/mpich_shm_1a2b3c_0"]
+    assert mapped_init_shm(str(tmp_path / "absent")) == []
 
 
 @pytest.mark.mpi

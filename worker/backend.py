@@ -119,6 +119,20 @@ def select_gpu(local_rank: int) -> int:
     return device_id
 
 
+def visible_gpus() -> list[str]:
+    """The PCI bus ids of the CUDA GPUs this process sees, in device order; ``[]`` without CuPy or a GPU.
+
+    Ranks of one node that see the same GPU report the same id, whatever ``CUDA_VISIBLE_DEVICES``
+    numbers it as, which is what ``psctl mpi``'s placement needs. Only device queries are made:
+    no GPU gets a context (and its memory) from a rank that merely asks.
+    """
+    cupy, _ = _usable_cupy()
+    if cupy is None:
+        return []
+    runtime = cupy.cuda.runtime
+    return [runtime.deviceGetPCIBusId(i) for i in range(runtime.getDeviceCount())]
+
+
 def pinned_empty(n, dtype, xp) -> np.ndarray:
     """An uninitialised host array, in CUDA pinned (page-locked) memory when ``xp`` is cupy.
 

@@ -145,9 +145,11 @@ def _run_mpi(experiment, args: argparse.Namespace) -> int:
         raise UsageError("psctl compare --mpi needs mpi4py: pip install 'psgrid[mpi]'") from None
     from psgrid.cluster.compare_mpi import MPICompare
     from psgrid.cluster.mpi import _abort
+    from psgrid.cluster.mpich_shm import unlink_init_shm
 
     comm = MPI.COMM_WORLD
     try:
+        unlink_init_shm(comm)   # leave no MPICH file in /dev/shm, however the job ends
         return MPICompare(experiment, comm=comm, resume=args.resume, progress=args.progress).run()
     except BaseException:
         print(f"psctl compare: rank {comm.Get_rank()} on {socket.gethostname()} failed; aborting the job:\n"

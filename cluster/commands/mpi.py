@@ -13,7 +13,8 @@ EXAMPLES = """
 mpiexec -n 4 psctl mpi --config examples/mnist.toml --shards 1       # 1 coordinator, 1 shard, 2 workers
 mpiexec -n 6 psctl mpi --config mnist --shards 2 --mode ssp          # 2 shards, 3 workers
 HYDRA_IFACE=lo mpiexec -n 4 psctl mpi --config mnist                 # a laptop without a network
-srun -N 2 --ntasks-per-node=5 --gpus-per-node=4 psctl mpi --config job.toml --shards 2 --iface ib0
+srun -N 2 --ntasks-per-node=5 --gpus-per-node=4 psctl mpi --config job.toml --shards 1 --iface ib0   # 8 workers, 8 GPUs
+srun -N 2 -n 11 --gpus-per-node=4 psctl mpi --config job.toml --shards 2 --iface ib0   # 6 ranks on the first node
 mpiexec -n 6 psctl mpi --shards 1 -- python train.py --epochs 3     # your own script on each worker rank
 """
 
@@ -22,9 +23,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = add_command(
         subparsers, "mpi", help=HELP,
         description="Run under mpiexec or srun with N ranks: rank 0 coordinates (progress, final evaluation, "
-                    "OUT/summary.json), ranks 1..S serve one shard each, and the other N-1-S ranks are workers, "
-                    "each on the GPU of its local rank. Needs N >= S+2. An exception on any rank aborts the "
-                    "whole job. OUT should be on a shared file system for the progress bar to see the workers. "
+                    "OUT/summary.json), S ranks serve one shard each, and the other N-1-S ranks are workers. "
+                    "On GPUs each node's workers get one GPU each (N-1-S must not exceed the GPUs; the other "
+                    "ranks of a node serve the shards); on CPUs ranks 1..S are the shards. Needs N >= S+2. "
+                    "An exception on any rank aborts the whole job. OUT should be on a shared file system for "
+                    "the progress bar to see the workers. "
                     "After -- comes your own command (-- python train.py ARGS): each worker rank runs it instead of "
                     "the built-in trainer, with the job in its environment (see README, 'Your own training script').",
         examples=EXAMPLES,
@@ -39,6 +42,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="abort the job if training takes longer than this (default: no limit)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show the progress bar on rank 0 (default: when stderr is a terminal)")
+    g.add_argument("--oversubscribe", action="store_true",
+                   help="let workers share GPUs when there are more workers than GPUs (default: an error "
+                        "that names the numbers giving one worker per GPU)")
     n = p.add_argument_group("network (where shards bind and how workers reach them)")
     n.add_argument("--host", help="bind shards to this address and advertise it (0.0.0.0: every interface, "
                                   "advertised by host name); default: 127.0.0.1 when all ranks share one node, "
@@ -64,4 +70,5 @@ def run(args: argparse.Namespace) -> int:
     require_mpi("mpi")
     from psgrid.cluster.mpi import run_mpi
 
-    return run_mpi(job, host=args.host, iface=args.iface, progress=args.progress, command=command)
+    return run_mpi(job, host=args.host, iface=args.iface, progress=args.progress, command=command,
+                   oversubscribe=args.oversubscribe)

@@ -1,0 +1,84 @@
+"""``srun`` on a real Slurm: the one-node cluster of the ``slurm`` fixture (tests/slurm.py), started once per session."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import wait_for
+
+RAISE_ON_RANK = Path(__file__).resolve().parent / "mpi_raise_on_rank.py"
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+PSCTL = [sys.executable, "-m", "psgrid.cluster.cli"]
+
+pytestmark = [pytest.mark.mpi, pytest.mark.slow]
+
+
+def assert_nothing_left(slurm) -> None:
+    """No job step or task of the cluster still runs, and no MPICH file of its jobs is in /dev/shm."""
+    wait_for(lambda: not slurm.strays(), 15, "the job's processes to end")
+    assert slurm.shm_leftovers() == []
+
+
+def test_srun_runs_the_default_job_to_its_accuracy(slurm, tmp_path):
+    out = tmp_path / "run"
+    result = slurm.srun(5, [*PSCTL, "mpi", "--config", "mnist", "--out", str(out)], timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    # one job of 5 ranks (srun --mpi=pmi2 wired MPI): 1 coordinator, the job file's 2 shards, 2 workers
+    assert (summary["status"], summary["launcher"], summary["ranks"]) == ("ok", "mpi", 5)
+    assert (summary["shards"], summary["workers"], summary["steps"]) == (2, 2, 800)
+    assert summary["test_accuracy"] >= 0.9, summary["test_accuracy"]
+    assert "mnist (sync, 2 shards, 2 workers): 800 steps in " in result.stdout
+    assert_nothing_left(slurm)
+
+
+def test_a_rank_that_raises_ends_the_step_within_seconds(slurm, tmp_path):
+    out = tmp_path / "run"
+    busy = out / "metrics" / "worker-0.jsonl"      # rank 4 (worker 1) raises once worker 0 (rank 3) trains
+    result = slurm.srun(5, [sys.executable, str(RAISE_ON_RANK), "4", str(busy), "--", "mpi", "--config", "mnist",
+                            "--steps", "100000", "--out", str(out)], timeout=120)
+    ended = time.time()
+    assert result.returncode != 0
+    assert "psctl mpi: rank 4 on " in result.stderr and "failed; aborting the job" in result.stderr, result.stderr
+    raised = float(re.search(r"raising on purpose at t=([0-9.]+)", result.stderr).group(1))
+    assert ended - raised < 10, f"the step took {ended - raised:.1f} s to end after rank 4 raised"
+    print(f"srun: the step ended {ended - raised:.2f} s after rank 4 raised")
+    assert '"event": "start"' in busy.read_text()
+    assert_nothing_left(slurm)
+
+
+ABORT_SCRIPT = "from mpi4py import MPI; MPI.COMM_WORLD.Barrier(); MPI.COMM_WORLD.Abort(3)"
+
+
+def test_the_cluster_finds_and_removes_what_a_plain_mpi_job_leaves_in_dev_shm(slurm):
+    # A program that does not unlink MPICH's start-up file, as psctl does, leaves it when it aborts;
+    # the fixture knows it by the job's id and removes it on stop.
+    result = slurm.srun(2, [sys.executable, "-c", ABORT_SCRIPT], timeout=60)
+    assert result.returncode != 0
+    left = slurm.shm_leftovers()
+    assert len(left) == 1 and left[0].stat().st_size > 0, left
+    for path in left:            # this test's own leftover, so later tests see a clean /dev/shm
+        path.unlink()
+    assert_nothing_left(slurm)
+
+
+@pytest.mark.parametrize("script, options", [
+    ("one-node.sbatch", ()),
+    ("multi-node.sbatch", ("--nodes=1", "--ntasks-per-node=7")),     # the test's cluster has one node
+])
+def test_the_example_sbatch_scripts_give_each_gpu_a_worker(slurm, tmp_path, script, options):
+    # The node's 4 GPUs are made up, so the job trains on the CPU; the scripts' arithmetic is real:
+    # 7 tasks and 4 GPUs make 1 coordinator, 2 shards and 4 workers.
+    out = tmp_path / "run"
+    result = slurm.sbatch(EXAMPLES / "slurm" / script, "--device", "cpu", "--steps", "20", "--eval-every", "0",
+                          "--out", str(out), options=options, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["status"], summary["ranks"], summary["shards"], summary["workers"]) == ("ok", 7, 2, 4)
+    assert_nothing_left(slurm)
