@@ -18,8 +18,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from psgrid.psserver import wire
 from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.parallel import SERIAL, Chunks
+from psgrid.psserver.protocol import Reason
 
 # Elements per block. 256K float32 = 1 MiB per array, so the up to six blocks one iteration touches
 # (weights, gradient, two state, two scratch) stay in L3. Measured on 64 MiB (AMD EPYC, 1 MiB L2,
@@ -89,7 +91,7 @@ class Optimizer:
             yield slice(start, stop), t[: stop - start], u[: stop - start]
 
     def step(self, weights: np.ndarray, grad: np.ndarray, lr_scale: float = 1.0, *,
-             out: np.ndarray | None = None) -> None:
+             out: np.ndarray | None = None, check_finite: bool = False) -> None:
         """Apply one update to ``weights``, in place or into ``out``; ``grad`` is only read.
 
         Parameters
@@ -102,6 +104,11 @@ class Optimizer:
             Where the updated weights go (``weights`` itself by default). A shard writes each
             version into a buffer of its own (weight_ring.py), so readers of the previous one
             never see it change; the traffic is the same as in place.
+        check_finite : bool, optional
+            Refuse a gradient with NaN or infinity, leaving the state as it was (``out`` may have
+            been written). Without state (plain SGD) each block is checked as the update reads it,
+            while it is in cache, which costs far less than a pass of its own; otherwise a pass
+            over the gradient comes first.
 
         Raises
         ------
@@ -116,9 +123,18 @@ class Optimizer:
         if not out.flags.writeable:
             raise InvalidArgument(f"{'weights' if out is weights else 'out'} must be writeable")
         scale = _hparam("lr_scale", lr_scale, _positive, "finite and > 0")
-        self.steps += 1
+        fused = check_finite and not self._buffers
+        if check_finite and not fused and not all(
+                self.chunks.map(lambda lo, hi, _: wire.all_finite(grad[lo:hi]), self.size)):
+            raise NON_FINITE()
         lr = self.lr * scale
-        self.chunks.map(lambda lo, hi, i: self._apply(weights, grad, lr, out, self._blocks(lo, hi, i)), self.size)
+        blocks = (lambda lo, hi, i: _checked(self._blocks(lo, hi, i), grad)) if fused else self._blocks
+        self.steps += 1
+        try:
+            self.chunks.map(lambda lo, hi, i: self._apply(weights, grad, lr, out, blocks(lo, hi, i)), self.size)
+        except InvalidArgument:
+            self.steps -= 1         # only a fused check raises here, and no state was changed
+            raise
 
     def _apply(self, w: np.ndarray, g: np.ndarray, lr: float, out: np.ndarray, blocks) -> None:
         raise NotImplementedError
@@ -159,6 +175,37 @@ class Optimizer:
         for name, a in arrays.items():
             np.copyto(self._buffers[name], a, casting="same_kind")
         self.steps = int(steps)
+
+
+def NON_FINITE() -> InvalidArgument:
+    return InvalidArgument("payload contains NaN or infinity", Reason.NON_FINITE)
+
+
+def _checked(blocks, grad: np.ndarray):
+    """The blocks of ``blocks``, each refused (InvalidArgument) if its gradient holds NaN or infinity.
+
+    A dot product with zeros is NaN exactly when an element is NaN or infinite, and reads the block
+    once, in cache, just before the update reads it again.
+    """
+    zeros = _zeros(BLOCK)
+    with np.errstate(invalid="ignore"):
+        for block in blocks:
+            s = block[0]
+            part = grad[s]
+            if math.isnan(float(np.dot(part, zeros[:len(part)]))):
+                raise NON_FINITE()
+            yield block
+
+
+_ZEROS: dict[int, np.ndarray] = {}
+
+
+def _zeros(n: int) -> np.ndarray:
+    if n not in _ZEROS:
+        zeros = np.zeros(n, np.float32)
+        zeros.flags.writeable = False
+        _ZEROS[n] = zeros
+    return _ZEROS[n]
 
 
 class SGD(Optimizer):

@@ -169,6 +169,11 @@ class RangeIntake:
             self.scratch = None
 
 
+def _checked_later(values: np.ndarray) -> bool:
+    """The landed gradient's check is the update's (Shard.checks_as_it_applies)."""
+    return True
+
+
 class PushIntake(RangeIntake):
     """One push: the gradient lands in a pooled buffer, then :meth:`commit` hands it to the shard."""
 
@@ -177,7 +182,7 @@ class PushIntake(RangeIntake):
     def __init__(self, service: "ShardService", worker_id: int, clock: int, version: int):
         shard = service.shard
         super().__init__(shard.begin, shard.size, shard.pool.take(), GRADIENT_DTYPES, service.half_pool,
-                         shard.all_finite)
+                         _checked_later if shard.checks_as_it_applies else shard.all_finite)
         self.shard, self.worker_id, self.clock, self.version = shard, worker_id, clock, version
 
     def commit(self, declared_chunks: int | None = None) -> PushResult:
@@ -412,7 +417,7 @@ class ShardService:
             with PushIntake(self, worker_id, clock, version) as intake:
                 intake.add_chunk(shard.begin, dtype, memoryview(payload).cast("B"))
                 return intake.commit(1)
-        if not shard.all_finite(payload):
+        if not shard.checks_as_it_applies and not shard.all_finite(payload):
             raise InvalidArgument("payload contains NaN or infinity", Reason.NON_FINITE)
         result, _ = shard.push(worker_id, clock, version, payload, nbytes, borrowed=True)
         return result

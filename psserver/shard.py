@@ -172,6 +172,9 @@ class Shard:
     def register(self, spec_hash: str, worker_id: int, start_clock: int, host: str) -> dict:
         """Join (or rejoin) ``worker_id`` (-1: a new id); returns the join and the layout, read together."""
         try:
+            if self.config.mode == "async":       # never between an async update and the push it takes
+                with self.apply_lock:
+                    return self._register(spec_hash, worker_id, start_clock, host)
             return self._register(spec_hash, worker_id, start_clock, host)
         finally:
             self._flush_capture()     # moving a worker forward may have closed a sync round
@@ -317,6 +320,12 @@ class Shard:
             self.closing = True
             self.cond.notify_all()
 
+    @property
+    def checks_as_it_applies(self) -> bool:
+        """async: a pushed gradient is checked for NaN and infinity by the update itself, which reads
+        it anyway (a pass of its own costs as much as a copy); the data path need not check it first."""
+        return self.config.mode == "async"
+
     def all_finite(self, values: np.ndarray) -> bool:
         """Whether a gradient of this range holds no NaN or infinity (checked by the update's threads)."""
         return all(self.chunks.map(lambda lo, hi, _: wire.all_finite(values[lo:hi]), len(values)))
@@ -434,7 +443,8 @@ class Shard:
 
     def _push(self, worker: int, clock: int, version_used: int, grad: np.ndarray,
               nbytes: int, borrowed: bool) -> tuple[PushResult, bool]:
-        deferred = None
+        if self.config.mode == "async":
+            return self._push_async(worker, clock, version_used, grad, nbytes), False
         with self.cond:
             self._require_serving()
             self._require_live(worker)
@@ -442,10 +452,7 @@ class Shard:
             decision = self.policy.on_push(worker, clock)
             if clock > expected and decision.outcome is Outcome.APPLIED:
                 self._skipped(worker, expected, clock, "pushed")
-            self.leases.progressed(worker, self.now())
-            self.counters.pushes += 1
-            self.counters.bytes_in += nbytes
-            self._emit("push", nbytes=nbytes)
+            self._count_push(worker, nbytes)
             staleness = max(0, self.version - version_used)
             if decision.outcome is Outcome.DUPLICATE:
                 self.counters.duplicates += 1
@@ -456,17 +463,12 @@ class Shard:
                 staleness = -1
             elif decision.outcome is Outcome.APPLIED:
                 scale = 1.0 / max(1, staleness) if self.config.lr_staleness else 1.0
-                self.counters.record_staleness(staleness)
-                self._emit("staleness", value=staleness)
-                if self.config.mode == "async":       # a pull returns at once: it need not wait for this update
-                    deferred = scale
-                else:
-                    self._apply(grad, scale)
+                self._apply(grad, scale)
+                self._record_staleness(staleness)
             else:  # ACCUMULATED: hold the buffer itself for the round (no copy); the pool gets it back at close
                 held = self.round_grads.setdefault(decision.round, {})
                 held[worker] = grad
-                self.counters.record_staleness(staleness)
-                self._emit("staleness", value=staleness)
+                self._record_staleness(staleness)
                 closed = decision.round in self._close_rounds(borrowed=grad if borrowed else None)
                 if borrowed and not closed:       # the worker may write its memory again once answered
                     held[worker] = self.pool.take()
@@ -474,29 +476,57 @@ class Shard:
                 self.cond.notify_all()
                 outcome = Outcome.APPLIED if closed else decision.outcome
                 return PushResult(outcome, self.version, staleness, decision.next_clock), not borrowed
-            if deferred is None:
-                self.cond.notify_all()
-                return PushResult(decision.outcome, self.version, staleness, decision.next_clock), False
-        version = self._apply_outside_lock(grad, deferred)
-        return PushResult(decision.outcome, version, staleness, decision.next_clock), False
+            self.cond.notify_all()
+            return PushResult(decision.outcome, self.version, staleness, decision.next_clock), False
 
-    def _apply_outside_lock(self, grad: np.ndarray, lr_scale: float) -> int:
-        """async: compute the next version without holding ``cond``, then publish it; returns its version.
+    def _push_async(self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int) -> PushResult:
+        """async: check and apply the gradient outside ``cond``, then take the push and publish its version.
 
-        Updates are serialised on ``apply_lock`` (each reads the version the one before published),
-        the buffer written is one no reader holds, and the optimizer's state is changed under
-        ``apply_lock`` only, which a checkpoint also takes.
+        A pull returns at once in async, so nothing waits for an update but the next one: updates
+        queue on ``apply_lock`` (each reads the version the one before published), everything else
+        goes on meanwhile. The gradient is checked for NaN and infinity as the update reads it
+        (optim.py), and the push is taken (the worker's clock moves) only once the update is
+        computed: a refused gradient changes nothing. Registration also takes ``apply_lock`` in
+        async, so only a departure can come between: then the update is published all the same.
         """
         with self.apply_lock:
             with self.cond:
+                self._require_serving()
+                self._require_live(worker)
+                expected = self.policy.clocks[worker]
+                if clock < expected:        # a retry of a push this shard has taken: answered, not applied
+                    self.policy.on_push(worker, clock)
+                    self._count_push(worker, nbytes)
+                    self.counters.duplicates += 1
+                    return PushResult(Outcome.DUPLICATE, self.version, -1, expected)
+                staleness = max(0, self.version - version_used)
+                scale = 1.0 / max(1, staleness) if self.config.lr_staleness else 1.0
                 ring = self.ring
                 source, target = ring.current, ring.spare()
-            self.optimizer.step(ring.arrays[source], grad, lr_scale, out=ring.arrays[target])
+            self.optimizer.step(ring.arrays[source], grad, scale, out=ring.arrays[target], check_finite=True)
             with self.cond:
+                next_clock = clock + 1
+                if self.policy.is_live(worker):
+                    next_clock = self.policy.on_push(worker, clock).next_clock
+                    if clock > expected:
+                        self._skipped(worker, expected, clock, "pushed")
+                self._count_push(worker, nbytes)
+                self._record_staleness(staleness)
                 ring.publish(target)
                 self._count_applied()
                 self.cond.notify_all()
-                return self.version
+                return PushResult(Outcome.APPLIED, self.version, staleness, next_clock)
+
+    def _count_push(self, worker: int, nbytes: int) -> None:
+        if worker in self.leases.members:
+            self.leases.progressed(worker, self.now())
+        self.counters.pushes += 1
+        self.counters.bytes_in += nbytes
+        self._emit("push", nbytes=nbytes)
+
+    def _record_staleness(self, staleness: int) -> None:
+        self.counters.record_staleness(staleness)
+        self._emit("staleness", value=staleness)
 
     def _close_rounds(self, borrowed: np.ndarray | None = None) -> list[int]:
         """Apply the mean of every round that may close; ``borrowed`` (a worker's own memory) is only read."""

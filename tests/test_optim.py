@@ -328,3 +328,31 @@ def test_step_allocates_no_parameter_sized_arrays(name, hp):
     assert _peak_bytes(lambda: np.subtract(w, g * 0.1)) >= w.nbytes
     peak = _peak_bytes(lambda: opt.step(w, g, lr_scale=0.5))
     assert peak < w.nbytes // 64, f"step allocated {peak} bytes at peak for a {w.nbytes}-byte range"
+
+
+@pytest.mark.parametrize(("name", "hp"), [("sgd", dict(lr=0.1)), ("sgd", dict(lr=0.1, weight_decay=0.01)),
+                                          ("sgd", dict(lr=0.1, momentum=0.9)), ("adam", dict(lr=0.01))],
+                         ids=["sgd", "sgd-wd", "momentum", "adam"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_a_checked_step_refuses_a_non_finite_gradient_and_changes_no_state(small_block, name, hp, bad):
+    w, grads = data(1000)
+    opt = make_optimizer(name, 1000, **hp)
+    opt.step(w, grads[0])                                  # some state to keep
+    state, weights = opt.state_dict(), w.copy()
+    poisoned = grads[1].copy()
+    poisoned[777] = bad                                    # in a late block: earlier ones pass the check
+    with pytest.raises(InvalidArgument, match="NaN or infinity") as refused:
+        opt.step(w, poisoned, out=np.empty_like(w), check_finite=True)
+    assert refused.value.reason.name == "NON_FINITE"
+    np.testing.assert_array_equal(w, weights)
+    after = opt.state_dict()
+    assert after["steps"] == state["steps"]
+    for key in state:
+        np.testing.assert_array_equal(after[key], state[key])
+    out = np.empty_like(w)
+    opt.step(w, grads[1], out=out, check_finite=True)      # a clean gradient passes, the same as unchecked
+    reference = make_optimizer(name, 1000, **hp)
+    reference.load_state_dict(state)
+    expected = np.empty_like(w)
+    reference.step(w, grads[1], out=expected)
+    np.testing.assert_array_equal(out, expected)
