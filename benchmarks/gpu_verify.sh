@@ -32,6 +32,7 @@ for run in first second; do
   psctl launch --config examples/mnist.toml --device gpu --out "/tmp/launch-$run" --no-progress 2>&1 | tail -2 \
     | tee -a "$OUT/gpu-launch.log"
   cp "/tmp/launch-$run/summary.json" "$OUT/launch-$run-summary.json" 2>/dev/null
+  [ "$run" = second ] || ls -la --time-style=+%s.%N "$CUPY_CACHE_DIR" > "$OUT/kernel-cache-after-first.txt" 2>&1
 done
 python3 - <<'PY' | tee -a "$OUT/gpu-launch.log"
 import json
@@ -42,6 +43,22 @@ for name, s in (("first", first), ("second", second)):
           f"whole job {s['total_wall_s']:.2f} s, test accuracy {s['test_accuracy']:.4f}, "
           f"data planes {sorted({p for e in starts for p in e.get('data_planes') or []})}")
 print(f"first run's training time / second run's: {first['wall_s'] / second['wall_s']:.2f}")
+# Kernels CuPy compiled during the first run's training (after its first step started): the warm-up
+# before joining should leave none. Each cache file is one compiled kernel; its time says when.
+import os
+events = [json.loads(l) for l in open("/tmp/launch-first/metrics.jsonl")]
+steps = [e for e in events if e.get("event") == "step"]
+t0 = min(e["started"] for e in steps)
+cache = os.environ["CUPY_CACHE_DIR"]
+late = sorted((os.path.getmtime(os.path.join(cache, f)) - t0, f) for f in os.listdir(cache)
+              if os.path.getmtime(os.path.join(cache, f)) > t0 and not f.startswith("."))
+print(f"kernels compiled after training started: {len(late)} of {len(os.listdir(cache))}")
+for dt, name in late[:12]:
+    print(f"  +{dt:6.2f} s {name}")
+slow = sorted(steps, key=lambda e: -(e["pull_s"] + e["compute_s"] + e.get("push_s", 0)))[:8]
+for e in slow:
+    print(f"  slow step: rank {e['rank']} step {e['step']} at +{e['started'] - t0:.2f} s: pull {e['pull_s']:.3f} "
+          f"compute {e['compute_s']:.3f} push {e.get('push_s', 0):.3f}")
 PY
 unset CUPY_CACHE_DIR
 

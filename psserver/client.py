@@ -223,13 +223,14 @@ class Client:
     def data_planes(self) -> list[str | None]:
         return self._conn.data_planes
 
-    def gradient_buffer(self) -> np.ndarray:
-        """A flat float32 buffer of the model's size that pushes take without a copy.
+    def gradient_buffer(self, index: int = 0) -> np.ndarray:
+        """Flat float32 buffer ``index`` (0 or 1) of the model's size, which pushes take without a copy.
 
         On this host's shards it is shared memory they read in place; compute the gradient
-        into it (or copy it there from a device) and pass it to :meth:`push`.
+        into it (or copy it there from a device) and pass it to :meth:`push`. With two, a worker
+        computes the next gradient into one while the push of the other is in flight.
         """
-        return self._memory.gradient()
+        return self._memory.gradient(index)
 
     # ----- joining and leaving ------------------------------------------------------------------
 

@@ -52,25 +52,28 @@ class ClientMemory:
         self.shared = shared and shared_memory.available()
         self.pinner = pinner
         self.lock = threading.Lock()
-        self._segments: dict[int, tuple[np.ndarray, shared_memory.SharedArray | None]] = {}
+        self._segments: dict[tuple[int, int], tuple[np.ndarray, shared_memory.SharedArray | None]] = {}
         self._staging: np.ndarray | None = None
         self._pinned: list[np.ndarray] = []
 
-    def gradient(self) -> np.ndarray:
-        """The float32 gradient buffer pushes copy nothing from (shared with shards on this host)."""
-        return self.segment(FLOAT32)[0]
+    def gradient(self, index: int = 0) -> np.ndarray:
+        """Float32 gradient buffer ``index`` (0 or 1), which pushes copy nothing from (shared with shards here)."""
+        return self.segment(FLOAT32, index)[0]
 
-    def segment(self, dtype: int) -> tuple[np.ndarray, int]:
-        """The whole-model buffer of wire dtype ``dtype`` and its shared file (-1 when not shared)."""
+    def segment(self, dtype: int, index: int = 0) -> tuple[np.ndarray, int]:
+        """Whole-model buffer ``index`` of wire dtype ``dtype`` and its shared file (-1 when not shared)."""
+        if index not in (0, 1):
+            raise ValueError(f"a client has gradient buffers 0 and 1, not {index}")
         with self.lock:
-            if dtype not in self._segments:
+            key = (dtype, index)
+            if key not in self._segments:
                 kind = SEGMENT_KINDS.get(dtype, HALF_KIND)
                 holder = shared_memory.SharedArray(self.size, kind, "psgrid-gradient") if self.shared else None
                 array = holder.array if holder is not None else np.empty(self.size, kind)
                 if dtype == FLOAT32:
                     self._pin(array, read_only=False)
-                self._segments[dtype] = (array, holder)
-            array, holder = self._segments[dtype]
+                self._segments[key] = (array, holder)
+            array, holder = self._segments[key]
             return array, holder.fd if holder is not None else -1
 
     def staging(self) -> np.ndarray:
@@ -81,10 +84,14 @@ class ClientMemory:
                 self._pin(self._staging, read_only=False)
             return self._staging
 
-    def is_gradient(self, values: np.ndarray, begin: int) -> bool:
-        """Whether ``values`` already lies in the gradient buffer at element ``begin`` (nothing to copy)."""
-        found = self._segments.get(FLOAT32)
-        return found is not None and shared_memory.address(values) == shared_memory.address(found[0][begin:])
+    def gradient_index(self, values: np.ndarray, begin: int) -> int | None:
+        """Which float32 gradient buffer ``values`` already lies in at element ``begin`` (None: neither)."""
+        where = shared_memory.address(values)
+        for index in (0, 1):
+            found = self._segments.get((FLOAT32, index))
+            if found is not None and where == shared_memory.address(found[0][begin:]):
+                return index
+        return None
 
     def _pin(self, array: np.ndarray, read_only: bool) -> None:
         if self.pinner is not None and array.nbytes:

@@ -282,3 +282,25 @@ def test_a_call_that_runs_out_of_time_is_not_taken_for_a_consistency_wait(cluste
     with pytest.raises(ShardUnavailable) as err:
         c.admin(deadline_s=0.1, retry_s=0.3).stats()           # gRPC's own deadline: no answer from the shard
     assert err.value.__cause__.reason is Reason.TIMED_OUT
+
+
+@pytest.mark.timeout(30)
+def test_pushes_from_either_gradient_buffer_are_applied(cluster):
+    """A worker computing into the client's two gradient buffers in turn: each push is the one it made."""
+    c = cluster(2, mode="async", lr=1.0)
+    with c.client(SPEC, init=SPEC.flat()) as client:
+        buffers = [client.gradient_buffer(0), client.gradient_buffer(1)]
+        assert buffers[0] is not buffers[1] and buffers[0].shape == buffers[1].shape == (SPEC.size,)
+        with pytest.raises(ValueError, match="0 and 1"):
+            client.gradient_buffer(2)
+        total = np.zeros(SPEC.size, np.float32)
+        handle = None
+        for step in range(6):
+            grad = buffers[step % 2]
+            if handle is not None and step >= 2:
+                handle.wait()                  # the push that read this buffer has ended
+            grad[...] = step + 1
+            total += grad
+            handle = client.push(grad, background=True)
+        handle.wait()
+        np.testing.assert_array_equal(c.weights(), -total)

@@ -33,20 +33,45 @@ class FlatBuffers:
         The :class:`~psgrid.psserver.client.Client` (or another exchange with ``pull``/``push``)
         these buffers move through; one with ``gradient_buffer()`` lends the gradient's host
         memory, and one whose ``pull`` takes ``into=`` hands the weights over in place.
+    double : bool
+        Two host gradients, taken in turn (:meth:`swap_gradient`): the next gradient is
+        computed (on the CPU) or copied from the GPU into one while the push of the other is in
+        flight, so a step's compute overlaps the shards' update of the step before.
     """
 
-    def __init__(self, spec: ModelSpec, xp, exchange=None):
+    def __init__(self, spec: ModelSpec, xp, exchange=None, *, double: bool = False):
         self.xp = xp
         self.exchange = exchange
         self.in_place = exchange is not None and hasattr(exchange, "gradient_buffer")
-        self.host_grad = exchange.gradient_buffer() if self.in_place else pinned_empty(spec.size, np.float32, xp)
+        count = 2 if double else 1
+        if self.in_place:
+            self.host_grads = [exchange.gradient_buffer(i) for i in range(count)]
+        else:
+            self.host_grads = [pinned_empty(spec.size, np.float32, xp) for _ in range(count)]
+        self.current = 0
         self._host_params = None
         if xp is np:
-            self.params, self.grad = np.empty(spec.size, np.float32), self.host_grad
+            self.params = np.empty(spec.size, np.float32)
+            self._grad_views = [spec.views(g) for g in self.host_grads]
         else:
             self.params, self.grad = spec.flat(xp), spec.flat(xp)
+            self.grad_views = spec.views(self.grad)
         self.param_views = spec.views(self.params)
-        self.grad_views = spec.views(self.grad)
+        self._use(0)
+
+    @property
+    def host_grad(self) -> np.ndarray:
+        """The host gradient of this step: what the exchange pushes from."""
+        return self.host_grads[self.current]
+
+    def swap_gradient(self) -> None:
+        """Take the other host gradient for this step (its push, of the step before last, has ended)."""
+        self._use((self.current + 1) % len(self.host_grads))
+
+    def _use(self, index: int) -> None:
+        self.current = index
+        if self.xp is np:       # on the CPU the model writes its gradient straight into the host buffer
+            self.grad, self.grad_views = self.host_grads[index], self._grad_views[index]
 
     @property
     def host_params(self) -> np.ndarray:

@@ -1,9 +1,10 @@
 """The training loop of one worker: pull, compute, push, and record what each took.
 
 Parameters and gradients live in :class:`FlatBuffers` (flat device arrays with views by
-name, mirrored in pinned host memory). In async and ssp the push of step c runs in the
-background while the pull for step c+1 waits for its weights, and it is waited for before
-the next gradient overwrites its buffer; in sync the steps stay in order.
+name; the host side of the gradient is the client's, in shared memory where the shards are on
+this host). In async and ssp the push of step c runs in the background while the pull and the
+compute of step c+1 go on, its gradient computed into the other of two host buffers, and it is
+waited for before the push of step c+1; in sync the steps stay in order.
 """
 
 from __future__ import annotations
@@ -145,16 +146,17 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
                           params=spec.size,
                           shard_rows=len(data.train_y), data_planes=exchange.data_planes,
                           stragglers=list(train.stragglers), warmup_s=warmup_s)
-            bufs = FlatBuffers(spec, xp, exchange)
+            # In async and ssp the push runs in the background while the next pull waits for weights and
+            # the next gradient is computed into the other of two buffers; it is waited for before the push
+            # after it. In sync the next pull is answered only once the round the push closes is applied,
+            # so an overlap saves one request's latency and costs a thread hand-off: it stays in order.
+            overlap = exchange.mode not in ("sync", "allreduce")
+            bufs = FlatBuffers(spec, xp, exchange, double=overlap)
             loader = BatchLoader(data.train_x, data.train_y, train.batch_size, xp=xp, seed=train.seed + 1000 * rank)
             delay = Delay(train.stragglers, rank, train.seed)
             step_bytes = bytes_per_step(exchange, spec.size)
             test_x, test_y = xp.asarray(data.test_x), xp.asarray(data.test_y)
             in_flight = None         # (push handle, its step's record): the push of the step before
-            # In async and ssp the push runs in the background while the next pull waits for weights.
-            # In sync that pull is answered only once the round the push closes is applied, so an
-            # overlap saves one request's latency and costs a thread hand-off: it stays in order.
-            overlap = exchange.mode not in ("sync", "allreduce")
             samples = 0
             loss_value = float("nan")
             start = time.perf_counter()
@@ -163,10 +165,10 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
                 t0 = time.perf_counter()
                 bufs.pull()                       # pull_s: from the request to the weights on the device
                 pull_s = time.perf_counter() - t0
-                if in_flight is not None:         # its buffer is about to be overwritten
-                    metrics.write(**_finish(*in_flight, step_bytes))
                 t1 = time.perf_counter()
                 x, y = next(loader)
+                if overlap:
+                    bufs.swap_gradient()          # the other buffer: the push that read it has ended
                 loss = model.loss_and_grad(bufs.param_views, x, y, bufs.grad_views)
                 bufs.download_grad()          # compute_s includes this copy to the host, which also synchronizes
                 loss_value = float(loss)
@@ -175,6 +177,8 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
                 if delay_s:
                     time.sleep(delay_s)
                 samples += len(y)
+                if in_flight is not None:         # the push before (it overlapped this pull and compute) ends first
+                    metrics.write(**_finish(*in_flight, step_bytes))
                 record = dict(event="step", rank=rank, worker=exchange.worker_id, step=step,
                               clock=exchange.clock, started=started, loss=loss_value, pull_s=pull_s,
                               compute_s=compute_s, delay_s=delay_s, samples=len(y))

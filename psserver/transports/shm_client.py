@@ -37,7 +37,7 @@ class _Connection:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.slot = -1                   # this connection's slot in the shard's marks, once OPENed
-        self.attached: set[int] = set()  # wire dtypes whose gradient file the shard has mapped for it
+        self.attached: set[int] = set()  # gradient files (dtype byte: dtype and index) the shard mapped for it
 
 
 class ShmDataPlane(DataPlane):
@@ -193,21 +193,22 @@ class ShmDataPlane(DataPlane):
              timeout_s: float) -> PushResult:
         if self.memory is None:
             raise BadReply("this connection has no gradient memory to push from (an observer's)")
-        segment, fd = self.memory.segment(wire_dtype)
         end = begin + len(grad)
-        if wire_dtype == FLOAT32:
-            if not self.memory.is_gradient(grad, begin):
-                np.copyto(segment[begin:end], grad)
-        else:
+        index = self.memory.gradient_index(grad, begin) if wire_dtype == FLOAT32 else None
+        segment, fd = self.memory.segment(wire_dtype, index or 0)
+        if wire_dtype != FLOAT32:
             segment[begin:end] = np.frombuffer(wire.encode(grad, wire_dtype), np.uint16)
+        elif index is None:         # not computed in one of our gradient buffers: copied into the first
+            np.copyto(segment[begin:end], grad)
+        kind = wire_dtype | (index or 0) << 4
 
         def call(conn: _Connection) -> PushResult:
-            if wire_dtype not in conn.attached:
-                conn.sock.sendall(REQUEST.pack(MAGIC, ATTACH, wire_dtype, 0, 0, 0, segment.nbytes, 0.0))
+            if kind not in conn.attached:
+                conn.sock.sendall(REQUEST.pack(MAGIC, ATTACH, kind, 0, 0, 0, segment.nbytes, 0.0))
                 socket.send_fds(conn.sock, [FD_BYTE], [fd])
                 self._read_reply(conn.sock)
-                conn.attached.add(wire_dtype)
-            conn.sock.sendall(REQUEST.pack(MAGIC, PUSH, wire_dtype, worker_id, clock, version, 0, timeout_s))
+                conn.attached.add(kind)
+            conn.sock.sendall(REQUEST.pack(MAGIC, PUSH, kind, worker_id, clock, version, 0, timeout_s))
             outcome, new_version, staleness, next_clock = self._read_reply(conn.sock)
             return PushResult(Outcome(outcome), new_version, staleness, next_clock)
 

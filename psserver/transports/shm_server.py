@@ -33,14 +33,15 @@ from psgrid.psserver.protocol import BFLOAT16, FLOAT16, FLOAT32, Reason
 from psgrid.psserver.service import MAX_MODEL_ELEMENTS, ShardService
 from psgrid.psserver.shared_memory import map_fd
 from psgrid.psserver.transports.socket_server import DEFAULT_MAX_CONNECTIONS, SocketDataServer, reply_timeout
-from psgrid.psserver.transports.tcp_frames import ATTACH, FD_BYTE, MAP, OPEN, PULL, PUSH
+from psgrid.psserver.transports.tcp_frames import ATTACH, DTYPE_BITS, FD_BYTE, MAP, OPEN, PULL, PUSH
 
 SEGMENT_DTYPES = {FLOAT32: np.dtype("<f4"), FLOAT16: np.dtype("<u2"), BFLOAT16: np.dtype("<u2")}
 PEERCRED = struct.Struct("3i")     # pid, uid, gid
 
 
 class Reader:
-    """What the plane keeps for one connection: its slot in the marks table and the gradients it attached."""
+    """What the plane keeps for one connection: its slot in the marks table and the gradients it attached
+    (by the dtype byte that names them: wire dtype and the index of the client's file)."""
 
     __slots__ = ("slot", "segments")
 
@@ -108,10 +109,10 @@ class ShmDataServer(SocketDataServer):
             else:
                 segment = reader.segments.get(dtype)
                 if segment is None:
-                    raise InvalidArgument(f"no gradient of dtype {dtype} attached to this connection: ATTACH it first",
-                                          Reason.BAD_DTYPE)
-                result = self.service.push_shared(worker_id=worker, clock=clock, version=version, dtype=dtype,
-                                                  segment=segment)
+                    raise InvalidArgument(f"no gradient file {dtype >> 4} of dtype {dtype & DTYPE_BITS} attached to "
+                                          f"this connection: ATTACH it first", Reason.BAD_DTYPE)
+                result = self.service.push_shared(worker_id=worker, clock=clock, version=version,
+                                                  dtype=dtype & DTYPE_BITS, segment=segment)
                 self._reply(sock, outcome=result.outcome, version=result.version, staleness=result.staleness,
                             next_clock=result.next_clock)
         except PSError as exc:       # first: a WaitTimeout is also an OSError
@@ -139,9 +140,10 @@ class ShmDataServer(SocketDataServer):
             self._refuse(sock, InvalidArgument("ATTACH must carry one file descriptor", Reason.MALFORMED))
             return False
         try:
-            kind = SEGMENT_DTYPES.get(dtype)
+            kind = SEGMENT_DTYPES.get(dtype & DTYPE_BITS) if dtype >> 4 in (0, 1) else None
             if kind is None:
-                raise InvalidArgument(f"dtype {dtype} is not a gradient dtype", Reason.BAD_DTYPE)
+                raise InvalidArgument(f"dtype byte {dtype} names no gradient file (a gradient dtype, file 0 or 1)",
+                                      Reason.BAD_DTYPE)
             if not 0 < nbytes <= MAX_MODEL_ELEMENTS * kind.itemsize or nbytes % kind.itemsize:
                 raise InvalidArgument(f"a shared gradient of {nbytes} bytes is not a whole number of "
                                       f"{kind.itemsize}-byte elements within the model limit", Reason.BAD_SIZE)

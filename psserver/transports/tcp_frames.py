@@ -17,6 +17,9 @@ HELLO, PULL, PUSH = 1, 2, 3
 # operations that hand memory across by file descriptor; there a PULL's reply carries the index of
 # the buffer to read in its ``staleness`` field, and a PUSH carries no payload (it is in shared memory).
 OPEN, MAP, ATTACH = 4, 5, 6
+# On that plane an ATTACH's and a PUSH's dtype byte also names which of the client's two gradient
+# files it means: wire dtype in the low four bits, the file's index in the high four.
+DTYPE_BITS = 0x0F
 FD_BYTE = b"F"       # the one byte that carries a file descriptor (SCM_RIGHTS) after a header
 REQUEST = struct.Struct("<4sBBqqQQd")      # magic, op, dtype, worker_id, clock, version, nbytes, timeout_s
 REPLY = struct.Struct("<4sBBBQqqQ")        # magic, status, reason, outcome, version, staleness, next_clock, nbytes
