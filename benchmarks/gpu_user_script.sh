@@ -77,7 +77,9 @@ done
 if python3 -c "import mpi4py" 2>/dev/null; then
   echo "== mpiexec -n 4 psctl mpi --shards 1 --device gpu -- python examples/train_torch.py"
   rm -rf /tmp/user-torch-mpi
-  mpiexec -n 4 python3 -m psgrid.cluster.cli mpi --shards 1 --device gpu --no-progress --out /tmp/user-torch-mpi -- \
+  # one GPU here: the two workers share it (--oversubscribe; psctl mpi refuses that otherwise)
+  mpiexec -n 4 python3 -m psgrid.cluster.cli mpi --shards 1 --device gpu --oversubscribe --no-progress \
+    --out /tmp/user-torch-mpi -- \
     python examples/train_torch.py --steps 500
   cp /tmp/user-torch-mpi/summary.json "$OUT/user-train_torch-mpi-summary.json" 2>/dev/null
 else
