@@ -205,7 +205,9 @@ def run_on_rank(command: list[str], job, out: Path, addresses: list[str], rank: 
     [...]}`` otherwise; a command that failed before it joined is reported gone to the shards first.
     """
     out = Path(out)
-    log = out / "logs" / f"worker-{rank}.log"
+    # Not logs/worker-R.log: under psctl mpi that is this rank's own output (mpi_report.tee_to_log),
+    # which the relay below writes to; reading it back would prefix the same lines without end.
+    log = out / "logs" / f"worker-{rank}-command.log"
     metrics = out / "metrics" / f"worker-{rank}.jsonl"
     metrics.parent.mkdir(parents=True, exist_ok=True)
     _ensure_job_file(job, out)

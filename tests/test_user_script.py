@@ -157,6 +157,10 @@ def test_mpi_runs_the_example_on_each_worker_rank(tmp_path):
     assert summary["workers_completed"] == 2 and summary["steps"] == 600 and summary["failures"] == []
     assert summary["test_accuracy"] >= 0.88, summary["test_accuracy"]
     assert "[rank 0] worker 0 of 2 (numpy): 300 steps" in stdout and "[rank 1] worker 1 of 2" in stdout
+    # Each line of a script once, with one prefix (its rank's own log is not read back into the relay).
+    lines = stdout.splitlines()
+    assert sum("worker 0 of 2 (numpy): 300 steps" in line for line in lines) == 1, stdout[-2000:]
+    assert not any(line.startswith(("[rank 0] [rank", "[rank 1] [rank")) for line in lines), stdout[-2000:]
     assert {e["rank"] for e in read_events(out) if e["event"] == "done"} == {0, 1}
     assert_token_kept(out)
     print(f"mpiexec -n 4 psctl mpi -- python {EXAMPLE} took {took:.1f} s")
