@@ -7,7 +7,8 @@
 #  3. benchmarks/gpu_workers.py: the 20M MLP with no servers, with 1 and 4 shards over shared memory
 #     and over TCP, each pull and push against CuPy's pinned copy of the same bytes in the same run;
 #  4. psctl bench train on the GPU (MLP and CNN, async and sync, 4 shards) beside no servers.
-# Logs and JSON land in $OUT. On the lent device: wheels for what its image lacks travel in .whl/.
+# Logs and JSON land in $OUT. PARTS="1 3" runs only those parts. On the lent device: wheels for
+# what its image lacks travel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .whl ]; then
@@ -18,12 +19,15 @@ else
 fi
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+PARTS=${PARTS:-1 2 3 4}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
 psctl() { python3 -m psgrid.cluster.cli "$@"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "cores $(nproc), $(grep MemTotal /proc/meminfo)"
 python3 -c "import grpc, google.protobuf, cupy, numpy; print('grpc', grpc.__version__, 'protobuf', google.protobuf.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
 python3 -c "import grpc_health, mlxtend, tqdm, prometheus_client, threadpoolctl, matplotlib; print('imports ok')"
 
+if part 1; then
 echo "== 1. the default job on GPU workers, on a fresh CuPy kernel cache: a first run and a second"
 export CUPY_CACHE_DIR=/tmp/cupy-fresh-cache
 rm -rf "$CUPY_CACHE_DIR"
@@ -61,15 +65,22 @@ for e in slow:
           f"compute {e['compute_s']:.3f} push {e.get('push_s', 0):.3f}")
 PY
 unset CUPY_CACHE_DIR
+fi
 
+if part 2; then
 echo "== 2. GPU tests (CuPy against NumPy; the GPU data path on every plane)"
 python3 -m pytest -q -p no:cacheprovider tests/test_models.py tests/test_data.py tests/test_backend.py \
   tests/test_gpu_data_path.py -o addopts="--strict-markers -ra" 2>&1 | tee "$OUT/gpu-tests.log" | tail -6
+fi
 
+if part 3; then
 echo "== 3. worker figures: no servers, shared memory and TCP, against CuPy's pinned copy"
 python3 benchmarks/gpu_workers.py --json "$OUT/gpu-workers.jsonl" --planes shm,tcp --shards 1,4 --modes async,sync \
   --steps 80 "$@" 2>&1 | tee "$OUT/gpu-workers.log" | grep -v '^{'
+fi
 
+if part 4; then
 echo "== 4. psctl bench train on the GPU"
 psctl bench train --device gpu --models mlp,cnn --hidden 4096,4096 --batch-size 512 --shards 4 --workers 1 \
   --modes async,sync --steps 80 2>&1 | tee "$OUT/gpu-bench-train.log"
+fi
