@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import MPI_ENV, ROOT, alive, wait_for
+from tests.support import MPI_ENV, ROOT, alive, wait_for, with_this_tree
 
 PACKAGES = "slurmd slurmctld slurm-client munge"
 PROGRAMS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "squeue", "scancel", "scontrol")
@@ -206,7 +206,7 @@ class SlurmCluster:
         """The environment of a command on this cluster: ours without any enclosing job's, its config,
         this checkout importable, this Python's ``psctl`` first on the path, MPI on loopback."""
         env = {k: v for k, v in os.environ.items() if not FOREIGN_ENV.match(k)}
-        env.update(SLURM_CONF=str(self.conf), PYTHONPATH=str(ROOT), **MPI_ENV,
+        env.update(SLURM_CONF=str(self.conf), PYTHONPATH=with_this_tree(os.environ), **MPI_ENV,
                    PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
         env.update(extra or {})
         return env
