@@ -34,5 +34,5 @@ for _ in $(seq 1 120); do
 done
 wait "$job"; echo "exit $?; at most $most compute processes at once (GPUs: $gpus)" | tee -a "$OUT/gpu-placement-run.log"
 tail -3 "$OUT/gpu-placement-run.log"
-python3 -c "import json; s = json.load(open('/tmp/placement-run/summary.json')); print([w['device'] for w in s['worker_results']])" \
+python3 -c "import json; print('worker devices:', sorted((e['rank'], e['device']) for e in map(json.loads, open('/tmp/placement-run/metrics.jsonl')) if e.get('event') == 'start'))" \
   | tee -a "$OUT/gpu-placement-run.log"
