@@ -1,4 +1,5 @@
-"""Transport and apply figures: pull+push through one shard against raw TCP, SGD apply against memcpy.
+"""Transport and apply figures: pull+push through one shard against raw TCP (the network planes) and
+against ``numpy.copyto`` (shared memory), SGD apply against memcpy.
 
 Both sides of each comparison run in the same invocation on the same machine,
 so the ratios hold up on a noisy, shared host where absolute numbers do not.
@@ -129,8 +130,11 @@ def _median_time(fn, n: int) -> float:
 def transport_rows(sizes, repeat: int = 5, chunk_bytes: int = 1 * MIB):
     """Yield one dict per size: pull+push through a shard vs the TCP echo of the same bytes.
 
-    ``gbps`` is the default path (the TCP data plane); ``grpc_gbps`` the same
-    calls with the payload in gRPC streams of ``chunk_bytes`` chunks.
+    ``gbps`` is the TCP data plane; ``grpc_gbps`` the same calls with the payload in gRPC
+    streams of ``chunk_bytes`` chunks. ``shm_*`` is the shared-memory plane, beside
+    ``numpy.copyto`` of the same bytes: its pull is one copy out of the shard's memory, its push
+    moves nothing (the shard reads the worker's gradient buffer in place) and costs the shard's
+    update, which ``shm_push_s`` holds and ``apply_s`` (the optimizer alone) shows apart.
     """
     echo = TcpEcho()
     try:
@@ -143,21 +147,35 @@ def transport_rows(sizes, repeat: int = 5, chunk_bytes: int = 1 * MIB):
                 out = np.empty(elems, np.float32)
                 n = _repeats(size, repeat)
                 options = dict(init=values, chunk_bytes=chunk_bytes, deadline_s=600)
-                with Client([shard.address], spec, data_plane="tcp", **options) as tcp, \
-                        Client([shard.address], spec, data_plane="grpc", **options) as grpc_only:
+                copied = np.empty_like(values)
+                opt = make_optimizer("sgd", elems, lr=1e-9)
+                with Client([shard.address], spec, data_plane="tcp", shared_memory=False, **options) as tcp, \
+                        Client([shard.address], spec, data_plane="grpc", shared_memory=False, **options) as grpc_only, \
+                        Client([shard.address], spec, **options) as shm:
                     payload, into = memoryview(values).cast("B"), memoryview(out).cast("B")
+                    gradient = shm.gradient_buffer()
+                    gradient[...] = values
                     times = _interleaved_medians({
                         "ps": lambda: (tcp.pull(out).wait(), tcp.push(values).wait()),
                         "grpc": lambda: (grpc_only.pull(out).wait(), grpc_only.push(values).wait()),
                         "tcp": lambda: echo.round_trip(payload, into),
+                        "shm_pull": lambda: shm.pull(out).wait(),
+                        "shm_push": lambda: shm.push(gradient).wait(),
+                        "copyto": lambda: np.copyto(copied, values),
+                        "apply": lambda: opt.step(values, gradient, out=copied),
                     }, n)
+                    planes = shm.data_planes
                 ps_s, grpc_s, tcp_s = times["ps"], times["grpc"], times["tcp"]
             finally:
                 shard.close()
+            shm_s, copy_s = times["shm_pull"] + times["shm_push"], times["copyto"]
             yield {"bench": "transport", "size_bytes": size, "repeats": n, "ps_s": ps_s, "tcp_s": tcp_s,
                    "grpc_s": grpc_s, "gbps": 2 * size / ps_s / 1e9, "tcp_gbps": 2 * size / tcp_s / 1e9,
                    "ratio_vs_tcp": tcp_s / ps_s, "grpc_gbps": 2 * size / grpc_s / 1e9,
-                   "grpc_ratio_vs_tcp": tcp_s / grpc_s}
+                   "grpc_ratio_vs_tcp": tcp_s / grpc_s, "shm_planes": planes,
+                   "shm_pull_s": times["shm_pull"], "shm_push_s": times["shm_push"], "copyto_s": copy_s,
+                   "apply_s": times["apply"], "shm_gbps": 2 * size / shm_s / 1e9,
+                   "shm_ratio_vs_copyto": 2 * copy_s / shm_s, "shm_pull_ratio_vs_copyto": copy_s / times["shm_pull"]}
     finally:
         echo.close()
 
@@ -192,16 +210,19 @@ def run(sizes=None, repeat: int = 5, as_json: bool = False, what=("transport", "
     rows = []
     if "transport" in what:
         if not as_json:
-            print(f"{'pull+push':>10} {'psgrid GB/s':>12} {'raw TCP GB/s':>13} {'ratio':>6} "
-                  f"{'gRPC-only GB/s':>15} {'ratio':>6}", file=out)
+            print(f"{'pull+push':>10} {'TCP plane':>9} {'raw TCP':>8} {'ratio':>6} {'gRPC':>6} {'ratio':>6} "
+                  f"{'shm':>6} {'x copy':>6} | {'shm pull':>8} {'x copy':>6} {'shm push':>8} {'apply':>6}   "
+                  f"(GB/s; ms)", file=out)
         for row in transport_rows(sizes, repeat):
             rows.append(row)
             if as_json:
                 print(json.dumps(row), file=out, flush=True)
             else:
-                print(f"{_human(row['size_bytes']):>10} {row['gbps']:12.2f} {row['tcp_gbps']:13.2f} "
-                      f"{row['ratio_vs_tcp']:6.2f} {row['grpc_gbps']:15.2f} {row['grpc_ratio_vs_tcp']:6.2f}",
-                      file=out, flush=True)
+                print(f"{_human(row['size_bytes']):>10} {row['gbps']:9.2f} {row['tcp_gbps']:8.2f} "
+                      f"{row['ratio_vs_tcp']:6.2f} {row['grpc_gbps']:6.2f} {row['grpc_ratio_vs_tcp']:6.2f} "
+                      f"{row['shm_gbps']:6.2f} {row['shm_ratio_vs_copyto']:6.2f} | {1e3 * row['shm_pull_s']:8.3f} "
+                      f"{row['shm_pull_ratio_vs_copyto']:6.2f} {1e3 * row['shm_push_s']:8.3f} "
+                      f"{1e3 * row['apply_s']:6.3f}", file=out, flush=True)
     if "apply" in what:
         if not as_json:
             print(f"\n{'apply':>10} {'optimizer':>9} {'apply GB/s':>11} {'memcpy GB/s':>12} {'ratio':>6}", file=out)

@@ -23,6 +23,10 @@ def test_bench_transport_json_rows():
         for key in ("gbps", "tcp_gbps", "ratio_vs_tcp", "grpc_gbps", "grpc_ratio_vs_tcp"):
             assert r[key] > 0, key
         assert r["ratio_vs_tcp"] == pytest.approx(r["tcp_s"] / r["ps_s"])
+        assert r["shm_planes"] == ["shm"]                 # the shared-memory rows went through shared memory
+        for key in ("shm_pull_s", "shm_push_s", "copyto_s", "apply_s", "shm_gbps", "shm_ratio_vs_copyto"):
+            assert r[key] > 0, key
+        assert r["shm_ratio_vs_copyto"] == pytest.approx(2 * r["copyto_s"] / (r["shm_pull_s"] + r["shm_push_s"]))
     assert {r["optimizer"] for r in apply} == {"sgd", "momentum", "adam"}
     for r in apply:
         assert r["apply_gbps"] > 0 and r["memcpy_gbps"] > 0
@@ -33,3 +37,36 @@ def test_bench_refuses_a_bad_size():
     done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "bench", "transport", "--sizes", "10"],
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "at least 4 KiB" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_ps_json_rows_name_their_suite_settings_and_the_floor(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "bench", "ps", "--params", "100K",
+                           "--shards", "1", "--workers", "2", "--planes", "shm,tcp", "--seconds", "0.5", "--json"],
+                          capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["data_plane"], r["planes_used"]) for r in rows] == [("shm", ["shm"]), ("tcp", ["tcp"])]
+    for r in rows:
+        assert (r["suite"], r["params"], r["shards"], r["workers"], r["mode"]) == ("ps", 100_000, 1, 2, "async")
+        assert r["updates_per_s"] > 0 and r["gbps"] > 0 and r["floor_updates_per_s"] > 0
+        assert r["floor_s"] == pytest.approx(2 * r["copy_s"] + r["apply_s"])
+        assert r["ratio_vs_floor"] == pytest.approx(r["updates_per_s"] / r["floor_updates_per_s"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_bench_train_json_rows_have_the_breakdown_beside_no_servers(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "bench", "train", "--models", "mlp",
+                           "--modes", "async", "--hidden", "32", "--batch-size", "32", "--steps", "20",
+                           "--shards", "1", "--workers", "1", "--json"],
+                          capture_output=True, text=True, timeout=230, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    alone, served = [json.loads(line) for line in done.stdout.splitlines()]
+    assert (alone["mode"], alone["shards"], alone["ratio_vs_no_servers"]) == ("none", 0, 1.0)
+    assert (served["suite"], served["model"], served["mode"], served["data_plane"]) == ("train", "mlp", "async", "shm")
+    assert served["planes_used"] == ["shm"] and served["params"] == alone["params"]
+    for key in ("samples_per_s", "pull_s", "compute_s", "push_s"):
+        assert served[key] > 0, key
+    assert served["ratio_vs_no_servers"] == pytest.approx(served["samples_per_s"] / alone["samples_per_s"])
