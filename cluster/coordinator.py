@@ -369,6 +369,7 @@ def build_summary(
             "wall_s": d.get("wall_s"),
             "final_loss": d.get("final_loss", state.loss.get(rank)),
             "warmup_s": d.get("warmup_s", 0.0),    # compiling GPU kernels before joining: not in wall_s
+            "device": d.get("device"),              # cpu, or cuda:N
         })
     losses = [w["final_loss"] for w in workers if _finite(w["final_loss"])]
     evaluation = evaluation or {}

@@ -9,6 +9,7 @@ caller's thread takes the first chunk itself (no hand-off for one thread, the de
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
@@ -48,3 +49,12 @@ class Chunks:
 
 
 SERIAL = Chunks(1)
+
+
+def default_threads() -> int:
+    """A quarter of the CPUs this process may use, 1 to 8: shards share a machine with workers and each other."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus // 4))

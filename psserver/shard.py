@@ -30,7 +30,7 @@ from psgrid.psserver.sharding import shard_range
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.weight_ring import WeightRing
 from psgrid.psserver import shared_memory, wire
-from psgrid.psserver.parallel import Chunks
+from psgrid.psserver.parallel import Chunks, default_threads
 
 STALENESS_BUCKETS = 32
 # A pull over TCP or gRPC sends straight from the current version while at most this many buffers
@@ -83,7 +83,7 @@ class Shard:
         # async: an update is computed outside ``cond`` (weights are never changed in place, so pulls
         # and everything else go on meanwhile); updates queue on this lock, taken before ``cond``.
         self.apply_lock = threading.Lock()
-        self.chunks = Chunks(config.apply_threads or default_apply_threads())
+        self.chunks = Chunks(config.apply_threads or default_threads())
         self.policy = ConsistencyPolicy(config.mode, config.staleness, config.backup_workers)
         self.leases = Leases(config.lease_s)
         self.counters = Counters()
@@ -726,13 +726,3 @@ class Shard:
         with self.cond:
             return math.fsum(self.weights.astype(np.float64)) if self.initialized else 0.0
 
-
-def default_apply_threads() -> int:
-    """A quarter of the CPUs this process may use, 1 to 8: shards share a machine with workers and each other."""
-    import os
-
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 1
-    return max(1, min(8, cpus // 4))

@@ -26,6 +26,7 @@ import numpy as np
 from psgrid.psserver import wire
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.optim import make_optimizer
+from psgrid.psserver.parallel import Chunks, default_threads
 from psgrid.psserver.protocol import ITEMSIZE, Outcome, PushResult
 
 
@@ -65,7 +66,10 @@ class AllreduceExchange:
         self.worker_id = comm.Get_rank()
         self.weights = np.array(init, dtype=np.float32, copy=True)
         self._mean = np.empty_like(self.weights)
-        self.optimizer = make_optimizer(server.optimizer, self.weights.size, **server.optimizer_hparams())
+        # The shards' optimizer and its threads (a shard cuts its range among apply_threads threads).
+        self._chunks = Chunks(server.apply_threads or default_threads())
+        self.optimizer = make_optimizer(server.optimizer, self.weights.size, chunks=self._chunks,
+                                        **server.optimizer_hparams())
         self.clock = 0
         self.wait_s = 0.0            # seconds inside Allreduce: the transfer and waiting for the others
 
@@ -73,7 +77,7 @@ class AllreduceExchange:
         return self
 
     def __exit__(self, *exc) -> None:
-        return None
+        self._chunks.close()
 
     def bytes_per_step(self, params: int) -> int:
         """Sent plus received by one rank in a ring all-reduce of ``params`` values: 2 x 2(W-1)/W x P x size."""
