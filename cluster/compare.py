@@ -342,7 +342,8 @@ def job_summary(job: JobConfig) -> str:
     length = f"{t.epochs} epochs" if t.epochs else f"{t.steps} steps per worker"
     opt = f"{s.optimizer} lr {s.lr:g}" + (f" momentum {s.momentum:g}" if s.optimizer == "sgd" and s.momentum else "")
     return (f"{model} on {t.dataset}, {batch}, {length}, {opt} on the shards, {job.shards} shard(s), "
-            f"{t.data_plane} data plane, device {t.device}, seed {t.seed}")
+            f"{'shared memory on one host, else ' if t.shared_memory else ''}{t.data_plane} data plane, "
+            f"device {t.device}, seed {t.seed}")
 
 
 def settings_for(job: JobConfig, *, command: list[str], modes, workers, stragglers, repeats: int,

@@ -31,6 +31,7 @@ class TrainConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     data_plane: str = "tcp"                # "tcp": Pull/Push payloads over the shards' TCP data plane; "grpc"
     shared_memory: bool = True             # use the shards' shared memory where they run on this host
+    overlap: bool = True                   # async/ssp: a step's push overlaps the next pull and compute (staleness >= 1)
     wire_dtype: str = "float32"            # float32 | float16 | bfloat16 for gradients
     deadline_s: float = 60.0               # per-RPC deadline (a consistency wait counts against it)
     retry_s: float = 30.0                  # retry UNAVAILABLE with backoff for this long

@@ -150,7 +150,8 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
             # the next gradient is computed into the other of two buffers; it is waited for before the push
             # after it. In sync the next pull is answered only once the round the push closes is applied,
             # so an overlap saves one request's latency and costs a thread hand-off: it stays in order.
-            overlap = exchange.mode not in ("sync", "allreduce")
+            # With overlap off the next pull waits for this push (a worker alone then sees no staleness).
+            overlap = exchange.mode not in ("sync", "allreduce") and train.overlap
             bufs = FlatBuffers(spec, xp, exchange, double=overlap)
             loader = BatchLoader(data.train_x, data.train_y, train.batch_size, xp=xp, seed=train.seed + 1000 * rank)
             delay = Delay(train.stragglers, rank, train.seed)
