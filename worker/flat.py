@@ -50,6 +50,7 @@ class FlatBuffers:
             self.host_grads = [pinned_empty(spec.size, np.float32, xp) for _ in range(count)]
         self.current = 0
         self._host_params = None
+        self._stream = None
         if xp is np:
             self.params = np.empty(spec.size, np.float32)
             self._grad_views = [spec.views(g) for g in self.host_grads]
@@ -90,18 +91,29 @@ class FlatBuffers:
         if self.in_place:
             return exchange.pull(into=self._to_device)
         handle = exchange.pull(self.host_params)
-        self.params.set(self.host_params)
+        self.upload_params()
         return handle
 
     def _to_device(self, begin: int, end: int, values: np.ndarray) -> None:
         # Called from the client's threads, one per shard: the device is named, not taken from the thread.
+        # CuPy's set() only queues the copy (from page-locked memory it runs as a DMA after set() returns),
+        # and ``values`` is the shard's own memory, which it may write again once this returns: wait for it.
         with self.params.device:
-            self.params[begin:end].set(values)     # from page-locked memory: one DMA, done when it returns
+            stream = self._upload_stream()
+            self.params[begin:end].set(values, stream=stream)
+            stream.synchronize()
+
+    def _upload_stream(self):
+        if self._stream is None:
+            self._stream = self.xp.cuda.Stream(non_blocking=True)
+        return self._stream
 
     def upload_params(self) -> None:
-        """Copy ``host_params`` (filled by hand) to the device."""
+        """Copy ``host_params`` (filled by hand) to the device; done when this returns."""
         if self.xp is not np:
-            self.params.set(self.host_params)
+            stream = self._upload_stream()
+            self.params.set(self.host_params, stream=stream)
+            stream.synchronize()
 
     def download_grad(self) -> None:
         """Copy the gradient to ``host_grad`` (the exchange's buffer); nothing to do on the CPU."""
