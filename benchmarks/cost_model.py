@@ -1,0 +1,182 @@
+"""A cost model of one training step: pull, compute, push and the shards' update, against P, S, W and bandwidths.
+
+One worker per GPU; shards are CPU processes. A step moves the model's 4P bytes each way and the
+shards update it:
+
+* pull  = rtt + 4P / pull bandwidth (on one host: a DMA from the shard's pages at PCIe speed;
+          across hosts: the network, then the DMA from the pinned buffer it landed in);
+* d2h   = 4P / PCIe (the gradient off the GPU, part of compute in the records);
+* update = 12P bytes (read gradient and weights, write the next version) / the host's update
+           bandwidth for the threads all S shards run at once (S x apply_threads), times the
+           checked update's cost over the plain one (async checks as it applies); sync checks the
+           gradient in a pass of its own first (4P more bytes); async: W workers' updates queue on every
+           shard; sync: one update per round, after the sum of the round's W gradients;
+* push  = rtt + [4P / network] + update.
+* sync:  step = pull + compute + d2h + push (the next pull waits for the round's update).
+  async (overlap): step = max(pull + compute + d2h, push): the push of step c runs beside step c+1.
+* plus a fixed cost per step (Python: the calls to S shards, the records), which only the
+  measurements give: it is fitted on the smallest model of the sweep, per mode, and the model is
+  checked on the other sizes.
+
+Every constant is a measurement, named with the file it comes from (benchmarks/results/). Run:
+
+    python benchmarks/cost_model.py            # predicted against measured (the GPU sweep), then
+                                               # predictions for 25, 100 and 400 Gb/s networks
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RTT_S = 100e-6              # a control round trip in Python on one host (bench ps at 100K floats: 0.1-0.2 ms)
+
+
+def _rows(name: str) -> list[dict]:
+    return [json.loads(line) for line in (RESULTS / name).read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class Host:
+    """One machine's measured bandwidths (GB/s)."""
+
+    pcie_h2d: float
+    pcie_d2h: float
+    update_gbps: dict[int, float] = field(default_factory=dict)   # host update bandwidth by threads at once
+    check_factor: dict[int, float] = field(default_factory=dict)  # checked update / plain update, by threads
+    apply_threads: int = 4
+
+    def update_s(self, params: int, shards: int, threads_per_shard: int | None = None, *,
+                 separate_check: bool = False) -> float:
+        threads = shards * (threads_per_shard or self.apply_threads)
+        known = sorted(self.update_gbps)
+        nearest = min(known, key=lambda t: abs(t - threads))
+        plain = 12 * params / (self.update_gbps[nearest] * 1e9)
+        # sync checks in a pass of its own (a third more bytes); async as it applies
+        return plain * 16 / 12 if separate_check else plain * self.check_factor[nearest]
+
+    @classmethod
+    def h100(cls) -> "Host":
+        """The lent H100 machine: gpu-workers-1xH100.log (pinned copy), host-bandwidth-1xH100.jsonl."""
+        copy = next(r for r in _rows("gpu-workers-1xH100.jsonl") if "h2d_gbps" in r)
+        bandwidth = _rows("host-bandwidth-1xH100.jsonl")
+        return cls(pcie_h2d=copy["h2d_gbps"], pcie_d2h=copy["d2h_gbps"],
+                   update_gbps={r["threads"]: r["update_gbps"] for r in bandwidth},
+                   check_factor={r["threads"]: r["checked_update_s"] / r["update_s"] for r in bandwidth})
+
+
+def step_s(params: int, shards: int, workers: int, mode: str, compute_s: float, host: Host, *,
+           network_gbps: float | None = None, tcp_efficiency: float = 1.0, overhead_s: float = 0.0) -> dict:
+    """Predicted seconds of each part of a step, and of the step, for one worker of ``workers``.
+
+    ``network_gbps``: None on one host (shared memory); else the link between workers and shards
+    in Gb/s, each worker and each shard on a host of its own, at ``tcp_efficiency`` of the link.
+    """
+    nbytes = 4 * params
+    h2d, d2h = nbytes / (host.pcie_h2d * 1e9), nbytes / (host.pcie_d2h * 1e9)
+    # One host: every shard shares its memory; across hosts each shard has its own.
+    check = mode == "sync"
+    update = (host.update_s(params, shards, separate_check=check) if network_gbps is None
+              else host.update_s(params // shards, 1, separate_check=check))
+    if mode == "sync":      # one update per round, after summing the round's W gradients (read two, write one)
+        part = params if network_gbps is None else params // shards
+        update += (workers - 1) * 12 * part / (max(host.update_gbps.values()) * 1e9)
+    else:                   # every push is an update, and they queue on every shard
+        update *= workers
+    if network_gbps is None:
+        wire = 0.0
+    else:
+        link = network_gbps / 8 * 1e9 * tcp_efficiency
+        # the worker's link carries the model; each shard's carries its part for every worker
+        wire = max(nbytes / link, workers * nbytes / shards / link)
+    pull = RTT_S + (wire + h2d if network_gbps else h2d)
+    push = RTT_S + wire + update
+    if mode == "sync":
+        step = pull + compute_s + d2h + push + overhead_s
+    else:
+        step = max(pull + compute_s + d2h + overhead_s, push) + RTT_S
+    return {"pull_s": pull, "d2h_s": d2h, "update_s": update, "push_s": push, "wire_s": wire, "step_s": step}
+
+
+def overheads(host: Host) -> dict[str, float]:
+    """The fixed cost per step, per mode: the median over shard counts of measured minus the model's
+    terms, on the smallest model of the sweep (where it dominates)."""
+    rows = _rows("gpu-sweep-1xH100.jsonl")
+    smallest = min(r["params"] for r in rows)
+    alone = next(r for r in rows if r["params"] == smallest and r["mode"] == "none")
+    fitted = {}
+    for mode in ("sync", "async"):
+        gaps = [r["batch_size"] / r["samples_per_s"]
+                - step_s(smallest, r["shards"], r["workers"], mode, alone["compute_s"], host)["step_s"]
+                for r in rows if r["params"] == smallest and r["mode"] == mode]
+        fitted[mode] = max(0.0, statistics.median(gaps))
+    return fitted
+
+
+def check(host: Host, overhead: dict[str, float]) -> list[dict]:
+    """Predicted against measured step time for every point of the GPU sweep (gpu-sweep-1xH100.jsonl)."""
+    rows = _rows("gpu-sweep-1xH100.jsonl")
+    alone = {r["params"]: r for r in rows if r["mode"] == "none"}
+    smallest = min(alone)
+    out = []
+    for r in rows:
+        if r["mode"] == "none":
+            continue
+        measured = r["batch_size"] / r["samples_per_s"]
+        predicted = step_s(r["params"], r["shards"], r["workers"], r["mode"], alone[r["params"]]["compute_s"], host,
+                           overhead_s=overhead[r["mode"]])
+        out.append({"params": r["params"], "shards": r["shards"], "mode": r["mode"], "measured_s": measured,
+                    "predicted_s": predicted["step_s"], "ratio": predicted["step_s"] / measured,
+                    "fitted_on": r["params"] == smallest})
+    return out
+
+
+def networks(host: Host, *, tcp_efficiency: float, overhead: dict[str, float]) -> list[dict]:
+    """Predictions for jobs across hosts: 8 workers (one GPU each), 4 shard hosts, 25/100/400 Gb/s."""
+    sweep = {r["params"]: r for r in _rows("gpu-sweep-1xH100.jsonl") if r["mode"] == "none"}
+    out = []
+    for params in (20_037_642, 51_652_810):
+        compute = sweep[params]["compute_s"]
+        batch = sweep[params]["batch_size"]
+        for gbps in (25, 100, 400):
+            for mode in ("sync", "async"):
+                p = step_s(params, 4, 8, mode, compute, host, network_gbps=gbps, tcp_efficiency=tcp_efficiency,
+                           overhead_s=overhead[mode])
+                out.append({"params": params, "network_gbps": gbps, "mode": mode, **p,
+                            "samples_per_s_per_worker": batch / p["step_s"],
+                            "ratio_vs_no_servers": compute / p["step_s"]})
+    return out
+
+
+def main() -> int:
+    host = Host.h100()
+    # The TCP plane's share of raw TCP at 64 MiB on that machine (bench-transport-1xH100.txt, 4th column).
+    row = (RESULTS / "bench-transport-1xH100.txt").read_text().splitlines()[1].split()
+    tcp = float(row[4])
+    overhead = overheads(host)
+    print("fixed cost per step, fitted on the smallest model: "
+          + ", ".join(f"{mode} {1e3 * s:.2f} ms" for mode, s in overhead.items()))
+    rows = check(host, overhead)
+    print(f"{'params':>9} {'S':>2} {'mode':>6} {'measured ms':>11} {'predicted ms':>12} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['params'] / 1e6:8.1f}M {r['shards']:>2} {r['mode']:>6} {1e3 * r['measured_s']:11.2f} "
+              f"{1e3 * r['predicted_s']:12.2f} {r['ratio']:6.2f}{'  (fitted here)' if r['fitted_on'] else ''}")
+    ratios = [r["ratio"] for r in rows if not r["fitted_on"]]
+    print(f"predicted / measured on the other sizes: median {statistics.median(ratios):.2f}, "
+          f"range {min(ratios):.2f}..{max(ratios):.2f}")
+    print(f"\nacross hosts: 8 workers (one H100 each), 4 shard hosts, the TCP plane at {tcp:.2f} of the link")
+    print(f"{'params':>9} {'Gb/s':>5} {'mode':>6} {'wire ms':>8} {'update ms':>9} {'step ms':>8} {'samples/s/worker':>16} "
+          f"{'x alone':>7}")
+    for r in networks(host, tcp_efficiency=tcp, overhead=overhead):
+        print(f"{r['params'] / 1e6:8.1f}M {r['network_gbps']:5d} {r['mode']:>6} {1e3 * r['wire_s']:8.2f} "
+              f"{1e3 * r['update_s']:9.2f} {1e3 * r['step_s']:8.2f} {r['samples_per_s_per_worker']:16.0f} "
+              f"{r['ratio_vs_no_servers']:7.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
