@@ -38,6 +38,20 @@ def test_srun_runs_the_default_job_to_its_accuracy(slurm, tmp_path):
     assert_nothing_left(slurm)
 
 
+def test_srun_runs_a_users_script_on_each_worker_rank(slurm, tmp_path):
+    out = tmp_path / "run"
+    result = slurm.srun(5, [*PSCTL, "mpi", "--shards", "1", "--no-progress", "--out", str(out), "--",
+                            "python", str(EXAMPLES / "train_cupy.py")], timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    # 1 coordinator, 1 shard and 3 worker ranks, each running the script with the job in its environment
+    assert (summary["status"], summary["launcher"], summary["ranks"]) == ("ok", "mpi", 5)
+    assert (summary["shards"], summary["workers"], summary["workers_completed"]) == (1, 3, 3)
+    assert summary["test_accuracy"] >= 0.88, summary["test_accuracy"]
+    assert all(f"[rank {r}] worker {r} of 3" in result.stdout for r in range(3)), result.stdout[-2000:]
+    assert_nothing_left(slurm)
+
+
 def test_a_rank_that_raises_ends_the_step_within_seconds(slurm, tmp_path):
     out = tmp_path / "run"
     busy = out / "metrics" / "worker-0.jsonl"      # rank 4 (worker 1) raises once worker 0 (rank 3) trains
