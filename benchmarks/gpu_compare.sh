@@ -7,22 +7,11 @@
 # On the lent device: wheels for what its image lacks travel in .whl/. The all-reduce runs use the
 # machine's own MPI: the mpiexec beside python3, of the MPI that its mpi4py was built with.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export HYDRA_IFACE=lo UCX_TLS=self,sm UCX_NET_DEVICES=lo FI_TCP_IFACE=lo
-export OMPI_MCA_oob_tcp_if_include=lo OMPI_MCA_btl_tcp_if_include=lo
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1   # Open MPI refuses root otherwise; the device runs as root
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 nproc
 python3 -c "import cupy, mpi4py; from mpi4py import MPI; print('cupy', cupy.__version__, 'mpi4py', mpi4py.__version__, MPI.Get_library_version().splitlines()[0])"
 mpiexec -n 2 python3 -c "from mpi4py import MPI; c = MPI.COMM_WORLD; print('rank', c.rank, 'of', c.size, c.allreduce(c.rank))"
-psctl() { python3 -m psgrid.cluster.cli "$@"; }
 
 echo "== warm-up: CuPy compiles its kernels once per machine; keep that out of the timed runs"
 for cfg in examples/synthetic-20m.toml examples/digits-cnn.toml; do

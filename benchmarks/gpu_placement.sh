@@ -5,15 +5,7 @@
 # for the GPUs' bus ids only and never hold a context (or GPU memory).
 # On the lent device: wheels for what its image lacks travel in .whl/ (see the device notes).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export HYDRA_IFACE=lo UCX_TLS=self,sm UCX_NET_DEVICES=lo FI_TCP_IFACE=lo
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=index,name,pci.bus_id --format=csv,noheader
 echo "== the GPU placement test"
 python3 -m pytest -q -p no:cacheprovider tests/test_mpi.py -k gpu_of_its_own -o addopts="--strict-markers -ra" \

@@ -8,22 +8,10 @@
 #   bash benchmarks/gpu_scaling.sh                 # workers 1,2,4
 #   WORKERS=1,2 STEPS=100 bash benchmarks/gpu_scaling.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1 HYDRA_IFACE=lo UCX_TLS=self,sm UCX_NET_DEVICES=lo FI_TCP_IFACE=lo
-export OMPI_MCA_oob_tcp_if_include=lo OMPI_MCA_btl_tcp_if_include=lo
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1   # Open MPI refuses root otherwise; the device runs as root
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 WORKERS=${WORKERS:-1,2,4}
 STEPS=${STEPS:-200}
 MODES=${MODES:-sync,async,ssp:2,allreduce}
-psctl() { python3 -m psgrid.cluster.cli "$@"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 echo "cores $(nproc); workers $WORKERS; steps $STEPS; modes $MODES"
 python3 -c "import cupy; from mpi4py import MPI; print('cupy', cupy.__version__, MPI.Get_library_version().splitlines()[0])"

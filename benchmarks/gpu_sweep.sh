@@ -4,15 +4,7 @@
 # 1, 2 and 4 shards, async and sync, one worker, beside the same model with no servers. One JSON
 # line per run in $OUT/gpu-sweep.jsonl (docs/performance.md plots them).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi --query-gpu=name --format=csv,noheader
 for hidden in 1024,1024 2048,2048 4096,4096 6800,6800; do
   python3 -m psgrid.cluster.cli bench train --device gpu --models mlp --hidden "$hidden" --batch-size 512 \

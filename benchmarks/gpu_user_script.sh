@@ -7,20 +7,9 @@
 # job's summary to $OUT/user-*-summary.json.
 # On the lent device: wheels for what its image lacks travel in .whl/ (see the device notes).
 set -uo pipefail
-cd "$(dirname "$0")/.."
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export HYDRA_IFACE=lo UCX_TLS=self,sm UCX_NET_DEVICES=lo FI_TCP_IFACE=lo
-export OMPI_MCA_oob_tcp_if_include=lo OMPI_MCA_btl_tcp_if_include=lo
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 LOG="$OUT/gpu-user-script.log"
 exec > >(tee "$LOG") 2>&1
-psctl() { python3 -m psgrid.cluster.cli "$@"; }
 
 date -u +"%Y-%m-%d %H:%M UTC"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -10,18 +10,9 @@
 # Logs and JSON land in $OUT. PARTS="1 3" runs only those parts. On the lent device: wheels for
 # what its image lacks travel in .whl/.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/device_env.sh"
 PARTS=${PARTS:-1 2 3 4}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
-psctl() { python3 -m psgrid.cluster.cli "$@"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "cores $(nproc), $(grep MemTotal /proc/meminfo)"
 python3 -c "import grpc, google.protobuf, cupy, numpy; print('grpc', grpc.__version__, 'protobuf', google.protobuf.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"

@@ -45,30 +45,11 @@ def big_mlp(args, **overrides) -> TrainConfig:
 
 def without_servers(train: TrainConfig, lr: float = 0.01) -> dict:
     """The same model, data loader and buffers, updated on the GPU with plain SGD: no servers at all."""
-    from psgrid.worker.backend import sync
-    from psgrid.worker.data import BatchLoader
-    from psgrid.worker.flat import FlatBuffers
-    from psgrid.worker.loop import build
+    from psgrid.cluster.bench_train import no_servers
 
-    xp, device, data, model = build(train, rank=0, world=1)
-    bufs = FlatBuffers(model.spec, xp)
-    bufs.params[...] = xp.asarray(model.spec.pack(model.init_params(train.seed)))
-    loader = BatchLoader(data.train_x, data.train_y, train.batch_size, xp=xp, seed=1)
-    times = []
-    try:
-        for step in range(train.steps):
-            t = time.perf_counter()
-            x, y = next(loader)
-            loss = model.loss_and_grad(bufs.param_views, x, y, bufs.grad_views)
-            bufs.params -= lr * bufs.grad
-            float(loss)
-            sync(xp)
-            times.append(time.perf_counter() - t)
-    finally:
-        loader.close()
-    step_s = statistics.median(times[5:])
-    return {"setting": "no servers (local SGD on the GPU)", "device": device, "params": model.spec.size,
-            "step_s": step_s, "samples_per_s": train.batch_size / step_s, "compute_s": step_s,
+    alone = no_servers(train, lr)
+    return {"setting": "no servers (local SGD on the GPU)", "device": alone["device"], "params": alone["params"],
+            "step_s": alone["step_s"], "samples_per_s": alone["samples_per_s"], "compute_s": alone["step_s"],
             "pull_s": 0.0, "push_s": 0.0}
 
 

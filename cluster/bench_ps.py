@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from psgrid.cluster.bench_transport import median_time
 from psgrid.cluster.procs import SOURCE_ROOT
 
 PLANES = ("shm", "tcp", "grpc")
@@ -109,16 +110,6 @@ def remove_checkout(code: Code) -> None:
 
 # ----- the floor --------------------------------------------------------------------------------
 
-def _median_time(fn, n: int) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def floor(params: int, optimizer: str = "sgd", repeat: int = 7) -> dict:
     """The copies and the apply one update needs on this machine, and the updates/s they allow."""
     from psgrid.psserver.optim import make_optimizer
@@ -128,8 +119,8 @@ def floor(params: int, optimizer: str = "sgd", repeat: int = 7) -> dict:
     grad = (rng.standard_normal(params) * 1e-6).astype(np.float32)
     target = np.empty_like(weights)
     opt = make_optimizer(optimizer, params, lr=1e-9)
-    copy_s = _median_time(lambda: np.copyto(target, weights), repeat)
-    apply_s = _median_time(lambda: opt.step(weights, grad, out=target), repeat)
+    copy_s = median_time(lambda: np.copyto(target, weights), repeat)
+    apply_s = median_time(lambda: opt.step(weights, grad, out=target), repeat)
     seconds = 2 * copy_s + apply_s
     return {"copy_s": copy_s, "apply_s": apply_s, "floor_s": seconds, "floor_updates_per_s": 1.0 / seconds}
 

@@ -30,14 +30,17 @@ def base_job(model: str, device: str, hidden: list[int], batch_size: int, steps:
     return apply_overrides(load_job("mnist"), settings)
 
 
-def no_servers(job: JobConfig, lr: float = 0.01) -> dict:
-    """The same model, data loader and buffers updated where they live, with no servers: samples/s and step time."""
+def no_servers(train, lr: float = 0.01) -> dict:
+    """The same model, data loader and buffers updated where they live, with no servers: samples/s and step time.
+
+    ``train`` is a TrainConfig (plain SGD at ``lr`` on the worker's device; benchmarks/gpu_workers.py
+    measures its reference with it too).
+    """
     from psgrid.worker.backend import sync
     from psgrid.worker.data import BatchLoader
     from psgrid.worker.flat import FlatBuffers
     from psgrid.worker.loop import build, warm_up
 
-    train = job.train
     xp, device, data, model = build(train, rank=0, world=1)
     warmup_s = warm_up(model, data, train, xp, evaluate=False)
     bufs = FlatBuffers(model.spec, xp)
@@ -87,7 +90,7 @@ def with_servers(job: JobConfig) -> dict:
 def rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats):
     for model in models:
         base = base_job(model, device, hidden, batch_size, steps)
-        alone = no_servers(base)
+        alone = no_servers(base.train)
         yield {"suite": "train", "params": alone["params"], "shards": 0, "workers": 1, "mode": "none",
                "model": model, "data_plane": None, "device": alone["device"], "batch_size": batch_size,
                "samples_per_s": alone["samples_per_s"], "compute_s": alone["step_s"], "pull_s": 0.0, "push_s": 0.0,

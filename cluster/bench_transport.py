@@ -117,7 +117,7 @@ def _interleaved_medians(fns: dict, n: int) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def _median_time(fn, n: int) -> float:
+def median_time(fn, n: int) -> float:
     fn()                                                        # warm-up: connections, buffers, caches
     times = []
     for _ in range(n):
@@ -190,11 +190,11 @@ def apply_rows(sizes, repeat: int = 5, optimizers=("sgd", "momentum", "adam")):
         grad = rng.standard_normal(elems).astype(np.float32)
         target = np.empty_like(weights)
         n = _repeats(size, repeat)
-        memcpy_s = _median_time(lambda: np.copyto(target, grad), n)
+        memcpy_s = median_time(lambda: np.copyto(target, grad), n)
         for label in optimizers:
             name, hparams = settings[label]
             opt = make_optimizer(name, elems, lr=1e-6, **hparams)
-            apply_s = _median_time(lambda: opt.step(weights, grad), n)
+            apply_s = median_time(lambda: opt.step(weights, grad), n)
             yield {"bench": "apply", "optimizer": label, "size_bytes": size, "repeats": n,
                    "apply_s": apply_s, "memcpy_s": memcpy_s,
                    "apply_gbps": size / apply_s / 1e9, "memcpy_gbps": size / memcpy_s / 1e9,

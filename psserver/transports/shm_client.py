@@ -19,12 +19,12 @@ from typing import Callable
 import numpy as np
 
 from psgrid.psserver import wire
-from psgrid.psserver.exceptions import BadReply, PSError, Unavailable, error_from_wire
+from psgrid.psserver.exceptions import BadReply, PSError, Unavailable
 from psgrid.psserver.protocol import FLOAT32, ITEMSIZE, Outcome, PushResult, Reason, Registration, Status
 from psgrid.psserver.shared_memory import map_fd
 from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, register_data_plane
-from psgrid.psserver.transports.tcp_frames import (ATTACH, FD_BYTE, HELLO, MAGIC, MAP, MAX_MESSAGE, OPEN, PULL, PUSH,
-                                                   REPLY, REQUEST, recv_exact, recv_struct)
+from psgrid.psserver.transports.tcp_frames import (ATTACH, FD_BYTE, HELLO, MAGIC, MAP, OPEN, PULL, PUSH, REQUEST,
+                                                   read_reply)
 
 CONNECT_S = 5.0
 SOCKET_SLACK_S = 5.0       # beyond a call's deadline: the shard answers a timed-out wait itself
@@ -87,13 +87,7 @@ class ShmDataPlane(DataPlane):
         conn.sock.close()
 
     def _read_reply(self, sock) -> tuple:
-        _, status, reason, outcome, version, staleness, next_clock, nbytes = recv_struct(sock, REPLY)
-        if status != Status.OK:
-            text = bytearray(min(nbytes, MAX_MESSAGE))
-            recv_exact(sock, memoryview(text))
-            raise error_from_wire(status, Reason.from_code(reason),
-                                  f"shard shared memory at {self.address}: {text.decode(errors='replace')}")
-        return outcome, version, staleness, next_clock
+        return read_reply(sock, f"shard shared memory at {self.address}")[:4]
 
     def _round_trip(self, timeout_s: float, call: Callable[[_Connection], object]):
         try:

@@ -16,12 +16,11 @@ import threading
 import numpy as np
 
 from psgrid.psserver import wire
-from psgrid.psserver.exceptions import BadReply, PSError, Unavailable, error_from_wire
+from psgrid.psserver.exceptions import BadReply, PSError, Unavailable
 from psgrid.psserver.protocol import FLOAT32, Outcome, PushResult, Reason, Registration, Status
 from psgrid.psserver.security import client_ssl_context
 from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, register_data_plane
-from psgrid.psserver.transports.tcp_frames import (HELLO, MAGIC, MAX_MESSAGE, PULL, PUSH, REPLY, REQUEST, recv_exact,
-                                                   recv_struct)
+from psgrid.psserver.transports.tcp_frames import HELLO, MAGIC, PULL, PUSH, REQUEST, read_reply, recv_exact
 
 # How much longer than the call's deadline a socket waits: the shard answers a timed-out
 # consistency wait itself, just before the deadline.
@@ -75,13 +74,7 @@ class TcpDataPlane(DataPlane):
         sock.close()      # this plane was closed while the call was in flight
 
     def _read_reply(self, sock) -> tuple:
-        _, status, reason, outcome, version, staleness, next_clock, nbytes = recv_struct(sock, REPLY)
-        if status != Status.OK:
-            text = bytearray(min(nbytes, MAX_MESSAGE))
-            recv_exact(sock, memoryview(text))
-            raise error_from_wire(status, Reason.from_code(reason),
-                                  f"shard data plane at {self.where}: {text.decode(errors='replace')}")
-        return outcome, version, staleness, next_clock, nbytes
+        return read_reply(sock, f"shard data plane at {self.where}")
 
     def _round_trip(self, timeout_s: float, send, receive):
         try:

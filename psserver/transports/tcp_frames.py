@@ -43,3 +43,16 @@ def recv_struct(sock: socket.socket, layout: struct.Struct) -> tuple:
     if fields[0] != MAGIC:
         raise ConnectionError("peer does not speak the psgrid TCP data plane")
     return fields
+
+
+def read_reply(sock: socket.socket, where: str) -> tuple:
+    """A reply's (outcome, version, staleness, next_clock, payload bytes); a refusal raised as its domain exception."""
+    from psgrid.psserver.exceptions import error_from_wire
+    from psgrid.psserver.protocol import Reason, Status
+
+    _, status, reason, outcome, version, staleness, next_clock, nbytes = recv_struct(sock, REPLY)
+    if status != Status.OK:
+        text = bytearray(min(nbytes, MAX_MESSAGE))
+        recv_exact(sock, memoryview(text))
+        raise error_from_wire(status, Reason.from_code(reason), f"{where}: {text.decode(errors='replace')}")
+    return outcome, version, staleness, next_clock, nbytes
