@@ -67,14 +67,21 @@ def test_a_rank_that_raises_ends_the_step_within_seconds(slurm, tmp_path):
     assert_nothing_left(slurm)
 
 
-ABORT_SCRIPT = "from mpi4py import MPI; MPI.COMM_WORLD.Barrier(); MPI.COMM_WORLD.Abort(3)"
+ABORT_SCRIPT = ("from mpi4py import MPI; MPI.COMM_WORLD.Barrier(); print('initialized', flush=True); "
+                "MPI.COMM_WORLD.Abort(3)")
 
 
 def test_the_cluster_finds_and_removes_what_a_plain_mpi_job_leaves_in_dev_shm(slurm):
     # A program that does not unlink MPICH's start-up file, as psctl does, leaves it when it aborts;
     # the fixture knows it by the job's id and removes it on stop.
-    result = slurm.srun(2, [sys.executable, "-c", ABORT_SCRIPT], timeout=60)
-    assert result.returncode != 0
+    # The node may still be ending the step before (its ranks were killed): a launch that never reached
+    # MPI_Init leaves nothing to find, so try again until MPI has started (and the job aborted).
+    for _ in range(3):
+        result = slurm.srun(2, [sys.executable, "-c", ABORT_SCRIPT], timeout=60)
+        if "initialized" in result.stdout:
+            break
+        time.sleep(2)
+    assert "initialized" in result.stdout and result.returncode != 0, result.stdout + result.stderr
     left = slurm.shm_leftovers()
     assert len(left) == 1 and left[0].stat().st_size > 0, left
     for path in left:            # this test's own leftover, so later tests see a clean /dev/shm
