@@ -18,7 +18,6 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from psgrid.psserver import wire
 from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.parallel import SERIAL, Chunks
 from psgrid.psserver.protocol import Reason
@@ -124,8 +123,7 @@ class Optimizer:
             raise InvalidArgument(f"{'weights' if out is weights else 'out'} must be writeable")
         scale = _hparam("lr_scale", lr_scale, _positive, "finite and > 0")
         fused = check_finite and not self._buffers
-        if check_finite and not fused and not all(
-                self.chunks.map(lambda lo, hi, _: wire.all_finite(grad[lo:hi]), self.size)):
+        if check_finite and not fused and not self.chunks.all_finite(grad):
             raise NON_FINITE()
         lr = self.lr * scale
         blocks = (lambda lo, hi, i: _checked(self._blocks(lo, hi, i), grad)) if fused else self._blocks

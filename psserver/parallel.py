@@ -43,6 +43,12 @@ class Chunks:
             raise errors[0]
         return [first, *rest]
 
+    def all_finite(self, values) -> bool:
+        """Whether ``values`` holds no NaN or infinity, checked a chunk per thread."""
+        from psgrid.psserver.wire import all_finite
+
+        return all(self.map(lambda lo, hi, _: all_finite(values[lo:hi]), len(values)))
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True)

@@ -29,7 +29,7 @@ from psgrid.psserver.protocol import Outcome, PushResult, Reason
 from psgrid.psserver.sharding import shard_range
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.weight_ring import WeightRing
-from psgrid.psserver import shared_memory, wire
+from psgrid.psserver import shared_memory
 from psgrid.psserver.parallel import Chunks, default_threads
 
 STALENESS_BUCKETS = 32
@@ -328,7 +328,7 @@ class Shard:
 
     def all_finite(self, values: np.ndarray) -> bool:
         """Whether a gradient of this range holds no NaN or infinity (checked by the update's threads)."""
-        return all(self.chunks.map(lambda lo, hi, _: wire.all_finite(values[lo:hi]), len(values)))
+        return self.chunks.all_finite(values)
 
     def wait_for_pull(self, worker: int, clock: int, timeout: float | None, cancelled=None) -> float:
         """Block until the policy lets ``worker`` pull at ``clock``; returns seconds waited.
