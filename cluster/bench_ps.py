@@ -92,11 +92,21 @@ class Code:
 
 def checkout(revision: str) -> Code:
     """A temporary worktree of ``revision`` of the git checkout psgrid runs from."""
+    from psgrid.cluster.errors import UsageError
+
     if not (SOURCE_ROOT / ".git").exists():
-        raise SystemExit("psctl bench ps --against needs psgrid run from a git checkout")
+        raise UsageError("--against needs psgrid run from a git checkout (this one is installed)")
+    known = subprocess.run(["git", "-C", str(SOURCE_ROOT), "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"],
+                           capture_output=True)
+    if known.returncode != 0:
+        raise UsageError(f"--against {revision}: no such revision in {SOURCE_ROOT} (try HEAD~1 or a commit id)")
     where = Path(tempfile.mkdtemp(prefix="psgrid-bench-"))
-    subprocess.run(["git", "-C", str(SOURCE_ROOT), "worktree", "add", "--detach", str(where / "tree"), revision],
-                   check=True, capture_output=True)
+    try:
+        subprocess.run(["git", "-C", str(SOURCE_ROOT), "worktree", "add", "--detach", str(where / "tree"), revision],
+                       check=True, capture_output=True)
+    except subprocess.CalledProcessError as exc:
+        shutil.rmtree(where, ignore_errors=True)
+        raise UsageError(f"--against {revision}: git could not check it out: {exc.stderr.decode().strip()}") from None
     label = subprocess.run(["git", "-C", str(where / "tree"), "rev-parse", "--short", "HEAD"], check=True,
                            capture_output=True, text=True).stdout.strip()
     return Code(label, where / "tree")

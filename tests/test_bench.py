@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
+
+from tests.support import ROOT
 
 
 @pytest.mark.slow
@@ -70,3 +74,15 @@ def test_bench_train_json_rows_have_the_breakdown_beside_no_servers(tmp_path):
     for key in ("samples_per_s", "pull_s", "compute_s", "push_s"):
         assert served[key] > 0, key
     assert served["ratio_vs_no_servers"] == pytest.approx(served["samples_per_s"] / alone["samples_per_s"])
+
+
+def test_bench_ps_against_an_unknown_revision_says_so_in_one_line(tmp_path):
+    temp = Path(tempfile.gettempdir())
+    before = set(temp.glob("psgrid-bench-*"))
+    done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "bench", "ps", "--against", "no-such-rev",
+                           "--params", "100K", "--shards", "1", "--workers", "1"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == ("psctl bench: error: --against no-such-rev: no such revision in "
+                                   f"{ROOT} (try HEAD~1 or a commit id)"), done.stderr
+    assert set(temp.glob("psgrid-bench-*")) == before      # no worktree folder made or left
