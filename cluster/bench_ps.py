@@ -95,7 +95,8 @@ def checkout(revision: str) -> Code:
     from psgrid.cluster.errors import UsageError
 
     if not (SOURCE_ROOT / ".git").exists():
-        raise UsageError("--against needs psgrid run from a git checkout (this one is installed)")
+        raise UsageError(f"--against needs psgrid run from a git checkout, and this one runs from {SOURCE_ROOT}: "
+                         f"install it from the checkout with pip install -e .")
     known = subprocess.run(["git", "-C", str(SOURCE_ROOT), "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"],
                            capture_output=True)
     if known.returncode != 0:
