@@ -31,7 +31,7 @@ from psgrid.cluster import results as res
 from psgrid.cluster.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.experiment import NO_STRAGGLERS, Run
-from psgrid.cluster.launch import Interrupted, Launcher, _raise_interrupted, prepare_out
+from psgrid.cluster.launch import Interrupted, Launcher, listen_for_interrupts, prepare_out
 from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 
 SETTINGS_FILE = "experiment.json"
@@ -207,8 +207,7 @@ class Compare:
         old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             for run in todo:
-                for sig in old:       # a run's cleanup ignores signals; the next run must hear them again
-                    signal.signal(sig, _raise_interrupted)
+                listen_for_interrupts()       # a run's cleanup ignores signals; the next run must hear them again
                 try:
                     self.run_one(run, bar.for_run(run))
                 except JobFailed as e:

@@ -112,6 +112,7 @@ class Launcher:
                 missing = [s.name for s, f in zip(self.shards, files) if not f.exists()]
                 raise JobFailed(f"{', '.join(missing)} did not publish an address within "
                                 f"{job.start_timeout_s:.0f} s; see {self.out / 'logs'}")
+            check_interrupted()
             time.sleep(0.05)
         self.addresses = [parse_address_file(f.read_text())[0] for f in files]
         self.log("shards_ready", addresses=self.addresses, pids=[s.pid for s in self.shards])
@@ -175,6 +176,7 @@ class Launcher:
                     break
                 if job.timeout_s and time.monotonic() - start > job.timeout_s:
                     raise JobFailed(f"training did not finish within timeout_s = {job.timeout_s:g} s")
+                check_interrupted()
                 time.sleep(POLL_S)
             self.state.update(self.tail.read())
             progress.update(self.state, [])
@@ -321,14 +323,29 @@ def _indent(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines()) or "    (empty log)"
 
 
-_defer = {"depth": 0, "pending": None}
+_defer = {"depth": 0, "pending": None, "received": None}
 
 
 def _raise_interrupted(signum, frame):
+    # Also kept: the exception lands wherever the main thread is, and code there may catch it (tqdm
+    # does while it starts its monitor thread, and carries on); check_interrupted() raises it again.
+    _defer["received"] = signum
     if _defer["depth"]:
         _defer["pending"] = signum
     else:
         raise Interrupted(signum)
+
+
+def listen_for_interrupts() -> dict:
+    """Make Ctrl-C and SIGTERM raise Interrupted from now on; returns the handlers they had."""
+    _defer["received"] = None
+    return {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def check_interrupted() -> None:
+    """Raise Interrupted if a signal came and its exception was swallowed on the way (the loops call this)."""
+    if _defer["received"] is not None and not _defer["depth"]:
+        raise Interrupted(_defer["received"])
 
 
 @contextmanager
@@ -367,7 +384,7 @@ def launch(job: JobConfig, progress: bool | None = None, *, resume: bool = False
         print(f"psctl launch: {describe(found)}", file=sys.stderr, flush=True)
         resumed = [asdict(c) for c in found]
     out = prepare_out(job, resume=resume)
-    old = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    old = listen_for_interrupts()
     try:
         summary = Launcher(job, out, progress, resumed=resumed, command=command).run()
     except JobFailed as e:

@@ -175,3 +175,28 @@ def test_a_failure_after_training_fails_the_job(tmp_path, monkeypatch, capsys):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and "missing or wrong bearer token" in summary["message"]
     assert "job failed: Unauthenticated: shard 0: missing or wrong bearer token" in capsys.readouterr().err
+
+
+def test_a_ctrl_c_that_code_on_the_way_swallowed_still_stops_the_launcher():
+    """The signal's exception lands wherever the main thread is; tqdm, starting its monitor thread, catches
+    it and carries on (seen: a resumed job that trained on after its Ctrl-C). The loops raise it again."""
+    import signal
+
+    from psgrid.cluster.launch import Interrupted, check_interrupted, listen_for_interrupts
+
+    old = listen_for_interrupts()
+    try:
+        check_interrupted()                                  # nothing came: nothing raised
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)                                    # the handler runs here, in the main thread
+        except Exception:                                    # noqa: BLE001 - as the library on the way does
+            pass
+        with pytest.raises(Interrupted) as raised:
+            check_interrupted()
+        assert raised.value.signum == signal.SIGINT
+        listen_for_interrupts()                              # a new job does not inherit it
+        check_interrupted()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
