@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from psgrid.psserver.security import REDACTED_TOKEN as REDACTED  # noqa: F401 - re-exported for the cluster
-
-TOKEN_ENV = "PSGRID_TOKEN"
+from psgrid.psserver.security import TOKEN_ENV, job_token
 
 
 def new_token() -> str:
@@ -58,9 +57,10 @@ def write_token_file(out, job) -> None:
         f.write(job.server.token + "\n")
 
 
-def read_token_file(out) -> str | None:
-    path = Path(out) / TOKEN_FILE
-    return path.read_text().strip() if path.is_file() else None
+def token_file_of(out) -> Path:
+    """Where ``psctl launch`` keeps the token of the job whose output folder is ``out`` (or its ``addr/``)."""
+    out = Path(out)
+    return (out.parent if out.name == "addr" else out) / TOKEN_FILE
 
 
 def redact(tables: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -70,17 +70,18 @@ def redact(tables: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def resolve_token(value: str | None, where: str, *, redacted_ok: bool = False) -> str | None:
-    """The token a setting stands for: a redacted one is the environment's :data:`TOKEN_ENV`.
+    """The token a job file's setting stands for (:func:`~psgrid.psserver.security.job_token`'s rule).
 
-    A setting with no token takes the environment's too, so ``PSGRID_TOKEN=... psctl server``
-    works without the token on its command line. With ``redacted_ok`` (a launcher rereading a
-    job it wrote, which makes a new token anyway) a redacted token without the variable is None.
+    A setting with no token takes the environment's, so ``PSGRID_TOKEN=... psctl server``
+    works without the token on its command line; a redacted one is the environment's too.
+    With ``redacted_ok`` (a launcher rereading a job it wrote, which makes a new token
+    anyway) a redacted token without the variable is None.
     """
     from psgrid.cluster.errors import ConfigError
 
-    env = os.environ.get(TOKEN_ENV) or None
     if value != REDACTED:
-        return value or env
+        return job_token(value)
+    env = job_token()
     if env is None and not redacted_ok:
         raise ConfigError(f"{where}: the token in this file is redacted; its job's launcher hands the real one to "
                           f"its processes in {TOKEN_ENV}. Set {TOKEN_ENV}, or give token = ... (not on a command line)")

@@ -50,14 +50,6 @@ def addresses_from_dir(path: str | Path) -> list[str]:
     return [parse_address_file(f.read_text())[0] for f in files]
 
 
-def token_of_dir(path: str | Path) -> str | None:
-    """The job's token that ``psctl launch`` keeps in ``OUT/token`` (readable by its owner only)."""
-    from psgrid.cluster.credentials import read_token_file
-
-    path = Path(path)
-    return read_token_file(path.parent if path.name == "addr" else path)
-
-
 def fetch(addresses: list[str], timeout_s: float = 5.0, **security) -> list[dict]:
     """Every shard's stats, with its address added; ``security`` is token / tls_ca / tls_cert / tls_key."""
     from psgrid.psserver.admin import Admin

@@ -14,6 +14,7 @@ import numpy as np
 
 from psgrid.psserver.exceptions import InvalidArgument, Unavailable
 from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, Registration
+from psgrid.psserver.security import job_token
 from psgrid.psserver.shards import ShardConnections
 from psgrid.psserver.transports.base import ConnectOptions
 
@@ -25,8 +26,10 @@ class Admin:
     ----------
     addresses : list of str
         ``host:port`` of shard 0, 1, ... in shard order.
-    token, tls_ca, tls_cert, tls_key
-        The job's bearer token and TLS material, if it uses them.
+    token : str, optional
+        The job's bearer token (default: ``$PSGRID_TOKEN``, as for :class:`psgrid.psserver.client.Client`).
+    tls_ca, tls_cert, tls_key
+        The job's TLS material, if it uses it.
     data_plane, shared_memory, chunk_bytes, deadline_s, retry_s
         As for :class:`psgrid.psserver.client.Client` (an observer reads shards on this host in place too).
     """
@@ -35,7 +38,7 @@ class Admin:
                  tls_cert: str | None = None, tls_key: str | None = None, data_plane: str = "tcp",
                  shared_memory: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES, deadline_s: float = 30.0,
                  retry_s: float = 10.0):
-        options = ConnectOptions(token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+        options = ConnectOptions(token=job_token(token), tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                                  chunk_bytes=chunk_bytes, deadline_s=deadline_s, shared_memory=shared_memory)
         self._conn = ShardConnections(addresses, data_plane=data_plane, options=options, retry_s=retry_s,
                                       register=self._look)

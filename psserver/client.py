@@ -39,6 +39,7 @@ from psgrid.psserver import wire
 from psgrid.psserver.client_memory import ClientMemory, Pinner
 from psgrid.psserver.exceptions import InvalidArgument, NotInitialized, PSError, UnknownWorker, WaitTimeout
 from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, PushResult, Reason, Registration
+from psgrid.psserver.security import job_token
 from psgrid.psserver.shards import ShardConnections
 from psgrid.psserver.sharding import shard_ranges
 from psgrid.psserver.spec import ModelSpec
@@ -154,8 +155,11 @@ class Client:
         wait in all for slower workers (its deadline is renewed until then).
     heartbeat_s : float, optional
         Heartbeat interval (default: a quarter of the shards' lease, at most 1 s).
-    token, tls_ca, tls_cert, tls_key
-        Bearer token and (mutual) TLS material; all off by default.
+    token : str, optional
+        Bearer token (default: ``$PSGRID_TOKEN``, by the rule of
+        :func:`~psgrid.psserver.security.job_token`; none when that is unset too).
+    tls_ca, tls_cert, tls_key
+        (Mutual) TLS material; off by default.
     """
 
     def __init__(self, addresses: Sequence[str], spec: ModelSpec, *, worker_id: int | None = None,
@@ -178,7 +182,7 @@ class Client:
         self._heartbeat_s = heartbeat_s
         self.host = host or socket.gethostname()
         self._memory = ClientMemory(spec.size, shared=shared_memory, pinner=pin_memory)
-        options = ConnectOptions(token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+        options = ConnectOptions(token=job_token(token), tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                                  chunk_bytes=chunk_bytes, deadline_s=deadline_s, shared_memory=shared_memory,
                                  memory=self._memory)
         self._conn = ShardConnections(addresses, data_plane=data_plane, options=options, retry_s=retry_s,

@@ -3,12 +3,48 @@
 from __future__ import annotations
 
 import hmac
+import os
 import ssl
 from pathlib import Path
 
 
 # What the written copies of a job hold in place of its token (cluster/credentials.py).
 REDACTED_TOKEN = "<redacted>"
+# The variable a job's token travels in: launchers hand it to their children there, never in argv.
+TOKEN_ENV = "PSGRID_TOKEN"
+
+
+def job_token(given: str | None = None, *, token_file: str | os.PathLike | None = None) -> str | None:
+    """The job's bearer token, by the one rule of every entry point.
+
+    ``psctl server`` (with or without a job file), ``psctl status``, :class:`~psgrid.Client`,
+    :class:`~psgrid.Admin` and ``psgrid.init`` all ask here, so a token set once reaches
+    both ends alike: a shard started by hand and its workers agree on it.
+
+    Parameters
+    ----------
+    given : str, optional
+        A token given to this entry point (a flag, an argument, a job file's key); empty is
+        not given.
+    token_file : path, optional
+        The job's token file, where the entry point knows its job's folder (``OUT/token`` of
+        ``psctl launch``, read by ``psctl status --address-dir OUT``); a missing file is skipped.
+
+    Returns
+    -------
+    str or None
+        ``given``, else the token file's, else :data:`TOKEN_ENV`'s, else None (no token).
+    """
+    if given:
+        return given
+    if token_file is not None:
+        try:
+            text = Path(token_file).read_text().strip()
+        except FileNotFoundError:
+            text = ""
+        if text:
+            return text
+    return os.environ.get(TOKEN_ENV) or None
 
 
 def check_token(token: str | None) -> None:

@@ -31,6 +31,7 @@ from typing import Mapping
 import numpy as np
 
 from psgrid.psserver.client import Client, Handle
+from psgrid.psserver.security import job_token
 from psgrid.psserver.spec import ModelSpec
 from psgrid.worker import dlpack
 from psgrid.worker.backend import pinner_for, sync, to_host
@@ -85,9 +86,10 @@ def init(params, *, addresses=None, rank: int | None = None, world: int | None =
     if not addresses or world is None:
         raise RuntimeError(NO_JOB)
     settings = job_file_settings(job_file or env.job_file)
-    settings.update({key: value for key, value in (("token", env.token), ("tls_ca", env.tls_ca),
-                                                   ("tls_cert", env.tls_cert), ("tls_key", env.tls_key)) if value})
+    settings.update({key: value for key, value in (("tls_ca", env.tls_ca), ("tls_cert", env.tls_cert),
+                                                   ("tls_key", env.tls_key)) if value})
     settings.update(client_options)
+    settings["token"] = job_token(settings.get("token"))     # the rule of every entry point: given, else PSGRID_TOKEN
     watch_launcher()
     return Session(params, addresses=addresses, world=world, rank=rank if rank is not None else env.rank,
                    metrics=metrics or env.metrics, local_rank=env.local_rank, gpu=env.gpu, **settings)

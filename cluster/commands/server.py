@@ -31,8 +31,8 @@ SERVER_FLAGS = [
     ("--checkpoint-every-s", "checkpoint_every_s", float, "checkpoint every this many seconds (0: never by time)"),
     ("--checkpoint-keep", "checkpoint_keep", int, "keep this many newest checkpoints"),
     ("--chunk-bytes", "chunk_bytes", int, "largest chunk of a streamed range, in bytes"),
-    ("--token", "token", str, "bearer token every request must carry (prefer $PSGRID_TOKEN or [server] token in "
-                              "a job file: command lines are visible to other users)"),
+    ("--token", "token", str, "bearer token every request must carry (default: [server] token of --config, else "
+                              "$PSGRID_TOKEN, which is to be preferred: command lines are visible to other users)"),
     ("--job-id", "job_id", str, "the job this shard belongs to; a Shutdown must name it (default: a random id, "
                                 "printed at start and written with the address)"),
     ("--tls-cert", "tls_cert", str, "server certificate (PEM); enables TLS"),
@@ -91,6 +91,7 @@ def server_config_from_args(args: argparse.Namespace):
     from psgrid.cluster.config import load_shard_settings, parse_assignment, route
     from psgrid.cluster.errors import ConfigError
     from psgrid.psserver.config import ServerConfig
+    from psgrid.psserver.security import job_token
 
     if args.config:
         base, shards = load_shard_settings(args.config)
@@ -113,7 +114,9 @@ def server_config_from_args(args: argparse.Namespace):
         blamed = [k for k in changes if _valid(base, {o: v for o, v in changes.items() if o != k})] or list(changes)
         raise ConfigError(f"{' '.join(f'{flags[k]} {changes[k]}' for k in blamed)}: {e}") from None
     check_files(config, ("tls_cert", "tls_key", "tls_ca"))
-    return config
+    # With no token given (flag, --set or job file), the environment's: a shard started by hand with
+    # PSGRID_TOKEN set must not take calls without it.
+    return dataclasses.replace(config, token=job_token(config.token))
 
 
 def _valid(config, changes: dict) -> bool:

@@ -36,8 +36,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="take the bearer token and TLS files from this job's [train] table")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key of --config's job, e.g. --set train.tls_ca=pki/ca.pem (repeatable)")
-    p.add_argument("--token", help="bearer token, if the shards require one (default: $PSGRID_TOKEN, or the job's "
-                                   "OUT/token with --address-dir; a command line is visible to other users)")
+    p.add_argument("--token", help="bearer token, if the shards require one (default: --config's, else the job's "
+                                   "OUT/token with --address-dir, else $PSGRID_TOKEN; a command line is visible to "
+                                   "other users)")
     p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
                    help="give up on an unreachable shard after this long (default 5)")
     p.add_argument("--watch", type=float, default=None, metavar="SECONDS",
@@ -51,22 +52,25 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from psgrid.cluster.commands._common import split_addresses
-    from psgrid.cluster.credentials import TOKEN_ENV
+    from psgrid.cluster.credentials import TOKEN_ENV, token_file_of
     from psgrid.cluster.errors import JobFailed, UsageError
     from psgrid.cluster.preflight import probe_shards
-    from psgrid.cluster.status import addresses_from_dir, finished_job, status, summary_status, token_of_dir
+    from psgrid.cluster.status import addresses_from_dir, finished_job, status, summary_status
     from psgrid.psserver.exceptions import PSError
+    from psgrid.psserver.security import job_token
 
     summary = finished_job(args.address_dir) if args.address_dir and not args.watch else None
     if summary is not None:          # the job is over and its shards are gone: its summary has their last counters
         print(summary_status(summary, as_json=args.json, wide=args.wide), flush=True)
         return 0
     addresses = split_addresses(args.addresses) if args.addresses else addresses_from_dir(args.address_dir)
-    # The job's token: given, in the environment, or the one psctl launch keeps in OUT/token (mode 0600).
-    token = args.token or os.environ.get(TOKEN_ENV) or (token_of_dir(args.address_dir) if args.address_dir else None)
     train = _job(args).train
-    security = {"token": token or train.token, "tls_ca": train.tls_ca, "tls_cert": train.tls_cert,
-                "tls_key": train.tls_key}
+    # The job's token: given (--token, --config's), else the one psctl launch keeps in OUT/token (mode 0600),
+    # else $PSGRID_TOKEN: the folder's own job comes before whatever job this shell's variable is for.
+    # (A job file without a token took the environment's when it was loaded: that one comes last.)
+    own = train.token if train.token != os.environ.get(TOKEN_ENV) else None
+    token = job_token(args.token or own, token_file=token_file_of(args.address_dir) if args.address_dir else None)
+    security = {"token": token, "tls_ca": train.tls_ca, "tls_cert": train.tls_cert, "tls_key": train.tls_key}
     try:      # unreachable, or a TLS handshake that fails: say which shard and why
         probe_shards(addresses, train, args.timeout)
     except UsageError as e:
