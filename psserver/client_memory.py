@@ -13,6 +13,7 @@ into, here or mapped from a shard, is registered with it once and unregistered b
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Protocol
 
@@ -24,6 +25,7 @@ from psgrid.psserver.protocol import FLOAT32
 # Elements of a gradient file per wire dtype: float32 as itself, half precision as raw 16-bit words.
 SEGMENT_KINDS = {FLOAT32: np.dtype("<f4")}
 HALF_KIND = np.dtype("<u2")
+log = logging.getLogger("psgrid.client")
 
 
 class Pinner(Protocol):
@@ -68,13 +70,29 @@ class ClientMemory:
             key = (dtype, index)
             if key not in self._segments:
                 kind = SEGMENT_KINDS.get(dtype, HALF_KIND)
-                holder = shared_memory.SharedArray(self.size, kind, "psgrid-gradient") if self.shared else None
+                holder = self._shared_file(kind) if self.shared else None
                 array = holder.array if holder is not None else np.empty(self.size, kind)
                 if dtype == FLOAT32:
                     self._pin(array, read_only=False)
                 self._segments[key] = (array, holder)
             array, holder = self._segments[key]
             return array, holder.fd if holder is not None else -1
+
+    def shares(self) -> bool:
+        """Whether shards on this host can read this client's gradients in place (made now, if not yet)."""
+        self.segment(FLOAT32, 0)
+        return self.shared
+
+    def _shared_file(self, kind: np.dtype) -> shared_memory.SharedArray | None:
+        """A gradient's shared file, or None (said once) where this process may not make one: a file-size
+        limit counts anonymous files too, and the gradients then live in private memory."""
+        try:
+            return shared_memory.SharedArray(self.size, kind, "psgrid-gradient")
+        except OSError as exc:
+            log.warning("gradient buffers in private memory, %s; shards on this host are reached over the "
+                        "network plane", shared_memory.refused(exc, self.size * kind.itemsize))
+            self.shared = False
+            return None
 
     def staging(self) -> np.ndarray:
         """A float32 host buffer of the whole model, where network pulls land before they go elsewhere."""

@@ -286,7 +286,7 @@ class ShardService:
         return Registration(
             mode=config.mode, staleness=config.staleness, backup_workers=config.backup_workers,
             lease_s=config.lease_s, shard_index=config.shard_index, num_shards=config.num_shards,
-            tcp_port=self.tcp_port, shm_socket=self.shm_socket, **joined)
+            tcp_port=self.tcp_port, shm_socket=self.shm_socket if shard.shares_memory else "", **joined)
 
     def open_init(self, params: list[tuple[str, tuple, str]], spec_hash: str) -> InitIntake:
         """Start taking initial weights for the model ``params`` (whose hash must be ``spec_hash``)."""
@@ -367,8 +367,16 @@ class ShardService:
 
     # ----- the shared-memory plane: readers and writers in other processes of this host ----------
 
+    def _require_shared(self) -> None:
+        # A client that chose this plane before Init found the weights could not be shared: it drops
+        # the plane, and its next registration no longer offers it.
+        if not self.shard.shares_memory:
+            raise Unavailable(f"shard {self.shard.config.shard_index} keeps its weights in private memory (its log "
+                              f"says why): use a network plane")
+
     def open_reader(self) -> tuple[int, int]:
         """A slot in the shard's table of reader marks, and that table's shared file (see weight_ring.py)."""
+        self._require_shared()
         try:
             slot = self.shard.take_reader_slot()
         except ValueError as exc:
@@ -383,6 +391,7 @@ class ShardService:
 
     def buffer_fd(self, index: int) -> tuple[int, int]:
         """The shared file of the ring's buffer ``index`` and its size in bytes."""
+        self._require_shared()
         ring = self.shard.ring
         if ring is None or not 0 <= index < len(ring.arrays):
             raise InvalidArgument(f"no weight buffer {index}", Reason.BAD_VALUE)

@@ -91,6 +91,7 @@ class Shard:
         self.expected_hash: str | None = None    # before Init: the spec hash the members registered with
         self.begin = self.end = 0
         self.ring: WeightRing | None = None      # the weights: versions readers hold, and the current one
+        self.shares_memory = True     # False once this process could not put the weights in shared memory
         self.optimizer = None
         self.version = 0
         self.pool: BufferPool | None = None
@@ -126,8 +127,21 @@ class Shard:
         return None if self.ring is None else self.ring.weights
 
     def _new_ring(self, values: np.ndarray) -> None:
-        """Hold ``values`` as the weights, in shared memory when readers on this host may map them."""
-        ring = WeightRing(len(values), shared=self.config.shared_memory and shared_memory.available())
+        """Hold ``values`` as the weights, in shared memory when readers on this host may map them.
+
+        Where this process may not make the shared files (a file-size limit), in private memory:
+        said once, and the shared-memory plane is no longer offered (the network planes serve).
+        """
+        shared = self.shares_memory and self.config.shared_memory and shared_memory.available()
+        try:
+            ring = WeightRing(len(values), shared=shared)
+        except OSError as exc:
+            if not shared:
+                raise
+            log.warning("shard %d keeps its weights in private memory, %s; workers on this host use the network "
+                        "plane", self.config.shard_index, shared_memory.refused(exc, values.nbytes))
+            self.shares_memory = False
+            ring = WeightRing(len(values), shared=False)
         np.copyto(ring.weights, values, casting="same_kind")
         if self.ring is not None:
             self.ring.close()

@@ -12,6 +12,7 @@ Linux only (``os.memfd_create``); :func:`available` says whether this host has i
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 
@@ -74,6 +75,15 @@ def map_fd(fd: int, count: int, dtype=np.float32, *, writable: bool = True) -> n
     if not writable:
         array.flags.writeable = False
     return array
+
+
+def refused(exc: OSError, nbytes: int) -> str:
+    """Why this process could not make a shared file of ``nbytes``, for the one line that says so.
+
+    A file-size limit (``ulimit -f``, which some clusters set) counts anonymous files too.
+    """
+    hint = " (a file-size limit, ulimit -f, counts shared memory's files)" if exc.errno == errno.EFBIG else ""
+    return f"cannot make a shared file of {nbytes} bytes: {exc.strerror or exc}{hint}"
 
 
 def address(array: np.ndarray) -> int:

@@ -190,6 +190,8 @@ class ShmDataPlane(DataPlane):
         end = begin + len(grad)
         index = self.memory.gradient_index(grad, begin) if wire_dtype == FLOAT32 else None
         segment, fd = self.memory.segment(wire_dtype, index or 0)
+        if fd < 0:      # this buffer could not be shared after all: the next choice of plane takes the network's
+            raise Unavailable(f"no shared file for this gradient to push through {self.address}")
         if wire_dtype != FLOAT32:
             segment[begin:end] = np.frombuffer(wire.encode(grad, wire_dtype), np.uint16)
         elif index is None:         # not computed in one of our gradient buffers: copied into the first
@@ -225,6 +227,8 @@ def _offered(control: Control, registration: Registration, options: ConnectOptio
     """The shard's shared memory, when it offers it and is on this host (its socket answers here)."""
     if not (options.shared_memory and registration.shm_socket):
         return None
+    if options.memory is not None and not options.memory.shares():
+        return None      # our gradients could not be put in shared memory (said once, by ClientMemory)
     plane = ShmDataPlane(registration.shm_socket, options)
     try:
         plane._give(plane.connect(CONNECT_S))
