@@ -3,11 +3,14 @@
 One control connection and one data plane per shard. Calls to several shards run
 concurrently; each is retried with backoff while its shard is unavailable, for up to
 ``retry_s``; a data plane that lost its connection is dropped, and the next attempt chooses
-one again from a fresh registration (a restarted shard listens on another data port).
+one again from a fresh registration (a restarted shard listens on another data port). A
+shared-memory plane that refuses a client for too many connections is passed over for that shard
+(its network plane serves), so a process holding them all cannot stop the others on its host.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -53,6 +56,9 @@ class ShardConnections:
         self.preference, self.options, self.retry_s, self.register = data_plane, options, retry_s, register
         self.controls = [open_control(a, options) for a in self.addresses]
         self.planes: list[DataPlane | None] = [None] * len(self.addresses)
+        # The shared-memory socket of each shard that refused us for too many connections: its offer is
+        # passed over (a restarted shard offers another socket, tried again).
+        self.shm_refused: list[str] = [""] * len(self.addresses)
         self.plane_lock = threading.Lock()
         # Two calls per shard may run at once: a push and the pull that overlaps it.
         self.executor = ThreadPoolExecutor(max_workers=2 * len(self.addresses) + 2, thread_name_prefix="psgrid-client")
@@ -111,7 +117,7 @@ class ShardConnections:
                 return call()
             except Unavailable as exc:
                 if data:
-                    self.drop_plane(shard)
+                    self.drop_plane(shard, exc)
                 if time.monotonic() - start >= self.retry_s:
                     # exc names the address already
                     raise ShardUnavailable(f"shard {shard} unavailable for {self.retry_s:g} s: {exc}",
@@ -132,12 +138,26 @@ class ShardConnections:
         """The shard's data plane: the one in use, else one chosen from what ``reply`` offers."""
         with self.plane_lock:        # a pull and a push may both be choosing one
             if self.planes[shard] is None:
+                if reply.shm_socket and reply.shm_socket == self.shm_refused[shard]:
+                    reply = dataclasses.replace(reply, shm_socket="")
                 self.planes[shard] = open_data_plane(self.preference, self.controls[shard], reply, self.options)
             return self.planes[shard]
 
-    def drop_plane(self, shard: int) -> None:
+    def drop_plane(self, shard: int, cause: Unavailable | None = None) -> None:
+        """Close the shard's data plane after ``cause``; the next call chooses one again.
+
+        A shared-memory plane that refused us for too many connections (another process of this
+        host holds them all) is not chosen again for this shard: its network plane serves instead.
+        """
         with self.plane_lock:
             plane, self.planes[shard] = self.planes[shard], None
+            full = (plane is not None and plane.name == "shm" and cause is not None
+                    and cause.reason is Reason.TOO_MANY_CONNECTIONS)
+            if full and self.shm_refused[shard] != plane.address:
+                self.shm_refused[shard] = plane.address
+                log.warning("shard %d's shared-memory plane refused this client (too many connections: %s); its "
+                            "network plane (%s where offered) serves this client instead", shard, cause,
+                            self.preference)
         if plane is not None:
             plane.close()
 
