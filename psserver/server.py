@@ -43,8 +43,8 @@ class RunningServer:
         self.shutdown_requested = threading.Event()
         self.service = ShardService(self.shard, on_shutdown=self.shutdown_requested.set)
         self.tcp = None
+        ssl_context = server_ssl_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
         if config.data_plane == "tcp":
-            ssl_context = server_ssl_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
             self.tcp = TcpDataServer(self.service, config.host, config.token, ssl_context, handlers=config.threads,
                                      max_connections=config.tcp_max_connections,
                                      on_failure=lambda: self.set_health(False))
@@ -54,7 +54,7 @@ class RunningServer:
             if config.shared_memory and shared_memory.available():
                 from psgrid.psserver.transports.shm_server import ShmDataServer
 
-                self.shm = ShmDataServer(self.service, config.token, handlers=config.threads,
+                self.shm = ShmDataServer(self.service, config.token, ssl_context, handlers=config.threads,
                                          max_connections=config.tcp_max_connections,
                                          on_failure=lambda: self.set_health(False))
                 self.service.shm_socket = self.shm.address

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import ssl
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ from psgrid.psserver.exceptions import ShardUnavailable, Unauthenticated, Unavai
 from psgrid.psserver.protocol import FLOAT32, Reason, Status
 from psgrid.psserver.transports.base import ConnectOptions
 from psgrid.psserver.transports.tcp_client import TcpDataPlane
-from psgrid.psserver.transports.tcp_frames import HELLO, MAGIC, PULL, REPLY, REQUEST, recv_exact, recv_struct
+from psgrid.psserver.transports.tcp_frames import HELLO, MAGIC, OPEN, PULL, REPLY, REQUEST, recv_exact, recv_struct
 from tests.support import FEATURES, REGRESSION, make_problem, regression_grad
 
 TOKEN = "s3cret"
@@ -216,6 +218,62 @@ def test_the_tcp_plane_refuses_a_client_without_a_valid_certificate(tls_cluster,
     finally:
         plane.close()
     assert_same_state(before, shard_state(server))
+
+
+def shm_open(address: str, context: ssl.SSLContext | None = None) -> bool:
+    """Whether the shard's shared-memory socket hands this connection a reader slot and the marks' descriptor.
+
+    With ``context``, the connection first proves a certificate by a TLS handshake, then goes back
+    to plain frames (``unwrap``), as the client of that plane does.
+    """
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.settimeout(5)
+    owned = [raw]
+    try:
+        raw.connect("\0" + address[1:])
+        sock = raw
+        if context is not None:
+            tls = context.wrap_socket(raw, server_hostname="localhost")
+            owned.append(tls)
+            sock = socket.socket(fileno=tls.unwrap().detach())
+            owned.append(sock)
+            sock.settimeout(5)
+        sock.sendall(REQUEST.pack(MAGIC, OPEN, 0, 0, 0, 0, 0, 0.0))
+        if _read_reply(sock)[1] != Status.OK:
+            return False
+        _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+        for fd in fds:
+            os.close(fd)
+        return len(fds) == 1
+    except (OSError, ConnectionError):       # ssl.SSLError is an OSError: a refused handshake
+        return False
+    finally:
+        for s in owned:
+            s.close()
+
+
+def tls_context(certs, who: str) -> ssl.SSLContext | None:
+    options = client_tls(certs, who)
+    if not options:
+        return None
+    context = ssl.create_default_context(cafile=options["tls_ca"])
+    if "tls_cert" in options:
+        context.load_cert_chain(options["tls_cert"], options["tls_key"])
+    return context
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["shm"])
+def test_the_shared_memory_plane_asks_for_the_client_certificate_too(tls_cluster, certs):
+    """A token-less shard with mutual TLS: a process of the same user without the certificate gets nothing."""
+    tls_cluster.client(REGRESSION, init=np.ones(REGRESSION.size, np.float32), **client_tls(certs)).join()
+    server = tls_cluster.servers[0]
+    before, slots = shard_state(server), len(server.shard.ring.free_slots)
+    for who in ("no TLS", "no client cert", "rogue client cert"):
+        assert not shm_open(server.shm.address, tls_context(certs, who)), who
+    assert_same_state(before, shard_state(server))
+    assert len(server.shard.ring.free_slots) == slots
+    assert shm_open(server.shm.address, tls_context(certs, "valid"))
 
 
 # ----- secure by default: psctl launch ------------------------------------------------------------

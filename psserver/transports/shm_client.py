@@ -21,6 +21,7 @@ import numpy as np
 from psgrid.psserver import wire
 from psgrid.psserver.exceptions import BadReply, PSError, Unavailable
 from psgrid.psserver.protocol import FLOAT32, ITEMSIZE, Outcome, PushResult, Reason, Registration, Status
+from psgrid.psserver.security import client_ssl_context
 from psgrid.psserver.shared_memory import map_fd
 from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, register_data_plane
 from psgrid.psserver.transports.tcp_frames import (ATTACH, FD_BYTE, HELLO, MAGIC, MAP, OPEN, PULL, PUSH, REQUEST,
@@ -46,10 +47,14 @@ class ShmDataPlane(DataPlane):
     name = "shm"
     reads_in_place = True
 
-    def __init__(self, address: str, options: ConnectOptions):
+    def __init__(self, address: str, options: ConnectOptions, host: str = "localhost"):
         self.address = address
         self.path = "\0" + address[1:] if address.startswith("@") else address
         self.token = options.token
+        # Under TLS the shard asks for a handshake here too (its certificate names ``host``, the one our
+        # control connection verified); then the connection carries plain frames again.
+        self.host = host
+        self.ssl_context = client_ssl_context(options.tls_ca, options.tls_cert, options.tls_key) if options.tls else None
         self.memory = options.memory
         self.idle: list[_Connection] = []
         self.lock = threading.Lock()
@@ -65,6 +70,8 @@ class ShmDataPlane(DataPlane):
         try:
             sock.settimeout(timeout)
             sock.connect(self.path)
+            if self.ssl_context is not None:
+                sock = self._handshake(sock, timeout)
             if self.token:
                 token = self.token.encode()
                 sock.sendall(REQUEST.pack(MAGIC, HELLO, 0, 0, 0, 0, len(token), 0.0) + token)
@@ -73,6 +80,17 @@ class ShmDataPlane(DataPlane):
             sock.close()
             raise
         return _Connection(sock)
+
+    def _handshake(self, sock: socket.socket, timeout: float) -> socket.socket:
+        """Show our certificate in a TLS handshake, then return to plain frames (descriptors cannot cross TLS)."""
+        tls = self.ssl_context.wrap_socket(sock, server_hostname=self.host)
+        try:
+            plain = socket.socket(fileno=tls.unwrap().detach())
+        except BaseException:
+            tls.close()
+            raise
+        plain.settimeout(timeout)
+        return plain
 
     def _take(self, timeout: float) -> _Connection:
         with self.lock:
@@ -229,7 +247,7 @@ def _offered(control: Control, registration: Registration, options: ConnectOptio
         return None
     if options.memory is not None and not options.memory.shares():
         return None      # our gradients could not be put in shared memory (said once, by ClientMemory)
-    plane = ShmDataPlane(registration.shm_socket, options)
+    plane = ShmDataPlane(registration.shm_socket, options, host=control.address.rsplit(":", 1)[0].strip("[]"))
     try:
         plane._give(plane.connect(CONNECT_S))
     except (OSError, PSError):

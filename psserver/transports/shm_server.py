@@ -15,7 +15,9 @@ small frames (tcp_frames.py) cross the socket; memory crosses by file descriptor
 So a pull costs the worker one copy (none in the shard), and a push none at all when the worker
 computes its gradient into the shared file. Files are anonymous (shared_memory.py): nothing is
 ever left in ``/dev/shm``. Only processes of the shard's own user may connect (``SO_PEERCRED``),
-and the job's token is asked for as on the TCP plane.
+and they must show what the TCP plane asks for: the job's token in a hello, and under TLS a
+handshake (with a certificate of the job's CA under mutual TLS), after which the connection goes
+back to plain frames (``unwrap``) so descriptors can cross it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import ssl
 import struct
 from typing import Callable
 
@@ -55,8 +58,9 @@ class ShmDataServer(SocketDataServer):
 
     name = "shared-memory plane"
 
-    def __init__(self, service: ShardService, token: str | None = None, *, handlers: int = 128,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, on_failure: Callable[[], None] | None = None):
+    def __init__(self, service: ShardService, token: str | None = None, ssl_context: ssl.SSLContext | None = None, *,
+                 handlers: int = 128, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 on_failure: Callable[[], None] | None = None):
         name = f"psgrid-{secrets.token_hex(16)}"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -66,7 +70,7 @@ class ShmDataServer(SocketDataServer):
             listener.close()
             raise
         self.address = "@" + name
-        super().__init__(service, listener, token, None, handlers=handlers, max_connections=max_connections,
+        super().__init__(service, listener, token, ssl_context, handlers=handlers, max_connections=max_connections,
                          on_failure=on_failure)
 
     def _accepted(self, sock: socket.socket) -> str | None:
@@ -74,6 +78,13 @@ class ShmDataServer(SocketDataServer):
         if uid not in (os.geteuid(), 0):
             return f"this shard's shared memory is for processes of user {os.geteuid()} only"
         return None
+
+    def _handshake(self, conn) -> None:
+        # The client proves what the network planes ask for (its certificate, under mutual TLS), then the
+        # connection goes back to plain frames: descriptors cannot cross TLS, and nothing here needs hiding
+        # from a kernel that already vouched for the peer's user.
+        tls = self.ssl_context.wrap_socket(conn.raw, server_side=True)
+        conn.sock = conn.raw = socket.socket(fileno=tls.unwrap().detach())
 
     def _released(self, conn) -> None:
         reader = conn.state

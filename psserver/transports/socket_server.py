@@ -135,6 +135,10 @@ class SocketDataServer:
     def _released(self, conn: Connection) -> None:
         """``conn`` is closed: free what the plane kept for it."""
 
+    def _handshake(self, conn: Connection) -> None:
+        """The TLS handshake of a new connection (a client certificate is checked here under mutual TLS)."""
+        conn.sock = self.ssl_context.wrap_socket(conn.raw, server_side=True)
+
     # ----- the loop: accept, wait on idle connections, hand ready ones to the pool --------------
 
     def _run(self) -> None:
@@ -269,7 +273,7 @@ class SocketDataServer:
         try:
             if not conn.handshaken:
                 conn.raw.settimeout(max(0.1, conn.deadline - time.monotonic()))
-                conn.sock = self.ssl_context.wrap_socket(conn.raw, server_side=True)
+                self._handshake(conn)
                 conn.handshaken = True
                 keep = True
             else:
