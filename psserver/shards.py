@@ -116,8 +116,8 @@ class ShardConnections:
             try:
                 return call()
             except Unavailable as exc:
-                if data:
-                    self.drop_plane(shard, exc)
+                if data and self.drop_plane(shard, exc):
+                    continue        # passed over a full shared-memory plane: the network plane is there now
                 if time.monotonic() - start >= self.retry_s:
                     # exc names the address already
                     raise ShardUnavailable(f"shard {shard} unavailable for {self.retry_s:g} s: {exc}",
@@ -143,23 +143,25 @@ class ShardConnections:
                 self.planes[shard] = open_data_plane(self.preference, self.controls[shard], reply, self.options)
             return self.planes[shard]
 
-    def drop_plane(self, shard: int, cause: Unavailable | None = None) -> None:
+    def drop_plane(self, shard: int, cause: Unavailable | None = None) -> bool:
         """Close the shard's data plane after ``cause``; the next call chooses one again.
 
         A shared-memory plane that refused us for too many connections (another process of this
         host holds them all) is not chosen again for this shard: its network plane serves instead.
+        Returns whether that happened now (the first time that plane refused us).
         """
         with self.plane_lock:
             plane, self.planes[shard] = self.planes[shard], None
             full = (plane is not None and plane.name == "shm" and cause is not None
-                    and cause.reason is Reason.TOO_MANY_CONNECTIONS)
-            if full and self.shm_refused[shard] != plane.address:
+                    and cause.reason is Reason.TOO_MANY_CONNECTIONS and self.shm_refused[shard] != plane.address)
+            if full:
                 self.shm_refused[shard] = plane.address
                 log.warning("shard %d's shared-memory plane refused this client (too many connections: %s); its "
                             "network plane (%s where offered) serves this client instead", shard, cause,
                             self.preference)
         if plane is not None:
             plane.close()
+        return full
 
     @property
     def data_planes(self) -> list[str | None]:
