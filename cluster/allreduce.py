@@ -25,6 +25,7 @@ from psgrid.cluster.errors import UsageError
 from psgrid.cluster.mpi import _abort
 from psgrid.cluster.mpich_shm import unlink_init_shm
 from psgrid.cluster.procs import limit_blas_threads, usable_cpus
+from psgrid.psserver import files
 
 TAG_RESULT = 72
 
@@ -119,7 +120,7 @@ def _run(job: JobConfig, comm, progress: bool | None, quiet: bool) -> int:
     t0 = time.monotonic()
     follower = None
     if rank == 0:
-        (out / "job.toml").write_text(f"# resolved job, as run by psctl allreduce\n{job.to_toml()}")
+        files.write_text(out / "job.toml", f"# resolved job, as run by psctl allreduce\n{job.to_toml()}")
         if not quiet:
             print(f"psctl allreduce: {size} worker(s), no shards; output in {out}", file=sys.stderr, flush=True)
         follower = ProgressThread(job, metrics_files, progress)

@@ -28,6 +28,7 @@ import numpy as np
 
 from psgrid.cluster.bench_transport import median_time
 from psgrid.cluster.procs import SOURCE_ROOT
+from psgrid.psserver import files
 
 PLANES = ("shm", "tcp", "grpc")
 START_TIMEOUT_S = 120.0
@@ -151,7 +152,7 @@ class Shards:
                         "--threads", "32", "--lease-s", "60"]
                 # From their own folder: python puts the current one first on the path, and it may hold
                 # another revision's psgrid.
-                with open(folder / f"shard-{i}.log", "w") as log:
+                with files.open_new(folder / f"shard-{i}.log", "w") as log:
                     self.procs.append(subprocess.Popen(argv, env=code.env(), stdout=subprocess.DEVNULL, stderr=log,
                                                        cwd=folder))
             deadline = time.monotonic() + START_TIMEOUT_S
@@ -251,7 +252,7 @@ def rows(params=(1_000_000, 10_000_000, 100_000_000), shards=(1, 2, 4), workers=
                         for r in range(repeats):
                             for code in (codes if r % 2 == 0 else codes[::-1]):    # alternate who goes first
                                 folder = Path(tmp) / f"{code.label}-{r}"
-                                folder.mkdir()
+                                files.make_dirs(folder)
                                 servers = Shards(code, s, mode, folder)
                                 try:
                                     results[code.label].append(measure(code, servers, params=p, workers=w,

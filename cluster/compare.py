@@ -33,6 +33,7 @@ from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.experiment import NO_STRAGGLERS, Run
 from psgrid.cluster.launch import Interrupted, Launcher, listen_for_interrupts, prepare_out
 from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
+from psgrid.psserver import files
 
 SETTINGS_FILE = "experiment.json"
 POLL_S = 0.2
@@ -86,7 +87,7 @@ def prepare(experiment: Experiment, resume: bool) -> list[Run]:
                              f"--resume needs the same job, modes, workers, stragglers and repeats")
     elif out.exists() and any(out.iterdir()):
         raise UsageError(f"{out} is not empty and holds no experiment; choose another --out")
-    (out / "runs").mkdir(parents=True, exist_ok=True)
+    files.make_dirs(out / "runs")
     co.write_json(settings_file, experiment.settings)
     todo = []
     for run in experiment.runs:
@@ -159,9 +160,9 @@ def run_parameter_server(job: JobConfig, out: Path, progress: RunProgress) -> No
 
 def run_allreduce_local(job: JobConfig, out: Path, progress: RunProgress) -> None:
     """One all-reduce run: ``mpiexec -n W psctl allreduce`` on this machine."""
-    out.mkdir(parents=True, exist_ok=True)
+    files.make_dirs(out)
     job_file = out / "job.toml"
-    job_file.write_text(f"# resolved job, as run by psctl compare\n{job.to_toml()}")
+    files.write_text(job_file, f"# resolved job, as run by psctl compare\n{job.to_toml()}")
     argv = [mpiexec_path(), "-n", str(job.workers),
             *psctl_argv("allreduce", "--config", str(job_file), "--out", str(out), "--no-progress",
                        "--ranks", str(job.workers))]
@@ -241,7 +242,7 @@ class Compare:
 
     def record(self, run: Run) -> None:
         """Add the run's steps to results.jsonl (an interrupted run's are added when it is done again)."""
-        with open(self.x.out / "results.jsonl", "a") as f:
+        with files.open_new(self.x.out / "results.jsonl", "a") as f:
             for line in res.result_lines(run, res.run_events(self.x.run_dir(run))):
                 f.write(line + "\n")
 
@@ -266,11 +267,10 @@ def write_results(x: Experiment) -> list[dict]:
         source = "auto"
     rows = [res.summarize_run(r, res.read_summary(x.run_dir(r)), events[r.id], target) for r in present]
     res.write_csv(x.out / "summary.csv", rows)
-    with open(x.out / "results.jsonl.tmp", "w") as f:
+    with files.replacing(x.out / "results.jsonl") as f:
         for r in present:
             for line in res.result_lines(r, events[r.id]):
                 f.write(line + "\n")
-    os.replace(x.out / "results.jsonl.tmp", x.out / "results.jsonl")
     if rows:
         write_report(x.out, dict(x.settings, target_accuracy=target, target_source=source), rows, events)
     return rows

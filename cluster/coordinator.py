@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import threading
 import time
@@ -19,6 +18,7 @@ from typing import Any, Callable, Iterable
 
 from psgrid.cluster.config import JobConfig
 from psgrid.cluster.errors import JobFailed
+from psgrid.psserver import files
 
 EVAL_TIMEOUT_S = 600.0
 # Shard counters copied into summary.json, per shard.
@@ -277,12 +277,9 @@ def _shard_summary(stats: dict) -> dict:
 
 def write_json(path: str | Path, data: Any) -> None:
     """Write JSON atomically (temp file, rename), so a reader never sees half a file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with files.replacing(path) as f:
         json.dump(data, f, indent=2, default=_jsonable)
         f.write("\n")
-    os.replace(tmp, path)
 
 
 def _jsonable(x: Any) -> Any:
@@ -308,7 +305,7 @@ def merge_metrics(sources: Iterable[str | Path | list[dict]], out: str | Path) -
         except FileNotFoundError:
             continue
     events.sort(key=lambda e: e.get("time", 0.0) if _finite(e.get("time")) else 0.0)
-    with open(out, "w") as f:
+    with files.open_new(out, "w") as f:
         for e in events:
             f.write(json.dumps(e, default=_jsonable) + "\n")
     return len(events)
@@ -319,8 +316,8 @@ class EventLog:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a")
+        files.make_dirs(self.path.parent)
+        self._f = files.open_new(self.path, "a")
 
     def __call__(self, event: str, **fields: Any) -> None:
         self._f.write(json.dumps({"event": event, "time": time.time(), "source": "coordinator", **fields},

@@ -36,6 +36,7 @@ from psgrid.cluster.config import JobConfig
 from psgrid.cluster.errors import JobFailed
 from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 from psgrid.cluster.watch import ShardWatch
+from psgrid.psserver import files
 from psgrid.psserver.protocol import parse_address_file
 
 POLL_S = 0.2
@@ -84,7 +85,7 @@ class Launcher:
         if job.server.checkpoint_dir:    # absolute, so a resume from another folder finds the checkpoints
             job.server.checkpoint_dir = str(Path(job.server.checkpoint_dir).resolve())
         self.job_file = out / "job.toml"
-        self.job_file.write_text(f"# resolved job, as run by psctl launch (token redacted)\n{job.to_toml()}")
+        files.write_text(self.job_file, f"# resolved job, as run by psctl launch (token redacted)\n{job.to_toml()}")
         credentials.write_token_file(out, job)
         cpus = usable_cpus()
         secret = credentials.child_env(job)       # the token travels in the environment, never in argv

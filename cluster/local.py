@@ -32,6 +32,7 @@ from psgrid.cluster import script as user_script
 from psgrid.cluster.config import JobConfig, apply_overrides, load_job
 from psgrid.cluster.launch import Launcher, prepare_out
 from psgrid.cluster.procs import stop_children
+from psgrid.psserver import files
 
 
 class LocalCluster:
@@ -70,7 +71,7 @@ class LocalCluster:
         if out is None:
             out_dir = Path(tempfile.mkdtemp(prefix="psgrid-local-"))
             for sub in ("addr", "logs", "metrics"):
-                (out_dir / sub).mkdir()
+                files.make_dirs(out_dir / sub)
         else:
             out_dir = prepare_out(job)
         self.out = out_dir

@@ -33,6 +33,7 @@ from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.mpich_shm import unlink_init_shm
 from psgrid.cluster.placement import SERVER, Placement, PlacementError, Role, place
 from psgrid.cluster.procs import limit_blas_threads, usable_cpus
+from psgrid.psserver import files
 from psgrid.psserver.protocol import format_address_file
 
 TAG_DONE = 71
@@ -185,7 +186,7 @@ class MPIJob:
         if self.rank == 0:
             addresses = [addresses[r] for r in self.placement.ranks(SERVER)]
             for i, a in enumerate(addresses):  # as psctl launch does, for psctl status --address-dir
-                (self.out / "addr" / f"shard-{i}").write_text(format_address_file(a, self.job.server.job_id))
+                files.replace_text(self.out / "addr" / f"shard-{i}", format_address_file(a, self.job.server.job_id))
             credentials.write_token_file(self.out, self.job)
         self.addresses = self.comm.bcast(addresses, root=0)
 
@@ -227,7 +228,7 @@ class MPIJob:
         # The worker's GPU reaches select_gpu as LOCAL_RANK (taken modulo the GPUs it sees), as torchrun's does.
         os.environ["LOCAL_RANK"] = str(me.gpu if me.gpu is not None else me.local_rank)
         metrics = self.out / "metrics" / f"worker-{self.index}.jsonl"
-        metrics.parent.mkdir(parents=True, exist_ok=True)
+        files.make_dirs(metrics.parent)
         if self.command:
             gpu = me.gpu if me.gpu is not None else (me.local_rank or 0)
             message = user_script.run_on_rank(self.command, self.job, self.out, self.addresses, self.index,

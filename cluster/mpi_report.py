@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from psgrid.psserver import files
+
 TAG_FAILED = 72
 # How long a failing rank waits for rank 0 to write the summary and abort the job, before it aborts it itself.
 NOTICE_WAIT_S = 5.0
@@ -27,7 +29,7 @@ POLL_S = 0.05
 
 def write_job_file(out: Path, job) -> None:
     """``OUT/job.toml``: the resolved job, readable by ``--config`` (its token redacted)."""
-    (out / "job.toml").write_text(f"# resolved job, as run by psctl mpi (token redacted)\n{job.to_toml()}")
+    files.write_text(out / "job.toml", f"# resolved job, as run by psctl mpi (token redacted)\n{job.to_toml()}")
 
 
 def log_name(role: str, index: int) -> str:
@@ -56,8 +58,8 @@ def tee_to_log(out: Path, rank: int, role: str, index: int) -> Path | None:
     """Copy this rank's stdout and stderr into ``OUT/logs/ROLE-I.log``; None if that folder is out of reach."""
     path = out / "logs" / log_name(role, index)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(path, "a", buffering=1)
+        files.make_dirs(path.parent)
+        log = files.open_new(path, "a", buffering=1)
     except OSError:
         return None
     log.write(f"# rank {rank} ({role} {index}) on {socket.gethostname()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n")

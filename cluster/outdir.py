@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 from psgrid.cluster.errors import UsageError
+from psgrid.psserver import files
 
 # What a run of psctl launch / mpi / allreduce writes into its folder (cluster/resume.py moves the same to attempts/).
 RUN_FILES = ("summary.json", "metrics.jsonl", "job.toml", "token", "metrics", "logs", "addr", "attempts")
@@ -30,11 +31,11 @@ def holds_a_run(folder: Path) -> bool:
 def claim_default(job) -> Path:
     """A new folder ``runs/NAME-STAMP`` (``-2``, ``-3``, ... when taken), created here and now."""
     base = Path(job.default_out())
-    base.parent.mkdir(parents=True, exist_ok=True)
+    files.make_dirs(base.parent)
     for n in range(1, MAX_SUFFIX + 1):
         candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
         try:
-            candidate.mkdir()
+            candidate.mkdir(mode=files.DIR_MODE)      # fails if taken: the claim
         except FileExistsError:
             continue
         return candidate
@@ -74,5 +75,5 @@ def prepare(job, resume: bool = False) -> Path:
     else:
         out = claim_default(job)
     for sub in ("addr", "logs", "metrics"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
+        files.make_dirs(out / sub)
     return out

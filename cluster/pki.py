@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from psgrid.cluster.errors import UsageError
+from psgrid.psserver import files
 
 FILES = ("ca.pem", "ca.key", "shard.pem", "shard.key", "client.pem", "client.key")
 
@@ -89,7 +90,7 @@ def make_certs(directory: str | Path, hosts: list[str], days: int = 365, force: 
         raise UsageError("the shard certificate needs at least one --host")
     if days < 1:
         raise UsageError(f"--days must be at least 1, got {days}")
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    files.make_dirs(directory, 0o700)
     ca_key, shard_key, client_key = _key(), _key(), _key()
     ca = _certificate("psgrid job CA", ca_key, None, None, days, ca=True)
     shard = _certificate(hosts[0], shard_key, ca.subject, ca_key, days, ca=False,

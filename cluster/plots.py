@@ -26,6 +26,7 @@ from matplotlib.ticker import MaxNLocator
 
 from psgrid.cluster.experiment import NO_STRAGGLERS
 from psgrid.cluster.grouping import finished, group_title, groups_of, modes_of, rows_of, showcase_group, sig, spread
+from psgrid.psserver import files
 
 # matplotlib's tab10, by the mode's place in the experiment's list of modes.
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
@@ -59,9 +60,10 @@ def _grid(n: int, ncols: int, width: float, height: float) -> tuple[Figure, list
 
 
 def _save(fig: Figure, plot_dir: Path, name: str) -> Path:
-    plot_dir.mkdir(parents=True, exist_ok=True)
+    files.make_dirs(plot_dir)
     path = plot_dir / f"{name}.png"
-    fig.savefig(path, dpi=DPI)
+    with files.open_new(path, "wb") as f:
+        fig.savefig(f, dpi=DPI, format="png")
     fig.clear()
     return path
 

@@ -19,6 +19,8 @@ from collections import deque
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from psgrid.psserver import files
+
 PARENT_ENV = "PSCTL_PARENT_PID"
 # The repository root in a checkout (it holds pyproject.toml); the psgrid folder in a wheel.
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
@@ -92,8 +94,8 @@ class Child:
         self.name = name
         self.argv = list(argv)
         self.log_path = Path(log_path)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        files.make_dirs(self.log_path.parent)
+        with files.open_new(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=env, cwd=cwd, start_new_session=True,

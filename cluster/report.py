@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import html
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Callable
 
 from psgrid.cluster.grouping import Spread, acc, finished, groups_of, modes_of, rows_of, secs, sig, spread
 from psgrid.cluster.reading import reading
+from psgrid.psserver import files
 
 
 # ---- the blocks and their two renderings ---------------------------------------------------
@@ -218,7 +218,7 @@ def write_report(out: Path, settings: dict, rows: list[dict], events: dict[str, 
     from psgrid.cluster import plots as plotting   # matplotlib is loaded only to write a report
 
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    files.make_dirs(out)
     plots = plotting.write_plots(out / "plots", rows, events, settings)
     blocks = build(settings, rows, plots)
     paths = {"md": out / "report.md", "html": out / "report.html"}
@@ -228,7 +228,5 @@ def write_report(out: Path, settings: dict, rows: list[dict], events: dict[str, 
 
 
 def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    files.replace_text(path, text)
 

@@ -17,6 +17,7 @@ from typing import Iterable
 import numpy as np
 
 from psgrid.cluster.experiment import ROW_FIELDS, Run
+from psgrid.psserver import files
 
 STEP_FIELDS = ("rank", "step", "loss", "pull_s", "compute_s", "delay_s", "push_s", "staleness", "outcome",
                "samples", "bytes")
@@ -127,13 +128,11 @@ def summarize_run(run: Run, summary: dict | None, events: list[dict], target: fl
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
+    with files.replacing(path, newline="") as f:
         writer = csv.DictWriter(f, fieldnames=ROW_FIELDS)
         writer.writeheader()
         for row in rows:
             writer.writerow({k: _cell(row.get(k)) for k in ROW_FIELDS})
-    tmp.replace(path)
 
 
 def read_csv(path: Path) -> list[dict]:

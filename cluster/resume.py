@@ -21,6 +21,7 @@ from pathlib import Path
 from psgrid.cluster.config import JobConfig
 from psgrid.cluster.errors import UsageError
 from psgrid.psserver import checkpoint
+from psgrid.psserver import files
 
 ATTEMPT_FILES = ("summary.json", "metrics.jsonl", "metrics", "logs", "addr")
 
@@ -107,7 +108,7 @@ def archive_attempt(out: Path) -> Path | None:
     attempts = out / "attempts"
     n = 1 + max((int(p.name) for p in attempts.glob("*") if p.name.isdigit()), default=0)
     target = attempts / str(n)
-    target.mkdir(parents=True)
+    files.make_dirs(target)
     for name in present:
         shutil.move(str(out / name), str(target / name))
     return target

@@ -26,6 +26,7 @@ from psgrid.cluster import coordinator as co
 from psgrid.cluster import credentials
 from psgrid.cluster.errors import UsageError
 from psgrid.cluster.procs import Child, child_env, stop_children, usable_cpus
+from psgrid.psserver import files
 from psgrid.worker.env import JobEnv
 
 # A bare `python` runs on the interpreter psctl runs on: the script sees psgrid and its dependencies
@@ -209,7 +210,7 @@ def run_on_rank(command: list[str], job, out: Path, addresses: list[str], rank: 
     # which the relay below writes to; reading it back would prefix the same lines without end.
     log = out / "logs" / f"worker-{rank}-command.log"
     metrics = out / "metrics" / f"worker-{rank}.jsonl"
-    metrics.parent.mkdir(parents=True, exist_ok=True)
+    files.make_dirs(metrics.parent)
     _ensure_job_file(job, out)
     base = child_env(credentials.child_env(job), threads=blas_threads())
     child = Child(f"worker {rank}", command, log, worker_env(base, job, out, addresses, rank, world, local_rank))
@@ -243,7 +244,7 @@ def _ensure_job_file(job, out: Path) -> None:
     if path.exists():
         return
     tmp = out / f".job.toml.{os.getpid()}"
-    tmp.write_text(f"# resolved job, as run by psctl mpi (token redacted)\n{job.to_toml()}")
+    files.write_text(tmp, f"# resolved job, as run by psctl mpi (token redacted)\n{job.to_toml()}")
     os.replace(tmp, path)
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from psgrid.psserver import files
+
 MANIFEST = "latest.json"
 DEFAULT_KEEP = 3
 TMP_PREFIX = ".tmp-"
@@ -38,8 +40,7 @@ def _fsync_dir(path: Path) -> None:
 
 def save(directory: str | Path, arrays: dict[str, np.ndarray], meta: dict, keep: int = DEFAULT_KEEP) -> Path:
     """Write one checkpoint, point the manifest at it and keep the newest ``keep``; returns its path."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = files.make_dirs(directory)
     name = f"ckpt-{meta['version']:012d}.npz"
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=TMP_PREFIX, suffix=".npz")
     manifest_tmp = directory / (MANIFEST + ".tmp")
@@ -49,7 +50,8 @@ def save(directory: str | Path, arrays: dict[str, np.ndarray], meta: dict, keep:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, directory / name)
-        with open(manifest_tmp, "w") as f:
+        manifest_tmp.unlink(missing_ok=True)       # one left by a crash keeps its mode
+        with files.open_new(manifest_tmp, "w") as f:
             json.dump({"file": name, "version": meta["version"]}, f)
             f.flush()
             os.fsync(f.fileno())

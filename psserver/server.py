@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+from psgrid.psserver import files
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.protocol import format_address_file
 from psgrid.psserver.security import check_token, server_ssl_context
@@ -179,10 +180,8 @@ def is_loopback(host: str) -> bool:
 def write_address(path: str | os.PathLike, address: str, job_id: str) -> None:
     """Publish the bound address and the job id atomically so a reader never sees half of them."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(format_address_file(address, job_id))
-    os.replace(tmp, path)
+    files.make_dirs(path.parent)
+    files.replace_text(path, format_address_file(address, job_id))
 
 
 def run_server(config: ServerConfig, address_file: str | None = None) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from psgrid.psserver import files
 from psgrid.psserver.admin import Admin
 from psgrid.psserver.client import Client, Handle
 from psgrid.psserver.protocol import ITEMSIZE
@@ -46,8 +47,8 @@ class MetricsWriter:
         self.file = None
         self.lock = threading.Lock()
         if path:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "a", buffering=1)
+            files.make_dirs(Path(path).parent)
+            self.file = files.open_new(path, "a", buffering=1)
 
     def write(self, **record) -> None:
         if self.file is None:
