@@ -83,8 +83,12 @@ class ShmDataServer(SocketDataServer):
         # The client proves what the network planes ask for (its certificate, under mutual TLS), then the
         # connection goes back to plain frames: descriptors cannot cross TLS, and nothing here needs hiding
         # from a kernel that already vouched for the peer's user.
-        tls = self.ssl_context.wrap_socket(conn.raw, server_side=True)
-        conn.sock = conn.raw = socket.socket(fileno=tls.unwrap().detach())
+        tls = self.ssl_context.wrap_socket(conn.raw, server_side=True)     # closes itself if refused
+        try:
+            conn.sock = conn.raw = socket.socket(fileno=tls.unwrap().detach())
+        except BaseException:
+            tls.close()           # it holds the descriptor now: the connection's sockets no longer do
+            raise
 
     def _released(self, conn) -> None:
         reader = conn.state
