@@ -46,7 +46,7 @@ class RunningServer:
         if config.data_plane == "tcp":
             ssl_context = server_ssl_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
             self.tcp = TcpDataServer(self.service, config.host, config.token, ssl_context, handlers=config.threads,
-                                     max_connections=config.tcp_max_connections,
+                                     max_connections=config.tcp_max_connections, handshake_s=config.tcp_handshake_s,
                                      on_failure=lambda: self.set_health(False))
             self.service.tcp_port = self.tcp.port
         self.shm = None

@@ -42,6 +42,8 @@ SERVER_FLAGS = [
     ("--threads", "threads", int, "gRPC handler threads"),
     ("--tcp-max-connections", "tcp_max_connections", int, "most TCP data-plane connections at once; past it a new "
                                                           "one is refused and its client retries"),
+    ("--tcp-handshake-s", "tcp_handshake_s", float, "seconds a new TCP data-plane connection has to show the "
+                                                    "token (and finish TLS); then it is closed (default 3)"),
     ("--data-plane", "data_plane", DATA_PLANES, "tcp: also serve Pull/Push payloads over plain TCP beside gRPC; "
                                                 "grpc: gRPC only"),
     ("--apply-threads", "apply_threads", int, "threads an update's passes over the range use (0, the default: a "

@@ -16,7 +16,7 @@ from concurrent import futures
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from psgrid.psserver import framing
 from psgrid.psserver.config import ServerConfig
@@ -27,6 +27,7 @@ from psgrid.psserver.rpc import ps_pb2
 from psgrid.psserver.security import bearer, read_pem, token_matches
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.sharding import chunk_ranges
+from psgrid.psserver.transports.grpc_health import health_handlers
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -189,8 +190,9 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
 class GrpcServer:
     """The shard's gRPC server, bound and ready to start; ``port`` is the real port (never 0).
 
-    It also serves the standard health service (``grpc.health.v1.Health``), for the overall
-    server ("") and for the psgrid service: NOT_SERVING until :meth:`set_serving` says otherwise.
+    It also serves the standard health service (``grpc.health.v1.Health``, grpc_health.py), for
+    the overall server ("") and for the psgrid service: NOT_SERVING until :meth:`set_serving` says
+    otherwise.
     """
 
     def __init__(self, service: ShardService, config: ServerConfig):
@@ -199,7 +201,7 @@ class GrpcServer:
         self.server = grpc.server(self.executor, options=list(GRPC_SERVER_OPTIONS), interceptors=interceptors)
         self.server.add_generic_rpc_handlers((method_handlers(service, config.chunk_bytes),))
         self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.server.add_generic_rpc_handlers((health_handlers(self.health),))
         self.set_serving(False)
         target = f"{config.host}:{config.port}"
         if config.tls_cert:
