@@ -157,7 +157,11 @@ def test_ctrl_c_at_random_moments_then_resume_finishes_the_total_steps(tmp_path)
         with Launch(tmp_path, *flags, log=f"launch-{attempt}.log") as launch:
             time.sleep(rng.uniform(0.3, 4.0))
             launch.proc.send_signal(signal.SIGINT)
-            assert launch.wait(60) == 128 + signal.SIGINT, launch.text()
+            code = launch.wait(60)
+            if code == -signal.SIGINT:      # it came before Python set its handler (a loaded machine): nothing ran
+                assert launch.text() == "", launch.text()
+            else:
+                assert code == 128 + signal.SIGINT, launch.text()
     with Launch(tmp_path, "--no-progress", "--resume", str(out), "--set", "stragglers=[]", log="launch-last.log") as last:
         assert last.wait(240) == 0, last.text()
     summary = summary_of(out)
