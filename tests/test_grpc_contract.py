@@ -8,6 +8,7 @@ import pytest
 
 from psgrid.psserver.protocol import FLOAT32, REASON_KEY, SERVICE, Reason
 from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
+from psgrid.psserver.sharding import chunk_ranges
 from psgrid.psserver.spec import ModelSpec
 
 pytestmark = pytest.mark.parametrize("data_plane", ["grpc"])
@@ -194,3 +195,60 @@ def test_a_generated_client_trains_over_grpc_alone(job):
                                    version=version.version), timeout=5)
     assert pushed.outcome == ps_pb2.PushReply.APPLIED and pushed.version == version.version + 1
     np.testing.assert_allclose(c.shard().weights, np.arange(36, dtype=np.float32) / 10 - 0.5)
+
+
+# ----- issue 25: what a client written from the proto alone needs the shard to say -----------------
+
+def wire_reason(err: grpc.RpcError) -> str:
+    return dict(err.trailing_metadata() or ()).get(REASON_KEY, "")
+
+
+def spec_message(spec: ModelSpec) -> ps_pb2.ModelSpecMsg:
+    return ps_pb2.ModelSpecMsg(params=[ps_pb2.ParamInfo(name=p.name, shape=list(p.shape), dtype=p.dtype)
+                                       for p in spec.params], hash=spec.hash())
+
+
+BIG = ModelSpec([("w", (3 << 20,))])      # 12 MiB of float32: room for chunks up to 12 MiB
+
+
+@pytest.mark.timeout(30)
+def test_registration_reports_the_largest_chunk_a_shard_takes(cluster):
+    c = cluster(1, chunk_bytes=65536)
+    with grpc.insecure_channel(c.addresses[0]) as channel:
+        reply = ps_pb2_grpc.ParameterServerStub(channel).Register(
+            ps_pb2.RegisterRequest(spec_hash=SPEC.hash(), worker_id=-1, start_clock=-1), timeout=5)
+    assert reply.max_chunk_bytes == 65536
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nbytes", [65536 + 4, 1 << 20, 8 << 20])
+def test_a_chunk_past_the_shards_limit_is_refused_with_a_reason(cluster, nbytes):
+    """Just past the shard's 64 KiB, 1 MiB, and 8 MiB (which gRPC itself refused, without a reason)."""
+    c = cluster(1, mode="async", chunk_bytes=65536)
+    values = np.zeros(BIG.size, np.float32)
+    with grpc.insecure_channel(c.addresses[0]) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        big_init = ps_pb2.InitRequest(spec=spec_message(BIG), num_chunks=1, chunk=chunk(0, values[:nbytes // 4]))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Init(iter([big_init]), timeout=10)
+        assert err.value.code() == INVALID and wire_reason(err.value) == "chunk_too_large", err.value.details()
+        assert not c.shard().initialized
+        at_limit = chunk_ranges(0, BIG.size, 65536 // 4)
+        stub.Init((ps_pb2.InitRequest(spec=spec_message(BIG) if i == 0 else None, num_chunks=len(at_limit),
+                                      chunk=chunk(a, values[a:b])) for i, (a, b) in enumerate(at_limit)), timeout=30)
+        worker = stub.Register(ps_pb2.RegisterRequest(spec_hash=BIG.hash(), worker_id=-1, start_clock=-1),
+                               timeout=5).worker_id
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Push(push_stream(worker, [chunk(0, np.ones(nbytes // 4))], num_chunks=1), timeout=10)
+        assert err.value.code() == INVALID and wire_reason(err.value) == "chunk_too_large", err.value.details()
+    shard = c.shard()
+    assert shard.version == 0 and shard.policy.clocks == {worker: 0} and not shard.weights.any()
+
+
+@pytest.mark.timeout(30)
+def test_a_client_sends_chunks_no_larger_than_the_shard_takes(cluster):
+    c = cluster(2, mode="async", chunk_bytes=4096)
+    spec = ModelSpec([("w", (5000,))])                    # 10 KB a shard: three 4 KiB chunks, not one
+    with c.client(spec, init=np.ones(spec.size, np.float32)) as client:   # its own chunk_bytes: 1 MiB
+        client.push(np.ones(spec.size, np.float32)).wait()
+    np.testing.assert_array_equal(c.weights(), np.ones(spec.size, np.float32) - 0.01)
