@@ -266,6 +266,10 @@ class Client:
             self._start_heartbeats()
             stats = self._wait_for_workers()
             self._initialize(registrations, stats)
+            # A shard without weights takes any model's hash; the Init that set them dropped the members of
+            # another model. Registering again there (a no-op for a member) says whether this worker was one.
+            conn.map(lambda i: conn.retrying(i, lambda: self._register_one(i)),
+                     [i for i, r in enumerate(registrations) if not r.initialized])
         except BaseException:
             self.close()
             raise

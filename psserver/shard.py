@@ -88,7 +88,7 @@ class Shard:
         self.leases = Leases(config.lease_s)
         self.counters = Counters()
         self.spec: ModelSpec | None = None
-        self.expected_hash: str | None = None    # before Init: the spec hash the members registered with
+        self.member_hashes: dict[int, str] = {}  # before Init: the spec hash each member registered with
         self.begin = self.end = 0
         self.ring: WeightRing | None = None      # the weights: versions readers hold, and the current one
         self.optimizer = None
@@ -182,12 +182,9 @@ class Shard:
     def _register(self, spec_hash: str, worker_id: int, start_clock: int, host: str) -> dict:
         with self.cond:
             self._require_up()
-            expected = self.spec.hash() if self.spec is not None else self.expected_hash
-            if spec_hash and expected and spec_hash != expected:
+            if spec_hash and self.spec is not None and spec_hash != self.spec.hash():
                 raise SpecMismatch(f"model spec hash {spec_hash[:12]} differs from this shard's "
-                                   f"{expected[:12]}: every worker must build the same model")
-            if spec_hash and self.spec is None:
-                self.expected_hash = spec_hash     # before Init, the first worker's model is the job's
+                                   f"{self.spec.hash()[:12]}: every worker must build the same model")
             if worker_id < 0:
                 worker_id = self.leases.new_id(taken=self.policy.departed)
             before = self.policy.clocks.get(worker_id)
@@ -195,6 +192,8 @@ class Shard:
             if before is not None and clock > before:
                 self._skipped(worker_id, before, clock, "registered")
             self.leases.add(worker_id, host, self.now())
+            if spec_hash and self.spec is None:
+                self.member_hashes[worker_id] = spec_hash    # the first Init decides whose model is the job's
             self._close_rounds()
             self.cond.notify_all()
             return {"worker_id": worker_id, "start_clock": clock, **self._layout_info()}
@@ -244,8 +243,7 @@ class Shard:
     def _drop(self, worker: int) -> None:
         self.leases.remove(worker)
         self.policy.leave(worker)
-        if not self.leases.members and self.spec is None:
-            self.expected_hash = None          # everyone left before Init: the next job may bring its own model
+        self.member_hashes.pop(worker, None)
         self._close_rounds()
         self.cond.notify_all()
 
@@ -289,8 +287,6 @@ class Shard:
     def _check_spec(self, spec: ModelSpec) -> None:
         if self.spec is not None and spec.hash() != self.spec.hash():
             raise SpecMismatch("Init with a model spec other than the one this shard holds")
-        if self.spec is None and self.expected_hash and spec.hash() != self.expected_hash:
-            raise SpecMismatch("Init with a model spec other than the one the job's workers registered with")
 
     def layout(self, spec: ModelSpec) -> tuple[int, int]:
         return shard_range(spec.size, self.config.shard_index, self.config.num_shards)
@@ -309,6 +305,12 @@ class Shard:
             self.optimizer = make_optimizer(self.config.optimizer, end - begin, chunks=self.chunks,
                                             **self.config.optimizer_hparams())
             self.pool = BufferPool(end - begin)
+            # Members that registered another model were never the job's: they learn it at their next call.
+            for worker in [w for w, h in self.member_hashes.items() if h != spec.hash()]:
+                log.warning("shard %d: worker %d registered another model spec than the one Init set; dropped",
+                            self.config.shard_index, worker)
+                self._drop(worker)
+            self.member_hashes.clear()
             self.cond.notify_all()
             return True
 

@@ -252,7 +252,8 @@ def test_a_join_that_fails_halfway_leaves_and_closes(cluster):
     c = cluster(2, mode="async")
     other = ModelSpec([("w", (41,)), ("b", (3,))])
     stranger = open_control(c.addresses[1], ConnectOptions())
-    stranger.register(spec_hash=other.hash(), worker_id=9, start_clock=-1, host="elsewhere")
+    begin, end = c.shard(1).layout(other)
+    stranger.init(other, np.zeros(end - begin, np.float32), begin)      # shard 1 holds another model
     stranger.close()
     client = c.client(SPEC, init=SPEC.flat())
     with pytest.raises(SpecMismatch):

@@ -252,3 +252,20 @@ def test_a_client_sends_chunks_no_larger_than_the_shard_takes(cluster):
     with c.client(spec, init=np.ones(spec.size, np.float32)) as client:   # its own chunk_bytes: 1 MiB
         client.push(np.ones(spec.size, np.float32)).wait()
     np.testing.assert_array_equal(c.weights(), np.ones(spec.size, np.float32) - 0.01)
+
+
+@pytest.mark.timeout(30)
+def test_a_wrong_hash_that_never_initialised_does_not_keep_the_right_one_out(cluster):
+    c = cluster(1, mode="async", lr=0.5)
+    with grpc.insecure_channel(c.addresses[0]) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        wrong = stub.Register(ps_pb2.RegisterRequest(spec_hash="0" * 32, worker_id=-1, start_clock=-1), timeout=5)
+        with c.client(SPEC, init=SPEC.flat()) as client:          # registers, sends Init and trains
+            client.push(np.ones(SPEC.size, np.float32)).wait()
+        np.testing.assert_array_equal(c.weights(), np.full(SPEC.size, -0.5, np.float32))
+        # The one with the wrong hash was dropped when the weights were set: told so, and kept out
+        assert not stub.Heartbeat(ps_pb2.HeartbeatRequest(worker_id=wrong.worker_id), timeout=5).known
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Register(ps_pb2.RegisterRequest(spec_hash="0" * 32, worker_id=wrong.worker_id, start_clock=-1),
+                          timeout=5)
+        assert err.value.code() == PRECONDITION and wire_reason(err.value) == "spec_mismatch"
