@@ -89,6 +89,8 @@ class Reason(IntEnum):
     WRONG_JOB = 21          # a Shutdown that does not name this shard's job
     TOO_MANY_CONNECTIONS = 22  # the data plane holds its most connections: retry later
     CHUNK_TOO_LARGE = 23    # a chunk of more bytes than the shard takes (RegisterReply.max_chunk_bytes)
+    FUTURE_VERSION = 24     # a push computed from a version this shard never published
+    FUTURE_CLOCK = 25       # async/ssp: a push past the worker's clock here, which no restart explains
 
     @property
     def wire_name(self) -> str:

@@ -100,6 +100,10 @@ class Shard:
         self.closing = False       # set by close(): waits end, new calls are refused
         self.restoring = False     # set while a checkpoint is loaded: calls are refused as UNAVAILABLE
         self.restored_version = -1
+        # After a restore, what pushes made before it may claim (see _check_claims): each member's
+        # clock in the checkpoint, and the clock of each worker's first pull from this process.
+        self.restored_clocks: dict[int, int] = {}
+        self.first_pulls: dict[int, int] = {}
         # Checkpoints: state is copied under the lock (_capture) and written outside it by the
         # thread whose update made one due, before that update is answered (_flush_capture).
         self.pending_capture: tuple[dict, dict] | None = None
@@ -214,9 +218,9 @@ class Shard:
         In async and ssp each missed push is a lost update; in sync the rounds it skipped are
         counted when they close with no gradient (:meth:`_close_rounds`).
         """
-        log.warning("shard %d: worker %d %s at clock %d, this shard had it at %d: %d push(es) it never received "
-                    "(a restart from an older checkpoint)", self.config.shard_index, worker, how, now_at, had,
-                    now_at - had)
+        log.warning("shard %d: worker %d %s at clock %d, this shard had it at %d: %d push(es) it never took "
+                    "(a restart from an older checkpoint, or pushes it refused)", self.config.shard_index, worker, how,
+                    now_at, had, now_at - had)
         if self.config.mode != "sync":
             self.counters.lost_updates += now_at - had
 
@@ -244,6 +248,7 @@ class Shard:
         self.leases.remove(worker)
         self.policy.leave(worker)
         self.member_hashes.pop(worker, None)
+        self.first_pulls.pop(worker, None)
         self._close_rounds()
         self.cond.notify_all()
 
@@ -345,6 +350,8 @@ class Shard:
             if worker >= 0:
                 self._require_live(worker)
                 self.leases.renew(worker, self.now())
+                if self.restored_version >= 0 and worker not in self.first_pulls:
+                    self.first_pulls[worker] = clock
             while not self.policy.may_pull(worker, clock):
                 if self.closing:
                     raise Unavailable(f"shard {self.config.shard_index} is shutting down")
@@ -451,6 +458,7 @@ class Shard:
             self._require_serving()
             self._require_live(worker)
             expected = self.policy.clocks[worker]
+            self._check_claims(worker, clock, version_used, expected)
             decision = self.policy.on_push(worker, clock)
             if clock > expected and decision.outcome is Outcome.APPLIED:
                 self._skipped(worker, expected, clock, "pushed")
@@ -496,6 +504,7 @@ class Shard:
                 self._require_serving()
                 self._require_live(worker)
                 expected = self.policy.clocks[worker]
+                self._check_claims(worker, clock, version_used, expected)
                 if clock < expected:        # a retry of a push this shard has taken: answered, not applied
                     self.policy.on_push(worker, clock)
                     self._count_push(worker, nbytes)
@@ -518,6 +527,24 @@ class Shard:
                 self._count_applied()
                 self.cond.notify_all()
                 return PushResult(Outcome.APPLIED, self.version, staleness, next_clock)
+
+    def _check_claims(self, worker: int, clock: int, version_used: int, expected: int) -> None:
+        """Refuse a push that claims what never happened here (call under ``cond``, before any change).
+
+        Its version must be one this shard published, and in async and ssp its clock at most the
+        worker's clock here (sync moves a worker to a round another shard closed first). A restart
+        from a checkpoint explains both for pushes made before it: a version past the restored one
+        until the worker's first pull from this process, a clock past the one restored for the
+        worker until its first push here.
+        """
+        if version_used > self.version and (self.restored_version < 0
+                                            or clock >= self.first_pulls.get(worker, math.inf)):
+            raise InvalidArgument(f"worker {worker}'s push at clock {clock} was computed from version {version_used}, "
+                                  f"but this shard has published versions up to {self.version}", Reason.FUTURE_VERSION)
+        if clock > expected and self.config.mode != "sync" and self.restored_clocks.get(worker) != expected:
+            raise InvalidArgument(f"worker {worker} pushed clock {clock}, but this shard has its pushes up to clock "
+                                  f"{expected} only: register again with start_clock {clock} to move on",
+                                  Reason.FUTURE_CLOCK)
 
     def _count_push(self, worker: int, nbytes: int) -> None:
         if worker in self.leases.members:
@@ -689,6 +716,7 @@ class Shard:
             for w, c in meta["clocks"].items():
                 self.policy.clocks[int(w)] = c
                 self.leases.add(int(w), meta["hosts"].get(w, ""), now)
+            self.restored_clocks = dict(self.policy.clocks)
             self.last_checkpoint = str(Path(self._checkpoint_dir()) / checkpoint.MANIFEST)
             self.restored_version = self.written_version = self.version
             clocks = sorted(self.policy.clocks.values())

@@ -269,3 +269,37 @@ def test_a_wrong_hash_that_never_initialised_does_not_keep_the_right_one_out(clu
             stub.Register(ps_pb2.RegisterRequest(spec_hash="0" * 32, worker_id=wrong.worker_id, start_clock=-1),
                           timeout=5)
         assert err.value.code() == PRECONDITION and wire_reason(err.value) == "spec_mismatch"
+
+
+FUTURE = {  # name: (mode, clock ahead of the worker's, version ahead of the shard's)
+    "async: a version never published": ("async", 0, 1),
+    "ssp: a version never published": ("ssp", 0, 1),
+    "sync: a version never published": ("sync", 0, 1),
+    "async: five clocks ahead": ("async", 5, 0),
+    "ssp: five clocks ahead": ("ssp", 5, 0),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", sorted(FUTURE))
+def test_a_push_that_claims_what_never_happened_is_refused(cluster, case):
+    mode, clock_ahead, version_ahead = FUTURE[case]
+    c = cluster(1, mode=mode, lr=0.5)
+    client = c.client(SPEC, worker_id=0, init=SPEC.flat()).join()
+    client.push(np.ones(SPEC.size, np.float32)).wait()          # version 1, the worker's clock 1
+    shard = c.shard()
+    before = state(c.servers[0]), dict(shard.stats())
+    with grpc.insecure_channel(c.addresses[0]) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            ps_pb2_grpc.ParameterServerStub(channel).Push(
+                push_stream(0, [chunk(0, np.ones(SPEC.size))], clock=1 + clock_ahead, version=1 + version_ahead),
+                timeout=5)
+    expected = "future_clock" if clock_ahead else "future_version"
+    assert err.value.code() == INVALID and wire_reason(err.value) == expected, err.value.details()
+    after = state(c.servers[0]), shard.stats()
+    np.testing.assert_array_equal(before[0][0], after[0][0])
+    assert before[0][1:] == after[0][1:]
+    assert after[1]["lost_updates"] == 0 and after[1]["applied_updates"] == before[1]["applied_updates"]
+    assert after[1]["rejected"] == before[1]["rejected"] + 1
+    client.push(np.ones(SPEC.size, np.float32)).wait()          # the worker goes on at its own clock
+    assert shard.version == 2
