@@ -111,6 +111,10 @@ class Reason(IntEnum):
             return cls.NONE
 
 
+# Reasons a client gives its own failures; no shard sends them.
+CLIENT_SIDE_REASONS = frozenset({Reason.NONE, Reason.UNREACHABLE, Reason.BAD_REPLY, Reason.TIMED_OUT})
+
+
 class Outcome(IntEnum):
     """What a shard did with a push (proto/ps.proto's PushReply.Outcome)."""
 

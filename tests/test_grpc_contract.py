@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import numpy as np
 import pytest
@@ -12,6 +14,8 @@ from psgrid.psserver.sharding import chunk_ranges
 from psgrid.psserver.spec import ModelSpec
 
 pytestmark = pytest.mark.parametrize("data_plane", ["grpc"])
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SPEC = ModelSpec([("w", (64,)), ("b", (8,))])    # shard 0 of 2 owns [0, 36), shard 1 [36, 72)
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -243,6 +247,19 @@ def test_a_chunk_past_the_shards_limit_is_refused_with_a_reason(cluster, nbytes)
         assert err.value.code() == INVALID and wire_reason(err.value) == "chunk_too_large", err.value.details()
     shard = c.shard()
     assert shard.version == 0 and shard.policy.clocks == {worker: 0} and not shard.weights.any()
+
+
+@pytest.mark.timeout(30)
+def test_a_message_past_the_hard_cap_is_grpcs_resource_exhausted_as_the_proto_says(cluster):
+    from psgrid.psserver.protocol import MAX_RECEIVE_BYTES
+
+    c = cluster(1, mode="async")
+    assert f"{MAX_RECEIVE_BYTES} bytes" in (ROOT / "proto" / "ps.proto").read_text()
+    with grpc.insecure_channel(c.addresses[0]) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Push(push_stream(0, [chunk(0, np.ones(MAX_RECEIVE_BYTES // 4 + 1))]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 @pytest.mark.timeout(30)
