@@ -35,7 +35,7 @@ class ServerConfig:
     checkpoint_every: int = 0          # updates between checkpoints (0: never by count)
     checkpoint_every_s: float = 0.0    # seconds between checkpoints (0: never by time)
     checkpoint_keep: int = 3           # complete checkpoints kept on disk (the newest ones)
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES     # largest gRPC chunk it sends and takes (RegisterReply.max_chunk_bytes)
     token: str | None = None           # bearer token every request must carry
     job_id: str | None = None          # the job this shard belongs to: a Shutdown must name it (made when not given)
     tls_cert: str | None = None        # server certificate (PEM); enables TLS

@@ -286,7 +286,7 @@ class ShardService:
         return Registration(
             mode=config.mode, staleness=config.staleness, backup_workers=config.backup_workers,
             lease_s=config.lease_s, shard_index=config.shard_index, num_shards=config.num_shards,
-            tcp_port=self.tcp_port, shm_socket=self.shm_socket, **joined)
+            tcp_port=self.tcp_port, shm_socket=self.shm_socket, max_chunk_bytes=config.chunk_bytes, **joined)
 
     def open_init(self, params: list[tuple[str, tuple, str]], spec_hash: str) -> InitIntake:
         """Start taking initial weights for the model ``params`` (whose hash must be ``spec_hash``)."""

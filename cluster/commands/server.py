@@ -30,7 +30,7 @@ SERVER_FLAGS = [
     ("--checkpoint-every", "checkpoint_every", int, "checkpoint every this many updates (0: never by count)"),
     ("--checkpoint-every-s", "checkpoint_every_s", float, "checkpoint every this many seconds (0: never by time)"),
     ("--checkpoint-keep", "checkpoint_keep", int, "keep this many newest checkpoints"),
-    ("--chunk-bytes", "chunk_bytes", int, "largest chunk of a streamed range, in bytes"),
+    ("--chunk-bytes", "chunk_bytes", int, "largest chunk of a streamed range, in bytes, sent and taken over gRPC"),
     ("--token", "token", str, "bearer token every request must carry (prefer $PSGRID_TOKEN or [server] token in "
                               "a job file: command lines are visible to other users)"),
     ("--job-id", "job_id", str, "the job this shard belongs to; a Shutdown must name it (default: a random id, "

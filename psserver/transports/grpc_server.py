@@ -52,6 +52,12 @@ class GrpcAdapter:
         self.service = service
         self.chunk_bytes = chunk_bytes
 
+    def _check_chunk(self, data) -> None:
+        """A chunk of Init or Push is at most ``chunk_bytes`` (RegisterReply.max_chunk_bytes)."""
+        if len(data) > self.chunk_bytes:
+            raise InvalidArgument(f"a chunk of {len(data)} bytes is more than this shard takes "
+                                  f"(max_chunk_bytes {self.chunk_bytes})", Reason.CHUNK_TOO_LARGE)
+
     def Register(self, raw, context):
         r = _decode(ps_pb2.RegisterRequest, raw)
         joined = self.service.register(spec_hash=r.spec_hash, worker_id=r.worker_id, start_clock=r.start_clock,
@@ -66,6 +72,7 @@ class GrpcAdapter:
         params = [(p.name, tuple(p.shape), p.dtype or "float32") for p in first.spec.params]
         intake = self.service.open_init(params, first.spec.hash)
         for message in itertools.chain([first], messages):
+            self._check_chunk(message.chunk.data)
             intake.add_chunk(message.chunk.offset, message.chunk.dtype, message.chunk.data)
         applied, version = intake.commit(first.num_chunks)
         return ps_pb2.InitReply(applied=applied, version=version)
@@ -89,6 +96,7 @@ class GrpcAdapter:
             raise InvalidArgument("an empty Push stream", Reason.BAD_SIZE)
         with self.service.open_push(worker_id=first.worker_id, clock=first.clock, version=first.version) as intake:
             for frame in itertools.chain([first], frames):
+                self._check_chunk(frame.chunk.data)
                 intake.add_chunk(frame.chunk.offset, frame.chunk.dtype, frame.chunk.data)
             result = intake.commit(first.num_chunks)
         return ps_pb2.PushReply(outcome=int(result.outcome), version=result.version, staleness=result.staleness,
