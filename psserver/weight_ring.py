@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from psgrid.psserver.shared_memory import SharedArray
+from psgrid.psserver.shared_memory import READ_ONLY_TO_OTHERS, SharedArray
 
 MAX_SHARED_READERS = 256     # slots in the table of marks: connections of the shared-memory plane at once
 NO_MARK = -1
@@ -50,6 +50,7 @@ class WeightRing:
         self.arrays: list[np.ndarray] = []
         self.lent: list[int] = []                       # in-process readers of each buffer
         self.current = 0
+        # readers write their own slots in it: sealed against resizing only
         self._marks_holder = SharedArray(MAX_SHARED_READERS, np.int64, "psgrid-marks") if shared else None
         self.marks = self._marks_holder.array if shared else np.full(MAX_SHARED_READERS, NO_MARK, np.int64)
         self.marks[:] = NO_MARK
@@ -66,16 +67,20 @@ class WeightRing:
     def marks_fd(self) -> int:
         return self._marks_holder.fd if self._marks_holder is not None else -1
 
-    def fd(self, index: int) -> int:
-        """The shared file of buffer ``index`` (to hand to a reader in another process)."""
+    def reader_fd(self, index: int) -> int:
+        """A read-only descriptor of buffer ``index``'s file (to hand to a reader in another process).
+
+        The file is sealed against resizing and against every writer but this process's own
+        mapping: no reader can change or shrink the weights it is handed.
+        """
         holder = self.holders[index]
         if holder is None:
             raise ValueError("this ring is not in shared memory")
-        return holder.fd
+        return holder.reader_fd()
 
     def _grow(self) -> int:
         if self.shared:
-            holder = SharedArray(self.size, np.float32, "psgrid-weights")
+            holder = SharedArray(self.size, np.float32, "psgrid-weights", seals=READ_ONLY_TO_OTHERS)
             self.holders.append(holder)
             self.arrays.append(holder.array)
         else:
