@@ -721,6 +721,7 @@ class Shard:
                 "rejected": c.rejected, "staleness_counts": list(c.staleness_counts),
                 "departed": sorted(self.policy.departed), "lost_updates": c.lost_updates,
                 "restored_version": self.restored_version, "stalled_evictions": c.stalled_evictions,
+                "revoked_reads": self.ring.revoked if self.ring is not None else 0,
                 "mean_staleness": c.staleness_sum / c.staleness_n if c.staleness_n else 0.0,
                 "max_staleness": c.max_staleness, "wait_s_total": c.wait_s_total,
                 "checkpoint": self.last_checkpoint, "initialized": self.initialized,

@@ -11,12 +11,14 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import itertools
 import json
 import mmap
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -28,7 +30,7 @@ from psgrid.psserver.protocol import BFLOAT16, FLOAT32, Reason, Status
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.transports.tcp_frames import (ATTACH, FD_BYTE, MAGIC, MAP, MAX_MESSAGE, OPEN, PULL, PUSH, REPLY,
                                                    REQUEST, recv_exact, recv_struct)
-from psgrid.psserver.weight_ring import MAX_SHARED_READERS
+from psgrid.psserver.weight_ring import MAX_SHARED_READERS, MAX_VERSIONS
 from tests.support import ROOT, with_this_tree
 
 pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="no memfd on this host")
@@ -320,3 +322,107 @@ def test_a_mapped_weight_buffer_cannot_be_written_truncated_or_punched(shard_pro
             if d >= 0:
                 os.close(d)
         peer.close()
+
+
+# ----- finding 2: marks held forever, garbage in the table ------------------------------------------------
+
+def untorn(params: np.ndarray, version: int) -> None:
+    """With lr 1 and every gradient ones, version v's weights are 100 - v everywhere."""
+    assert (params == params[0]).all(), "a torn read: the weights differ along the range"
+    assert params[0] == 100 - version, (params[0], version)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("data_plane", ["shm"])
+def test_readers_that_hold_their_marks_forever_cannot_grow_the_ring(cluster, data_plane):
+    c = cluster(1, mode="async", lr=1.0)
+    shard = c.shard(0)
+    with c.client(SPEC, init=np.full(SIZE, 100, np.float32)) as client:
+        params = np.zeros(SIZE, np.float32)
+        client.pull(params).wait()
+        grad = client.gradient_buffer()
+        grad[:] = 1
+        path = client._conn.planes[0].path
+        peers, fds = [], []
+        try:
+            for i in range(40):                         # each holds the version it pulled, and never lets go
+                peers.append(Peer(path))
+                fds.append(peers[-1].open()[1])
+                peers[-1].pull(client.worker_id)
+                client.push(grad).wait()
+                versions = client.pull(params).wait()
+                untorn(params, versions[0])
+            assert len(shard.ring.arrays) <= MAX_VERSIONS
+            revoked = shard.stats()["revoked_reads"]
+            assert revoked >= 40 - MAX_VERSIONS
+            # garbage everywhere: indices out of range, huge numbers, every buffer's index in every slot
+            marks = np.frombuffer(mmap.mmap(fds[0], MAX_SHARED_READERS * 8, mmap.MAP_SHARED,
+                                            mmap.PROT_READ | mmap.PROT_WRITE), np.int64)
+            rng = np.random.default_rng(0)
+            for _ in range(20):
+                marks[:] = rng.choice([-(1 << 63), -7, 2, 0, 1, MAX_VERSIONS, 1 << 62], MAX_SHARED_READERS)
+                client.push(grad).wait()
+                versions = client.pull(params).wait()
+                untorn(params, versions[0])
+            marks[:] = np.arange(MAX_SHARED_READERS) % MAX_VERSIONS
+            for _ in range(20):
+                client.push(grad).wait()
+                versions = client.pull(params).wait()
+                untorn(params, versions[0])
+            assert len(shard.ring.arrays) <= MAX_VERSIONS
+            assert shard.version == 80 and np.isfinite(shard.weights).all()
+        finally:
+            for fd in fds:
+                os.close(fd)
+            for peer in peers:
+                peer.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("data_plane", ["shm"])
+def test_a_reader_whose_mark_is_revoked_reads_again_and_never_returns_torn_weights(cluster, data_plane):
+    """A slow reader; updates racing it; peers that keep the ring at its cap by marking each new version."""
+    c = cluster(1, mode="async", lr=1.0)
+    shard = c.shard(0)
+    with c.client(SPEC, init=np.full(SIZE, 100, np.float32)) as reader, c.client(SPEC) as writer:
+        grad = writer.gradient_buffer()
+        grad[:] = 1
+        path = reader._conn.planes[0].path
+        holders = [Peer(path) for _ in range(MAX_VERSIONS)]
+        fds = [peer.open()[1] for peer in holders]
+        stop = threading.Event()
+        calls = [0]
+
+        def push_and_hold():
+            for pushed in itertools.count():
+                if stop.is_set():
+                    return
+                writer.push(grad).wait()
+                holders[pushed % len(holders)].pull(writer.worker_id)
+
+        def read_slowly(begin, end, values):
+            # Every other read copies a page at a time while versions go by (its mark is revoked
+            # under it); the read after it is quick, as a reader's usually is.
+            calls[0] += 1
+            for lo in range(0, len(values), 1024):
+                params[begin + lo:begin + lo + 1024] = values[lo:lo + 1024]
+                if calls[0] % 2:
+                    time.sleep(0.02)
+
+        params = np.zeros(SIZE, np.float32)
+        pusher = threading.Thread(target=push_and_hold, daemon=True)
+        pusher.start()
+        try:
+            for _ in range(10):
+                versions = reader.pull(into=read_slowly).wait()
+                untorn(params, versions[0])
+        finally:
+            stop.set()
+            pusher.join(10)
+            for fd in fds:
+                os.close(fd)
+            for peer in holders:
+                peer.close()
+        assert len(shard.ring.arrays) <= MAX_VERSIONS
+        assert shard.stats()["revoked_reads"] > 0, "the updates never caught up with the reader"
+        assert calls[0] > 10, "no read was taken back and done again"
