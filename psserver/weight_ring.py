@@ -47,6 +47,7 @@ MAX_SHARED_READERS = 256     # slots in the table of marks: connections of the s
 MAX_VERSIONS = 8
 NO_MARK = -1
 REVOKED = -2                 # written into a reader's slot when its buffer was taken back: read again
+NOT_GIVEN = -3               # what the shard gave a slot that holds nothing (no buffer has this index)
 
 
 class WeightRing:
@@ -72,7 +73,7 @@ class WeightRing:
         self._marks_holder = SharedArray(MAX_SHARED_READERS, np.int64, "psgrid-marks") if shared else None
         self.marks = self._marks_holder.array if shared else np.full(MAX_SHARED_READERS, NO_MARK, np.int64)
         self.marks[:] = NO_MARK
-        self.given = np.full(MAX_SHARED_READERS, NO_MARK, np.int64)   # the buffer the shard handed each slot
+        self.given = np.full(MAX_SHARED_READERS, NOT_GIVEN, np.int64)   # the buffer the shard handed each slot
         self.free_slots = list(range(MAX_SHARED_READERS - 1, -1, -1))
         self.peak_readers = 0                           # most slots taken at once (tests bound the ring by it)
         self.published: list[int] = []                  # when each buffer was last made current ...
@@ -132,16 +133,18 @@ class WeightRing:
         return self._revoke(min(candidates, key=self.published.__getitem__))
 
     def _held(self) -> set[int]:
-        """Buffers readers in other processes hold: slots that still say what the shard gave them."""
-        holding = (self.marks == self.given) & (self.given >= 0)
-        return set(self.given[holding].tolist())
+        """Buffers readers in other processes hold: slots that still say what the shard gave them.
+
+        One comparison per update: a slot given nothing matches only a peer's NOT_GIVEN, no index.
+        """
+        return set(self.given[self.marks == self.given].tolist())
 
     def _revoke(self, index: int) -> int:
         """Take buffer ``index`` back from the slots that hold it: they read REVOKED before it is written."""
         slots = np.flatnonzero(self.given == index)
         self.revoked += int(np.count_nonzero(self.marks[slots] == index))
         self.marks[slots] = REVOKED      # also where the slot says something else now: its reader reads again
-        self.given[slots] = NO_MARK
+        self.given[slots] = NOT_GIVEN
         return index
 
     def publish(self, index: int) -> None:
@@ -174,7 +177,8 @@ class WeightRing:
 
     def free_slot(self, slot: int) -> None:
         """The reader is gone: whatever it held is released with its slot."""
-        self.marks[slot] = self.given[slot] = NO_MARK
+        self.marks[slot] = NO_MARK
+        self.given[slot] = NOT_GIVEN
         self.free_slots.append(slot)
 
     def mark(self, slot: int) -> int:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from psgrid.psserver import shared_memory
-from psgrid.psserver.weight_ring import MAX_SHARED_READERS, MAX_VERSIONS, NO_MARK, REVOKED, WeightRing
+from psgrid.psserver.weight_ring import MAX_SHARED_READERS, MAX_VERSIONS, NO_MARK, NOT_GIVEN, REVOKED, WeightRing
 
 
 def update(ring: WeightRing) -> int:
@@ -67,7 +67,8 @@ def test_a_reader_done_with_its_copy_frees_its_buffer_without_a_revocation():
 def test_garbage_in_the_marks_table_holds_nothing():
     ring = WeightRing(4, shared=False)
     rng = np.random.default_rng(0)
-    values = np.array([-(1 << 63), (1 << 63) - 1, -7, REVOKED, NO_MARK, 0, 1, 2, MAX_VERSIONS, 1 << 40], np.int64)
+    values = np.array([-(1 << 63), (1 << 63) - 1, -7, REVOKED, NO_MARK, NOT_GIVEN, 0, 1, 2, MAX_VERSIONS, 1 << 40],
+                      np.int64)
     for _ in range(200):
         ring.marks[:] = rng.choice(values, MAX_SHARED_READERS)     # written by a peer, any slot, any time
         update(ring)
@@ -90,4 +91,4 @@ def test_a_freed_slot_forgets_what_it_held():
     ring.free_slot(slot)
     ring.marks[slot] = index                     # a peer writes into the free slot
     update(ring)
-    assert update(ring) == index and ring.given[slot] == NO_MARK
+    assert update(ring) == index and ring.given[slot] == NOT_GIVEN
