@@ -26,7 +26,7 @@ import pytest
 
 from psgrid.psserver import shared_memory
 from psgrid.psserver.client import Client
-from psgrid.psserver.protocol import BFLOAT16, FLOAT32, Reason, Status
+from psgrid.psserver.protocol import BFLOAT16, FLOAT32, NO_MARK, Reason, Status
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.transports.tcp_frames import (ATTACH, FD_BYTE, MAGIC, MAP, MAX_MESSAGE, OPEN, PULL, PUSH, REPLY,
                                                    REQUEST, recv_exact, recv_struct)
@@ -37,7 +37,6 @@ pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="no memfd 
 
 SIZE = 3000                                  # elements: several pages, not a whole number of them
 SPEC = ModelSpec([("w", (SIZE,))])
-NO_MARK = -1
 F_SEAL_FUTURE_WRITE = 0x10
 FALLOC_FL_PUNCH_HOLE = 0x02 | 0x01           # with KEEP_SIZE, as the kernel requires
 SERVE = """

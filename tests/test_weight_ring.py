@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from psgrid.psserver import shared_memory
-from psgrid.psserver.weight_ring import MAX_SHARED_READERS, MAX_VERSIONS, NO_MARK, NOT_GIVEN, REVOKED, WeightRing
+from psgrid.psserver.protocol import NO_MARK, REVOKED
+from psgrid.psserver.weight_ring import MAX_SHARED_READERS, MAX_VERSIONS, NOT_GIVEN, WeightRing
 
 
 def update(ring: WeightRing) -> int:

@@ -23,12 +23,11 @@ import numpy as np
 
 from psgrid.psserver import wire
 from psgrid.psserver.exceptions import BadReply, PSError, Unavailable
-from psgrid.psserver.protocol import FLOAT32, ITEMSIZE, Outcome, PushResult, Reason, Registration, Status
+from psgrid.psserver.protocol import FLOAT32, ITEMSIZE, NO_MARK, Outcome, PushResult, Reason, Registration, Status
 from psgrid.psserver.shared_memory import map_fd
 from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, register_data_plane
 from psgrid.psserver.transports.tcp_frames import (ATTACH, FD_BYTE, HELLO, MAGIC, MAP, OPEN, PULL, PUSH, REQUEST,
                                                    read_reply)
-from psgrid.psserver.weight_ring import NO_MARK
 
 CONNECT_S = 5.0
 SOCKET_SLACK_S = 5.0       # beyond a call's deadline: the shard answers a timed-out wait itself
