@@ -400,13 +400,17 @@ def test_a_reader_whose_mark_is_revoked_reads_again_and_never_returns_torn_weigh
                 holders[pushed % len(holders)].pull(writer.worker_id)
 
         def read_slowly(begin, end, values):
-            # Every other read copies a page at a time while versions go by (its mark is revoked
-            # under it); the read after it is quick, as a reader's usually is.
+            # Every other read copies its first page, then waits for more versions than the ring
+            # holds before it copies the rest (its mark is revoked meanwhile); the read after it
+            # is quick, as a reader's usually is.
             calls[0] += 1
-            for lo in range(0, len(values), 1024):
-                params[begin + lo:begin + lo + 1024] = values[lo:lo + 1024]
-                if calls[0] % 2:
-                    time.sleep(0.02)
+            started = shard.version
+            params[begin:begin + 1024] = values[:1024]
+            if calls[0] % 2:
+                deadline = time.monotonic() + 10
+                while shard.version <= started + MAX_VERSIONS and time.monotonic() < deadline:
+                    time.sleep(0.002)
+            params[begin + 1024:end] = values[1024:]
 
         params = np.zeros(SIZE, np.float32)
         pusher = threading.Thread(target=push_and_hold, daemon=True)
