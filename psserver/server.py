@@ -51,7 +51,11 @@ class RunningServer:
             self.service.tcp_port = self.tcp.port
         self.shm = None
         try:
-            if config.shared_memory and shared_memory.available():
+            if config.shared_memory and shared_memory.available() and not shared_memory.can_share_read_only():
+                log.warning("shard %d offers no shared-memory plane: this kernel cannot seal its weights against "
+                            "readers' writes (F_SEAL_FUTURE_WRITE, Linux 5.1); workers here use TCP",
+                            config.shard_index)
+            if config.shared_memory and shared_memory.can_share_read_only():
                 from psgrid.psserver.transports.shm_server import ShmDataServer
 
                 self.shm = ShmDataServer(self.service, config.token, handlers=config.threads,

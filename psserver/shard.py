@@ -131,7 +131,7 @@ class Shard:
 
     def _new_ring(self, values: np.ndarray) -> None:
         """Hold ``values`` as the weights, in shared memory when readers on this host may map them."""
-        ring = WeightRing(len(values), shared=self.config.shared_memory and shared_memory.available())
+        ring = WeightRing(len(values), shared=self.config.shared_memory and shared_memory.can_share_read_only())
         np.copyto(ring.weights, values, casting="same_kind")
         if self.ring is not None:
             self.ring.close()
@@ -402,6 +402,12 @@ class Shard:
             index = self.ring.mark(slot)
             self._count_pull()
             return self.version, index
+
+    def served_layout(self) -> tuple[int, int, int]:
+        """(elements of the model, this range's first element, its length); refused until the shard serves."""
+        with self.cond:
+            self._require_serving()
+            return self.spec.size, self.begin, self.size
 
     def take_reader_slot(self) -> int:
         with self.cond:
@@ -745,6 +751,7 @@ class Shard:
                 "rejected": c.rejected, "staleness_counts": list(c.staleness_counts),
                 "departed": sorted(self.policy.departed), "lost_updates": c.lost_updates,
                 "restored_version": self.restored_version, "stalled_evictions": c.stalled_evictions,
+                "revoked_reads": self.ring.revoked if self.ring is not None else 0,
                 "mean_staleness": c.staleness_sum / c.staleness_n if c.staleness_n else 0.0,
                 "max_staleness": c.max_staleness, "wait_s_total": c.wait_s_total,
                 "checkpoint": self.last_checkpoint, "initialized": self.initialized,
