@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 from psgrid.cluster.commands import COMMANDS
@@ -60,11 +61,17 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run psctl with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    from psgrid.cluster.interrupts import hear_early
+
+    before = hear_early()
     try:
         return _main(argv)
     except KeyboardInterrupt:       # a Ctrl-C while the command still loads its modules
         print("psctl: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGINT, before)
 
 
 def _main(argv: list[str] | None) -> int:

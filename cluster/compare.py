@@ -31,7 +31,8 @@ from psgrid.cluster import results as res
 from psgrid.cluster.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.experiment import NO_STRAGGLERS, Run
-from psgrid.cluster.launch import Interrupted, Launcher, listen_for_interrupts, prepare_out
+from psgrid.cluster.interrupts import Interrupted, listen_for_interrupts
+from psgrid.cluster.launch import Launcher, prepare_out
 from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 from psgrid.psserver import files
 

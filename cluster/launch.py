@@ -26,7 +26,6 @@ from __future__ import annotations
 import signal
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from psgrid.cluster import coordinator as co
@@ -34,6 +33,8 @@ from psgrid.cluster import credentials
 from psgrid.cluster import script as user_script
 from psgrid.cluster.config import JobConfig
 from psgrid.cluster.errors import JobFailed
+from psgrid.cluster.interrupts import (Interrupted, check_interrupted, deferred_signals, ignore_signals,
+                                        listen_for_interrupts)
 from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 from psgrid.cluster.watch import ShardWatch
 from psgrid.psserver import files
@@ -42,12 +43,6 @@ from psgrid.psserver.protocol import parse_address_file
 POLL_S = 0.2
 STOP_GRACE_S = 5.0
 SERVER_EXIT_TIMEOUT_S = 15.0
-
-
-class Interrupted(Exception):
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 def prepare_out(job: JobConfig, resume: bool = False) -> Path:
@@ -103,7 +98,7 @@ class Launcher:
     def start_shards(self) -> None:
         job = self.job
         for i in range(job.shards):
-            with _deferred_signals():  # a signal between fork and append would leave a child we do not know
+            with deferred_signals():  # a signal between fork and append would leave a child we do not know
                 self.shards.append(self._shard_child(i, 0))
         deadline = time.monotonic() + job.start_timeout_s
         files = [self.out / "addr" / f"shard-{i}" for i in range(job.shards)]
@@ -133,7 +128,7 @@ class Launcher:
                 argv = psctl_argv("worker", "--config", str(self.job_file), "--addresses", addresses,
                                   "--rank", str(rank), "--world", str(job.workers), "--metrics", str(metrics))
                 env = dict(self.worker_env, LOCAL_RANK=str(rank))
-            with _deferred_signals():
+            with deferred_signals():
                 self.workers.append(Child(f"worker {rank}", argv, self.out / "logs" / f"worker-{rank}.log", env))
             self.tail.add(metrics)
         self.log("workers_started", pids=[w.pid for w in self.workers])
@@ -243,7 +238,7 @@ class Launcher:
         print(f"psctl launch: {dead.name} {dead.describe_exit()}; restarting it on {self.addresses[i]} from its "
               f"checkpoint at version {restart['checkpoint_version']} (restart {n} of {self.job.max_restarts})",
               file=sys.stderr, flush=True)
-        with _deferred_signals():
+        with deferred_signals():
             self.shards[i] = self._shard_child(i, port)
 
     def _record_failure(self, child: Child, role: str, index: int, tolerated: bool) -> None:
@@ -276,6 +271,7 @@ class Launcher:
         status, message = "ok", None
         evaluation, shard_stats, train_wall = None, [], None
         try:
+            check_interrupted()      # a Ctrl-C heard before the launcher listened (cluster/interrupts.py)
             self.start_shards()
             if not self.quiet:
                 print(f"psctl launch: {job.shards} shard(s) at {','.join(self.addresses)}; starting "
@@ -302,7 +298,7 @@ class Launcher:
             status, message = "failed", f"{type(e).__name__}: {e}"
             raise JobFailed(message) from e
         finally:
-            _ignore_signals()
+            ignore_signals()
             self.stop_all()
             exits = {rank: w.returncode for rank, w in enumerate(self.workers)}
             self.log("job_end", status=status, message=message)
@@ -322,50 +318,6 @@ class Launcher:
 
 def _indent(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines()) or "    (empty log)"
-
-
-_defer = {"depth": 0, "pending": None, "received": None}
-
-
-def _raise_interrupted(signum, frame):
-    # Also kept: the exception lands wherever the main thread is, and code there may catch it (tqdm
-    # does while it starts its monitor thread, and carries on); check_interrupted() raises it again.
-    _defer["received"] = signum
-    if _defer["depth"]:
-        _defer["pending"] = signum
-    else:
-        raise Interrupted(signum)
-
-
-def listen_for_interrupts() -> dict:
-    """Make Ctrl-C and SIGTERM raise Interrupted from now on; returns the handlers they had."""
-    _defer["received"] = None
-    return {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-
-def check_interrupted() -> None:
-    """Raise Interrupted if a signal came and its exception was swallowed on the way (the loops call this)."""
-    if _defer["received"] is not None and not _defer["depth"]:
-        raise Interrupted(_defer["received"])
-
-
-@contextmanager
-def _deferred_signals():
-    """Hold Ctrl-C and SIGTERM until the block ends; a signal mask would be inherited by the children."""
-    _defer["depth"] += 1
-    try:
-        yield
-    finally:
-        _defer["depth"] -= 1
-        pending, _defer["pending"] = _defer["pending"], None
-        if pending is not None and not _defer["depth"]:
-            raise Interrupted(pending)
-
-
-def _ignore_signals() -> None:
-    # Cleanup is bounded by its own timeouts; a second Ctrl-C must not cut it short and orphan children.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
 
 
 def launch(job: JobConfig, progress: bool | None = None, *, resume: bool = False,

@@ -270,6 +270,10 @@ class Client:
             self._start_heartbeats()
             stats = self._wait_for_workers()
             self._initialize(registrations, stats)
+            # A shard without weights takes any model's hash; the Init that set them dropped the members of
+            # another model. Registering again there (a no-op for a member) says whether this worker was one.
+            conn.map(lambda i: conn.retrying(i, lambda: self._register_one(i)),
+                     [i for i, r in enumerate(registrations) if not r.initialized])
         except BaseException:
             self.close()
             raise
@@ -523,14 +527,17 @@ class Client:
             timeout_s=self.deadline_s))
 
     def _worker_call(self, shard: int, call: Callable[[], T]) -> T:
-        """A data call, retried while the shard is down; once more after registering again if it forgot us."""
+        """A data call, retried while the shard is down; once more after registering again if it forgot us,
+        or has us behind this push's clock (it refused a push of ours that the other shards took)."""
         try:
             return self._conn.retrying(shard, call, data=True)
-        except UnknownWorker:
-            if self._leaving:
+        except PSError as exc:
+            behind = exc.reason is Reason.FUTURE_CLOCK
+            if self._leaving or not (behind or isinstance(exc, UnknownWorker)):
                 raise
-            log.warning("shard %d forgot worker %d (evicted, or restarted from an older checkpoint); "
-                        "registering again", shard, self.worker_id)
+            log.warning("shard %d %s worker %d; registering again", shard,
+                        "did not take an earlier push of" if behind else
+                        "forgot (evicted, or restarted from an older checkpoint)", self.worker_id)
             self._conn.retrying(shard, lambda: self._register_one(shard))
             return self._conn.retrying(shard, call, data=True)
 

@@ -35,7 +35,7 @@ class ServerConfig:
     checkpoint_every: int = 0          # updates between checkpoints (0: never by count)
     checkpoint_every_s: float = 0.0    # seconds between checkpoints (0: never by time)
     checkpoint_keep: int = 3           # complete checkpoints kept on disk (the newest ones)
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES     # largest gRPC chunk it sends and takes (RegisterReply.max_chunk_bytes)
     token: str | None = None           # bearer token every request must carry
     job_id: str | None = None          # the job this shard belongs to: a Shutdown must name it (made when not given)
     tls_cert: str | None = None        # server certificate (PEM); enables TLS
@@ -47,6 +47,7 @@ class ServerConfig:
     shared_memory: bool = True         # offer workers on this host the shared-memory data plane
     apply_threads: int = 0             # threads an update's passes over the range use (0: a quarter of the CPUs, 1..8)
     tcp_max_connections: int = 1024    # data-plane connections at once; past it a new one is refused (clients retry)
+    tcp_handshake_s: float = 3.0       # a new data-plane connection must show its token (and TLS) within this
 
     def __post_init__(self):
         self.validate()
@@ -79,6 +80,8 @@ class ServerConfig:
             raise InvalidArgument(f"apply_threads must be >= 0 (0: chosen from the CPUs), got {self.apply_threads}")
         if self.tcp_max_connections < 1:
             raise InvalidArgument(f"tcp_max_connections must be >= 1, got {self.tcp_max_connections}")
+        if not 0 < self.tcp_handshake_s <= 3600:
+            raise InvalidArgument(f"tcp_handshake_s must be in (0, 3600], got {self.tcp_handshake_s}")
         if not 0 <= self.port <= 65535:
             raise InvalidArgument(f"port must be in 0..65535, got {self.port}")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -27,18 +27,29 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 MIN_CHUNK_BYTES = 4096
 MAX_CHUNK_BYTES = 4 * 1024 * 1024 - 64 * 1024     # a chunk stays under gRPC's 4 MiB default message limit
 MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (1 << 16)   # a chunk and its header
+# What a shard's gRPC server reads before its handler sees a message: well past any chunk a shard
+# takes, so an oversized one is answered with reason chunk_too_large; a message past it is refused
+# by gRPC itself (RESOURCE_EXHAUSTED, no ps-reason), as proto/ps.proto says.
+MAX_RECEIVE_BYTES = 16 * 1024 * 1024
 # Both ends of a gRPC channel: message limits, and two servers never silently sharing a port.
 GRPC_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 )
-GRPC_SERVER_OPTIONS = GRPC_OPTIONS + (("grpc.so_reuseport", 0),)
+GRPC_SERVER_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),
+)
 SERVICE = "ps.ParameterServer"
 # Trailing metadata key that carries a refusal's Reason (its lowercase name) beside the status code.
 REASON_KEY = "ps-reason"
 # A consistency wait answers this long before the caller's deadline, so the caller reads the
 # DEADLINE_EXCEEDED reply instead of timing out on its own.
 REPLY_MARGIN_S = 0.05
+# The shared-memory plane's table of reader marks (weight_ring.py): what a slot says besides a buffer's index.
+NO_MARK = -1      # its reader holds nothing (written by the reader once its copy is done)
+REVOKED = -2      # the shard took the buffer back before the reader was done: its copy may be torn, read again
 
 
 class Status(IntEnum):
@@ -80,6 +91,9 @@ class Reason(IntEnum):
     RESTORING = 20          # the shard is restoring its checkpoint: retry shortly
     WRONG_JOB = 21          # a Shutdown that does not name this shard's job
     TOO_MANY_CONNECTIONS = 22  # the data plane holds its most connections: retry later
+    CHUNK_TOO_LARGE = 23    # a chunk of more bytes than the shard takes (RegisterReply.max_chunk_bytes)
+    FUTURE_VERSION = 24     # a push computed from a version this shard never published
+    FUTURE_CLOCK = 25       # async/ssp: a push past the worker's clock here, which no restart explains
 
     @property
     def wire_name(self) -> str:
@@ -98,6 +112,10 @@ class Reason(IntEnum):
             return cls[(name or "none").upper()]
         except KeyError:
             return cls.NONE
+
+
+# Reasons a client gives its own failures; no shard sends them.
+CLIENT_SIDE_REASONS = frozenset({Reason.NONE, Reason.UNREACHABLE, Reason.BAD_REPLY, Reason.TIMED_OUT})
 
 
 class Outcome(IntEnum):
@@ -146,6 +164,7 @@ class Registration:
     version: int
     tcp_port: int
     shm_socket: str = ""      # the shared-memory plane's Unix socket ("@name": abstract), "" when not offered
+    max_chunk_bytes: int = 0  # the largest chunk of a gRPC Init or Push the shard takes (0: not said)
 
 
 @dataclass(frozen=True)

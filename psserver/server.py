@@ -47,12 +47,16 @@ class RunningServer:
         ssl_context = server_ssl_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
         if config.data_plane == "tcp":
             self.tcp = TcpDataServer(self.service, config.host, config.token, ssl_context, handlers=config.threads,
-                                     max_connections=config.tcp_max_connections,
+                                     max_connections=config.tcp_max_connections, handshake_s=config.tcp_handshake_s,
                                      on_failure=lambda: self.set_health(False))
             self.service.tcp_port = self.tcp.port
         self.shm = None
         try:
-            if config.shared_memory and shared_memory.available():
+            if config.shared_memory and shared_memory.available() and not shared_memory.can_share_read_only():
+                log.warning("shard %d offers no shared-memory plane: this kernel cannot seal its weights against "
+                            "readers' writes (F_SEAL_FUTURE_WRITE, Linux 5.1); workers here use TCP",
+                            config.shard_index)
+            if config.shared_memory and shared_memory.can_share_read_only():
                 from psgrid.psserver.transports.shm_server import ShmDataServer
 
                 self.shm = ShmDataServer(self.service, config.token, ssl_context, handlers=config.threads,
@@ -127,7 +131,10 @@ class RunningServer:
             if plane is not None:
                 plane.stop()
         self.grpc.stop(grace)
-        if self.config.checkpoint_dir and self.shard.initialized:
+        # Only what is new since the last checkpoint (or since Init): a final checkpoint of the initial
+        # weights, written by a shard stopped before its first update, made a job that was stopped early
+        # unresumable (the other shards, stopped before Init, had none).
+        if self.config.checkpoint_dir and self.shard.initialized and self.shard.updates_since_checkpoint:
             try:
                 self.shard.checkpoint()
             except Exception:  # noqa: BLE001 - stopping must finish; the last good checkpoint stays

@@ -286,7 +286,8 @@ class ShardService:
         return Registration(
             mode=config.mode, staleness=config.staleness, backup_workers=config.backup_workers,
             lease_s=config.lease_s, shard_index=config.shard_index, num_shards=config.num_shards,
-            tcp_port=self.tcp_port, shm_socket=self.shm_socket if shard.shares_memory else "", **joined)
+            tcp_port=self.tcp_port, shm_socket=self.shm_socket if shard.shares_memory else "",
+            max_chunk_bytes=config.chunk_bytes, **joined)
 
     def open_init(self, params: list[tuple[str, tuple, str]], spec_hash: str) -> InitIntake:
         """Start taking initial weights for the model ``params`` (whose hash must be ``spec_hash``)."""
@@ -390,12 +391,18 @@ class ShardService:
         self.shard.free_reader_slot(slot)
 
     def buffer_fd(self, index: int) -> tuple[int, int]:
-        """The shared file of the ring's buffer ``index`` and its size in bytes."""
+        """A read-only descriptor of the ring's buffer ``index`` and its size in bytes."""
         self._require_shared()
         ring = self.shard.ring
         if ring is None or not 0 <= index < len(ring.arrays):
             raise InvalidArgument(f"no weight buffer {index}", Reason.BAD_VALUE)
-        return ring.fd(index), ring.size * ITEMSIZE[FLOAT32]
+        return ring.reader_fd(index), ring.size * ITEMSIZE[FLOAT32]
+
+    def gradient_layout(self, dtype: int) -> tuple[int, int, int]:
+        """What a worker's shared gradient of wire ``dtype`` must hold: (bytes of the whole model, this
+        shard's first element, its element count); refused before Init (the model is unknown)."""
+        model, begin, size = self.shard.served_layout()
+        return model * ITEMSIZE[dtype], begin, size
 
     def pull_shared(self, *, worker_id: int, clock: int, timeout_s: float | None, slot: int) -> tuple[int, int]:
         """Wait as :meth:`pull` does, then hand the current version to the reader of ``slot``.
@@ -407,7 +414,7 @@ class ShardService:
         return self.shard.mark_current(slot)
 
     def push_shared(self, *, worker_id: int, clock: int, version: int, dtype: int, segment: np.ndarray) -> PushResult:
-        """One gradient in a worker's shared memory: ``segment`` is the whole model in ``dtype``, read in place.
+        """One gradient in a worker's shared memory: ``segment`` is this shard's range in ``dtype``, read in place.
 
         A float32 gradient is checked and used where it lies (no copy); a half-precision one
         is converted into a pooled buffer as it is checked.
@@ -417,18 +424,16 @@ class ShardService:
         shard = self.shard
         if dtype not in GRADIENT_DTYPES:
             raise InvalidArgument(f"dtype {dtype} is not a gradient dtype", Reason.BAD_DTYPE)
-        if len(segment) < shard.end:
-            raise InvalidArgument(f"the shared gradient holds {len(segment)} elements; this shard's range ends at "
-                                  f"{shard.end}", Reason.BAD_SIZE)
-        payload = segment[shard.begin:shard.end]
-        nbytes = payload.nbytes
+        if len(segment) != shard.size:
+            raise InvalidArgument(f"the shared gradient maps {len(segment)} elements; this shard's range has "
+                                  f"{shard.size}", Reason.BAD_SIZE)
         if dtype != FLOAT32:
             with PushIntake(self, worker_id, clock, version) as intake:
-                intake.add_chunk(shard.begin, dtype, memoryview(payload).cast("B"))
+                intake.add_chunk(shard.begin, dtype, memoryview(segment).cast("B"))
                 return intake.commit(1)
-        if not shard.checks_as_it_applies and not shard.all_finite(payload):
+        if not shard.checks_as_it_applies and not shard.all_finite(segment):
             raise InvalidArgument("payload contains NaN or infinity", Reason.NON_FINITE)
-        result, _ = shard.push(worker_id, clock, version, payload, nbytes, borrowed=True)
+        result, _ = shard.push(worker_id, clock, version, segment, segment.nbytes, borrowed=True)
         return result
 
     def open_push(self, *, worker_id: int, clock: int, version: int) -> PushIntake:

@@ -88,7 +88,7 @@ class Shard:
         self.leases = Leases(config.lease_s)
         self.counters = Counters()
         self.spec: ModelSpec | None = None
-        self.expected_hash: str | None = None    # before Init: the spec hash the members registered with
+        self.member_hashes: dict[int, str] = {}  # before Init: the spec hash each member registered with
         self.begin = self.end = 0
         self.ring: WeightRing | None = None      # the weights: versions readers hold, and the current one
         self.shares_memory = True     # False once this process could not put the weights in shared memory
@@ -101,6 +101,10 @@ class Shard:
         self.closing = False       # set by close(): waits end, new calls are refused
         self.restoring = False     # set while a checkpoint is loaded: calls are refused as UNAVAILABLE
         self.restored_version = -1
+        # After a restore, what pushes made before it may claim (see _check_claims): each member's
+        # clock in the checkpoint, and the clock of each worker's first pull from this process.
+        self.restored_clocks: dict[int, int] = {}
+        self.first_pulls: dict[int, int] = {}
         # Checkpoints: state is copied under the lock (_capture) and written outside it by the
         # thread whose update made one due, before that update is answered (_flush_capture).
         self.pending_capture: tuple[dict, dict] | None = None
@@ -132,7 +136,7 @@ class Shard:
         Where this process may not make the shared files (a file-size limit), in private memory:
         said once, and the shared-memory plane is no longer offered (the network planes serve).
         """
-        shared = self.shares_memory and self.config.shared_memory and shared_memory.available()
+        shared = self.shares_memory and self.config.shared_memory and shared_memory.can_share_read_only()
         try:
             ring = WeightRing(len(values), shared=shared)
         except OSError as exc:
@@ -196,12 +200,9 @@ class Shard:
     def _register(self, spec_hash: str, worker_id: int, start_clock: int, host: str) -> dict:
         with self.cond:
             self._require_up()
-            expected = self.spec.hash() if self.spec is not None else self.expected_hash
-            if spec_hash and expected and spec_hash != expected:
+            if spec_hash and self.spec is not None and spec_hash != self.spec.hash():
                 raise SpecMismatch(f"model spec hash {spec_hash[:12]} differs from this shard's "
-                                   f"{expected[:12]}: every worker must build the same model")
-            if spec_hash and self.spec is None:
-                self.expected_hash = spec_hash     # before Init, the first worker's model is the job's
+                                   f"{self.spec.hash()[:12]}: every worker must build the same model")
             if worker_id < 0:
                 worker_id = self.leases.new_id(taken=self.policy.departed)
             before = self.policy.clocks.get(worker_id)
@@ -209,6 +210,8 @@ class Shard:
             if before is not None and clock > before:
                 self._skipped(worker_id, before, clock, "registered")
             self.leases.add(worker_id, host, self.now())
+            if spec_hash and self.spec is None:
+                self.member_hashes[worker_id] = spec_hash    # the first Init decides whose model is the job's
             self._close_rounds()
             self.cond.notify_all()
             return {"worker_id": worker_id, "start_clock": clock, **self._layout_info()}
@@ -229,9 +232,9 @@ class Shard:
         In async and ssp each missed push is a lost update; in sync the rounds it skipped are
         counted when they close with no gradient (:meth:`_close_rounds`).
         """
-        log.warning("shard %d: worker %d %s at clock %d, this shard had it at %d: %d push(es) it never received "
-                    "(a restart from an older checkpoint)", self.config.shard_index, worker, how, now_at, had,
-                    now_at - had)
+        log.warning("shard %d: worker %d %s at clock %d, this shard had it at %d: %d push(es) it never took "
+                    "(a restart from an older checkpoint, or pushes it refused)", self.config.shard_index, worker, how,
+                    now_at, had, now_at - had)
         if self.config.mode != "sync":
             self.counters.lost_updates += now_at - had
 
@@ -258,8 +261,8 @@ class Shard:
     def _drop(self, worker: int) -> None:
         self.leases.remove(worker)
         self.policy.leave(worker)
-        if not self.leases.members and self.spec is None:
-            self.expected_hash = None          # everyone left before Init: the next job may bring its own model
+        self.member_hashes.pop(worker, None)
+        self.first_pulls.pop(worker, None)
         self._close_rounds()
         self.cond.notify_all()
 
@@ -303,8 +306,6 @@ class Shard:
     def _check_spec(self, spec: ModelSpec) -> None:
         if self.spec is not None and spec.hash() != self.spec.hash():
             raise SpecMismatch("Init with a model spec other than the one this shard holds")
-        if self.spec is None and self.expected_hash and spec.hash() != self.expected_hash:
-            raise SpecMismatch("Init with a model spec other than the one the job's workers registered with")
 
     def layout(self, spec: ModelSpec) -> tuple[int, int]:
         return shard_range(spec.size, self.config.shard_index, self.config.num_shards)
@@ -323,6 +324,12 @@ class Shard:
             self.optimizer = make_optimizer(self.config.optimizer, end - begin, chunks=self.chunks,
                                             **self.config.optimizer_hparams())
             self.pool = BufferPool(end - begin)
+            # Members that registered another model were never the job's: they learn it at their next call.
+            for worker in [w for w, h in self.member_hashes.items() if h != spec.hash()]:
+                log.warning("shard %d: worker %d registered another model spec than the one Init set; dropped",
+                            self.config.shard_index, worker)
+                self._drop(worker)
+            self.member_hashes.clear()
             self.cond.notify_all()
             return True
 
@@ -357,6 +364,8 @@ class Shard:
             if worker >= 0:
                 self._require_live(worker)
                 self.leases.renew(worker, self.now())
+                if self.restored_version >= 0 and worker not in self.first_pulls:
+                    self.first_pulls[worker] = clock
             while not self.policy.may_pull(worker, clock):
                 if self.closing:
                     raise Unavailable(f"shard {self.config.shard_index} is shutting down")
@@ -407,6 +416,12 @@ class Shard:
             index = self.ring.mark(slot)
             self._count_pull()
             return self.version, index
+
+    def served_layout(self) -> tuple[int, int, int]:
+        """(elements of the model, this range's first element, its length); refused until the shard serves."""
+        with self.cond:
+            self._require_serving()
+            return self.spec.size, self.begin, self.size
 
     def take_reader_slot(self) -> int:
         with self.cond:
@@ -463,6 +478,7 @@ class Shard:
             self._require_serving()
             self._require_live(worker)
             expected = self.policy.clocks[worker]
+            self._check_claims(worker, clock, version_used, expected)
             decision = self.policy.on_push(worker, clock)
             if clock > expected and decision.outcome is Outcome.APPLIED:
                 self._skipped(worker, expected, clock, "pushed")
@@ -508,6 +524,7 @@ class Shard:
                 self._require_serving()
                 self._require_live(worker)
                 expected = self.policy.clocks[worker]
+                self._check_claims(worker, clock, version_used, expected)
                 if clock < expected:        # a retry of a push this shard has taken: answered, not applied
                     self.policy.on_push(worker, clock)
                     self._count_push(worker, nbytes)
@@ -530,6 +547,24 @@ class Shard:
                 self._count_applied()
                 self.cond.notify_all()
                 return PushResult(Outcome.APPLIED, self.version, staleness, next_clock)
+
+    def _check_claims(self, worker: int, clock: int, version_used: int, expected: int) -> None:
+        """Refuse a push that claims what never happened here (call under ``cond``, before any change).
+
+        Its version must be one this shard published, and in async and ssp its clock at most the
+        worker's clock here (sync moves a worker to a round another shard closed first). A restart
+        from a checkpoint explains both for pushes made before it: a version past the restored one
+        until the worker's first pull from this process, a clock past the one restored for the
+        worker until its first push here.
+        """
+        if version_used > self.version and (self.restored_version < 0
+                                            or clock >= self.first_pulls.get(worker, math.inf)):
+            raise InvalidArgument(f"worker {worker}'s push at clock {clock} was computed from version {version_used}, "
+                                  f"but this shard has published versions up to {self.version}", Reason.FUTURE_VERSION)
+        if clock > expected and self.config.mode != "sync" and self.restored_clocks.get(worker) != expected:
+            raise InvalidArgument(f"worker {worker} pushed clock {clock}, but this shard has its pushes up to clock "
+                                  f"{expected} only: register again with start_clock {clock} to move on",
+                                  Reason.FUTURE_CLOCK)
 
     def _count_push(self, worker: int, nbytes: int) -> None:
         if worker in self.leases.members:
@@ -701,6 +736,7 @@ class Shard:
             for w, c in meta["clocks"].items():
                 self.policy.clocks[int(w)] = c
                 self.leases.add(int(w), meta["hosts"].get(w, ""), now)
+            self.restored_clocks = dict(self.policy.clocks)
             self.last_checkpoint = str(Path(self._checkpoint_dir()) / checkpoint.MANIFEST)
             self.restored_version = self.written_version = self.version
             clocks = sorted(self.policy.clocks.values())
@@ -729,6 +765,7 @@ class Shard:
                 "rejected": c.rejected, "staleness_counts": list(c.staleness_counts),
                 "departed": sorted(self.policy.departed), "lost_updates": c.lost_updates,
                 "restored_version": self.restored_version, "stalled_evictions": c.stalled_evictions,
+                "revoked_reads": self.ring.revoked if self.ring is not None else 0,
                 "mean_staleness": c.staleness_sum / c.staleness_n if c.staleness_n else 0.0,
                 "max_staleness": c.max_staleness, "wait_s_total": c.wait_s_total,
                 "checkpoint": self.last_checkpoint, "initialized": self.initialized,

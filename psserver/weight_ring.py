@@ -16,19 +16,37 @@ with no message. The reader's loads complete before its store of -1 becomes visi
 loads ahead of later stores; a GPU copy is synchronized before the store), so a buffer whose
 mark is gone is safe to overwrite.
 
-There are as many buffers as readers hold at once, plus the current one and one to write: the
-ring grows when an update finds no spare buffer, and no further (in-process lending is capped
-by the caller; every cross-process reader holds at most one buffer).
+Every connected reader can write the whole table, so the shard trusts a slot only to say that a
+buffer it handed out is still held: a slot holds buffer ``i`` when the shard gave it ``i`` and the
+slot still says ``i``; anything else in it (garbage, another slot's index) holds nothing. And a
+reader may hold on for ever, so the ring has at most :data:`MAX_VERSIONS` buffers: an update
+that finds none spare at that size takes back the buffer handed out longest ago, writing
+:data:`~psgrid.psserver.protocol.REVOKED` into the slots that hold it first. A reader checks its slot once its copy is
+done: a slot that no longer names its buffer means the copy may be torn, and the reader reads
+again (shm_client.py). The shard's store of REVOKED precedes its writes to the buffer, the
+reader's loads of the buffer precede its load of the slot, and x86 keeps both orders: a reader
+that still finds its index read nothing written after the revocation.
+
+Short of the cap there are as many buffers as readers hold at once, plus the current one and one
+to write: the ring grows when an update finds no spare buffer.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from psgrid.psserver.shared_memory import SharedArray
+from psgrid.psserver.protocol import NO_MARK, REVOKED
+from psgrid.psserver.shared_memory import READ_ONLY_TO_OTHERS, SharedArray
 
 MAX_SHARED_READERS = 256     # slots in the table of marks: connections of the shared-memory plane at once
-NO_MARK = -1
+# Buffers at most: the current one, the one an update writes, two lent to in-process senders
+# (shard.MAX_LENT_BUFFERS) and four versions for readers in other processes. A reader holds its
+# buffer for one copy, and an update takes as long as a copy or longer (it reads the weights and
+# the gradient and writes the next version), so a reader's mark is revoked only when four
+# updates finish during one of its copies; then it copies again. Readers that hold on for ever
+# cost the shard these eight buffers, no more.
+MAX_VERSIONS = 8
+NOT_GIVEN = -3               # what the shard gave a slot that holds nothing (no buffer has this index)
 
 
 class WeightRing:
@@ -50,11 +68,16 @@ class WeightRing:
         self.arrays: list[np.ndarray] = []
         self.lent: list[int] = []                       # in-process readers of each buffer
         self.current = 0
+        # readers write their own slots in it: sealed against resizing only
         self._marks_holder = SharedArray(MAX_SHARED_READERS, np.int64, "psgrid-marks") if shared else None
         self.marks = self._marks_holder.array if shared else np.full(MAX_SHARED_READERS, NO_MARK, np.int64)
         self.marks[:] = NO_MARK
+        self.given = np.full(MAX_SHARED_READERS, NOT_GIVEN, np.int64)   # the buffer the shard handed each slot
         self.free_slots = list(range(MAX_SHARED_READERS - 1, -1, -1))
         self.peak_readers = 0                           # most slots taken at once (tests bound the ring by it)
+        self.published: list[int] = []                  # when each buffer was last made current ...
+        self.publications = 0                           # ... counted in versions published
+        self.revoked = 0                                # reads taken back (their readers read again)
         self._grow()
 
     @property
@@ -66,37 +89,68 @@ class WeightRing:
     def marks_fd(self) -> int:
         return self._marks_holder.fd if self._marks_holder is not None else -1
 
-    def fd(self, index: int) -> int:
-        """The shared file of buffer ``index`` (to hand to a reader in another process)."""
+    def reader_fd(self, index: int) -> int:
+        """A read-only descriptor of buffer ``index``'s file (to hand to a reader in another process).
+
+        The file is sealed against resizing and against every writer but this process's own
+        mapping: no reader can change or shrink the weights it is handed.
+        """
         holder = self.holders[index]
         if holder is None:
             raise ValueError("this ring is not in shared memory")
-        return holder.fd
+        return holder.reader_fd()
 
     def _grow(self) -> int:
         if self.shared:
-            holder = SharedArray(self.size, np.float32, "psgrid-weights")
+            holder = SharedArray(self.size, np.float32, "psgrid-weights", seals=READ_ONLY_TO_OTHERS)
             self.holders.append(holder)
             self.arrays.append(holder.array)
         else:
             self.holders.append(None)
             self.arrays.append(np.empty(self.size, np.float32))
         self.lent.append(0)
+        self.published.append(-1)
         return len(self.arrays) - 1
 
     # ----- writing a version ------------------------------------------------------------------
 
     def spare(self) -> int:
-        """A buffer nobody reads, to write the next version into (a new one if every buffer is held)."""
-        marked = set(self.marks[self.marks >= 0].tolist())
+        """A buffer nobody reads, to write the next version into.
+
+        A new one if every buffer is held, up to :data:`MAX_VERSIONS`; past that, the buffer
+        handed out longest ago, taken back from the readers that hold it (:meth:`_revoke`).
+        """
+        held = self._held()
         for index in range(len(self.arrays)):
-            if index != self.current and not self.lent[index] and index not in marked:
+            if index != self.current and not self.lent[index] and index not in held:
                 return index
-        return self._grow()
+        if len(self.arrays) < MAX_VERSIONS:
+            return self._grow()
+        candidates = [i for i in range(len(self.arrays)) if i != self.current and not self.lent[i]]
+        if not candidates:       # only in-process lending past its cap (shard.MAX_LENT_BUFFERS) could do this
+            return self._grow()
+        return self._revoke(min(candidates, key=self.published.__getitem__))
+
+    def _held(self) -> set[int]:
+        """Buffers readers in other processes hold: slots that still say what the shard gave them.
+
+        One comparison per update: a slot given nothing matches only a peer's NOT_GIVEN, no index.
+        """
+        return set(self.given[self.marks == self.given].tolist())
+
+    def _revoke(self, index: int) -> int:
+        """Take buffer ``index`` back from the slots that hold it: they read REVOKED before it is written."""
+        slots = np.flatnonzero(self.given == index)
+        self.revoked += int(np.count_nonzero(self.marks[slots] == index))
+        self.marks[slots] = REVOKED      # also where the slot says something else now: its reader reads again
+        self.given[slots] = NOT_GIVEN
+        return index
 
     def publish(self, index: int) -> None:
         """Make buffer ``index`` (just written) the current version."""
         self.current = index
+        self.publications += 1
+        self.published[index] = self.publications
 
     # ----- readers ----------------------------------------------------------------------------
 
@@ -123,11 +177,12 @@ class WeightRing:
     def free_slot(self, slot: int) -> None:
         """The reader is gone: whatever it held is released with its slot."""
         self.marks[slot] = NO_MARK
+        self.given[slot] = NOT_GIVEN
         self.free_slots.append(slot)
 
     def mark(self, slot: int) -> int:
         """Hand the current buffer to the reader of ``slot``; it clears the mark when its copy is done."""
-        self.marks[slot] = self.current
+        self.given[slot] = self.marks[slot] = self.current
         return self.current
 
     def close(self) -> None:

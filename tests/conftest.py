@@ -25,6 +25,7 @@ from psgrid.psserver.server import RunningServer, serve
 from psgrid.psserver.shard import MAX_LENT_BUFFERS
 from tests.support import PLANES, plane_options
 from psgrid.psserver.spec import ModelSpec
+from psgrid.psserver.weight_ring import MAX_VERSIONS
 
 LEAK_GRACE_S = 5.0     # threads and sockets get this long to wind down after teardown
 
@@ -45,7 +46,7 @@ def check_invariants(server: RunningServer) -> None:
         assert shard.pool.on_loan == held, f"{shard.pool.on_loan - held} pooled buffers never came back"
         ring = shard.ring
         assert not any(ring.lent), f"weight buffers still lent to senders: {ring.lent}"
-        bound = 2 + MAX_LENT_BUFFERS + ring.peak_readers     # current, one to write, and one per reader
+        bound = min(MAX_VERSIONS, 2 + MAX_LENT_BUFFERS + ring.peak_readers)   # current, one to write, one per reader
         assert len(ring.arrays) <= bound, f"the ring grew to {len(ring.arrays)} buffers (bound {bound})"
     half = server.service._half
     assert half is None or half.on_loan == 0, "a half-precision landing buffer never came back"

@@ -221,6 +221,24 @@ def test_workers_with_different_models_are_refused_before_any_weights_exist(clus
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("data_plane", ["tcp"])
+def test_a_push_one_shard_refused_does_not_stop_the_next(cluster):
+    # In async the other shard applied it, so this worker's next clock is one past what the refusing
+    # shard has: the client says so by registering again there (the push it refused is counted lost).
+    c = cluster(2, mode="async", lr=0.5)
+    with c.client(SPEC, init=SPEC.flat()) as client:
+        bad = ONES.copy()
+        bad[-1] = np.nan                                        # in shard 1's range only
+        with pytest.raises(InvalidArgument) as err:
+            client.push(bad)
+        assert err.value.reason is Reason.NON_FINITE
+        assert [c.shard(i).version for i in range(2)] == [1, 0]
+        results = client.push(ONES).wait()
+        assert [r.outcome for r in results] == [Outcome.APPLIED] * 2
+        assert [c.shard(i).version for i in range(2)] == [2, 1] and c.shard(1).counters.lost_updates == 1
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_client_that_left_never_registers_again(cluster):
     c = cluster(1, mode="async")
     client = c.client(SPEC, init=SPEC.flat()).join()
@@ -252,7 +270,8 @@ def test_a_join_that_fails_halfway_leaves_and_closes(cluster):
     c = cluster(2, mode="async")
     other = ModelSpec([("w", (41,)), ("b", (3,))])
     stranger = open_control(c.addresses[1], ConnectOptions())
-    stranger.register(spec_hash=other.hash(), worker_id=9, start_clock=-1, host="elsewhere")
+    begin, end = c.shard(1).layout(other)
+    stranger.init(other, np.zeros(end - begin, np.float32), begin)      # shard 1 holds another model
     stranger.close()
     client = c.client(SPEC, init=SPEC.flat())
     with pytest.raises(SpecMismatch):

@@ -148,6 +148,8 @@ BAD_PUSHES = {  # name: ((worker or None for the job's, clock, version, dtype, p
     "negative clock": ((None, -1, 1, FLOAT32, GOOD), Status.INVALID_ARGUMENT, Reason.BAD_VALUE),
     "clock past the bound": ((None, 2**62, 1, FLOAT32, GOOD), Status.INVALID_ARGUMENT, Reason.BAD_VALUE),
     "version past the bound": ((None, 1, 2**62, FLOAT32, GOOD), Status.INVALID_ARGUMENT, Reason.BAD_VALUE),
+    "a version never published": ((None, 1, 2, FLOAT32, GOOD), Status.INVALID_ARGUMENT, Reason.FUTURE_VERSION),
+    "five clocks never taken": ((None, 6, 1, FLOAT32, GOOD), Status.INVALID_ARGUMENT, Reason.FUTURE_CLOCK),
 }
 
 

@@ -484,6 +484,52 @@ def test_a_checkpoint_keeps_the_gradients_of_an_open_sync_round(tmp_path):
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_a_restarted_shard_takes_the_versions_and_clocks_of_before_its_crash_and_only_those(tmp_path, mode):
+    from psgrid.psserver.exceptions import InvalidArgument
+    from psgrid.psserver.shard import Shard
+
+    config = ServerConfig(mode=mode, lr=1.0, checkpoint_dir=str(tmp_path))
+
+    def push(shard, clock, version):
+        grad = shard.pool.take()
+        grad[...] = 1.0
+        try:
+            result, kept = shard.push(0, clock, version, grad, 0)
+        except InvalidArgument:
+            kept = False
+            raise
+        finally:
+            if not kept:
+                shard.pool.give(grad)
+        return result
+
+    shard = Shard(config)
+    shard.init(SPEC, np.zeros(SPEC.size, np.float32))
+    shard.register(SPEC.hash(), 0, -1, "test")
+    push(shard, 0, 0)
+    shard.checkpoint()                                   # version 1, the worker at clock 1
+    push(shard, 1, 1)
+    push(shard, 2, 2)                                    # versions 2 and 3: lost in the crash
+    restarted = Shard(config)
+    assert restarted.version == 1 and restarted.policy.clocks == {0: 1}
+    # The worker's push in flight at the crash: its clock and its version are of before the restart.
+    result = push(restarted, 3, 3)
+    assert result.outcome is Outcome.APPLIED and result.staleness == 0 and restarted.version == 2
+    assert restarted.counters.lost_updates == 2
+    # Caught up, the same claims cannot be true any more
+    with pytest.raises(InvalidArgument) as err:
+        push(restarted, 9, 2)
+    assert err.value.reason is Reason.FUTURE_CLOCK
+    restarted.wait_for_pull(0, 4, 1.0)                   # a pull of this process's weights, at clock 4
+    with pytest.raises(InvalidArgument) as err:
+        push(restarted, 4, 3)
+    assert err.value.reason is Reason.FUTURE_VERSION
+    assert push(restarted, 4, 2).outcome is Outcome.APPLIED
+    assert restarted.counters.lost_updates == 2 and restarted.pool.on_loan == 0
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_checkpoint_that_cannot_be_written_is_a_precondition_with_its_reason(cluster, tmp_path):
     from psgrid.psserver.exceptions import CheckpointFailed
@@ -504,6 +550,28 @@ def test_a_checkpoint_that_cannot_be_written_is_a_precondition_with_its_reason(c
 def _sync_servers(ckpt: Path) -> list:
     return [serve(ServerConfig(shard_index=i, num_shards=2, mode="sync", lr=0.01, lease_s=30,
                                checkpoint_dir=str(ckpt))) for i in range(2)]
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_stopped_before_its_first_update_writes_no_final_checkpoint(tmp_path, no_leaks):
+    # A Ctrl-C in a job's first second: a checkpoint of the initial weights on one shard, none on the
+    # other (stopped before Init), made the job unresumable. Only what is new since Init is written.
+    ckpt = tmp_path / "ckpt"
+    server = serve(ServerConfig(mode="async", lr=0.01, checkpoint_dir=str(ckpt)))
+    try:
+        with Client([server.address], SPEC, init=SPEC.flat()):
+            pass
+    finally:
+        server.stop(grace=0.5)
+    assert checkpoint.load_latest(str(checkpoint.shard_dir(ckpt, 0, 1))) is None
+    server = serve(ServerConfig(mode="async", lr=0.01, checkpoint_dir=str(ckpt)))
+    try:
+        with Client([server.address], SPEC, init=SPEC.flat()) as client:
+            client.push(grad_for(0, 0)).wait()
+    finally:
+        server.stop(grace=0.5)
+    _, meta = checkpoint.load_latest(str(checkpoint.shard_dir(ckpt, 0, 1)))
+    assert meta["version"] == 1
 
 
 @pytest.mark.timeout(60)

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from psgrid.psserver.admin import Admin
 from psgrid.psserver.client import Client
-from psgrid.psserver.protocol import SERVICE, parse_address_file
+from psgrid.psserver.protocol import REASON_KEY, SERVICE, Reason, parse_address_file
 from psgrid.psserver.rpc import ps_pb2
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.transports.tcp_frames import MAGIC, REPLY, REQUEST
@@ -276,3 +276,57 @@ def test_init_with_an_absurd_shape_is_refused_before_anything_is_allocated():
         assert not server.shard.initialized
     finally:
         server.stop(grace=0.5)
+
+
+# ----- the health service: anyone may call it -------------------------------------------------------
+
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+# HealthCheckRequest bytes that do not parse: a bad tag, a string longer than the message, a string that
+# is not UTF-8, a truncated length.
+MALFORMED_HEALTH = [b"\xff\xff\xff\x01", b"\x0a\x05ab", b"\x0a\x02\xff\xfe", b"\x0a", b"\x0a\xff\xff\xff\xff\xff"]
+
+
+def malformed_health_checks(channel, n: int) -> dict[str, int]:
+    call, codes = channel.unary_unary(HEALTH_CHECK), {}
+    for i in range(n):
+        try:
+            call(MALFORMED_HEALTH[i % len(MALFORMED_HEALTH)], timeout=5)
+            code = "OK"
+        except grpc.RpcError as exc:
+            code = exc.code().name
+            if code == "INVALID_ARGUMENT":
+                assert (REASON_KEY, Reason.MALFORMED.wire_name) in exc.trailing_metadata(), exc.trailing_metadata()
+        codes[code] = codes.get(code, 0) + 1
+    return codes
+
+
+@pytest.mark.timeout(120)
+def test_malformed_health_checks_are_refused_without_growth_and_real_probes_are_served(shard):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    proc, address, _, log = shard
+    n = 2000
+    with grpc.insecure_channel(address) as channel:
+        malformed_health_checks(channel, 200)              # warm-up
+        rss, logged = rss_kib(proc.pid), log.stat().st_size
+        codes = malformed_health_checks(channel, n)
+        grown_kib, log_grown = rss_kib(proc.pid) - rss, log.stat().st_size - logged
+        stub = health_pb2_grpc.HealthStub(channel)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == serving
+        assert stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5).status == serving
+        with pytest.raises(grpc.RpcError) as unknown:
+            stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), timeout=5)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        watch = stub.Watch(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5)
+        assert next(watch).status == serving
+        watch.cancel()
+        with pytest.raises(grpc.RpcError) as malformed_watch:
+            next(channel.unary_stream("/grpc.health.v1.Health/Watch")(MALFORMED_HEALTH[0], timeout=5))
+        assert malformed_watch.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    print(f"{n} malformed health checks: {codes}; resident memory {grown_kib:+d} KiB, log {log_grown:+d} bytes")
+    assert codes == {"INVALID_ARGUMENT": n}
+    assert grown_kib < 4096, grown_kib         # was about 38 MB per 2,000
+    assert log_grown < 1024, log_grown         # was about 790 KB per 2,000 (a traceback each)
+    text = log.read_text()
+    assert "Traceback" not in text and text.count("malformed health checks") == 1, text[-3000:]   # once a minute

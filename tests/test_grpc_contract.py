@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import numpy as np
 import pytest
 
 from psgrid.psserver.protocol import FLOAT32, REASON_KEY, SERVICE, Reason
 from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
+from psgrid.psserver.sharding import chunk_ranges
 from psgrid.psserver.spec import ModelSpec
 
 pytestmark = pytest.mark.parametrize("data_plane", ["grpc"])
+
+ROOT = Path(__file__).resolve().parent.parent
 
 SPEC = ModelSpec([("w", (64,)), ("b", (8,))])    # shard 0 of 2 owns [0, 36), shard 1 [36, 72)
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -194,3 +199,124 @@ def test_a_generated_client_trains_over_grpc_alone(job):
                                    version=version.version), timeout=5)
     assert pushed.outcome == ps_pb2.PushReply.APPLIED and pushed.version == version.version + 1
     np.testing.assert_allclose(c.shard().weights, np.arange(36, dtype=np.float32) / 10 - 0.5)
+
+
+# ----- issue 25: what a client written from the proto alone needs the shard to say -----------------
+
+def wire_reason(err: grpc.RpcError) -> str:
+    return dict(err.trailing_metadata() or ()).get(REASON_KEY, "")
+
+
+def spec_message(spec: ModelSpec) -> ps_pb2.ModelSpecMsg:
+    return ps_pb2.ModelSpecMsg(params=[ps_pb2.ParamInfo(name=p.name, shape=list(p.shape), dtype=p.dtype)
+                                       for p in spec.params], hash=spec.hash())
+
+
+BIG = ModelSpec([("w", (3 << 20,))])      # 12 MiB of float32: room for chunks up to 12 MiB
+
+
+@pytest.mark.timeout(30)
+def test_registration_reports_the_largest_chunk_a_shard_takes(cluster):
+    c = cluster(1, chunk_bytes=65536)
+    with grpc.insecure_channel(c.addresses[0]) as channel:
+        reply = ps_pb2_grpc.ParameterServerStub(channel).Register(
+            ps_pb2.RegisterRequest(spec_hash=SPEC.hash(), worker_id=-1, start_clock=-1), timeout=5)
+    assert reply.max_chunk_bytes == 65536
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("nbytes", [65536 + 4, 1 << 20, 8 << 20])
+def test_a_chunk_past_the_shards_limit_is_refused_with_a_reason(cluster, nbytes):
+    """Just past the shard's 64 KiB, 1 MiB, and 8 MiB (which gRPC itself refused, without a reason)."""
+    c = cluster(1, mode="async", chunk_bytes=65536)
+    values = np.zeros(BIG.size, np.float32)
+    with grpc.insecure_channel(c.addresses[0]) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        big_init = ps_pb2.InitRequest(spec=spec_message(BIG), num_chunks=1, chunk=chunk(0, values[:nbytes // 4]))
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Init(iter([big_init]), timeout=10)
+        assert err.value.code() == INVALID and wire_reason(err.value) == "chunk_too_large", err.value.details()
+        assert not c.shard().initialized
+        at_limit = chunk_ranges(0, BIG.size, 65536 // 4)
+        stub.Init((ps_pb2.InitRequest(spec=spec_message(BIG) if i == 0 else None, num_chunks=len(at_limit),
+                                      chunk=chunk(a, values[a:b])) for i, (a, b) in enumerate(at_limit)), timeout=30)
+        worker = stub.Register(ps_pb2.RegisterRequest(spec_hash=BIG.hash(), worker_id=-1, start_clock=-1),
+                               timeout=5).worker_id
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Push(push_stream(worker, [chunk(0, np.ones(nbytes // 4))], num_chunks=1), timeout=10)
+        assert err.value.code() == INVALID and wire_reason(err.value) == "chunk_too_large", err.value.details()
+    shard = c.shard()
+    assert shard.version == 0 and shard.policy.clocks == {worker: 0} and not shard.weights.any()
+
+
+@pytest.mark.timeout(30)
+def test_a_message_past_the_hard_cap_is_grpcs_resource_exhausted_as_the_proto_says(cluster):
+    from psgrid.psserver.protocol import MAX_RECEIVE_BYTES
+
+    c = cluster(1, mode="async")
+    assert f"{MAX_RECEIVE_BYTES} bytes" in (ROOT / "proto" / "ps.proto").read_text()
+    with grpc.insecure_channel(c.addresses[0]) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Push(push_stream(0, [chunk(0, np.ones(MAX_RECEIVE_BYTES // 4 + 1))]), timeout=10)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.mark.timeout(30)
+def test_a_client_sends_chunks_no_larger_than_the_shard_takes(cluster):
+    c = cluster(2, mode="async", chunk_bytes=4096)
+    spec = ModelSpec([("w", (5000,))])                    # 10 KB a shard: three 4 KiB chunks, not one
+    with c.client(spec, init=np.ones(spec.size, np.float32)) as client:   # its own chunk_bytes: 1 MiB
+        client.push(np.ones(spec.size, np.float32)).wait()
+    np.testing.assert_array_equal(c.weights(), np.ones(spec.size, np.float32) - 0.01)
+
+
+@pytest.mark.timeout(30)
+def test_a_wrong_hash_that_never_initialised_does_not_keep_the_right_one_out(cluster):
+    c = cluster(1, mode="async", lr=0.5)
+    with grpc.insecure_channel(c.addresses[0]) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        wrong = stub.Register(ps_pb2.RegisterRequest(spec_hash="0" * 32, worker_id=-1, start_clock=-1), timeout=5)
+        with c.client(SPEC, init=SPEC.flat()) as client:          # registers, sends Init and trains
+            client.push(np.ones(SPEC.size, np.float32)).wait()
+        np.testing.assert_array_equal(c.weights(), np.full(SPEC.size, -0.5, np.float32))
+        # The one with the wrong hash was dropped when the weights were set: told so, and kept out
+        assert not stub.Heartbeat(ps_pb2.HeartbeatRequest(worker_id=wrong.worker_id), timeout=5).known
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Register(ps_pb2.RegisterRequest(spec_hash="0" * 32, worker_id=wrong.worker_id, start_clock=-1),
+                          timeout=5)
+        assert err.value.code() == PRECONDITION and wire_reason(err.value) == "spec_mismatch"
+
+
+FUTURE = {  # name: (mode, clock ahead of the worker's, version ahead of the shard's)
+    "async: a version never published": ("async", 0, 1),
+    "ssp: a version never published": ("ssp", 0, 1),
+    "sync: a version never published": ("sync", 0, 1),
+    "async: five clocks ahead": ("async", 5, 0),
+    "ssp: five clocks ahead": ("ssp", 5, 0),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", sorted(FUTURE))
+def test_a_push_that_claims_what_never_happened_is_refused(cluster, case):
+    mode, clock_ahead, version_ahead = FUTURE[case]
+    c = cluster(1, mode=mode, lr=0.5)
+    client = c.client(SPEC, worker_id=0, init=SPEC.flat()).join()
+    client.push(np.ones(SPEC.size, np.float32)).wait()          # version 1, the worker's clock 1
+    shard = c.shard()
+    before = state(c.servers[0]), dict(shard.stats())
+    with grpc.insecure_channel(c.addresses[0]) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            ps_pb2_grpc.ParameterServerStub(channel).Push(
+                push_stream(0, [chunk(0, np.ones(SPEC.size))], clock=1 + clock_ahead, version=1 + version_ahead),
+                timeout=5)
+    expected = "future_clock" if clock_ahead else "future_version"
+    assert err.value.code() == INVALID and wire_reason(err.value) == expected, err.value.details()
+    after = state(c.servers[0]), shard.stats()
+    np.testing.assert_array_equal(before[0][0], after[0][0])
+    assert before[0][1:] == after[0][1:]
+    assert after[1]["lost_updates"] == 0 and after[1]["applied_updates"] == before[1]["applied_updates"]
+    assert after[1]["rejected"] == before[1]["rejected"] + 1
+    client.push(np.ones(SPEC.size, np.float32)).wait()          # the worker goes on at its own clock
+    assert shard.version == 2

@@ -182,7 +182,7 @@ def test_a_ctrl_c_that_code_on_the_way_swallowed_still_stops_the_launcher():
     it and carries on (seen: a resumed job that trained on after its Ctrl-C). The loops raise it again."""
     import signal
 
-    from psgrid.cluster.launch import Interrupted, check_interrupted, listen_for_interrupts
+    from psgrid.cluster.interrupts import Interrupted, check_interrupted, listen_for_interrupts
 
     old = listen_for_interrupts()
     try:
@@ -200,3 +200,31 @@ def test_a_ctrl_c_that_code_on_the_way_swallowed_still_stops_the_launcher():
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+def test_a_ctrl_c_swallowed_before_the_launcher_listens_still_stops_the_job():
+    """psctl hears Ctrl-C from its first line: one that lands while a module is still importing, where
+    CPython ignores the exception (importlib's module-lock callback; seen: a resumed job trained on),
+    is carried into the job, whose first check raises it."""
+    import signal
+
+    from psgrid.cluster.interrupts import Interrupted, check_interrupted, hear_early, listen_for_interrupts
+
+    before = hear_early()
+    old = None
+    try:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)                                    # the handler runs here, in the main thread
+        except KeyboardInterrupt:                            # as "Exception ignored in: ... cb" does
+            pass
+        old = listen_for_interrupts()
+        with pytest.raises(Interrupted) as raised:
+            check_interrupted()
+        assert raised.value.signum == signal.SIGINT
+        listen_for_interrupts()                              # heard once: the next job does not inherit it
+        check_interrupted()
+    finally:
+        for sig, handler in (old or {}).items():
+            signal.signal(sig, handler)
+        signal.signal(signal.SIGINT, before)

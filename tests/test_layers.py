@@ -9,14 +9,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # Only the transports speak gRPC (and the generated code, which is gRPC).
-GRPC_ALLOWED = {"psserver/transports/grpc_server.py", "psserver/transports/grpc_client.py",
+GRPC_ALLOWED = {"psserver/transports/grpc_server.py", "psserver/transports/grpc_health.py",
+                "psserver/transports/grpc_client.py",
                 "psserver/rpc/ps_pb2_grpc.py", "psserver/rpc/ps_pb2.py"}
 # Modules the client side uses: none of them may import the server side.
 CLIENT_SIDE = ["psserver/client.py", "psserver/admin.py", "psserver/shards.py", "psserver/client_memory.py",
                "psserver/transports/base.py", "psserver/transports/grpc_client.py",
                "psserver/transports/tcp_client.py", "psserver/transports/shm_client.py"]
 SERVER_SIDE = {"psgrid.psserver.shard", "psgrid.psserver.service", "psgrid.psserver.server",
-               "psgrid.psserver.transports.grpc_server", "psgrid.psserver.transports.tcp_server",
+               "psgrid.psserver.transports.grpc_server", "psgrid.psserver.transports.grpc_health",
+               "psgrid.psserver.transports.tcp_server",
                "psgrid.psserver.transports.shm_server", "psgrid.psserver.transports.socket_server",
                "psgrid.psserver.weight_ring",
                "psgrid.psserver.checkpoint", "psgrid.psserver.optim", "psgrid.psserver.policy",

@@ -113,14 +113,46 @@ def test_past_the_limit_a_connection_is_refused_with_a_reason_and_clients_retry(
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("data_plane", ["tcp"])
-def test_a_connection_that_never_says_hello_is_closed(cluster, monkeypatch):
-    monkeypatch.setattr(socket_server, "HANDSHAKE_S", 0.5)
-    c = cluster(1, mode="async", token="s3cret")
+def test_with_a_token_the_limit_counts_authenticated_connections_and_strangers_take_no_place(cluster):
+    c = cluster(1, mode="async", token="s3cret", tcp_max_connections=2)
+    port = c.servers[0].tcp.port
+    hello = REQUEST.pack(MAGIC, HELLO, 0, 0, 0, 0, 6, 0.0) + b"s3cret"
+    strangers = open_idle(port, 8)                        # never say hello: they hold no place of a worker's
+    workers = []
+    try:
+        for expected in (Status.OK, Status.OK, Status.UNAVAILABLE):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            workers.append(sock)
+            sock.sendall(hello)
+            fields = recv_struct(sock, REPLY)
+            assert fields[1] == expected
+        assert fields[2] == Reason.TOO_MANY_CONNECTIONS
+        text = bytearray(fields[-1])
+        recv_exact(workers[-1], memoryview(text))
+        assert b"at most 2 data-plane connections (tcp_max_connections)" in text
+    finally:
+        for s in strangers + workers:
+            s.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_a_connection_that_never_says_hello_or_trickles_it_is_closed_at_the_handshake_deadline(cluster):
+    c = cluster(1, mode="async", token="s3cret", tcp_handshake_s=0.5)
     server = c.servers[0]
     with socket.create_connection(("127.0.0.1", server.tcp.port), timeout=5) as silent:
         t0 = time.monotonic()
         assert silent.recv(1) == b""                      # closed by the shard, not by us
         assert time.monotonic() - t0 < 3
+    hello = REQUEST.pack(MAGIC, HELLO, 0, 0, 0, 0, 6, 0.0) + b"s3cret"
+    with socket.create_connection(("127.0.0.1", server.tcp.port), timeout=5) as slow:
+        t0 = time.monotonic()
+        with pytest.raises(OSError):                      # one byte every 50 ms: each comes in time, the whole not
+            for byte in hello:
+                slow.sendall(bytes([byte]))
+                time.sleep(0.05)
+            assert slow.recv(1) == b""
+        assert time.monotonic() - t0 < 2
     deadline = time.monotonic() + 5
     while server.tcp.open_connections and time.monotonic() < deadline:
         time.sleep(0.05)

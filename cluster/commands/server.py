@@ -30,7 +30,7 @@ SERVER_FLAGS = [
     ("--checkpoint-every", "checkpoint_every", int, "checkpoint every this many updates (0: never by count)"),
     ("--checkpoint-every-s", "checkpoint_every_s", float, "checkpoint every this many seconds (0: never by time)"),
     ("--checkpoint-keep", "checkpoint_keep", int, "keep this many newest checkpoints"),
-    ("--chunk-bytes", "chunk_bytes", int, "largest chunk of a streamed range, in bytes"),
+    ("--chunk-bytes", "chunk_bytes", int, "largest chunk of a streamed range, in bytes, sent and taken over gRPC"),
     ("--token", "token", str, "bearer token every request must carry (default: [server] token of --config, else "
                               "$PSGRID_TOKEN, which is to be preferred: command lines are visible to other users)"),
     ("--job-id", "job_id", str, "the job this shard belongs to; a Shutdown must name it (default: a random id, "
@@ -42,6 +42,8 @@ SERVER_FLAGS = [
     ("--threads", "threads", int, "gRPC handler threads"),
     ("--tcp-max-connections", "tcp_max_connections", int, "most TCP data-plane connections at once; past it a new "
                                                           "one is refused and its client retries"),
+    ("--tcp-handshake-s", "tcp_handshake_s", float, "seconds a new TCP data-plane connection has to show the "
+                                                    "token (and finish TLS); then it is closed (default 3)"),
     ("--data-plane", "data_plane", DATA_PLANES, "tcp: also serve Pull/Push payloads over plain TCP beside gRPC; "
                                                 "grpc: gRPC only"),
     ("--apply-threads", "apply_threads", int, "threads an update's passes over the range use (0, the default: a "

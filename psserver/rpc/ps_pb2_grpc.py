@@ -70,8 +70,9 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Init(self, request_iterator, context):
-        """The first writer sets the initial weights of this shard's range; the same
-        spec again is a no-op, another spec is FAILED_PRECONDITION.
+        """The first writer sets the initial weights of this shard's range and the job's spec; the same
+        spec again is a no-op, another spec is FAILED_PRECONDITION (spec_mismatch). Members that
+        registered another spec's hash are dropped from the membership then. Needs no registration.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -85,7 +86,7 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Push(self, request_iterator, context):
-        """Stream one gradient of this shard's range; idempotent per (worker, clock).
+        """Stream one gradient of this shard's range; idempotent per (worker, clock): a retry is DUPLICATE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -68,6 +68,7 @@ class GrpcControl(Control):
                                                    response_deserializer=framing.decode_pull_reply)
         self.push_call = self.channel.stream_unary(f"/{SERVICE}/Push", request_serializer=framing.encode_push_request,
                                                    response_deserializer=ps_pb2.PushReply.FromString)
+        self.chunk_bytes = options.chunk_bytes    # what Init and Push send: never more than the shard takes
 
     def call(self, method: str, request, timeout_s: float | None = None):
         try:
@@ -79,13 +80,15 @@ class GrpcControl(Control):
                  observer: bool = False) -> Registration:
         reply = self.call("Register", ps_pb2.RegisterRequest(spec_hash=spec_hash, worker_id=worker_id,
                                                               start_clock=start_clock, host=host, observer=observer))
+        if reply.max_chunk_bytes:      # 0: a shard that does not say
+            self.chunk_bytes = min(self.options.chunk_bytes, reply.max_chunk_bytes)
         return Registration(**{f.name: getattr(reply, f.name) for f in dataclasses.fields(Registration)})
 
     def init(self, spec: ModelSpec, values: np.ndarray, begin: int) -> tuple[bool, int]:
         spec_msg = ps_pb2.ModelSpecMsg(
             params=[ps_pb2.ParamInfo(name=p.name, shape=list(p.shape), dtype=p.dtype) for p in spec.params],
             hash=spec.hash())
-        pieces = chunk_ranges(0, len(values), self.options.chunk_bytes // 4)
+        pieces = chunk_ranges(0, len(values), self.chunk_bytes // 4)
 
         def messages():
             for i, (a, b) in enumerate(pieces):
@@ -172,7 +175,7 @@ class GrpcDataPlane(DataPlane):
     def push(self, grad: np.ndarray, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int,
              timeout_s: float) -> PushResult:
         c = self.control
-        pieces = chunk_ranges(0, len(grad), c.options.chunk_bytes // wire.ITEMSIZE[wire_dtype])
+        pieces = chunk_ranges(0, len(grad), c.chunk_bytes // wire.ITEMSIZE[wire_dtype])
 
         def frames():
             for i, (a, b) in enumerate(pieces):

@@ -16,7 +16,7 @@ from concurrent import futures
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 
 from psgrid.psserver import framing
 from psgrid.psserver.config import ServerConfig
@@ -27,6 +27,7 @@ from psgrid.psserver.rpc import ps_pb2
 from psgrid.psserver.security import bearer, read_pem, token_matches
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.sharding import chunk_ranges
+from psgrid.psserver.transports.grpc_health import health_handlers
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -51,6 +52,12 @@ class GrpcAdapter:
         self.service = service
         self.chunk_bytes = chunk_bytes
 
+    def _check_chunk(self, data) -> None:
+        """A chunk of Init or Push is at most ``chunk_bytes`` (RegisterReply.max_chunk_bytes)."""
+        if len(data) > self.chunk_bytes:
+            raise InvalidArgument(f"a chunk of {len(data)} bytes is more than this shard takes "
+                                  f"(max_chunk_bytes {self.chunk_bytes})", Reason.CHUNK_TOO_LARGE)
+
     def Register(self, raw, context):
         r = _decode(ps_pb2.RegisterRequest, raw)
         joined = self.service.register(spec_hash=r.spec_hash, worker_id=r.worker_id, start_clock=r.start_clock,
@@ -65,6 +72,7 @@ class GrpcAdapter:
         params = [(p.name, tuple(p.shape), p.dtype or "float32") for p in first.spec.params]
         intake = self.service.open_init(params, first.spec.hash)
         for message in itertools.chain([first], messages):
+            self._check_chunk(message.chunk.data)
             intake.add_chunk(message.chunk.offset, message.chunk.dtype, message.chunk.data)
         applied, version = intake.commit(first.num_chunks)
         return ps_pb2.InitReply(applied=applied, version=version)
@@ -88,6 +96,7 @@ class GrpcAdapter:
             raise InvalidArgument("an empty Push stream", Reason.BAD_SIZE)
         with self.service.open_push(worker_id=first.worker_id, clock=first.clock, version=first.version) as intake:
             for frame in itertools.chain([first], frames):
+                self._check_chunk(frame.chunk.data)
                 intake.add_chunk(frame.chunk.offset, frame.chunk.dtype, frame.chunk.data)
             result = intake.commit(first.num_chunks)
         return ps_pb2.PushReply(outcome=int(result.outcome), version=result.version, staleness=result.staleness,
@@ -189,8 +198,9 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
 class GrpcServer:
     """The shard's gRPC server, bound and ready to start; ``port`` is the real port (never 0).
 
-    It also serves the standard health service (``grpc.health.v1.Health``), for the overall
-    server ("") and for the psgrid service: NOT_SERVING until :meth:`set_serving` says otherwise.
+    It also serves the standard health service (``grpc.health.v1.Health``, grpc_health.py), for
+    the overall server ("") and for the psgrid service: NOT_SERVING until :meth:`set_serving` says
+    otherwise.
     """
 
     def __init__(self, service: ShardService, config: ServerConfig):
@@ -199,7 +209,7 @@ class GrpcServer:
         self.server = grpc.server(self.executor, options=list(GRPC_SERVER_OPTIONS), interceptors=interceptors)
         self.server.add_generic_rpc_handlers((method_handlers(service, config.chunk_bytes),))
         self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.server.add_generic_rpc_handlers((health_handlers(self.health),))
         self.set_serving(False)
         target = f"{config.host}:{config.port}"
         if config.tls_cert:

@@ -3,10 +3,12 @@
 Offered when a shard on this host answers on the Unix socket its registration names (a shard
 on another host cannot be reached there, so the client falls back to its network plane). A pull
 asks the shard for the buffer that holds the version this worker may read, maps it (once per
-buffer), hands it to the caller (a copy into ``out``, or a device copy through ``write``) and
-clears this connection's mark, so the shard may write that buffer again. A push puts the
-gradient into the client's shared gradient file (nothing to do when the caller computed it
-there), attaches that file once per connection, and sends a header. See shm_server.py.
+buffer, read-only), hands it to the caller (a copy into ``out``, or a device copy through
+``write``), checks that the shard did not take the buffer back meanwhile (else it reads again:
+the copy may be torn) and clears this connection's mark, so the shard may write that buffer
+again. A push puts the gradient into the client's shared gradient file (sealed against
+resizing: shared_memory.py; nothing to do when the caller computed it there), attaches that
+file once per connection, and sends a header. See shm_server.py.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from typing import Callable
 
 import numpy as np
 
 from psgrid.psserver import wire
 from psgrid.psserver.exceptions import BadReply, PSError, Unavailable
-from psgrid.psserver.protocol import FLOAT32, ITEMSIZE, Outcome, PushResult, Reason, Registration, Status
+from psgrid.psserver.protocol import FLOAT32, ITEMSIZE, NO_MARK, Outcome, PushResult, Reason, Registration, Status
 from psgrid.psserver.security import client_ssl_context
 from psgrid.psserver.shared_memory import map_fd
 from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, register_data_plane
@@ -29,7 +32,7 @@ from psgrid.psserver.transports.tcp_frames import (ATTACH, FD_BYTE, HELLO, MAGIC
 
 CONNECT_S = 5.0
 SOCKET_SLACK_S = 5.0       # beyond a call's deadline: the shard answers a timed-out wait itself
-NO_MARK = -1
+REREAD_S = 60.0            # how long a pull with no deadline reads again while the shard takes its buffers back
 
 
 class _Connection:
@@ -191,13 +194,24 @@ class ShmDataPlane(DataPlane):
         def call(conn: _Connection) -> int:
             if conn.slot < 0:
                 self._open(conn)
-            conn.sock.sendall(REQUEST.pack(MAGIC, PULL, FLOAT32, worker_id, clock, 0, 0, timeout_s))
-            _, version, index, _ = self._read_reply(conn.sock)
-            try:
-                consume(self._buffer(conn, index, size))
-            finally:
-                self.marks[conn.slot] = NO_MARK      # the shard may write this buffer again
-            return version
+            give_up = time.monotonic() + (timeout_s or REREAD_S)
+            while True:
+                conn.sock.sendall(REQUEST.pack(MAGIC, PULL, FLOAT32, worker_id, clock, 0, 0, timeout_s))
+                _, version, index, _ = self._read_reply(conn.sock)
+                try:
+                    consume(self._buffer(conn, index, size))
+                    # The copy is done (a device copy is synchronized by then): a slot that no longer
+                    # names the buffer means the shard took it back meanwhile (weight_ring.py), and
+                    # the copy may be torn. Read again.
+                    intact = self.marks[conn.slot] == index
+                finally:
+                    self.marks[conn.slot] = NO_MARK      # the shard may write this buffer again
+                if intact:
+                    return version
+                if time.monotonic() > give_up:
+                    raise Unavailable(f"shard shared memory at {self.address} took back every buffer this worker "
+                                      f"read before its copy was done, for {timeout_s or REREAD_S:g} s: its copies "
+                                      f"are slower than the shard's updates", Reason.TIMED_OUT)
 
         return self._round_trip(timeout_s, call)
 

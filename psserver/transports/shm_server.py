@@ -8,8 +8,10 @@ small frames (tcp_frames.py) cross the socket; memory crosses by file descriptor
 * ``PULL`` waits for the consistency rule, then answers the index of the ring buffer that holds the
   current version (weight_ring.py), marked as read by this connection's slot; the worker copies it
   (or DMAs it to its GPU) in place and clears the mark;
-* ``MAP`` hands over a ring buffer's file (once per buffer), ``ATTACH`` takes the worker's gradient
-  file (the whole model, in one wire dtype), mapped read-only here;
+* ``MAP`` hands over a ring buffer's file (once per buffer), read-only and sealed so that no
+  reader can write, resize or punch it; ``ATTACH`` takes the worker's gradient file (the whole
+  model, in one wire dtype), refused unless sealed against resizing, and maps this shard's range
+  of it read-only here;
 * ``PUSH`` says the gradient is in the attached file: the shard checks it and applies it from there.
 
 So a pull costs the worker one copy (none in the shard), and a push none at all when the worker
@@ -17,13 +19,15 @@ computes its gradient into the shared file. Files are anonymous (shared_memory.p
 ever left in ``/dev/shm``. Only processes of the shard's own user may connect (``SO_PEERCRED``),
 and they must show what the TCP plane asks for: the job's token in a hello, and under TLS a
 handshake (with a certificate of the job's CA under mutual TLS), after which the connection goes
-back to plain frames (``unwrap``) so descriptors can cross it.
+back to plain frames (``unwrap``) so descriptors can cross it. What a connected peer can and cannot
+do to the shard is in docs/reliability.md ("The shared-memory plane's threat model").
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import selectors
 import socket
 import ssl
 import struct
@@ -33,8 +37,8 @@ import numpy as np
 
 from psgrid.psserver.exceptions import InvalidArgument, PSError
 from psgrid.psserver.protocol import BFLOAT16, FLOAT16, FLOAT32, Reason
-from psgrid.psserver.service import MAX_MODEL_ELEMENTS, ShardService
-from psgrid.psserver.shared_memory import map_fd
+from psgrid.psserver.service import ShardService
+from psgrid.psserver.shared_memory import map_fd, unsafe_to_map
 from psgrid.psserver.transports.socket_server import DEFAULT_MAX_CONNECTIONS, SocketDataServer, reply_timeout
 from psgrid.psserver.transports.tcp_frames import ATTACH, DTYPE_BITS, FD_BYTE, MAP, OPEN, PULL, PUSH
 
@@ -79,16 +83,30 @@ class ShmDataServer(SocketDataServer):
             return f"this shard's shared memory is for processes of user {os.geteuid()} only"
         return None
 
-    def _handshake(self, conn) -> None:
-        # The client proves what the network planes ask for (its certificate, under mutual TLS), then the
-        # connection goes back to plain frames: descriptors cannot cross TLS, and nothing here needs hiding
-        # from a kernel that already vouched for the peer's user.
-        tls = self.ssl_context.wrap_socket(conn.raw, server_side=True)     # closes itself if refused
-        try:
-            conn.sock = conn.raw = socket.socket(fileno=tls.unwrap().detach())
-        except BaseException:
-            tls.close()           # it holds the descriptor now: the connection's sockets no longer do
-            raise
+    def _handshake(self, conn) -> bool:
+        # Under TLS the client proves what the network planes ask for (its certificate, under mutual TLS),
+        # then the connection goes back to plain frames: descriptors cannot cross TLS, and nothing here
+        # needs hiding from a kernel that already vouched for the peer's user. Read without blocking, as
+        # the rest of the handshake: the TLS handshake, its close (``unwrap``), then the hello in plain.
+        sock = conn.sock
+        if isinstance(sock, ssl.SSLSocket):
+            try:
+                if not conn.handshaken:
+                    sock.do_handshake()
+                    conn.handshaken = True
+                sock.unwrap()
+            except ssl.SSLWantReadError:
+                return True
+            except ssl.SSLWantWriteError:
+                self.selector.modify(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+                return True
+            self.selector.unregister(sock)          # before detach: the selector knows it by descriptor
+            conn.sock = conn.raw = socket.socket(fileno=sock.detach())
+            conn.sock.setblocking(False)
+            self.selector.register(conn.sock, selectors.EVENT_READ, conn)
+            if not self.token:
+                return self._authenticate(conn, hello=False)     # the certificate was what it had to show
+        return super()._handshake(conn)
 
     def _released(self, conn) -> None:
         reader = conn.state
@@ -155,17 +173,7 @@ class ShmDataServer(SocketDataServer):
             self._refuse(sock, InvalidArgument("ATTACH must carry one file descriptor", Reason.MALFORMED))
             return False
         try:
-            kind = SEGMENT_DTYPES.get(dtype & DTYPE_BITS) if dtype >> 4 in (0, 1) else None
-            if kind is None:
-                raise InvalidArgument(f"dtype byte {dtype} names no gradient file (a gradient dtype, file 0 or 1)",
-                                      Reason.BAD_DTYPE)
-            if not 0 < nbytes <= MAX_MODEL_ELEMENTS * kind.itemsize or nbytes % kind.itemsize:
-                raise InvalidArgument(f"a shared gradient of {nbytes} bytes is not a whole number of "
-                                      f"{kind.itemsize}-byte elements within the model limit", Reason.BAD_SIZE)
-            try:
-                reader.segments[dtype] = map_fd(fds[0], nbytes // kind.itemsize, kind, writable=False)
-            except (ValueError, OSError) as exc:
-                raise InvalidArgument(f"cannot map the shared gradient: {exc}", Reason.BAD_SIZE) from None
+            reader.segments[dtype] = self._map_gradient(fds[0], dtype, nbytes)
         except PSError as exc:
             self._refuse(sock, exc)
             return True
@@ -173,3 +181,33 @@ class ShmDataServer(SocketDataServer):
             os.close(fds[0])
         self._reply(sock)
         return True
+
+    def _map_gradient(self, fd: int, dtype: int, nbytes: int) -> np.ndarray:
+        """This shard's range of a worker's gradient file (the whole model in one dtype), mapped read-only."""
+        kind = SEGMENT_DTYPES.get(dtype & DTYPE_BITS) if dtype >> 4 in (0, 1) else None
+        if kind is None:
+            raise InvalidArgument(f"dtype byte {dtype} names no gradient file (a gradient dtype, file 0 or 1)",
+                                  Reason.BAD_DTYPE)
+        model_bytes, begin, size = self.service.gradient_layout(dtype & DTYPE_BITS)
+        if nbytes != model_bytes:
+            raise InvalidArgument(f"a shared gradient holds the whole model, {model_bytes} bytes in this dtype, "
+                                  f"not {nbytes}", Reason.BAD_SIZE)
+        check_gradient_file(fd)
+        try:
+            return map_fd(fd, size, kind, writable=False, offset=begin * kind.itemsize)
+        except (ValueError, OSError) as exc:
+            raise InvalidArgument(f"cannot map the shared gradient: {exc}", Reason.BAD_SIZE) from None
+
+
+def check_gradient_file(fd: int) -> None:
+    """Refuse a gradient file whose owner could make this shard fault as it reads it (shared_memory.unsafe_to_map).
+
+    Checked once per ATTACH: the seals cannot be taken off, so no push checks again.
+    """
+    problem = unsafe_to_map(fd)
+    if problem is not None:
+        raise InvalidArgument(
+            f"the shared gradient file is refused: {problem}. Make it with memfd_create(MFD_ALLOW_SEALING) and "
+            f"seal it with fcntl(F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) once it has its size, as psgrid's "
+            f"client does: a file its owner may shrink would kill this shard (SIGBUS) as it reads it",
+            Reason.BAD_VALUE)

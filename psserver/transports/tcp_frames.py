@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 MAGIC = b"PST2"
 HELLO, PULL, PUSH = 1, 2, 3
@@ -24,21 +25,27 @@ FD_BYTE = b"F"       # the one byte that carries a file descriptor (SCM_RIGHTS) 
 REQUEST = struct.Struct("<4sBBqqQQd")      # magic, op, dtype, worker_id, clock, version, nbytes, timeout_s
 REPLY = struct.Struct("<4sBBBQqqQ")        # magic, status, reason, outcome, version, staleness, next_clock, nbytes
 MAX_MESSAGE = 1 << 16                      # longest refusal text or token
-HANDSHAKE_S = 30.0                         # time a new connection has for its TLS handshake and hello
+HANDSHAKE_S = 3.0                          # time a new connection has for its TLS handshake and hello
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``; ConnectionError if the peer closes first."""
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock``; ConnectionError if the peer closes first.
+
+    With ``deadline`` (``time.monotonic()``), TimeoutError once it has passed with bytes still to
+    come: the socket's own timeout bounds each wait, this bounds a peer that trickles them.
+    """
     while view.nbytes:
         n = sock.recv_into(view)
         if n == 0:
             raise ConnectionError("peer closed the connection")
         view = view[n:]
+        if deadline is not None and view.nbytes and time.monotonic() > deadline:
+            raise TimeoutError("peer too slow: the read's deadline passed")
 
 
-def recv_struct(sock: socket.socket, layout: struct.Struct) -> tuple:
+def recv_struct(sock: socket.socket, layout: struct.Struct, deadline: float | None = None) -> tuple:
     buf = bytearray(layout.size)
-    recv_exact(sock, memoryview(buf))
+    recv_exact(sock, memoryview(buf), deadline)
     fields = layout.unpack(buf)
     if fields[0] != MAGIC:
         raise ConnectionError("peer does not speak the psgrid TCP data plane")

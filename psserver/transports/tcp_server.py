@@ -20,8 +20,11 @@ from typing import Callable
 
 from psgrid.psserver.exceptions import PSError
 from psgrid.psserver.service import ShardService
-from psgrid.psserver.transports.socket_server import DEFAULT_MAX_CONNECTIONS, SocketDataServer, reply_timeout
-from psgrid.psserver.transports.tcp_frames import PULL, PUSH, recv_exact
+from psgrid.psserver.transports.socket_server import (DEFAULT_MAX_CONNECTIONS, Connection, SocketDataServer,
+                                                      reply_timeout)
+from psgrid.psserver.transports.tcp_frames import HANDSHAKE_S, PULL, PUSH, recv_exact
+
+DRAIN_SLACK = 1 << 20     # a refused push is dropped up to the range in float32 and this much more, then cut
 
 
 class TcpDataServer(SocketDataServer):
@@ -31,11 +34,12 @@ class TcpDataServer(SocketDataServer):
 
     def __init__(self, service: ShardService, host: str, token: str | None = None,
                  ssl_context: ssl.SSLContext | None = None, *, handlers: int = 128,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, on_failure: Callable[[], None] | None = None):
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, handshake_s: float = HANDSHAKE_S,
+                 on_failure: Callable[[], None] | None = None):
         listener = socket.create_server((host, 0), backlog=1024)     # a burst of connects is not dropped
         self.port = listener.getsockname()[1]
         super().__init__(service, listener, token, ssl_context, handlers=handlers, max_connections=max_connections,
-                         on_failure=on_failure)
+                         handshake_s=handshake_s, on_failure=on_failure)
 
     def _accepted(self, sock: socket.socket) -> str | None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)    # a reply's header and payload go at once
@@ -48,7 +52,7 @@ class TcpDataServer(SocketDataServer):
             self._pull(sock, worker, clock, timeout)
             return True
         if op == PUSH:
-            return self._push(sock, dtype, worker, clock, version, nbytes)
+            return self._push(conn, dtype, worker, clock, version, nbytes)
         return super()._operation(conn, op, dtype, worker, clock, version, nbytes, timeout)
 
     # ----- operations ---------------------------------------------------------------------------
@@ -65,26 +69,35 @@ class TcpDataServer(SocketDataServer):
         except Exception as exc:  # noqa: BLE001 - a bug of ours: answered INTERNAL, never silence
             self._refuse(conn, exc)
 
-    def _push(self, conn, dtype: int, worker: int, clock: int, version: int, nbytes: int) -> bool:
-        """Take one push; False if the connection cannot be trusted to stay in step and must close."""
+    def _push(self, conn: Connection, dtype: int, worker: int, clock: int, version: int, nbytes: int) -> bool:
+        """Take one push; False if the connection cannot be trusted to stay in step and must close.
+
+        A push is refused before its payload is read (a worker that is not live, a size that is
+        not the range's); the payload is then dropped, no more of it than a push of the range
+        could be.
+        """
+        sock = conn.sock
         try:
             intake = self.service.open_push(worker_id=worker, clock=clock, version=version)
         except Exception as exc:  # noqa: BLE001 - refused before the payload: drop it, then close
-            self._refuse_unread(conn, exc, nbytes)
+            self._refuse_unread(conn, exc, nbytes, self._most_a_push_sends())
             return False
         with intake:
             try:
                 landing = intake.landing(dtype, nbytes)
             except Exception as exc:  # noqa: BLE001
-                self._refuse_unread(conn, exc, nbytes)
+                self._refuse_unread(conn, exc, nbytes, self._most_a_push_sends())
                 return False
-            recv_exact(conn, landing)
+            recv_exact(sock, landing, conn.read_by)
             try:
                 intake.landed()
                 result = intake.commit()
             except Exception as exc:  # noqa: BLE001 - the payload was read: the connection stays in step
-                self._refuse(conn, exc)
+                self._refuse(sock, exc)
                 return True
-        self._reply(conn, outcome=result.outcome, version=result.version, staleness=result.staleness,
+        self._reply(sock, outcome=result.outcome, version=result.version, staleness=result.staleness,
                     next_clock=result.next_clock)
         return True
+
+    def _most_a_push_sends(self) -> int:
+        return 4 * self.service.shard.size + DRAIN_SLACK
