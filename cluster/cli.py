@@ -8,6 +8,7 @@ import signal
 import sys
 
 from psgrid.cluster.commands import COMMANDS
+from psgrid.cluster.interrupts import heard_early, hear_early
 
 EXAMPLES = """\
 examples:
@@ -61,12 +62,18 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run psctl with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
-    from psgrid.cluster.interrupts import hear_early
-
-    before = hear_early()
+    before = None
     try:
+        before = hear_early()
         return _main(argv)
     except KeyboardInterrupt:       # a Ctrl-C while the command still loads its modules
+        print("psctl: interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        # A Ctrl-C that lands inside an extension module's import comes out as that import's
+        # ImportError (numpy's "PyCapsule_Import could not import module"): it was the Ctrl-C.
+        if heard_early() is None:
+            raise
         print("psctl: interrupted", file=sys.stderr)
         return 130
     finally:

@@ -44,6 +44,11 @@ def hear_early():
     return signal.signal(signal.SIGINT, _early)
 
 
+def heard_early() -> int | None:
+    """The signal heard since :func:`hear_early` and not yet handed to a job (None: none)."""
+    return _defer["early"]
+
+
 def _raise_interrupted(signum, frame):
     # Also kept: code on the way may catch the exception and carry on; check_interrupted() raises it again.
     _defer["received"] = signum

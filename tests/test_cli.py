@@ -230,3 +230,24 @@ def test_unreachable_shards_are_one_line_within_seconds_not_a_traceback():
         "psctl worker: error: shard 0 at 127.0.0.1:1: cannot connect for 5 s (Connection refused): is the shard "
         "running, at that address? (psctl server prints its address; psctl launch starts shards and workers "
         "together)"]
+
+
+def test_a_ctrl_c_that_an_import_turned_into_an_import_error_exits_130(monkeypatch, capsys):
+    """A Ctrl-C inside an extension module's import comes out as that import's ImportError (seen: numpy's
+    "PyCapsule_Import could not import module datetime", exit 1 with a traceback): psctl says interrupted."""
+    from psgrid.cluster import cli
+
+    def importing(argv):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        except KeyboardInterrupt as exc:
+            raise ImportError('PyCapsule_Import could not import module "datetime"') from exc
+        return 0
+
+    monkeypatch.setattr(cli, "_main", importing)
+    assert cli.main(["launch"]) == 130
+    assert capsys.readouterr().err.strip() == "psctl: interrupted"
+    monkeypatch.setattr(cli, "_main", lambda argv: 1 // 0)       # no signal: a bug stays a bug
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["launch"])
