@@ -553,6 +553,63 @@ def test_shards_restored_at_different_rounds_resume_from_the_earliest(tmp_path, 
             s.stop(grace=0.5)
 
 
+def _copy_latest(source: Path, target: Path) -> None:
+    """Only the latest checkpoint of each shard in ``source`` (what a restore reads), into ``target``."""
+    for shard_dir in sorted(source.glob("shard-*")):
+        (target / shard_dir.name).mkdir(parents=True)
+        manifest = checkpoint.read_manifest(shard_dir)
+        for f in (manifest["file"], checkpoint.MANIFEST):
+            (target / shard_dir.name / f).write_bytes((shard_dir / f).read_bytes())
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+def test_shards_restored_rounds_apart_resume_at_the_earliest_in_every_mode(tmp_path, mode, no_leaks):
+    # Shard 1's checkpoint is 3 rounds older than shard 0's, and no older one is kept: the workers
+    # start at shard 1's clock and shard 0 answers the 3 pushes it has as duplicates. A duplicate's
+    # answer must not move the worker to shard 0's clock: shard 1 would then wait for rounds (sync)
+    # or clocks (ssp) nobody pushes, or count the pushes it never got as lost (async).
+    def servers_in(ckpt: Path) -> list:
+        return [serve(ServerConfig(shard_index=i, num_shards=2, mode=mode, staleness=1, lr=0.01, lease_s=30,
+                                   checkpoint_dir=str(ckpt))) for i in range(2)]
+
+    first, saved = tmp_path / "first", tmp_path / "saved"
+    servers = servers_in(first)
+    clients = [Client([s.address for s in servers], SPEC, worker_id=w, world=2, init=SPEC.flat()) for w in (0, 1)]
+    try:
+        run_threads([lambda c=c: c.join() for c in clients], timeout=20)
+        run_threads([lambda c=c: live_worker(c, 4) for c in clients], timeout=20)
+        servers[1].shard.checkpoint()
+        run_threads([lambda c=c: live_worker(c, 3, start=4) for c in clients], timeout=20)
+        servers[0].shard.checkpoint()
+        _copy_latest(first, saved)
+    finally:
+        for c in clients:
+            c.close()
+        for s in servers:
+            s.stop(grace=0.5)
+    servers = servers_in(saved)
+    try:
+        assert [sorted(member_clocks(s).values()) for s in servers] == [[7, 7], [4, 4]]
+        clients = [Client([s.address for s in servers], SPEC, worker_id=w, world=2) for w in (0, 1)]
+        try:
+            run_threads([lambda c=c: c.join() for c in clients], timeout=20)
+            assert [c.clock for c in clients] == [4, 4]
+            run_threads([lambda c=c: live_worker(c, 5, start=4) for c in clients], timeout=30)
+            assert [c.clock for c in clients] == [9, 9]
+            stats = [s.shard.stats() for s in servers]
+        finally:
+            for c in clients:
+                c.close()
+        assert [s["min_clock"] for s in stats] == [9, 9]
+        assert [s["lost_updates"] for s in stats] == [0, 0]          # nothing skipped ...
+        assert [s["duplicates"] for s in stats] == [6, 0]            # ... and nothing applied twice
+        assert stats[0]["version"] == stats[1]["version"]            # every push applied once on each shard
+    finally:
+        for s in servers:
+            s.stop(grace=0.5)
+
+
 @pytest.mark.parametrize("mode", ["sync", "ssp", "async"])
 def test_progress_lease_evicts_only_a_worker_the_others_wait_on(mode):
     from psgrid.psserver.shard import Shard
