@@ -636,6 +636,8 @@ class Shard:
             "closed_rounds": self.policy.closed_rounds, "next_id": self.leases.next_id,
             "hosts": {str(w): m.host for w, m in self.leases.members.items()},
             "departed": {str(w): c for w, c in self.policy.departed.items()},
+            # A restarted process starts its counters afresh: the job's losses so far go on with it.
+            "lost_updates": self.counters.lost_updates,
         }
         self.updates_since_checkpoint = 0
         self.last_checkpoint_time = self.now()
@@ -684,6 +686,7 @@ class Shard:
             self.leases.next_id = meta["next_id"]
             now = self.now()
             self.policy.departed = {int(w): c for w, c in meta.get("departed", {}).items()}
+            self.counters.lost_updates = meta.get("lost_updates", 0)
             for w, c in meta["clocks"].items():
                 self.policy.clocks[int(w)] = c
                 self.leases.add(int(w), meta["hosts"].get(w, ""), now)

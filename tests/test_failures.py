@@ -484,6 +484,45 @@ def test_a_checkpoint_keeps_the_gradients_of_an_open_sync_round(tmp_path):
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+def test_updates_lost_to_restarts_are_counted_across_every_restart(tmp_path, mode):
+    # Three restarts from a checkpoint 3 steps old; each incarnation counts the steps it never got,
+    # checkpoints, and dies. The last one lost nothing itself: the count must still be the job's.
+    from psgrid.psserver.shard import Shard
+
+    config = ServerConfig(mode=mode, staleness=10, lr=0.01, checkpoint_dir=str(tmp_path))
+
+    def step(shard, clock):
+        for worker in (0, 1):
+            grad = shard.pool.take()
+            grad[...] = 1.0
+            _, kept = shard.push(worker, clock, shard.version, grad, 4)
+            if not kept:
+                shard.pool.give(grad)
+
+    shard = Shard(config)
+    shard.init(SPEC, SPEC.flat())
+    for worker in (0, 1):
+        shard.register(SPEC.hash(), worker, -1, "test")
+    clock = 0
+    for restart in range(3):
+        for _ in range(2):
+            step(shard, clock)
+            clock += 1
+        shard.checkpoint()
+        for _ in range(3):                   # never in a checkpoint: lost with the process
+            step(shard, clock)
+            clock += 1
+        shard = Shard(config)                # restarted: the workers push on from where they are
+        step(shard, clock)
+        clock += 1
+        assert shard.stats()["lost_updates"] == (restart + 1) * (3 if mode == "sync" else 6)
+        shard.checkpoint()
+    shard = Shard(config)
+    assert shard.stats()["lost_updates"] == (9 if mode == "sync" else 18)
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_checkpoint_that_cannot_be_written_is_a_precondition_with_its_reason(cluster, tmp_path):
     from psgrid.psserver.exceptions import CheckpointFailed
