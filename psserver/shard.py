@@ -499,6 +499,7 @@ class Shard:
                     self._count_push(worker, nbytes)
                     self.counters.duplicates += 1
                     return PushResult(Outcome.DUPLICATE, self.version, -1, expected)
+                self.policy.check_ahead(worker, clock)      # refused before the update is computed
                 staleness = max(0, self.version - version_used)
                 scale = 1.0 / max(1, staleness) if self.config.lr_staleness else 1.0
                 ring = self.ring
@@ -528,15 +529,16 @@ class Shard:
         self.counters.record_staleness(staleness)
         self._emit("staleness", value=staleness)
 
-    def _close_rounds(self, borrowed: np.ndarray | None = None) -> list[int]:
+    def _close_rounds(self, borrowed: np.ndarray | None = None) -> range:
         """Apply the mean of every round that may close; ``borrowed`` (a worker's own memory) is only read."""
         closed = self.policy.rounds_to_close()
-        for round_ in closed:
-            grads = self.round_grads.pop(round_, {})
-            if not grads:
-                # Every worker skipped this round: only a restart from an older checkpoint does that.
-                self.counters.lost_updates += 1
-                continue
+        if not closed:
+            return closed
+        held = sorted(r for r in self.round_grads if r in closed)
+        # The others every worker skipped: only a restart from an older checkpoint does that.
+        self.counters.lost_updates += len(closed) - len(held)
+        for round_ in held:
+            grads = self.round_grads.pop(round_)
             ordered = [grads[w] for w in sorted(grads)]
             total = ordered[0]
             if len(ordered) > 1:
