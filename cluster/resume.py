@@ -7,10 +7,10 @@ shards had weights starts from the beginning).
 
 Shards checkpoint at different moments (a Ctrl-C lands between their final checkpoints,
 a shard could not write its last one). In sync the weights of one round belong together,
-so every shard goes back to the latest round that all of them kept a checkpoint of
-(:func:`align`; a shard keeps ``checkpoint_keep`` of them): the newer checkpoints of the
-shards that were ahead move aside, into the earlier attempt's folder. Where no round is
-kept by all, each shard resumes at its latest and the launcher says so in one line. In
+so the shards that are ahead go back to the round where the slowest stopped, from the older
+checkpoints they keep (:func:`align`; a shard keeps ``checkpoint_keep``): their newer
+checkpoints move aside, into the earlier attempt's folder. Where one of them did not keep
+that round, each shard resumes at its latest and the launcher says why in one line. In
 async and ssp, and in that case, each worker starts at the earliest clock any shard has for
 it, and a shard that is ahead answers the pushes it already has as duplicates
 (psserver/client.py, ``join`` and ``push``).
@@ -84,7 +84,7 @@ class Alignment:
 
     restore: list[ShardCheckpoint]    # per shard, the checkpoint it restores
     latest: list[ShardCheckpoint]     # per shard, its latest checkpoint
-    kept_rounds: dict[int, list[int]] | None = None    # sync rounds apart with none in common: each shard's
+    apart: str = ""                   # sync shards left rounds apart: why they could not be brought together
 
     @property
     def rewound(self) -> list[ShardCheckpoint]:
@@ -93,21 +93,29 @@ class Alignment:
 
 
 def align(job: JobConfig, found: list[ShardCheckpoint]) -> Alignment:
-    """sync: every shard at the latest round all of them kept a checkpoint of; otherwise each at its latest.
+    """sync: the shards that are ahead go back to the round of the slowest, where they kept a checkpoint of it.
 
-    A sync round's weights are one model only together with the same round of the other shards: a
-    shard that resumed rounds ahead would serve weights of a later round while the others replay
-    the rounds in between.
+    A sync round's weights are one model only together with the same round of the other shards:
+    a shard that resumed ahead would serve weights of a later round while the others replay the
+    rounds in between (it would take them as duplicates). Going back costs no step: the workers
+    make those rounds anyway. Going back further than the slowest shard would redo rounds the job
+    has; then, and where no round is kept by all, each shard resumes at its latest and ``apart``
+    says why.
     """
     if job.server.mode != "sync" or len({c.closed_rounds for c in found}) <= 1:
         return Alignment(found, found)
-    kept = [kept_checkpoints(job, c.shard) for c in found]
-    by_round = [{k.closed_rounds: k for k in reversed(shard_kept)} for shard_kept in kept]   # the newest of a round
+    slowest = min(c.closed_rounds for c in found)
+    # Per shard, its kept checkpoints by round (the newest of a round: one may hold pushes of the open round).
+    by_round = [{k.closed_rounds: k for k in reversed(kept_checkpoints(job, c.shard))} for c in found]
     common = set.intersection(*(set(rounds) for rounds in by_round))
-    if not common:
-        return Alignment(found, found, {c.shard: sorted(rounds) for c, rounds in zip(found, by_round)})
-    round_ = max(common)
-    return Alignment([rounds[round_] for rounds in by_round], found)
+    if slowest in common:
+        return Alignment([rounds[slowest] for rounds in by_round], found)
+    lacking = [c.shard for c, rounds in zip(found, by_round) if slowest not in rounds]
+    kept = "; ".join(f"shard {c.shard}: {', '.join(map(str, sorted(rounds)))}" for c, rounds in zip(found, by_round))
+    why = (f"shard(s) {lacking} keep no checkpoint of round {slowest} (rounds kept: {kept})" + (
+        f", and going back to round {max(common)}, the latest all of them kept, would redo "
+        f"{slowest - max(common)} round(s)" if common else ", and no round is kept by all of them"))
+    return Alignment(found, found, why)
 
 
 def rewind(job: JobConfig, alignment: Alignment, out: Path) -> None:
@@ -152,16 +160,15 @@ def describe(alignment: Alignment) -> str:
     text = "resuming from checkpoints: " + "; ".join(c.where() for c in found)
     if alignment.rewound:
         stopped = ", ".join(f"shard {c.shard} at round {c.closed_rounds}" for c in alignment.latest)
-        text += (f". The shards had stopped rounds apart ({stopped}): every shard goes back to round "
-                 f"{found[0].closed_rounds}, the latest all of them kept; their newer checkpoints move to "
-                 f"{SUPERSEDED}/ in the earlier attempt's folder")
-    elif alignment.kept_rounds:
-        kept = "; ".join(f"shard {s}: {', '.join(map(str, rounds))}" for s, rounds in alignment.kept_rounds.items())
+        text += (f". The shards had stopped rounds apart ({stopped}): every shard resumes at round "
+                 f"{found[0].closed_rounds}, where the slowest stopped; the newer checkpoints of those ahead move "
+                 f"to {SUPERSEDED}/ in the earlier attempt's folder")
+    elif alignment.apart:
         rounds = [c.closed_rounds for c in found]
-        text += (f". The shards stopped rounds apart and no round is kept by all of them (rounds kept: {kept}; "
-                 f"a larger checkpoint_keep keeps more): each resumes at its latest, the workers at round "
-                 f"{min(rounds)}, and until round {max(rounds)} the shards that are ahead take the pushes as "
-                 f"duplicates while the others apply them, so those steps see weights of different rounds")
+        text += (f". The shards stopped rounds apart and cannot resume at one round: {alignment.apart} (a larger "
+                 f"checkpoint_keep keeps more). Each resumes at its latest, the workers at round {min(rounds)}; "
+                 f"until round {max(rounds)} the shards that are ahead take the pushes as duplicates while the "
+                 f"others apply them, so those steps see weights of different rounds")
     elif _apart(found):
         text += (". The shards checkpointed at different moments: each worker resumes at the earliest clock "
                  "a shard has for it, and shards that are ahead take those steps as duplicates")

@@ -6,8 +6,8 @@ can leave behind is a temporary file (``.tmp-*``); :func:`remove_leftovers` dele
 them when a shard starts, and a write that fails deletes its own.
 
 A shard keeps its newest ``keep`` checkpoints; :func:`rewind` makes an older one of them the
-latest again (``psctl launch --resume`` brings the shards of a sync job back to a round all
-of them kept).
+latest again (``psctl launch --resume`` brings the shards of a sync job that are ahead back
+to the round of the slowest).
 """
 
 from __future__ import annotations
@@ -69,6 +69,12 @@ def file_name(version: int) -> str:
 
 def _version_of(path: Path) -> int:
     return int(path.name[len("ckpt-"):-len(".npz")])
+
+
+def _checkpoint_files(directory: Path) -> list[Path]:
+    """This folder's checkpoint files (named by :func:`file_name`), oldest first."""
+    found = [p for p in directory.glob("ckpt-*.npz") if p.name[len("ckpt-"):-len(".npz")].isdigit()]
+    return sorted(found, key=_version_of)
 
 
 def _write_manifest(directory: Path, name: str, version: int) -> None:
@@ -145,8 +151,7 @@ def kept(directory: str | Path) -> list[Path]:
     manifest = read_manifest(directory)
     if manifest is None:
         return []
-    return sorted((p for p in directory.glob("ckpt-*.npz") if _version_of(p) <= manifest["version"]),
-                  key=_version_of, reverse=True)
+    return [p for p in reversed(_checkpoint_files(directory)) if _version_of(p) <= manifest["version"]]
 
 
 def rewind(directory: str | Path, version: int, aside: str | Path) -> list[Path]:
@@ -162,7 +167,7 @@ def rewind(directory: str | Path, version: int, aside: str | Path) -> list[Path]
     _write_manifest(directory, name, version)
     _fsync_dir(directory)
     moved = []
-    for path in sorted(directory.glob("ckpt-*.npz"), key=_version_of):
+    for path in _checkpoint_files(directory):
         if _version_of(path) > version:
             aside.mkdir(parents=True, exist_ok=True)
             moved.append(Path(shutil.move(str(path), str(aside / path.name))))

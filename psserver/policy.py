@@ -19,7 +19,8 @@ carries the clock it was made at, so a worker's first push carries 0.
 
 A push whose clock is below the worker's clock is a retry of one already taken
 and is acknowledged without effect (``DUPLICATE``). A push whose clock is above
-it fast-forwards the worker (another shard told it about a newer round).
+it fast-forwards the worker (the shard restarted from an older checkpoint), at
+most to ``MAX_START_CLOCK``.
 """
 
 from __future__ import annotations
