@@ -331,11 +331,12 @@ def launch(job: JobConfig, progress: bool | None = None, *, resume: bool = False
     if resume:
         from dataclasses import asdict
 
-        from psgrid.cluster.resume import check_resumable, describe
+        from psgrid.cluster import resume as resuming
 
-        found = check_resumable(job, Path(job.out))
-        print(f"psctl launch: {describe(found)}", file=sys.stderr, flush=True)
-        resumed = [asdict(c) for c in found]
+        alignment = resuming.align(job, resuming.check_resumable(job, Path(job.out)))
+        resuming.rewind(job, alignment, Path(job.out))    # before prepare_out, which archives what it moved aside
+        print(f"psctl launch: {resuming.describe(alignment)}", file=sys.stderr, flush=True)
+        resumed = [asdict(c) for c in alignment.restore]
     out = prepare_out(job, resume=resume)
     old = listen_for_interrupts()
     try:

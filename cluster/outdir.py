@@ -16,7 +16,8 @@ from psgrid.cluster.errors import UsageError
 from psgrid.psserver import files
 
 # What a run of psctl launch / mpi / allreduce writes into its folder (cluster/resume.py moves the same to attempts/).
-RUN_FILES = ("summary.json", "metrics.jsonl", "job.toml", "token", "metrics", "logs", "addr", "attempts")
+RUN_FILES = ("summary.json", "metrics.jsonl", "job.toml", "token", "metrics", "logs", "addr", "attempts",
+             "superseded-checkpoints")
 _HOLDS_A_RUN = ("summary.json", "metrics", "addr", "logs")
 # What psctl compare writes into its --out (cluster/compare.py, cluster/report.py).
 EXPERIMENT_FILES = ("experiment.json", "results.jsonl", "results.jsonl.tmp", "summary.csv", "report.md",

@@ -3,10 +3,17 @@
 Before any process starts, the launcher reads every shard's latest checkpoint (its manifest
 and metadata, not its arrays) and checks that they belong together: the same model, mode
 and shard count, and either every shard has one or none has (a job stopped before its
-shards had weights starts from the beginning). Shards that checkpointed at different
-moments (a Ctrl-C lands between their final checkpoints) need nothing more: each worker
-starts at the earliest clock any shard has for it, and a shard that is ahead answers the
-pushes it already has as duplicates (psserver/client.py, ``join``).
+shards had weights starts from the beginning).
+
+Shards checkpoint at different moments (a Ctrl-C lands between their final checkpoints,
+a shard could not write its last one). In sync the weights of one round belong together,
+so the shards that are ahead go back to the round where the slowest stopped, from the older
+checkpoints they keep (:func:`align`; a shard keeps ``checkpoint_keep``): their newer
+checkpoints move aside, into the earlier attempt's folder. Where one of them did not keep
+that round, each shard resumes at its latest and the launcher says why in one line. In
+async and ssp, and in that case, each worker starts at the earliest clock any shard has for
+it, and a shard that is ahead answers the pushes it already has as duplicates
+(psserver/client.py, ``join`` and ``push``).
 
 The earlier attempt's files move to ``DIR/attempts/N/`` so the new summary and metrics
 describe this attempt alone.
@@ -23,7 +30,8 @@ from psgrid.cluster.errors import UsageError
 from psgrid.psserver import checkpoint
 from psgrid.psserver import files
 
-ATTEMPT_FILES = ("summary.json", "metrics.jsonl", "metrics", "logs", "addr")
+SUPERSEDED = "superseded-checkpoints"    # checkpoints newer than the round the shards resume at (sync)
+ATTEMPT_FILES = ("summary.json", "metrics.jsonl", "metrics", "logs", "addr", SUPERSEDED)
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class ShardCheckpoint:
     spec: str
     clocks: dict[int, int]
     closed_rounds: int
+    file: str = ""      # its file in the shard's checkpoint folder
 
     def where(self) -> str:
         clocks = sorted(self.clocks.values())
@@ -44,21 +53,77 @@ class ShardCheckpoint:
         return f"shard {self.shard} at version {self.version} ({at})"
 
 
+def _shard_dir(job: JobConfig, shard: int) -> Path:
+    return checkpoint.shard_dir(job.server.checkpoint_dir, shard, job.shards)
+
+
+def _read(shard: int, path: Path) -> ShardCheckpoint:
+    meta = checkpoint.load_meta(path)
+    return ShardCheckpoint(shard=shard, version=meta["version"], mode=meta["mode"], spec=meta["spec"],
+                           clocks={int(w): c for w, c in meta["clocks"].items()},
+                           closed_rounds=meta["closed_rounds"], file=path.name)
+
+
 def read_checkpoints(job: JobConfig) -> list[ShardCheckpoint | None]:
     """Each shard's latest checkpoint, or None where a shard has none."""
-    root = Path(job.server.checkpoint_dir)
     found: list[ShardCheckpoint | None] = []
     for i in range(job.shards):
-        directory = checkpoint.shard_dir(root, i, job.shards)
+        directory = _shard_dir(job, i)
         manifest = checkpoint.read_manifest(directory)
-        if manifest is None:
-            found.append(None)
-            continue
-        meta = checkpoint.load_meta(directory / manifest["file"])
-        found.append(ShardCheckpoint(shard=i, version=meta["version"], mode=meta["mode"], spec=meta["spec"],
-                                     clocks={int(w): c for w, c in meta["clocks"].items()},
-                                     closed_rounds=meta["closed_rounds"]))
+        found.append(None if manifest is None else _read(i, directory / manifest["file"]))
     return found
+
+
+def kept_checkpoints(job: JobConfig, shard: int) -> list[ShardCheckpoint]:
+    """Every checkpoint shard ``shard`` keeps that a restore may use, newest first."""
+    return [_read(shard, path) for path in checkpoint.kept(_shard_dir(job, shard))]
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """What each shard restores, and how that was reconciled with where each had stopped."""
+
+    restore: list[ShardCheckpoint]    # per shard, the checkpoint it restores
+    latest: list[ShardCheckpoint]     # per shard, its latest checkpoint
+    apart: str = ""                   # sync shards left rounds apart: why they could not be brought together
+
+    @property
+    def rewound(self) -> list[ShardCheckpoint]:
+        """The shards that go back to an older checkpoint than their latest."""
+        return [r for r, l in zip(self.restore, self.latest) if r.file != l.file]
+
+
+def align(job: JobConfig, found: list[ShardCheckpoint]) -> Alignment:
+    """sync: the shards that are ahead go back to the round of the slowest, where they kept a checkpoint of it.
+
+    A sync round's weights are one model only together with the same round of the other shards:
+    a shard that resumed ahead would serve weights of a later round while the others replay the
+    rounds in between (it would take them as duplicates). Going back costs no step: the workers
+    make those rounds anyway. Going back further than the slowest shard would redo rounds the job
+    has; then, and where no round is kept by all, each shard resumes at its latest and ``apart``
+    says why.
+    """
+    if job.server.mode != "sync" or len({c.closed_rounds for c in found}) <= 1:
+        return Alignment(found, found)
+    slowest = min(c.closed_rounds for c in found)
+    # Per shard, its kept checkpoints by round (the newest of a round: one may hold pushes of the open round).
+    by_round = [{k.closed_rounds: k for k in reversed(kept_checkpoints(job, c.shard))} for c in found]
+    common = set.intersection(*(set(rounds) for rounds in by_round))
+    if slowest in common:
+        return Alignment([rounds[slowest] for rounds in by_round], found)
+    lacking = [c.shard for c, rounds in zip(found, by_round) if slowest not in rounds]
+    kept = "; ".join(f"shard {c.shard}: {', '.join(map(str, sorted(rounds)))}" for c, rounds in zip(found, by_round))
+    why = (f"shard(s) {lacking} keep no checkpoint of round {slowest} (rounds kept: {kept})" + (
+        f", and going back to round {max(common)}, the latest all of them kept, would redo "
+        f"{slowest - max(common)} round(s)" if common else ", and no round is kept by all of them"))
+    return Alignment(found, found, why)
+
+
+def rewind(job: JobConfig, alignment: Alignment, out: Path) -> None:
+    """Make each shard's chosen checkpoint its latest; the newer ones move to ``out/superseded-checkpoints``."""
+    for chosen in alignment.rewound:
+        directory = _shard_dir(job, chosen.shard)
+        checkpoint.rewind(directory, chosen.version, out / SUPERSEDED / directory.name)
 
 
 def check_resumable(job: JobConfig, out: Path) -> list[ShardCheckpoint]:
@@ -88,16 +153,32 @@ def check_resumable(job: JobConfig, out: Path) -> list[ShardCheckpoint]:
     return present
 
 
-def describe(found: list[ShardCheckpoint]) -> str:
+def describe(alignment: Alignment) -> str:
     """One line for the terminal: where each shard resumes, and how differing moments are reconciled."""
+    found = alignment.restore
     if not found:
         return "no shard had written a checkpoint yet: the job starts from the beginning"
     text = "resuming from checkpoints: " + "; ".join(c.where() for c in found)
-    starts = {w: min(c.clocks.get(w, 0) for c in found) for c in found for w in c.clocks}
-    if any(c.clocks.get(w) != start for c in found for w, start in starts.items()):
+    if alignment.rewound:
+        stopped = ", ".join(f"shard {c.shard} at round {c.closed_rounds}" for c in alignment.latest)
+        text += (f". The shards had stopped rounds apart ({stopped}): every shard resumes at round "
+                 f"{found[0].closed_rounds}, where the slowest stopped; the newer checkpoints of those ahead move "
+                 f"to {SUPERSEDED}/ in the earlier attempt's folder")
+    elif alignment.apart:
+        rounds = [c.closed_rounds for c in found]
+        text += (f". The shards stopped rounds apart and cannot resume at one round: {alignment.apart} (a larger "
+                 f"checkpoint_keep keeps more). Each resumes at its latest, the workers at round {min(rounds)}; "
+                 f"until round {max(rounds)} the shards that are ahead take the pushes as duplicates while the "
+                 f"others apply them, so those steps see weights of different rounds")
+    elif _apart(found):
         text += (". The shards checkpointed at different moments: each worker resumes at the earliest clock "
                  "a shard has for it, and shards that are ahead take those steps as duplicates")
     return text
+
+
+def _apart(found: list[ShardCheckpoint]) -> bool:
+    starts = {w: min(c.clocks.get(w, 0) for c in found) for c in found for w in c.clocks}
+    return any(c.clocks.get(w) != start for c in found for w, start in starts.items())
 
 
 def archive_attempt(out: Path) -> Path | None:

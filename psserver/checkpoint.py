@@ -4,6 +4,10 @@ A reader trusts only the manifest: a crash at any point leaves either the old
 checkpoint or the new one complete, never a torn file that looks valid. What a crash
 can leave behind is a temporary file (``.tmp-*``); :func:`remove_leftovers` deletes
 them when a shard starts, and a write that fails deletes its own.
+
+A shard keeps its newest ``keep`` checkpoints; :func:`rewind` makes an older one of them the
+latest again (``psctl launch --resume`` brings the shards of a sync job that are ahead back
+to the round of the slowest).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -41,29 +46,50 @@ def _fsync_dir(path: Path) -> None:
 def save(directory: str | Path, arrays: dict[str, np.ndarray], meta: dict, keep: int = DEFAULT_KEEP) -> Path:
     """Write one checkpoint, point the manifest at it and keep the newest ``keep``; returns its path."""
     directory = files.make_dirs(directory)
-    name = f"ckpt-{meta['version']:012d}.npz"
+    name = file_name(meta["version"])
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=TMP_PREFIX, suffix=".npz")
-    manifest_tmp = directory / (MANIFEST + ".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays, __meta__=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, directory / name)
-        manifest_tmp.unlink(missing_ok=True)       # one left by a crash keeps its mode
-        with files.open_new(manifest_tmp, "w") as f:
-            json.dump({"file": name, "version": meta["version"]}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(manifest_tmp, directory / MANIFEST)
+        _write_manifest(directory, name, meta["version"])
     except BaseException:
         # A full disk or a crash in the middle must not leave its half-written file forever.
-        for leftover in (Path(tmp), manifest_tmp):
-            leftover.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
         raise
     _fsync_dir(directory)
     _prune(directory, keep_name=name, keep=keep)
     return directory / name
+
+
+def file_name(version: int) -> str:
+    return f"ckpt-{version:012d}.npz"
+
+
+def _version_of(path: Path) -> int:
+    return int(path.name[len("ckpt-"):-len(".npz")])
+
+
+def _checkpoint_files(directory: Path) -> list[Path]:
+    """This folder's checkpoint files (named by :func:`file_name`), oldest first."""
+    found = [p for p in directory.glob("ckpt-*.npz") if p.name[len("ckpt-"):-len(".npz")].isdigit()]
+    return sorted(found, key=_version_of)
+
+
+def _write_manifest(directory: Path, name: str, version: int) -> None:
+    manifest_tmp = directory / (MANIFEST + ".tmp")
+    try:
+        manifest_tmp.unlink(missing_ok=True)       # one left by a crash keeps its mode
+        with files.open_new(manifest_tmp, "w") as f:
+            json.dump({"file": name, "version": version}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(manifest_tmp, directory / MANIFEST)
+    except BaseException:
+        manifest_tmp.unlink(missing_ok=True)
+        raise
 
 
 def _prune(directory: Path, keep_name: str, keep: int) -> None:
@@ -115,3 +141,36 @@ def load_latest(directory: str | Path) -> tuple[dict[str, np.ndarray], dict] | N
     if manifest is None:
         return None
     return load(Path(directory) / manifest["file"])
+
+
+def kept(directory: str | Path) -> list[Path]:
+    """The checkpoint files a restore may use, newest first: the manifest's and the older ones kept.
+
+    A file newer than the manifest's is none of them: a crash came between it and the manifest,
+    or :func:`rewind` went back past it.
+    """
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return []
+    return [p for p in reversed(_checkpoint_files(directory)) if _version_of(p) <= manifest["version"]]
+
+
+def rewind(directory: str | Path, version: int, aside: str | Path) -> list[Path]:
+    """Make the kept checkpoint of ``version`` the latest; newer ones move to ``aside``. Returns their new paths.
+
+    The manifest moves first, so a crash in between leaves the rewound state with newer files
+    beside it, which :func:`kept` ignores (and a later rewind moves).
+    """
+    directory, aside = Path(directory), Path(aside)
+    name = file_name(version)
+    if not (directory / name).is_file():
+        raise FileNotFoundError(f"{directory} keeps no checkpoint of version {version}")
+    _write_manifest(directory, name, version)
+    _fsync_dir(directory)
+    moved = []
+    for path in _checkpoint_files(directory):
+        if _version_of(path) > version:
+            files.make_dirs(aside)
+            moved.append(Path(shutil.move(str(path), str(aside / path.name))))
+    return moved

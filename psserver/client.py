@@ -471,8 +471,13 @@ class Client:
                 finally:
                     with self._lock:
                         self._unacked_clock = None
-                        if results:     # a sync push dropped as late moves this worker to the open round
-                            self._next_clock = max(self._next_clock, max(r.next_clock for r in results))
+                        if results:
+                            # The earliest clock a shard still needs: a sync push dropped as late moves the
+                            # worker to the open round (every shard says so), while a shard that is ahead of
+                            # the others (restored from a later checkpoint) answers a push it already has
+                            # as a duplicate with its own clock, which the shards behind never reach unless
+                            # the worker pushes the clocks in between.
+                            self._next_clock = max(self._next_clock, min(r.next_clock for r in results))
 
             self._push_handle = self._launch(run, background)
         return self._finish_unless(self._push_handle, background)

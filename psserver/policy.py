@@ -19,11 +19,13 @@ carries the clock it was made at, so a worker's first push carries 0.
 
 A push whose clock is below the worker's clock is a retry of one already taken
 and is acknowledged without effect (``DUPLICATE``). A push whose clock is above
-it fast-forwards the worker (another shard told it about a newer round).
+it fast-forwards the worker (the shard restarted from an older checkpoint), at
+most to ``MAX_START_CLOCK``.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from psgrid.psserver.exceptions import InvalidArgument, UnknownWorker
@@ -32,6 +34,11 @@ from psgrid.psserver.protocol import MODES, Outcome
 __all__ = ["MODES", "ConsistencyPolicy", "Outcome", "PushDecision"]
 
 MAX_DEPARTED = 1 << 16     # departed workers remembered (the newest)
+# Clocks stay exact as a float64, so JSON and checkpoints keep them: a push carries at most
+# MAX_CLOCK - 1. A worker starts at, or is moved ahead to, at most MAX_START_CLOCK, which leaves
+# it 2^52 pushes below the bound: more than any job makes.
+MAX_CLOCK = 2**53
+MAX_START_CLOCK = 2**52
 
 
 @dataclass(frozen=True)
@@ -142,6 +149,7 @@ class ConsistencyPolicy:
         expected = self.clocks[worker]
         if clock < expected:
             return PushDecision(Outcome.DUPLICATE, clock, expected)
+        self.check_ahead(worker, clock)
         if self.mode != "sync":
             self.clocks[worker] = clock + 1
             return PushDecision(Outcome.APPLIED, clock, clock + 1)
@@ -152,27 +160,33 @@ class ConsistencyPolicy:
         self.round_pushers.setdefault(clock, set()).add(worker)
         return PushDecision(Outcome.ACCUMULATED, clock, clock + 1)
 
+    def check_ahead(self, worker: int, clock: int) -> None:
+        """Refuse a push that would move ``worker`` ahead past ``MAX_START_CLOCK`` (it could not push on)."""
+        if clock > MAX_START_CLOCK and clock > self.clocks[worker]:
+            raise InvalidArgument(f"clock {clock} would move worker {worker} ahead from {self.clocks[worker]} past "
+                                  f"{MAX_START_CLOCK}, the furthest a worker may move ahead")
+
     def quorum(self) -> int:
         """sync: how many live workers must be past a round for it to close."""
         return max(1, len(self.clocks) - self.backup_workers)
 
-    def rounds_to_close(self) -> list[int]:
+    def rounds_to_close(self) -> range:
         """sync: close every round that now has its quorum, oldest first, and return them.
 
-        The caller applies each returned round's mean gradient, in order. A round
-        closes only after all earlier ones, and never with no live worker past it.
+        The caller applies each returned round's mean gradient, in order. A round closes only
+        after all earlier ones, and never with no live worker past it: the rounds below the
+        clock that ``quorum`` live workers have reached. A range, as a worker moved far ahead
+        closes as many rounds at once (with no gradient), at no cost per round.
         """
-        if self.mode != "sync":
-            return []
-        closed = []
-        while self.clocks:
-            r = self.closed_rounds
-            past = sum(1 for c in self.clocks.values() if c > r)
-            if past < self.quorum():
-                break
-            self.round_pushers.pop(r, None)
-            self.closed_rounds += 1
-            closed.append(r)
+        first = self.closed_rounds
+        if self.mode != "sync" or not self.clocks:
+            return range(first, first)
+        if sum(1 for c in self.clocks.values() if c > first) < self.quorum():
+            return range(first, first)         # most pushes: the open round stays open
+        closed = range(first, heapq.nlargest(self.quorum(), self.clocks.values())[-1])
+        for round_ in [r for r in self.round_pushers if r in closed]:
+            del self.round_pushers[round_]
+        self.closed_rounds = closed.stop
         return closed
 
     def pushers(self, round_: int) -> set[int]:

@@ -29,6 +29,7 @@ import numpy as np
 from psgrid.psserver import wire
 from psgrid.psserver.buffers import BufferPool
 from psgrid.psserver.exceptions import InvalidArgument, PSError, Unavailable, WrongJob
+from psgrid.psserver.policy import MAX_CLOCK, MAX_START_CLOCK
 from psgrid.psserver.protocol import (FLOAT32, ITEMSIZE, REPLY_MARGIN_S, HeartbeatInfo, PushResult, Reason, Refusal,
                                       Registration, Status, WIRE_DTYPES)
 from psgrid.psserver.shard import Shard
@@ -38,7 +39,6 @@ log = logging.getLogger("psgrid.shard")
 
 # Bounds on numbers from the wire, checked before anything uses or stores them.
 MAX_WORKER_ID = 2**31 - 1
-MAX_CLOCK = 2**53                # exact as a float64, so JSON and checkpoints keep it
 MAX_HOST_CHARS = 256
 MAX_SPEC_PARAMS = 1 << 16
 MAX_MODEL_ELEMENTS = 1 << 40     # 4 TiB of float32: far past any shard, short of overflowing anything
@@ -275,7 +275,7 @@ class ShardService:
         """Join (or rejoin) the membership; an observer only learns the layout and data planes."""
         check_worker(worker_id, observer_ok=True)
         if start_clock != -1:
-            check_range("start_clock", start_clock, 0, MAX_CLOCK)
+            check_range("start_clock", start_clock, 0, MAX_START_CLOCK)
         if len(host) > MAX_HOST_CHARS or len(spec_hash) > 64:
             raise InvalidArgument("host or spec_hash too long", Reason.BAD_VALUE)
         shard, config = self.shard, self.shard.config
@@ -444,7 +444,8 @@ class ShardService:
 
     @staticmethod
     def _check_push_numbers(worker_id: int, clock: int, version: int) -> None:
-        if not (0 <= worker_id <= MAX_WORKER_ID and 0 <= clock <= MAX_CLOCK and 0 <= version <= MAX_CLOCK):
+        # A push moves its worker to clock + 1, which must be a clock too.
+        if not (0 <= worker_id <= MAX_WORKER_ID and 0 <= clock < MAX_CLOCK and 0 <= version <= MAX_CLOCK):
             check_worker(worker_id, observer_ok=False)       # one of them is out of range: say which
-            check_range("clock", clock, 0, MAX_CLOCK)
+            check_range("clock", clock, 0, MAX_CLOCK - 1)
             check_range("version", version, 0, MAX_CLOCK)

@@ -530,6 +530,7 @@ class Shard:
                     self._count_push(worker, nbytes)
                     self.counters.duplicates += 1
                     return PushResult(Outcome.DUPLICATE, self.version, -1, expected)
+                self.policy.check_ahead(worker, clock)      # refused before the update is computed
                 staleness = max(0, self.version - version_used)
                 scale = 1.0 / max(1, staleness) if self.config.lr_staleness else 1.0
                 ring = self.ring
@@ -577,15 +578,16 @@ class Shard:
         self.counters.record_staleness(staleness)
         self._emit("staleness", value=staleness)
 
-    def _close_rounds(self, borrowed: np.ndarray | None = None) -> list[int]:
+    def _close_rounds(self, borrowed: np.ndarray | None = None) -> range:
         """Apply the mean of every round that may close; ``borrowed`` (a worker's own memory) is only read."""
         closed = self.policy.rounds_to_close()
-        for round_ in closed:
-            grads = self.round_grads.pop(round_, {})
-            if not grads:
-                # Every worker skipped this round: only a restart from an older checkpoint does that.
-                self.counters.lost_updates += 1
-                continue
+        if not closed:
+            return closed
+        held = sorted(r for r in self.round_grads if r in closed)
+        # The others every worker skipped: only a restart from an older checkpoint does that.
+        self.counters.lost_updates += len(closed) - len(held)
+        for round_ in held:
+            grads = self.round_grads.pop(round_)
             ordered = [grads[w] for w in sorted(grads)]
             total = ordered[0]
             if len(ordered) > 1:
@@ -685,6 +687,8 @@ class Shard:
             "closed_rounds": self.policy.closed_rounds, "next_id": self.leases.next_id,
             "hosts": {str(w): m.host for w, m in self.leases.members.items()},
             "departed": {str(w): c for w, c in self.policy.departed.items()},
+            # A restarted process starts its counters afresh: the job's losses so far go on with it.
+            "lost_updates": self.counters.lost_updates,
         }
         self.updates_since_checkpoint = 0
         self.last_checkpoint_time = self.now()
@@ -733,6 +737,7 @@ class Shard:
             self.leases.next_id = meta["next_id"]
             now = self.now()
             self.policy.departed = {int(w): c for w, c in meta.get("departed", {}).items()}
+            self.counters.lost_updates = meta.get("lost_updates", 0)
             for w, c in meta["clocks"].items():
                 self.policy.clocks[int(w)] = c
                 self.leases.add(int(w), meta["hosts"].get(w, ""), now)

@@ -187,6 +187,52 @@ def test_a_retried_push_is_applied_once(cluster):
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("data_plane", ["tcp"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_worker_moved_to_the_largest_clock_allowed_can_push_on(cluster, mode):
+    # A push may carry a later clock than the shard has for the worker (the shard restarted from an
+    # older checkpoint): the worker moves there. The furthest it may move must leave room to push on;
+    # a push at 2^53, the largest clock accepted, left the worker at 2^53 + 1, which no push may carry.
+    from psgrid.psserver import policy
+
+    c = cluster(1, mode=mode, lr=1.0)
+    grad = np.ones(REGRESSION.size, np.float32)
+    with c.client(REGRESSION, init=REGRESSION.flat()) as client:
+        worker = client.worker_id
+        control = open_control(c.addresses[0], ConnectOptions())
+        registration = control.register(spec_hash=REGRESSION.hash(), worker_id=worker, start_clock=-1, host="t")
+        options = ConnectOptions(memory=ClientMemory(REGRESSION.size))
+        plane = open_data_plane("tcp", control, registration, options)
+        try:
+            def push(clock):
+                return plane.push(grad, begin=0, wire_dtype=1, worker_id=worker, clock=clock, version=0, timeout_s=5)
+
+            for clock in (2**53, policy.MAX_START_CLOCK + 1):
+                with pytest.raises(InvalidArgument) as refused:
+                    push(clock)
+                # Past the bound: bad_value. Within it, async takes no clock it could not have reached
+                # (future_clock: this shard never restarted); sync moves the worker, up to the bound.
+                beyond = clock == 2**53 or mode == "sync"
+                assert refused.value.reason is (Reason.BAD_VALUE if beyond else Reason.FUTURE_CLOCK)
+                with pytest.raises(InvalidArgument):
+                    control.register(spec_hash=REGRESSION.hash(), worker_id=worker, start_clock=clock, host="t")
+            assert c.shard().stats()["members"][0]["clock"] == 0 and c.shard().version == 0    # nothing changed
+            clock = policy.MAX_START_CLOCK
+            if mode == "async":     # a worker moves on by registering there (a push may not jump ahead)
+                control.register(spec_hash=REGRESSION.hash(), worker_id=worker, start_clock=clock, host="t")
+            for _ in range(3):                       # moved to the furthest clock allowed, then on from there
+                result = push(clock)
+                assert result.outcome is Outcome.APPLIED and result.next_clock == clock + 1
+                clock = result.next_clock
+            assert c.shard().stats()["members"][0]["clock"] == policy.MAX_START_CLOCK + 3
+            assert c.shard().version == 3
+        finally:
+            plane.close()
+            options.memory.close()
+            control.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_forgotten_worker_registers_again_by_itself(cluster):
     c = cluster(2, mode="async", lr=1.0)
     with c.client(SPEC, init=SPEC.flat()) as client:

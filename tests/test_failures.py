@@ -530,6 +530,45 @@ def test_a_restarted_shard_takes_the_versions_and_clocks_of_before_its_crash_and
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+def test_updates_lost_to_restarts_are_counted_across_every_restart(tmp_path, mode):
+    # Three restarts from a checkpoint 3 steps old; each incarnation counts the steps it never got,
+    # checkpoints, and dies. The last one lost nothing itself: the count must still be the job's.
+    from psgrid.psserver.shard import Shard
+
+    config = ServerConfig(mode=mode, staleness=10, lr=0.01, checkpoint_dir=str(tmp_path))
+
+    def step(shard, clock):
+        for worker in (0, 1):
+            grad = shard.pool.take()
+            grad[...] = 1.0
+            _, kept = shard.push(worker, clock, shard.version, grad, 4)
+            if not kept:
+                shard.pool.give(grad)
+
+    shard = Shard(config)
+    shard.init(SPEC, SPEC.flat())
+    for worker in (0, 1):
+        shard.register(SPEC.hash(), worker, -1, "test")
+    clock = 0
+    for restart in range(3):
+        for _ in range(2):
+            step(shard, clock)
+            clock += 1
+        shard.checkpoint()
+        for _ in range(3):                   # never in a checkpoint: lost with the process
+            step(shard, clock)
+            clock += 1
+        shard = Shard(config)                # restarted: the workers push on from where they are
+        step(shard, clock)
+        clock += 1
+        assert shard.stats()["lost_updates"] == (restart + 1) * (3 if mode == "sync" else 6)
+        shard.checkpoint()
+    shard = Shard(config)
+    assert shard.stats()["lost_updates"] == (9 if mode == "sync" else 18)
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_checkpoint_that_cannot_be_written_is_a_precondition_with_its_reason(cluster, tmp_path):
     from psgrid.psserver.exceptions import CheckpointFailed
@@ -616,6 +655,63 @@ def test_shards_restored_at_different_rounds_resume_from_the_earliest(tmp_path, 
         assert [s.shard.version for s in servers] == [7, 7]
         assert servers[0].shard.counters.duplicates == 2
         assert [s.shard.counters.lost_updates for s in servers] == [0, 0]
+    finally:
+        for s in servers:
+            s.stop(grace=0.5)
+
+
+def _copy_latest(source: Path, target: Path) -> None:
+    """Only the latest checkpoint of each shard in ``source`` (what a restore reads), into ``target``."""
+    for shard_dir in sorted(source.glob("shard-*")):
+        (target / shard_dir.name).mkdir(parents=True)
+        manifest = checkpoint.read_manifest(shard_dir)
+        for f in (manifest["file"], checkpoint.MANIFEST):
+            (target / shard_dir.name / f).write_bytes((shard_dir / f).read_bytes())
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+def test_shards_restored_rounds_apart_resume_at_the_earliest_in_every_mode(tmp_path, mode, no_leaks):
+    # Shard 1's checkpoint is 3 rounds older than shard 0's, and no older one is kept: the workers
+    # start at shard 1's clock and shard 0 answers the 3 pushes it has as duplicates. A duplicate's
+    # answer must not move the worker to shard 0's clock: shard 1 would then wait for rounds (sync)
+    # or clocks (ssp) nobody pushes, or count the pushes it never got as lost (async).
+    def servers_in(ckpt: Path) -> list:
+        return [serve(ServerConfig(shard_index=i, num_shards=2, mode=mode, staleness=1, lr=0.01, lease_s=30,
+                                   checkpoint_dir=str(ckpt))) for i in range(2)]
+
+    first, saved = tmp_path / "first", tmp_path / "saved"
+    servers = servers_in(first)
+    clients = [Client([s.address for s in servers], SPEC, worker_id=w, world=2, init=SPEC.flat()) for w in (0, 1)]
+    try:
+        run_threads([lambda c=c: c.join() for c in clients], timeout=20)
+        run_threads([lambda c=c: live_worker(c, 4) for c in clients], timeout=20)
+        servers[1].shard.checkpoint()
+        run_threads([lambda c=c: live_worker(c, 3, start=4) for c in clients], timeout=20)
+        servers[0].shard.checkpoint()
+        _copy_latest(first, saved)
+    finally:
+        for c in clients:
+            c.close()
+        for s in servers:
+            s.stop(grace=0.5)
+    servers = servers_in(saved)
+    try:
+        assert [sorted(member_clocks(s).values()) for s in servers] == [[7, 7], [4, 4]]
+        clients = [Client([s.address for s in servers], SPEC, worker_id=w, world=2) for w in (0, 1)]
+        try:
+            run_threads([lambda c=c: c.join() for c in clients], timeout=20)
+            assert [c.clock for c in clients] == [4, 4]
+            run_threads([lambda c=c: live_worker(c, 5, start=4) for c in clients], timeout=30)
+            assert [c.clock for c in clients] == [9, 9]
+            stats = [s.shard.stats() for s in servers]
+        finally:
+            for c in clients:
+                c.close()
+        assert [s["min_clock"] for s in stats] == [9, 9]
+        assert [s["lost_updates"] for s in stats] == [0, 0]          # nothing skipped ...
+        assert [s["duplicates"] for s in stats] == [6, 0]            # ... and nothing applied twice
+        assert stats[0]["version"] == stats[1]["version"]            # every push applied once on each shard
     finally:
         for s in servers:
             s.stop(grace=0.5)

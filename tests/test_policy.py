@@ -39,7 +39,7 @@ def test_empty_policy(mode):
     policy = ConsistencyPolicy(mode)
     assert policy.slowest_clock() == 0
     assert policy.fastest_clock() == 0
-    assert policy.rounds_to_close() == []
+    assert list(policy.rounds_to_close()) == []
     assert not policy.is_live(0)
 
 
@@ -59,12 +59,12 @@ def test_sync_barrier_round_by_round(n):
             assert decision == PushDecision(Outcome.ACCUMULATED, c, c + 1)
             if w < n - 1:
                 # the round is still open: nobody may pull at c+1, nothing closes
-                assert policy.rounds_to_close() == []
+                assert list(policy.rounds_to_close()) == []
                 for v in range(n):
                     assert not policy.may_pull(v, c + 1)
         assert policy.pushers(c) == set(range(n))
-        assert policy.rounds_to_close() == [c]
-        assert policy.rounds_to_close() == []  # closes exactly once
+        assert list(policy.rounds_to_close()) == [c]
+        assert list(policy.rounds_to_close()) == []  # closes exactly once
         assert policy.closed_rounds == c + 1
         for w in range(n):
             assert policy.may_pull(w, c + 1)
@@ -77,13 +77,13 @@ def test_sync_retried_push_is_duplicate():
     # retried push of clock 0 by worker 0: already taken
     assert policy.on_push(0, 0) == PushDecision(Outcome.DUPLICATE, 0, 1)
     assert policy.pushers(0) == {0}
-    assert policy.rounds_to_close() == []
+    assert list(policy.rounds_to_close()) == []
     assert policy.on_push(1, 0).outcome is Outcome.ACCUMULATED
-    assert policy.rounds_to_close() == [0]
+    assert list(policy.rounds_to_close()) == [0]
     # a retry of an old, closed round is still a duplicate, not a late drop
     assert policy.on_push(1, 0) == PushDecision(Outcome.DUPLICATE, 0, 1)
     assert policy.clocks == {0: 1, 1: 1}
-    assert policy.rounds_to_close() == []
+    assert list(policy.rounds_to_close()) == []
 
 
 def test_sync_pushes_of_next_round_accumulate_before_close():
@@ -91,12 +91,12 @@ def test_sync_pushes_of_next_round_accumulate_before_close():
     policy.on_push(0, 0)
     # worker 0 races ahead (a fast-forwarding client could do this) and pushes round 1
     assert policy.on_push(0, 1).outcome is Outcome.ACCUMULATED
-    assert policy.rounds_to_close() == []
+    assert list(policy.rounds_to_close()) == []
     policy.on_push(1, 0)
-    assert policy.rounds_to_close() == [0]
+    assert list(policy.rounds_to_close()) == [0]
     assert policy.pushers(1) == {0}
     policy.on_push(1, 1)
-    assert policy.rounds_to_close() == [1]
+    assert list(policy.rounds_to_close()) == [1]
 
 
 @pytest.mark.parametrize("n,b", [(3, 1), (4, 2), (5, 1)])
@@ -107,24 +107,24 @@ def test_sync_backup_workers(n, b):
     slow = list(range(n - b, n))
     for w in fast[:-1]:
         policy.on_push(w, 0)
-        assert policy.rounds_to_close() == []
+        assert list(policy.rounds_to_close()) == []
     policy.on_push(fast[-1], 0)
     assert policy.pushers(0) == set(fast)
-    assert policy.rounds_to_close() == [0]
+    assert list(policy.rounds_to_close()) == [0]
     for w in fast:
         assert policy.may_pull(w, 1)
     # the fast workers run on through round 1 and 2 without the stragglers
     for c in (1, 2):
         for w in fast:
             assert policy.on_push(w, c).outcome is Outcome.ACCUMULATED
-        assert policy.rounds_to_close() == [c]
+        assert list(policy.rounds_to_close()) == [c]
     # a straggler's push for closed round 0 is dropped and its clock jumps to the open round
     for w in slow:
         assert policy.on_push(w, 0) == PushDecision(Outcome.DROPPED_LATE, 0, 3)
         assert policy.clocks[w] == 3
         assert policy.may_pull(w, 3)
     assert policy.pushers(0) == set()
-    assert policy.rounds_to_close() == []
+    assert list(policy.rounds_to_close()) == []
     # and then it takes part in round 3 as usual
     w = slow[0]
     assert policy.on_push(w, 3).outcome is Outcome.ACCUMULATED
@@ -135,7 +135,7 @@ def test_sync_late_push_for_just_closed_round():
     policy = make("sync", 3, backup_workers=1)
     policy.on_push(0, 0)
     policy.on_push(1, 0)
-    assert policy.rounds_to_close() == [0]
+    assert list(policy.rounds_to_close()) == [0]
     assert policy.on_push(2, 0) == PushDecision(Outcome.DROPPED_LATE, 0, 1)
     assert policy.clocks[2] == 1
     # its retry is a duplicate now
@@ -147,26 +147,26 @@ def test_sync_quorum_never_below_one(n, b):
     policy = make("sync", n, backup_workers=b)
     assert policy.quorum() == 1
     # nothing closes before anyone pushed
-    assert policy.rounds_to_close() == []
+    assert list(policy.rounds_to_close()) == []
     assert not policy.may_pull(0, 1)
     policy.on_push(0, 0)
-    assert policy.rounds_to_close() == [0]
+    assert list(policy.rounds_to_close()) == [0]
     # with nobody live, nothing ever closes
     for w in range(n):
         policy.leave(w)
     assert policy.quorum() == 1
-    assert policy.rounds_to_close() == []
+    assert list(policy.rounds_to_close()) == []
 
 
 def test_sync_eviction_releases_the_barrier():
     policy = make("sync", 3)
     policy.on_push(0, 0)
     policy.on_push(1, 0)
-    assert policy.rounds_to_close() == []
+    assert list(policy.rounds_to_close()) == []
     assert not policy.may_pull(0, 1) and not policy.may_pull(1, 1)
     policy.leave(2)
     assert not policy.is_live(2)
-    assert policy.rounds_to_close() == [0]
+    assert list(policy.rounds_to_close()) == [0]
     assert policy.may_pull(0, 1) and policy.may_pull(1, 1)
     # the evicted worker never waits and learns of its eviction at its next push
     assert policy.may_pull(2, 1)
@@ -180,9 +180,9 @@ def test_sync_eviction_of_everyone_but_one_closes_several_rounds_in_order():
     policy = make("sync", 2)
     for c in range(3):
         policy.on_push(0, c)
-    assert policy.rounds_to_close() == []
+    assert list(policy.rounds_to_close()) == []
     policy.leave(1)
-    assert policy.rounds_to_close() == [0, 1, 2]
+    assert list(policy.rounds_to_close()) == [0, 1, 2]
     assert policy.closed_rounds == 3
 
 
@@ -192,9 +192,9 @@ def test_sync_leave_keeps_accumulated_pusher():
     policy.on_push(1, 0)
     policy.leave(0)
     assert policy.pushers(0) == {0, 1}
-    assert policy.rounds_to_close() == []  # worker 2 is still owed
+    assert list(policy.rounds_to_close()) == []  # worker 2 is still owed
     policy.on_push(2, 0)
-    assert policy.rounds_to_close() == [0]
+    assert list(policy.rounds_to_close()) == [0]
 
 
 # ----- ssp ------------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ def test_ssp_bound(s):
     for c in range(s + 1):
         assert policy.may_pull(0, c)
         assert policy.on_push(0, c) == PushDecision(Outcome.APPLIED, c, c + 1)
-    assert policy.rounds_to_close() == []
+    assert list(policy.rounds_to_close()) == []
     assert not policy.may_pull(0, s + 1)
     assert policy.may_pull(1, 0)
     policy.on_push(1, 0)
@@ -273,7 +273,7 @@ def test_ssp_random_interleavings(n, s, steps, data):
             policy.leave(data.draw(st.sampled_from(unfinished)))
         clocks = list(policy.clocks.values())
         assert max(clocks) - min(clocks) <= s + 1
-        assert policy.rounds_to_close() == []
+        assert list(policy.rounds_to_close()) == []
     for w in range(n):
         if policy.is_live(w):
             assert policy.clocks[w] == steps
@@ -319,7 +319,7 @@ def test_sync_random_interleavings(n, data, steps):
             assert decision.next_clock == clock[w] + 1
         clock[w] = decision.next_clock
         pushers = policy.pushers(policy.closed_rounds)
-        closed = policy.rounds_to_close()
+        closed = list(policy.rounds_to_close())
         if closed:
             assert closed[0] == open_round
             assert closed == list(range(open_round, open_round + len(closed)))
@@ -329,7 +329,7 @@ def test_sync_random_interleavings(n, data, steps):
             else:
                 assert len(pushers) >= n - b
         closes.extend(closed)
-        assert policy.rounds_to_close() == []
+        assert list(policy.rounds_to_close()) == []
     assert closes == list(range(steps))
     assert policy.closed_rounds == steps
 
@@ -345,7 +345,7 @@ def test_async_applies_at_once_and_never_waits():
     assert policy.may_pull(1, 1000)
     assert policy.on_push(1, 0).outcome is Outcome.APPLIED
     assert policy.on_push(1, 0).outcome is Outcome.DUPLICATE
-    assert policy.rounds_to_close() == []
+    assert list(policy.rounds_to_close()) == []
     assert policy.slowest_clock() == 0
     assert policy.fastest_clock() == 5
 
@@ -398,7 +398,7 @@ def test_sync_join_starts_at_least_at_open_round():
     for c in range(3):
         policy.on_push(0, c)
         policy.on_push(1, c)
-        assert policy.rounds_to_close() == [c]
+        assert list(policy.rounds_to_close()) == [c]
     # worker 2 straggles at clock 0, but a newcomer must not start in a closed round
     assert policy.slowest_clock() == 0
     assert policy.join(5) == 3
@@ -421,9 +421,9 @@ def test_sync_join_blocks_open_round_until_newcomer_pushes():
     policy.on_push(0, 0)
     assert policy.join(2) == 0
     policy.on_push(1, 0)
-    assert policy.rounds_to_close() == []
+    assert list(policy.rounds_to_close()) == []
     policy.on_push(2, 0)
-    assert policy.rounds_to_close() == [0]
+    assert list(policy.rounds_to_close()) == [0]
 
 
 def test_join_with_explicit_start_clock():
@@ -479,11 +479,11 @@ def test_sync_fast_forward():
     assert policy.pushers(3) == {0}
     # a push below the new clock is now a duplicate
     assert policy.on_push(0, 2).outcome is Outcome.DUPLICATE
-    assert policy.rounds_to_close() == []
+    assert list(policy.rounds_to_close()) == []
     # the other worker catches up round by round; rounds close once both are past them
     for c in range(4):
         policy.on_push(1, c)
-    assert policy.rounds_to_close() == [0, 1, 2, 3]
+    assert list(policy.rounds_to_close()) == [0, 1, 2, 3]
     assert policy.closed_rounds == 4
 
 

@@ -177,6 +177,63 @@ def test_ctrl_c_at_random_moments_then_resume_finishes_the_total_steps(tmp_path)
     assert summary["test_accuracy"] > 0.85
 
 
+def _final_clocks(ckpt, shards: int) -> list[dict[int, int]]:
+    """Per shard, the clock of every worker in its latest checkpoint (live or departed)."""
+    from psgrid.psserver import checkpoint
+
+    found = []
+    for i in range(shards):
+        directory = checkpoint.shard_dir(ckpt, i, shards)
+        meta = checkpoint.load_meta(directory / checkpoint.read_manifest(directory)["file"])
+        found.append({int(w): c for w, c in {**meta["departed"], **meta["clocks"]}.items()})
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
+def test_resume_from_shards_checkpointed_rounds_apart_finishes_in_every_mode(tmp_path, mode):
+    # A finished job, then shard 1 goes back to its oldest kept checkpoint, as if it could not write
+    # the later ones: it is 10 rounds (sync) or 10 pushes (async, ssp) behind shard 0.
+    from psgrid.psserver import checkpoint
+
+    steps, ckpt = 60, tmp_path / "ckpt"
+    args = [*MNIST, "--mode", mode, "--staleness", "2", "--shards", "2", "--steps", str(steps),
+            "--set", f"checkpoint_dir={ckpt}", "--set", "checkpoint_every=5"]
+    with Launch(tmp_path, *args, log="first.log") as first:
+        assert first.wait(120) == 0, first.text()
+    behind = checkpoint.shard_dir(ckpt, 1, 2)
+    files = sorted(p.name for p in behind.glob("ckpt-*.npz"))
+    oldest = checkpoint.load_meta(behind / files[0])["version"]
+    (behind / checkpoint.MANIFEST).write_text(json.dumps({"file": files[0], "version": oldest}))
+    for name in files[1:]:
+        (behind / name).unlink()
+    with Launch(tmp_path, "--no-progress", "--resume", str(tmp_path / "run"), log="resume.log") as resumed:
+        code = resumed.wait(150)       # it hung here: shard 1 waited for rounds nobody pushed
+        text = resumed.text()
+    assert code == 0, text
+    summary = summary_of(resumed.out)
+    stats = summary["shard_stats"]
+    assert summary["status"] == "ok" and summary["lost_updates"] == 0, text
+    assert all(w["completed"] for w in summary["worker_results"])
+    # every worker reached the job's last step on every shard, and each shard applied every step once
+    assert _final_clocks(ckpt, 2) == [{0: steps, 1: steps}] * 2
+    assert stats[0]["version"] == stats[1]["version"], (stats, text)
+    if mode == "sync":
+        # both shards went back to the round shard 1 had: one model, nothing taken as a duplicate
+        assert [s["min_clock"] for s in stats] == [steps, steps]
+        assert [s["restored_version"] for s in stats] == [steps - 10] * 2
+        assert sum(s["duplicates"] for s in stats) < 20, stats   # not the 2 x 10 replayed pushes (a retry may be one)
+        assert f"every shard resumes at round {steps - 10}, where the slowest stopped" in text
+        aside = tmp_path / "run" / "attempts" / "1" / "superseded-checkpoints" / "shard-0-of-2"
+        assert sorted(p.name for p in aside.iterdir()) == [f"ckpt-{v:012d}.npz" for v in (steps - 5, steps)]
+    else:
+        # each worker resumed at shard 1's clock for it; shard 0 took the 10 pushes it had as duplicates
+        assert [s["restored_version"] for s in stats] == [2 * steps, oldest]
+        assert [s["duplicates"] for s in stats] == [2 * steps - oldest, 0]
+    assert summary["test_accuracy"] > 0.8
+
+
 # ----- resume: what is checked before anything starts ----------------------------------------------
 
 
@@ -197,7 +254,7 @@ def _fake_checkpoint(tmp_path, shard, of, version, mode="sync", spec="S"):
 
 def test_resume_refuses_checkpoints_that_do_not_belong_together(tmp_path):
     from psgrid.cluster.errors import UsageError
-    from psgrid.cluster.resume import check_resumable, describe
+    from psgrid.cluster.resume import align, check_resumable, describe
 
     with pytest.raises(UsageError, match="ran without checkpoints. Set \\[server\\] checkpoint_dir"):
         check_resumable(_job(tmp_path, ckpt=False), tmp_path / "run")
@@ -208,7 +265,8 @@ def test_resume_refuses_checkpoints_that_do_not_belong_together(tmp_path):
     _fake_checkpoint(tmp_path, 1, 2, 39)
     found = check_resumable(_job(tmp_path), tmp_path / "run")
     assert [c.version for c in found] == [40, 39]
-    assert "each worker resumes at the earliest clock a shard has for it" in describe(found)
+    assert ("shard(s) [0] keep no checkpoint of round 39 (rounds kept: shard 0: 40; shard 1: 39), and no round is "
+            "kept by all of them") in describe(align(_job(tmp_path), found))
     with pytest.raises(UsageError, match="written in mode 'sync', the job says 'async'"):
         check_resumable(_job(tmp_path, mode="async"), tmp_path / "run")
     with pytest.raises(UsageError, match="for another number of shards"):
@@ -216,6 +274,49 @@ def test_resume_refuses_checkpoints_that_do_not_belong_together(tmp_path):
     _fake_checkpoint(tmp_path, 1, 2, 41, spec="other")
     with pytest.raises(UsageError, match="hold different models"):
         check_resumable(_job(tmp_path), tmp_path / "run")
+
+
+def test_resume_brings_sync_shards_ahead_back_to_the_round_of_the_slowest(tmp_path):
+    from psgrid.cluster.resume import align, check_resumable, describe, rewind
+    from psgrid.psserver import checkpoint
+
+    out = tmp_path / "run"
+    for version in (30, 35, 40):
+        _fake_checkpoint(tmp_path, 0, 2, version)
+    for version in (25, 30, 35):
+        _fake_checkpoint(tmp_path, 1, 2, version)
+    assert align(_job(tmp_path, mode="async"), check_resumable(_job(tmp_path), out)).rewound == []  # clocks only
+    job = _job(tmp_path)
+    alignment = align(job, check_resumable(job, out))
+    assert [(c.shard, c.closed_rounds) for c in alignment.restore] == [(0, 35), (1, 35)]
+    assert "every shard resumes at round 35, where the slowest stopped" in describe(alignment)
+    rewind(job, alignment, out)
+    ahead = checkpoint.shard_dir(tmp_path / "ckpt", 0, 2)
+    assert checkpoint.read_manifest(ahead) == {"file": "ckpt-000000000035.npz", "version": 35}
+    assert sorted(p.name for p in ahead.glob("ckpt-*")) == ["ckpt-000000000030.npz", "ckpt-000000000035.npz"]
+    assert [p.name for p in (out / "superseded-checkpoints" / ahead.name).iterdir()] == ["ckpt-000000000040.npz"]
+    again = align(job, check_resumable(job, out))
+    assert [c.version for c in again.restore] == [35, 35] and again.rewound == []
+    assert describe(again).endswith("shard 1 at version 35 (round 35)")       # nothing left to reconcile
+    # Shard 1 stopped at a round shard 0 did not keep: going back to 30 would redo 5 rounds the job has.
+    _fake_checkpoint(tmp_path, 1, 2, 37)
+    _fake_checkpoint(tmp_path, 0, 2, 38)
+    alignment = align(job, check_resumable(job, out))
+    assert [c.version for c in alignment.restore] == [38, 37] and alignment.rewound == []
+    assert ("shard(s) [0] keep no checkpoint of round 37 (rounds kept: shard 0: 30, 35, 38; shard 1: 30, 35, 37), "
+            "and going back to round 35, the latest all of them kept, would redo 2 round(s)") in describe(alignment)
+
+
+def test_a_checkpoint_newer_than_the_manifest_is_not_kept(tmp_path):
+    from psgrid.psserver import checkpoint
+
+    for version in (1, 2, 3):
+        checkpoint.save(tmp_path, {"w": np.zeros(1)}, {"version": version})
+    (tmp_path / checkpoint.MANIFEST).write_text(json.dumps({"file": "ckpt-000000000002.npz", "version": 2}))
+    assert [p.name for p in checkpoint.kept(tmp_path)] == ["ckpt-000000000002.npz", "ckpt-000000000001.npz"]
+    with pytest.raises(FileNotFoundError, match="keeps no checkpoint of version 7"):
+        checkpoint.rewind(tmp_path, 7, tmp_path / "aside")
+    assert checkpoint.read_manifest(tmp_path)["version"] == 2      # a refused rewind changes nothing
 
 
 def test_resume_cli_errors_name_the_fix(tmp_path, capsys):
