@@ -197,3 +197,24 @@ def test_the_communicator_is_injectable(tmp_path):
     assert code == 0, err
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["ranks"], summary["shards"], summary["workers"], summary["steps"]) == (3, 1, 1, 20)
+
+
+def test_the_one_alone_message_names_srun_under_slurm_and_mpiexec_elsewhere():
+    from psgrid.cluster.preflight import launcher_mismatch_message
+
+    under_slurm = launcher_mismatch_message(4, {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0"})
+    assert under_slurm.startswith("srun started 4 tasks but MPI sees each alone")
+    assert "srun --mpi=pmi2" in under_slurm and "srun --mpi=list" in under_slurm
+    elsewhere = launcher_mismatch_message(4, {"PMI_RANK": "0", "PMI_SIZE": "4"})
+    assert elsewhere.startswith("mpiexec started 4 processes") and "srun" not in elsewhere
+
+
+def test_every_srun_line_of_the_readme_and_the_help_names_its_pmi_plugin():
+    # Without --mpi=pmi2 a site whose MpiDefault is none starts N one-rank jobs.
+    from psgrid.cluster.commands.mpi import EXAMPLES
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    lines = [line.strip() for text in (EXAMPLES, readme) for line in text.splitlines()
+             if line.strip().startswith("srun ")]
+    assert len(lines) >= 4
+    assert all(line.startswith("srun --mpi=") for line in lines), [x for x in lines if "--mpi=" not in x]

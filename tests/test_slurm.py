@@ -103,3 +103,18 @@ def test_the_example_sbatch_scripts_give_each_gpu_a_worker(slurm, tmp_path, scri
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["status"], summary["ranks"], summary["shards"], summary["workers"]) == ("ok", 7, 2, 4)
     assert_nothing_left(slurm)
+
+
+def test_srun_without_the_pmi2_plugin_says_to_add_it(slurm, tmp_path):
+    # A site whose MpiDefault is none (as this cluster's) starts N unwired tasks from a plain srun:
+    # each sees an MPI world of one. One line names the srun flag, on rank 0 only.
+    result = slurm.srun(4, [*PSCTL, "mpi", "--config", "mnist", "--out", str(tmp_path / "run")],
+                        options=("--mpi=none",), timeout=60)
+    assert result.returncode != 0, result.stdout + result.stderr
+    # srun's and slurmstepd's own lines aside (KillOnBadExit ends the other tasks)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("psctl")]
+    assert len(lines) == 1, result.stderr
+    assert "srun started 4 tasks but MPI sees each alone" in lines[0], lines[0]
+    assert "srun --mpi=pmi2" in lines[0] and "srun --mpi=list" in lines[0], lines[0]
+    assert not (tmp_path / "run").exists()
+    assert_nothing_left(slurm)

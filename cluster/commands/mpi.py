@@ -13,8 +13,8 @@ EXAMPLES = """
 mpiexec -n 4 psctl mpi --config examples/mnist.toml --shards 1       # 1 coordinator, 1 shard, 2 workers
 mpiexec -n 6 psctl mpi --config mnist --shards 2 --mode ssp          # 2 shards, 3 workers
 HYDRA_IFACE=lo mpiexec -n 4 psctl mpi --config mnist                 # a laptop without a network
-srun -N 2 --ntasks-per-node=5 --gpus-per-node=4 psctl mpi --config job.toml --shards 1 --iface ib0   # 8 workers, 8 GPUs
-srun -N 2 -n 11 --gpus-per-node=4 psctl mpi --config job.toml --shards 2 --iface ib0   # 6 ranks on the first node
+srun --mpi=pmi2 -N 2 --ntasks-per-node=5 --gpus-per-node=4 psctl mpi --config job.toml --shards 1 --iface ib0   # 8 workers, 8 GPUs
+srun --mpi=pmi2 -N 2 -n 11 --gpus-per-node=4 psctl mpi --config job.toml --shards 2 --iface ib0   # 6 ranks on the first node
 mpiexec -n 6 psctl mpi --shards 1 -- python train.py --epochs 3     # your own script on each worker rank
 """
 
