@@ -17,11 +17,13 @@ x = rng.normal(size=(1000, 20)).astype(np.float32)
 y = x @ rng.normal(size=20).astype(np.float32)
 
 spec = psgrid.ModelSpec([("w", (20,))])
-params, grad = spec.flat(), spec.flat()
+params = spec.flat()
 with psgrid.Client(sys.argv[1].split(","), spec, init=np.zeros(20, np.float32)) as client:
+    grad = client.gradient_buffer()                  # shards on this host read it in place: no push copies
     for step in range(300):
-        client.pull(params)                          # the shards' weights, once the mode allows
+        client.pull(params)                          # returns with the shards' weights, once the mode allows
         batch = rng.integers(0, len(x), 64)
-        grad[:] = x[batch].T @ (x[batch] @ params - y[batch]) / 64
-        client.push(grad)                            # the shards apply it with their optimizer
+        np.matmul(x[batch].T, x[batch] @ params - y[batch], out=grad)
+        grad /= 64
+        client.push(grad)                            # returns once every shard has taken it
 print(f"worker {client.worker_id}: loss {np.mean((x @ params - y) ** 2):.6f}")
