@@ -3,7 +3,10 @@
     psctl server --mode sync --lr 0.1 --address-file /tmp/shard-0 &
     python examples/own_worker.py "$(head -1 /tmp/shard-0)"      # line 1: the address; line 2: the job id
 
-Run it several times at once (the same addresses) and the shards average their gradients.
+Run it several times at once (the same addresses) and the shards average their gradients. With
+several shards, give each `psctl server` its --shard and --num-shards and one --job-id for all
+(`psctl server --shard 1 --num-shards 2 --job-id j1 ...`), so Admin.shutdown("j1") stops them all;
+pass their addresses comma-separated.
 """
 
 import sys
