@@ -223,9 +223,22 @@ def require_mpi(command: str) -> None:
         from mpi4py import MPI
 
         if MPI.COMM_WORLD.Get_size() == 1:
-            raise UsageError(f"mpiexec started {found[1]} processes but MPI sees each alone: that mpiexec belongs "
-                             f"to another MPI than mpi4py's; use the mpiexec installed with psgrid[mpi] (the "
-                             f"one beside this python) or rebuild mpi4py for your MPI")
+            raise UsageError(launcher_mismatch_message(found[1]))
+
+
+def launcher_mismatch_message(processes: int, env=None) -> str:
+    """Why ``processes`` processes each see an MPI world of one, and the fix: under Slurm, an srun
+    without the PMI plugin mpi4py's MPI speaks (a site whose ``MpiDefault`` is none); else an
+    mpiexec of another MPI."""
+    env = os.environ if env is None else env
+    if any(k in env for k in ("SLURM_STEP_ID", "SLURM_JOB_ID", "SLURM_PROCID")):
+        return (f"srun started {processes} tasks but MPI sees each alone: srun did not wire them together "
+                f"(this site's default plugin is not one mpi4py's MPI speaks); run 'srun --mpi=pmi2 ...' "
+                f"for the mpich of psgrid[mpi] (or the plugin your site recommends for an mpi4py built on "
+                f"its MPI: 'srun --mpi=list' shows them)")
+    return (f"mpiexec started {processes} processes but MPI sees each alone: that mpiexec belongs "
+            f"to another MPI than mpi4py's; use the mpiexec installed with psgrid[mpi] (the "
+            f"one beside this python) or rebuild mpi4py for your MPI")
 
 
 # ---------------------------------------------------------------------------------------------

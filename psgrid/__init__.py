@@ -6,9 +6,10 @@ The user API, imported lazily so that ``psctl --help`` does not pay for NumPy an
 
     spec = psgrid.ModelSpec([("w", (784, 10)), ("b", (10,))])
     with psgrid.Client(addresses, spec, world=2, init=initial_weights) as client:
-        client.pull(params).wait()
+        grad = client.gradient_buffer()     # shards on this host read it in place: a push copies nothing
+        client.pull(params)                 # returns once the weights are in params
         ...
-        client.push(grad).wait()
+        client.push(grad)                   # returns once every shard has it
 
 ``psgrid.init(model)`` joins the job a script was started in (``psctl launch -- python train.py``)
 and exchanges the model's parameters and gradients with its shards, in about five added lines;
@@ -47,6 +48,9 @@ _EXPORTS = {
     "TrainConfig": "psgrid.worker.config",
     "PSError": "psgrid.psserver.exceptions",
     "Reason": "psgrid.psserver.protocol",
+    "Outcome": "psgrid.psserver.protocol",
+    "PushResult": "psgrid.psserver.protocol",
+    "parse_address_file": "psgrid.psserver.protocol",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -62,11 +62,16 @@ def _polls(first: float, longest: float):
 
 
 class Handle(Generic[T]):
-    """A pull or push: :meth:`wait` returns its result or raises its failure; ``seconds`` its duration."""
+    """A pull or push: :meth:`wait` returns its result or raises its failure; ``seconds`` its duration.
+
+    ``out`` is the array a pull fills (``Client.pull(out)``'s, or the one ``Admin.pull()`` made);
+    None for a push or a pull ``into=`` a callable.
+    """
 
     def __init__(self, run: Callable[[], T], background: bool):
         self.started = time.perf_counter()
         self.finished: float | None = None
+        self.out: np.ndarray | None = None
         self._run = run
         self._result: T | None = None
         self._error: BaseException | None = None
@@ -440,6 +445,7 @@ class Client:
                 return versions
 
             self._pull_handle = self._launch(run, background)
+            self._pull_handle.out = out
         return self._finish_unless(self._pull_handle, background)
 
     def push(self, grad: np.ndarray, *, versions: Sequence[int] | None = None,

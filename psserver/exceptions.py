@@ -120,6 +120,7 @@ _BY_REASON = {
     Reason.NO_CHECKPOINT_DIR: CheckpointFailed,
     Reason.CHECKPOINT_FAILED: CheckpointFailed,
     Reason.BAD_REPLY: BadReply,
+    Reason.WRONG_JOB: WrongJob,
 }
 _BY_STATUS = {
     Status.INVALID_ARGUMENT: InvalidArgument,

@@ -9,6 +9,7 @@ without reading the message text.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
@@ -165,6 +166,7 @@ class Registration:
     tcp_port: int
     shm_socket: str = ""      # the shared-memory plane's Unix socket ("@name": abstract), "" when not offered
     max_chunk_bytes: int = 0  # the largest chunk of a gRPC Init or Push the shard takes (0: not said)
+    job_tag: str = ""         # job_tag() of the shard's job id: equal on every shard of one job ("": not said)
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,14 @@ class HeartbeatInfo:
     lease_s: float
     min_clock: int
     version: int
+
+
+def job_tag(job_id: str | None) -> str:
+    """What a shard tells whoever registers about its job: a digest that compares equal on the shards
+    of one job, and does not give away the id (which stops the shards: ``Admin.shutdown``)."""
+    if not job_id:
+        return ""
+    return hashlib.sha256(b"psgrid job " + job_id.encode()).hexdigest()[:16]
 
 
 # ----- the address file a shard publishes (psctl server --address-file) ---------------------------

@@ -31,7 +31,7 @@ from psgrid.psserver.buffers import BufferPool
 from psgrid.psserver.exceptions import InvalidArgument, PSError, Unavailable, WrongJob
 from psgrid.psserver.policy import MAX_CLOCK, MAX_START_CLOCK
 from psgrid.psserver.protocol import (FLOAT32, ITEMSIZE, REPLY_MARGIN_S, HeartbeatInfo, PushResult, Reason, Refusal,
-                                      Registration, Status, WIRE_DTYPES)
+                                      Registration, Status, WIRE_DTYPES, job_tag)
 from psgrid.psserver.shard import Shard
 from psgrid.psserver.spec import ModelSpec
 
@@ -287,7 +287,7 @@ class ShardService:
             mode=config.mode, staleness=config.staleness, backup_workers=config.backup_workers,
             lease_s=config.lease_s, shard_index=config.shard_index, num_shards=config.num_shards,
             tcp_port=self.tcp_port, shm_socket=self.shm_socket if shard.shares_memory else "",
-            max_chunk_bytes=config.chunk_bytes, **joined)
+            max_chunk_bytes=config.chunk_bytes, job_tag=job_tag(config.job_id), **joined)
 
     def open_init(self, params: list[tuple[str, tuple, str]], spec_hash: str) -> InitIntake:
         """Start taking initial weights for the model ``params`` (whose hash must be ``spec_hash``)."""

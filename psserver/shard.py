@@ -25,7 +25,7 @@ from psgrid.psserver.exceptions import (CheckpointFailed, InvalidArgument, NotIn
                                         UnknownWorker, WaitTimeout)
 from psgrid.psserver.optim import make_optimizer
 from psgrid.psserver.policy import ConsistencyPolicy
-from psgrid.psserver.protocol import Outcome, PushResult, Reason
+from psgrid.psserver.protocol import Outcome, PushResult, Reason, job_tag
 from psgrid.psserver.sharding import shard_range
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.weight_ring import WeightRing
@@ -775,6 +775,7 @@ class Shard:
                 "max_staleness": c.max_staleness, "wait_s_total": c.wait_s_total,
                 "checkpoint": self.last_checkpoint, "initialized": self.initialized,
                 "total_size": self.spec.size if self.spec else 0,
+                "job_tag": job_tag(self.config.job_id),
                 "waits": [{"worker_id": w, "seconds": s} for w, s in sorted(c.wait_s_by_worker.items())],
             }
 

@@ -62,6 +62,8 @@ class ShardConnections:
         self.plane_lock = threading.Lock()
         # Two calls per shard may run at once: a push and the pull that overlaps it.
         self.executor = ThreadPoolExecutor(max_workers=2 * len(self.addresses) + 2, thread_name_prefix="psgrid-client")
+        self.job_tags: dict[int, str] = {}     # each shard's job, as its registration says (protocol.job_tag)
+        self.mixed_jobs: str | None = None      # the line that said the shards belong to different jobs
 
     @property
     def num_shards(self) -> int:
@@ -71,7 +73,23 @@ class ShardConnections:
         if reply.num_shards != self.num_shards or reply.shard_index != shard:
             raise BadReply(f"address {self.addresses[shard]} is shard {reply.shard_index} of {reply.num_shards}, "
                            f"but was given as shard {shard} of {self.num_shards}", shard=shard)
+        if reply.job_tag:
+            self.note_job(shard, reply.job_tag)
         return reply
+
+    def note_job(self, shard: int, tag: str) -> None:
+        """Say once, in one line, that the shards belong to different jobs: shards started by hand
+        without a common ``--job-id`` each make their own, and ``Admin.shutdown(job_id)`` then stops
+        only some of them. They still serve the model together, so this warns and goes on."""
+        self.job_tags[shard] = tag
+        other = next((i for i, t in sorted(self.job_tags.items()) if t != tag), None)
+        if other is None or self.mixed_jobs is not None:
+            return
+        first, second = sorted((other, shard))
+        self.mixed_jobs = (f"shards {first} ({self.addresses[first]}) and {second} ({self.addresses[second]}) belong "
+                           f"to different jobs: start every shard of one job with the same --job-id "
+                           f"(ServerConfig.job_id), or Admin.shutdown(job_id) stops only some of them")
+        log.warning("%s", self.mixed_jobs)
 
     # ----- running calls ------------------------------------------------------------------------
 

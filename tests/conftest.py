@@ -59,6 +59,7 @@ class InProcessCluster:
         self.data_plane = client_plane       # what its clients use; settings["data_plane"] is what shards offer
         self.servers: list[RunningServer] = []
         self.owned: list = []
+        settings.setdefault("job_id", "cluster-job")     # one job, as psctl gives its shards (None: each its own)
         for i in range(num_shards):
             self.servers.append(serve(ServerConfig(shard_index=i, num_shards=num_shards, host="127.0.0.1", port=0,
                                                    **settings)))

@@ -38,7 +38,7 @@ run_worker(train, addresses, rank, world)
 comm.Barrier()
 if rank == 0:
     with make_admin(train, addresses) as admin:
-        ps_weights, _ = admin.pull()
+        ps_weights = admin.pull().out
     for r in running:
         r.stop(grace=1.0)
     np.savez(sys.argv[1], allreduce=exchange.weights, sync=ps_weights, init=init)

@@ -203,6 +203,16 @@ def test_the_user_api_is_exported():
     assert job_vars.PARENT == __import__("psgrid.cluster.procs", fromlist=["PARENT_ENV"]).PARENT_ENV
 
 
+def test_what_a_caller_of_the_client_needs_is_exported(tmp_path):
+    # An address file read, and a push's outcome tested, with nothing but `import psgrid`.
+    from psgrid.psserver import protocol
+
+    assert psgrid.Outcome is protocol.Outcome and psgrid.PushResult is protocol.PushResult
+    assert {"Outcome", "PushResult", "parse_address_file"} <= set(psgrid.__all__)
+    assert psgrid.parse_address_file(protocol.format_address_file("127.0.0.1:5", "j1")) == ("127.0.0.1:5", "j1")
+    assert psgrid.Outcome.APPLIED in psgrid.Outcome
+
+
 OWN_WORKER = Path(__file__).resolve().parent.parent / "examples" / "own_worker.py"
 
 
@@ -214,6 +224,28 @@ def test_the_readmes_worker_is_examples_own_worker_verbatim():
     assert block == code[code.index("import sys"):]
     loop = block[block.index("with psgrid.Client"):block.index("print(")].strip().splitlines()
     assert len(loop) <= 10 and "Thread" not in block
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_the_readmes_worker_pushes_its_gradient_buffer_so_no_push_copies(cluster, data_plane, monkeypatch, capsys):
+    # The fast way first: a push of client.gradient_buffer() is read in place by a shard on this host;
+    # any other array is copied into it on every push.
+    c = cluster(1, mode="async", lr=0.1)
+    pushed = []
+    real = psgrid.Client.push
+
+    def push(self, grad, **kw):
+        pushed.append(any(np.shares_memory(grad, self.gradient_buffer(i)) for i in (0, 1)))
+        return real(self, grad, **kw)
+
+    monkeypatch.setattr(psgrid.Client, "push", push)
+    monkeypatch.setattr(sys, "argv", [str(OWN_WORKER), ",".join(c.addresses)])
+    import runpy
+
+    runpy.run_path(str(OWN_WORKER), run_name="__main__")
+    assert len(pushed) == 300 and all(pushed)
+    assert float(capsys.readouterr().out.split("loss")[1]) < 1e-3
 
 
 @pytest.mark.timeout(60)

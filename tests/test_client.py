@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from psgrid.psserver.exceptions import (InvalidArgument, NotInitialized, PSError, ShardUnavailable, SpecMismatch,
-                                        UnknownWorker, WaitTimeout)
+                                        UnknownWorker, WaitTimeout, WrongJob)
 from psgrid.psserver.protocol import Outcome, Reason
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.spec import ModelSpec
@@ -369,3 +369,73 @@ def test_pushes_from_either_gradient_buffer_are_applied(cluster):
             handle = client.push(grad, background=True)
         handle.wait()
         np.testing.assert_array_equal(c.weights(), -total)
+
+
+# ----- shards of one job, and the Admin's shape -------------------------------------------------------
+
+@pytest.mark.parametrize("data_plane", ["tcp"])
+@pytest.mark.timeout(30)
+def test_shards_of_different_jobs_are_said_in_one_line_and_a_shutdown_names_those_it_missed(cluster, caplog):
+    # Two psctl server processes started by hand without --job-id: each made its own.
+    c = cluster(2, mode="async", lr=0.1, job_id=None)
+    ids = [s.config.job_id for s in c.servers]
+    assert ids[0] != ids[1]
+    with caplog.at_level("WARNING", logger="psgrid.client"):
+        with c.client(SPEC, init=SPEC.flat()) as client:
+            client.push(ONES)
+        admin = c.admin()
+        admin.stats()
+    said = [r.getMessage() for r in caplog.records if "different jobs" in r.getMessage()]
+    assert len(said) == 2 and said[0] == said[1], said          # one line from the client, one from the admin
+    assert "\n" not in said[0] and f"shards 0 ({c.addresses[0]}) and 1 ({c.addresses[1]})" in said[0]
+    assert "--job-id" in said[0]
+    with pytest.raises(WrongJob) as refused:
+        admin.shutdown(ids[0])
+    assert refused.value.shard == 1 and str(refused.value).startswith(f"shard 1 did not stop: shard at {c.addresses[1]}: ")
+    assert "must name this shard's job" in str(refused.value) and "--job-id" in str(refused.value)
+    assert c.servers[0].shutdown_requested.is_set() and not c.servers[1].shutdown_requested.is_set()
+
+
+@pytest.mark.parametrize("data_plane", ["tcp"])
+@pytest.mark.timeout(30)
+def test_shards_of_one_job_say_nothing(cluster, caplog):
+    c = cluster(2, mode="async", lr=0.1)
+    with caplog.at_level("WARNING", logger="psgrid.client"):
+        with c.client(SPEC, init=SPEC.flat()) as client:
+            client.push(ONES)
+    assert not [r for r in caplog.records if "different jobs" in r.getMessage()]
+
+
+@pytest.mark.timeout(30)
+def test_admin_pull_is_a_handle_like_the_clients_and_registers_once(cluster, monkeypatch):
+    c = cluster(2, mode="async", lr=1.0)
+    with c.client(SPEC, init=SPEC.flat()) as client:
+        params = SPEC.flat()
+        pulled = client.pull(params)
+        assert pulled.out is params and pulled.wait() == [0, 0]
+        client.push(ONES)
+    admin = c.admin()
+    looks = []
+    real = admin._look
+    monkeypatch.setattr(admin, "_look", lambda shard: looks.append(shard) or real(shard))
+    first = admin.pull()
+    assert first.done() and first.wait() == [1, 1]
+    np.testing.assert_array_equal(first.out, -ONES)
+    into = SPEC.flat()
+    again = admin.pull(into)
+    assert again.out is into and again.wait() == [1, 1] and again.seconds is not None
+    np.testing.assert_array_equal(into, -ONES)
+    assert sorted(looks) == [0, 1]      # the layout learnt once: a second pull only reads
+    with pytest.raises(InvalidArgument):
+        admin.pull(np.zeros(3, np.float32))
+
+
+@pytest.mark.timeout(30)
+def test_admin_waits_for_members(cluster):
+    c = cluster(2, mode="async", lr=0.1)
+    admin = c.admin()
+    with pytest.raises(WaitTimeout, match="0 of 1 workers registered on every shard after 0.2 s"):
+        admin.wait_for_members(1, timeout_s=0.2)
+    with c.client(SPEC, init=SPEC.flat()):
+        stats = admin.wait_for_members(1, timeout_s=10)
+        assert [len(s["members"]) for s in stats] == [1, 1]

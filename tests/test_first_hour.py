@@ -174,6 +174,33 @@ def test_mpi_outside_mpiexec_says_how_to_run_it(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_mpi_plan_checks_a_layout_before_the_queue_without_mpi4py_or_anything_started(tmp_path, no_mpi4py):
+    # On a login node, without mpi4py even: the numbers one will ask Slurm for, a layout that cannot run
+    # refused with the job's own line, one that can printed; nothing written, nothing left running.
+    plan = ["mpi", "--plan", "--np", "11", "--nodes", "2", "--gpus-per-node", "4", "--shards", "2"]
+    code, err, took = run(psctl(*plan), tmp_path, env_with(no_mpi4py))
+    assert code == 0 and err == "" and took < 30, err
+    code, err, took = run(psctl(*plan[:2], "--np", "12", *plan[4:]), tmp_path, env_with(no_mpi4py))
+    one_line(code, err, "psctl mpi: error: 12 ranks leave 9 workers beside the coordinator and 2 shards, for 8 GPUs "
+                        "on 2 nodes; run 11 ranks (srun -N 2 -n 11 --gpus-per-node=4)")
+    code, err, _ = run(psctl("mpi", "--np", "11"), tmp_path, env_with(no_mpi4py))
+    one_line(code, err, "psctl mpi: error: --np only describes a job for --plan")
+    assert list(tmp_path.iterdir()) == [tmp_path / "no-mpi4py"]
+
+
+def test_an_sbatch_script_under_gres_counts_its_gpus(tmp_path):
+    # --gres=gpu:4 sets no SLURM_GPUS_PER_NODE: the example scripts stopped with 'unbound variable'.
+    fake = tmp_path / "srun"
+    fake.write_text('#!/bin/sh\necho "srun $*"\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "SLURM_NTASKS": "7", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "p",
+           "SLURM_JOB_ID": "3", "SLURM_JOB_GPUS": "0,1,2,3", "SLURM_GRES": "gpu:4"}
+    result = subprocess.run(["bash", str(ROOT / "examples" / "slurm" / "one-node.sbatch")], env=env,
+                            capture_output=True, text=True, timeout=10)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.stdout.startswith("srun --mpi=pmi2 psctl mpi --shards 2 --device gpu "), result.stdout
+
+
 # ---- ports, unreachable shards, TLS ------------------------------------------------------------------
 
 @pytest.fixture

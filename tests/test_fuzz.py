@@ -103,7 +103,7 @@ def shard(tmp_path):
 
 def checksum(address: str) -> float:
     with Admin([address], deadline_s=10, retry_s=5) as admin:
-        weights, _ = admin.pull()
+        weights = admin.pull().out
     return math.fsum(weights.astype(np.float64))
 
 

@@ -197,3 +197,83 @@ def test_the_communicator_is_injectable(tmp_path):
     assert code == 0, err
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["ranks"], summary["shards"], summary["workers"], summary["steps"]) == (3, 1, 1, 20)
+
+
+def test_the_one_alone_message_names_srun_under_slurm_and_mpiexec_elsewhere():
+    from psgrid.cluster.preflight import launcher_mismatch_message
+
+    under_slurm = launcher_mismatch_message(4, {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0"})
+    assert under_slurm.startswith("srun started 4 tasks but MPI sees each alone")
+    assert "srun --mpi=pmi2" in under_slurm and "srun --mpi=list" in under_slurm
+    elsewhere = launcher_mismatch_message(4, {"PMI_RANK": "0", "PMI_SIZE": "4"})
+    assert elsewhere.startswith("mpiexec started 4 processes") and "srun" not in elsewhere
+
+
+def test_every_srun_line_of_the_readme_and_the_help_names_its_pmi_plugin():
+    # Without --mpi=pmi2 a site whose MpiDefault is none starts N one-rank jobs.
+    from psgrid.cluster.commands.mpi import EXAMPLES
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    lines = [line.strip() for text in (EXAMPLES, readme) for line in text.splitlines()
+             if line.strip().startswith("srun ")]
+    assert len(lines) >= 4
+    assert all(line.startswith("srun --mpi=") for line in lines), [x for x in lines if "--mpi=" not in x]
+
+
+def test_slurm_host_and_task_lists_expand_as_slurm_writes_them():
+    from psgrid.cluster.plan import expand_nodelist, expand_tasks_per_node
+
+    assert expand_nodelist("gpu[01-03,07],login") == ["gpu01", "gpu02", "gpu03", "gpu07", "login"]
+    assert expand_nodelist("rack[1-2]-n[8-9]") == ["rack1-n8", "rack1-n9", "rack2-n8", "rack2-n9"]
+    assert expand_nodelist("a,b") == ["a", "b"]
+    assert expand_tasks_per_node("6,5") == [6, 5] and expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+
+
+# What sbatch --nodes=2 --ntasks=11 --gres=gpu:4 sets in its batch script (no SLURM_GPUS_PER_NODE there)
+FAKE_ALLOCATION = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "11", "SLURM_NNODES": "2",
+                   "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_TASKS_PER_NODE": "6,5",
+                   "SLURM_JOB_GPUS": "0,1,2,3", "SLURM_GRES": "gpu:4"}
+
+
+def run_plan(tmp_path: Path, *args: str, env: dict | None = None):
+    import os
+    import subprocess
+    import sys
+
+    from tests.support import with_this_tree
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "OMPI_", "CUDA_VISIBLE"))}
+    clean.update(PYTHONPATH=with_this_tree(os.environ), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "mpi", "--plan", *args], cwd=tmp_path,
+                          env=clean, capture_output=True, text=True, timeout=60)
+
+
+def test_plan_prints_the_layout_of_the_slurm_allocation_without_starting_anything(tmp_path):
+    result = run_plan(tmp_path, "--config", "mnist", "--shards", "2", env=FAKE_ALLOCATION)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == ("psctl mpi --plan (Slurm job 4242: 11 ranks on 2 nodes, 4 GPUs each): 1 coordinator, "
+                        "2 shards, 8 workers; nothing started"), lines[0]
+    rows = [line.split() for line in lines[2:]]
+    # the first node (6 tasks): the coordinator, a shard and 4 workers; the second (5): a shard and 4 workers
+    assert rows[0] == ["0", "gpu07", "coordinator", "-"]
+    assert [r[1:] for r in rows if r[2] == "shard"] == [["gpu07", "shard", "0", "-"], ["gpu08", "shard", "1", "-"]]
+    workers = [(r[1], r[4]) for r in rows if r[2] == "worker"]
+    assert workers == [("gpu07", g) for g in "0123"] + [("gpu08", g) for g in "0123"], workers
+    assert list(tmp_path.iterdir()) == [] and result.stderr == ""         # no runs/ folder, no MPI
+
+
+def test_plan_of_given_numbers_names_the_fix_as_the_job_would(tmp_path):
+    result = run_plan(tmp_path, "--np", "12", "--nodes", "2", "--gpus-per-node", "4", "--shards", "2")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == (
+        "psctl mpi: error: 12 ranks leave 9 workers beside the coordinator and 2 shards, for 8 GPUs on 2 nodes; "
+        "run 11 ranks (srun -N 2 -n 11 --gpus-per-node=4), or keep 12 ranks with --shards 3 for one worker per "
+        "GPU, or let workers share GPUs with --oversubscribe")
+    cpu = run_plan(tmp_path, "--np", "4", "--shards", "1")     # no GPUs: ranks 1..S serve
+    assert cpu.returncode == 0, cpu.stderr
+    assert [line.split()[2] for line in cpu.stdout.splitlines()[2:]] == ["coordinator", "shard", "worker", "worker"]
+    alone = run_plan(tmp_path)
+    assert alone.returncode == 2 and "--plan needs the number of ranks" in alone.stderr \
+        and alone.stderr.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -103,3 +104,60 @@ def test_the_example_sbatch_scripts_give_each_gpu_a_worker(slurm, tmp_path, scri
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["status"], summary["ranks"], summary["shards"], summary["workers"]) == ("ok", 7, 2, 4)
     assert_nothing_left(slurm)
+
+
+def test_srun_without_the_pmi2_plugin_says_to_add_it(slurm, tmp_path):
+    # A site whose MpiDefault is none (as this cluster's) starts N unwired tasks from a plain srun:
+    # each sees an MPI world of one. One line names the srun flag, on rank 0 only.
+    result = slurm.srun(4, [*PSCTL, "mpi", "--config", "mnist", "--out", str(tmp_path / "run")],
+                        options=("--mpi=none",), timeout=60)
+    assert result.returncode != 0, result.stdout + result.stderr
+    # srun's and slurmstepd's own lines aside (KillOnBadExit ends the other tasks)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("psctl")]
+    assert len(lines) == 1, result.stderr
+    assert "srun started 4 tasks but MPI sees each alone" in lines[0], lines[0]
+    assert "srun --mpi=pmi2" in lines[0] and "srun --mpi=list" in lines[0], lines[0]
+    assert not (tmp_path / "run").exists()
+    assert_nothing_left(slurm)
+
+
+# The sites' ways of saying how many GPUs a node has, each alone: --gpus-per-node (with or without a
+# type), --gres=gpu:4 (SLURM_GPUS_ON_NODE, SLURM_JOB_GPUS, CUDA_VISIBLE_DEVICES, SLURM_GRES).
+GPU_VARIABLES = [
+    {"SLURM_GPUS_ON_NODE": "4"},
+    {"SLURM_GPUS_PER_NODE": "4"},
+    {"SLURM_GPUS_PER_NODE": "a100:4"},
+    {"SLURM_JOB_GPUS": "0,1,2,3"},
+    {"CUDA_VISIBLE_DEVICES": "4,5,6,7"},
+    {"SLURM_GRES": "gpu:4"},
+    {"SLURM_GRES": "gpu:a100:4"},
+]
+
+
+@pytest.mark.parametrize("script, nodes, tasks", [("one-node.sbatch", 1, 7), ("multi-node.sbatch", 2, 10)])
+@pytest.mark.parametrize("gpu_env", GPU_VARIABLES, ids=lambda env: "-".join(f"{k}={v}" for k, v in env.items()))
+def test_the_sbatch_scripts_count_gpus_from_whichever_variable_the_site_sets(tmp_path, script, nodes, tasks,
+                                                                            gpu_env):
+    # The script itself under bash (set -euo pipefail), with a stand-in srun that prints its arguments.
+    # No Slurm needed: this runs on any machine with bash.
+    fake = tmp_path / "srun"
+    fake.write_text('#!/bin/sh\necho "srun $*"\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "SLURM_NTASKS": str(tasks), "SLURM_NNODES": str(nodes),
+           "SLURM_JOB_NAME": "psgrid", "SLURM_JOB_ID": "12", **gpu_env}
+    result = subprocess.run(["bash", str(EXAMPLES / "slurm" / script), "--steps", "5"], env=env,
+                            capture_output=True, text=True, timeout=10)
+    assert result.returncode == 0, result.stderr
+    # 4 GPUs a node: one-node 7 tasks = 1 + 2 shards + 4 workers; two nodes of 5 = 1 + 1 shard + 8 workers
+    shards = tasks - 1 - 4 * nodes
+    assert f" --shards {shards} " in result.stdout and result.stdout.rstrip().endswith("--steps 5"), result.stdout
+
+
+def test_an_sbatch_script_without_any_gpu_variable_says_which_it_read(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "SLURM_NTASKS": "7", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "psgrid",
+           "SLURM_JOB_ID": "12"}
+    result = subprocess.run(["bash", str(EXAMPLES / "slurm" / "one-node.sbatch")], env=env,
+                            capture_output=True, text=True, timeout=10)
+    assert result.returncode != 0
+    assert result.stderr.count("\n") == 1 and "SLURM_GPUS_ON_NODE" in result.stderr \
+        and "--gpus-per-node" in result.stderr, result.stderr

@@ -23,8 +23,8 @@ MAX_TRAIN_ROWS = 20_000
 def evaluate(train: TrainConfig, addresses: list[str], device: str | None = "cpu") -> dict:
     """Train and test accuracy (and test loss) of the shards' current weights (train: up to MAX_TRAIN_ROWS)."""
     with make_admin(train, addresses, deadline_s=train.deadline_s, retry_s=train.retry_s) as admin:
-        flat, versions = admin.pull()
-    return evaluate_weights(train, flat, version=max(versions), device=device)
+        pulled = admin.pull()
+    return evaluate_weights(train, pulled.out, version=max(pulled.wait()), device=device)
 
 
 def evaluate_weights(train: TrainConfig, flat: np.ndarray, *, version: int | None = None,

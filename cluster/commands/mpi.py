@@ -13,9 +13,11 @@ EXAMPLES = """
 mpiexec -n 4 psctl mpi --config examples/mnist.toml --shards 1       # 1 coordinator, 1 shard, 2 workers
 mpiexec -n 6 psctl mpi --config mnist --shards 2 --mode ssp          # 2 shards, 3 workers
 HYDRA_IFACE=lo mpiexec -n 4 psctl mpi --config mnist                 # a laptop without a network
-srun -N 2 --ntasks-per-node=5 --gpus-per-node=4 psctl mpi --config job.toml --shards 1 --iface ib0   # 8 workers, 8 GPUs
-srun -N 2 -n 11 --gpus-per-node=4 psctl mpi --config job.toml --shards 2 --iface ib0   # 6 ranks on the first node
+srun --mpi=pmi2 -N 2 --ntasks-per-node=5 --gpus-per-node=4 psctl mpi --config job.toml --shards 1 --iface ib0  # 8 GPUs
+srun --mpi=pmi2 -N 2 -n 11 --gpus-per-node=4 psctl mpi --config job.toml --shards 2 --iface ib0  # 2 shards
 mpiexec -n 6 psctl mpi --shards 1 -- python train.py --epochs 3     # your own script on each worker rank
+psctl mpi --plan --np 10 --nodes 2 --gpus-per-node 4 --shards 1     # the layout of such a job, nothing started
+psctl mpi --plan --config job.toml                                   # inside salloc or sbatch: this allocation's
 """
 
 
@@ -45,6 +47,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--oversubscribe", action="store_true",
                    help="let workers share GPUs when there are more workers than GPUs (default: an error "
                         "that names the numbers giving one worker per GPU)")
+    pl = p.add_argument_group("plan (print the rank layout and exit; no MPI, nothing started)")
+    pl.add_argument("--plan", action="store_true",
+                    help="print which rank coordinates, serves a shard or trains, on which node and GPU, for the "
+                         "Slurm allocation this runs in (SLURM_NTASKS, SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE, "
+                         "the GPU variables) or the numbers below, and exit")
+    pl.add_argument("--np", type=int, metavar="N", help="with --plan: ranks in the job (default: SLURM_NTASKS)")
+    pl.add_argument("--nodes", type=int, metavar="M", help="with --plan: nodes (default: the allocation's, else 1)")
+    pl.add_argument("--gpus-per-node", type=int, metavar="G",
+                    help="with --plan: GPUs on each node (default: the allocation's, else none)")
     n = p.add_argument_group("network (where shards bind and how workers reach them)")
     n.add_argument("--host", help="bind shards to this address and advertise it (0.0.0.0: every interface, "
                                   "advertised by host name); default: 127.0.0.1 when all ranks share one node, "
@@ -62,8 +73,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from psgrid.cluster import script
     from psgrid.cluster.commands._common import load_job_from_args
+    from psgrid.cluster.errors import UsageError
     from psgrid.cluster.preflight import require_mpi
 
+    if args.plan:
+        return print_plan(args, load_job_from_args(args))
+    given = [flag for flag, value in (("--np", args.np), ("--nodes", args.nodes),
+                                      ("--gpus-per-node", args.gpus_per_node)) if value is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)} only describe{'s' * (len(given) == 1)} a job for --plan; "
+                         f"under mpiexec or srun the launcher gives the ranks, nodes and GPUs")
     command = None if args.user_command is None else script.resolve_command(args.user_command)
     named = args.config != "mnist" or args.override_name is not None
     job = script.for_command(load_job_from_args(args), command, named=named, local_gpus=False)
@@ -72,3 +91,20 @@ def run(args: argparse.Namespace) -> int:
 
     return run_mpi(job, host=args.host, iface=args.iface, progress=args.progress, command=command,
                    oversubscribe=args.oversubscribe)
+
+
+def print_plan(args: argparse.Namespace, job) -> int:
+    import os
+
+    from psgrid.cluster import plan
+
+    alloc = plan.allocation(os.environ, np=args.np, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
+    try:
+        placement = plan.plan(alloc, job.shards, device=job.train.device, oversubscribe=args.oversubscribe)
+    except ValueError as e:     # too few ranks: as the job itself would say it
+        from psgrid.cluster.mpi import too_few_ranks_message
+        from psgrid.cluster.errors import UsageError
+
+        raise UsageError(too_few_ranks_message(job.shards, len(alloc.hosts))) from e
+    print("\n".join(plan.describe(alloc, placement)))
+    return 0

@@ -33,8 +33,9 @@ SERVER_FLAGS = [
     ("--chunk-bytes", "chunk_bytes", int, "largest chunk of a streamed range, in bytes, sent and taken over gRPC"),
     ("--token", "token", str, "bearer token every request must carry (default: [server] token of --config, else "
                               "$PSGRID_TOKEN, which is to be preferred: command lines are visible to other users)"),
-    ("--job-id", "job_id", str, "the job this shard belongs to; a Shutdown must name it (default: a random id, "
-                                "printed at start and written with the address)"),
+    ("--job-id", "job_id", str, "the job this shard belongs to: give every shard of one job the same id, which a "
+                                "Shutdown must name (default: a random id of this shard's own, printed at start "
+                                "and written with the address)"),
     ("--tls-cert", "tls_cert", str, "server certificate (PEM); enables TLS"),
     ("--tls-key", "tls_key", str, "server private key (PEM)"),
     ("--tls-ca", "tls_ca", str, "require client certificates signed by this CA (mutual TLS)"),
@@ -54,7 +55,7 @@ SERVER_FLAGS = [
 
 EXAMPLES = """
 psctl server --port 0 --address-file /tmp/shard-0 --mode ssp --staleness 2
-psctl server --config examples/mnist.toml --shard 1 --num-shards 2 --host 0.0.0.0 --port 50051
+psctl server --config examples/mnist.toml --shard 1 --num-shards 2 --host 0.0.0.0 --port 50051 --job-id j1
 psctl server --mode sync --metrics-port 9100 --checkpoint-dir ckpt --checkpoint-every-s 30
 psctl server --port 50051 --data-plane grpc       # no TCP data plane: gRPC only
 """

@@ -17,15 +17,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpsgrid/psserver/rpc/ps.proto\x12\x02ps\"?\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x18\n\x05\x64type\x18\x02 \x01(\x0e\x32\t.ps.DType\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"7\n\tParamInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\";\n\x0cModelSpecMsg\x12\x1d\n\x06params\x18\x01 \x03(\x0b\x32\r.ps.ParamInfo\x12\x0c\n\x04hash\x18\x02 \x01(\t\"l\n\x0fRegisterRequest\x12\x11\n\tspec_hash\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\x03\x12\x13\n\x0bstart_clock\x18\x03 \x01(\x03\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x10\n\x08observer\x18\x05 \x01(\x08\"\xbf\x02\n\rRegisterReply\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x13\n\x0bstart_clock\x18\x02 \x01(\x03\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x11\n\tstaleness\x18\x04 \x01(\x05\x12\x16\n\x0e\x62\x61\x63kup_workers\x18\x05 \x01(\x05\x12\x0f\n\x07lease_s\x18\x06 \x01(\x01\x12\r\n\x05\x62\x65gin\x18\x07 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x08 \x01(\x04\x12\x12\n\ntotal_size\x18\t \x01(\x04\x12\x13\n\x0bshard_index\x18\n \x01(\r\x12\x12\n\nnum_shards\x18\x0b \x01(\r\x12\x13\n\x0binitialized\x18\x0c \x01(\x08\x12\x0f\n\x07version\x18\r \x01(\x04\x12\x10\n\x08tcp_port\x18\x0e \x01(\r\x12\x12\n\nshm_socket\x18\x0f \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x10 \x01(\r\"[\n\x0bInitRequest\x12\x1e\n\x04spec\x18\x01 \x01(\x0b\x32\x10.ps.ModelSpecMsg\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\x12\x18\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\t.ps.Chunk\"-\n\tInitReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\"D\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\"J\n\tPullReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\x12\x18\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\t.ps.Chunk\"n\n\x0bPushRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x18\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\t.ps.Chunk\"\xb5\x01\n\tPushReply\x12&\n\x07outcome\x18\x01 \x01(\x0e\x32\x15.ps.PushReply.Outcome\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x11\n\tstaleness\x18\x03 \x01(\x03\x12\x12\n\nnext_clock\x18\x04 \x01(\x03\"H\n\x07Outcome\x12\x0b\n\x07\x41PPLIED\x10\x00\x12\x0f\n\x0b\x41\x43\x43UMULATED\x10\x01\x12\x10\n\x0c\x44ROPPED_LATE\x10\x02\x12\r\n\tDUPLICATE\x10\x03\"6\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\"T\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x11\n\tmin_clock\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x04\"\x0e\n\x0cStatsRequest\"L\n\nMemberInfo\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\x12\x0e\n\x06idle_s\x18\x03 \x01(\x01\x12\x0c\n\x04host\x18\x04 \x01(\t\"\x92\x05\n\nStatsReply\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\r\n\x05\x62\x65gin\x18\x05 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x06 \x01(\x04\x12\x1f\n\x07members\x18\x07 \x03(\x0b\x32\x0e.ps.MemberInfo\x12\x11\n\tmin_clock\x18\x08 \x01(\x03\x12\x11\n\tmax_clock\x18\t \x01(\x03\x12\x0e\n\x06pushes\x18\n \x01(\x04\x12\r\n\x05pulls\x18\x0b \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x0c \x01(\x04\x12\x11\n\tbytes_out\x18\r \x01(\x04\x12\x17\n\x0f\x61pplied_updates\x18\x0e \x01(\x04\x12\x14\n\x0c\x64ropped_late\x18\x0f \x01(\x04\x12\x12\n\nduplicates\x18\x10 \x01(\x04\x12\x11\n\tevictions\x18\x11 \x01(\x04\x12\x10\n\x08rejected\x18\x12 \x01(\x04\x12\x18\n\x10staleness_counts\x18\x13 \x03(\x04\x12\x16\n\x0emean_staleness\x18\x14 \x01(\x01\x12\x15\n\rmax_staleness\x18\x15 \x01(\x03\x12\x14\n\x0cwait_s_total\x18\x16 \x01(\x01\x12\x12\n\ncheckpoint\x18\x17 \x01(\t\x12\x13\n\x0binitialized\x18\x18 \x01(\x08\x12\x12\n\ntotal_size\x18\x19 \x01(\x04\x12\x1d\n\x05waits\x18\x1a \x03(\x0b\x32\x0e.ps.WorkerWait\x12\x10\n\x08\x64\x65parted\x18\x1b \x03(\x03\x12\x14\n\x0clost_updates\x18\x1c \x01(\x04\x12\x18\n\x10restored_version\x18\x1d \x01(\x03\x12\x19\n\x11stalled_evictions\x18\x1e \x01(\x04\x12\x15\n\rrevoked_reads\x18\x1f \x01(\x04\"0\n\nWorkerWait\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x13\n\x11\x43heckpointRequest\"0\n\x0f\x43heckpointReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"!\n\x0fShutdownRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x0f\n\rShutdownReply*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x32\x93\x03\n\x0fParameterServer\x12\x32\n\x08Register\x12\x13.ps.RegisterRequest\x1a\x11.ps.RegisterReply\x12(\n\x04Init\x12\x0f.ps.InitRequest\x1a\r.ps.InitReply(\x01\x12(\n\x04Pull\x12\x0f.ps.PullRequest\x1a\r.ps.PullReply0\x01\x12(\n\x04Push\x12\x0f.ps.PushRequest\x1a\r.ps.PushReply(\x01\x12\x35\n\tHeartbeat\x12\x14.ps.HeartbeatRequest\x1a\x12.ps.HeartbeatReply\x12)\n\x05Stats\x12\x10.ps.StatsRequest\x1a\x0e.ps.StatsReply\x12\x38\n\nCheckpoint\x12\x15.ps.CheckpointRequest\x1a\x13.ps.CheckpointReply\x12\x32\n\x08Shutdown\x12\x13.ps.ShutdownRequest\x1a\x11.ps.ShutdownReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpsgrid/psserver/rpc/ps.proto\x12\x02ps\"?\n\x05\x43hunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x18\n\x05\x64type\x18\x02 \x01(\x0e\x32\t.ps.DType\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"7\n\tParamInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\";\n\x0cModelSpecMsg\x12\x1d\n\x06params\x18\x01 \x03(\x0b\x32\r.ps.ParamInfo\x12\x0c\n\x04hash\x18\x02 \x01(\t\"l\n\x0fRegisterRequest\x12\x11\n\tspec_hash\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\x03\x12\x13\n\x0bstart_clock\x18\x03 \x01(\x03\x12\x0c\n\x04host\x18\x04 \x01(\t\x12\x10\n\x08observer\x18\x05 \x01(\x08\"\xd0\x02\n\rRegisterReply\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x13\n\x0bstart_clock\x18\x02 \x01(\x03\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x11\n\tstaleness\x18\x04 \x01(\x05\x12\x16\n\x0e\x62\x61\x63kup_workers\x18\x05 \x01(\x05\x12\x0f\n\x07lease_s\x18\x06 \x01(\x01\x12\r\n\x05\x62\x65gin\x18\x07 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x08 \x01(\x04\x12\x12\n\ntotal_size\x18\t \x01(\x04\x12\x13\n\x0bshard_index\x18\n \x01(\r\x12\x12\n\nnum_shards\x18\x0b \x01(\r\x12\x13\n\x0binitialized\x18\x0c \x01(\x08\x12\x0f\n\x07version\x18\r \x01(\x04\x12\x10\n\x08tcp_port\x18\x0e \x01(\r\x12\x12\n\nshm_socket\x18\x0f \x01(\t\x12\x17\n\x0fmax_chunk_bytes\x18\x10 \x01(\r\x12\x0f\n\x07job_tag\x18\x11 \x01(\t\"[\n\x0bInitRequest\x12\x1e\n\x04spec\x18\x01 \x01(\x0b\x32\x10.ps.ModelSpecMsg\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\x12\x18\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\t.ps.Chunk\"-\n\tInitReply\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x04\"D\n\x0bPullRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\"J\n\tPullReply\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\x12\x18\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\t.ps.Chunk\"n\n\x0bPushRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\x12\n\nnum_chunks\x18\x04 \x01(\r\x12\x18\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\t.ps.Chunk\"\xb5\x01\n\tPushReply\x12&\n\x07outcome\x18\x01 \x01(\x0e\x32\x15.ps.PushReply.Outcome\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x11\n\tstaleness\x18\x03 \x01(\x03\x12\x12\n\nnext_clock\x18\x04 \x01(\x03\"H\n\x07Outcome\x12\x0b\n\x07\x41PPLIED\x10\x00\x12\x0f\n\x0b\x41\x43\x43UMULATED\x10\x01\x12\x10\n\x0c\x44ROPPED_LATE\x10\x02\x12\r\n\tDUPLICATE\x10\x03\"6\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x0f\n\x07leaving\x18\x02 \x01(\x08\"T\n\x0eHeartbeatReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\x12\x11\n\tmin_clock\x18\x03 \x01(\x03\x12\x0f\n\x07version\x18\x04 \x01(\x04\"\x0e\n\x0cStatsRequest\"L\n\nMemberInfo\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\r\n\x05\x63lock\x18\x02 \x01(\x03\x12\x0e\n\x06idle_s\x18\x03 \x01(\x01\x12\x0c\n\x04host\x18\x04 \x01(\t\"\xa3\x05\n\nStatsReply\x12\x13\n\x0bshard_index\x18\x01 \x01(\r\x12\x12\n\nnum_shards\x18\x02 \x01(\r\x12\x0c\n\x04mode\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x04\x12\r\n\x05\x62\x65gin\x18\x05 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x06 \x01(\x04\x12\x1f\n\x07members\x18\x07 \x03(\x0b\x32\x0e.ps.MemberInfo\x12\x11\n\tmin_clock\x18\x08 \x01(\x03\x12\x11\n\tmax_clock\x18\t \x01(\x03\x12\x0e\n\x06pushes\x18\n \x01(\x04\x12\r\n\x05pulls\x18\x0b \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x0c \x01(\x04\x12\x11\n\tbytes_out\x18\r \x01(\x04\x12\x17\n\x0f\x61pplied_updates\x18\x0e \x01(\x04\x12\x14\n\x0c\x64ropped_late\x18\x0f \x01(\x04\x12\x12\n\nduplicates\x18\x10 \x01(\x04\x12\x11\n\tevictions\x18\x11 \x01(\x04\x12\x10\n\x08rejected\x18\x12 \x01(\x04\x12\x18\n\x10staleness_counts\x18\x13 \x03(\x04\x12\x16\n\x0emean_staleness\x18\x14 \x01(\x01\x12\x15\n\rmax_staleness\x18\x15 \x01(\x03\x12\x14\n\x0cwait_s_total\x18\x16 \x01(\x01\x12\x12\n\ncheckpoint\x18\x17 \x01(\t\x12\x13\n\x0binitialized\x18\x18 \x01(\x08\x12\x12\n\ntotal_size\x18\x19 \x01(\x04\x12\x1d\n\x05waits\x18\x1a \x03(\x0b\x32\x0e.ps.WorkerWait\x12\x10\n\x08\x64\x65parted\x18\x1b \x03(\x03\x12\x14\n\x0clost_updates\x18\x1c \x01(\x04\x12\x18\n\x10restored_version\x18\x1d \x01(\x03\x12\x19\n\x11stalled_evictions\x18\x1e \x01(\x04\x12\x15\n\rrevoked_reads\x18\x1f \x01(\x04\x12\x0f\n\x07job_tag\x18  \x01(\t\"0\n\nWorkerWait\x12\x11\n\tworker_id\x18\x01 \x01(\x03\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"\x13\n\x11\x43heckpointRequest\"0\n\x0f\x43heckpointReply\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\"!\n\x0fShutdownRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x0f\n\rShutdownReply*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x32\x93\x03\n\x0fParameterServer\x12\x32\n\x08Register\x12\x13.ps.RegisterRequest\x1a\x11.ps.RegisterReply\x12(\n\x04Init\x12\x0f.ps.InitRequest\x1a\r.ps.InitReply(\x01\x12(\n\x04Pull\x12\x0f.ps.PullRequest\x1a\r.ps.PullReply0\x01\x12(\n\x04Push\x12\x0f.ps.PushRequest\x1a\r.ps.PushReply(\x01\x12\x35\n\tHeartbeat\x12\x14.ps.HeartbeatRequest\x1a\x12.ps.HeartbeatReply\x12)\n\x05Stats\x12\x10.ps.StatsRequest\x1a\x0e.ps.StatsReply\x12\x38\n\nCheckpoint\x12\x15.ps.CheckpointRequest\x1a\x13.ps.CheckpointReply\x12\x32\n\x08Shutdown\x12\x13.ps.ShutdownRequest\x1a\x11.ps.ShutdownReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'psgrid.psserver.rpc.ps_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2303
-  _globals['_DTYPE']._serialized_end=2373
+  _globals['_DTYPE']._serialized_start=2337
+  _globals['_DTYPE']._serialized_end=2407
   _globals['_CHUNK']._serialized_start=36
   _globals['_CHUNK']._serialized_end=99
   _globals['_PARAMINFO']._serialized_start=101
@@ -35,41 +35,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREQUEST']._serialized_start=219
   _globals['_REGISTERREQUEST']._serialized_end=327
   _globals['_REGISTERREPLY']._serialized_start=330
-  _globals['_REGISTERREPLY']._serialized_end=649
-  _globals['_INITREQUEST']._serialized_start=651
-  _globals['_INITREQUEST']._serialized_end=742
-  _globals['_INITREPLY']._serialized_start=744
-  _globals['_INITREPLY']._serialized_end=789
-  _globals['_PULLREQUEST']._serialized_start=791
-  _globals['_PULLREQUEST']._serialized_end=859
-  _globals['_PULLREPLY']._serialized_start=861
-  _globals['_PULLREPLY']._serialized_end=935
-  _globals['_PUSHREQUEST']._serialized_start=937
-  _globals['_PUSHREQUEST']._serialized_end=1047
-  _globals['_PUSHREPLY']._serialized_start=1050
-  _globals['_PUSHREPLY']._serialized_end=1231
-  _globals['_PUSHREPLY_OUTCOME']._serialized_start=1159
-  _globals['_PUSHREPLY_OUTCOME']._serialized_end=1231
-  _globals['_HEARTBEATREQUEST']._serialized_start=1233
-  _globals['_HEARTBEATREQUEST']._serialized_end=1287
-  _globals['_HEARTBEATREPLY']._serialized_start=1289
-  _globals['_HEARTBEATREPLY']._serialized_end=1373
-  _globals['_STATSREQUEST']._serialized_start=1375
-  _globals['_STATSREQUEST']._serialized_end=1389
-  _globals['_MEMBERINFO']._serialized_start=1391
-  _globals['_MEMBERINFO']._serialized_end=1467
-  _globals['_STATSREPLY']._serialized_start=1470
-  _globals['_STATSREPLY']._serialized_end=2128
-  _globals['_WORKERWAIT']._serialized_start=2130
-  _globals['_WORKERWAIT']._serialized_end=2178
-  _globals['_CHECKPOINTREQUEST']._serialized_start=2180
-  _globals['_CHECKPOINTREQUEST']._serialized_end=2199
-  _globals['_CHECKPOINTREPLY']._serialized_start=2201
-  _globals['_CHECKPOINTREPLY']._serialized_end=2249
-  _globals['_SHUTDOWNREQUEST']._serialized_start=2251
-  _globals['_SHUTDOWNREQUEST']._serialized_end=2284
-  _globals['_SHUTDOWNREPLY']._serialized_start=2286
-  _globals['_SHUTDOWNREPLY']._serialized_end=2301
-  _globals['_PARAMETERSERVER']._serialized_start=2376
-  _globals['_PARAMETERSERVER']._serialized_end=2779
+  _globals['_REGISTERREPLY']._serialized_end=666
+  _globals['_INITREQUEST']._serialized_start=668
+  _globals['_INITREQUEST']._serialized_end=759
+  _globals['_INITREPLY']._serialized_start=761
+  _globals['_INITREPLY']._serialized_end=806
+  _globals['_PULLREQUEST']._serialized_start=808
+  _globals['_PULLREQUEST']._serialized_end=876
+  _globals['_PULLREPLY']._serialized_start=878
+  _globals['_PULLREPLY']._serialized_end=952
+  _globals['_PUSHREQUEST']._serialized_start=954
+  _globals['_PUSHREQUEST']._serialized_end=1064
+  _globals['_PUSHREPLY']._serialized_start=1067
+  _globals['_PUSHREPLY']._serialized_end=1248
+  _globals['_PUSHREPLY_OUTCOME']._serialized_start=1176
+  _globals['_PUSHREPLY_OUTCOME']._serialized_end=1248
+  _globals['_HEARTBEATREQUEST']._serialized_start=1250
+  _globals['_HEARTBEATREQUEST']._serialized_end=1304
+  _globals['_HEARTBEATREPLY']._serialized_start=1306
+  _globals['_HEARTBEATREPLY']._serialized_end=1390
+  _globals['_STATSREQUEST']._serialized_start=1392
+  _globals['_STATSREQUEST']._serialized_end=1406
+  _globals['_MEMBERINFO']._serialized_start=1408
+  _globals['_MEMBERINFO']._serialized_end=1484
+  _globals['_STATSREPLY']._serialized_start=1487
+  _globals['_STATSREPLY']._serialized_end=2162
+  _globals['_WORKERWAIT']._serialized_start=2164
+  _globals['_WORKERWAIT']._serialized_end=2212
+  _globals['_CHECKPOINTREQUEST']._serialized_start=2214
+  _globals['_CHECKPOINTREQUEST']._serialized_end=2233
+  _globals['_CHECKPOINTREPLY']._serialized_start=2235
+  _globals['_CHECKPOINTREPLY']._serialized_end=2283
+  _globals['_SHUTDOWNREQUEST']._serialized_start=2285
+  _globals['_SHUTDOWNREQUEST']._serialized_end=2318
+  _globals['_SHUTDOWNREPLY']._serialized_start=2320
+  _globals['_SHUTDOWNREPLY']._serialized_end=2335
+  _globals['_PARAMETERSERVER']._serialized_start=2410
+  _globals['_PARAMETERSERVER']._serialized_end=2813
 # @@protoc_insertion_point(module_scope)

@@ -61,7 +61,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, spec_hash: _Optional[str] = ..., worker_id: _Optional[int] = ..., start_clock: _Optional[int] = ..., host: _Optional[str] = ..., observer: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("worker_id", "start_clock", "mode", "staleness", "backup_workers", "lease_s", "begin", "end", "total_size", "shard_index", "num_shards", "initialized", "version", "tcp_port", "shm_socket", "max_chunk_bytes")
+    __slots__ = ("worker_id", "start_clock", "mode", "staleness", "backup_workers", "lease_s", "begin", "end", "total_size", "shard_index", "num_shards", "initialized", "version", "tcp_port", "shm_socket", "max_chunk_bytes", "job_tag")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     START_CLOCK_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class RegisterReply(_message.Message):
     TCP_PORT_FIELD_NUMBER: _ClassVar[int]
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    JOB_TAG_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     start_clock: int
     mode: str
@@ -94,7 +95,8 @@ class RegisterReply(_message.Message):
     tcp_port: int
     shm_socket: str
     max_chunk_bytes: int
-    def __init__(self, worker_id: _Optional[int] = ..., start_clock: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., lease_s: _Optional[float] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., total_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., tcp_port: _Optional[int] = ..., shm_socket: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    job_tag: str
+    def __init__(self, worker_id: _Optional[int] = ..., start_clock: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., lease_s: _Optional[float] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., total_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., tcp_port: _Optional[int] = ..., shm_socket: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., job_tag: _Optional[str] = ...) -> None: ...
 
 class InitRequest(_message.Message):
     __slots__ = ("spec", "num_chunks", "chunk")
@@ -207,7 +209,7 @@ class MemberInfo(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., idle_s: _Optional[float] = ..., host: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "mode", "version", "begin", "end", "members", "min_clock", "max_clock", "pushes", "pulls", "bytes_in", "bytes_out", "applied_updates", "dropped_late", "duplicates", "evictions", "rejected", "staleness_counts", "mean_staleness", "max_staleness", "wait_s_total", "checkpoint", "initialized", "total_size", "waits", "departed", "lost_updates", "restored_version", "stalled_evictions", "revoked_reads")
+    __slots__ = ("shard_index", "num_shards", "mode", "version", "begin", "end", "members", "min_clock", "max_clock", "pushes", "pulls", "bytes_in", "bytes_out", "applied_updates", "dropped_late", "duplicates", "evictions", "rejected", "staleness_counts", "mean_staleness", "max_staleness", "wait_s_total", "checkpoint", "initialized", "total_size", "waits", "departed", "lost_updates", "restored_version", "stalled_evictions", "revoked_reads", "job_tag")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +241,7 @@ class StatsReply(_message.Message):
     RESTORED_VERSION_FIELD_NUMBER: _ClassVar[int]
     STALLED_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     REVOKED_READS_FIELD_NUMBER: _ClassVar[int]
+    JOB_TAG_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     mode: str
@@ -270,7 +273,8 @@ class StatsReply(_message.Message):
     restored_version: int
     stalled_evictions: int
     revoked_reads: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., min_clock: _Optional[int] = ..., max_clock: _Optional[int] = ..., pushes: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., applied_updates: _Optional[int] = ..., dropped_late: _Optional[int] = ..., duplicates: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., wait_s_total: _Optional[float] = ..., checkpoint: _Optional[str] = ..., initialized: _Optional[bool] = ..., total_size: _Optional[int] = ..., waits: _Optional[_Iterable[_Union[WorkerWait, _Mapping]]] = ..., departed: _Optional[_Iterable[int]] = ..., lost_updates: _Optional[int] = ..., restored_version: _Optional[int] = ..., stalled_evictions: _Optional[int] = ..., revoked_reads: _Optional[int] = ...) -> None: ...
+    job_tag: str
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., min_clock: _Optional[int] = ..., max_clock: _Optional[int] = ..., pushes: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., applied_updates: _Optional[int] = ..., dropped_late: _Optional[int] = ..., duplicates: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., wait_s_total: _Optional[float] = ..., checkpoint: _Optional[str] = ..., initialized: _Optional[bool] = ..., total_size: _Optional[int] = ..., waits: _Optional[_Iterable[_Union[WorkerWait, _Mapping]]] = ..., departed: _Optional[_Iterable[int]] = ..., lost_updates: _Optional[int] = ..., restored_version: _Optional[int] = ..., stalled_evictions: _Optional[int] = ..., revoked_reads: _Optional[int] = ..., job_tag: _Optional[str] = ...) -> None: ...
 
 class WorkerWait(_message.Message):
     __slots__ = ("worker_id", "seconds")
