@@ -27,6 +27,7 @@ SHARD_FIELDS = (
     "pushes", "pulls", "bytes_in", "bytes_out", "applied_updates", "dropped_late", "duplicates",
     "evictions", "rejected", "staleness_counts", "mean_staleness", "max_staleness", "wait_s_total",
     "checkpoint", "waits", "departed", "lost_updates", "restored_version", "stalled_evictions",
+    "uncompensated_updates", "momentum",
 )
 
 

@@ -29,6 +29,7 @@ from psgrid.psserver.shared_memory import SharedArray
 
 MAX_SHARED_READERS = 256     # slots in the table of marks: connections of the shared-memory plane at once
 NO_MARK = -1
+NO_VERSION = -1
 
 
 class WeightRing:
@@ -49,6 +50,7 @@ class WeightRing:
         self.holders: list[SharedArray | None] = []     # the shared file behind each buffer, if shared
         self.arrays: list[np.ndarray] = []
         self.lent: list[int] = []                       # in-process readers of each buffer
+        self.versions: list[int] = []                   # the version each buffer holds (NO_VERSION: none whole)
         self.current = 0
         self._marks_holder = SharedArray(MAX_SHARED_READERS, np.int64, "psgrid-marks") if shared else None
         self.marks = self._marks_holder.array if shared else np.full(MAX_SHARED_READERS, NO_MARK, np.int64)
@@ -82,21 +84,37 @@ class WeightRing:
             self.holders.append(None)
             self.arrays.append(np.empty(self.size, np.float32))
         self.lent.append(0)
+        self.versions.append(NO_VERSION)
         return len(self.arrays) - 1
 
     # ----- writing a version ------------------------------------------------------------------
 
-    def spare(self) -> int:
-        """A buffer nobody reads, to write the next version into (a new one if every buffer is held)."""
+    def spare(self, keep: int | None = None) -> int:
+        """A buffer nobody reads, to write the next version into (a new one if every buffer is held).
+
+        ``keep``: a buffer the update itself reads besides the current one (delay compensation's
+        pulled version), never handed out to be written.
+        """
         marked = set(self.marks[self.marks >= 0].tolist())
         for index in range(len(self.arrays)):
-            if index != self.current and not self.lent[index] and index not in marked:
+            if index != self.current and index != keep and not self.lent[index] and index not in marked:
+                self.versions[index] = NO_VERSION      # about to be overwritten (or half-written, if refused)
                 return index
         return self._grow()
 
-    def publish(self, index: int) -> None:
-        """Make buffer ``index`` (just written) the current version."""
+    def publish(self, index: int, version: int = NO_VERSION) -> None:
+        """Make buffer ``index`` (just written, holding ``version``) the current version."""
         self.current = index
+        self.versions[index] = version
+
+    def find(self, version: int) -> int | None:
+        """The buffer that still holds ``version``, if one does (older ones are overwritten as buffers free up)."""
+        if version == NO_VERSION:
+            return None
+        for index, held in enumerate(self.versions):
+            if held == version:
+                return index
+        return None
 
     # ----- readers ----------------------------------------------------------------------------
 
