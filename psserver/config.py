@@ -33,6 +33,7 @@ class ServerConfig:
     staleness_compensation: str | None = None   # "none", "lr" or "dc" (None: "lr" if lr_staleness, else "none")
     dc_lambda0: float = 2.0            # dc: lambda before its adaptive scaling (DC-ASGD-a)
     dc_beta: float = 0.95              # dc: decay of the gradients' mean square that scales lambda
+    dc_versions: int = 3               # dc: past versions kept to compensate from (a range-sized buffer each)
     async_momentum: str = "off"        # "auto": async/ssp lower momentum by the 1 - 1/W asynchrony adds
     lease_s: float = 10.0
     progress_timeout_s: float = 300.0  # sync/ssp: evict a worker others wait on that has not pushed this long (0: off)
@@ -76,6 +77,8 @@ class ServerConfig:
             raise InvalidArgument(f"dc_lambda0 must be finite and > 0, got {self.dc_lambda0}")
         if not 0.0 <= self.dc_beta < 1.0:
             raise InvalidArgument(f"dc_beta must be in [0, 1), got {self.dc_beta}")
+        if not 1 <= self.dc_versions <= 64:
+            raise InvalidArgument(f"dc_versions must be in 1..64, got {self.dc_versions}")
         if self.async_momentum not in ASYNC_MOMENTUM:
             raise InvalidArgument(f"async_momentum must be one of {ASYNC_MOMENTUM}, got {self.async_momentum!r}")
         if self.async_momentum == "auto" and self.optimizer != "sgd":

@@ -98,6 +98,7 @@ class Shard:
         self.lr_staleness = config.compensation == "lr"
         self.delay: DelayCompensation | None = None      # dc: made with the optimizer
         self.auto_momentum = config.async_momentum == "auto" and config.mode != "sync" and config.momentum > 0
+        self.plain_steps = not self.auto_momentum and not (config.compensation == "dc" and config.mode != "sync")
         self.version = 0
         self.pool: BufferPool | None = None
         # sync: open round -> {worker: gradient}. Summed in worker order when the round closes,
@@ -147,7 +148,7 @@ class Shard:
     def _new_optimizer(self) -> None:
         self.optimizer = make_optimizer(self.config.optimizer, self.size, chunks=self.chunks,
                                         **self.config.optimizer_hparams())
-        if self.config.compensation == "dc" and self.config.mode != "sync":
+        if not self.plain_steps and self.config.compensation == "dc":
             self.delay = DelayCompensation(self.size, self.config.dc_lambda0, self.config.dc_beta)
 
     @property
@@ -525,9 +526,15 @@ class Shard:
                 staleness = max(0, self.version - version_used)
                 scale = 1.0 / max(1, staleness) if self.lr_staleness else 1.0
                 ring = self.ring
-                pulled = self._pulled(version_used)
-                source, target = ring.current, ring.spare(keep=pulled)
-            self._step(ring, source, grad, scale, target, pulled, check_finite=True)
+                if self.plain_steps:
+                    pulled, source, target = None, ring.current, ring.spare()
+                else:
+                    pulled = self._pulled(version_used)
+                    source, target = ring.current, self._spare(pulled)
+            if self.plain_steps:
+                self.optimizer.step(ring.arrays[source], grad, scale, out=ring.arrays[target], check_finite=True)
+            else:
+                self._step(ring, source, grad, scale, target, pulled, check_finite=True)
             with self.cond:
                 next_clock = clock + 1
                 if self.policy.is_live(worker):
@@ -596,9 +603,13 @@ class Shard:
 
     def _apply(self, grad: np.ndarray, lr_scale: float, version_used: int | None = None) -> None:
         ring = self.ring
-        pulled = self._pulled(version_used)
-        target = ring.spare(keep=pulled)      # never the buffer readers see: they keep the version they were given
-        self._step(ring, ring.current, grad, lr_scale, target, pulled)
+        if self.plain_steps:
+            pulled, target = None, ring.spare()     # never the buffer readers see: they keep the version they were given
+            self.optimizer.step(ring.weights, grad, lr_scale, out=ring.arrays[target])
+        else:
+            pulled = self._pulled(version_used)
+            target = self._spare(pulled)
+            self._step(ring, ring.current, grad, lr_scale, target, pulled)
         ring.publish(target, self.version + 1)
         self._count_applied(pulled)
 
@@ -608,9 +619,15 @@ class Shard:
             return None
         return self.ring.find(version_used)
 
+    def _spare(self, pulled: int | None) -> int:
+        """The buffer to write the next version into; dc keeps the last ``dc_versions`` and the one it reads."""
+        if self.delay is None:     # auto momentum alone
+            return self.ring.spare()
+        return self.ring.spare_keeping(pulled, self.version - self.config.dc_versions + 1)
+
     def _step(self, ring: WeightRing, source: int, grad: np.ndarray, lr_scale: float, target: int,
               pulled: int | None, check_finite: bool = False) -> None:
-        """One optimizer step from buffer ``source`` into ``target``; dc corrects ``grad`` from buffer ``pulled``."""
+        """A step with a remedy on (``plain_steps`` off): dc corrects ``grad`` from buffer ``pulled``."""
         if self.auto_momentum:
             self._tune_momentum()
         if self.delay is None:

@@ -89,16 +89,27 @@ class WeightRing:
 
     # ----- writing a version ------------------------------------------------------------------
 
-    def spare(self, keep: int | None = None) -> int:
-        """A buffer nobody reads, to write the next version into (a new one if every buffer is held).
-
-        ``keep``: a buffer the update itself reads besides the current one (delay compensation's
-        pulled version), never handed out to be written.
-        """
+    def spare(self) -> int:
+        """A buffer nobody reads, to write the next version into (a new one if every buffer is held)."""
         marked = set(self.marks[self.marks >= 0].tolist())
         for index in range(len(self.arrays)):
-            if index != self.current and index != keep and not self.lent[index] and index not in marked:
+            if index != self.current and not self.lent[index] and index not in marked:
                 self.versions[index] = NO_VERSION      # about to be overwritten (or half-written, if refused)
+                return index
+        return self._grow()
+
+    def spare_keeping(self, keep: int | None, keep_since: int) -> int:
+        """:meth:`spare`, but never buffer ``keep`` nor one that holds a version from ``keep_since`` on.
+
+        Delay compensation reads ``keep`` (the version a stale gradient came from) during the
+        update, and keeps the last few versions so that the next stale push finds its own.
+        """
+        marked = set(self.marks[self.marks >= 0].tolist())
+        keep_since = max(0, keep_since)            # a buffer that holds no version is never kept
+        for index in range(len(self.arrays)):
+            if (index != self.current and index != keep and not self.lent[index] and index not in marked
+                    and self.versions[index] < keep_since):
+                self.versions[index] = NO_VERSION
                 return index
         return self._grow()
 

@@ -129,10 +129,32 @@ def test_the_ring_finds_a_version_only_while_a_buffer_holds_it():
     target = ring.spare()
     ring.publish(target, 8)
     assert (ring.find(7), ring.find(8)) == (0, target)
-    kept = ring.spare(keep=0)                            # the update reads version 7: a new buffer
+    kept = ring.spare_keeping(0, 9)                      # the update reads version 7: a new buffer
     assert kept not in (0, target) and ring.find(7) == 0
     again = ring.spare()                                 # handed out to be written: 7 is gone
     assert again == 0 and ring.find(7) is None and ring.find(9) is None
+    ring.publish(kept, 9)
+    assert ring.spare_keeping(None, 8) == 0              # 8 and 9 are kept; 0 holds no version
+    ring.publish(0, 10)
+    assert ring.spare_keeping(None, 8) == 3 and ring.find(8) == target  # all kept: the ring grows
+    assert ring.spare_keeping(None, 9) == target         # 8 may go now
+
+
+def test_a_dc_shard_keeps_dc_versions_past_versions_to_compensate_from():
+    shard = make_shard(mode="async", lr=0.5, staleness_compensation="dc", dc_versions=3)
+    shard.register(SPEC.hash(), 0, -1, "test")
+    rng = np.random.default_rng(6)
+    for clock in range(6):
+        push(shard, 0, clock, clock, rng.normal(size=SPEC.size).astype(np.float32))
+    assert [shard.ring.find(v) is not None for v in range(7)] == [False] * 3 + [True] * 4
+    assert len(shard.ring.arrays) == 4                   # the current version and 3 past ones
+    push(shard, 0, 6, 3, rng.normal(size=SPEC.size).astype(np.float32))       # staleness 3: compensated
+    assert shard.stats()["uncompensated_updates"] == 0
+    assert len(shard.ring.arrays) == 5                   # version 3 was read as version 7 was written
+    push(shard, 0, 7, 4, rng.normal(size=SPEC.size).astype(np.float32))       # staleness 3 again
+    assert shard.stats()["uncompensated_updates"] == 0
+    push(shard, 0, 8, 2, rng.normal(size=SPEC.size).astype(np.float32))       # version 2 is long gone
+    assert shard.stats()["uncompensated_updates"] == 1 and len(shard.ring.arrays) == 5
 
 
 def test_sync_shards_never_compensate():

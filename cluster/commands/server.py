@@ -30,6 +30,8 @@ SERVER_FLAGS = [
      "ASGD, Zheng et al. 2017)"),
     ("--dc-lambda0", "dc_lambda0", float, "dc: lambda before its adaptive scaling (default 2)"),
     ("--dc-beta", "dc_beta", float, "dc: decay of the gradients' mean square that scales lambda (default 0.95)"),
+    ("--dc-versions", "dc_versions", int, "dc: past versions the shard keeps to compensate a stale push from "
+                                          "(default 3; a copy of the shard's range each)"),
     ("--async-momentum", "async_momentum", ASYNC_MOMENTUM,
      "async/ssp: auto lowers --momentum by the 1 - 1/W that W asynchronous workers add (Mitliagkas et al. 2016)"),
     ("--lease-s", "lease_s", float, "evict a worker that has not heart-beaten for this many seconds"),
