@@ -72,7 +72,7 @@ class ServerConfig:
                                   f"got {self.staleness_compensation!r}")
         if self.lr_staleness and self.staleness_compensation not in (None, "lr"):
             raise InvalidArgument(f"lr_staleness = true means staleness_compensation = 'lr', but it is "
-                                  f"{self.staleness_compensation!r}: set staleness_compensation only")
+                                  f"{self.staleness_compensation!r}: keep one of the two (lr_staleness = false)")
         if not 0.0 < self.dc_lambda0 < float("inf"):
             raise InvalidArgument(f"dc_lambda0 must be finite and > 0, got {self.dc_lambda0}")
         if not 0.0 <= self.dc_beta < 1.0:

@@ -226,7 +226,7 @@ def test_lr_staleness_is_an_alias_of_lr_compensation():
     ({"staleness_compensation": "delay"}, "staleness_compensation must be one of ('none', 'lr', 'dc'), got 'delay'"),
     ({"async_momentum": "on"}, "async_momentum must be one of ('off', 'auto'), got 'on'"),
     ({"lr_staleness": True, "staleness_compensation": "dc"}, "lr_staleness = true means staleness_compensation"),
-    ({"lr_staleness": True, "staleness_compensation": "none"}, "set staleness_compensation only"),
+    ({"lr_staleness": True, "staleness_compensation": "none"}, "keep one of the two (lr_staleness = false)"),
     ({"async_momentum": "auto", "optimizer": "adam"}, "async_momentum = 'auto' lowers SGD's momentum"),
     ({"dc_lambda0": 0.0}, "dc_lambda0 must be finite and > 0"),
     ({"dc_beta": 1.0}, "dc_beta must be in [0, 1)"),
@@ -262,3 +262,21 @@ def test_psctl_server_takes_the_compensation_flags():
     with pytest.raises(ConfigError, match="--staleness-compensation dc"):
         server_config_from_args(build_parser().parse_args(["server", "--lr-staleness",
                                                            "--staleness-compensation", "dc"]))
+
+
+def test_a_restored_dc_shard_compensates_from_the_version_it_restored(tmp_path):
+    settings = dict(mode="async", lr=0.5, staleness_compensation="dc", checkpoint_dir=str(tmp_path))
+    shard = make_shard(**settings)
+    shard.register(SPEC.hash(), 0, -1, "test")
+    shard.register(SPEC.hash(), 1, -1, "test")
+    rng = np.random.default_rng(7)
+    for clock in range(3):
+        push(shard, 0, clock, clock, rng.normal(size=SPEC.size).astype(np.float32))
+    shard.checkpoint()                                        # version 3
+    restored = Shard(ServerConfig(shared_memory=False, **settings))
+    assert restored.version == 3 and restored.ring.find(3) == restored.ring.current
+    push(restored, 0, 3, 3, rng.normal(size=SPEC.size).astype(np.float32))
+    push(restored, 1, 0, 3, rng.normal(size=SPEC.size).astype(np.float32))   # staleness 1, from the restored one
+    assert restored.stats()["uncompensated_updates"] == 0
+    push(restored, 0, 4, 2, rng.normal(size=SPEC.size).astype(np.float32))   # version 2: before the restart
+    assert restored.stats()["uncompensated_updates"] == 1
