@@ -603,8 +603,8 @@ class Shard:
 
     def _apply(self, grad: np.ndarray, lr_scale: float, version_used: int | None = None) -> None:
         ring = self.ring
-        if self.plain_steps:
-            pulled, target = None, ring.spare()     # never the buffer readers see: they keep the version they were given
+        if self.plain_steps:       # the spare is never the buffer readers see: they keep the version they were given
+            pulled, target = None, ring.spare()
             self.optimizer.step(ring.weights, grad, lr_scale, out=ring.arrays[target])
         else:
             pulled = self._pulled(version_used)
