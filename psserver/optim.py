@@ -123,7 +123,10 @@ class Optimizer:
             On a wrong shape or dtype or a bad ``lr_scale``; nothing is changed then.
         """
         out = weights if out is None else out
-        for name, a in (("weights", weights), ("grad", grad), ("out", out)):
+        given = [("weights", weights), ("grad", grad), ("out", out)]
+        if pulled is not None:
+            given.append(("pulled", pulled))
+        for name, a in given:
             if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != (self.size,):
                 got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
                 raise InvalidArgument(f"{name} must be float32 of shape ({self.size},), got {got}")
@@ -250,7 +253,7 @@ class SGD(Optimizer):
         self._v = self._buffer("momentum_buffer") if self.momentum else None
 
     def set_momentum(self, momentum: float) -> None:
-        """Change the momentum between steps, within [0, the momentum it was built with].
+        """Change the momentum between steps (in [0, 1); the optimizer must have been built with some).
 
         Used by ``async_momentum = "auto"`` as workers come and go (compensation.py). At 0 the
         velocity is cleared: momentum that comes back starts afresh rather than from a stale one.
