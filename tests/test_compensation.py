@@ -280,3 +280,11 @@ def test_a_restored_dc_shard_compensates_from_the_version_it_restored(tmp_path):
     assert restored.stats()["uncompensated_updates"] == 0
     push(restored, 0, 4, 2, rng.normal(size=SPEC.size).astype(np.float32))   # version 2: before the restart
     assert restored.stats()["uncompensated_updates"] == 1
+
+
+def test_a_dc_step_with_pulled_weights_of_another_shape_changes_nothing():
+    opt, delay = SGD(8, lr=0.1), DelayCompensation(8)
+    w, g = np.ones(8, np.float32), np.ones(8, np.float32)
+    with pytest.raises(InvalidArgument, match=r"pulled must be float32 of shape \(8,\)"):
+        opt.step(w, g, delay=delay, pulled=np.ones(7, np.float32))
+    assert opt.steps == 0 and not delay.mean_square.any() and (w == 1).all()
