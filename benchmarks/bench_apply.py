@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from psgrid.psserver import optim
+from psgrid.psserver.compensation import DelayCompensation
 
 CASES = {
     "sgd": ("sgd", dict(lr=0.01)),
@@ -24,6 +25,8 @@ CASES = {
     "sgd+nesterov+wd": ("sgd", dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-4)),
     "adam": ("adam", dict(lr=1e-3)),
     "adam+wd": ("adam", dict(lr=1e-3, weight_decay=1e-4)),
+    "sgd+dc": ("sgd", dict(lr=0.01)),                 # staleness_compensation = "dc" (compensation.py)
+    "sgd+momentum+dc": ("sgd", dict(lr=0.01, momentum=0.9)),
 }
 
 
@@ -45,6 +48,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     w = rng.standard_normal(n, dtype=np.float32)
     g = rng.standard_normal(n, dtype=np.float32) * 1e-3
+    pulled = w + rng.standard_normal(n, dtype=np.float32) * 1e-3     # dc: the version a stale gradient came from
     dst = np.empty_like(w)
     np.copyto(dst, w)  # fault the pages in before timing
     alone = statistics.median(timed(lambda: np.copyto(dst, w)) for _ in range(args.repeats))
@@ -57,11 +61,12 @@ def main() -> None:
             optim.BLOCK = block  # an optimizer takes its block size when built
             for label, (name, hp) in CASES.items():
                 opt = optim.make_optimizer(name, n, **hp)
-                opt.step(w, g)  # warm up: state pages and caches
+                dc = dict(delay=DelayCompensation(n), pulled=pulled) if label.endswith("+dc") else {}
+                opt.step(w, g, **dc)  # warm up: state pages and caches
                 copy, step = [], []
                 for _ in range(args.repeats):
                     copy.append(timed(lambda: np.copyto(dst, w)))
-                    step.append(timed(lambda: opt.step(w, g)))
+                    step.append(timed(lambda: opt.step(w, g, **dc)))
                 tc, ts = statistics.median(copy), statistics.median(step)
                 print(f"block {block:>8}  {label:<16} step {ts * 1e3:6.2f} ms  "
                       f"copyto {tc * 1e3:5.2f} ms  ratio {tc / ts:.2f} (vs copyto alone {alone / ts:.2f})")

@@ -28,6 +28,7 @@ SHARD_FIELDS = (
     "evictions", "rejected", "staleness_counts", "mean_staleness", "max_staleness", "wait_s_total",
     "checkpoint", "waits", "departed", "lost_updates", "restored_version", "stalled_evictions",
     "revoked_reads",
+    "uncompensated_updates", "momentum",
 )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from psgrid.psserver.compensation import ASYNC_MOMENTUM, COMPENSATIONS
 from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.protocol import (DATA_PLANES, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, MODES,
                                       OPTIMIZERS)
@@ -28,7 +29,12 @@ class ServerConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
-    lr_staleness: bool = False         # scale each step by 1/max(1, staleness)
+    lr_staleness: bool = False         # the older spelling of staleness_compensation = "lr"
+    staleness_compensation: str | None = None   # "none", "lr" or "dc" (None: "lr" if lr_staleness, else "none")
+    dc_lambda0: float = 2.0            # dc: lambda before its adaptive scaling (DC-ASGD-a)
+    dc_beta: float = 0.95              # dc: decay of the gradients' mean square that scales lambda
+    dc_versions: int = 3               # dc: past versions kept to compensate from (a range-sized buffer each)
+    async_momentum: str = "off"        # "auto": async/ssp lower momentum by the 1 - 1/W asynchrony adds
     lease_s: float = 10.0
     progress_timeout_s: float = 300.0  # sync/ssp: evict a worker others wait on that has not pushed this long (0: off)
     checkpoint_dir: str | None = None
@@ -61,6 +67,22 @@ class ServerConfig:
             raise InvalidArgument(f"shard index {self.shard_index} is outside 0..{self.num_shards - 1}")
         if self.staleness < 0:
             raise InvalidArgument(f"staleness must be >= 0, got {self.staleness}")
+        if self.staleness_compensation is not None and self.staleness_compensation not in COMPENSATIONS:
+            raise InvalidArgument(f"staleness_compensation must be one of {COMPENSATIONS}, "
+                                  f"got {self.staleness_compensation!r}")
+        if self.lr_staleness and self.staleness_compensation not in (None, "lr"):
+            raise InvalidArgument(f"lr_staleness = true means staleness_compensation = 'lr', but it is "
+                                  f"{self.staleness_compensation!r}: keep one of the two (lr_staleness = false)")
+        if not 0.0 < self.dc_lambda0 < float("inf"):
+            raise InvalidArgument(f"dc_lambda0 must be finite and > 0, got {self.dc_lambda0}")
+        if not 0.0 <= self.dc_beta < 1.0:
+            raise InvalidArgument(f"dc_beta must be in [0, 1), got {self.dc_beta}")
+        if not 1 <= self.dc_versions <= 64:
+            raise InvalidArgument(f"dc_versions must be in 1..64, got {self.dc_versions}")
+        if self.async_momentum not in ASYNC_MOMENTUM:
+            raise InvalidArgument(f"async_momentum must be one of {ASYNC_MOMENTUM}, got {self.async_momentum!r}")
+        if self.async_momentum == "auto" and self.optimizer != "sgd":
+            raise InvalidArgument(f"async_momentum = 'auto' lowers SGD's momentum; optimizer is {self.optimizer!r}")
         if self.backup_workers < 0:
             raise InvalidArgument(f"backup_workers must be >= 0, got {self.backup_workers}")
         if not self.lr > 0:
@@ -86,6 +108,13 @@ class ServerConfig:
             raise InvalidArgument(f"port must be in 0..65535, got {self.port}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidArgument("tls_cert and tls_key must be given together")
+
+    @property
+    def compensation(self) -> str:
+        """What the shard does about staleness: one of COMPENSATIONS (``lr_staleness`` read as "lr")."""
+        if self.staleness_compensation is not None:
+            return self.staleness_compensation
+        return "lr" if self.lr_staleness else "none"
 
     def optimizer_hparams(self) -> dict:
         """The optimizer's settings, as :func:`~psgrid.psserver.optim.make_optimizer` takes them."""

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from psgrid.psserver.compensation import DelayCompensation
 from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.parallel import SERIAL, Chunks
 from psgrid.psserver.protocol import Reason
@@ -90,7 +91,8 @@ class Optimizer:
             yield slice(start, stop), t[: stop - start], u[: stop - start]
 
     def step(self, weights: np.ndarray, grad: np.ndarray, lr_scale: float = 1.0, *,
-             out: np.ndarray | None = None, check_finite: bool = False) -> None:
+             out: np.ndarray | None = None, check_finite: bool = False,
+             delay: DelayCompensation | None = None, pulled: np.ndarray | None = None) -> None:
         """Apply one update to ``weights``, in place or into ``out``; ``grad`` is only read.
 
         Parameters
@@ -108,6 +110,12 @@ class Optimizer:
             been written). Without state (plain SGD) each block is checked as the update reads it,
             while it is in cache, which costs far less than a pass of its own; otherwise a pass
             over the gradient comes first.
+        delay : DelayCompensation, optional
+            Correct ``grad`` for the versions between ``pulled`` and ``weights`` (DC-ASGD-a,
+            compensation.py) block by block, as the update reads it.
+        pulled : numpy.ndarray, optional
+            With ``delay``: the weights the gradient was computed from; None when they are no
+            longer held (the gradient goes on uncompensated, the mean square still takes it).
 
         Raises
         ------
@@ -115,18 +123,25 @@ class Optimizer:
             On a wrong shape or dtype or a bad ``lr_scale``; nothing is changed then.
         """
         out = weights if out is None else out
-        for name, a in (("weights", weights), ("grad", grad), ("out", out)):
+        given = [("weights", weights), ("grad", grad), ("out", out)]
+        if pulled is not None:
+            given.append(("pulled", pulled))
+        for name, a in given:
             if not isinstance(a, np.ndarray) or a.dtype != np.float32 or a.shape != (self.size,):
                 got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
                 raise InvalidArgument(f"{name} must be float32 of shape ({self.size},), got {got}")
         if not out.flags.writeable:
             raise InvalidArgument(f"{'weights' if out is weights else 'out'} must be writeable")
         scale = _hparam("lr_scale", lr_scale, _positive, "finite and > 0")
-        fused = check_finite and not self._buffers
+        fused = check_finite and not self._buffers and delay is None
         if check_finite and not fused and not self.chunks.all_finite(grad):
             raise NON_FINITE()
         lr = self.lr * scale
         blocks = (lambda lo, hi, i: _checked(self._blocks(lo, hi, i), grad)) if fused else self._blocks
+        if delay is not None:
+            raw, own_blocks = grad, blocks
+            blocks = lambda lo, hi, i: delay.blocks(own_blocks(lo, hi, i), raw, weights, pulled)  # noqa: E731
+            grad = delay.compensated
         self.steps += 1
         try:
             self.chunks.map(lambda lo, hi, i: self._apply(weights, grad, lr, out, blocks(lo, hi, i)), self.size)
@@ -236,6 +251,18 @@ class SGD(Optimizer):
             raise InvalidArgument("nesterov needs momentum > 0")
         self.nesterov = bool(nesterov)
         self._v = self._buffer("momentum_buffer") if self.momentum else None
+
+    def set_momentum(self, momentum: float) -> None:
+        """Change the momentum between steps (in [0, 1); the optimizer must have been built with some).
+
+        Used by ``async_momentum = "auto"`` as workers come and go (compensation.py). At 0 the
+        velocity is cleared: momentum that comes back starts afresh rather than from a stale one.
+        """
+        if self._v is None or not 0.0 <= momentum < 1.0:
+            raise InvalidArgument(f"momentum must be in [0, 1) on an optimizer built with momentum, got {momentum!r}")
+        if momentum == 0.0 and self.momentum != 0.0:
+            self._v.fill(0.0)
+        self.momentum = float(momentum)
 
     def _apply(self, w, g, lr, out, blocks):
         mu, wd, v = self.momentum, self.weight_decay, self._v

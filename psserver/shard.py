@@ -19,6 +19,7 @@ import numpy as np
 
 from psgrid.psserver import checkpoint
 from psgrid.psserver.config import ServerConfig
+from psgrid.psserver.compensation import DelayCompensation, effective_momentum
 from psgrid.psserver.membership import Leases
 from psgrid.psserver.buffers import BufferPool
 from psgrid.psserver.exceptions import (CheckpointFailed, InvalidArgument, NotInitialized, SpecMismatch, Unavailable,
@@ -51,6 +52,7 @@ class Counters:
     evictions: int = 0
     stalled_evictions: int = 0     # of those, workers others waited on that made no progress
     lost_updates: int = 0          # known lost to a restart (see StatsReply.lost_updates)
+    uncompensated: int = 0         # dc: stale updates applied as they came, their pulled version gone from the ring
     rejected: int = 0
     wait_s_total: float = 0.0
     wait_s_by_worker: dict[int, float] = field(default_factory=dict)
@@ -93,6 +95,11 @@ class Shard:
         self.ring: WeightRing | None = None      # the weights: versions readers hold, and the current one
         self.shares_memory = True     # False once this process could not put the weights in shared memory
         self.optimizer = None
+        # Staleness remedies (compensation.py); sync computes every gradient from the version it meets.
+        self.lr_staleness = config.compensation == "lr"
+        self.delay: DelayCompensation | None = None      # dc: made with the optimizer
+        self.auto_momentum = config.async_momentum == "auto" and config.mode != "sync" and config.momentum > 0
+        self.plain_steps = not self.auto_momentum and not (config.compensation == "dc" and config.mode != "sync")
         self.version = 0
         self.pool: BufferPool | None = None
         # sync: open round -> {worker: gradient}. Summed in worker order when the round closes,
@@ -130,26 +137,34 @@ class Shard:
         """The current version of this range's weights (read only: updates write a new buffer)."""
         return None if self.ring is None else self.ring.weights
 
-    def _new_ring(self, values: np.ndarray) -> None:
-        """Hold ``values`` as the weights, in shared memory when readers on this host may map them.
+    def _new_ring(self, values: np.ndarray, version: int) -> None:
+        """Hold ``values`` (at ``version``) as the weights, in shared memory when readers on this host may map them.
 
         Where this process may not make the shared files (a file-size limit), in private memory:
         said once, and the shared-memory plane is no longer offered (the network planes serve).
         """
         shared = self.shares_memory and self.config.shared_memory and shared_memory.can_share_read_only()
+        keep = self.config.dc_versions if not self.plain_steps and self.config.compensation == "dc" else 0
         try:
-            ring = WeightRing(len(values), shared=shared)
+            ring = WeightRing(len(values), shared=shared, keep_versions=keep)
         except OSError as exc:
             if not shared:
                 raise
             log.warning("shard %d keeps its weights in private memory, %s; workers on this host use the network "
                         "plane", self.config.shard_index, shared_memory.refused(exc, values.nbytes))
             self.shares_memory = False
-            ring = WeightRing(len(values), shared=False)
+            ring = WeightRing(len(values), shared=False, keep_versions=keep)
         np.copyto(ring.weights, values, casting="same_kind")
+        ring.publish(ring.current, version)
         if self.ring is not None:
             self.ring.close()
         self.ring = ring
+
+    def _new_optimizer(self) -> None:
+        self.optimizer = make_optimizer(self.config.optimizer, self.size, chunks=self.chunks,
+                                        **self.config.optimizer_hparams())
+        if not self.plain_steps and self.config.compensation == "dc":
+            self.delay = DelayCompensation(self.size, self.config.dc_lambda0, self.config.dc_beta)
 
     @property
     def size(self) -> int:
@@ -320,9 +335,8 @@ class Shard:
             if values is None or values.shape != (end - begin,):
                 raise InvalidArgument(f"Init must cover this shard's range [{begin}, {end})", Reason.BAD_SIZE)
             self.spec, self.begin, self.end = spec, begin, end
-            self._new_ring(values)
-            self.optimizer = make_optimizer(self.config.optimizer, end - begin, chunks=self.chunks,
-                                            **self.config.optimizer_hparams())
+            self._new_ring(values, self.version)
+            self._new_optimizer()
             self.pool = BufferPool(end - begin)
             # Members that registered another model were never the job's: they learn it at their next call.
             for worker in [w for w, h in self.member_hashes.items() if h != spec.hash()]:
@@ -492,8 +506,8 @@ class Shard:
                 self._emit("dropped_late")
                 staleness = -1
             elif decision.outcome is Outcome.APPLIED:
-                scale = 1.0 / max(1, staleness) if self.config.lr_staleness else 1.0
-                self._apply(grad, scale)
+                scale = 1.0 / max(1, staleness) if self.lr_staleness else 1.0
+                self._apply(grad, scale, version_used)
                 self._record_staleness(staleness)
             else:  # ACCUMULATED: hold the buffer itself for the round (no copy); the pool gets it back at close
                 held = self.round_grads.setdefault(decision.round, {})
@@ -532,10 +546,17 @@ class Shard:
                     return PushResult(Outcome.DUPLICATE, self.version, -1, expected)
                 self.policy.check_ahead(worker, clock)      # refused before the update is computed
                 staleness = max(0, self.version - version_used)
-                scale = 1.0 / max(1, staleness) if self.config.lr_staleness else 1.0
+                scale = 1.0 / max(1, staleness) if self.lr_staleness else 1.0
                 ring = self.ring
-                source, target = ring.current, ring.spare()
-            self.optimizer.step(ring.arrays[source], grad, scale, out=ring.arrays[target], check_finite=True)
+                if self.plain_steps:
+                    pulled, source, target = None, ring.current, ring.spare()
+                else:
+                    pulled = self._pulled(version_used)
+                    source, target = ring.current, self._spare(pulled)
+            if self.plain_steps:
+                self.optimizer.step(ring.arrays[source], grad, scale, out=ring.arrays[target], check_finite=True)
+            else:
+                self._step(ring, source, grad, scale, target, pulled, check_finite=True)
             with self.cond:
                 next_clock = clock + 1
                 if self.policy.is_live(worker):
@@ -544,8 +565,8 @@ class Shard:
                         self._skipped(worker, expected, clock, "pushed")
                 self._count_push(worker, nbytes)
                 self._record_staleness(staleness)
-                ring.publish(target)
-                self._count_applied()
+                ring.publish(target, self.version + 1)
+                self._count_applied(pulled)
                 self.cond.notify_all()
                 return PushResult(Outcome.APPLIED, self.version, staleness, next_clock)
 
@@ -603,15 +624,55 @@ class Shard:
                     self.pool.give(buf)
         return closed
 
-    def _apply(self, grad: np.ndarray, lr_scale: float) -> None:
+    def _apply(self, grad: np.ndarray, lr_scale: float, version_used: int | None = None) -> None:
         ring = self.ring
-        target = ring.spare()      # never the buffer readers see: they keep the version they were given
-        self.optimizer.step(ring.weights, grad, lr_scale, out=ring.arrays[target])
-        ring.publish(target)
-        self._count_applied()
+        if self.plain_steps:       # the spare is never the buffer readers see: they keep the version they were given
+            pulled, target = None, ring.spare()
+            self.optimizer.step(ring.weights, grad, lr_scale, out=ring.arrays[target])
+        else:
+            pulled = self._pulled(version_used)
+            target = self._spare(pulled)
+            self._step(ring, ring.current, grad, lr_scale, target, pulled)
+        ring.publish(target, self.version + 1)
+        self._count_applied(pulled)
 
-    def _count_applied(self) -> None:
+    def _pulled(self, version_used: int | None) -> int | None:
+        """dc: the ring's buffer that still holds the version a gradient was computed from (else None)."""
+        if self.delay is None or version_used is None:
+            return None
+        return self.ring.find(version_used)
+
+    def _spare(self, pulled: int | None) -> int:
+        """The buffer to write the next version into; dc keeps the last ``dc_versions`` and the one it reads."""
+        if self.delay is None:     # auto momentum alone
+            return self.ring.spare()
+        return self.ring.spare_keeping(pulled, self.version - self.config.dc_versions + 1)
+
+    def _step(self, ring: WeightRing, source: int, grad: np.ndarray, lr_scale: float, target: int,
+              pulled: int | None, check_finite: bool = False) -> None:
+        """A step with a remedy on (``plain_steps`` off): dc corrects ``grad`` from buffer ``pulled``."""
+        if self.auto_momentum:
+            self._tune_momentum()
+        if self.delay is None:
+            self.optimizer.step(ring.arrays[source], grad, lr_scale, out=ring.arrays[target], check_finite=check_finite)
+        else:
+            self.optimizer.step(ring.arrays[source], grad, lr_scale, out=ring.arrays[target], check_finite=check_finite,
+                                delay=self.delay, pulled=None if pulled is None else ring.arrays[pulled])
+
+    def _tune_momentum(self) -> None:
+        """async_momentum = "auto": the explicit momentum less what the live workers' asynchrony adds.
+
+        Read at each update (under ``apply_lock`` in async, ``cond`` in ssp, so never during a
+        step), so it follows the membership as workers come and go.
+        """
+        momentum = effective_momentum(self.config.momentum, len(self.policy.clocks))
+        if momentum != self.optimizer.momentum:
+            self.optimizer.set_momentum(momentum)
+
+    def _count_applied(self, pulled: int | None = None) -> None:
         """A new version is published (call under ``cond``): count it, and capture a checkpoint if one is due."""
+        if self.delay is not None and pulled is None:
+            self.counters.uncompensated += 1
         self.version += 1
         self.counters.applied_updates += 1
         self.updates_since_checkpoint += 1
@@ -719,9 +780,8 @@ class Shard:
             arrays, meta = found
             spec = ModelSpec.from_json(meta["spec"])
             self.spec, self.begin, self.end = spec, meta["begin"], meta["end"]
-            self._new_ring(arrays["weights"])
-            self.optimizer = make_optimizer(self.config.optimizer, self.size, chunks=self.chunks,
-                                            **self.config.optimizer_hparams())
+            self._new_ring(arrays["weights"], meta["version"])
+            self._new_optimizer()
             opt_state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
             self.optimizer.load_state_dict({k: (v if v.ndim else v.item()) for k, v in opt_state.items()})
             self.pool = BufferPool(self.size)
@@ -773,6 +833,8 @@ class Shard:
                 "revoked_reads": self.ring.revoked if self.ring is not None else 0,
                 "mean_staleness": c.staleness_sum / c.staleness_n if c.staleness_n else 0.0,
                 "max_staleness": c.max_staleness, "wait_s_total": c.wait_s_total,
+                "uncompensated_updates": c.uncompensated,
+                "momentum": float(getattr(self.optimizer, "momentum", 0.0)),
                 "checkpoint": self.last_checkpoint, "initialized": self.initialized,
                 "total_size": self.spec.size if self.spec else 0,
                 "job_tag": job_tag(self.config.job_id),

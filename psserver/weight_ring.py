@@ -47,6 +47,7 @@ MAX_SHARED_READERS = 256     # slots in the table of marks: connections of the s
 # cost the shard these eight buffers, no more.
 MAX_VERSIONS = 8
 NOT_GIVEN = -3               # what the shard gave a slot that holds nothing (no buffer has this index)
+NO_VERSION = -1              # what a buffer holds while it holds no whole version
 
 
 class WeightRing:
@@ -61,12 +62,15 @@ class WeightRing:
         processes on this host can map them.
     """
 
-    def __init__(self, size: int, *, shared: bool):
+    def __init__(self, size: int, *, shared: bool, keep_versions: int = 0):
         self.size = size
         self.shared = shared
+        # Delay compensation keeps the last few versions (spare_keeping): room for them past the cap.
+        self.max_versions = MAX_VERSIONS + max(0, keep_versions)
         self.holders: list[SharedArray | None] = []     # the shared file behind each buffer, if shared
         self.arrays: list[np.ndarray] = []
         self.lent: list[int] = []                       # in-process readers of each buffer
+        self.versions: list[int] = []                   # the version each buffer holds (NO_VERSION: none whole)
         self.current = 0
         # readers write their own slots in it: sealed against resizing only
         self._marks_holder = SharedArray(MAX_SHARED_READERS, np.int64, "psgrid-marks") if shared else None
@@ -110,6 +114,7 @@ class WeightRing:
             self.arrays.append(np.empty(self.size, np.float32))
         self.lent.append(0)
         self.published.append(-1)
+        self.versions.append(NO_VERSION)
         return len(self.arrays) - 1
 
     # ----- writing a version ------------------------------------------------------------------
@@ -117,19 +122,35 @@ class WeightRing:
     def spare(self) -> int:
         """A buffer nobody reads, to write the next version into.
 
-        A new one if every buffer is held, up to :data:`MAX_VERSIONS`; past that, the buffer
+        A new one if every buffer is held, up to ``max_versions``; past that, the buffer
         handed out longest ago, taken back from the readers that hold it (:meth:`_revoke`).
         """
+        return self.spare_keeping(None, None)
+
+    def spare_keeping(self, keep: int | None, keep_since: int | None) -> int:
+        """:meth:`spare`, but never buffer ``keep``, nor (while others are free) one holding a version from ``keep_since`` on.
+
+        Delay compensation reads ``keep`` (the version a stale gradient came from) during the
+        update, and keeps the last few versions so that the next stale push finds its own; at
+        the cap, the versions kept give way before a reader's read is taken back.
+        """
         held = self._held()
-        for index in range(len(self.arrays)):
-            if index != self.current and not self.lent[index] and index not in held:
-                return index
-        if len(self.arrays) < MAX_VERSIONS:
-            return self._grow()
-        candidates = [i for i in range(len(self.arrays)) if i != self.current and not self.lent[i]]
-        if not candidates:       # only in-process lending past its cap (shard.MAX_LENT_BUFFERS) could do this
-            return self._grow()
-        return self._revoke(min(candidates, key=self.published.__getitem__))
+        free = [i for i in range(len(self.arrays)) if i != self.current and i != keep and not self.lent[i]]
+        for index in free:
+            if index not in held and (keep_since is None or self.versions[index] < max(0, keep_since)):
+                return self._taken(index)
+        if len(self.arrays) < self.max_versions:
+            return self._taken(self._grow())
+        unheld = [i for i in free if i not in held]
+        if unheld:               # only versions kept for compensation: the oldest gives way
+            return self._taken(min(unheld, key=self.published.__getitem__))
+        if not free:             # only in-process lending past its cap (shard.MAX_LENT_BUFFERS) could do this
+            return self._taken(self._grow())
+        return self._taken(self._revoke(min(free, key=self.published.__getitem__)))
+
+    def _taken(self, index: int) -> int:
+        self.versions[index] = NO_VERSION      # about to be overwritten (or half-written, if refused)
+        return index
 
     def _held(self) -> set[int]:
         """Buffers readers in other processes hold: slots that still say what the shard gave them.
@@ -146,11 +167,21 @@ class WeightRing:
         self.given[slots] = NOT_GIVEN
         return index
 
-    def publish(self, index: int) -> None:
-        """Make buffer ``index`` (just written) the current version."""
+    def publish(self, index: int, version: int = NO_VERSION) -> None:
+        """Make buffer ``index`` (just written, holding ``version``) the current version."""
         self.current = index
         self.publications += 1
         self.published[index] = self.publications
+        self.versions[index] = version
+
+    def find(self, version: int) -> int | None:
+        """The buffer that still holds ``version``, if one does (older ones are overwritten as buffers free up)."""
+        if version == NO_VERSION:
+            return None
+        for index, held in enumerate(self.versions):
+            if held == version:
+                return index
+        return None
 
     # ----- readers ----------------------------------------------------------------------------
 

@@ -74,3 +74,25 @@ def test_a_lone_async_worker_without_overlap_is_never_stale_and_with_it_still_le
     applied = [s for s in steps if s["event"] == "step" and s["outcome"] == "APPLIED"]
     assert len(applied) == 120 and max(s["staleness"] for s in applied) <= 1
     assert scores["test_accuracy"] >= 0.85, scores
+
+
+@pytest.mark.timeout(150)
+def test_two_async_workers_learn_with_dc_and_auto_momentum(cluster, tmp_path, monkeypatch):
+    """Delay compensation and asynchrony-aware momentum through real shards, read back over gRPC."""
+    from psgrid.psserver.optim import SGD
+
+    applied = []
+    real = SGD.set_momentum
+    monkeypatch.setattr(SGD, "set_momentum", lambda self, mu: (applied.append(mu), real(self, mu))[1])
+    train = TrainConfig(model="softmax", dataset="digits", batch_size=32, steps=150, eval_every=0, init_scale=0.1)
+    c = cluster(2, mode="async", lr=0.2, momentum=0.9, staleness_compensation="dc", async_momentum="auto")
+    results = run_threads([lambda r=r: run_worker(train, c.addresses, r, 2, str(tmp_path / f"w{r}.jsonl"))
+                           for r in range(2)], timeout=120)
+    assert [r["steps"] for r in results] == [150, 150]
+    scores = evaluate(train, c.addresses)
+    assert scores["test_accuracy"] >= 0.85, scores
+    assert 0.4 in [round(mu, 12) for mu in applied], applied     # two live workers: 0.9 - (1 - 1/2)
+    for stats in c.admin().stats():                               # through StatsReply
+        stale = stats["applied_updates"] - stats["staleness_counts"][0]
+        assert stale > 0 and stats["uncompensated_updates"] < stale, stats
+        assert stats["momentum"] in (pytest.approx(0.4), pytest.approx(0.9)), stats

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from psgrid.cluster.commands._common import DATA_PLANES, MODES, OPTIMIZERS, add_command, add_config_arg
+from psgrid.psserver.compensation import ASYNC_MOMENTUM, COMPENSATIONS
 
 HELP = "run one parameter-server shard"
 
@@ -22,7 +23,17 @@ SERVER_FLAGS = [
     ("--momentum", "momentum", float, "SGD momentum"),
     ("--nesterov", "nesterov", bool, "Nesterov momentum"),
     ("--weight-decay", "weight_decay", float, "L2 weight decay"),
-    ("--lr-staleness", "lr_staleness", bool, "scale each update by 1/max(1, staleness)"),
+    ("--lr-staleness", "lr_staleness", bool, "scale each update by 1/max(1, staleness) (the older spelling of "
+                                             "--staleness-compensation lr)"),
+    ("--staleness-compensation", "staleness_compensation", COMPENSATIONS,
+     "async/ssp: what a stale update gets: none, lr (step scaled by 1/max(1, staleness)) or dc (delay-compensated "
+     "ASGD, Zheng et al. 2017)"),
+    ("--dc-lambda0", "dc_lambda0", float, "dc: lambda before its adaptive scaling (default 2)"),
+    ("--dc-beta", "dc_beta", float, "dc: decay of the gradients' mean square that scales lambda (default 0.95)"),
+    ("--dc-versions", "dc_versions", int, "dc: past versions the shard keeps to compensate a stale push from "
+                                          "(default 3; a copy of the shard's range each)"),
+    ("--async-momentum", "async_momentum", ASYNC_MOMENTUM,
+     "async/ssp: auto lowers --momentum by the 1 - 1/W that W asynchronous workers add (Mitliagkas et al. 2016)"),
     ("--lease-s", "lease_s", float, "evict a worker that has not heart-beaten for this many seconds"),
     ("--progress-timeout-s", "progress_timeout_s", float, "sync/ssp: evict a worker the others wait on that has "
                                                           "not pushed for this many seconds (0: never)"),

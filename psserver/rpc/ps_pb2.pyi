@@ -209,7 +209,7 @@ class MemberInfo(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., idle_s: _Optional[float] = ..., host: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "mode", "version", "begin", "end", "members", "min_clock", "max_clock", "pushes", "pulls", "bytes_in", "bytes_out", "applied_updates", "dropped_late", "duplicates", "evictions", "rejected", "staleness_counts", "mean_staleness", "max_staleness", "wait_s_total", "checkpoint", "initialized", "total_size", "waits", "departed", "lost_updates", "restored_version", "stalled_evictions", "revoked_reads", "job_tag")
+    __slots__ = ("shard_index", "num_shards", "mode", "version", "begin", "end", "members", "min_clock", "max_clock", "pushes", "pulls", "bytes_in", "bytes_out", "applied_updates", "dropped_late", "duplicates", "evictions", "rejected", "staleness_counts", "mean_staleness", "max_staleness", "wait_s_total", "checkpoint", "initialized", "total_size", "waits", "departed", "lost_updates", "restored_version", "stalled_evictions", "revoked_reads", "job_tag", "uncompensated_updates", "momentum")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +242,8 @@ class StatsReply(_message.Message):
     STALLED_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     REVOKED_READS_FIELD_NUMBER: _ClassVar[int]
     JOB_TAG_FIELD_NUMBER: _ClassVar[int]
+    UNCOMPENSATED_UPDATES_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     mode: str
@@ -274,7 +276,9 @@ class StatsReply(_message.Message):
     stalled_evictions: int
     revoked_reads: int
     job_tag: str
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., min_clock: _Optional[int] = ..., max_clock: _Optional[int] = ..., pushes: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., applied_updates: _Optional[int] = ..., dropped_late: _Optional[int] = ..., duplicates: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., wait_s_total: _Optional[float] = ..., checkpoint: _Optional[str] = ..., initialized: _Optional[bool] = ..., total_size: _Optional[int] = ..., waits: _Optional[_Iterable[_Union[WorkerWait, _Mapping]]] = ..., departed: _Optional[_Iterable[int]] = ..., lost_updates: _Optional[int] = ..., restored_version: _Optional[int] = ..., stalled_evictions: _Optional[int] = ..., revoked_reads: _Optional[int] = ..., job_tag: _Optional[str] = ...) -> None: ...
+    uncompensated_updates: int
+    momentum: float
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., min_clock: _Optional[int] = ..., max_clock: _Optional[int] = ..., pushes: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., applied_updates: _Optional[int] = ..., dropped_late: _Optional[int] = ..., duplicates: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., wait_s_total: _Optional[float] = ..., checkpoint: _Optional[str] = ..., initialized: _Optional[bool] = ..., total_size: _Optional[int] = ..., waits: _Optional[_Iterable[_Union[WorkerWait, _Mapping]]] = ..., departed: _Optional[_Iterable[int]] = ..., lost_updates: _Optional[int] = ..., restored_version: _Optional[int] = ..., stalled_evictions: _Optional[int] = ..., revoked_reads: _Optional[int] = ..., job_tag: _Optional[str] = ..., uncompensated_updates: _Optional[int] = ..., momentum: _Optional[float] = ...) -> None: ...
 
 class WorkerWait(_message.Message):
     __slots__ = ("worker_id", "seconds")
