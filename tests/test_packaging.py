@@ -29,15 +29,21 @@ def installed_files() -> list[str] | None:
     return [str(f) for f in dist.files]
 
 
-def wheel_files(tmp_path: Path) -> list[str]:
+def build_wheel(tmp_path: Path) -> Path:
+    """The wheel of this checkout, built into ``tmp_path`` by this interpreter's setuptools."""
     # Built from a copy: setuptools never empties build/, so an in-tree build can ship stale files.
     source = tmp_path / "source"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "runs", "__pycache__",
                                                                ".venv", ".whl"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
                     str(tmp_path), str(source)], check=True, capture_output=True, timeout=120)
+    shutil.rmtree(source)
     [wheel] = tmp_path.glob("psgrid-*.whl")
-    with zipfile.ZipFile(wheel) as z:
+    return wheel
+
+
+def wheel_files(tmp_path: Path) -> list[str]:
+    with zipfile.ZipFile(build_wheel(tmp_path)) as z:
         return z.namelist()
 
 
