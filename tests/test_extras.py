@@ -64,3 +64,11 @@ def test_a_shard_and_a_worker_need_no_extra():
                           env=dict(os.environ, PYTHONPATH=with_this_tree(os.environ)))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "4000"
+
+
+@pytest.mark.parametrize("command", ["mpi", "allreduce"])
+def test_mpi_commands_without_mpi4py_name_the_extra_and_exit_2(command):
+    done = psctl_without("mpi4py", command, "--config", "mnist", timeout=60)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"psctl {command}: error: psctl {command} needs mpi4py: pip install 'psgrid[mpi]'")
