@@ -35,7 +35,11 @@ def build_wheel(tmp_path: Path) -> Path:
     source = tmp_path / "source"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "runs", "__pycache__",
                                                                ".venv", ".whl"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+    # This interpreter's setuptools where it has one (no download); else pip's isolated build gets it.
+    import importlib.util
+
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w",
                     str(tmp_path), str(source)], check=True, capture_output=True, timeout=120)
     shutil.rmtree(source)
     [wheel] = tmp_path.glob("psgrid-*.whl")
