@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from psgrid.cluster import coordinator as co
-from psgrid.cluster import credentials
+from psgrid.cluster import credentials, hydra_topology
 from psgrid.cluster import results as res
 from psgrid.cluster.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import JobFailed, UsageError
@@ -39,9 +39,10 @@ from psgrid.psserver import files
 SETTINGS_FILE = "experiment.json"
 POLL_S = 0.2
 # A local all-reduce run is a single-host MPI job: keep every transport on loopback unless told otherwise
-# (MPICH's launcher, UCX, libfabric, Open MPI's launcher and TCP transport).
+# (MPICH's launcher, UCX, libfabric, Open MPI's launcher and TCP transport), and let MPICH's launcher
+# write no topology file that a failed run would leave in /tmp (cluster/hydra_topology.py).
 LOCAL_MPI_ENV = {"HYDRA_IFACE": "lo", "UCX_TLS": "self,sm", "UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo",
-                 "OMPI_MCA_oob_tcp_if_include": "lo", "OMPI_MCA_btl_tcp_if_include": "lo"}
+                 "OMPI_MCA_oob_tcp_if_include": "lo", "OMPI_MCA_btl_tcp_if_include": "lo", **hydra_topology.ENV}
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import html
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -20,6 +21,9 @@ from typing import Callable
 from psgrid.cluster.grouping import Spread, acc, finished, groups_of, modes_of, rows_of, secs, sig, spread
 from psgrid.cluster.reading import reading
 from psgrid.psserver import files
+
+# matplotlib is an extra (psgrid[plots]): without it the report is written without its plots.
+PLOTS_SKIPPED = "plots skipped: pip install 'psgrid[plots]'"
 
 
 # ---- the blocks and their two renderings ---------------------------------------------------
@@ -163,8 +167,8 @@ def _target_text(settings: dict) -> str:
     return f"Target test accuracy: {acc(target)}, {how}. Time to target counts from the run's start."
 
 
-def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]]) -> list:
-    """The report's blocks; ``plots`` maps a plot's name to its PNG and caption."""
+def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]] | None) -> list:
+    """The report's blocks; ``plots`` maps a plot's name to its PNG and caption (None: matplotlib is missing)."""
     ok = finished(rows)
     blocks: list = [Heading(settings.get("title") or "psctl compare", 1),
                     Paragraph("The command that ran this experiment and wrote this report "
@@ -185,7 +189,9 @@ def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]]) 
     for mode in modes_of(ok, settings):
         if any(r["mode"] == mode for r in ok):
             blocks += [Heading(mode, 3), mode_table(ok, settings, mode)]
-    if plots:
+    if plots is None:
+        blocks += [Heading("Plots"), Paragraph(f"No plots: matplotlib is not installed ({PLOTS_SKIPPED}).")]
+    elif plots:
         blocks.append(Heading("Plots"))
         blocks += [Image(path, f"plots/{path.name}", caption) for path, caption in plots.values()]
     blocks.append(Heading("Reading"))
@@ -215,16 +221,27 @@ def write_report(out: Path, settings: dict, rows: list[dict], events: dict[str, 
     -------
     The paths written: ``"md"``, ``"html"`` and one per plot, by the plot's name.
     """
-    from psgrid.cluster import plots as plotting   # matplotlib is loaded only to write a report
-
     out = Path(out)
     files.make_dirs(out)
-    plots = plotting.write_plots(out / "plots", rows, events, settings)
+    plotting = _plotting()
+    plots = None if plotting is None else plotting.write_plots(out / "plots", rows, events, settings)
     blocks = build(settings, rows, plots)
     paths = {"md": out / "report.md", "html": out / "report.html"}
     _write(paths["md"], to_markdown(blocks))
     _write(paths["html"], to_html(blocks, settings.get("title") or "psctl compare"))
-    return {**paths, **{name: path for name, (path, _) in plots.items()}}
+    return {**paths, **{name: path for name, (path, _) in (plots or {}).items()}}
+
+
+def _plotting():
+    """:mod:`psgrid.cluster.plots`, or None (and one line on stderr) where matplotlib is not installed."""
+    try:
+        from psgrid.cluster import plots   # matplotlib is loaded only to write a report
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] != "matplotlib":
+            raise
+        print(f"psctl compare: {PLOTS_SKIPPED}", file=sys.stderr)
+        return None
+    return plots
 
 
 def _write(path: Path, text: str) -> None:

@@ -1,4 +1,4 @@
-"""Your own array model on the shards: an MLP on scikit-learn's digits, CuPy on a GPU, NumPy elsewhere.
+"""Your own array model on the shards: an MLP on the 8 x 8 digits, CuPy on a GPU, NumPy elsewhere.
 
     psctl launch --workers 2 -- python examples/train_cupy.py
     mpiexec -n 4 psctl mpi --shards 1 -- python examples/train_cupy.py --steps 300
@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-from sklearn.datasets import load_digits
 
 import psgrid  # +ps
+from psgrid.worker.data import read_shipped
 
 
 def array_module(gpu: int | None):
@@ -89,8 +89,8 @@ def main() -> None:
     params = {k: xp.asarray(v) for k, v in init_params([64, args.hidden, 10], args.seed).items()}
     ps = psgrid.init(params)  # +ps: join the job; the shards start from rank 0's weights
 
-    digits = load_digits()
-    x, y = xp.asarray(digits.data / 16, dtype=xp.float32), xp.asarray(digits.target)
+    images, labels = read_shipped("digits")     # the UCI digits scikit-learn has, shipped with psgrid
+    x, y = xp.asarray(images.reshape(len(labels), -1) / 16, dtype=xp.float32), xp.asarray(labels, dtype=xp.int64)
     x_train, y_train = x[:1400][ps.rank::ps.world], y[:1400][ps.rank::ps.world]
     x_test, y_test = x[1400:], y[1400:]
     rng = np.random.default_rng(args.seed + ps.rank)

