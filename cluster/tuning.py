@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 
 from psgrid.cluster.config import JobConfig, ConfigError, apply_overrides, parse_assignment, route
 from psgrid.cluster.errors import UsageError
@@ -62,7 +63,8 @@ def parse_tune(texts: list[str], job: JobConfig, *, flag: str = "--tune", server
             for value in values:
                 apply_overrides(job, {key: value})
         except ConfigError as e:
-            raise UsageError(f"{flag} {text}: {e}") from None
+            # Not the job file's name: the value came from this flag.
+            raise UsageError(f"{flag} {text}: {re.sub(r'^.*?[(]with overrides[)]: ', '', str(e))}") from None
         if server_only and sections != {"server"}:
             raise UsageError(f"{flag} {text}: with a script after --, tune the shards' keys (lr, momentum, "
                              f"optimizer, ...); the script reads its own training settings")
