@@ -41,6 +41,7 @@ from psgrid.cluster.launch import Launcher, prepare_out
 from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 
 SETTINGS_FILE = "experiment.json"
+CHOSEN_FILE = "chosen.json"        # with --tune: the points the repeats run at, fixed once the tune runs are done
 POLL_S = 0.2
 # A local all-reduce run is a single-host MPI job: keep every transport on loopback unless told otherwise
 # (MPICH's launcher, UCX, libfabric, Open MPI's launcher and TCP transport).
@@ -152,9 +153,12 @@ def prepare(experiment: Experiment, resume: bool) -> list[Run]:
 
 
 def _plan_of(settings: dict) -> tuple:
-    return tuple(json.dumps(settings.get(k), sort_keys=True) for k in ("job", "modes", "workers", "stragglers",
-                                                                       "repeats", "backup_workers", "tune",
-                                                                       "tune_steps", "mode_settings", "script"))
+    # The keys added with --tune and scripts count as absent when empty: an older experiment resumes.
+    return tuple(json.dumps(settings.get(k) if k not in NEWER_KEYS else settings.get(k) or None, sort_keys=True)
+                 for k in ("job", "modes", "workers", "stragglers", "repeats", "backup_workers", *NEWER_KEYS))
+
+
+NEWER_KEYS = ("tune", "tune_steps", "mode_settings", "script")
 
 
 def _describe(settings: dict) -> str:
@@ -268,7 +272,9 @@ class Compare:
         try:
             interrupted = self.run_all(todo, len(x.tune_runs or x.runs), failed)
             if x.grid and interrupted is None:
-                repeats = x.repeat_runs(chosen_settings(x, tune_rows(x)[0]))
+                chosen = chosen_settings(x, tune_rows(x)[0])
+                save_chosen(x, chosen)
+                repeats = x.repeat_runs(chosen)
                 interrupted = self.run_all([r for r in repeats if not x.finished(r)], len(repeats), failed)
         finally:
             for sig, handler in old.items():
@@ -348,9 +354,23 @@ def tune_rows(x: Experiment) -> tuple[list[dict], dict[str, list[dict]], dict]:
 
 
 def chosen_settings(x: Experiment, rows: list[dict]) -> dict[tuple, Settings]:
-    """Each (mode, workers, stragglers) group's settings at its best grid point."""
+    """Each (mode, workers, stragglers) group's settings at its best grid point.
+
+    Once the repeats have started they are the saved ones (D/chosen.json): a report written again
+    for another target must not relabel the repeats with points they did not run at.
+    """
+    try:
+        saved = json.loads((x.out / CHOSEN_FILE).read_text())
+        return {(c["mode"], c["workers"], c["stragglers"]): tuple((k, v) for k, v in c["settings"]) for c in saved}
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        pass
     by_id = {r.id: r.settings for r in x.tune_runs}
     return {group: by_id[row["run"]] for group, row in tuning.choose(rows).items()}
+
+
+def save_chosen(x: Experiment, chosen: dict[tuple, Settings]) -> None:
+    co.write_json(x.out / CHOSEN_FILE, [{"mode": m, "workers": w, "stragglers": s, "settings": [list(kv) for kv in p]}
+                                        for (m, w, s), p in chosen.items()])
 
 
 def write_results(x: Experiment) -> list[dict]:
@@ -358,8 +378,8 @@ def write_results(x: Experiment) -> list[dict]:
     from psgrid.cluster.report import Tuning, write_report
 
     tuned, tune_events, tune_targets = tune_rows(x)
-    chosen = tuning.choose(tuned)
-    repeats = x.repeat_runs(chosen_settings(x, tuned))
+    chosen = chosen_settings(x, tuned)
+    repeats = x.repeat_runs(chosen)
     rows, events = _rows(x, repeats)
     target, source = x.target, "given"
     if target is None:
@@ -380,8 +400,14 @@ def write_results(x: Experiment) -> list[dict]:
     os.replace(x.out / "results.jsonl.tmp", x.out / "results.jsonl")
     if every:
         write_report(x.out, dict(x.settings, target_accuracy=target, target_source=source), rows, events,
-                     tuning=Tuning(tuned, {g: r["run"] for g, r in chosen.items()}, tune_targets) if x.grid else None)
+                     tuning=Tuning(tuned, _chosen_runs(x, chosen), tune_targets) if x.grid else None)
     return every
+
+
+def _chosen_runs(x: Experiment, chosen: dict[tuple, Settings]) -> dict[tuple, str]:
+    """Each group's chosen point as the id of its tune run."""
+    return {(r.mode.label, r.workers, r.stragglers): r.id for r in x.tune_runs
+            if chosen.get((r.mode.label, r.workers, r.stragglers)) == r.settings}
 
 
 def rewrite_report(out: Path, target: float | None = None) -> list[dict]:

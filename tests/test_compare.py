@@ -180,6 +180,11 @@ def test_tune_runs_the_repeats_of_each_mode_at_its_own_best_grid_point(tmp_path)
     md = (out / "report.md").read_text()
     assert "## Tuning" in md and "### Sensitivity, 1 worker, no stragglers" in md and "| lr=0.01 |" in md
     assert (out / "plots" / "sensitivity.png").read_bytes().startswith(PNG)
+    # Written again for another target, the report keeps the points the repeats ran at.
+    again = psctl("compare", "--report-only", "--out", str(out), "--target-accuracy", "0.05")
+    assert again.returncode == 0, again.stderr
+    assert [(r["run"], r["settings"]) for r in rows_of(out) if r["phase"] == "repeat"] == [
+        (r["run"], r["settings"]) for r in repeats]
 
 
 @pytest.mark.slow
