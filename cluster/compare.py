@@ -86,7 +86,9 @@ class Experiment:
 
     @property
     def classes(self) -> int | None:
-        """The number of classes, for the chance test of divergence (None for a script: its own data)."""
+        """The number of classes, for the chance test of divergence (a script's: --classes, else None)."""
+        if self.settings.get("classes"):
+            return int(self.settings["classes"])
         if self.command:
             return None
         return self.job.train.synthetic_classes if self.job.train.dataset == "synthetic" else 10
@@ -410,11 +412,11 @@ def _chosen_runs(x: Experiment, chosen: dict[tuple, Settings]) -> dict[tuple, st
             if chosen.get((r.mode.label, r.workers, r.stragglers)) == r.settings}
 
 
-def rewrite_report(out: Path, target: float | None = None) -> list[dict]:
+def rewrite_report(out: Path, target: float | None = None, classes: int | None = None) -> list[dict]:
     """Write summary.csv, results.jsonl and the report of the experiment in ``out`` again, from its runs.
 
     Nothing is run; the settings (machine included) are those saved when it ran, except the target
-    accuracy when one is given.
+    accuracy and the number of classes when given.
     """
     from psgrid.cluster.config import job_from_dict
 
@@ -424,6 +426,8 @@ def rewrite_report(out: Path, target: float | None = None) -> list[dict]:
         raise UsageError(f"{out} holds no experiment ({SETTINGS_FILE} is missing or unreadable)") from None
     if target is not None:
         settings.update(target_accuracy=target, target_source="given")
+    if classes is not None:
+        settings["classes"] = classes
     return write_results(experiment_from(job_from_dict(settings["job"]), settings, out))
 
 
@@ -479,7 +483,7 @@ def job_summary(job: JobConfig) -> str:
 def settings_for(job: JobConfig, *, command: list[str], modes, workers, stragglers, repeats: int,
                  target: float | None, backup_workers: int | None, tune: dict | None = None,
                  tune_steps: int | None = None, mode_settings: dict | None = None,
-                 script: list[str] | None = None) -> dict:
+                 script: list[str] | None = None, classes: int | None = None) -> dict:
     info = machine()
     info["gpu"] = gpu_name(job.train.device)
     return {
@@ -488,7 +492,7 @@ def settings_for(job: JobConfig, *, command: list[str], modes, workers, straggle
         "repeats": repeats, "backup_workers": backup_workers, "target_accuracy": target,
         "tune": tune or {}, "tune_steps": tune_steps,
         "mode_settings": {m: [list(kv) for kv in s] for m, s in (mode_settings or {}).items()},
-        "script": script, "shards": job.shards,
+        "script": script, "shards": job.shards, "classes": classes,
         "target_source": "given" if target is not None else "auto",
         "machine": info, "job_summary": job_summary(job), "job": job.public_dict(),
         "title": f"psctl compare: {job.name}",

@@ -83,6 +83,7 @@ def test_no_command_prints_help_and_fails(capsys):
     (["compare", "--out", "x", "--tune", "lr"], "--tune expects KEY=V1,V2"),
     (["compare", "--out", "x", "--tune", "mode=sync,async"], "set by the experiment itself"),
     (["compare", "--out", "x", "--tune-steps", "10"], "give --tune KEY=V1,V2 too"),
+    (["compare", "--out", "x", "--classes", "1"], "--classes must be at least 2, got 1"),
     (["compare", "--out", "x", "--modes", "sync", "--mode-set", "async:lr=1"], "--mode-set expects MODE:KEY=VALUE"),
     (["compare", "--out", "x", "--mode-set", "async:lr=1,2"], "one value; to try several, use --tune"),
     (["compare", "--out", "x", "--modes", "sync,allreduce", "--", "python", "examples/train_cupy.py"],

@@ -207,7 +207,7 @@ def test_a_diverged_mode_is_marked_said_first_and_never_sets_the_target(tmp_path
 @pytest.mark.slow
 def test_compare_runs_a_users_script_in_every_mode(tmp_path):
     out = tmp_path / "cmp"
-    p = psctl("compare", "--workers", "2", "--shards", "1", "--out", str(out), "--no-progress",
+    p = psctl("compare", "--workers", "2", "--shards", "1", "--classes", "10", "--out", str(out), "--no-progress",
               "--", "python", "examples/train_cupy.py", "--steps", "30", "--eval-every", "10")
     assert p.returncode == 0, p.stderr
     rows = rows_of(out)

@@ -73,6 +73,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--mode-set", action="append", default=[], metavar="MODE:KEY=VALUE",
                    help="a setting for one mode's runs only, e.g. --mode-set async:lr=0.02 (tuning, if any, "
                         "starts from it)")
+    e.add_argument("--classes", type=int, metavar="K",
+                   help="classes of the task, for the divergence test (final test accuracy <= 1.5/K is chance; "
+                        "default: the job's dataset's; with a script after --, no chance test unless given)")
     e.add_argument("--target-accuracy", type=float, metavar="A",
                    help="test accuracy whose time to reach is compared (default: the highest every run reached)")
     e.add_argument("--out", required=True, metavar="DIR", help="output folder of the experiment")
@@ -81,7 +84,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="replace an earlier experiment in OUT (its runs, results and report) instead of refusing")
     e.add_argument("--report-only", action="store_true",
                    help="run nothing: write summary.csv and the report of the experiment in OUT again from its runs "
-                        "(with --target-accuracy, for another target)")
+                        "(with --target-accuracy, for another target; with --classes, another chance level)")
     e.add_argument("--mpi", action="store_true",
                    help="run under mpiexec or srun (every rank runs this same command): each run takes the first "
                         "1+S+W ranks as psctl mpi does (W for allreduce); needs 1+S+max(workers) ranks")
@@ -119,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
     if args.report_only:
         from psgrid.cluster.compare import rewrite_report, table_text
 
-        rows = rewrite_report(Path(args.out), args.target_accuracy)
-        print(table_text(rows, rows[0]["target_accuracy"] if rows else None))
+        rows = rewrite_report(Path(args.out), args.target_accuracy, args.classes)
+        print(table_text(rows, rows[-1]["target_accuracy"] if rows else None))   # a repeat's: they come last
         return 0
     from psgrid.cluster.commands._common import flag_names
     from psgrid.cluster.preflight import check_device, refuse_mpi_rank
@@ -153,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         if args.tune_steps < 1:
             raise UsageError(f"--tune-steps must be at least 1, got {args.tune_steps}")
     mode_settings = _mode_settings(args.mode_set, modes, job, server_only=command is not None)
+    if args.classes is not None and args.classes < 2:
+        raise UsageError(f"--classes must be at least 2, got {args.classes}")
     workers = parse_counts(args.workers, "--workers") if args.workers else [job.workers]
     stragglers = [parse_straggler_setting(s) for s in (args.stragglers or ["none"])]
     if len(set(stragglers)) != len(stragglers):
@@ -169,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_for(job, command=sys.argv[2:] if sys.argv[1:2] == ["compare"] else [],
                             modes=modes, workers=workers, stragglers=stragglers, repeats=args.repeats,
                             target=args.target_accuracy, backup_workers=args.backup_workers, tune=tune,
-                            tune_steps=args.tune_steps, mode_settings=mode_settings, script=command)
+                            tune_steps=args.tune_steps, mode_settings=mode_settings, script=command,
+                            classes=args.classes)
     experiment = experiment_from(job, settings, Path(args.out))
     if args.overwrite:
         from psgrid.cluster.outdir import EXPERIMENT_FILES, clear_run
