@@ -35,7 +35,7 @@ from psgrid.cluster import results as res
 from psgrid.cluster.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster import tuning
-from psgrid.cluster.experiment import NO_STRAGGLERS, REPEAT, TUNE, Mode, Run, Settings, plan, tune_plan
+from psgrid.cluster.experiment import NO_STRAGGLERS, TUNE, Mode, Run, Settings, plan, tune_plan
 from psgrid.cluster.interrupts import Interrupted, listen_for_interrupts
 from psgrid.cluster.launch import Launcher, prepare_out
 from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus

@@ -93,7 +93,8 @@ def processes(settings: dict) -> tuple[int, str]:
     ps = any(m != "allreduce" for m in modes)
     if not ps:
         return workers, f"all-reduce ran {workers} rank{'s' if workers != 1 else ''}"
-    what = f"1 coordinator, {shards} shard{'s' if shards != 1 else ''} and {workers} worker{'s' if workers != 1 else ''}"
+    what = (f"1 coordinator, {shards} shard{'s' if shards != 1 else ''} and "
+            f"{workers} worker{'s' if workers != 1 else ''}")
     if "allreduce" in modes:
         what += f"; all-reduce ran {workers}"
     return 1 + shards + workers, what

@@ -224,9 +224,10 @@ def test_a_diverged_run_is_said_first_with_the_fix_to_try(tmp_path):
     paras = reading(rows, settings)
     assert paras[0].startswith("Diverged: async in 3 of 3 runs (2 workers, no stragglers).")
     assert "lower learning rate" in paras[0] and "--tune lr=" in paras[0] and "staleness" in paras[0]
-    md = write_report(tmp_path, settings, rows, events)["md"].read_text()
-    summary = md.split("## Summary")[1].split("## Per mode")[0]
+    paths = write_report(tmp_path, settings, rows, events)
+    summary = paths["md"].read_text().split("## Summary")[1].split("## Per mode")[0]
     assert "| 3 of 3 |" in summary and "[" in summary        # the diverged count; 3 repeats: intervals
+    assert paths["intervals"].read_bytes().startswith(PNG)
 
 
 def test_failed_runs_are_listed_and_left_out(stragglers_case):

@@ -18,7 +18,7 @@ psctl compare --config mnist --modes sync,async,ssp:2,allreduce --out runs/cmp
 psctl compare --config mnist --workers 4 --stragglers none --stragglers 3:3 --repeats 3 --out runs/straggler
 psctl compare --config examples/synthetic-20m.toml --workers 1,2,4 --modes sync,async,allreduce --device gpu --out runs/scaling
 psctl compare --config mnist --stragglers 1:exp:20 --target-accuracy 0.9 --out runs/noisy --resume
-psctl compare --config mnist --modes sync,async,ssp:2 --tune lr=0.01,0.05,0.2 --tune momentum=0,0.9 --tune-steps 200 --repeats 3 --out runs/tuned
+psctl compare --modes sync,async,ssp:2 --tune lr=0.01,0.05,0.2 --tune momentum=0,0.9 --tune-steps 200 --out runs/tuned
 psctl compare --modes sync,async --mode-set async:lr=0.02 --out runs/lower-lr
 psctl compare --modes sync,async,ssp:2 --workers 2 --out runs/mine -- python train.py --steps 300
 mpiexec -n 7 psctl compare --mpi --config mnist --shards 2 --workers 4 --out runs/cmp-mpi
@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     if command is None:             # a user's script chooses its own device
         check_device(job.train, flag_names(args))
     else:
-        job = script.for_command(job, command, named=args.config is not None or getattr(args, "override_name", None) is not None)
+        named = args.config is not None or getattr(args, "override_name", None) is not None
+        job = script.for_command(job, command, named=named)
     modes = parse_modes(args.modes or (SCRIPT_MODES if command else DEFAULT_MODES))
     if command and any(not m.uses_shards for m in modes):
         raise UsageError("--modes allreduce needs the built-in trainer; with a script after -- compare "
