@@ -147,7 +147,7 @@ def prepare(experiment: Experiment, resume: bool) -> list[Run]:
         raise UsageError(f"{out} is not empty and holds no experiment; choose another --out")
     (out / "runs").mkdir(parents=True, exist_ok=True)
     co.write_json(settings_file, experiment.settings)
-    for folder in (out / "runs").iterdir():
+    for folder in (f for f in (out / "runs").iterdir() if f.is_dir() and not f.is_symlink()):
         summary = res.read_summary(folder)
         if not summary or summary.get("status") != "ok":
             shutil.rmtree(folder, ignore_errors=True)     # a run cut short starts again

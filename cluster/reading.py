@@ -27,13 +27,14 @@ THEORY = "theory predicts (Cui et al., ATC'14: stale-synchronous parallel beats 
 SAME_ACCURACY = 0.005     # final accuracies closer than this are called equal: too close to tell from noise
 
 
-def reading(rows: list[dict], settings: dict) -> list[str]:
+def reading(rows: list[dict], settings: dict, tune_rows: list[dict] | None = None) -> list[str]:
     """The report's "Reading": paragraphs that restate the numbers and what they say.
 
     Per group, which mode reached the target first and by how much; what stragglers did to each
     mode; staleness and waits as the reason; whether stale modes beat sync under stragglers, as
     theory predicts; final accuracy; scaling efficiency when there are several worker counts.
-    Runs that did not finish are left out and counted.
+    Runs that did not finish are left out and counted. ``tune_rows`` (the ``--tune`` grid's runs)
+    add which grid points diverged.
     """
     ok = finished(rows)
     failed = len(rows) - len(ok)
@@ -43,7 +44,7 @@ def reading(rows: list[dict], settings: dict) -> list[str]:
         return ["No run finished, so there is nothing to compare."] + tail
     groups, modes = groups_of(ok, settings), modes_of(ok, settings)
     target = settings.get("target_accuracy")
-    paras = [p for p in (_diverged(ok), _unsettled(ok, settings), _tuned(ok, settings)) if p]
+    paras = [p for p in (_diverged(ok), _unsettled(ok, settings), _tuned(ok, settings, tune_rows or [])) if p]
     paras += [_race(ok, g, modes, target) for g in groups]
     paras += _straggler_effects(ok, groups, modes)
     # Staleness and waits explain the race best where stragglers make the modes differ.
@@ -120,14 +121,19 @@ def _unsettled(ok: list[dict], settings: dict) -> str | None:
     return "These conclusions are not settled: " + "; and ".join(reasons) + "."
 
 
-def _tuned(ok: list[dict], settings: dict) -> str | None:
-    """Each mode's own settings, where they differ (tuning, or --mode-set)."""
+def _tuned(ok: list[dict], settings: dict, tune_rows: list[dict]) -> str | None:
+    """Each mode's own settings, where they differ (tuning, or --mode-set), and the grid points that diverged."""
     if not settings.get("tune") and not settings.get("mode_settings"):
         return None
     parts = [f"{m} " + " / ".join(dict.fromkeys(r.get("settings") or "the job's" for r in runs))
              for m in modes_of(ok, settings) if (runs := [r for r in ok if r["mode"] == m])]
     how = "its best point of the tuning grid (see Tuning)" if settings.get("tune") else "its own settings"
-    return f"Each mode ran at {how}: {join(parts)}." if parts else None
+    text = f"Each mode ran at {how}: {join(parts)}." if parts else ""
+    bad = [r["mode"] + " at " + (r.get("settings") or "the job's settings")
+           for r in finished(tune_rows) if r.get("diverged")]
+    if bad:
+        text += f" While tuning, {join(bad)} diverged."
+    return text.strip() or None
 
 
 def _median(ok: list[dict], group: Group, mode: str, key: str) -> float | None:

@@ -286,7 +286,7 @@ def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]], 
         blocks.append(Heading("Plots"))
         blocks += [Image(path, f"plots/{path.name}", caption) for path, caption in plots.values()]
     blocks.append(Heading("Reading"))
-    blocks += [Paragraph(p) for p in reading(rows, settings)]
+    blocks += [Paragraph(p) for p in reading(rows, settings, tuning.rows if tuning is not None else None)]
     failed = [r for r in rows if r.get("status") != "ok"]
     if failed:
         blocks += [Heading("Runs that did not finish"),

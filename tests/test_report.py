@@ -302,3 +302,16 @@ def test_the_bootstrap_interval_holds_the_median_and_is_the_same_every_time():
     assert separated(spread([{"x": 1.0}] * 3, "x"), spread([{"x": 2.0}] * 3, "x")) is True
     assert separated(spread(rows, "x"), spread([{"x": 3.0}] * 3, "x")) is False
     assert separated(spread(rows[:2], "x"), spread(rows, "x")) is None
+
+
+def test_the_reading_names_each_modes_tuned_settings_and_the_grid_points_that_diverged():
+    rows, _, settings = experiment(["sync", "async"], [2], ["none"], 3, lambda m, w, s: 0.5,
+                                   tune={"lr": [0.1, 0.5]})
+    for r in rows:
+        r["settings"] = "lr=0.5" if r["mode"] == "sync" else "lr=0.1"
+    tune = [{"run": f"tune-{m}-{lr}", "mode": m, "workers": 2, "stragglers": "none", "status": "ok",
+             "settings": f"lr={lr}", "diverged": int(m == "async" and lr == 0.5)}
+            for m in ("sync", "async") for lr in (0.1, 0.5)]
+    tuned = next(p for p in reading(rows, settings, tune) if p.startswith("Each mode ran at"))
+    assert tuned == ("Each mode ran at its best point of the tuning grid (see Tuning): sync lr=0.5 and async lr=0.1. "
+                     "While tuning, async at lr=0.5 diverged.")
