@@ -98,7 +98,7 @@ def _main(argv: list[str] | None) -> int:
         return 2
     if user_command is not None:
         if not hasattr(args, "user_command"):
-            parser.error(f"only launch and mpi run a command of yours after --, not {args.command}")
+            parser.error(f"only launch, mpi and compare run a command of yours after --, not {args.command}")
         args.user_command = user_command
     try:
         return int(args.func(args) or 0)

@@ -13,6 +13,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable
 
+import numpy as np
+
 from psgrid.cluster.experiment import NO_STRAGGLERS
 
 Group = tuple[int, str]          # (workers, straggler setting)
@@ -65,21 +67,52 @@ def straggler_ranks(setting: str) -> list[int]:
     return [int(m.group(1)) for m in (re.match(r"\s*(\d+):", s) for s in setting.split(",")) if m]
 
 
+MIN_REPEATS = 3          # the fewest repeats an interval is drawn from: with fewer, nothing is settled
+RESAMPLES, SEED, LEVEL = 2000, 0, 0.95
+
+
 @dataclass(frozen=True)
 class Spread:
-    """Median and range of one number over repeats; ``n`` counts the repeats that had it."""
+    """Median and range of one number over repeats; ``n`` counts the repeats that had it.
+
+    ``ci`` is the bootstrap 95% interval of the median where ``n >= MIN_REPEATS``, else None.
+    """
 
     median: float | None
     low: float | None
     high: float | None
     n: int
+    ci: tuple[float, float] | None = None
 
 
 def spread(rows: Iterable[dict], key: str) -> Spread:
     values = [float(r[key]) for r in rows if _number(r.get(key))]
     if not values:
         return Spread(None, None, None, 0)
-    return Spread(statistics.median(values), min(values), max(values), len(values))
+    ci = bootstrap_interval(values) if len(values) >= MIN_REPEATS else None
+    return Spread(statistics.median(values), min(values), max(values), len(values), ci)
+
+
+def bootstrap_interval(values: list[float], resamples: int = RESAMPLES, seed: int = SEED,
+                       level: float = LEVEL) -> tuple[float, float]:
+    """The percentile bootstrap interval of the median of ``values``.
+
+    ``resamples`` samples of ``len(values)`` drawn with replacement, with a fixed seed so a
+    report written again says the same; the interval holds the middle ``level`` of their medians.
+    """
+    data = np.asarray(values, dtype=float)
+    draws = np.random.default_rng(seed).integers(0, len(data), size=(resamples, len(data)))
+    medians = np.median(data[draws], axis=1)
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(medians, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def separated(a: Spread, b: Spread) -> bool | None:
+    """Whether the two intervals do not overlap; None where either has none (fewer than 3 repeats)."""
+    if a.ci is None or b.ci is None:
+        return None
+    return a.ci[1] < b.ci[0] or b.ci[1] < a.ci[0]
 
 
 def waits_per_rank(row: dict) -> list[float] | None:

@@ -21,7 +21,7 @@ RUN_FILES = ("summary.json", "metrics.jsonl", "job.toml", "token", "metrics", "l
 _HOLDS_A_RUN = ("summary.json", "metrics", "addr", "logs")
 # What psctl compare writes into its --out (cluster/compare.py, cluster/report.py).
 EXPERIMENT_FILES = ("experiment.json", "results.jsonl", "results.jsonl.tmp", "summary.csv", "report.md",
-                    "report.html", "plots", "runs")
+                    "report.html", "plots", "runs", "chosen.json")
 MAX_SUFFIX = 1000
 
 

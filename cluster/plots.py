@@ -302,8 +302,67 @@ def scaling(plot_dir: Path, rows: list[dict], events: dict, settings: dict) -> P
     return _save(fig, plot_dir, "scaling")
 
 
+def intervals(plot_dir: Path, rows: list[dict], events: dict, settings: dict) -> Path | None:
+    """Time to target and final test accuracy per mode and group: medians with bootstrap 95% intervals."""
+    ok, groups, modes, colour = _context(rows, settings)
+    cells = {(g, m, k): spread(rows_of(ok, g, m), k) for g in groups for m in modes
+             for k in ("time_to_target_s", "final_test_accuracy")}
+    if not any(s.ci for s in cells.values()):
+        return None
+    fig, axes = _grid(2, 2, 6.0, 4.0)
+    width = 0.8 / max(1, len(modes))
+    for ax, key, label in zip(axes, ("time_to_target_s", "final_test_accuracy"),
+                              ("seconds to the target", "final test accuracy")):
+        for i, m in enumerate(modes):
+            for j, g in enumerate(groups):
+                s = cells[g, m, key]
+                if s.median is None:
+                    continue
+                lo, hi = s.ci if s.ci else (s.median, s.median)
+                ax.bar(j + (i - (len(modes) - 1) / 2) * width, s.median, width, color=colour[m],
+                       yerr=[[s.median - lo], [hi - s.median]], capsize=3)
+        ax.set_xticks(range(len(groups)), [group_title(g) for g in groups], rotation=10, fontsize=8)
+        ax.set(ylabel=label)
+        ax.grid(alpha=0.3, axis="y")
+    _legend(fig, [Patch(color=colour[m], label=m) for m in modes])
+    fig.suptitle("Medians over repeats with bootstrap 95% intervals (from 3 repeats)")
+    return _save(fig, plot_dir, "intervals")
+
+
+def sensitivity(plot_dir: Path, tune_rows: list[dict], settings: dict) -> Path | None:
+    """Tuning: each grid point's time to target and final accuracy, one line per mode (first group)."""
+    ok = finished(tune_rows)
+    if not ok:
+        return None
+    group = (ok[0]["workers"], ok[0]["stragglers"])
+    in_group = [r for r in ok if (r["workers"], r["stragglers"]) == group]
+    modes = modes_of(in_group, settings)
+    colour = dict(zip(modes, COLOURS * (1 + len(modes) // len(COLOURS))))
+    points = list(dict.fromkeys(r.get("settings") or "job's" for r in in_group))
+    fig, axes = _grid(2, 2, 6.0, 4.0)
+    for ax, key, label in zip(axes, ("time_to_target_s", "final_test_accuracy"),
+                              ("seconds to the tuning target", "final test accuracy")):
+        for m in modes:
+            by_point = {r.get("settings") or "job's": r for r in in_group if r["mode"] == m}
+            xs = [i for i, p in enumerate(points) if p in by_point and _number(by_point[p].get(key))]
+            ax.plot(xs, [by_point[points[i]][key] for i in xs], color=colour[m], marker="o", lw=1.5)
+            bad = [i for i, p in enumerate(points) if p in by_point and by_point[p].get("diverged")
+                   and _number(by_point[p].get(key))]
+            ax.plot(bad, [by_point[points[i]][key] for i in bad], ls="none", marker="x", ms=10, color="k")
+        ax.set_xticks(range(len(points)), points, rotation=30, ha="right", fontsize=8)
+        ax.set(ylabel=label)
+        ax.grid(alpha=0.3)
+    handles = _mode_handles(modes, colour) + [Line2D([], [], ls="none", marker="x", color="k", label="diverged")]
+    _legend(fig, handles)
+    fig.suptitle(f"Tuning, {group_title(group)}: how each setting did")
+    return _save(fig, plot_dir, "sensitivity")
+
+
 PLOTS = (
     (accuracy_vs_time, "Test accuracy against seconds since the run's start, per mode; the dashed line is the target."),
+    (intervals, "Time to target and final test accuracy per mode: medians over repeats, error bars the bootstrap "
+                "95% interval of the median (2,000 resamples). A difference is settled only where they do not "
+                "overlap."),
     (loss_vs_steps, "Training loss per step, averaged over workers and repeats."),
     (samples_per_s, "Samples per second of all workers together: median over repeats, error bars min to max."),
     (staleness, "How many updates behind the weights each push was computed on, per mode (the first group with "
@@ -312,16 +371,23 @@ PLOTS = (
                "the others), computing, the injected straggler delay and pushing."),
     (scaling, "Throughput and time to target against the number of workers; the dashed line is perfect scaling."),
 )
+SENSITIVITY = "Tuning: time to the tuning target and final test accuracy of each mode at each grid point (x: diverged)."
 
 
-def write_plots(plot_dir: Path, rows: list[dict], events: dict, settings: dict) -> dict[str, tuple[Path, str]]:
-    """Every plot that has something to show: its name -> (PNG path, caption), in the report's order."""
+def write_plots(plot_dir: Path, rows: list[dict], events: dict, settings: dict,
+                tuning=None) -> dict[str, tuple[Path, str]]:
+    """Every plot that has something to show: its name -> (PNG path, caption), in the report's order.
+
+    ``tuning`` (a :class:`psgrid.cluster.report.Tuning`) adds the sensitivity plot first.
+    """
     written = {}
-    for plot, caption in PLOTS:
+    plots = [(lambda d, r, e, s: sensitivity(d, tuning.rows, s) if tuning else None, SENSITIVITY, "sensitivity"),
+             *((plot, caption, plot.__name__) for plot, caption in PLOTS)]
+    for plot, caption, name in plots:
         path = plot(plot_dir, rows, events, settings)
         if path is None:
             # An earlier report of this folder (before a --resume) may have left one behind.
-            (plot_dir / f"{plot.__name__}.png").unlink(missing_ok=True)
+            (plot_dir / f"{name}.png").unlink(missing_ok=True)
         else:
-            written[plot.__name__] = (path, caption)
+            written[name] = (path, caption)
     return written

@@ -3,6 +3,11 @@
 Every sentence restates medians of the rows (:mod:`psgrid.cluster.grouping`): which mode
 reached the target first and by how much, what stragglers changed, what staleness and waits
 say about why, and whether the result is what theory predicts.
+
+What would make a reader distrust the rest comes first: runs that diverged (with the fix to
+try), then why the conclusions are not settled (too few repeats for an interval, more
+processes than cores). A difference is called settled only where the bootstrap 95% intervals
+of the two medians do not overlap.
 """
 
 from __future__ import annotations
@@ -10,7 +15,9 @@ from __future__ import annotations
 import statistics
 
 from psgrid.cluster.experiment import NO_STRAGGLERS
-from psgrid.cluster.grouping import Group, finished, modes_of, groups_of, rows_of, group_title, group_phrase, straggler_ranks, spread, waits_per_rank, sig, secs, acc, ratio, join
+from psgrid.cluster.grouping import (MIN_REPEATS, Group, acc, finished, group_phrase, group_title, groups_of, join,
+                                     modes_of, ratio, rows_of, secs, separated, sig, spread, straggler_ranks,
+                                     waits_per_rank)
 
 
 # ---- the reading: the numbers in words ----------------------------------------------------------
@@ -20,13 +27,14 @@ THEORY = "theory predicts (Cui et al., ATC'14: stale-synchronous parallel beats 
 SAME_ACCURACY = 0.005     # final accuracies closer than this are called equal: too close to tell from noise
 
 
-def reading(rows: list[dict], settings: dict) -> list[str]:
+def reading(rows: list[dict], settings: dict, tune_rows: list[dict] | None = None) -> list[str]:
     """The report's "Reading": paragraphs that restate the numbers and what they say.
 
     Per group, which mode reached the target first and by how much; what stragglers did to each
     mode; staleness and waits as the reason; whether stale modes beat sync under stragglers, as
     theory predicts; final accuracy; scaling efficiency when there are several worker counts.
-    Runs that did not finish are left out and counted.
+    Runs that did not finish are left out and counted. ``tune_rows`` (the ``--tune`` grid's runs)
+    add which grid points diverged.
     """
     ok = finished(rows)
     failed = len(rows) - len(ok)
@@ -36,7 +44,8 @@ def reading(rows: list[dict], settings: dict) -> list[str]:
         return ["No run finished, so there is nothing to compare."] + tail
     groups, modes = groups_of(ok, settings), modes_of(ok, settings)
     target = settings.get("target_accuracy")
-    paras = [_race(ok, g, modes, target) for g in groups]
+    paras = [p for p in (_diverged(ok), _unsettled(ok, settings), _tuned(ok, settings, tune_rows or [])) if p]
+    paras += [_race(ok, g, modes, target) for g in groups]
     paras += _straggler_effects(ok, groups, modes)
     # Staleness and waits explain the race best where stragglers make the modes differ.
     for g in [g for g in groups if g[1] != NO_STRAGGLERS] or groups[-1:]:
@@ -45,6 +54,86 @@ def reading(rows: list[dict], settings: dict) -> list[str]:
     paras += [p for g in groups for p in [_accuracy(ok, g, modes)] if p]
     paras += [p for p in [_scaling(ok, groups, modes)] if p]
     return paras + tail
+
+
+def _compensation_flag() -> str:
+    """How to turn staleness compensation on with the shards this tree has."""
+    import dataclasses
+
+    from psgrid.psserver.config import ServerConfig
+
+    names = {f.name for f in dataclasses.fields(ServerConfig)}
+    if "staleness_compensation" in names:
+        return "--set staleness_compensation=dc (or =lr)"
+    return "--set lr_staleness=true"
+
+
+def _diverged(ok: list[dict]) -> str | None:
+    """Said first: a diverged run's numbers describe a failed training, not its mode."""
+    bad = [r for r in ok if r.get("diverged")]
+    if not bad:
+        return None
+    parts = []
+    for key in dict.fromkeys((r["mode"], r["workers"], r["stragglers"]) for r in bad):
+        runs = [r for r in ok if (r["mode"], r["workers"], r["stragglers"]) == key]
+        n = sum(1 for r in runs if r.get("diverged"))
+        settings = runs[0].get("settings")
+        parts.append(f"{key[0]} in {n} of {len(runs)} run{'s' if len(runs) != 1 else ''} "
+                     f"({group_title((key[1], key[2]))}{', ' + settings if settings else ''})")
+    return (f"Diverged: {join(parts)}. Its loss grew or turned non-finite, or its test accuracy fell to chance, so "
+            f"its numbers describe a training that failed rather than its mode, and it did not set the target. "
+            f"To try: a lower learning rate (--set lr=..., or for one mode --mode-set MODE:lr=...), each mode at its "
+            f"own best settings (--tune lr=0.01,0.05,0.2), or staleness compensation ({_compensation_flag()}).")
+
+
+def processes(settings: dict) -> tuple[int, str]:
+    """The most processes one run of the experiment had on this machine, and what they were."""
+    workers = max(settings.get("workers") or [1])
+    shards = int(settings.get("shards") or (settings.get("job") or {}).get("job", {}).get("shards") or 1)
+    modes = settings.get("modes") or []
+    ps = any(m != "allreduce" for m in modes)
+    if not ps:
+        return workers, f"all-reduce ran {workers} rank{'s' if workers != 1 else ''}"
+    what = (f"1 coordinator, {shards} shard{'s' if shards != 1 else ''} and "
+            f"{workers} worker{'s' if workers != 1 else ''}")
+    if "allreduce" in modes:
+        what += f"; all-reduce ran {workers}"
+    return 1 + shards + workers, what
+
+
+def _unsettled(ok: list[dict], settings: dict) -> str | None:
+    """Why the conclusions below are not settled, where they are not."""
+    counts = [len(rows_of(ok, g, m)) for g in groups_of(ok, settings) for m in modes_of(ok, settings)
+              if rows_of(ok, g, m)]
+    reasons = []
+    if counts and min(counts) < MIN_REPEATS:
+        n = min(counts)
+        reasons.append(f"{'each setting' if max(counts) == n else 'some settings'} ran only {n} time"
+                       f"{'s' if n != 1 else ''}, and it takes at least {MIN_REPEATS} repeats to draw an interval "
+                       f"that separates a difference from run-to-run noise")
+    cpus = (settings.get("machine") or {}).get("cpus")
+    count, what = processes(settings)
+    if cpus and count > cpus:
+        reasons.append(f"{count} processes ({what}) shared {cpus} core{'s' if cpus != 1 else ''}, so they slowed "
+                       f"one another and the times say as much about that sharing as about the modes")
+    if not reasons:
+        return None
+    return "These conclusions are not settled: " + "; and ".join(reasons) + "."
+
+
+def _tuned(ok: list[dict], settings: dict, tune_rows: list[dict]) -> str | None:
+    """Each mode's own settings, where they differ (tuning, or --mode-set), and the grid points that diverged."""
+    if not settings.get("tune") and not settings.get("mode_settings"):
+        return None
+    parts = [f"{m} " + " / ".join(dict.fromkeys(r.get("settings") or "the job's" for r in runs))
+             for m in modes_of(ok, settings) if (runs := [r for r in ok if r["mode"] == m])]
+    how = "its best point of the tuning grid (see Tuning)" if settings.get("tune") else "its own settings"
+    text = f"Each mode ran at {how}: {join(parts)}." if parts else ""
+    bad = [r["mode"] + " at " + (r.get("settings") or "the job's settings")
+           for r in finished(tune_rows) if r.get("diverged")]
+    if bad:
+        text += f" While tuning, {join(bad)} diverged."
+    return text.strip() or None
 
 
 def _median(ok: list[dict], group: Group, mode: str, key: str) -> float | None:
@@ -73,7 +162,10 @@ def _race(ok: list[dict], group: Group, modes: list[str], target: float | None) 
         t1, second = reached[1]
         text += f", {secs(t1 - t0)} s sooner than the next, {second} ({secs(t1)} s{_as_long(t1, t0)}"
         # Say when the repeats do not separate the two: the lead is then within the run-to-run noise.
-        text += ", though their ranges over repeats overlap)" if times[first].high >= times[second].low else ")"
+        text += {None: f"; not settled with fewer than {MIN_REPEATS} repeats)",
+                 True: "; settled: their 95% intervals do not overlap)",
+                 False: ", though their 95% intervals overlap, so the lead is not settled)"}[
+            separated(times[first], times[second])]
     sync = dict((m, t) for t, m in reached[2:]).get("sync")
     if sync is not None:
         text += f", and sync took {secs(sync)} s{_as_long(sync, t0)}"
@@ -196,6 +288,9 @@ def _accuracy(ok: list[dict], group: Group, modes: list[str]) -> str | None:
             text += f"; all within {SAME_ACCURACY} of each other, so staleness cost no visible accuracy here"
         else:
             text += f"; {worst} ended {acc(finals[best] - finals[worst])} below {best}"
+            apart = separated(*(spread(rows_of(ok, group, m), "final_test_accuracy") for m in (worst, best)))
+            text += {None: "", True: " (settled: their 95% intervals do not overlap)",
+                     False: " (not settled: their 95% intervals overlap)"}[apart]
             s_worst, s_best = (_median(ok, group, m, "mean_staleness") for m in (worst, best))
             if s_worst is not None and s_best is not None and s_worst > s_best:
                 text += (f" and trained on staler weights (mean staleness {sig(s_worst)} against {sig(s_best)}), "

@@ -18,12 +18,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from psgrid.cluster.grouping import Spread, acc, finished, groups_of, modes_of, rows_of, secs, sig, spread
+from psgrid.cluster.grouping import (MIN_REPEATS, Spread, acc, finished, group_title, groups_of, modes_of, rows_of,
+                                     secs, sig, spread)
 from psgrid.cluster.reading import reading
 from psgrid.psserver import files
 
 # matplotlib is an extra (psgrid[plots]): without it the report is written without its plots.
 PLOTS_SKIPPED = "plots skipped: pip install 'psgrid[plots]'"
+
+
+@dataclass
+class Tuning:
+    """What ``--tune`` ran and chose (:mod:`psgrid.cluster.tuning`)."""
+
+    rows: list[dict]                          # the tune runs' summary rows
+    chosen: dict[tuple, str]                  # (mode, workers, stragglers) -> the run id of its best point
+    targets: dict[tuple, float | None]        # (workers, stragglers) -> the tuning target
 
 
 # ---- the blocks and their two renderings ---------------------------------------------------
@@ -127,15 +137,22 @@ METRICS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
 def _cell(s: Spread, fmt: Callable[[float], str], with_range: bool) -> str:
     if s.median is None:
         return "-"
+    if not with_range and s.ci is not None:
+        return f"{fmt(s.median)} [{fmt(s.ci[0])}, {fmt(s.ci[1])}]"
     if with_range and s.low != s.high:
         return f"{fmt(s.median)} [{fmt(s.low)}..{fmt(s.high)}]"
     return fmt(s.median)
+
+
+INTERVAL_METRICS = ("time_to_target_s", "final_test_accuracy")    # the summary shows their 95% intervals
 
 
 def _metric_cells(runs: list[dict], with_range: bool) -> list[str]:
     cells = []
     for key, _, fmt in METRICS:
         s = spread(runs, key)
+        if not with_range and key not in INTERVAL_METRICS:
+            s = Spread(s.median, s.low, s.high, s.n)
         cell = _cell(s, fmt, with_range)
         if key == "time_to_target_s" and runs and s.n < len(runs):
             cell = "never" if s.n == 0 else f"{cell} ({s.n} of {len(runs)} reached)"
@@ -144,11 +161,23 @@ def _metric_cells(runs: list[dict], with_range: bool) -> list[str]:
 
 
 def summary_table(ok: list[dict], settings: dict) -> Table:
-    """One row per (group, mode), medians only: what a reader looks at first."""
-    rows = [[str(g[0]), g[1], m, *_metric_cells(runs, with_range=False)]
+    """One row per (group, mode), medians (with 95% intervals from 3 repeats): what a reader looks at first."""
+    with_settings = any(r.get("settings") for r in ok)
+    rows = [[str(g[0]), g[1], m, *([_settings_of(runs)] if with_settings else []),
+             *_metric_cells(runs, with_range=False), _diverged_cell(runs)]
             for g in groups_of(ok, settings) for m in modes_of(ok, settings)
             if (runs := rows_of(ok, g, m))]
-    return Table(["workers", "stragglers", "mode", *(t for _, t, _ in METRICS), "n"], rows)
+    return Table(["workers", "stragglers", "mode", *(["settings"] if with_settings else []),
+                  *(t for _, t, _ in METRICS), "n", "diverged"], rows)
+
+
+def _settings_of(runs: list[dict]) -> str:
+    return " / ".join(dict.fromkeys(r.get("settings") or "job's" for r in runs))
+
+
+def _diverged_cell(runs: list[dict]) -> str:
+    n = sum(1 for r in runs if r.get("diverged"))
+    return f"{n} of {len(runs)}" if n else "-"
 
 
 def mode_table(ok: list[dict], settings: dict, mode: str) -> Table:
@@ -167,7 +196,69 @@ def _target_text(settings: dict) -> str:
     return f"Target test accuracy: {acc(target)}, {how}. Time to target counts from the run's start."
 
 
-def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]] | None) -> list:
+def _has_intervals(ok: list[dict]) -> bool:
+    return any(len([r for r in ok if (r["workers"], r["stragglers"], r["mode"]) == k]) >= MIN_REPEATS
+               for k in {(r["workers"], r["stragglers"], r["mode"]) for r in ok})
+
+
+def tuning_blocks(t: Tuning, settings: dict) -> list:
+    """Each mode's chosen settings, and how every grid point did (mode x setting)."""
+    steps = settings.get("tune_steps")
+    blocks = [Heading("Tuning"),
+              Paragraph(f"Each mode ran every point of the grid ({_grid_text(settings)}) once"
+                        + (f", {steps} steps per worker" if steps else "")
+                        + ", and its repeats ran at its best point: the earliest to the tuning target; where no "
+                          "point reached it, the best final test accuracy; a diverged point never wins. The tuning "
+                          "target is " + ("the given target accuracy." if settings.get("target_source") == "given"
+                                          else "the highest test accuracy every mode reached at some point of its "
+                                               "grid.")),
+              ]
+    by_id = {r["run"]: r for r in t.rows}
+    chosen_rows = []
+    for (mode, workers, strag), run in t.chosen.items():
+        r = by_id[run]
+        target = t.targets.get((workers, strag))
+        chosen_rows.append([str(workers), strag, mode, r.get("settings") or "job's",
+                            "-" if target is None else acc(target), _ttt(r), _final(r)])
+    blocks.append(Table(["workers", "stragglers", "mode", "chosen settings", "tuning target", "time to target (s)",
+                         "final test accuracy"], chosen_rows))
+    for g in dict.fromkeys((r["workers"], r["stragglers"]) for r in t.rows):
+        modes = list(dict.fromkeys(r["mode"] for r in t.rows if (r["workers"], r["stragglers"]) == g))
+        points = list(dict.fromkeys(r.get("settings") or "job's" for r in t.rows
+                                    if (r["workers"], r["stragglers"]) == g))
+        cells = {(r["mode"], r.get("settings") or "job's"): r for r in t.rows if (r["workers"], r["stragglers"]) == g}
+        table = [[p, *(_point_cell(cells.get((m, p)), t.chosen.get((m, *g))) for m in modes)] for p in points]
+        blocks += [Heading(f"Sensitivity, {group_title(g)}", 3),
+                   Paragraph("Each cell: time to the tuning target (s) / final test accuracy of that mode at that "
+                             "setting; * marks the point chosen for the repeats."),
+                   Table(["setting", *modes], table)]
+    return blocks
+
+
+def _grid_text(settings: dict) -> str:
+    tune = settings.get("tune") or {}
+    return "; ".join(f"{k} in {', '.join(map(str, v))}" for k, v in tune.items()) or "no grid"
+
+
+def _ttt(r: dict) -> str:
+    return "never" if r.get("time_to_target_s") is None else secs(r["time_to_target_s"])
+
+
+def _final(r: dict) -> str:
+    return "-" if r.get("final_test_accuracy") is None else acc(r["final_test_accuracy"])
+
+
+def _point_cell(r: dict | None, chosen: str | None) -> str:
+    if r is None:
+        return "-"
+    if r.get("status") != "ok":
+        return r.get("status") or "-"
+    text = f"{_ttt(r)} / {_final(r)}" + (" diverged" if r.get("diverged") else "")
+    return text + (" *" if r["run"] == chosen else "")
+
+
+def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]] | None,
+          tuning: Tuning | None = None) -> list:
     """The report's blocks; ``plots`` maps a plot's name to its PNG and caption (None: matplotlib is missing)."""
     ok = finished(rows)
     blocks: list = [Heading(settings.get("title") or "psctl compare", 1),
@@ -179,10 +270,17 @@ def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]] |
         blocks.append(Table(["machine", ""], [[str(k), "none" if v is None else str(v)] for k, v in machine.items()]))
     blocks += [Paragraph("Job: " + str(settings.get("job_summary") or "not recorded") + "."),
                Paragraph(_target_text(settings)),
+               *(tuning_blocks(tuning, settings) if tuning is not None else []),
                Heading("Summary"),
-               Paragraph("Medians over the repeats that finished; n counts them. Staleness is how many updates "
+               Paragraph("Medians over the repeats that finished; n counts them. "
+                         + (f"Where n is {MIN_REPEATS} or more, time to target and final accuracy show the median's "
+                            f"bootstrap 95% interval in brackets. " if _has_intervals(ok) else
+                            f"With fewer than {MIN_REPEATS} repeats there are no intervals: nothing here is "
+                            f"settled. ")
+                         + "Staleness is how many updates "
                          "behind the weights a push was computed on; wait is the time a worker spent blocked "
-                         "waiting for the others."),
+                         "waiting for the others; diverged counts the runs whose loss grew or turned non-finite, "
+                         "or whose accuracy fell to chance."),
                summary_table(ok, settings) if ok else Paragraph("No run finished."),
                Heading("Per mode"),
                Paragraph("Median [min..max] over the repeats that finished.")]
@@ -195,7 +293,7 @@ def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]] |
         blocks.append(Heading("Plots"))
         blocks += [Image(path, f"plots/{path.name}", caption) for path, caption in plots.values()]
     blocks.append(Heading("Reading"))
-    blocks += [Paragraph(p) for p in reading(rows, settings)]
+    blocks += [Paragraph(p) for p in reading(rows, settings, tuning.rows if tuning is not None else None)]
     failed = [r for r in rows if r.get("status") != "ok"]
     if failed:
         blocks += [Heading("Runs that did not finish"),
@@ -206,7 +304,8 @@ def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]] |
     return blocks
 
 
-def write_report(out: Path, settings: dict, rows: list[dict], events: dict[str, list[dict]]) -> dict[str, Path]:
+def write_report(out: Path, settings: dict, rows: list[dict], events: dict[str, list[dict]],
+                 tuning: Tuning | None = None) -> dict[str, Path]:
     """Write ``out/report.md``, ``out/report.html`` and ``out/plots/*.png``.
 
     Parameters
@@ -216,6 +315,7 @@ def write_report(out: Path, settings: dict, rows: list[dict], events: dict[str, 
         ``target_accuracy``, ``target_source``, ``machine``, ``job_summary``, optional ``title``).
     rows : one summary row per run (keys: :data:`psgrid.cluster.experiment.ROW_FIELDS`).
     events : each run's step and eval events, by run id.
+    tuning : what ``--tune`` ran and chose, for the report's Tuning section and sensitivity plot.
 
     Returns
     -------
@@ -224,8 +324,8 @@ def write_report(out: Path, settings: dict, rows: list[dict], events: dict[str, 
     out = Path(out)
     files.make_dirs(out)
     plotting = _plotting()
-    plots = None if plotting is None else plotting.write_plots(out / "plots", rows, events, settings)
-    blocks = build(settings, rows, plots)
+    plots = None if plotting is None else plotting.write_plots(out / "plots", rows, events, settings, tuning)
+    blocks = build(settings, rows, plots, tuning)
     paths = {"md": out / "report.md", "html": out / "report.html"}
     _write(paths["md"], to_markdown(blocks))
     _write(paths["html"], to_html(blocks, settings.get("title") or "psctl compare"))

@@ -94,8 +94,35 @@ def waits_by_worker(summary: dict) -> list[float] | None:
     return [per_worker.get(rank, 0.0) for rank in range(int(summary.get("workers") or 0))]
 
 
-def summarize_run(run: Run, summary: dict | None, events: list[dict], target: float | None) -> dict:
-    """The run's row of summary.csv (keys: ROW_FIELDS)."""
+CHANCE_FACTOR = 1.5     # test accuracy at or below 1.5 / classes is chance: the model learned nothing
+LOSS_GROWTH = 1.1       # a loss that ends 10% above where it began grew (a flat one wobbles by less)
+
+
+def divergence(events: list[dict], summary: dict, classes: int | None) -> str | None:
+    """Why the run diverged, or None: its loss turned non-finite or grew, or its accuracy fell to chance.
+
+    The loss's start and end are the means over the first and last tenth of all workers' steps
+    (one step's loss is too noisy to compare). ``classes`` None skips the chance test (a user's
+    script, whose number of classes psctl does not know).
+    """
+    losses = [e["loss"] for e in events if e["event"] == "step" and isinstance(e.get("loss"), (int, float))]
+    finite = [x for x in losses if math.isfinite(x)]
+    last = summary.get("final_loss")
+    # A script that pushes no loss records NaN from its first step: only a loss that was finite can diverge.
+    if finite and (not math.isfinite(losses[-1]) or (_real(last) and not math.isfinite(last))):
+        return "its loss became non-finite"
+    k = max(1, len(finite) // 10)
+    if len(finite) >= 2 and np.mean(finite[-k:]) > LOSS_GROWTH * np.mean(finite[:k]):
+        return f"its loss grew from {np.mean(finite[:k]):.3g} to {np.mean(finite[-k:]):.3g}"
+    final = summary.get("test_accuracy")
+    if classes and _number(final) and final <= CHANCE_FACTOR / classes:
+        return f"its test accuracy {final:.3f} is at chance (<= {CHANCE_FACTOR:g}/{classes} classes)"
+    return None
+
+
+def summarize_run(run: Run, summary: dict | None, events: list[dict], target: float | None,
+                  classes: int | None = None) -> dict:
+    """The run's row of summary.csv (keys: ROW_FIELDS); ``classes`` as :func:`divergence` takes it."""
     summary = summary or {}
     steps = [e for e in events if e["event"] == "step"]
     staleness = [e["staleness"] for e in steps if _number(e.get("staleness")) and e["staleness"] >= 0]
@@ -104,6 +131,8 @@ def summarize_run(run: Run, summary: dict | None, events: list[dict], target: fl
     row.update(run.describe())
     row.update(
         status=summary.get("status", "interrupted"),
+        diverged=int(bool(summary) and divergence(events, summary, classes) is not None),
+        best_test_accuracy=best_accuracy(events),
         target_accuracy=target,
         time_to_target_s=time_to_target(events, target) if target is not None else None,
         final_test_accuracy=summary.get("test_accuracy"),
@@ -124,6 +153,12 @@ def summarize_run(run: Run, summary: dict | None, events: list[dict], target: fl
     for key in ("pull_s", "compute_s", "delay_s", "push_s"):
         values = [e[key] for e in steps if _number(e.get(key))]
         row[key] = float(np.mean(values)) if values else None
+    return row
+
+
+def set_target(row: dict, events: list[dict], target: float | None) -> dict:
+    """``row`` with its target and time to it (for a target chosen once every row is known)."""
+    row.update(target_accuracy=target, time_to_target_s=time_to_target(events, target) if target is not None else None)
     return row
 
 
@@ -164,6 +199,10 @@ def _parse_cell(text: str):
         except ValueError:
             pass
     return text
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _number(x) -> bool:

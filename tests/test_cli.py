@@ -79,6 +79,17 @@ def test_no_command_prints_help_and_fails(capsys):
     (["compare", "--out", "x", "--repeats", "0"], "--repeats must be at least 1"),
     (["compare", "--out", "x", "--target-accuracy", "1.5"], "--target-accuracy must be in (0, 1]"),
     (["compare", "--report-only", "--out", "/nonexistent"], "holds no experiment"),
+    (["compare", "--out", "x", "--tune", "lr=abc"], "--tune lr=abc: [server] lr must be a number, got 'abc'"),
+    (["compare", "--out", "x", "--tune", "lr"], "--tune expects KEY=V1,V2"),
+    (["compare", "--out", "x", "--tune", "mode=sync,async"], "set by the experiment itself"),
+    (["compare", "--out", "x", "--tune-steps", "10"], "give --tune KEY=V1,V2 too"),
+    (["compare", "--out", "x", "--classes", "1"], "--classes must be at least 2, got 1"),
+    (["compare", "--out", "x", "--modes", "sync", "--mode-set", "async:lr=1"], "--mode-set expects MODE:KEY=VALUE"),
+    (["compare", "--out", "x", "--mode-set", "async:lr=1,2"], "one value; to try several, use --tune"),
+    (["compare", "--out", "x", "--modes", "sync,allreduce", "--", "python", "examples/train_cupy.py"],
+     "--modes allreduce needs the built-in trainer"),
+    (["compare", "--out", "x", "--tune", "train.batch_size=8,16", "--", "python", "examples/train_cupy.py"],
+     "tune the shards' keys"),
 ])
 def test_user_errors_are_one_line_and_exit_2(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit:

@@ -149,3 +149,76 @@ def test_compare_under_mpiexec_with_too_few_ranks_fails_at_once(tmp_path):
                                          "--modes", "sync", "--out", str(tmp_path / "cmp")])
     assert code != 0 and "needs at least 4 ranks" in err
     assert not (tmp_path / "cmp").exists()
+
+
+def _num(text: str):
+    return None if text == "" else float(text)
+
+
+@pytest.mark.slow
+def test_tune_runs_the_repeats_of_each_mode_at_its_own_best_grid_point(tmp_path):
+    out = tmp_path / "cmp"
+    p = psctl("compare", *TINY, "--workers", "1", "--modes", "sync,async", "--tune", "lr=0.01,0.2",
+              "--tune-steps", "20", "--out", str(out), "--no-progress")
+    assert p.returncode == 0, p.stderr
+    rows = rows_of(out)
+    tune = [r for r in rows if r["phase"] == "tune"]
+    repeats = [r for r in rows if r["phase"] == "repeat"]
+    assert sorted((r["mode"], r["settings"]) for r in tune) == [("async", "lr=0.01"), ("async", "lr=0.2"),
+                                                                ("sync", "lr=0.01"), ("sync", "lr=0.2")]
+    assert all(r["status"] == "ok" and int(r["steps"]) == 20 for r in tune)        # --tune-steps
+    for mode in ("sync", "async"):
+        points = [r for r in tune if r["mode"] == mode]
+        # Best: not diverged, then the earliest to the target, then the best final accuracy.
+        best = min(points, key=lambda r: (r["diverged"] == "1", _num(r["time_to_target_s"]) is None,
+                                          _num(r["time_to_target_s"]) or 0.0, -float(r["final_test_accuracy"])))
+        (rep,) = [r for r in repeats if r["mode"] == mode]
+        assert rep["settings"] == best["settings"], (mode, points)
+        assert int(rep["steps"]) == 30
+        lr = float(best["settings"].removeprefix("lr="))
+        assert f"lr = {lr}" in (out / "runs" / rep["run"] / "job.toml").read_text()    # what the run ran with
+    md = (out / "report.md").read_text()
+    assert "## Tuning" in md and "### Sensitivity, 1 worker, no stragglers" in md and "| lr=0.01 |" in md
+    assert (out / "plots" / "sensitivity.png").read_bytes().startswith(PNG)
+    # Written again for another target, the report keeps the points the repeats ran at.
+    again = psctl("compare", "--report-only", "--out", str(out), "--target-accuracy", "0.05")
+    assert again.returncode == 0, again.stderr
+    assert [(r["run"], r["settings"]) for r in rows_of(out) if r["phase"] == "repeat"] == [
+        (r["run"], r["settings"]) for r in repeats]
+
+
+@pytest.mark.slow
+def test_a_diverged_mode_is_marked_said_first_and_never_sets_the_target(tmp_path):
+    out = tmp_path / "cmp"
+    p = psctl("compare", *TINY, "--workers", "1", "--modes", "sync,async", "--mode-set", "async:lr=50",
+              "--out", str(out), "--no-progress")
+    assert p.returncode == 0, p.stderr
+    rows = {r["mode"]: r for r in rows_of(out)}
+    assert (rows["sync"]["diverged"], rows["async"]["diverged"]) == ("0", "1")
+    assert rows["async"]["settings"] == "lr=50" and rows["sync"]["settings"] == ""
+    # The automatic target is the highest accuracy every run that did not diverge reached: sync's best.
+    assert float(rows["sync"]["target_accuracy"]) == float(rows["sync"]["best_test_accuracy"])
+    assert float(rows["sync"]["target_accuracy"]) > float(rows["async"]["best_test_accuracy"])
+    reading = (out / "report.md").read_text().split("## Reading\n\n")[1]
+    assert reading.startswith("Diverged: async in 1 of 1 run (1 worker, no stragglers, lr=50).")
+    assert "lower learning rate" in reading.splitlines()[0]
+
+
+@pytest.mark.slow
+def test_compare_runs_a_users_script_in_every_mode(tmp_path):
+    out = tmp_path / "cmp"
+    p = psctl("compare", "--workers", "2", "--shards", "1", "--classes", "10", "--out", str(out), "--no-progress",
+              "--", "python", "examples/train_cupy.py", "--steps", "30", "--eval-every", "10")
+    assert p.returncode == 0, p.stderr
+    rows = rows_of(out)
+    assert sorted(r["mode"] for r in rows) == ["async", "ssp:2", "sync"]
+    assert all(r["status"] == "ok" and r["diverged"] == "0" and int(r["steps"]) == 60 for r in rows)
+    assert all(0.5 < float(r["final_test_accuracy"]) <= 1.0 and r["time_to_target_s"] for r in rows)
+    for r in rows:     # each run's shards had its mode
+        assert f'mode = "{r["mode"].partition(":")[0]}"' in (out / "runs" / r["run"] / "job.toml").read_text()
+    md = (out / "report.md").read_text()
+    assert all(f"| {m} |" in md for m in ("sync", "async", "ssp:2")) and "reached the target" in md
+    refused = psctl("compare", "--modes", "sync,allreduce", "--out", str(tmp_path / "no"), "--",
+                    "python", "examples/train_cupy.py")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "allreduce" in refused.stderr and not (tmp_path / "no").exists()

@@ -62,3 +62,60 @@ def test_a_workers_wait_is_its_longest_over_the_shards():
         {"waits": [{"worker_id": 0, "seconds": 1.5}]}]}
     assert res.waits_by_worker(summary) == [1.5, 0.0, 0.5]
     assert res.waits_by_worker({"workers": 2, "wait_s_by_worker": [0.25, 0.5]}) == [0.25, 0.5]
+
+
+def _steps(losses):
+    return [{"event": "step", "t": float(i), "loss": x} for i, x in enumerate(losses)]
+
+
+def test_a_run_diverged_where_its_loss_grew_turned_non_finite_or_its_accuracy_fell_to_chance():
+    falling, flat = _steps([2.3 - 0.1 * i for i in range(20)]), _steps([2.30, 2.32, 2.29, 2.31] * 5)
+    assert res.divergence(falling, {"test_accuracy": 0.9, "final_loss": 0.4}, 10) is None
+    assert res.divergence(flat, {"test_accuracy": 0.5}, 10) is None          # not learning is not diverging
+    assert "grew" in res.divergence(_steps([2.3 + i for i in range(20)]), {"test_accuracy": 0.5}, 10)
+    assert "non-finite" in res.divergence(_steps([2.3, 5.0, float("nan")]), {"test_accuracy": 0.5}, 10)
+    assert "non-finite" in res.divergence(falling, {"final_loss": float("inf")}, 10)
+    assert "chance" in res.divergence(falling, {"test_accuracy": 0.15}, 10)
+    assert res.divergence(falling, {"test_accuracy": 0.15}, None) is None    # a script: its classes unknown
+    # A script that pushes no loss records NaN from its first step: that is no divergence.
+    assert res.divergence(_steps([float("nan")] * 5), {"test_accuracy": 0.9}, None) is None
+
+
+def test_tune_values_are_parsed_as_set_parses_them_and_checked_before_anything_runs():
+    from psgrid.cluster.config import load_job
+    from psgrid.cluster.tuning import parse_tune, points, split_values
+
+    job = load_job("mnist")
+    assert split_values("[64,64],[128]") == ["[64,64]", "[128]"]
+    grid = parse_tune(["lr=0.01,0.05", "momentum=0,0.9", "train.hidden=[32],[64,64]"], job)
+    assert grid == {"lr": [0.01, 0.05], "momentum": [0, 0.9], "train.hidden": [[32], [64, 64]]}
+    assert len(points(grid)) == 8 and points(grid)[0] == (("lr", 0.01), ("momentum", 0), ("train.hidden", [32]))
+    for bad, says in (("lr", "KEY=V1,V2"), ("nosuchkey=1,2", "nosuchkey"), ("lr=0.1,0.1", "twice"),
+                      ("mode=sync,async", "set by the experiment"), ("lr=-1,0.1", "lr")):
+        with pytest.raises(UsageError, match=says):
+            parse_tune([bad], job)
+    with pytest.raises(UsageError, match="script"):
+        parse_tune(["train.batch_size=32,64"], job, server_only=True)
+
+
+def test_each_group_chooses_its_earliest_point_and_a_diverged_one_never_wins():
+    from psgrid.cluster.tuning import choose, tuning_targets
+
+    def row(mode, settings, best, final, ttt=None, diverged=0, status="ok"):
+        return {"run": f"{mode}-{settings}", "mode": mode, "workers": 2, "stragglers": "none", "status": status,
+                "settings": settings, "best_test_accuracy": best, "final_test_accuracy": final,
+                "time_to_target_s": ttt, "diverged": diverged}
+
+    rows = [row("sync", "lr=0.01", 0.80, 0.80), row("sync", "lr=0.1", 0.95, 0.95),
+            row("async", "lr=0.01", 0.90, 0.90), row("async", "lr=0.1", 0.99, 0.10, diverged=1)]
+    # The tuning target: the highest accuracy every mode reached at some (not diverged) point.
+    assert tuning_targets(rows, None) == {(2, "none"): 0.90}
+    assert tuning_targets(rows, 0.5) == {(2, "none"): 0.5}
+    rows[1]["time_to_target_s"], rows[2]["time_to_target_s"], rows[3]["time_to_target_s"] = 3.0, 5.0, 1.0
+    chosen = choose(rows)
+    assert chosen["sync", 2, "none"]["settings"] == "lr=0.1"
+    assert chosen["async", 2, "none"]["settings"] == "lr=0.01"          # the diverged point was faster
+    # Where no point reaches the target: the best final accuracy.
+    slow = [row("sync", "lr=0.01", 0.5, 0.5), row("sync", "lr=0.1", 0.6, 0.6), row("sync", "lr=1", 0.1, 0.7,
+                                                                                    status="failed")]
+    assert choose(slow)["sync", 2, "none"]["settings"] == "lr=0.1"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import zlib
 
+import numpy as np
 import pytest
 
 from psgrid.cluster.experiment import ROW_FIELDS
@@ -165,7 +166,8 @@ def test_the_reading_names_the_fastest_mode_and_by_how_much(stragglers_case):
     race = next(p for p in paras if p.startswith("With 4 workers and stragglers 3:3"))
     assert race.startswith(f"With 4 workers and stragglers 3:3, async reached the target test accuracy 0.900 first, "
                            f"in {secs(ttt('async'))} s")
-    assert f"the next, ssp:2 ({secs(ttt('ssp:2'))} s, {ttt('ssp:2') / ttt('async'):.3g}x as long)" in race
+    assert (f"the next, ssp:2 ({secs(ttt('ssp:2'))} s, {ttt('ssp:2') / ttt('async'):.3g}x as long; "
+            f"not settled with fewer than 3 repeats)") in race
     assert f"sync took {secs(ttt('sync'))} s, {ttt('sync') / ttt('async'):.3g}x as long" in race
     text = " ".join(paras)
     assert "async and ssp:2 reached the target before sync, as theory predicts (Cui et al., ATC'14" in text
@@ -187,8 +189,45 @@ def test_the_reading_says_plainly_when_stale_modes_lose_to_sync():
 
 
 def test_the_reading_says_when_a_lead_is_within_the_spread_of_repeats():
-    rows, _, settings = experiment(["sync", "async"], [2], ["none"], 2, lambda m, w, s: 0.5 if m == "sync" else 0.49)
-    assert "though their ranges over repeats overlap" in reading(rows, settings)[0]
+    rows, _, settings = experiment(["sync", "async"], [2], ["none"], 3, lambda m, w, s: 0.5 if m == "sync" else 0.49)
+    race = next(p for p in reading(rows, settings) if p.startswith("With 2 workers"))
+    assert "though their 95% intervals overlap, so the lead is not settled" in race
+
+
+def test_the_reading_calls_a_lead_settled_only_where_the_intervals_are_apart():
+    rows, _, settings = experiment(["sync", "async"], [2], ["none"], 3, lambda m, w, s: 0.5 if m == "sync" else 0.25)
+    paras = reading(rows, settings)
+    race = next(p for p in paras if p.startswith("With 2 workers"))
+    assert race.startswith("With 2 workers and no stragglers, async reached") and "settled: their 95% intervals" in race
+    assert not any("not settled" in p for p in paras)       # 3 repeats, 5 processes on 8 cores: nothing to hedge
+
+
+def test_with_too_few_repeats_or_too_few_cores_the_reading_says_it_is_not_settled():
+    rows, _, settings = experiment(["sync", "async"], [4], ["none"], 1, lambda m, w, s: 0.5, shards=1)
+    first = reading(rows, settings)[0]
+    assert first.startswith("These conclusions are not settled: each setting ran only 1 time")
+    assert "shared" not in first                                      # 6 processes on 8 cores
+    settings["machine"]["cpus"] = 2
+    rows3, _, settings3 = experiment(["sync", "allreduce"], [4], ["none"], 3, lambda m, w, s: 0.5, shards=1)
+    settings3["machine"]["cpus"] = 2
+    first = reading(rows3, settings3)[0]
+    assert first == ("These conclusions are not settled: 6 processes (1 coordinator, 1 shard and 4 workers; "
+                     "all-reduce ran 4) shared 2 cores, so they slowed one another and the times say as much about "
+                     "that sharing as about the modes.")
+
+
+def test_a_diverged_run_is_said_first_with_the_fix_to_try(tmp_path):
+    rows, events, settings = experiment(["sync", "async"], [2], ["none"], 3, lambda m, w, s: 0.5)
+    for r in rows:
+        if r["mode"] == "async":
+            r.update(diverged=1, final_test_accuracy=0.1, time_to_target_s=None)
+    paras = reading(rows, settings)
+    assert paras[0].startswith("Diverged: async in 3 of 3 runs (2 workers, no stragglers).")
+    assert "lower learning rate" in paras[0] and "--tune lr=" in paras[0] and "staleness" in paras[0]
+    paths = write_report(tmp_path, settings, rows, events)
+    summary = paths["md"].read_text().split("## Summary")[1].split("## Per mode")[0]
+    assert "| 3 of 3 |" in summary and "[" in summary        # the diverged count; 3 repeats: intervals
+    assert paths["intervals"].read_bytes().startswith(PNG)
 
 
 def test_failed_runs_are_listed_and_left_out(stragglers_case):
@@ -197,7 +236,7 @@ def test_failed_runs_are_listed_and_left_out(stragglers_case):
     assert "## Runs that did not finish" in md and "| sync-w4-s3x3-r2 | sync | 4 | 3:3 | 2 | failed |" in md
     summary = md.split("## Summary")[1].split("## Per mode")[0]
     sync_row = next(line for line in summary.splitlines() if line.startswith("| 4 | 3:3 | sync |"))
-    assert sync_row.endswith("| 2 |")       # n: the two repeats that finished
+    assert sync_row.endswith("| 2 | - |")       # n: the two repeats that finished; none diverged
 
 
 def test_missing_values_and_failed_runs_do_not_crash(tmp_path):
@@ -243,3 +282,36 @@ def test_throughput_within_noise_of_sync_is_called_the_same():
     assert "staleness bound" not in _throughput_versus_sync("async", 15304, 15259)
     assert "processed more samples per second" in _throughput_versus_sync("async", 21929, 15259)
     assert "did not even process more" in _throughput_versus_sync("ssp:8", 12000, 15259)
+
+
+def test_the_bootstrap_interval_holds_the_median_and_is_the_same_every_time():
+    from psgrid.cluster.grouping import bootstrap_interval, separated, spread
+
+    values = [1.0, 2.0, 3.0, 4.0, 10.0]
+    low, high = bootstrap_interval(values)
+    assert 1.0 <= low <= 3.0 <= high <= 10.0 and (low, high) == bootstrap_interval(values)
+    assert bootstrap_interval([2.0, 2.0, 2.0]) == (2.0, 2.0)
+    tight, wide = bootstrap_interval([5.0, 5.1, 4.9, 5.0, 5.05]), bootstrap_interval([1.0, 9.0, 5.0, 2.0, 8.0])
+    assert tight[1] - tight[0] < wide[1] - wide[0]
+    # The percentile interval of the median, checked against a direct NumPy computation.
+    rng = np.random.default_rng(0)
+    medians = np.median(np.asarray(values)[rng.integers(0, 5, size=(2000, 5))], axis=1)
+    assert (low, high) == tuple(np.percentile(medians, [2.5, 97.5]))
+    rows = [{"x": v} for v in values]
+    assert spread(rows[:2], "x").ci is None and spread(rows, "x").ci == (low, high)
+    assert separated(spread([{"x": 1.0}] * 3, "x"), spread([{"x": 2.0}] * 3, "x")) is True
+    assert separated(spread(rows, "x"), spread([{"x": 3.0}] * 3, "x")) is False
+    assert separated(spread(rows[:2], "x"), spread(rows, "x")) is None
+
+
+def test_the_reading_names_each_modes_tuned_settings_and_the_grid_points_that_diverged():
+    rows, _, settings = experiment(["sync", "async"], [2], ["none"], 3, lambda m, w, s: 0.5,
+                                   tune={"lr": [0.1, 0.5]})
+    for r in rows:
+        r["settings"] = "lr=0.5" if r["mode"] == "sync" else "lr=0.1"
+    tune = [{"run": f"tune-{m}-{lr}", "mode": m, "workers": 2, "stragglers": "none", "status": "ok",
+             "settings": f"lr={lr}", "diverged": int(m == "async" and lr == 0.5)}
+            for m in ("sync", "async") for lr in (0.1, 0.5)]
+    tuned = next(p for p in reading(rows, settings, tune) if p.startswith("Each mode ran at"))
+    assert tuned == ("Each mode ran at its best point of the tuning grid (see Tuning): sync lr=0.5 and async lr=0.1. "
+                     "While tuning, async at lr=0.5 diverged.")

@@ -36,7 +36,8 @@ def test_a_command_is_checked_before_anything_starts(tmp_path, capsys, monkeypat
     with pytest.raises(SystemExit) as exit_:
         main(["server", "--", "python", "train.py"])
     assert exit_.value.code == 2
-    assert "psctl: error: only launch and mpi run a command of yours after --, not server" in capsys.readouterr().err
+    assert ("psctl: error: only launch, mpi and compare run a command of yours after --, not server"
+            in capsys.readouterr().err)
 
 
 def test_python_is_the_interpreter_psctl_runs_on(monkeypatch):

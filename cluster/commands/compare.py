@@ -1,4 +1,8 @@
-"""psctl compare: several consistency modes, an all-reduce baseline and stragglers on one job, with a report."""
+"""psctl compare: several consistency modes, an all-reduce baseline and stragglers on one job, with a report.
+
+With --tune each mode first runs a grid of settings and its repeats run at its own best point; after
+-- comes a script of the user's, run by each worker of every run as psctl launch -- runs it.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +18,14 @@ psctl compare --config mnist --modes sync,async,ssp:2,allreduce --out runs/cmp
 psctl compare --config mnist --workers 4 --stragglers none --stragglers 3:3 --repeats 3 --out runs/straggler
 psctl compare --config examples/synthetic-20m.toml --workers 1,2,4 --modes sync,async,allreduce --device gpu --out runs/scaling
 psctl compare --config mnist --stragglers 1:exp:20 --target-accuracy 0.9 --out runs/noisy --resume
+psctl compare --modes sync,async,ssp:2 --tune lr=0.01,0.05,0.2 --tune momentum=0,0.9 --tune-steps 200 --out runs/tuned
+psctl compare --modes sync,async --mode-set async:lr=0.02 --out runs/lower-lr
+psctl compare --modes sync,async,ssp:2 --workers 2 --out runs/mine -- python train.py --steps 300
 mpiexec -n 7 psctl compare --mpi --config mnist --shards 2 --workers 4 --out runs/cmp-mpi
 """
 
 DEFAULT_MODES = "sync,async,ssp:2,allreduce"
+SCRIPT_MODES = "sync,async,ssp:2"       # the default with a script: all-reduce needs the built-in loop
 # Set per run by the experiment, so not offered as job-file overrides here.
 _PER_RUN = ("mode", "staleness", "backup_workers", "stragglers")
 
@@ -31,13 +39,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "OUT/report.html (tables, plots and a reading of the numbers) and OUT/plots/*.png. Each run's "
                     "own output is under OUT/runs/. Ctrl-C stops cleanly and keeps the finished runs; --resume "
                     "runs only what is missing. The allreduce mode trains with no shards under the mpiexec of "
-                    "the mpi extra (pip install 'psgrid[mpi]').",
+                    "the mpi extra (pip install 'psgrid[mpi]'). "
+                    "--tune KEY=V1,V2 (repeatable) first runs every mode over the grid of those settings (short "
+                    "runs of --tune-steps, one each), picks each mode's best point (the earliest to the target; "
+                    "where none reaches it, the best final accuracy; a diverged point never wins) and runs the "
+                    "repeats there; the report shows each mode's chosen settings and how each setting did. "
+                    "A run whose loss grows or turns non-finite, or whose accuracy falls to chance, is marked "
+                    "diverged, and the reading says so first. With 3 or more repeats the tables show medians "
+                    "with bootstrap 95% intervals and the reading calls a difference settled only where they do "
+                    "not overlap. After -- comes your own script (-- python train.py ARGS): every worker of every "
+                    "run runs it as under psctl launch --, with that run's mode and settings on the shards, and "
+                    "the report is built from what psgrid.init's session logs (loss, log_eval).",
         examples=EXAMPLES,
     )
     add_config_arg(p, "mnist", "flags override it")
     e = p.add_argument_group("experiment")
-    e.add_argument("--modes", default=DEFAULT_MODES, metavar="LIST",
-                   help=f"modes to compare: sync, async, ssp:S (bound S), allreduce (default: {DEFAULT_MODES})")
+    e.add_argument("--modes", metavar="LIST",
+                   help=f"modes to compare: sync, async, ssp:S (bound S), allreduce (default: {DEFAULT_MODES}; "
+                        f"with a script after --, {SCRIPT_MODES})")
     e.add_argument("--workers", metavar="LIST", help="worker counts, e.g. 1,2,4 (default: [job] workers)")
     e.add_argument("--stragglers", action="append", metavar="SETTING",
                    help="a straggler setting: none, K:F (worker K F times slower than its own compute) or "
@@ -46,6 +65,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--backup-workers", type=int, metavar="B",
                    help="sync: close a round when all but B workers pushed (default: the job's)")
     e.add_argument("--repeats", type=int, default=1, metavar="R", help="runs of each setting (default 1)")
+    e.add_argument("--tune", action="append", default=[], metavar="KEY=V1,V2,...",
+                   help="tune each mode over these values of a server or train key (values as --set takes them), "
+                        "e.g. --tune lr=0.01,0.05,0.2 --tune momentum=0,0.9: every combination is a grid point")
+    e.add_argument("--tune-steps", type=int, metavar="N",
+                   help="steps per worker of each tuning run (default: the job's steps)")
+    e.add_argument("--mode-set", action="append", default=[], metavar="MODE:KEY=VALUE",
+                   help="a setting for one mode's runs only, e.g. --mode-set async:lr=0.02 (tuning, if any, "
+                        "starts from it)")
+    e.add_argument("--classes", type=int, metavar="K",
+                   help="classes of the task, for the divergence test (final test accuracy <= 1.5/K is chance; "
+                        "default: the job's dataset's; with a script after --, no chance test unless given)")
     e.add_argument("--target-accuracy", type=float, metavar="A",
                    help="test accuracy whose time to reach is compared (default: the highest every run reached)")
     e.add_argument("--out", required=True, metavar="DIR", help="output folder of the experiment")
@@ -54,7 +84,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="replace an earlier experiment in OUT (its runs, results and report) instead of refusing")
     e.add_argument("--report-only", action="store_true",
                    help="run nothing: write summary.csv and the report of the experiment in OUT again from its runs "
-                        "(with --target-accuracy, for another target)")
+                        "(with --target-accuracy, for another target; with --classes, another chance level)")
     e.add_argument("--mpi", action="store_true",
                    help="run under mpiexec or srun (every rank runs this same command): each run takes the first "
                         "1+S+W ranks as psctl mpi does (W for allreduce); needs 1+S+max(workers) ranks")
@@ -67,7 +97,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_token_arg(p)
     add_set_arg(p)
     add_training_flags(p, keys=_training_keys())
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, user_command=None)
+    p.usage = p.format_usage().removeprefix("usage: ").rstrip() + " [-- COMMAND ...]"   # split off by cli.main
     return p
 
 
@@ -83,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from psgrid.cluster.commands._common import load_job_from_args
-    from psgrid.cluster.compare import Compare, Experiment, settings_for
+    from psgrid.cluster.compare import Compare, experiment_from, settings_for
     from psgrid.cluster.config import apply_overrides
     from psgrid.cluster.errors import UsageError
     from psgrid.cluster.experiment import parse_counts, parse_modes, parse_straggler_setting, plan
@@ -91,17 +122,43 @@ def run(args: argparse.Namespace) -> int:
     if args.report_only:
         from psgrid.cluster.compare import rewrite_report, table_text
 
-        rows = rewrite_report(Path(args.out), args.target_accuracy)
-        print(table_text(rows, rows[0]["target_accuracy"] if rows else None))
+        rows = rewrite_report(Path(args.out), args.target_accuracy, args.classes)
+        print(table_text(rows, rows[-1]["target_accuracy"] if rows else None))   # a repeat's: they come last
         return 0
     from psgrid.cluster.commands._common import flag_names
     from psgrid.cluster.preflight import check_device, refuse_mpi_rank
 
+    from psgrid.cluster import script
+    from psgrid.cluster.tuning import parse_tune
+
     if not args.mpi:
         refuse_mpi_rank("compare", "psctl compare --mpi")
+    command = None if args.user_command is None else script.resolve_command(args.user_command)
+    if command and args.mpi:
+        raise UsageError("psctl compare --mpi runs the built-in trainer: leave out --mpi to compare a script")
     job = load_job_from_args(args)
-    check_device(job.train, flag_names(args))
-    modes = parse_modes(args.modes)
+    if command is None:             # a user's script chooses its own device
+        check_device(job.train, flag_names(args))
+    else:
+        named = args.config is not None or getattr(args, "override_name", None) is not None
+        job = script.for_command(job, command, named=named)
+    modes = parse_modes(args.modes or (SCRIPT_MODES if command else DEFAULT_MODES))
+    if command and any(not m.uses_shards for m in modes):
+        raise UsageError("--modes allreduce needs the built-in trainer; with a script after -- compare "
+                         "sync, async and ssp:S")
+    tune = parse_tune(args.tune, job, server_only=command is not None)
+    if tune and args.mpi:
+        raise UsageError("--tune runs on this machine: leave out --mpi (psctl compare --mpi does not tune yet)")
+    if args.tune_steps is not None:
+        if not tune:
+            raise UsageError("--tune-steps sets the length of the tuning runs: give --tune KEY=V1,V2 too")
+        if command:
+            raise UsageError("--tune-steps: a script decides its own length; pass it the steps after -- instead")
+        if args.tune_steps < 1:
+            raise UsageError(f"--tune-steps must be at least 1, got {args.tune_steps}")
+    mode_settings = _mode_settings(args.mode_set, modes, job, server_only=command is not None)
+    if args.classes is not None and args.classes < 2:
+        raise UsageError(f"--classes must be at least 2, got {args.classes}")
     workers = parse_counts(args.workers, "--workers") if args.workers else [job.workers]
     stragglers = [parse_straggler_setting(s) for s in (args.stragglers or ["none"])]
     if len(set(stragglers)) != len(stragglers):
@@ -114,11 +171,13 @@ def run(args: argparse.Namespace) -> int:
     if args.backup_workers is not None:
         overrides["backup_workers"] = args.backup_workers
     job = dataclasses.replace(apply_overrides(job, overrides), out=None)    # every run has its own folder
-    runs = plan(modes, workers, stragglers, args.repeats)
+    plan(modes, workers, stragglers, args.repeats)     # refuses a straggler that does not exist
     settings = settings_for(job, command=sys.argv[2:] if sys.argv[1:2] == ["compare"] else [],
                             modes=modes, workers=workers, stragglers=stragglers, repeats=args.repeats,
-                            target=args.target_accuracy, backup_workers=args.backup_workers)
-    experiment = Experiment(job, runs, Path(args.out), args.target_accuracy, settings)
+                            target=args.target_accuracy, backup_workers=args.backup_workers, tune=tune,
+                            tune_steps=args.tune_steps, mode_settings=mode_settings, script=command,
+                            classes=args.classes)
+    experiment = experiment_from(job, settings, Path(args.out))
     if args.overwrite:
         from psgrid.cluster.outdir import EXPERIMENT_FILES, clear_run
         from psgrid.cluster.preflight import launcher_rank
@@ -130,6 +189,26 @@ def run(args: argparse.Namespace) -> int:
     if args.mpi:
         return _run_mpi(experiment, args)
     return Compare(experiment, resume=args.resume, progress=args.progress).run()
+
+
+def _mode_settings(texts: list[str], modes, job, *, server_only: bool) -> dict:
+    """``["async:lr=0.02"]`` -> ``{"async": (("lr", 0.02),)}``, each checked as --tune checks its values."""
+    from psgrid.cluster.errors import UsageError
+    from psgrid.cluster.tuning import parse_tune
+
+    found: dict[str, tuple] = {}
+    labels = [m.label for m in modes]
+    for text in texts:
+        label, _, assignment = text.partition(":") if not text.startswith("ssp:") else (
+            "ssp:" + text[4:].partition(":")[0], ":", text[4:].partition(":")[2])
+        if label not in labels or "=" not in assignment:
+            raise UsageError(f"--mode-set expects MODE:KEY=VALUE with MODE one of {', '.join(labels)} "
+                             f"(e.g. --mode-set async:lr=0.02), got {text!r}")
+        ((key, values),) = parse_tune([assignment], job, flag="--mode-set", server_only=server_only).items()
+        if len(values) != 1:
+            raise UsageError(f"--mode-set {text}: one value; to try several, use --tune")
+        found[label] = found.get(label, ()) + ((key, values[0]),)
+    return found
 
 
 def _run_mpi(experiment, args: argparse.Namespace) -> int:
