@@ -144,9 +144,9 @@ class Shards:
 
     def __init__(self, code: Code, count: int, mode: str, folder: Path):
         self.procs: list[subprocess.Popen] = []
-        files = [folder / f"shard-{i}" for i in range(count)]
+        address_files = [folder / f"shard-{i}" for i in range(count)]
         try:
-            for i, path in enumerate(files):
+            for i, path in enumerate(address_files):
                 argv = [sys.executable, "-m", "psgrid.cluster.cli", "server", "--shard", str(i), "--num-shards",
                         str(count), "--port", "0", "--address-file", str(path), "--mode", mode, "--lr", "1e-9",
                         "--threads", "32", "--lease-s", "60"]
@@ -156,11 +156,11 @@ class Shards:
                     self.procs.append(subprocess.Popen(argv, env=code.env(), stdout=subprocess.DEVNULL, stderr=log,
                                                        cwd=folder))
             deadline = time.monotonic() + START_TIMEOUT_S
-            while not all(p.exists() for p in files):
+            while not all(p.exists() for p in address_files):
                 if any(proc.poll() is not None for proc in self.procs) or time.monotonic() > deadline:
                     raise RuntimeError(f"shards of {code.label} did not start; see {folder}")
                 time.sleep(0.05)
-            self.addresses = [p.read_text().splitlines()[0] for p in files]
+            self.addresses = [p.read_text().splitlines()[0] for p in address_files]
         except BaseException:
             self.close()
             raise

@@ -14,7 +14,6 @@ import socket
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from psgrid.psserver.protocol import FLOAT32, Reason, Status

@@ -25,7 +25,6 @@ from psgrid.psserver.exceptions import Unavailable
 from psgrid.psserver.protocol import SERVICE, Reason, Status
 from psgrid.psserver.server import RunningServer, serve
 from psgrid.psserver.transports.base import ConnectOptions, open_control
-from psgrid.psserver.transports import socket_server
 from psgrid.psserver.transports.tcp_frames import HELLO, MAGIC, MAX_MESSAGE, REPLY, REQUEST, recv_exact, recv_struct
 from tests.support import REGRESSION, make_problem, regression_grad
 
