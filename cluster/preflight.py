@@ -117,7 +117,7 @@ def _check_tls_pairing(job) -> None:
     s, t = job.server, job.train
     if s.tls_ca and not t.tls_cert:
         raise ConfigError("[server] tls_ca makes the shards require client certificates: set [train] tls_cert and "
-                          f"tls_key (psctl certs DIR makes them), or leave out [server] tls_ca")
+                          "tls_key (psctl certs DIR makes them), or leave out [server] tls_ca")
     if t.tls_ca and not s.tls_cert:
         raise ConfigError("[train] tls_ca asks for TLS but the shards have no certificate: set [server] tls_cert "
                           "and tls_key, or leave out [train] tls_ca")
