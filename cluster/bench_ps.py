@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -145,11 +146,12 @@ class Shards:
     def __init__(self, code: Code, count: int, mode: str, folder: Path):
         self.procs: list[subprocess.Popen] = []
         address_files = [folder / f"shard-{i}" for i in range(count)]
+        job_id = secrets.token_hex(6)          # the shards of one set are one job (Admin and clients check)
         try:
             for i, path in enumerate(address_files):
                 argv = [sys.executable, "-m", "psgrid.cluster.cli", "server", "--shard", str(i), "--num-shards",
                         str(count), "--port", "0", "--address-file", str(path), "--mode", mode, "--lr", "1e-9",
-                        "--threads", "32", "--lease-s", "60"]
+                        "--threads", "32", "--lease-s", "60", "--job-id", job_id]
                 # From their own folder: python puts the current one first on the path, and it may hold
                 # another revision's psgrid.
                 with files.open_new(folder / f"shard-{i}.log", "w") as log:
