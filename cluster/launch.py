@@ -35,6 +35,7 @@ from psgrid.cluster.config import JobConfig
 from psgrid.cluster.errors import JobFailed
 from psgrid.cluster.interrupts import (Interrupted, check_interrupted, deferred_signals, ignore_signals,
                                         listen_for_interrupts)
+from psgrid.cluster.outdir import lock, release
 from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 from psgrid.cluster.watch import ShardWatch
 from psgrid.psserver.protocol import parse_address_file
@@ -312,6 +313,7 @@ class Launcher:
                 summary["command"] = self.command
             co.merge_metrics(sorted((self.out / "metrics").glob("*.jsonl")), self.out / "metrics.jsonl")
             co.write_json(self.out / "summary.json", summary)
+            release(self.out)       # the job is over: the folder may be taken again
         return summary
 
 
@@ -332,6 +334,7 @@ def launch(job: JobConfig, progress: bool | None = None, *, resume: bool = False
 
         from psgrid.cluster.resume import check_resumable, describe
 
+        lock(Path(job.out))      # a job still running there is said as such, before its checkpoints are read
         found = check_resumable(job, Path(job.out))
         print(f"psctl launch: {describe(found)}", file=sys.stderr, flush=True)
         resumed = [asdict(c) for c in found]

@@ -31,6 +31,7 @@ from psgrid.cluster import coordinator as co
 from psgrid.cluster import script as user_script
 from psgrid.cluster.config import JobConfig, apply_overrides, load_job
 from psgrid.cluster.launch import Launcher, prepare_out
+from psgrid.cluster.outdir import release
 from psgrid.cluster.procs import stop_children
 
 
@@ -244,5 +245,6 @@ def _stop(launcher: Launcher, out: Path, temporary: bool) -> None:
     """Stop every process and thread a cluster started and remove its temporary folder (also for one never closed)."""
     launcher.stop_all()
     launcher.log.close()
+    release(out)
     if temporary:
         shutil.rmtree(out, ignore_errors=True)

@@ -288,9 +288,12 @@ def test_an_earlier_run_is_kept_unless_overwrite(tmp_path):
     from psgrid.cluster.config import JobConfig
     from psgrid.cluster.outdir import prepare
 
+    from psgrid.cluster.outdir import release
+
     prepare(JobConfig(out=str(out), overwrite=True))
+    release(out)
     assert not (out / "summary.json").exists() and (out / "notes.txt").read_text() == "mine"
-    assert sorted(p.name for p in out.iterdir()) == ["addr", "logs", "metrics", "notes.txt"]
+    assert sorted(p.name for p in out.iterdir()) == [".psgrid.lock", "addr", "logs", "metrics", "notes.txt"]
 
 
 def test_default_output_folders_never_collide(tmp_path, monkeypatch):
@@ -379,3 +382,38 @@ def test_mpi_writes_its_job_and_logs_and_a_partial_summary_when_a_rank_raises(tm
     assert set(logs) == {"coordinator.log", "server-0.log", "worker-0.log", "worker-1.log"}
     assert "raising on purpose" in logs["worker-1.log"] and "listening on" in logs["server-0.log"]
     assert "job failed" in logs["coordinator.log"]
+
+
+# ---- a folder in use is never taken ------------------------------------------------------------------
+
+def test_a_live_output_folder_is_never_taken(tmp_path):
+    out = tmp_path / "run"
+    env = env_with()
+    first = subprocess.Popen(psctl("launch", "--out", str(out), "--dataset", "synthetic", "--steps", "100000"),
+                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "addr" / "shard-0").exists():   # the lock is taken before any shard starts
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
+            time.sleep(0.05)
+        for extra in (["--overwrite"], [], ["--resume", str(out)]):
+            args = ["--out", str(out), "--steps", "5", *extra] if extra[:1] != ["--resume"] else extra
+            code, err, took = run(psctl("launch", *args), tmp_path, env)
+            line = one_line(code, err, f"{out} is in use by a running job (pid {first.pid}: ")
+            assert "psgrid.cluster.cli launch --out" in line and "choose another --out" in line
+            assert took < 30
+        assert first.poll() is None, "the running job was disturbed"
+        assert not (out / "summary.json").exists()
+    finally:
+        os.killpg(first.pid, signal.SIGINT)
+        try:
+            first.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.communicate(timeout=10)
+    assert first.returncode == 130
+    # once it has ended, the folder is free again: refused only because it holds a run
+    code, err, _ = run(psctl("launch", "--out", str(out), "--steps", "5"), tmp_path, env)
+    one_line(code, err, f"{out} already holds a run")
+

@@ -120,12 +120,13 @@ def run(args: argparse.Namespace) -> int:
                             target=args.target_accuracy, backup_workers=args.backup_workers)
     experiment = Experiment(job, runs, Path(args.out), args.target_accuracy, settings)
     if args.overwrite:
-        from psgrid.cluster.outdir import EXPERIMENT_FILES, clear_run
+        from psgrid.cluster.outdir import EXPERIMENT_FILES, clear_run, lock
         from psgrid.cluster.preflight import launcher_rank
 
         if args.resume:
             raise UsageError("--overwrite starts the experiment again and --resume finishes it: give one of them")
         if (launcher_rank() or (0, 1))[0] == 0:      # under --mpi, world rank 0 alone prepares the folder
+            lock(Path(args.out))        # never an experiment that runs now: it holds the lock (cluster/outdir.py)
             clear_run(Path(args.out), EXPERIMENT_FILES)
     if args.mpi:
         return _run_mpi(experiment, args)
