@@ -19,6 +19,7 @@ the spinning ranks would take the CPU the workers train on.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -30,6 +31,7 @@ from psgrid.cluster import credentials, mpi_report, preflight
 from psgrid.cluster import script as user_script
 from psgrid.cluster.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import JobFailed, UsageError
+from psgrid.cluster.interrupts import ignore_signals, received_signal, stop_on_signals
 from psgrid.cluster.mpich_shm import unlink_init_shm
 from psgrid.cluster.placement import SERVER, Placement, PlacementError, Role, place
 from psgrid.cluster.procs import limit_blas_threads, usable_cpus
@@ -39,6 +41,7 @@ TAG_DONE = 71
 POLL_S = 0.05
 LOOPBACK = "127.0.0.1"
 ABORT_GRACE_S = 0.5
+INTERRUPT_WAIT_S = 20.0
 
 
 def min_ranks(shards: int) -> int:
@@ -102,6 +105,8 @@ class MPIJob:
         self.oversubscribe = oversubscribe
         self.placement: Placement | None = None     # every rank's role, once run() has gathered them
         self.role, self.index = ("coordinator", 0) if self.rank == 0 else ("rank", self.rank)   # until placed
+        self.out: Path | None = None
+        self.server = None          # this rank's running shard, when it serves one
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -179,6 +184,7 @@ class MPIJob:
         running = None
         if self.role == "server":
             running, address = self.start_server(single_node)
+            self.server = running
         else:
             address = None
         addresses = self.comm.gather(address, root=0)
@@ -299,6 +305,9 @@ class MPIJob:
                 log("shard_stats", **s)
         except JobFailed as e:
             status, message = "failed", str(e)
+        except KeyboardInterrupt:       # Ctrl-C or SIGTERM: every rank heard it (see stop_interrupted)
+            status, message = "interrupted", f"stopped by {signal.Signals(received_signal()).name}"
+            raise
         except Exception as e:
             # Evaluation, stats or shutdown failing after training: the job did not complete cleanly.
             status, message = "failed", f"{type(e).__name__}: {e}"
@@ -325,6 +334,29 @@ class MPIJob:
         print(f"psctl mpi: summary in {out / 'summary.json'}, metrics in {out / 'metrics.jsonl'}",
               file=sys.stderr, flush=True)
         return 0
+
+
+    def stop_interrupted(self, signum: int) -> int:
+        """After Ctrl-C or SIGTERM, which every rank hears: stop this rank's part and end with the others.
+
+        mpiexec and srun pass the signal to every rank; each stops what it runs, the ranks meet
+        once more, and rank 0 says in one line what happened (its summary, status ``interrupted``,
+        is written by :meth:`coordinate`). Returns 128 + ``signum``. A rank that does not come
+        within ``INTERRUPT_WAIT_S`` (the signal reached only some ranks) makes the job abort.
+        """
+        name = signal.Signals(signum).name
+        try:    # a shard serves on until the workers have left it
+            _wait_request(self.comm.Ibarrier(), INTERRUPT_WAIT_S, f"{name}: the other ranks stopping")
+        except JobFailed as e:
+            print(f"psctl mpi: rank {self.rank}: {e}; aborting the job", file=sys.stderr, flush=True)
+            _abort(self.comm)
+        if self.server is not None:
+            self.server.stop(grace=0.5)
+        if self.rank == 0:
+            where = f"; partial results in {self.out}" if self.out is not None else "; nothing had started"
+            print(f"psctl mpi: {name}: stopped every rank{where}", file=sys.stderr, flush=True)
+        mpi_report.untee()
+        return 128 + signum
 
 
 def _abort(comm) -> None:
@@ -355,12 +387,18 @@ def run_mpi(job: JobConfig, comm=None, *, host: str | None = None, iface: str | 
         comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     part = None
+    old = stop_on_signals()
     try:
         if world:   # the job is ours: leave no MPICH file in /dev/shm, however it ends
             unlink_init_shm(comm)
         part = MPIJob(job, comm, host=host, iface=iface, progress=progress, command=command,
                       oversubscribe=oversubscribe)
         return part.run()
+    except KeyboardInterrupt:
+        ignore_signals()        # the cleanup is bounded by its own timeouts; a second Ctrl-C must not cut it
+        if part is None:
+            return 128 + received_signal()
+        return part.stop_interrupted(received_signal())
     except BaseException as e:
         print(f"psctl mpi: rank {rank} on {socket.gethostname()} failed; aborting the job:\n"
               f"{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -368,3 +406,6 @@ def run_mpi(job: JobConfig, comm=None, *, host: str | None = None, iface: str | 
             mpi_report.tell_coordinator(comm, rank, part.role, part.index, f"{type(e).__name__}: {e}")
         _abort(comm)
         raise  # not reached: Abort ends the process
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

@@ -417,3 +417,59 @@ def test_a_live_output_folder_is_never_taken(tmp_path):
     code, err, _ = run(psctl("launch", "--out", str(out), "--steps", "5"), tmp_path, env)
     one_line(code, err, f"{out} already holds a run")
 
+
+# ---- Ctrl-C under mpiexec ends as under psctl launch ------------------------------------------------
+
+def left_behind(since: float) -> list[str]:
+    """MPI's files made since ``since`` that are still there 5 s on: hydra's in /tmp, MPICH's and ours in /dev/shm.
+
+    Another test's job may own a new file for a moment; ours must not outlive the command.
+    """
+    def found():
+        tmp = [p for p in Path("/tmp").glob("hydra_hwloc_xmlfile_*")]
+        shm = [p for p in Path("/dev/shm").iterdir()]
+        return [str(p) for p in tmp + shm if _made_after(p, since)]
+
+    deadline = time.monotonic() + 5
+    while (left := found()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _made_after(path: Path, since: float) -> bool:
+    try:
+        return path.stat().st_mtime >= since
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.mpi
+def test_ctrl_c_under_mpiexec_stops_every_rank_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    since = time.time() - 1
+    proc = subprocess.Popen([mpiexec(), "-n", "4", *psctl("mpi", "--dataset", "synthetic", "--steps", "1000000",
+                                                           "--out", str(out))],
+                            cwd=tmp_path, env=env_with(**MPI_ENV), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "metrics" / "worker-0.jsonl").exists():     # a worker trains: every rank is busy
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)        # what Ctrl-C in the terminal does
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=10)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    # after the job's start lines and the progress, one line says what happened
+    said = [line for line in err.splitlines() if line.strip() and not line.startswith("[")
+            and " listening on " not in line and " ranks: coordinator on " not in line]
+    assert said == [f"psctl mpi: SIGINT: stopped every rank; partial results in {out}"], err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["message"] == "stopped by SIGINT"
+    assert not session_pids(proc.pid)
+    assert not left_behind(since)
+
