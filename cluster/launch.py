@@ -281,6 +281,7 @@ class Launcher:
             self.watch.close()
             if self.command:
                 evaluation, shard_stats = user_script.finish(job, self.addresses, self.state)
+                user_script.check_joined(self.state, self.failures)
             else:
                 evaluation, shard_stats = co.finish(job, self.addresses)
             self.log("final_eval", **(evaluation or {}))
@@ -288,7 +289,7 @@ class Launcher:
                 self.log("shard_stats", **s)
             self.wait_shards()
         except JobFailed as e:
-            status, message = "failed", str(e)
+            status, message = e.status, str(e)
             raise
         except Interrupted as e:
             status, message = "interrupted", f"stopped by {e}"
@@ -343,6 +344,9 @@ def launch(job: JobConfig, progress: bool | None = None, *, resume: bool = False
     try:
         summary = Launcher(job, out, progress, resumed=resumed, command=command).run()
     except JobFailed as e:
+        if e.status != "failed":      # a mistake of the user's, said in one line
+            print(f"psctl launch: {e} (status {e.status}; summary in {out / 'summary.json'})", file=sys.stderr)
+            return 1
         print(f"psctl launch: job failed: {e}", file=sys.stderr)
         print(f"psctl launch: summary in {out / 'summary.json'}", file=sys.stderr)
         return 1

@@ -140,6 +140,7 @@ class MPIJob:
         # The number of ranks decides the number of workers; every rank computes the same job.
         try:
             self.job = apply_overrides(self.job0, {"workers": workers})
+            preflight.check_stragglers(self.job)
         except UsageError as e:
             if self.rank == 0:
                 print(f"psctl mpi: error: {e}", file=sys.stderr, flush=True)
@@ -298,13 +299,14 @@ class MPIJob:
             if self.command:
                 user_script.check_completed(failures, job.workers)
                 evaluation, shard_stats = user_script.finish(job, self.addresses, state)
+                user_script.check_joined(state, failures)
             else:
                 evaluation, shard_stats = co.finish(job, self.addresses)
             log("final_eval", **(evaluation or {}))
             for s in shard_stats:
                 log("shard_stats", **s)
         except JobFailed as e:
-            status, message = "failed", str(e)
+            status, message = e.status, str(e)
         except KeyboardInterrupt:       # Ctrl-C or SIGTERM: every rank heard it (see stop_interrupted)
             status, message = "interrupted", f"stopped by {signal.Signals(received_signal()).name}"
             raise
@@ -326,6 +328,10 @@ class MPIJob:
                 summary["command"] = self.command
             co.merge_metrics([out / "metrics" / "coordinator.jsonl", worker_events], out / "metrics.jsonl")
             co.write_json(out / "summary.json", summary)
+        if status not in ("ok", "failed"):   # a mistake of the user's: every rank ended as it should
+            print(f"psctl mpi: {message} (status {status}; summary in {out / 'summary.json'})", file=sys.stderr,
+                  flush=True)
+            return 1
         if status != "ok":
             print(f"psctl mpi: job failed: {message}; summary in {out / 'summary.json'}", file=sys.stderr,
                   flush=True)

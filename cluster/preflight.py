@@ -112,6 +112,25 @@ def check_job(job, flags: Mapping[str, str] | None = None, *, starts_shards: boo
         _check_tls_pairing(job)
 
 
+def check_stragglers(job, flags: Mapping[str, str] | None = None) -> None:
+    """Refuse a straggler setting that names a worker the job does not have (psctl compare refuses it alike).
+
+    Called where the number of workers is known: at once by ``psctl launch``, once the ranks are
+    counted by ``psctl mpi``.
+    """
+    from psgrid.worker.straggler import parse_stragglers
+
+    ranks = [s.rank for s in parse_stragglers(job.train.stragglers)]
+    if not ranks or max(ranks) < job.workers:
+        return
+    name = Names(flags, job.source)
+    given = name.flags.get("stragglers", "")
+    said = f"{given} {','.join(job.train.stragglers)}" if given.startswith("--str") else \
+        name.setting("stragglers", job.train.stragglers)
+    raise ConfigError(f"{said}: worker {max(ranks)} does not exist in a job of {job.workers} worker"
+                      f"{'s' if job.workers != 1 else ''} (ranks are 0..{job.workers - 1})")
+
+
 def _check_tls_pairing(job) -> None:
     """Shards and workers of one job must agree on TLS: what the shards ask for, the workers must have."""
     s, t = job.server, job.train

@@ -267,6 +267,16 @@ def record_failure(msg: dict, failures: list[dict], log, wrank: int) -> bool:
     return True
 
 
+def check_joined(state: co.JobState, failures: list[dict]) -> None:
+    """A job whose commands all exited 0 and none joined the shards trained nothing: not ``ok``."""
+    from psgrid.cluster.errors import JobFailed
+
+    if not state.started and not failures:
+        raise JobFailed("no worker joined the job: the command exited 0 without calling psgrid.init, so nothing "
+                        "was trained; call ps = psgrid.init(model) in it (README, 'Your own training script')",
+                        status="not_joined")
+
+
 def check_completed(failures: list[dict], workers: int) -> None:
     """A job in which no worker completed failed, as under psctl launch."""
     from psgrid.cluster.errors import JobFailed

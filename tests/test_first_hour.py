@@ -473,3 +473,63 @@ def test_ctrl_c_under_mpiexec_stops_every_rank_in_one_line(tmp_path):
     assert not session_pids(proc.pid)
     assert not left_behind(since)
 
+
+# ---- mistakes that used to end as "ok" ---------------------------------------------------------------
+
+NO_INIT = "no worker joined the job: the command exited 0 without calling psgrid.init, so nothing was trained"
+
+
+def test_a_script_that_never_calls_init_is_not_ok(tmp_path):
+    (tmp_path / "noinit.py").write_text('print("training, I think")\n')
+    out = tmp_path / "run"
+    code, err, took = run(psctl("launch", "--out", str(out), "--", "python", "noinit.py"), tmp_path, env_with())
+    said = [line for line in err.splitlines() if " shard(s) at " not in line]     # the job's start line
+    one_line(code, "\n".join(said), f"psctl launch: {NO_INIT}", expected_code=1)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "not_joined" and summary["message"].startswith(NO_INIT)
+    assert took < 60
+
+
+@pytest.mark.mpi
+def test_a_script_that_never_calls_init_is_not_ok_under_mpiexec(tmp_path):
+    (tmp_path / "noinit.py").write_text('print("training, I think")\n')
+    out = tmp_path / "run"
+    code, err, _ = run([mpiexec(), "-n", "4", *psctl("mpi", "--out", str(out), "--", "python", "noinit.py")],
+                       tmp_path, env_with(**MPI_ENV))
+    said = [line for line in err.splitlines() if " listening on " not in line and " ranks: coordinator " not in line]
+    one_line(code, "\n".join(said), f"psctl mpi: {NO_INIT}", expected_code=1)
+    assert json.loads((out / "summary.json").read_text())["status"] == "not_joined"
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--stragglers", "2:3"], "psctl launch: error: --stragglers 2:3: worker 2 does not exist in a job of 2 workers "
+                              "(ranks are 0..1)"),
+    (["--workers", "3", "--set", 'stragglers=["1:3","5:exp:20"]'],
+     'psctl launch: error: --set stragglers=["1:3","5:exp:20"]: worker 5 does not exist in a job of 3 workers'),
+])
+def test_a_straggler_that_is_no_worker_is_refused(tmp_path, args, fragment):
+    code, err, took = run(psctl("launch", *args), tmp_path, env_with())
+    one_line(code, err, fragment)
+    assert not (tmp_path / "runs").exists() and took < 30
+
+
+LOCAL_INTERRUPTED = """
+import sys
+import psgrid
+try:
+    with psgrid.LocalCluster(shards=2, out=sys.argv[1]) as cluster:
+        cluster.stats()
+        raise KeyboardInterrupt      # Ctrl-C in the notebook cell
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_a_local_cluster_interrupted_in_its_with_block_is_not_ok(tmp_path):
+    out = tmp_path / "lc"
+    code, err, _ = run([sys.executable, "-c", LOCAL_INTERRUPTED, str(out)], tmp_path, env_with())
+    one_line(code, err, "psgrid.LocalCluster: KeyboardInterrupt inside the with block: stopped its processes, "
+                        f"job interrupted; summary in {out / 'summary.json'}", expected_code=130)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["launcher"] == "local"
+
