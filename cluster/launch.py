@@ -35,6 +35,7 @@ from psgrid.cluster.config import JobConfig
 from psgrid.cluster.errors import JobFailed
 from psgrid.cluster.interrupts import (Interrupted, check_interrupted, deferred_signals, ignore_signals,
                                         listen_for_interrupts)
+from psgrid.cluster.memory import footprint
 from psgrid.cluster.outdir import lock, release
 from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 from psgrid.cluster.watch import ShardWatch
@@ -274,8 +275,9 @@ class Launcher:
             check_interrupted()      # a Ctrl-C heard before the launcher listened (cluster/interrupts.py)
             self.start_shards()
             if not self.quiet:
+                model = "" if self.command else f" of {footprint(job).describe()}"     # a script's model is its own
                 print(f"psctl launch: {job.shards} shard(s) at {','.join(self.addresses)}; starting "
-                      f"{job.workers} worker(s); logs in {self.out / 'logs'}", file=sys.stderr, flush=True)
+                      f"{job.workers} worker(s){model}; logs in {self.out / 'logs'}", file=sys.stderr, flush=True)
             self.start_workers()
             train_wall = self.follow()
             self.watch.close()

@@ -27,13 +27,13 @@ import traceback
 from pathlib import Path
 
 from psgrid.cluster import coordinator as co
-from psgrid.cluster import credentials, mpi_report, preflight
+from psgrid.cluster import credentials, memory, mpi_report, preflight
 from psgrid.cluster import script as user_script
 from psgrid.cluster.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.interrupts import ignore_signals, received_signal, stop_on_signals
 from psgrid.cluster.mpich_shm import unlink_init_shm
-from psgrid.cluster.placement import SERVER, Placement, PlacementError, Role, place
+from psgrid.cluster.placement import SERVER, WORKER, Placement, PlacementError, Role, place
 from psgrid.cluster.procs import limit_blas_threads, usable_cpus
 from psgrid.psserver.protocol import format_address_file
 
@@ -107,6 +107,7 @@ class MPIJob:
         self.role, self.index = ("coordinator", 0) if self.rank == 0 else ("rank", self.rank)   # until placed
         self.out: Path | None = None
         self.server = None          # this rank's running shard, when it serves one
+        self.model = None           # "a 101,770-parameter mlp", for rank 0's first line
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -158,6 +159,8 @@ class MPIJob:
             for note in self.placement.notes:
                 print(f"psctl mpi: warning: {note}", file=sys.stderr, flush=True)
         problem = preflight.gathered_device_problem(self.comm, self.role == "worker", self.job.train)
+        if not problem and not self.command:      # a script's model is its own
+            problem = self.memory_problem()
         if problem:     # before any shard binds: a worker rank cannot compute where the job asks
             if self.rank == 0:
                 print(f"psctl mpi: error: {problem}", file=sys.stderr, flush=True)
@@ -208,6 +211,22 @@ class MPIJob:
         mpi_report.untee()
         return code
 
+    def memory_problem(self) -> str | None:
+        """Whether the ranks of each node fit in its memory (and a GPU worker's arrays on its GPU); collective."""
+        fp = memory.footprint(self.job)
+        me = self.placement.roles[self.rank]
+        here = [r for r, role in enumerate(self.placement.roles) if role.node == me.node]
+        problem = None
+        if self.rank == here[0]:        # one rank per node speaks for it
+            kinds = [self.placement.roles[r].kind for r in here]
+            problem = memory.host_problem(fp, kinds.count(SERVER), kinds.count(WORKER), memory.available_bytes(),
+                                          f"node {self.hostname}")
+        if problem is None and me.kind == WORKER and self.job.train.device == "gpu":
+            problem = memory.gpu_problem(fp, memory.gpu_total_bytes())
+        if self.rank == 0:
+            self.model = fp.describe()
+        return next((p for p in self.comm.allgather(problem) if p), None)
+
     # -- roles -------------------------------------------------------------------------------
 
     def start_server(self, single_node: bool):
@@ -256,7 +275,7 @@ class MPIJob:
             out=str(out), launcher="mpi", ranks=self.size)
         log("shards_ready", addresses=self.addresses)
         print(f"psctl mpi: {self.size} ranks: coordinator on {self.hostname}, {job.shards} shard(s) at "
-              f"{','.join(self.addresses)}, {job.workers} worker(s); output in {out}", file=sys.stderr, flush=True)
+              f"{','.join(self.addresses)}, {job.workers} worker(s){f' of {self.model}' if self.model else ''}; output in {out}", file=sys.stderr, flush=True)
         state = co.JobState()
         tail = co.MetricsTail(out / "metrics" / f"worker-{r}.jsonl" for r in range(job.workers))
         worker_events: list[dict] = []

@@ -156,8 +156,11 @@ def check_device(train, flags: Mapping[str, str] | None = None) -> None:
 
 
 def check_machine(job, flags: Mapping[str, str] | None = None) -> None:
-    """What this machine must offer a job that ``psctl launch`` runs here: its GPUs, its shards' metrics ports."""
+    """What this machine must offer a job that ``psctl launch`` runs here: its GPUs, memory, metrics ports."""
+    from psgrid.cluster import memory
+
     check_device(job.train, flags)
+    memory.check_here(job)
     base = job.server.metrics_port
     if base:
         for i in range(job.shards):

@@ -533,3 +533,45 @@ def test_a_local_cluster_interrupted_in_its_with_block_is_not_ok(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["launcher"] == "local"
 
+
+# ---- a model too big for the machine -----------------------------------------------------------------
+
+HUGE = 'hidden=[200000,200000]'     # 40 billion parameters: 160 GB a copy in float32, more than any one host here
+
+
+def test_a_model_too_big_for_memory_is_refused_before_anything_starts(tmp_path):
+    code, err, took = run(psctl("launch", "--model", "mlp", "--set", HUGE), tmp_path, env_with())
+    line = one_line(code, err, "psctl launch: error: a 40,159,200,010-parameter mlp does not fit: 2 shards need ")
+    assert "and this machine has " in line and "make the model smaller" in line
+    assert not (tmp_path / "runs").exists() and took < 10
+
+
+@pytest.mark.mpi
+def test_a_model_too_big_for_a_node_is_refused_under_mpiexec(tmp_path):
+    code, err, _ = run([mpiexec(), "-n", "4", *psctl("mpi", "--model", "mlp", "--set", HUGE)], tmp_path,
+                       env_with(**MPI_ENV))
+    line = one_line(code, err, "psctl mpi: error: a 40,159,200,010-parameter mlp does not fit: 2 shards need ")
+    assert "1 worker needs " in line and "and node " in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_what_a_model_needs_is_told_per_process():
+    from psgrid.cluster.config import JobConfig, apply_overrides
+    from psgrid.cluster.memory import GIB, footprint, gpu_problem, host_problem
+
+    job = apply_overrides(JobConfig(), {"model": "mlp", "hidden": [100000, 100000], "optimizer": "adam", "shards": 2})
+    fp = footprint(job)
+    assert fp.params == 784 * 100000 + 100000 + 100000 * 100000 + 100000 + 100000 * 10 + 10
+    assert fp.shard_bytes == -(-fp.params // 2) * 4 * 4          # weights, gradients, Adam's two slots
+    assert fp.worker_bytes == 2 * 4 * fp.params + 8 * 100000 * 100000
+    assert host_problem(fp, 2, 2, 2000 * GIB, "this machine") is None
+    said = host_problem(fp, 2, 2, 16 * GIB, "this machine")
+    assert said.startswith("a 10,079,600,010-parameter mlp does not fit: 2 shards need 150.2 GiB (75.1 GiB each) "
+                           "and 2 workers need 299.2 GiB (149.6 GiB each) at least, and this machine has 16.0 GiB"), said
+    assert "its GPU has 40.0 GiB" in gpu_problem(fp, 40 * GIB) and gpu_problem(fp, 200 * GIB) is None
+
+
+def test_a_job_starts_by_saying_its_parameter_count(tmp_path):
+    code, err, _ = run(psctl("launch", "--steps", "2", "--out", "run"), tmp_path, env_with())
+    assert code == 0, err
+    assert "starting 2 worker(s) of a 101,770-parameter mlp; logs in " in err
