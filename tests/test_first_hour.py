@@ -575,3 +575,68 @@ def test_a_job_starts_by_saying_its_parameter_count(tmp_path):
     code, err, _ = run(psctl("launch", "--steps", "2", "--out", "run"), tmp_path, env_with())
     assert code == 0, err
     assert "starting 2 worker(s) of a 101,770-parameter mlp; logs in " in err
+
+
+# ---- psgrid.init against a wrong address -------------------------------------------------------------
+
+INIT_AT = """
+import sys
+import numpy as np
+import psgrid
+try:
+    psgrid.init({"w": np.zeros(3, np.float32)}, addresses=[sys.argv[1]], world=1)
+except ConnectionError as e:      # what a user's script sees
+    print(e, file=sys.stderr)
+    sys.exit(1)
+"""
+NOT_A_SHARD = "not a psgrid shard: check the address (psctl server prints its own)"
+
+
+@pytest.fixture
+def http_server():
+    """An HTTP server on 127.0.0.1 port 0 (a wrong port that something else answers on)."""
+    import http.server
+    import threading
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(10)
+
+
+@pytest.fixture
+def silent_listener():
+    """A socket that accepts connections and never says a word."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_init_against_nothing_says_so_within_seconds(tmp_path):
+    address = f"127.0.0.1:{closed_port()}"
+    code, err, took = run([sys.executable, "-c", INIT_AT, address], tmp_path, env_with())
+    one_line(code, err, f"psgrid.init: shard 0 at {address}: cannot connect for 5 s (Connection refused)", 1)
+    assert took < 15, f"took {took:.0f} s"
+
+
+@pytest.mark.parametrize("endpoint, what", [("http_server", "an HTTP server answered"),
+                                            ("silent_listener", "something listens there but did not answer in 3 s")])
+def test_init_against_something_that_is_no_shard_says_what_answered(tmp_path, request, endpoint, what):
+    address = request.getfixturevalue(endpoint)
+    code, err, took = run([sys.executable, "-c", INIT_AT, address], tmp_path, env_with())
+    one_line(code, err, f"psgrid.init: shard 0 at {address}: {what}; {NOT_A_SHARD}", 1)
+    assert took < 10, f"took {took:.0f} s"
+
+
+def test_a_worker_with_tls_against_an_http_server_is_not_told_about_tls(tmp_path, http_server):
+    from psgrid.cluster.pki import make_certs
+
+    make_certs(tmp_path / "pki", ["localhost", "127.0.0.1"])
+    job = worker_job(tmp_path, "tls", tls_ca=tmp_path / "pki" / "ca.pem")
+    code, err, took = run(psctl("worker", "--config", str(job), "--addresses", http_server), tmp_path, env_with())
+    one_line(code, err, f"psctl worker: error: shard 0 at {http_server}: an HTTP server answered; {NOT_A_SHARD}")
+    assert took < 10
