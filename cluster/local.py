@@ -20,6 +20,7 @@ ends the job as ``interrupted`` or ``failed`` (never ``ok``), said in one line.
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import tempfile
@@ -31,6 +32,7 @@ from pathlib import Path
 from psgrid.cluster import coordinator as co
 from psgrid.cluster import script as user_script
 from psgrid.cluster.config import JobConfig, apply_overrides, load_job
+from psgrid.cluster.errors import ConfigError
 from psgrid.cluster.launch import Launcher, prepare_out
 from psgrid.cluster.outdir import release
 from psgrid.cluster.procs import stop_children
@@ -67,7 +69,7 @@ class LocalCluster:
         overrides["workers"] = workers or 1
         if out is not None:
             overrides["out"] = out
-        job = apply_overrides(job, overrides)
+        job = _with_settings(job, overrides)
         self._temporary = out is None
         if out is None:
             out_dir = Path(tempfile.mkdtemp(prefix="psgrid-local-"))
@@ -241,6 +243,21 @@ class LocalCluster:
         if self.command:
             summary["command"] = self.command
         return summary
+
+
+def _with_settings(job: JobConfig, settings: dict) -> JobConfig:
+    """``job`` with the constructor's settings; a wrong one is named as the call gave it, with a did-you-mean."""
+    try:
+        return apply_overrides(job, settings)
+    except ConfigError:
+        pass
+    for key, value in settings.items():      # which one: the job-file message would name an "override"
+        try:
+            apply_overrides(job, {key: value})
+        except ConfigError as e:
+            said = re.sub(r"^.*?: \[(job|server|train)\] ", "", str(e)).replace(" in a job file", "")
+            raise ConfigError(f"psgrid.LocalCluster({key}={value!r}): {said}") from None
+    return apply_overrides(job, settings)     # settings that are wrong only together: as the job file says
 
 
 class _NoBar:

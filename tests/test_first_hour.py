@@ -640,3 +640,31 @@ def test_a_worker_with_tls_against_an_http_server_is_not_told_about_tls(tmp_path
     code, err, took = run(psctl("worker", "--config", str(job), "--addresses", http_server), tmp_path, env_with())
     one_line(code, err, f"psctl worker: error: shard 0 at {http_server}: an HTTP server answered; {NOT_A_SHARD}")
     assert took < 10
+
+
+# ---- LocalCluster's settings: named as the call gave them ---------------------------------------------
+
+@pytest.mark.parametrize("settings, said", [
+    ({"mode": "asynch"}, "psgrid.LocalCluster(mode='asynch'): mode must be one of ('sync', 'async', 'ssp'), got "
+                         "'asynch' (did you mean 'async'?)"),
+    ({"lr": 0.1, "stepz": 3}, "psgrid.LocalCluster(stepz=3): unknown key 'stepz' (did you mean 'steps'?); valid keys: "),
+    ({"optimizer": "adma"}, "psgrid.LocalCluster(optimizer='adma'): optimizer must be one of ('sgd', 'adam'), got "
+                            "'adma' (did you mean 'adam'?)"),
+])
+def test_a_local_cluster_setting_that_is_wrong_is_named_with_a_suggestion(tmp_path, settings, said):
+    from psgrid import LocalCluster
+    from psgrid.cluster.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        LocalCluster(out=str(tmp_path / "lc"), **settings)
+    assert str(caught.value).startswith(said), str(caught.value)
+    assert caught.value.__context__ is None or caught.value.__suppress_context__     # one error, not a chain
+    assert "job file" not in str(caught.value) and "override" not in str(caught.value)
+
+
+def test_a_job_file_value_that_is_almost_right_gets_a_suggestion(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text('mode = "asynch"\n')
+    code, err, _ = run(psctl("launch", "--config", str(job)), tmp_path, env_with())
+    one_line(code, err, f"{job}: [server] mode must be one of ('sync', 'async', 'ssp'), got 'asynch' "
+                        "(did you mean 'async'?)")
