@@ -668,3 +668,11 @@ def test_a_job_file_value_that_is_almost_right_gets_a_suggestion(tmp_path):
     code, err, _ = run(psctl("launch", "--config", str(job)), tmp_path, env_with())
     one_line(code, err, f"{job}: [server] mode must be one of ('sync', 'async', 'ssp'), got 'asynch' "
                         "(did you mean 'async'?)")
+
+
+def test_the_torch_example_says_how_to_get_pytorch(tmp_path):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError(\"No module named 'torch' (test)\")\n")
+    code, err, _ = run([sys.executable, str(ROOT / "examples" / "train_torch.py")], tmp_path, env_with(tmp_path))
+    one_line(code, err, "examples/train_torch.py needs PyTorch, which psgrid does not install: pip install torch",
+             expected_code=1)
