@@ -39,7 +39,7 @@ from psgrid.cluster.memory import footprint
 from psgrid.cluster.outdir import lock, release
 from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 from psgrid.cluster.watch import ShardWatch
-from psgrid.psserver.protocol import parse_address_file
+from psgrid.psserver.protocol import parse_address_file, parse_metrics_port
 
 POLL_S = 0.2
 STOP_GRACE_S = 5.0
@@ -70,6 +70,7 @@ class Launcher:
         self.shards: list[Child] = []  # the psctl server processes, in shard order
         self.workers: list[Child] = []
         self.addresses: list[str] = []
+        self.metrics_at: list[str] = []     # host:port of each shard's Prometheus metrics, where served
         self.failures: list[dict] = []
         self.restarts: list[dict] = []     # shards started again (restart_failed)
         self.watch: ShardWatch | None = None
@@ -111,7 +112,11 @@ class Launcher:
                                 f"{job.start_timeout_s:.0f} s; see {self.out / 'logs'}")
             check_interrupted()
             time.sleep(0.05)
-        self.addresses = [parse_address_file(f.read_text())[0] for f in files]
+        texts = [f.read_text() for f in files]
+        self.addresses = [parse_address_file(t)[0] for t in texts]
+        ports = [parse_metrics_port(t) for t in texts]
+        # metrics_port = 0 asks for any free port: say which each shard bound
+        self.metrics_at = [f"{a.rpartition(':')[0]}:{p}" for a, p in zip(self.addresses, ports) if p is not None]
         self.log("shards_ready", addresses=self.addresses, pids=[s.pid for s in self.shards])
         from psgrid.worker.loop import make_admin
 
@@ -276,7 +281,8 @@ class Launcher:
             self.start_shards()
             if not self.quiet:
                 model = "" if self.command else f" of {footprint(job).describe()}"     # a script's model is its own
-                print(f"psctl launch: {job.shards} shard(s) at {','.join(self.addresses)}; starting "
+                metrics = f" (metrics on {','.join(self.metrics_at)})" if self.metrics_at else ""
+                print(f"psctl launch: {job.shards} shard(s) at {','.join(self.addresses)}{metrics}; starting "
                       f"{job.workers} worker(s){model}; logs in {self.out / 'logs'}", file=sys.stderr, flush=True)
             self.start_workers()
             train_wall = self.follow()

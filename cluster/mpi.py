@@ -236,8 +236,9 @@ class MPIJob:
         config = self.job.server_config(self.index, host=bind, port=0)
         running = serve(config)
         address = f"{advertise}:{running.port}"
+        metrics = f", metrics on {advertise}:{running.metrics.port}" if running.metrics else ""
         print(f"psctl mpi: shard {self.index}/{self.job.shards} listening on {address} "
-              f"(rank {self.rank} on {self.hostname}, mode {config.mode})", file=sys.stderr, flush=True)
+              f"(rank {self.rank} on {self.hostname}, mode {config.mode}{metrics})", file=sys.stderr, flush=True)
         return running, address
 
     def serve_until_shutdown(self, running) -> None:

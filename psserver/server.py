@@ -179,12 +179,12 @@ def is_loopback(host: str) -> bool:
         return False      # a name, or 0.0.0.0 / :: (every interface)
 
 
-def write_address(path: str | os.PathLike, address: str, job_id: str) -> None:
-    """Publish the bound address and the job id atomically so a reader never sees half of them."""
+def write_address(path: str | os.PathLike, address: str, job_id: str, metrics_port: int | None = None) -> None:
+    """Publish the bound address, the job id (and metrics port) atomically so a reader never sees half of them."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(format_address_file(address, job_id))
+    tmp.write_text(format_address_file(address, job_id, metrics_port))
     os.replace(tmp, path)
 
 
@@ -200,7 +200,8 @@ def run_server(config: ServerConfig, address_file: str | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     if address_file:
-        write_address(address_file, server.address, server.config.job_id)
+        write_address(address_file, server.address, server.config.job_id,
+                      server.metrics.port if server.metrics else None)
     extra = f", metrics on :{server.metrics.port}" if server.metrics else ""
     print(f"psgrid shard {config.shard_index}/{config.num_shards} listening on {server.address} "
           f"(mode {config.mode}, job {server.config.job_id}){extra}", flush=True)

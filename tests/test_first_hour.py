@@ -676,3 +676,16 @@ def test_the_torch_example_says_how_to_get_pytorch(tmp_path):
     code, err, _ = run([sys.executable, str(ROOT / "examples" / "train_torch.py")], tmp_path, env_with(tmp_path))
     one_line(code, err, "examples/train_torch.py needs PyTorch, which psgrid does not install: pip install torch",
              expected_code=1)
+
+
+def test_metrics_port_0_says_the_ports_it_bound(tmp_path):
+    import re
+
+    code, err, _ = run(psctl("launch", "--steps", "2", "--set", "metrics_port=0", "--out", "run"), tmp_path, env_with())
+    assert code == 0, err
+    found = re.search(r"shard\(s\) at \S+ \(metrics on 127\.0\.0\.1:(\d+),127\.0\.0\.1:(\d+)\); starting", err)
+    assert found and 0 not in {int(found[1]), int(found[2])} and found[1] != found[2], err
+    from psgrid.psserver.protocol import parse_address_file, parse_metrics_port
+
+    text = (tmp_path / "run" / "addr" / "shard-1").read_text()
+    assert parse_metrics_port(text) == int(found[2]) and parse_address_file(text)[1]
