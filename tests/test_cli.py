@@ -97,7 +97,7 @@ def test_user_error_through_a_subprocess_has_no_traceback(tmp_path):
     r = psctl("launch", "--config", str(bad))
     assert r.returncode == 2
     assert r.stderr.strip() == (f"psctl launch: error: {bad}: [server] mode must be one of "
-                                "('sync', 'async', 'ssp'), got 'bsp'")
+                                "('sync', 'async', 'ssp'), got 'bsp' (did you mean 'ssp'?)")
 
 
 def test_server_flags_map_onto_server_config(tmp_path):
