@@ -309,6 +309,8 @@ class Launcher:
         finally:
             ignore_signals()
             self.stop_all()
+            if not shard_stats and self.watch is not None:      # stopped or failed: the counters last seen
+                shard_stats = [co._shard_summary(s) for s in self.watch.last_stats]
             exits = {rank: w.returncode for rank, w in enumerate(self.workers)}
             self.log("job_end", status=status, message=message)
             self.log.close()

@@ -567,7 +567,8 @@ def test_what_a_model_needs_is_told_per_process():
     assert host_problem(fp, 2, 2, 2000 * GIB, "this machine") is None
     said = host_problem(fp, 2, 2, 16 * GIB, "this machine")
     assert said.startswith("a 10,079,600,010-parameter mlp does not fit: 2 shards need 150.2 GiB (75.1 GiB each) "
-                           "and 2 workers need 299.2 GiB (149.6 GiB each) at least, and this machine has 16.0 GiB"), said
+                           "and 2 workers need 299.2 GiB (149.6 GiB each) at least, and this machine has 16.0 GiB"), \
+        said
     assert "its GPU has 40.0 GiB" in gpu_problem(fp, 40 * GIB) and gpu_problem(fp, 200 * GIB) is None
 
 
@@ -647,7 +648,8 @@ def test_a_worker_with_tls_against_an_http_server_is_not_told_about_tls(tmp_path
 @pytest.mark.parametrize("settings, said", [
     ({"mode": "asynch"}, "psgrid.LocalCluster(mode='asynch'): mode must be one of ('sync', 'async', 'ssp'), got "
                          "'asynch' (did you mean 'async'?)"),
-    ({"lr": 0.1, "stepz": 3}, "psgrid.LocalCluster(stepz=3): unknown key 'stepz' (did you mean 'steps'?); valid keys: "),
+    ({"lr": 0.1, "stepz": 3},
+     "psgrid.LocalCluster(stepz=3): unknown key 'stepz' (did you mean 'steps'?); valid keys: "),
     ({"optimizer": "adma"}, "psgrid.LocalCluster(optimizer='adma'): optimizer must be one of ('sgd', 'adam'), got "
                             "'adma' (did you mean 'adam'?)"),
 ])
@@ -689,3 +691,38 @@ def test_metrics_port_0_says_the_ports_it_bound(tmp_path):
 
     text = (tmp_path / "run" / "addr" / "shard-1").read_text()
     assert parse_metrics_port(text) == int(found[2]) and parse_address_file(text)[1]
+
+
+# ---- psctl status with no argument: the newest job, and a stopped job's last counters ---------------
+
+def test_status_without_arguments_shows_the_newest_job_and_a_stopped_jobs_last_counters(tmp_path):
+    code, err, _ = run(psctl("status"), tmp_path, env_with())
+    one_line(code, err, "psctl status: error: no job folder in runs/ here: give --address-dir DIR")
+
+    job = subprocess.Popen(psctl("launch", "--dataset", "synthetic", "--steps", "1000000", "--no-progress"),
+                           cwd=tmp_path, env=env_with(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("runs/*/metrics/worker-0.jsonl")) or \
+                '"step"' not in next(tmp_path.glob("runs/*/metrics/worker-0.jsonl")).read_text():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1]
+            time.sleep(0.05)
+        time.sleep(2.5)          # the launcher reads the shards' counters every second
+        os.killpg(job.pid, signal.SIGINT)
+        job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate(timeout=10)
+    assert job.returncode == 130
+    done = subprocess.run(psctl("status"), cwd=tmp_path, env=env_with(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    (folder,) = tmp_path.glob("runs/*")
+    assert done.stderr.strip() == f"psctl status: the newest job here, runs/{folder.name}"
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("mnist ended: status interrupted, "), done.stdout
+    assert lines[1] == "(from its summary.json: the shards have stopped; counters as last seen while it ran)"
+    versions = [int(line.split()[2]) for line in lines[5:7]]
+    assert len(versions) == 2 and min(versions) > 0, done.stdout
+
