@@ -218,7 +218,7 @@ def route(key: str, sections: tuple[str, ...] = SECTIONS) -> list[tuple[str, str
 
 
 def with_suggestion(message: str) -> str:
-    """``mode must be one of ('sync', 'async', 'ssp'), got 'asynch'``, with ``(did you mean 'async'?)`` where one is close."""
+    """A value error with ``(did you mean 'async'?)`` added where the value is close to one of the choices."""
     found = re.search(r"must be one of \(([^)]*)\), got '([^']*)'", message)
     if not found:
         return message

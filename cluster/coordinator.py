@@ -403,6 +403,7 @@ def build_summary(
         "lost_updates": sum(s.get("lost_updates", 0) for s in shard_stats),
         "out": out,
         "job_id": job.server.job_id,
+        "optimizer": job.server.applied_optimizer(),     # what the shards applied, whatever the workers ran
         "config": job.public_dict(),
     }
 

@@ -282,8 +282,9 @@ class Launcher:
             if not self.quiet:
                 model = "" if self.command else f" of {footprint(job).describe()}"     # a script's model is its own
                 metrics = f" (metrics on {','.join(self.metrics_at)})" if self.metrics_at else ""
-                print(f"psctl launch: {job.shards} shard(s) at {','.join(self.addresses)}{metrics}; starting "
-                      f"{job.workers} worker(s){model}; logs in {self.out / 'logs'}", file=sys.stderr, flush=True)
+                print(f"psctl launch: {job.shards} shard(s) at {','.join(self.addresses)}{metrics} applying "
+                      f"{job.server.describe_optimizer()}; starting {job.workers} worker(s){model}; logs in "
+                      f"{self.out / 'logs'}", file=sys.stderr, flush=True)
             self.start_workers()
             train_wall = self.follow()
             self.watch.close()

@@ -275,8 +275,10 @@ class MPIJob:
         log("job_start", name=job.name, mode=job.mode, shards=job.shards, workers=job.workers,
             out=str(out), launcher="mpi", ranks=self.size)
         log("shards_ready", addresses=self.addresses)
+        model = f" of {self.model}" if self.model else ""      # a script's model is its own
         print(f"psctl mpi: {self.size} ranks: coordinator on {self.hostname}, {job.shards} shard(s) at "
-              f"{','.join(self.addresses)}, {job.workers} worker(s){f' of {self.model}' if self.model else ''}; output in {out}", file=sys.stderr, flush=True)
+              f"{','.join(self.addresses)} applying {job.server.describe_optimizer()}, {job.workers} worker(s)"
+              f"{model}; output in {out}", file=sys.stderr, flush=True)
         state = co.JobState()
         tail = co.MetricsTail(out / "metrics" / f"worker-{r}.jsonl" for r in range(job.workers))
         worker_events: list[dict] = []

@@ -726,3 +726,26 @@ def test_status_without_arguments_shows_the_newest_job_and_a_stopped_jobs_last_c
     versions = [int(line.split()[2]) for line in lines[5:7]]
     assert len(versions) == 2 and min(versions) > 0, done.stdout
 
+
+# ---- the optimizer the shards apply is said, and recorded as it applies -------------------------------
+
+def test_a_script_is_told_the_optimizer_the_shards_apply(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import numpy as np, psgrid\nps = psgrid.init({'w': np.zeros(4, np.float32)})\n"
+                      "ps.pull()\nps.push({'w': np.ones(4, np.float32)})\nps.close()\n")
+    code, err, _ = run(psctl("launch", "--out", "run", "--", "python", str(script)), tmp_path, env_with())
+    assert code == 0, err
+    assert " applying sgd (lr 0.05, momentum 0.9); starting 2 worker(s); logs in " in err     # --config mnist's
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["optimizer"] == {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": False,
+                                    "weight_decay": 0.0}
+
+
+def test_only_the_settings_an_optimizer_uses_are_recorded():
+    from psgrid.psserver.config import ServerConfig
+
+    adam = ServerConfig(optimizer="adam", lr=1e-3, momentum=0.9)
+    assert adam.applied_optimizer() == {"optimizer": "adam", "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
+                                        "weight_decay": 0.0}
+    assert adam.describe_optimizer() == "adam (lr 0.001, beta1 0.9, beta2 0.999, eps 1e-08)"
+    assert ServerConfig(lr=0.1).describe_optimizer() == "sgd (lr 0.1)"

@@ -95,7 +95,7 @@ def init(params, *, addresses=None, rank: int | None = None, world: int | None =
 
 
 def unreachable(addresses: list[str], settings: Mapping) -> str | None:
-    """Why a shard cannot be joined, in one line, within seconds (not after the client's long retries); None: all answer.
+    """Why a shard cannot be joined, in one line, within seconds (not after the client's retries); None: all answer.
 
     The line names the shard, its address and what happened: nothing listens, something that is
     not a psgrid shard answered, a TLS handshake failed and why.
