@@ -175,9 +175,8 @@ class OutputRelay:
 
 
 def evaluation(state: co.JobState, shard_stats: list[dict]) -> dict | None:
-    """The summary's accuracies: the scripts' latest eval record (psctl cannot evaluate a model it does not know)."""
-    last = state.last_eval or {}
-    found = {k: last[k] for k in ("test_accuracy", "train_accuracy", "test_loss") if co._finite(last.get(k))}
+    """The summary's accuracies: every script's latest eval record, averaged (psctl cannot evaluate their model)."""
+    found = state.evaluation()
     if shard_stats:
         found["version"] = max(s.get("version", 0) for s in shard_stats)
     return found or None

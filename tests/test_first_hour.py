@@ -749,3 +749,21 @@ def test_only_the_settings_an_optimizer_uses_are_recorded():
                                         "weight_decay": 0.0}
     assert adam.describe_optimizer() == "adam (lr 0.001, beta1 0.9, beta2 0.999, eps 1e-08)"
     assert ServerConfig(lr=0.1).describe_optimizer() == "sgd (lr 0.1)"
+
+
+# ---- progress lines: one per evaluation step, in order; accuracy of every worker ----------------------
+
+def test_progress_lines_come_once_per_step_in_order_and_accuracy_is_every_workers(capsys):
+    from psgrid.cluster.coordinator import JobState, Progress
+
+    state, progress = JobState(), Progress(800, enabled=False)
+    batch = [{"event": "eval", "rank": 1, "step": 50, "test_accuracy": 0.5, "train_accuracy": 0.6},
+             {"event": "eval", "rank": 0, "step": 100, "test_accuracy": 0.7, "train_accuracy": 0.8},
+             {"event": "eval", "rank": 0, "step": 50, "test_accuracy": 0.5, "train_accuracy": 0.5},
+             {"event": "eval", "rank": 1, "step": 100, "test_accuracy": 0.7, "train_accuracy": 0.6}]
+    progress.update(state, state.update(batch))
+    progress.update(state, state.update(batch[2:]))         # psctl mpi hands the same events over again
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[0].split("] ")[1] for line in lines] == ["worker 1 step 50", "worker 0 step 100"], lines
+    assert state.evaluation() == pytest.approx({"test_accuracy": 0.7, "train_accuracy": 0.7})
+    progress.close()
