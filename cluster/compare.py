@@ -38,6 +38,7 @@ from psgrid.cluster import tuning
 from psgrid.cluster.experiment import NO_STRAGGLERS, TUNE, Mode, Run, Settings, plan, tune_plan
 from psgrid.cluster.interrupts import Interrupted, listen_for_interrupts
 from psgrid.cluster.launch import Launcher, prepare_out
+from psgrid.cluster.outdir import LOCK_FILE, lock
 from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 from psgrid.psserver import files
 
@@ -137,6 +138,7 @@ def mpiexec_path() -> str | None:
 def prepare(experiment: Experiment, resume: bool) -> list[Run]:
     """Create or check D; returns the runs still to do (with --tune: the tune runs; the repeats come after)."""
     out = experiment.out
+    lock(out)       # held while the experiment runs: another psctl compare may not take the folder
     settings_file = out / SETTINGS_FILE
     if settings_file.exists():
         if not resume:
@@ -145,7 +147,7 @@ def prepare(experiment: Experiment, resume: bool) -> list[Run]:
         if _plan_of(saved) != _plan_of(experiment.settings):
             raise UsageError(f"{out} holds an experiment with other settings ({_describe(saved)}); "
                              f"--resume needs the same job, modes, workers, stragglers and repeats")
-    elif out.exists() and any(out.iterdir()):
+    elif out.exists() and any(p.name != LOCK_FILE for p in out.iterdir()):
         raise UsageError(f"{out} is not empty and holds no experiment; choose another --out")
     files.make_dirs(out / "runs")
     co.write_json(settings_file, experiment.settings)

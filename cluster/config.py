@@ -25,6 +25,7 @@ import datetime as _dt
 import difflib
 import json
 import math
+import re
 import sys
 import types
 import typing
@@ -216,6 +217,15 @@ def route(key: str, sections: tuple[str, ...] = SECTIONS) -> list[tuple[str, str
     return [(places[0], key)]
 
 
+def with_suggestion(message: str) -> str:
+    """A value error with ``(did you mean 'async'?)`` added where the value is close to one of the choices."""
+    found = re.search(r"must be one of \(([^)]*)\), got '([^']*)'", message)
+    if not found:
+        return message
+    close = difflib.get_close_matches(found[2], re.findall(r"'([^']*)'", found[1]), n=1)
+    return f"{message} (did you mean {close[0]!r}?)" if close else message
+
+
 def _unknown_message(key: str, where: str, valid: list[str], per_process: bool) -> str:
     if per_process and key in SERVER_PER_PROCESS:
         return (f"{key} cannot be set in {where}: it is set per shard process "
@@ -353,12 +363,12 @@ def _build(tables: dict[str, dict[str, Any]], where: str, *, redacted_ok: bool =
     try:
         server = ServerConfig(**srv)
     except ValueError as e:
-        raise ConfigError(f"{where}: [server] {e}") from None
+        raise ConfigError(f"{where}: [server] {with_suggestion(str(e))}") from None
     train = TrainConfig(**trn)
     try:
         train.validate()
     except ValueError as e:
-        raise ConfigError(f"{where}: [train] {e}") from None
+        raise ConfigError(f"{where}: [train] {with_suggestion(str(e))}") from None
     job = JobConfig(**typed["job"], server=server, train=train, source=where)
     _check_job(job, where)
     return job

@@ -86,6 +86,7 @@ class JobState:
         self.samples: dict[int, int] = {}
         self.loss: dict[int, float] = {}
         self.last_eval: dict | None = None
+        self.rank_evals: dict[int, dict] = {}   # each worker's latest evaluation
         self.done: dict[int, dict] = {}
         self.first_step: dict[int, int] = {}    # where each worker started: above 0 when a job resumes
         self.started: set[int] = set()          # ranks whose "start" event arrived: they joined the job
@@ -109,6 +110,9 @@ class JobState:
             elif kind == "eval":
                 self.last_eval = e
                 evals.append(e)
+                before = self.rank_evals.get(rank, {}).get("step", -1) if isinstance(rank, int) else None
+                if before is not None and isinstance(e.get("step"), int) and e["step"] >= before:
+                    self.rank_evals[rank] = e
             elif kind == "start" and _finite(e.get("time")):
                 self.first_start = min(self.first_start or e["time"], e["time"])
                 if isinstance(rank, int):
@@ -160,6 +164,19 @@ class JobState:
     def test_accuracy(self) -> float | None:
         return None if self.last_eval is None else self.last_eval.get("test_accuracy")
 
+    def evaluation(self) -> dict:
+        """Every worker's latest evaluation, averaged: not whichever worker happened to log last.
+
+        Each worker's train accuracy is measured on its own part of the data, so their mean is
+        the whole training set's; the test set is the same for all.
+        """
+        found = {}
+        for key in ("test_accuracy", "train_accuracy", "test_loss"):
+            values = [e[key] for e in self.rank_evals.values() if _finite(e.get(key))]
+            if values:
+                found[key] = sum(values) / len(values)
+        return found
+
 
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
@@ -177,6 +194,7 @@ class Progress:
                         dynamic_ncols=True, mininterval=0.5)
         self.total = total
         self._shown = 0
+        self._said_step = 0     # the last evaluation's step given a line: one line per step, in order
 
     @property
     def enabled(self) -> bool:
@@ -191,8 +209,12 @@ class Progress:
         if post and self.enabled:
             self.bar.set_postfix(post, refresh=False)
         if not self.enabled:
-            for e in evals:
-                print(self.describe(state, e), file=sys.stderr, flush=True)
+            # Every worker of a script evaluates at the same steps, and events arrive file by file (and,
+            # under psctl mpi, again with each worker's results): one line per step, in step order.
+            for e in sorted((e for e in evals if isinstance(e.get("step"), int)), key=lambda e: e["step"]):
+                if e["step"] > self._said_step:
+                    self._said_step = e["step"]
+                    print(self.describe(state, e), file=sys.stderr, flush=True)
 
     def describe(self, state: JobState, e: dict) -> str:
         """One line per evaluation, for logs where no bar is drawn."""
@@ -402,6 +424,7 @@ def build_summary(
         "lost_updates": sum(s.get("lost_updates", 0) for s in shard_stats),
         "out": out,
         "job_id": job.server.job_id,
+        "optimizer": job.server.applied_optimizer(),     # what the shards applied, whatever the workers ran
         "config": job.public_dict(),
     }
 

@@ -10,4 +10,12 @@ class ConfigError(UsageError, ValueError):
 
 
 class JobFailed(Exception):
-    """A job could not complete (a child it needs failed, a timeout ran out); exit code 1."""
+    """A job could not complete (a child it needs failed, a timeout ran out); exit code 1.
+
+    ``status`` is the summary's: ``failed``, or a word for a mistake that would otherwise look
+    like success (``not_joined``: the user's command never called ``psgrid.init``).
+    """
+
+    def __init__(self, message: str, status: str = "failed"):
+        super().__init__(message)
+        self.status = status

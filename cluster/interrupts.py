@@ -87,6 +87,27 @@ def deferred_signals():
             raise Interrupted(pending)
 
 
+def _stop_rank(signum, frame):
+    _defer["received"] = signum
+    raise KeyboardInterrupt
+
+
+def stop_on_signals() -> dict:
+    """Make Ctrl-C and SIGTERM raise KeyboardInterrupt from now on; returns the handlers they had.
+
+    For an MPI rank (cluster/mpi.py), where the training loop runs in this process: no
+    ``except Exception`` on the way (a retry loop, a gRPC wrapper) can swallow it.
+    :func:`received_signal` says which came.
+    """
+    _defer["received"] = None
+    return {sig: signal.signal(sig, _stop_rank) for sig in SIGNALS}
+
+
+def received_signal() -> int:
+    """The signal that stopped the job (SIGINT when psctl's own first-line handler heard it)."""
+    return _defer["received"] or signal.SIGINT
+
+
 def ignore_signals() -> None:
     # Cleanup is bounded by its own timeouts; a second Ctrl-C must not cut it short and orphan children.
     for sig in SIGNALS:

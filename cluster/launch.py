@@ -35,10 +35,12 @@ from psgrid.cluster.config import JobConfig
 from psgrid.cluster.errors import JobFailed
 from psgrid.cluster.interrupts import (Interrupted, check_interrupted, deferred_signals, ignore_signals,
                                         listen_for_interrupts)
+from psgrid.cluster.memory import footprint
+from psgrid.cluster.outdir import lock, release
 from psgrid.cluster.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 from psgrid.cluster.watch import ShardWatch
 from psgrid.psserver import files
-from psgrid.psserver.protocol import parse_address_file
+from psgrid.psserver.protocol import parse_address_file, parse_metrics_port
 
 POLL_S = 0.2
 STOP_GRACE_S = 5.0
@@ -69,6 +71,7 @@ class Launcher:
         self.shards: list[Child] = []  # the psctl server processes, in shard order
         self.workers: list[Child] = []
         self.addresses: list[str] = []
+        self.metrics_at: list[str] = []     # host:port of each shard's Prometheus metrics, where served
         self.failures: list[dict] = []
         self.restarts: list[dict] = []     # shards started again (restart_failed)
         self.watch: ShardWatch | None = None
@@ -110,7 +113,11 @@ class Launcher:
                                 f"{job.start_timeout_s:.0f} s; see {self.out / 'logs'}")
             check_interrupted()
             time.sleep(0.05)
-        self.addresses = [parse_address_file(f.read_text())[0] for f in files]
+        texts = [f.read_text() for f in files]
+        self.addresses = [parse_address_file(t)[0] for t in texts]
+        ports = [parse_metrics_port(t) for t in texts]
+        # metrics_port = 0 asks for any free port: say which each shard bound
+        self.metrics_at = [f"{a.rpartition(':')[0]}:{p}" for a, p in zip(self.addresses, ports) if p is not None]
         self.log("shards_ready", addresses=self.addresses, pids=[s.pid for s in self.shards])
         from psgrid.worker.loop import make_admin
 
@@ -274,13 +281,17 @@ class Launcher:
             check_interrupted()      # a Ctrl-C heard before the launcher listened (cluster/interrupts.py)
             self.start_shards()
             if not self.quiet:
-                print(f"psctl launch: {job.shards} shard(s) at {','.join(self.addresses)}; starting "
-                      f"{job.workers} worker(s); logs in {self.out / 'logs'}", file=sys.stderr, flush=True)
+                model = "" if self.command else f" of {footprint(job).describe()}"     # a script's model is its own
+                metrics = f" (metrics on {','.join(self.metrics_at)})" if self.metrics_at else ""
+                print(f"psctl launch: {job.shards} shard(s) at {','.join(self.addresses)}{metrics} applying "
+                      f"{job.server.describe_optimizer()}; starting {job.workers} worker(s){model}; logs in "
+                      f"{self.out / 'logs'}", file=sys.stderr, flush=True)
             self.start_workers()
             train_wall = self.follow()
             self.watch.close()
             if self.command:
                 evaluation, shard_stats = user_script.finish(job, self.addresses, self.state)
+                user_script.check_joined(self.state, self.failures)
             else:
                 evaluation, shard_stats = co.finish(job, self.addresses)
             self.log("final_eval", **(evaluation or {}))
@@ -288,7 +299,7 @@ class Launcher:
                 self.log("shard_stats", **s)
             self.wait_shards()
         except JobFailed as e:
-            status, message = "failed", str(e)
+            status, message = e.status, str(e)
             raise
         except Interrupted as e:
             status, message = "interrupted", f"stopped by {e}"
@@ -300,6 +311,8 @@ class Launcher:
         finally:
             ignore_signals()
             self.stop_all()
+            if not shard_stats and self.watch is not None:      # stopped or failed: the counters last seen
+                shard_stats = [co._shard_summary(s) for s in self.watch.last_stats]
             exits = {rank: w.returncode for rank, w in enumerate(self.workers)}
             self.log("job_end", status=status, message=message)
             self.log.close()
@@ -313,6 +326,7 @@ class Launcher:
                 summary["command"] = self.command
             co.merge_metrics(sorted((self.out / "metrics").glob("*.jsonl")), self.out / "metrics.jsonl")
             co.write_json(self.out / "summary.json", summary)
+            release(self.out)       # the job is over: the folder may be taken again
         return summary
 
 
@@ -333,6 +347,7 @@ def launch(job: JobConfig, progress: bool | None = None, *, resume: bool = False
 
         from psgrid.cluster import resume as resuming
 
+        lock(Path(job.out))      # a job still running there is said as such, before its checkpoints are read
         alignment = resuming.align(job, resuming.check_resumable(job, Path(job.out)))
         resuming.rewind(job, alignment, Path(job.out))    # before prepare_out, which archives what it moved aside
         print(f"psctl launch: {resuming.describe(alignment)}", file=sys.stderr, flush=True)
@@ -342,6 +357,9 @@ def launch(job: JobConfig, progress: bool | None = None, *, resume: bool = False
     try:
         summary = Launcher(job, out, progress, resumed=resumed, command=command).run()
     except JobFailed as e:
+        if e.status != "failed":      # a mistake of the user's, said in one line
+            print(f"psctl launch: {e} (status {e.status}; summary in {out / 'summary.json'})", file=sys.stderr)
+            return 1
         print(f"psctl launch: job failed: {e}", file=sys.stderr)
         print(f"psctl launch: summary in {out / 'summary.json'}", file=sys.stderr)
         return 1

@@ -14,11 +14,13 @@ training in the notebook does not share their interpreter. ``workers=W`` also st
 in the background: the built-in trainer of the job, or ``command=[...]`` (your own script, as
 ``psctl launch -- CMD``); ``wait()`` returns when they are done. Leaving the ``with`` block (or
 ``close()``) stops every process it started and keeps the summary; a cluster the program forgets
-is stopped when it is collected or the interpreter exits.
+is stopped when it is collected or the interpreter exits. A block left by Ctrl-C or an exception
+ends the job as ``interrupted`` or ``failed`` (never ``ok``), said in one line.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 import tempfile
@@ -30,7 +32,9 @@ from pathlib import Path
 from psgrid.cluster import coordinator as co
 from psgrid.cluster import script as user_script
 from psgrid.cluster.config import JobConfig, apply_overrides, load_job
+from psgrid.cluster.errors import ConfigError
 from psgrid.cluster.launch import Launcher, prepare_out
+from psgrid.cluster.outdir import release
 from psgrid.cluster.procs import stop_children
 from psgrid.psserver import files
 
@@ -66,7 +70,7 @@ class LocalCluster:
         overrides["workers"] = workers or 1
         if out is not None:
             overrides["out"] = out
-        job = apply_overrides(job, overrides)
+        job = _with_settings(job, overrides)
         self._temporary = out is None
         if out is None:
             out_dir = Path(tempfile.mkdtemp(prefix="psgrid-local-"))
@@ -159,16 +163,25 @@ class LocalCluster:
 
     def close(self) -> dict:
         """Stop the workers still running, read the shards' counters, stop the shards; returns the summary."""
+        return self._close(None)
+
+    def _close(self, error: BaseException | None) -> dict:
+        """:meth:`close`; ``error`` ended the ``with`` block, and so the job (interrupted or failed)."""
         if self._summary is not None:
             return self._summary
         launcher = self._launcher
         status, message, evaluation, shard_stats = "ok", None, None, []
+        if isinstance(error, KeyboardInterrupt):
+            status, message = "interrupted", "KeyboardInterrupt inside the with block"
+        elif error is not None:
+            status, message = "failed", f"{type(error).__name__} inside the with block: {error}"
         try:
             if self._thread is not None and self._thread.is_alive():
-                status, message = "interrupted", "closed while its workers were training"
+                if status == "ok":
+                    status, message = "interrupted", "closed while its workers were training"
                 stop_children(launcher.workers)
                 self._thread.join(30)
-            if "error" in self._outcome:
+            if "error" in self._outcome and status == "ok":
                 status, message = "failed", str(self._outcome["error"])
             if launcher.watch is not None:
                 launcher.watch.close()
@@ -189,13 +202,17 @@ class LocalCluster:
             co.merge_metrics(sorted((self.out / "metrics").glob("*.jsonl")), self.out / "metrics.jsonl")
             co.write_json(self.out / "summary.json", self._summary)
             self._finalizer()
+        if error is not None:
+            kept = "" if self._temporary else f"; summary in {self.out / 'summary.json'}"
+            print(f"psgrid.LocalCluster: {message}: stopped its processes, job {status}{kept}", file=sys.stderr,
+                  flush=True)
         return self._summary
 
     def __enter__(self) -> "LocalCluster":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._close(exc)
 
     def __repr__(self) -> str:
         state = "closed" if self._summary is not None else f"at {','.join(self.addresses)}"
@@ -229,6 +246,21 @@ class LocalCluster:
         return summary
 
 
+def _with_settings(job: JobConfig, settings: dict) -> JobConfig:
+    """``job`` with the constructor's settings; a wrong one is named as the call gave it, with a did-you-mean."""
+    try:
+        return apply_overrides(job, settings)
+    except ConfigError:
+        pass
+    for key, value in settings.items():      # which one: the job-file message would name an "override"
+        try:
+            apply_overrides(job, {key: value})
+        except ConfigError as e:
+            said = re.sub(r"^.*?: \[(job|server|train)\] ", "", str(e)).replace(" in a job file", "")
+            raise ConfigError(f"psgrid.LocalCluster({key}={value!r}): {said}") from None
+    return apply_overrides(job, settings)     # settings that are wrong only together: as the job file says
+
+
 class _NoBar:
     """What the launcher needs of a progress bar, without one (tqdm starts a thread even for a hidden bar)."""
 
@@ -245,5 +277,6 @@ def _stop(launcher: Launcher, out: Path, temporary: bool) -> None:
     """Stop every process and thread a cluster started and remove its temporary folder (also for one never closed)."""
     launcher.stop_all()
     launcher.log.close()
+    release(out)
     if temporary:
         shutil.rmtree(out, ignore_errors=True)

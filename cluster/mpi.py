@@ -19,6 +19,7 @@ the spinning ranks would take the CPU the workers train on.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -26,12 +27,13 @@ import traceback
 from pathlib import Path
 
 from psgrid.cluster import coordinator as co
-from psgrid.cluster import credentials, mpi_report, preflight
+from psgrid.cluster import credentials, memory, mpi_report, preflight
 from psgrid.cluster import script as user_script
 from psgrid.cluster.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import JobFailed, UsageError
+from psgrid.cluster.interrupts import ignore_signals, received_signal, stop_on_signals
 from psgrid.cluster.mpich_shm import unlink_init_shm
-from psgrid.cluster.placement import SERVER, Placement, PlacementError, Role, place
+from psgrid.cluster.placement import SERVER, WORKER, Placement, PlacementError, Role, place
 from psgrid.cluster.procs import limit_blas_threads, usable_cpus
 from psgrid.psserver import files
 from psgrid.psserver.protocol import format_address_file
@@ -40,6 +42,7 @@ TAG_DONE = 71
 POLL_S = 0.05
 LOOPBACK = "127.0.0.1"
 ABORT_GRACE_S = 0.5
+INTERRUPT_WAIT_S = 20.0
 
 
 def min_ranks(shards: int) -> int:
@@ -103,6 +106,9 @@ class MPIJob:
         self.oversubscribe = oversubscribe
         self.placement: Placement | None = None     # every rank's role, once run() has gathered them
         self.role, self.index = ("coordinator", 0) if self.rank == 0 else ("rank", self.rank)   # until placed
+        self.out: Path | None = None
+        self.server = None          # this rank's running shard, when it serves one
+        self.model = None           # "a 101,770-parameter mlp", for rank 0's first line
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -136,6 +142,7 @@ class MPIJob:
         # The number of ranks decides the number of workers; every rank computes the same job.
         try:
             self.job = apply_overrides(self.job0, {"workers": workers})
+            preflight.check_stragglers(self.job)
         except UsageError as e:
             if self.rank == 0:
                 print(f"psctl mpi: error: {e}", file=sys.stderr, flush=True)
@@ -153,6 +160,8 @@ class MPIJob:
             for note in self.placement.notes:
                 print(f"psctl mpi: warning: {note}", file=sys.stderr, flush=True)
         problem = preflight.gathered_device_problem(self.comm, self.role == "worker", self.job.train)
+        if not problem and not self.command:      # a script's model is its own
+            problem = self.memory_problem()
         if problem:     # before any shard binds: a worker rank cannot compute where the job asks
             if self.rank == 0:
                 print(f"psctl mpi: error: {problem}", file=sys.stderr, flush=True)
@@ -180,6 +189,7 @@ class MPIJob:
         running = None
         if self.role == "server":
             running, address = self.start_server(single_node)
+            self.server = running
         else:
             address = None
         addresses = self.comm.gather(address, root=0)
@@ -202,6 +212,22 @@ class MPIJob:
         mpi_report.untee()
         return code
 
+    def memory_problem(self) -> str | None:
+        """Whether the ranks of each node fit in its memory (and a GPU worker's arrays on its GPU); collective."""
+        fp = memory.footprint(self.job)
+        me = self.placement.roles[self.rank]
+        here = [r for r, role in enumerate(self.placement.roles) if role.node == me.node]
+        problem = None
+        if self.rank == here[0]:        # one rank per node speaks for it
+            kinds = [self.placement.roles[r].kind for r in here]
+            problem = memory.host_problem(fp, kinds.count(SERVER), kinds.count(WORKER), memory.available_bytes(),
+                                          f"node {self.hostname}")
+        if problem is None and me.kind == WORKER and self.job.train.device == "gpu":
+            problem = memory.gpu_problem(fp, memory.gpu_total_bytes())
+        if self.rank == 0:
+            self.model = fp.describe()
+        return next((p for p in self.comm.allgather(problem) if p), None)
+
     # -- roles -------------------------------------------------------------------------------
 
     def start_server(self, single_node: bool):
@@ -211,8 +237,9 @@ class MPIJob:
         config = self.job.server_config(self.index, host=bind, port=0)
         running = serve(config)
         address = f"{advertise}:{running.port}"
+        metrics = f", metrics on {advertise}:{running.metrics.port}" if running.metrics else ""
         print(f"psctl mpi: shard {self.index}/{self.job.shards} listening on {address} "
-              f"(rank {self.rank} on {self.hostname}, mode {config.mode})", file=sys.stderr, flush=True)
+              f"(rank {self.rank} on {self.hostname}, mode {config.mode}{metrics})", file=sys.stderr, flush=True)
         return running, address
 
     def serve_until_shutdown(self, running) -> None:
@@ -249,8 +276,10 @@ class MPIJob:
         log("job_start", name=job.name, mode=job.mode, shards=job.shards, workers=job.workers,
             out=str(out), launcher="mpi", ranks=self.size)
         log("shards_ready", addresses=self.addresses)
+        model = f" of {self.model}" if self.model else ""      # a script's model is its own
         print(f"psctl mpi: {self.size} ranks: coordinator on {self.hostname}, {job.shards} shard(s) at "
-              f"{','.join(self.addresses)}, {job.workers} worker(s); output in {out}", file=sys.stderr, flush=True)
+              f"{','.join(self.addresses)} applying {job.server.describe_optimizer()}, {job.workers} worker(s)"
+              f"{model}; output in {out}", file=sys.stderr, flush=True)
         state = co.JobState()
         tail = co.MetricsTail(out / "metrics" / f"worker-{r}.jsonl" for r in range(job.workers))
         worker_events: list[dict] = []
@@ -293,13 +322,17 @@ class MPIJob:
             if self.command:
                 user_script.check_completed(failures, job.workers)
                 evaluation, shard_stats = user_script.finish(job, self.addresses, state)
+                user_script.check_joined(state, failures)
             else:
                 evaluation, shard_stats = co.finish(job, self.addresses)
             log("final_eval", **(evaluation or {}))
             for s in shard_stats:
                 log("shard_stats", **s)
         except JobFailed as e:
-            status, message = "failed", str(e)
+            status, message = e.status, str(e)
+        except KeyboardInterrupt:       # Ctrl-C or SIGTERM: every rank heard it (see stop_interrupted)
+            status, message = "interrupted", f"stopped by {signal.Signals(received_signal()).name}"
+            raise
         except Exception as e:
             # Evaluation, stats or shutdown failing after training: the job did not complete cleanly.
             status, message = "failed", f"{type(e).__name__}: {e}"
@@ -318,6 +351,10 @@ class MPIJob:
                 summary["command"] = self.command
             co.merge_metrics([out / "metrics" / "coordinator.jsonl", worker_events], out / "metrics.jsonl")
             co.write_json(out / "summary.json", summary)
+        if status not in ("ok", "failed"):   # a mistake of the user's: every rank ended as it should
+            print(f"psctl mpi: {message} (status {status}; summary in {out / 'summary.json'})", file=sys.stderr,
+                  flush=True)
+            return 1
         if status != "ok":
             print(f"psctl mpi: job failed: {message}; summary in {out / 'summary.json'}", file=sys.stderr,
                   flush=True)
@@ -326,6 +363,29 @@ class MPIJob:
         print(f"psctl mpi: summary in {out / 'summary.json'}, metrics in {out / 'metrics.jsonl'}",
               file=sys.stderr, flush=True)
         return 0
+
+
+    def stop_interrupted(self, signum: int) -> int:
+        """After Ctrl-C or SIGTERM, which every rank hears: stop this rank's part and end with the others.
+
+        mpiexec and srun pass the signal to every rank; each stops what it runs, the ranks meet
+        once more, and rank 0 says in one line what happened (its summary, status ``interrupted``,
+        is written by :meth:`coordinate`). Returns 128 + ``signum``. A rank that does not come
+        within ``INTERRUPT_WAIT_S`` (the signal reached only some ranks) makes the job abort.
+        """
+        name = signal.Signals(signum).name
+        try:    # a shard serves on until the workers have left it
+            _wait_request(self.comm.Ibarrier(), INTERRUPT_WAIT_S, f"{name}: the other ranks stopping")
+        except JobFailed as e:
+            print(f"psctl mpi: rank {self.rank}: {e}; aborting the job", file=sys.stderr, flush=True)
+            _abort(self.comm)
+        if self.server is not None:
+            self.server.stop(grace=0.5)
+        if self.rank == 0:
+            where = f"; partial results in {self.out}" if self.out is not None else "; nothing had started"
+            print(f"psctl mpi: {name}: stopped every rank{where}", file=sys.stderr, flush=True)
+        mpi_report.untee()
+        return 128 + signum
 
 
 def _abort(comm) -> None:
@@ -356,12 +416,18 @@ def run_mpi(job: JobConfig, comm=None, *, host: str | None = None, iface: str | 
         comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     part = None
+    old = stop_on_signals()
     try:
         if world:   # the job is ours: leave no MPICH file in /dev/shm, however it ends
             unlink_init_shm(comm)
         part = MPIJob(job, comm, host=host, iface=iface, progress=progress, command=command,
                       oversubscribe=oversubscribe)
         return part.run()
+    except KeyboardInterrupt:
+        ignore_signals()        # the cleanup is bounded by its own timeouts; a second Ctrl-C must not cut it
+        if part is None:
+            return 128 + received_signal()
+        return part.stop_interrupted(received_signal())
     except BaseException as e:
         print(f"psctl mpi: rank {rank} on {socket.gethostname()} failed; aborting the job:\n"
               f"{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -369,3 +435,6 @@ def run_mpi(job: JobConfig, comm=None, *, host: str | None = None, iface: str | 
             mpi_report.tell_coordinator(comm, rank, part.role, part.index, f"{type(e).__name__}: {e}")
         _abort(comm)
         raise  # not reached: Abort ends the process
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

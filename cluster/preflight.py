@@ -30,6 +30,14 @@ from psgrid.cluster.errors import ConfigError, UsageError
 # How long a worker waits for a shard's port to open before it says the shard cannot be reached:
 # long enough for shards started at the same moment, short enough that a typo is told at once.
 REACH_WAIT_S = 5.0
+# How long a listener has to answer as a shard does (a shard answers at once, even under load).
+ANSWER_WAIT_S = 3.0
+NOT_TLS = "the shard does not speak TLS"
+CLOSED = "it closed the connection without an answer"
+# What a gRPC client first sends, and the frame type every HTTP/2 server answers with (RFC 9113, 3.4).
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+HTTP2_EMPTY_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+HTTP2_SETTINGS = 0x04
 ACTIVATIONS = ("relu", "sigmoid")
 IMAGE_DATASETS = ("mnist5k", "digits")
 
@@ -112,6 +120,25 @@ def check_job(job, flags: Mapping[str, str] | None = None, *, starts_shards: boo
         _check_tls_pairing(job)
 
 
+def check_stragglers(job, flags: Mapping[str, str] | None = None) -> None:
+    """Refuse a straggler setting that names a worker the job does not have (psctl compare refuses it alike).
+
+    Called where the number of workers is known: at once by ``psctl launch``, once the ranks are
+    counted by ``psctl mpi``.
+    """
+    from psgrid.worker.straggler import parse_stragglers
+
+    ranks = [s.rank for s in parse_stragglers(job.train.stragglers)]
+    if not ranks or max(ranks) < job.workers:
+        return
+    name = Names(flags, job.source)
+    given = name.flags.get("stragglers", "")
+    said = f"{given} {','.join(job.train.stragglers)}" if given.startswith("--str") else \
+        name.setting("stragglers", job.train.stragglers)
+    raise ConfigError(f"{said}: worker {max(ranks)} does not exist in a job of {job.workers} worker"
+                      f"{'s' if job.workers != 1 else ''} (ranks are 0..{job.workers - 1})")
+
+
 def _check_tls_pairing(job) -> None:
     """Shards and workers of one job must agree on TLS: what the shards ask for, the workers must have."""
     s, t = job.server, job.train
@@ -137,8 +164,11 @@ def check_device(train, flags: Mapping[str, str] | None = None) -> None:
 
 
 def check_machine(job, flags: Mapping[str, str] | None = None) -> None:
-    """What this machine must offer a job that ``psctl launch`` runs here: its GPUs, its shards' metrics ports."""
+    """What this machine must offer a job that ``psctl launch`` runs here: its GPUs, memory, metrics ports."""
+    from psgrid.cluster import memory
+
     check_device(job.train, flags)
+    memory.check_here(job)
     base = job.server.metrics_port
     if base:
         for i in range(job.shards):
@@ -297,8 +327,46 @@ def probe(address: str, train, wait_s: float = REACH_WAIT_S) -> str | None:
     with sock:
         sock.settimeout(max(1.0, deadline - time.monotonic()))
         if train.tls_ca or train.tls_cert:
-            return _tls_problem(sock, host, train)
-        return _plaintext_problem(sock, host)
+            problem = _tls_problem(sock, host, train)
+            if problem and problem.startswith(NOT_TLS):     # a plaintext shard, or no shard at all?
+                return _http2_problem(host, int(port), ANSWER_WAIT_S) or problem
+            return problem
+    answer = _http2_problem(host, int(port), ANSWER_WAIT_S)
+    if answer and answer.startswith(CLOSED):        # a TLS shard closes on plaintext; say that, if so
+        with socket.create_connection((host, int(port)), timeout=ANSWER_WAIT_S) as sock:
+            return _plaintext_problem(sock, host) or answer
+    return answer
+
+
+def _http2_problem(host: str, port: int, wait_s: float) -> str | None:
+    """Whether ``host:port`` answers as a gRPC server does (an HTTP/2 SETTINGS frame); else what answered."""
+    not_shard = "not a psgrid shard: check the address (psctl server prints its own)"
+    what = None
+    try:
+        with socket.create_connection((host, port), timeout=wait_s) as sock:
+            sock.sendall(HTTP2_PREFACE + HTTP2_EMPTY_SETTINGS)
+            data = b""
+            while len(data) < 9:
+                chunk = sock.recv(9 - len(data))
+                if not chunk:
+                    break
+                data += chunk
+    except (socket.timeout, TimeoutError):
+        what = f"something listens there but did not answer in {wait_s:g} s"
+    except OSError as e:
+        what = f"{CLOSED} ({e.strerror or type(e).__name__})"
+    else:
+        if len(data) == 9 and data[3] == HTTP2_SETTINGS:
+            return None
+        if not data:
+            what = CLOSED
+        elif data.startswith(b"HTTP/") or data.lstrip().startswith(b"<"):
+            what = "an HTTP server answered"
+        elif data[0] == 0x15:     # a TLS alert record
+            what = "a TLS server answered with an alert"
+        else:
+            what = f"it answered {data!r}, not HTTP/2"
+    return f"{what}; {not_shard}"
 
 
 def _tls_problem(sock: socket.socket, host: str, train) -> str | None:
@@ -306,9 +374,11 @@ def _tls_problem(sock: socket.socket, host: str, train) -> str | None:
     if train.tls_cert:
         context.load_cert_chain(train.tls_cert, train.tls_key)
     context.set_alpn_protocols(["h2"])
+    handshaken = False
     try:
         with context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False) as tls:
             tls.do_handshake()
+            handshaken = True
             # TLS 1.3: a shard refuses a client certificate after the client's side of the handshake, in an alert
             # that arrives with the first read; a shard that accepts sends its HTTP/2 settings instead.
             tls.settimeout(1.0)
@@ -330,10 +400,12 @@ def _tls_problem(sock: socket.socket, host: str, train) -> str | None:
             return ("TLS handshake failed: the shard does not accept our client certificate ([train] tls_cert is "
                     "not signed by the CA of its [server] tls_ca)")
         if "WRONG_VERSION_NUMBER" in reason or "RECORD_LAYER" in reason or "PACKET_LENGTH" in reason:
-            return ("the shard does not speak TLS: leave out [train] tls_ca/tls_cert, or start the shard with "
+            return (f"{NOT_TLS}: leave out [train] tls_ca/tls_cert, or start the shard with "
                     "tls_cert and tls_key")
         return f"TLS handshake failed: {e.reason or e}"
     except (socket.timeout, TimeoutError):
+        if not handshaken:
+            return "something listens there but did not complete a TLS handshake: not a psgrid shard"
         return None          # nothing refused us: the shard waits for a request
     except (ConnectionError, OSError):
         return _refused_client(train)

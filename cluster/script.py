@@ -176,9 +176,8 @@ class OutputRelay:
 
 
 def evaluation(state: co.JobState, shard_stats: list[dict]) -> dict | None:
-    """The summary's accuracies: the scripts' latest eval record (psctl cannot evaluate a model it does not know)."""
-    last = state.last_eval or {}
-    found = {k: last[k] for k in ("test_accuracy", "train_accuracy", "test_loss") if co._finite(last.get(k))}
+    """The summary's accuracies: every script's latest eval record, averaged (psctl cannot evaluate their model)."""
+    found = state.evaluation()
     if shard_stats:
         found["version"] = max(s.get("version", 0) for s in shard_stats)
     return found or None
@@ -266,6 +265,16 @@ def record_failure(msg: dict, failures: list[dict], log, wrank: int) -> bool:
     print(f"psctl mpi: {failure['name']} exited with code {failure['exit_code']}; the others go on "
           f"(log: {failure['log']})", file=sys.stderr, flush=True)
     return True
+
+
+def check_joined(state: co.JobState, failures: list[dict]) -> None:
+    """A job whose commands all exited 0 and none joined the shards trained nothing: not ``ok``."""
+    from psgrid.cluster.errors import JobFailed
+
+    if not state.started and not failures:
+        raise JobFailed("no worker joined the job: the command exited 0 without calling psgrid.init, so nothing "
+                        "was trained; call ps = psgrid.init(model) in it (README, 'Your own training script')",
+                        status="not_joined")
 
 
 def check_completed(failures: list[dict], workers: int) -> None:

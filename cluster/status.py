@@ -157,7 +157,27 @@ def summary_status(summary: dict, *, as_json: bool = False, wide: bool = False) 
     if as_json:
         return json.dumps(stats, indent=2, default=str)
     acc = summary.get("test_accuracy")
-    head = (f"{summary.get('name')} finished: status {summary.get('status')}, {summary.get('steps')} steps, "
+    ended = "finished" if summary.get("status") == "ok" else "ended"
+    head = (f"{summary.get('name')} {ended}: status {summary.get('status')}, {summary.get('steps')} steps, "
             f"test accuracy {acc:.4f}" if isinstance(acc, (int, float)) else
-            f"{summary.get('name')} finished: status {summary.get('status')}, {summary.get('steps')} steps")
-    return f"{head}\n(from its summary.json: the shards have stopped)\n" + format_table(stats, wide=wide)
+            f"{summary.get('name')} {ended}: status {summary.get('status')}, {summary.get('steps')} steps")
+    when = "" if ended == "finished" else "; counters as last seen while it ran"
+    if not stats:
+        return f"{head}\n(from its summary.json: the shards have stopped, before any counters were read)"
+    return f"{head}\n(from its summary.json: the shards have stopped{when})\n" + format_table(stats, wide=wide)
+
+
+def newest_run(runs: Path = Path("runs")) -> Path:
+    """The folder of the newest job under ``runs/`` (psctl launch's and psctl mpi's default output folders).
+
+    Raises
+    ------
+    UsageError
+        There is none here.
+    """
+    found = [p for p in runs.glob("*") if (p / "addr").is_dir() or (p / "summary.json").is_file()] \
+        if runs.is_dir() else []
+    if not found:
+        raise UsageError(f"no job folder in {runs}/ here: give --address-dir DIR (a job's --out) or --addresses "
+                         f"HOST:PORT,...")
+    return max(found, key=lambda p: p.stat().st_mtime)

@@ -27,6 +27,7 @@ class ShardWatch:
         self.members: set[int] | None = None     # live on at least one shard, at the last poll
         self.seen: dict[int, float] = {}         # worker -> last time a shard counted it a member
         self.stalled_evictions = 0
+        self.last_stats: list[dict] = []         # every shard's counters at the last poll
         self.reports: queue.Queue = queue.Queue()
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="psctl-shard-watch", daemon=True)
@@ -87,3 +88,4 @@ class ShardWatch:
             for worker in members:
                 self.seen[worker] = now
             self.stalled_evictions = sum(s.get("stalled_evictions", 0) for s in stats)
+            self.last_stats = stats

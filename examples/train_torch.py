@@ -8,15 +8,24 @@ An ordinary PyTorch training loop; the lines marked ``# +ps`` are all it takes t
 job's shards, which hold the weights and apply the job's optimizer (``--lr``, ``--optimizer``,
 ``--mode`` of psctl) in place of ``optimizer.step()``. The weights land in the model's own
 tensors and the gradients leave from its ``.grad``s through DLPack: no copy in another framework.
+
+PyTorch is not a dependency of psgrid: install it where the workers run, ``pip install torch``
+(for the CPU alone, a smaller wheel: ``pip install torch --index-url
+https://download.pytorch.org/whl/cpu``; for a GPU, the command https://pytorch.org/get-started gives
+for your CUDA).
 """
 
 from __future__ import annotations
 
 import argparse
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+try:
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+except ImportError:
+    raise SystemExit("examples/train_torch.py needs PyTorch, which psgrid does not install: pip install torch "
+                     "(PyTorch's site lists a smaller CPU-only build)") from None
 
 import psgrid  # +ps
 from psgrid.worker.data import read_shipped

@@ -121,6 +121,21 @@ class ServerConfig:
         return dict(lr=self.lr, momentum=self.momentum, nesterov=self.nesterov, weight_decay=self.weight_decay,
                     beta1=self.beta1, beta2=self.beta2, eps=self.eps)
 
+    def applied_optimizer(self) -> dict:
+        """The optimizer and only the settings it uses (Adam has no momentum; SGD no betas)."""
+        if self.optimizer == "adam":
+            keys = ("lr", "beta1", "beta2", "eps", "weight_decay")
+        else:
+            keys = ("lr", "momentum", "nesterov", "weight_decay") if self.momentum else ("lr", "weight_decay")
+        return {"optimizer": self.optimizer, **{k: getattr(self, k) for k in keys}}
+
+    def describe_optimizer(self) -> str:
+        """``sgd (lr 0.05, momentum 0.9)``: the applied settings, those at zero or off left out."""
+        applied = self.applied_optimizer()
+        name = applied.pop("optimizer")
+        said = ", ".join(k if v is True else f"{k} {v:g}" for k, v in applied.items() if v)
+        return f"{name} ({said})"
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]

@@ -189,9 +189,10 @@ def job_tag(job_id: str | None) -> str:
 
 # ----- the address file a shard publishes (psctl server --address-file) ---------------------------
 
-def format_address_file(address: str, job_id: str) -> str:
-    """``host:port`` on the first line, ``job JOB_ID`` on the second."""
-    return f"{address}\njob {job_id}\n"
+def format_address_file(address: str, job_id: str, metrics_port: int | None = None) -> str:
+    """``host:port`` on the first line, ``job JOB_ID`` on the second, ``metrics PORT`` where it serves metrics."""
+    metrics = "" if metrics_port is None else f"metrics {metrics_port}\n"
+    return f"{address}\njob {job_id}\n{metrics}"
 
 
 def parse_address_file(text: str) -> tuple[str, str | None]:
@@ -200,3 +201,11 @@ def parse_address_file(text: str) -> tuple[str, str | None]:
     address = lines[0] if lines else ""
     job = next((line[4:].strip() for line in lines[1:] if line.startswith("job ")), None)
     return address, job
+
+
+def parse_metrics_port(text: str) -> int | None:
+    """The port an address file says its shard serves metrics on (the bound one, where 0 was asked), or None."""
+    for line in text.splitlines():
+        if line.startswith("metrics ") and line[8:].strip().isdigit():
+            return int(line[8:].strip())
+    return None

@@ -184,11 +184,11 @@ def is_loopback(host: str) -> bool:
         return False      # a name, or 0.0.0.0 / :: (every interface)
 
 
-def write_address(path: str | os.PathLike, address: str, job_id: str) -> None:
-    """Publish the bound address and the job id atomically so a reader never sees half of them."""
+def write_address(path: str | os.PathLike, address: str, job_id: str, metrics_port: int | None = None) -> None:
+    """Publish the bound address, the job id (and metrics port) atomically so a reader never sees half of them."""
     path = Path(path)
     files.make_dirs(path.parent)
-    files.replace_text(path, format_address_file(address, job_id))
+    files.replace_text(path, format_address_file(address, job_id, metrics_port))
 
 
 def run_server(config: ServerConfig, address_file: str | None = None) -> int:
@@ -203,7 +203,8 @@ def run_server(config: ServerConfig, address_file: str | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     if address_file:
-        write_address(address_file, server.address, server.config.job_id)
+        write_address(address_file, server.address, server.config.job_id,
+                      server.metrics.port if server.metrics else None)
     extra = f", metrics on :{server.metrics.port}" if server.metrics else ""
     print(f"psgrid shard {config.shard_index}/{config.num_shards} listening on {server.address} "
           f"(mode {config.mode}, job {server.config.job_id}){extra}", flush=True)

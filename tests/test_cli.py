@@ -60,7 +60,7 @@ def test_no_command_prints_help_and_fails(capsys):
     (["worker", "--addresses", "localhost"], "--addresses expects host:port"),
     (["worker", "--addresses", "127.0.0.1:1", "--rank", "5", "--world", "2"], "--rank must be in 0..1"),
     (["worker"], "the following arguments are required: --addresses"),
-    (["status"], "one of the arguments --addresses --address-dir is required"),
+    (["status", "--address-dir", "/nonexistent"], "no shard-I address files in /nonexistent"),     # none: ./runs
     (["status", "--addresses", "host:port"], "--addresses expects host:port"),
     (["launch", "--set", "servers=2"], "'servers' was renamed: use shards = N (the number of shard processes)"),
     (["mpi", "--set", "job.servers=2"], "'servers' was renamed: use shards = N"),
@@ -108,7 +108,7 @@ def test_user_error_through_a_subprocess_has_no_traceback(tmp_path):
     r = psctl("launch", "--config", str(bad))
     assert r.returncode == 2
     assert r.stderr.strip() == (f"psctl launch: error: {bad}: [server] mode must be one of "
-                                "('sync', 'async', 'ssp'), got 'bsp'")
+                                "('sync', 'async', 'ssp'), got 'bsp' (did you mean 'ssp'?)")
 
 
 def test_server_flags_map_onto_server_config(tmp_path):

@@ -42,7 +42,9 @@ def session_pids(sid: int) -> list[int]:
 
 
 def run(argv: list[str], cwd: Path, env: dict | None = None, timeout: float = 60):
-    """Run ``argv`` in a new session: (exit code, stderr, seconds); fails if any process of the session is left."""
+    """Run ``argv`` in a new session: (exit code, stderr, seconds); fails if any process of the session is left,
+    or (under mpiexec) a file of hydra's in /tmp or MPICH's in /dev/shm (psgrid's own shared memory is memfd)."""
+    since = time.time() - 1
     started = time.monotonic()
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -59,6 +61,8 @@ def run(argv: list[str], cwd: Path, env: dict | None = None, timeout: float = 60
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"{argv} left processes {left} running"
+    if Path(argv[0]).name.startswith("mpiexec"):
+        assert not left_behind(since), f"{argv} left files behind"
     return proc.returncode, err, took
 
 
@@ -315,9 +319,12 @@ def test_an_earlier_run_is_kept_unless_overwrite(tmp_path):
     from psgrid.cluster.config import JobConfig
     from psgrid.cluster.outdir import prepare
 
+    from psgrid.cluster.outdir import release
+
     prepare(JobConfig(out=str(out), overwrite=True))
+    release(out)
     assert not (out / "summary.json").exists() and (out / "notes.txt").read_text() == "mine"
-    assert sorted(p.name for p in out.iterdir()) == ["addr", "logs", "metrics", "notes.txt"]
+    assert sorted(p.name for p in out.iterdir()) == [".psgrid.lock", "addr", "logs", "metrics", "notes.txt"]
 
 
 def test_default_output_folders_never_collide(tmp_path, monkeypatch):
@@ -406,3 +413,388 @@ def test_mpi_writes_its_job_and_logs_and_a_partial_summary_when_a_rank_raises(tm
     assert set(logs) == {"coordinator.log", "server-0.log", "worker-0.log", "worker-1.log"}
     assert "raising on purpose" in logs["worker-1.log"] and "listening on" in logs["server-0.log"]
     assert "job failed" in logs["coordinator.log"]
+
+
+# ---- a folder in use is never taken ------------------------------------------------------------------
+
+def test_a_live_output_folder_is_never_taken(tmp_path):
+    out = tmp_path / "run"
+    env = env_with()
+    first = subprocess.Popen(psctl("launch", "--out", str(out), "--dataset", "synthetic", "--steps", "100000"),
+                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "addr" / "shard-0").exists():   # the lock is taken before any shard starts
+            assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
+            time.sleep(0.05)
+        for extra in (["--overwrite"], [], ["--resume", str(out)]):
+            args = ["--out", str(out), "--steps", "5", *extra] if extra[:1] != ["--resume"] else extra
+            code, err, took = run(psctl("launch", *args), tmp_path, env)
+            line = one_line(code, err, f"{out} is in use by a running job (pid {first.pid}: ")
+            assert "psgrid.cluster.cli launch --out" in line and "choose another --out" in line
+            assert took < 30
+        assert first.poll() is None, "the running job was disturbed"
+        assert not (out / "summary.json").exists()
+    finally:
+        os.killpg(first.pid, signal.SIGINT)
+        try:
+            first.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.communicate(timeout=10)
+    assert first.returncode == 130
+    # once it has ended, the folder is free again: refused only because it holds a run
+    code, err, _ = run(psctl("launch", "--out", str(out), "--steps", "5"), tmp_path, env)
+    one_line(code, err, f"{out} already holds a run")
+
+
+# ---- Ctrl-C under mpiexec ends as under psctl launch ------------------------------------------------
+
+def left_behind(since: float) -> list[str]:
+    """MPI's files made since ``since`` that are still there 5 s on: hydra's in /tmp, MPICH's and ours in /dev/shm.
+
+    Another test's job may own a new file for a moment; ours must not outlive the command.
+    """
+    def found():
+        tmp = [p for p in Path("/tmp").glob("hydra_hwloc_xmlfile_*")]
+        shm = [p for p in Path("/dev/shm").iterdir()]
+        return [str(p) for p in tmp + shm if _made_after(p, since)]
+
+    deadline = time.monotonic() + 5
+    while (left := found()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def _made_after(path: Path, since: float) -> bool:
+    try:
+        return path.stat().st_mtime >= since
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.mpi
+def test_ctrl_c_under_mpiexec_stops_every_rank_in_one_line(tmp_path):
+    out = tmp_path / "run"
+    since = time.time() - 1
+    proc = subprocess.Popen([mpiexec(), "-n", "4", *psctl("mpi", "--dataset", "synthetic", "--steps", "1000000",
+                                                           "--out", str(out))],
+                            cwd=tmp_path, env=env_with(**MPI_ENV), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "metrics" / "worker-0.jsonl").exists():     # a worker trains: every rank is busy
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)        # what Ctrl-C in the terminal does
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=10)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    # after the job's start lines and the progress, one line says what happened
+    said = [line for line in err.splitlines() if line.strip() and not line.startswith("[")
+            and " listening on " not in line and " ranks: coordinator on " not in line]
+    assert said == [f"psctl mpi: SIGINT: stopped every rank; partial results in {out}"], err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["message"] == "stopped by SIGINT"
+    assert not session_pids(proc.pid)
+    assert not left_behind(since), "the job left files behind"
+
+
+# ---- mistakes that used to end as "ok" ---------------------------------------------------------------
+
+NO_INIT = "no worker joined the job: the command exited 0 without calling psgrid.init, so nothing was trained"
+
+
+def test_a_script_that_never_calls_init_is_not_ok(tmp_path):
+    (tmp_path / "noinit.py").write_text('print("training, I think")\n')
+    out = tmp_path / "run"
+    code, err, took = run(psctl("launch", "--out", str(out), "--", "python", "noinit.py"), tmp_path, env_with())
+    said = [line for line in err.splitlines() if " shard(s) at " not in line]     # the job's start line
+    one_line(code, "\n".join(said), f"psctl launch: {NO_INIT}", expected_code=1)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "not_joined" and summary["message"].startswith(NO_INIT)
+    assert took < 60
+
+
+@pytest.mark.mpi
+def test_a_script_that_never_calls_init_is_not_ok_under_mpiexec(tmp_path):
+    (tmp_path / "noinit.py").write_text('print("training, I think")\n')
+    out = tmp_path / "run"
+    code, err, _ = run([mpiexec(), "-n", "4", *psctl("mpi", "--out", str(out), "--", "python", "noinit.py")],
+                       tmp_path, env_with(**MPI_ENV))
+    said = [line for line in err.splitlines() if " listening on " not in line and " ranks: coordinator " not in line]
+    one_line(code, "\n".join(said), f"psctl mpi: {NO_INIT}", expected_code=1)
+    assert json.loads((out / "summary.json").read_text())["status"] == "not_joined"
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--stragglers", "2:3"], "psctl launch: error: --stragglers 2:3: worker 2 does not exist in a job of 2 workers "
+                              "(ranks are 0..1)"),
+    (["--workers", "3", "--set", 'stragglers=["1:3","5:exp:20"]'],
+     'psctl launch: error: --set stragglers=["1:3","5:exp:20"]: worker 5 does not exist in a job of 3 workers'),
+])
+def test_a_straggler_that_is_no_worker_is_refused(tmp_path, args, fragment):
+    code, err, took = run(psctl("launch", *args), tmp_path, env_with())
+    one_line(code, err, fragment)
+    assert not (tmp_path / "runs").exists() and took < 30
+
+
+LOCAL_INTERRUPTED = """
+import sys
+import psgrid
+try:
+    with psgrid.LocalCluster(shards=2, out=sys.argv[1]) as cluster:
+        cluster.stats()
+        raise KeyboardInterrupt      # Ctrl-C in the notebook cell
+except KeyboardInterrupt:
+    sys.exit(130)
+"""
+
+
+def test_a_local_cluster_interrupted_in_its_with_block_is_not_ok(tmp_path):
+    out = tmp_path / "lc"
+    code, err, _ = run([sys.executable, "-c", LOCAL_INTERRUPTED, str(out)], tmp_path, env_with())
+    one_line(code, err, "psgrid.LocalCluster: KeyboardInterrupt inside the with block: stopped its processes, "
+                        f"job interrupted; summary in {out / 'summary.json'}", expected_code=130)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["launcher"] == "local"
+
+
+# ---- a model too big for the machine -----------------------------------------------------------------
+
+HUGE = 'hidden=[200000,200000]'     # 40 billion parameters: 160 GB a copy in float32, more than any one host here
+
+
+def test_a_model_too_big_for_memory_is_refused_before_anything_starts(tmp_path):
+    code, err, took = run(psctl("launch", "--model", "mlp", "--set", HUGE), tmp_path, env_with())
+    line = one_line(code, err, "psctl launch: error: a 40,159,200,010-parameter mlp does not fit: 2 shards need ")
+    assert "and this machine has " in line and "make the model smaller" in line
+    assert not (tmp_path / "runs").exists() and took < 10
+
+
+@pytest.mark.mpi
+def test_a_model_too_big_for_a_node_is_refused_under_mpiexec(tmp_path):
+    code, err, _ = run([mpiexec(), "-n", "4", *psctl("mpi", "--model", "mlp", "--set", HUGE)], tmp_path,
+                       env_with(**MPI_ENV))
+    line = one_line(code, err, "psctl mpi: error: a 40,159,200,010-parameter mlp does not fit: 2 shards need ")
+    assert "1 worker needs " in line and "and node " in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_what_a_model_needs_is_told_per_process():
+    from psgrid.cluster.config import JobConfig, apply_overrides
+    from psgrid.cluster.memory import GIB, footprint, gpu_problem, host_problem
+
+    job = apply_overrides(JobConfig(), {"model": "mlp", "hidden": [100000, 100000], "optimizer": "adam", "shards": 2})
+    fp = footprint(job)
+    assert fp.params == 784 * 100000 + 100000 + 100000 * 100000 + 100000 + 100000 * 10 + 10
+    assert fp.shard_bytes == -(-fp.params // 2) * 4 * 4          # weights, gradients, Adam's two slots
+    assert fp.worker_bytes == 2 * 4 * fp.params + 8 * 100000 * 100000
+    assert host_problem(fp, 2, 2, 2000 * GIB, "this machine") is None
+    said = host_problem(fp, 2, 2, 16 * GIB, "this machine")
+    assert said.startswith("a 10,079,600,010-parameter mlp does not fit: 2 shards need 150.2 GiB (75.1 GiB each) "
+                           "and 2 workers need 299.2 GiB (149.6 GiB each) at least, and this machine has 16.0 GiB"), \
+        said
+    assert "its GPU has 40.0 GiB" in gpu_problem(fp, 40 * GIB) and gpu_problem(fp, 200 * GIB) is None
+
+
+def test_a_job_starts_by_saying_its_parameter_count(tmp_path):
+    code, err, _ = run(psctl("launch", "--steps", "2", "--out", "run"), tmp_path, env_with())
+    assert code == 0, err
+    assert "starting 2 worker(s) of a 101,770-parameter mlp; logs in " in err
+
+
+# ---- psgrid.init against a wrong address -------------------------------------------------------------
+
+INIT_AT = """
+import sys
+import numpy as np
+import psgrid
+try:
+    psgrid.init({"w": np.zeros(3, np.float32)}, addresses=[sys.argv[1]], world=1)
+except ConnectionError as e:      # what a user's script sees
+    print(e, file=sys.stderr)
+    sys.exit(1)
+"""
+NOT_A_SHARD = "not a psgrid shard: check the address (psctl server prints its own)"
+
+
+@pytest.fixture
+def http_server():
+    """An HTTP server on 127.0.0.1 port 0 (a wrong port that something else answers on)."""
+    import http.server
+    import threading
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+    thread.join(10)
+
+
+@pytest.fixture
+def silent_listener():
+    """A socket that accepts connections and never says a word."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_init_against_nothing_says_so_within_seconds(tmp_path):
+    address = f"127.0.0.1:{closed_port()}"
+    code, err, took = run([sys.executable, "-c", INIT_AT, address], tmp_path, env_with())
+    one_line(code, err, f"psgrid.init: shard 0 at {address}: cannot connect for 5 s (Connection refused)", 1)
+    assert took < 15, f"took {took:.0f} s"
+
+
+@pytest.mark.parametrize("endpoint, what", [("http_server", "an HTTP server answered"),
+                                            ("silent_listener", "something listens there but did not answer in 3 s")])
+def test_init_against_something_that_is_no_shard_says_what_answered(tmp_path, request, endpoint, what):
+    address = request.getfixturevalue(endpoint)
+    code, err, took = run([sys.executable, "-c", INIT_AT, address], tmp_path, env_with())
+    one_line(code, err, f"psgrid.init: shard 0 at {address}: {what}; {NOT_A_SHARD}", 1)
+    assert took < 10, f"took {took:.0f} s"
+
+
+def test_a_worker_with_tls_against_an_http_server_is_not_told_about_tls(tmp_path, http_server):
+    from psgrid.cluster.pki import make_certs
+
+    make_certs(tmp_path / "pki", ["localhost", "127.0.0.1"])
+    job = worker_job(tmp_path, "tls", tls_ca=tmp_path / "pki" / "ca.pem")
+    code, err, took = run(psctl("worker", "--config", str(job), "--addresses", http_server), tmp_path, env_with())
+    one_line(code, err, f"psctl worker: error: shard 0 at {http_server}: an HTTP server answered; {NOT_A_SHARD}")
+    assert took < 10
+
+
+# ---- LocalCluster's settings: named as the call gave them ---------------------------------------------
+
+@pytest.mark.parametrize("settings, said", [
+    ({"mode": "asynch"}, "psgrid.LocalCluster(mode='asynch'): mode must be one of ('sync', 'async', 'ssp'), got "
+                         "'asynch' (did you mean 'async'?)"),
+    ({"lr": 0.1, "stepz": 3},
+     "psgrid.LocalCluster(stepz=3): unknown key 'stepz' (did you mean 'steps'?); valid keys: "),
+    ({"optimizer": "adma"}, "psgrid.LocalCluster(optimizer='adma'): optimizer must be one of ('sgd', 'adam'), got "
+                            "'adma' (did you mean 'adam'?)"),
+])
+def test_a_local_cluster_setting_that_is_wrong_is_named_with_a_suggestion(tmp_path, settings, said):
+    from psgrid import LocalCluster
+    from psgrid.cluster.errors import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        LocalCluster(out=str(tmp_path / "lc"), **settings)
+    assert str(caught.value).startswith(said), str(caught.value)
+    assert caught.value.__context__ is None or caught.value.__suppress_context__     # one error, not a chain
+    assert "job file" not in str(caught.value) and "override" not in str(caught.value)
+
+
+def test_a_job_file_value_that_is_almost_right_gets_a_suggestion(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text('mode = "asynch"\n')
+    code, err, _ = run(psctl("launch", "--config", str(job)), tmp_path, env_with())
+    one_line(code, err, f"{job}: [server] mode must be one of ('sync', 'async', 'ssp'), got 'asynch' "
+                        "(did you mean 'async'?)")
+
+
+def test_the_torch_example_says_how_to_get_pytorch(tmp_path):
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError(\"No module named 'torch' (test)\")\n")
+    code, err, _ = run([sys.executable, str(ROOT / "examples" / "train_torch.py")], tmp_path, env_with(tmp_path))
+    one_line(code, err, "examples/train_torch.py needs PyTorch, which psgrid does not install: pip install torch",
+             expected_code=1)
+
+
+def test_metrics_port_0_says_the_ports_it_bound(tmp_path):
+    import re
+
+    code, err, _ = run(psctl("launch", "--steps", "2", "--set", "metrics_port=0", "--out", "run"), tmp_path, env_with())
+    assert code == 0, err
+    found = re.search(r"shard\(s\) at \S+ \(metrics on 127\.0\.0\.1:(\d+),127\.0\.0\.1:(\d+)\) applying ", err)
+    assert found and 0 not in {int(found[1]), int(found[2])} and found[1] != found[2], err
+    from psgrid.psserver.protocol import parse_address_file, parse_metrics_port
+
+    text = (tmp_path / "run" / "addr" / "shard-1").read_text()
+    assert parse_metrics_port(text) == int(found[2]) and parse_address_file(text)[1]
+
+
+# ---- psctl status with no argument: the newest job, and a stopped job's last counters ---------------
+
+def test_status_without_arguments_shows_the_newest_job_and_a_stopped_jobs_last_counters(tmp_path):
+    code, err, _ = run(psctl("status"), tmp_path, env_with())
+    one_line(code, err, "psctl status: error: no job folder in runs/ here: give --address-dir DIR")
+
+    job = subprocess.Popen(psctl("launch", "--dataset", "synthetic", "--steps", "1000000", "--no-progress"),
+                           cwd=tmp_path, env=env_with(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("runs/*/metrics/worker-0.jsonl")) or \
+                '"step"' not in next(tmp_path.glob("runs/*/metrics/worker-0.jsonl")).read_text():
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1]
+            time.sleep(0.05)
+        time.sleep(2.5)          # the launcher reads the shards' counters every second
+        os.killpg(job.pid, signal.SIGINT)
+        job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate(timeout=10)
+    assert job.returncode == 130
+    done = subprocess.run(psctl("status"), cwd=tmp_path, env=env_with(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    (folder,) = tmp_path.glob("runs/*")
+    assert done.stderr.strip() == f"psctl status: the newest job here, runs/{folder.name}"
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("mnist ended: status interrupted, "), done.stdout
+    assert lines[1] == "(from its summary.json: the shards have stopped; counters as last seen while it ran)"
+    versions = [int(line.split()[2]) for line in lines[5:7]]
+    assert len(versions) == 2 and min(versions) > 0, done.stdout
+
+
+# ---- the optimizer the shards apply is said, and recorded as it applies -------------------------------
+
+def test_a_script_is_told_the_optimizer_the_shards_apply(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import numpy as np, psgrid\nps = psgrid.init({'w': np.zeros(4, np.float32)})\n"
+                      "ps.pull()\nps.push({'w': np.ones(4, np.float32)})\nps.close()\n")
+    code, err, _ = run(psctl("launch", "--out", "run", "--", "python", str(script)), tmp_path, env_with())
+    assert code == 0, err
+    assert " applying sgd (lr 0.05, momentum 0.9); starting 2 worker(s); logs in " in err     # --config mnist's
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["optimizer"] == {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": False,
+                                    "weight_decay": 0.0}
+
+
+def test_only_the_settings_an_optimizer_uses_are_recorded():
+    from psgrid.psserver.config import ServerConfig
+
+    adam = ServerConfig(optimizer="adam", lr=1e-3, momentum=0.9)
+    assert adam.applied_optimizer() == {"optimizer": "adam", "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
+                                        "weight_decay": 0.0}
+    assert adam.describe_optimizer() == "adam (lr 0.001, beta1 0.9, beta2 0.999, eps 1e-08)"
+    assert ServerConfig(lr=0.1).describe_optimizer() == "sgd (lr 0.1)"
+
+
+# ---- progress lines: one per evaluation step, in order; accuracy of every worker ----------------------
+
+def test_progress_lines_come_once_per_step_in_order_and_accuracy_is_every_workers(capsys):
+    from psgrid.cluster.coordinator import JobState, Progress
+
+    state, progress = JobState(), Progress(800, enabled=False)
+    batch = [{"event": "eval", "rank": 1, "step": 50, "test_accuracy": 0.5, "train_accuracy": 0.6},
+             {"event": "eval", "rank": 0, "step": 100, "test_accuracy": 0.7, "train_accuracy": 0.8},
+             {"event": "eval", "rank": 0, "step": 50, "test_accuracy": 0.5, "train_accuracy": 0.5},
+             {"event": "eval", "rank": 1, "step": 100, "test_accuracy": 0.7, "train_accuracy": 0.6}]
+    progress.update(state, state.update(batch))
+    progress.update(state, state.update(batch[2:]))         # psctl mpi hands the same events over again
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[0].split("] ")[1] for line in lines] == ["worker 1 step 50", "worker 0 step 100"], lines
+    assert state.evaluation() == pytest.approx({"test_accuracy": 0.7, "train_accuracy": 0.7})
+    progress.close()

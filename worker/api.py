@@ -32,6 +32,7 @@ import numpy as np
 
 from psgrid.psserver.client import Client, Handle
 from psgrid.psserver.security import job_token
+from psgrid.psserver.exceptions import ShardUnavailable
 from psgrid.psserver.spec import ModelSpec
 from psgrid.worker import dlpack
 from psgrid.worker.backend import pinner_for, sync, to_host
@@ -95,6 +96,24 @@ def init(params, *, addresses=None, rank: int | None = None, world: int | None =
                    metrics=metrics or env.metrics, local_rank=env.local_rank, gpu=env.gpu, **settings)
 
 
+def unreachable(addresses: list[str], settings: Mapping) -> str | None:
+    """Why a shard cannot be joined, in one line, within seconds (not after the client's retries); None: all answer.
+
+    The line names the shard, its address and what happened: nothing listens, something that is
+    not a psgrid shard answered, a TLS handshake failed and why.
+    """
+    from types import SimpleNamespace
+
+    from psgrid.cluster.preflight import probe
+
+    tls = SimpleNamespace(**{key: settings.get(key) for key in ("tls_ca", "tls_cert", "tls_key")})
+    for i, address in enumerate(addresses):
+        problem = probe(address, tls)
+        if problem:
+            return f"psgrid.init: shard {i} at {address}: {problem}"
+    return None
+
+
 def job_file_settings(path: str | None) -> dict:
     """The client settings of a job file's ``[train]`` table (its token is the environment's, not read here)."""
     if not path:
@@ -150,6 +169,9 @@ class Session:
         def initial():       # the shards' first weights, where this worker is the one that gives them
             return self.spec.pack({n: to_host(v).astype(np.float32) for n, v in zip(self.names, views)})
 
+        problem = unreachable(addresses, client_options)
+        if problem:
+            raise ShardUnavailable(problem) from None
         self._metrics = MetricsWriter(metrics)
         self._closed = False
         try:

@@ -179,12 +179,13 @@ def run(args: argparse.Namespace) -> int:
                             classes=args.classes)
     experiment = experiment_from(job, settings, Path(args.out))
     if args.overwrite:
-        from psgrid.cluster.outdir import EXPERIMENT_FILES, clear_run
+        from psgrid.cluster.outdir import EXPERIMENT_FILES, clear_run, lock
         from psgrid.cluster.preflight import launcher_rank
 
         if args.resume:
             raise UsageError("--overwrite starts the experiment again and --resume finishes it: give one of them")
         if (launcher_rank() or (0, 1))[0] == 0:      # under --mpi, world rank 0 alone prepares the folder
+            lock(Path(args.out))        # never an experiment that runs now: it holds the lock (cluster/outdir.py)
             clear_run(Path(args.out), EXPERIMENT_FILES)
     if args.mpi:
         return _run_mpi(experiment, args)

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from psgrid.cluster import script
     from psgrid.cluster.commands._common import flag_names, load_job_from_args
     from psgrid.cluster.launch import launch
-    from psgrid.cluster.preflight import check_machine, refuse_mpi_rank
+    from psgrid.cluster.preflight import check_machine, check_stragglers, refuse_mpi_rank
 
     refuse_mpi_rank("launch")
     command = None if args.user_command is None else script.resolve_command(args.user_command)
@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     named = args.config is not None or args.override_name is not None
     args.config = args.config or "mnist"
     job = script.for_command(load_job_from_args(args), command, named=named)
+    check_stragglers(job)
     if command is None:          # a user's script chooses its own device (it may not use CuPy at all)
         check_machine(job, flag_names(args))
     return launch(job, progress=args.progress, command=command)

@@ -9,6 +9,7 @@ from psgrid.cluster.commands._common import add_command
 HELP = "show every shard's clocks, members and counters"
 
 EXAMPLES = """
+psctl status                                                 # the newest job in ./runs
 psctl status --addresses 127.0.0.1:41234,127.0.0.1:41235
 psctl status --address-dir runs/mnist-20250101-120000        # the shards of a psctl launch job
 psctl status --address-dir runs/mnist-20250101-120000 --json | jq '.[].mean_staleness'
@@ -24,7 +25,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "DIR/summary.json), show its shards' final counters from the summary.",
         examples=EXAMPLES,
     )
-    where = p.add_mutually_exclusive_group(required=True)
+    where = p.add_mutually_exclusive_group()      # neither: the newest job in ./runs
     where.add_argument("--addresses", metavar="HOST:PORT,...", help="the shards' addresses, in shard order")
     where.add_argument("--address-dir", metavar="DIR",
                        help="a psctl launch output folder (or its addr/ folder) holding shard-I address files")
@@ -49,16 +50,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     import os
+    import sys
     import time
 
     from psgrid.cluster.commands._common import split_addresses
     from psgrid.cluster.credentials import TOKEN_ENV, token_file_of
     from psgrid.cluster.errors import JobFailed, UsageError
     from psgrid.cluster.preflight import probe_shards
-    from psgrid.cluster.status import addresses_from_dir, finished_job, status, summary_status
+    from psgrid.cluster.status import addresses_from_dir, finished_job, newest_run, status, summary_status
     from psgrid.psserver.exceptions import PSError
     from psgrid.psserver.security import job_token
 
+    if not args.addresses and not args.address_dir:
+        args.address_dir = str(newest_run())
+        print(f"psctl status: the newest job here, {args.address_dir}", file=sys.stderr, flush=True)
     summary = finished_job(args.address_dir) if args.address_dir and not args.watch else None
     if summary is not None:          # the job is over and its shards are gone: its summary has their last counters
         print(summary_status(summary, as_json=args.json, wide=args.wide), flush=True)
