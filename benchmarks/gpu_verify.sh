@@ -16,7 +16,7 @@ part() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "cores $(nproc), $(grep MemTotal /proc/meminfo)"
 python3 -c "import grpc, google.protobuf, cupy, numpy; print('grpc', grpc.__version__, 'protobuf', google.protobuf.__version__, 'cupy', cupy.__version__, 'numpy', numpy.__version__)"
-python3 -c "import grpc_health, mlxtend, tqdm, prometheus_client, threadpoolctl, matplotlib; print('imports ok')"
+python3 -c "import grpc_health, tqdm, prometheus_client, threadpoolctl, matplotlib; print('imports ok')"
 
 if part 1; then
 echo "== 1. the default job on GPU workers, on a fresh CuPy kernel cache: a first run and a second"

@@ -78,7 +78,8 @@ def pinned_copies(params: int, repeat: int = 20) -> dict:
 def with_servers(train: TrainConfig, shards: int, mode: str, plane: str = "shm") -> dict:
     from psgrid.worker.loop import run_worker
 
-    procs = [ShardProcess(ServerConfig(shard_index=i, num_shards=shards, mode=mode, lr=0.01, threads=16))
+    job = f"gpu-workers-{os.getpid()}"          # the shards of one run are one job (clients check)
+    procs = [ShardProcess(ServerConfig(shard_index=i, num_shards=shards, mode=mode, lr=0.01, threads=16, job_id=job))
              for i in range(shards)]
     train.shared_memory = plane == "shm"
     try:
@@ -112,7 +113,8 @@ def two_gpu_mnist(mode: str = "sync", device: str = "gpu") -> dict:
     """MLP 784-128-10 on mnist5k with two worker processes, one per GPU, and two CPU shards."""
     from psgrid.worker.evaluate import evaluate
 
-    procs = [ShardProcess(ServerConfig(shard_index=i, num_shards=2, mode=mode, lr=0.1)) for i in range(2)]
+    job = f"gpu-workers-{os.getpid()}"
+    procs = [ShardProcess(ServerConfig(shard_index=i, num_shards=2, mode=mode, lr=0.1, job_id=job)) for i in range(2)]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     try:
