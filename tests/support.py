@@ -220,3 +220,13 @@ def assert_token_kept(out: Path) -> str:
         if path.is_file() and token.encode() in path.read_bytes():
             assert path.stat().st_mode & 0o077 == 0, f"{path} holds the token and others may read it"
     return token
+
+
+def address_lines(proc, addr: Path, log: Path, timeout: float = 30.0) -> list[str]:
+    """The lines of a hand-started shard's address file, once it is written (its log, if it dies first)."""
+    deadline = time.monotonic() + timeout
+    while not addr.exists():
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, f"no address file after {timeout:.0f} s"
+        time.sleep(0.05)
+    return addr.read_text().splitlines()

@@ -17,7 +17,7 @@ from psgrid.cluster.commands import COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from tests.support import with_this_tree  # noqa: E402
+from tests.support import address_lines, with_this_tree  # noqa: E402
 
 
 def psctl(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
@@ -180,12 +180,7 @@ def test_server_subprocess_publishes_its_address_and_stops_on_sigterm(tmp_path):
                                  str(addr), "--mode", "ssp"], cwd=ROOT, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 30
-        while not addr.exists():
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "no address file after 30 s"
-            time.sleep(0.05)
-        address, job = addr.read_text().splitlines()      # the address, then the job id Shutdown must name
+        address, job = address_lines(proc, addr, log)     # the address, then the job id Shutdown must name
         host, _, port = address.rpartition(":")
         assert host == "127.0.0.1" and int(port) > 0 and job.startswith("job ")
         r = psctl("status", "--addresses", address, "--json")

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ import pytest
 
 from psgrid.psserver.client import Client
 from psgrid.psserver.spec import ModelSpec
-from tests.support import with_this_tree
+from tests.support import address_lines, with_this_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 64 << 10                          # bytes a child may write to one file
@@ -67,12 +66,7 @@ def test_a_shard_under_a_file_size_limit_serves_over_tcp_and_says_why_once(tmp_p
              "server", "--port", "0", "--address-file", str(addr), "--mode", "async", "--lr", "0.5"],
             cwd=ROOT, env=child_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 30
-        while not addr.exists():
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "no address file after 30 s"
-            time.sleep(0.05)
-        address = addr.read_text().splitlines()[0]
+        address = address_lines(proc, addr, log)[0]
         # This client could use shared memory: the shard offers it until Init finds it cannot make the files.
         with Client([address], SPEC, init=np.zeros(SPEC.size, np.float32), retry_s=10, deadline_s=20) as client:
             params = train(client)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ from psgrid.psserver.exceptions import Unauthenticated
 from psgrid.cluster.credentials import TOKEN_ENV
 from psgrid.worker import env as job_vars
 from psgrid.worker.api import init
-from tests.support import REGRESSION, with_this_tree
+from tests.support import REGRESSION, address_lines, with_this_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "t0ken-of-the-environment"
@@ -75,12 +74,7 @@ def test_a_shard_started_by_hand_with_the_variable_refuses_calls_without_it(tmp_
                                  "--address-file", str(addr)], cwd=ROOT, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 30
-        while not addr.exists():
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "no address file after 30 s"
-            time.sleep(0.05)
-        address = addr.read_text().splitlines()[0]
+        address = address_lines(proc, addr, log)[0]
         from psgrid.psserver.admin import Admin
 
         with pytest.raises(Unauthenticated):
