@@ -104,7 +104,7 @@ def unreachable(addresses: list[str], settings: Mapping) -> str | None:
     """
     from types import SimpleNamespace
 
-    from psgrid.cluster.preflight import probe
+    from psgrid.psserver.reach import probe
 
     tls = SimpleNamespace(**{key: settings.get(key) for key in ("tls_ca", "tls_cert", "tls_key")})
     for i, address in enumerate(addresses):
