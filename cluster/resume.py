@@ -141,6 +141,10 @@ def check_resumable(job: JobConfig, out: Path) -> list[ShardCheckpoint]:
     if not present:
         return []
     missing = [i for i, c in enumerate(found) if c is None]
+    if missing and all(c.version == 0 for c in present):
+        # Stopped in its first moments: some shards had their initial weights (a final checkpoint at
+        # version 0), the others not yet. Nothing was learned: the job starts from the beginning.
+        return []
     if missing:
         raise UsageError(f"cannot resume: shard(s) {missing} have no checkpoint in {root} while "
                          f"{'; '.join(c.where() for c in present)}. The shards would not hold one model")

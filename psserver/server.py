@@ -131,10 +131,7 @@ class RunningServer:
             if plane is not None:
                 plane.stop()
         self.grpc.stop(grace)
-        # Only what is new since the last checkpoint (or since Init): a final checkpoint of the initial
-        # weights, written by a shard stopped before its first update, made a job that was stopped early
-        # unresumable (the other shards, stopped before Init, had none).
-        if self.config.checkpoint_dir and self.shard.initialized and self.shard.updates_since_checkpoint:
+        if self.config.checkpoint_dir and self.shard.initialized:
             try:
                 self.shard.checkpoint()
             except Exception:  # noqa: BLE001 - stopping must finish; the last good checkpoint stays
