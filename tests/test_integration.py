@@ -53,8 +53,12 @@ def test_workers_fit_linear_regression(cluster, data_plane, mode):
     else:
         assert all(st["applied_updates"] == 600 for st in stats)
     if mode == "ssp":
-        # A pull at clock c waited for the slowest to reach c - 2: clocks never drift further.
-        assert all(st["max_staleness"] <= 3 * 3 + 3 for st in stats)
+        # A pull at clock c waits for the slowest to reach c - s (s = 2). While a worker computes at
+        # clock c, each of the 3 others may push from clock c - s (the slowest it may be) up to c + s
+        # (the furthest it may pull while this one is at c): 2s + 1 updates each, and the worker's own
+        # push before (overlapped with this pull) one more. Load decides how much of that is used
+        # (12 was exceeded once at load 10), so the bound is the rule's, not a typical value.
+        assert all(st["max_staleness"] <= 3 * (2 * 2 + 1) + 1 for st in stats)
 
 
 @pytest.mark.timeout(90)
