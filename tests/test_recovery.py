@@ -132,10 +132,13 @@ def test_a_killed_shard_is_restarted_from_its_checkpoint_and_the_job_completes(t
     shard0, shard1 = summary["shard_stats"]
     # the restarted shard went on from its checkpoint's version, on the same address
     assert shard1["restored_version"] == restart["checkpoint_version"] >= every
-    assert 0 <= shard1["lost_updates"] <= every
+    # What it lost is what came after its last complete checkpoint: fewer than `every` updates, or
+    # fewer than twice that where the kill landed while the next one was being written (18 seen once
+    # at load), and the pushes in flight (two per worker: each has two gradient buffers).
+    assert 0 <= shard1["lost_updates"] < 2 * every + 2 * 2
     assert shard0["lost_updates"] == 0
-    if mode == "sync":   # every round the restarted shard did not lose, it applied
-        assert shard1["version"] + shard1["lost_updates"] == shard0["version"]
+    # every update the restarted shard did not lose, it applied
+    assert shard1["version"] + shard1["lost_updates"] == shard0["version"]
     assert all(w["completed"] for w in summary["worker_results"])
     assert summary["test_accuracy"] > 0.85, summary["test_accuracy"]
     assert "restored its checkpoint at version" in (launch.out / "logs" / "server-1.log").read_text()
