@@ -146,8 +146,10 @@ def test_an_aborted_job_leaves_no_mpich_file_in_dev_shm():
 ABORT_SCRIPT = """
 import time
 from mpi4py import MPI
+from psgrid.cluster.mpich_shm import unlink_init_shm
 
-MPI.COMM_WORLD.Barrier()                # both ranks are through MPI_Init, which read the topology
+unlink_init_shm(MPI.COMM_WORLD)         # both ranks are through MPI_Init, which read the topology;
+                                        # and MPICH's start-up file in /dev/shm is not left by the abort
 if MPI.COMM_WORLD.rank == 1:
     MPI.COMM_WORLD.Abort(3)
 time.sleep(30)
