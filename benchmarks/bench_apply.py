@@ -16,8 +16,8 @@ import time
 
 import numpy as np
 
-from psgrid.psserver import optim
-from psgrid.psserver.compensation import DelayCompensation
+from psgrid.psserver.kernels import optim
+from psgrid.psserver.kernels.compensation import DelayCompensation
 
 CASES = {
     "sgd": ("sgd", dict(lr=0.01)),

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import psgrid
-from psgrid.psserver.admin import Admin
+from psgrid.psserver.client.admin import Admin
 from psgrid.worker import dlpack
 
 t = torch.randn(1000, device="cuda:0", requires_grad=True)

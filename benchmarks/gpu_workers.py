@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from psgrid.cluster.bench_transport import ShardProcess  # noqa: E402
+from psgrid.cluster.bench.transport import ShardProcess  # noqa: E402
 from psgrid.psserver.config import ServerConfig  # noqa: E402
 from psgrid.worker.config import TrainConfig  # noqa: E402
 
@@ -45,7 +45,7 @@ def big_mlp(args, **overrides) -> TrainConfig:
 
 def without_servers(train: TrainConfig, lr: float = 0.01) -> dict:
     """The same model, data loader and buffers, updated on the GPU with plain SGD: no servers at all."""
-    from psgrid.cluster.bench_train import no_servers
+    from psgrid.cluster.bench.train import no_servers
 
     alone = no_servers(train, lr)
     return {"setting": "no servers (local SGD on the GPU)", "device": alone["device"], "params": alone["params"],

@@ -24,8 +24,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from psgrid.psserver.optim import make_optimizer  # noqa: E402
-from psgrid.psserver.parallel import Chunks  # noqa: E402
+from psgrid.psserver.kernels.optim import make_optimizer  # noqa: E402
+from psgrid.psserver.kernels.parallel import Chunks  # noqa: E402
 
 
 def median_time(fn, repeat: int) -> float:

@@ -25,11 +25,11 @@ import time
 
 import numpy as np
 
-from psgrid.psserver.admin import Admin
-from psgrid.psserver.client import Client
+from psgrid.psserver.client.admin import Admin
+from psgrid.psserver.client.client import Client
 from psgrid.psserver.protocol import FLOAT32
 from psgrid.psserver.spec import ModelSpec
-from psgrid.psserver.transports.tcp_frames import (ATTACH, FD_BYTE, MAGIC, MAP, MAX_MESSAGE, OPEN, PULL, PUSH, REPLY,
+from psgrid.psserver.transports.stream_frames import (ATTACH, FD_BYTE, MAGIC, MAP, MAX_MESSAGE, OPEN, PULL, PUSH, REPLY,
                                                    REQUEST, recv_exact, recv_struct)
 
 SERVE = """

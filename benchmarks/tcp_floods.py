@@ -22,13 +22,13 @@ import time
 
 import numpy as np
 
-from psgrid.psserver.client import Client
+from psgrid.psserver.client.client import Client
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import PSError
 from psgrid.psserver.protocol import FLOAT32
 from psgrid.psserver.server import serve
 from psgrid.psserver.spec import ModelSpec
-from psgrid.psserver.transports.tcp_frames import HELLO, MAGIC, PUSH, REQUEST
+from psgrid.psserver.transports.stream_frames import HELLO, MAGIC, PUSH, REQUEST
 
 TOKEN = "bench-token"
 SPEC = ModelSpec([("w", (12,)), ("b", (1,))])

@@ -8,7 +8,7 @@ import signal
 import sys
 
 from psgrid.cluster.commands import COMMANDS
-from psgrid.cluster.interrupts import heard_early, hear_early
+from psgrid.cluster.run.interrupts import heard_early, hear_early
 
 EXAMPLES = """\
 examples:
@@ -103,7 +103,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         return int(args.func(args) or 0)
     except UsageError as e:
-        from psgrid.cluster.preflight import quiet_rank
+        from psgrid.cluster.run.preflight import quiet_rank
 
         if not quiet_rank():     # every MPI rank meets the same error: rank 0 says it once
             print(f"psctl {args.command}: error: {e}", file=sys.stderr)

@@ -34,9 +34,9 @@ if not (_here / "psserver").is_dir() and (_source_root / "pyproject.toml").is_fi
 
 # name -> module that defines it
 _EXPORTS = {
-    "Client": "psgrid.psserver.client",
-    "Handle": "psgrid.psserver.client",
-    "Admin": "psgrid.psserver.admin",
+    "Client": "psgrid.psserver.client.client",
+    "Handle": "psgrid.psserver.client.client",
+    "Admin": "psgrid.psserver.client.admin",
     "ModelSpec": "psgrid.psserver.spec",
     "ServerConfig": "psgrid.psserver.config",
     "serve": "psgrid.psserver.server",
@@ -44,7 +44,7 @@ _EXPORTS = {
     "Session": "psgrid.worker.api",
     "job_env": "psgrid.worker.env",
     "JobEnv": "psgrid.worker.env",
-    "LocalCluster": "psgrid.cluster.local",
+    "LocalCluster": "psgrid.cluster.run.local",
     "TrainConfig": "psgrid.worker.config",
     "PSError": "psgrid.psserver.exceptions",
     "Reason": "psgrid.psserver.protocol",

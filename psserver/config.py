@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from psgrid.psserver.compensation import ASYNC_MOMENTUM, COMPENSATIONS
+from psgrid.psserver.kernels.compensation import ASYNC_MOMENTUM, COMPENSATIONS
 from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.protocol import (DATA_PLANES, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, MODES,
                                       OPTIMIZERS)
@@ -117,7 +117,7 @@ class ServerConfig:
         return "lr" if self.lr_staleness else "none"
 
     def optimizer_hparams(self) -> dict:
-        """The optimizer's settings, as :func:`~psgrid.psserver.optim.make_optimizer` takes them."""
+        """The optimizer's settings, as :func:`~psgrid.psserver.kernels.optim.make_optimizer` takes them."""
         return dict(lr=self.lr, momentum=self.momentum, nesterov=self.nesterov, weight_decay=self.weight_decay,
                     beta1=self.beta1, beta2=self.beta2, eps=self.eps)
 

@@ -8,7 +8,7 @@ import ssl
 from pathlib import Path
 
 
-# What the written copies of a job hold in place of its token (cluster/credentials.py).
+# What the written copies of a job hold in place of its token (cluster/job/credentials.py).
 REDACTED_TOKEN = "<redacted>"
 # The variable a job's token travels in: launchers hand it to their children there, never in argv.
 TOKEN_ENV = "PSGRID_TOKEN"

@@ -22,7 +22,7 @@ from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.protocol import format_address_file
 from psgrid.psserver.security import check_token, server_ssl_context
 from psgrid.psserver.service import ShardService
-from psgrid.psserver.shard import Shard
+from psgrid.psserver.state.shard import Shard
 from psgrid.psserver.transports.grpc_server import GrpcServer
 from psgrid.psserver.transports.tcp_server import TcpDataServer
 from psgrid.psserver import shared_memory

@@ -26,13 +26,13 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from psgrid.psserver import wire
-from psgrid.psserver.buffers import BufferPool
+from psgrid.psserver import dtypes as wire
+from psgrid.psserver.state.buffers import BufferPool
 from psgrid.psserver.exceptions import InvalidArgument, PSError, Unavailable, WrongJob
-from psgrid.psserver.policy import MAX_CLOCK, MAX_START_CLOCK
+from psgrid.psserver.state.policy import MAX_CLOCK, MAX_START_CLOCK
 from psgrid.psserver.protocol import (FLOAT32, ITEMSIZE, REPLY_MARGIN_S, HeartbeatInfo, PushResult, Reason, Refusal,
                                       Registration, Status, WIRE_DTYPES, job_tag)
-from psgrid.psserver.shard import Shard
+from psgrid.psserver.state.shard import Shard
 from psgrid.psserver.spec import ModelSpec
 
 log = logging.getLogger("psgrid.shard")

@@ -18,14 +18,14 @@ import time
 import numpy as np
 import pytest
 
-from psgrid.psserver.admin import Admin
-from psgrid.psserver.client import Client
+from psgrid.psserver.client.admin import Admin
+from psgrid.psserver.client.client import Client
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.server import RunningServer, serve
-from psgrid.psserver.shard import MAX_LENT_BUFFERS
+from psgrid.psserver.state.shard import MAX_LENT_BUFFERS
 from tests.support import PLANES, plane_options
 from psgrid.psserver.spec import ModelSpec
-from psgrid.psserver.weight_ring import MAX_VERSIONS
+from psgrid.psserver.state.weight_ring import MAX_VERSIONS
 
 LEAK_GRACE_S = 5.0     # threads and sockets get this long to wind down after teardown
 

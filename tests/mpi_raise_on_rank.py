@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from psgrid.cluster import mpi
+from psgrid.cluster.mpi import job as mpi
 from psgrid.cluster.cli import main
 
 BUSY_WAIT_S = 60.0

@@ -20,7 +20,7 @@ What it takes, found by trying (Slurm 22.05, MPICH 4.3 and later from the ``mpic
 - MPICH names its start-up file in /dev/shm after the job and step id, and a fresh cluster would
   count job ids from 1 again: a killed job's leftover file then made a later job with the same id
   assert in ``MPI_Init`` and hang. Hence a random ``FirstJobId``, ``KillOnBadExit=1``, and the
-  cluster's own leftovers removed on stop (psctl itself unlinks the file early, cluster/mpich_shm.py).
+  cluster's own leftovers removed on stop (psctl itself unlinks the file early, cluster/mpi/mpich_shm.py).
 
 Slurm reads its two ports from its config, so they are picked free just before the start (bound
 on port 0 and released) instead of published after a bind: the one place the tests name ports.

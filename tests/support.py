@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psgrid.cluster import hydra_topology
-from psgrid.cluster.coordinator import JobState, MetricsTail
+from psgrid.cluster.mpi import hydra_topology
+from psgrid.cluster.run.coordinator import JobState, MetricsTail
 from psgrid.psserver.spec import ModelSpec
 
 FEATURES = 12
@@ -74,7 +74,7 @@ def run_threads(targets, timeout: float) -> list:
 
 ROOT = Path(__file__).resolve().parent.parent
 # Loopback only: no MPI transport may go looking for a network. And no hydra topology file for a
-# failing test to leave in /tmp (cluster/hydra_topology.py).
+# failing test to leave in /tmp (cluster/mpi/hydra_topology.py).
 MPI_ENV = {"HYDRA_IFACE": "lo", "UCX_TLS": "self,sm", "UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo",
            **hydra_topology.ENV}
 

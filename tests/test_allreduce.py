@@ -16,7 +16,7 @@ SAME_WEIGHTS_SCRIPT = r"""
 import sys
 import numpy as np
 from mpi4py import MPI
-from psgrid.cluster.config import apply_overrides, load_job
+from psgrid.cluster.job.config import apply_overrides, load_job
 from psgrid.psserver.server import serve
 from psgrid.worker.allreduce import AllreduceExchange
 from psgrid.worker.loop import build, make_admin, run_worker, train_loop

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import psgrid
-from psgrid.cluster.coordinator import JobState, MetricsTail
+from psgrid.cluster.run.coordinator import JobState, MetricsTail
 from psgrid.worker import env as job_vars
 from psgrid.worker.api import NO_JOB, init, job_file_settings
 from psgrid.worker.dlpack import ArrayError
@@ -199,8 +199,8 @@ def test_two_scripts_started_3_s_apart_average_every_round(cluster, data_plane, 
 def test_the_user_api_is_exported():
     assert psgrid.init is init and psgrid.job_env is job_vars.job_env
     assert not hasattr(psgrid, "DistributedTrainer")
-    assert job_vars.TOKEN == __import__("psgrid.cluster.credentials", fromlist=["TOKEN_ENV"]).TOKEN_ENV
-    assert job_vars.PARENT == __import__("psgrid.cluster.procs", fromlist=["PARENT_ENV"]).PARENT_ENV
+    assert job_vars.TOKEN == __import__("psgrid.cluster.job.credentials", fromlist=["TOKEN_ENV"]).TOKEN_ENV
+    assert job_vars.PARENT == __import__("psgrid.cluster.run.procs", fromlist=["PARENT_ENV"]).PARENT_ENV
 
 
 def test_what_a_caller_of_the_client_needs_is_exported(tmp_path):

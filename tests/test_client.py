@@ -14,7 +14,7 @@ from psgrid.psserver.protocol import Outcome, Reason
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.transports.base import ConnectOptions, open_control, open_data_plane
-from psgrid.psserver.client_memory import ClientMemory
+from psgrid.psserver.client.memory import ClientMemory
 from tests.support import REGRESSION, plane_options, run_threads
 
 SPEC = ModelSpec([("w", (40,)), ("b", (3,))])
@@ -192,7 +192,7 @@ def test_a_worker_moved_to_the_largest_clock_allowed_can_push_on(cluster, mode):
     # A push may carry a later clock than the shard has for the worker (the shard restarted from an
     # older checkpoint): the worker moves there. The furthest it may move must leave room to push on;
     # a push at 2^53, the largest clock accepted, left the worker at 2^53 + 1, which no push may carry.
-    from psgrid.psserver import policy
+    from psgrid.psserver.state import policy
 
     c = cluster(1, mode=mode, lr=1.0)
     grad = np.ones(REGRESSION.size, np.float32)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psgrid.psserver.compensation import DC_EPS, DelayCompensation, effective_momentum
+from psgrid.psserver.kernels.compensation import DC_EPS, DelayCompensation, effective_momentum
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import InvalidArgument
-from psgrid.psserver.optim import SGD
-from psgrid.psserver.parallel import MIN_CHUNK, Chunks
+from psgrid.psserver.kernels.optim import SGD
+from psgrid.psserver.kernels.parallel import MIN_CHUNK, Chunks
 from psgrid.psserver.protocol import Outcome
-from psgrid.psserver.shard import Shard
+from psgrid.psserver.state.shard import Shard
 from psgrid.psserver.spec import ModelSpec
 
 SPEC = ModelSpec([("w", (40,)), ("b", (3,))])
@@ -122,7 +122,7 @@ def test_a_stale_push_whose_version_the_ring_no_longer_holds_goes_uncompensated_
 
 
 def test_the_ring_finds_a_version_only_while_a_buffer_holds_it():
-    from psgrid.psserver.weight_ring import WeightRing
+    from psgrid.psserver.state.weight_ring import WeightRing
 
     ring = WeightRing(4, shared=False)
     ring.publish(ring.current, 7)
@@ -238,7 +238,7 @@ def test_bad_compensation_settings_are_refused_in_one_line(settings, message):
 
 
 def test_a_job_file_with_both_spellings_disagreeing_is_refused_in_one_line():
-    from psgrid.cluster.config import job_from_dict
+    from psgrid.cluster.job.config import job_from_dict
     from psgrid.cluster.errors import ConfigError
 
     job = job_from_dict({"server": {"staleness_compensation": "dc", "async_momentum": "auto", "momentum": 0.9}})

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from psgrid.cluster.config import (
+from psgrid.cluster.job.config import (
     EXAMPLES_DIR, ConfigError, JobConfig, apply_overrides, dump_toml, example_names, job_from_dict, load_job,
     parse_assignment, resolve_config_path, route,
 )
@@ -240,7 +240,7 @@ def test_resolve_prefers_real_files(tmp_path, monkeypatch):
 
 
 def test_readme_documents_every_key():
-    from psgrid.cluster.config import job_keys, server_keys, train_keys
+    from psgrid.cluster.job.config import job_keys, server_keys, train_keys
 
     readme = (ROOT / "README.md").read_text()
     reference = readme[readme.index("## Job files"):]
@@ -249,7 +249,7 @@ def test_readme_documents_every_key():
 
 
 def test_a_shard_reads_its_part_of_a_job_file_and_leaves_the_workers_part_to_them(tmp_path):
-    from psgrid.cluster.config import load_shard_settings
+    from psgrid.cluster.job.config import load_shard_settings
 
     path = write(tmp_path, 'mode = "ssp"\nstepz = 3\n[job]\nshards = 3\n[server]\nlr = 0.5\n[train]\nmodle = "x"\n',
                  "job.toml")

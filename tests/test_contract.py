@@ -16,7 +16,7 @@ import pytest
 from psgrid.psserver.protocol import BFLOAT16, FLOAT16, FLOAT32, REASON_KEY, Reason, Status
 from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
 from psgrid.psserver.spec import ModelSpec
-from psgrid.psserver.transports.tcp_frames import MAGIC, PULL, PUSH, REPLY, REQUEST, recv_exact, recv_struct
+from psgrid.psserver.transports.stream_frames import MAGIC, PULL, PUSH, REPLY, REQUEST, recv_exact, recv_struct
 
 SPEC = ModelSpec([("w", (64,)), ("b", (8,))])    # shard 0 of 2 owns [0, 36), shard 1 [36, 72)
 SIZE = 36
@@ -284,7 +284,7 @@ def test_a_bug_in_the_shard_is_answered_internal_on_every_transport_and_the_shar
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_a_non_finite_gradient_in_any_wire_dtype_is_refused_on_every_transport(job, bad, dtype):
-    from psgrid.psserver import wire
+    from psgrid.psserver import dtypes as wire
 
     c, raw, worker = job
     grad = np.ones(SIZE, np.float32)

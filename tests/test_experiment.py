@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from psgrid.cluster import results as res
+from psgrid.cluster.experiments import results as res
 from psgrid.cluster.errors import UsageError
-from psgrid.cluster.experiment import parse_counts, parse_modes, parse_straggler_setting, plan
+from psgrid.cluster.experiments.experiment import parse_counts, parse_modes, parse_straggler_setting, plan
 
 
 def test_modes_parse_in_order_with_their_bounds():
@@ -82,8 +82,8 @@ def test_a_run_diverged_where_its_loss_grew_turned_non_finite_or_its_accuracy_fe
 
 
 def test_tune_values_are_parsed_as_set_parses_them_and_checked_before_anything_runs():
-    from psgrid.cluster.config import load_job
-    from psgrid.cluster.tuning import parse_tune, points, split_values
+    from psgrid.cluster.job.config import load_job
+    from psgrid.cluster.experiments.tuning import parse_tune, points, split_values
 
     job = load_job("mnist")
     assert split_values("[64,64],[128]") == ["[64,64]", "[128]"]
@@ -99,7 +99,7 @@ def test_tune_values_are_parsed_as_set_parses_them_and_checked_before_anything_r
 
 
 def test_each_group_chooses_its_earliest_point_and_a_diverged_one_never_wins():
-    from psgrid.cluster.tuning import choose, tuning_targets
+    from psgrid.cluster.experiments.tuning import choose, tuning_targets
 
     def row(mode, settings, best, final, ttt=None, diverged=0, status="ok"):
         return {"run": f"{mode}-{settings}", "mode": mode, "workers": 2, "stragglers": "none", "status": status,

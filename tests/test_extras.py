@@ -55,7 +55,7 @@ def test_a_shard_and_a_worker_need_no_extra():
     code = ("import sys\n"
             "for name in ('matplotlib', 'cryptography', 'mpi4py', 'scipy', 'pandas', 'sklearn', 'mlxtend'):\n"
             "    sys.modules[name] = None\n"
-            "import psgrid, psgrid.psserver.service, psgrid.worker.loop, psgrid.cluster.launch\n"
+            "import psgrid, psgrid.psserver.service, psgrid.worker.loop, psgrid.cluster.run.launch\n"
             "from psgrid.cluster.cli import build_parser\n"
             "build_parser(None)\n"
             "from psgrid.worker.data import load_dataset\n"

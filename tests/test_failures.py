@@ -16,9 +16,9 @@ import grpc
 import numpy as np
 import pytest
 
-from psgrid.psserver import checkpoint
-from psgrid.psserver.admin import Admin
-from psgrid.psserver.client import Client
+from psgrid.psserver.state import checkpoint
+from psgrid.psserver.client.admin import Admin
+from psgrid.psserver.client.client import Client
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import FailedPrecondition, ShardUnavailable
 from psgrid.psserver.protocol import FLOAT32, REASON_KEY, Outcome, Reason, parse_address_file
@@ -134,7 +134,7 @@ def test_a_dead_worker_is_evicted_and_the_others_finish(cluster, data_plane, mod
 
 @pytest.mark.timeout(10)
 def test_rejoin_with_an_old_clock_lands_at_the_slowest_live_clock_policy_level():
-    from psgrid.psserver.policy import ConsistencyPolicy
+    from psgrid.psserver.state.policy import ConsistencyPolicy
 
     for mode, outcome in (("ssp", Outcome.DUPLICATE), ("sync", Outcome.DROPPED_LATE)):
         policy = ConsistencyPolicy(mode, staleness=1)
@@ -461,7 +461,7 @@ def test_a_failing_checkpoint_does_not_stop_training(cluster, tmp_path):
 
 @pytest.mark.timeout(30)
 def test_a_checkpoint_keeps_the_gradients_of_an_open_sync_round(tmp_path):
-    from psgrid.psserver.shard import Shard
+    from psgrid.psserver.state.shard import Shard
 
     config = ServerConfig(mode="sync", lr=1.0, checkpoint_dir=str(tmp_path))
     shard = Shard(config)
@@ -487,7 +487,7 @@ def test_a_checkpoint_keeps_the_gradients_of_an_open_sync_round(tmp_path):
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_a_restarted_shard_takes_the_versions_and_clocks_of_before_its_crash_and_only_those(tmp_path, mode):
     from psgrid.psserver.exceptions import InvalidArgument
-    from psgrid.psserver.shard import Shard
+    from psgrid.psserver.state.shard import Shard
 
     config = ServerConfig(mode=mode, lr=1.0, checkpoint_dir=str(tmp_path))
 
@@ -534,7 +534,7 @@ def test_a_restarted_shard_takes_the_versions_and_clocks_of_before_its_crash_and
 def test_updates_lost_to_restarts_are_counted_across_every_restart(tmp_path, mode):
     # Three restarts from a checkpoint 3 steps old; each incarnation counts the steps it never got,
     # checkpoints, and dies. The last one lost nothing itself: the count must still be the job's.
-    from psgrid.psserver.shard import Shard
+    from psgrid.psserver.state.shard import Shard
 
     config = ServerConfig(mode=mode, staleness=10, lr=0.01, checkpoint_dir=str(tmp_path))
 
@@ -697,7 +697,7 @@ def test_shards_restored_rounds_apart_resume_at_the_earliest_in_every_mode(tmp_p
 
 @pytest.mark.parametrize("mode", ["sync", "ssp", "async"])
 def test_progress_lease_evicts_only_a_worker_the_others_wait_on(mode):
-    from psgrid.psserver.shard import Shard
+    from psgrid.psserver.state.shard import Shard
 
     now = [0.0]
     shard = Shard(ServerConfig(mode=mode, staleness=1, lease_s=5, progress_timeout_s=30), now=lambda: now[0])

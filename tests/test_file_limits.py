@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psgrid.psserver.client import Client
+from psgrid.psserver.client.client import Client
 from psgrid.psserver.spec import ModelSpec
 from tests.support import address_lines, with_this_tree
 
@@ -31,7 +31,7 @@ LIMITED = (f"import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, ({L
 CLIENT = LIMITED + f"""
 import json
 import numpy as np
-from psgrid.psserver.client import Client
+from psgrid.psserver.client.client import Client
 from psgrid.psserver.spec import ModelSpec
 spec = ModelSpec([("w", (50_000,))])
 with Client(sys.argv[1].split(","), spec, init=np.zeros(spec.size, np.float32), retry_s=10, deadline_s=20) as c:

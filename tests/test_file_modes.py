@@ -54,7 +54,7 @@ def test_a_job_under_umask_000_leaves_nothing_others_may_write(tmp_path):
 
 
 def test_psctl_certs_under_umask_000_keeps_its_keys_to_their_owner(tmp_path):
-    from psgrid.cluster.pki import make_certs
+    from psgrid.cluster.job.pki import make_certs
 
     old = os.umask(0)
     try:

@@ -244,7 +244,7 @@ def test_unreachable_shards_are_said_within_seconds(tmp_path):
 @pytest.fixture
 def tls_shard(tmp_path):
     """A ``psctl server`` that requires client certificates of its CA; yields (address, pki folder)."""
-    from psgrid.cluster.pki import make_certs
+    from psgrid.cluster.job.pki import make_certs
 
     pki = tmp_path / "pki"
     make_certs(pki, ["localhost", "127.0.0.1"])
@@ -278,7 +278,7 @@ def worker_job(tmp_path: Path, name: str, **tls: Path) -> Path:
 
 
 def test_tls_handshake_failures_say_why(tmp_path, tls_shard):
-    from psgrid.cluster.pki import make_certs
+    from psgrid.cluster.job.pki import make_certs
 
     address, pki = tls_shard
     other = tmp_path / "other-pki"
@@ -316,10 +316,10 @@ def test_an_earlier_run_is_kept_unless_overwrite(tmp_path):
     one_line(code, err, f"{out} already holds a run: choose another --out, add --overwrite to replace it")
     assert (out / "summary.json").read_text() == "{}"
 
-    from psgrid.cluster.config import JobConfig
-    from psgrid.cluster.outdir import prepare
+    from psgrid.cluster.job.config import JobConfig
+    from psgrid.cluster.job.outdir import prepare
 
-    from psgrid.cluster.outdir import release
+    from psgrid.cluster.job.outdir import release
 
     prepare(JobConfig(out=str(out), overwrite=True))
     release(out)
@@ -328,8 +328,8 @@ def test_an_earlier_run_is_kept_unless_overwrite(tmp_path):
 
 
 def test_default_output_folders_never_collide(tmp_path, monkeypatch):
-    from psgrid.cluster.config import JobConfig
-    from psgrid.cluster.outdir import prepare
+    from psgrid.cluster.job.config import JobConfig
+    from psgrid.cluster.job.outdir import prepare
 
     monkeypatch.chdir(tmp_path)
     job = JobConfig(name="same")
@@ -362,7 +362,7 @@ def test_status_of_a_finished_job_reads_its_summary(tmp_path, capsys):
 BLAS_PROBE = """
 import json, sys
 from threadpoolctl import threadpool_info
-import psgrid.cluster.preflight as preflight
+import psgrid.cluster.run.preflight as preflight
 import psgrid.worker.loop as loop
 preflight.probe_shards = lambda *a, **k: None
 loop.run_worker = lambda *a, **k: {"blas": max([p["num_threads"] for p in threadpool_info()] or [1])}
@@ -374,7 +374,7 @@ sys.exit(main(["worker", "--addresses", "127.0.0.1:9", "--world", sys.argv[1]]))
 def test_a_worker_started_by_hand_limits_its_blas_threads(tmp_path):
     from threadpoolctl import threadpool_info
 
-    from psgrid.cluster.procs import usable_cpus
+    from psgrid.cluster.run.procs import usable_cpus
 
     if not threadpool_info():
         pytest.fail("numpy loaded no BLAS that threadpoolctl sees")
@@ -587,8 +587,8 @@ def test_a_model_too_big_for_a_node_is_refused_under_mpiexec(tmp_path):
 
 
 def test_what_a_model_needs_is_told_per_process():
-    from psgrid.cluster.config import JobConfig, apply_overrides
-    from psgrid.cluster.memory import GIB, footprint, gpu_problem, host_problem
+    from psgrid.cluster.job.config import JobConfig, apply_overrides
+    from psgrid.cluster.job.memory import GIB, footprint, gpu_problem, host_problem
 
     job = apply_overrides(JobConfig(), {"model": "mlp", "hidden": [100000, 100000], "optimizer": "adam", "shards": 2})
     fp = footprint(job)
@@ -665,7 +665,7 @@ def test_init_against_something_that_is_no_shard_says_what_answered(tmp_path, re
 
 
 def test_a_worker_with_tls_against_an_http_server_is_not_told_about_tls(tmp_path, http_server):
-    from psgrid.cluster.pki import make_certs
+    from psgrid.cluster.job.pki import make_certs
 
     make_certs(tmp_path / "pki", ["localhost", "127.0.0.1"])
     job = worker_job(tmp_path, "tls", tls_ca=tmp_path / "pki" / "ca.pem")
@@ -785,7 +785,7 @@ def test_only_the_settings_an_optimizer_uses_are_recorded():
 # ---- progress lines: one per evaluation step, in order; accuracy of every worker ----------------------
 
 def test_progress_lines_come_once_per_step_in_order_and_accuracy_is_every_workers(capsys):
-    from psgrid.cluster.coordinator import JobState, Progress
+    from psgrid.cluster.run.coordinator import JobState, Progress
 
     state, progress = JobState(), Progress(800, enabled=False)
     batch = [{"event": "eval", "rank": 1, "step": 50, "test_accuracy": 0.5, "train_accuracy": 0.6},

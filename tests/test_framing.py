@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from google.protobuf.message import DecodeError
 
-from psgrid.psserver import framing
+from psgrid.psserver.transports import grpc_codec as framing
 from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.rpc import ps_pb2
 

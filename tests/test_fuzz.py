@@ -22,12 +22,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from psgrid.psserver.admin import Admin
-from psgrid.psserver.client import Client
+from psgrid.psserver.client.admin import Admin
+from psgrid.psserver.client.client import Client
 from psgrid.psserver.protocol import REASON_KEY, SERVICE, Reason, parse_address_file
 from psgrid.psserver.rpc import ps_pb2
 from psgrid.psserver.spec import ModelSpec
-from psgrid.psserver.transports.tcp_frames import MAGIC, REPLY, REQUEST
+from psgrid.psserver.transports.stream_frames import MAGIC, REPLY, REQUEST
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ModelSpec([("w", (1000,)), ("b", (10,))])

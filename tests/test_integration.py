@@ -161,7 +161,7 @@ def test_async_updates_lose_nothing_and_no_pull_sees_a_version_half_written(clus
     """Two workers push while a third pulls without pause, on a shard whose updates run outside its lock on
     three threads: every pull holds one version whole (all elements equal, the negated version), and every
     push is applied once."""
-    from psgrid.psserver.parallel import MIN_CHUNK
+    from psgrid.psserver.kernels.parallel import MIN_CHUNK
 
     spec = ModelSpec([("x", (3 * MIN_CHUNK + 5,))])
     c = cluster(1, mode="async", lr=1.0, apply_threads=3)

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from psgrid.cluster.coordinator import JobState, MetricsTail, merge_metrics
-from psgrid.cluster.procs import Child, stop_children
+from psgrid.cluster.run.coordinator import JobState, MetricsTail, merge_metrics
+from psgrid.cluster.run.procs import Child, stop_children
 from tests.support import Launch, alive, child_pids, run_launch, steps_seen, wait_for
 
 TINY = ["--config", "mnist", "--steps", "100", "--eval-every", "25", "--no-progress"]
@@ -161,9 +161,9 @@ def test_sigterm_stops_every_child(tmp_path):
 def test_a_failure_after_training_fails_the_job(tmp_path, monkeypatch, capsys):
     # Training completes, then the final evaluation cannot reach a shard: the job did not end
     # cleanly, and neither the exit code nor summary.json may say otherwise.
-    import psgrid.cluster.coordinator as co
-    from psgrid.cluster.config import apply_overrides, load_job
-    from psgrid.cluster.launch import launch
+    import psgrid.cluster.run.coordinator as co
+    from psgrid.cluster.job.config import apply_overrides, load_job
+    from psgrid.cluster.run.launch import launch
     from psgrid.psserver.exceptions import Unauthenticated
 
     def refuse(job, addresses):
@@ -182,7 +182,7 @@ def test_a_ctrl_c_that_code_on_the_way_swallowed_still_stops_the_launcher():
     it and carries on (seen: a resumed job that trained on after its Ctrl-C). The loops raise it again."""
     import signal
 
-    from psgrid.cluster.interrupts import Interrupted, check_interrupted, listen_for_interrupts
+    from psgrid.cluster.run.interrupts import Interrupted, check_interrupted, listen_for_interrupts
 
     old = listen_for_interrupts()
     try:
@@ -208,7 +208,7 @@ def test_a_ctrl_c_swallowed_before_the_launcher_listens_still_stops_the_job():
     is carried into the job, whose first check raises it."""
     import signal
 
-    from psgrid.cluster.interrupts import Interrupted, check_interrupted, hear_early, listen_for_interrupts
+    from psgrid.cluster.run.interrupts import Interrupted, check_interrupted, hear_early, listen_for_interrupts
 
     before = hear_early()
     old = None

@@ -13,16 +13,16 @@ GRPC_ALLOWED = {"psserver/transports/grpc_server.py", "psserver/transports/grpc_
                 "psserver/transports/grpc_client.py",
                 "psserver/rpc/ps_pb2_grpc.py", "psserver/rpc/ps_pb2.py"}
 # Modules the client side uses: none of them may import the server side.
-CLIENT_SIDE = ["psserver/client.py", "psserver/admin.py", "psserver/shards.py", "psserver/client_memory.py",
+CLIENT_SIDE = ["psserver/client/client.py", "psserver/client/admin.py", "psserver/client/connections.py", "psserver/client/memory.py",
                "psserver/transports/base.py", "psserver/transports/grpc_client.py",
                "psserver/transports/tcp_client.py", "psserver/transports/shm_client.py"]
-SERVER_SIDE = {"psgrid.psserver.shard", "psgrid.psserver.service", "psgrid.psserver.server",
+SERVER_SIDE = {"psgrid.psserver.state.shard", "psgrid.psserver.service", "psgrid.psserver.server",
                "psgrid.psserver.transports.grpc_server", "psgrid.psserver.transports.grpc_health",
                "psgrid.psserver.transports.tcp_server",
-               "psgrid.psserver.transports.shm_server", "psgrid.psserver.transports.socket_server",
-               "psgrid.psserver.weight_ring",
-               "psgrid.psserver.checkpoint", "psgrid.psserver.optim", "psgrid.psserver.policy",
-               "psgrid.psserver.membership", "psgrid.psserver.metrics"}
+               "psgrid.psserver.transports.shm_server", "psgrid.psserver.transports.stream_server",
+               "psgrid.psserver.state.weight_ring",
+               "psgrid.psserver.state.checkpoint", "psgrid.psserver.kernels.optim", "psgrid.psserver.state.policy",
+               "psgrid.psserver.state.membership", "psgrid.psserver.metrics"}
 
 
 def sources(*folders: str) -> list[Path]:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psgrid.psserver.membership import Leases, Member
+from psgrid.psserver.state.membership import Leases, Member
 
 
 def test_expires_after_lease_s():

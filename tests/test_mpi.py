@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from psgrid.cluster.mpi import min_ranks, too_few_ranks_message
-from psgrid.cluster.mpich_shm import mapped_init_shm
+from psgrid.cluster.mpi.job import min_ranks, too_few_ranks_message
+from psgrid.cluster.mpi.mpich_shm import mapped_init_shm
 from tests.gpu import cupy_or_skip
 from tests.support import assert_token_kept, run_mpiexec
 
@@ -119,7 +119,7 @@ def test_each_worker_trains_on_a_gpu_of_its_own(tmp_path):
 SHM_SCRIPT = """
 import os, sys, time
 from mpi4py import MPI
-from psgrid.cluster.mpich_shm import mapped_init_shm, unlink_init_shm
+from psgrid.cluster.mpi.mpich_shm import mapped_init_shm, unlink_init_shm
 
 world = MPI.COMM_WORLD
 mapped = mapped_init_shm()
@@ -146,7 +146,7 @@ def test_an_aborted_job_leaves_no_mpich_file_in_dev_shm():
 ABORT_SCRIPT = """
 import time
 from mpi4py import MPI
-from psgrid.cluster.mpich_shm import unlink_init_shm
+from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
 
 unlink_init_shm(MPI.COMM_WORLD)         # both ranks are through MPI_Init, which read the topology;
                                         # and MPICH's start-up file in /dev/shm is not left by the abort
@@ -160,8 +160,8 @@ time.sleep(30)
 def test_an_aborted_job_leaves_no_hydra_topology_file_in_tmp():
     from glob import glob
 
-    from psgrid.cluster.compare import LOCAL_MPI_ENV
-    from psgrid.cluster.hydra_topology import ENV, LEFTOVERS
+    from psgrid.cluster.experiments.compare import LOCAL_MPI_ENV
+    from psgrid.cluster.mpi.hydra_topology import ENV, LEFTOVERS
 
     # Another mpiexec on this machine may add its own file meanwhile: in CI nothing else runs.
     before = set(glob(LEFTOVERS))
@@ -203,8 +203,8 @@ def test_a_rank_that_raises_ends_the_job(tmp_path, rank):
 SUBCOMM_SCRIPT = """
 import sys
 from mpi4py import MPI
-from psgrid.cluster.config import apply_overrides, load_job
-from psgrid.cluster.mpi import run_mpi
+from psgrid.cluster.job.config import apply_overrides, load_job
+from psgrid.cluster.mpi.job import run_mpi
 
 world = MPI.COMM_WORLD
 sub = world.Split(0 if world.rank < 3 else 1, world.rank)
@@ -228,7 +228,7 @@ def test_the_communicator_is_injectable(tmp_path):
 
 
 def test_the_one_alone_message_names_srun_under_slurm_and_mpiexec_elsewhere():
-    from psgrid.cluster.preflight import launcher_mismatch_message
+    from psgrid.cluster.run.preflight import launcher_mismatch_message
 
     under_slurm = launcher_mismatch_message(4, {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_PROCID": "0"})
     assert under_slurm.startswith("srun started 4 tasks but MPI sees each alone")
@@ -249,7 +249,7 @@ def test_every_srun_line_of_the_readme_and_the_help_names_its_pmi_plugin():
 
 
 def test_slurm_host_and_task_lists_expand_as_slurm_writes_them():
-    from psgrid.cluster.plan import expand_nodelist, expand_tasks_per_node
+    from psgrid.cluster.mpi.plan import expand_nodelist, expand_tasks_per_node
 
     assert expand_nodelist("gpu[01-03,07],login") == ["gpu01", "gpu02", "gpu03", "gpu07", "login"]
     assert expand_nodelist("rack[1-2]-n[8-9]") == ["rack1-n8", "rack1-n9", "rack2-n8", "rack2-n9"]

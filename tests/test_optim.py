@@ -7,9 +7,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from psgrid.psserver import optim
+from psgrid.psserver.kernels import optim
 from psgrid.psserver.exceptions import InvalidArgument
-from psgrid.psserver.optim import SGD, Adam, make_optimizer
+from psgrid.psserver.kernels.optim import SGD, Adam, make_optimizer
 
 STEPS = 4
 SCALES = [1.0, 0.5, 1.0, 0.25]  # lr_scale per step, as staleness scaling would give
@@ -93,7 +93,7 @@ def test_matches_reference_across_default_block(name, hp, ref):
 @pytest.mark.parametrize(("name", "hp", "ref"), CASES, ids=CASE_IDS)
 def test_threads_over_chunks_give_the_same_bits_as_one_and_write_only_out(monkeypatch, name, hp, ref):
     """A range cut among threads (parallel.py) is updated exactly as by one thread, into ``out`` alone."""
-    from psgrid.psserver import parallel
+    from psgrid.psserver.kernels import parallel
 
     monkeypatch.setattr(parallel, "MIN_CHUNK", 100)
     size = 1003                                            # 3 chunks of uneven length, many 64-element blocks
@@ -120,7 +120,7 @@ def test_threads_over_chunks_give_the_same_bits_as_one_and_write_only_out(monkey
 
 
 def test_a_failing_chunk_is_raised_after_every_chunk_ended():
-    from psgrid.psserver.parallel import Chunks
+    from psgrid.psserver.kernels.parallel import Chunks
 
     chunks, ended = Chunks(3), []
 

@@ -72,7 +72,7 @@ def _psctl() -> list[str]:
     script = Path(sys.executable).with_name("psctl")
     if script.exists() and installed_files() is not None:
         return [str(script)]
-    from psgrid.cluster.procs import CHILD_BOOTSTRAP
+    from psgrid.cluster.run.procs import CHILD_BOOTSTRAP
 
     return [sys.executable, "-c", CHILD_BOOTSTRAP]
 

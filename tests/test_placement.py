@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from psgrid.cluster.placement import COORDINATOR, SERVER, WORKER, PlacementError, place
+from psgrid.cluster.mpi.placement import COORDINATOR, SERVER, WORKER, PlacementError, place
 
 
 def cluster(*nodes: tuple[int, int]) -> tuple[list[str], list[list[str]]]:

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from psgrid.psserver.exceptions import InvalidArgument, UnknownWorker
-from psgrid.psserver.policy import MODES, ConsistencyPolicy, Outcome, PushDecision
+from psgrid.psserver.state.policy import MODES, ConsistencyPolicy, Outcome, PushDecision
 
 FAST = settings(max_examples=150, deadline=None)
 

@@ -166,7 +166,7 @@ def test_ctrl_c_at_random_moments_then_resume_finishes_the_total_steps(tmp_path)
             else:   # still starting (a loaded machine): nothing ran, and Python may have died of the signal
                 assert code in (128 + signal.SIGINT, -signal.SIGINT), launch.text()
                 assert launch.text() in ("", "psctl: interrupted\n"), launch.text()
-    from psgrid.psserver import checkpoint
+    from psgrid.psserver.state import checkpoint
 
     kept = [checkpoint.read_manifest(checkpoint.shard_dir(tmp_path / "ckpt", i, 2)) for i in (0, 1)]
     with Launch(tmp_path, "--no-progress", "--resume", str(out), "--set", "stragglers=[]", log="launch-last.log") as last:
@@ -191,7 +191,7 @@ def test_ctrl_c_at_random_moments_then_resume_finishes_the_total_steps(tmp_path)
 
 def _final_clocks(ckpt, shards: int) -> list[dict[int, int]]:
     """Per shard, the clock of every worker in its latest checkpoint (live or departed)."""
-    from psgrid.psserver import checkpoint
+    from psgrid.psserver.state import checkpoint
 
     found = []
     for i in range(shards):
@@ -207,7 +207,7 @@ def _final_clocks(ckpt, shards: int) -> list[dict[int, int]]:
 def test_resume_from_shards_checkpointed_rounds_apart_finishes_in_every_mode(tmp_path, mode):
     # A finished job, then shard 1 goes back to its oldest kept checkpoint, as if it could not write
     # the later ones: it is 10 rounds (sync) or 10 pushes (async, ssp) behind shard 0.
-    from psgrid.psserver import checkpoint
+    from psgrid.psserver.state import checkpoint
 
     steps, ckpt = 60, tmp_path / "ckpt"
     args = [*MNIST, "--mode", mode, "--staleness", "2", "--shards", "2", "--steps", str(steps),
@@ -250,14 +250,14 @@ def test_resume_from_shards_checkpointed_rounds_apart_finishes_in_every_mode(tmp
 
 
 def _job(tmp_path, shards=2, mode="sync", ckpt=True):
-    from psgrid.cluster.config import job_from_dict
+    from psgrid.cluster.job.config import job_from_dict
 
     server = {"mode": mode, **({"checkpoint_dir": str(tmp_path / "ckpt")} if ckpt else {})}
     return job_from_dict({"job": {"shards": shards, "out": str(tmp_path / "run")}, "server": server})
 
 
 def _fake_checkpoint(tmp_path, shard, of, version, mode="sync", spec="S"):
-    from psgrid.psserver import checkpoint
+    from psgrid.psserver.state import checkpoint
 
     meta = {"version": version, "mode": mode, "spec": spec, "clocks": {"0": version, "1": version},
             "closed_rounds": version}
@@ -266,7 +266,7 @@ def _fake_checkpoint(tmp_path, shard, of, version, mode="sync", spec="S"):
 
 def test_resume_refuses_checkpoints_that_do_not_belong_together(tmp_path):
     from psgrid.cluster.errors import UsageError
-    from psgrid.cluster.resume import align, check_resumable, describe
+    from psgrid.cluster.run.resume import align, check_resumable, describe
 
     with pytest.raises(UsageError, match="ran without checkpoints. Set \\[server\\] checkpoint_dir"):
         check_resumable(_job(tmp_path, ckpt=False), tmp_path / "run")
@@ -292,8 +292,8 @@ def test_resume_refuses_checkpoints_that_do_not_belong_together(tmp_path):
 
 
 def test_resume_brings_sync_shards_ahead_back_to_the_round_of_the_slowest(tmp_path):
-    from psgrid.cluster.resume import align, check_resumable, describe, rewind
-    from psgrid.psserver import checkpoint
+    from psgrid.cluster.run.resume import align, check_resumable, describe, rewind
+    from psgrid.psserver.state import checkpoint
 
     out = tmp_path / "run"
     for version in (30, 35, 40):
@@ -323,7 +323,7 @@ def test_resume_brings_sync_shards_ahead_back_to_the_round_of_the_slowest(tmp_pa
 
 
 def test_a_checkpoint_newer_than_the_manifest_is_not_kept(tmp_path):
-    from psgrid.psserver import checkpoint
+    from psgrid.psserver.state import checkpoint
 
     for version in (1, 2, 3):
         checkpoint.save(tmp_path, {"w": np.zeros(1)}, {"version": version})

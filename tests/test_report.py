@@ -12,10 +12,10 @@ import zlib
 import numpy as np
 import pytest
 
-from psgrid.cluster.experiment import ROW_FIELDS
-from psgrid.cluster.grouping import secs
-from psgrid.cluster.reading import reading
-from psgrid.cluster.report import Paragraph, Table, to_html, to_markdown, write_report
+from psgrid.cluster.experiments.experiment import ROW_FIELDS
+from psgrid.cluster.experiments.grouping import secs
+from psgrid.cluster.experiments.reading import reading
+from psgrid.cluster.experiments.report import Paragraph, Table, to_html, to_markdown, write_report
 from tests.support import ROOT
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -270,12 +270,12 @@ def test_text_is_escaped_in_html_and_markdown(stragglers_case):
 
 
 def test_importing_the_report_does_not_load_matplotlib():
-    code = "import sys, psgrid.cluster.report; assert 'matplotlib' not in sys.modules"
+    code = "import sys, psgrid.cluster.experiments.report; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=60)
 
 
 def test_throughput_within_noise_of_sync_is_called_the_same():
-    from psgrid.cluster.reading import _throughput_versus_sync
+    from psgrid.cluster.experiments.reading import _throughput_versus_sync
 
     assert "about as many samples per second" in _throughput_versus_sync("ssp:2", 15304, 15259)
     assert "staleness bound" in _throughput_versus_sync("ssp:2", 15304, 15259)
@@ -285,7 +285,7 @@ def test_throughput_within_noise_of_sync_is_called_the_same():
 
 
 def test_the_bootstrap_interval_holds_the_median_and_is_the_same_every_time():
-    from psgrid.cluster.grouping import bootstrap_interval, separated, spread
+    from psgrid.cluster.experiments.grouping import bootstrap_interval, separated, spread
 
     values = [1.0, 2.0, 3.0, 4.0, 10.0]
     low, high = bootstrap_interval(values)

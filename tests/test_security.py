@@ -13,7 +13,7 @@ from psgrid.psserver.exceptions import ShardUnavailable, Unauthenticated, Unavai
 from psgrid.psserver.protocol import FLOAT32, Reason, Status
 from psgrid.psserver.transports.base import ConnectOptions
 from psgrid.psserver.transports.tcp_client import TcpDataPlane
-from psgrid.psserver.transports.tcp_frames import HELLO, MAGIC, OPEN, PULL, REPLY, REQUEST, recv_exact, recv_struct
+from psgrid.psserver.transports.stream_frames import HELLO, MAGIC, OPEN, PULL, REPLY, REQUEST, recv_exact, recv_struct
 from tests.support import FEATURES, REGRESSION, make_problem, regression_grad
 
 TOKEN = "s3cret"
@@ -140,7 +140,7 @@ def _read_reply(sock):
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     """``psctl certs`` twice: this job's CA and certificates, and another job's (right shape, wrong issuer)."""
-    from psgrid.cluster.pki import make_certs
+    from psgrid.cluster.job.pki import make_certs
 
     d = tmp_path_factory.mktemp("pki")
     ours = make_certs(d / "job", ["localhost", "127.0.0.1"], days=2)
@@ -285,7 +285,7 @@ def test_launch_without_a_token_flag_refuses_strangers_and_keeps_its_token_secre
     import signal as signals
     from pathlib import Path
 
-    from psgrid.psserver.admin import Admin
+    from psgrid.psserver.client.admin import Admin
     from psgrid.psserver.exceptions import FailedPrecondition
     from psgrid.psserver.protocol import parse_address_file
     from tests.support import Launch, assert_token_kept, child_pids, steps_seen

@@ -16,7 +16,7 @@ from psgrid.psserver.exceptions import Unavailable
 from psgrid.psserver.protocol import Reason
 from psgrid.psserver.transports.base import ConnectOptions
 from psgrid.psserver.transports.shm_client import ShmDataPlane
-from psgrid.psserver.weight_ring import MAX_SHARED_READERS
+from psgrid.psserver.state.weight_ring import MAX_SHARED_READERS
 from tests.support import REGRESSION
 
 TOKEN = "s3cret"

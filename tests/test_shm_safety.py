@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 
 from psgrid.psserver import shared_memory
-from psgrid.psserver.client import Client
+from psgrid.psserver.client.client import Client
 from psgrid.psserver.protocol import BFLOAT16, FLOAT32, NO_MARK, Reason, Status
 from psgrid.psserver.spec import ModelSpec
-from psgrid.psserver.transports.tcp_frames import (ATTACH, FD_BYTE, MAGIC, MAP, MAX_MESSAGE, OPEN, PULL, PUSH, REPLY,
+from psgrid.psserver.transports.stream_frames import (ATTACH, FD_BYTE, MAGIC, MAP, MAX_MESSAGE, OPEN, PULL, PUSH, REPLY,
                                                    REQUEST, recv_exact, recv_struct)
-from psgrid.psserver.weight_ring import MAX_SHARED_READERS, MAX_VERSIONS
+from psgrid.psserver.state.weight_ring import MAX_SHARED_READERS, MAX_VERSIONS
 from tests.support import ROOT, with_this_tree
 
 pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="no memfd on this host")

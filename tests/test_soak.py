@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psgrid.psserver.client import Client
+from psgrid.psserver.client.client import Client
 from psgrid.psserver.protocol import parse_address_file
 from psgrid.psserver.spec import ModelSpec
 

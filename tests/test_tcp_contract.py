@@ -10,7 +10,7 @@ import pytest
 
 from psgrid.psserver.protocol import FLOAT32, Reason, Status
 from psgrid.psserver.spec import ModelSpec
-from psgrid.psserver.transports.tcp_frames import MAGIC, PULL, PUSH, REPLY, REQUEST, recv_exact, recv_struct
+from psgrid.psserver.transports.stream_frames import MAGIC, PULL, PUSH, REPLY, REQUEST, recv_exact, recv_struct
 
 pytestmark = pytest.mark.parametrize("data_plane", ["tcp"])
 

@@ -17,8 +17,8 @@ import time
 import pytest
 
 from psgrid.psserver.protocol import FLOAT32, Reason, Status
-from psgrid.psserver.transports import socket_server
-from psgrid.psserver.transports.tcp_frames import HELLO, MAGIC, PUSH, REPLY, REQUEST, recv_exact, recv_struct
+from psgrid.psserver.transports import stream_server as socket_server
+from psgrid.psserver.transports.stream_frames import HELLO, MAGIC, PUSH, REPLY, REQUEST, recv_exact, recv_struct
 from tests.support import REGRESSION, make_problem, regression_grad
 
 pytestmark = pytest.mark.parametrize("data_plane", ["tcp"])

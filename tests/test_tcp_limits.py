@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from psgrid.psserver import checkpoint
-from psgrid.psserver.client import Client
+from psgrid.psserver.state import checkpoint
+from psgrid.psserver.client.client import Client
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import Unavailable
 from psgrid.psserver.protocol import SERVICE, Reason, Status
 from psgrid.psserver.server import RunningServer, serve
 from psgrid.psserver.transports.base import ConnectOptions, open_control
-from psgrid.psserver.transports.tcp_frames import HELLO, MAGIC, MAX_MESSAGE, REPLY, REQUEST, recv_exact, recv_struct
+from psgrid.psserver.transports.stream_frames import HELLO, MAGIC, MAX_MESSAGE, REPLY, REQUEST, recv_exact, recv_struct
 from tests.support import REGRESSION, make_problem, regression_grad
 
 IDLE = 2000

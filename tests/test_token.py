@@ -18,7 +18,7 @@ import pytest
 from psgrid.cluster.cli import build_parser, main
 from psgrid.cluster.commands.server import server_config_from_args
 from psgrid.psserver.exceptions import Unauthenticated
-from psgrid.cluster.credentials import TOKEN_ENV
+from psgrid.cluster.job.credentials import TOKEN_ENV
 from psgrid.worker import env as job_vars
 from psgrid.worker.api import init
 from tests.support import REGRESSION, address_lines, with_this_tree
@@ -75,7 +75,7 @@ def test_a_shard_started_by_hand_with_the_variable_refuses_calls_without_it(tmp_
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         address = address_lines(proc, addr, log)[0]
-        from psgrid.psserver.admin import Admin
+        from psgrid.psserver.client.admin import Admin
 
         with pytest.raises(Unauthenticated):
             with Admin([address], retry_s=2, deadline_s=5) as admin:

@@ -79,7 +79,7 @@ def test_a_lone_async_worker_without_overlap_is_never_stale_and_with_it_still_le
 @pytest.mark.timeout(150)
 def test_two_async_workers_learn_with_dc_and_auto_momentum(cluster, tmp_path, monkeypatch):
     """Delay compensation and asynchrony-aware momentum through real shards, read back over gRPC."""
-    from psgrid.psserver.optim import SGD
+    from psgrid.psserver.kernels.optim import SGD
 
     applied = []
     real = SGD.set_momentum

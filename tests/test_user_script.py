@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from psgrid.cluster import script
+from psgrid.cluster.run import script
 from psgrid.cluster.cli import main
 from tests.support import ROOT, assert_token_kept, run_launch, run_mpiexec
 
@@ -50,7 +50,7 @@ def test_python_is_the_interpreter_psctl_runs_on(monkeypatch):
 
 
 def test_each_worker_gets_the_job_in_its_environment(tmp_path, monkeypatch):
-    from psgrid.cluster.config import apply_overrides, load_job
+    from psgrid.cluster.job.config import apply_overrides, load_job
     from psgrid.worker.env import job_env
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")

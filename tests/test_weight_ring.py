@@ -7,7 +7,7 @@ import pytest
 
 from psgrid.psserver import shared_memory
 from psgrid.psserver.protocol import NO_MARK, REVOKED
-from psgrid.psserver.weight_ring import MAX_SHARED_READERS, MAX_VERSIONS, NOT_GIVEN, WeightRing
+from psgrid.psserver.state.weight_ring import MAX_SHARED_READERS, MAX_VERSIONS, NOT_GIVEN, WeightRing
 
 
 def update(ring: WeightRing) -> int:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from psgrid.psserver import wire
+from psgrid.psserver import dtypes as wire
 from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.rpc import ps_pb2
 

@@ -2,7 +2,7 @@
 
 Every worker keeps the whole model and the optimizer's state. A step's gradients are summed
 across workers with MPI ``Allreduce``, divided by the number of workers, and every worker applies
-the same server-side optimizer (:mod:`psgrid.psserver.optim`) to its own copy. That is a
+the same server-side optimizer (:mod:`psgrid.psserver.kernels.optim`) to its own copy. That is a
 sync round of the parameter server, done everywhere at once: the same mean of the gradients, the
 same optimizer maths, and with the same seeds and data order the same weights, up to the order in
 which float32 additions are made.
@@ -12,7 +12,7 @@ uses (the training loop copies it there), and the update is made on the host, as
 With ``wire_dtype`` float16 or bfloat16 each rank rounds its gradient through that type before the
 sum, as a shard decodes a pushed gradient, so compression costs both the same accuracy.
 
-:class:`AllreduceExchange` has the surface of :class:`~psgrid.psserver.client.Client` that the
+:class:`AllreduceExchange` has the surface of :class:`~psgrid.psserver.client.client.Client` that the
 training loop uses, so the loop, the data, the straggler and the records are the same.
 """
 
@@ -23,10 +23,10 @@ import time
 
 import numpy as np
 
-from psgrid.psserver import wire
+from psgrid.psserver import dtypes as wire
 from psgrid.psserver.config import ServerConfig
-from psgrid.psserver.optim import make_optimizer
-from psgrid.psserver.parallel import Chunks, default_threads
+from psgrid.psserver.kernels.optim import make_optimizer
+from psgrid.psserver.kernels.parallel import Chunks, default_threads
 from psgrid.psserver.protocol import ITEMSIZE, Outcome, PushResult
 
 

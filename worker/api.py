@@ -30,7 +30,7 @@ from typing import Mapping
 
 import numpy as np
 
-from psgrid.psserver.client import Client, Handle
+from psgrid.psserver.client.client import Client, Handle
 from psgrid.psserver.security import job_token
 from psgrid.psserver.exceptions import ShardUnavailable
 from psgrid.psserver.spec import ModelSpec
@@ -104,7 +104,7 @@ def unreachable(addresses: list[str], settings: Mapping) -> str | None:
     """
     from types import SimpleNamespace
 
-    from psgrid.psserver.reach import probe
+    from psgrid.psserver.client.reach import probe
 
     tls = SimpleNamespace(**{key: settings.get(key) for key in ("tls_ca", "tls_cert", "tls_key")})
     for i, address in enumerate(addresses):

@@ -19,7 +19,7 @@ started by hand may set them itself, and :func:`psgrid.init` also takes them as 
 ``PSGRID_OUT``         the job's output folder
 =====================  ==========================================================================
 
-This module is the one place the names are spelled; the launchers (cluster/script.py) write
+This module is the one place the names are spelled; the launchers (cluster/run/script.py) write
 them with :meth:`JobEnv.to_env` and the user API reads them with :func:`job_env`.
 """
 
@@ -37,14 +37,14 @@ RANK = "PSGRID_RANK"
 WORLD_SIZE = "PSGRID_WORLD_SIZE"
 LOCAL_RANK = "PSGRID_LOCAL_RANK"
 GPU = "PSGRID_GPU"
-TOKEN = "PSGRID_TOKEN"          # the same variable cluster/credentials.py hands to every child
+TOKEN = "PSGRID_TOKEN"          # the same variable cluster/job/credentials.py hands to every child
 TLS_CA = "PSGRID_TLS_CA"
 TLS_CERT = "PSGRID_TLS_CERT"
 TLS_KEY = "PSGRID_TLS_KEY"
 METRICS = "PSGRID_METRICS"
 JOB_FILE = "PSGRID_JOB_FILE"
 OUT = "PSGRID_OUT"
-# Set by a launcher for its children (cluster/procs.py): a script watches it and stops when its
+# Set by a launcher for its children (cluster/run/procs.py): a script watches it and stops when its
 # launcher vanished without stopping it (kill -9), as psctl's own children do.
 PARENT = "PSCTL_PARENT_PID"
 

@@ -30,7 +30,7 @@ class FlatBuffers:
     xp : module
         numpy or cupy.
     exchange : optional
-        The :class:`~psgrid.psserver.client.Client` (or another exchange with ``pull``/``push``)
+        The :class:`~psgrid.psserver.client.client.Client` (or another exchange with ``pull``/``push``)
         these buffers move through; one with ``gradient_buffer()`` lends the gradient's host
         memory, and one whose ``pull`` takes ``into=`` hands the weights over in place.
     double : bool

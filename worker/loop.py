@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from psgrid.psserver import files
-from psgrid.psserver.admin import Admin
-from psgrid.psserver.client import Client, Handle
+from psgrid.psserver.client.admin import Admin
+from psgrid.psserver.client.client import Client, Handle
 from psgrid.psserver.protocol import ITEMSIZE
 from psgrid.worker.backend import get_xp, pinner_for, select_gpu, sync
 from psgrid.worker.config import TrainConfig

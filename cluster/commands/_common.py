@@ -102,7 +102,7 @@ def add_training_flags(p: argparse.ArgumentParser, keys=None) -> None:
 
 def collect_overrides(args: argparse.Namespace, *, sets: bool = True) -> dict:
     """``--set`` assignments (unless ``sets`` is False), then every ``override_KEY`` flag that was given."""
-    from psgrid.cluster.config import parse_assignment
+    from psgrid.cluster.job.config import parse_assignment
 
     overrides = dict(parse_assignment(text) for text in getattr(args, "set", []) or []) if sets else {}
     for name, value in vars(args).items():
@@ -130,7 +130,7 @@ def flag_names(args: argparse.Namespace) -> dict[str, str]:
 
 def given_names(args: argparse.Namespace) -> dict[str, str]:
     """:func:`flag_names` and the keys of ``--set`` (``{"steps": "--set steps=0"}``): what to name in an error."""
-    from psgrid.cluster.config import parse_assignment
+    from psgrid.cluster.job.config import parse_assignment
 
     names = {}
     for text in getattr(args, "set", []) or []:
@@ -145,8 +145,8 @@ def load_job_from_args(args: argparse.Namespace, *, check: bool = True):
     An error about a value names what gave it: the flag (``--staleness must be >= 0``), ``--set KEY=VALUE``,
     or the job file's key.
     """
-    from psgrid.cluster import preflight
-    from psgrid.cluster.config import load_job
+    from psgrid.cluster.run import preflight
+    from psgrid.cluster.job.config import load_job
 
     job = with_overrides(load_job(args.config), args)
     preflight.command_line.clear()
@@ -158,7 +158,7 @@ def load_job_from_args(args: argparse.Namespace, *, check: bool = True):
 
 def with_overrides(job, args: argparse.Namespace):
     """``job`` with ``args``' ``--set`` assignments, then its flags, applied (errors name the flag)."""
-    from psgrid.cluster.config import apply_overrides, parse_assignment
+    from psgrid.cluster.job.config import apply_overrides, parse_assignment
     from psgrid.cluster.errors import ConfigError
 
     sets = {text: parse_assignment(text) for text in getattr(args, "set", []) or []}

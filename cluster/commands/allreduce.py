@@ -46,7 +46,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from psgrid.cluster.allreduce import run_allreduce
+    from psgrid.cluster.mpi.allreduce import run_allreduce
     from psgrid.cluster.commands._common import load_job_from_args
     from psgrid.cluster.errors import UsageError
 

@@ -98,17 +98,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from psgrid.cluster.bench_transport import run as bench
+    from psgrid.cluster.bench.transport import run as bench
 
     if args.target == "ps":
-        from psgrid.cluster import bench_ps
+        from psgrid.cluster.bench import ps as bench_ps
 
         bench_ps.run(args.params, args.shards or [1, 2, 4], args.workers or [1, 2, 4, 8],
                      args.planes or list(bench_ps.PLANES), args.mode, args.seconds, args.against,
                      max(1, args.repeats), args.json)
         return 0
     if args.target == "train":
-        from psgrid.cluster import bench_train
+        from psgrid.cluster.bench import train as bench_train
 
         bench_train.run(models=args.models, modes=args.modes, device=args.device, shards=args.shards or [2],
                         workers=args.workers or [2], planes=args.planes or ["shm"],

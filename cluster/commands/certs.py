@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         import cryptography  # noqa: F401  (an extra: shards and workers only read the PEM files)
     except ImportError:
         raise UsageError("making certificates needs the cryptography package: pip install 'psgrid[tls]'") from None
-    from psgrid.cluster.pki import job_lines, make_certs
+    from psgrid.cluster.job.pki import job_lines, make_certs
 
     paths = make_certs(args.dir, args.host or ["localhost", "127.0.0.1"], days=args.days, force=args.force)
     print(f"psctl certs: wrote a CA, a shard and a client certificate to {args.dir} (keys readable by you "

@@ -114,22 +114,22 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from psgrid.cluster.commands._common import load_job_from_args
-    from psgrid.cluster.compare import Compare, experiment_from, settings_for
-    from psgrid.cluster.config import apply_overrides
+    from psgrid.cluster.experiments.compare import Compare, experiment_from, settings_for
+    from psgrid.cluster.job.config import apply_overrides
     from psgrid.cluster.errors import UsageError
-    from psgrid.cluster.experiment import parse_counts, parse_modes, parse_straggler_setting, plan
+    from psgrid.cluster.experiments.experiment import parse_counts, parse_modes, parse_straggler_setting, plan
 
     if args.report_only:
-        from psgrid.cluster.compare import rewrite_report, table_text
+        from psgrid.cluster.experiments.compare import rewrite_report, table_text
 
         rows = rewrite_report(Path(args.out), args.target_accuracy, args.classes)
         print(table_text(rows, rows[-1]["target_accuracy"] if rows else None))   # a repeat's: they come last
         return 0
     from psgrid.cluster.commands._common import flag_names
-    from psgrid.cluster.preflight import check_device, refuse_mpi_rank
+    from psgrid.cluster.run.preflight import check_device, refuse_mpi_rank
 
-    from psgrid.cluster import script
-    from psgrid.cluster.tuning import parse_tune
+    from psgrid.cluster.run import script
+    from psgrid.cluster.experiments.tuning import parse_tune
 
     if not args.mpi:
         refuse_mpi_rank("compare", "psctl compare --mpi")
@@ -179,13 +179,13 @@ def run(args: argparse.Namespace) -> int:
                             classes=args.classes)
     experiment = experiment_from(job, settings, Path(args.out))
     if args.overwrite:
-        from psgrid.cluster.outdir import EXPERIMENT_FILES, clear_run, lock
-        from psgrid.cluster.preflight import launcher_rank
+        from psgrid.cluster.job.outdir import EXPERIMENT_FILES, clear_run, lock
+        from psgrid.cluster.run.preflight import launcher_rank
 
         if args.resume:
             raise UsageError("--overwrite starts the experiment again and --resume finishes it: give one of them")
         if (launcher_rank() or (0, 1))[0] == 0:      # under --mpi, world rank 0 alone prepares the folder
-            lock(Path(args.out))        # never an experiment that runs now: it holds the lock (cluster/outdir.py)
+            lock(Path(args.out))        # never an experiment that runs now: it holds the lock (cluster/job/outdir.py)
             clear_run(Path(args.out), EXPERIMENT_FILES)
     if args.mpi:
         return _run_mpi(experiment, args)
@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
 def _mode_settings(texts: list[str], modes, job, *, server_only: bool) -> dict:
     """``["async:lr=0.02"]`` -> ``{"async": (("lr", 0.02),)}``, each checked as --tune checks its values."""
     from psgrid.cluster.errors import UsageError
-    from psgrid.cluster.tuning import parse_tune
+    from psgrid.cluster.experiments.tuning import parse_tune
 
     found: dict[str, tuple] = {}
     labels = [m.label for m in modes]
@@ -223,9 +223,9 @@ def _run_mpi(experiment, args: argparse.Namespace) -> int:
         from mpi4py import MPI
     except ImportError:
         raise UsageError("psctl compare --mpi needs mpi4py: pip install 'psgrid[mpi]'") from None
-    from psgrid.cluster.compare_mpi import MPICompare
-    from psgrid.cluster.mpi import _abort
-    from psgrid.cluster.mpich_shm import unlink_init_shm
+    from psgrid.cluster.experiments.compare_mpi import MPICompare
+    from psgrid.cluster.mpi.job import _abort
+    from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
 
     comm = MPI.COMM_WORLD
     try:

@@ -60,10 +60,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from psgrid.cluster import script
+    from psgrid.cluster.run import script
     from psgrid.cluster.commands._common import flag_names, load_job_from_args
-    from psgrid.cluster.launch import launch
-    from psgrid.cluster.preflight import check_machine, check_stragglers, refuse_mpi_rank
+    from psgrid.cluster.run.launch import launch
+    from psgrid.cluster.run.preflight import check_machine, check_stragglers, refuse_mpi_rank
 
     refuse_mpi_rank("launch")
     command = None if args.user_command is None else script.resolve_command(args.user_command)
@@ -83,7 +83,7 @@ def _resumed_job(args: argparse.Namespace):
     from pathlib import Path
 
     from psgrid.cluster.commands._common import collect_overrides
-    from psgrid.cluster.config import apply_overrides, load_job
+    from psgrid.cluster.job.config import apply_overrides, load_job
     from psgrid.cluster.errors import UsageError
 
     folder = Path(args.resume)

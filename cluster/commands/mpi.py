@@ -71,10 +71,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from psgrid.cluster import script
+    from psgrid.cluster.run import script
     from psgrid.cluster.commands._common import load_job_from_args
     from psgrid.cluster.errors import UsageError
-    from psgrid.cluster.preflight import require_mpi
+    from psgrid.cluster.run.preflight import require_mpi
 
     if args.plan:
         return print_plan(args, load_job_from_args(args))
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     named = args.config != "mnist" or args.override_name is not None
     job = script.for_command(load_job_from_args(args), command, named=named, local_gpus=False)
     require_mpi("mpi")
-    from psgrid.cluster.mpi import run_mpi
+    from psgrid.cluster.mpi.job import run_mpi
 
     return run_mpi(job, host=args.host, iface=args.iface, progress=args.progress, command=command,
                    oversubscribe=args.oversubscribe)
@@ -96,13 +96,13 @@ def run(args: argparse.Namespace) -> int:
 def print_plan(args: argparse.Namespace, job) -> int:
     import os
 
-    from psgrid.cluster import plan
+    from psgrid.cluster.mpi import plan
 
     alloc = plan.allocation(os.environ, np=args.np, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
     try:
         placement = plan.plan(alloc, job.shards, device=job.train.device, oversubscribe=args.oversubscribe)
     except ValueError as e:     # too few ranks: as the job itself would say it
-        from psgrid.cluster.mpi import too_few_ranks_message
+        from psgrid.cluster.mpi.job import too_few_ranks_message
         from psgrid.cluster.errors import UsageError
 
         raise UsageError(too_few_ranks_message(job.shards, len(alloc.hosts))) from e

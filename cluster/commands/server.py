@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from psgrid.cluster.commands._common import DATA_PLANES, MODES, OPTIMIZERS, add_command, add_config_arg
-from psgrid.psserver.compensation import ASYNC_MOMENTUM, COMPENSATIONS
+from psgrid.psserver.kernels.compensation import ASYNC_MOMENTUM, COMPENSATIONS
 
 HELP = "run one parameter-server shard"
 
@@ -102,7 +102,7 @@ def server_config_from_args(args: argparse.Namespace):
     """The shard's settings: the job file's [server] table, then ``--set``, then the flags (errors name them)."""
     import dataclasses
 
-    from psgrid.cluster.config import load_shard_settings, parse_assignment, route
+    from psgrid.cluster.job.config import load_shard_settings, parse_assignment, route
     from psgrid.cluster.errors import ConfigError
     from psgrid.psserver.config import ServerConfig
     from psgrid.psserver.security import job_token
@@ -167,8 +167,8 @@ def check_files(config, names) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from psgrid.cluster.preflight import check_port_free
-    from psgrid.cluster.procs import limit_blas_threads, watch_parent
+    from psgrid.cluster.run.preflight import check_port_free
+    from psgrid.cluster.run.procs import limit_blas_threads, watch_parent
 
     config = server_config_from_args(args)
     check_port_free(config.host, config.port, "--port")

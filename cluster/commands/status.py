@@ -54,10 +54,10 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from psgrid.cluster.commands._common import split_addresses
-    from psgrid.cluster.credentials import TOKEN_ENV, token_file_of
+    from psgrid.cluster.job.credentials import TOKEN_ENV, token_file_of
     from psgrid.cluster.errors import JobFailed, UsageError
-    from psgrid.cluster.preflight import probe_shards
-    from psgrid.cluster.status import addresses_from_dir, finished_job, newest_run, status, summary_status
+    from psgrid.cluster.run.preflight import probe_shards
+    from psgrid.cluster.run.status import addresses_from_dir, finished_job, newest_run, status, summary_status
     from psgrid.psserver.exceptions import PSError
     from psgrid.psserver.security import job_token
 
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 def _job(args: argparse.Namespace):
     """The job whose [train] table says how to reach the shards (TLS files, token): --config, then --set."""
     from psgrid.cluster.commands._common import with_overrides
-    from psgrid.cluster.config import JobConfig, load_job
+    from psgrid.cluster.job.config import JobConfig, load_job
 
     job = load_job(args.config, redacted_ok=True) if args.config else JobConfig()
     return with_overrides(job, args)

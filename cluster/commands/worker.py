@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.commands._common import flag_names, load_job_from_args, split_addresses
     from psgrid.cluster.commands.server import check_files
     from psgrid.cluster.errors import UsageError
-    from psgrid.cluster.preflight import check_device, probe_shards
-    from psgrid.cluster.procs import limit_blas_threads, usable_cpus, watch_parent
+    from psgrid.cluster.run.preflight import check_device, probe_shards
+    from psgrid.cluster.run.procs import limit_blas_threads, usable_cpus, watch_parent
 
     job = load_job_from_args(args)
     check_files(job.train, ("tls_cert", "tls_key", "tls_ca"))

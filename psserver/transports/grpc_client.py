@@ -12,7 +12,9 @@ import dataclasses
 import grpc
 import numpy as np
 
-from psgrid.psserver import framing, wire
+from psgrid.psserver.transports import grpc_codec as framing
+
+from psgrid.psserver import dtypes as wire
 from psgrid.psserver.exceptions import BadReply, PSError, Unavailable, error_from_wire
 from psgrid.psserver.protocol import (FLOAT32, GRPC_OPTIONS, REASON_KEY, SERVICE, HeartbeatInfo, Outcome, PushResult,
                                       Reason, Registration, Status)

@@ -18,7 +18,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2
 
-from psgrid.psserver import framing
+from psgrid.psserver.transports import grpc_codec as framing
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import InvalidArgument, Unauthenticated
 from psgrid.psserver.protocol import (FLOAT32, GRPC_SERVER_OPTIONS, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, REASON_KEY,

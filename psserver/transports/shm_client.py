@@ -21,13 +21,13 @@ from typing import Callable
 
 import numpy as np
 
-from psgrid.psserver import wire
+from psgrid.psserver import dtypes as wire
 from psgrid.psserver.exceptions import BadReply, PSError, Unavailable
 from psgrid.psserver.protocol import FLOAT32, ITEMSIZE, NO_MARK, Outcome, PushResult, Reason, Registration, Status
 from psgrid.psserver.security import client_ssl_context
 from psgrid.psserver.shared_memory import map_fd
 from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, register_data_plane
-from psgrid.psserver.transports.tcp_frames import (ATTACH, FD_BYTE, HELLO, MAGIC, MAP, OPEN, PULL, PUSH, REQUEST,
+from psgrid.psserver.transports.stream_frames import (ATTACH, FD_BYTE, HELLO, MAGIC, MAP, OPEN, PULL, PUSH, REQUEST,
                                                    read_reply)
 
 CONNECT_S = 5.0

@@ -39,8 +39,8 @@ from psgrid.psserver.exceptions import InvalidArgument, PSError
 from psgrid.psserver.protocol import BFLOAT16, FLOAT16, FLOAT32, Reason
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.shared_memory import map_fd, unsafe_to_map
-from psgrid.psserver.transports.socket_server import DEFAULT_MAX_CONNECTIONS, SocketDataServer, reply_timeout
-from psgrid.psserver.transports.tcp_frames import ATTACH, DTYPE_BITS, FD_BYTE, MAP, OPEN, PULL, PUSH
+from psgrid.psserver.transports.stream_server import DEFAULT_MAX_CONNECTIONS, SocketDataServer, reply_timeout
+from psgrid.psserver.transports.stream_frames import ATTACH, DTYPE_BITS, FD_BYTE, MAP, OPEN, PULL, PUSH
 
 SEGMENT_DTYPES = {FLOAT32: np.dtype("<f4"), FLOAT16: np.dtype("<u2"), BFLOAT16: np.dtype("<u2")}
 PEERCRED = struct.Struct("3i")     # pid, uid, gid

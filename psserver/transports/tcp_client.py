@@ -15,12 +15,12 @@ import threading
 
 import numpy as np
 
-from psgrid.psserver import wire
+from psgrid.psserver import dtypes as wire
 from psgrid.psserver.exceptions import BadReply, PSError, Unavailable
 from psgrid.psserver.protocol import FLOAT32, Outcome, PushResult, Reason, Registration, Status
 from psgrid.psserver.security import client_ssl_context
 from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, register_data_plane
-from psgrid.psserver.transports.tcp_frames import HELLO, MAGIC, PULL, PUSH, REQUEST, read_reply, recv_exact
+from psgrid.psserver.transports.stream_frames import HELLO, MAGIC, PULL, PUSH, REQUEST, read_reply, recv_exact
 
 # How much longer than the call's deadline a socket waits: the shard answers a timed-out
 # consistency wait itself, just before the deadline.

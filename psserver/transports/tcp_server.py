@@ -20,9 +20,9 @@ from typing import Callable
 
 from psgrid.psserver.exceptions import PSError
 from psgrid.psserver.service import ShardService
-from psgrid.psserver.transports.socket_server import (DEFAULT_MAX_CONNECTIONS, Connection, SocketDataServer,
+from psgrid.psserver.transports.stream_server import (DEFAULT_MAX_CONNECTIONS, Connection, SocketDataServer,
                                                       reply_timeout)
-from psgrid.psserver.transports.tcp_frames import HANDSHAKE_S, PULL, PUSH, recv_exact
+from psgrid.psserver.transports.stream_frames import HANDSHAKE_S, PULL, PUSH, recv_exact
 
 DRAIN_SLACK = 1 << 20     # a refused push is dropped up to the range in float32 and this much more, then cut
 

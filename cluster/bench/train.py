@@ -1,0 +1,130 @@
+"""``psctl bench train``: samples/s of real training per mode, beside the same model trained with no servers.
+
+Each configuration is a whole job as ``psctl launch`` runs it (shards and workers as processes,
+an MLP or a CNN on the synthetic task, on the CPU or a GPU), and every step's record gives where
+the time went: pull (its consistency wait apart), compute (the gradient's copy to the host
+included), push. Beside each model, in the same run, the same model, data and batch train in one
+process with no servers at all (plain SGD where the weights live): the ratio of the two is what
+the parameter server costs.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
+
+
+def base_job(model: str, device: str, hidden: list[int], batch_size: int, steps: int) -> JobConfig:
+    """The synthetic job every mode of ``model`` runs: no evaluation during training, plain SGD."""
+    settings = {"name": f"bench-{model}", "model": model, "dataset": "synthetic", "hidden": hidden,
+                "batch_size": batch_size, "steps": steps, "eval_every": 0, "device": device, "lr": 0.01,
+                "momentum": 0.0, "optimizer": "sgd", "train.synthetic_samples": max(4096, 4 * batch_size)}
+    if model == "cnn":
+        settings["train.synthetic_image"] = [1, 28, 28]
+    return apply_overrides(load_job("mnist"), settings)
+
+
+def no_servers(train, lr: float = 0.01) -> dict:
+    """The same model, data loader and buffers updated where they live, with no servers: samples/s and step time.
+
+    ``train`` is a TrainConfig (plain SGD at ``lr`` on the worker's device; benchmarks/gpu_workers.py
+    measures its reference with it too).
+    """
+    from psgrid.worker.backend import sync
+    from psgrid.worker.data import BatchLoader
+    from psgrid.worker.flat import FlatBuffers
+    from psgrid.worker.loop import build, warm_up
+
+    xp, device, data, model = build(train, rank=0, world=1)
+    warmup_s = warm_up(model, data, train, xp, evaluate=False)
+    bufs = FlatBuffers(model.spec, xp)
+    bufs.params[...] = xp.asarray(model.spec.pack(model.init_params(train.seed)))
+    loader = BatchLoader(data.train_x, data.train_y, train.batch_size, xp=xp, seed=1)
+    times = []
+    try:
+        for _ in range(train.steps):
+            t = time.perf_counter()
+            x, y = next(loader)
+            loss = model.loss_and_grad(bufs.param_views, x, y, bufs.grad_views)
+            bufs.params -= lr * bufs.grad
+            float(loss)
+            sync(xp)
+            times.append(time.perf_counter() - t)
+    finally:
+        loader.close()
+    step_s = statistics.median(times[min(5, len(times) - 1):])
+    return {"params": model.spec.size, "device": device, "step_s": step_s,
+            "samples_per_s": train.batch_size / step_s, "warmup_s": warmup_s}
+
+
+def with_servers(job: JobConfig) -> dict:
+    """One job as psctl launch runs it; samples/s and the medians of each step's parts."""
+    from psgrid.cluster.run.launch import Launcher, prepare_out
+
+    with tempfile.TemporaryDirectory(prefix="psgrid-bench-train-") as tmp:
+        job = apply_overrides(job, {"out": str(Path(tmp) / "run")})
+        summary = Launcher(job, prepare_out(job), progress=False, quiet=True).run()
+        events = [json.loads(line) for line in (Path(job.out) / "metrics.jsonl").read_text().splitlines()]
+    steps = [e for e in events if e.get("event") == "step"]
+    steps = steps[len(steps) // 10:] or steps          # the first steps connect, map and warm caches
+    planes = sorted({p for e in events if e.get("event") == "start" for p in e.get("data_planes") or []})
+    # A pull waits on every shard at once: the longest of a worker's per-shard waits is its wait.
+    per_worker: dict[int, float] = {}
+    for shard in summary["shard_stats"]:
+        for w in shard.get("waits", []):
+            per_worker[w["worker_id"]] = max(per_worker.get(w["worker_id"], 0.0), w["seconds"])
+    worker_steps = sum(w["steps"] for w in summary["worker_results"]) or 1
+    wait_s = sum(per_worker.values()) / worker_steps
+    med = {k: statistics.median(e[k] for e in steps) for k in ("pull_s", "compute_s", "push_s")}
+    return {"samples_per_s": summary["samples_per_s"], "pull_s": max(0.0, med["pull_s"] - wait_s), "wait_s": wait_s,
+            "compute_s": med["compute_s"], "push_s": med["push_s"], "steps": summary["steps"],
+            "warmup_s": summary.get("warmup_s", 0.0), "planes_used": planes, "status": summary["status"]}
+
+
+def rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats):
+    for model in models:
+        base = base_job(model, device, hidden, batch_size, steps)
+        alone = no_servers(base.train)
+        yield {"suite": "train", "params": alone["params"], "shards": 0, "workers": 1, "mode": "none",
+               "model": model, "data_plane": None, "device": alone["device"], "batch_size": batch_size,
+               "samples_per_s": alone["samples_per_s"], "compute_s": alone["step_s"], "pull_s": 0.0, "push_s": 0.0,
+               "wait_s": 0.0, "warmup_s": alone["warmup_s"], "ratio_vs_no_servers": 1.0}
+        for s in shards:
+            for w in workers:
+                for plane in planes:
+                    for mode in modes:
+                        job = apply_overrides(base, {"shards": s, "workers": w, "mode": mode,
+                                                     "shared_memory": plane == "shm",
+                                                     "data_plane": "grpc" if plane == "grpc" else "tcp"})
+                        runs = [with_servers(job) for _ in range(repeats)]
+                        best = {k: statistics.median(r[k] for r in runs)
+                                for k in ("samples_per_s", "pull_s", "wait_s", "compute_s", "push_s", "warmup_s")}
+                        yield {"suite": "train", "params": alone["params"], "shards": s, "workers": w, "mode": mode,
+                               "model": model, "data_plane": plane, "planes_used": runs[0]["planes_used"],
+                               "device": alone["device"], "batch_size": batch_size, **best,
+                               "ratio_vs_no_servers": best["samples_per_s"] / alone["samples_per_s"],
+                               "repeats": repeats}
+
+
+def run(*, models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, as_json,
+        out=sys.stdout) -> list[dict]:
+    found = []
+    if not as_json:
+        print(f"{'model':>5} {'params':>8} {'S':>2} {'W':>2} {'plane':>5} {'mode':>6} {'samples/s':>10} {'x alone':>7} "
+              f"{'pull ms':>8} {'wait ms':>8} {'compute ms':>10} {'push ms':>8}", file=out, flush=True)
+    for row in rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats):
+        found.append(row)
+        if as_json:
+            print(json.dumps(row), file=out, flush=True)
+        else:
+            print(f"{row['model']:>5} {row['params'] / 1e6:7.2f}M {row['shards']:>2} {row['workers']:>2} "
+                  f"{row['data_plane'] or '-':>5} {row['mode']:>6} {row['samples_per_s']:10.0f} "
+                  f"{row['ratio_vs_no_servers']:7.2f} {1e3 * row['pull_s']:8.2f} {1e3 * row['wait_s']:8.2f} "
+                  f"{1e3 * row['compute_s']:10.2f} {1e3 * row['push_s']:8.2f}", file=out, flush=True)
+    return found

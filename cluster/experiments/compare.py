@@ -1,0 +1,504 @@
+"""``psctl compare``: every mode of an experiment on the same job, one run after another, then a report.
+
+The runs are planned by :mod:`psgrid.cluster.experiments.experiment` (modes x worker counts x straggler
+settings x repeats, repeats outermost) and each writes its own folder ``D/runs/RUN``: a
+parameter-server mode is a ``psctl launch`` job, ``allreduce`` a ``psctl allreduce`` job under
+the ``mpiexec`` of the ``mpi`` extra. Every run has the job's seed, so every mode starts from the
+same weights and sees the same data in the same order.
+
+With ``--tune`` the tune runs (:mod:`psgrid.cluster.experiments.tuning`) come first, then the repeats at each
+mode's best point; with a command after ``--`` every parameter-server run runs it as ``psctl launch
+-- CMD`` does (cluster/run/script.py), and its numbers are what ``psgrid.init``'s session logged.
+
+After each run ``D/results.jsonl`` gets its steps and ``D/summary.csv`` is rewritten, so a stopped
+experiment keeps what finished; at the end (also after Ctrl-C) ``D/report.md`` and
+``D/report.html`` are written. ``--resume`` skips the runs whose folder holds a finished summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from psgrid.cluster.run import coordinator as co
+from psgrid.cluster.job import credentials
+from psgrid.cluster.mpi import hydra_topology
+from psgrid.cluster.experiments import results as res
+from psgrid.cluster.job.config import JobConfig, apply_overrides
+from psgrid.cluster.errors import JobFailed, UsageError
+from psgrid.cluster.experiments import tuning
+from psgrid.cluster.experiments.experiment import NO_STRAGGLERS, TUNE, Mode, Run, Settings, plan, tune_plan
+from psgrid.cluster.run.interrupts import Interrupted, listen_for_interrupts
+from psgrid.cluster.run.launch import Launcher, prepare_out
+from psgrid.cluster.job.outdir import LOCK_FILE, lock
+from psgrid.cluster.run.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
+from psgrid.psserver import files
+
+SETTINGS_FILE = "experiment.json"
+CHOSEN_FILE = "chosen.json"        # with --tune: the points the repeats run at, fixed once the tune runs are done
+POLL_S = 0.2
+# A local all-reduce run is a single-host MPI job: keep every transport on loopback unless told otherwise
+# (MPICH's launcher, UCX, libfabric, Open MPI's launcher and TCP transport), and let MPICH's launcher
+# write no topology file that a failed run would leave in /tmp (cluster/mpi/hydra_topology.py).
+LOCAL_MPI_ENV = {"HYDRA_IFACE": "lo", "UCX_TLS": "self,sm", "UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo",
+                 "OMPI_MCA_oob_tcp_if_include": "lo", "OMPI_MCA_btl_tcp_if_include": "lo", **hydra_topology.ENV}
+
+
+@dataclass
+class Experiment:
+    """What to run and where its results go."""
+
+    job: JobConfig                # the base job: every run is this job with its mode, workers and stragglers
+    modes: list[Mode]
+    workers: list[int]
+    stragglers: list[str]
+    repeats: int
+    out: Path
+    target: float | None          # test accuracy to reach; None: the highest every run reached
+    settings: dict                # written to D/experiment.json and the report
+    grid: list[Settings] = field(default_factory=list)         # --tune's points; empty: no tuning
+    tune_steps: int | None = None                               # steps per worker of a tune run; None: the job's
+    mode_settings: dict[str, Settings] = field(default_factory=dict)   # per mode label, on every run of it
+    command: list[str] | None = None                            # the user's script, run by each worker
+
+    @property
+    def tune_runs(self) -> list[Run]:
+        if not self.grid:
+            return []
+        return [Run(r.mode, r.workers, r.stragglers, 0, self.mode_settings.get(r.mode.label, ()) + r.settings, TUNE)
+                for r in tune_plan(self.modes, self.workers, self.stragglers, self.grid)]
+
+    def repeat_runs(self, chosen: dict[tuple, Settings]) -> list[Run]:
+        """The repeats, each group at its chosen settings (a group tuning chose nothing for: its mode's own)."""
+        settings = {(m.label, w, s): chosen.get((m.label, w, s), self.mode_settings.get(m.label, ()))
+                    for m in self.modes for w in self.workers for s in self.stragglers}
+        return plan(self.modes, self.workers, self.stragglers, self.repeats, settings)
+
+    @property
+    def runs(self) -> list[Run]:
+        """Every run planned so far: the tune runs, then the repeats at the points chosen from them."""
+        return self.tune_runs + self.repeat_runs(chosen_settings(self, tune_rows(self)[0]))
+
+    @property
+    def classes(self) -> int | None:
+        """The number of classes, for the chance test of divergence (a script's: --classes, else None)."""
+        if self.settings.get("classes"):
+            return int(self.settings["classes"])
+        if self.command:
+            return None
+        return self.job.train.synthetic_classes if self.job.train.dataset == "synthetic" else 10
+
+    def run_dir(self, run: Run) -> Path:
+        return self.out / "runs" / run.id
+
+    def run_job(self, run: Run) -> JobConfig:
+        overrides = {"mode": run.mode.mode, "workers": run.workers, "out": str(self.run_dir(run)),
+                     "name": f"{self.job.name}-{run.id}",
+                     "stragglers": [] if run.stragglers == NO_STRAGGLERS else run.stragglers.split(",")}
+        if run.mode.staleness is not None:
+            overrides["staleness"] = run.mode.staleness
+        overrides.update(run.settings)
+        if run.phase == TUNE and self.tune_steps:
+            overrides.update({"train.steps": self.tune_steps, "train.epochs": 0})
+        return apply_overrides(self.job, overrides)
+
+    def finished(self, run: Run) -> bool:
+        summary = res.read_summary(self.run_dir(run))
+        return bool(summary) and summary.get("status") == "ok"
+
+
+def experiment_from(job: JobConfig, settings: dict, out: Path) -> Experiment:
+    """The experiment that ``settings`` (as :func:`settings_for` writes them) describe, on ``job``."""
+    from psgrid.cluster.experiments.experiment import parse_modes
+
+    def as_settings(pairs) -> Settings:
+        return tuple((k, v) for k, v in pairs)
+
+    grid = tuning.points(settings.get("tune") or {})
+    return Experiment(job, parse_modes(",".join(settings["modes"])), list(settings["workers"]),
+                      list(settings["stragglers"]), settings["repeats"], out, settings.get("target_accuracy"),
+                      settings, grid=grid if settings.get("tune") else [], tune_steps=settings.get("tune_steps"),
+                      mode_settings={m: as_settings(p) for m, p in (settings.get("mode_settings") or {}).items()},
+                      command=settings.get("script"))
+
+
+def mpiexec_path() -> str | None:
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec")
+
+
+def prepare(experiment: Experiment, resume: bool) -> list[Run]:
+    """Create or check D; returns the runs still to do (with --tune: the tune runs; the repeats come after)."""
+    out = experiment.out
+    lock(out)       # held while the experiment runs: another psctl compare may not take the folder
+    settings_file = out / SETTINGS_FILE
+    if settings_file.exists():
+        if not resume:
+            raise UsageError(f"{out} already holds an experiment; add --resume to finish it, or choose another --out")
+        saved = json.loads(settings_file.read_text())
+        if _plan_of(saved) != _plan_of(experiment.settings):
+            raise UsageError(f"{out} holds an experiment with other settings ({_describe(saved)}); "
+                             f"--resume needs the same job, modes, workers, stragglers and repeats")
+    elif out.exists() and any(p.name != LOCK_FILE for p in out.iterdir()):
+        raise UsageError(f"{out} is not empty and holds no experiment; choose another --out")
+    files.make_dirs(out / "runs")
+    co.write_json(settings_file, experiment.settings)
+    for folder in (f for f in (out / "runs").iterdir() if f.is_dir() and not f.is_symlink()):
+        summary = res.read_summary(folder)
+        if not summary or summary.get("status") != "ok":
+            shutil.rmtree(folder, ignore_errors=True)     # a run cut short starts again
+    return [r for r in (experiment.tune_runs or experiment.runs) if not experiment.finished(r)]
+
+
+def _plan_of(settings: dict) -> tuple:
+    # The keys added with --tune and scripts count as absent when empty: an older experiment resumes.
+    return tuple(json.dumps(settings.get(k) if k not in NEWER_KEYS else settings.get(k) or None, sort_keys=True)
+                 for k in ("job", "modes", "workers", "stragglers", "repeats", "backup_workers", *NEWER_KEYS))
+
+
+NEWER_KEYS = ("tune", "tune_steps", "mode_settings", "script")
+
+
+def _describe(settings: dict) -> str:
+    return (f"modes {','.join(settings.get('modes', []))}, workers {settings.get('workers')}, "
+            f"stragglers {settings.get('stragglers')}, repeats {settings.get('repeats')}"
+            + (f", tune {settings['tune']}" if settings.get("tune") else "")
+            + (f", script {shlex.join(settings['script'])}" if settings.get("script") else ""))
+
+
+class ExperimentProgress:
+    """One bar over every step of every run; each run gets a view that feeds it."""
+
+    def __init__(self, runs: list[Run], steps_per_worker: int | None, enabled: bool | None, done: int):
+        from tqdm import tqdm
+
+        total = None if not steps_per_worker else sum(steps_per_worker * r.workers for r in runs)
+        show = sys.stderr.isatty() if enabled is None else enabled
+        self.bar = tqdm(total=total, unit="step", disable=not show, file=sys.stderr, dynamic_ncols=True,
+                        mininterval=0.5)
+        self.count, self.done = len(runs) + done, done
+
+    def for_run(self, run: Run) -> "RunProgress":
+        self.done += 1
+        self.bar.set_description(f"[{self.done}/{self.count}] {'tune ' if run.phase == TUNE else ''}"
+                                 f"{run.mode.label} w{run.workers} "
+                                 f"{'' if run.stragglers == NO_STRAGGLERS else 'stragglers ' + run.stragglers + ' '}"
+                                 + (tuning_label(run) if run.phase == TUNE else f"repeat {run.repeat + 1}"),
+                                 refresh=False)
+        return RunProgress(self.bar)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class RunProgress:
+    """The Progress surface :class:`~psgrid.cluster.run.launch.Launcher` feeds, adding to the experiment's bar."""
+
+    def __init__(self, bar):
+        self.bar, self.shown = bar, 0
+
+    @property
+    def enabled(self) -> bool:
+        return not self.bar.disable
+
+    def update(self, state: co.JobState, evals: list[dict]) -> None:
+        if state.steps > self.shown:
+            self.bar.update(state.steps - self.shown)
+            self.shown = state.steps
+        post = co.postfix(state)
+        if post and self.enabled:
+            self.bar.set_postfix(post, refresh=False)
+
+    def close(self) -> None:
+        pass
+
+
+def tuning_label(run: Run) -> str:
+    from psgrid.cluster.experiments.experiment import settings_text
+
+    return settings_text(run.settings)
+
+
+def run_parameter_server(job: JobConfig, out: Path, progress: RunProgress, command: list[str] | None = None) -> None:
+    """One parameter-server run, as ``psctl launch [-- CMD]`` runs it (JobFailed / Interrupted propagate)."""
+    Launcher(job, prepare_out(job), bar=progress, quiet=True, command=command).run()
+
+
+def run_allreduce_local(job: JobConfig, out: Path, progress: RunProgress) -> None:
+    """One all-reduce run: ``mpiexec -n W psctl allreduce`` on this machine."""
+    files.make_dirs(out)
+    job_file = out / "job.toml"
+    files.write_text(job_file, f"# resolved job, as run by psctl compare\n{job.to_toml()}")
+    argv = [mpiexec_path(), "-n", str(job.workers),
+            *psctl_argv("allreduce", "--config", str(job_file), "--out", str(out), "--no-progress",
+                       "--ranks", str(job.workers))]
+    env = child_env(credentials.child_env(job), threads=max(1, usable_cpus() // job.workers))
+    for key, value in LOCAL_MPI_ENV.items():
+        env.setdefault(key, value)
+    state, tail = co.JobState(), co.MetricsTail(out / "metrics" / f"worker-{r}.jsonl" for r in range(job.workers))
+    child = Child("mpiexec (allreduce)", argv, out / "mpiexec.log", env)
+    try:
+        while child.poll() is None:
+            progress.update(state, state.update(tail.read()))
+            if job.timeout_s and time.time() - child.started > job.timeout_s:
+                raise JobFailed(f"training did not finish within timeout_s = {job.timeout_s:g} s")
+            time.sleep(POLL_S)
+        progress.update(state, state.update(tail.read()))
+    finally:
+        stop_children([child], 5.0)
+    if child.returncode != 0 or res.read_summary(out) is None:
+        raise JobFailed(f"mpiexec -n {job.workers} psctl allreduce {child.describe_exit()}. "
+                        f"Last lines of {child.log_path}:\n{child.tail()}")
+
+
+class Compare:
+    """Runs an :class:`Experiment` on this machine; :meth:`run` returns the exit code."""
+
+    def __init__(self, experiment: Experiment, *, resume: bool = False, progress: bool | None = None):
+        self.x = experiment
+        self.resume = resume
+        self.progress_enabled = progress
+
+    def run(self) -> int:
+        x = self.x
+        if any(not r.mode.uses_shards for r in x.runs) and not mpiexec_path():
+            raise UsageError("the allreduce mode runs under mpiexec, which was not found: "
+                             "pip install 'psgrid[mpi]' (it brings mpi4py and MPICH)")
+        todo = prepare(x, self.resume)
+        failed, interrupted = [], None
+        old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            interrupted = self.run_all(todo, len(x.tune_runs or x.runs), failed)
+            if x.grid and interrupted is None:
+                chosen = chosen_settings(x, tune_rows(x)[0])
+                save_chosen(x, chosen)
+                repeats = x.repeat_runs(chosen)
+                interrupted = self.run_all([r for r in repeats if not x.finished(r)], len(repeats), failed)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
+        rows = self.write_results()
+        self.print_table(rows)
+        if interrupted is not None:
+            print(f"psctl compare: {interrupted}: stopped; the finished runs are in {x.out} "
+                  f"(psctl compare ... --resume finishes the rest)", file=sys.stderr)
+            return 128 + interrupted.signum
+        if failed:
+            print(f"psctl compare: {len(failed)} run(s) failed: {', '.join(r.id for r in failed)}; "
+                  f"see their logs under {x.out / 'runs'}", file=sys.stderr)
+            return 1
+        return 0
+
+    def run_all(self, todo: list[Run], planned: int, failed: list[Run]) -> Interrupted | None:
+        """Run ``todo`` (of ``planned`` runs in this phase), one after another; the Ctrl-C that stopped them."""
+        x = self.x
+        skipped = planned - len(todo)
+        phase = "tune runs" if todo and todo[0].phase == TUNE else "runs"
+        print(f"psctl compare: {planned} {phase} in {x.out}"
+              + (f" ({skipped} already finished, skipped)" if skipped else ""), file=sys.stderr, flush=True)
+        steps = x.tune_steps if phase == "tune runs" and x.tune_steps else (
+            None if x.job.train.epochs else x.job.train.steps)
+        bar = ExperimentProgress(todo, None if x.command else steps, self.progress_enabled, skipped)
+        try:
+            for run in todo:
+                listen_for_interrupts()       # a run's cleanup ignores signals; the next run must hear them again
+                try:
+                    self.run_one(run, bar.for_run(run))
+                except JobFailed as e:
+                    failed.append(run)
+                    bar.bar.write(f"psctl compare: run {run.id} failed: {e}", file=sys.stderr)
+                self.record(run)
+        except Interrupted as e:
+            return e
+        finally:
+            bar.close()
+        return None
+
+    def run_one(self, run: Run, progress: RunProgress) -> None:
+        job, out = self.x.run_job(run), self.x.run_dir(run)
+        if run.mode.uses_shards:
+            run_parameter_server(job, out, progress, self.x.command)
+        else:
+            run_allreduce_local(job, out, progress)
+
+    def record(self, run: Run) -> None:
+        """Add the run's steps to results.jsonl (an interrupted run's are added when it is done again)."""
+        with files.open_new(self.x.out / "results.jsonl", "a") as f:
+            for line in res.result_lines(run, res.run_events(self.x.run_dir(run))):
+                f.write(line + "\n")
+
+    def write_results(self) -> list[dict]:
+        return write_results(self.x)
+
+    def print_table(self, rows: list[dict]) -> None:
+        print(table_text(rows, rows[-1]["target_accuracy"] if rows else None))
+
+
+def _rows(x: Experiment, runs: list[Run]) -> tuple[list[dict], dict[str, list[dict]]]:
+    """The rows (no target yet) and events of those of ``runs`` that have a summary."""
+    present = [r for r in runs if res.read_summary(x.run_dir(r)) is not None]
+    events = {r.id: res.run_events(x.run_dir(r)) for r in present}
+    return [res.summarize_run(r, res.read_summary(x.run_dir(r)), events[r.id], None, x.classes)
+            for r in present], events
+
+
+def tune_rows(x: Experiment) -> tuple[list[dict], dict[str, list[dict]], dict]:
+    """The tune runs' rows, each timed to its group's tuning target; their events; the targets."""
+    rows, events = _rows(x, x.tune_runs)
+    targets = tuning.tuning_targets(rows, x.target)
+    for row in rows:
+        res.set_target(row, events[row["run"]], targets[row["workers"], row["stragglers"]])
+    return rows, events, targets
+
+
+def chosen_settings(x: Experiment, rows: list[dict]) -> dict[tuple, Settings]:
+    """Each (mode, workers, stragglers) group's settings at its best grid point.
+
+    Once the repeats have started they are the saved ones (D/chosen.json): a report written again
+    for another target must not relabel the repeats with points they did not run at.
+    """
+    try:
+        saved = json.loads((x.out / CHOSEN_FILE).read_text())
+        return {(c["mode"], c["workers"], c["stragglers"]): tuple((k, v) for k, v in c["settings"]) for c in saved}
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        pass
+    by_id = {r.id: r.settings for r in x.tune_runs}
+    return {group: by_id[row["run"]] for group, row in tuning.choose(rows).items()}
+
+
+def save_chosen(x: Experiment, chosen: dict[tuple, Settings]) -> None:
+    co.write_json(x.out / CHOSEN_FILE, [{"mode": m, "workers": w, "stragglers": s, "settings": [list(kv) for kv in p]}
+                                        for (m, w, s), p in chosen.items()])
+
+
+def write_results(x: Experiment) -> list[dict]:
+    """summary.csv, a results.jsonl of exactly the runs there are, and the report; returns the rows."""
+    from psgrid.cluster.experiments.report import Tuning, write_report
+
+    tuned, tune_events, tune_targets = tune_rows(x)
+    chosen = chosen_settings(x, tuned)
+    repeats = x.repeat_runs(chosen)
+    rows, events = _rows(x, repeats)
+    target, source = x.target, "given"
+    if target is None:
+        # A diverged run never sets the target: it would make the target whatever the worst run reached.
+        reached = [r["best_test_accuracy"] for r in rows if r["status"] == "ok" and not r["diverged"]]
+        target = min((a for a in reached if a is not None), default=None)
+        source = "auto"
+    for row in rows:
+        res.set_target(row, events[row["run"]], target)
+    every = tuned + rows
+    res.write_csv(x.out / "summary.csv", every)
+    by_id = {r.id: r for r in x.tune_runs + repeats}
+    all_events = {**tune_events, **events}
+    with files.replacing(x.out / "results.jsonl") as f:
+        for row in every:
+            for line in res.result_lines(by_id[row["run"]], all_events[row["run"]]):
+                f.write(line + "\n")
+    if every:
+        write_report(x.out, dict(x.settings, target_accuracy=target, target_source=source), rows, events,
+                     tuning=Tuning(tuned, _chosen_runs(x, chosen), tune_targets) if x.grid else None)
+    return every
+
+
+def _chosen_runs(x: Experiment, chosen: dict[tuple, Settings]) -> dict[tuple, str]:
+    """Each group's chosen point as the id of its tune run."""
+    return {(r.mode.label, r.workers, r.stragglers): r.id for r in x.tune_runs
+            if chosen.get((r.mode.label, r.workers, r.stragglers)) == r.settings}
+
+
+def rewrite_report(out: Path, target: float | None = None, classes: int | None = None) -> list[dict]:
+    """Write summary.csv, results.jsonl and the report of the experiment in ``out`` again, from its runs.
+
+    Nothing is run; the settings (machine included) are those saved when it ran, except the target
+    accuracy and the number of classes when given.
+    """
+    from psgrid.cluster.job.config import job_from_dict
+
+    try:
+        settings = json.loads((out / SETTINGS_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        raise UsageError(f"{out} holds no experiment ({SETTINGS_FILE} is missing or unreadable)") from None
+    if target is not None:
+        settings.update(target_accuracy=target, target_source="given")
+    if classes is not None:
+        settings["classes"] = classes
+    return write_results(experiment_from(job_from_dict(settings["job"]), settings, out))
+
+
+def table_text(rows: list[dict], target: float | None) -> str:
+    """The terminal's summary: one line per run."""
+    head = f"{'run':<36} {'status':<11} {'to target':>10} {'test acc':>8} {'samples/s':>10} {'staleness':>9}"
+    lines = [head + (f"   (target {target:.4f})" if target is not None else "")]
+    for r in rows:
+        ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.2f} s"
+        acc = "-" if r["final_test_accuracy"] is None else f"{r['final_test_accuracy']:.4f}"
+        sps = "-" if r["samples_per_s"] is None else f"{r['samples_per_s']:.0f}"
+        st = "-" if r["mean_staleness"] is None else f"{r['mean_staleness']:.2f}"
+        status = "diverged" if r.get("diverged") and r["status"] == "ok" else r["status"]
+        lines.append(f"{r['run']:<36} {status:<11} {ttt:>10} {acc:>8} {sps:>10} {st:>9}")
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    """Where the experiment ran, for the report."""
+    info = {"host": socket.gethostname(), "cpus": usable_cpus(), "platform": platform.platform(terse=True),
+            "python": platform.python_version()}
+    try:
+        info["load_1m"] = round(os.getloadavg()[0], 2)
+    except OSError:
+        pass
+    return info
+
+
+def gpu_name(device: str) -> str | None:
+    if device == "cpu":
+        return None
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+        name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+        return f"{count} x {name}"
+    except Exception:  # noqa: BLE001 - no CuPy or no GPU: the workers ran on the CPU
+        return None
+
+
+def job_summary(job: JobConfig) -> str:
+    t, s = job.train, job.server
+    model = t.model + (f" {list(t.hidden)} {t.activation}" if t.model == "mlp" else "")
+    batch = "full batch" if t.batch_size == 0 else f"batch {t.batch_size} per worker"
+    length = f"{t.epochs} epochs" if t.epochs else f"{t.steps} steps per worker"
+    opt = f"{s.optimizer} lr {s.lr:g}" + (f" momentum {s.momentum:g}" if s.optimizer == "sgd" and s.momentum else "")
+    return (f"{model} on {t.dataset}, {batch}, {length}, {opt} on the shards, {job.shards} shard(s), "
+            f"{'shared memory on one host, else ' if t.shared_memory else ''}{t.data_plane} data plane, "
+            f"device {t.device}, seed {t.seed}")
+
+
+def settings_for(job: JobConfig, *, command: list[str], modes, workers, stragglers, repeats: int,
+                 target: float | None, backup_workers: int | None, tune: dict | None = None,
+                 tune_steps: int | None = None, mode_settings: dict | None = None,
+                 script: list[str] | None = None, classes: int | None = None) -> dict:
+    info = machine()
+    info["gpu"] = gpu_name(job.train.device)
+    return {
+        "command": "psctl compare " + shlex.join(command),
+        "modes": [m.label for m in modes], "workers": list(workers), "stragglers": list(stragglers),
+        "repeats": repeats, "backup_workers": backup_workers, "target_accuracy": target,
+        "tune": tune or {}, "tune_steps": tune_steps,
+        "mode_settings": {m: [list(kv) for kv in s] for m, s in (mode_settings or {}).items()},
+        "script": script, "shards": job.shards, "classes": classes,
+        "target_source": "given" if target is not None else "auto",
+        "machine": info, "job_summary": job_summary(job), "job": job.public_dict(),
+        "title": f"psctl compare: {job.name}",
+    }
+

@@ -1,0 +1,159 @@
+"""An experiment's rows grouped for comparison, medians over repeats, and numbers as text.
+
+A *group* is one ``(workers, stragglers)`` setting; the modes are compared within a group,
+and every number is a median over the group's repeats that finished (status ``ok``). The
+report, its reading and its plots all read the rows through these.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from psgrid.cluster.experiments.experiment import NO_STRAGGLERS
+
+Group = tuple[int, str]          # (workers, straggler setting)
+
+
+# ---- the rows, grouped ------------------------------------------------------------------------
+
+def finished(rows: Iterable[dict]) -> list[dict]:
+    """The runs that count: a failed or interrupted run's numbers describe only part of a run."""
+    return [r for r in rows if r.get("status") == "ok"]
+
+
+def modes_of(rows: list[dict], settings: dict) -> list[str]:
+    """Mode labels in the experiment's order, then any other found in the rows."""
+    labels = list(settings.get("modes") or [])
+    return labels + [m for m in dict.fromkeys(r["mode"] for r in rows) if m not in labels]
+
+
+def groups_of(rows: list[dict], settings: dict) -> list[Group]:
+    """The (workers, stragglers) settings present in ``rows``, in the experiment's order."""
+    present = set((r["workers"], r["stragglers"]) for r in rows)
+    order = [(w, s) for w in settings.get("workers") or [] for s in settings.get("stragglers") or []]
+    return [g for g in order if g in present] + sorted(present - set(order), key=str)
+
+
+def rows_of(rows: list[dict], group: Group, mode: str) -> list[dict]:
+    return sorted((r for r in rows if (r["workers"], r["stragglers"]) == group and r["mode"] == mode),
+                  key=lambda r: r.get("repeat") or 0)
+
+
+def showcase_group(groups: list[Group]) -> Group | None:
+    """The group the detailed plots show: the first with stragglers, where the modes differ most, else the
+    one with the most workers."""
+    return next((g for g in groups if g[1] != NO_STRAGGLERS),
+                max(groups, key=lambda g: g[0]) if groups else None)
+
+
+def group_title(group: Group) -> str:
+    """``4 workers, stragglers 3:3`` or ``1 worker, no stragglers``."""
+    workers = f"{group[0]} worker{'s' if group[0] != 1 else ''}"
+    return f"{workers}, {'no stragglers' if group[1] == NO_STRAGGLERS else 'stragglers ' + group[1]}"
+
+
+def group_phrase(group: Group) -> str:
+    return "With " + group_title(group).replace(", ", " and ", 1)
+
+
+def straggler_ranks(setting: str) -> list[int]:
+    """``"3:3,1:exp:20"`` -> ``[3, 1]``."""
+    return [int(m.group(1)) for m in (re.match(r"\s*(\d+):", s) for s in setting.split(",")) if m]
+
+
+MIN_REPEATS = 3          # the fewest repeats an interval is drawn from: with fewer, nothing is settled
+RESAMPLES, SEED, LEVEL = 2000, 0, 0.95
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Median and range of one number over repeats; ``n`` counts the repeats that had it.
+
+    ``ci`` is the bootstrap 95% interval of the median where ``n >= MIN_REPEATS``, else None.
+    """
+
+    median: float | None
+    low: float | None
+    high: float | None
+    n: int
+    ci: tuple[float, float] | None = None
+
+
+def spread(rows: Iterable[dict], key: str) -> Spread:
+    values = [float(r[key]) for r in rows if _number(r.get(key))]
+    if not values:
+        return Spread(None, None, None, 0)
+    ci = bootstrap_interval(values) if len(values) >= MIN_REPEATS else None
+    return Spread(statistics.median(values), min(values), max(values), len(values), ci)
+
+
+def bootstrap_interval(values: list[float], resamples: int = RESAMPLES, seed: int = SEED,
+                       level: float = LEVEL) -> tuple[float, float]:
+    """The percentile bootstrap interval of the median of ``values``.
+
+    ``resamples`` samples of ``len(values)`` drawn with replacement, with a fixed seed so a
+    report written again says the same; the interval holds the middle ``level`` of their medians.
+    """
+    data = np.asarray(values, dtype=float)
+    draws = np.random.default_rng(seed).integers(0, len(data), size=(resamples, len(data)))
+    medians = np.median(data[draws], axis=1)
+    tail = (1 - level) / 2 * 100
+    low, high = np.percentile(medians, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def separated(a: Spread, b: Spread) -> bool | None:
+    """Whether the two intervals do not overlap; None where either has none (fewer than 3 repeats)."""
+    if a.ci is None or b.ci is None:
+        return None
+    return a.ci[1] < b.ci[0] or b.ci[1] < a.ci[0]
+
+
+def waits_per_rank(row: dict) -> list[float] | None:
+    """``wait_s_by_worker`` (``"0.12;0.50"`` or a list) as floats in rank order."""
+    raw = row.get("wait_s_by_worker")
+    if isinstance(raw, str):
+        raw = [w for w in raw.split(";") if w.strip()]
+    try:
+        return [float(w) for w in raw] if raw else None
+    except (TypeError, ValueError):
+        return None
+
+
+# ---- numbers as text ----------------------------------------------------------------------------
+
+def sig(x: float) -> str:
+    """Three significant digits, no exponent and no trailing zeros: 0.00123, 1.2, 8, 12300."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    digits = 2 - math.floor(math.log10(abs(x)))
+    text = f"{round(x, digits):.{max(digits, 0)}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def secs(x: float) -> str:
+    """Seconds: 0.123, 1.23, 12.3, 1234."""
+    return next(f"{x:.{d}f}" for limit, d in ((1, 3), (10, 2), (1000, 1), (math.inf, 0)) if abs(x) < limit)
+
+
+def acc(x: float) -> str:
+    return f"{x:.3f}"
+
+
+def ratio(x: float) -> str:
+    return f"{sig(x)}x"
+
+
+def join(words: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -1,0 +1,349 @@
+"""The write-up of a ``psctl compare`` experiment: ``report.md`` and ``report.html`` from its rows.
+
+The content is built once as a list of blocks (:class:`Heading`, :class:`Paragraph`,
+:class:`Table`, :class:`Image`, :class:`Code`) and rendered twice: markdown that points at
+``plots/NAME.png``, and one self-contained HTML page with the PNGs embedded, which opens
+offline. The plots come from :mod:`psgrid.cluster.experiments.plots` (imported only by
+:func:`write_report`, so matplotlib is loaded only when a report is written); the prose comes
+from :mod:`psgrid.cluster.experiments.reading`, which only restates the numbers.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from psgrid.cluster.experiments.grouping import (MIN_REPEATS, Spread, acc, finished, group_title, groups_of, modes_of, rows_of,
+                                     secs, sig, spread)
+from psgrid.cluster.experiments.reading import reading
+from psgrid.psserver import files
+
+# matplotlib is an extra (psgrid[plots]): without it the report is written without its plots.
+PLOTS_SKIPPED = "plots skipped: pip install 'psgrid[plots]'"
+
+
+@dataclass
+class Tuning:
+    """What ``--tune`` ran and chose (:mod:`psgrid.cluster.experiments.tuning`)."""
+
+    rows: list[dict]                          # the tune runs' summary rows
+    chosen: dict[tuple, str]                  # (mode, workers, stragglers) -> the run id of its best point
+    targets: dict[tuple, float | None]        # (workers, stragglers) -> the tuning target
+
+
+# ---- the blocks and their two renderings ---------------------------------------------------
+
+@dataclass
+class Heading:
+    text: str
+    level: int = 2
+
+
+@dataclass
+class Paragraph:
+    text: str
+
+
+@dataclass
+class Table:
+    header: list[str]
+    rows: list[list[str]]
+
+
+@dataclass
+class Image:
+    path: Path          # the PNG on disk, embedded in the HTML
+    rel: str            # its path relative to the report, for the markdown
+    caption: str
+
+
+@dataclass
+class Code:
+    text: str
+
+
+def to_markdown(blocks: list) -> str:
+    out = []
+    for b in blocks:
+        if isinstance(b, Heading):
+            out.append("#" * b.level + " " + _md(b.text))
+        elif isinstance(b, Paragraph):
+            out.append(_md(b.text))
+        elif isinstance(b, Table):
+            cells = [[_md(c).replace("|", "\\|") for c in row] for row in [b.header, *b.rows]]
+            lines = ["| " + " | ".join(row) + " |" for row in cells]
+            out.append("\n".join([lines[0], "|" + "---|" * len(b.header), *lines[1:]]))
+        elif isinstance(b, Image):
+            out.append(f"![{_md(b.caption)}]({b.rel})\n\n*{_md(b.caption)}*")
+        elif isinstance(b, Code):
+            fence = "`" * max(3, 1 + max((len(m) for m in re.findall(r"`+", b.text)), default=0))
+            out.append(f"{fence}\n{b.text}\n{fence}")
+    return "\n\n".join(out) + "\n"
+
+
+def _md(text: str) -> str:
+    # Markdown passes HTML through: a '<' in a label or path must not become a tag.
+    return text.replace("&", "&amp;").replace("<", "&lt;")
+
+
+CSS = """body{font-family:system-ui,sans-serif;max-width:72rem;margin:2rem auto;padding:0 1rem;color:#222;
+line-height:1.45}table{border-collapse:collapse;margin:1rem 0;font-size:.9rem}
+th,td{border:1px solid #ccc;padding:.25rem .5rem;text-align:right}th{background:#f0f0f0}
+td:first-child,th:first-child{text-align:left}pre{background:#f6f6f6;padding:.75rem;overflow-x:auto}
+figure{margin:1.5rem 0}img{max-width:100%}figcaption{color:#555;font-style:italic}"""
+
+
+def to_html(blocks: list, title: str) -> str:
+    e = html.escape
+    body = []
+    for b in blocks:
+        if isinstance(b, Heading):
+            body.append(f"<h{b.level}>{e(b.text)}</h{b.level}>")
+        elif isinstance(b, Paragraph):
+            body.append(f"<p>{e(b.text)}</p>")
+        elif isinstance(b, Table):
+            head = "".join(f"<th>{e(c)}</th>" for c in b.header)
+            rows = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>\n" for row in b.rows)
+            body.append(f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{rows}</tbody>\n</table>")
+        elif isinstance(b, Image):
+            data = base64.b64encode(b.path.read_bytes()).decode("ascii")
+            body.append(f'<figure><img alt="{e(b.caption)}" src="data:image/png;base64,{data}">'
+                        f"<figcaption>{e(b.caption)}</figcaption></figure>")
+        elif isinstance(b, Code):
+            body.append(f"<pre><code>{e(b.text)}</code></pre>")
+    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{e(title)}</title>\n'
+            f"<style>{CSS}</style>\n</head>\n<body>\n" + "\n".join(body) + "\n</body>\n</html>\n")
+
+
+# ---- the content ------------------------------------------------------------------------------------
+
+# The per-mode tables' numbers: row key, column title, format.
+METRICS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
+    ("time_to_target_s", "time to target (s)", secs),
+    ("final_test_accuracy", "final test accuracy", acc),
+    ("samples_per_s", "samples/s", sig),
+    ("mean_staleness", "mean staleness", sig),
+    ("p99_staleness", "p99 staleness", sig),
+    ("dropped_pushes", "dropped pushes", sig),
+    ("mean_wait_s", "mean wait per worker (s)", secs),
+)
+
+
+def _cell(s: Spread, fmt: Callable[[float], str], with_range: bool) -> str:
+    if s.median is None:
+        return "-"
+    if not with_range and s.ci is not None:
+        return f"{fmt(s.median)} [{fmt(s.ci[0])}, {fmt(s.ci[1])}]"
+    if with_range and s.low != s.high:
+        return f"{fmt(s.median)} [{fmt(s.low)}..{fmt(s.high)}]"
+    return fmt(s.median)
+
+
+INTERVAL_METRICS = ("time_to_target_s", "final_test_accuracy")    # the summary shows their 95% intervals
+
+
+def _metric_cells(runs: list[dict], with_range: bool) -> list[str]:
+    cells = []
+    for key, _, fmt in METRICS:
+        s = spread(runs, key)
+        if not with_range and key not in INTERVAL_METRICS:
+            s = Spread(s.median, s.low, s.high, s.n)
+        cell = _cell(s, fmt, with_range)
+        if key == "time_to_target_s" and runs and s.n < len(runs):
+            cell = "never" if s.n == 0 else f"{cell} ({s.n} of {len(runs)} reached)"
+        cells.append(cell)
+    return cells + [str(len(runs))]
+
+
+def summary_table(ok: list[dict], settings: dict) -> Table:
+    """One row per (group, mode), medians (with 95% intervals from 3 repeats): what a reader looks at first."""
+    with_settings = any(r.get("settings") for r in ok)
+    rows = [[str(g[0]), g[1], m, *([_settings_of(runs)] if with_settings else []),
+             *_metric_cells(runs, with_range=False), _diverged_cell(runs)]
+            for g in groups_of(ok, settings) for m in modes_of(ok, settings)
+            if (runs := rows_of(ok, g, m))]
+    return Table(["workers", "stragglers", "mode", *(["settings"] if with_settings else []),
+                  *(t for _, t, _ in METRICS), "n", "diverged"], rows)
+
+
+def _settings_of(runs: list[dict]) -> str:
+    return " / ".join(dict.fromkeys(r.get("settings") or "job's" for r in runs))
+
+
+def _diverged_cell(runs: list[dict]) -> str:
+    n = sum(1 for r in runs if r.get("diverged"))
+    return f"{n} of {len(runs)}" if n else "-"
+
+
+def mode_table(ok: list[dict], settings: dict, mode: str) -> Table:
+    """One row per group: median [min..max] over repeats."""
+    rows = [[str(g[0]), g[1], *_metric_cells(runs, with_range=True)]
+            for g in groups_of(ok, settings) if (runs := rows_of(ok, g, mode))]
+    return Table(["workers", "stragglers", *(t for _, t, _ in METRICS), "n"], rows)
+
+
+def _target_text(settings: dict) -> str:
+    target = settings.get("target_accuracy")
+    if target is None:
+        return "Target test accuracy: none (no finished run recorded an evaluation), so no time to target."
+    how = ("given on the command line" if settings.get("target_source") == "given"
+           else "chosen automatically: the highest test accuracy that every finished run reached")
+    return f"Target test accuracy: {acc(target)}, {how}. Time to target counts from the run's start."
+
+
+def _has_intervals(ok: list[dict]) -> bool:
+    return any(len([r for r in ok if (r["workers"], r["stragglers"], r["mode"]) == k]) >= MIN_REPEATS
+               for k in {(r["workers"], r["stragglers"], r["mode"]) for r in ok})
+
+
+def tuning_blocks(t: Tuning, settings: dict) -> list:
+    """Each mode's chosen settings, and how every grid point did (mode x setting)."""
+    steps = settings.get("tune_steps")
+    blocks = [Heading("Tuning"),
+              Paragraph(f"Each mode ran every point of the grid ({_grid_text(settings)}) once"
+                        + (f", {steps} steps per worker" if steps else "")
+                        + ", and its repeats ran at its best point: the earliest to the tuning target; where no "
+                          "point reached it, the best final test accuracy; a diverged point never wins. The tuning "
+                          "target is " + ("the given target accuracy." if settings.get("target_source") == "given"
+                                          else "the highest test accuracy every mode reached at some point of its "
+                                               "grid.")),
+              ]
+    by_id = {r["run"]: r for r in t.rows}
+    chosen_rows = []
+    for (mode, workers, strag), run in t.chosen.items():
+        r = by_id[run]
+        target = t.targets.get((workers, strag))
+        chosen_rows.append([str(workers), strag, mode, r.get("settings") or "job's",
+                            "-" if target is None else acc(target), _ttt(r), _final(r)])
+    blocks.append(Table(["workers", "stragglers", "mode", "chosen settings", "tuning target", "time to target (s)",
+                         "final test accuracy"], chosen_rows))
+    for g in dict.fromkeys((r["workers"], r["stragglers"]) for r in t.rows):
+        modes = list(dict.fromkeys(r["mode"] for r in t.rows if (r["workers"], r["stragglers"]) == g))
+        points = list(dict.fromkeys(r.get("settings") or "job's" for r in t.rows
+                                    if (r["workers"], r["stragglers"]) == g))
+        cells = {(r["mode"], r.get("settings") or "job's"): r for r in t.rows if (r["workers"], r["stragglers"]) == g}
+        table = [[p, *(_point_cell(cells.get((m, p)), t.chosen.get((m, *g))) for m in modes)] for p in points]
+        blocks += [Heading(f"Sensitivity, {group_title(g)}", 3),
+                   Paragraph("Each cell: time to the tuning target (s) / final test accuracy of that mode at that "
+                             "setting; * marks the point chosen for the repeats."),
+                   Table(["setting", *modes], table)]
+    return blocks
+
+
+def _grid_text(settings: dict) -> str:
+    tune = settings.get("tune") or {}
+    return "; ".join(f"{k} in {', '.join(map(str, v))}" for k, v in tune.items()) or "no grid"
+
+
+def _ttt(r: dict) -> str:
+    return "never" if r.get("time_to_target_s") is None else secs(r["time_to_target_s"])
+
+
+def _final(r: dict) -> str:
+    return "-" if r.get("final_test_accuracy") is None else acc(r["final_test_accuracy"])
+
+
+def _point_cell(r: dict | None, chosen: str | None) -> str:
+    if r is None:
+        return "-"
+    if r.get("status") != "ok":
+        return r.get("status") or "-"
+    text = f"{_ttt(r)} / {_final(r)}" + (" diverged" if r.get("diverged") else "")
+    return text + (" *" if r["run"] == chosen else "")
+
+
+def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]] | None,
+          tuning: Tuning | None = None) -> list:
+    """The report's blocks; ``plots`` maps a plot's name to its PNG and caption (None: matplotlib is missing)."""
+    ok = finished(rows)
+    blocks: list = [Heading(settings.get("title") or "psctl compare", 1),
+                    Paragraph("The command that ran this experiment and wrote this report "
+                              "(run it again to reproduce both):"),
+                    Code(str(settings.get("command") or "(command not recorded)")),
+                    Heading("Setup")]
+    if machine := settings.get("machine") or {}:
+        blocks.append(Table(["machine", ""], [[str(k), "none" if v is None else str(v)] for k, v in machine.items()]))
+    blocks += [Paragraph("Job: " + str(settings.get("job_summary") or "not recorded") + "."),
+               Paragraph(_target_text(settings)),
+               *(tuning_blocks(tuning, settings) if tuning is not None else []),
+               Heading("Summary"),
+               Paragraph("Medians over the repeats that finished; n counts them. "
+                         + (f"Where n is {MIN_REPEATS} or more, time to target and final accuracy show the median's "
+                            f"bootstrap 95% interval in brackets. " if _has_intervals(ok) else
+                            f"With fewer than {MIN_REPEATS} repeats there are no intervals: nothing here is "
+                            f"settled. ")
+                         + "Staleness is how many updates "
+                         "behind the weights a push was computed on; wait is the time a worker spent blocked "
+                         "waiting for the others; diverged counts the runs whose loss grew or turned non-finite, "
+                         "or whose accuracy fell to chance."),
+               summary_table(ok, settings) if ok else Paragraph("No run finished."),
+               Heading("Per mode"),
+               Paragraph("Median [min..max] over the repeats that finished.")]
+    for mode in modes_of(ok, settings):
+        if any(r["mode"] == mode for r in ok):
+            blocks += [Heading(mode, 3), mode_table(ok, settings, mode)]
+    if plots is None:
+        blocks += [Heading("Plots"), Paragraph(f"No plots: matplotlib is not installed ({PLOTS_SKIPPED}).")]
+    elif plots:
+        blocks.append(Heading("Plots"))
+        blocks += [Image(path, f"plots/{path.name}", caption) for path, caption in plots.values()]
+    blocks.append(Heading("Reading"))
+    blocks += [Paragraph(p) for p in reading(rows, settings, tuning.rows if tuning is not None else None)]
+    failed = [r for r in rows if r.get("status") != "ok"]
+    if failed:
+        blocks += [Heading("Runs that did not finish"),
+                   Paragraph("These are left out of every number above."),
+                   Table(["run", "mode", "workers", "stragglers", "repeat", "status"],
+                         [[str(r.get(k)) for k in ("run", "mode", "workers", "stragglers", "repeat", "status")]
+                          for r in failed])]
+    return blocks
+
+
+def write_report(out: Path, settings: dict, rows: list[dict], events: dict[str, list[dict]],
+                 tuning: Tuning | None = None) -> dict[str, Path]:
+    """Write ``out/report.md``, ``out/report.html`` and ``out/plots/*.png``.
+
+    Parameters
+    ----------
+    out : the experiment's folder.
+    settings : the experiment's settings (``command``, ``modes``, ``workers``, ``stragglers``,
+        ``target_accuracy``, ``target_source``, ``machine``, ``job_summary``, optional ``title``).
+    rows : one summary row per run (keys: :data:`psgrid.cluster.experiments.experiment.ROW_FIELDS`).
+    events : each run's step and eval events, by run id.
+    tuning : what ``--tune`` ran and chose, for the report's Tuning section and sensitivity plot.
+
+    Returns
+    -------
+    The paths written: ``"md"``, ``"html"`` and one per plot, by the plot's name.
+    """
+    out = Path(out)
+    files.make_dirs(out)
+    plotting = _plotting()
+    plots = None if plotting is None else plotting.write_plots(out / "plots", rows, events, settings, tuning)
+    blocks = build(settings, rows, plots, tuning)
+    paths = {"md": out / "report.md", "html": out / "report.html"}
+    _write(paths["md"], to_markdown(blocks))
+    _write(paths["html"], to_html(blocks, settings.get("title") or "psctl compare"))
+    return {**paths, **{name: path for name, (path, _) in (plots or {}).items()}}
+
+
+def _plotting():
+    """:mod:`psgrid.cluster.experiments.plots`, or None (and one line on stderr) where matplotlib is not installed."""
+    try:
+        from psgrid.cluster.experiments import plots   # matplotlib is loaded only to write a report
+    except ImportError as exc:
+        if (exc.name or "").split(".")[0] != "matplotlib":
+            raise
+        print(f"psctl compare: {PLOTS_SKIPPED}", file=sys.stderr)
+        return None
+    return plots
+
+
+def _write(path: Path, text: str) -> None:
+    files.replace_text(path, text)
+

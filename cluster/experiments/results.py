@@ -1,0 +1,209 @@
+"""From a finished run's folder to the experiment's records: its step events and its summary row.
+
+A run's folder is what ``psctl launch`` or ``psctl allreduce`` wrote (``summary.json``,
+``metrics.jsonl``). Times are made relative to the run's start: the first worker's ``start``
+event, which every worker writes once it has joined, so process start-up and the join are
+not counted against any mode.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from psgrid.cluster.experiments.experiment import ROW_FIELDS, Run
+from psgrid.psserver import files
+
+STEP_FIELDS = ("rank", "step", "loss", "pull_s", "compute_s", "delay_s", "push_s", "staleness", "outcome",
+               "samples", "bytes")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    events = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue      # a line cut short by a crash
+                if isinstance(event, dict):
+                    events.append(event)
+    except FileNotFoundError:
+        pass
+    return events
+
+
+def read_summary(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def run_events(run_dir: Path) -> list[dict]:
+    """The run's step and eval events, each with ``t``: seconds since the run's start."""
+    raw = read_jsonl(run_dir / "metrics.jsonl")
+    starts = [e["time"] for e in raw if e.get("event") == "start" and _number(e.get("time"))]
+    if not starts:
+        return []
+    t0 = min(starts)
+    events = []
+    for e in raw:
+        if e.get("event") == "step" and _number(e.get("started")):
+            events.append({"event": "step", "t": e["started"] - t0, **{k: e.get(k) for k in STEP_FIELDS}})
+        elif e.get("event") == "eval" and _number(e.get("time")):
+            events.append({"event": "eval", "t": e["time"] - t0, "rank": e.get("rank"), "step": e.get("step"),
+                           "test_accuracy": e.get("test_accuracy")})
+    events.sort(key=lambda e: e["t"])
+    return events
+
+
+def best_accuracy(events: Iterable[dict]) -> float | None:
+    accs = [e["test_accuracy"] for e in events if e["event"] == "eval" and _number(e.get("test_accuracy"))]
+    return max(accs) if accs else None
+
+
+def time_to_target(events: Iterable[dict], target: float) -> float | None:
+    """Seconds from the run's start to its first evaluation at or above ``target`` (None: never)."""
+    for e in events:
+        if e["event"] == "eval" and _number(e.get("test_accuracy")) and e["test_accuracy"] >= target:
+            return e["t"]
+    return None
+
+
+def waits_by_worker(summary: dict) -> list[float] | None:
+    """Seconds each worker spent waiting for the others, in rank order.
+
+    Parameter server: the shards' consistency waits, per worker the longest over the shards (a
+    worker pulls from every shard at once). All-reduce: the time its ranks spent in Allreduce.
+    """
+    if summary.get("wait_s_by_worker") is not None:
+        return [float(w) for w in summary["wait_s_by_worker"]]
+    per_worker: dict[int, float] = {}
+    for shard in summary.get("shard_stats") or []:
+        for w in shard.get("waits") or []:
+            per_worker[w["worker_id"]] = max(per_worker.get(w["worker_id"], 0.0), w["seconds"])
+    if not per_worker and not summary.get("shard_stats"):
+        return None
+    return [per_worker.get(rank, 0.0) for rank in range(int(summary.get("workers") or 0))]
+
+
+CHANCE_FACTOR = 1.5     # test accuracy at or below 1.5 / classes is chance: the model learned nothing
+LOSS_GROWTH = 1.1       # a loss that ends 10% above where it began grew (a flat one wobbles by less)
+
+
+def divergence(events: list[dict], summary: dict, classes: int | None) -> str | None:
+    """Why the run diverged, or None: its loss turned non-finite or grew, or its accuracy fell to chance.
+
+    The loss's start and end are the means over the first and last tenth of all workers' steps
+    (one step's loss is too noisy to compare). ``classes`` None skips the chance test (a user's
+    script, whose number of classes psctl does not know).
+    """
+    losses = [e["loss"] for e in events if e["event"] == "step" and isinstance(e.get("loss"), (int, float))]
+    finite = [x for x in losses if math.isfinite(x)]
+    last = summary.get("final_loss")
+    # A script that pushes no loss records NaN from its first step: only a loss that was finite can diverge.
+    if finite and (not math.isfinite(losses[-1]) or (_real(last) and not math.isfinite(last))):
+        return "its loss became non-finite"
+    k = max(1, len(finite) // 10)
+    if len(finite) >= 2 and np.mean(finite[-k:]) > LOSS_GROWTH * np.mean(finite[:k]):
+        return f"its loss grew from {np.mean(finite[:k]):.3g} to {np.mean(finite[-k:]):.3g}"
+    final = summary.get("test_accuracy")
+    if classes and _number(final) and final <= CHANCE_FACTOR / classes:
+        return f"its test accuracy {final:.3f} is at chance (<= {CHANCE_FACTOR:g}/{classes} classes)"
+    return None
+
+
+def summarize_run(run: Run, summary: dict | None, events: list[dict], target: float | None,
+                  classes: int | None = None) -> dict:
+    """The run's row of summary.csv (keys: ROW_FIELDS); ``classes`` as :func:`divergence` takes it."""
+    summary = summary or {}
+    steps = [e for e in events if e["event"] == "step"]
+    staleness = [e["staleness"] for e in steps if _number(e.get("staleness")) and e["staleness"] >= 0]
+    waits = waits_by_worker(summary) if summary else None
+    row = dict.fromkeys(ROW_FIELDS)
+    row.update(run.describe())
+    row.update(
+        status=summary.get("status", "interrupted"),
+        diverged=int(bool(summary) and divergence(events, summary, classes) is not None),
+        best_test_accuracy=best_accuracy(events),
+        target_accuracy=target,
+        time_to_target_s=time_to_target(events, target) if target is not None else None,
+        final_test_accuracy=summary.get("test_accuracy"),
+        final_train_accuracy=summary.get("train_accuracy"),
+        final_loss=summary.get("final_loss"),
+        steps=summary.get("steps"),
+        samples=summary.get("samples"),
+        wall_s=summary.get("wall_s"),
+        samples_per_s=summary.get("samples_per_s"),
+        mean_staleness=float(np.mean(staleness)) if staleness else None,
+        p99_staleness=float(np.percentile(staleness, 99)) if staleness else None,
+        dropped_pushes=sum(1 for e in steps if e.get("outcome") == "DROPPED_LATE"),
+        bytes_moved=sum(int(e["bytes"]) for e in steps if _number(e.get("bytes"))),
+        mean_wait_s=float(np.mean(waits)) if waits else None,
+        max_wait_s=max(waits) if waits else None,
+        wait_s_by_worker=";".join(f"{w:.3f}" for w in waits) if waits else None,
+    )
+    for key in ("pull_s", "compute_s", "delay_s", "push_s"):
+        values = [e[key] for e in steps if _number(e.get(key))]
+        row[key] = float(np.mean(values)) if values else None
+    return row
+
+
+def set_target(row: dict, events: list[dict], target: float | None) -> dict:
+    """``row`` with its target and time to it (for a target chosen once every row is known)."""
+    row.update(target_accuracy=target, time_to_target_s=time_to_target(events, target) if target is not None else None)
+    return row
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    with files.replacing(path, newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=ROW_FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _cell(row.get(k)) for k in ROW_FIELDS})
+
+
+def read_csv(path: Path) -> list[dict]:
+    """summary.csv back as rows, numbers as numbers and empty cells as None."""
+    with open(path, newline="") as f:
+        return [{k: _parse_cell(v) for k, v in row.items()} for row in csv.DictReader(f)]
+
+
+def result_lines(run: Run, events: list[dict]) -> list[str]:
+    """results.jsonl's lines for one run: every step and evaluation, tagged with the run."""
+    tag = run.describe()
+    return [json.dumps({**tag, **e}) for e in events]
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _parse_cell(text: str):
+    if text == "":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

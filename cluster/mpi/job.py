@@ -1,0 +1,443 @@
+"""``psctl mpi``: a whole job under ``mpiexec`` or ``srun``, roles given by rank.
+
+Rank 0 coordinates (progress, final evaluation, summary), S ranks each serve one shard
+in-process, and every other rank is a worker. Which ranks serve and which train is decided by
+:mod:`psgrid.cluster.mpi.placement` from every rank's host and GPUs: one worker per GPU on every node
+(or a one-line error naming the numbers to run), ranks 1..S as the shards in a CPU job.
+The shards bind port 0; their real addresses are gathered on rank 0 and broadcast.
+
+Two habits from ``mpi4py.run`` and ``dask_mpi.initialize``: an unhandled exception on any
+rank prints that rank, its host and the traceback and calls ``comm.Abort(1)``, so the job
+ends instead of hanging; too few ranks fails at once on every rank.  The communicator is
+a parameter, so the bootstrap runs on any (sub-)communicator.
+
+Ranks that wait (the coordinator for the workers, everyone at the end) poll non-blocking
+MPI calls with a sleep: a blocking MPICH collective spins a core, and on a small machine
+the spinning ranks would take the CPU the workers train on.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from psgrid.cluster.run import coordinator as co
+from psgrid.cluster.job import credentials
+from psgrid.cluster.job import memory
+from psgrid.cluster.mpi import report as mpi_report
+from psgrid.cluster.run import preflight
+from psgrid.cluster.run import script as user_script
+from psgrid.cluster.job.config import JobConfig, apply_overrides
+from psgrid.cluster.errors import JobFailed, UsageError
+from psgrid.cluster.run.interrupts import ignore_signals, received_signal, stop_on_signals
+from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
+from psgrid.cluster.mpi.placement import SERVER, WORKER, Placement, PlacementError, Role, place
+from psgrid.cluster.run.procs import limit_blas_threads, usable_cpus
+from psgrid.psserver import files
+from psgrid.psserver.protocol import format_address_file
+
+TAG_DONE = 71
+POLL_S = 0.05
+LOOPBACK = "127.0.0.1"
+ABORT_GRACE_S = 0.5
+INTERRUPT_WAIT_S = 20.0
+
+
+def min_ranks(shards: int) -> int:
+    return shards + 2
+
+
+def too_few_ranks_message(shards: int, size: int) -> str:
+    return (f"psctl mpi needs at least {min_ranks(shards)} ranks (1 coordinator + {shards} shard"
+            f"{'s' if shards != 1 else ''} + at least 1 worker); got {size}")
+
+
+def interface_address(iface: str) -> str:
+    """The IPv4 address of a network interface (Linux), e.g. ``ib0`` -> ``10.1.2.3``."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface[:15].encode()))  # SIOCGIFADDR
+        except OSError as e:
+            raise UsageError(f"--iface {iface}: no IPv4 address on that interface ({e.strerror})") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def bind_and_advertise(host: str | None, iface: str | None, single_node: bool) -> tuple[str, str]:
+    """Where a shard binds, and the host name other ranks use to reach it."""
+    if iface:
+        ip = interface_address(iface)
+        return ip, ip
+    if host:
+        if host in ("0.0.0.0", "::", "[::]"):
+            return host, socket.gethostname()
+        return host, host
+    if single_node:
+        return LOOPBACK, LOOPBACK
+    return "0.0.0.0", socket.gethostname()
+
+
+def _wait_request(req, timeout: float | None, what: str) -> None:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not req.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            raise JobFailed(f"{what} did not complete within {timeout:.0f} s")
+        time.sleep(POLL_S)
+
+
+class MPIJob:
+    """One rank's part of an MPI job; :meth:`run` returns this rank's exit code."""
+
+    def __init__(self, job: JobConfig, comm, *, host: str | None = None, iface: str | None = None,
+                 progress: bool | None = None, command: list[str] | None = None, oversubscribe: bool = False):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.hostname = socket.gethostname()
+        self.job0 = job
+        self.job = job
+        self.host, self.iface = host, iface
+        self.progress = progress
+        self.command = command      # the user's own command, run by each worker rank (cluster/run/script.py)
+        self.oversubscribe = oversubscribe
+        self.placement: Placement | None = None     # every rank's role, once run() has gathered them
+        self.role, self.index = ("coordinator", 0) if self.rank == 0 else ("rank", self.rank)   # until placed
+        self.out: Path | None = None
+        self.server = None          # this rank's running shard, when it serves one
+        self.model = None           # "a 101,770-parameter mlp", for rank 0's first line
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def check_size(self) -> str | None:
+        if self.size < min_ranks(self.job0.shards):
+            return too_few_ranks_message(self.job0.shards, self.size)
+        return None
+
+    def place_ranks(self) -> Placement:
+        """Every rank's role, from every rank's host and GPUs (the same answer on every rank).
+
+        Raises PlacementError on every rank alike; caps this rank's BLAS threads at the node's
+        CPUs divided among its workers.
+        """
+        from psgrid.worker.backend import visible_gpus
+
+        gpus = visible_gpus() if self.job.train.device != "cpu" else []
+        reports = self.comm.allgather((self.hostname, gpus))
+        placement = place([h for h, _ in reports], [g for _, g in reports], self.job.shards,
+                          device=self.job.train.device, oversubscribe=self.oversubscribe)
+        limit_blas_threads(usable_cpus() // max(1, placement.workers_on(placement.roles[self.rank].node)))
+        return placement
+
+    def run(self) -> int:
+        problem = self.check_size()
+        if problem:
+            if self.rank == 0:       # every rank fails at once; one says why
+                print(problem, file=sys.stderr, flush=True)
+            return 2
+        workers = self.size - 1 - self.job0.shards
+        # The number of ranks decides the number of workers; every rank computes the same job.
+        try:
+            self.job = apply_overrides(self.job0, {"workers": workers})
+            preflight.check_stragglers(self.job)
+        except UsageError as e:
+            if self.rank == 0:
+                print(f"psctl mpi: error: {e}", file=sys.stderr, flush=True)
+            return 2
+        try:
+            self.placement = self.place_ranks()
+        except PlacementError as e:
+            if self.rank == 0:
+                print(f"psctl mpi: error: {e}", file=sys.stderr, flush=True)
+            return 2
+        me = self.placement.roles[self.rank]
+        self.role, self.index = me.kind, me.index
+        single_node = len(self.placement.hosts) == 1
+        if self.rank == 0:
+            for note in self.placement.notes:
+                print(f"psctl mpi: warning: {note}", file=sys.stderr, flush=True)
+        problem = preflight.gathered_device_problem(self.comm, self.role == "worker", self.job.train)
+        if not problem and not self.command:      # a script's model is its own
+            problem = self.memory_problem()
+        if problem:     # before any shard binds: a worker rank cannot compute where the job asks
+            if self.rank == 0:
+                print(f"psctl mpi: error: {problem}", file=sys.stderr, flush=True)
+            return 2
+        # One token and one job id for the whole job, made on rank 0 and sent over MPI: never in a file or argv.
+        made = (credentials.new_token(), credentials.new_job_id()) if self.rank == 0 else None
+        self.job = credentials.secure(self.job, *self.comm.bcast(made, root=0))
+
+        out, error = None, None
+        if self.rank == 0:
+            try:
+                out = str(_prepare_out(self.job))
+            except UsageError as e:
+                error = str(e)
+        out, error = self.comm.bcast((out, error), root=0)
+        if error:
+            if self.rank == 0:
+                print(f"psctl mpi: error: {error}", file=sys.stderr, flush=True)
+            return 2
+        self.out = Path(out)
+        mpi_report.tee_to_log(self.out, self.rank, self.role, self.index)     # OUT/logs/ROLE-I.log
+        if self.rank == 0:
+            mpi_report.write_job_file(self.out, self.job)
+
+        running = None
+        if self.role == "server":
+            running, address = self.start_server(single_node)
+            self.server = running
+        else:
+            address = None
+        addresses = self.comm.gather(address, root=0)
+        if self.rank == 0:
+            addresses = [addresses[r] for r in self.placement.ranks(SERVER)]
+            for i, a in enumerate(addresses):  # as psctl launch does, for psctl status --address-dir
+                files.replace_text(self.out / "addr" / f"shard-{i}", format_address_file(a, self.job.server.job_id))
+            credentials.write_token_file(self.out, self.job)
+        self.addresses = self.comm.bcast(addresses, root=0)
+
+        if self.role == "coordinator":
+            code = self.coordinate()
+        elif self.role == "server":
+            self.serve_until_shutdown(running)
+            code = 0
+        else:
+            self.train(me)
+            code = 0
+        _wait_request(self.comm.Ibarrier(), None, "final barrier")
+        mpi_report.untee()
+        return code
+
+    def memory_problem(self) -> str | None:
+        """Whether the ranks of each node fit in its memory (and a GPU worker's arrays on its GPU); collective."""
+        fp = memory.footprint(self.job)
+        me = self.placement.roles[self.rank]
+        here = [r for r, role in enumerate(self.placement.roles) if role.node == me.node]
+        problem = None
+        if self.rank == here[0]:        # one rank per node speaks for it
+            kinds = [self.placement.roles[r].kind for r in here]
+            problem = memory.host_problem(fp, kinds.count(SERVER), kinds.count(WORKER), memory.available_bytes(),
+                                          f"node {self.hostname}")
+        if problem is None and me.kind == WORKER and self.job.train.device == "gpu":
+            problem = memory.gpu_problem(fp, memory.gpu_total_bytes())
+        if self.rank == 0:
+            self.model = fp.describe()
+        return next((p for p in self.comm.allgather(problem) if p), None)
+
+    # -- roles -------------------------------------------------------------------------------
+
+    def start_server(self, single_node: bool):
+        from psgrid.psserver.server import serve
+
+        bind, advertise = bind_and_advertise(self.host, self.iface, single_node)
+        config = self.job.server_config(self.index, host=bind, port=0)
+        running = serve(config)
+        address = f"{advertise}:{running.port}"
+        metrics = f", metrics on {advertise}:{running.metrics.port}" if running.metrics else ""
+        print(f"psctl mpi: shard {self.index}/{self.job.shards} listening on {address} "
+              f"(rank {self.rank} on {self.hostname}, mode {config.mode}{metrics})", file=sys.stderr, flush=True)
+        return running, address
+
+    def serve_until_shutdown(self, running) -> None:
+        # Ends when the coordinator's Shutdown RPC arrives; if the coordinator dies, mpiexec ends us.
+        while not running.shutdown_requested.wait(timeout=1.0):
+            if running.wait(timeout=0):
+                return
+        running.stop(grace=1.0)
+
+    def train(self, me: Role) -> None:
+        from psgrid.worker.loop import run_worker
+
+        # The worker's GPU reaches select_gpu as LOCAL_RANK (taken modulo the GPUs it sees), as torchrun's does.
+        os.environ["LOCAL_RANK"] = str(me.gpu if me.gpu is not None else me.local_rank)
+        metrics = self.out / "metrics" / f"worker-{self.index}.jsonl"
+        files.make_dirs(metrics.parent)
+        if self.command:
+            gpu = me.gpu if me.gpu is not None else (me.local_rank or 0)
+            message = user_script.run_on_rank(self.command, self.job, self.out, self.addresses, self.index,
+                                              self.job.workers, gpu)
+        else:
+            result = run_worker(self.job.train, self.addresses, self.index, self.job.workers,
+                                metrics_path=str(metrics))
+            # Send the events along: rank 0 may not see this node's files (no shared file system).
+            message = {"result": result, "events": co.MetricsTail([metrics]).read()}
+        _wait_request(self.comm.isend(message, dest=0, tag=TAG_DONE), None, "sending results to rank 0")
+
+    def coordinate(self) -> int:
+        from mpi4py import MPI
+
+        job, out = self.job, self.out
+        t0 = time.monotonic()
+        log = co.EventLog(out / "metrics" / "coordinator.jsonl")
+        log("job_start", name=job.name, mode=job.mode, shards=job.shards, workers=job.workers,
+            out=str(out), launcher="mpi", ranks=self.size)
+        log("shards_ready", addresses=self.addresses)
+        model = f" of {self.model}" if self.model else ""      # a script's model is its own
+        print(f"psctl mpi: {self.size} ranks: coordinator on {self.hostname}, {job.shards} shard(s) at "
+              f"{','.join(self.addresses)} applying {job.server.describe_optimizer()}, {job.workers} worker(s)"
+              f"{model}; output in {out}", file=sys.stderr, flush=True)
+        state = co.JobState()
+        tail = co.MetricsTail(out / "metrics" / f"worker-{r}.jsonl" for r in range(job.workers))
+        worker_events: list[dict] = []
+        # ranks that raised and said so before the abort (cluster/mpi/report.py), and worker ranks whose
+        # command failed (cluster/run/script.py)
+        failures: list[dict] = []
+        received: set[int] = set()
+        status, message, evaluation, shard_stats, train_wall = "ok", None, None, [], None
+        start, last_done = time.time(), None
+        total = None if self.command else co.total_steps(job)     # a script's steps are its own
+        progress = co.Progress(total, self.progress, desc=f"{job.name} {job.mode}")
+        try:
+            try:
+                st = MPI.Status()
+                while len(received) < job.workers:
+                    while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_DONE, status=st):
+                        msg = self.comm.recv(source=st.Get_source(), tag=TAG_DONE)
+                        wrank = self.placement.roles[st.Get_source()].index
+                        received.add(wrank)
+                        last_done = time.time()
+                        worker_events.extend(msg["events"])
+                        state.update(msg["events"])
+                        if user_script.record_failure(msg, failures, log, wrank):
+                            continue
+                        state.done.setdefault(wrank, {"event": "done", **msg["result"]})
+                        log("worker_exit", rank=wrank, exit_code=0)
+                    failed = mpi_report.failures_reported(self.comm)
+                    if failed:
+                        failures.extend(failed)
+                        raise JobFailed(mpi_report.describe(failed))
+                    evals = state.update(tail.read())
+                    progress.update(state, evals)
+                    if job.timeout_s and time.monotonic() - t0 > job.timeout_s:
+                        raise JobFailed(f"training did not finish within timeout_s = {job.timeout_s:g} s")
+                    time.sleep(POLL_S * 4)
+                progress.update(state, [])
+            finally:
+                progress.close()
+            train_wall = (last_done or time.time()) - start
+            if self.command:
+                user_script.check_completed(failures, job.workers)
+                evaluation, shard_stats = user_script.finish(job, self.addresses, state)
+                user_script.check_joined(state, failures)
+            else:
+                evaluation, shard_stats = co.finish(job, self.addresses)
+            log("final_eval", **(evaluation or {}))
+            for s in shard_stats:
+                log("shard_stats", **s)
+        except JobFailed as e:
+            status, message = e.status, str(e)
+        except KeyboardInterrupt:       # Ctrl-C or SIGTERM: every rank heard it (see stop_interrupted)
+            status, message = "interrupted", f"stopped by {signal.Signals(received_signal()).name}"
+            raise
+        except Exception as e:
+            # Evaluation, stats or shutdown failing after training: the job did not complete cleanly.
+            status, message = "failed", f"{type(e).__name__}: {e}"
+        finally:
+            log("job_end", status=status, message=message)
+            log.close()
+            summary = co.build_summary(
+                job, launcher="mpi", status=status, addresses=self.addresses, state=state,
+                train_wall_s=train_wall, total_wall_s=time.monotonic() - t0, evaluation=evaluation,
+                shard_stats=shard_stats, failures=failures, out=str(out), message=message,
+                worker_exits={r: next((f.get("exit_code", 1) for f in failures if f["index"] == r), 0)
+                              for r in received},
+            )
+            summary["ranks"] = self.size
+            if self.command:
+                summary["command"] = self.command
+            co.merge_metrics([out / "metrics" / "coordinator.jsonl", worker_events], out / "metrics.jsonl")
+            co.write_json(out / "summary.json", summary)
+        if status not in ("ok", "failed"):   # a mistake of the user's: every rank ended as it should
+            print(f"psctl mpi: {message} (status {status}; summary in {out / 'summary.json'})", file=sys.stderr,
+                  flush=True)
+            return 1
+        if status != "ok":
+            print(f"psctl mpi: job failed: {message}; summary in {out / 'summary.json'}", file=sys.stderr,
+                  flush=True)
+            _abort(self.comm)
+        print(co.headline(summary), flush=True)
+        print(f"psctl mpi: summary in {out / 'summary.json'}, metrics in {out / 'metrics.jsonl'}",
+              file=sys.stderr, flush=True)
+        return 0
+
+
+    def stop_interrupted(self, signum: int) -> int:
+        """After Ctrl-C or SIGTERM, which every rank hears: stop this rank's part and end with the others.
+
+        mpiexec and srun pass the signal to every rank; each stops what it runs, the ranks meet
+        once more, and rank 0 says in one line what happened (its summary, status ``interrupted``,
+        is written by :meth:`coordinate`). Returns 128 + ``signum``. A rank that does not come
+        within ``INTERRUPT_WAIT_S`` (the signal reached only some ranks) makes the job abort.
+        """
+        name = signal.Signals(signum).name
+        try:    # a shard serves on until the workers have left it
+            _wait_request(self.comm.Ibarrier(), INTERRUPT_WAIT_S, f"{name}: the other ranks stopping")
+        except JobFailed as e:
+            print(f"psctl mpi: rank {self.rank}: {e}; aborting the job", file=sys.stderr, flush=True)
+            _abort(self.comm)
+        if self.server is not None:
+            self.server.stop(grace=0.5)
+        if self.rank == 0:
+            where = f"; partial results in {self.out}" if self.out is not None else "; nothing had started"
+            print(f"psctl mpi: {name}: stopped every rank{where}", file=sys.stderr, flush=True)
+        mpi_report.untee()
+        return 128 + signum
+
+
+def _abort(comm) -> None:
+    # Give mpiexec's output forwarding a moment: MPI_Abort kills every rank at once, and a message
+    # still in a pipe when that happens is lost.
+    time.sleep(ABORT_GRACE_S)
+    comm.Abort(1)
+
+
+def _prepare_out(job: JobConfig) -> Path:
+    from psgrid.cluster.run.launch import prepare_out
+
+    return prepare_out(job)
+
+
+def run_mpi(job: JobConfig, comm=None, *, host: str | None = None, iface: str | None = None,
+            progress: bool | None = None, command: list[str] | None = None, oversubscribe: bool = False) -> int:
+    """Run this rank's part of ``job`` on ``comm`` (default ``MPI.COMM_WORLD``); returns the exit code.
+
+    Any exception on any rank is printed with the rank and host and aborts the whole job. With
+    ``command``, each worker rank runs it instead of the built-in trainer (cluster/run/script.py); with
+    ``oversubscribe``, workers may share GPUs when there are more of them than GPUs.
+    """
+    world = comm is None
+    if world:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    part = None
+    old = stop_on_signals()
+    try:
+        if world:   # the job is ours: leave no MPICH file in /dev/shm, however it ends
+            unlink_init_shm(comm)
+        part = MPIJob(job, comm, host=host, iface=iface, progress=progress, command=command,
+                      oversubscribe=oversubscribe)
+        return part.run()
+    except KeyboardInterrupt:
+        ignore_signals()        # the cleanup is bounded by its own timeouts; a second Ctrl-C must not cut it
+        if part is None:
+            return 128 + received_signal()
+        return part.stop_interrupted(received_signal())
+    except BaseException as e:
+        print(f"psctl mpi: rank {rank} on {socket.gethostname()} failed; aborting the job:\n"
+              f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if part is not None:     # rank 0 writes a partial summary, then aborts the job itself
+            mpi_report.tell_coordinator(comm, rank, part.role, part.index, f"{type(e).__name__}: {e}")
+        _abort(comm)
+        raise  # not reached: Abort ends the process
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,282 @@
+"""``psgrid.LocalCluster``: a job's shards (and optionally its workers) in the background, for notebooks.
+
+As Dask's ``LocalCluster``::
+
+    with psgrid.LocalCluster(shards=2, mode="sync", lr=0.1) as cluster:
+        ps = cluster.init(model)              # this notebook is the job's worker
+        for x, y in batches:
+            ps.pull(); ...; ps.push(grads, loss=loss)
+        ps.close()
+    cluster.summary()                         # what summary.json says
+
+The shards run as ``psctl server`` processes (the launcher's own code, cluster/run/launch.py), so
+training in the notebook does not share their interpreter. ``workers=W`` also starts W workers
+in the background: the built-in trainer of the job, or ``command=[...]`` (your own script, as
+``psctl launch -- CMD``); ``wait()`` returns when they are done. Leaving the ``with`` block (or
+``close()``) stops every process it started and keeps the summary; a cluster the program forgets
+is stopped when it is collected or the interpreter exits. A block left by Ctrl-C or an exception
+ends the job as ``interrupted`` or ``failed`` (never ``ok``), said in one line.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+
+from psgrid.cluster.run import coordinator as co
+from psgrid.cluster.run import script as user_script
+from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
+from psgrid.cluster.errors import ConfigError
+from psgrid.cluster.run.launch import Launcher, prepare_out
+from psgrid.cluster.job.outdir import release
+from psgrid.cluster.run.procs import stop_children
+from psgrid.psserver import files
+
+
+class LocalCluster:
+    """Shards of one job on this machine, started in the background.
+
+    Parameters
+    ----------
+    shards : int
+        Shard processes.
+    mode : {"sync", "async", "ssp"}, optional
+        Consistency (default: the job's).
+    workers : int
+        Workers started in the background (0: none; the program joins with :meth:`init`).
+    command : list of str, optional
+        What each background worker runs (``["python", "train.py"]``); default: the built-in trainer.
+    config : str, optional
+        A job file or packaged example (``"mnist"``) to start from; default: the defaults.
+    out : str, optional
+        Output folder (logs, metrics, summary.json); default: a temporary folder, removed on close.
+    progress : bool
+        Show the background workers' progress bar.
+    **settings
+        Any job-file key (``lr=0.1``, ``optimizer="adam"``, ``steps=200``, ``server.lease_s=5`` ...).
+    """
+
+    def __init__(self, shards: int = 1, mode: str | None = None, *, workers: int = 0, command: list[str] | None = None,
+                 config: str | None = None, out: str | None = None, progress: bool = False, **settings):
+        job = load_job(config) if config else JobConfig(name="local")
+        overrides = {"shards": shards, "mode": mode, **settings}
+        # With no background workers the program's own sessions are the job's workers: one unless it says more.
+        overrides["workers"] = workers or 1
+        if out is not None:
+            overrides["out"] = out
+        job = _with_settings(job, overrides)
+        self._temporary = out is None
+        if out is None:
+            out_dir = Path(tempfile.mkdtemp(prefix="psgrid-local-"))
+            for sub in ("addr", "logs", "metrics"):
+                files.make_dirs(out_dir / sub)
+        else:
+            out_dir = prepare_out(job)
+        self.out = out_dir
+        self.command = user_script.resolve_command(command) if command is not None else None
+        self._launcher = Launcher(job, out_dir, progress, quiet=True, command=self.command,
+                                  bar=None if progress else _NoBar())
+        self.job = self._launcher.job          # with its token and job id
+        self._background = workers
+        self._thread: threading.Thread | None = None
+        self._outcome: dict = {}
+        self._summary: dict | None = None
+        self._t0 = time.monotonic()
+        launcher = self._launcher
+        # Stops the processes of a cluster nobody closed, when it is collected or at interpreter exit.
+        self._finalizer = weakref.finalize(self, _stop, launcher, out_dir, self._temporary)
+        launcher.log("job_start", name=self.job.name, mode=self.job.mode, shards=self.job.shards,
+                     workers=self.job.workers, out=str(out_dir), launcher="local")
+        try:
+            launcher.start_shards()
+            if workers:
+                launcher.start_workers()
+                self._thread = threading.Thread(target=self._follow, name="psgrid-local-cluster", daemon=True)
+                self._thread.start()
+        except BaseException:
+            self._finalizer()
+            raise
+
+    # ----- what it gives ----------------------------------------------------------------------------
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every shard's ``host:port``, in shard order."""
+        return list(self._launcher.addresses)
+
+    @property
+    def token(self) -> str | None:
+        """The job's bearer token (made for it; every client needs it)."""
+        return self.job.server.token
+
+    def client(self, spec, **options):
+        """A :class:`psgrid.Client` of this cluster's shards (join it with ``with``); ``options`` override the job's."""
+        from psgrid.psserver.client.client import Client
+        from psgrid.worker.api import CLIENT_SETTINGS
+
+        train = self.job.train
+        settings = {key: getattr(train, key) for key in CLIENT_SETTINGS}
+        settings.update(token=self.token, **options)
+        return Client(self.addresses, spec, **settings)
+
+    def init(self, params, *, rank: int = 0, world: int | None = None, **options):
+        """:func:`psgrid.init` on this cluster: a session of worker ``rank`` of ``world`` (default: the job's)."""
+        from psgrid.worker.api import init
+
+        options.setdefault("token", self.token)
+        metrics = self.out / "metrics" / f"worker-{rank}.jsonl"
+        self._launcher.tail.add(metrics)       # its records make the summary
+        return init(params, addresses=self.addresses, rank=rank, world=world or self.job.workers,
+                    metrics=str(metrics), job_file=str(self.out / "job.toml"), **options)
+
+    def stats(self) -> list[dict]:
+        """Every shard's clocks, members and counters now."""
+        from psgrid.worker.loop import make_admin
+
+        with make_admin(self.job.train, self.addresses, deadline_s=10.0, retry_s=2.0) as admin:
+            return admin.stats()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the background workers are done (none: at once); raises JobFailed if none completed."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the workers are still training after {timeout} s")
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+
+    def summary(self) -> dict:
+        """What summary.json says: the final one once closed, else the job so far (``status`` "running")."""
+        if self._summary is not None:
+            return self._summary
+        launcher = self._launcher
+        launcher.state.update(launcher.tail.read())
+        return self._build("running", None, self._stats_or_none(), None)
+
+    # ----- closing ----------------------------------------------------------------------------------
+
+    def close(self) -> dict:
+        """Stop the workers still running, read the shards' counters, stop the shards; returns the summary."""
+        return self._close(None)
+
+    def _close(self, error: BaseException | None) -> dict:
+        """:meth:`close`; ``error`` ended the ``with`` block, and so the job (interrupted or failed)."""
+        if self._summary is not None:
+            return self._summary
+        launcher = self._launcher
+        status, message, evaluation, shard_stats = "ok", None, None, []
+        if isinstance(error, KeyboardInterrupt):
+            status, message = "interrupted", "KeyboardInterrupt inside the with block"
+        elif error is not None:
+            status, message = "failed", f"{type(error).__name__} inside the with block: {error}"
+        try:
+            if self._thread is not None and self._thread.is_alive():
+                if status == "ok":
+                    status, message = "interrupted", "closed while its workers were training"
+                stop_children(launcher.workers)
+                self._thread.join(30)
+            if "error" in self._outcome and status == "ok":
+                status, message = "failed", str(self._outcome["error"])
+            if launcher.watch is not None:
+                launcher.watch.close()
+            launcher.state.update(launcher.tail.read())
+            if self.command or not self._background:
+                evaluation, shard_stats = user_script.finish(self.job, self.addresses, launcher.state)
+            else:
+                evaluation, shard_stats = co.finish(self.job, self.addresses, evaluate=status == "ok")
+            launcher.wait_shards()
+        except Exception as exc:
+            status, message = "failed", f"{type(exc).__name__}: {exc}"
+            raise
+        finally:
+            launcher.stop_all()
+            launcher.log("job_end", status=status, message=message)
+            launcher.log.close()
+            self._summary = self._build(status, message, shard_stats, evaluation)
+            co.merge_metrics(sorted((self.out / "metrics").glob("*.jsonl")), self.out / "metrics.jsonl")
+            co.write_json(self.out / "summary.json", self._summary)
+            self._finalizer()
+        if error is not None:
+            kept = "" if self._temporary else f"; summary in {self.out / 'summary.json'}"
+            print(f"psgrid.LocalCluster: {message}: stopped its processes, job {status}{kept}", file=sys.stderr,
+                  flush=True)
+        return self._summary
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._close(exc)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._summary is not None else f"at {','.join(self.addresses)}"
+        return f"LocalCluster({self.job.shards} shards, {self.job.mode}, {state})"
+
+    # ----- helpers ----------------------------------------------------------------------------------
+
+    def _follow(self) -> None:
+        try:
+            self._outcome["train_wall_s"] = self._launcher.follow()
+        except Exception as exc:  # noqa: BLE001 - handed to wait() and close()
+            self._outcome["error"] = exc
+
+    def _stats_or_none(self) -> list[dict]:
+        try:
+            return [co._shard_summary(s) for s in self.stats()]
+        except Exception:  # noqa: BLE001 - a live summary without counters is still a summary
+            return []
+
+    def _build(self, status: str, message: str | None, shard_stats: list[dict], evaluation: dict | None) -> dict:
+        launcher = self._launcher
+        exits = {rank: w.returncode for rank, w in enumerate(launcher.workers)}
+        summary = co.build_summary(
+            self.job, launcher="local", status=status, addresses=self.addresses, state=launcher.state,
+            train_wall_s=self._outcome.get("train_wall_s"), total_wall_s=time.monotonic() - self._t0,
+            evaluation=evaluation, shard_stats=shard_stats, failures=launcher.failures, worker_exits=exits,
+            out=str(self.out), message=message,
+        )
+        if self.command:
+            summary["command"] = self.command
+        return summary
+
+
+def _with_settings(job: JobConfig, settings: dict) -> JobConfig:
+    """``job`` with the constructor's settings; a wrong one is named as the call gave it, with a did-you-mean."""
+    try:
+        return apply_overrides(job, settings)
+    except ConfigError:
+        pass
+    for key, value in settings.items():      # which one: the job-file message would name an "override"
+        try:
+            apply_overrides(job, {key: value})
+        except ConfigError as e:
+            said = re.sub(r"^.*?: \[(job|server|train)\] ", "", str(e)).replace(" in a job file", "")
+            raise ConfigError(f"psgrid.LocalCluster({key}={value!r}): {said}") from None
+    return apply_overrides(job, settings)     # settings that are wrong only together: as the job file says
+
+
+class _NoBar:
+    """What the launcher needs of a progress bar, without one (tqdm starts a thread even for a hidden bar)."""
+
+    class bar:  # noqa: N801 - stands for the tqdm instance a progress bar holds
+        @staticmethod
+        def write(text: str, file=None) -> None:
+            print(text, file=file or sys.stderr, flush=True)
+
+    def update(self, state, evals) -> None:
+        pass
+
+
+def _stop(launcher: Launcher, out: Path, temporary: bool) -> None:
+    """Stop every process and thread a cluster started and remove its temporary folder (also for one never closed)."""
+    launcher.stop_all()
+    launcher.log.close()
+    release(out)
+    if temporary:
+        shutil.rmtree(out, ignore_errors=True)

@@ -1,0 +1,197 @@
+"""Child processes of a launcher: each in its own process group, logged to a file, stopped for sure.
+
+Every child runs in a new session (its own process group) so that a Ctrl-C in the
+terminal reaches the launcher only, and the launcher decides how children stop:
+SIGTERM to the group, then SIGKILL after a grace period.  Children started with
+:func:`child_env` also watch their parent (:func:`watch_parent`) and stop themselves
+if the launcher vanishes without cleaning up (``kill -9``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from psgrid.psserver import files
+
+PARENT_ENV = "PSCTL_PARENT_PID"
+# The repository root in a checkout (it holds pyproject.toml); the psgrid folder in a wheel.
+SOURCE_ROOT = Path(__file__).resolve().parents[2]
+# Children start with this instead of ``python -m``, which would put the current folder first on their
+# path: a user's own worker.py (or psgrid.py) there must never shadow an import of ours.
+CHILD_BOOTSTRAP = ("import sys\n"
+                   "if sys.path and sys.path[0] == '':\n"
+                   "    del sys.path[0]\n"
+                   "from psgrid.cluster.cli import main\n"
+                   "sys.exit(main())")
+
+
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (respects taskset, cpusets and Slurm bindings)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def limit_blas_threads(threads: int) -> None:
+    """Cap BLAS/OpenMP threads of this process at ``threads`` unless the user set them.
+
+    For processes that cannot set the variables before NumPy loads (MPI ranks): several ranks
+    per node each starting one BLAS thread per core made CPU training five times slower.
+    """
+    if any(v in os.environ for v in THREAD_VARS):
+        return
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=max(1, threads))
+
+
+def child_env(extra: dict[str, str] | None = None, threads: int | None = None) -> dict[str, str]:
+    """The environment of a child: ours, this package importable, unbuffered output, parent watch on.
+
+    ``threads`` caps the BLAS/OpenMP threads of the child unless the user set them, so that
+    W workers on a C-core machine do not each start C threads.
+    """
+    env = dict(os.environ)
+    if (SOURCE_ROOT / "pyproject.toml").is_file():
+        # A source checkout that may not be installed: let the children import this very tree.
+        # (An installed psgrid is already on every interpreter's path.)
+        path = env.get("PYTHONPATH")
+        env["PYTHONPATH"] = str(SOURCE_ROOT) + (os.pathsep + path if path else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env[PARENT_ENV] = str(os.getpid())
+    if threads is not None:
+        if not any(v in env for v in THREAD_VARS):
+            env.update({v: str(max(1, threads)) for v in THREAD_VARS})
+    env.update(extra or {})
+    return env
+
+
+def psctl_argv(*args: str) -> list[str]:
+    """The command line that runs ``psctl ARGS`` with this interpreter (works without installing).
+
+    The current folder is not put on the child's path (see CHILD_BOOTSTRAP).
+    """
+    return [sys.executable, "-c", CHILD_BOOTSTRAP, *args]
+
+
+class Child:
+    """One child process in its own process group, stdout and stderr appended to ``log_path``."""
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: str | Path, env: dict[str, str] | None = None,
+                 cwd: str | Path | None = None):
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = Path(log_path)
+        files.make_dirs(self.log_path.parent)
+        with files.open_new(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env, cwd=cwd, start_new_session=True,
+            )
+        self.started = time.time()
+        self.ended: float | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        code = self.proc.poll()
+        if code is not None and self.ended is None:
+            self.ended = time.time()
+        return code
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit code, or None if still running after ``timeout`` seconds."""
+        try:
+            self.proc.wait(timeout=max(0.0, timeout))
+        except subprocess.TimeoutExpired:
+            return None
+        return self.poll()
+
+    def signal_group(self, sig: int) -> None:
+        # Only while the leader is unreaped: after that its pid (= the group id) may be reused.
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def tail(self, lines: int = 20) -> str:
+        return tail_file(self.log_path, lines)
+
+    def describe_exit(self) -> str:
+        code = self.poll()
+        if code is None:
+            return "is still running"
+        if code < 0:
+            try:
+                return f"was killed by {signal.Signals(-code).name} (exit code {code})"
+            except ValueError:
+                return f"was killed by signal {-code} (exit code {code})"
+        return f"exited with code {code}"
+
+
+def stop_children(children: Iterable[Child], grace: float = 5.0) -> None:
+    """SIGTERM every running child's group, wait up to ``grace`` seconds, then SIGKILL what is left."""
+    alive = [c for c in children if c.poll() is None]
+    for c in alive:
+        c.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for c in alive:
+        c.wait(deadline - time.monotonic())
+    for c in alive:
+        if c.poll() is None:
+            c.signal_group(signal.SIGKILL)
+            c.wait(5.0)
+
+
+def tail_file(path: str | Path, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(deque(text.splitlines(), maxlen=lines))
+
+
+def watch_parent(interval: float = 1.0) -> None:
+    """If a launcher started us (``PSCTL_PARENT_PID``), stop with SIGTERM when it is gone.
+
+    Covers the one case the launcher's own cleanup cannot: the launcher killed by SIGKILL.
+    """
+    want = os.environ.get(PARENT_ENV)
+    if not want or not want.isdigit():
+        return
+    parent = int(want)
+    if os.getppid() != parent:
+        # Already orphaned (or started by something else that copied the variable): nothing to watch.
+        return
+
+    def run():
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=run, name="psctl-parent-watch", daemon=True).start()
+

@@ -1,0 +1,199 @@
+"""``psctl launch --resume DIR``: continue a stopped job from its shards' checkpoints.
+
+Before any process starts, the launcher reads every shard's latest checkpoint (its manifest
+and metadata, not its arrays) and checks that they belong together: the same model, mode
+and shard count, and either every shard has one or none has (a job stopped before its
+shards had weights starts from the beginning).
+
+Shards checkpoint at different moments (a Ctrl-C lands between their final checkpoints,
+a shard could not write its last one). In sync the weights of one round belong together,
+so the shards that are ahead go back to the round where the slowest stopped, from the older
+checkpoints they keep (:func:`align`; a shard keeps ``checkpoint_keep``): their newer
+checkpoints move aside, into the earlier attempt's folder. Where one of them did not keep
+that round, each shard resumes at its latest and the launcher says why in one line. In
+async and ssp, and in that case, each worker starts at the earliest clock any shard has for
+it, and a shard that is ahead answers the pushes it already has as duplicates
+(psserver/client/client.py, ``join`` and ``push``).
+
+The earlier attempt's files move to ``DIR/attempts/N/`` so the new summary and metrics
+describe this attempt alone.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from psgrid.cluster.job.config import JobConfig
+from psgrid.cluster.errors import UsageError
+from psgrid.psserver.state import checkpoint
+from psgrid.psserver import files
+
+SUPERSEDED = "superseded-checkpoints"    # checkpoints newer than the round the shards resume at (sync)
+ATTEMPT_FILES = ("summary.json", "metrics.jsonl", "metrics", "logs", "addr", SUPERSEDED)
+
+
+@dataclass(frozen=True)
+class ShardCheckpoint:
+    """What one shard's latest checkpoint holds, read from its metadata."""
+
+    shard: int
+    version: int
+    mode: str
+    spec: str
+    clocks: dict[int, int]
+    closed_rounds: int
+    file: str = ""      # its file in the shard's checkpoint folder
+
+    def where(self) -> str:
+        clocks = sorted(self.clocks.values())
+        at = f"round {self.closed_rounds}" if self.mode == "sync" else (
+            f"worker clocks {clocks[0]}..{clocks[-1]}" if clocks else "no workers")
+        return f"shard {self.shard} at version {self.version} ({at})"
+
+
+def _shard_dir(job: JobConfig, shard: int) -> Path:
+    return checkpoint.shard_dir(job.server.checkpoint_dir, shard, job.shards)
+
+
+def _read(shard: int, path: Path) -> ShardCheckpoint:
+    meta = checkpoint.load_meta(path)
+    return ShardCheckpoint(shard=shard, version=meta["version"], mode=meta["mode"], spec=meta["spec"],
+                           clocks={int(w): c for w, c in meta["clocks"].items()},
+                           closed_rounds=meta["closed_rounds"], file=path.name)
+
+
+def read_checkpoints(job: JobConfig) -> list[ShardCheckpoint | None]:
+    """Each shard's latest checkpoint, or None where a shard has none."""
+    found: list[ShardCheckpoint | None] = []
+    for i in range(job.shards):
+        directory = _shard_dir(job, i)
+        manifest = checkpoint.read_manifest(directory)
+        found.append(None if manifest is None else _read(i, directory / manifest["file"]))
+    return found
+
+
+def kept_checkpoints(job: JobConfig, shard: int) -> list[ShardCheckpoint]:
+    """Every checkpoint shard ``shard`` keeps that a restore may use, newest first."""
+    return [_read(shard, path) for path in checkpoint.kept(_shard_dir(job, shard))]
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """What each shard restores, and how that was reconciled with where each had stopped."""
+
+    restore: list[ShardCheckpoint]    # per shard, the checkpoint it restores
+    latest: list[ShardCheckpoint]     # per shard, its latest checkpoint
+    apart: str = ""                   # sync shards left rounds apart: why they could not be brought together
+
+    @property
+    def rewound(self) -> list[ShardCheckpoint]:
+        """The shards that go back to an older checkpoint than their latest."""
+        return [r for r, l in zip(self.restore, self.latest) if r.file != l.file]
+
+
+def align(job: JobConfig, found: list[ShardCheckpoint]) -> Alignment:
+    """sync: the shards that are ahead go back to the round of the slowest, where they kept a checkpoint of it.
+
+    A sync round's weights are one model only together with the same round of the other shards:
+    a shard that resumed ahead would serve weights of a later round while the others replay the
+    rounds in between (it would take them as duplicates). Going back costs no step: the workers
+    make those rounds anyway. Going back further than the slowest shard would redo rounds the job
+    has; then, and where no round is kept by all, each shard resumes at its latest and ``apart``
+    says why.
+    """
+    if job.server.mode != "sync" or len({c.closed_rounds for c in found}) <= 1:
+        return Alignment(found, found)
+    slowest = min(c.closed_rounds for c in found)
+    # Per shard, its kept checkpoints by round (the newest of a round: one may hold pushes of the open round).
+    by_round = [{k.closed_rounds: k for k in reversed(kept_checkpoints(job, c.shard))} for c in found]
+    common = set.intersection(*(set(rounds) for rounds in by_round))
+    if slowest in common:
+        return Alignment([rounds[slowest] for rounds in by_round], found)
+    lacking = [c.shard for c, rounds in zip(found, by_round) if slowest not in rounds]
+    kept = "; ".join(f"shard {c.shard}: {', '.join(map(str, sorted(rounds)))}" for c, rounds in zip(found, by_round))
+    why = (f"shard(s) {lacking} keep no checkpoint of round {slowest} (rounds kept: {kept})" + (
+        f", and going back to round {max(common)}, the latest all of them kept, would redo "
+        f"{slowest - max(common)} round(s)" if common else ", and no round is kept by all of them"))
+    return Alignment(found, found, why)
+
+
+def rewind(job: JobConfig, alignment: Alignment, out: Path) -> None:
+    """Make each shard's chosen checkpoint its latest; the newer ones move to ``out/superseded-checkpoints``."""
+    for chosen in alignment.rewound:
+        directory = _shard_dir(job, chosen.shard)
+        checkpoint.rewind(directory, chosen.version, out / SUPERSEDED / directory.name)
+
+
+def check_resumable(job: JobConfig, out: Path) -> list[ShardCheckpoint]:
+    """The shards' checkpoints, once they are known to belong together; raises UsageError naming what does not."""
+    if not job.server.checkpoint_dir:
+        raise UsageError(f"{out} cannot be resumed: its job ran without checkpoints. Set [server] checkpoint_dir "
+                         f"(and checkpoint_every or checkpoint_every_s) to make a job resumable")
+    root = Path(job.server.checkpoint_dir)
+    others = sorted(p.name for p in root.glob("shard-*-of-*") if not p.name.endswith(f"-of-{job.shards}"))
+    if others and not any(checkpoint.shard_dir(root, i, job.shards).exists() for i in range(job.shards)):
+        raise UsageError(f"the checkpoints in {root} are for another number of shards ({', '.join(others)}); "
+                         f"resume with the shard count they were written by")
+    found = read_checkpoints(job)
+    present = [c for c in found if c is not None]
+    if not present:
+        return []
+    missing = [i for i, c in enumerate(found) if c is None]
+    if missing and all(c.version == 0 for c in present):
+        # Stopped in its first moments: some shards had their initial weights (a final checkpoint at
+        # version 0), the others not yet. Nothing was learned: the job starts from the beginning.
+        return []
+    if missing:
+        raise UsageError(f"cannot resume: shard(s) {missing} have no checkpoint in {root} while "
+                         f"{'; '.join(c.where() for c in present)}. The shards would not hold one model")
+    if len({c.spec for c in present}) > 1:
+        raise UsageError(f"cannot resume: the shards' checkpoints in {root} hold different models")
+    wrong_mode = [c for c in present if c.mode != job.server.mode]
+    if wrong_mode:
+        raise UsageError(f"cannot resume: the checkpoints were written in mode {wrong_mode[0].mode!r}, the job "
+                         f"says {job.server.mode!r}; resume in the mode it ran in")
+    return present
+
+
+def describe(alignment: Alignment) -> str:
+    """One line for the terminal: where each shard resumes, and how differing moments are reconciled."""
+    found = alignment.restore
+    if not found:
+        return "no shard had written a checkpoint yet: the job starts from the beginning"
+    text = "resuming from checkpoints: " + "; ".join(c.where() for c in found)
+    if alignment.rewound:
+        stopped = ", ".join(f"shard {c.shard} at round {c.closed_rounds}" for c in alignment.latest)
+        text += (f". The shards had stopped rounds apart ({stopped}): every shard resumes at round "
+                 f"{found[0].closed_rounds}, where the slowest stopped; the newer checkpoints of those ahead move "
+                 f"to {SUPERSEDED}/ in the earlier attempt's folder")
+    elif alignment.apart:
+        rounds = [c.closed_rounds for c in found]
+        text += (f". The shards stopped rounds apart and cannot resume at one round: {alignment.apart} (a larger "
+                 f"checkpoint_keep keeps more). Each resumes at its latest, the workers at round {min(rounds)}; "
+                 f"until round {max(rounds)} the shards that are ahead take the pushes as duplicates while the "
+                 f"others apply them, so those steps see weights of different rounds")
+    elif _apart(found):
+        text += (". The shards checkpointed at different moments: each worker resumes at the earliest clock "
+                 "a shard has for it, and shards that are ahead take those steps as duplicates")
+    return text
+
+
+def _apart(found: list[ShardCheckpoint]) -> bool:
+    starts = {w: min(c.clocks.get(w, 0) for c in found) for c in found for w in c.clocks}
+    return any(c.clocks.get(w) != start for c in found for w, start in starts.items())
+
+
+def archive_attempt(out: Path) -> Path | None:
+    """Move the files of the previous attempt in ``out`` to ``out/attempts/N``; returns that folder."""
+    present = [name for name in ATTEMPT_FILES if (out / name).exists()]
+    if not present:
+        return None
+    attempts = out / "attempts"
+    n = 1 + max((int(p.name) for p in attempts.glob("*") if p.name.isdigit()), default=0)
+    target = attempts / str(n)
+    files.make_dirs(target)
+    for name in present:
+        shutil.move(str(out / name), str(target / name))
+    return target

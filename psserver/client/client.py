@@ -1,0 +1,562 @@
+"""A worker's client: join a job, pull and push, leave.
+
+::
+
+    with Client(addresses, spec, world=2, init=initial_weights) as client:
+        for step in range(steps):
+            client.pull(params)
+            compute_gradient(params, grad)
+            client.push(grad)
+
+Entering registers with every shard under one worker id and one starting clock, heartbeats
+from a background thread, waits until the job's ``world`` workers have joined every shard,
+and gives initial weights to the shards that have none (one worker sends them). Leaving,
+also on an exception, tells every shard this worker is done, so sync and ssp stop waiting
+for it.
+
+``pull`` and ``push`` return a :class:`Handle` (ps-lite's Push, Pull and Wait). By default
+they run in the calling thread and the handle is done when they return, so a buffer is never
+read half filled. With ``background=True`` they run on the client's threads and ``wait()``
+blocks until every shard has answered; a buffer given to them is theirs until then. The
+client keeps the clocks: a push carries the next clock and the versions of the last pull,
+and a pull issued while a background push is in flight is for the step after it, so a loop
+overlaps them without threads or arithmetic of its own. One pull and one push may be in
+flight; a second of the same kind first waits for the one before. A client is used from one
+thread (its own threads do the background work).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Callable, Generic, Mapping, Sequence, TypeVar
+
+import numpy as np
+
+from psgrid.psserver import dtypes as wire
+from psgrid.psserver.client.memory import ClientMemory, Pinner
+from psgrid.psserver.exceptions import InvalidArgument, NotInitialized, PSError, UnknownWorker, WaitTimeout
+from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, PushResult, Reason, Registration
+from psgrid.psserver.security import job_token
+from psgrid.psserver.client.connections import ShardConnections
+from psgrid.psserver.sharding import shard_ranges
+from psgrid.psserver.spec import ModelSpec
+from psgrid.psserver.transports.base import ConnectOptions
+
+log = logging.getLogger("psgrid.client")
+T = TypeVar("T")
+# The join and init waits ask the shards again after 5 ms, then less and less often: a job whose
+# workers start together sees the last one join (or the weights land) at once, and a long wait
+# does not flood the shards.
+POLL_S = (0.005, 0.1)
+
+
+def _polls(first: float, longest: float):
+    """Sleep lengths for a wait that polls: ``first``, growing by half each time up to ``longest``."""
+    interval = first
+    while True:
+        yield interval
+        interval = min(longest, interval * 1.5)
+
+
+class Handle(Generic[T]):
+    """A pull or push: :meth:`wait` returns its result or raises its failure; ``seconds`` its duration.
+
+    ``out`` is the array a pull fills (``Client.pull(out)``'s, or the one ``Admin.pull()`` made);
+    None for a push or a pull ``into=`` a callable.
+    """
+
+    def __init__(self, run: Callable[[], T], background: bool):
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+        self.out: np.ndarray | None = None
+        self._run = run
+        self._result: T | None = None
+        self._error: BaseException | None = None
+        # Only work another thread may run needs these; a call that runs where it is made does not.
+        self._claim = threading.Lock() if background else None
+        self._done = threading.Event() if background else None
+
+    def _execute(self) -> None:
+        """Run the work, unless someone already does (a background thread or a waiting caller)."""
+        if self._claim is not None and not self._claim.acquire(blocking=False):
+            return
+        try:
+            self._result = self._run()
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            self._error = exc
+        finally:
+            self.finished = time.perf_counter()    # before done is set, so wait() sees it
+            if self._done is not None:
+                self._done.set()
+
+    @property
+    def seconds(self) -> float | None:
+        """From the call to the last shard's answer (None while in flight)."""
+        return None if self.finished is None else self.finished - self.started
+
+    def done(self) -> bool:
+        return self.finished is not None if self._done is None else self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Block until every shard answered; the result, or the first shard's domain exception.
+
+        A background call that no client thread has picked up yet is run here (without a
+        timeout only: with one, the caller waits for a thread and keeps its limit).
+        """
+        if self._done is not None:
+            if timeout is None:
+                self._execute()
+            if not self._done.wait(timeout):
+                raise WaitTimeout(f"still waiting for the shards after {timeout} s", Reason.WAIT_TIMEOUT)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def check_flat(buf: np.ndarray, spec: ModelSpec, what: str) -> np.ndarray:
+    if not isinstance(buf, np.ndarray) or buf.dtype != np.float32 or buf.shape != (spec.size,):
+        raise InvalidArgument(f"{what} must be a float32 NumPy array of shape ({spec.size},), got "
+                              f"{getattr(buf, 'dtype', type(buf).__name__)} {getattr(buf, 'shape', '')}")
+    if not buf.flags.c_contiguous:
+        raise InvalidArgument(f"{what} must be contiguous")
+    return buf
+
+
+class Client:
+    """One worker's connection to every shard of a job.
+
+    Parameters
+    ----------
+    addresses : list of str
+        ``host:port`` of shard 0, 1, ... in shard order.
+    spec : ModelSpec
+        The model's layout; every worker and shard of the job must agree on it.
+    worker_id : int, optional
+        Register under this id (a worker's rank, so sync rounds sum in the same order every
+        run); by default shard 0 assigns one.
+    world : int, optional
+        The job's number of workers: entering waits (up to ``join_timeout_s``) until that many
+        have joined every shard, since sync and ssp count the members they have.
+    init : array, mapping or callable, optional
+        Initial weights (a flat float32 array, or arrays by name, or a callable returning
+        either) for shards that have none. With ``world``, only the worker with the lowest id
+        sends them and the others wait; a client without ``init`` waits for them.
+    data_plane : {"tcp", "grpc"}
+        Where Pull and Push payloads go when a shard offers it (gRPC otherwise), unless the
+        shard is on this host and ``shared_memory`` is on.
+    shared_memory : bool
+        Read the weights of shards on this host in place and push through shared memory
+        (the ``shm`` data plane); off, payloads take ``data_plane`` even on one host.
+    pin_memory : Pinner, optional
+        Registers the host buffers a device copies to and from (the gradient buffer, the
+        shards' weights mapped here): how a GPU worker gets DMA speed from shared memory.
+    wire_dtype : {"float32", "float16", "bfloat16"}
+        Element type of pushed gradients.
+    deadline_s, retry_s, max_wait_s
+        Deadline of every call; how long an unavailable shard is retried; how long a pull may
+        wait in all for slower workers (its deadline is renewed until then).
+    heartbeat_s : float, optional
+        Heartbeat interval (default: a quarter of the shards' lease, at most 1 s).
+    token : str, optional
+        Bearer token (default: ``$PSGRID_TOKEN``, by the rule of
+        :func:`~psgrid.psserver.security.job_token`; none when that is unset too).
+    tls_ca, tls_cert, tls_key
+        (Mutual) TLS material; off by default.
+    """
+
+    def __init__(self, addresses: Sequence[str], spec: ModelSpec, *, worker_id: int | None = None,
+                 world: int | None = None, init=None, data_plane: str = "tcp", wire_dtype: str = "float32",
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, deadline_s: float = 60.0, retry_s: float = 30.0,
+                 max_wait_s: float = 3600.0, heartbeat_s: float | None = None, join_timeout_s: float = 120.0,
+                 token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
+                 tls_key: str | None = None, host: str | None = None, shared_memory: bool = True,
+                 pin_memory: Pinner | None = None):
+        if not isinstance(spec, ModelSpec):
+            raise InvalidArgument(f"spec must be a ModelSpec, got {type(spec).__name__}")
+        if world is not None and world < 1:
+            raise InvalidArgument(f"world must be at least 1, got {world}")
+        self.spec = spec
+        self.world = world
+        self._init = init
+        self._requested_id = -1 if worker_id is None else worker_id
+        self.wire_dtype = wire.wire_dtype(wire_dtype)
+        self.deadline_s, self.max_wait_s, self.join_timeout_s = deadline_s, max_wait_s, join_timeout_s
+        self._heartbeat_s = heartbeat_s
+        self.host = host or socket.gethostname()
+        self._memory = ClientMemory(spec.size, shared=shared_memory, pinner=pin_memory)
+        options = ConnectOptions(token=job_token(token), tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
+                                 chunk_bytes=chunk_bytes, deadline_s=deadline_s, shared_memory=shared_memory,
+                                 memory=self._memory)
+        self._conn = ShardConnections(addresses, data_plane=data_plane, options=options, retry_s=retry_s,
+                                      register=self._register_one)
+        self.ranges = shard_ranges(spec.size, self._conn.num_shards)
+        self._lock = threading.Lock()          # clocks and versions
+        self._calls = threading.Lock()         # one pull() or push() being issued at a time
+        self.worker_id = -1
+        self.mode = ""
+        self.lease_s = 0.0
+        self._next_clock = 0
+        self._unacked_clock: int | None = None    # the clock of the push in flight, if any
+        self._versions = [0] * self._conn.num_shards
+        self._pull_handle: Handle | None = None
+        self._push_handle: Handle | None = None
+        self._registered = False    # shard 0 gave this worker an id: it must leave
+        self._joined = False        # every step of join() is done
+        self._leaving = False       # leave() began: never register again
+        self._closed = False
+        self._heartbeat_stop = threading.Event()
+        self._heartbeat_thread: threading.Thread | None = None
+
+    # ----- state --------------------------------------------------------------------------------
+
+    @property
+    def num_shards(self) -> int:
+        return self._conn.num_shards
+
+    @property
+    def clock(self) -> int:
+        """The clock the next push carries: the pushes made so far, including any in flight."""
+        with self._lock:
+            return self._next_clock
+
+    @property
+    def versions(self) -> list[int]:
+        """Each shard's version in the last pull that completed."""
+        with self._lock:
+            return list(self._versions)
+
+    @property
+    def data_planes(self) -> list[str | None]:
+        return self._conn.data_planes
+
+    def gradient_buffer(self, index: int = 0) -> np.ndarray:
+        """Flat float32 buffer ``index`` (0 or 1) of the model's size, which pushes take without a copy.
+
+        On this host's shards it is shared memory they read in place; compute the gradient
+        into it (or copy it there from a device) and pass it to :meth:`push`. With two, a worker
+        computes the next gradient into one while the push of the other is in flight.
+        """
+        return self._memory.gradient(index)
+
+    # ----- joining and leaving ------------------------------------------------------------------
+
+    def __enter__(self) -> "Client":
+        return self.join()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def join(self) -> "Client":
+        """Register with every shard, heartbeat, wait for the job's workers, initialise empty shards.
+
+        If any of it fails, the client leaves what it joined and closes, and the error is raised.
+        """
+        if self._joined:
+            return self
+        if self._closed:
+            raise InvalidArgument("this client is closed: make a new one to join again")
+        try:
+            conn = self._conn
+            first = conn.retrying(0, lambda: self._register_one(0, start_clock=-1))
+            self.worker_id, self.mode, self.lease_s = first.worker_id, first.mode, first.lease_s
+            self._registered = True
+            # Every shard says where this worker stands; they differ only after shards restored
+            # checkpoints of different moments. The worker starts at the earliest: a shard that is
+            # ahead answers the pushes it already has as duplicates, and none is skipped.
+            others = conn.map(lambda i: conn.retrying(i, lambda: self._register_one(i, start_clock=-1)),
+                              range(1, conn.num_shards))
+            registrations = [first, *others]
+            with self._lock:
+                self._next_clock = min(r.start_clock for r in registrations)
+                self._versions = [r.version for r in registrations]
+            self._start_heartbeats()
+            stats = self._wait_for_workers()
+            self._initialize(registrations, stats)
+            # A shard without weights takes any model's hash; the Init that set them dropped the members of
+            # another model. Registering again there (a no-op for a member) says whether this worker was one.
+            conn.map(lambda i: conn.retrying(i, lambda: self._register_one(i)),
+                     [i for i, r in enumerate(registrations) if not r.initialized])
+        except BaseException:
+            self.close()
+            raise
+        self._joined = True
+        return self
+
+    def _register_one(self, shard: int, start_clock: int | None = None) -> Registration:
+        """Join ``shard`` (again) under this worker's id, at the clock every shard agrees on.
+
+        Registering again (a shard forgot this worker) asks for the clock of the push in flight,
+        if any: that push is about to be retried, and must not be taken as a duplicate.
+        """
+        if self._leaving:
+            raise UnknownWorker("this client has left the job; it does not register again",
+                                Reason.UNKNOWN_WORKER, shard=shard)
+        worker_id = self.worker_id if self._registered else self._requested_id
+        if start_clock is None:
+            with self._lock:
+                start_clock = self._next_clock if self._unacked_clock is None else self._unacked_clock
+        reply = self._conn.controls[shard].register(spec_hash=self.spec.hash(), worker_id=worker_id,
+                                                    start_clock=start_clock, host=self.host)
+        self._conn.check_registration(shard, reply)
+        self._conn.use_plane_of(shard, reply)
+        return reply
+
+    def _wait_for_workers(self) -> list[dict] | None:
+        """Until every shard has seen each of ``world`` workers join or go (or ``join_timeout_s`` passed).
+
+        A worker that is gone (left, evicted, or reported dead by its launcher before it joined)
+        is not waited for. Returns the shards' stats.
+        """
+        if not self.world:
+            return None
+        conn = self._conn
+        deadline = time.monotonic() + self.join_timeout_s
+        for pause in _polls(*POLL_S):
+            stats = conn.each("stats")
+            joined = min(len(s["members"]) for s in stats)
+            accounted = min(len({m["worker_id"] for m in s["members"]} | set(s["departed"])) for s in stats)
+            if accounted >= self.world:
+                return stats
+            if time.monotonic() >= deadline:
+                log.warning("worker %d starting with %d of %d workers registered after %.0f s",
+                            self.worker_id, joined, self.world, self.join_timeout_s)
+                return stats
+            time.sleep(pause)
+
+    def _initial_values(self) -> np.ndarray:
+        values = self._init() if callable(self._init) else self._init
+        if isinstance(values, Mapping):
+            values = self.spec.pack({k: np.asarray(v, dtype=np.float32) for k, v in values.items()})
+        return check_flat(np.ascontiguousarray(values, dtype=np.float32), self.spec, "init")
+
+    def _initialize(self, registrations: list[Registration], stats: list[dict] | None) -> None:
+        conn = self._conn
+        pending = [i for i, r in enumerate(registrations)
+                   if not r.initialized and not (stats and stats[i]["initialized"])]
+        if not pending:
+            return
+        members = [m["worker_id"] for m in stats[0]["members"]] if stats else []
+        if self._init is not None and (not members or self.worker_id == min(members)):
+            self._send_init(self._initial_values(), pending)
+            return
+        # Another worker sends them (first writer wins on each shard): wait, bounded, then offer ours.
+        deadline = time.monotonic() + self.join_timeout_s
+        for pause in _polls(*POLL_S):
+            if not pending:
+                return
+            time.sleep(pause)
+            stats = conn.each("stats", pending)
+            pending = [i for i, s in zip(pending, stats) if not s["initialized"]]
+            if pending and time.monotonic() >= deadline:
+                if self._init is None:
+                    raise NotInitialized(f"shards {pending} still have no weights after {self.join_timeout_s:.0f} s, "
+                                         f"and this client has none to offer: pass init=")
+                log.warning("worker %d: shards %s still have no weights; offering its own", self.worker_id, pending)
+                self._send_init(self._initial_values(), pending)
+                return
+
+    def _send_init(self, values: np.ndarray, shards: list[int]) -> None:
+        conn = self._conn
+
+        def one(i):
+            begin, end = self.ranges[i]
+            return conn.retrying(i, lambda: conn.controls[i].init(self.spec, values[begin:end], begin))
+
+        conn.map(one, shards)
+
+    def _start_heartbeats(self) -> None:
+        interval = self._heartbeat_s or max(0.05, min(1.0, self.lease_s / 4))
+        timeout = min(max(interval, 1.0), 5.0)
+
+        def beat():
+            while not self._heartbeat_stop.wait(interval):
+                for control in self._conn.controls:
+                    if self._heartbeat_stop.is_set():
+                        return
+                    try:
+                        control.heartbeat(self.worker_id, timeout_s=timeout)
+                    except PSError:
+                        pass    # the next data call reports (and retries) a shard that is down
+
+        self._heartbeat_thread = threading.Thread(target=beat, name="psgrid-heartbeat", daemon=True)
+        self._heartbeat_thread.start()
+
+    def leave(self) -> None:
+        """Tell every shard this worker is done, so sync and ssp stop waiting for it."""
+        self._leaving = True
+        self._heartbeat_stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=10)
+        if not self._registered:
+            return
+        self._registered = False
+
+        def one(i):
+            try:
+                self._conn.controls[i].heartbeat(self.worker_id, leaving=True)
+            except PSError as exc:
+                log.warning("shard %d did not take worker %d's leave: %s", i, self.worker_id, exc)
+
+        self._conn.map(one)
+
+    def close(self) -> None:
+        """Finish what is in flight, leave the job, and close every connection."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            _settle(self._push_handle)      # before leaving: the shards must take this worker's last push
+            self.leave()                    # ... and leaving ends any consistency wait of a pull in flight
+            _settle(self._pull_handle)
+        finally:
+            self._conn.close_connections()
+            self._memory.close()
+
+    # ----- pull and push ------------------------------------------------------------------------
+
+    def pull(self, out: np.ndarray | None = None, *, into: Callable[[int, int, np.ndarray], object] | None = None,
+             background: bool = False) -> Handle[list[int]]:
+        """Every shard's weights, once the mode allows: into ``out`` (flat float32), or to ``into``.
+
+        ``into(begin, end, values)`` is called once per shard with its range's weights, valid
+        during the call only: a shard on this host hands over its own memory, so a caller that
+        copies them to a device (``device_params[begin:end].set(values)``) moves them once.
+        Returns a handle whose ``wait()`` gives the shards' versions: done already, unless
+        ``background`` (then ``out`` is the pull's until ``wait()`` returns).
+        """
+        self._require_joined()
+        if (out is None) == (into is None):
+            raise InvalidArgument("pull takes either out= (a flat float32 array) or into= (a callable), not both")
+        if out is not None:
+            check_flat(out, self.spec, "the pull buffer")
+        elif not callable(into):
+            raise InvalidArgument(f"into must be a callable into(begin, end, values), got {type(into).__name__}")
+        with self._calls:
+            _settle(self._pull_handle)
+            clock = self.clock
+
+            def run() -> list[int]:
+                versions = self._conn.map(lambda i: self._pull_one(i, out, into, clock))
+                with self._lock:
+                    self._versions = versions
+                return versions
+
+            self._pull_handle = self._launch(run, background)
+            self._pull_handle.out = out
+        return self._finish_unless(self._pull_handle, background)
+
+    def push(self, grad: np.ndarray, *, versions: Sequence[int] | None = None,
+             background: bool = False) -> Handle[list[PushResult]]:
+        """Push one gradient (flat float32) at the next clock.
+
+        ``versions`` are the shard versions the gradient was computed from (default: those of
+        the last pull). Returns a handle whose ``wait()`` gives each shard's
+        :class:`PushResult`: done already, unless ``background`` (then ``grad`` is the push's
+        until ``wait()`` returns).
+        """
+        self._require_joined()
+        check_flat(grad, self.spec, "the gradient")
+        if versions is not None and len(versions) != self.num_shards:
+            raise InvalidArgument(f"versions must give one version per shard ({self.num_shards}), got {len(versions)}")
+        with self._calls:
+            _settle(self._push_handle)
+            with self._lock:
+                clock = self._next_clock
+                self._next_clock += 1
+                self._unacked_clock = clock
+                used = list(self._versions if versions is None else versions)
+
+            def run() -> list[PushResult]:
+                results = None
+                try:
+                    results = self._conn.map(lambda i: self._push_one(i, grad, clock, used[i]))
+                    return results
+                finally:
+                    with self._lock:
+                        self._unacked_clock = None
+                        if results:
+                            # The earliest clock a shard still needs: a sync push dropped as late moves the
+                            # worker to the open round (every shard says so), while a shard that is ahead of
+                            # the others (restored from a later checkpoint) answers a push it already has
+                            # as a duplicate with its own clock, which the shards behind never reach unless
+                            # the worker pushes the clocks in between.
+                            self._next_clock = max(self._next_clock, min(r.next_clock for r in results))
+
+            self._push_handle = self._launch(run, background)
+        return self._finish_unless(self._push_handle, background)
+
+    def _launch(self, run: Callable[[], T], background: bool) -> Handle[T]:
+        handle = Handle(run, background)
+        if background:
+            self._conn.executor.submit(handle._execute)
+        else:
+            handle._execute()    # here, in the caller's thread: no hand-off to another thread
+        return handle
+
+    @staticmethod
+    def _finish_unless(handle: Handle[T], background: bool) -> Handle[T]:
+        if not background:
+            handle.wait()        # a failure is raised now, where the call was made
+        return handle
+
+    def _require_joined(self) -> None:
+        if self._closed:
+            raise InvalidArgument("this client is closed")
+        if not self._joined:
+            raise InvalidArgument("the client has not joined: use it as a context manager (with Client(...) as "
+                                  "client:) or call join() first")
+
+    def _pull_one(self, shard: int, out: np.ndarray | None, into, clock: int) -> int:
+        begin, end = self.ranges[shard]
+        if out is not None:
+            view = out[begin:end]
+            call = lambda: self._conn.plane(shard).pull_into(  # noqa: E731
+                view, begin=begin, worker_id=self.worker_id, clock=clock, timeout_s=self.deadline_s)
+        else:
+            call = lambda: self._conn.plane(shard).pull_with(  # noqa: E731
+                into, begin=begin, end=end, staging=self._memory.staging, worker_id=self.worker_id, clock=clock,
+                timeout_s=self.deadline_s)
+        waited_since = time.monotonic()
+        while True:
+            try:
+                return self._worker_call(shard, call)
+            except WaitTimeout as exc:
+                # A consistency wait may outlast one deadline (slow peers): keep waiting, up to max_wait_s.
+                if exc.reason is Reason.WAIT_TIMEOUT and time.monotonic() - waited_since < self.max_wait_s:
+                    continue
+                raise
+
+    def _push_one(self, shard: int, grad: np.ndarray, clock: int, version: int) -> PushResult:
+        begin, end = self.ranges[shard]
+        view = grad[begin:end]
+        # A retried push carries the same (worker, clock): the shard applies it once.
+        return self._worker_call(shard, lambda: self._conn.plane(shard).push(
+            view, begin=begin, wire_dtype=self.wire_dtype, worker_id=self.worker_id, clock=clock, version=version,
+            timeout_s=self.deadline_s))
+
+    def _worker_call(self, shard: int, call: Callable[[], T]) -> T:
+        """A data call, retried while the shard is down; once more after registering again if it forgot us,
+        or has us behind this push's clock (it refused a push of ours that the other shards took)."""
+        try:
+            return self._conn.retrying(shard, call, data=True)
+        except PSError as exc:
+            behind = exc.reason is Reason.FUTURE_CLOCK
+            if self._leaving or not (behind or isinstance(exc, UnknownWorker)):
+                raise
+            log.warning("shard %d %s worker %d; registering again", shard,
+                        "did not take an earlier push of" if behind else
+                        "forgot (evicted, or restarted from an older checkpoint)", self.worker_id)
+            self._conn.retrying(shard, lambda: self._register_one(shard))
+            return self._conn.retrying(shard, call, data=True)
+
+
+def _settle(handle: Handle | None) -> None:
+    """Wait for a handle in flight; its failure belongs to whoever waits on it."""
+    if handle is not None and not handle.done():
+        try:
+            handle.wait()
+        except Exception:  # noqa: BLE001 - reported through the handle itself
+            pass

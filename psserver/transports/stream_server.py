@@ -1,0 +1,576 @@
+"""What every stream data plane of a shard shares: accepting, the handshake, idle connections, a bounded pool.
+
+The TCP data plane (tcp_server.py) and the shared-memory plane (shm_server.py) speak the same
+frames (tcp_frames.py) over different sockets, and differ only in their operations. This base
+class owns the rest:
+
+Connections are many and mostly idle, requests few at a time: one thread (the loop) waits on every
+idle connection (``selectors``) and hands a connection whose request has arrived to a bounded pool
+of handlers, which serves that request and gives the connection back. So an idle connection costs
+a file descriptor, not a thread, and a flood of them costs no threads at all.
+
+A stranger never holds a handler. Until a connection is authenticated it is the loop's: its TLS
+handshake and its hello (the job's token) are read without blocking, as their bytes come, and must
+be complete within ``handshake_s``; a request sent before the hello is refused and what it declared
+is read and dropped by the loop too (at most ``DRAIN_STRANGER`` bytes, within the same deadline).
+Unauthenticated connections are bounded apart from the authenticated ones: past
+``max_handshakes`` a new one closes the oldest, so strangers only ever take each other's places,
+while a worker, who sends its hello with its connect, is through within a turn of the loop. Past
+``max_connections`` authenticated connections a new one is refused (UNAVAILABLE, reason
+``too_many_connections``: the client retries). A shard with neither token nor TLS has nothing to
+ask: its connections are authenticated as they come, and ``max_connections`` is its only bound.
+
+An authenticated connection's reads have deadlines: a request header ``HEADER_S`` once it has
+begun, a payload ``PAYLOAD_GRACE_S`` plus a second per ``MIN_RATE`` bytes, so a trickle is cut. A
+refused request's payload (a push the shard will not take) is read and dropped by the loop, not a
+handler, up to a bound the plane sets and at the same minimum rate, before the connection closes.
+
+The loop survives anything one connection does (a failed accept, a thread that cannot start);
+if it ever ends while the shard serves, ``on_failure`` is called (the shard's health turns
+NOT_SERVING).
+
+What a request means, and whether it is valid, is the service's: a subclass only moves bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import resource
+import select
+import selectors
+import socket
+import ssl
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+from psgrid.psserver.exceptions import InvalidArgument, Unauthenticated, Unavailable
+from psgrid.psserver.protocol import Reason, Refusal, Status
+from psgrid.psserver.security import token_matches
+from psgrid.psserver.service import ShardService
+from psgrid.psserver.transports.stream_frames import (HANDSHAKE_S, HELLO, MAGIC, MAX_MESSAGE, REPLY, REQUEST, recv_exact,
+                                                   recv_struct)
+
+log = logging.getLogger("psgrid.tcp")
+
+MAX_HANDSHAKES = 256      # unauthenticated connections at once; one more closes the oldest
+ACCEPT_BATCH = 64         # connections accepted per turn of the loop: handshakes under way are read in between
+HEADER_S = 10.0           # a request header that has started must be complete within this
+PAYLOAD_GRACE_S = 10.0    # a payload has this long, plus a second per MIN_RATE bytes ...
+MIN_RATE = 1 << 20        # ... so it must come at 1 MiB/s on average at least, or be cut
+PAYLOAD_IDLE_S = 60.0     # longest pause between a payload's bytes (within its deadline)
+DRAIN_GRACE_S = 2.0       # a refused payload is dropped within this, plus a second per MIN_RATE bytes
+DRAIN_STRANGER = 1 << 20  # most bytes dropped of a request sent before the hello
+DRAIN_STEP = 1 << 20      # most bytes the loop drops from one connection per turn (the others go on)
+MAX_WAIT_S = 86400.0      # longest deadline a socket honours (a longer one from the wire is cut to this)
+LINGER_S = 1.0            # a handler waits this long for an active connection's next request
+# Connections at once: far more than any job's workers, and half of what this process may open.
+DEFAULT_MAX_CONNECTIONS = min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2)
+WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
+
+
+class Connection:
+    """One client connection: its socket, how far its handshake is, and what its plane keeps for it."""
+
+    __slots__ = ("sock", "raw", "authenticated", "handshaken", "deadline", "read_by", "hello", "drain", "closed",
+                 "state")
+
+    def __init__(self, sock: socket.socket, raw: socket.socket, authenticated: bool, handshaken: bool,
+                 deadline: float = math.inf):
+        self.sock, self.raw = sock, raw
+        self.authenticated, self.handshaken = authenticated, handshaken
+        self.deadline = deadline     # to finish its handshake, or to send what the loop drops
+        self.read_by = math.inf      # the current request's payload must have come by then
+        self.hello = bytearray()     # the hello's bytes as they come
+        self.drain = 0               # bytes of a refused request the loop still reads and drops
+        self.closed = False
+        self.state = None
+
+
+class SocketDataServer:
+    """Accepts data-plane connections on ``listener`` and serves their requests from a bounded pool.
+
+    Subclasses implement :meth:`_operation` (every request but the hello) and may override
+    :meth:`_accepted` (a new socket: set options, or refuse it) and :meth:`_released` (a
+    connection is gone: free what it held).
+    """
+
+    name = "data plane"
+
+    def __init__(self, service: ShardService, listener: socket.socket, token: str | None = None,
+                 ssl_context: ssl.SSLContext | None = None, *, handlers: int = 128,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS, handshake_s: float = HANDSHAKE_S,
+                 max_handshakes: int | None = None, on_failure: Callable[[], None] | None = None):
+        self.service, self.token, self.ssl_context = service, token, ssl_context
+        self.max_connections, self.on_failure = max_connections, on_failure
+        self.handshake_s = handshake_s
+        self.max_handshakes = max(1, MAX_HANDSHAKES if max_handshakes is None else max_handshakes)
+        self.listener = listener
+        self.listener.setblocking(False)
+        self.stopped = threading.Event()
+        self.failed = False
+        self.connections: set[Connection] = set()
+        self.waiting: dict[Connection, None] = {}     # unauthenticated, oldest first (the loop's)
+        self.draining: set[Connection] = set()        # authenticated, their refused payload dropped (the loop's)
+        self.admitted = 0                             # authenticated connections
+        self.lock = threading.Lock()
+        self.selector = selectors.DefaultSelector()
+        self.scratch = bytearray(1 << 16)             # where the loop drops bytes
+        self.wake_r, self.wake_w = socket.socketpair()     # tells the loop a connection came back
+        self.wake_r.setblocking(False)
+        self.returned: queue.SimpleQueue[Connection] = queue.SimpleQueue()
+        self.handlers, self.busy = max(1, handlers), 0
+        self.pool = ThreadPoolExecutor(max_workers=self.handlers, thread_name_prefix=f"{self.name}-handler")
+        self.thread = threading.Thread(target=self._run, name=f"{self.name}-accept", daemon=True)
+
+    def start(self) -> "SocketDataServer":
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self._wake()
+        if self.thread.is_alive():
+            self.thread.join(timeout=5)
+        with self.lock:
+            connections = list(self.connections)
+        for conn in connections:       # a handler blocked on one of them wakes with an error
+            _shutdown(conn.raw)
+        self.pool.shutdown(wait=True)  # each handler gives back what it holds (pooled buffers) as it ends
+        for conn in connections:
+            self._close(conn)
+        self.listener.close()
+        self.selector.close()
+        self.wake_r.close()
+        self.wake_w.close()
+
+    @property
+    def open_connections(self) -> int:
+        with self.lock:
+            return len(self.connections)
+
+    # ----- what subclasses provide ----------------------------------------------------------------
+
+    def _accepted(self, sock: socket.socket) -> str | None:
+        """Prepare a new connection's socket; a text refuses it (the reason, said to the peer)."""
+        return None
+
+    def _operation(self, conn: Connection, op: int, dtype: int, worker: int, clock: int, version: int, nbytes: int,
+                   timeout: float) -> bool:
+        """Serve one request other than the hello; False if the connection must close."""
+        self._refuse_unread(conn, InvalidArgument(f"unknown data-plane operation {op}", Reason.MALFORMED), nbytes,
+                            MAX_MESSAGE)
+        return False
+
+    def _released(self, conn: Connection) -> None:
+        """``conn`` is closed: free what the plane kept for it."""
+
+    # ----- the loop: accept, handshakes, idle connections, handing ready ones to the pool ---------
+
+    def _run(self) -> None:
+        try:
+            while not self.stopped.is_set():
+                try:
+                    self._turn()
+                except Exception:  # noqa: BLE001 - a bad turn must not end the loop: the shard would look alive
+                    log.exception("%s loop: one turn failed; going on", self.name)
+                    time.sleep(0.05)
+        except BaseException:  # noqa: BLE001 - ended: said below, and by the shard's health
+            log.exception("%s loop ended", self.name)
+        finally:
+            if not self.stopped.is_set():
+                self.failed = True
+                log.error("the %s stopped serving; clients fall back to retrying", self.name)
+                if self.on_failure is not None:
+                    self.on_failure()
+
+    def _turn(self) -> None:
+        accept = False
+        for key, _ in self.selector.select(timeout=0.5):
+            if key.data == "accept":
+                accept = True            # last: the handshakes already under way are read first
+            elif key.data == "wake":
+                _drain(self.wake_r)
+            elif not key.data.closed:
+                conn = key.data
+                if conn.authenticated and not conn.drain:
+                    self.selector.unregister(conn.sock)
+                    self._dispatch(conn)
+                else:
+                    self._advance(conn)
+        while True:
+            try:
+                conn = self.returned.get_nowait()
+            except queue.Empty:
+                break
+            self._watch(conn)
+        self._expire()
+        if accept:
+            self._accept()
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:     # out of file descriptors, say: the others go on being served
+                log.warning("%s cannot accept a connection now: %s", self.name, exc)
+                time.sleep(0.05)
+                return
+            try:
+                refused = self._accepted(sock)
+            except Exception:
+                sock.close()
+                raise
+            if refused is not None:
+                self._refuse_connection(sock, Status.UNAUTHENTICATED, Reason.NONE, refused)
+            elif self.token or self.ssl_context is not None:
+                self._greet(sock)
+            else:
+                self._admit_at_once(sock)
+
+    def _admit_at_once(self, sock: socket.socket) -> None:
+        """A shard that asks nothing (no token, no TLS): the connection is authenticated as it comes."""
+        sock.setblocking(True)
+        with self.lock:
+            full = self.admitted >= self.max_connections
+            if not full:
+                conn = Connection(sock, sock, authenticated=True, handshaken=True)
+                self.connections.add(conn)
+                self.admitted += 1
+        if full:
+            self._refuse_connection(sock, Status.UNAVAILABLE, Reason.TOO_MANY_CONNECTIONS, self._full_text())
+        else:
+            self._watch(conn)
+
+    def _greet(self, sock: socket.socket) -> None:
+        """A connection that must authenticate: the loop reads its handshake, without blocking, until its deadline."""
+        sock.setblocking(False)
+        try:
+            wrapped = sock if self.ssl_context is None else self.ssl_context.wrap_socket(
+                sock, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ValueError):
+            sock.close()
+            return
+        conn = Connection(wrapped, sock, authenticated=False, handshaken=self.ssl_context is None,
+                          deadline=time.monotonic() + self.handshake_s)
+        with self.lock:
+            self.connections.add(conn)
+            self.waiting[conn] = None
+            oldest = next(iter(self.waiting)) if len(self.waiting) > self.max_handshakes else None
+        if oldest is not None:
+            self._drop(oldest)       # a stranger's, almost surely: a worker says its hello at once
+        try:
+            self.selector.register(conn.sock, selectors.EVENT_READ, conn)
+        except (ValueError, OSError):
+            self._close(conn)
+            return
+        self._advance(conn)          # a worker's hello is often here already
+
+    def _watch(self, conn: Connection) -> None:
+        if self.stopped.is_set():
+            self._close(conn)
+            return
+        if conn.drain:
+            conn.sock.setblocking(False)
+            with self.lock:
+                self.draining.add(conn)
+        try:
+            self.selector.register(conn.sock, selectors.EVENT_READ, conn)
+        except (ValueError, OSError):     # closed meanwhile
+            self._close(conn)
+
+    def _dispatch(self, conn: Connection) -> None:
+        try:
+            self.pool.submit(self._serve, conn)
+        except RuntimeError as exc:       # no thread can start, or the pool is shutting down
+            log.warning("%s cannot serve a connection now: %s", self.name, exc)
+            self._close(conn)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            late = []
+            for conn in self.waiting:     # oldest first, and so soonest deadline first
+                if conn.deadline > now:
+                    break
+                late.append(conn)
+            late += [conn for conn in self.draining if conn.deadline <= now]
+        for conn in late:
+            self._drop(conn)
+
+    def _drop(self, conn: Connection) -> None:
+        """Close a connection the loop watches (the loop's thread only)."""
+        try:
+            self.selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        self._close(conn)
+
+    def _wake(self) -> None:
+        try:
+            self.wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def _full_text(self) -> str:
+        return (f"this shard serves at most {self.max_connections} data-plane connections (tcp_max_connections); "
+                f"try again later")
+
+    def _refuse_connection(self, sock: socket.socket, status: int, reason: int, text: str) -> None:
+        """Tell a connection we will not serve why, without reading it (the client reads its reply), and close."""
+        message = text.encode()
+        try:
+            sock.settimeout(0.5)
+            sock.sendall(REPLY.pack(MAGIC, status, reason, 0, 0, 0, 0, len(message)) + message)
+        except OSError:
+            pass
+        _shutdown(sock, socket.SHUT_WR)
+        sock.close()
+
+    def _close(self, conn: Connection) -> None:
+        with self.lock:
+            if conn.closed:
+                return
+            conn.closed = True
+            self.connections.discard(conn)
+            self.waiting.pop(conn, None)
+            self.draining.discard(conn)
+            if conn.authenticated:
+                self.admitted -= 1
+        try:
+            self._released(conn)
+        except Exception:  # noqa: BLE001 - closing must finish
+            log.exception("%s: releasing a connection failed", self.name)
+        for sock in {conn.sock, conn.raw}:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    # ----- in the loop: a handshake, or a refused payload, as its bytes come -------------------------
+
+    def _advance(self, conn: Connection) -> None:
+        try:
+            keep = self._drop_some(conn) if conn.drain else self._handshake(conn)
+        except (OSError, ssl.SSLError, ValueError):      # the peer went, broke TLS, or sent no frame of ours
+            keep = False
+        if not keep:
+            self._drop(conn)
+
+    def _handshake(self, conn: Connection) -> bool:
+        """Read what has come of the TLS handshake and the hello; False if the connection must close."""
+        sock = conn.sock
+        if not conn.handshaken:
+            try:
+                sock.do_handshake()
+            except ssl.SSLWantReadError:
+                return True
+            except ssl.SSLWantWriteError:
+                self.selector.modify(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+                return True
+            conn.handshaken = True
+            if self.selector.get_key(sock).events != selectors.EVENT_READ:
+                self.selector.modify(sock, selectors.EVENT_READ, conn)
+            if not self.token:
+                return self._authenticate(conn, hello=False)     # the certificate was what it had to show
+        hello = conn.hello
+        need = REQUEST.size
+        while True:
+            if len(hello) >= REQUEST.size:
+                magic, op, _, _, _, _, nbytes, _ = REQUEST.unpack_from(hello)
+                if magic != MAGIC:
+                    return False
+                if op != HELLO:       # a request before the hello: refused, what it declared dropped here
+                    self._send_now(sock, self._refusal_frame(Unauthenticated("missing or wrong bearer token")))
+                    conn.drain = min(nbytes, DRAIN_STRANGER)
+                    return bool(conn.drain) and self._drop_some(conn)
+                if nbytes > MAX_MESSAGE:
+                    return False
+                need = REQUEST.size + nbytes
+                if len(hello) == need:
+                    break
+            try:
+                data = sock.recv(need - len(hello))
+            except WOULD_BLOCK:
+                return True
+            if not data:
+                return False
+            hello += data
+        if not token_matches(bytes(hello[REQUEST.size:]), self.token):
+            self._send_now(sock, self._refusal_frame(Unauthenticated("missing or wrong bearer token")))
+            return False
+        return self._authenticate(conn, hello=True)
+
+    def _authenticate(self, conn: Connection, hello: bool) -> bool:
+        """The connection showed what it had to: it is a worker's now, if there is room for one more."""
+        with self.lock:
+            self.waiting.pop(conn, None)
+            full = self.admitted >= self.max_connections
+            if not full:
+                conn.authenticated = True
+                self.admitted += 1
+        if full:
+            self._send_now(conn.sock, self._refusal_frame(Unavailable(self._full_text(),
+                                                                      Reason.TOO_MANY_CONNECTIONS)))
+            return False
+        if hello and not self._send_now(conn.sock, REPLY.pack(MAGIC, Status.OK, Reason.NONE, 0, 0, 0, 0, 0)):
+            return False
+        conn.hello = bytearray()
+        conn.sock.setblocking(True)
+        if isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending():     # a request the selector cannot see
+            self.selector.unregister(conn.sock)
+            self._dispatch(conn)
+        return True
+
+    def _drop_some(self, conn: Connection) -> bool:
+        """Read and drop some of a refused request's payload; False once it is all read (then close)."""
+        for _ in range(DRAIN_STEP // len(self.scratch)):
+            try:
+                n = conn.sock.recv_into(self.scratch, min(conn.drain, len(self.scratch)))
+            except WOULD_BLOCK:
+                return True
+            if n == 0:
+                return False
+            conn.drain -= n
+            if not conn.drain:
+                return False
+        return True
+
+    def _send_now(self, sock, frame: bytes) -> bool:
+        """Send a short frame from the loop without waiting; False if it did not all go at once."""
+        try:
+            return sock.send(frame) == len(frame)
+        except (OSError, ssl.SSLError):
+            return False
+
+    def _refusal_frame(self, exc: BaseException) -> bytes:
+        refusal = self.service.refuse(exc, f"a {self.name} handshake")
+        message = refusal.message.encode()[:MAX_MESSAGE]
+        return REPLY.pack(MAGIC, refusal.status, refusal.reason, 0, 0, 0, 0, len(message)) + message
+
+    # ----- one request, in a handler thread -------------------------------------------------------
+
+    def _serve(self, conn: Connection) -> None:
+        keep = False
+        with self.lock:
+            self.busy += 1
+        try:
+            keep = self._request(conn)
+            # A worker's next request follows soon (its pull after its push): while handlers are to
+            # spare, wait for it here, as a thread per connection would, instead of paying a hand-off
+            # to the selector and back on every request. TLS may also hold decrypted bytes the
+            # selector cannot see.
+            while keep and not conn.drain and not self.stopped.is_set() and self._next_request_soon(conn.sock):
+                keep = self._request(conn)
+        except (ConnectionError, OSError, ssl.SSLError):
+            pass      # the client went away; nothing half-applied: a push reaches the shard only once complete
+        except Exception:  # noqa: BLE001 - one bad connection must not take the shard down
+            log.exception("%s connection failed", self.name)
+        finally:
+            with self.lock:
+                self.busy -= 1
+        if (keep or conn.drain) and not self.stopped.is_set():
+            self.returned.put(conn)       # idle again, or a refused payload for the loop to drop
+            self._wake()
+        else:
+            self._close(conn)
+
+    def _next_request_soon(self, sock) -> bool:
+        if isinstance(sock, ssl.SSLSocket) and sock.pending():
+            return True
+        with self.lock:
+            spare = self.busy <= self.handlers // 2
+        if not spare:
+            return False
+        try:
+            return bool(select.select([sock], [], [], LINGER_S)[0])
+        except (OSError, ValueError):
+            return False
+
+    def _request(self, conn: Connection) -> bool:
+        """Read and answer one request; False if the connection must close."""
+        sock = conn.sock
+        # The header is on its way (the selector saw data): a peer that stalls or trickles in it
+        # holds a handler for HEADER_S at most.
+        sock.settimeout(HEADER_S)
+        _, op, dtype, worker, clock, version, nbytes, timeout = recv_struct(sock, REQUEST, time.monotonic() + HEADER_S)
+        # A payload must come at MIN_RATE on average, after a grace: a trickle is cut, a stall too.
+        budget = PAYLOAD_GRACE_S + nbytes / MIN_RATE
+        conn.read_by = time.monotonic() + budget
+        sock.settimeout(min(PAYLOAD_IDLE_S, budget))
+        if op == HELLO:
+            return self._hello(conn, nbytes)
+        return self._operation(conn, op, dtype, worker, clock, version, nbytes, timeout)
+
+    # ----- replies ------------------------------------------------------------------------------
+
+    def _reply(self, conn, *, status=Status.OK, reason=Reason.NONE, outcome=0, version=0, staleness=0, next_clock=0,
+               payload=None) -> None:
+        nbytes = 0 if payload is None else memoryview(payload).nbytes
+        conn.sendall(REPLY.pack(MAGIC, status, reason, outcome, version, staleness, next_clock, nbytes))
+        if payload is not None:
+            conn.sendall(payload)
+
+    def _refuse(self, conn, exc: BaseException) -> Refusal:
+        refusal = self.service.refuse(exc, f"a {self.name} call")
+        self._reply(conn, status=refusal.status, reason=refusal.reason,
+                    payload=refusal.message.encode()[:MAX_MESSAGE])
+        return refusal
+
+    def _hello(self, conn: Connection, nbytes: int) -> bool:
+        """A hello on a connection already authenticated (a client that has a token, of a shard that asks none)."""
+        sock = conn.sock
+        if nbytes > MAX_MESSAGE:
+            raise ConnectionError("oversized hello")
+        given = bytearray(nbytes)
+        recv_exact(sock, memoryview(given), conn.read_by)
+        if self.token and not token_matches(bytes(given), self.token):
+            self._refuse(sock, Unauthenticated("missing or wrong bearer token"))
+            return False
+        self._reply(sock)
+        return True
+
+    def _refuse_unread(self, conn: Connection, exc: BaseException, nbytes: int, limit: int) -> None:
+        """Refuse a request whose payload is still on its way; the loop then reads and drops it, then closes.
+
+        Closing a socket with unread data resets the connection, and a reset can destroy the
+        refusal before the client reads it: the client would see a broken pipe instead. So up to
+        ``limit`` bytes are dropped first (a worker's push of the right size is never cut),
+        by the loop, without a handler, at ``MIN_RATE`` at least.
+        """
+        self._refuse(conn.sock, exc)
+        conn.drain = min(nbytes, limit)
+        conn.deadline = time.monotonic() + DRAIN_GRACE_S + conn.drain / MIN_RATE
+
+
+def reply_timeout(timeout: float) -> float | None:
+    """How long a socket may wait to send the answer to a request with ``timeout`` (0: no deadline).
+
+    The consistency wait is the service's, which also refuses a deadline that is not a finite
+    number; a number from the wire must never make ``settimeout`` itself fail.
+    """
+    if not timeout or not math.isfinite(timeout) or timeout < 0:
+        return None if not timeout else PAYLOAD_IDLE_S
+    return min(timeout, MAX_WAIT_S) + PAYLOAD_IDLE_S
+
+
+def _shutdown(sock: socket.socket, how: int = socket.SHUT_RDWR) -> None:
+    try:
+        sock.shutdown(how)
+    except OSError:
+        pass
+
+
+def _drain(sock: socket.socket) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except (BlockingIOError, OSError):
+        pass
