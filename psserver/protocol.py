@@ -48,9 +48,8 @@ REASON_KEY = "ps-reason"
 # A consistency wait answers this long before the caller's deadline, so the caller reads the
 # DEADLINE_EXCEEDED reply instead of timing out on its own.
 REPLY_MARGIN_S = 0.05
-# The shared-memory plane's table of reader marks (weight_ring.py): what a slot says besides a buffer's index.
-NO_MARK = -1      # its reader holds nothing (written by the reader once its copy is done)
-REVOKED = -2      # the shard took the buffer back before the reader was done: its copy may be torn, read again
+# The shared-memory plane's table of reader marks: its layout is stream_frames.py's (re-exported for weight_ring.py).
+from psgrid.psserver.transports.stream_frames import NO_MARK, REVOKED  # noqa: E402,F401
 
 
 class Status(IntEnum):

@@ -15,7 +15,8 @@ GRPC_ALLOWED = {"psserver/transports/grpc_server.py", "psserver/transports/grpc_
 # Modules the client side uses: none of them may import the server side.
 CLIENT_SIDE = ["psserver/client/client.py", "psserver/client/admin.py", "psserver/client/connections.py", "psserver/client/memory.py",
                "psserver/transports/base.py", "psserver/transports/grpc_client.py",
-               "psserver/transports/tcp_client.py", "psserver/transports/shm_client.py"]
+               "psserver/transports/tcp_client.py", "psserver/transports/shm_client.py",
+               "psserver/transports/stream_client.py", "psserver/transports/stream_frames.py"]
 SERVER_SIDE = {"psgrid.psserver.state.shard", "psgrid.psserver.service", "psgrid.psserver.server",
                "psgrid.psserver.transports.grpc_server", "psgrid.psserver.transports.grpc_health",
                "psgrid.psserver.transports.tcp_server",

@@ -23,23 +23,24 @@ import numpy as np
 
 from psgrid.psserver import dtypes as wire
 from psgrid.psserver.exceptions import BadReply, PSError, Unavailable
-from psgrid.psserver.protocol import FLOAT32, ITEMSIZE, NO_MARK, Outcome, PushResult, Reason, Registration, Status
+from psgrid.psserver.protocol import FLOAT32, ITEMSIZE, Outcome, PushResult, Reason, Registration
 from psgrid.psserver.security import client_ssl_context
 from psgrid.psserver.shared_memory import map_fd
 from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, register_data_plane
-from psgrid.psserver.transports.stream_frames import (ATTACH, FD_BYTE, HELLO, MAGIC, MAP, OPEN, PULL, PUSH, REQUEST,
+from psgrid.psserver.transports.stream_client import ConnectionPool, StreamConnection, say_hello
+from psgrid.psserver.transports.stream_frames import (FD_BYTE, MARK_BYTES, NO_MARK, attach_request, dtype_byte,
+                                                   map_request, open_request, pull_request, push_request,
                                                    read_reply)
 
 CONNECT_S = 5.0
-SOCKET_SLACK_S = 5.0       # beyond a call's deadline: the shard answers a timed-out wait itself
 REREAD_S = 60.0            # how long a pull with no deadline reads again while the shard takes its buffers back
 
 
-class _Connection:
-    __slots__ = ("sock", "slot", "attached")
+class _Connection(StreamConnection):
+    __slots__ = ("slot", "attached")
 
     def __init__(self, sock: socket.socket):
-        self.sock = sock
+        super().__init__(sock)
         self.slot = -1                   # this connection's slot in the shard's marks, once OPENed
         self.attached: set[int] = set()  # gradient files (dtype byte: dtype and index) the shard mapped for it
 
@@ -59,9 +60,8 @@ class ShmDataPlane(DataPlane):
         self.host = host
         self.ssl_context = client_ssl_context(options.tls_ca, options.tls_cert, options.tls_key) if options.tls else None
         self.memory = options.memory
-        self.idle: list[_Connection] = []
-        self.lock = threading.Lock()
-        self.closed = False
+        self.replier = f"shard shared memory at {address}"      # who a refusal came from, in its message
+        self.pool: ConnectionPool[_Connection] = ConnectionPool(self._connect_within, "shared-memory plane", address)
         self.buffers: dict[int, np.ndarray] = {}      # the shard's ring buffers mapped here (read only)
         self.marks: np.ndarray | None = None           # the shard's table of reader marks
         self.map_lock = threading.Lock()
@@ -76,9 +76,7 @@ class ShmDataPlane(DataPlane):
             if self.ssl_context is not None:
                 sock = self._handshake(sock, timeout)
             if self.token:
-                token = self.token.encode()
-                sock.sendall(REQUEST.pack(MAGIC, HELLO, 0, 0, 0, 0, len(token), 0.0) + token)
-                self._read_reply(sock)
+                say_hello(sock, self.token, self.replier)
         except BaseException:
             sock.close()
             raise
@@ -95,46 +93,8 @@ class ShmDataPlane(DataPlane):
         plain.settimeout(timeout)
         return plain
 
-    def _take(self, timeout: float) -> _Connection:
-        with self.lock:
-            conn = self.idle.pop() if self.idle else None
-        return conn or self.connect(min(timeout, CONNECT_S) if timeout else CONNECT_S)
-
-    def _give(self, conn: _Connection) -> None:
-        with self.lock:
-            if not self.closed:
-                self.idle.append(conn)
-                return
-        conn.sock.close()
-
-    def _read_reply(self, sock) -> tuple:
-        return read_reply(sock, f"shard shared memory at {self.address}")[:4]
-
-    def _round_trip(self, timeout_s: float, call: Callable[[_Connection], object]):
-        try:
-            conn = self._take(timeout_s)
-        except OSError as exc:
-            raise Unavailable(f"cannot connect to the shared-memory plane at {self.address}: {exc}",
-                              Reason.UNREACHABLE) from exc
-        try:
-            conn.sock.settimeout(timeout_s + SOCKET_SLACK_S if timeout_s else None)
-            result = call(conn)
-        except PSError as err:
-            # A refusal leaves the connection in step (nothing is left unread on this plane) unless
-            # the shard closes it; one that says so is not reused.
-            if err.status in (Status.DEADLINE_EXCEEDED, Status.INVALID_ARGUMENT, Status.FAILED_PRECONDITION):
-                self._give(conn)
-            else:
-                conn.sock.close()
-            raise
-        except OSError as exc:
-            conn.sock.close()
-            raise Unavailable(f"shared-memory connection to {self.address} lost: {exc}", Reason.UNREACHABLE) from exc
-        except BaseException:
-            conn.sock.close()
-            raise
-        self._give(conn)
-        return result
+    def _connect_within(self, timeout: float) -> _Connection:
+        return self.connect(min(timeout, CONNECT_S) if timeout else CONNECT_S)
 
     def _receive_fd(self, sock) -> int:
         _, fds, _, _ = socket.recv_fds(sock, len(FD_BYTE), 1)
@@ -147,13 +107,13 @@ class ShmDataPlane(DataPlane):
     # ----- mapping the shard's memory -----------------------------------------------------------
 
     def _open(self, conn: _Connection) -> None:
-        conn.sock.sendall(REQUEST.pack(MAGIC, OPEN, 0, 0, 0, 0, 0, 0.0))
-        _, slot, _, _ = self._read_reply(conn.sock)
+        conn.sock.sendall(open_request())
+        slot = read_reply(conn.sock, self.replier).slot
         fd = self._receive_fd(conn.sock)
         try:
             with self.map_lock:
                 if self.marks is None:
-                    self.marks = map_fd(fd, os.fstat(fd).st_size // 8, np.int64)
+                    self.marks = map_fd(fd, os.fstat(fd).st_size // MARK_BYTES, np.int64)
         finally:
             os.close(fd)
         conn.slot = slot
@@ -162,8 +122,8 @@ class ShmDataPlane(DataPlane):
         buffer = self.buffers.get(index)
         if buffer is not None and len(buffer) == size:
             return buffer
-        conn.sock.sendall(REQUEST.pack(MAGIC, MAP, 0, 0, index, 0, 0, 0.0))
-        _, nbytes, _, _ = self._read_reply(conn.sock)
+        conn.sock.sendall(map_request(index))
+        nbytes = read_reply(conn.sock, self.replier).buffer_bytes
         fd = self._receive_fd(conn.sock)
         try:
             if nbytes != size * ITEMSIZE[FLOAT32]:
@@ -196,8 +156,9 @@ class ShmDataPlane(DataPlane):
                 self._open(conn)
             give_up = time.monotonic() + (timeout_s or REREAD_S)
             while True:
-                conn.sock.sendall(REQUEST.pack(MAGIC, PULL, FLOAT32, worker_id, clock, 0, 0, timeout_s))
-                _, version, index, _ = self._read_reply(conn.sock)
+                conn.sock.sendall(pull_request(FLOAT32, worker_id, clock, timeout_s))
+                reply = read_reply(conn.sock, self.replier)
+                version, index = reply.version, reply.buffer_index
                 try:
                     consume(self._buffer(conn, index, size))
                     # The copy is done (a device copy is synchronized by then): a slot that no longer
@@ -213,7 +174,7 @@ class ShmDataPlane(DataPlane):
                                       f"read before its copy was done, for {timeout_s or REREAD_S:g} s: its copies "
                                       f"are slower than the shard's updates", Reason.TIMED_OUT)
 
-        return self._round_trip(timeout_s, call)
+        return self.pool.round_trip(timeout_s, call)
 
     def push(self, grad: np.ndarray, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int,
              timeout_s: float) -> PushResult:
@@ -228,26 +189,22 @@ class ShmDataPlane(DataPlane):
             segment[begin:end] = np.frombuffer(wire.encode(grad, wire_dtype), np.uint16)
         elif index is None:         # not computed in one of our gradient buffers: copied into the first
             np.copyto(segment[begin:end], grad)
-        kind = wire_dtype | (index or 0) << 4
+        kind = dtype_byte(wire_dtype, index or 0)
 
         def call(conn: _Connection) -> PushResult:
             if kind not in conn.attached:
-                conn.sock.sendall(REQUEST.pack(MAGIC, ATTACH, kind, 0, 0, 0, segment.nbytes, 0.0))
+                conn.sock.sendall(attach_request(kind, segment.nbytes))
                 socket.send_fds(conn.sock, [FD_BYTE], [fd])
-                self._read_reply(conn.sock)
+                read_reply(conn.sock, self.replier)
                 conn.attached.add(kind)
-            conn.sock.sendall(REQUEST.pack(MAGIC, PUSH, kind, worker_id, clock, version, 0, timeout_s))
-            outcome, new_version, staleness, next_clock = self._read_reply(conn.sock)
-            return PushResult(Outcome(outcome), new_version, staleness, next_clock)
+            conn.sock.sendall(push_request(kind, worker_id, clock, version, 0, timeout_s))
+            reply = read_reply(conn.sock, self.replier)
+            return PushResult(Outcome(reply.outcome), reply.version, reply.staleness, reply.next_clock)
 
-        return self._round_trip(timeout_s, call)
+        return self.pool.round_trip(timeout_s, call)
 
     def close(self) -> None:
-        with self.lock:
-            self.closed = True
-            idle, self.idle = self.idle, []
-        for conn in idle:
-            conn.sock.close()
+        self.pool.close()
         with self.map_lock:
             buffers, self.buffers = list(self.buffers.values()), {}
         if self.memory is not None:
@@ -263,7 +220,7 @@ def _offered(control: Control, registration: Registration, options: ConnectOptio
         return None      # our gradients could not be put in shared memory (said once, by ClientMemory)
     plane = ShmDataPlane(registration.shm_socket, options, host=control.address.rsplit(":", 1)[0].strip("[]"))
     try:
-        plane._give(plane.connect(CONNECT_S))
+        plane.pool.give(plane.connect(CONNECT_S))
     except (OSError, PSError):
         plane.close()
         return None
