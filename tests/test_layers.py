@@ -21,6 +21,7 @@ SERVER_SIDE = {"psgrid.psserver.state.shard", "psgrid.psserver.service", "psgrid
                "psgrid.psserver.transports.grpc_server", "psgrid.psserver.transports.grpc_health",
                "psgrid.psserver.transports.tcp_server",
                "psgrid.psserver.transports.shm_server", "psgrid.psserver.transports.stream_server",
+               "psgrid.psserver.transports.stream_admission",
                "psgrid.psserver.state.weight_ring",
                "psgrid.psserver.state.checkpoint", "psgrid.psserver.kernels.optim", "psgrid.psserver.state.policy",
                "psgrid.psserver.state.membership", "psgrid.psserver.metrics"}

@@ -2,7 +2,7 @@
 
 A worker on the shard's host reaches it on an abstract Unix socket (its name travels in
 RegisterReply's ``shm_socket``; a worker elsewhere cannot connect, and falls back to TCP). Only
-small frames (tcp_frames.py) cross the socket; memory crosses by file descriptor:
+small frames (stream_frames.py, which names each field this plane gives a meaning of its own) cross the socket; memory crosses by file descriptor:
 
 * ``OPEN`` gives the connection a slot in the shard's table of reader marks and the table itself;
 * ``PULL`` waits for the consistency rule, then answers the index of the ring buffer that holds the
@@ -35,12 +35,14 @@ from typing import Callable
 
 import numpy as np
 
-from psgrid.psserver.exceptions import InvalidArgument, PSError
+from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.protocol import BFLOAT16, FLOAT16, FLOAT32, Reason
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.shared_memory import map_fd, unsafe_to_map
-from psgrid.psserver.transports.stream_server import DEFAULT_MAX_CONNECTIONS, SocketDataServer, reply_timeout
-from psgrid.psserver.transports.stream_frames import ATTACH, DTYPE_BITS, FD_BYTE, MAP, OPEN, PULL, PUSH
+from psgrid.psserver.transports.stream_frames import (ATTACH, FD_BYTE, MAP, OPEN, PULL, PUSH, Request, map_reply,
+                                                   open_reply, shared_pull_reply)
+from psgrid.psserver.transports.stream_server import (DEFAULT_MAX_CONNECTIONS, Connection, SocketDataServer,
+                                                      wait_timeout)
 
 SEGMENT_DTYPES = {FLOAT32: np.dtype("<f4"), FLOAT16: np.dtype("<u2"), BFLOAT16: np.dtype("<u2")}
 PEERCRED = struct.Struct("3i")     # pid, uid, gid
@@ -76,6 +78,7 @@ class ShmDataServer(SocketDataServer):
         self.address = "@" + name
         super().__init__(service, listener, token, ssl_context, handlers=handlers, max_connections=max_connections,
                          on_failure=on_failure)
+        self.operations = {OPEN: self._open, MAP: self._map, PULL: self._pull, PUSH: self._push}
 
     def _accepted(self, sock: socket.socket) -> str | None:
         _, uid, _ = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
@@ -83,30 +86,20 @@ class ShmDataServer(SocketDataServer):
             return f"this shard's shared memory is for processes of user {os.geteuid()} only"
         return None
 
-    def _handshake(self, conn) -> bool:
+    def _finish_tls(self, conn: Connection) -> bool:
         # Under TLS the client proves what the network planes ask for (its certificate, under mutual TLS),
         # then the connection goes back to plain frames: descriptors cannot cross TLS, and nothing here
         # needs hiding from a kernel that already vouched for the peer's user. Read without blocking, as
         # the rest of the handshake: the TLS handshake, its close (``unwrap``), then the hello in plain.
-        sock = conn.sock
-        if isinstance(sock, ssl.SSLSocket):
-            try:
-                if not conn.handshaken:
-                    sock.do_handshake()
-                    conn.handshaken = True
-                sock.unwrap()
-            except ssl.SSLWantReadError:
-                return True
-            except ssl.SSLWantWriteError:
-                self.selector.modify(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
-                return True
-            self.selector.unregister(sock)          # before detach: the selector knows it by descriptor
-            conn.sock = conn.raw = socket.socket(fileno=sock.detach())
-            conn.sock.setblocking(False)
-            self.selector.register(conn.sock, selectors.EVENT_READ, conn)
-            if not self.token:
-                return self._authenticate(conn, hello=False)     # the certificate was what it had to show
-        return super()._handshake(conn)
+        # (A handshake already done returns at once when its close is still waiting for the peer.)
+        sock: ssl.SSLSocket = conn.sock
+        if not (self._tls_step(conn, sock.do_handshake) and self._tls_step(conn, sock.unwrap)):
+            return False
+        self.selector.unregister(sock)          # before detach: the selector knows it by descriptor
+        conn.sock = conn.raw = socket.socket(fileno=sock.detach())
+        conn.sock.setblocking(False)
+        self.selector.register(conn.sock, selectors.EVENT_READ, conn)
+        return True
 
     def _released(self, conn) -> None:
         reader = conn.state
@@ -115,56 +108,49 @@ class ShmDataServer(SocketDataServer):
             reader.slot = -1
         conn.state = None
 
-    def _operation(self, conn, op, dtype, worker, clock, version, nbytes, timeout) -> bool:
-        sock = conn.sock
-        if op not in (OPEN, MAP, ATTACH, PULL, PUSH) or nbytes and op != ATTACH:
-            return super()._operation(conn, op, dtype, worker, clock, version, nbytes, timeout)
+    def _operation(self, conn: Connection, request: Request) -> bool:
+        op = request.op
+        if op not in (OPEN, MAP, ATTACH, PULL, PUSH) or request.nbytes and op != ATTACH:
+            return super()._operation(conn, request)
         if conn.state is None:
             conn.state = Reader()
-        reader: Reader = conn.state
-        try:
-            if op == OPEN:
-                self._open(sock, reader)
-            elif op == MAP:
-                fd, size = self.service.buffer_fd(clock)
-                self._reply(sock, version=size)
-                socket.send_fds(sock, [FD_BYTE], [fd])
-            elif op == ATTACH:
-                return self._attach(sock, reader, dtype, nbytes)
-            elif op == PULL:
-                if reader.slot < 0:
-                    raise InvalidArgument("OPEN before the first PULL on a shared-memory connection", Reason.MALFORMED)
-                sock.settimeout(reply_timeout(timeout))
-                # On this plane a timeout of 0 means "no deadline"; the service checks any other value.
-                pulled, index = self.service.pull_shared(worker_id=worker, clock=clock, timeout_s=timeout or None,
-                                                         slot=reader.slot)
-                self._reply(sock, version=pulled, staleness=index)
-            else:
-                segment = reader.segments.get(dtype)
-                if segment is None:
-                    raise InvalidArgument(f"no gradient file {dtype >> 4} of dtype {dtype & DTYPE_BITS} attached to "
-                                          f"this connection: ATTACH it first", Reason.BAD_DTYPE)
-                result = self.service.push_shared(worker_id=worker, clock=clock, version=version,
-                                                  dtype=dtype & DTYPE_BITS, segment=segment)
-                self._reply(sock, outcome=result.outcome, version=result.version, staleness=result.staleness,
-                            next_clock=result.next_clock)
-        except PSError as exc:       # first: a WaitTimeout is also an OSError
-            self._refuse(sock, exc)
-        except OSError:
-            raise                    # the connection broke while answering: nobody to answer
-        except Exception as exc:  # noqa: BLE001 - a bug of ours: answered INTERNAL, never silence
-            self._refuse(sock, exc)
+        sock, reader = conn.sock, conn.state
+        if op == ATTACH:      # refused on its own unless its descriptor is missing (then it closes)
+            return self._answer(sock, self._attach, sock, reader, request) is not False
+        self._answer(sock, self.operations[op], sock, reader, request)
         return True
 
-    def _open(self, sock, reader: Reader) -> None:
+    def _open(self, sock, reader: Reader, request: Request) -> None:
         if reader.slot < 0:
             reader.slot, marks_fd = self.service.open_reader()
         else:
             marks_fd = self.service.marks_fd()
-        self._reply(sock, version=reader.slot)
+        sock.sendall(open_reply(reader.slot))
         socket.send_fds(sock, [FD_BYTE], [marks_fd])
 
-    def _attach(self, sock, reader: Reader, dtype: int, nbytes: int) -> bool:
+    def _map(self, sock, reader: Reader, request: Request) -> None:
+        fd, size = self.service.buffer_fd(request.buffer_index)
+        sock.sendall(map_reply(size))
+        socket.send_fds(sock, [FD_BYTE], [fd])
+
+    def _pull(self, sock, reader: Reader, request: Request) -> None:
+        if reader.slot < 0:
+            raise InvalidArgument("OPEN before the first PULL on a shared-memory connection", Reason.MALFORMED)
+        pulled, index = self.service.pull_shared(worker_id=request.worker, clock=request.clock,
+                                                 timeout_s=wait_timeout(sock, request.timeout), slot=reader.slot)
+        sock.sendall(shared_pull_reply(pulled, index))
+
+    def _push(self, sock, reader: Reader, request: Request) -> None:
+        segment = reader.segments.get(request.dtype)
+        if segment is None:
+            raise InvalidArgument(f"no gradient file {request.file_index} of dtype {request.wire_dtype} attached to "
+                                  f"this connection: ATTACH it first", Reason.BAD_DTYPE)
+        result = self.service.push_shared(worker_id=request.worker, clock=request.clock, version=request.version,
+                                          dtype=request.wire_dtype, segment=segment)
+        self._reply(sock, outcome=result.outcome, version=result.version, staleness=result.staleness,
+                    next_clock=result.next_clock)
+
+    def _attach(self, sock, reader: Reader, request: Request) -> bool:
         """Take the worker's gradient file; False (close) when the descriptor did not come with it."""
         _, fds, _, _ = socket.recv_fds(sock, len(FD_BYTE), 1)
         if len(fds) != 1:
@@ -173,22 +159,20 @@ class ShmDataServer(SocketDataServer):
             self._refuse(sock, InvalidArgument("ATTACH must carry one file descriptor", Reason.MALFORMED))
             return False
         try:
-            reader.segments[dtype] = self._map_gradient(fds[0], dtype, nbytes)
-        except PSError as exc:
-            self._refuse(sock, exc)
-            return True
+            reader.segments[request.dtype] = self._map_gradient(fds[0], request)     # a refusal: _answer's
         finally:
             os.close(fds[0])
         self._reply(sock)
         return True
 
-    def _map_gradient(self, fd: int, dtype: int, nbytes: int) -> np.ndarray:
+    def _map_gradient(self, fd: int, request: Request) -> np.ndarray:
         """This shard's range of a worker's gradient file (the whole model in one dtype), mapped read-only."""
-        kind = SEGMENT_DTYPES.get(dtype & DTYPE_BITS) if dtype >> 4 in (0, 1) else None
+        nbytes = request.nbytes
+        kind = SEGMENT_DTYPES.get(request.wire_dtype) if request.file_index in (0, 1) else None
         if kind is None:
-            raise InvalidArgument(f"dtype byte {dtype} names no gradient file (a gradient dtype, file 0 or 1)",
+            raise InvalidArgument(f"dtype byte {request.dtype} names no gradient file (a gradient dtype, file 0 or 1)",
                                   Reason.BAD_DTYPE)
-        model_bytes, begin, size = self.service.gradient_layout(dtype & DTYPE_BITS)
+        model_bytes, begin, size = self.service.gradient_layout(request.wire_dtype)
         if nbytes != model_bytes:
             raise InvalidArgument(f"a shared gradient holds the whole model, {model_bytes} bytes in this dtype, "
                                   f"not {nbytes}", Reason.BAD_SIZE)

@@ -1,7 +1,7 @@
 """What every stream data plane of a shard shares: accepting, the handshake, idle connections, a bounded pool.
 
 The TCP data plane (tcp_server.py) and the shared-memory plane (shm_server.py) speak the same
-frames (tcp_frames.py) over different sockets, and differ only in their operations. This base
+frames (stream_frames.py) over different sockets, and differ only in their operations. This base
 class owns the rest:
 
 Connections are many and mostly idle, requests few at a time: one thread (the loop) waits on every
@@ -9,16 +9,8 @@ idle connection (``selectors``) and hands a connection whose request has arrived
 of handlers, which serves that request and gives the connection back. So an idle connection costs
 a file descriptor, not a thread, and a flood of them costs no threads at all.
 
-A stranger never holds a handler. Until a connection is authenticated it is the loop's: its TLS
-handshake and its hello (the job's token) are read without blocking, as their bytes come, and must
-be complete within ``handshake_s``; a request sent before the hello is refused and what it declared
-is read and dropped by the loop too (at most ``DRAIN_STRANGER`` bytes, within the same deadline).
-Unauthenticated connections are bounded apart from the authenticated ones: past
-``max_handshakes`` a new one closes the oldest, so strangers only ever take each other's places,
-while a worker, who sends its hello with its connect, is through within a turn of the loop. Past
-``max_connections`` authenticated connections a new one is refused (UNAVAILABLE, reason
-``too_many_connections``: the client retries). A shard with neither token nor TLS has nothing to
-ask: its connections are authenticated as they come, and ``max_connections`` is its only bound.
+Who is served, and how many at once (the handshake, the hello, the bounds on connections), is
+stream_admission.py's, the loop's other half.
 
 An authenticated connection's reads have deadlines: a request header ``HEADER_S`` once it has
 begun, a payload ``PAYLOAD_GRACE_S`` plus a second per ``MIN_RATE`` bytes, so a trickle is cut. A
@@ -30,6 +22,8 @@ if it ever ends while the shard serves, ``on_failure`` is called (the shard's he
 NOT_SERVING).
 
 What a request means, and whether it is valid, is the service's: a subclass only moves bytes.
+How a refusal is answered, and the wire's "timeout 0 means none", are here once
+(:meth:`SocketDataServer._answer`, :func:`wait_timeout`).
 """
 
 from __future__ import annotations
@@ -47,14 +41,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from psgrid.psserver.exceptions import InvalidArgument, Unauthenticated, Unavailable
+from psgrid.psserver.exceptions import InvalidArgument, PSError, Unauthenticated
 from psgrid.psserver.protocol import Reason, Refusal, Status
 from psgrid.psserver.security import token_matches
 from psgrid.psserver.service import ShardService
-from psgrid.psserver.transports.stream_frames import (HANDSHAKE_S, HELLO, MAGIC, MAX_MESSAGE, REPLY, REQUEST, recv_exact,
-                                                   recv_struct)
+from psgrid.psserver.transports.stream_admission import Admission, Connection, shutdown_quietly
+from psgrid.psserver.transports.stream_frames import (HANDSHAKE_S, HELLO, MAX_MESSAGE, Request, read_request,
+                                                   recv_exact, reply_header)
 
 log = logging.getLogger("psgrid.tcp")
+
+__all__ = ["Connection", "SocketDataServer", "DEFAULT_MAX_CONNECTIONS", "reply_timeout", "wait_timeout"]
 
 MAX_HANDSHAKES = 256      # unauthenticated connections at once; one more closes the oldest
 ACCEPT_BATCH = 64         # connections accepted per turn of the loop: handshakes under way are read in between
@@ -63,34 +60,13 @@ PAYLOAD_GRACE_S = 10.0    # a payload has this long, plus a second per MIN_RATE 
 MIN_RATE = 1 << 20        # ... so it must come at 1 MiB/s on average at least, or be cut
 PAYLOAD_IDLE_S = 60.0     # longest pause between a payload's bytes (within its deadline)
 DRAIN_GRACE_S = 2.0       # a refused payload is dropped within this, plus a second per MIN_RATE bytes
-DRAIN_STRANGER = 1 << 20  # most bytes dropped of a request sent before the hello
-DRAIN_STEP = 1 << 20      # most bytes the loop drops from one connection per turn (the others go on)
 MAX_WAIT_S = 86400.0      # longest deadline a socket honours (a longer one from the wire is cut to this)
 LINGER_S = 1.0            # a handler waits this long for an active connection's next request
 # Connections at once: far more than any job's workers, and half of what this process may open.
 DEFAULT_MAX_CONNECTIONS = min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2)
-WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
-class Connection:
-    """One client connection: its socket, how far its handshake is, and what its plane keeps for it."""
-
-    __slots__ = ("sock", "raw", "authenticated", "handshaken", "deadline", "read_by", "hello", "drain", "closed",
-                 "state")
-
-    def __init__(self, sock: socket.socket, raw: socket.socket, authenticated: bool, handshaken: bool,
-                 deadline: float = math.inf):
-        self.sock, self.raw = sock, raw
-        self.authenticated, self.handshaken = authenticated, handshaken
-        self.deadline = deadline     # to finish its handshake, or to send what the loop drops
-        self.read_by = math.inf      # the current request's payload must have come by then
-        self.hello = bytearray()     # the hello's bytes as they come
-        self.drain = 0               # bytes of a refused request the loop still reads and drops
-        self.closed = False
-        self.state = None
-
-
-class SocketDataServer:
+class SocketDataServer(Admission):
     """Accepts data-plane connections on ``listener`` and serves their requests from a bounded pool.
 
     Subclasses implement :meth:`_operation` (every request but the hello) and may override
@@ -140,7 +116,7 @@ class SocketDataServer:
         with self.lock:
             connections = list(self.connections)
         for conn in connections:       # a handler blocked on one of them wakes with an error
-            _shutdown(conn.raw)
+            shutdown_quietly(conn.raw)
         self.pool.shutdown(wait=True)  # each handler gives back what it holds (pooled buffers) as it ends
         for conn in connections:
             self._close(conn)
@@ -160,11 +136,10 @@ class SocketDataServer:
         """Prepare a new connection's socket; a text refuses it (the reason, said to the peer)."""
         return None
 
-    def _operation(self, conn: Connection, op: int, dtype: int, worker: int, clock: int, version: int, nbytes: int,
-                   timeout: float) -> bool:
+    def _operation(self, conn: Connection, request: Request) -> bool:
         """Serve one request other than the hello; False if the connection must close."""
-        self._refuse_unread(conn, InvalidArgument(f"unknown data-plane operation {op}", Reason.MALFORMED), nbytes,
-                            MAX_MESSAGE)
+        self._refuse_unread(conn, InvalidArgument(f"unknown data-plane operation {request.op}", Reason.MALFORMED),
+                            request.nbytes, MAX_MESSAGE)
         return False
 
     def _released(self, conn: Connection) -> None:
@@ -235,44 +210,6 @@ class SocketDataServer:
             else:
                 self._admit_at_once(sock)
 
-    def _admit_at_once(self, sock: socket.socket) -> None:
-        """A shard that asks nothing (no token, no TLS): the connection is authenticated as it comes."""
-        sock.setblocking(True)
-        with self.lock:
-            full = self.admitted >= self.max_connections
-            if not full:
-                conn = Connection(sock, sock, authenticated=True, handshaken=True)
-                self.connections.add(conn)
-                self.admitted += 1
-        if full:
-            self._refuse_connection(sock, Status.UNAVAILABLE, Reason.TOO_MANY_CONNECTIONS, self._full_text())
-        else:
-            self._watch(conn)
-
-    def _greet(self, sock: socket.socket) -> None:
-        """A connection that must authenticate: the loop reads its handshake, without blocking, until its deadline."""
-        sock.setblocking(False)
-        try:
-            wrapped = sock if self.ssl_context is None else self.ssl_context.wrap_socket(
-                sock, server_side=True, do_handshake_on_connect=False)
-        except (OSError, ValueError):
-            sock.close()
-            return
-        conn = Connection(wrapped, sock, authenticated=False, handshaken=self.ssl_context is None,
-                          deadline=time.monotonic() + self.handshake_s)
-        with self.lock:
-            self.connections.add(conn)
-            self.waiting[conn] = None
-            oldest = next(iter(self.waiting)) if len(self.waiting) > self.max_handshakes else None
-        if oldest is not None:
-            self._drop(oldest)       # a stranger's, almost surely: a worker says its hello at once
-        try:
-            self.selector.register(conn.sock, selectors.EVENT_READ, conn)
-        except (ValueError, OSError):
-            self._close(conn)
-            return
-        self._advance(conn)          # a worker's hello is often here already
-
     def _watch(self, conn: Connection) -> None:
         if self.stopped.is_set():
             self._close(conn)
@@ -319,21 +256,6 @@ class SocketDataServer:
         except OSError:
             pass
 
-    def _full_text(self) -> str:
-        return (f"this shard serves at most {self.max_connections} data-plane connections (tcp_max_connections); "
-                f"try again later")
-
-    def _refuse_connection(self, sock: socket.socket, status: int, reason: int, text: str) -> None:
-        """Tell a connection we will not serve why, without reading it (the client reads its reply), and close."""
-        message = text.encode()
-        try:
-            sock.settimeout(0.5)
-            sock.sendall(REPLY.pack(MAGIC, status, reason, 0, 0, 0, 0, len(message)) + message)
-        except OSError:
-            pass
-        _shutdown(sock, socket.SHUT_WR)
-        sock.close()
-
     def _close(self, conn: Connection) -> None:
         with self.lock:
             if conn.closed:
@@ -353,107 +275,6 @@ class SocketDataServer:
                 sock.close()
             except OSError:
                 pass
-
-    # ----- in the loop: a handshake, or a refused payload, as its bytes come -------------------------
-
-    def _advance(self, conn: Connection) -> None:
-        try:
-            keep = self._drop_some(conn) if conn.drain else self._handshake(conn)
-        except (OSError, ssl.SSLError, ValueError):      # the peer went, broke TLS, or sent no frame of ours
-            keep = False
-        if not keep:
-            self._drop(conn)
-
-    def _handshake(self, conn: Connection) -> bool:
-        """Read what has come of the TLS handshake and the hello; False if the connection must close."""
-        sock = conn.sock
-        if not conn.handshaken:
-            try:
-                sock.do_handshake()
-            except ssl.SSLWantReadError:
-                return True
-            except ssl.SSLWantWriteError:
-                self.selector.modify(sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
-                return True
-            conn.handshaken = True
-            if self.selector.get_key(sock).events != selectors.EVENT_READ:
-                self.selector.modify(sock, selectors.EVENT_READ, conn)
-            if not self.token:
-                return self._authenticate(conn, hello=False)     # the certificate was what it had to show
-        hello = conn.hello
-        need = REQUEST.size
-        while True:
-            if len(hello) >= REQUEST.size:
-                magic, op, _, _, _, _, nbytes, _ = REQUEST.unpack_from(hello)
-                if magic != MAGIC:
-                    return False
-                if op != HELLO:       # a request before the hello: refused, what it declared dropped here
-                    self._send_now(sock, self._refusal_frame(Unauthenticated("missing or wrong bearer token")))
-                    conn.drain = min(nbytes, DRAIN_STRANGER)
-                    return bool(conn.drain) and self._drop_some(conn)
-                if nbytes > MAX_MESSAGE:
-                    return False
-                need = REQUEST.size + nbytes
-                if len(hello) == need:
-                    break
-            try:
-                data = sock.recv(need - len(hello))
-            except WOULD_BLOCK:
-                return True
-            if not data:
-                return False
-            hello += data
-        if not token_matches(bytes(hello[REQUEST.size:]), self.token):
-            self._send_now(sock, self._refusal_frame(Unauthenticated("missing or wrong bearer token")))
-            return False
-        return self._authenticate(conn, hello=True)
-
-    def _authenticate(self, conn: Connection, hello: bool) -> bool:
-        """The connection showed what it had to: it is a worker's now, if there is room for one more."""
-        with self.lock:
-            self.waiting.pop(conn, None)
-            full = self.admitted >= self.max_connections
-            if not full:
-                conn.authenticated = True
-                self.admitted += 1
-        if full:
-            self._send_now(conn.sock, self._refusal_frame(Unavailable(self._full_text(),
-                                                                      Reason.TOO_MANY_CONNECTIONS)))
-            return False
-        if hello and not self._send_now(conn.sock, REPLY.pack(MAGIC, Status.OK, Reason.NONE, 0, 0, 0, 0, 0)):
-            return False
-        conn.hello = bytearray()
-        conn.sock.setblocking(True)
-        if isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending():     # a request the selector cannot see
-            self.selector.unregister(conn.sock)
-            self._dispatch(conn)
-        return True
-
-    def _drop_some(self, conn: Connection) -> bool:
-        """Read and drop some of a refused request's payload; False once it is all read (then close)."""
-        for _ in range(DRAIN_STEP // len(self.scratch)):
-            try:
-                n = conn.sock.recv_into(self.scratch, min(conn.drain, len(self.scratch)))
-            except WOULD_BLOCK:
-                return True
-            if n == 0:
-                return False
-            conn.drain -= n
-            if not conn.drain:
-                return False
-        return True
-
-    def _send_now(self, sock, frame: bytes) -> bool:
-        """Send a short frame from the loop without waiting; False if it did not all go at once."""
-        try:
-            return sock.send(frame) == len(frame)
-        except (OSError, ssl.SSLError):
-            return False
-
-    def _refusal_frame(self, exc: BaseException) -> bytes:
-        refusal = self.service.refuse(exc, f"a {self.name} handshake")
-        message = refusal.message.encode()[:MAX_MESSAGE]
-        return REPLY.pack(MAGIC, refusal.status, refusal.reason, 0, 0, 0, 0, len(message)) + message
 
     # ----- one request, in a handler thread -------------------------------------------------------
 
@@ -500,21 +321,21 @@ class SocketDataServer:
         # The header is on its way (the selector saw data): a peer that stalls or trickles in it
         # holds a handler for HEADER_S at most.
         sock.settimeout(HEADER_S)
-        _, op, dtype, worker, clock, version, nbytes, timeout = recv_struct(sock, REQUEST, time.monotonic() + HEADER_S)
+        request = read_request(sock, time.monotonic() + HEADER_S)
         # A payload must come at MIN_RATE on average, after a grace: a trickle is cut, a stall too.
-        budget = PAYLOAD_GRACE_S + nbytes / MIN_RATE
+        budget = PAYLOAD_GRACE_S + request.nbytes / MIN_RATE
         conn.read_by = time.monotonic() + budget
         sock.settimeout(min(PAYLOAD_IDLE_S, budget))
-        if op == HELLO:
-            return self._hello(conn, nbytes)
-        return self._operation(conn, op, dtype, worker, clock, version, nbytes, timeout)
+        if request.op == HELLO:
+            return self._hello(conn, request.nbytes)
+        return self._operation(conn, request)
 
     # ----- replies ------------------------------------------------------------------------------
 
     def _reply(self, conn, *, status=Status.OK, reason=Reason.NONE, outcome=0, version=0, staleness=0, next_clock=0,
                payload=None) -> None:
         nbytes = 0 if payload is None else memoryview(payload).nbytes
-        conn.sendall(REPLY.pack(MAGIC, status, reason, outcome, version, staleness, next_clock, nbytes))
+        conn.sendall(reply_header(status, reason, outcome, version, staleness, next_clock, nbytes))
         if payload is not None:
             conn.sendall(payload)
 
@@ -523,6 +344,21 @@ class SocketDataServer:
         self._reply(conn, status=refusal.status, reason=refusal.reason,
                     payload=refusal.message.encode()[:MAX_MESSAGE])
         return refusal
+
+    def _answer(self, sock, serve: Callable, *args):
+        """``serve(*args)``, which replies on ``sock``; a refusal, or a bug of ours (INTERNAL), answered instead.
+
+        Returns what ``serve`` returned (None if it was refused). A connection that broke while
+        answering is raised: there is nobody to answer.
+        """
+        try:
+            return serve(*args)
+        except PSError as exc:       # first: a WaitTimeout is also an OSError
+            self._refuse(sock, exc)
+        except OSError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a bug of ours: answered INTERNAL, never silence
+            self._refuse(sock, exc)
 
     def _hello(self, conn: Connection, nbytes: int) -> bool:
         """A hello on a connection already authenticated (a client that has a token, of a shard that asks none)."""
@@ -550,6 +386,15 @@ class SocketDataServer:
         conn.deadline = time.monotonic() + DRAIN_GRACE_S + conn.drain / MIN_RATE
 
 
+def wait_timeout(sock: socket.socket, timeout: float) -> float | None:
+    """The deadline of a consistency wait that a request gave as ``timeout``, ``sock`` set to answer after it.
+
+    On the stream planes a timeout of 0 means "no deadline"; the service checks any other value.
+    """
+    sock.settimeout(reply_timeout(timeout))
+    return timeout or None
+
+
 def reply_timeout(timeout: float) -> float | None:
     """How long a socket may wait to send the answer to a request with ``timeout`` (0: no deadline).
 
@@ -559,13 +404,6 @@ def reply_timeout(timeout: float) -> float | None:
     if not timeout or not math.isfinite(timeout) or timeout < 0:
         return None if not timeout else PAYLOAD_IDLE_S
     return min(timeout, MAX_WAIT_S) + PAYLOAD_IDLE_S
-
-
-def _shutdown(sock: socket.socket, how: int = socket.SHUT_RDWR) -> None:
-    try:
-        sock.shutdown(how)
-    except OSError:
-        pass
 
 
 def _drain(sock: socket.socket) -> None:

@@ -2,13 +2,13 @@
 
 A shard also listens on a second port (its ``tcp_port``, sent in RegisterReply) where a
 request is a fixed header and a reply a fixed header and the raw little-endian payload
-(tcp_frames.py). A pushed gradient is received with ``recv_into`` straight into the pooled
+(stream_frames.py). A pushed gradient is received with ``recv_into`` straight into the pooled
 buffer the service lends, and a pull is sent with ``sendall`` straight from the version the
 shard lends: on loopback a single gRPC-Python stream tops out well under raw TCP, this path
 near all of it (``psctl bench transport``). ps-lite and BytePS split control and data the same way.
 
 Accepting, idle connections, the bounded pool of handlers and the hello are every stream
-plane's (socket_server.py); what a request means, and whether it is valid, is the service's:
+plane's (stream_server.py, stream_admission.py); what a request means, and whether it is valid, is the service's:
 this adapter only moves bytes.
 """
 
@@ -18,11 +18,10 @@ import socket
 import ssl
 from typing import Callable
 
-from psgrid.psserver.exceptions import PSError
 from psgrid.psserver.service import ShardService
+from psgrid.psserver.transports.stream_frames import HANDSHAKE_S, PULL, PUSH, Request, recv_exact
 from psgrid.psserver.transports.stream_server import (DEFAULT_MAX_CONNECTIONS, Connection, SocketDataServer,
-                                                      reply_timeout)
-from psgrid.psserver.transports.stream_frames import HANDSHAKE_S, PULL, PUSH, recv_exact
+                                                      wait_timeout)
 
 DRAIN_SLACK = 1 << 20     # a refused push is dropped up to the range in float32 and this much more, then cut
 
@@ -45,46 +44,37 @@ class TcpDataServer(SocketDataServer):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)    # a reply's header and payload go at once
         return None
 
-    def _operation(self, conn, op, dtype, worker, clock, version, nbytes, timeout) -> bool:
-        sock = conn.sock
-        if op == PULL:
-            sock.settimeout(reply_timeout(timeout))
-            self._pull(sock, worker, clock, timeout)
+    def _operation(self, conn: Connection, request: Request) -> bool:
+        if request.op == PULL:
+            self._answer(conn.sock, self._pull, conn.sock, request)
             return True
-        if op == PUSH:
-            return self._push(conn, dtype, worker, clock, version, nbytes)
-        return super()._operation(conn, op, dtype, worker, clock, version, nbytes, timeout)
+        if request.op == PUSH:
+            return self._push(conn, request)
+        return super()._operation(conn, request)
 
     # ----- operations ---------------------------------------------------------------------------
 
-    def _pull(self, conn, worker: int, clock: int, timeout: float) -> None:
-        try:
-            # On this plane a timeout of 0 means "no deadline"; the service checks any other value.
-            with self.service.pull(worker_id=worker, clock=clock, timeout_s=timeout or None) as snap:
-                self._reply(conn, version=snap.version, payload=snap.payload())
-        except PSError as exc:       # first: a WaitTimeout is also an OSError
-            self._refuse(conn, exc)
-        except OSError:
-            raise                    # the connection broke while sending: nobody to answer
-        except Exception as exc:  # noqa: BLE001 - a bug of ours: answered INTERNAL, never silence
-            self._refuse(conn, exc)
+    def _pull(self, sock: socket.socket, request: Request) -> None:
+        timeout_s = wait_timeout(sock, request.timeout)
+        with self.service.pull(worker_id=request.worker, clock=request.clock, timeout_s=timeout_s) as snap:
+            self._reply(sock, version=snap.version, payload=snap.payload())
 
-    def _push(self, conn: Connection, dtype: int, worker: int, clock: int, version: int, nbytes: int) -> bool:
+    def _push(self, conn: Connection, request: Request) -> bool:
         """Take one push; False if the connection cannot be trusted to stay in step and must close.
 
         A push is refused before its payload is read (a worker that is not live, a size that is
         not the range's); the payload is then dropped, no more of it than a push of the range
         could be.
         """
-        sock = conn.sock
+        sock, nbytes = conn.sock, request.nbytes
         try:
-            intake = self.service.open_push(worker_id=worker, clock=clock, version=version)
+            intake = self.service.open_push(worker_id=request.worker, clock=request.clock, version=request.version)
         except Exception as exc:  # noqa: BLE001 - refused before the payload: drop it, then close
             self._refuse_unread(conn, exc, nbytes, self._most_a_push_sends())
             return False
         with intake:
             try:
-                landing = intake.landing(dtype, nbytes)
+                landing = intake.landing(request.dtype, nbytes)
             except Exception as exc:  # noqa: BLE001
                 self._refuse_unread(conn, exc, nbytes, self._most_a_push_sends())
                 return False
