@@ -51,6 +51,10 @@ REPLY = struct.Struct("<4sBBBQqqQ")        # magic, status, reason, outcome, ver
 MAX_MESSAGE = 1 << 16                      # longest refusal text or token
 HANDSHAKE_S = 3.0                          # time a new connection has for its TLS handshake and hello
 
+# A header's fields as its named view: the layout fixed their number, so NamedTuple's check is skipped
+# (this is on every request's path).
+_named = tuple.__new__
+
 # ----- the marks table ---------------------------------------------------------------------------
 MARK_BYTES = 8       # one little-endian int64 per reader slot
 NO_MARK = -1         # its reader holds nothing (written by the reader once its copy is done)
@@ -94,6 +98,7 @@ def dtype_byte(wire_dtype: int, file_index: int) -> int:
 class Request(NamedTuple):
     """A request header, as the shard reads it; the shared-memory plane's fields named."""
 
+    magic: bytes
     op: int
     dtype: int
     worker: int
@@ -119,7 +124,7 @@ class Request(NamedTuple):
 
 
 def read_request(sock: socket.socket, deadline: float | None = None) -> Request:
-    return Request._make(recv_struct(sock, REQUEST, deadline)[1:])
+    return _named(Request, recv_struct(sock, REQUEST, deadline))
 
 
 # ----- replies -----------------------------------------------------------------------------------
@@ -151,6 +156,9 @@ def shared_pull_reply(version: int, buffer_index: int) -> bytes:
 class Reply(NamedTuple):
     """A reply header that said OK, as the client reads it; the shared-memory plane's fields named."""
 
+    magic: bytes
+    status: int
+    reason: int
     outcome: int
     version: int
     staleness: int
@@ -208,11 +216,11 @@ def read_reply(sock: socket.socket, where: str) -> Reply:
     from psgrid.psserver.exceptions import error_from_wire
     from psgrid.psserver.protocol import Reason, Status
 
-    _, status, reason, outcome, version, staleness, next_clock, nbytes = recv_struct(sock, REPLY)
-    if status != Status.OK:
-        text = bytearray(min(nbytes, MAX_MESSAGE))
+    reply = _named(Reply, recv_struct(sock, REPLY))
+    if reply.status != Status.OK:
+        text = bytearray(min(reply.nbytes, MAX_MESSAGE))
         recv_exact(sock, memoryview(text))
-        err = error_from_wire(status, Reason.from_code(reason), f"{where}: {text.decode(errors='replace')}")
-        err.whole_frame = len(text) == nbytes
+        err = error_from_wire(reply.status, Reason.from_code(reply.reason), f"{where}: {text.decode(errors='replace')}")
+        err.whole_frame = len(text) == reply.nbytes
         raise err
-    return Reply(outcome, version, staleness, next_clock, nbytes)
+    return reply
