@@ -170,3 +170,28 @@ def test_the_tcp_plane_keeps_its_connection_after_a_refused_pull(cluster, monkey
         assert len(connects) == 1
     finally:
         plane.close()
+
+
+def test_the_named_frames_are_the_documented_bytes():
+    """Each constructor and view against the layout spelled out by hand (docs/architecture.md, stream_frames.py)."""
+    import struct
+
+    from psgrid.psserver.transports import stream_frames as f
+
+    request, reply = struct.Struct("<4sBBqqQQd"), struct.Struct("<4sBBBQqqQ")
+    assert f.hello_request(b"tok") == request.pack(b"PST2", 1, 0, 0, 0, 0, 3, 0.0) + b"tok"
+    assert f.pull_request(1, 7, 9, 2.5) == request.pack(b"PST2", 2, 1, 7, 9, 0, 0, 2.5)
+    assert f.push_request(2, 7, 9, 4, 100, 2.5) == request.pack(b"PST2", 3, 2, 7, 9, 4, 100, 2.5)
+    assert f.open_request() == request.pack(b"PST2", 4, 0, 0, 0, 0, 0, 0.0)
+    assert f.map_request(5) == request.pack(b"PST2", 5, 0, 0, 5, 0, 0, 0.0)           # the index in ``clock``
+    assert f.attach_request(0x13, 4096) == request.pack(b"PST2", 6, 0x13, 0, 0, 0, 4096, 0.0)
+    assert f.dtype_byte(3, 1) == 0x13                                                 # dtype low, file high
+    parsed = f.Request._make(request.unpack(request.pack(b"PST2", 6, 0x13, 7, 5, 0, 4096, 0.0)))
+    assert (parsed.buffer_index, parsed.wire_dtype, parsed.file_index) == (5, 3, 1)
+    assert f.open_reply(12) == reply.pack(b"PST2", 0, 0, 0, 12, 0, 0, 0)            # the slot in ``version``
+    assert f.map_reply(4096) == reply.pack(b"PST2", 0, 0, 0, 4096, 0, 0, 0)         # the bytes in ``version``
+    assert f.shared_pull_reply(8, 2) == reply.pack(b"PST2", 0, 0, 0, 8, 2, 0, 0)    # the index in ``staleness``
+    assert f.refusal_frame(3, 2, b"x" * (f.MAX_MESSAGE + 1)) == reply.pack(b"PST2", 3, 2, 0, 0, 0, 0,
+                                                                             f.MAX_MESSAGE) + b"x" * f.MAX_MESSAGE
+    shown = f.Reply._make(reply.unpack(f.shared_pull_reply(8, 2)))
+    assert (shown.version, shown.buffer_index, shown.slot, shown.buffer_bytes) == (8, 2, 8, 8)
