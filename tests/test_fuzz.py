@@ -216,7 +216,8 @@ def test_edge_ids_and_clocks_are_refused_or_handled_and_break_nothing_later(tmp_
     from psgrid.psserver.config import ServerConfig
     from psgrid.psserver.exceptions import PSError
     from psgrid.psserver.server import serve
-    from psgrid.psserver.transports.base import ConnectOptions, open_control
+    from psgrid.psserver.transports.base import ConnectOptions
+    from psgrid.psserver.transports.grpc_client import open_control
     from psgrid.psserver.transports.tcp_client import TcpDataPlane
 
     ckpt = str(tmp_path / "ckpt")
@@ -262,7 +263,8 @@ def test_init_with_an_absurd_shape_is_refused_before_anything_is_allocated():
     from psgrid.psserver.config import ServerConfig
     from psgrid.psserver.exceptions import InvalidArgument
     from psgrid.psserver.server import serve
-    from psgrid.psserver.transports.base import ConnectOptions, open_control
+    from psgrid.psserver.transports.base import ConnectOptions
+    from psgrid.psserver.transports.grpc_client import open_control
 
     server = serve(ServerConfig(mode="async"))
     try:

@@ -86,3 +86,34 @@ def test_psctl_server_does_not_import_the_worker_package():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"psctl server loads the worker package: {out.stdout}"
+
+
+def test_no_import_circle_in_psserver():
+    """No psserver module reaches itself through imports, lazy ones included (base.open_control and
+    grpc_client were one: the registry every plane imports must import no plane)."""
+    def name(path: Path) -> str:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        return "psgrid." + ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {name(p): p for p in sources("psserver")}
+    graph = {}
+    for module, path in modules.items():
+        found = imports(path)
+        found |= {f"{m}.{a.name}" for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
+                  and node.module and not node.level for m in [node.module] for a in node.names}
+        graph[module] = {m for m in found if m in modules and m != module}
+
+    def reaches(start: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            module, path = stack.pop()
+            for nxt in graph[module]:
+                if nxt == start:
+                    return path + [start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+        return None
+
+    circles = [circle for module in sorted(graph) if (circle := reaches(module))]
+    assert not circles, f"import circle: {' -> '.join(circles[0])}"

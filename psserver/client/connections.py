@@ -18,8 +18,8 @@ from typing import Callable, Sequence, TypeVar
 
 from psgrid.psserver.exceptions import BadReply, InvalidArgument, ShardUnavailable, Unavailable
 from psgrid.psserver.protocol import LOCAL_PLANES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, Reason, Registration
-from psgrid.psserver.transports.base import (ConnectOptions, Control, DataPlane, network_planes, open_control,
-                                             open_data_plane)
+from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, network_planes, open_data_plane
+from psgrid.psserver.transports.grpc_client import open_control
 
 log = logging.getLogger("psgrid.client")
 T = TypeVar("T")

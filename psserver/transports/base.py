@@ -219,10 +219,3 @@ def open_data_plane(preference: str, control: Control, registration: Registratio
         if plane is not None:
             return plane
     raise AssertionError("the gRPC data plane always serves")
-
-
-def open_control(address: str, options: ConnectOptions) -> Control:
-    """The control connection to the shard at ``address`` (gRPC: the complete contract)."""
-    from psgrid.psserver.transports.grpc_client import GrpcControl
-
-    return GrpcControl(address, options)

@@ -126,6 +126,11 @@ class GrpcControl(Control):
         self.channel.close()
 
 
+def open_control(address: str, options: ConnectOptions) -> GrpcControl:
+    """The control connection to the shard at ``address`` (gRPC: the complete contract)."""
+    return GrpcControl(address, options)
+
+
 def registration_from_reply(reply: ps_pb2.RegisterReply) -> Registration:
     """A RegisterReply as a :class:`Registration`; the planes of a shard older than ``planes`` from its
     per-plane fields (``tcp_port``, ``shm_socket``)."""
