@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 GRPC_ALLOWED = {"psserver/transports/grpc_server.py", "psserver/transports/grpc_health.py",
                 "psserver/transports/grpc_client.py",
                 "psserver/rpc/ps_pb2_grpc.py", "psserver/rpc/ps_pb2.py"}
-# Modules the client side uses: none of them may import the server side.
-CLIENT_SIDE = ["psserver/client/client.py", "psserver/client/admin.py", "psserver/client/connections.py", "psserver/client/memory.py",
+# Modules the client side uses (the whole client/ folder): none of them may import the server side.
+CLIENT_SIDE = [*sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "psserver/client").rglob("*.py")),
                "psserver/transports/base.py", "psserver/transports/grpc_client.py",
                "psserver/transports/tcp_client.py", "psserver/transports/shm_client.py"]
 SERVER_SIDE = {"psgrid.psserver.state.shard", "psgrid.psserver.service", "psgrid.psserver.server",
@@ -56,6 +56,13 @@ def test_only_the_transports_import_grpc(path):
 def test_the_client_imports_nothing_of_the_server(path):
     server = imports(ROOT / path) & SERVER_SIDE
     assert not server, f"{path} imports {sorted(server)}"
+
+
+@pytest.mark.parametrize("path", sources("psserver/client"), ids=rel)
+def test_the_client_folder_imports_nothing_of_shard_state_the_service_or_the_server(path):
+    shard = {m for m in imports(path) if m.startswith("psgrid.psserver.state")
+             or m in ("psgrid.psserver.service", "psgrid.psserver.server")}
+    assert not shard, f"{rel(path)} imports {sorted(shard)}: the client talks to shards only through transports"
 
 
 @pytest.mark.parametrize("path", sources("psserver"), ids=rel)
@@ -117,3 +124,13 @@ def test_no_import_circle_in_psserver():
 
     circles = [circle for module in sorted(graph) if (circle := reaches(module))]
     assert not circles, f"import circle: {' -> '.join(circles[0])}"
+
+
+@pytest.mark.parametrize("path", sources("psserver/client"), ids=rel)
+def test_the_client_folder_is_split_by_concept(path):
+    """A module under 500 lines, a function under 80: split long before a scheduler.py."""
+    tree = ast.parse(path.read_text())
+    assert len(path.read_text().splitlines()) < 500, f"{rel(path)} is over 500 lines"
+    long = [f"{node.name} ({node.end_lineno - node.lineno + 1})" for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
+    assert not long, f"{rel(path)}: functions over 80 lines: {long}"
