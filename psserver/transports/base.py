@@ -188,7 +188,7 @@ def data_plane_factory(name: str) -> DataPlaneFactory:
     """The client end of the plane ``name``."""
     if name not in _CLIENT_ENDS:
         if name not in PLANES:
-            raise ValueError(f"unknown data plane {name!r}; known: {sorted(plane_names())}")
+            raise ValueError(f"unknown data plane {name!r}; known: {client_planes()}")
         importlib.import_module(_module(name, "client"))
     return _CLIENT_ENDS[name]
 
