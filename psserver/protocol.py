@@ -10,14 +10,19 @@ without reading the message text.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import NamedTuple
 
 MODES = ("sync", "async", "ssp")
 OPTIMIZERS = ("sgd", "adam")
-# The data planes a client may move Pull and Push payloads over; gRPC carries the control calls always.
-DATA_PLANES = ("tcp", "grpc")
+# The built-in data planes, the one list of their names (transports/base.py finds each end's module by it).
+# gRPC carries the control calls always, and Pull and Push where no other plane serves; a local plane
+# serves only processes on the shard's host, and is chosen by ``shared_memory``, never named in a job file.
+CONTROL_PLANE = "grpc"
+LOCAL_PLANES = ("shm",)
+DATA_PLANES = ("tcp", CONTROL_PLANE)          # the network planes: what a job file's data_plane may name
+PLANES = LOCAL_PLANES + DATA_PLANES           # every built-in plane, in a client's order of preference
 
 # Element types of a chunk, numbered as proto/ps.proto's DType.
 FLOAT32, FLOAT16, BFLOAT16 = 1, 2, 3
@@ -162,10 +167,17 @@ class Registration:
     num_shards: int
     initialized: bool
     version: int
-    tcp_port: int
-    shm_socket: str = ""      # the shared-memory plane's Unix socket ("@name": abstract), "" when not offered
+    planes: tuple[tuple[str, str], ...] = ()    # (plane, address) the shard serves now (RegisterReply.planes)
     max_chunk_bytes: int = 0  # the largest chunk of a gRPC Init or Push the shard takes (0: not said)
     job_tag: str = ""         # job_tag() of the shard's job id: equal on every shard of one job ("": not said)
+
+    def address(self, plane: str) -> str | None:
+        """Where the shard serves ``plane`` (in the plane's own form), or None when it does not offer it."""
+        return next((address for name, address in self.planes if name == plane), None)
+
+    def without(self, plane: str, address: str) -> "Registration":
+        """This registration, less the offer of ``plane`` at ``address`` (one the client passes over)."""
+        return replace(self, planes=tuple(offer for offer in self.planes if offer != (plane, address)))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Build, start and stop one shard: its state, its data path and its transports.
+"""Build, start and stop one shard: its state, its data path and its transports (every registered plane's listener).
 
 ``serve(config)`` returns a started :class:`RunningServer`; ``run_server`` is the blocking
 ``psctl server``. Only the transport adapters know gRPC or sockets.
@@ -19,13 +19,12 @@ from pathlib import Path
 
 from psgrid.psserver import files
 from psgrid.psserver.config import ServerConfig
-from psgrid.psserver.protocol import format_address_file
+from psgrid.psserver.protocol import CONTROL_PLANE, format_address_file
 from psgrid.psserver.security import check_token, server_ssl_context
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.state.shard import Shard
+from psgrid.psserver.transports.base import ListenContext, Listening, listener_factories, plane_names
 from psgrid.psserver.transports.grpc_server import GrpcServer
-from psgrid.psserver.transports.tcp_server import TcpDataServer
-from psgrid.psserver import shared_memory
 
 log = logging.getLogger("psgrid.server")
 
@@ -43,32 +42,22 @@ class RunningServer:
         self.stopped = threading.Event()
         self.shutdown_requested = threading.Event()
         self.service = ShardService(self.shard, on_shutdown=self.shutdown_requested.set)
-        self.tcp = None
         ssl_context = server_ssl_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
-        if config.data_plane == "tcp":
-            self.tcp = TcpDataServer(self.service, config.host, config.token, ssl_context, handlers=config.threads,
-                                     max_connections=config.tcp_max_connections, handshake_s=config.tcp_handshake_s,
-                                     on_failure=lambda: self.set_health(False))
-            self.service.tcp_port = self.tcp.port
-        self.shm = None
+        context = ListenContext(ssl_context, on_failure=lambda: self.set_health(False))
+        self.listening: dict[str, Listening] = {}     # each data plane's listener, by plane, beside gRPC's
         try:
-            if config.shared_memory and shared_memory.available() and not shared_memory.can_share_read_only():
-                log.warning("shard %d offers no shared-memory plane: this kernel cannot seal its weights against "
-                            "readers' writes (F_SEAL_FUTURE_WRITE, Linux 5.1); workers here use TCP",
-                            config.shard_index)
-            if config.shared_memory and shared_memory.can_share_read_only():
-                from psgrid.psserver.transports.shm_server import ShmDataServer
-
-                self.shm = ShmDataServer(self.service, config.token, ssl_context, handlers=config.threads,
-                                         max_connections=config.tcp_max_connections,
-                                         on_failure=lambda: self.set_health(False))
-                self.service.shm_socket = self.shm.address
+            for name, listen in listener_factories().items():
+                built = listen(self.service, config, context)
+                if built is not None:
+                    self.listening[name] = built
             self.grpc = GrpcServer(self.service, config)
         except BaseException:
-            for plane in (self.tcp, self.shm):
-                if plane is not None:
-                    plane.stop()
+            for built in self.listening.values():
+                built.listener.stop()
             raise
+        # gRPC's Pull and Push are on the control port: its offer is the channel itself.
+        self.service.planes = [(CONTROL_PLANE, lambda: ""),
+                               *((name, built.address) for name, built in self.listening.items())]
         self.port = self.grpc.port
         self.address = f"{config.host}:{self.port}"
         self.metrics = None
@@ -76,6 +65,13 @@ class RunningServer:
             from psgrid.psserver.metrics import start_exporter
             self.metrics = start_exporter(self.shard, config.host, config.metrics_port)
         self.reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
+
+    def __getattr__(self, name: str):
+        """``server.tcp``, ``server.shm``, ...: a data plane's listener, by the plane's name (None: not listening)."""
+        if name in plane_names():
+            built = self.__dict__.get("listening", {}).get(name)
+            return None if built is None else built.listener
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def start(self) -> "RunningServer":
         """Listen, restore the latest checkpoint (if any), then serve.
@@ -87,9 +83,8 @@ class RunningServer:
         restoring = bool(self.config.checkpoint_dir)
         if restoring:
             self.shard.begin_restore()
-        for plane in (self.tcp, self.shm):
-            if plane is not None:
-                plane.start()
+        for built in self.listening.values():
+            built.listener.start()
         self.grpc.start()
         if restoring:
             try:
@@ -127,9 +122,8 @@ class RunningServer:
             return
         self.stopped.set()
         self.shard.close()        # release waiting pulls first, or stop() waits out their deadlines
-        for plane in (self.tcp, self.shm):
-            if plane is not None:
-                plane.stop()
+        for built in self.listening.values():
+            built.listener.stop()
         self.grpc.stop(grace)
         if self.config.checkpoint_dir and self.shard.initialized:
             try:

@@ -241,8 +241,8 @@ class ShardService:
     def __init__(self, shard: Shard, on_shutdown: Callable[[], None] | None = None):
         self.shard = shard
         self.on_shutdown = on_shutdown
-        self.tcp_port = 0        # set by the server once the TCP data plane listens (0: none)
-        self.shm_socket = ""     # set by the server once the shared-memory plane listens ("": none)
+        # (plane, where it listens now: its address, None while not offered), set by the server once they listen
+        self.planes: list[tuple[str, Callable[[], str | None]]] = []
         self._half: BufferPool | None = None
         self._half_lock = threading.Lock()
 
@@ -286,8 +286,11 @@ class ShardService:
         return Registration(
             mode=config.mode, staleness=config.staleness, backup_workers=config.backup_workers,
             lease_s=config.lease_s, shard_index=config.shard_index, num_shards=config.num_shards,
-            tcp_port=self.tcp_port, shm_socket=self.shm_socket if shard.shares_memory else "",
-            max_chunk_bytes=config.chunk_bytes, job_tag=job_tag(config.job_id), **joined)
+            planes=self.offers(), max_chunk_bytes=config.chunk_bytes, job_tag=job_tag(config.job_id), **joined)
+
+    def offers(self) -> tuple[tuple[str, str], ...]:
+        """(plane, address) of every data plane this shard serves now, as registration answers them."""
+        return tuple((name, address) for name, where in self.planes if (address := where()) is not None)
 
     def open_init(self, params: list[tuple[str, tuple, str]], spec_hash: str) -> InitIntake:
         """Start taking initial weights for the model ``params`` (whose hash must be ``spec_hash``)."""

@@ -17,13 +17,13 @@ import pytest
 
 from psgrid.cluster.mpi import hydra_topology
 from psgrid.cluster.run.coordinator import JobState, MetricsTail
+from psgrid.psserver.protocol import PLANES  # noqa: F401 - every built-in plane, as the fixtures name them
 from psgrid.psserver.spec import ModelSpec
 
 FEATURES = 12
 REGRESSION = ModelSpec([("w", (FEATURES,)), ("b", (1,))])
 
 
-PLANES = ("shm", "tcp", "grpc")     # every data plane a client can use, in the order it prefers them
 
 
 def plane_options(plane: str) -> dict:

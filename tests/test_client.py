@@ -13,7 +13,8 @@ from psgrid.psserver.exceptions import (InvalidArgument, NotInitialized, PSError
 from psgrid.psserver.protocol import Outcome, Reason
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.spec import ModelSpec
-from psgrid.psserver.transports.base import ConnectOptions, open_control, open_data_plane
+from psgrid.psserver.transports.base import ConnectOptions, open_data_plane
+from psgrid.psserver.transports.grpc_client import open_control
 from psgrid.psserver.client.memory import ClientMemory
 from tests.support import REGRESSION, plane_options, run_threads
 
@@ -134,7 +135,7 @@ def test_failures_are_domain_exceptions_with_reasons(cluster):
             not_joined.pull(SPEC.flat())
     nobody = c.client(SPEC, retry_s=0.3)
     nobody._conn.addresses[:] = ["127.0.0.1:1"] * 2    # noqa: SLF001 - a client for shards that are not there
-    from psgrid.psserver.transports.base import open_control as reopen
+    from psgrid.psserver.transports.grpc_client import open_control as reopen
 
     nobody._conn.controls[:] = [reopen("127.0.0.1:1", ConnectOptions()) for _ in range(2)]
     with pytest.raises(ShardUnavailable) as err:

@@ -25,7 +25,8 @@ from psgrid.psserver.protocol import FLOAT32, REASON_KEY, Outcome, Reason, parse
 from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
 from psgrid.psserver.server import serve
 from psgrid.psserver.spec import ModelSpec
-from psgrid.psserver.transports.base import ConnectOptions, open_control
+from psgrid.psserver.transports.base import ConnectOptions
+from psgrid.psserver.transports.grpc_client import open_control
 from tests.support import PLANES, plane_options, run_threads
 
 ROOT = Path(__file__).resolve().parent.parent

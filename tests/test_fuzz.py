@@ -187,7 +187,7 @@ def test_ten_thousand_malformed_requests_are_refused_cleanly(shard):
     before = checksum(address)
     counter = Counter()
     with Admin([address], deadline_s=10, retry_s=5) as admin:
-        tcp_port = admin._look(0).tcp_port
+        tcp_port = int(admin._look(0).address("tcp"))
     with grpc.insecure_channel(address) as channel:
         # warm-up: every kind of request once in numbers, before memory is measured
         for name, (streams, strategy) in MESSAGES.items():
@@ -216,7 +216,8 @@ def test_edge_ids_and_clocks_are_refused_or_handled_and_break_nothing_later(tmp_
     from psgrid.psserver.config import ServerConfig
     from psgrid.psserver.exceptions import PSError
     from psgrid.psserver.server import serve
-    from psgrid.psserver.transports.base import ConnectOptions, open_control
+    from psgrid.psserver.transports.base import ConnectOptions
+    from psgrid.psserver.transports.grpc_client import open_control
     from psgrid.psserver.transports.tcp_client import TcpDataPlane
 
     ckpt = str(tmp_path / "ckpt")
@@ -226,7 +227,7 @@ def test_edge_ids_and_clocks_are_refused_or_handled_and_break_nothing_later(tmp_
             client.push(SPEC.flat()).wait()
         control = open_control(server.address, ConnectOptions())
         reply = control.register(spec_hash="", worker_id=-1, start_clock=-1, host="h", observer=True)
-        plane = TcpDataPlane("127.0.0.1", reply.tcp_port, ConnectOptions())
+        plane = TcpDataPlane("127.0.0.1", int(reply.address("tcp")), ConnectOptions())
         refused = 0
         for value in (0, -1, 2**31 - 1, 2**31, 2**63 - 1):
             for call in (
@@ -262,7 +263,8 @@ def test_init_with_an_absurd_shape_is_refused_before_anything_is_allocated():
     from psgrid.psserver.config import ServerConfig
     from psgrid.psserver.exceptions import InvalidArgument
     from psgrid.psserver.server import serve
-    from psgrid.psserver.transports.base import ConnectOptions, open_control
+    from psgrid.psserver.transports.base import ConnectOptions
+    from psgrid.psserver.transports.grpc_client import open_control
 
     server = serve(ServerConfig(mode="async"))
     try:

@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 GRPC_ALLOWED = {"psserver/transports/grpc_server.py", "psserver/transports/grpc_health.py",
                 "psserver/transports/grpc_client.py",
                 "psserver/rpc/ps_pb2_grpc.py", "psserver/rpc/ps_pb2.py"}
-# Modules the client side uses: none of them may import the server side.
-CLIENT_SIDE = ["psserver/client/client.py", "psserver/client/admin.py", "psserver/client/connections.py", "psserver/client/memory.py",
+# Modules the client side uses (the whole client/ folder): none of them may import the server side.
+CLIENT_SIDE = [*sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "psserver/client").rglob("*.py")),
                "psserver/transports/base.py", "psserver/transports/grpc_client.py",
                "psserver/transports/tcp_client.py", "psserver/transports/shm_client.py",
                "psserver/transports/stream_client.py", "psserver/transports/stream_frames.py"]
@@ -60,6 +60,13 @@ def test_the_client_imports_nothing_of_the_server(path):
     assert not server, f"{path} imports {sorted(server)}"
 
 
+@pytest.mark.parametrize("path", sources("psserver/client"), ids=rel)
+def test_the_client_folder_imports_nothing_of_shard_state_the_service_or_the_server(path):
+    shard = {m for m in imports(path) if m.startswith("psgrid.psserver.state")
+             or m in ("psgrid.psserver.service", "psgrid.psserver.server")}
+    assert not shard, f"{rel(path)} imports {sorted(shard)}: the client talks to shards only through transports"
+
+
 @pytest.mark.parametrize("path", sources("psserver"), ids=rel)
 def test_the_shard_side_knows_nothing_of_workers_or_jobs(path):
     upward = {m for m in imports(path) if m.startswith(("psgrid.worker", "psgrid.cluster"))}
@@ -88,3 +95,44 @@ def test_psctl_server_does_not_import_the_worker_package():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"psctl server loads the worker package: {out.stdout}"
+
+
+def test_no_import_circle_in_psserver():
+    """No psserver module reaches itself through imports, lazy ones included (base.open_control and
+    grpc_client were one: the registry every plane imports must import no plane)."""
+    def name(path: Path) -> str:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        return "psgrid." + ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    modules = {name(p): p for p in sources("psserver")}
+    graph = {}
+    for module, path in modules.items():
+        found = imports(path)
+        found |= {f"{m}.{a.name}" for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
+                  and node.module and not node.level for m in [node.module] for a in node.names}
+        graph[module] = {m for m in found if m in modules and m != module}
+
+    def reaches(start: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            module, path = stack.pop()
+            for nxt in graph[module]:
+                if nxt == start:
+                    return path + [start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+        return None
+
+    circles = [circle for module in sorted(graph) if (circle := reaches(module))]
+    assert not circles, f"import circle: {' -> '.join(circles[0])}"
+
+
+@pytest.mark.parametrize("path", sources("psserver/client"), ids=rel)
+def test_the_client_folder_is_split_by_concept(path):
+    """A module under 500 lines, a function under 80: split long before a scheduler.py."""
+    tree = ast.parse(path.read_text())
+    assert len(path.read_text().splitlines()) < 500, f"{rel(path)} is over 500 lines"
+    long = [f"{node.name} ({node.end_lineno - node.lineno + 1})" for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
+    assert not long, f"{rel(path)}: functions over 80 lines: {long}"

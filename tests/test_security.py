@@ -313,7 +313,7 @@ def test_launch_without_a_token_flag_refuses_strangers_and_keeps_its_token_secre
             assert admin.stats()[0]["initialized"]            # the job's token is served
         # ... and on the TCP data plane
         for hello in (b"", b"wrong"):
-            with socket.create_connection(("127.0.0.1", look.tcp_port), timeout=5) as sock:
+            with socket.create_connection(("127.0.0.1", int(look.address("tcp"))), timeout=5) as sock:
                 sock.sendall(REQUEST.pack(MAGIC, HELLO, 0, 0, 0, 0, len(hello), 0.0) + hello)
                 assert recv_struct(sock, REPLY)[1] == Status.UNAUTHENTICATED
         assert steps_seen(out, 0) >= 3 and launch.proc.poll() is None     # the job goes on

@@ -24,7 +24,8 @@ from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import Unavailable
 from psgrid.psserver.protocol import SERVICE, Reason, Status
 from psgrid.psserver.server import RunningServer, serve
-from psgrid.psserver.transports.base import ConnectOptions, open_control
+from psgrid.psserver.transports.base import ConnectOptions
+from psgrid.psserver.transports.grpc_client import open_control
 from psgrid.psserver.transports.stream_frames import HELLO, MAGIC, MAX_MESSAGE, REPLY, REQUEST, recv_exact, recv_struct
 from tests.support import REGRESSION, make_problem, regression_grad
 

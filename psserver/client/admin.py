@@ -13,7 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
-from psgrid.psserver.client.client import POLL_S, Handle
+from psgrid.psserver.client.handle import Handle, launch
+from psgrid.psserver.client.joining import POLL_S
 from psgrid.psserver.exceptions import InvalidArgument, Unavailable, WaitTimeout, WrongJob
 from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, Reason, Registration
 from psgrid.psserver.security import job_token
@@ -141,9 +142,8 @@ class Admin:
             return conn.retrying(i, lambda: conn.plane(i).pull_into(view, begin=layout[i].begin, worker_id=-1,
                                                                      clock=0, timeout_s=self.deadline_s), data=True)
 
-        handle = Handle(lambda: conn.map(one), background=False)
+        handle = launch(lambda: conn.map(one), background=False)
         handle.out = out
-        handle._execute()
         handle.wait()            # a failure is raised here, where the call was made
         return handle
 

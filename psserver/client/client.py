@@ -31,98 +31,24 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable, Generic, Mapping, Sequence, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 import numpy as np
 
 from psgrid.psserver import dtypes as wire
+from psgrid.psserver.client.connections import ShardConnections
+from psgrid.psserver.client.handle import Handle, launch, settle
+from psgrid.psserver.client.joining import Initializer, check_flat, wait_for_workers
 from psgrid.psserver.client.memory import ClientMemory, Pinner
-from psgrid.psserver.exceptions import InvalidArgument, NotInitialized, PSError, UnknownWorker, WaitTimeout
+from psgrid.psserver.exceptions import InvalidArgument, PSError, UnknownWorker, WaitTimeout
 from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, PushResult, Reason, Registration
 from psgrid.psserver.security import job_token
-from psgrid.psserver.client.connections import ShardConnections
 from psgrid.psserver.sharding import shard_ranges
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.transports.base import ConnectOptions
 
 log = logging.getLogger("psgrid.client")
 T = TypeVar("T")
-# The join and init waits ask the shards again after 5 ms, then less and less often: a job whose
-# workers start together sees the last one join (or the weights land) at once, and a long wait
-# does not flood the shards.
-POLL_S = (0.005, 0.1)
-
-
-def _polls(first: float, longest: float):
-    """Sleep lengths for a wait that polls: ``first``, growing by half each time up to ``longest``."""
-    interval = first
-    while True:
-        yield interval
-        interval = min(longest, interval * 1.5)
-
-
-class Handle(Generic[T]):
-    """A pull or push: :meth:`wait` returns its result or raises its failure; ``seconds`` its duration.
-
-    ``out`` is the array a pull fills (``Client.pull(out)``'s, or the one ``Admin.pull()`` made);
-    None for a push or a pull ``into=`` a callable.
-    """
-
-    def __init__(self, run: Callable[[], T], background: bool):
-        self.started = time.perf_counter()
-        self.finished: float | None = None
-        self.out: np.ndarray | None = None
-        self._run = run
-        self._result: T | None = None
-        self._error: BaseException | None = None
-        # Only work another thread may run needs these; a call that runs where it is made does not.
-        self._claim = threading.Lock() if background else None
-        self._done = threading.Event() if background else None
-
-    def _execute(self) -> None:
-        """Run the work, unless someone already does (a background thread or a waiting caller)."""
-        if self._claim is not None and not self._claim.acquire(blocking=False):
-            return
-        try:
-            self._result = self._run()
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
-            self._error = exc
-        finally:
-            self.finished = time.perf_counter()    # before done is set, so wait() sees it
-            if self._done is not None:
-                self._done.set()
-
-    @property
-    def seconds(self) -> float | None:
-        """From the call to the last shard's answer (None while in flight)."""
-        return None if self.finished is None else self.finished - self.started
-
-    def done(self) -> bool:
-        return self.finished is not None if self._done is None else self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> T:
-        """Block until every shard answered; the result, or the first shard's domain exception.
-
-        A background call that no client thread has picked up yet is run here (without a
-        timeout only: with one, the caller waits for a thread and keeps its limit).
-        """
-        if self._done is not None:
-            if timeout is None:
-                self._execute()
-            if not self._done.wait(timeout):
-                raise WaitTimeout(f"still waiting for the shards after {timeout} s", Reason.WAIT_TIMEOUT)
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-
-def check_flat(buf: np.ndarray, spec: ModelSpec, what: str) -> np.ndarray:
-    if not isinstance(buf, np.ndarray) or buf.dtype != np.float32 or buf.shape != (spec.size,):
-        raise InvalidArgument(f"{what} must be a float32 NumPy array of shape ({spec.size},), got "
-                              f"{getattr(buf, 'dtype', type(buf).__name__)} {getattr(buf, 'shape', '')}")
-    if not buf.flags.c_contiguous:
-        raise InvalidArgument(f"{what} must be contiguous")
-    return buf
 
 
 class Client:
@@ -180,7 +106,6 @@ class Client:
             raise InvalidArgument(f"world must be at least 1, got {world}")
         self.spec = spec
         self.world = world
-        self._init = init
         self._requested_id = -1 if worker_id is None else worker_id
         self.wire_dtype = wire.wire_dtype(wire_dtype)
         self.deadline_s, self.max_wait_s, self.join_timeout_s = deadline_s, max_wait_s, join_timeout_s
@@ -193,6 +118,7 @@ class Client:
         self._conn = ShardConnections(addresses, data_plane=data_plane, options=options, retry_s=retry_s,
                                       register=self._register_one)
         self.ranges = shard_ranges(spec.size, self._conn.num_shards)
+        self._initializer = Initializer(self._conn, spec, self.ranges, init, join_timeout_s)
         self._lock = threading.Lock()          # clocks and versions
         self._calls = threading.Lock()         # one pull() or push() being issued at a time
         self.worker_id = -1
@@ -273,8 +199,8 @@ class Client:
                 self._next_clock = min(r.start_clock for r in registrations)
                 self._versions = [r.version for r in registrations]
             self._start_heartbeats()
-            stats = self._wait_for_workers()
-            self._initialize(registrations, stats)
+            stats = wait_for_workers(conn, self.world, self.join_timeout_s, self.worker_id)
+            self._initializer.run(registrations, stats, self.worker_id)
             # A shard without weights takes any model's hash; the Init that set them dropped the members of
             # another model. Registering again there (a no-op for a member) says whether this worker was one.
             conn.map(lambda i: conn.retrying(i, lambda: self._register_one(i)),
@@ -303,69 +229,6 @@ class Client:
         self._conn.check_registration(shard, reply)
         self._conn.use_plane_of(shard, reply)
         return reply
-
-    def _wait_for_workers(self) -> list[dict] | None:
-        """Until every shard has seen each of ``world`` workers join or go (or ``join_timeout_s`` passed).
-
-        A worker that is gone (left, evicted, or reported dead by its launcher before it joined)
-        is not waited for. Returns the shards' stats.
-        """
-        if not self.world:
-            return None
-        conn = self._conn
-        deadline = time.monotonic() + self.join_timeout_s
-        for pause in _polls(*POLL_S):
-            stats = conn.each("stats")
-            joined = min(len(s["members"]) for s in stats)
-            accounted = min(len({m["worker_id"] for m in s["members"]} | set(s["departed"])) for s in stats)
-            if accounted >= self.world:
-                return stats
-            if time.monotonic() >= deadline:
-                log.warning("worker %d starting with %d of %d workers registered after %.0f s",
-                            self.worker_id, joined, self.world, self.join_timeout_s)
-                return stats
-            time.sleep(pause)
-
-    def _initial_values(self) -> np.ndarray:
-        values = self._init() if callable(self._init) else self._init
-        if isinstance(values, Mapping):
-            values = self.spec.pack({k: np.asarray(v, dtype=np.float32) for k, v in values.items()})
-        return check_flat(np.ascontiguousarray(values, dtype=np.float32), self.spec, "init")
-
-    def _initialize(self, registrations: list[Registration], stats: list[dict] | None) -> None:
-        conn = self._conn
-        pending = [i for i, r in enumerate(registrations)
-                   if not r.initialized and not (stats and stats[i]["initialized"])]
-        if not pending:
-            return
-        members = [m["worker_id"] for m in stats[0]["members"]] if stats else []
-        if self._init is not None and (not members or self.worker_id == min(members)):
-            self._send_init(self._initial_values(), pending)
-            return
-        # Another worker sends them (first writer wins on each shard): wait, bounded, then offer ours.
-        deadline = time.monotonic() + self.join_timeout_s
-        for pause in _polls(*POLL_S):
-            if not pending:
-                return
-            time.sleep(pause)
-            stats = conn.each("stats", pending)
-            pending = [i for i, s in zip(pending, stats) if not s["initialized"]]
-            if pending and time.monotonic() >= deadline:
-                if self._init is None:
-                    raise NotInitialized(f"shards {pending} still have no weights after {self.join_timeout_s:.0f} s, "
-                                         f"and this client has none to offer: pass init=")
-                log.warning("worker %d: shards %s still have no weights; offering its own", self.worker_id, pending)
-                self._send_init(self._initial_values(), pending)
-                return
-
-    def _send_init(self, values: np.ndarray, shards: list[int]) -> None:
-        conn = self._conn
-
-        def one(i):
-            begin, end = self.ranges[i]
-            return conn.retrying(i, lambda: conn.controls[i].init(self.spec, values[begin:end], begin))
-
-        conn.map(one, shards)
 
     def _start_heartbeats(self) -> None:
         interval = self._heartbeat_s or max(0.05, min(1.0, self.lease_s / 4))
@@ -408,9 +271,9 @@ class Client:
             return
         self._closed = True
         try:
-            _settle(self._push_handle)      # before leaving: the shards must take this worker's last push
+            settle(self._push_handle)      # before leaving: the shards must take this worker's last push
             self.leave()                    # ... and leaving ends any consistency wait of a pull in flight
-            _settle(self._pull_handle)
+            settle(self._pull_handle)
         finally:
             self._conn.close_connections()
             self._memory.close()
@@ -435,7 +298,7 @@ class Client:
         elif not callable(into):
             raise InvalidArgument(f"into must be a callable into(begin, end, values), got {type(into).__name__}")
         with self._calls:
-            _settle(self._pull_handle)
+            settle(self._pull_handle)
             clock = self.clock
 
             def run() -> list[int]:
@@ -444,9 +307,11 @@ class Client:
                     self._versions = versions
                 return versions
 
-            self._pull_handle = self._launch(run, background)
-            self._pull_handle.out = out
-        return self._finish_unless(self._pull_handle, background)
+            handle = self._pull_handle = launch(run, background, self._conn.executor)
+            handle.out = out
+        if not background:
+            handle.wait()        # a failure is raised now, where the call was made
+        return handle
 
     def push(self, grad: np.ndarray, *, versions: Sequence[int] | None = None,
              background: bool = False) -> Handle[list[PushResult]]:
@@ -462,7 +327,7 @@ class Client:
         if versions is not None and len(versions) != self.num_shards:
             raise InvalidArgument(f"versions must give one version per shard ({self.num_shards}), got {len(versions)}")
         with self._calls:
-            _settle(self._push_handle)
+            settle(self._push_handle)
             with self._lock:
                 clock = self._next_clock
                 self._next_clock += 1
@@ -485,19 +350,7 @@ class Client:
                             # the worker pushes the clocks in between.
                             self._next_clock = max(self._next_clock, min(r.next_clock for r in results))
 
-            self._push_handle = self._launch(run, background)
-        return self._finish_unless(self._push_handle, background)
-
-    def _launch(self, run: Callable[[], T], background: bool) -> Handle[T]:
-        handle = Handle(run, background)
-        if background:
-            self._conn.executor.submit(handle._execute)
-        else:
-            handle._execute()    # here, in the caller's thread: no hand-off to another thread
-        return handle
-
-    @staticmethod
-    def _finish_unless(handle: Handle[T], background: bool) -> Handle[T]:
+            handle = self._push_handle = launch(run, background, self._conn.executor)
         if not background:
             handle.wait()        # a failure is raised now, where the call was made
         return handle
@@ -551,12 +404,3 @@ class Client:
                         "forgot (evicted, or restarted from an older checkpoint)", self.worker_id)
             self._conn.retrying(shard, lambda: self._register_one(shard))
             return self._conn.retrying(shard, call, data=True)
-
-
-def _settle(handle: Handle | None) -> None:
-    """Wait for a handle in flight; its failure belongs to whoever waits on it."""
-    if handle is not None and not handle.done():
-        try:
-            handle.wait()
-        except Exception:  # noqa: BLE001 - reported through the handle itself
-            pass

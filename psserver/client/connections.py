@@ -4,13 +4,12 @@ One control connection and one data plane per shard. Calls to several shards run
 concurrently; each is retried with backoff while its shard is unavailable, for up to
 ``retry_s``; a data plane that lost its connection is dropped, and the next attempt chooses
 one again from a fresh registration (a restarted shard listens on another data port). A
-shared-memory plane that refuses a client for too many connections is passed over for that shard
-(its network plane serves), so a process holding them all cannot stop the others on its host.
+local plane (shared memory) that refuses a client for too many connections is passed over for that
+shard (its network plane serves), so a process holding them all cannot stop the others on its host.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -18,8 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence, TypeVar
 
 from psgrid.psserver.exceptions import BadReply, InvalidArgument, ShardUnavailable, Unavailable
-from psgrid.psserver.protocol import DATA_PLANES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, Reason, Registration
-from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, open_control, open_data_plane
+from psgrid.psserver.protocol import LOCAL_PLANES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, Reason, Registration
+from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, network_planes, open_data_plane
+from psgrid.psserver.transports.grpc_client import open_control
 
 log = logging.getLogger("psgrid.client")
 T = TypeVar("T")
@@ -34,7 +34,8 @@ class ShardConnections:
     addresses : list of str
         ``host:port`` of shard 0, 1, ... in shard order.
     data_plane : {"tcp", "grpc"}
-        Where Pull and Push payloads go when the shard offers it; gRPC otherwise.
+        Where Pull and Push payloads go when the shard offers it; gRPC otherwise (any plane registered
+        on both ends may be named: transports/base.py).
     options : ConnectOptions
     retry_s : float
         How long an unavailable shard is retried before :class:`ShardUnavailable`.
@@ -47,8 +48,8 @@ class ShardConnections:
                  register: Callable[[int], Registration]):
         if not addresses:
             raise InvalidArgument("at least one shard address is needed")
-        if data_plane not in DATA_PLANES:
-            raise InvalidArgument(f"data_plane must be one of {DATA_PLANES}, got {data_plane!r}")
+        if data_plane not in network_planes():
+            raise InvalidArgument(f"data_plane must be one of {network_planes()}, got {data_plane!r}")
         if not MIN_CHUNK_BYTES <= options.chunk_bytes <= MAX_CHUNK_BYTES:
             raise InvalidArgument(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], "
                                   f"got {options.chunk_bytes}")
@@ -56,9 +57,10 @@ class ShardConnections:
         self.preference, self.options, self.retry_s, self.register = data_plane, options, retry_s, register
         self.controls = [open_control(a, options) for a in self.addresses]
         self.planes: list[DataPlane | None] = [None] * len(self.addresses)
-        # The shared-memory socket of each shard that refused us for too many connections: its offer is
-        # passed over (a restarted shard offers another socket, tried again).
-        self.shm_refused: list[str] = [""] * len(self.addresses)
+        # The local plane's (plane, address) of each shard that refused us for too many connections: that
+        # offer is passed over (a restarted shard offers another address, tried again).
+        self.refused: list[tuple[str, str] | None] = [None] * len(self.addresses)
+        self.in_use: list[tuple[str, str] | None] = [None] * len(self.addresses)     # each plane's offer
         self.plane_lock = threading.Lock()
         # Two calls per shard may run at once: a push and the pull that overlaps it.
         self.executor = ThreadPoolExecutor(max_workers=2 * len(self.addresses) + 2, thread_name_prefix="psgrid-client")
@@ -156,24 +158,26 @@ class ShardConnections:
         """The shard's data plane: the one in use, else one chosen from what ``reply`` offers."""
         with self.plane_lock:        # a pull and a push may both be choosing one
             if self.planes[shard] is None:
-                if reply.shm_socket and reply.shm_socket == self.shm_refused[shard]:
-                    reply = dataclasses.replace(reply, shm_socket="")
-                self.planes[shard] = open_data_plane(self.preference, self.controls[shard], reply, self.options)
+                if self.refused[shard] is not None:
+                    reply = reply.without(*self.refused[shard])
+                plane = open_data_plane(self.preference, self.controls[shard], reply, self.options)
+                self.planes[shard], self.in_use[shard] = plane, (plane.name, reply.address(plane.name))
             return self.planes[shard]
 
     def drop_plane(self, shard: int, cause: Unavailable | None = None) -> bool:
         """Close the shard's data plane after ``cause``; the next call chooses one again.
 
-        A shared-memory plane that refused us for too many connections (another process of this
-        host holds them all) is not chosen again for this shard: its network plane serves instead.
+        A local plane that refused us for too many connections (another process of this host holds
+        them all) is not chosen again for this shard: its network plane serves instead.
         Returns whether that happened now (the first time that plane refused us).
         """
         with self.plane_lock:
             plane, self.planes[shard] = self.planes[shard], None
-            full = (plane is not None and plane.name == "shm" and cause is not None
-                    and cause.reason is Reason.TOO_MANY_CONNECTIONS and self.shm_refused[shard] != plane.address)
+            offer, self.in_use[shard] = self.in_use[shard], None
+            full = (plane is not None and plane.name in LOCAL_PLANES and cause is not None
+                    and cause.reason is Reason.TOO_MANY_CONNECTIONS and self.refused[shard] != offer)
             if full:
-                self.shm_refused[shard] = plane.address
+                self.refused[shard] = offer
                 log.warning("shard %d's shared-memory plane refused this client (too many connections: %s); its "
                             "network plane (%s where offered) serves this client instead", shard, cause,
                             self.preference)

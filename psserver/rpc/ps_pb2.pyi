@@ -61,7 +61,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, spec_hash: _Optional[str] = ..., worker_id: _Optional[int] = ..., start_clock: _Optional[int] = ..., host: _Optional[str] = ..., observer: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("worker_id", "start_clock", "mode", "staleness", "backup_workers", "lease_s", "begin", "end", "total_size", "shard_index", "num_shards", "initialized", "version", "tcp_port", "shm_socket", "max_chunk_bytes", "job_tag")
+    __slots__ = ("worker_id", "start_clock", "mode", "staleness", "backup_workers", "lease_s", "begin", "end", "total_size", "shard_index", "num_shards", "initialized", "version", "tcp_port", "shm_socket", "max_chunk_bytes", "job_tag", "planes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     START_CLOCK_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +79,7 @@ class RegisterReply(_message.Message):
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     JOB_TAG_FIELD_NUMBER: _ClassVar[int]
+    PLANES_FIELD_NUMBER: _ClassVar[int]
     worker_id: int
     start_clock: int
     mode: str
@@ -96,7 +97,16 @@ class RegisterReply(_message.Message):
     shm_socket: str
     max_chunk_bytes: int
     job_tag: str
-    def __init__(self, worker_id: _Optional[int] = ..., start_clock: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., lease_s: _Optional[float] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., total_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., tcp_port: _Optional[int] = ..., shm_socket: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., job_tag: _Optional[str] = ...) -> None: ...
+    planes: _containers.RepeatedCompositeFieldContainer[PlaneOffer]
+    def __init__(self, worker_id: _Optional[int] = ..., start_clock: _Optional[int] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., lease_s: _Optional[float] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., total_size: _Optional[int] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., initialized: _Optional[bool] = ..., version: _Optional[int] = ..., tcp_port: _Optional[int] = ..., shm_socket: _Optional[str] = ..., max_chunk_bytes: _Optional[int] = ..., job_tag: _Optional[str] = ..., planes: _Optional[_Iterable[_Union[PlaneOffer, _Mapping]]] = ...) -> None: ...
+
+class PlaneOffer(_message.Message):
+    __slots__ = ("name", "address")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class InitRequest(_message.Message):
     __slots__ = ("spec", "num_chunks", "chunk")

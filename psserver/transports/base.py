@@ -1,18 +1,22 @@
-"""The client's view of one shard: two small interfaces and a registry of data planes.
+"""The planes a shard's payloads move on, both ends: two small client interfaces and two registries.
 
-In the manner of dask's ``distributed/comm/core.py``: the client never sees gRPC or a
-socket. It talks to a shard through a :class:`Control` (the calls every shard answers:
-register, init, heartbeat, stats, checkpoint, shutdown) and a :class:`DataPlane` (how the
-payloads of Pull and Push move). A transport module implements them and registers its
-data plane under the name job files use (``data_plane = "tcp"``); the client picks one per
-shard when it registers, from what the shard offers. Every failure is raised as a domain
-exception of exceptions.py, with its reason; a lost connection is :class:`Unavailable`.
+In the manner of dask's ``distributed/comm/core.py`` and ``registry.py``: the client never sees gRPC
+or a socket. It talks to a shard through a :class:`Control` (the calls every shard answers:
+register, init, heartbeat, stats, checkpoint, shutdown) and a :class:`DataPlane` (how the payloads
+of Pull and Push move). A plane is one module per end, each registering itself under the plane's
+name (the name job files use, ``data_plane = "tcp"``): the client end with
+:func:`register_data_plane`, the server end (its listener) with :func:`register_listener`. A shard
+starts every registered listener that its configuration asks for, its registration answers the
+(plane, address) of each, and the client takes the first plane of its order of preference that
+both ends know. Every failure is raised as a domain exception of exceptions.py, with its reason; a
+lost connection is :class:`Unavailable`.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import ssl
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -20,7 +24,8 @@ from typing import Any, Callable
 import numpy as np
 
 from psgrid.psserver.exceptions import InvalidArgument
-from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, HeartbeatInfo, PushResult, Reason, Registration
+from psgrid.psserver.protocol import (CONTROL_PLANE, DEFAULT_CHUNK_BYTES, LOCAL_PLANES, PLANES, HeartbeatInfo, PushResult,
+                                      Reason, Registration)
 from psgrid.psserver.security import check_token
 from psgrid.psserver.spec import ModelSpec
 
@@ -114,41 +119,103 @@ class DataPlane(ABC):
     def close(self) -> None: ...
 
 
-# A factory builds the data plane a registration offers, or returns None when the shard offers none.
-DataPlaneFactory = Callable[[Control, Registration, ConnectOptions], "DataPlane | None"]
-_DATA_PLANES: dict[str, str] = {     # name -> module that registers it when imported
-    "grpc": "psgrid.psserver.transports.grpc_client",
-    "tcp": "psgrid.psserver.transports.tcp_client",
-    "shm": "psgrid.psserver.transports.shm_client",
-}
-_FACTORIES: dict[str, DataPlaneFactory] = {}
+# ----- the registries ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ListenContext:
+    """What a shard's server hands every listener besides its service and configuration."""
+
+    ssl_context: ssl.SSLContext | None = None     # the shard's TLS (None: plain)
+    on_failure: Callable[[], None] | None = None  # a listener that died calls it (the shard turns NOT_SERVING)
+
+
+@dataclass(frozen=True)
+class Listening:
+    """A plane's server end, built: the listener the shard starts and stops, and what registration offers."""
+
+    listener: Any                          # start() and stop(); RunningServer.<plane name> in tests and tools
+    address: Callable[[], str | None]      # where clients reach it now, in the plane's own form; None: not offered
+
+
+# The client end builds the data plane from the address the shard offers, or returns None when it cannot
+# be used from here; the server end builds its listener (``service`` is the shard's ShardService,
+# ``config`` its ServerConfig), or returns None when the configuration does not ask for the plane.
+DataPlaneFactory = Callable[[Control, str, ConnectOptions], "DataPlane | None"]
+ListenerFactory = Callable[[Any, Any, ListenContext], "Listening | None"]
+_CLIENT_ENDS: dict[str, DataPlaneFactory] = {}
+_SERVER_ENDS: dict[str, ListenerFactory] = {}
+
+
+def _module(name: str, end: str) -> str:
+    """The module that registers the built-in plane ``name``'s ``end`` ("client" or "server") when imported."""
+    return f"psgrid.psserver.transports.{name}_{end}"
 
 
 def register_data_plane(name: str, factory: DataPlaneFactory) -> None:
-    _FACTORIES[name] = factory
+    """Register the client end of the plane ``name`` (a built-in plane's module does so when imported)."""
+    _CLIENT_ENDS[name] = factory
+
+
+def register_listener(name: str, factory: ListenerFactory) -> None:
+    """Register the server end of the plane ``name``: every shard started from now on builds it."""
+    _SERVER_ENDS[name] = factory
+
+
+def unregister_plane(name: str) -> None:
+    """Forget both ends of a plane that is not built in (a test's)."""
+    if name in PLANES:
+        raise ValueError(f"{name!r} is a built-in plane")
+    _CLIENT_ENDS.pop(name, None)
+    _SERVER_ENDS.pop(name, None)
+
+
+def plane_names() -> tuple[str, ...]:
+    """Every plane known here: the built-in ones, then those registered since, in that order."""
+    return PLANES + tuple(n for n in dict.fromkeys([*_CLIENT_ENDS, *_SERVER_ENDS]) if n not in PLANES)
+
+
+def client_planes() -> tuple[str, ...]:
+    """The planes whose client end is known here: the built-in ones, then those registered since."""
+    return PLANES + tuple(n for n in _CLIENT_ENDS if n not in PLANES)
+
+
+def network_planes() -> tuple[str, ...]:
+    """The planes a client may prefer: every client end known here but the local ones (chosen by shared_memory)."""
+    return tuple(n for n in client_planes() if n not in LOCAL_PLANES)
 
 
 def data_plane_factory(name: str) -> DataPlaneFactory:
-    if name not in _FACTORIES:
-        module = _DATA_PLANES.get(name)
-        if module is None:
-            raise ValueError(f"unknown data plane {name!r}; known: {sorted(_DATA_PLANES)}")
-        importlib.import_module(module)
-    return _FACTORIES[name]
+    """The client end of the plane ``name``."""
+    if name not in _CLIENT_ENDS:
+        if name not in PLANES:
+            raise ValueError(f"unknown data plane {name!r}; known: {client_planes()}")
+        importlib.import_module(_module(name, "client"))
+    return _CLIENT_ENDS[name]
+
+
+def listener_factories() -> dict[str, ListenerFactory]:
+    """The server end of every plane beside the control plane (the gRPC server is built by the shard itself)."""
+    for name in PLANES:
+        if name != CONTROL_PLANE and name not in _SERVER_ENDS:
+            importlib.import_module(_module(name, "server"))
+    return {name: _SERVER_ENDS[name] for name in plane_names() if name in _SERVER_ENDS}
 
 
 def open_data_plane(preference: str, control: Control, registration: Registration,
                     options: ConnectOptions) -> DataPlane:
-    """Shared memory when the shard offers it on this host, else the preferred network plane, else gRPC."""
-    for name in dict.fromkeys(("shm", preference, "grpc") if options.shared_memory else (preference, "grpc")):
-        plane = data_plane_factory(name)(control, registration, options)
+    """The first plane the shard offers and this client knows, in the client's order of preference.
+
+    That order is: a local plane (shared memory) when the shard offers it on this host, else the
+    preferred network plane, else gRPC, which every shard serves (offered or not).
+    """
+    local = LOCAL_PLANES if options.shared_memory else ()
+    for name in dict.fromkeys((*local, preference, CONTROL_PLANE)):
+        address = registration.address(name)
+        if address is None and name == CONTROL_PLANE:
+            address = ""
+        if address is None or name not in client_planes():
+            continue
+        plane = data_plane_factory(name)(control, address, options)
         if plane is not None:
             return plane
-    raise AssertionError("the gRPC data plane is always offered")
-
-
-def open_control(address: str, options: ConnectOptions) -> Control:
-    """The control connection to the shard at ``address`` (gRPC: the complete contract)."""
-    from psgrid.psserver.transports.grpc_client import GrpcControl
-
-    return GrpcControl(address, options)
+    raise AssertionError("the gRPC data plane always serves")

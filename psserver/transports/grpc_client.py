@@ -16,8 +16,8 @@ from psgrid.psserver.transports import grpc_codec as framing
 
 from psgrid.psserver import dtypes as wire
 from psgrid.psserver.exceptions import BadReply, PSError, Unavailable, error_from_wire
-from psgrid.psserver.protocol import (FLOAT32, GRPC_OPTIONS, REASON_KEY, SERVICE, HeartbeatInfo, Outcome, PushResult,
-                                      Reason, Registration, Status)
+from psgrid.psserver.protocol import (CONTROL_PLANE, FLOAT32, GRPC_OPTIONS, REASON_KEY, SERVICE, HeartbeatInfo,
+                                      Outcome, PushResult, Reason, Registration, Status)
 from psgrid.psserver.rpc import ps_pb2
 from psgrid.psserver.security import bearer, read_pem
 from psgrid.psserver.sharding import chunk_ranges
@@ -84,7 +84,7 @@ class GrpcControl(Control):
                                                               start_clock=start_clock, host=host, observer=observer))
         if reply.max_chunk_bytes:      # 0: a shard that does not say
             self.chunk_bytes = min(self.options.chunk_bytes, reply.max_chunk_bytes)
-        return Registration(**{f.name: getattr(reply, f.name) for f in dataclasses.fields(Registration)})
+        return registration_from_reply(reply)
 
     def init(self, spec: ModelSpec, values: np.ndarray, begin: int) -> tuple[bool, int]:
         spec_msg = ps_pb2.ModelSpecMsg(
@@ -124,6 +124,22 @@ class GrpcControl(Control):
 
     def close(self) -> None:
         self.channel.close()
+
+
+def open_control(address: str, options: ConnectOptions) -> GrpcControl:
+    """The control connection to the shard at ``address`` (gRPC: the complete contract)."""
+    return GrpcControl(address, options)
+
+
+def registration_from_reply(reply: ps_pb2.RegisterReply) -> Registration:
+    """A RegisterReply as a :class:`Registration`; the planes of a shard older than ``planes`` from its
+    per-plane fields (``tcp_port``, ``shm_socket``)."""
+    fields = {f.name: getattr(reply, f.name) for f in dataclasses.fields(Registration) if f.name != "planes"}
+    planes = tuple((offer.name, offer.address) for offer in reply.planes)
+    if not planes:
+        planes = ((CONTROL_PLANE, ""),) + ((("tcp", str(reply.tcp_port)),) if reply.tcp_port else ()) + (
+            (("shm", reply.shm_socket),) if reply.shm_socket else ())
+    return Registration(planes=planes, **fields)
 
 
 def _serialize(message) -> bytes:
@@ -200,4 +216,4 @@ class GrpcDataPlane(DataPlane):
         pass            # the channel is the control's
 
 
-register_data_plane("grpc", lambda control, registration, options: GrpcDataPlane(control))
+register_data_plane("grpc", lambda control, address, options: GrpcDataPlane(control))

@@ -22,7 +22,7 @@ from psgrid.psserver.transports import grpc_codec as framing
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import InvalidArgument, Unauthenticated
 from psgrid.psserver.protocol import (FLOAT32, GRPC_SERVER_OPTIONS, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, REASON_KEY,
-                                      SERVICE, Reason, Refusal)
+                                      SERVICE, Reason, Refusal, Registration)
 from psgrid.psserver.rpc import ps_pb2
 from psgrid.psserver.security import bearer, read_pem, token_matches
 from psgrid.psserver.service import ShardService
@@ -62,7 +62,7 @@ class GrpcAdapter:
         r = _decode(ps_pb2.RegisterRequest, raw)
         joined = self.service.register(spec_hash=r.spec_hash, worker_id=r.worker_id, start_clock=r.start_clock,
                                        host=r.host, observer=r.observer)
-        return ps_pb2.RegisterReply(**dataclasses.asdict(joined))
+        return register_reply(joined)
 
     def Init(self, raw_stream, context):
         messages = (_decode(ps_pb2.InitRequest, raw) for raw in raw_stream)
@@ -123,6 +123,16 @@ class GrpcAdapter:
         r = _decode(ps_pb2.ShutdownRequest, raw)
         self.service.shutdown(r.job_id)
         return ps_pb2.ShutdownReply()
+
+
+def register_reply(joined: Registration) -> ps_pb2.RegisterReply:
+    """A :class:`Registration` as a RegisterReply: every plane in ``planes``, and the TCP and shared-memory
+    offers in the per-plane fields too, for the clients of the release before ``planes``."""
+    fields = dataclasses.asdict(joined)
+    planes = fields.pop("planes")
+    offered = dict(planes)
+    return ps_pb2.RegisterReply(planes=[ps_pb2.PlaneOffer(name=name, address=address) for name, address in planes],
+                                tcp_port=int(offered.get("tcp") or 0), shm_socket=offered.get("shm", ""), **fields)
 
 
 def _refusing(service: ShardService, name: str, method, streaming_reply: bool):

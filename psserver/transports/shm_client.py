@@ -23,7 +23,7 @@ import numpy as np
 
 from psgrid.psserver import dtypes as wire
 from psgrid.psserver.exceptions import BadReply, PSError, Unavailable
-from psgrid.psserver.protocol import FLOAT32, ITEMSIZE, Outcome, PushResult, Reason, Registration
+from psgrid.psserver.protocol import FLOAT32, ITEMSIZE, Outcome, PushResult, Reason
 from psgrid.psserver.security import client_ssl_context
 from psgrid.psserver.shared_memory import map_fd
 from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, register_data_plane
@@ -212,13 +212,13 @@ class ShmDataPlane(DataPlane):
                 self.memory.unpin(buffer)
 
 
-def _offered(control: Control, registration: Registration, options: ConnectOptions) -> ShmDataPlane | None:
-    """The shard's shared memory, when it offers it and is on this host (its socket answers here)."""
-    if not (options.shared_memory and registration.shm_socket):
+def _offered(control: Control, address: str, options: ConnectOptions) -> ShmDataPlane | None:
+    """The shard's shared memory (its offer is its Unix socket), when it is on this host (the socket answers here)."""
+    if not (options.shared_memory and address):
         return None
     if options.memory is not None and not options.memory.shares():
         return None      # our gradients could not be put in shared memory (said once, by ClientMemory)
-    plane = ShmDataPlane(registration.shm_socket, options, host=control.address.rsplit(":", 1)[0].strip("[]"))
+    plane = ShmDataPlane(address, options, host=control.address.rsplit(":", 1)[0].strip("[]"))
     try:
         plane.pool.give(plane.connect(CONNECT_S))
     except (OSError, PSError):

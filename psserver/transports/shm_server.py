@@ -25,6 +25,7 @@ do to the shard is in docs/reliability.md ("The shared-memory plane's threat mod
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import selectors
@@ -38,7 +39,8 @@ import numpy as np
 from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.protocol import BFLOAT16, FLOAT16, FLOAT32, Reason
 from psgrid.psserver.service import ShardService
-from psgrid.psserver.shared_memory import map_fd, unsafe_to_map
+from psgrid.psserver.shared_memory import available, can_share_read_only, map_fd, unsafe_to_map
+from psgrid.psserver.transports.base import ListenContext, Listening, register_listener
 from psgrid.psserver.transports.stream_frames import (ATTACH, FD_BYTE, MAP, OPEN, PULL, PUSH, Request, map_reply,
                                                    open_reply, shared_pull_reply)
 from psgrid.psserver.transports.stream_server import (DEFAULT_MAX_CONNECTIONS, Connection, SocketDataServer,
@@ -195,3 +197,24 @@ def check_gradient_file(fd: int) -> None:
             f"seal it with fcntl(F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) once it has its size, as psgrid's "
             f"client does: a file its owner may shrink would kill this shard (SIGBUS) as it reads it",
             Reason.BAD_VALUE)
+
+
+# ----- the plane's server end, registered (transports/base.py) ---------------------------------------
+
+def _listen(service: ShardService, config, context: ListenContext) -> Listening | None:
+    """The shared-memory plane, where the shard's ``shared_memory`` asks for it and this kernel can seal the
+    weights; its offer is the Unix socket, withdrawn once the shard could not put its weights in shared memory."""
+    if not config.shared_memory:
+        return None
+    if not can_share_read_only():
+        if available():
+            logging.getLogger("psgrid.server").warning(
+                "shard %d offers no shared-memory plane: this kernel cannot seal its weights against readers' "
+                "writes (F_SEAL_FUTURE_WRITE, Linux 5.1); workers here use TCP", config.shard_index)
+        return None
+    server = ShmDataServer(service, config.token, context.ssl_context, handlers=config.threads,
+                           max_connections=config.tcp_max_connections, on_failure=context.on_failure)
+    return Listening(server, address=lambda: server.address if service.shard.shares_memory else None)
+
+
+register_listener("shm", _listen)

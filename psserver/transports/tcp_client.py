@@ -14,7 +14,7 @@ import numpy as np
 
 from psgrid.psserver import dtypes as wire
 from psgrid.psserver.exceptions import BadReply
-from psgrid.psserver.protocol import FLOAT32, Outcome, PushResult, Registration
+from psgrid.psserver.protocol import FLOAT32, Outcome, PushResult
 from psgrid.psserver.security import client_ssl_context
 from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, register_data_plane
 from psgrid.psserver.transports.stream_client import ConnectionPool, StreamConnection, say_hello
@@ -85,11 +85,12 @@ class TcpDataPlane(DataPlane):
         self.pool.close()
 
 
-def _offered(control: Control, registration: Registration, options: ConnectOptions) -> TcpDataPlane | None:
-    if not registration.tcp_port:
+def _offered(control: Control, address: str, options: ConnectOptions) -> TcpDataPlane | None:
+    """The shard's TCP data port (its offer is the port; the host is the one its control address names)."""
+    if not (address.isdigit() and 0 < int(address) < 65536):
         return None
     host = control.address.rsplit(":", 1)[0].strip("[]")
-    return TcpDataPlane(host, registration.tcp_port, options)
+    return TcpDataPlane(host, int(address), options)
 
 
 register_data_plane("tcp", _offered)

@@ -19,6 +19,7 @@ import ssl
 from typing import Callable
 
 from psgrid.psserver.service import ShardService
+from psgrid.psserver.transports.base import ListenContext, Listening, register_listener
 from psgrid.psserver.transports.stream_frames import HANDSHAKE_S, PULL, PUSH, Request, recv_exact
 from psgrid.psserver.transports.stream_server import (DEFAULT_MAX_CONNECTIONS, Connection, SocketDataServer,
                                                       wait_timeout)
@@ -91,3 +92,18 @@ class TcpDataServer(SocketDataServer):
 
     def _most_a_push_sends(self) -> int:
         return 4 * self.service.shard.size + DRAIN_SLACK
+
+
+# ----- the plane's server end, registered (transports/base.py) ---------------------------------------
+
+def _listen(service: ShardService, config, context: ListenContext) -> Listening | None:
+    """The TCP data plane, where the shard's ``data_plane`` asks for it ("grpc": gRPC only); its offer is the port."""
+    if config.data_plane != "tcp":
+        return None
+    server = TcpDataServer(service, config.host, config.token, context.ssl_context, handlers=config.threads,
+                           max_connections=config.tcp_max_connections, handshake_s=config.tcp_handshake_s,
+                           on_failure=context.on_failure)
+    return Listening(server, address=lambda: str(server.port))
+
+
+register_listener("tcp", _listen)

@@ -1,0 +1,92 @@
+"""What a pull or a push returns: a handle to wait on, in the manner of ps-lite's Wait(timestamp).
+
+A call made where it is issued is done when it returns; one run in the background (``background=True``)
+is done once every shard has answered, and its buffer is the call's until then.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Generic, TypeVar
+
+import numpy as np
+
+from psgrid.psserver.exceptions import WaitTimeout
+from psgrid.psserver.protocol import Reason
+
+T = TypeVar("T")
+
+
+class Handle(Generic[T]):
+    """A pull or push: :meth:`wait` returns its result or raises its failure; ``seconds`` its duration.
+
+    ``out`` is the array a pull fills (``Client.pull(out)``'s, or the one ``Admin.pull()`` made);
+    None for a push or a pull ``into=`` a callable.
+    """
+
+    def __init__(self, run: Callable[[], T], background: bool):
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+        self.out: np.ndarray | None = None
+        self._run = run
+        self._result: T | None = None
+        self._error: BaseException | None = None
+        # Only work another thread may run needs these; a call that runs where it is made does not.
+        self._claim = threading.Lock() if background else None
+        self._done = threading.Event() if background else None
+
+    def _execute(self) -> None:
+        """Run the work, unless someone already does (a background thread or a waiting caller)."""
+        if self._claim is not None and not self._claim.acquire(blocking=False):
+            return
+        try:
+            self._result = self._run()
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            self._error = exc
+        finally:
+            self.finished = time.perf_counter()    # before done is set, so wait() sees it
+            if self._done is not None:
+                self._done.set()
+
+    @property
+    def seconds(self) -> float | None:
+        """From the call to the last shard's answer (None while in flight)."""
+        return None if self.finished is None else self.finished - self.started
+
+    def done(self) -> bool:
+        return self.finished is not None if self._done is None else self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Block until every shard answered; the result, or the first shard's domain exception.
+
+        A background call that no client thread has picked up yet is run here (without a
+        timeout only: with one, the caller waits for a thread and keeps its limit).
+        """
+        if self._done is not None:
+            if timeout is None:
+                self._execute()
+            if not self._done.wait(timeout):
+                raise WaitTimeout(f"still waiting for the shards after {timeout} s", Reason.WAIT_TIMEOUT)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def settle(handle: Handle | None) -> None:
+    """Wait for a handle in flight; its failure belongs to whoever waits on it."""
+    if handle is not None and not handle.done():
+        try:
+            handle.wait()
+        except Exception:  # noqa: BLE001 - reported through the handle itself
+            pass
+
+
+def launch(run: Callable[[], T], background: bool, executor=None) -> Handle[T]:
+    """A handle for ``run``: started on ``executor``'s threads with ``background``, else run here (done)."""
+    handle = Handle(run, background)
+    if background:
+        executor.submit(handle._execute)
+    else:
+        handle._execute()    # here, in the caller's thread: no hand-off to another thread
+    return handle
