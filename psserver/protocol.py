@@ -53,8 +53,6 @@ REASON_KEY = "ps-reason"
 # A consistency wait answers this long before the caller's deadline, so the caller reads the
 # DEADLINE_EXCEEDED reply instead of timing out on its own.
 REPLY_MARGIN_S = 0.05
-# The shared-memory plane's table of reader marks: its layout is stream_frames.py's (re-exported for weight_ring.py).
-from psgrid.psserver.transports.stream_frames import NO_MARK, REVOKED  # noqa: E402,F401
 
 
 class Status(IntEnum):

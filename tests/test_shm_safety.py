@@ -26,7 +26,8 @@ import pytest
 
 from psgrid.psserver import shared_memory
 from psgrid.psserver.client.client import Client
-from psgrid.psserver.protocol import BFLOAT16, FLOAT32, NO_MARK, Reason, Status
+from psgrid.psserver.protocol import BFLOAT16, FLOAT32, Reason, Status
+from psgrid.psserver.transports.stream_frames import NO_MARK
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.transports.stream_frames import (ATTACH, FD_BYTE, MAGIC, MAP, MAX_MESSAGE, OPEN, PULL, PUSH, REPLY,
                                                    REQUEST, recv_exact, recv_struct)
