@@ -224,7 +224,7 @@ def _run_mpi(experiment, args: argparse.Namespace) -> int:
     except ImportError:
         raise UsageError("psctl compare --mpi needs mpi4py: pip install 'psgrid[mpi]'") from None
     from psgrid.cluster.experiments.compare_mpi import MPICompare
-    from psgrid.cluster.mpi.job import _abort
+    from psgrid.cluster.mpi.comm import abort
     from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
 
     comm = MPI.COMM_WORLD
@@ -234,5 +234,5 @@ def _run_mpi(experiment, args: argparse.Namespace) -> int:
     except BaseException:
         print(f"psctl compare: rank {comm.Get_rank()} on {socket.gethostname()} failed; aborting the job:\n"
               f"{traceback.format_exc()}", file=sys.stderr, flush=True)
-        _abort(comm)
+        abort(comm)
         raise
