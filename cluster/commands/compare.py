@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import (add_command, add_config_arg, add_set_arg, add_token_arg,
+from psgrid.cluster.commands.common import (add_command, add_config_arg, add_set_arg, add_token_arg,
                                              add_training_flags)
 
 HELP = "compare sync, async, ssp and all-reduce on one job: runs, a report and plots"
@@ -103,7 +103,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _training_keys() -> list[str]:
-    from psgrid.cluster.commands._common import training_flags
+    from psgrid.cluster.commands.common import training_flags
 
     return [key for _, key, _, _ in training_flags() if key not in _PER_RUN]
 
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
-    from psgrid.cluster.commands._common import load_job_from_args
+    from psgrid.cluster.commands.common import load_job_from_args
     from psgrid.cluster.experiments.compare import Compare, experiment_from, settings_for
     from psgrid.cluster.job.config import apply_overrides
     from psgrid.cluster.errors import UsageError
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         rows = rewrite_report(Path(args.out), args.target_accuracy, args.classes)
         print(table_text(rows, rows[-1]["target_accuracy"] if rows else None))   # a repeat's: they come last
         return 0
-    from psgrid.cluster.commands._common import flag_names
+    from psgrid.cluster.commands.common import flag_names
     from psgrid.cluster.run.preflight import check_device, refuse_mpi_rank
 
     from psgrid.cluster.run import script

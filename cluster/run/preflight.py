@@ -31,7 +31,7 @@ IMAGE_DATASETS = ("mnist5k", "digits")
 
 
 # What this process's command line set, by job-file key ({"device": "--device"}), for checks made far from it
-# (a worker rank of psctl mpi): filled by the command that parsed the flags (cluster/commands/_common.py).
+# (a worker rank of psctl mpi): filled by the command that parsed the flags (cluster/commands/common.py).
 command_line: dict[str, str] = {}
 
 
