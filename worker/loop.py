@@ -163,27 +163,13 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
             loss_value = float("nan")
             start = time.perf_counter()
             for step in range(first_step, steps):
-                started = time.time()
-                t0 = time.perf_counter()
-                bufs.pull()                       # pull_s: from the request to the weights on the device
-                pull_s = time.perf_counter() - t0
-                t1 = time.perf_counter()
-                x, y = next(loader)
-                if overlap:
-                    bufs.swap_gradient()          # the other buffer: the push that read it has ended
-                loss = model.loss_and_grad(bufs.param_views, x, y, bufs.grad_views)
-                bufs.download_grad()          # compute_s includes this copy to the host, which also synchronizes
-                loss_value = float(loss)
-                compute_s = time.perf_counter() - t1
-                delay_s = delay.seconds(compute_s)
-                if delay_s:
-                    time.sleep(delay_s)
-                samples += len(y)
+                timed = pull_and_compute(bufs, loader, model, delay, overlap)
+                loss_value = timed["loss"]
+                samples += timed["samples"]
                 if in_flight is not None:         # the push before (it overlapped this pull and compute) ends first
                     metrics.write(**_finish(*in_flight, step_bytes))
-                record = dict(event="step", rank=rank, worker=exchange.worker_id, step=step,
-                              clock=exchange.clock, started=started, loss=loss_value, pull_s=pull_s,
-                              compute_s=compute_s, delay_s=delay_s, samples=len(y))
+                record = dict(event="step", rank=rank, worker=exchange.worker_id, step=step, clock=exchange.clock,
+                              **timed)
                 in_flight = (exchange.push(bufs.host_grad, background=overlap), record)
                 if not overlap:
                     metrics.write(**_finish(*in_flight, step_bytes))
@@ -202,6 +188,31 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
         if loader is not None:
             loader.close()
         metrics.close()
+
+
+def pull_and_compute(bufs: FlatBuffers, loader, model, delay: Delay, overlap: bool) -> dict:
+    """One step up to its push: pull the weights, compute the gradient into the host buffer, a straggler's delay.
+
+    Returns the step record's timings (``started``, ``pull_s``, ``compute_s``, ``delay_s``), ``loss`` and
+    ``samples``, in the record's order.
+    """
+    started = time.time()
+    t0 = time.perf_counter()
+    bufs.pull()                       # pull_s: from the request to the weights on the device
+    pull_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    x, y = next(loader)
+    if overlap:
+        bufs.swap_gradient()          # the other buffer: the push that read it has ended
+    loss = model.loss_and_grad(bufs.param_views, x, y, bufs.grad_views)
+    bufs.download_grad()          # compute_s includes this copy to the host, which also synchronizes
+    loss_value = float(loss)
+    compute_s = time.perf_counter() - t1
+    delay_s = delay.seconds(compute_s)
+    if delay_s:
+        time.sleep(delay_s)
+    return dict(started=started, loss=loss_value, pull_s=pull_s, compute_s=compute_s, delay_s=delay_s,
+                samples=len(y))
 
 
 def warm_up(model, data, train: TrainConfig, xp, *, evaluate: bool) -> float:

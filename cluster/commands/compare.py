@@ -114,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from psgrid.cluster.commands.common import load_job_from_args
-    from psgrid.cluster.experiments.compare import Compare, experiment_from, settings_for
+    from psgrid.cluster.experiments.compare import Compare, experiment_from
+    from psgrid.cluster.experiments.settings import settings_for
     from psgrid.cluster.job.config import apply_overrides
     from psgrid.cluster.errors import UsageError
     from psgrid.cluster.experiments.experiment import parse_counts, parse_modes, parse_straggler_setting, plan
@@ -129,7 +130,6 @@ def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.run.preflight import check_device, refuse_mpi_rank
 
     from psgrid.cluster.run import script
-    from psgrid.cluster.experiments.tuning import parse_tune
 
     if not args.mpi:
         refuse_mpi_rank("compare", "psctl compare --mpi")
@@ -146,16 +146,7 @@ def run(args: argparse.Namespace) -> int:
     if command and any(not m.uses_shards for m in modes):
         raise UsageError("--modes allreduce needs the built-in trainer; with a script after -- compare "
                          "sync, async and ssp:S")
-    tune = parse_tune(args.tune, job, server_only=command is not None)
-    if tune and args.mpi:
-        raise UsageError("--tune runs on this machine: leave out --mpi (psctl compare --mpi does not tune yet)")
-    if args.tune_steps is not None:
-        if not tune:
-            raise UsageError("--tune-steps sets the length of the tuning runs: give --tune KEY=V1,V2 too")
-        if command:
-            raise UsageError("--tune-steps: a script decides its own length; pass it the steps after -- instead")
-        if args.tune_steps < 1:
-            raise UsageError(f"--tune-steps must be at least 1, got {args.tune_steps}")
+    tune = _tuning(args, job, command)
     mode_settings = _mode_settings(args.mode_set, modes, job, server_only=command is not None)
     if args.classes is not None and args.classes < 2:
         raise UsageError(f"--classes must be at least 2, got {args.classes}")
@@ -179,17 +170,43 @@ def run(args: argparse.Namespace) -> int:
                             classes=args.classes)
     experiment = experiment_from(job, settings, Path(args.out))
     if args.overwrite:
-        from psgrid.cluster.job.outdir import EXPERIMENT_FILES, clear_run, lock
-        from psgrid.cluster.run.preflight import launcher_rank
-
-        if args.resume:
-            raise UsageError("--overwrite starts the experiment again and --resume finishes it: give one of them")
-        if (launcher_rank() or (0, 1))[0] == 0:      # under --mpi, world rank 0 alone prepares the folder
-            lock(Path(args.out))        # never an experiment that runs now: it holds the lock (cluster/job/outdir.py)
-            clear_run(Path(args.out), EXPERIMENT_FILES)
+        _clear_for_overwrite(args)
     if args.mpi:
         return _run_mpi(experiment, args)
     return Compare(experiment, resume=args.resume, progress=args.progress).run()
+
+
+def _tuning(args: argparse.Namespace, job, command: list[str] | None) -> dict:
+    """``--tune`` (values to try per key) with ``--tune-steps`` checked against it."""
+    from psgrid.cluster.errors import UsageError
+    from psgrid.cluster.experiments.tuning import parse_tune
+
+    tune = parse_tune(args.tune, job, server_only=command is not None)
+    if tune and args.mpi:
+        raise UsageError("--tune runs on this machine: leave out --mpi (psctl compare --mpi does not tune yet)")
+    if args.tune_steps is not None:
+        if not tune:
+            raise UsageError("--tune-steps sets the length of the tuning runs: give --tune KEY=V1,V2 too")
+        if command:
+            raise UsageError("--tune-steps: a script decides its own length; pass it the steps after -- instead")
+        if args.tune_steps < 1:
+            raise UsageError(f"--tune-steps must be at least 1, got {args.tune_steps}")
+    return tune
+
+
+def _clear_for_overwrite(args: argparse.Namespace) -> None:
+    """``--overwrite``: the experiment's folder emptied of a previous experiment's files (never one running)."""
+    from pathlib import Path
+
+    from psgrid.cluster.errors import UsageError
+    from psgrid.cluster.job.outdir import EXPERIMENT_FILES, clear_run, lock
+    from psgrid.cluster.run.preflight import launcher_rank
+
+    if args.resume:
+        raise UsageError("--overwrite starts the experiment again and --resume finishes it: give one of them")
+    if (launcher_rank() or (0, 1))[0] == 0:      # under --mpi, world rank 0 alone prepares the folder
+        lock(Path(args.out))        # never an experiment that runs now: it holds the lock (cluster/job/outdir.py)
+        clear_run(Path(args.out), EXPERIMENT_FILES)
 
 
 def _mode_settings(texts: list[str], modes, job, *, server_only: bool) -> dict:
