@@ -9,25 +9,21 @@ waited for before the push of step c+1; in sync the steps stay in order.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
-import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
-from psgrid.psserver import files
 from psgrid.psserver.client.admin import Admin
 from psgrid.psserver.client.client import Client, Handle
-from psgrid.psserver.protocol import ITEMSIZE
 from psgrid.worker.backend import get_xp, pinner_for, select_gpu, sync
 from psgrid.worker.config import TrainConfig
 from psgrid.worker.data import BatchLoader, load_dataset
 from psgrid.worker.flat import FlatBuffers
 from psgrid.worker.models import accuracy, build_model
+from psgrid.worker.records import MetricsWriter, bytes_per_step
 from psgrid.worker.straggler import Delay
 
 LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK", "SLURM_LOCALID")
@@ -38,29 +34,6 @@ def local_rank(default: int) -> int:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return default
-
-
-class MetricsWriter:
-    """Appends one JSON object per line and flushes it, so a reader tailing the file sees whole lines."""
-
-    def __init__(self, path: str | os.PathLike | None):
-        self.file = None
-        self.lock = threading.Lock()
-        if path:
-            files.make_dirs(Path(path).parent)
-            self.file = files.open_new(path, "a", buffering=1)
-
-    def write(self, **record) -> None:
-        if self.file is None:
-            return
-        record.setdefault("time", time.time())
-        line = json.dumps(record, default=float)
-        with self.lock:
-            self.file.write(line + "\n")
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
 
 
 def build(train: TrainConfig, rank: int, world: int, device: str | None = None):
@@ -234,13 +207,6 @@ def warm_up(model, data, train: TrainConfig, xp, *, evaluate: bool) -> float:
         accuracy(model, spec.views(params), xp.asarray(data.test_x), xp.asarray(data.test_y))
     sync(xp)
     return time.perf_counter() - t0
-
-
-def bytes_per_step(exchange, params: int) -> int:
-    """What one step sends and receives: the pull (float32) and the push, or the exchange's own figure."""
-    if hasattr(exchange, "bytes_per_step"):
-        return exchange.bytes_per_step(params)
-    return params * (4 + ITEMSIZE[exchange.wire_dtype])
 
 
 def _finish(push: Handle, record: dict, step_bytes: int) -> dict:
