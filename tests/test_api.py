@@ -284,3 +284,22 @@ def test_async_pushes_overlap_the_next_pull_and_all_land(cluster, data_plane, no
     ps.close()                                   # waits for the push in flight before leaving
     np.testing.assert_array_equal(c.weights(), -5.0)
     assert ps.last_step["outcome"] == "APPLIED" and ps.last_step["step"] == 4
+
+
+# The built-in trainer: its loop, data sets, models and straggler delays, its evaluation and all-reduce baseline.
+TRAINER = ("psgrid.worker.loop", "psgrid.worker.data", "psgrid.worker.models", "psgrid.worker.straggler",
+           "psgrid.worker.evaluate", "psgrid.worker.allreduce")
+
+
+@pytest.mark.timeout(60)
+def test_the_user_api_does_not_import_the_built_in_trainer():
+    # A script brings its own model and data: psgrid.init and Session must not load (and pay for) ours.
+    code = ("import json, sys\n"
+            "import psgrid\n"
+            "psgrid.init, psgrid.Session\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('psgrid.worker'))))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    loaded = json.loads(out.stdout)
+    assert "psgrid.worker.api" in loaded
+    assert [m for m in loaded if m.startswith(TRAINER)] == []

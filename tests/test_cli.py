@@ -140,7 +140,7 @@ def test_every_server_config_field_has_a_flag():
 
 
 def test_launch_flags_override_the_job(capsys):
-    from psgrid.cluster.commands._common import load_job_from_args
+    from psgrid.cluster.commands.common import load_job_from_args
 
     args = build_parser().parse_args([
         "launch", "--config", "mnist", "--mode", "ssp", "--staleness", "3", "--workers", "4", "--shards", "1",
@@ -154,7 +154,7 @@ def test_launch_flags_override_the_job(capsys):
 
 @pytest.mark.parametrize("command", ["launch", "mpi"])
 def test_shards_and_data_plane_flags_of_launch_and_mpi(command):
-    from psgrid.cluster.commands._common import load_job_from_args
+    from psgrid.cluster.commands.common import load_job_from_args
 
     job = load_job_from_args(build_parser().parse_args([command, "--config", "mnist", "--shards", "3",
                                                         "--data-plane", "grpc"]))
@@ -164,7 +164,7 @@ def test_shards_and_data_plane_flags_of_launch_and_mpi(command):
 
 
 def test_worker_takes_addresses_and_data_plane():
-    from psgrid.cluster.commands._common import load_job_from_args, split_addresses
+    from psgrid.cluster.commands.common import load_job_from_args, split_addresses
 
     args = build_parser().parse_args(["worker", "--addresses", "127.0.0.1:1, node2:50051", "--rank", "1",
                                       "--data-plane", "grpc"])

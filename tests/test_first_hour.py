@@ -131,6 +131,20 @@ def test_a_job_file_key_is_named_with_its_file(tmp_path):
     one_line(code, err, f'dataset = "mnist" ({job}): {CHOOSE_DATASET}')
 
 
+def test_the_activations_a_job_may_name_are_the_models_own(monkeypatch):
+    # One list: an activation the MLP gains is accepted before the job starts, without a second edit.
+    from psgrid.cluster.errors import ConfigError
+    from psgrid.cluster.job.config import JobConfig, apply_overrides
+    from psgrid.cluster.run.preflight import check_job
+    from psgrid.worker.models import mlp
+
+    job = apply_overrides(JobConfig(name="x"), {"activation": "tanh"})
+    with pytest.raises(ConfigError, match='no such activation; choose relu or sigmoid'):
+        check_job(job)
+    monkeypatch.setitem(mlp.ACTIVATIONS, "tanh", mlp.ACTIVATIONS["sigmoid"])
+    check_job(job)
+
+
 @pytest.mark.parametrize("command", [["launch"], ["compare", "--out", "cmp"],
                                      ["worker", "--addresses", "127.0.0.1:9"]])
 def test_a_gpu_asked_for_without_cupy(tmp_path, no_cupy, command):

@@ -166,7 +166,7 @@ def test_a_failure_after_training_fails_the_job(tmp_path, monkeypatch, capsys):
     from psgrid.cluster.run.launch import launch
     from psgrid.psserver.exceptions import Unauthenticated
 
-    def refuse(job, addresses):
+    def refuse(job, addresses, **options):
         raise Unauthenticated("shard 0: missing or wrong bearer token", shard=0)
 
     monkeypatch.setattr(co, "finish", refuse)

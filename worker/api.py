@@ -38,7 +38,7 @@ from psgrid.worker import dlpack
 from psgrid.worker.backend import pinner_for, sync, to_host
 from psgrid.worker.env import ADDRESSES, WORLD_SIZE, job_env, watch_launcher
 from psgrid.worker.flat import FlatBuffers
-from psgrid.worker.loop import MetricsWriter, bytes_per_step
+from psgrid.worker.records import MetricsWriter, bytes_per_step
 
 if sys.version_info >= (3, 11):
     import tomllib

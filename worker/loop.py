@@ -9,25 +9,21 @@ waited for before the push of step c+1; in sync the steps stay in order.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import socket
-import threading
 import time
-from pathlib import Path
 
 import numpy as np
 
-from psgrid.psserver import files
 from psgrid.psserver.client.admin import Admin
 from psgrid.psserver.client.client import Client, Handle
-from psgrid.psserver.protocol import ITEMSIZE
 from psgrid.worker.backend import get_xp, pinner_for, select_gpu, sync
 from psgrid.worker.config import TrainConfig
 from psgrid.worker.data import BatchLoader, load_dataset
 from psgrid.worker.flat import FlatBuffers
 from psgrid.worker.models import accuracy, build_model
+from psgrid.worker.records import MetricsWriter, bytes_per_step
 from psgrid.worker.straggler import Delay
 
 LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK", "SLURM_LOCALID")
@@ -38,29 +34,6 @@ def local_rank(default: int) -> int:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
     return default
-
-
-class MetricsWriter:
-    """Appends one JSON object per line and flushes it, so a reader tailing the file sees whole lines."""
-
-    def __init__(self, path: str | os.PathLike | None):
-        self.file = None
-        self.lock = threading.Lock()
-        if path:
-            files.make_dirs(Path(path).parent)
-            self.file = files.open_new(path, "a", buffering=1)
-
-    def write(self, **record) -> None:
-        if self.file is None:
-            return
-        record.setdefault("time", time.time())
-        line = json.dumps(record, default=float)
-        with self.lock:
-            self.file.write(line + "\n")
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
 
 
 def build(train: TrainConfig, rank: int, world: int, device: str | None = None):
@@ -163,27 +136,13 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
             loss_value = float("nan")
             start = time.perf_counter()
             for step in range(first_step, steps):
-                started = time.time()
-                t0 = time.perf_counter()
-                bufs.pull()                       # pull_s: from the request to the weights on the device
-                pull_s = time.perf_counter() - t0
-                t1 = time.perf_counter()
-                x, y = next(loader)
-                if overlap:
-                    bufs.swap_gradient()          # the other buffer: the push that read it has ended
-                loss = model.loss_and_grad(bufs.param_views, x, y, bufs.grad_views)
-                bufs.download_grad()          # compute_s includes this copy to the host, which also synchronizes
-                loss_value = float(loss)
-                compute_s = time.perf_counter() - t1
-                delay_s = delay.seconds(compute_s)
-                if delay_s:
-                    time.sleep(delay_s)
-                samples += len(y)
+                timed = pull_and_compute(bufs, loader, model, delay, overlap)
+                loss_value = timed["loss"]
+                samples += timed["samples"]
                 if in_flight is not None:         # the push before (it overlapped this pull and compute) ends first
                     metrics.write(**_finish(*in_flight, step_bytes))
-                record = dict(event="step", rank=rank, worker=exchange.worker_id, step=step,
-                              clock=exchange.clock, started=started, loss=loss_value, pull_s=pull_s,
-                              compute_s=compute_s, delay_s=delay_s, samples=len(y))
+                record = dict(event="step", rank=rank, worker=exchange.worker_id, step=step, clock=exchange.clock,
+                              **timed)
                 in_flight = (exchange.push(bufs.host_grad, background=overlap), record)
                 if not overlap:
                     metrics.write(**_finish(*in_flight, step_bytes))
@@ -202,6 +161,31 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
         if loader is not None:
             loader.close()
         metrics.close()
+
+
+def pull_and_compute(bufs: FlatBuffers, loader, model, delay: Delay, overlap: bool) -> dict:
+    """One step up to its push: pull the weights, compute the gradient into the host buffer, a straggler's delay.
+
+    Returns the step record's timings (``started``, ``pull_s``, ``compute_s``, ``delay_s``), ``loss`` and
+    ``samples``, in the record's order.
+    """
+    started = time.time()
+    t0 = time.perf_counter()
+    bufs.pull()                       # pull_s: from the request to the weights on the device
+    pull_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    x, y = next(loader)
+    if overlap:
+        bufs.swap_gradient()          # the other buffer: the push that read it has ended
+    loss = model.loss_and_grad(bufs.param_views, x, y, bufs.grad_views)
+    bufs.download_grad()          # compute_s includes this copy to the host, which also synchronizes
+    loss_value = float(loss)
+    compute_s = time.perf_counter() - t1
+    delay_s = delay.seconds(compute_s)
+    if delay_s:
+        time.sleep(delay_s)
+    return dict(started=started, loss=loss_value, pull_s=pull_s, compute_s=compute_s, delay_s=delay_s,
+                samples=len(y))
 
 
 def warm_up(model, data, train: TrainConfig, xp, *, evaluate: bool) -> float:
@@ -223,13 +207,6 @@ def warm_up(model, data, train: TrainConfig, xp, *, evaluate: bool) -> float:
         accuracy(model, spec.views(params), xp.asarray(data.test_x), xp.asarray(data.test_y))
     sync(xp)
     return time.perf_counter() - t0
-
-
-def bytes_per_step(exchange, params: int) -> int:
-    """What one step sends and receives: the pull (float32) and the push, or the exchange's own figure."""
-    if hasattr(exchange, "bytes_per_step"):
-        return exchange.bytes_per_step(params)
-    return params * (4 + ITEMSIZE[exchange.wire_dtype])
 
 
 def _finish(push: Handle, record: dict, step_bytes: int) -> dict:

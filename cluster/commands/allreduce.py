@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import (add_command, add_config_arg, add_overwrite_arg, add_set_arg,
+from psgrid.cluster.commands.common import (add_command, add_config_arg, add_overwrite_arg, add_set_arg,
                                              add_token_arg, add_training_flags)
 
 HELP = "train a job with no shards, gradients averaged by MPI Allreduce (the baseline; under mpiexec)"
@@ -47,7 +47,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.mpi.allreduce import run_allreduce
-    from psgrid.cluster.commands._common import load_job_from_args
+    from psgrid.cluster.commands.common import load_job_from_args
     from psgrid.cluster.errors import UsageError
 
     job = load_job_from_args(args)

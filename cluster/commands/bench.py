@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import add_command
+from psgrid.cluster.commands.common import add_command
 
 HELP = "performance figures: transport vs raw TCP, apply vs memcpy, the parameter server vs its floor, training"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import add_command
+from psgrid.cluster.commands.common import add_command
 
 HELP = "make a CA and the shard and client certificates for mutual TLS"
 

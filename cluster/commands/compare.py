@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import (add_command, add_config_arg, add_set_arg, add_token_arg,
+from psgrid.cluster.commands.common import (add_command, add_config_arg, add_set_arg, add_token_arg,
                                              add_training_flags)
 
 HELP = "compare sync, async, ssp and all-reduce on one job: runs, a report and plots"
@@ -103,7 +103,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _training_keys() -> list[str]:
-    from psgrid.cluster.commands._common import training_flags
+    from psgrid.cluster.commands.common import training_flags
 
     return [key for _, key, _, _ in training_flags() if key not in _PER_RUN]
 
@@ -113,8 +113,9 @@ def run(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
-    from psgrid.cluster.commands._common import load_job_from_args
-    from psgrid.cluster.experiments.compare import Compare, experiment_from, settings_for
+    from psgrid.cluster.commands.common import load_job_from_args
+    from psgrid.cluster.experiments.compare import Compare, experiment_from
+    from psgrid.cluster.experiments.settings import settings_for
     from psgrid.cluster.job.config import apply_overrides
     from psgrid.cluster.errors import UsageError
     from psgrid.cluster.experiments.experiment import parse_counts, parse_modes, parse_straggler_setting, plan
@@ -125,11 +126,10 @@ def run(args: argparse.Namespace) -> int:
         rows = rewrite_report(Path(args.out), args.target_accuracy, args.classes)
         print(table_text(rows, rows[-1]["target_accuracy"] if rows else None))   # a repeat's: they come last
         return 0
-    from psgrid.cluster.commands._common import flag_names
+    from psgrid.cluster.commands.common import flag_names
     from psgrid.cluster.run.preflight import check_device, refuse_mpi_rank
 
     from psgrid.cluster.run import script
-    from psgrid.cluster.experiments.tuning import parse_tune
 
     if not args.mpi:
         refuse_mpi_rank("compare", "psctl compare --mpi")
@@ -146,16 +146,7 @@ def run(args: argparse.Namespace) -> int:
     if command and any(not m.uses_shards for m in modes):
         raise UsageError("--modes allreduce needs the built-in trainer; with a script after -- compare "
                          "sync, async and ssp:S")
-    tune = parse_tune(args.tune, job, server_only=command is not None)
-    if tune and args.mpi:
-        raise UsageError("--tune runs on this machine: leave out --mpi (psctl compare --mpi does not tune yet)")
-    if args.tune_steps is not None:
-        if not tune:
-            raise UsageError("--tune-steps sets the length of the tuning runs: give --tune KEY=V1,V2 too")
-        if command:
-            raise UsageError("--tune-steps: a script decides its own length; pass it the steps after -- instead")
-        if args.tune_steps < 1:
-            raise UsageError(f"--tune-steps must be at least 1, got {args.tune_steps}")
+    tune = _tuning(args, job, command)
     mode_settings = _mode_settings(args.mode_set, modes, job, server_only=command is not None)
     if args.classes is not None and args.classes < 2:
         raise UsageError(f"--classes must be at least 2, got {args.classes}")
@@ -179,17 +170,43 @@ def run(args: argparse.Namespace) -> int:
                             classes=args.classes)
     experiment = experiment_from(job, settings, Path(args.out))
     if args.overwrite:
-        from psgrid.cluster.job.outdir import EXPERIMENT_FILES, clear_run, lock
-        from psgrid.cluster.run.preflight import launcher_rank
-
-        if args.resume:
-            raise UsageError("--overwrite starts the experiment again and --resume finishes it: give one of them")
-        if (launcher_rank() or (0, 1))[0] == 0:      # under --mpi, world rank 0 alone prepares the folder
-            lock(Path(args.out))        # never an experiment that runs now: it holds the lock (cluster/job/outdir.py)
-            clear_run(Path(args.out), EXPERIMENT_FILES)
+        _clear_for_overwrite(args)
     if args.mpi:
         return _run_mpi(experiment, args)
     return Compare(experiment, resume=args.resume, progress=args.progress).run()
+
+
+def _tuning(args: argparse.Namespace, job, command: list[str] | None) -> dict:
+    """``--tune`` (values to try per key) with ``--tune-steps`` checked against it."""
+    from psgrid.cluster.errors import UsageError
+    from psgrid.cluster.experiments.tuning import parse_tune
+
+    tune = parse_tune(args.tune, job, server_only=command is not None)
+    if tune and args.mpi:
+        raise UsageError("--tune runs on this machine: leave out --mpi (psctl compare --mpi does not tune yet)")
+    if args.tune_steps is not None:
+        if not tune:
+            raise UsageError("--tune-steps sets the length of the tuning runs: give --tune KEY=V1,V2 too")
+        if command:
+            raise UsageError("--tune-steps: a script decides its own length; pass it the steps after -- instead")
+        if args.tune_steps < 1:
+            raise UsageError(f"--tune-steps must be at least 1, got {args.tune_steps}")
+    return tune
+
+
+def _clear_for_overwrite(args: argparse.Namespace) -> None:
+    """``--overwrite``: the experiment's folder emptied of a previous experiment's files (never one running)."""
+    from pathlib import Path
+
+    from psgrid.cluster.errors import UsageError
+    from psgrid.cluster.job.outdir import EXPERIMENT_FILES, clear_run, lock
+    from psgrid.cluster.run.preflight import launcher_rank
+
+    if args.resume:
+        raise UsageError("--overwrite starts the experiment again and --resume finishes it: give one of them")
+    if (launcher_rank() or (0, 1))[0] == 0:      # under --mpi, world rank 0 alone prepares the folder
+        lock(Path(args.out))        # never an experiment that runs now: it holds the lock (cluster/job/outdir.py)
+        clear_run(Path(args.out), EXPERIMENT_FILES)
 
 
 def _mode_settings(texts: list[str], modes, job, *, server_only: bool) -> dict:
@@ -224,7 +241,7 @@ def _run_mpi(experiment, args: argparse.Namespace) -> int:
     except ImportError:
         raise UsageError("psctl compare --mpi needs mpi4py: pip install 'psgrid[mpi]'") from None
     from psgrid.cluster.experiments.compare_mpi import MPICompare
-    from psgrid.cluster.mpi.job import _abort
+    from psgrid.cluster.mpi.comm import abort
     from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
 
     comm = MPI.COMM_WORLD
@@ -234,5 +251,5 @@ def _run_mpi(experiment, args: argparse.Namespace) -> int:
     except BaseException:
         print(f"psctl compare: rank {comm.Get_rank()} on {socket.gethostname()} failed; aborting the job:\n"
               f"{traceback.format_exc()}", file=sys.stderr, flush=True)
-        _abort(comm)
+        abort(comm)
         raise

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import (add_command, add_config_arg, add_overwrite_arg, add_set_arg,
+from psgrid.cluster.commands.common import (add_command, add_config_arg, add_overwrite_arg, add_set_arg,
                                              add_token_arg, add_training_flags)
 
 HELP = "run a whole job on this machine (S shards + W workers)"
@@ -61,7 +61,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.run import script
-    from psgrid.cluster.commands._common import flag_names, load_job_from_args
+    from psgrid.cluster.commands.common import flag_names, load_job_from_args
     from psgrid.cluster.run.launch import launch
     from psgrid.cluster.run.preflight import check_machine, check_stragglers, refuse_mpi_rank
 
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
 def _resumed_job(args: argparse.Namespace):
     from pathlib import Path
 
-    from psgrid.cluster.commands._common import collect_overrides
+    from psgrid.cluster.commands.common import collect_overrides
     from psgrid.cluster.job.config import apply_overrides, load_job
     from psgrid.cluster.errors import UsageError
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import (add_command, add_config_arg, add_overwrite_arg, add_set_arg,
+from psgrid.cluster.commands.common import (add_command, add_config_arg, add_overwrite_arg, add_set_arg,
                                              add_token_arg, add_training_flags)
 
 HELP = "run a whole job under mpiexec or srun (roles by rank)"
@@ -72,7 +72,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.run import script
-    from psgrid.cluster.commands._common import load_job_from_args
+    from psgrid.cluster.commands.common import load_job_from_args
     from psgrid.cluster.errors import UsageError
     from psgrid.cluster.run.preflight import require_mpi
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import add_command
+from psgrid.cluster.commands.common import add_command
 
 HELP = "show every shard's clocks, members and counters"
 
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
     import time
 
-    from psgrid.cluster.commands._common import split_addresses
+    from psgrid.cluster.commands.common import split_addresses
     from psgrid.cluster.job.credentials import TOKEN_ENV, token_file_of
     from psgrid.cluster.errors import JobFailed, UsageError
     from psgrid.cluster.run.preflight import probe_shards
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _job(args: argparse.Namespace):
     """The job whose [train] table says how to reach the shards (TLS files, token): --config, then --set."""
-    from psgrid.cluster.commands._common import with_overrides
+    from psgrid.cluster.commands.common import with_overrides
     from psgrid.cluster.job.config import JobConfig, load_job
 
     job = load_job(args.config, redacted_ok=True) if args.config else JobConfig()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands._common import (add_command, add_config_arg, add_set_arg, add_token_arg,
+from psgrid.cluster.commands.common import (add_command, add_config_arg, add_set_arg, add_token_arg,
                                              add_training_flags)
 
 HELP = "run one training worker against running shards"
@@ -45,7 +45,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     import json
 
-    from psgrid.cluster.commands._common import flag_names, load_job_from_args, split_addresses
+    from psgrid.cluster.commands.common import flag_names, load_job_from_args, split_addresses
     from psgrid.cluster.commands.server import check_files
     from psgrid.cluster.errors import UsageError
     from psgrid.cluster.run.preflight import check_device, probe_shards

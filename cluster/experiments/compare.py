@@ -18,12 +18,9 @@ experiment keeps what finished; at the end (also after Ctrl-C) ``D/report.md`` a
 from __future__ import annotations
 
 import json
-import os
-import platform
 import shlex
 import shutil
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -447,58 +444,3 @@ def table_text(rows: list[dict], target: float | None) -> str:
         status = "diverged" if r.get("diverged") and r["status"] == "ok" else r["status"]
         lines.append(f"{r['run']:<36} {status:<11} {ttt:>10} {acc:>8} {sps:>10} {st:>9}")
     return "\n".join(lines)
-
-
-def machine() -> dict:
-    """Where the experiment ran, for the report."""
-    info = {"host": socket.gethostname(), "cpus": usable_cpus(), "platform": platform.platform(terse=True),
-            "python": platform.python_version()}
-    try:
-        info["load_1m"] = round(os.getloadavg()[0], 2)
-    except OSError:
-        pass
-    return info
-
-
-def gpu_name(device: str) -> str | None:
-    if device == "cpu":
-        return None
-    try:
-        import cupy
-
-        count = cupy.cuda.runtime.getDeviceCount()
-        name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-        return f"{count} x {name}"
-    except Exception:  # noqa: BLE001 - no CuPy or no GPU: the workers ran on the CPU
-        return None
-
-
-def job_summary(job: JobConfig) -> str:
-    t, s = job.train, job.server
-    model = t.model + (f" {list(t.hidden)} {t.activation}" if t.model == "mlp" else "")
-    batch = "full batch" if t.batch_size == 0 else f"batch {t.batch_size} per worker"
-    length = f"{t.epochs} epochs" if t.epochs else f"{t.steps} steps per worker"
-    opt = f"{s.optimizer} lr {s.lr:g}" + (f" momentum {s.momentum:g}" if s.optimizer == "sgd" and s.momentum else "")
-    return (f"{model} on {t.dataset}, {batch}, {length}, {opt} on the shards, {job.shards} shard(s), "
-            f"{'shared memory on one host, else ' if t.shared_memory else ''}{t.data_plane} data plane, "
-            f"device {t.device}, seed {t.seed}")
-
-
-def settings_for(job: JobConfig, *, command: list[str], modes, workers, stragglers, repeats: int,
-                 target: float | None, backup_workers: int | None, tune: dict | None = None,
-                 tune_steps: int | None = None, mode_settings: dict | None = None,
-                 script: list[str] | None = None, classes: int | None = None) -> dict:
-    info = machine()
-    info["gpu"] = gpu_name(job.train.device)
-    return {
-        "command": "psctl compare " + shlex.join(command),
-        "modes": [m.label for m in modes], "workers": list(workers), "stragglers": list(stragglers),
-        "repeats": repeats, "backup_workers": backup_workers, "target_accuracy": target,
-        "tune": tune or {}, "tune_steps": tune_steps,
-        "mode_settings": {m: [list(kv) for kv in s] for m, s in (mode_settings or {}).items()},
-        "script": script, "shards": job.shards, "classes": classes,
-        "target_source": "given" if target is not None else "auto",
-        "machine": info, "job_summary": job_summary(job), "job": job.public_dict(),
-        "title": f"psctl compare: {job.name}",
-    }
-

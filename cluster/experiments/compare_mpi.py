@@ -16,7 +16,8 @@ import sys
 from psgrid.cluster.experiments.compare import Compare, prepare, table_text, write_results
 from psgrid.cluster.errors import UsageError
 from psgrid.cluster.experiments.experiment import Run
-from psgrid.cluster.mpi.job import _wait_request, min_ranks
+from psgrid.cluster.mpi.comm import wait_request
+from psgrid.cluster.mpi.job import min_ranks
 
 
 def ranks_needed(run: Run, shards: int) -> int:
@@ -66,7 +67,7 @@ class MPICompare(Compare):
                     self.run_on(run, sub)
                 finally:
                     sub.Free()
-            _wait_request(comm.Ibarrier(), None, f"the end of run {run.id}")
+            wait_request(comm.Ibarrier(), None, f"the end of run {run.id}")
             if rank == 0:
                 self.record(run)
         if rank == 0:

@@ -15,15 +15,15 @@ import os
 import socket
 import sys
 import threading
-import time
 import traceback
 from pathlib import Path
 
 from psgrid.cluster.run import coordinator as co
 from psgrid.cluster.job.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import UsageError
-from psgrid.cluster.mpi.job import _abort
+from psgrid.cluster.mpi.comm import abort
 from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
+from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.procs import limit_blas_threads, usable_cpus
 from psgrid.psserver import files
 
@@ -33,10 +33,10 @@ TAG_RESULT = 72
 class ProgressThread:
     """Rank 0 trains too: a thread follows every rank's metrics file for the progress bar."""
 
-    def __init__(self, job: JobConfig, paths: list[Path], enabled: bool | None):
+    def __init__(self, run: JobRun, paths: list[Path], enabled: bool | None):
         self.state = co.JobState()
         self.tail = co.MetricsTail(paths)
-        self.progress = co.Progress(co.total_steps(job), enabled, desc=f"{job.name} allreduce")
+        self.progress = run.progress(enabled, mode="allreduce")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="psctl-progress", daemon=True)
         self._thread.start()
@@ -45,12 +45,11 @@ class ProgressThread:
         while not self._stop.wait(0.5):
             self.progress.update(self.state, self.state.update(self.tail.read()))
 
-    def close(self) -> co.JobState:
+    def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5.0)
         self.progress.update(self.state, self.state.update(self.tail.read()))
         self.progress.close()
-        return self.state
 
 
 def run_allreduce(job: JobConfig, comm=None, *, progress: bool | None = None, quiet: bool = False,
@@ -79,7 +78,7 @@ def run_allreduce(job: JobConfig, comm=None, *, progress: bool | None = None, qu
     except BaseException:
         print(f"psctl allreduce: rank {rank} on {socket.gethostname()} failed; aborting the job:\n"
               f"{traceback.format_exc()}", file=sys.stderr, flush=True)
-        _abort(comm)
+        abort(comm)
         raise  # not reached: Abort ends the process
 
 
@@ -90,10 +89,6 @@ def _mpi_library() -> str:
 
 
 def _run(job: JobConfig, comm, progress: bool | None, quiet: bool) -> int:
-    from psgrid.worker.allreduce import AllreduceExchange
-    from psgrid.worker.evaluate import evaluate_weights
-    from psgrid.worker.loop import build, train_loop
-
     rank, size = comm.Get_rank(), comm.Get_size()
     try:
         job = apply_overrides(job, {"workers": size})
@@ -102,8 +97,37 @@ def _run(job: JobConfig, comm, progress: bool | None, quiet: bool) -> int:
             print(f"psctl allreduce: error: {e}", file=sys.stderr, flush=True)
         return 2
     limit_blas_threads(max(1, usable_cpus() // size))
-    out, error = None, None
+    out = _shared_out(job, comm)
+    if out is None:
+        return 2
+    metrics_files = [out / "metrics" / f"worker-{r}.jsonl" for r in range(size)]
+    run = follower = None
     if rank == 0:
+        # Every rank trains; rank 0 also follows the job and writes its summary (no event log of its own).
+        run = JobRun(job, out, "allreduce", log_events=False)
+        run.start()
+        files.write_text(out / "job.toml", f"# resolved job, as run by psctl allreduce\n{job.to_toml()}")
+        if not quiet:
+            print(f"psctl allreduce: {size} worker(s), no shards; output in {out}", file=sys.stderr, flush=True)
+        follower = ProgressThread(run, metrics_files, progress)
+    exchange, result = _train(job, comm, metrics_files[rank])
+    events = co.MetricsTail([metrics_files[rank]]).read()   # rank 0 may not see this node's files
+    results = comm.gather({"result": result, "events": events}, root=0)
+    if rank != 0:
+        return 0
+    follower.close()
+    summary = _summarize(run, exchange, results)
+    if not quiet:
+        print(co.headline(summary), flush=True)
+        print(f"psctl allreduce: summary in {out / 'summary.json'}, metrics in {out / 'metrics.jsonl'}",
+              file=sys.stderr, flush=True)
+    return 0
+
+
+def _shared_out(job: JobConfig, comm) -> Path | None:
+    """The output folder, prepared by rank 0 and told to every rank (None, said by rank 0: it cannot be)."""
+    out, error = None, None
+    if comm.Get_rank() == 0:
         try:
             from psgrid.cluster.run.launch import prepare_out
 
@@ -112,50 +136,39 @@ def _run(job: JobConfig, comm, progress: bool | None, quiet: bool) -> int:
             error = str(e)
     out, error = comm.bcast((out, error), root=0)
     if error:
-        if rank == 0:
+        if comm.Get_rank() == 0:
             print(f"psctl allreduce: error: {error}", file=sys.stderr, flush=True)
-        return 2
-    out = Path(out)
-    metrics_files = [out / "metrics" / f"worker-{r}.jsonl" for r in range(size)]
-    t0 = time.monotonic()
-    follower = None
-    if rank == 0:
-        files.write_text(out / "job.toml", f"# resolved job, as run by psctl allreduce\n{job.to_toml()}")
-        if not quiet:
-            print(f"psctl allreduce: {size} worker(s), no shards; output in {out}", file=sys.stderr, flush=True)
-        follower = ProgressThread(job, metrics_files, progress)
+        return None
+    return Path(out)
 
+
+def _train(job: JobConfig, comm, metrics: Path):
+    """This rank's part of the training, gradients averaged by Allreduce; returns the exchange and the result."""
+    from psgrid.worker.allreduce import AllreduceExchange
+    from psgrid.worker.loop import build, train_loop
+
+    rank, size = comm.Get_rank(), comm.Get_size()
     train = job.train
     train.validate()
     os.environ.setdefault("LOCAL_RANK", str(rank))
     xp, device_name, data, model = build(train, rank, size)
     init = model.spec.pack(model.init_params(train.seed, train.init_scale))
     exchange = AllreduceExchange(comm, init, job.server, train.wire_dtype)
-    result = train_loop(train, exchange, rank, xp, device_name, data, model, str(metrics_files[rank]))
+    result = train_loop(train, exchange, rank, xp, device_name, data, model, str(metrics))
     result["wait_s"] = exchange.wait_s
-    events = co.MetricsTail([metrics_files[rank]]).read()   # rank 0 may not see this node's files
-    results = comm.gather({"result": result, "events": events}, root=0)
-    if rank != 0:
-        return 0
+    return exchange, result
 
-    follower.close()
+
+def _summarize(run: JobRun, exchange, results: list[dict]) -> dict:
+    """Rank 0: evaluate the final weights, write summary.json and metrics.jsonl from every rank's results."""
+    from psgrid.worker.evaluate import evaluate_weights
+
     worker_events = [e for r in results for e in r["events"]]
-    state = co.JobState()
-    state.update(worker_events)
+    run.refresh(events=worker_events)
     for r in results:
-        state.done[r["result"]["rank"]] = {"event": "done", **r["result"]}
-    evaluation = evaluate_weights(train, exchange.weights, version=exchange.clock)
-    summary = co.build_summary(
-        job, launcher="allreduce", status="ok", addresses=[], state=state, train_wall_s=None,
-        total_wall_s=time.monotonic() - t0, evaluation=evaluation, shard_stats=[], failures=[],
-        worker_exits={r: 0 for r in range(size)}, out=str(out))
-    summary.update(mode="allreduce", shards=0, ranks=size,
-                   wait_s_by_worker=[r["result"]["wait_s"] for r in sorted(results, key=lambda r: r["result"]["rank"])])
-    co.merge_metrics([worker_events], out / "metrics.jsonl")
-    co.write_json(out / "summary.json", summary)
-    if not quiet:
-        print(co.headline(summary), flush=True)
-        print(f"psctl allreduce: summary in {out / 'summary.json'}, metrics in {out / 'metrics.jsonl'}",
-              file=sys.stderr, flush=True)
-    return 0
-
+        run.state.done[r["result"]["rank"]] = {"event": "done", **r["result"]}
+    run.evaluation = evaluate_weights(run.job.train, exchange.weights, version=exchange.clock)
+    by_rank = sorted(results, key=lambda r: r["result"]["rank"])
+    return run.end(sources=[worker_events], addresses=[], worker_exits={r: 0 for r in range(len(results))},
+                   train_wall_s=None, mode="allreduce", shards=0, ranks=len(results),
+                   wait_s_by_worker=[r["result"]["wait_s"] for r in by_rank])

@@ -34,7 +34,9 @@ from psgrid.cluster.run import preflight
 from psgrid.cluster.run import script as user_script
 from psgrid.cluster.job.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import JobFailed, UsageError
+from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.interrupts import ignore_signals, received_signal, stop_on_signals
+from psgrid.cluster.mpi.comm import POLL_S, abort, wait_request
 from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
 from psgrid.cluster.mpi.placement import SERVER, WORKER, Placement, PlacementError, Role, place
 from psgrid.cluster.run.procs import limit_blas_threads, usable_cpus
@@ -42,9 +44,7 @@ from psgrid.psserver import files
 from psgrid.psserver.protocol import format_address_file
 
 TAG_DONE = 71
-POLL_S = 0.05
 LOOPBACK = "127.0.0.1"
-ABORT_GRACE_S = 0.5
 INTERRUPT_WAIT_S = 20.0
 
 
@@ -82,14 +82,6 @@ def bind_and_advertise(host: str | None, iface: str | None, single_node: bool) -
     if single_node:
         return LOOPBACK, LOOPBACK
     return "0.0.0.0", socket.gethostname()
-
-
-def _wait_request(req, timeout: float | None, what: str) -> None:
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while not req.Test():
-        if deadline is not None and time.monotonic() > deadline:
-            raise JobFailed(f"{what} did not complete within {timeout:.0f} s")
-        time.sleep(POLL_S)
 
 
 class MPIJob:
@@ -211,7 +203,7 @@ class MPIJob:
         else:
             self.train(me)
             code = 0
-        _wait_request(self.comm.Ibarrier(), None, "final barrier")
+        wait_request(self.comm.Ibarrier(), None, "final barrier")
         mpi_report.untee()
         return code
 
@@ -268,105 +260,91 @@ class MPIJob:
                                 metrics_path=str(metrics))
             # Send the events along: rank 0 may not see this node's files (no shared file system).
             message = {"result": result, "events": co.MetricsTail([metrics]).read()}
-        _wait_request(self.comm.isend(message, dest=0, tag=TAG_DONE), None, "sending results to rank 0")
+        wait_request(self.comm.isend(message, dest=0, tag=TAG_DONE), None, "sending results to rank 0")
 
     def coordinate(self) -> int:
-        from mpi4py import MPI
-
+        """Rank 0: follow the job, evaluate, stop the shards, write the summary; returns the exit code."""
         job, out = self.job, self.out
-        t0 = time.monotonic()
-        log = co.EventLog(out / "metrics" / "coordinator.jsonl")
-        log("job_start", name=job.name, mode=job.mode, shards=job.shards, workers=job.workers,
-            out=str(out), launcher="mpi", ranks=self.size)
-        log("shards_ready", addresses=self.addresses)
+        run = JobRun(job, out, "mpi", command=self.command)
+        run.start(launcher="mpi", ranks=self.size)
+        run.event("shards_ready", addresses=self.addresses)
         model = f" of {self.model}" if self.model else ""      # a script's model is its own
         print(f"psctl mpi: {self.size} ranks: coordinator on {self.hostname}, {job.shards} shard(s) at "
               f"{','.join(self.addresses)} applying {job.server.describe_optimizer()}, {job.workers} worker(s)"
               f"{model}; output in {out}", file=sys.stderr, flush=True)
-        state = co.JobState()
-        tail = co.MetricsTail(out / "metrics" / f"worker-{r}.jsonl" for r in range(job.workers))
-        worker_events: list[dict] = []
-        # ranks that raised and said so before the abort (cluster/mpi/report.py), and worker ranks whose
-        # command failed (cluster/run/script.py)
-        failures: list[dict] = []
-        received: set[int] = set()
-        status, message, evaluation, shard_stats, train_wall = "ok", None, None, [], None
-        start, last_done = time.time(), None
-        total = None if self.command else co.total_steps(job)     # a script's steps are its own
-        progress = co.Progress(total, self.progress, desc=f"{job.name} {job.mode}")
+        for r in range(job.workers):
+            run.tail.add(out / "metrics" / f"worker-{r}.jsonl")
+        received: dict[int, list[dict]] = {}      # worker rank -> the events it sent with its results
+        train_wall = None
         try:
-            try:
-                st = MPI.Status()
-                while len(received) < job.workers:
-                    while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_DONE, status=st):
-                        msg = self.comm.recv(source=st.Get_source(), tag=TAG_DONE)
-                        wrank = self.placement.roles[st.Get_source()].index
-                        received.add(wrank)
-                        last_done = time.time()
-                        worker_events.extend(msg["events"])
-                        state.update(msg["events"])
-                        if user_script.record_failure(msg, failures, log, wrank):
-                            continue
-                        state.done.setdefault(wrank, {"event": "done", **msg["result"]})
-                        log("worker_exit", rank=wrank, exit_code=0)
-                    failed = mpi_report.failures_reported(self.comm)
-                    if failed:
-                        failures.extend(failed)
-                        raise JobFailed(mpi_report.describe(failed))
-                    evals = state.update(tail.read())
-                    progress.update(state, evals)
-                    if job.timeout_s and time.monotonic() - t0 > job.timeout_s:
-                        raise JobFailed(f"training did not finish within timeout_s = {job.timeout_s:g} s")
-                    time.sleep(POLL_S * 4)
-                progress.update(state, [])
-            finally:
-                progress.close()
-            train_wall = (last_done or time.time()) - start
+            train_wall = self.collect_results(run, received)
             if self.command:
-                user_script.check_completed(failures, job.workers)
-                evaluation, shard_stats = user_script.finish(job, self.addresses, state)
-                user_script.check_joined(state, failures)
-            else:
-                evaluation, shard_stats = co.finish(job, self.addresses)
-            log("final_eval", **(evaluation or {}))
-            for s in shard_stats:
-                log("shard_stats", **s)
-        except JobFailed as e:
-            status, message = e.status, str(e)
+                user_script.check_completed(run.failures, job.workers)
+            run.finish(self.addresses)
+            if self.command:
+                user_script.check_joined(run.state, run.failures)
         except KeyboardInterrupt:       # Ctrl-C or SIGTERM: every rank heard it (see stop_interrupted)
-            status, message = "interrupted", f"stopped by {signal.Signals(received_signal()).name}"
+            run.status, run.message = "interrupted", f"stopped by {signal.Signals(received_signal()).name}"
             raise
-        except Exception as e:
-            # Evaluation, stats or shutdown failing after training: the job did not complete cleanly.
-            status, message = "failed", f"{type(e).__name__}: {e}"
+        except Exception as e:      # JobFailed, or evaluation, stats or shutdown failing after training
+            run.ended_by(e)
         finally:
-            log("job_end", status=status, message=message)
-            log.close()
-            summary = co.build_summary(
-                job, launcher="mpi", status=status, addresses=self.addresses, state=state,
-                train_wall_s=train_wall, total_wall_s=time.monotonic() - t0, evaluation=evaluation,
-                shard_stats=shard_stats, failures=failures, out=str(out), message=message,
-                worker_exits={r: next((f.get("exit_code", 1) for f in failures if f["index"] == r), 0)
-                              for r in received},
-            )
-            summary["ranks"] = self.size
-            if self.command:
-                summary["command"] = self.command
-            co.merge_metrics([out / "metrics" / "coordinator.jsonl", worker_events], out / "metrics.jsonl")
-            co.write_json(out / "summary.json", summary)
-        if status not in ("ok", "failed"):   # a mistake of the user's: every rank ended as it should
-            print(f"psctl mpi: {message} (status {status}; summary in {out / 'summary.json'})", file=sys.stderr,
-                  flush=True)
+            exits = {r: next((f.get("exit_code", 1) for f in run.failures if f["index"] == r), 0) for r in received}
+            events = [e for sent in received.values() for e in sent]
+            summary = run.end(sources=[out / "metrics" / "coordinator.jsonl", events], addresses=self.addresses,
+                              worker_exits=exits, train_wall_s=train_wall, ranks=self.size)
+        if run.status not in ("ok", "failed"):   # a mistake of the user's: every rank ended as it should
+            print(f"psctl mpi: {run.message} (status {run.status}; summary in {out / 'summary.json'})",
+                  file=sys.stderr, flush=True)
             return 1
-        if status != "ok":
-            print(f"psctl mpi: job failed: {message}; summary in {out / 'summary.json'}", file=sys.stderr,
+        if run.status != "ok":
+            print(f"psctl mpi: job failed: {run.message}; summary in {out / 'summary.json'}", file=sys.stderr,
                   flush=True)
-            _abort(self.comm)
+            abort(self.comm)
         print(co.headline(summary), flush=True)
         print(f"psctl mpi: summary in {out / 'summary.json'}, metrics in {out / 'metrics.jsonl'}",
               file=sys.stderr, flush=True)
         return 0
 
+    def collect_results(self, run: JobRun, received: dict[int, list[dict]]) -> float:
+        """Rank 0, while the workers train: their results as they arrive, the progress bar, failures.
+
+        Each worker rank sends its result and its events when done (rank 0 may not see that node's
+        files); ``received`` gathers the events by worker. Returns the training wall time; raises
+        JobFailed when a rank reported a failure or ``timeout_s`` ran out.
+        """
+        from mpi4py import MPI
+
+        job = self.job
+        start, last_done = time.time(), None
+        progress = run.progress(self.progress)
+        try:
+            st = MPI.Status()
+            while len(received) < job.workers:
+                while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_DONE, status=st):
+                    msg = self.comm.recv(source=st.Get_source(), tag=TAG_DONE)
+                    wrank = self.placement.roles[st.Get_source()].index
+                    received[wrank] = msg["events"]
+                    last_done = time.time()
+                    run.refresh(events=msg["events"])
+                    # a worker rank whose command failed (cluster/run/script.py)
+                    if user_script.record_failure(msg, run.failures, run.event, wrank):
+                        continue
+                    run.state.done.setdefault(wrank, {"event": "done", **msg["result"]})
+                    run.event("worker_exit", rank=wrank, exit_code=0)
+                # ranks that raised and said so before the abort (cluster/mpi/report.py)
+                failed = mpi_report.failures_reported(self.comm)
+                if failed:
+                    run.failures.extend(failed)
+                    raise JobFailed(mpi_report.describe(failed))
+                run.refresh(progress)
+                if job.timeout_s and time.monotonic() - run.t0 > job.timeout_s:
+                    raise JobFailed(f"training did not finish within timeout_s = {job.timeout_s:g} s")
+                time.sleep(POLL_S * 4)
+            progress.update(run.state, [])
+        finally:
+            progress.close()
+        return (last_done or time.time()) - start
 
     def stop_interrupted(self, signum: int) -> int:
         """After Ctrl-C or SIGTERM, which every rank hears: stop this rank's part and end with the others.
@@ -378,10 +356,10 @@ class MPIJob:
         """
         name = signal.Signals(signum).name
         try:    # a shard serves on until the workers have left it
-            _wait_request(self.comm.Ibarrier(), INTERRUPT_WAIT_S, f"{name}: the other ranks stopping")
+            wait_request(self.comm.Ibarrier(), INTERRUPT_WAIT_S, f"{name}: the other ranks stopping")
         except JobFailed as e:
             print(f"psctl mpi: rank {self.rank}: {e}; aborting the job", file=sys.stderr, flush=True)
-            _abort(self.comm)
+            abort(self.comm)
         if self.server is not None:
             self.server.stop(grace=0.5)
         if self.rank == 0:
@@ -389,13 +367,6 @@ class MPIJob:
             print(f"psctl mpi: {name}: stopped every rank{where}", file=sys.stderr, flush=True)
         mpi_report.untee()
         return 128 + signum
-
-
-def _abort(comm) -> None:
-    # Give mpiexec's output forwarding a moment: MPI_Abort kills every rank at once, and a message
-    # still in a pipe when that happens is lost.
-    time.sleep(ABORT_GRACE_S)
-    comm.Abort(1)
 
 
 def _prepare_out(job: JobConfig) -> Path:
@@ -436,7 +407,7 @@ def run_mpi(job: JobConfig, comm=None, *, host: str | None = None, iface: str | 
               f"{traceback.format_exc()}", file=sys.stderr, flush=True)
         if part is not None:     # rank 0 writes a partial summary, then aborts the job itself
             mpi_report.tell_coordinator(comm, rank, part.role, part.index, f"{type(e).__name__}: {e}")
-        _abort(comm)
+        abort(comm)
         raise  # not reached: Abort ends the process
     finally:
         for sig, handler in old.items():

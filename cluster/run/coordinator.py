@@ -105,7 +105,7 @@ class JobState:
                 self.steps_done[rank] = max(self.steps_done.get(rank, 0), n)
                 if isinstance(e.get("samples"), int):
                     self.samples[rank] = self.samples.get(rank, 0) + e["samples"]
-                if _finite(e.get("loss")):
+                if finite(e.get("loss")):
                     self.loss[rank] = float(e["loss"])
             elif kind == "eval":
                 self.last_eval = e
@@ -113,7 +113,7 @@ class JobState:
                 before = self.rank_evals.get(rank, {}).get("step", -1) if isinstance(rank, int) else None
                 if before is not None and isinstance(e.get("step"), int) and e["step"] >= before:
                     self.rank_evals[rank] = e
-            elif kind == "start" and _finite(e.get("time")):
+            elif kind == "start" and finite(e.get("time")):
                 self.first_start = min(self.first_start or e["time"], e["time"])
                 if isinstance(rank, int):
                     self.started.add(rank)
@@ -121,7 +121,7 @@ class JobState:
                         self.first_step[rank] = e["first_step"]
             elif kind == "done" and isinstance(rank, int):
                 self.done[rank] = e
-                if _finite(e.get("time")):
+                if finite(e.get("time")):
                     self.last_done = max(self.last_done or e["time"], e["time"])
         return evals
 
@@ -172,13 +172,14 @@ class JobState:
         """
         found = {}
         for key in ("test_accuracy", "train_accuracy", "test_loss"):
-            values = [e[key] for e in self.rank_evals.values() if _finite(e.get(key))]
+            values = [e[key] for e in self.rank_evals.values() if finite(e.get(key))]
             if values:
                 found[key] = sum(values) / len(values)
         return found
 
 
-def _finite(x: Any) -> bool:
+def finite(x: Any) -> bool:
+    """Whether ``x`` is a real number, neither NaN nor infinite (a JSON record's field may be anything)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -221,7 +222,7 @@ class Progress:
         total = f"/{self.total}" if self.total else ""
         acc, loss = e.get("test_accuracy"), state.mean_loss
         parts = [f"[{state.steps}{total} steps] worker {e.get('rank', 0)} step {e.get('step', '?')}:"]
-        if _finite(acc):
+        if finite(acc):
             parts.append(f"test accuracy {acc:.4f}")
         if loss is not None:
             parts.append(f"(mean training loss {loss:.4f})")
@@ -290,10 +291,11 @@ def finish(job: JobConfig, addresses: list[str], *, evaluate: bool = True) -> tu
             call_with_timeout(lambda: admin.shutdown(job.server.job_id or ""), 30.0, "shard shutdown")
         finally:
             admin.close()
-    return evaluation, [_shard_summary(s) for s in stats]
+    return evaluation, [shard_summary(s) for s in stats]
 
 
-def _shard_summary(stats: dict) -> dict:
+def shard_summary(stats: dict) -> dict:
+    """The counters of one shard's ``Admin.stats`` that summary.json keeps, and its number of members."""
     out = {k: stats[k] for k in SHARD_FIELDS if k in stats}
     out["members"] = len(stats.get("members", []))
     return out
@@ -328,7 +330,7 @@ def merge_metrics(sources: Iterable[str | Path | list[dict]], out: str | Path) -
                 events.extend(e for e in (_parse(line) for line in f) if e is not None)
         except FileNotFoundError:
             continue
-    events.sort(key=lambda e: e.get("time", 0.0) if _finite(e.get("time")) else 0.0)
+    events.sort(key=lambda e: e.get("time", 0.0) if finite(e.get("time")) else 0.0)
     with files.open_new(out, "w") as f:
         for e in events:
             f.write(json.dumps(e, default=_jsonable) + "\n")
@@ -392,7 +394,7 @@ def build_summary(
             "warmup_s": d.get("warmup_s", 0.0),    # compiling GPU kernels before joining: not in wall_s
             "device": d.get("device"),              # cpu, or cuda:N
         })
-    losses = [w["final_loss"] for w in workers if _finite(w["final_loss"])]
+    losses = [w["final_loss"] for w in workers if finite(w["final_loss"])]
     evaluation = evaluation or {}
     return {
         "name": job.name,
@@ -432,7 +434,7 @@ def build_summary(
 def headline(summary: dict) -> str:
     """One line for the terminal: mode, steps, time, throughput, accuracies."""
     def f(x, spec):
-        return format(x, spec) if _finite(x) else "n/a"
+        return format(x, spec) if finite(x) else "n/a"
 
     return (f"{summary['name']} ({summary['mode']}, {_n(summary['shards'], 'shard')}, "
             f"{_n(summary['workers'], 'worker')}): "

@@ -37,6 +37,7 @@ from psgrid.cluster.run.interrupts import (Interrupted, check_interrupted, defer
                                         listen_for_interrupts)
 from psgrid.cluster.job.memory import footprint
 from psgrid.cluster.job.outdir import lock, release
+from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 from psgrid.cluster.run.watch import ShardWatch
 from psgrid.psserver import files
@@ -58,7 +59,8 @@ class Launcher:
     """Runs one job; :meth:`run` returns the summary or raises JobFailed / Interrupted after cleaning up."""
 
     def __init__(self, job: JobConfig, out: Path, progress: bool | None = None, *, bar=None,
-                 quiet: bool = False, resumed: list[dict] | None = None, command: list[str] | None = None):
+                 quiet: bool = False, resumed: list[dict] | None = None, command: list[str] | None = None,
+                 launcher: str = "launch"):
         job = credentials.secure(job)     # a token and a job id of its own, unless the job gives them
         self.job = job
         self.resumed = resumed     # where each shard's checkpoint stood, when this run resumes a job
@@ -72,14 +74,14 @@ class Launcher:
         self.workers: list[Child] = []
         self.addresses: list[str] = []
         self.metrics_at: list[str] = []     # host:port of each shard's Prometheus metrics, where served
-        self.failures: list[dict] = []
         self.restarts: list[dict] = []     # shards started again (restart_failed)
         self.watch: ShardWatch | None = None
         self.started_at: dict[int, float] = {}    # rank -> when its "start" event was seen
         self.why: dict[str, str] = {}             # child name -> what the launcher did to it, and why
-        self.state = co.JobState()
-        self.tail = co.MetricsTail()
-        self.log = co.EventLog(out / "metrics" / "coordinator.jsonl")
+        # What the job's coordinator records: its events, the workers' progress, failures, the summary.
+        self.jobrun = JobRun(job, out, launcher, command=command)
+        self.state = self.jobrun.state
+        self.failures = self.jobrun.failures
         if job.server.checkpoint_dir:    # absolute, so a resume from another folder finds the checkpoints
             job.server.checkpoint_dir = str(Path(job.server.checkpoint_dir).resolve())
         self.job_file = out / "job.toml"
@@ -118,7 +120,7 @@ class Launcher:
         ports = [parse_metrics_port(t) for t in texts]
         # metrics_port = 0 asks for any free port: say which each shard bound
         self.metrics_at = [f"{a.rpartition(':')[0]}:{p}" for a, p in zip(self.addresses, ports) if p is not None]
-        self.log("shards_ready", addresses=self.addresses, pids=[s.pid for s in self.shards])
+        self.jobrun.event("shards_ready", addresses=self.addresses, pids=[s.pid for s in self.shards])
         from psgrid.worker.loop import make_admin
 
         self.watch = ShardWatch(lambda: make_admin(job.train, self.addresses, deadline_s=10.0, retry_s=2.0)).start()
@@ -137,8 +139,8 @@ class Launcher:
                 env = dict(self.worker_env, LOCAL_RANK=str(rank))
             with deferred_signals():
                 self.workers.append(Child(f"worker {rank}", argv, self.out / "logs" / f"worker-{rank}.log", env))
-            self.tail.add(metrics)
-        self.log("workers_started", pids=[w.pid for w in self.workers])
+            self.jobrun.tail.add(metrics)
+        self.jobrun.event("workers_started", pids=[w.pid for w in self.workers])
         if self.command:
             self.relay = user_script.OutputRelay({rank: w.log_path for rank, w in enumerate(self.workers)})
 
@@ -146,13 +148,11 @@ class Launcher:
         """Wait for every worker to end, feeding the progress bar; returns the training wall time."""
         job = self.job
         start = time.monotonic()
-        total = None if self.command else co.total_steps(job)     # a script's steps are its own
-        progress = self.bar or co.Progress(total, self.progress_enabled, desc=f"{job.name} {job.mode}")
+        progress = self.bar or self.jobrun.progress(self.progress_enabled)
         reported: set[int] = set()
         try:
             while True:
-                evals = self.state.update(self.tail.read())
-                progress.update(self.state, evals)
+                self.jobrun.refresh(progress)
                 if self.relay:
                     self.relay.pump()
                 self._check_shards()
@@ -162,7 +162,7 @@ class Launcher:
                         self._stop_if_evicted(rank, w, progress)
                     elif rank not in reported:
                         reported.add(rank)
-                        self.log("worker_exit", rank=rank, exit_code=code)
+                        self.jobrun.event("worker_exit", rank=rank, exit_code=code)
                         if code == 0 and self.command:    # completed, with or without psgrid.init's records
                             self.state.done.setdefault(rank, {"event": "done", "rank": rank})
                         joined = rank in self.state.started
@@ -181,8 +181,8 @@ class Launcher:
                     raise JobFailed(f"training did not finish within timeout_s = {job.timeout_s:g} s")
                 check_interrupted()
                 time.sleep(POLL_S)
-            self.state.update(self.tail.read())
-            progress.update(self.state, [])
+            self.jobrun.refresh()
+            progress.update(self.state, [])     # the last evaluations were said by the workers' own lines
         finally:
             if self.relay:
                 self.relay.pump(final=True)
@@ -210,7 +210,7 @@ class Launcher:
         self.why[worker.name] = (f"{worker.name} was evicted by the shards (no push for progress_timeout_s = "
                                  f"{self.job.server.progress_timeout_s:g} s while the others waited on it, or no "
                                  f"heartbeat for lease_s) and did not come back in {absent:.0f} s: stopped it")
-        self.log("worker_stopped", rank=rank, reason=self.why[worker.name])
+        self.jobrun.event("worker_stopped", rank=rank, reason=self.why[worker.name])
         stop_children([worker], STOP_GRACE_S)
 
     def _check_shards(self) -> None:
@@ -240,7 +240,7 @@ class Launcher:
         self.failures.append({"name": dead.name, "role": "server", "index": i, "pid": dead.pid,
                               "exit_code": dead.returncode, "tolerated": True, "restarted": True,
                               "log": str(dead.log_path), "tail": dead.tail(10)})
-        self.log("shard_restart", **restart)
+        self.jobrun.event("shard_restart", **restart)
         n = sum(r["name"] == dead.name for r in self.restarts)
         print(f"psctl launch: {dead.name} {dead.describe_exit()}; restarting it on {self.addresses[i]} from its "
               f"checkpoint at version {restart['checkpoint_version']} (restart {n} of {self.job.max_restarts})",
@@ -263,20 +263,32 @@ class Launcher:
             s.wait(deadline - time.monotonic())
         stop_children(self.shards, STOP_GRACE_S)
 
-    def stop_all(self) -> None:
+    def stop_watching(self) -> None:
+        """Stop reading the shards' members (before they are asked to stop)."""
         if self.watch is not None:
             self.watch.close()
+
+    def stop_workers(self) -> None:
+        stop_children(self.workers, STOP_GRACE_S)
+
+    def stop_all(self) -> None:
+        self.stop_watching()
         stop_children(self.workers + self.shards, STOP_GRACE_S)
+
+    def worker_exits(self) -> dict[int, int | None]:
+        """Each worker's exit code, by rank (None: still running)."""
+        return {rank: w.returncode for rank, w in enumerate(self.workers)}
+
+    def last_shard_stats(self) -> list[dict]:
+        """Every shard's counters as last read while the job trained (none read: [])."""
+        return [co.shard_summary(s) for s in self.watch.last_stats] if self.watch is not None else []
 
     # -- the whole job -----------------------------------------------------------------------
 
     def run(self) -> dict:
-        t0 = time.monotonic()
-        job = self.job
-        self.log("job_start", name=job.name, mode=job.mode, shards=job.shards, workers=job.workers,
-                 out=str(self.out))
-        status, message = "ok", None
-        evaluation, shard_stats, train_wall = None, [], None
+        job, jobrun = self.job, self.jobrun
+        jobrun.start()
+        train_wall = None
         try:
             check_interrupted()      # a Ctrl-C heard before the launcher listened (cluster/run/interrupts.py)
             self.start_shards()
@@ -288,44 +300,24 @@ class Launcher:
                       f"{self.out / 'logs'}", file=sys.stderr, flush=True)
             self.start_workers()
             train_wall = self.follow()
-            self.watch.close()
+            self.stop_watching()
+            jobrun.finish(self.addresses)
             if self.command:
-                evaluation, shard_stats = user_script.finish(job, self.addresses, self.state)
                 user_script.check_joined(self.state, self.failures)
-            else:
-                evaluation, shard_stats = co.finish(job, self.addresses)
-            self.log("final_eval", **(evaluation or {}))
-            for s in shard_stats:
-                self.log("shard_stats", **s)
             self.wait_shards()
-        except JobFailed as e:
-            status, message = e.status, str(e)
-            raise
-        except Interrupted as e:
-            status, message = "interrupted", f"stopped by {e}"
+        except (JobFailed, Interrupted) as e:
+            jobrun.ended_by(e)
             raise
         except Exception as e:
-            # Evaluation, stats or shutdown failing after training: the job did not complete cleanly.
-            status, message = "failed", f"{type(e).__name__}: {e}"
-            raise JobFailed(message) from e
+            jobrun.ended_by(e)
+            raise JobFailed(jobrun.message) from e
         finally:
             ignore_signals()
             self.stop_all()
-            if not shard_stats and self.watch is not None:      # stopped or failed: the counters last seen
-                shard_stats = [co._shard_summary(s) for s in self.watch.last_stats]
-            exits = {rank: w.returncode for rank, w in enumerate(self.workers)}
-            self.log("job_end", status=status, message=message)
-            self.log.close()
-            summary = co.build_summary(
-                job, launcher="launch", status=status, addresses=self.addresses, state=self.state,
-                train_wall_s=train_wall, total_wall_s=time.monotonic() - t0, evaluation=evaluation,
-                shard_stats=shard_stats, failures=self.failures, worker_exits=exits, out=str(self.out),
-                message=message, restarts=self.restarts, resumed=self.resumed,
-            )
-            if self.command:
-                summary["command"] = self.command
-            co.merge_metrics(sorted((self.out / "metrics").glob("*.jsonl")), self.out / "metrics.jsonl")
-            co.write_json(self.out / "summary.json", summary)
+            if not jobrun.shard_stats:      # stopped or failed: the counters last seen
+                jobrun.shard_stats = self.last_shard_stats()
+            summary = jobrun.end(addresses=self.addresses, worker_exits=self.worker_exits(), train_wall_s=train_wall,
+                                 restarts=self.restarts, resumed=self.resumed)
             release(self.out)       # the job is over: the folder may be taken again
         return summary
 

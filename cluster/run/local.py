@@ -25,7 +25,6 @@ import shutil
 import sys
 import tempfile
 import threading
-import time
 import weakref
 from pathlib import Path
 
@@ -35,7 +34,6 @@ from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
 from psgrid.cluster.errors import ConfigError
 from psgrid.cluster.run.launch import Launcher, prepare_out
 from psgrid.cluster.job.outdir import release
-from psgrid.cluster.run.procs import stop_children
 from psgrid.psserver import files
 
 
@@ -80,19 +78,18 @@ class LocalCluster:
             out_dir = prepare_out(job)
         self.out = out_dir
         self.command = user_script.resolve_command(command) if command is not None else None
-        self._launcher = Launcher(job, out_dir, progress, quiet=True, command=self.command,
+        self._launcher = Launcher(job, out_dir, progress, quiet=True, command=self.command, launcher="local",
                                   bar=None if progress else _NoBar())
+        self._run = self._launcher.jobrun      # its events, the workers' progress, its summary
         self.job = self._launcher.job          # with its token and job id
         self._background = workers
         self._thread: threading.Thread | None = None
         self._outcome: dict = {}
         self._summary: dict | None = None
-        self._t0 = time.monotonic()
         launcher = self._launcher
         # Stops the processes of a cluster nobody closed, when it is collected or at interpreter exit.
         self._finalizer = weakref.finalize(self, _stop, launcher, out_dir, self._temporary)
-        launcher.log("job_start", name=self.job.name, mode=self.job.mode, shards=self.job.shards,
-                     workers=self.job.workers, out=str(out_dir), launcher="local")
+        self._run.start(launcher="local")
         try:
             launcher.start_shards()
             if workers:
@@ -131,7 +128,7 @@ class LocalCluster:
 
         options.setdefault("token", self.token)
         metrics = self.out / "metrics" / f"worker-{rank}.jsonl"
-        self._launcher.tail.add(metrics)       # its records make the summary
+        self._run.tail.add(metrics)       # its records make the summary
         return init(params, addresses=self.addresses, rank=rank, world=world or self.job.workers,
                     metrics=str(metrics), job_file=str(self.out / "job.toml"), **options)
 
@@ -155,9 +152,8 @@ class LocalCluster:
         """What summary.json says: the final one once closed, else the job so far (``status`` "running")."""
         if self._summary is not None:
             return self._summary
-        launcher = self._launcher
-        launcher.state.update(launcher.tail.read())
-        return self._build("running", None, self._stats_or_none(), None)
+        self._run.refresh()
+        return self._build(status="running", shard_stats=self._stats_or_none())
 
     # ----- closing ----------------------------------------------------------------------------------
 
@@ -169,43 +165,35 @@ class LocalCluster:
         """:meth:`close`; ``error`` ended the ``with`` block, and so the job (interrupted or failed)."""
         if self._summary is not None:
             return self._summary
-        launcher = self._launcher
-        status, message, evaluation, shard_stats = "ok", None, None, []
+        launcher, run = self._launcher, self._run
         if isinstance(error, KeyboardInterrupt):
-            status, message = "interrupted", "KeyboardInterrupt inside the with block"
+            run.status, run.message = "interrupted", "KeyboardInterrupt inside the with block"
         elif error is not None:
-            status, message = "failed", f"{type(error).__name__} inside the with block: {error}"
+            run.status, run.message = "failed", f"{type(error).__name__} inside the with block: {error}"
         try:
             if self._thread is not None and self._thread.is_alive():
-                if status == "ok":
-                    status, message = "interrupted", "closed while its workers were training"
-                stop_children(launcher.workers)
+                if run.status == "ok":
+                    run.status, run.message = "interrupted", "closed while its workers were training"
+                launcher.stop_workers()
                 self._thread.join(30)
-            if "error" in self._outcome and status == "ok":
-                status, message = "failed", str(self._outcome["error"])
-            if launcher.watch is not None:
-                launcher.watch.close()
-            launcher.state.update(launcher.tail.read())
-            if self.command or not self._background:
-                evaluation, shard_stats = user_script.finish(self.job, self.addresses, launcher.state)
-            else:
-                evaluation, shard_stats = co.finish(self.job, self.addresses, evaluate=status == "ok")
+            if "error" in self._outcome and run.status == "ok":
+                run.status, run.message = "failed", str(self._outcome["error"])
+            launcher.stop_watching()
+            run.refresh()
+            # Without background workers the program's own sessions trained: their evaluations are the job's.
+            run.finish(self.addresses, evaluate=run.status == "ok", workers_evaluate=not self._background)
             launcher.wait_shards()
         except Exception as exc:
-            status, message = "failed", f"{type(exc).__name__}: {exc}"
+            run.ended_by(exc)
             raise
         finally:
             launcher.stop_all()
-            launcher.log("job_end", status=status, message=message)
-            launcher.log.close()
-            self._summary = self._build(status, message, shard_stats, evaluation)
-            co.merge_metrics(sorted((self.out / "metrics").glob("*.jsonl")), self.out / "metrics.jsonl")
-            co.write_json(self.out / "summary.json", self._summary)
+            self._summary = run.end(**self._summary_fields())
             self._finalizer()
         if error is not None:
             kept = "" if self._temporary else f"; summary in {self.out / 'summary.json'}"
-            print(f"psgrid.LocalCluster: {message}: stopped its processes, job {status}{kept}", file=sys.stderr,
-                  flush=True)
+            print(f"psgrid.LocalCluster: {run.message}: stopped its processes, job {run.status}{kept}",
+                  file=sys.stderr, flush=True)
         return self._summary
 
     def __enter__(self) -> "LocalCluster":
@@ -228,22 +216,16 @@ class LocalCluster:
 
     def _stats_or_none(self) -> list[dict]:
         try:
-            return [co._shard_summary(s) for s in self.stats()]
+            return [co.shard_summary(s) for s in self.stats()]
         except Exception:  # noqa: BLE001 - a live summary without counters is still a summary
             return []
 
-    def _build(self, status: str, message: str | None, shard_stats: list[dict], evaluation: dict | None) -> dict:
-        launcher = self._launcher
-        exits = {rank: w.returncode for rank, w in enumerate(launcher.workers)}
-        summary = co.build_summary(
-            self.job, launcher="local", status=status, addresses=self.addresses, state=launcher.state,
-            train_wall_s=self._outcome.get("train_wall_s"), total_wall_s=time.monotonic() - self._t0,
-            evaluation=evaluation, shard_stats=shard_stats, failures=launcher.failures, worker_exits=exits,
-            out=str(self.out), message=message,
-        )
-        if self.command:
-            summary["command"] = self.command
-        return summary
+    def _summary_fields(self) -> dict:
+        return {"addresses": self.addresses, "worker_exits": self._launcher.worker_exits(),
+                "train_wall_s": self._outcome.get("train_wall_s")}
+
+    def _build(self, **fields) -> dict:
+        return self._run.summary(**self._summary_fields(), **fields)
 
 
 def _with_settings(job: JobConfig, settings: dict) -> JobConfig:
@@ -276,7 +258,7 @@ class _NoBar:
 def _stop(launcher: Launcher, out: Path, temporary: bool) -> None:
     """Stop every process and thread a cluster started and remove its temporary folder (also for one never closed)."""
     launcher.stop_all()
-    launcher.log.close()
+    launcher.jobrun.close()
     release(out)
     if temporary:
         shutil.rmtree(out, ignore_errors=True)

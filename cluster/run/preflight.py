@@ -26,12 +26,11 @@ from typing import Mapping
 from psgrid.cluster.errors import ConfigError, UsageError
 from psgrid.psserver.client.reach import REACH_WAIT_S, probe
 
-ACTIVATIONS = ("relu", "sigmoid")
 IMAGE_DATASETS = ("mnist5k", "digits")
 
 
 # What this process's command line set, by job-file key ({"device": "--device"}), for checks made far from it
-# (a worker rank of psctl mpi): filled by the command that parsed the flags (cluster/commands/_common.py).
+# (a worker rank of psctl mpi): filled by the command that parsed the flags (cluster/commands/common.py).
 command_line: dict[str, str] = {}
 
 
@@ -85,6 +84,7 @@ def check_job(job, flags: Mapping[str, str] | None = None, *, starts_shards: boo
     """
     from psgrid.worker.data import DATASETS
     from psgrid.worker.models import MODELS
+    from psgrid.worker.models.mlp import ACTIVATIONS
 
     name = Names(flags, job.source)
     t = job.train

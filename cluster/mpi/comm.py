@@ -1,0 +1,34 @@
+"""Waiting on MPI without spinning a core, and ending a whole MPI job.
+
+A blocking MPICH call spins a core while it waits; on a small machine the waiting ranks would take
+the CPU the workers train on. So the ranks that wait poll a non-blocking request with a sleep.
+"""
+
+from __future__ import annotations
+
+import time
+
+from psgrid.cluster.errors import JobFailed
+
+POLL_S = 0.05
+ABORT_GRACE_S = 0.5
+
+
+def wait_request(req, timeout: float | None, what: str) -> None:
+    """Wait for a non-blocking MPI request (``Ibarrier``, ``isend``), polling with a sleep.
+
+    Raises JobFailed naming ``what`` if it has not completed within ``timeout`` seconds (None: no limit).
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not req.Test():
+        if deadline is not None and time.monotonic() > deadline:
+            raise JobFailed(f"{what} did not complete within {timeout:.0f} s")
+        time.sleep(POLL_S)
+
+
+def abort(comm) -> None:
+    """End every rank of ``comm``'s job (``MPI_Abort``), after letting the last messages out."""
+    # Give mpiexec's output forwarding a moment: MPI_Abort kills every rank at once, and a message
+    # still in a pipe when that happens is lost.
+    time.sleep(ABORT_GRACE_S)
+    comm.Abort(1)
