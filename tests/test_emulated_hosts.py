@@ -97,3 +97,29 @@ def test_nothing_left_after_ctrl_c(tmp_path):
     while network.leftovers(prefix, tag) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert network.leftovers(prefix, tag) == []
+
+
+def test_host_aggregation_in_sync_gives_the_plain_runs_weights(tmp_path):
+    """2 hosts x 2 workers: with aggregate = "host" each host pushes its workers' mean once per step."""
+    import dataclasses
+
+    import numpy as np
+
+    job = small_job()
+    job = dataclasses.replace(job, workers=4, train=dataclasses.replace(job.train, steps=30, eval_every=0))
+    runs = {}
+    with EmulatedNetwork(2, RATE) as net:
+        for aggregate in ("none", "host"):
+            out = tmp_path / aggregate
+            run_job = dataclasses.replace(job, train=dataclasses.replace(job.train, aggregate=aggregate))
+            emulated = EmulatedJob(net, run_job, out)
+            runs[aggregate] = emulated.run(timeout_s=90, weights_to=out / "weights.npy"), np.load(out / "weights.npy")
+    (plain, plain_w), (host, host_w) = runs["none"], runs["host"]
+    np.testing.assert_allclose(host_w, plain_w, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(plain_w, 0)
+    # The shards saw one worker per host, and every worker made all its steps.
+    assert {s["worker"] for s in host.starts} == {0, 1}
+    assert [w["steps"] for w in host.workers] == [30] * 4
+    # Half the pulls and pushes cross the links: 2 workers per host share one.
+    assert host.bytes_per_step < 0.7 * plain.bytes_per_step
+    assert_nothing_left(net)

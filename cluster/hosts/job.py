@@ -15,6 +15,7 @@ and interruption alike, before the network is removed.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,8 +95,11 @@ class EmulatedJob:
         self.out = Path(out)
         self.children: list[Child] = []
 
-    def run(self, timeout_s: float = 120.0) -> EmulatedResult:
-        """Start the shards, then the workers; wait for the workers to end (at most ``timeout_s``); stop all."""
+    def run(self, timeout_s: float = 120.0, *, weights_to: str | Path | None = None) -> EmulatedResult:
+        """Start the shards, then the workers; wait for the workers to end (at most ``timeout_s``); stop all.
+
+        ``weights_to``: save the shards' final weights there (``.npy``), read from inside host 0.
+        """
         deadline = time.monotonic() + timeout_s
         try:
             job_file = self._write_job()
@@ -104,9 +108,17 @@ class EmulatedJob:
             workers = self._start_workers(job_file, addresses)
             self._wait(workers, deadline)
             after = self.network.counters()
+            if weights_to is not None:
+                self._save_weights(job_file, addresses, Path(weights_to), deadline)
             return self._result(before, after)
         finally:
             stop_children(self.children, STOP_GRACE_S)
+
+    def _save_weights(self, job_file: Path, addresses: list[str], path: Path, deadline: float) -> None:
+        argv = [sys.executable, "-c", "import sys; from psgrid.cluster.hosts.observe import main; sys.exit(main())",
+                "--config", str(job_file), "--addresses", ",".join(addresses), "--out", str(path)]
+        observer = self._child("observer", 0, argv, child_env(credentials.child_env(self.job)))
+        self._wait([observer], deadline)
 
     def _write_job(self) -> Path:
         files.make_dirs(self.out / "addr")
