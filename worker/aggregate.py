@@ -14,7 +14,7 @@ Only the leader talks to the shards, so a host's link carries one pull and one p
 instead of L. In sync the shards average H host means of L gradients each: the mean of all W, as
 without aggregation (up to the order of float32 additions). In async and ssp a host's push is one
 update carrying the mean of its workers' gradients, its staleness and clock are the host's, and the
-workers of one host stay in step with each other (docs/consistency.md).
+workers of one host stay in step with each other (docs/architecture.md, "Per-host aggregation").
 
 The signals travel on an abstract Unix socket (per network namespace, like the shards' own
 shared-memory plane) whose peers must be this user (``SO_PEERCRED``); the shared memory is a
