@@ -9,6 +9,7 @@ import pytest
 
 from psgrid.psserver.protocol import Outcome
 from psgrid.psserver.spec import ModelSpec
+from psgrid.cluster.mpi.placement import COORDINATOR, SERVER, WORKER, host_group, place
 from psgrid.worker.aggregate import HostGroup, host_exchange, rendezvous_name
 
 SPEC = ModelSpec([("w", (50,))])
@@ -39,7 +40,7 @@ def run_threads(targets) -> None:
 
 
 def test_group_of_a_rank():
-    assert HostGroup.of(5, 8, local_size=4) == HostGroup(host=1, hosts=2, local=1, size=4)
+    assert HostGroup.of(5, 8, local_size=4) == HostGroup(host=1, hosts=2, local=1, size=4, world=8)
     with pytest.raises(ValueError, match="same number of workers"):
         HostGroup.of(0, 6, local_size=4)
     with pytest.raises(ValueError, match="consecutive ranks"):
@@ -77,3 +78,54 @@ def test_one_host_push_carries_the_mean_of_its_workers(cluster):
     np.testing.assert_allclose(weights["host"], weights["none"], rtol=1e-5, atol=1e-6)
     # Aggregated, the one push of the host closes each round: both workers hear it was applied.
     assert all(o == {Outcome.APPLIED} for o in outcomes["host"]) and len(outcomes["host"]) == 2 * STEPS
+
+
+def test_sync_weights_hosts_of_different_sizes_by_their_workers():
+    """Hosts of 1 and 3 workers: in sync each host's push is scaled so that the shards' mean of the 2 pushes is
+    the mean of the 4 gradients; in async a push carries its host's mean."""
+    small, large = HostGroup(0, 2, 0, 1, world=4), HostGroup(1, 2, 0, 3, world=4)
+    grads = [np.float32(g) for g in (1.0, 2.0, 3.0, 6.0)]
+    pushes = [small.scale("sync") * grads[0], large.scale("sync") * sum(grads[1:])]
+    assert np.mean(pushes) == pytest.approx(np.mean(grads))
+    assert large.scale("async") == pytest.approx(1 / 3) and small.scale("async") == 1.0
+    assert HostGroup.of(2, 4, local_size=2).scale("sync") == HostGroup.of(2, 4, local_size=2).scale("async") == 0.5
+
+
+def test_psctl_mpi_gives_each_node_one_aggregator_by_local_rank():
+    # 7 ranks on 2 nodes: rank 0 coordinates, rank 1 serves a shard, ranks 2-3 and 4-6 are the workers.
+    placement = place(["a"] * 4 + ["b"] * 3, [[]] * 7, 1, device="cpu")
+    kinds = [role.kind for role in placement.roles]
+    assert kinds == [COORDINATOR, SERVER] + [WORKER] * 5
+    groups = {rank: HostGroup(*host_group(placement, rank)) for rank in range(2, 7)}
+    assert [g.host for g in groups.values()] == [0, 0, 1, 1, 1]
+    assert [rank for rank, g in groups.items() if g.local == 0] == [2, 4]      # one aggregator per node
+    assert {(g.hosts, g.size, g.world) for r, g in groups.items() if r < 4} == {(2, 2, 5)}
+    assert {(g.hosts, g.size, g.world) for r, g in groups.items() if r >= 4} == {(2, 3, 5)}
+    with pytest.raises(ValueError, match="not a worker"):
+        host_group(placement, 1)
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_psctl_mpi_with_host_aggregation_trains_as_the_plain_run(tmp_path):
+    """5 ranks on this node: 3 workers, one aggregator; sync ends where the plain run ends."""
+    import json
+
+    from tests.support import run_mpiexec
+
+    runs = {}
+    for aggregate in ("none", "host"):
+        out = tmp_path / aggregate
+        code, _, err, _ = run_mpiexec(5, ["-m", "psgrid.cluster.cli", "mpi", "--config", "mnist", "--shards", "1",
+                                          "--steps", "30", "--set", "train.dataset=digits", "--set",
+                                          "train.model=softmax", "--set", f"train.aggregate={aggregate}",
+                                          "--out", str(out)], timeout=200)
+        assert code == 0, err
+        events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        starts = {e["rank"]: e for e in events if e.get("event") == "start"}
+        runs[aggregate] = json.loads((out / "summary.json").read_text()), starts
+    (plain, _), (host, starts) = runs["none"], runs["host"]
+    assert host["steps"] == plain["steps"] == 90
+    assert host["test_accuracy"] == pytest.approx(plain["test_accuracy"], abs=1e-6)
+    assert {r: s["worker"] for r, s in starts.items()} == {0: 0, 1: 0, 2: 0}       # one client of the shards
+    assert [starts[r]["data_planes"] for r in (1, 2)] == [["host"], ["host"]]

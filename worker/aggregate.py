@@ -1,14 +1,15 @@
 """Per-host aggregation (``aggregate = "host"``): the workers of one host push once, as BytePS and ps-lite do.
 
-The workers of a host (local ranks 0..L-1, with consecutive global ranks: host h holds ranks
-hL..hL+L-1) share one anonymous shared-memory file made by local rank 0, the host's *leader*:
+The workers of a host (local ranks 0..L-1; under ``psctl launch`` and on emulated hosts they have
+consecutive global ranks, host h holding ranks hL..hL+L-1; ``psctl mpi`` groups them by node) share one anonymous shared-memory file made by local rank 0, the host's *leader*:
 a slot for the weights and one for each other worker's gradient. Each step
 
 1. the leader pulls from the shards into the weights slot and tells the others; each copies them;
 2. every worker computes its gradient; the others write theirs into their slots and say so;
 3. the leader sums the L gradients in local-rank order, multiplies by 1/L and pushes that mean
-   as one update of worker ``h`` (the shards see H = W/L workers); it tells the others the
-   shards' answers, and the next step begins.
+   as one update of worker ``h`` (the shards see H workers, one per host); it tells the others the
+   shards' answers, and the next step begins. (In sync, with hosts of different sizes, it multiplies
+   by H/W instead, so that the shards' mean of the H pushes is the mean of all W gradients.)
 
 Only the leader talks to the shards, so a host's link carries one pull and one push per step
 instead of L. In sync the shards average H host means of L gradients each: the mean of all W, as
@@ -50,12 +51,21 @@ class AggregationError(RuntimeError):
 
 @dataclass(frozen=True)
 class HostGroup:
-    """Where a worker stands among the job's hosts: host ``host`` of ``hosts``, local rank ``local`` of ``size``."""
+    """Where a worker stands among the job's hosts: host ``host`` of ``hosts``, local rank ``local`` of ``size``,
+    ``world`` workers in all (``psctl mpi`` may put more workers on one node than on another)."""
 
     host: int
     hosts: int
     local: int
     size: int
+    world: int = 0          # 0: hosts x size (every host the same size)
+
+    def scale(self, mode: str) -> float:
+        """What the leader multiplies its host's sum by: 1/size, the mean of its workers' gradients. In sync,
+        hosts/world, so that the shards' mean over the hosts' pushes is the mean over all workers even where
+        hosts differ in size (the same number where they do not)."""
+        world = self.world or self.hosts * self.size
+        return self.hosts / world if mode == "sync" else 1.0 / self.size
 
     @classmethod
     def of(cls, rank: int, world: int, local_rank: int | None = None, local_size: int | None = None) -> "HostGroup":
@@ -71,7 +81,7 @@ class HostGroup:
         if local_rank is not None and local_rank != local:
             raise ValueError(f"aggregate = 'host' needs the workers of one host to have consecutive ranks: rank "
                              f"{rank} of hosts of {size} should have local rank {local}, it has {local_rank}")
-        return cls(rank // size, world // size, local, size)
+        return cls(rank // size, world // size, local, size, world)
 
 
 def _local_size_from_env(world: int) -> int:
@@ -240,7 +250,7 @@ class HostLeader:
         np.copyto(total, grad)
         for slot in self.slots:                     # in local-rank order: the same sum every run
             np.add(total, slot, out=total)
-        np.multiply(total, np.float32(1.0 / self.group.size), out=total)
+        np.multiply(total, np.float32(self.group.scale(self.mode)), out=total)
         results = self.client.push(total).wait()
         answer = {"op": "pushed", "clock": self.clock,
                   "results": [[int(r.outcome), r.version, r.staleness, r.next_clock] for r in results]}

@@ -103,11 +103,13 @@ def make_admin(train: TrainConfig, addresses: list[str], **kw) -> Admin:
 
 
 def run_worker(train: TrainConfig, addresses: list[str], rank: int, world: int,
-               metrics_path: str | None = None) -> dict:
+               metrics_path: str | None = None, host_group=None) -> dict:
     """Train worker ``rank`` of ``world`` against the shards at ``addresses`` until its steps are done.
 
     Returns a summary ``{"rank", "worker", "steps", "samples", "wall_s", "final_loss", "device"}``
-    and appends per-step JSON lines to ``metrics_path`` (see docs/architecture.md).
+    and appends per-step JSON lines to ``metrics_path`` (see docs/architecture.md). With
+    ``aggregate = "host"``, ``host_group`` (a :class:`~psgrid.worker.aggregate.HostGroup`) says where
+    this worker stands among the hosts; by default its rank and ``LOCAL_SIZE`` do.
     """
     train.validate()
     xp, device_name, data, model = build(train, rank, world)
@@ -118,7 +120,7 @@ def run_worker(train: TrainConfig, addresses: list[str], rank: int, world: int,
     if train.aggregate == "host":       # one client per host, pushing the host's mean (worker/aggregate.py)
         from psgrid.worker.aggregate import HostGroup, host_exchange, rendezvous_name
 
-        group = HostGroup.of(rank, world, local_rank=local_rank(None))
+        group = host_group or HostGroup.of(rank, world, local_rank=local_rank(None))
         exchange = host_exchange(
             group, rendezvous_name(addresses, train.token, group.host), spec.size,
             lambda worker_id, hosts: make_client(train, addresses, spec, worker_id=worker_id, world=hosts, init=init,
