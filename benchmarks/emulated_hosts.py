@@ -22,7 +22,6 @@ and read the unshaped step (what the link is added to) beside each result.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import signal
@@ -35,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cost_model  # noqa: E402
 
-from psgrid.cluster.hosts.job import EmulatedJob, spread  # noqa: E402
+from psgrid.cluster.hosts.job import EmulatedJob  # noqa: E402
 from psgrid.cluster.hosts.network import EmulatedNetwork, available, rate_bits  # noqa: E402
 from psgrid.cluster.job.config import job_from_dict  # noqa: E402
 
