@@ -125,3 +125,35 @@ def test_psctl_mpi_with_host_aggregation_trains_through_one_aggregator(tmp_path)
     assert summary["steps"] == 90 and summary["test_accuracy"] > 0.7
     assert {r: s["worker"] for r, s in starts.items()} == {0: 0, 1: 0, 2: 0}       # one client of the shards
     assert [starts[r]["data_planes"] for r in (1, 2)] == [["host"], ["host"]]
+
+
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_a_worker_that_goes_away_ends_its_host_with_a_clear_error(cluster):
+    """The follower leaves after one step: the leader's next push says so at once instead of waiting."""
+    from psgrid.worker.aggregate import AggregationError
+
+    c = cluster(1, mode="async", lr=0.1)
+    name = rendezvous_name(c.addresses, "test-gone", 0)
+    connect = lambda wid, hosts: c.client(SPEC, worker_id=wid, world=hosts, init=np.zeros(SPEC.size, np.float32))  # noqa: E731
+    errors = []
+
+    def leader():
+        params = np.empty(SPEC.size, np.float32)
+        with host_exchange(HostGroup.of(0, 2, local_size=2), name, SPEC.size, connect, timeout_s=30) as ex:
+            ex.pull(params)
+            ex.push(gradient(0, 0))
+            ex.pull(params)
+            try:
+                ex.push(gradient(0, 1))
+            except AggregationError as e:
+                errors.append(str(e))
+
+    def follower():
+        params = np.empty(SPEC.size, np.float32)
+        with host_exchange(HostGroup.of(1, 2, local_size=2), name, SPEC.size, connect, timeout_s=30) as ex:
+            ex.pull(params)
+            ex.push(gradient(1, 0))
+            ex.pull(params)
+
+    run_threads([leader, follower])
+    assert errors and "went away" in errors[0]
