@@ -152,6 +152,52 @@ def networks(host: Host, *, tcp_efficiency: float, overhead: dict[str, float]) -
     return out
 
 
+# -- across emulated hosts (benchmarks/emulated_hosts.py checks these against namespaces on a shaped bridge) --
+
+# Payload a TCP stream carries per bit of a tbf rate: tbf counts every segment's headers (issue 23: 100 MiB
+# crossed a 1 Gbit/s tbf link at 957 Mbit/s); benchmarks/emulated_hosts.py measures what every host gets at once.
+TBF_PAYLOAD_SHARE = 0.957
+
+
+def link_bytes(params: int, shard_hosts: list[int], worker_hosts: list[int], *, aggregate: bool = False,
+               wire_itemsize: int = 4) -> dict[int, dict[str, int]]:
+    """Payload bytes each host's link carries in one step, by phase and direction.
+
+    A worker pulls every shard's range (float32) and pushes its gradient to every shard; a range
+    whose shard is on the worker's own host stays there (shared memory). With ``aggregate`` one
+    worker per host does both for its host. Returns ``{host: {"pull_in", "pull_out", "push_in",
+    "push_out"}}``.
+    """
+    hosts = sorted(set(shard_hosts) | set(worker_hosts))
+    out = {h: {"pull_in": 0, "pull_out": 0, "push_in": 0, "push_out": 0} for h in hosts}
+    clients = sorted(set(worker_hosts)) if aggregate else worker_hosts
+    shards = len(shard_hosts)
+    for wh in clients:
+        for i, sh in enumerate(shard_hosts):
+            if sh == wh:
+                continue
+            part = params * (i + 1) // shards - params * i // shards
+            out[sh]["pull_out"] += 4 * part
+            out[wh]["pull_in"] += 4 * part
+            out[wh]["push_out"] += wire_itemsize * part
+            out[sh]["push_in"] += wire_itemsize * part
+    return out
+
+
+def links_step_s(params: int, shard_hosts: list[int], worker_hosts: list[int], rate_bits: float, base_step_s: float,
+                 *, aggregate: bool = False, payload_share: float = TBF_PAYLOAD_SHARE) -> dict:
+    """A sync step across hosts whose links run at ``rate_bits`` each way: the same step on unshaped links
+    (``base_step_s``: compute, the update, the calls) plus the time the busiest link takes in the pull phase
+    and in the push phase (the next pull waits for the round the push closes: the phases do not overlap)."""
+    per_host = link_bytes(params, shard_hosts, worker_hosts, aggregate=aggregate)
+    rate = rate_bits / 8 * payload_share
+    pull = max(max(b["pull_in"], b["pull_out"]) for b in per_host.values()) / rate
+    push = max(max(b["push_in"], b["push_out"]) for b in per_host.values()) / rate
+    total = sum(sum(b.values()) for b in per_host.values())
+    return {"pull_wire_s": pull, "push_wire_s": push, "step_s": base_step_s + pull + push,
+            "link_bytes": total}
+
+
 def main() -> int:
     host = Host.h100()
     # The TCP plane's share of raw TCP at 64 MiB on that machine (bench-transport-1xH100.txt, 4th column).

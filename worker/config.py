@@ -42,12 +42,15 @@ class TrainConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     stragglers: list[str] = field(default_factory=list)  # e.g. ["3:3"] (worker 3 3x slower), ["1:exp:20"]
+    aggregate: str = "none"                # "host": the workers of a host push their mean once (worker/aggregate.py)
 
     def validate(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"wire_dtype must be one of {tuple(WIRE_DTYPES)}, got {self.wire_dtype!r}")
         if self.data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}")
+        if self.aggregate not in ("none", "host"):
+            raise ValueError(f"aggregate must be 'none' or 'host', got {self.aggregate!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.synthetic_image and (len(self.synthetic_image) != 3 or min(self.synthetic_image) < 1):

@@ -29,7 +29,7 @@ from psgrid.worker.straggler import Delay
 LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK", "SLURM_LOCALID")
 
 
-def local_rank(default: int) -> int:
+def local_rank(default: int | None) -> int | None:
     for var in LOCAL_RANK_VARS:
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
@@ -76,11 +76,13 @@ def make_admin(train: TrainConfig, addresses: list[str], **kw) -> Admin:
 
 
 def run_worker(train: TrainConfig, addresses: list[str], rank: int, world: int,
-               metrics_path: str | None = None) -> dict:
+               metrics_path: str | None = None, host_group=None) -> dict:
     """Train worker ``rank`` of ``world`` against the shards at ``addresses`` until its steps are done.
 
     Returns a summary ``{"rank", "worker", "steps", "samples", "wall_s", "final_loss", "device"}``
-    and appends per-step JSON lines to ``metrics_path`` (see docs/architecture.md).
+    and appends per-step JSON lines to ``metrics_path`` (see docs/architecture.md). With
+    ``aggregate = "host"``, ``host_group`` (a :class:`~psgrid.worker.aggregate.HostGroup`) says where
+    this worker stands among the hosts; by default its rank and ``LOCAL_SIZE`` do.
     """
     train.validate()
     xp, device_name, data, model = build(train, rank, world)
@@ -88,8 +90,18 @@ def run_worker(train: TrainConfig, addresses: list[str], rank: int, world: int,
     # The rank is the worker id, so a sync round sums its gradients in the same order every run;
     # entering waits for the whole job, since sync and ssp count the members they have.
     init = lambda: spec.pack(model.init_params(train.seed, train.init_scale))  # noqa: E731
-    client = make_client(train, addresses, spec, worker_id=rank, world=world, init=init, xp=xp)
-    return train_loop(train, client, rank, xp, device_name, data, model, metrics_path)
+    if train.aggregate == "host":       # one client per host, pushing the host's mean (worker/aggregate.py)
+        from psgrid.worker.aggregate import HostGroup, host_exchange, rendezvous_name
+
+        group = host_group or HostGroup.of(rank, world, local_rank=local_rank(None))
+        exchange = host_exchange(
+            group, rendezvous_name(addresses, train.token, group.host), spec.size,
+            lambda worker_id, hosts: make_client(train, addresses, spec, worker_id=worker_id, world=hosts, init=init,
+                                                 xp=xp),
+            wire_dtype=train.wire_dtype, timeout_s=train.join_timeout_s + train.deadline_s + train.retry_s)
+    else:
+        exchange = make_client(train, addresses, spec, worker_id=rank, world=world, init=init, xp=xp)
+    return train_loop(train, exchange, rank, xp, device_name, data, model, metrics_path)
 
 
 def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, data, model,

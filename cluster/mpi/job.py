@@ -256,8 +256,14 @@ class MPIJob:
             message = user_script.run_on_rank(self.command, self.job, self.out, self.addresses, self.index,
                                               self.job.workers, gpu)
         else:
+            group = None
+            if self.job.train.aggregate == "host":     # one aggregator per node: its worker of local rank 0
+                from psgrid.cluster.mpi.placement import host_group
+                from psgrid.worker.aggregate import HostGroup
+
+                group = HostGroup(*host_group(self.placement, self.rank))
             result = run_worker(self.job.train, self.addresses, self.index, self.job.workers,
-                                metrics_path=str(metrics))
+                                metrics_path=str(metrics), host_group=group)
             # Send the events along: rank 0 may not see this node's files (no shared file system).
             message = {"result": result, "events": co.MetricsTail([metrics]).read()}
         wait_request(self.comm.isend(message, dest=0, tag=TAG_DONE), None, "sending results to rank 0")

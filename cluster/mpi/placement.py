@@ -252,3 +252,14 @@ def _shortage(size, workers, shards, host_list, node_gpus, capacity, candidates)
 
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'s' * (n != 1)}"
+
+
+def host_group(placement: Placement, rank: int) -> tuple[int, int, int, int, int]:
+    """``(host, hosts, local, size, world)`` of worker rank ``rank`` for ``aggregate = "host"``: its node among
+    the nodes that have workers, its local rank there (0: the node's aggregator), the node's workers, all."""
+    nodes = sorted({role.node for role in placement.roles if role.kind == WORKER})
+    me = placement.roles[rank]
+    if me.kind != WORKER:
+        raise ValueError(f"rank {rank} is a {me.kind}, not a worker")
+    return (nodes.index(me.node), len(nodes), me.local_rank, placement.workers_on(me.node),
+            len(placement.ranks(WORKER)))

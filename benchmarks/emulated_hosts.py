@@ -1,0 +1,223 @@
+"""The cost model across hosts, checked on emulated hosts: namespaces on a bridge, links shaped by tbf.
+
+Runs sync jobs of a model whose step is bound by the links (a 784-H-10 MLP on the synthetic task,
+float32 gradients), shards and workers spread over emulated hosts (cluster/hosts/), and prints
+for each the step measured beside the step cost_model.links_step_s predicts: the same placement's
+step on unshaped links (measured here) plus the busiest link's pull and push bytes at the payload
+share of the rate one TCP stream gets (0.957). At 1 Gbit/s it also measures the share the slowest host
+gets when every host sends to every other at once over plain TCP (``share``) and shows the step the
+model predicts at that share (``mesh ms``).
+It also prints the bytes the links carried per step (the bridge ports' counters) beside the
+bytes the model says must cross, with and without ``aggregate = "host"``.
+
+Root only; everything it makes is removed at the end, also on Ctrl-C. Usage:
+
+    sudo PYTHONPATH=. python benchmarks/emulated_hosts.py              # the table and the sweep
+    sudo PYTHONPATH=. python benchmarks/emulated_hosts.py --only table --steps 12 --hidden 2500
+
+On a loaded 2-core machine the workers' compute is shared by every emulated host: keep runs short,
+and read the unshaped step (what the link is added to) beside each result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cost_model  # noqa: E402
+
+from psgrid.cluster.hosts.job import EmulatedJob  # noqa: E402
+from psgrid.cluster.hosts.network import EmulatedNetwork, available, rate_bits  # noqa: E402
+from psgrid.cluster.job.config import job_from_dict  # noqa: E402
+
+
+def make_job(hidden: int, steps: int, batch: int, shards: int, workers: int, aggregate: str):
+    return job_from_dict({
+        "job": {"shards": shards, "workers": workers},
+        "server": {"mode": "sync", "lr": 0.05, "momentum": 0.9},
+        "train": {"dataset": "synthetic", "synthetic_samples": 4000, "model": "mlp", "hidden": [hidden],
+                  "steps": steps, "batch_size": batch, "eval_every": 0, "aggregate": aggregate,
+                  "join_timeout_s": 300.0},
+    })
+
+
+# Every host sends MB MiB to every other at once over plain TCP (what a sync phase does), and prints its seconds.
+_RECEIVER = """
+import socket, sys, threading
+listener = socket.socket(); listener.bind((sys.argv[1], 5001)); listener.listen(16)
+print("ready", flush=True)
+def take(conn):
+    while conn.recv(1 << 20):
+        pass
+threads = []
+for _ in range(int(sys.argv[2])):
+    conn, _ = listener.accept(); threads.append(threading.Thread(target=take, args=(conn,))); threads[-1].start()
+for t in threads:
+    t.join(timeout=120)
+"""
+_SENDER = """
+import socket, sys, threading, time
+block = b"x" * (1 << 20)
+def send(address):
+    with socket.create_connection((address, 5001), timeout=60) as s:
+        for _ in range(int(sys.argv[1])):
+            s.sendall(block)
+threads = [threading.Thread(target=send, args=(a,)) for a in sys.argv[2:]]
+t0 = time.perf_counter()
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(timeout=120)
+print(time.perf_counter() - t0)
+"""
+
+
+def mesh_share(hosts: int, rate, mib: int = 20) -> float:
+    """The payload share of the link rate that the slowest host gets when every host sends to every other
+    at once over TCP (the model's ``payload_share`` for a phase in which all links are busy)."""
+    import subprocess
+
+    with EmulatedNetwork(hosts, rate) as net:
+        procs = []
+        try:
+            receivers = [subprocess.Popen(h.argv([sys.executable, "-c", _RECEIVER, h.address, str(hosts - 1)]),
+                                          stdout=subprocess.PIPE, text=True, start_new_session=True)
+                         for h in net.hosts]
+            procs += receivers
+            for r in receivers:
+                r.stdout.readline()
+            senders = [subprocess.Popen(h.argv([sys.executable, "-c", _SENDER, str(mib)]
+                                               + [o.address for o in net.hosts if o is not h]),
+                                        stdout=subprocess.PIPE, text=True, start_new_session=True)
+                       for h in net.hosts]
+            procs += senders
+            seconds = max(float(p.communicate(timeout=120)[0]) for p in senders)
+            for r in receivers:
+                r.wait(timeout=60)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(timeout=10)
+                proc.stdout.close()
+    return (hosts - 1) * mib * 2**20 / seconds / (rate_bits(rate) / 8)
+
+
+def steady_step_s(result) -> float:
+    """The median time between worker 0's step starts, after its first two steps (joining, first pulls)."""
+    starts = [r["started"] for r in result.records[0]]
+    gaps = [b - a for a, b in zip(starts[2:], starts[3:])]
+    return statistics.median(gaps) if gaps else float("nan")
+
+
+def run_one(hosts: int, rate, *, shards: int, workers: int, aggregate: str, args, out: Path) -> dict:
+    job = make_job(args.hidden, args.steps, args.batch, shards, workers, aggregate)
+    with EmulatedNetwork(hosts, rate) as net:
+        emulated = EmulatedJob(net, job, out)
+        result = emulated.run(timeout_s=args.timeout)
+        shard_hosts, worker_hosts = emulated.shard_hosts, emulated.worker_hosts
+    params = result.starts[0]["params"]
+    step = steady_step_s(result)
+    return {"hosts": hosts, "rate": rate, "shards": shards, "workers": workers, "aggregate": aggregate,
+            "params": params, "step_s": step, "samples_per_s": workers * args.batch / step,
+            "link_bytes_per_step": result.bytes_per_step, "shard_hosts": shard_hosts, "worker_hosts": worker_hosts,
+            "compute_s": statistics.median(r["compute_s"] for recs in result.records for r in recs[2:]),
+            "accuracy": result.accuracy}
+
+
+def with_prediction(row: dict, base: dict, share: float | None = None) -> dict:
+    """``row`` with the model's step (from ``base``, the same placement unshaped) and bytes beside it, and the
+    step at ``share``, the payload share of the rate measured with every link busy at once (where measured)."""
+    if row["rate"] is None:
+        return dict(row, predicted_step_s=row["step_s"], predicted_link_bytes=None)
+    model = dict(params=row["params"], shard_hosts=row["shard_hosts"], worker_hosts=row["worker_hosts"],
+                 rate_bits=rate_bits(row["rate"]), base_step_s=base["step_s"], aggregate=row["aggregate"] == "host")
+    p = cost_model.links_step_s(**model)
+    mesh = cost_model.links_step_s(**model, payload_share=share)["step_s"] if share else None
+    return dict(row, predicted_step_s=p["step_s"], predicted_link_bytes=p["link_bytes"], payload_share=share,
+                mesh_step_s=mesh)
+
+
+def fmt(row: dict, batch: int) -> str:
+    rate = row["rate"] or "unshaped"
+    predicted = row.get("predicted_step_s")
+    ratio = row["step_s"] / predicted if predicted else float("nan")
+    pbytes = row.get("predicted_link_bytes")
+    return (f"{row['hosts']:>5} {row['shards']:>2} {row['workers']:>2} {rate:>9} {row['aggregate']:>5} "
+            f"{1e3 * row['step_s']:9.1f} {1e3 * predicted:9.1f} {ratio:6.2f} "
+            f"{row['samples_per_s']:9.0f} {row['workers'] * batch / predicted:9.0f} "
+            f"{row['link_bytes_per_step'] / 1e6:9.2f} {'' if pbytes is None else f'{pbytes / 1e6:9.2f}':>9} "
+            f"{1e3 * row['compute_s']:8.1f} {row.get('payload_share') or float('nan'):5.2f} "
+            f"{1e3 * (row.get('mesh_step_s') or float('nan')):9.1f}")
+
+
+HEADER = (f"{'hosts':>5} {'S':>2} {'W':>2} {'link':>9} {'aggr':>5} {'step ms':>9} {'model ms':>9} {'meas/model':>6} "
+          f"{'samples/s':>9} {'model':>9} {'MB/step':>9} {'model MB':>9} {'compute':>8} {'share':>5} {'mesh ms':>9}")
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", choices=("table", "sweep"), help="run only the aggregation table or only the sweep")
+    p.add_argument("--hidden", type=int, default=2500, help="MLP width (2500: 1.99M parameters, 8 MB a copy)")
+    p.add_argument("--steps", type=int, default=12, help="steps per worker (the first two are not timed)")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3, help="runs of each point; the median run's step is shown")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds one job may take")
+    p.add_argument("--json", metavar="FILE", help="append each row as a JSON line here")
+    args = p.parse_args()
+    why = available()
+    if why:
+        print(f"emulated_hosts: {why}", file=sys.stderr)
+        return 2
+    # SIGTERM ends the runs as Ctrl-C does: every context manager removes what it made.
+    signal.signal(signal.SIGTERM, _interrupt)
+    plan = []       # (title, hosts, rate, shards, workers, aggregate)
+    if args.only in (None, "table"):
+        for aggregate in ("none", "host"):
+            plan += [("table", 2, None, 2, 8, aggregate), ("table", 2, "1gbit", 2, 8, aggregate)]
+    if args.only in (None, "sweep"):
+        for hosts in (2, 4):
+            plan += [("sweep", hosts, rate, hosts, 4, "none") for rate in (None, "1gbit", "10gbit")]
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}; cpus: {os.cpu_count()}; "
+          f"MLP 784-{args.hidden}-10, batch {args.batch}, {args.steps} steps, sync, float32, "
+          f"median of {args.repeats} runs", flush=True)
+    rows, bases, shares = [], {}, {}
+    with tempfile.TemporaryDirectory(prefix="psgrid-emulated-") as tmp:
+        for n, (title, hosts, rate, shards, workers, aggregate) in enumerate(plan):
+            t0 = time.monotonic()
+            repeats = [run_one(hosts, rate, shards=shards, workers=workers, aggregate=aggregate, args=args,
+                               out=Path(tmp) / f"run-{n}-{r}") for r in range(args.repeats)]
+            row = sorted(repeats, key=lambda r: r["step_s"])[len(repeats) // 2]       # the median run
+            row["steps_s"] = [r["step_s"] for r in repeats]
+            row["title"], row["batch"], row["run_s"] = title, args.batch, time.monotonic() - t0
+            key = (hosts, shards, workers, aggregate)
+            if rate is None:
+                bases[key] = row
+            elif rate_bits(rate) <= 10**9 and (hosts, rate) not in shares:   # (2 cores cannot fill 10 Gbit/s)
+                shares[hosts, rate] = mesh_share(hosts, rate)
+            row = with_prediction(row, bases[key], shares.get((hosts, rate)))
+            rows.append(row)
+            if n == 0:
+                print(HEADER)
+            spread_ms = "/".join(f"{1e3 * x:.0f}" for x in sorted(row["steps_s"]))
+            print(fmt(row, args.batch) + f"   ({spread_ms} ms; {row['run_s']:.0f} s)", flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
