@@ -17,7 +17,7 @@ from psgrid.cluster.run.coordinator import JobState, MetricsTail
 from psgrid.worker import env as job_vars
 from psgrid.worker.api import NO_JOB, init, job_file_settings
 from psgrid.worker.dlpack import ArrayError
-from tests.support import plane_options, with_this_tree
+from tests.support import plane_options
 from tests.test_dlpack import Foreign, Immutable, TorchLike
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,7 +172,7 @@ def test_two_scripts_started_3_s_apart_average_every_round(cluster, data_plane, 
     steps = 40
     procs = []
     for rank in range(2):
-        env = dict(os.environ, PYTHONPATH=with_this_tree(os.environ), PSGRID_ADDRESSES=",".join(c.addresses), PSGRID_RANK=str(rank),
+        env = dict(os.environ, PSGRID_ADDRESSES=",".join(c.addresses), PSGRID_RANK=str(rank),
                    PSGRID_WORLD_SIZE="2", PSGRID_METRICS=str(tmp_path / f"worker-{rank}.jsonl"))
         procs.append(subprocess.Popen([sys.executable, str(USER_SCRIPT), str(steps)], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
@@ -252,8 +252,7 @@ def test_the_readmes_worker_pushes_its_gradient_buffer_so_no_push_copies(cluster
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_readmes_worker_trains_against_running_shards(cluster, data_plane, mode):
     c = cluster(2, mode=mode, lr=0.1)
-    env = dict(os.environ, PYTHONPATH=str(OWN_WORKER.parent.parent))
-    runs = [subprocess.Popen([sys.executable, str(OWN_WORKER), ",".join(c.addresses)], env=env, text=True,
+    runs = [subprocess.Popen([sys.executable, str(OWN_WORKER), ",".join(c.addresses)], text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
     outputs = [proc.communicate(timeout=50) for proc in runs]
     for proc, (out, err) in zip(runs, outputs):

@@ -197,7 +197,6 @@ def start_shard(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen
     address_file = tmp_path / f"{name}.addr"
     address_file.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PSCTL_PARENT_PID"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     log = open(tmp_path / f"{name}.log", "ab")
     try:
         proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--shard", "0",

@@ -21,7 +21,7 @@ from psgrid.psserver.exceptions import Unauthenticated
 from psgrid.cluster.job.credentials import TOKEN_ENV
 from psgrid.worker import env as job_vars
 from psgrid.worker.api import init
-from tests.support import REGRESSION, address_lines, with_this_tree
+from tests.support import REGRESSION, address_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "t0ken-of-the-environment"
@@ -68,7 +68,7 @@ def test_a_shard_started_by_hand_with_the_variable_refuses_calls_without_it(tmp_
     """The finding itself: ``PSGRID_TOKEN=... psctl server`` (no --config) took calls with no token."""
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     addr, log = tmp_path / "addr", tmp_path / "server.log"
-    env = dict(os.environ, PYTHONPATH=with_this_tree(os.environ), **{TOKEN_ENV: TOKEN})
+    env = dict(os.environ, **{TOKEN_ENV: TOKEN})
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--port", "0",
                                  "--address-file", str(addr)], cwd=ROOT, env=env, stdout=out,
