@@ -3,8 +3,10 @@
 ``cluster(num_shards, **ServerConfig fields)`` starts shards in this process on 127.0.0.1
 port 0 and hands out clients that move payloads over the test's data plane: the fixture is
 parametrised over every transport (``shm``: shared memory on this host; ``tcp``; ``grpc``), so
-a test written once runs over each (a test that is about something else pins one with
-``@pytest.mark.parametrize("data_plane", ["tcp"])``).
+a test written once runs over each. Only a test about one plane pins it
+(``@pytest.mark.parametrize("data_plane", ["tcp"])``), and one whose payloads never go through this
+fixture's clients (its workers are other processes with their own default, or it only reads stats
+over gRPC) pins the plane they do use, so that it does not run three times alike.
 On teardown it checks invariants every shard must hold after any run, stops everything,
 and fails the test if it left threads, sockets or child processes behind.
 """
@@ -166,7 +168,7 @@ def no_leaks():
 
 @pytest.fixture(params=PLANES)
 def data_plane(request) -> str:
-    """Each data plane in turn; pin one with @pytest.mark.parametrize("data_plane", [...])."""
+    """Each data plane in turn; a test about one pins it with @pytest.mark.parametrize("data_plane", [...])."""
     return request.param
 
 

@@ -44,7 +44,6 @@ def test_leaving_the_context_releases_a_sync_peer_at_once(cluster):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_an_exception_in_the_block_still_leaves(cluster):
     c = cluster(1, mode="sync")
     with pytest.raises(RuntimeError, match="the user's bug"):
@@ -56,7 +55,6 @@ def test_an_exception_in_the_block_still_leaves(cluster):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_joining_waits_for_the_job_on_every_shard_not_only_the_first(cluster):
     c = cluster(2, mode="sync")
     # A stranger that registered with shard 0 only: shard 0 counts two members, shard 1 one.
@@ -103,7 +101,6 @@ def test_one_worker_sends_the_initial_weights(cluster, monkeypatch):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_client_without_weights_waits_for_them_and_says_so_when_none_come(cluster):
     c = cluster(1, mode="async")
     with pytest.raises(NotInitialized, match="pass init="):
@@ -186,7 +183,6 @@ def test_a_retried_push_is_applied_once(cluster):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_worker_moved_to_the_largest_clock_allowed_can_push_on(cluster, mode):
     # A push may carry a later clock than the shard has for the worker (the shard restarted from an
@@ -200,9 +196,10 @@ def test_a_worker_moved_to_the_largest_clock_allowed_can_push_on(cluster, mode):
         worker = client.worker_id
         control = open_control(c.addresses[0], ConnectOptions())
         registration = control.register(spec_hash=REGRESSION.hash(), worker_id=worker, start_clock=-1, host="t")
-        options = ConnectOptions(memory=ClientMemory(REGRESSION.size))
-        plane = open_data_plane("tcp", control, registration, options)
+        options = ConnectOptions(memory=ClientMemory(REGRESSION.size), shared_memory=c.data_plane == "shm")
+        plane = open_data_plane(plane_options(c.data_plane)["data_plane"], control, registration, options)
         try:
+            assert plane.name == c.data_plane
             def push(clock):
                 return plane.push(grad, begin=0, wire_dtype=1, worker_id=worker, clock=clock, version=0, timeout_s=5)
 
@@ -232,7 +229,6 @@ def test_a_worker_moved_to_the_largest_clock_allowed_can_push_on(cluster, mode):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_forgotten_worker_registers_again_by_itself(cluster):
     c = cluster(2, mode="async", lr=1.0)
     with c.client(SPEC, init=SPEC.flat()) as client:
@@ -248,7 +244,6 @@ def test_a_forgotten_worker_registers_again_by_itself(cluster):
 # ----- found in review ------------------------------------------------------------------------------
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_workers_with_different_models_are_refused_before_any_weights_exist(cluster):
     c = cluster(2, mode="sync")
     other = ModelSpec([("w", (3, 40)), ("b", (3,))])          # the same size, another layout
@@ -266,7 +261,6 @@ def test_workers_with_different_models_are_refused_before_any_weights_exist(clus
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_push_one_shard_refused_does_not_stop_the_next(cluster):
     # In async the other shard applied it, so this worker's next clock is one past what the refusing
     # shard has: the client says so by registering again there (the push it refused is counted lost).
@@ -284,7 +278,6 @@ def test_a_push_one_shard_refused_does_not_stop_the_next(cluster):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_client_that_left_never_registers_again(cluster):
     c = cluster(1, mode="async")
     client = c.client(SPEC, init=SPEC.flat()).join()
@@ -296,7 +289,6 @@ def test_a_client_that_left_never_registers_again(cluster):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_waiting_on_a_handle_keeps_its_timeout(cluster):
     c = cluster(1, mode="sync")
     client = c.client(SPEC, worker_id=0, init=SPEC.flat()).join()
@@ -311,7 +303,6 @@ def test_waiting_on_a_handle_keeps_its_timeout(cluster):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_join_that_fails_halfway_leaves_and_closes(cluster):
     c = cluster(2, mode="async")
     other = ModelSpec([("w", (41,)), ("b", (3,))])
@@ -373,7 +364,6 @@ def test_pushes_from_either_gradient_buffer_are_applied(cluster):
 
 # ----- shards of one job, and the Admin's shape -------------------------------------------------------
 
-@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.timeout(30)
 def test_shards_of_different_jobs_are_said_in_one_line_and_a_shutdown_names_those_it_missed(cluster, caplog):
     # Two psctl server processes started by hand without --job-id: each made its own.
@@ -396,7 +386,6 @@ def test_shards_of_different_jobs_are_said_in_one_line_and_a_shutdown_names_thos
     assert c.servers[0].shutdown_requested.is_set() and not c.servers[1].shutdown_requested.is_set()
 
 
-@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.timeout(30)
 def test_shards_of_one_job_say_nothing(cluster, caplog):
     c = cluster(2, mode="async", lr=0.1)
