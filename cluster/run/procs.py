@@ -73,7 +73,7 @@ def child_env(extra: dict[str, str] | None = None, threads: int | None = None) -
 
 
 def psctl_argv(*args: str) -> list[str]:
-    """The command line that runs ``psctl ARGS`` with this interpreter (whatever ``psctl`` is first on PATH).
+    """The command line that runs ``psctl ARGS`` with this interpreter and the psgrid installed in it.
 
     The current folder is not put on the child's path (see CHILD_BOOTSTRAP).
     """
