@@ -169,6 +169,15 @@ def test_workers_use_psserver_through_the_client_and_the_update_maths(path):
     assert not beyond, f"{rel(path)} imports {sorted(beyond)}: a worker uses psserver through its client"
 
 
+@pytest.mark.parametrize("path", PACKAGE_SOURCES, ids=rel)
+def test_nothing_puts_a_source_root_on_a_path(path):
+    # A checkout is used through an editable install: a root on the path made worker, cluster and tests
+    # top-level names again in children, and let the tests import a tree CI never installs.
+    tricks = [node for node in ast.walk(tree(path)) if isinstance(node, ast.Name) and node.id == "__path__"
+              or isinstance(node, ast.Attribute) and ast.unparse(node) in ("sys.path.insert", "sys.path.append")]
+    assert not tricks, f"{rel(path)} extends an import path (line {tricks[0].lineno}): install the checkout instead"
+
+
 # ----- private names stay in their module ---------------------------------------------------------
 
 @pytest.mark.parametrize("path", each(PACKAGE_SOURCES, "private"))
