@@ -24,8 +24,8 @@ GRPC_ALLOWED = {"psserver/transports/grpc_server.py", "psserver/transports/grpc_
                 "psserver/transports/grpc_client.py",
                 "psserver/rpc/ps_pb2_grpc.py", "psserver/rpc/ps_pb2.py"}
 
-# What the client side (psserver/client/ and each plane's client end, transports/*_client.py) may not
-# import: a shard's state, its update maths, its one data path, its listeners and its metrics.
+# What the client side (psserver/client/, each plane's client end transports/*_client.py, and
+# transports/base.py) may not import: a shard's state, its update maths, its one data path, its listeners and its metrics.
 SHARD_SIDE = ("psgrid.psserver.state", "psgrid.psserver.kernels", "psgrid.psserver.service",
               "psgrid.psserver.server", "psgrid.psserver.metrics", "psgrid.psserver.transports.grpc_health")
 
@@ -133,7 +133,9 @@ def test_only_the_transports_import_grpc(path):
         assert not grpc, f"{rel(path)} imports {sorted(grpc)}: only the transport modules may speak gRPC"
 
 
-CLIENT_SIDE = sources("psserver/client") + sorted((ROOT / "psserver" / "transports").glob("*_client.py"))
+# The client folder, each plane's client end, and the registry the client finds the planes in.
+CLIENT_SIDE = (sources("psserver/client") + sorted((ROOT / "psserver" / "transports").glob("*_client.py"))
+               + [ROOT / "psserver" / "transports" / "base.py"])
 
 
 @pytest.mark.parametrize("path", CLIENT_SIDE, ids=rel)
