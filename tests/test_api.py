@@ -162,7 +162,7 @@ def test_parameters_psgrid_cannot_exchange_are_refused_before_joining(params, me
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data_plane", ["shm"])    # its processes take the client's default plane whatever the fixture's
+@pytest.mark.parametrize("data_plane", ["shm"])    # its processes take the client's default plane
 @pytest.mark.timeout(90)
 def test_two_scripts_started_3_s_apart_average_every_round(cluster, data_plane, tmp_path):
     # Sync with lr 1: worker r pushes r + 1 every step, so a round that averages both moves the weight
@@ -248,7 +248,7 @@ def test_the_readmes_worker_pushes_its_gradient_buffer_so_no_push_copies(cluster
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("data_plane", ["shm"])    # its processes take the client's default plane whatever the fixture's
+@pytest.mark.parametrize("data_plane", ["shm"])    # its processes take the client's default plane
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_readmes_worker_trains_against_running_shards(cluster, data_plane, mode):
     c = cluster(2, mode=mode, lr=0.1)

@@ -25,7 +25,8 @@ GRPC_ALLOWED = {"psserver/transports/grpc_server.py", "psserver/transports/grpc_
                 "psserver/rpc/ps_pb2_grpc.py", "psserver/rpc/ps_pb2.py"}
 
 # What the client side (psserver/client/, each plane's client end transports/*_client.py, and
-# transports/base.py) may not import: a shard's state, its update maths, its one data path, its listeners and its metrics.
+# transports/base.py) may not import: a shard's state, its update maths, its one data path, its
+# listeners and its metrics.
 SHARD_SIDE = ("psgrid.psserver.state", "psgrid.psserver.kernels", "psgrid.psserver.service",
               "psgrid.psserver.server", "psgrid.psserver.metrics", "psgrid.psserver.transports.grpc_health")
 
@@ -74,8 +75,11 @@ MODULES = {module_name(p) for p in sources(*PACKAGE)}
 def each(paths: list[Path], rule: str) -> list:
     """``paths`` as test parameters, each offender another branch fixes marked as expected to fail."""
     fixed_in = FIXED_IN.get(rule, {})
-    return [pytest.param(p, id=rel(p), marks=[pytest.mark.xfail(strict=False, reason=f"fixed in branch {fixed_in[rel(p)]}")]
-                         if rel(p) in fixed_in else []) for p in paths]
+    def marks(path: Path) -> list:
+        branch = fixed_in.get(rel(path))
+        return [pytest.mark.xfail(strict=False, reason=f"fixed in branch {branch}")] if branch else []
+
+    return [pytest.param(p, id=rel(p), marks=marks(p)) for p in paths]
 
 
 def tree(path: Path) -> ast.Module:
@@ -217,9 +221,9 @@ def test_the_private_name_rule_finds_both_forms(tmp_path):
 
 @pytest.mark.parametrize("path", each(PACKAGE_SOURCES, "functions"))
 def test_no_function_is_over_80_lines(path):
-    long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines, line {node.lineno})" for node in ast.walk(tree(path))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    functions = [node for node in ast.walk(tree(path)) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines, line {node.lineno})" for node in functions
+            if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
     assert not long, f"{rel(path)}: functions over {MAX_FUNCTION_LINES} lines: {long}"
 
 
