@@ -30,10 +30,9 @@ JOB = ["--config", "mnist", "--mode", "sync", "--shards", "2", "--workers", "3",
 
 
 def launch(out: Path, *args: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
     log = open(out.parent / f"{out.name}.log", "ab")
     return subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "launch", *args, "--out", str(out)],
-                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def events(out: Path, rank: int, kind: str = "step") -> list[dict]:

@@ -27,12 +27,9 @@ import time
 from pathlib import Path
 
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from psgrid.cluster.bench.transport import ShardProcess  # noqa: E402
-from psgrid.psserver.config import ServerConfig  # noqa: E402
-from psgrid.worker.config import TrainConfig  # noqa: E402
+from psgrid.cluster.bench.transport import ShardProcess
+from psgrid.psserver.config import ServerConfig
+from psgrid.worker.config import TrainConfig
 
 
 def big_mlp(args, **overrides) -> TrainConfig:

@@ -22,10 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from psgrid.psserver.kernels.optim import make_optimizer  # noqa: E402
-from psgrid.psserver.kernels.parallel import Chunks  # noqa: E402
+from psgrid.psserver.kernels.optim import make_optimizer
+from psgrid.psserver.kernels.parallel import Chunks
 
 
 def median_time(fn, repeat: int) -> float:

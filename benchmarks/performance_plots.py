@@ -22,8 +22,6 @@ from matplotlib.figure import Figure
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 OUT = ROOT / "docs" / "performance"
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 COLORS = {"async": "tab:blue", "sync": "tab:orange", "none": "black", "shm": "tab:green", "tcp": "tab:blue",
           "grpc": "tab:red"}

@@ -8,7 +8,7 @@ are exactly 100 - v. The attacker speaks the plane's frames by hand. Printed per
 markdown row: whether the attack step was refused, whether the shard lived (its exit signal
 if not), whether the legitimate worker's pulls afterwards were exact, the ring's buffers (the
 shard's mappings of its weight files, from /proc/PID/maps) and the shard's resident memory
-before and after. Run it with ``PYTHONPATH`` pointing at another checkout to measure that one.
+before and after. Run it with another checkout installed (``pip install -e``) to measure that one.
 """
 
 from __future__ import annotations

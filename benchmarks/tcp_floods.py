@@ -1,6 +1,6 @@
 """A worker's speed on the TCP data plane beside the floods of issue 18, at their full size.
 
-Usage: PYTHONPATH=. python benchmarks/tcp_floods.py [--seconds S]    (from the checkout's root)
+Usage: python benchmarks/tcp_floods.py [--seconds S]    (with psgrid installed: pip install -e .)
 
 One shard in this process (async, a token, the default 128 handlers, 127.0.0.1). A worker that
 holds the token joins and makes pull+push rounds of a 13-element model for S seconds, alone, then

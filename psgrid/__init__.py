@@ -16,21 +16,15 @@ and exchanges the model's parameters and gradients with its shards, in about fiv
 ``LocalCluster`` starts a job's shards in the background (for notebooks); ``psgrid.serve(ServerConfig(...))``
 starts a shard in this process; ``Admin`` reads and steers a running job.
 
-In the wheel the subpackages live inside this folder. In a source checkout they sit beside
-it at the top of the repository (``psserver/``, ``worker/``, ``cluster/``, which setuptools
-maps in with ``package-dir``), so the package path is extended to find them there too.
+In the wheel the subpackages live inside this folder. In a source checkout they sit beside it at
+the top of the repository (``psserver/``, ``worker/``, ``cluster/``), mapped in by setuptools'
+``package-dir``: a checkout is used through an editable install (``pip install -e .``), never by
+putting its root on the path.
 """
 
 from __future__ import annotations
 
 import importlib
-from pathlib import Path as _Path
-
-_here = _Path(__file__).resolve().parent
-_source_root = _here.parent
-if not (_here / "psserver").is_dir() and (_source_root / "pyproject.toml").is_file() \
-        and (_source_root / "psserver" / "__init__.py").is_file():
-    __path__.append(str(_source_root))  # noqa: F821 - a package's __path__ is defined by the import system
 
 # name -> module that defines it
 _EXPORTS = {

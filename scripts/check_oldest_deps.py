@@ -54,12 +54,12 @@ def main(pytest_args: list[str]) -> int:
         python = str(venv / "bin" / "python")
         constraints = Path(tmp) / "constraints.txt"
         constraints.write_text("".join(f"{k}=={v}\n" for k, v in bounds.items()))
-        subprocess.run([python, "-m", "pip", "install", "-q", "-c", str(constraints), str(ROOT), *TEST_TOOLS],
+        subprocess.run([python, "-m", "pip", "install", "-q", "-c", str(constraints), "-e", str(ROOT), *TEST_TOOLS],
                        check=True)
         versions = subprocess.run([python, "-c", "import grpc, google.protobuf as p; print('grpcio', grpc.__version__,"
                                    " 'protobuf', p.__version__)"], check=True, capture_output=True, text=True)
         print("testing with " + versions.stdout.strip(), flush=True)
-        # From the checkout, as the README's test command runs: the tests import this tree.
+        # From the checkout, as the README's test command runs (editable: the tests import this tree).
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         return subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, *pytest_args],
                               cwd=ROOT, env=env).returncode

@@ -3,29 +3,46 @@
 ``cluster(num_shards, **ServerConfig fields)`` starts shards in this process on 127.0.0.1
 port 0 and hands out clients that move payloads over the test's data plane: the fixture is
 parametrised over every transport (``shm``: shared memory on this host; ``tcp``; ``grpc``), so
-a test written once runs over each (a test that is about something else pins one with
-``@pytest.mark.parametrize("data_plane", ["tcp"])``).
+a test written once runs over each. Only a test about one plane pins it
+(``@pytest.mark.parametrize("data_plane", ["tcp"])``), and one whose payloads never go through this
+fixture's clients (its workers are other processes with their own default, or it only reads stats
+over gRPC) pins the plane they do use, so that it does not run three times alike.
 On teardown it checks invariants every shard must hold after any run, stops everything,
 and fails the test if it left threads, sockets or child processes behind.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from psgrid.psserver.client.admin import Admin
-from psgrid.psserver.client.client import Client
-from psgrid.psserver.config import ServerConfig
-from psgrid.psserver.server import RunningServer, serve
-from psgrid.psserver.state.shard import MAX_LENT_BUFFERS
-from tests.support import PLANES, plane_options
-from psgrid.psserver.spec import ModelSpec
-from psgrid.psserver.state.weight_ring import MAX_VERSIONS
+
+def _installed_from_here() -> None:
+    """Stop at once unless psgrid is installed from this clone: the tests would import another tree's code."""
+    here = Path(__file__).resolve().parent.parent
+    found = importlib.util.find_spec("psgrid.psserver")
+    where = Path(found.origin).resolve().parent.parent if found is not None and found.origin else None
+    if where != here:
+        pytest.exit(f"psgrid.psserver comes from {where or 'nowhere'}, not from this clone {here}: "
+                    f"install it first (pip install -e '.[test]')", returncode=4)
+
+
+_installed_from_here()
+
+from psgrid.psserver.client.admin import Admin  # noqa: E402
+from psgrid.psserver.client.client import Client  # noqa: E402
+from psgrid.psserver.config import ServerConfig  # noqa: E402
+from psgrid.psserver.server import RunningServer, serve  # noqa: E402
+from psgrid.psserver.state.shard import MAX_LENT_BUFFERS  # noqa: E402
+from tests.support import PLANES, plane_options  # noqa: E402
+from psgrid.psserver.spec import ModelSpec  # noqa: E402
+from psgrid.psserver.state.weight_ring import MAX_VERSIONS  # noqa: E402
 
 LEAK_GRACE_S = 5.0     # threads and sockets get this long to wind down after teardown
 
@@ -151,7 +168,7 @@ def no_leaks():
 
 @pytest.fixture(params=PLANES)
 def data_plane(request) -> str:
-    """Each data plane in turn; pin one with @pytest.mark.parametrize("data_plane", [...])."""
+    """Each data plane in turn; a test about one pins it with @pytest.mark.parametrize("data_plane", [...])."""
     return request.param
 
 

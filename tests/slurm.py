@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import MPI_ENV, ROOT, alive, wait_for, with_this_tree
+from tests.support import MPI_ENV, ROOT, alive, wait_for
 
 PACKAGES = "slurmd slurmctld slurm-client munge"
 REQUIRE_SLURM = "PSGRID_REQUIRE_SLURM"   # "1": missing Slurm fails the srun tests (CI) instead of skipping them
@@ -212,9 +212,9 @@ class SlurmCluster:
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         """The environment of a command on this cluster: ours without any enclosing job's, its config,
-        this checkout importable, this Python's ``psctl`` first on the path, MPI on loopback."""
+        this Python's ``psctl`` first on the path, MPI on loopback."""
         env = {k: v for k, v in os.environ.items() if not FOREIGN_ENV.match(k)}
-        env.update(SLURM_CONF=str(self.conf), PYTHONPATH=with_this_tree(os.environ), **MPI_ENV,
+        env.update(SLURM_CONF=str(self.conf), **MPI_ENV,
                    PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
         env.update(extra or {})
         return env

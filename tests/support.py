@@ -87,13 +87,8 @@ def mpiexec() -> str:
     return found
 
 
-def with_this_tree(env) -> str:
-    """PYTHONPATH with this checkout first (and whatever was there after: packages installed beside it)."""
-    return os.pathsep.join([str(ROOT), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])])
-
-
 def run_mpiexec(n: int, python_args: list[str], timeout: float = 120, extra_env: dict | None = None):
-    env = dict(os.environ, PYTHONPATH=with_this_tree(os.environ), **MPI_ENV, **(extra_env or {}))
+    env = dict(os.environ, **MPI_ENV, **(extra_env or {}))
     argv = [mpiexec(), "-n", str(n), sys.executable, *python_args]
     t = time.monotonic()
     proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -114,7 +109,7 @@ def run_mpiexec(n: int, python_args: list[str], timeout: float = 120, extra_env:
 # ----- psctl launch as a background process ------------------------------------------------------
 
 def launch_env() -> dict:
-    return dict(os.environ, PYTHONPATH=with_this_tree(os.environ))
+    return dict(os.environ)     # psgrid is installed (pip install -e .): every child imports the same package
 
 
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.1):

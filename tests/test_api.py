@@ -17,7 +17,7 @@ from psgrid.cluster.run.coordinator import JobState, MetricsTail
 from psgrid.worker import env as job_vars
 from psgrid.worker.api import NO_JOB, init, job_file_settings
 from psgrid.worker.dlpack import ArrayError
-from tests.support import plane_options, with_this_tree
+from tests.support import plane_options
 from tests.test_dlpack import Foreign, Immutable, TorchLike
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,7 +124,6 @@ def no_job_env(monkeypatch):
     no_job(monkeypatch)
 
 
-@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.timeout(60)
 def test_a_module_pushes_its_own_grads(cluster, data_plane, no_job_env):
     c = cluster(1, mode="sync", lr=0.5)
@@ -132,8 +131,8 @@ def test_a_module_pushes_its_own_grads(cluster, data_plane, no_job_env):
         TorchLike(np.zeros(1, np.float32))
     frozen.requires_grad = False                             # not trained: stays out of the exchange
     model = Module(weight=weight, bias=bias, frozen=frozen)
-    with init(model, addresses=c.addresses, world=1) as ps:
-        assert ps.names == ["weight", "bias"]
+    with init(model, addresses=c.addresses, world=1, **plane_options(data_plane)) as ps:
+        assert ps.names == ["weight", "bias"] and ps.client.data_planes == [data_plane]
         ps.pull()
         weight.grad = Foreign(np.full((2, 2), 2.0, np.float32))
         bias.grad = None                                     # took no part in the loss: zeros
@@ -163,7 +162,7 @@ def test_parameters_psgrid_cannot_exchange_are_refused_before_joining(params, me
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data_plane", ["tcp"])
+@pytest.mark.parametrize("data_plane", ["shm"])    # its processes take the client's default plane
 @pytest.mark.timeout(90)
 def test_two_scripts_started_3_s_apart_average_every_round(cluster, data_plane, tmp_path):
     # Sync with lr 1: worker r pushes r + 1 every step, so a round that averages both moves the weight
@@ -172,7 +171,7 @@ def test_two_scripts_started_3_s_apart_average_every_round(cluster, data_plane, 
     steps = 40
     procs = []
     for rank in range(2):
-        env = dict(os.environ, PYTHONPATH=with_this_tree(os.environ), PSGRID_ADDRESSES=",".join(c.addresses), PSGRID_RANK=str(rank),
+        env = dict(os.environ, PSGRID_ADDRESSES=",".join(c.addresses), PSGRID_RANK=str(rank),
                    PSGRID_WORLD_SIZE="2", PSGRID_METRICS=str(tmp_path / f"worker-{rank}.jsonl"))
         procs.append(subprocess.Popen([sys.executable, str(USER_SCRIPT), str(steps)], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
@@ -227,7 +226,7 @@ def test_the_readmes_worker_is_examples_own_worker_verbatim():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("data_plane", ["tcp"])
+@pytest.mark.parametrize("data_plane", ["shm"])    # the README's worker takes the client's default: shared memory here
 def test_the_readmes_worker_pushes_its_gradient_buffer_so_no_push_copies(cluster, data_plane, monkeypatch, capsys):
     # The fast way first: a push of client.gradient_buffer() is read in place by a shard on this host;
     # any other array is copied into it on every push.
@@ -249,11 +248,11 @@ def test_the_readmes_worker_pushes_its_gradient_buffer_so_no_push_copies(cluster
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("data_plane", ["shm"])    # its processes take the client's default plane
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_readmes_worker_trains_against_running_shards(cluster, data_plane, mode):
     c = cluster(2, mode=mode, lr=0.1)
-    env = dict(os.environ, PYTHONPATH=str(OWN_WORKER.parent.parent))
-    runs = [subprocess.Popen([sys.executable, str(OWN_WORKER), ",".join(c.addresses)], env=env, text=True,
+    runs = [subprocess.Popen([sys.executable, str(OWN_WORKER), ",".join(c.addresses)], text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
     outputs = [proc.communicate(timeout=50) for proc in runs]
     for proc, (out, err) in zip(runs, outputs):
@@ -271,13 +270,12 @@ def test_the_readmes_worker_trains_against_running_shards(cluster, data_plane, m
         assert stats["version"] == stats["applied_updates"] == c.shard().policy.closed_rounds
 
 
-@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.timeout(60)
 def test_async_pushes_overlap_the_next_pull_and_all_land(cluster, data_plane, no_job_env):
     c = cluster(2, mode="async", lr=1.0)
     w = np.zeros(5, np.float32)
-    ps = init([w], addresses=c.addresses, world=1)
-    assert ps.names == ["0"] and ps._overlap
+    ps = init([w], addresses=c.addresses, world=1, **plane_options(data_plane))
+    assert ps.names == ["0"] and ps._overlap and ps.client.data_planes == [data_plane, data_plane]
     for _ in range(5):
         ps.pull()
         ps.push([np.ones(5, np.float32)])

@@ -81,7 +81,7 @@ def test_bench_ps_against_an_unknown_revision_says_so_in_one_line(tmp_path):
                            "--params", "100K", "--shards", "1", "--workers", "1"],
                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
-    root = subprocess.run([sys.executable, "-c", "from psgrid.cluster.run.procs import SOURCE_ROOT; print(SOURCE_ROOT)"],
+    root = subprocess.run([sys.executable, "-c", "from psgrid.cluster.bench.ps import CODE_ROOT; print(CODE_ROOT)"],
                           capture_output=True, text=True, timeout=30, cwd=tmp_path).stdout.strip()
     if (Path(root) / ".git").exists():       # psgrid runs from this checkout (an editable install)
         expected = f"--against no-such-rev: no such revision in {root} (try HEAD~1 or a commit id)"

@@ -17,11 +17,11 @@ from psgrid.cluster.commands import COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from tests.support import address_lines, with_this_tree  # noqa: E402
+from tests.support import address_lines  # noqa: E402
 
 
 def psctl(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=with_this_tree(os.environ))
+    env = dict(os.environ)
     return subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout, **kw)
 
@@ -174,7 +174,7 @@ def test_worker_takes_addresses_and_data_plane():
 
 def test_server_subprocess_publishes_its_address_and_stops_on_sigterm(tmp_path):
     addr, log = tmp_path / "addr", tmp_path / "server.log"
-    env = dict(os.environ, PYTHONPATH=with_this_tree(os.environ))
+    env = dict(os.environ)
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--port", "0", "--address-file",
                                  str(addr), "--mode", "ssp"], cwd=ROOT, env=env, stdout=out,

@@ -45,7 +45,6 @@ def test_leaving_the_context_releases_a_sync_peer_at_once(cluster):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_an_exception_in_the_block_still_leaves(cluster):
     c = cluster(1, mode="sync")
     with pytest.raises(RuntimeError, match="the user's bug"):
@@ -57,7 +56,6 @@ def test_an_exception_in_the_block_still_leaves(cluster):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_joining_waits_for_the_job_on_every_shard_not_only_the_first(cluster):
     c = cluster(2, mode="sync")
     # A stranger that registered with shard 0 only: shard 0 counts two members, shard 1 one.
@@ -104,7 +102,6 @@ def test_one_worker_sends_the_initial_weights(cluster, monkeypatch):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_client_without_weights_waits_for_them_and_says_so_when_none_come(cluster):
     c = cluster(1, mode="async")
     with pytest.raises(NotInitialized, match="pass init="):
@@ -187,7 +184,6 @@ def test_a_retried_push_is_applied_once(cluster):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_worker_moved_to_the_largest_clock_allowed_can_push_on(cluster, mode):
     # A push may carry a later clock than the shard has for the worker (the shard restarted from an
@@ -201,9 +197,10 @@ def test_a_worker_moved_to_the_largest_clock_allowed_can_push_on(cluster, mode):
         worker = client.worker_id
         control = open_control(c.addresses[0], ConnectOptions())
         registration = control.register(spec_hash=REGRESSION.hash(), worker_id=worker, start_clock=-1, host="t")
-        options = ConnectOptions(memory=ClientMemory(REGRESSION.size))
-        plane = open_data_plane("tcp", control, registration, options)
+        options = ConnectOptions(memory=ClientMemory(REGRESSION.size), shared_memory=c.data_plane == "shm")
+        plane = open_data_plane(plane_options(c.data_plane)["data_plane"], control, registration, options)
         try:
+            assert plane.name == c.data_plane
             def push(clock):
                 return plane.push(grad, begin=0, wire_dtype=1, worker_id=worker, clock=clock, version=0, timeout_s=5)
 
@@ -233,7 +230,6 @@ def test_a_worker_moved_to_the_largest_clock_allowed_can_push_on(cluster, mode):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_forgotten_worker_registers_again_by_itself(cluster):
     c = cluster(2, mode="async", lr=1.0)
     with c.client(SPEC, init=SPEC.flat()) as client:
@@ -249,7 +245,6 @@ def test_a_forgotten_worker_registers_again_by_itself(cluster):
 # ----- found in review ------------------------------------------------------------------------------
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_workers_with_different_models_are_refused_before_any_weights_exist(cluster):
     c = cluster(2, mode="sync")
     other = ModelSpec([("w", (3, 40)), ("b", (3,))])          # the same size, another layout
@@ -267,7 +262,6 @@ def test_workers_with_different_models_are_refused_before_any_weights_exist(clus
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_push_one_shard_refused_does_not_stop_the_next(cluster):
     # In async the other shard applied it, so this worker's next clock is one past what the refusing
     # shard has: the client says so by registering again there (the push it refused is counted lost).
@@ -285,7 +279,6 @@ def test_a_push_one_shard_refused_does_not_stop_the_next(cluster):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_client_that_left_never_registers_again(cluster):
     c = cluster(1, mode="async")
     client = c.client(SPEC, init=SPEC.flat()).join()
@@ -297,7 +290,6 @@ def test_a_client_that_left_never_registers_again(cluster):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_waiting_on_a_handle_keeps_its_timeout(cluster):
     c = cluster(1, mode="sync")
     client = c.client(SPEC, worker_id=0, init=SPEC.flat()).join()
@@ -312,7 +304,6 @@ def test_waiting_on_a_handle_keeps_its_timeout(cluster):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_join_that_fails_halfway_leaves_and_closes(cluster):
     c = cluster(2, mode="async")
     other = ModelSpec([("w", (41,)), ("b", (3,))])
@@ -374,7 +365,6 @@ def test_pushes_from_either_gradient_buffer_are_applied(cluster):
 
 # ----- shards of one job, and the Admin's shape -------------------------------------------------------
 
-@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.timeout(30)
 def test_shards_of_different_jobs_are_said_in_one_line_and_a_shutdown_names_those_it_missed(cluster, caplog):
     # Two psctl server processes started by hand without --job-id: each made its own.
@@ -397,7 +387,6 @@ def test_shards_of_different_jobs_are_said_in_one_line_and_a_shutdown_names_thos
     assert c.servers[0].shutdown_requested.is_set() and not c.servers[1].shutdown_requested.is_set()
 
 
-@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.timeout(30)
 def test_shards_of_one_job_say_nothing(cluster, caplog):
     c = cluster(2, mode="async", lr=0.1)

@@ -12,14 +12,14 @@ import time
 
 import pytest
 
-from tests.support import MPI_ENV, ROOT, run_mpiexec, with_this_tree
+from tests.support import MPI_ENV, ROOT, run_mpiexec
 
 TINY = ["--config", "mnist", "--steps", "30", "--eval-every", "10", "--batch-size", "32", "--shards", "1"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def psctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=with_this_tree(os.environ), **MPI_ENV)
+    env = dict(os.environ, **MPI_ENV)
     return subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
 
@@ -88,7 +88,7 @@ def test_resume_runs_only_what_is_missing(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_stops_cleanly_and_keeps_the_finished_runs(tmp_path):
     out = tmp_path / "cmp"
-    env = dict(os.environ, PYTHONPATH=with_this_tree(os.environ))
+    env = dict(os.environ)
     proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "compare", "--config", "mnist",
                              "--steps", "400", "--eval-every", "100", "--shards", "1", "--workers", "1",
                              "--modes", "sync,async,ssp:1", "--out", str(out)],

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.support import MPI_ENV, ROOT, with_this_tree
+from tests.support import MPI_ENV, ROOT
 
 TINY = ["--config", "mnist", "--steps", "20", "--eval-every", "10", "--batch-size", "32", "--shards", "1"]
 
@@ -22,7 +22,7 @@ def psctl_without(package: str, *args: str, timeout: float = 120) -> subprocess.
     code = (f"import sys; sys.modules[{package!r}] = None\n"
             "from psgrid.cluster.cli import main\n"
             "sys.exit(main())")
-    env = dict(os.environ, PYTHONPATH=with_this_tree(os.environ), **MPI_ENV)
+    env = dict(os.environ, **MPI_ENV)
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=ROOT)
 
@@ -61,7 +61,7 @@ def test_a_shard_and_a_worker_need_no_extra():
             "from psgrid.worker.data import load_dataset\n"
             "print(len(load_dataset('mnist5k').train_y))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=with_this_tree(os.environ)))
+                          env=dict(os.environ))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "4000"
 

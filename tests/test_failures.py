@@ -165,7 +165,6 @@ def test_rejoin_with_an_old_clock_lands_at_the_slowest_live_clock_policy_level()
 # ----- (c) joining a running job -------------------------------------------------------------------
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
 def test_a_worker_joins_a_running_job_at_the_slowest_live_clock(cluster, mode):
     c = cluster(2, mode=mode, staleness=3, lease_s=5, lr=0.01)
@@ -198,7 +197,6 @@ def start_shard(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen
     address_file = tmp_path / f"{name}.addr"
     address_file.unlink(missing_ok=True)
     env = {k: v for k, v in os.environ.items() if k != "PSCTL_PARENT_PID"}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     log = open(tmp_path / f"{name}.log", "ab")
     try:
         proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--shard", "0",
@@ -338,7 +336,6 @@ def checkpointing_cluster(cluster, ckpt: Path, **kw):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_restore_trusts_only_the_manifest(cluster, tmp_path):
     ckpt = tmp_path / "ckpt"
     c = checkpointing_cluster(cluster, ckpt, checkpoint_every=3)
@@ -376,7 +373,6 @@ def test_restore_trusts_only_the_manifest(cluster, tmp_path):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.parametrize("crash_at", ["array file", "manifest write", "manifest rename"])
 def test_a_crash_during_save_leaves_the_previous_checkpoint(cluster, tmp_path, monkeypatch, crash_at):
     ckpt = tmp_path / "ckpt"
@@ -445,7 +441,6 @@ def test_stopping_a_server_releases_a_waiting_pull(cluster):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_failing_checkpoint_does_not_stop_training(cluster, tmp_path):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the checkpoint directory should be")
@@ -570,7 +565,6 @@ def test_updates_lost_to_restarts_are_counted_across_every_restart(tmp_path, mod
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_a_checkpoint_that_cannot_be_written_is_a_precondition_with_its_reason(cluster, tmp_path):
     from psgrid.psserver.exceptions import CheckpointFailed
 

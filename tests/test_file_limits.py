@@ -19,7 +19,7 @@ import pytest
 
 from psgrid.psserver.client.client import Client
 from psgrid.psserver.spec import ModelSpec
-from tests.support import address_lines, with_this_tree
+from tests.support import address_lines
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 64 << 10                          # bytes a child may write to one file
@@ -45,7 +45,7 @@ with Client(sys.argv[1].split(","), spec, init=np.zeros(spec.size, np.float32), 
 
 
 def child_env() -> dict:
-    return dict(os.environ, PYTHONPATH=with_this_tree(os.environ))
+    return dict(os.environ)
 
 
 def train(client: Client) -> np.ndarray:

@@ -68,7 +68,7 @@ def run(argv: list[str], cwd: Path, env: dict | None = None, timeout: float = 60
 
 def env_with(*paths: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PSGRID_TOKEN")}
-    env["PYTHONPATH"] = os.pathsep.join([*(str(p) for p in paths), str(ROOT)])
+    env["PYTHONPATH"] = os.pathsep.join([*(str(p) for p in paths), *filter(None, [env.get("PYTHONPATH")])])
     return {**env, **extra}
 
 

@@ -81,7 +81,6 @@ def shard(tmp_path):
     """``psctl server`` (async, lease 1 s) with weights: (process, address, job id, log path)."""
     address_file, log = tmp_path / "addr", tmp_path / "shard.log"
     env = {k: v for k, v in os.environ.items() if k not in ("PSCTL_PARENT_PID", "PSGRID_TOKEN")}
-    env["PYTHONPATH"] = str(ROOT)
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--port", "0", "--mode", "async",
                                  "--lease-s", "1", "--address-file", str(address_file)], cwd=ROOT, env=env,

@@ -25,7 +25,6 @@ def scrape(server) -> dict:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 def test_metrics_follow_pushes_pulls_and_evictions(cluster):
     c = cluster(1, mode="sync", backup_workers=1, lr=0.1, metrics_port=0, lease_s=0.5)
     server = c.servers[0]

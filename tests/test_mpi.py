@@ -268,10 +268,8 @@ def run_plan(tmp_path: Path, *args: str, env: dict | None = None):
     import subprocess
     import sys
 
-    from tests.support import with_this_tree
-
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "OMPI_", "CUDA_VISIBLE"))}
-    clean.update(PYTHONPATH=with_this_tree(os.environ), **(env or {}))
+    clean.update(**(env or {}))
     return subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "mpi", "--plan", *args], cwd=tmp_path,
                           env=clean, capture_output=True, text=True, timeout=60)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -82,9 +81,8 @@ def _psctl() -> list[str]:
 def test_launch_from_a_folder_holding_worker_cluster_and_psserver_modules(tmp_path):
     for name in ("worker", "cluster", "psserver", "psgrid"):
         (tmp_path / f"{name}.py").write_text(f'raise SystemExit("the user\'s {name}.py was imported by psctl")\n')
-    env = dict(os.environ, PYTHONPATH=str(ROOT) if installed_files() is None else os.environ.get("PYTHONPATH", ""))
     done = subprocess.run([*_psctl(), "launch", "--config", "mnist", "--steps", "30", "--eval-every", "0",
-                           "--out", str(tmp_path / "run")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           "--out", str(tmp_path / "run")], cwd=tmp_path, capture_output=True, text=True,
                           timeout=100)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

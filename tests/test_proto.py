@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -43,12 +44,10 @@ def test_generated_code_does_not_refuse_older_runtimes():
 
 
 def test_the_oldest_deps_script_reads_the_lower_bounds_of_pyproject():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        from check_oldest_deps import lower_bounds
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-    bounds = lower_bounds()
+    script = importlib.util.spec_from_file_location("check_oldest_deps", ROOT / "scripts" / "check_oldest_deps.py")
+    module = importlib.util.module_from_spec(script)
+    script.loader.exec_module(module)
+    bounds = module.lower_bounds()
     assert set(bounds) == {"grpcio", "grpcio-health-checking", "protobuf"}
     # the health service's generated code needs a protobuf of its own release: the floors must move together
     assert bounds["grpcio"] == bounds["grpcio-health-checking"]

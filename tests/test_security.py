@@ -188,7 +188,7 @@ def test_the_tcp_plane_verifies_the_shard_by_name_or_address(tls_cluster, certs,
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])
+@pytest.mark.parametrize("data_plane", ["tcp"])    # refused by the control connection, before any data plane
 @pytest.mark.parametrize("who", ["no client cert", "rogue client cert", "no TLS"])
 def test_a_client_without_a_valid_certificate_is_refused(tls_cluster, certs, who):
     before = [shard_state(s) for s in tls_cluster.servers]

@@ -32,7 +32,7 @@ from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.transports.stream_frames import (ATTACH, FD_BYTE, MAGIC, MAP, MAX_MESSAGE, OPEN, PULL, PUSH, REPLY,
                                                    REQUEST, recv_exact, recv_struct)
 from psgrid.psserver.state.weight_ring import MAX_SHARED_READERS, MAX_VERSIONS
-from tests.support import ROOT, with_this_tree
+from tests.support import ROOT
 
 pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="no memfd on this host")
 
@@ -121,7 +121,7 @@ class ShardProcess:
 
     def __init__(self, **settings):
         config = dict(host="127.0.0.1", port=0, lr=1.0, **settings)
-        env = dict(os.environ, PYTHONPATH=with_this_tree(os.environ))
+        env = dict(os.environ)
         self.proc = subprocess.Popen([sys.executable, "-c", SERVE, json.dumps(config)], cwd=ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:

@@ -35,7 +35,6 @@ def rss_kib(pid: int) -> int:
 
 def start_shards(tmp_path: Path, n: int) -> list[tuple[subprocess.Popen, str]]:
     env = {k: v for k, v in os.environ.items() if k not in ("PSCTL_PARENT_PID", "PSGRID_TOKEN")}
-    env["PYTHONPATH"] = str(ROOT)
     shards = []
     for i in range(n):
         address_file = tmp_path / f"shard-{i}"

@@ -51,7 +51,7 @@ def test_exponential_delays_have_the_stated_mean_and_repeat_with_the_seed():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data_plane", ["tcp"])
+@pytest.mark.parametrize("data_plane", ["shm"])    # the built-in trainer takes its default plane: shared memory here
 def test_a_straggler_in_sync_makes_the_others_wait_and_is_recorded(cluster, tmp_path):
     from psgrid.cluster.job.config import apply_overrides, load_job
     from psgrid.worker.loop import run_worker

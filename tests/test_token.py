@@ -21,7 +21,7 @@ from psgrid.psserver.exceptions import Unauthenticated
 from psgrid.cluster.job.credentials import TOKEN_ENV
 from psgrid.worker import env as job_vars
 from psgrid.worker.api import init
-from tests.support import REGRESSION, address_lines, with_this_tree
+from tests.support import REGRESSION, address_lines, plane_options
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "t0ken-of-the-environment"
@@ -68,7 +68,7 @@ def test_a_shard_started_by_hand_with_the_variable_refuses_calls_without_it(tmp_
     """The finding itself: ``PSGRID_TOKEN=... psctl server`` (no --config) took calls with no token."""
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     addr, log = tmp_path / "addr", tmp_path / "server.log"
-    env = dict(os.environ, PYTHONPATH=with_this_tree(os.environ), **{TOKEN_ENV: TOKEN})
+    env = dict(os.environ, **{TOKEN_ENV: TOKEN})
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--port", "0",
                                  "--address-file", str(addr)], cwd=ROOT, env=env, stdout=out,
@@ -87,7 +87,6 @@ def test_a_shard_started_by_hand_with_the_variable_refuses_calls_without_it(tmp_
         proc.wait(timeout=10)
 
 
-@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.timeout(60)
 def test_client_and_admin_take_the_environments_token(cluster, data_plane, token_env):
     c = cluster(1, mode="async", token=TOKEN)
@@ -115,13 +114,14 @@ def test_psctl_status_takes_the_job_folders_token_before_the_environments(cluste
     capsys.readouterr()
 
 
-@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.timeout(60)
 def test_psgrid_init_takes_the_environments_token(cluster, data_plane, token_env):
     c = cluster(1, mode="async", token=TOKEN)
-    with init({"w": np.zeros(REGRESSION.size, np.float32)}, addresses=c.addresses, world=1) as ps:
+    with init({"w": np.zeros(REGRESSION.size, np.float32)}, addresses=c.addresses, world=1,
+              **plane_options(data_plane)) as ps:
         ps.pull()
         ps.push({"w": np.ones(REGRESSION.size, np.float32)})
+        assert ps.client.data_planes == [data_plane]
     assert c.shard().stats()["pushes"] == 1
     with pytest.raises(Unauthenticated):             # a token given wins over the environment's
         init({"w": np.zeros(REGRESSION.size, np.float32)}, addresses=c.addresses, world=1, token=OTHER,

@@ -12,7 +12,8 @@ from psgrid.worker.config import TrainConfig
 from psgrid.worker.evaluate import evaluate
 from psgrid.worker.loop import run_worker
 
-pytestmark = [pytest.mark.slow, pytest.mark.parametrize("data_plane", ["tcp"])]
+# The built-in trainer takes TrainConfig's plane (shared memory on this host), whatever the fixture's.
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("data_plane", ["shm"])]
 
 
 def train_job(cluster, tmp_path, train: TrainConfig, workers: int, shards: int = 2, **server):

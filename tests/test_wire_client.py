@@ -108,7 +108,6 @@ def in_thread(fn, *args) -> tuple[threading.Thread, list]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("data_plane", ["tcp"])
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_worker_written_from_the_proto_trains_beside_a_client(cluster, mode):
     c = cluster(2, mode=mode, lr=0.5, token=TOKEN, chunk_bytes=4096)       # 4 KiB chunks: several per range

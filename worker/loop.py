@@ -127,11 +127,8 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
             # `steps` is the clock a worker trains to: one that joins at clock c (a job resumed from its
             # shards' checkpoints, or a replacement worker) makes the steps that are left.
             first_step = min(max(0, exchange.clock), steps)
-            metrics.write(event="start", rank=rank, worker=exchange.worker_id, host=socket.gethostname(),
-                          device=device_name, mode=exchange.mode, steps=steps, first_step=first_step,
-                          params=spec.size,
-                          shard_rows=len(data.train_y), data_planes=exchange.data_planes,
-                          stragglers=list(train.stragglers), warmup_s=warmup_s)
+            metrics.write(**start_event(exchange, train, data, rank=rank, device_name=device_name, params=spec.size,
+                                        steps=steps, first_step=first_step, warmup_s=warmup_s))
             # In async and ssp the push runs in the background while the next pull waits for weights and
             # the next gradient is computed into the other of two buffers; it is waited for before the push
             # after it. In sync the next pull is answered only once the round the push closes is applied,
@@ -198,6 +195,15 @@ def pull_and_compute(bufs: FlatBuffers, loader, model, delay: Delay, overlap: bo
         time.sleep(delay_s)
     return dict(started=started, loss=loss_value, pull_s=pull_s, compute_s=compute_s, delay_s=delay_s,
                 samples=len(y))
+
+
+def start_event(exchange, train: TrainConfig, data, *, rank: int, device_name: str, params: int, steps: int,
+                first_step: int, warmup_s: float) -> dict:
+    """A worker's first record: who it is, where it runs, and the steps it makes."""
+    return dict(event="start", rank=rank, worker=exchange.worker_id, host=socket.gethostname(),
+                device=device_name, mode=exchange.mode, steps=steps, first_step=first_step, params=params,
+                shard_rows=len(data.train_y), data_planes=exchange.data_planes,
+                stragglers=list(train.stragglers), warmup_s=warmup_s)
 
 
 def warm_up(model, data, train: TrainConfig, xp, *, evaluate: bool) -> float:

@@ -28,11 +28,12 @@ from pathlib import Path
 import numpy as np
 
 from psgrid.cluster.bench.transport import median_time
-from psgrid.cluster.run.procs import SOURCE_ROOT
 from psgrid.psserver import files
 
 PLANES = ("shm", "tcp", "grpc")
 START_TIMEOUT_S = 120.0
+# Where this psgrid's code is: a git checkout's root in an editable install, the psgrid folder in a wheel.
+CODE_ROOT = Path(__file__).resolve().parents[2]
 
 # The worker, as a script of the public Client API (the same text drives an older revision's code).
 WORKER = r"""
@@ -85,28 +86,50 @@ class Code:
     def env(self) -> dict[str, str]:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                    MKL_NUM_THREADS="1")
-        root = self.root if self.root is not None else (SOURCE_ROOT if (SOURCE_ROOT / "pyproject.toml").is_file()
-                                                        else None)
-        if root is not None:
-            env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        if self.root is not None:
+            site = str(self.root.parent / "site")
+            env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         return env
+
+
+def installed_layout(tree: Path, site: Path) -> None:
+    """Lay out ``tree``'s code in ``site`` as a wheel does (``psgrid/`` with its subpackages inside), by symlinks.
+
+    A checkout's root on the path would not do: its subpackages are mapped in by pyproject.toml's
+    ``package-dir``, and without them there the missing ones would come from this interpreter's psgrid.
+    """
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    settings = tomllib.loads((tree / "pyproject.toml").read_text())
+    mapped = settings.get("tool", {}).get("setuptools", {}).get("package-dir", {})
+    package = site / "psgrid"
+    package.mkdir(parents=True)
+    for entry in (tree / "psgrid").iterdir():
+        (package / entry.name).symlink_to(entry)
+    for name, folder in mapped.items():
+        if name.count(".") == 1 and name.startswith("psgrid."):
+            (package / name.split(".")[1]).symlink_to(tree / folder)
 
 
 def checkout(revision: str) -> Code:
     """A temporary worktree of ``revision`` of the git checkout psgrid runs from."""
     from psgrid.cluster.errors import UsageError
 
-    if not (SOURCE_ROOT / ".git").exists():
-        raise UsageError(f"--against needs psgrid run from a git checkout, and this one runs from {SOURCE_ROOT}: "
+    if not (CODE_ROOT / ".git").exists():
+        raise UsageError(f"--against needs psgrid run from a git checkout, and this one runs from {CODE_ROOT}: "
                          f"install it from the checkout with pip install -e .")
-    known = subprocess.run(["git", "-C", str(SOURCE_ROOT), "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"],
+    known = subprocess.run(["git", "-C", str(CODE_ROOT), "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"],
                            capture_output=True)
     if known.returncode != 0:
-        raise UsageError(f"--against {revision}: no such revision in {SOURCE_ROOT} (try HEAD~1 or a commit id)")
+        raise UsageError(f"--against {revision}: no such revision in {CODE_ROOT} (try HEAD~1 or a commit id)")
     where = Path(tempfile.mkdtemp(prefix="psgrid-bench-"))
     try:
-        subprocess.run(["git", "-C", str(SOURCE_ROOT), "worktree", "add", "--detach", str(where / "tree"), revision],
+        subprocess.run(["git", "-C", str(CODE_ROOT), "worktree", "add", "--detach", str(where / "tree"), revision],
                        check=True, capture_output=True)
+        installed_layout(where / "tree", where / "site")
     except subprocess.CalledProcessError as exc:
         shutil.rmtree(where, ignore_errors=True)
         raise UsageError(f"--against {revision}: git could not check it out: {exc.stderr.decode().strip()}") from None
@@ -116,7 +139,7 @@ def checkout(revision: str) -> Code:
 
 
 def remove_checkout(code: Code) -> None:
-    subprocess.run(["git", "-C", str(SOURCE_ROOT), "worktree", "remove", "--force", str(code.root)],
+    subprocess.run(["git", "-C", str(CODE_ROOT), "worktree", "remove", "--force", str(code.root)],
                    capture_output=True)
     shutil.rmtree(code.root.parent, ignore_errors=True)
 

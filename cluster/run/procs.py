@@ -22,8 +22,6 @@ from typing import Iterable, Sequence
 from psgrid.psserver import files
 
 PARENT_ENV = "PSCTL_PARENT_PID"
-# The repository root in a checkout (it holds pyproject.toml); the psgrid folder in a wheel.
-SOURCE_ROOT = Path(__file__).resolve().parents[2]
 # Children start with this instead of ``python -m``, which would put the current folder first on their
 # path: a user's own worker.py (or psgrid.py) there must never shadow an import of ours.
 CHILD_BOOTSTRAP = ("import sys\n"
@@ -58,17 +56,13 @@ def limit_blas_threads(threads: int) -> None:
 
 
 def child_env(extra: dict[str, str] | None = None, threads: int | None = None) -> dict[str, str]:
-    """The environment of a child: ours, this package importable, unbuffered output, parent watch on.
+    """The environment of a child: ours (psgrid is installed, so it imports the same package), unbuffered
+    output, parent watch on.
 
     ``threads`` caps the BLAS/OpenMP threads of the child unless the user set them, so that
     W workers on a C-core machine do not each start C threads.
     """
     env = dict(os.environ)
-    if (SOURCE_ROOT / "pyproject.toml").is_file():
-        # A source checkout that may not be installed: let the children import this very tree.
-        # (An installed psgrid is already on every interpreter's path.)
-        path = env.get("PYTHONPATH")
-        env["PYTHONPATH"] = str(SOURCE_ROOT) + (os.pathsep + path if path else "")
     env["PYTHONUNBUFFERED"] = "1"
     env[PARENT_ENV] = str(os.getpid())
     if threads is not None:
@@ -79,7 +73,7 @@ def child_env(extra: dict[str, str] | None = None, threads: int | None = None) -
 
 
 def psctl_argv(*args: str) -> list[str]:
-    """The command line that runs ``psctl ARGS`` with this interpreter (works without installing).
+    """The command line that runs ``psctl ARGS`` with this interpreter and the psgrid installed in it.
 
     The current folder is not put on the child's path (see CHILD_BOOTSTRAP).
     """
