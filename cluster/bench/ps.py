@@ -39,8 +39,7 @@ CODE_ROOT = Path(__file__).resolve().parents[2]
 WORKER = r"""
 import json, statistics, sys, time
 import numpy as np
-from psgrid.psserver.client.client import Client
-from psgrid.psserver.spec import ModelSpec
+from psgrid import Client, ModelSpec   # the public names: module paths differ between revisions
 
 cfg = json.loads(sys.argv[1])
 spec = ModelSpec([("x", (cfg["params"],))])
