@@ -38,7 +38,13 @@ class Checkpointing:
         self._flush_capture()
 
     def _flush_capture(self) -> None:
-        """Write the checkpoint captured under the lock, if any (call without the lock held)."""
+        """Write the checkpoint captured under the lock, if any (call without the lock held).
+
+        Peeked at first without the lock, as every push ends here: a thread that captures one
+        calls this itself afterwards, and sees its own store.
+        """
+        if self.pending_capture is None:
+            return
         with self.cond:
             capture, self.pending_capture = self.pending_capture, None
         if capture is not None:

@@ -24,14 +24,14 @@ class Pushes:
     """The push side of a shard: take a gradient, hold it for its sync round or apply it."""
 
     @property
-    def checks_as_it_applies(self) -> bool:
-        """async: a pushed gradient is checked for NaN and infinity by the update itself, which reads
-        it anyway (a pass of its own costs as much as a copy); the data path need not check it first."""
-        return self.config.mode == "async"
+    def finite_check(self):
+        """The check for NaN and infinity a pushed gradient passes as it lands, or None where the update makes it.
 
-    def all_finite(self, values: np.ndarray) -> bool:
-        """Whether a gradient of this range holds no NaN or infinity (checked by the update's threads)."""
-        return self.chunks.all_finite(values)
+        The one rule of where a gradient is checked, once. In async the update checks it as it reads
+        it (:meth:`_push_async`, ``check_finite``): a pass of its own would cost as much as a copy.
+        Elsewhere a gradient may wait for its round, so it is checked as it lands, a chunk per thread.
+        """
+        return None if self.config.mode == "async" else self.chunks.all_finite
 
     def check_pusher(self, worker: int) -> None:
         """Refuse early (before the payload is read) a push from a worker that is not live.
@@ -56,14 +56,15 @@ class Pushes:
         worker hears of the update), written without holding up other calls.
         """
         try:
-            return self._push(worker, clock, version_used, grad, nbytes, borrowed)
+            if self.config.mode == "async":
+                return self._push_async(worker, clock, version_used, grad, nbytes), False
+            return self._push_rounds(worker, clock, version_used, grad, nbytes, borrowed)
         finally:
             self._flush_capture()
 
-    def _push(self, worker: int, clock: int, version_used: int, grad: np.ndarray,
-              nbytes: int, borrowed: bool) -> tuple[PushResult, bool]:
-        if self.config.mode == "async":
-            return self._push_async(worker, clock, version_used, grad, nbytes), False
+    def _push_rounds(self, worker: int, clock: int, version_used: int, grad: np.ndarray,
+                     nbytes: int, borrowed: bool) -> tuple[PushResult, bool]:
+        """sync and ssp: take the push under ``cond``; apply it, or hold it for its round."""
         with self.cond:
             self._require_serving()
             self._require_live(worker)
