@@ -191,6 +191,9 @@ class WeightRing:
         return self.current
 
     def give_back(self, index: int) -> None:
+        """An in-process reader is done with buffer ``index`` (ValueError if it was not lent)."""
+        if not self.lent[index]:
+            raise ValueError(f"buffer {index} given back but not lent: it could be overwritten while read")
         self.lent[index] -= 1
 
     def lent_buffers(self) -> int:
@@ -206,7 +209,9 @@ class WeightRing:
         return slot
 
     def free_slot(self, slot: int) -> None:
-        """The reader is gone: whatever it held is released with its slot."""
+        """The reader is gone: whatever it held is released with its slot (ValueError if it is free)."""
+        if not 0 <= slot < MAX_SHARED_READERS or slot in self.free_slots:
+            raise ValueError(f"slot {slot} is not taken: freed twice, it would go to two readers")
         self.marks[slot] = NO_MARK
         self.given[slot] = NOT_GIVEN
         self.free_slots.append(slot)
