@@ -93,7 +93,8 @@ class RangeIntake:
     once (:meth:`landing`, then :meth:`landed`); the shared-memory plane hands over the worker's
     own memory (:meth:`PushIntake.fill_shared`). Each piece is checked as it arrives, so a bad one
     is refused before the rest is read. ``finite`` is the check for NaN and infinity, or None
-    where the values are checked later, by the update that reads them (:attr:`Shard.finite_check`).
+    where the values are checked later, by the update that reads them (see state/pushes.py
+    :func:`finite_check`).
     """
 
     __slots__ = ("begin", "size", "buffer", "allowed", "scratch_pool", "scratch", "landing_dtype", "covered",
@@ -222,7 +223,8 @@ class PushIntake(RangeIntake):
         self.covered, self.chunks, self.nbytes = self.size, 1, segment.nbytes
 
     def commit(self, declared_chunks: int | None = None) -> PushResult:
-        self.complete(declared_chunks)
+        if self.covered != self.size or declared_chunks is not None:      # a whole landing is complete
+            self.complete(declared_chunks)
         result, kept = self.shard.push(self.worker_id, self.clock, self.version, self.buffer, self.nbytes,
                                        borrowed=self.borrowed)
         if kept:
@@ -465,6 +467,9 @@ class ShardService:
 
     def push_shared(self, *, worker_id: int, clock: int, version: int, dtype: int, segment: np.ndarray) -> PushResult:
         """One gradient in a worker's shared memory: ``segment`` is this shard's range in ``dtype``, read in place."""
-        with self.open_push(worker_id=worker_id, clock=clock, version=version) as intake:
+        intake = self.open_push(worker_id=worker_id, clock=clock, version=version)
+        try:
             intake.fill_shared(dtype, segment)
             return intake.commit()
+        finally:
+            intake.close()

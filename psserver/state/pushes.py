@@ -9,29 +9,32 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Callable
 
 import numpy as np
 
 from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.kernels.compensation import effective_momentum
+from psgrid.psserver.kernels.parallel import Chunks
 from psgrid.psserver.protocol import Outcome, PushResult, Reason
 from psgrid.psserver.state.weight_ring import WeightRing
 
 log = logging.getLogger("psgrid.shard")
 
 
+def finite_check(mode: str, chunks: Chunks) -> Callable[[np.ndarray], bool] | None:
+    """The check for NaN and infinity a pushed gradient passes as it lands, or None where the update makes it.
+
+    The one rule of where a gradient is checked, whatever plane brought it. In async the update
+    checks it as it reads it (:meth:`Pushes._push_async`, ``check_finite``): a pass of its own
+    would cost as much as a copy. Elsewhere a gradient may wait for its round, so it is checked as
+    it lands, a chunk per thread.
+    """
+    return None if mode == "async" else chunks.all_finite
+
+
 class Pushes:
     """The push side of a shard: take a gradient, hold it for its sync round or apply it."""
-
-    @property
-    def finite_check(self):
-        """The check for NaN and infinity a pushed gradient passes as it lands, or None where the update makes it.
-
-        The one rule of where a gradient is checked, once. In async the update checks it as it reads
-        it (:meth:`_push_async`, ``check_finite``): a pass of its own would cost as much as a copy.
-        Elsewhere a gradient may wait for its round, so it is checked as it lands, a chunk per thread.
-        """
-        return None if self.config.mode == "async" else self.chunks.all_finite
 
     def check_pusher(self, worker: int) -> None:
         """Refuse early (before the payload is read) a push from a worker that is not live.
@@ -66,8 +69,9 @@ class Pushes:
                      nbytes: int, borrowed: bool) -> tuple[PushResult, bool]:
         """sync and ssp: take the push under ``cond``; apply it, or hold it for its round."""
         with self.cond:
-            self._require_serving()
-            self._require_live(worker)
+            if self.closing or self.restoring or self.ring is None or worker not in self.policy.clocks:
+                self._require_serving()         # one of them fails: raise the error that says which
+                self._require_live(worker)
             expected = self.policy.clocks[worker]
             self._check_claims(worker, clock, version_used, expected)
             decision = self.policy.on_push(worker, clock)
@@ -112,8 +116,9 @@ class Pushes:
         """
         with self.apply_lock:
             with self.cond:
-                self._require_serving()
-                self._require_live(worker)
+                if self.closing or self.restoring or self.ring is None or worker not in self.policy.clocks:
+                    self._require_serving()     # one of them fails: raise the error that says which
+                    self._require_live(worker)
                 expected = self.policy.clocks[worker]
                 self._check_claims(worker, clock, version_used, expected)
                 if clock < expected:        # a retry of a push this shard has taken: answered, not applied

@@ -35,7 +35,7 @@ from psgrid.psserver.state.checkpointing import Checkpointing
 from psgrid.psserver.state.counters import Counters
 from psgrid.psserver.state.membership import Leases, Membership
 from psgrid.psserver.state.policy import ConsistencyPolicy
-from psgrid.psserver.state.pushes import Pushes
+from psgrid.psserver.state.pushes import Pushes, finite_check
 from psgrid.psserver.state.snapshots import MAX_LENT_BUFFERS, Snapshots
 from psgrid.psserver.state.weight_ring import WeightRing
 
@@ -62,6 +62,7 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
         # and everything else go on meanwhile); updates queue on this lock, taken before ``cond``.
         self.apply_lock = threading.Lock()
         self.chunks = Chunks(config.apply_threads or default_threads())
+        self.finite_check = finite_check(config.mode, self.chunks)     # None: the update checks a gradient
         self.policy = ConsistencyPolicy(config.mode, config.staleness, config.backup_workers)
         self.leases = Leases(config.lease_s)
         self.counters = Counters()
