@@ -86,22 +86,25 @@ class PullLease:
 
 
 class RangeIntake:
-    """One float range arriving from the wire into ``buffer``, checked as it lands.
+    """One float range arriving from the wire, checked as it lands; nothing reaches the shard until :meth:`complete`.
 
-    A transport either adds chunks that must tile ``[begin, begin + size)`` in order
-    (:meth:`add_chunk`, the gRPC streams), or fills the whole range at once (:meth:`landing`
-    then :meth:`landed`, the TCP plane). Each piece is checked as it arrives, so a bad one is
-    refused before the rest is read, and nothing reaches the shard until :meth:`complete`.
+    Each plane fills it its own way, one method each: the gRPC streams add chunks that must tile
+    ``[begin, begin + size)`` in order (:meth:`add_chunk`); the TCP plane fills the whole range at
+    once (:meth:`landing`, then :meth:`landed`); the shared-memory plane hands over the worker's
+    own memory (:meth:`PushIntake.fill_shared`). Each piece is checked as it arrives, so a bad one
+    is refused before the rest is read. ``finite`` is the check for NaN and infinity, or None
+    where the values are checked later, by the update that reads them (see state/pushes.py
+    :func:`finite_check`).
     """
 
     __slots__ = ("begin", "size", "buffer", "allowed", "scratch_pool", "scratch", "landing_dtype", "covered",
                  "chunks", "nbytes", "finite")
 
-    def __init__(self, begin: int, size: int, buffer: np.ndarray, allowed: frozenset[int],
+    def __init__(self, begin: int, size: int, buffer: np.ndarray | None, allowed: frozenset[int],
                  scratch: Callable[[], BufferPool] | None = None,
-                 finite: Callable[[np.ndarray], bool] = wire.all_finite):
+                 finite: Callable[[np.ndarray], bool] | None = wire.all_finite):
         self.begin, self.size, self.buffer, self.allowed = begin, size, buffer, allowed
-        self.finite = finite                 # the check of a whole landed range (the shard's threads)
+        self.finite = finite
         self.scratch_pool = scratch          # where half-precision landings come from (asked only for those)
         self.scratch: np.ndarray | None = None
         self.landing_dtype = 0
@@ -111,6 +114,10 @@ class RangeIntake:
         if dtype not in self.allowed:
             kinds = "/".join(name for name, code in WIRE_DTYPES.items() if code in self.allowed)
             raise InvalidArgument(f"dtype {dtype} is not allowed here (expected {kinds})", Reason.BAD_DTYPE)
+
+    def _destination(self) -> np.ndarray:
+        """The buffer the range lands in (a push takes its pooled one only once its payload comes)."""
+        return self.buffer
 
     def add_chunk(self, offset: int, dtype: int, data) -> None:
         self._check_dtype(dtype)
@@ -123,10 +130,11 @@ class RangeIntake:
         if self.covered + n > self.size:
             raise InvalidArgument(f"chunk {self.chunks} runs past the end of this shard's range "
                                   f"[{self.begin}, {self.begin + self.size})", Reason.BAD_SIZE)
-        piece = self.buffer[self.covered:self.covered + n]
+        buffer = self.buffer if self.buffer is not None else self._destination()
+        piece = buffer[self.covered:self.covered + n]
         wire.decode_into(piece, data, dtype)
-        if not wire.all_finite(piece):
-            raise InvalidArgument(f"chunk {self.chunks} (offset {offset}) contains NaN or infinity", Reason.NON_FINITE)
+        if self.finite is not None and not self.finite(piece):
+            raise non_finite(f"chunk {self.chunks} (offset {offset})")
         self.covered += n
         self.chunks += 1
         self.nbytes += len(data)
@@ -140,8 +148,9 @@ class RangeIntake:
             raise InvalidArgument(f"payload of {nbytes} bytes; this shard's range needs {expected} "
                                   f"({self.size} elements)", Reason.BAD_SIZE)
         self.landing_dtype = dtype
+        buffer = self._destination()
         if dtype == FLOAT32:
-            return memoryview(self.buffer).cast("B")
+            return memoryview(buffer).cast("B")
         self.scratch = self.scratch_pool().take()
         return memoryview(self.scratch).cast("B")
 
@@ -150,8 +159,8 @@ class RangeIntake:
         if self.scratch is not None:
             wire.decode_into(self.buffer, memoryview(self.scratch).cast("B"), self.landing_dtype)
             self.release_scratch()
-        if not self.finite(self.buffer):
-            raise InvalidArgument("payload contains NaN or infinity", Reason.NON_FINITE)
+        if self.finite is not None and not self.finite(self.buffer):
+            raise non_finite("payload")
         self.covered, self.chunks = self.size, 1
         self.nbytes = self.size * ITEMSIZE[self.landing_dtype]
 
@@ -169,25 +178,55 @@ class RangeIntake:
             self.scratch = None
 
 
-def _checked_later(values: np.ndarray) -> bool:
-    """The landed gradient's check is the update's (Shard.checks_as_it_applies)."""
-    return True
+def non_finite(what: str) -> InvalidArgument:
+    return InvalidArgument(f"{what} contains NaN or infinity", Reason.NON_FINITE)
 
 
 class PushIntake(RangeIntake):
-    """One push: the gradient lands in a pooled buffer, then :meth:`commit` hands it to the shard."""
+    """One push, whichever plane brings it: the gradient lands, then :meth:`commit` hands it to the shard.
 
-    __slots__ = ("shard", "worker_id", "clock", "version")
+    It lands in a pooled buffer of the shard's, taken when the payload comes (and given back by
+    :meth:`close` unless a sync round keeps it), or, on the shared-memory plane, stays in the
+    worker's memory and is read there (``borrowed``).
+    """
+
+    __slots__ = ("shard", "worker_id", "clock", "version", "borrowed")
 
     def __init__(self, service: "ShardService", worker_id: int, clock: int, version: int):
         shard = service.shard
-        super().__init__(shard.begin, shard.size, shard.pool.take(), GRADIENT_DTYPES, service.half_pool,
-                         _checked_later if shard.checks_as_it_applies else shard.all_finite)
+        super().__init__(shard.begin, shard.size, None, GRADIENT_DTYPES, service.half_pool, shard.finite_check)
         self.shard, self.worker_id, self.clock, self.version = shard, worker_id, clock, version
+        self.borrowed = False
+
+    def _destination(self) -> np.ndarray:
+        if self.buffer is None:
+            self.buffer = self.shard.pool.take()
+        return self.buffer
+
+    def fill_shared(self, dtype: int, segment: np.ndarray) -> None:
+        """The gradient is ``segment``, this shard's range of a worker's shared memory, in wire ``dtype``.
+
+        A float32 gradient is checked and used where it lies (no copy); a half-precision one is
+        converted into a pooled buffer, then checked.
+        """
+        if dtype not in self.allowed:
+            self._check_dtype(dtype)
+        if len(segment) != self.size:
+            raise InvalidArgument(f"the shared gradient maps {len(segment)} elements; this shard's range has "
+                                  f"{self.size}", Reason.BAD_SIZE)
+        if dtype == FLOAT32:
+            self.buffer, self.borrowed = segment, True
+        else:
+            wire.decode_into(self._destination(), memoryview(segment).cast("B"), dtype)
+        if self.finite is not None and not self.finite(self.buffer):
+            raise non_finite("payload")
+        self.covered, self.chunks, self.nbytes = self.size, 1, segment.nbytes
 
     def commit(self, declared_chunks: int | None = None) -> PushResult:
-        self.complete(declared_chunks)
-        result, kept = self.shard.push(self.worker_id, self.clock, self.version, self.buffer, self.nbytes)
+        if self.covered != self.size or declared_chunks is not None:      # a whole landing is complete
+            self.complete(declared_chunks)
+        result, kept = self.shard.push(self.worker_id, self.clock, self.version, self.buffer, self.nbytes,
+                                       borrowed=self.borrowed)
         if kept:
             self.buffer = None          # the shard holds it for its sync round now
         return result
@@ -196,7 +235,8 @@ class PushIntake(RangeIntake):
         if self.scratch is not None:
             self.release_scratch()
         if self.buffer is not None:
-            self.shard.pool.give(self.buffer)
+            if not self.borrowed:
+                self.shard.pool.give(self.buffer)
             self.buffer = None
 
     def __enter__(self) -> "PushIntake":
@@ -416,39 +456,23 @@ class ShardService:
         self._wait_for_pull(worker_id, clock, timeout_s, None)
         return self.shard.mark_current(slot)
 
-    def push_shared(self, *, worker_id: int, clock: int, version: int, dtype: int, segment: np.ndarray) -> PushResult:
-        """One gradient in a worker's shared memory: ``segment`` is this shard's range in ``dtype``, read in place.
-
-        A float32 gradient is checked and used where it lies (no copy); a half-precision one
-        is converted into a pooled buffer as it is checked.
-        """
-        self._check_push_numbers(worker_id, clock, version)
-        self.shard.check_pusher(worker_id)
-        shard = self.shard
-        if dtype not in GRADIENT_DTYPES:
-            raise InvalidArgument(f"dtype {dtype} is not a gradient dtype", Reason.BAD_DTYPE)
-        if len(segment) != shard.size:
-            raise InvalidArgument(f"the shared gradient maps {len(segment)} elements; this shard's range has "
-                                  f"{shard.size}", Reason.BAD_SIZE)
-        if dtype != FLOAT32:
-            with PushIntake(self, worker_id, clock, version) as intake:
-                intake.add_chunk(shard.begin, dtype, memoryview(segment).cast("B"))
-                return intake.commit(1)
-        if not shard.checks_as_it_applies and not shard.all_finite(segment):
-            raise InvalidArgument("payload contains NaN or infinity", Reason.NON_FINITE)
-        result, _ = shard.push(worker_id, clock, version, segment, segment.nbytes, borrowed=True)
-        return result
-
     def open_push(self, *, worker_id: int, clock: int, version: int) -> PushIntake:
-        """Start taking one gradient; refused at once (before the payload) for a worker that is not live."""
-        self._check_push_numbers(worker_id, clock, version)
-        self.shard.check_pusher(worker_id)
-        return PushIntake(self, worker_id, clock, version)
+        """Start taking one gradient; refused at once (before the payload) for a worker that is not live.
 
-    @staticmethod
-    def _check_push_numbers(worker_id: int, clock: int, version: int) -> None:
-        # A push moves its worker to clock + 1, which must be a clock too.
+        Every plane's push comes in here; a push moves its worker to clock + 1, which must be a clock too.
+        """
         if not (0 <= worker_id <= MAX_WORKER_ID and 0 <= clock < MAX_CLOCK and 0 <= version <= MAX_CLOCK):
             check_worker(worker_id, observer_ok=False)       # one of them is out of range: say which
             check_range("clock", clock, 0, MAX_CLOCK - 1)
             check_range("version", version, 0, MAX_CLOCK)
+        self.shard.check_pusher(worker_id)
+        return PushIntake(self, worker_id, clock, version)
+
+    def push_shared(self, *, worker_id: int, clock: int, version: int, dtype: int, segment: np.ndarray) -> PushResult:
+        """One gradient in a worker's shared memory: ``segment`` is this shard's range in ``dtype``, read in place."""
+        intake = self.open_push(worker_id=worker_id, clock=clock, version=version)
+        try:
+            intake.fill_shared(dtype, segment)
+            return intake.commit()
+        finally:
+            intake.close()

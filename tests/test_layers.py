@@ -41,9 +41,7 @@ WORKER_MAY_USE = ("psgrid.psserver.client", "psgrid.psserver.kernels", "psgrid.p
                   "psgrid.psserver.files")       # metrics files created owner-only, as every file psgrid writes
 
 # Offenders other branches of issue 19 fix: the merge removes these marks.
-FIXED_IN = {
-    "modules": {"psserver/state/shard.py": "i19-state"},
-}
+FIXED_IN: dict = {}
 
 
 def sources(*folders: str) -> list[Path]:

@@ -13,6 +13,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, TypeVar
 
+from psgrid.psserver.dtypes import all_finite
+
 T = TypeVar("T")
 MIN_CHUNK = 1 << 18       # elements: below this a thread's hand-off costs more than its share of the pass
 
@@ -45,8 +47,8 @@ class Chunks:
 
     def all_finite(self, values) -> bool:
         """Whether ``values`` holds no NaN or infinity, checked a chunk per thread."""
-        from psgrid.psserver.dtypes import all_finite
-
+        if self.threads == 1 or len(values) < 2 * MIN_CHUNK:     # one chunk (a gRPC push's): no hand-off
+            return all_finite(values)
         return all(self.map(lambda lo, hi, _: all_finite(values[lo:hi]), len(values)))
 
     def close(self) -> None:

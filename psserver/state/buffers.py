@@ -18,6 +18,7 @@ class BufferPool:
         self.on_loan = 0          # taken and not yet given back (tests check none is lost)
 
     def take(self) -> np.ndarray:
+        """A buffer of ``size`` elements, holding whatever its last holder left in it."""
         with self.lock:
             self.on_loan += 1
             if self.free:
@@ -25,6 +26,18 @@ class BufferPool:
         return np.empty(self.size, dtype=self.dtype)
 
     def give(self, buf: np.ndarray) -> None:
+        """Take ``buf`` back for the next :meth:`take`.
+
+        Raises
+        ------
+        ValueError
+            When nothing is on loan (a buffer given back twice would be handed to two holders at
+            once), or ``buf`` is not of this pool's size and dtype; the pool is left as it was.
+        """
+        if buf.shape != (self.size,) or buf.dtype != self.dtype:
+            raise ValueError(f"a buffer of {buf.dtype} {buf.shape} given back to a pool of {self.dtype} ({self.size},)")
         with self.lock:
+            if not self.on_loan:
+                raise ValueError("a buffer given back to a pool that has none on loan (given back twice?)")
             self.on_loan -= 1
             self.free.append(buf)

@@ -40,7 +40,7 @@ from psgrid.psserver.shared_memory import READ_ONLY_TO_OTHERS, SharedArray
 
 MAX_SHARED_READERS = 256     # slots in the table of marks: connections of the shared-memory plane at once
 # Buffers at most: the current one, the one an update writes, two lent to in-process senders
-# (shard.MAX_LENT_BUFFERS) and four versions for readers in other processes. A reader holds its
+# (snapshots.MAX_LENT_BUFFERS) and four versions for readers in other processes. A reader holds its
 # buffer for one copy, and an update takes as long as a copy or longer (it reads the weights and
 # the gradient and writes the next version), so a reader's mark is revoked only when four
 # updates finish during one of its copies; then it copies again. Readers that hold on for ever
@@ -144,7 +144,7 @@ class WeightRing:
         unheld = [i for i in free if i not in held]
         if unheld:               # only versions kept for compensation: the oldest gives way
             return self._taken(min(unheld, key=self.published.__getitem__))
-        if not free:             # only in-process lending past its cap (shard.MAX_LENT_BUFFERS) could do this
+        if not free:             # only in-process lending past its cap (snapshots.MAX_LENT_BUFFERS) could do this
             return self._taken(self._grow())
         return self._taken(self._revoke(min(free, key=self.published.__getitem__)))
 
@@ -191,6 +191,9 @@ class WeightRing:
         return self.current
 
     def give_back(self, index: int) -> None:
+        """An in-process reader is done with buffer ``index`` (ValueError if it was not lent)."""
+        if not self.lent[index]:
+            raise ValueError(f"buffer {index} given back but not lent: it could be overwritten while read")
         self.lent[index] -= 1
 
     def lent_buffers(self) -> int:
@@ -206,7 +209,9 @@ class WeightRing:
         return slot
 
     def free_slot(self, slot: int) -> None:
-        """The reader is gone: whatever it held is released with its slot."""
+        """The reader is gone: whatever it held is released with its slot (ValueError if it is free)."""
+        if not 0 <= slot < MAX_SHARED_READERS or slot in self.free_slots:
+            raise ValueError(f"slot {slot} is not taken: freed twice, it would go to two readers")
         self.marks[slot] = NO_MARK
         self.given[slot] = NOT_GIVEN
         self.free_slots.append(slot)
