@@ -40,8 +40,6 @@ WORKER_MAY_USE = ("psgrid.psserver.client", "psgrid.psserver.kernels", "psgrid.p
                   "psgrid.psserver.security",    # the job's token, which a worker reads and hands to its client
                   "psgrid.psserver.files")       # metrics files created owner-only, as every file psgrid writes
 
-# Offenders other branches of issue 19 fix: the merge removes these marks.
-FIXED_IN: dict = {}
 
 
 def sources(*folders: str) -> list[Path]:
@@ -62,16 +60,6 @@ def module_name(path: Path) -> str:
 
 PACKAGE_SOURCES = [p for p in sources(*PACKAGE) if not rel(p).startswith(GENERATED)]
 MODULES = {module_name(p) for p in sources(*PACKAGE)}
-
-
-def each(paths: list[Path], rule: str) -> list:
-    """``paths`` as test parameters, each offender another branch fixes marked as expected to fail."""
-    fixed_in = FIXED_IN.get(rule, {})
-    def marks(path: Path) -> list:
-        branch = fixed_in.get(rel(path))
-        return [pytest.mark.xfail(strict=False, reason=f"fixed in branch {branch}")] if branch else []
-
-    return [pytest.param(p, id=rel(p), marks=marks(p)) for p in paths]
 
 
 def tree(path: Path) -> ast.Module:
@@ -148,13 +136,6 @@ def test_the_client_side_rule_sees_the_client_folder():
             "psserver/transports/grpc_client.py"} <= names
 
 
-@pytest.mark.parametrize("path", sources("psserver/client"), ids=rel)
-def test_the_client_folder_imports_nothing_of_shard_state_the_service_or_the_server(path):
-    shard = {m for m in imports(path) if m.startswith("psgrid.psserver.state")
-             or m in ("psgrid.psserver.service", "psgrid.psserver.server")}
-    assert not shard, f"{rel(path)} imports {sorted(shard)}: the client talks to shards only through transports"
-
-
 @pytest.mark.parametrize("path", sources("psserver"), ids=rel)
 def test_the_shard_side_knows_nothing_of_workers_or_jobs(path):
     upward = {m for m in imports(path) if m.startswith(("psgrid.worker", "psgrid.cluster"))}
@@ -185,13 +166,13 @@ def test_nothing_puts_a_source_root_on_a_path(path):
 
 # ----- private names stay in their module ---------------------------------------------------------
 
-@pytest.mark.parametrize("path", each(PACKAGE_SOURCES, "private"))
+@pytest.mark.parametrize("path", PACKAGE_SOURCES, ids=rel)
 def test_no_private_name_is_used_across_modules(path):
     crossing = private_names_of_other_modules(path)
     assert not crossing, f"{rel(path)} uses private names of other modules: {crossing}"
 
 
-@pytest.mark.parametrize("path", each(sources("cluster/experiments"), "experiments"))
+@pytest.mark.parametrize("path", sources("cluster/experiments"), ids=rel)
 def test_experiments_use_run_and_mpi_through_public_names(path):
     reached = [name for name in private_names_of_other_modules(path)
                if name.removeprefix("from ").startswith(("psgrid.cluster.run", "psgrid.cluster.mpi"))]
@@ -218,7 +199,7 @@ def test_the_private_name_rule_finds_both_forms(tmp_path):
 
 # ----- sizes ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", each(PACKAGE_SOURCES, "functions"))
+@pytest.mark.parametrize("path", PACKAGE_SOURCES, ids=rel)
 def test_no_function_is_over_80_lines(path):
     functions = [node for node in ast.walk(tree(path)) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
     long = [f"{node.name} ({node.end_lineno - node.lineno + 1} lines, line {node.lineno})" for node in functions
@@ -226,7 +207,7 @@ def test_no_function_is_over_80_lines(path):
     assert not long, f"{rel(path)}: functions over {MAX_FUNCTION_LINES} lines: {long}"
 
 
-@pytest.mark.parametrize("path", each(PACKAGE_SOURCES, "modules"))
+@pytest.mark.parametrize("path", PACKAGE_SOURCES, ids=rel)
 def test_no_module_is_over_500_lines(path):
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_MODULE_LINES, f"{rel(path)} is {lines} lines (at most {MAX_MODULE_LINES}): split it"
@@ -279,13 +260,3 @@ def test_no_import_circle_in_psserver():
 
     circles = [circle for module in sorted(graph) if (circle := reaches(module))]
     assert not circles, f"import circle: {' -> '.join(circles[0])}"
-
-
-@pytest.mark.parametrize("path", sources("psserver/client"), ids=rel)
-def test_the_client_folder_is_split_by_concept(path):
-    """A module under 500 lines, a function under 80: split long before a scheduler.py."""
-    tree = ast.parse(path.read_text())
-    assert len(path.read_text().splitlines()) < 500, f"{rel(path)} is over 500 lines"
-    long = [f"{node.name} ({node.end_lineno - node.lineno + 1})" for node in ast.walk(tree)
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
-    assert not long, f"{rel(path)}: functions over 80 lines: {long}"
