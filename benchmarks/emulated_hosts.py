@@ -3,17 +3,20 @@
 Runs sync jobs of a model whose step is bound by the links (a 784-H-10 MLP on the synthetic task,
 float32 gradients), shards and workers spread over emulated hosts (cluster/hosts/), and prints
 for each the step measured beside the step cost_model.links_step_s predicts: the same placement's
-step on unshaped links (measured here) plus the busiest link's pull and push bytes at the payload
-share of the rate one TCP stream gets (0.957). At 1 Gbit/s it also measures the share the slowest host
-gets when every host sends to every other at once over plain TCP (``share``) and shows the step the
-model predicts at that share (``mesh ms``).
+step on unshaped links (measured here) with its transfer part (the workers' median pull + push there,
+``xfer ms``) replaced by the larger of that part and the busiest link's pull and push bytes at
+``share`` of the rate. At 1 Gbit/s ``share`` is measured here: what the slowest host gets when every
+host sends to every other at once over plain TCP in the same mesh; at 10 Gbit/s (which 2 cores cannot
+fill) it is one TCP stream's, 0.957.
 It also prints the bytes the links carried per step (the bridge ports' counters) beside the
 bytes the model says must cross, with and without ``aggregate = "host"``.
 
 Root only; everything it makes is removed at the end, also on Ctrl-C. Usage:
 
-    sudo PYTHONPATH=. python benchmarks/emulated_hosts.py              # the table and the sweep
-    sudo PYTHONPATH=. python benchmarks/emulated_hosts.py --only table --steps 12 --hidden 2500
+    .venv/bin/python benchmarks/emulated_hosts.py              # the table and the sweep
+    .venv/bin/python benchmarks/emulated_hosts.py --only table --steps 12 --hidden 2500
+
+(as root, with the python of an environment psgrid is installed in).
 
 On a loaded 2-core machine the workers' compute is shared by every emulated host: keep runs short,
 and read the unshaped step (what the link is added to) beside each result.
@@ -31,12 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cost_model  # noqa: E402
-
-from psgrid.cluster.hosts.job import EmulatedJob  # noqa: E402
-from psgrid.cluster.hosts.network import EmulatedNetwork, available, rate_bits  # noqa: E402
-from psgrid.cluster.job.config import job_from_dict  # noqa: E402
+import cost_model    # beside this script: its folder is on the path when it runs
+from psgrid.cluster.hosts.job import EmulatedJob
+from psgrid.cluster.hosts.network import EmulatedNetwork, available, rate_bits
+from psgrid.cluster.job.config import job_from_dict
 
 
 def make_job(hidden: int, steps: int, batch: int, shards: int, workers: int, aggregate: str):
@@ -118,6 +119,15 @@ def steady_step_s(result) -> float:
     return statistics.median(gaps) if gaps else float("nan")
 
 
+def transfer_s(result, worker_hosts: list[int], aggregate: str) -> tuple[float, float]:
+    """The median pull and push seconds of the workers that talk to the shards (every worker; with
+    aggregation each host's leader, its first rank), after their first two steps."""
+    talkers = (range(len(worker_hosts)) if aggregate == "none"
+               else [worker_hosts.index(h) for h in sorted(set(worker_hosts))])
+    steps = [r for rank in talkers for r in result.records[rank][2:]]
+    return statistics.median(r["pull_s"] for r in steps), statistics.median(r["push_s"] for r in steps)
+
+
 def run_one(hosts: int, rate, *, shards: int, workers: int, aggregate: str, args, out: Path) -> dict:
     job = make_job(args.hidden, args.steps, args.batch, shards, workers, aggregate)
     with EmulatedNetwork(hosts, rate) as net:
@@ -126,24 +136,28 @@ def run_one(hosts: int, rate, *, shards: int, workers: int, aggregate: str, args
         shard_hosts, worker_hosts = emulated.shard_hosts, emulated.worker_hosts
     params = result.starts[0]["params"]
     step = steady_step_s(result)
+    pull, push = transfer_s(result, worker_hosts, aggregate)
     return {"hosts": hosts, "rate": rate, "shards": shards, "workers": workers, "aggregate": aggregate,
             "params": params, "step_s": step, "samples_per_s": workers * args.batch / step,
+            "pull_s": pull, "push_s": push, "transfer_s": pull + push,
             "link_bytes_per_step": result.bytes_per_step, "shard_hosts": shard_hosts, "worker_hosts": worker_hosts,
             "compute_s": statistics.median(r["compute_s"] for recs in result.records for r in recs[2:]),
             "accuracy": result.accuracy}
 
 
 def with_prediction(row: dict, base: dict, share: float | None = None) -> dict:
-    """``row`` with the model's step (from ``base``, the same placement unshaped) and bytes beside it, and the
-    step at ``share``, the payload share of the rate measured with every link busy at once (where measured)."""
+    """``row`` with the model's step and bytes beside it: from ``base`` (the same placement unshaped: its step
+    and its transfer part) and ``share``, the payload share of the rate measured with every link busy at once
+    (None where not measured: one stream's). ``add_step_s``: the model before issue 23's check corrected it
+    (the unshaped step plus the wire time at one stream's share), for comparison."""
     if row["rate"] is None:
         return dict(row, predicted_step_s=row["step_s"], predicted_link_bytes=None)
     model = dict(params=row["params"], shard_hosts=row["shard_hosts"], worker_hosts=row["worker_hosts"],
                  rate_bits=rate_bits(row["rate"]), base_step_s=base["step_s"], aggregate=row["aggregate"] == "host")
-    p = cost_model.links_step_s(**model)
-    mesh = cost_model.links_step_s(**model, payload_share=share)["step_s"] if share else None
-    return dict(row, predicted_step_s=p["step_s"], predicted_link_bytes=p["link_bytes"], payload_share=share,
-                mesh_step_s=mesh)
+    p = cost_model.links_step_s(**model, base_transfer_s=base["transfer_s"], share=share)
+    added = cost_model.links_step_s(**model)["step_s"]
+    return dict(row, predicted_step_s=p["step_s"], predicted_link_bytes=p["link_bytes"], share=p["share"],
+                wire_s=p["wire_s"], base_transfer_s=base["transfer_s"], add_step_s=added)
 
 
 def fmt(row: dict, batch: int) -> str:
@@ -155,12 +169,13 @@ def fmt(row: dict, batch: int) -> str:
             f"{1e3 * row['step_s']:9.1f} {1e3 * predicted:9.1f} {ratio:6.2f} "
             f"{row['samples_per_s']:9.0f} {row['workers'] * batch / predicted:9.0f} "
             f"{row['link_bytes_per_step'] / 1e6:9.2f} {'' if pbytes is None else f'{pbytes / 1e6:9.2f}':>9} "
-            f"{1e3 * row['compute_s']:8.1f} {row.get('payload_share') or float('nan'):5.2f} "
-            f"{1e3 * (row.get('mesh_step_s') or float('nan')):9.1f}")
+            f"{1e3 * row['compute_s']:8.1f} {1e3 * row['transfer_s']:8.1f} {row.get('share') or float('nan'):5.2f} "
+            f"{1e3 * (row.get('wire_s') or float('nan')):8.1f} {1e3 * (row.get('add_step_s') or float('nan')):8.1f}")
 
 
 HEADER = (f"{'hosts':>5} {'S':>2} {'W':>2} {'link':>9} {'aggr':>5} {'step ms':>9} {'model ms':>9} {'meas/model':>6} "
-          f"{'samples/s':>9} {'model':>9} {'MB/step':>9} {'model MB':>9} {'compute':>8} {'share':>5} {'mesh ms':>9}")
+          f"{'samples/s':>9} {'model':>9} {'MB/step':>9} {'model MB':>9} {'compute':>8} {'xfer ms':>8} {'share':>5} "
+          f"{'wire ms':>8} {'add ms':>8}")
 
 
 def _interrupt(signum, frame):
