@@ -188,6 +188,14 @@ def link_bytes(params: int, shard_hosts: list[int], worker_hosts: list[int], *, 
     return out
 
 
+def busiest_link_bytes(params: int, shard_hosts: list[int], worker_hosts: list[int], *,
+                       aggregate: bool = False) -> tuple[int, int]:
+    """The payload bytes of the busiest link in the pull phase and in the push phase (either direction)."""
+    per_host = link_bytes(params, shard_hosts, worker_hosts, aggregate=aggregate)
+    return (max(max(b["pull_in"], b["pull_out"]) for b in per_host.values()),
+            max(max(b["push_in"], b["push_out"]) for b in per_host.values()))
+
+
 def links_step_s(params: int, shard_hosts: list[int], worker_hosts: list[int], rate_bits: float, base_step_s: float,
                  *, base_transfer_s: float = 0.0, aggregate: bool = False, share: float | None = None) -> dict:
     """A sync step across hosts whose links run at ``rate_bits`` each way.
@@ -197,9 +205,10 @@ def links_step_s(params: int, shard_hosts: list[int], worker_hosts: list[int], r
 
         step = base_step_s - base_transfer_s + max(base_transfer_s, wire)
 
-    ``base_transfer_s`` is what the workers measured for pull + push in the unshaped run: the CPU's cost of
-    moving the bytes (and the round's wait), which a shaped link does not add to but overlaps, since the
-    copies run while the bytes trickle in. ``wire`` is the busiest link's pull bytes plus its push bytes
+    ``base_transfer_s`` is the time the unshaped run spent moving the busiest link's bytes: the CPU's
+    cost of the copies and of TCP, which a shaped link does not add to but overlaps, since the copies run
+    while the bytes trickle in (a wait for the round or for other workers' compute is not part of it: in
+    sync it does not overlap the wire, the link being idle while the workers compute). ``wire`` is the busiest link's pull bytes plus its push bytes
     at ``share`` of the rate (the phases do not overlap in sync: the next pull waits for the round the push
     closes). ``share`` is the payload share of the rate the slowest host gets with every host sending at
     once, measured on the same network; None: one TCP stream's (``TBF_PAYLOAD_SHARE``), an upper bound.
@@ -211,11 +220,9 @@ def links_step_s(params: int, shard_hosts: list[int], worker_hosts: list[int], r
         ``link_bytes`` (the payload bytes of every link, both directions, per step).
     """
     share = TBF_PAYLOAD_SHARE if share is None else share
-    per_host = link_bytes(params, shard_hosts, worker_hosts, aggregate=aggregate)
     rate = rate_bits / 8 * share
-    pull = max(max(b["pull_in"], b["pull_out"]) for b in per_host.values()) / rate
-    push = max(max(b["push_in"], b["push_out"]) for b in per_host.values()) / rate
-    total = sum(sum(b.values()) for b in per_host.values())
+    pull, push = (n / rate for n in busiest_link_bytes(params, shard_hosts, worker_hosts, aggregate=aggregate))
+    total = sum(sum(b.values()) for b in link_bytes(params, shard_hosts, worker_hosts, aggregate=aggregate).values())
     wire = pull + push
     step = base_step_s - base_transfer_s + max(base_transfer_s, wire)
     return {"pull_wire_s": pull, "push_wire_s": push, "wire_s": wire, "share": share, "step_s": step,
