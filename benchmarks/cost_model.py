@@ -156,8 +156,9 @@ def networks(host: Host, *, tcp_efficiency: float, overhead: dict[str, float]) -
 
 # Payload a TCP stream carries per bit of a tbf rate: tbf counts every segment's headers (issue 23: 100 MiB
 # crossed a 1 Gbit/s tbf link at 957 Mbit/s). The default only: a sync phase has every host send to every other
-# at once, and then the slowest host gets less than one stream does (0.77-0.85 of the rate with plain TCP on
-# 2 and 4 emulated hosts; TCP's flows do not share a tbf bucket evenly, and the phase waits for the slowest).
+# at once, and then the slowest host gets less than one stream does (0.77-0.89 of a 1 Gbit/s rate with plain TCP
+# on 2 and 4 emulated hosts, less with more connections per pair of hosts: TCP's flows do not share a tbf bucket
+# evenly, and the phase waits for the slowest).
 # So the model takes the share measured on the same network in the same mesh, as it takes memcpy from a
 # measurement (benchmarks/emulated_hosts.py measures it), and falls back to one stream's only where none is.
 TBF_PAYLOAD_SHARE = 0.957
