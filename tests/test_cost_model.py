@@ -1,0 +1,46 @@
+"""The cost model across hosts (benchmarks/cost_model.py): bytes per link and the step with the wire overlapping."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "cost_model.py"
+_spec = importlib.util.spec_from_file_location("cost_model", _PATH)
+cost_model = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("cost_model", cost_model)      # its dataclasses look their module up there
+_spec.loader.exec_module(cost_model)
+
+GBIT = 10**9
+PARAMS = 1_000_000          # 4 MB a copy
+# 2 hosts, a shard on each, 2 workers on each: every worker pulls and pushes the other host's half
+SHARDS, WORKERS = [0, 1], [0, 0, 1, 1]
+
+
+def test_the_busiest_link_carries_the_other_hosts_halves_and_aggregation_divides_them():
+    assert cost_model.busiest_link_bytes(PARAMS, SHARDS, WORKERS) == (2 * 2 * PARAMS, 2 * 2 * PARAMS)
+    assert cost_model.busiest_link_bytes(PARAMS, SHARDS, WORKERS, aggregate=True) == (2 * PARAMS, 2 * PARAMS)
+
+
+def test_the_wire_replaces_the_unshaped_transfer_where_it_is_longer():
+    share = 0.8
+    wire = 2 * 4 * PARAMS / (GBIT / 8 * share)          # the pull's bytes and the push's, 64 ms
+    p = cost_model.links_step_s(PARAMS, SHARDS, WORKERS, GBIT, 0.050, base_transfer_s=0.020, share=share)
+    assert p["wire_s"] == pytest.approx(wire)
+    assert p["step_s"] == pytest.approx(0.050 - 0.020 + wire)      # not 0.050 + wire: the copies overlap it
+
+
+def test_a_transfer_longer_than_the_wire_leaves_the_unshaped_step():
+    p = cost_model.links_step_s(PARAMS, SHARDS, WORKERS, 100 * GBIT, 0.050, base_transfer_s=0.020)
+    assert p["wire_s"] < 0.020
+    assert p["step_s"] == pytest.approx(0.050)
+
+
+def test_the_share_defaults_to_one_streams_and_a_measured_one_slows_the_wire():
+    one_stream = cost_model.links_step_s(PARAMS, SHARDS, WORKERS, GBIT, 0.0)
+    assert one_stream["share"] == cost_model.TBF_PAYLOAD_SHARE
+    mesh = cost_model.links_step_s(PARAMS, SHARDS, WORKERS, GBIT, 0.0, share=cost_model.TBF_PAYLOAD_SHARE / 2)
+    assert mesh["wire_s"] == pytest.approx(2 * one_stream["wire_s"])
