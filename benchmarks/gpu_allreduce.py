@@ -36,11 +36,11 @@ def mpiexec() -> str:
     return str(beside) if beside.exists() else (shutil.which("mpiexec") or "mpiexec")
 
 
-def allreduce(job, ranks: int, tmp: Path) -> dict:
+def allreduce(job, ranks: int, tmp: Path, mpi_args: tuple = ()) -> dict:
     """Run ``job`` under ``psctl allreduce`` with ``ranks`` ranks; its samples/s, median step and stderr notes."""
-    folder = Path(tempfile.mkdtemp(dir=tmp))
+    folder = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{job.train.hidden[0]}-{ranks}-"))
     (folder / "job.toml").write_text(job.to_toml())
-    cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "psgrid.cluster.cli", "allreduce", "--config",
+    cmd = [mpiexec(), "-n", str(ranks), *mpi_args, sys.executable, "-m", "psgrid.cluster.cli", "allreduce", "--config",
            str(folder / "job.toml"), "--out", str(folder / "run"), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     if proc.returncode != 0:
@@ -65,18 +65,25 @@ def rows(models, steps: int, batch: int, shared: int, tmp: Path):
         yield {"model": name, "params": alone["params"], "setting": "no servers (local SGD on the GPU)", "ranks": 1,
                "samples_per_s": alone["samples_per_s"], "median_samples_per_s": alone["samples_per_s"],
                "step_s": alone["step_s"], "device": alone["device"], "ratio": 1.0}
-        settings = [("allreduce, 1 rank, SGD", job, 1),
-                    ("allreduce, 1 rank, momentum 0.9", apply_overrides(job, {"momentum": 0.9}), 1)]
+        # Open MPI binds a rank to one core by default: its loader and progress threads then share that core.
+        free = ("--bind-to", "none")
+        settings = [("allreduce, 1 rank, SGD", job, 1, ()),
+                    ("allreduce, 1 rank, SGD, --bind-to none", job, 1, free),
+                    ("allreduce, 1 rank, momentum 0.9, --bind-to none", apply_overrides(job, {"momentum": 0.9}), 1, free)]
         if shared > 1:
-            settings.append((f"allreduce, {shared} ranks sharing the GPU, SGD", job, shared))
-        for setting, j, ranks in settings:
-            r = allreduce(j, ranks, tmp)
+            settings.append((f"allreduce, {shared} ranks sharing the GPU, SGD", job, shared, free))
+        for setting, j, ranks, mpi_args in settings:
+            r = allreduce(j, ranks, tmp, mpi_args)
             ratio = r.get("samples_per_s", 0.0) / alone["samples_per_s"]
             yield {"model": name, "params": alone["params"], "setting": setting, "ranks": ranks, **r, "ratio": ratio}
+        again = no_servers(job.train)          # the reference twice: its spread is the noise of this table
+        yield {"model": name, "params": again["params"], "setting": "no servers, again", "ranks": 1,
+               "samples_per_s": again["samples_per_s"], "median_samples_per_s": again["samples_per_s"],
+               "step_s": again["step_s"], "device": again["device"], "ratio": again["samples_per_s"] / alone["samples_per_s"]}
     # The run the 3,310 samples/s of the host-side update came from: examples/synthetic-50m.toml, one rank.
     job = apply_overrides(load_job("examples/synthetic-50m.toml"), {"steps": steps, "eval_every": 0, "device": "gpu"})
-    r = allreduce(job, 1, tmp)
-    yield {"model": "51.6M", "setting": "allreduce, 1 rank, examples/synthetic-50m.toml", "ranks": 1, **r}
+    r = allreduce(job, 1, tmp, ("--bind-to", "none"))
+    yield {"model": "51.6M", "setting": "allreduce, 1 rank, synthetic-50m.toml, unbound", "ranks": 1, **r}
 
 
 def main() -> None:
@@ -86,10 +93,13 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--shared", type=int, default=2, help="ranks sharing the one GPU in the last run (0: none)")
     p.add_argument("--json", help="append every row to this file")
+    p.add_argument("--runs-out", help="keep every run's folder under this one")
     args = p.parse_args()
     print(f"{'model':>6} {'setting':<48} {'samples/s':>10} {'x none':>7} {'median/s':>9} {'step ms':>8} "
-          f"{'push ms':>8} {'status':>7}", flush=True)
+          f"{'compute ms':>10} {'push ms':>8} {'status':>7}", flush=True)
     with tempfile.TemporaryDirectory(prefix="gpu-allreduce-") as tmp:
+        tmp = args.runs_out or tmp
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         for row in rows(args.models.split(","), args.steps, args.batch_size, args.shared, Path(tmp)):
             if args.json:
                 with open(args.json, "a") as f:
@@ -101,7 +111,7 @@ def main() -> None:
             f = lambda k, scale=1.0: f"{scale * row[k]:.2f}" if row.get(k) is not None else "-"  # noqa: E731
             print(f"{row['model']:>6} {row['setting']:<48} {row.get('samples_per_s') or 0:10.0f} "
                   f"{row.get('ratio') or 0:7.3f} {row.get('median_samples_per_s') or 0:9.0f} {f('step_s', 1e3):>8} "
-                  f"{f('push_s', 1e3):>8} {row.get('status', 'ok'):>7}", flush=True)
+                  f"{f('compute_s', 1e3):>10} {f('push_s', 1e3):>8} {row.get('status', 'ok'):>7}", flush=True)
 
 
 if __name__ == "__main__":

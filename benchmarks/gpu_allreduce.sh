@@ -17,5 +17,7 @@ python3 -m pytest -q -p no:cacheprovider tests/test_device_optim.py tests/test_a
   -o addopts="--strict-markers -ra" 2>&1 | tee "$OUT/gpu-allreduce-tests.log" | tail -8
 
 echo "== 2. psctl allreduce on the GPU against no servers"
-python3 benchmarks/gpu_allreduce.py --json "$OUT/gpu-allreduce.jsonl" --steps "${STEPS:-500}" "$@" 2>&1 \
+for b in "" "--bind-to none"; do mpiexec -n 1 $b python3 -c "import os; print(\"mpiexec -n 1 $b: cores a rank may use:\", len(os.sched_getaffinity(0)))"; done
+python3 benchmarks/gpu_allreduce.py --json "$OUT/gpu-allreduce.jsonl" --steps "${STEPS:-500}" --runs-out /tmp/gpu-allreduce-runs "$@" 2>&1 \
   | tee "$OUT/gpu-allreduce.log"
+tar -C /tmp -czf "$OUT/gpu-allreduce-runs.tgz" gpu-allreduce-runs 2>/dev/null

@@ -168,8 +168,9 @@ class AllreduceExchange:
             mean = self._sum(grad)
             self.wait_s += time.perf_counter() - t0
             cupy.multiply(mean, 1.0 / self.world, out=mean)      # as a shard closes a sync round
+        # Queued, not waited for: the next step's kernels run after it on the same stream (as no servers'
+        # update does), and the GPU updates while the loop records this step. push_s is the sum and the
+        # launch; the update's own time falls in the next step's compute.
         self.optimizer.step(self.weights, mean, 1.0)
-        # Done when push returns, as on the host: push_s is the update's time, not its launch's.
-        cupy.cuda.get_current_stream().synchronize()
         self.clock += 1
         return Completed([PushResult(Outcome.APPLIED, self.clock, 0, self.clock)], time.perf_counter() - t0)
