@@ -157,6 +157,11 @@ def _train(job: JobConfig, comm, metrics: Path):
     xp, device_name, data, model = build(train, rank, size)
     init = model.spec.pack(model.init_params(train.seed, train.init_scale))
     exchange = AllreduceExchange(comm, init, job.server, train.wire_dtype, xp=xp)   # on a GPU: kept there
+    if rank == 0 and exchange.on_device and usable_cpus() == 1 < (os.cpu_count() or 1):
+        # Open MPI binds each rank to one core; a GPU worker's batch loader thread then shares it with the
+        # loop (20M MLP on an H100: 165,653 samples/s bound, 226,828 not; docs/performance.md).
+        print("psctl allreduce: note: this rank may use 1 core (mpiexec binds ranks to cores); a GPU worker "
+              "trains faster with mpiexec --bind-to none", file=sys.stderr, flush=True)
     result = train_loop(train, exchange, rank, xp, device_name, data, model, str(metrics))
     result["wait_s"] = exchange.wait_s
     return exchange, result
