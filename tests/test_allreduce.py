@@ -99,3 +99,72 @@ def test_psctl_allreduce_refuses_a_job_of_the_wrong_size(tmp_path):
                                       "--out", str(tmp_path / "ar")])
     assert code != 0 and "expected 3 ranks, this job has 2" in err
     assert not (tmp_path / "ar" / "summary.json").exists()
+
+
+def test_ranks_sharing_a_gpu_are_named_and_gpus_of_their_own_are_not():
+    from psgrid.worker.reduction import sharing
+
+    assert sharing([("a", "0000:01:00.0"), ("a", "0000:02:00.0"), ("b", "0000:01:00.0")]) is None
+    line = sharing([("a", "0000:01:00.0"), ("b", "0000:01:00.0"), ("a", "0000:01:00.0")])
+    assert line == "ranks [0, 2] share GPU 0000:01:00.0 on a"
+
+
+class OneRank:
+    def Get_size(self):
+        return 1
+
+    def Get_rank(self):
+        return 0
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hparams", [dict(optimizer="sgd", lr=0.05, momentum=0.9), dict(optimizer="adam", lr=0.01)])
+def test_one_rank_on_a_gpu_keeps_and_updates_the_weights_there_as_the_host_does(hparams):
+    from psgrid.psserver.config import ServerConfig
+    from psgrid.psserver.kernels.optim import make_optimizer
+    from psgrid.psserver.spec import ModelSpec
+    from psgrid.worker.flat import FlatBuffers
+    from tests.gpu import cupy_or_skip
+
+    cupy = cupy_or_skip()
+    spec = ModelSpec([("w", (300, 200)), ("b", (200,))])
+    rng = np.random.default_rng(3)
+    init = rng.standard_normal(spec.size).astype(np.float32)
+    server = ServerConfig(**hparams)
+    host, weights = make_optimizer(server.optimizer, spec.size, **server.optimizer_hparams()), init.copy()
+    device = AllreduceExchange(OneRank(), init, server, xp=cupy)
+    assert (device.on_device, device.reduction) == (True, "none")
+    bufs = FlatBuffers(spec, cupy, device)
+    assert bufs.params is device.weights and bufs.pushed is bufs.grad       # nothing crosses to the host
+    for _ in range(5):
+        bufs.pull()
+        g = rng.standard_normal(spec.size).astype(np.float32)
+        bufs.grad[...] = cupy.asarray(g)
+        bufs.download_grad()
+        device.push(bufs.pushed).wait()
+        host.step(weights, g)
+    assert device.clock == host.steps == 5
+    got = device.host_weights()
+    assert isinstance(got, np.ndarray)
+    assert np.linalg.norm(got - weights) / np.linalg.norm(weights) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_two_ranks_on_gpus_train_and_say_how_they_sum(tmp_path):
+    from tests.gpu import cupy_or_skip
+
+    gpus = cupy_or_skip().cuda.runtime.getDeviceCount()
+    out = tmp_path / "ar"
+    code, _, err, _ = run_mpiexec(2, ["-m", "psgrid.cluster.cli", "allreduce", "--config", "mnist", "--device", "gpu",
+                                      "--steps", "60", "--eval-every", "0",
+                                      "--out", str(out)], timeout=300)
+    assert code == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    if gpus == 1:       # NCCL refuses two ranks on one device: the host's MPI sums, said in one line
+        assert err.count("NCCL needs a GPU per rank") == 1, err
+    else:
+        assert "NCCL needs" not in err
+    assert summary["steps"] == 120 and summary["test_accuracy"] > 0.5

@@ -7,7 +7,10 @@ between the shards and the device happen here, as few as the exchange allows:
   own memory when it is on this host (one DMA, or one copy on the CPU), else from the pinned
   buffer a network plane received into;
 * the gradient is computed into, or copied from the GPU into, the exchange's gradient buffer
-  (shared memory a shard on this host reads in place), so a push copies nothing more.
+  (shared memory a shard on this host reads in place), so a push copies nothing more;
+* an exchange that keeps the weights on this GPU (``on_device``, the all-reduce baseline there)
+  lends its weights as ``params`` and takes the gradient where it was computed: nothing crosses
+  to the host.
 
 On the CPU the device arrays are host arrays: a pull is one copy, a gradient none.
 """
@@ -43,8 +46,11 @@ class FlatBuffers:
         self.xp = xp
         self.exchange = exchange
         self.in_place = exchange is not None and hasattr(exchange, "gradient_buffer")
+        self.on_device = xp is not np and getattr(exchange, "on_device", False)
         count = 2 if double else 1
-        if self.in_place:
+        if self.on_device:
+            self.host_grads = []
+        elif self.in_place:
             self.host_grads = [exchange.gradient_buffer(i) for i in range(count)]
         else:
             self.host_grads = [pinned_empty(spec.size, np.float32, xp) for _ in range(count)]
@@ -55,7 +61,8 @@ class FlatBuffers:
             self.params = np.empty(spec.size, np.float32)
             self._grad_views = [spec.views(g) for g in self.host_grads]
         else:
-            self.params, self.grad = spec.flat(xp), spec.flat(xp)
+            self.params = exchange.weights if self.on_device else spec.flat(xp)
+            self.grad = spec.flat(xp)
             self.grad_views = spec.views(self.grad)
         self.param_views = spec.views(self.params)
         self._use(0)
@@ -64,6 +71,11 @@ class FlatBuffers:
     def host_grad(self) -> np.ndarray:
         """The host gradient of this step: what the exchange pushes from."""
         return self.host_grads[self.current]
+
+    @property
+    def pushed(self):
+        """What the exchange pushes: the device gradient to an exchange on the device, else ``host_grad``."""
+        return self.grad if self.on_device else self.host_grad
 
     def swap_gradient(self) -> None:
         """Take the other host gradient for this step (its push, of the step before last, has ended)."""
@@ -86,7 +98,7 @@ class FlatBuffers:
     def pull(self, exchange=None):
         """Pull the weights onto the device; returns the exchange's handle (done: versions in ``wait()``)."""
         exchange = exchange or self.exchange
-        if self.xp is np:
+        if self.xp is np or self.on_device:      # on the device: the exchange's own weights, or a device copy
             return exchange.pull(self.params)
         if self.in_place:
             return exchange.pull(into=self._to_device)
@@ -117,5 +129,5 @@ class FlatBuffers:
 
     def download_grad(self) -> None:
         """Copy the gradient to ``host_grad`` (the exchange's buffer); nothing to do on the CPU."""
-        if self.xp is not np:
+        if self.xp is not np and not self.on_device:
             self.grad.get(out=self.host_grad)

@@ -152,7 +152,7 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
                     metrics.write(**_finish(*in_flight, step_bytes))
                 record = dict(event="step", rank=rank, worker=exchange.worker_id, step=step, clock=exchange.clock,
                               **timed)
-                in_flight = (exchange.push(bufs.host_grad, background=overlap), record)
+                in_flight = (exchange.push(bufs.pushed, background=overlap), record)
                 if not overlap:
                     metrics.write(**_finish(*in_flight, step_bytes))
                     in_flight = None

@@ -5,6 +5,9 @@ The baseline that ``psctl compare`` measures the parameter-server modes against 
 and writes ``OUT/summary.json`` and ``OUT/metrics.jsonl`` with the fields ``psctl launch`` writes
 (``mode`` is ``allreduce``, ``shards`` is 0), so one reader serves both.
 
+With GPU workers the weights, the optimizer and the update stay on each rank's GPU and the sum
+is NCCL's, or the host MPI's where ranks share a GPU (said in one line).
+
 As in :mod:`psgrid.cluster.mpi.job`: an exception on any rank prints the rank and host and aborts the
 job, and the communicator is a parameter.
 """
@@ -153,7 +156,12 @@ def _train(job: JobConfig, comm, metrics: Path):
     os.environ.setdefault("LOCAL_RANK", str(rank))
     xp, device_name, data, model = build(train, rank, size)
     init = model.spec.pack(model.init_params(train.seed, train.init_scale))
-    exchange = AllreduceExchange(comm, init, job.server, train.wire_dtype)
+    exchange = AllreduceExchange(comm, init, job.server, train.wire_dtype, xp=xp)   # on a GPU: kept there
+    if rank == 0 and exchange.on_device and usable_cpus() == 1 < (os.cpu_count() or 1):
+        # Open MPI binds each rank to one core; a GPU worker's batch loader thread then shares it with the
+        # loop (20M MLP on an H100: 165,653 samples/s bound, 226,828 not; docs/performance.md).
+        print("psctl allreduce: note: this rank may use 1 core (mpiexec binds ranks to cores); a GPU worker "
+              "trains faster with mpiexec --bind-to none", file=sys.stderr, flush=True)
     result = train_loop(train, exchange, rank, xp, device_name, data, model, str(metrics))
     result["wait_s"] = exchange.wait_s
     return exchange, result
@@ -167,7 +175,7 @@ def _summarize(run: JobRun, exchange, results: list[dict]) -> dict:
     run.refresh(events=worker_events)
     for r in results:
         run.state.done[r["result"]["rank"]] = {"event": "done", **r["result"]}
-    run.evaluation = evaluate_weights(run.job.train, exchange.weights, version=exchange.clock)
+    run.evaluation = evaluate_weights(run.job.train, exchange.host_weights(), version=exchange.clock)
     by_rank = sorted(results, key=lambda r: r["result"]["rank"])
     return run.end(sources=[worker_events], addresses=[], worker_exits={r: 0 for r in range(len(results))},
                    train_wall_s=None, mode="allreduce", shards=0, ranks=len(results),

@@ -1,0 +1,211 @@
+"""The server-side optimizers on a GPU: the maths of :mod:`~psgrid.psserver.kernels.optim`, one fused kernel a step.
+
+On the host the update walks the range in cache-sized blocks because every NumPy operator streams
+its operands through memory. On a GPU one ``cupy.ElementwiseKernel`` does the whole update in a
+single pass: each element's weight, gradient and state are read once and written once, so SGD moves
+12 bytes per element, momentum 20 and Adam 28, at the device's memory bandwidth.
+
+The arithmetic is the host's, operation for operation and in float32 (the host's Python-float
+hyper-parameters meet float32 arrays as float32 scalars): weight decay added to the gradient,
+momentum folded into the velocity before the step, Nesterov's look-ahead, Adam's moments as torch
+updates them and its bias correction folded into two scalars. The compiler may contract a multiply
+and an add into one rounding, so device and host agree to float32 rounding, not bit for bit.
+
+CuPy is imported here only: the module is loaded where a GPU is used, and the kernels are compiled
+on their first launch (:meth:`DeviceOptimizer.warm_up` does that before the timed steps).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import cupy
+import numpy as np
+
+from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.kernels.optim import make_optimizer
+
+# d: the gradient with weight decay; each kernel writes the next weights into `out` (may be `w` itself).
+_DECAYED = "float d = g; if (wd != 0.0f) { d = w * wd + d; }\n"
+
+_SGD = cupy.ElementwiseKernel(
+    "float32 w, float32 g, float32 lr, float32 wd", "float32 out",
+    _DECAYED + "out = w - d * lr;",
+    "psgrid_sgd")
+
+_MOMENTUM = cupy.ElementwiseKernel(
+    "float32 w, float32 g, float32 lr, float32 wd, float32 mu, int32 nesterov", "float32 out, float32 v",
+    _DECAYED + """
+    float vel = v * mu + d;
+    v = vel;
+    float direction = nesterov ? vel * mu + d : vel;
+    out = w - direction * lr;
+    """,
+    "psgrid_momentum")
+
+# torch's order: m += (1 - b1) * (g - m); v = b2 * v + (1 - b2) * g * g; w -= step_size * m / (sqrt(v) + eps_hat)
+_ADAM = cupy.ElementwiseKernel(
+    "float32 w, float32 g, float32 step_size, float32 wd, float32 one_minus_b1, float32 b2, "
+    "float32 one_minus_b2, float32 eps_hat",
+    "float32 out, float32 m, float32 v",
+    _DECAYED + """
+    float m_next = m + (d - m) * one_minus_b1;
+    float v_next = v * b2 + (d * d) * one_minus_b2;
+    m = m_next;
+    v = v_next;
+    out = w - m_next / (sqrt(v_next) + eps_hat) * step_size;
+    """,
+    "psgrid_adam")
+
+
+class DeviceOptimizer:
+    """An optimizer whose state lives on the current GPU; ``step`` is one kernel launch.
+
+    Built by :func:`make_device_optimizer` from the host optimizer's own validation, so the same
+    settings are accepted and refused with the same messages.
+
+    Attributes
+    ----------
+    steps : int
+        Updates applied so far (Adam's bias correction counts from it).
+    """
+
+    def __init__(self, host, buffers: tuple[str, ...]):
+        self.size = host.size
+        self.lr, self.weight_decay = host.lr, host.weight_decay
+        self.steps = 0
+        self._buffers = {name: cupy.zeros(self.size, cupy.float32) for name in buffers}
+
+    def step(self, weights, grad, lr_scale: float = 1.0, *, out=None) -> None:
+        """Apply one update to ``weights``, in place or into ``out``; ``grad`` is only read.
+
+        Parameters
+        ----------
+        weights, grad : cupy.ndarray
+            1-D float32 device arrays of length ``size``.
+        lr_scale : float, optional
+            Multiplies ``lr`` for this step only. Finite and > 0.
+        out : cupy.ndarray, optional
+            Where the updated weights go (``weights`` itself by default).
+
+        Raises
+        ------
+        InvalidArgument
+            On a wrong shape, dtype or array type, or a bad ``lr_scale``; nothing is changed then.
+        """
+        out = weights if out is None else out
+        for name, a in (("weights", weights), ("grad", grad), ("out", out)):
+            if not isinstance(a, cupy.ndarray) or a.dtype != np.float32 or a.shape != (self.size,):
+                got = f"{a.dtype} {a.shape}" if hasattr(a, "dtype") else type(a).__name__
+                raise InvalidArgument(f"{name} must be a float32 CuPy array of shape ({self.size},), got "
+                                      f"{type(a).__module__}.{type(a).__name__} {got}")
+        if isinstance(lr_scale, bool) or not 0.0 < float(lr_scale) < math.inf:
+            raise InvalidArgument(f"lr_scale must be finite and > 0, got {lr_scale!r}")
+        self.steps += 1
+        self._launch(weights, grad, self.lr * float(lr_scale), out)
+
+    def _launch(self, w, g, lr: float, out) -> None:
+        raise NotImplementedError
+
+    def warm_up(self) -> None:
+        """Compile this optimizer's kernel now (CuPy compiles on first launch), on scratch arrays."""
+        scratch = type(self).__new__(type(self))
+        scratch.__dict__.update(self.__dict__)
+        scratch.size = 1
+        scratch._buffers = {name: cupy.zeros(1, cupy.float32) for name in self._buffers}
+        one = cupy.ones(1, cupy.float32)
+        scratch.step(one, one.copy())
+        cupy.cuda.get_current_stream().synchronize()
+
+    def state_dict(self) -> dict[str, np.ndarray | int]:
+        """Return the step count and host copies of the state arrays (the host optimizer's keys)."""
+        state: dict[str, np.ndarray | int] = {"steps": self.steps}
+        state.update((name, cupy.asnumpy(a)) for name, a in self._buffers.items())
+        return state
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Replace the state with ``state`` (host or device arrays), as ``state_dict`` or the host optimizer gives it.
+
+        Raises
+        ------
+        InvalidArgument
+            If keys, shapes or values do not fit; nothing is changed then.
+        """
+        kind = type(self).__name__
+        expected = {"steps", *self._buffers}
+        if not isinstance(state, Mapping) or set(state) != expected:
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise InvalidArgument(f"{kind} state needs keys {sorted(expected)}, got {got}")
+        steps = np.asarray(state["steps"])
+        if steps.shape != () or steps.dtype.kind not in "iu" or steps < 0:
+            raise InvalidArgument(f"{kind} state: steps must be an integer >= 0, got {state['steps']!r}")
+        arrays = {}
+        for name in self._buffers:
+            a = cupy.asarray(state[name])
+            if a.shape != (self.size,) or a.dtype.kind != "f" or not bool(cupy.isfinite(a).all()):
+                raise InvalidArgument(f"{kind} state: {name} must be finite floats of shape ({self.size},)")
+            arrays[name] = a
+        for name, a in arrays.items():
+            self._buffers[name][...] = a.astype(cupy.float32, copy=False)
+        self.steps = int(steps)
+
+
+class DeviceSGD(DeviceOptimizer):
+    """SGD with optional (Nesterov) momentum and weight decay: :class:`~psgrid.psserver.kernels.optim.SGD` on a GPU."""
+
+    def __init__(self, host):
+        super().__init__(host, ("momentum_buffer",) if host.momentum else ())
+        self.momentum, self.nesterov = host.momentum, host.nesterov
+
+    def set_momentum(self, momentum: float) -> None:
+        """Change the momentum between steps, as the host optimizer's ``set_momentum`` does (0 clears the velocity)."""
+        if "momentum_buffer" not in self._buffers or not 0.0 <= momentum < 1.0:
+            raise InvalidArgument(f"momentum must be in [0, 1) on an optimizer built with momentum, got {momentum!r}")
+        if momentum == 0.0 and self.momentum != 0.0:
+            self._buffers["momentum_buffer"].fill(0.0)
+        self.momentum = float(momentum)
+
+    def _launch(self, w, g, lr, out):
+        f32 = np.float32
+        if self.momentum:
+            _MOMENTUM(w, g, f32(lr), f32(self.weight_decay), f32(self.momentum), np.int32(self.nesterov),
+                      out, self._buffers["momentum_buffer"])
+        else:
+            _SGD(w, g, f32(lr), f32(self.weight_decay), out)
+
+
+class DeviceAdam(DeviceOptimizer):
+    """Adam with L2 weight decay and bias correction: :class:`~psgrid.psserver.kernels.optim.Adam` on a GPU."""
+
+    def __init__(self, host):
+        super().__init__(host, ("exp_avg", "exp_avg_sq"))
+        self.beta1, self.beta2, self.eps = host.beta1, host.beta2, host.eps
+
+    def _launch(self, w, g, lr, out):
+        # The host's scalars, computed the host's way in float64, then met as float32 by the arrays.
+        sqrt_bc2 = math.sqrt(1.0 - self.beta2 ** self.steps)
+        step_size = lr / (1.0 - self.beta1 ** self.steps) * sqrt_bc2
+        f32 = np.float32
+        _ADAM(w, g, f32(step_size), f32(self.weight_decay), f32(1.0 - self.beta1), f32(self.beta2),
+              f32(1.0 - self.beta2), f32(self.eps * sqrt_bc2), out, self._buffers["exp_avg"], self._buffers["exp_avg_sq"])
+
+
+_DEVICE_KINDS = {"sgd": DeviceSGD, "adam": DeviceAdam}
+
+
+def make_device_optimizer(name: str, size: int, **hparams) -> DeviceOptimizer:
+    """Build the optimizer ``name`` ("sgd" or "adam") for ``size`` elements, its state on the current GPU.
+
+    ``hparams`` are those of :func:`~psgrid.psserver.kernels.optim.make_optimizer`, validated by it.
+
+    Raises
+    ------
+    InvalidArgument
+        For an unknown name or key, a missing ``lr``, or a hyperparameter out of range.
+    """
+    host = make_optimizer(name, 0, **hparams)      # size 0: the validation and the settings, no host state
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
+        raise InvalidArgument(f"size must be an integer >= 0, got {size!r}")
+    host.size = int(size)
+    return _DEVICE_KINDS[name](host)

@@ -1,0 +1,117 @@
+"""The device optimizers against the host ones: the same maths over several steps, on a GPU.
+
+Each case runs the host optimizer (:mod:`psgrid.psserver.kernels.optim`) and its fused CuPy kernel
+on the same random weights and gradients, with the same per-step ``lr_scale``, in place and into
+another buffer, and compares weights and state after every step. Skipped where no GPU is present.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.kernels.optim import make_optimizer
+from tests.gpu import cupy_or_skip
+
+SIZE = 100_003          # not a multiple of any block or warp size
+STEPS = 6
+SCALES = [1.0, 0.5, 1.0, 0.25, 1.0, 2.0]
+
+CASES = [
+    ("sgd", dict(lr=0.1)),
+    ("sgd", dict(lr=0.1, momentum=0.9)),
+    ("sgd", dict(lr=0.1, momentum=0.9, nesterov=True)),
+    ("sgd", dict(lr=0.1, weight_decay=0.01)),
+    ("sgd", dict(lr=0.05, momentum=0.5, nesterov=True, weight_decay=0.1)),
+    ("adam", dict(lr=0.01)),
+    ("adam", dict(lr=0.01, beta1=0.8, beta2=0.99, eps=1e-6, weight_decay=0.05)),
+]
+
+
+def rel_err(got, want) -> float:
+    return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
+
+
+@pytest.fixture
+def cupy():
+    return cupy_or_skip()
+
+
+def make_device(name, size, **hparams):
+    from psgrid.psserver.kernels.device_optim import make_device_optimizer
+
+    return make_device_optimizer(name, size, **hparams)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "out"])
+@pytest.mark.parametrize("name, hparams", CASES)
+def test_device_matches_host_step_by_step(cupy, name, hparams, in_place):
+    rng = np.random.default_rng(zlib.crc32(f"{name}{hparams}{in_place}".encode()))
+    host = make_optimizer(name, SIZE, **hparams)
+    device = make_device(name, SIZE, **hparams)
+    w_host = rng.standard_normal(SIZE).astype(np.float32)
+    w_dev = cupy.asarray(w_host)
+    for step in range(STEPS):
+        g = rng.standard_normal(SIZE).astype(np.float32)
+        if in_place:
+            host.step(w_host, g, SCALES[step])
+            device.step(w_dev, cupy.asarray(g), SCALES[step])
+        else:
+            out_host = np.full(SIZE, np.nan, np.float32)
+            out_dev = cupy.full(SIZE, cupy.nan, cupy.float32)      # poisoned: every element must be written
+            before = w_dev.copy()
+            host.step(w_host, g, SCALES[step], out=out_host)
+            device.step(w_dev, cupy.asarray(g), SCALES[step], out=out_dev)
+            np.testing.assert_array_equal(cupy.asnumpy(w_dev), cupy.asnumpy(before))   # the input is only read
+            w_host, w_dev = out_host, out_dev
+        got = cupy.asnumpy(w_dev)
+        assert np.isfinite(got).all()
+        assert rel_err(got, w_host) < 1e-5, (step, rel_err(got, w_host))
+        host_state, device_state = host.state_dict(), device.state_dict()
+        assert set(host_state) == set(device_state) and device_state["steps"] == host_state["steps"] == step + 1
+        for key in set(host_state) - {"steps"}:
+            assert rel_err(device_state[key], host_state[key]) < 1e-5, (step, key)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_state_round_trips_between_host_and_device(cupy):
+    rng = np.random.default_rng(1)
+    host = make_optimizer("adam", SIZE, lr=0.01)
+    w = rng.standard_normal(SIZE).astype(np.float32)
+    for _ in range(3):
+        host.step(w, rng.standard_normal(SIZE).astype(np.float32))
+    device = make_device("adam", SIZE, lr=0.01)
+    device.load_state_dict(host.state_dict())        # a host checkpoint resumes on the device, Adam's clock too
+    g = rng.standard_normal(SIZE).astype(np.float32)
+    w_dev = cupy.asarray(w)
+    host.step(w, g)
+    device.step(w_dev, cupy.asarray(g))
+    assert rel_err(cupy.asnumpy(w_dev), w) < 1e-5
+    state = device.state_dict()
+    assert state["steps"] == 4 and all(isinstance(state[k], np.ndarray) for k in ("exp_avg", "exp_avg_sq"))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_bad_arrays_and_settings_are_refused_and_change_nothing(cupy):
+    device = make_device("sgd", 16, lr=0.1, momentum=0.9)
+    w = cupy.ones(16, cupy.float32)
+    for bad in (np.ones(16, np.float32), cupy.ones(16, cupy.float64), cupy.ones(15, cupy.float32)):
+        with pytest.raises(InvalidArgument):
+            device.step(w, bad)
+    with pytest.raises(InvalidArgument):
+        device.step(w, cupy.ones(16, cupy.float32), lr_scale=float("inf"))
+    assert device.steps == 0 and bool((w == 1).all())
+    with pytest.raises(InvalidArgument, match="nesterov needs momentum"):
+        make_device("sgd", 16, lr=0.1, nesterov=True)          # the host's validation, the host's message
+    with pytest.raises(InvalidArgument, match="unknown optimizer"):
+        make_device("lamb", 16, lr=0.1)
+    with pytest.raises(InvalidArgument):
+        device.load_state_dict({"steps": 1, "momentum_buffer": np.full(16, np.nan, np.float32)})
+    assert device.steps == 0
