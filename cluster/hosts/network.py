@@ -179,3 +179,14 @@ def leftovers(netns_prefix: str, link_prefix: str) -> list[str]:
         if len(parts) > 1 and parts[1].strip().split("@")[0].startswith(link_prefix):
             names.append(parts[1].strip().split("@")[0])
     return names
+
+
+def remove_leftovers(netns_prefix: str, link_prefix: str) -> list[str]:
+    """Delete what a network of these prefixes left (its holder was killed before it could): the names removed."""
+    found = leftovers(netns_prefix, link_prefix)
+    for name in found:
+        if name.startswith(netns_prefix):
+            run_ip("ip", "netns", "del", name, check=False)
+        else:
+            run_ip("ip", "link", "del", name, check=False)
+    return found
