@@ -77,7 +77,7 @@ def test_nothing_left_when_a_job_fails(tmp_path):
 
 def test_nothing_left_after_ctrl_c(tmp_path):
     # A terminal's Ctrl-C: the child hears SIGINT as KeyboardInterrupt even where it inherited SIGINT
-    # ignored (this test's process may ignore it, as a launcher does while it stops a job).
+    # ignored (a full run's pytest process was once seen to ignore it: the child then slept on).
     script = ("import signal, sys, time\n"
               "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
               "from psgrid.cluster.hosts.network import EmulatedNetwork\n"
