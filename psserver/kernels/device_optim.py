@@ -24,7 +24,7 @@ import cupy
 import numpy as np
 
 from psgrid.psserver.exceptions import InvalidArgument
-from psgrid.psserver.kernels.optim import make_optimizer
+from psgrid.psserver.kernels.optim import checked_state, make_optimizer
 
 # d: the gradient with weight decay; each kernel writes the next weights into `out` (may be `w` itself).
 _DECAYED = "float d = g; if (wd != 0.0f) { d = w * wd + d; }\n"
@@ -132,23 +132,10 @@ class DeviceOptimizer:
         InvalidArgument
             If keys, shapes or values do not fit; nothing is changed then.
         """
-        kind = type(self).__name__
-        expected = {"steps", *self._buffers}
-        if not isinstance(state, Mapping) or set(state) != expected:
-            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-            raise InvalidArgument(f"{kind} state needs keys {sorted(expected)}, got {got}")
-        steps = np.asarray(state["steps"])
-        if steps.shape != () or steps.dtype.kind not in "iu" or steps < 0:
-            raise InvalidArgument(f"{kind} state: steps must be an integer >= 0, got {state['steps']!r}")
-        arrays = {}
-        for name in self._buffers:
-            a = cupy.asarray(state[name])
-            if a.shape != (self.size,) or a.dtype.kind != "f" or not bool(cupy.isfinite(a).all()):
-                raise InvalidArgument(f"{kind} state: {name} must be finite floats of shape ({self.size},)")
-            arrays[name] = a
+        steps, arrays = checked_state(type(self).__name__, state, self._buffers, self.size, xp=cupy)
         for name, a in arrays.items():
             self._buffers[name][...] = a.astype(cupy.float32, copy=False)
-        self.steps = int(steps)
+        self.steps = steps
 
 
 class DeviceSGD(DeviceOptimizer):

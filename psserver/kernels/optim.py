@@ -168,26 +168,38 @@ class Optimizer:
         InvalidArgument
             If keys, shapes or values do not fit this optimizer; nothing is changed then.
         """
-        kind = type(self).__name__
-        expected = {"steps", *self._buffers}
-        if not isinstance(state, Mapping) or set(state) != expected:
-            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-            raise InvalidArgument(f"{kind} state needs keys {sorted(expected)}, got {got}")
-        steps = np.asarray(state["steps"])
-        if steps.shape != () or steps.dtype.kind not in "iu" or steps < 0:
-            raise InvalidArgument(f"{kind} state: steps must be an integer >= 0, got {state['steps']!r}")
-        arrays = {}
-        for name in self._buffers:
-            a = np.asarray(state[name])
-            if a.shape != (self.size,) or a.dtype.kind != "f":
-                raise InvalidArgument(
-                    f"{kind} state: {name} must be float of shape ({self.size},), got {a.dtype} {a.shape}")
-            if not np.isfinite(a).all():
-                raise InvalidArgument(f"{kind} state: {name} has non-finite values")
-            arrays[name] = a
+        steps, arrays = checked_state(type(self).__name__, state, self._buffers, self.size)
         for name, a in arrays.items():
             np.copyto(self._buffers[name], a, casting="same_kind")
-        self.steps = int(steps)
+        self.steps = steps
+
+
+def checked_state(kind: str, state, names, size: int, xp=np) -> tuple[int, dict]:
+    """``state``'s step count and its arrays (as ``xp`` arrays), each checked against an optimizer's own.
+
+    Shared by the host optimizers and the device ones (``xp = cupy``), so both refuse the same things.
+
+    Raises
+    ------
+    InvalidArgument
+        If the keys are not ``steps`` and ``names``, or a value does not fit.
+    """
+    expected = {"steps", *names}
+    if not isinstance(state, Mapping) or set(state) != expected:
+        got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+        raise InvalidArgument(f"{kind} state needs keys {sorted(expected)}, got {got}")
+    steps = np.asarray(state["steps"])
+    if steps.shape != () or steps.dtype.kind not in "iu" or steps < 0:
+        raise InvalidArgument(f"{kind} state: steps must be an integer >= 0, got {state['steps']!r}")
+    arrays = {}
+    for name in names:
+        a = xp.asarray(state[name])
+        if a.shape != (size,) or a.dtype.kind != "f":
+            raise InvalidArgument(f"{kind} state: {name} must be float of shape ({size},), got {a.dtype} {a.shape}")
+        if not bool(xp.isfinite(a).all()):
+            raise InvalidArgument(f"{kind} state: {name} has non-finite values")
+        arrays[name] = a
+    return int(steps), arrays
 
 
 def NON_FINITE() -> InvalidArgument:
