@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields
 from psgrid.psserver.kernels.compensation import ASYNC_MOMENTUM, COMPENSATIONS
 from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.protocol import (DATA_PLANES, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, MODES,
-                                      OPTIMIZERS)
+                                      OPTIMIZERS, SHARD_DEVICES)
 
 
 @dataclass
@@ -54,6 +54,8 @@ class ServerConfig:
     apply_threads: int = 0             # threads an update's passes over the range use (0: a quarter of the CPUs, 1..8)
     tcp_max_connections: int = 1024    # data-plane connections at once; past it a new one is refused (clients retry)
     tcp_handshake_s: float = 3.0       # a new data-plane connection must show its token (and TLS) within this
+    shard_device: str = "auto"         # "gpu": weights, optimizer state and update on a GPU; "auto": see SHARD_DEVICES
+    gpu: int = -1                      # shard_device = "gpu": which of the GPUs this process sees (-1: shard i mod n)
 
     def __post_init__(self):
         self.validate()
@@ -108,6 +110,13 @@ class ServerConfig:
             raise InvalidArgument(f"port must be in 0..65535, got {self.port}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidArgument("tls_cert and tls_key must be given together")
+        if self.shard_device not in SHARD_DEVICES:
+            raise InvalidArgument(f"shard_device must be one of {SHARD_DEVICES}, got {self.shard_device!r}")
+        if self.gpu < -1:
+            raise InvalidArgument(f"gpu must be a GPU's index (0, 1, ...) or -1 (shard i takes GPU i mod n), got {self.gpu}")
+        if self.shard_device == "gpu" and self.compensation == "dc":
+            raise InvalidArgument("staleness_compensation = 'dc' runs on host shards only: use shard_device = 'cpu', "
+                                  "or staleness_compensation = 'lr' or 'none'")
 
     @property
     def compensation(self) -> str:

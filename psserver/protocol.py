@@ -16,9 +16,13 @@ from typing import NamedTuple
 
 MODES = ("sync", "async", "ssp")
 OPTIMIZERS = ("sgd", "adam")
+# Where a shard keeps its weights, optimizer state and update: "auto" is resolved by the launcher (the GPU
+# when the job's workers compute on one there); a shard started alone with "auto" keeps to the CPU.
+SHARD_DEVICES = ("cpu", "gpu", "auto")
 # The built-in data planes, the one list of their names (transports/base.py finds each end's module by it).
 # gRPC carries the control calls always, and Pull and Push where no other plane serves; a local plane
-# serves only processes on the shard's host, and is chosen by ``shared_memory``, never named in a job file.
+# serves only processes on the shard's host, and is chosen by ``shared_memory``, never named in a job file:
+# CUDA IPC first (a GPU worker and a shard whose weights are on a GPU it can reach), then shared memory.
 CONTROL_PLANE = "grpc"
 LOCAL_PLANES = ("shm",)
 DATA_PLANES = ("tcp", CONTROL_PLANE)          # the network planes: what a job file's data_plane may name
