@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands.common import DATA_PLANES, MODES, OPTIMIZERS, add_command, add_config_arg
+from psgrid.cluster.commands.common import DATA_PLANES, MODES, OPTIMIZERS, SHARD_DEVICES, add_command, add_config_arg
 from psgrid.psserver.kernels.compensation import ASYNC_MOMENTUM, COMPENSATIONS
 
 HELP = "run one parameter-server shard"
@@ -62,6 +62,11 @@ SERVER_FLAGS = [
                                               "quarter of this machine's CPUs, at most 8)"),
     ("--shared-memory", "shared_memory", bool, "offer workers on this host the shared-memory data plane "
                                                "(default: on)"),
+    ("--device", "shard_device", SHARD_DEVICES, "gpu: keep the weights, optimizer state and update on a GPU "
+                                                "(workers on this host reach them over CUDA IPC); cpu: in host "
+                                                "memory; auto, the default: the CPU for a shard started alone"),
+    ("--gpu", "gpu", int, "with --device gpu: which GPU of those this process sees (default -1: shard i takes "
+                          "GPU i mod n)"),
 ]
 
 EXAMPLES = """
