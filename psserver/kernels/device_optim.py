@@ -24,7 +24,7 @@ import cupy
 import numpy as np
 
 from psgrid.psserver.exceptions import InvalidArgument
-from psgrid.psserver.kernels.optim import checked_state, make_optimizer
+from psgrid.psserver.kernels.optim import NON_FINITE, checked_state, make_optimizer
 
 # d: the gradient with weight decay; each kernel writes the next weights into `out` (may be `w` itself).
 _DECAYED = "float d = g; if (wd != 0.0f) { d = w * wd + d; }\n"
@@ -77,7 +77,7 @@ class DeviceOptimizer:
         self.steps = 0
         self._buffers = {name: cupy.zeros(self.size, cupy.float32) for name in buffers}
 
-    def step(self, weights, grad, lr_scale: float = 1.0, *, out=None) -> None:
+    def step(self, weights, grad, lr_scale: float = 1.0, *, out=None, check_finite: bool = False) -> None:
         """Apply one update to ``weights``, in place or into ``out``; ``grad`` is only read.
 
         Parameters
@@ -88,11 +88,14 @@ class DeviceOptimizer:
             Multiplies ``lr`` for this step only. Finite and > 0.
         out : cupy.ndarray, optional
             Where the updated weights go (``weights`` itself by default).
+        check_finite : bool, optional
+            Refuse a gradient with NaN or infinity first (one reduction over it), changing nothing.
 
         Raises
         ------
         InvalidArgument
-            On a wrong shape, dtype or array type, or a bad ``lr_scale``; nothing is changed then.
+            On a wrong shape, dtype or array type, a bad ``lr_scale``, or (``check_finite``) a
+            gradient that is not finite; nothing is changed then.
         """
         out = weights if out is None else out
         for name, a in (("weights", weights), ("grad", grad), ("out", out)):
@@ -102,6 +105,8 @@ class DeviceOptimizer:
                                       f"{type(a).__module__}.{type(a).__name__} {got}")
         if isinstance(lr_scale, bool) or not 0.0 < float(lr_scale) < math.inf:
             raise InvalidArgument(f"lr_scale must be finite and > 0, got {lr_scale!r}")
+        if check_finite and not bool(cupy.isfinite(grad).all()):
+            raise NON_FINITE()
         self.steps += 1
         self._launch(weights, grad, self.lr * float(lr_scale), out)
 

@@ -10,9 +10,11 @@ import numpy as np
 class BufferPool:
     """Buffers of ``size`` elements of ``dtype``, handed out and taken back by the shard's data path."""
 
-    def __init__(self, size: int, dtype=np.float32):
+    def __init__(self, size: int, dtype=np.float32, make=None):
         self.size = size
         self.dtype = np.dtype(dtype)
+        # make(size): a new buffer where the pool's live (a GPU's, page-locked host memory); default NumPy
+        self.make = make if make is not None else (lambda n: np.empty(n, dtype=self.dtype))
         self.free: list[np.ndarray] = []
         self.lock = threading.Lock()
         self.on_loan = 0          # taken and not yet given back (tests check none is lost)
@@ -23,7 +25,7 @@ class BufferPool:
             self.on_loan += 1
             if self.free:
                 return self.free.pop()
-        return np.empty(self.size, dtype=self.dtype)
+        return self.make(self.size)
 
     def give(self, buf: np.ndarray) -> None:
         """Take ``buf`` back for the next :meth:`take`.

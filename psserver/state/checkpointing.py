@@ -17,7 +17,6 @@ from psgrid.psserver.exceptions import CheckpointFailed
 from psgrid.psserver.protocol import Reason
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.state import checkpoint
-from psgrid.psserver.state.buffers import BufferPool
 
 log = logging.getLogger("psgrid.shard")
 
@@ -83,13 +82,13 @@ class Checkpointing:
 
     def _capture(self) -> tuple[dict, dict]:
         """Copies of everything a checkpoint holds, taken atomically (call under the lock)."""
-        arrays = {"weights": self.weights.copy()}
+        arrays = {"weights": self.arrays.download(self.weights)}     # a copy (from the GPU on a device shard)
         for key, value in self.optimizer.state_dict().items():     # state_dict returns copies
             arrays[f"opt.{key}"] = np.asarray(value)
         # Gradients held for open sync rounds: their pushers' clocks have moved past them.
         for round_, grads in self.round_grads.items():
             for worker, grad in grads.items():
-                arrays[f"round.{round_}.{worker}"] = grad.copy()
+                arrays[f"round.{round_}.{worker}"] = self.arrays.download(grad)
         meta = {
             "version": self.version, "spec": self.spec.to_json(), "begin": self.begin, "end": self.end,
             "shard_index": self.config.shard_index, "num_shards": self.config.num_shards,
@@ -132,13 +131,14 @@ class Checkpointing:
             self._new_ring(arrays["weights"], meta["version"])
             self._new_optimizer()
             opt_state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
-            self.optimizer.load_state_dict({k: (v if v.ndim else v.item()) for k, v in opt_state.items()})
-            self.pool = BufferPool(self.size)
+            with self.arrays.use():
+                self.optimizer.load_state_dict({k: (v if v.ndim else v.item()) for k, v in opt_state.items()})
+            self._new_pools()
             for key, value in arrays.items():
                 if key.startswith("round."):
                     _, round_, worker = key.split(".")
                     held = self.pool.take()       # the round gives it back to the pool when it closes
-                    np.copyto(held, value)
+                    self.arrays.upload(held, np.ascontiguousarray(value, np.float32))
                     self.round_grads.setdefault(int(round_), {})[int(worker)] = held
                     self.policy.round_pushers.setdefault(int(round_), set()).add(int(worker))
             self.version = meta["version"]

@@ -17,6 +17,7 @@ CuPy is imported only by :class:`GpuArrays`, so a host shard never loads it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import numpy as np
@@ -69,6 +70,9 @@ class HostArrays:
 
     def empty(self, size: int) -> np.ndarray:
         return np.empty(size, np.float32)
+
+    def use(self):
+        return contextlib.nullcontext(self)
 
     def landing(self, size: int) -> np.ndarray:
         """A host buffer a network payload lands in."""

@@ -59,11 +59,29 @@ class Pushes:
         worker hears of the update), written without holding up other calls.
         """
         try:
-            if self.config.mode == "async":
-                return self._push_async(worker, clock, version_used, grad, nbytes), False
-            return self._push_rounds(worker, clock, version_used, grad, nbytes, borrowed)
+            if self.arrays.on_gpu and isinstance(grad, np.ndarray):
+                return self._push_staged(worker, clock, version_used, grad, nbytes), False
+            return self._push_here(worker, clock, version_used, grad, nbytes, borrowed)
         finally:
             self._flush_capture()
+
+    def _push_here(self, worker: int, clock: int, version_used: int, grad, nbytes: int,
+                   borrowed: bool) -> tuple[PushResult, bool]:
+        if self.config.mode == "async":
+            return self._push_async(worker, clock, version_used, grad, nbytes), False
+        return self._push_rounds(worker, clock, version_used, grad, nbytes, borrowed)
+
+    def _push_staged(self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int) -> PushResult:
+        """A device shard takes a gradient that landed in host memory (a network plane's): copied to the GPU first."""
+        staged = self.pool.take()
+        kept = False
+        try:
+            self.arrays.upload(staged, grad)
+            result, kept = self._push_here(worker, clock, version_used, staged, nbytes, False)
+            return result
+        finally:
+            if not kept:
+                self.pool.give(staged)
 
     def _push_rounds(self, worker: int, clock: int, version_used: int, grad: np.ndarray,
                      nbytes: int, borrowed: bool) -> tuple[PushResult, bool]:
@@ -135,10 +153,12 @@ class Pushes:
                 else:
                     pulled = self._pulled(version_used)
                     source, target = ring.current, self._spare(pulled)
-            if self.plain_steps:
-                self.optimizer.step(ring.arrays[source], grad, scale, out=ring.arrays[target], check_finite=True)
-            else:
-                self._step(ring, source, grad, scale, target, pulled, check_finite=True)
+            with self.arrays.use():
+                if self.plain_steps:
+                    self.optimizer.step(ring.arrays[source], grad, scale, out=ring.arrays[target], check_finite=True)
+                else:
+                    self._step(ring, source, grad, scale, target, pulled, check_finite=True)
+                self.arrays.finished()      # written before it is published: readers elsewhere copy it at once
             with self.cond:
                 next_clock = clock + 1
                 if self.policy.is_live(worker):
@@ -189,6 +209,13 @@ class Pushes:
         held = sorted(r for r in self.round_grads if r in closed)
         # The others every worker skipped: only a restart from an older checkpoint does that.
         self.counters.lost_updates += len(closed) - len(held)
+        with self.arrays.use():
+            self._apply_rounds(held, borrowed)
+        return closed
+
+    def _apply_rounds(self, held: list[int], borrowed) -> None:
+        """Apply each held round's mean, summed in worker order (the arrays' own module: NumPy or CuPy)."""
+        xp = self.arrays.xp
         for round_ in held:
             grads = self.round_grads.pop(round_)
             ordered = [grads[w] for w in sorted(grads)]
@@ -196,25 +223,26 @@ class Pushes:
             if len(ordered) > 1:
                 if total is borrowed:
                     total = self.pool.take()
-                np.add(ordered[0], ordered[1], out=total)
+                xp.add(ordered[0], ordered[1], out=total)
                 for other in ordered[2:]:
-                    np.add(total, other, out=total)
-                np.multiply(total, 1.0 / len(ordered), out=total)
+                    xp.add(total, other, out=total)
+                xp.multiply(total, 1.0 / len(ordered), out=total)
             self._apply(total, 1.0)
             for buf in {id(b): b for b in (*ordered, total)}.values():
                 if buf is not borrowed:
                     self.pool.give(buf)
-        return closed
 
     def _apply(self, grad: np.ndarray, lr_scale: float, version_used: int | None = None) -> None:
         ring = self.ring
-        if self.plain_steps:       # the spare is never the buffer readers see: they keep the version they were given
-            pulled, target = None, ring.spare()
-            self.optimizer.step(ring.weights, grad, lr_scale, out=ring.arrays[target])
-        else:
-            pulled = self._pulled(version_used)
-            target = self._spare(pulled)
-            self._step(ring, ring.current, grad, lr_scale, target, pulled)
+        with self.arrays.use():
+            if self.plain_steps:   # the spare is never the buffer readers see: they keep the version they were given
+                pulled, target = None, ring.spare()
+                self.optimizer.step(ring.weights, grad, lr_scale, out=ring.arrays[target])
+            else:
+                pulled = self._pulled(version_used)
+                target = self._spare(pulled)
+                self._step(ring, ring.current, grad, lr_scale, target, pulled)
+            self.arrays.finished()
         ring.publish(target, self.version + 1)
         self._count_applied(pulled)
 

@@ -33,6 +33,7 @@ from psgrid.psserver.state import checkpoint
 from psgrid.psserver.state.buffers import BufferPool
 from psgrid.psserver.state.checkpointing import Checkpointing
 from psgrid.psserver.state.counters import Counters
+from psgrid.psserver.state.device import shard_arrays
 from psgrid.psserver.state.membership import Leases, Membership
 from psgrid.psserver.state.policy import ConsistencyPolicy
 from psgrid.psserver.state.pushes import Pushes, finite_check
@@ -57,6 +58,7 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
     def __init__(self, config: ServerConfig, now=time.monotonic, *, restore: bool = True):
         self.config = config
         self.now = now
+        self.arrays = shard_arrays(config)     # host memory, or a GPU (shard_device): the ring, optimizer and pools
         self.cond = threading.Condition()
         # async: an update is computed outside ``cond`` (weights are never changed in place, so pulls
         # and everything else go on meanwhile); updates queue on this lock, taken before ``cond``.
@@ -78,7 +80,8 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
         self.auto_momentum = config.async_momentum == "auto" and config.mode != "sync" and config.momentum > 0
         self.plain_steps = not self.auto_momentum and not (config.compensation == "dc" and config.mode != "sync")
         self.version = 0
-        self.pool: BufferPool | None = None
+        self.pool: BufferPool | None = None             # range-sized buffers where the arrays live (rounds, updates)
+        self.landing_pool: BufferPool | None = None     # ... and in host memory, for network payloads (the same on a host shard)
         # sync: open round -> {worker: gradient}. Summed in worker order when the round closes,
         # so a sync run is bitwise reproducible whatever order the pushes arrive in.
         self.round_grads: dict[int, dict[int, np.ndarray]] = {}
@@ -122,6 +125,12 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
         """
         shared = self.shares_memory and self.config.shared_memory and shared_memory.can_share_read_only()
         keep = self.config.dc_versions if not self.plain_steps and self.config.compensation == "dc" else 0
+        if self.arrays.on_gpu:       # readers on this host map the buffers through CUDA IPC; only the marks are shared
+            self.shares_memory = False
+            ring = WeightRing(len(values), shared=shared, keep_versions=keep, device=self.arrays)
+            self.arrays.upload(ring.weights, np.ascontiguousarray(values, np.float32))
+            self._set_ring(ring, version)
+            return
         try:
             ring = WeightRing(len(values), shared=shared, keep_versions=keep)
         except OSError as exc:
@@ -132,16 +141,31 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
             self.shares_memory = False
             ring = WeightRing(len(values), shared=False, keep_versions=keep)
         np.copyto(ring.weights, values, casting="same_kind")
+        self._set_ring(ring, version)
+
+    def _set_ring(self, ring: WeightRing, version: int) -> None:
         ring.publish(ring.current, version)
         if self.ring is not None:
             self.ring.close()
         self.ring = ring
 
     def _new_optimizer(self) -> None:
+        if self.arrays.on_gpu:
+            from psgrid.psserver.kernels.device_optim import make_device_optimizer
+
+            with self.arrays.use():
+                self.optimizer = make_device_optimizer(self.config.optimizer, self.size,
+                                                       **self.config.optimizer_hparams())
+                self.optimizer.warm_up()      # compiled now, not in a worker's first push
+            return
         self.optimizer = make_optimizer(self.config.optimizer, self.size, chunks=self.chunks,
                                         **self.config.optimizer_hparams())
         if not self.plain_steps and self.config.compensation == "dc":
             self.delay = DelayCompensation(self.size, self.config.dc_lambda0, self.config.dc_beta)
+
+    def _new_pools(self) -> None:
+        self.pool = BufferPool(self.size, make=self.arrays.empty)
+        self.landing_pool = BufferPool(self.size, make=self.arrays.landing) if self.arrays.on_gpu else self.pool
 
     @property
     def size(self) -> int:
@@ -203,7 +227,7 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
             self.spec, self.begin, self.end = spec, begin, end
             self._new_ring(values, self.version)
             self._new_optimizer()
-            self.pool = BufferPool(end - begin)
+            self._new_pools()
             # Members that registered another model were never the job's: they learn it at their next call.
             for worker in [w for w, h in self.member_hashes.items() if h != spec.hash()]:
                 log.warning("shard %d: worker %d registered another model spec than the one Init set; dropped",
@@ -257,5 +281,5 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
 
     def checksum(self) -> float:
         with self.cond:
-            return math.fsum(self.weights.astype(np.float64)) if self.initialized else 0.0
+            return math.fsum(self.arrays.download(self.weights).astype(np.float64)) if self.initialized else 0.0
 

@@ -61,7 +61,9 @@ class Snapshots:
         """
         with self.cond:
             self._require_serving()
-            if self.ring.lent_buffers() < MAX_LENT_BUFFERS or self.ring.lent[self.ring.current]:
+            if self.arrays.on_gpu:       # a network plane sends from host memory: a page-locked copy
+                values = self.arrays.download(self.ring.weights, self.landing_pool.take())
+            elif self.ring.lent_buffers() < MAX_LENT_BUFFERS or self.ring.lent[self.ring.current]:
                 values = self.ring.arrays[self.ring.lend()]
             else:
                 values = self.pool.take()
@@ -102,4 +104,4 @@ class Snapshots:
                 if array is values:
                     self.ring.give_back(index)
                     return
-        self.pool.give(values)
+        self.landing_pool.give(values)

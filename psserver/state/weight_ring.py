@@ -29,6 +29,11 @@ that still finds its index read nothing written after the revocation.
 
 Short of the cap there are as many buffers as readers hold at once, plus the current one and one
 to write: the ring grows when an update finds no spare buffer.
+
+A device shard's ring (state/device.py) keeps its buffers on a GPU, each in an allocation of its
+own that readers on this host map through CUDA IPC; its table of marks is in shared memory all the
+same, and the rules above hold as written, a reader's device copy synchronized before it clears
+its mark, the shard's update finished before it publishes.
 """
 
 from __future__ import annotations
@@ -60,11 +65,14 @@ class WeightRing:
     shared : bool
         Keep every buffer (and the table of marks) in shared memory, so readers in other
         processes on this host can map them.
+    device : GpuArrays, optional
+        Keep the buffers on this GPU instead (``shared`` then puts only the table of marks in
+        shared memory, for readers that map the buffers through CUDA IPC).
     """
 
-    def __init__(self, size: int, *, shared: bool, keep_versions: int = 0):
+    def __init__(self, size: int, *, shared: bool, keep_versions: int = 0, device=None):
         self.size = size
-        self.shared = shared
+        self.device = device
         # Delay compensation keeps the last few versions (spare_keeping): room for them past the cap.
         self.max_versions = MAX_VERSIONS + max(0, keep_versions)
         self.holders: list[SharedArray | None] = []     # the shared file behind each buffer, if shared
@@ -75,6 +83,7 @@ class WeightRing:
         # readers write their own slots in it: sealed against resizing only
         self._marks_holder = SharedArray(MAX_SHARED_READERS, np.int64, "psgrid-marks") if shared else None
         self.marks = self._marks_holder.array if shared else np.full(MAX_SHARED_READERS, NO_MARK, np.int64)
+        self.shared = shared and device is None        # the buffers themselves
         self.marks[:] = NO_MARK
         self.given = np.full(MAX_SHARED_READERS, NOT_GIVEN, np.int64)   # the buffer the shard handed each slot
         self.free_slots = list(range(MAX_SHARED_READERS - 1, -1, -1))
@@ -104,8 +113,17 @@ class WeightRing:
             raise ValueError("this ring is not in shared memory")
         return holder.reader_fd()
 
+    def ipc_handle(self, index: int) -> bytes:
+        """Buffer ``index``'s CUDA IPC handle, for a reader in another process (a device ring only)."""
+        if self.device is None:
+            raise ValueError("this ring is not on a GPU")
+        return self.device.ipc_handle(self.arrays[index])
+
     def _grow(self) -> int:
-        if self.shared:
+        if self.device is not None:
+            self.holders.append(None)
+            self.arrays.append(self.device.empty(self.size))
+        elif self.shared:
             holder = SharedArray(self.size, np.float32, "psgrid-weights", seals=READ_ONLY_TO_OTHERS)
             self.holders.append(holder)
             self.arrays.append(holder.array)
