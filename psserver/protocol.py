@@ -24,7 +24,7 @@ SHARD_DEVICES = ("cpu", "gpu", "auto")
 # serves only processes on the shard's host, and is chosen by ``shared_memory``, never named in a job file:
 # CUDA IPC first (a GPU worker and a shard whose weights are on a GPU it can reach), then shared memory.
 CONTROL_PLANE = "grpc"
-LOCAL_PLANES = ("shm",)
+LOCAL_PLANES = ("ipc", "shm")
 DATA_PLANES = ("tcp", CONTROL_PLANE)          # the network planes: what a job file's data_plane may name
 PLANES = LOCAL_PLANES + DATA_PLANES           # every built-in plane, in a client's order of preference
 

@@ -4,7 +4,7 @@ Transports (``transports/grpc_server.py``, ``transports/tcp_server.py``) decode 
 format and call these methods with plain values. This module alone
 
 * bounds every number that comes from the wire (ids, clocks, versions, sizes);
-* checks payloads as they land: offsets, sizes, dtypes, non-finite values, truncation;
+* checks payloads as they land (intake.py): offsets, sizes, dtypes, non-finite values, truncation;
 * lends the transports the pooled buffers (the shard's) that payloads land in and snapshots
   are sent from, and takes them back on every path;
 * turns a caller's deadline into the consistency wait's timeout;
@@ -26,12 +26,12 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from psgrid.psserver import dtypes as wire
-from psgrid.psserver.state.buffers import BufferPool
 from psgrid.psserver.exceptions import InvalidArgument, PSError, Unavailable, WrongJob
-from psgrid.psserver.state.policy import MAX_CLOCK, MAX_START_CLOCK
+from psgrid.psserver.intake import InitIntake, PushIntake
 from psgrid.psserver.protocol import (FLOAT32, ITEMSIZE, REPLY_MARGIN_S, HeartbeatInfo, PushResult, Reason, Refusal,
-                                      Registration, Status, WIRE_DTYPES, job_tag)
+                                      Registration, Status, job_tag)
+from psgrid.psserver.state.buffers import BufferPool
+from psgrid.psserver.state.policy import MAX_CLOCK, MAX_START_CLOCK
 from psgrid.psserver.state.shard import Shard
 from psgrid.psserver.spec import ModelSpec
 
@@ -44,8 +44,6 @@ MAX_SPEC_PARAMS = 1 << 16
 MAX_MODEL_ELEMENTS = 1 << 40     # 4 TiB of float32: far past any shard, short of overflowing anything
 RANGE_COPIES = 4                 # weights, optimizer state, and at least two pooled buffers
 PHYSICAL_MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-GRADIENT_DTYPES = frozenset(WIRE_DTYPES.values())
-WEIGHT_DTYPES = frozenset({FLOAT32})
 
 
 class Snapshot(NamedTuple):
@@ -83,189 +81,6 @@ class PullLease:
 
     def __exit__(self, *exc) -> None:
         self.shard.release_snapshot(self.snapshot.values)
-
-
-class RangeIntake:
-    """One float range arriving from the wire, checked as it lands; nothing reaches the shard until :meth:`complete`.
-
-    Each plane fills it its own way, one method each: the gRPC streams add chunks that must tile
-    ``[begin, begin + size)`` in order (:meth:`add_chunk`); the TCP plane fills the whole range at
-    once (:meth:`landing`, then :meth:`landed`); the shared-memory plane hands over the worker's
-    own memory (:meth:`PushIntake.fill_shared`). Each piece is checked as it arrives, so a bad one
-    is refused before the rest is read. ``finite`` is the check for NaN and infinity, or None
-    where the values are checked later, by the update that reads them (see state/pushes.py
-    :func:`finite_check`).
-    """
-
-    __slots__ = ("begin", "size", "buffer", "allowed", "scratch_pool", "scratch", "landing_dtype", "covered",
-                 "chunks", "nbytes", "finite")
-
-    def __init__(self, begin: int, size: int, buffer: np.ndarray | None, allowed: frozenset[int],
-                 scratch: Callable[[], BufferPool] | None = None,
-                 finite: Callable[[np.ndarray], bool] | None = wire.all_finite):
-        self.begin, self.size, self.buffer, self.allowed = begin, size, buffer, allowed
-        self.finite = finite
-        self.scratch_pool = scratch          # where half-precision landings come from (asked only for those)
-        self.scratch: np.ndarray | None = None
-        self.landing_dtype = 0
-        self.covered = self.chunks = self.nbytes = 0
-
-    def _check_dtype(self, dtype: int) -> None:
-        if dtype not in self.allowed:
-            kinds = "/".join(name for name, code in WIRE_DTYPES.items() if code in self.allowed)
-            raise InvalidArgument(f"dtype {dtype} is not allowed here (expected {kinds})", Reason.BAD_DTYPE)
-
-    def _destination(self) -> np.ndarray:
-        """The buffer the range lands in (a push takes its pooled one only once its payload comes)."""
-        return self.buffer
-
-    def add_chunk(self, offset: int, dtype: int, data) -> None:
-        self._check_dtype(dtype)
-        n = wire.element_count(data, dtype)
-        expected = self.begin + self.covered
-        if offset != expected:
-            raise InvalidArgument(f"chunk {self.chunks} starts at offset {offset}, expected {expected}: chunks must "
-                                  f"tile this shard's range [{self.begin}, {self.begin + self.size}) in order",
-                                  Reason.BAD_OFFSET)
-        if self.covered + n > self.size:
-            raise InvalidArgument(f"chunk {self.chunks} runs past the end of this shard's range "
-                                  f"[{self.begin}, {self.begin + self.size})", Reason.BAD_SIZE)
-        buffer = self.buffer if self.buffer is not None else self._destination()
-        piece = buffer[self.covered:self.covered + n]
-        wire.decode_into(piece, data, dtype)
-        if self.finite is not None and not self.finite(piece):
-            raise non_finite(f"chunk {self.chunks} (offset {offset})")
-        self.covered += n
-        self.chunks += 1
-        self.nbytes += len(data)
-
-    def landing(self, dtype: int, nbytes: int) -> memoryview:
-        """The bytes a transport that moves the whole range at once must fill (dtype and size checked)."""
-        if dtype not in self.allowed:
-            self._check_dtype(dtype)
-        expected = self.size * ITEMSIZE[dtype]
-        if nbytes != expected:
-            raise InvalidArgument(f"payload of {nbytes} bytes; this shard's range needs {expected} "
-                                  f"({self.size} elements)", Reason.BAD_SIZE)
-        self.landing_dtype = dtype
-        buffer = self._destination()
-        if dtype == FLOAT32:
-            return memoryview(buffer).cast("B")
-        self.scratch = self.scratch_pool().take()
-        return memoryview(self.scratch).cast("B")
-
-    def landed(self) -> None:
-        """The landing is full: convert a half-precision payload and check the values."""
-        if self.scratch is not None:
-            wire.decode_into(self.buffer, memoryview(self.scratch).cast("B"), self.landing_dtype)
-            self.release_scratch()
-        if self.finite is not None and not self.finite(self.buffer):
-            raise non_finite("payload")
-        self.covered, self.chunks = self.size, 1
-        self.nbytes = self.size * ITEMSIZE[self.landing_dtype]
-
-    def complete(self, declared_chunks: int | None = None) -> None:
-        if self.covered != self.size:
-            raise InvalidArgument(f"payload ended early: it covered {self.covered} of this shard's {self.size} "
-                                  f"elements", Reason.BAD_SIZE)
-        if declared_chunks is not None and declared_chunks != self.chunks:
-            raise InvalidArgument(f"stream declared {declared_chunks} chunks but sent {self.chunks}",
-                                  Reason.BAD_CHUNK_COUNT)
-
-    def release_scratch(self) -> None:
-        if self.scratch is not None:
-            self.scratch_pool().give(self.scratch)
-            self.scratch = None
-
-
-def non_finite(what: str) -> InvalidArgument:
-    return InvalidArgument(f"{what} contains NaN or infinity", Reason.NON_FINITE)
-
-
-class PushIntake(RangeIntake):
-    """One push, whichever plane brings it: the gradient lands, then :meth:`commit` hands it to the shard.
-
-    It lands in a pooled buffer of the shard's, taken when the payload comes (and given back by
-    :meth:`close` unless a sync round keeps it), or, on the shared-memory plane, stays in the
-    worker's memory and is read there (``borrowed``).
-    """
-
-    __slots__ = ("shard", "worker_id", "clock", "version", "borrowed")
-
-    def __init__(self, service: "ShardService", worker_id: int, clock: int, version: int):
-        shard = service.shard
-        super().__init__(shard.begin, shard.size, None, GRADIENT_DTYPES, service.half_pool, shard.finite_check)
-        self.shard, self.worker_id, self.clock, self.version = shard, worker_id, clock, version
-        self.borrowed = False
-
-    def _destination(self) -> np.ndarray:
-        if self.buffer is None:
-            self.buffer = self.shard.pool.take()
-        return self.buffer
-
-    def fill_shared(self, dtype: int, segment: np.ndarray) -> None:
-        """The gradient is ``segment``, this shard's range of a worker's shared memory, in wire ``dtype``.
-
-        A float32 gradient is checked and used where it lies (no copy); a half-precision one is
-        converted into a pooled buffer, then checked.
-        """
-        if dtype not in self.allowed:
-            self._check_dtype(dtype)
-        if len(segment) != self.size:
-            raise InvalidArgument(f"the shared gradient maps {len(segment)} elements; this shard's range has "
-                                  f"{self.size}", Reason.BAD_SIZE)
-        if dtype == FLOAT32:
-            self.buffer, self.borrowed = segment, True
-        else:
-            wire.decode_into(self._destination(), memoryview(segment).cast("B"), dtype)
-        if self.finite is not None and not self.finite(self.buffer):
-            raise non_finite("payload")
-        self.covered, self.chunks, self.nbytes = self.size, 1, segment.nbytes
-
-    def commit(self, declared_chunks: int | None = None) -> PushResult:
-        if self.covered != self.size or declared_chunks is not None:      # a whole landing is complete
-            self.complete(declared_chunks)
-        result, kept = self.shard.push(self.worker_id, self.clock, self.version, self.buffer, self.nbytes,
-                                       borrowed=self.borrowed)
-        if kept:
-            self.buffer = None          # the shard holds it for its sync round now
-        return result
-
-    def close(self) -> None:
-        if self.scratch is not None:
-            self.release_scratch()
-        if self.buffer is not None:
-            if not self.borrowed:
-                self.shard.pool.give(self.buffer)
-            self.buffer = None
-
-    def __enter__(self) -> "PushIntake":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-class InitIntake(RangeIntake):
-    """The initial weights of this shard's range, from the first worker to offer them."""
-
-    __slots__ = ("shard", "spec")
-
-    def __init__(self, shard: Shard, spec: ModelSpec):
-        begin, end = shard.layout(spec)
-        try:
-            buffer = np.empty(end - begin, np.float32)
-        except MemoryError:
-            raise InvalidArgument(f"a range of {end - begin} elements does not fit in this shard's memory",
-                                  Reason.BAD_SPEC) from None
-        super().__init__(begin, end - begin, buffer, WEIGHT_DTYPES)
-        self.shard, self.spec = shard, spec
-
-    def commit(self, declared_chunks: int | None = None) -> tuple[bool, int]:
-        """Set the weights; returns (applied, version). False when the shard already had them."""
-        self.complete(declared_chunks)
-        applied = self.shard.init(self.spec, self.buffer)
-        return applied, self.shard.version
 
 
 class ShardService:
@@ -419,12 +234,20 @@ class ShardService:
                               f"says why): use a network plane")
 
     def open_reader(self) -> tuple[int, int]:
-        """A slot in the shard's table of reader marks, and that table's shared file (see weight_ring.py)."""
-        self._require_shared()
+        """A slot in the shard's table of reader marks, and that table's shared file (see weight_ring.py).
+
+        Readers of a shared ring (the shared-memory plane) and of a device ring (the CUDA IPC plane)
+        both mark what they read there.
+        """
         try:
             slot = self.shard.take_reader_slot()
         except ValueError as exc:
             raise Unavailable(str(exc), Reason.TOO_MANY_CONNECTIONS) from None
+        if self.shard.ring.marks_fd < 0:
+            self.shard.free_reader_slot(slot)
+            self._require_shared()
+            raise Unavailable(f"shard {self.shard.config.shard_index} has no shared table of marks (its log says "
+                              f"why): use a network plane")
         return slot, self.shard.ring.marks_fd
 
     def marks_fd(self) -> int:
@@ -440,6 +263,13 @@ class ShardService:
         if ring is None or not 0 <= index < len(ring.arrays):
             raise InvalidArgument(f"no weight buffer {index}", Reason.BAD_VALUE)
         return ring.reader_fd(index), ring.size * ITEMSIZE[FLOAT32]
+
+    def ipc_buffer(self, index: int) -> tuple[bytes, int]:
+        """The CUDA IPC handle of the device ring's buffer ``index`` and its size in bytes."""
+        ring = self.shard.device_ring()
+        if not 0 <= index < len(ring.arrays):
+            raise InvalidArgument(f"no weight buffer {index}", Reason.BAD_VALUE)
+        return ring.ipc_handle(index), ring.size * ITEMSIZE[FLOAT32]
 
     def gradient_layout(self, dtype: int) -> tuple[int, int, int]:
         """What a worker's shared gradient of wire ``dtype`` must hold: (bytes of the whole model, this
@@ -467,6 +297,15 @@ class ShardService:
             check_range("version", version, 0, MAX_CLOCK)
         self.shard.check_pusher(worker_id)
         return PushIntake(self, worker_id, clock, version)
+
+    def push_device(self, *, worker_id: int, clock: int, version: int, slot) -> PushResult:
+        """One gradient in a worker's slot on the shard's GPU (the IPC plane): copied, checked, then taken."""
+        intake = self.open_push(worker_id=worker_id, clock=clock, version=version)
+        try:
+            intake.fill_device(slot)
+            return intake.commit()
+        finally:
+            intake.close()
 
     def push_shared(self, *, worker_id: int, clock: int, version: int, dtype: int, segment: np.ndarray) -> PushResult:
         """One gradient in a worker's shared memory: ``segment`` is this shard's range in ``dtype``, read in place."""

@@ -6,7 +6,7 @@ import argparse
 import re
 import textwrap
 
-from psgrid.psserver.protocol import DATA_PLANES, MODES, OPTIMIZERS, SHARD_DEVICES, WIRE_DTYPES
+from psgrid.psserver.protocol import DATA_PLANES, MODES, OPTIMIZERS, WIRE_DTYPES
 
 
 def add_command(subparsers, name: str, help: str, description: str, examples: str) -> argparse.ArgumentParser:

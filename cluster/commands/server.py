@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands.common import DATA_PLANES, MODES, OPTIMIZERS, SHARD_DEVICES, add_command, add_config_arg
+from psgrid.cluster.commands.common import DATA_PLANES, MODES, OPTIMIZERS, add_command, add_config_arg
+from psgrid.psserver.protocol import SHARD_DEVICES
 from psgrid.psserver.kernels.compensation import ASYNC_MOMENTUM, COMPENSATIONS
 
 HELP = "run one parameter-server shard"

@@ -88,6 +88,15 @@ class Snapshots:
             self._count_pull()
             return self.version, index
 
+    def device_ring(self):
+        """The ring, if it is on a GPU (the IPC plane's calls); refused otherwise."""
+        with self.cond:
+            self._require_serving()
+            if not self.arrays.on_gpu:
+                raise Unavailable(f"shard {self.config.shard_index} keeps its weights in host memory: use the "
+                                  f"shared-memory or a network plane")
+            return self.ring
+
     def take_reader_slot(self) -> int:
         with self.cond:
             self._require_serving()

@@ -41,6 +41,7 @@ class ConnectOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     deadline_s: float = 60.0
     shared_memory: bool = True     # use a shard's shared memory when it is on this host
+    gpu: int | None = None         # the GPU the caller's arrays are on (a device shard's CUDA IPC plane); None: host
     memory: Any = field(default=None, compare=False)    # the client's ClientMemory (None: an observer's)
 
     def __post_init__(self):
@@ -91,6 +92,7 @@ class DataPlane(ABC):
 
     name: str
     reads_in_place = False      # a pull can hand over the shard's own memory (no copy of ours first)
+    takes_device_arrays = False   # push takes a CuPy array, and pull_with may hand one to its writer
 
     @abstractmethod
     def pull_into(self, out: np.ndarray, *, begin: int, worker_id: int, clock: int, timeout_s: float) -> int:

@@ -36,7 +36,7 @@ CONNECT_S = 5.0
 REREAD_S = 60.0            # how long a pull with no deadline reads again while the shard takes its buffers back
 
 
-class _Connection(StreamConnection):
+class ShmConnection(StreamConnection):
     __slots__ = ("slot", "attached")
 
     def __init__(self, sock: socket.socket):
@@ -50,6 +50,7 @@ class ShmDataPlane(DataPlane):
 
     name = "shm"
     reads_in_place = True
+    connection_class = ShmConnection
 
     def __init__(self, address: str, options: ConnectOptions, host: str = "localhost"):
         self.address = address
@@ -61,14 +62,14 @@ class ShmDataPlane(DataPlane):
         self.ssl_context = client_ssl_context(options.tls_ca, options.tls_cert, options.tls_key) if options.tls else None
         self.memory = options.memory
         self.replier = f"shard shared memory at {address}"      # who a refusal came from, in its message
-        self.pool: ConnectionPool[_Connection] = ConnectionPool(self._connect_within, "shared-memory plane", address)
+        self.pool: ConnectionPool[ShmConnection] = ConnectionPool(self._connect_within, "shared-memory plane", address)
         self.buffers: dict[int, np.ndarray] = {}      # the shard's ring buffers mapped here (read only)
         self.marks: np.ndarray | None = None           # the shard's table of reader marks
         self.map_lock = threading.Lock()
 
     # ----- connections --------------------------------------------------------------------------
 
-    def connect(self, timeout: float) -> _Connection:
+    def connect(self, timeout: float) -> ShmConnection:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.settimeout(timeout)
@@ -80,7 +81,7 @@ class ShmDataPlane(DataPlane):
         except BaseException:
             sock.close()
             raise
-        return _Connection(sock)
+        return self.connection_class(sock)
 
     def _handshake(self, sock: socket.socket, timeout: float) -> socket.socket:
         """Show our certificate in a TLS handshake, then return to plain frames (descriptors cannot cross TLS)."""
@@ -93,7 +94,7 @@ class ShmDataPlane(DataPlane):
         plain.settimeout(timeout)
         return plain
 
-    def _connect_within(self, timeout: float) -> _Connection:
+    def _connect_within(self, timeout: float) -> ShmConnection:
         return self.connect(min(timeout, CONNECT_S) if timeout else CONNECT_S)
 
     def _receive_fd(self, sock) -> int:
@@ -106,7 +107,7 @@ class ShmDataPlane(DataPlane):
 
     # ----- mapping the shard's memory -----------------------------------------------------------
 
-    def _open(self, conn: _Connection) -> None:
+    def _open(self, conn: ShmConnection) -> None:
         conn.sock.sendall(open_request())
         slot = read_reply(conn.sock, self.replier).slot
         fd = self._receive_fd(conn.sock)
@@ -118,7 +119,7 @@ class ShmDataPlane(DataPlane):
             os.close(fd)
         conn.slot = slot
 
-    def _buffer(self, conn: _Connection, index: int, size: int) -> np.ndarray:
+    def _buffer(self, conn: ShmConnection, index: int, size: int) -> np.ndarray:
         buffer = self.buffers.get(index)
         if buffer is not None and len(buffer) == size:
             return buffer
@@ -151,7 +152,7 @@ class ShmDataPlane(DataPlane):
 
     def _pull(self, consume: Callable[[np.ndarray], object], size: int, worker_id: int, clock: int,
               timeout_s: float) -> int:
-        def call(conn: _Connection) -> int:
+        def call(conn: ShmConnection) -> int:
             if conn.slot < 0:
                 self._open(conn)
             give_up = time.monotonic() + (timeout_s or REREAD_S)
@@ -191,7 +192,7 @@ class ShmDataPlane(DataPlane):
             np.copyto(segment[begin:end], grad)
         kind = dtype_byte(wire_dtype, index or 0)
 
-        def call(conn: _Connection) -> PushResult:
+        def call(conn: ShmConnection) -> PushResult:
             if kind not in conn.attached:
                 conn.sock.sendall(attach_request(kind, segment.nbytes))
                 socket.send_fds(conn.sock, [FD_BYTE], [fd])

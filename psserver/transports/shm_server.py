@@ -203,8 +203,9 @@ def check_gradient_file(fd: int) -> None:
 
 def _listen(service: ShardService, config, context: ListenContext) -> Listening | None:
     """The shared-memory plane, where the shard's ``shared_memory`` asks for it and this kernel can seal the
-    weights; its offer is the Unix socket, withdrawn once the shard could not put its weights in shared memory."""
-    if not config.shared_memory:
+    weights; its offer is the Unix socket, withdrawn once the shard could not put its weights in shared memory.
+    A device shard's weights are on its GPU: the CUDA IPC plane (ipc_server.py) serves this host instead."""
+    if not config.shared_memory or service.shard.arrays.on_gpu:
         return None
     if not can_share_read_only():
         if available():

@@ -1,0 +1,222 @@
+"""A payload arriving from the wire, checked as it lands: a push's gradient, or the initial weights.
+
+Every plane fills a :class:`RangeIntake` its own way (gRPC chunks, a TCP landing, a worker's
+shared memory, a CUDA IPC slot), and nothing reaches the shard until it is complete and checked.
+service.py opens them; what a valid payload does to the state is the shard's.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from psgrid.psserver import dtypes as wire
+from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.protocol import FLOAT32, ITEMSIZE, WIRE_DTYPES, PushResult, Reason
+from psgrid.psserver.spec import ModelSpec
+from psgrid.psserver.state.buffers import BufferPool
+from psgrid.psserver.state.shard import Shard
+
+GRADIENT_DTYPES = frozenset(WIRE_DTYPES.values())
+WEIGHT_DTYPES = frozenset({FLOAT32})
+
+
+class RangeIntake:
+    """One float range arriving from the wire, checked as it lands; nothing reaches the shard until :meth:`complete`.
+
+    Each plane fills it its own way, one method each: the gRPC streams add chunks that must tile
+    ``[begin, begin + size)`` in order (:meth:`add_chunk`); the TCP plane fills the whole range at
+    once (:meth:`landing`, then :meth:`landed`); the shared-memory plane hands over the worker's
+    own memory (:meth:`PushIntake.fill_shared`). Each piece is checked as it arrives, so a bad one
+    is refused before the rest is read. ``finite`` is the check for NaN and infinity, or None
+    where the values are checked later, by the update that reads them (see state/pushes.py
+    :func:`finite_check`).
+    """
+
+    __slots__ = ("begin", "size", "buffer", "allowed", "scratch_pool", "scratch", "landing_dtype", "covered",
+                 "chunks", "nbytes", "finite")
+
+    def __init__(self, begin: int, size: int, buffer: np.ndarray | None, allowed: frozenset[int],
+                 scratch: Callable[[], BufferPool] | None = None,
+                 finite: Callable[[np.ndarray], bool] | None = wire.all_finite):
+        self.begin, self.size, self.buffer, self.allowed = begin, size, buffer, allowed
+        self.finite = finite
+        self.scratch_pool = scratch          # where half-precision landings come from (asked only for those)
+        self.scratch: np.ndarray | None = None
+        self.landing_dtype = 0
+        self.covered = self.chunks = self.nbytes = 0
+
+    def _check_dtype(self, dtype: int) -> None:
+        if dtype not in self.allowed:
+            kinds = "/".join(name for name, code in WIRE_DTYPES.items() if code in self.allowed)
+            raise InvalidArgument(f"dtype {dtype} is not allowed here (expected {kinds})", Reason.BAD_DTYPE)
+
+    def _destination(self) -> np.ndarray:
+        """The buffer the range lands in (a push takes its pooled one only once its payload comes)."""
+        return self.buffer
+
+    def add_chunk(self, offset: int, dtype: int, data) -> None:
+        self._check_dtype(dtype)
+        n = wire.element_count(data, dtype)
+        expected = self.begin + self.covered
+        if offset != expected:
+            raise InvalidArgument(f"chunk {self.chunks} starts at offset {offset}, expected {expected}: chunks must "
+                                  f"tile this shard's range [{self.begin}, {self.begin + self.size}) in order",
+                                  Reason.BAD_OFFSET)
+        if self.covered + n > self.size:
+            raise InvalidArgument(f"chunk {self.chunks} runs past the end of this shard's range "
+                                  f"[{self.begin}, {self.begin + self.size})", Reason.BAD_SIZE)
+        buffer = self.buffer if self.buffer is not None else self._destination()
+        piece = buffer[self.covered:self.covered + n]
+        wire.decode_into(piece, data, dtype)
+        if self.finite is not None and not self.finite(piece):
+            raise non_finite(f"chunk {self.chunks} (offset {offset})")
+        self.covered += n
+        self.chunks += 1
+        self.nbytes += len(data)
+
+    def landing(self, dtype: int, nbytes: int) -> memoryview:
+        """The bytes a transport that moves the whole range at once must fill (dtype and size checked)."""
+        if dtype not in self.allowed:
+            self._check_dtype(dtype)
+        expected = self.size * ITEMSIZE[dtype]
+        if nbytes != expected:
+            raise InvalidArgument(f"payload of {nbytes} bytes; this shard's range needs {expected} "
+                                  f"({self.size} elements)", Reason.BAD_SIZE)
+        self.landing_dtype = dtype
+        buffer = self._destination()
+        if dtype == FLOAT32:
+            return memoryview(buffer).cast("B")
+        self.scratch = self.scratch_pool().take()
+        return memoryview(self.scratch).cast("B")
+
+    def landed(self) -> None:
+        """The landing is full: convert a half-precision payload and check the values."""
+        if self.scratch is not None:
+            wire.decode_into(self.buffer, memoryview(self.scratch).cast("B"), self.landing_dtype)
+            self.release_scratch()
+        if self.finite is not None and not self.finite(self.buffer):
+            raise non_finite("payload")
+        self.covered, self.chunks = self.size, 1
+        self.nbytes = self.size * ITEMSIZE[self.landing_dtype]
+
+    def complete(self, declared_chunks: int | None = None) -> None:
+        if self.covered != self.size:
+            raise InvalidArgument(f"payload ended early: it covered {self.covered} of this shard's {self.size} "
+                                  f"elements", Reason.BAD_SIZE)
+        if declared_chunks is not None and declared_chunks != self.chunks:
+            raise InvalidArgument(f"stream declared {declared_chunks} chunks but sent {self.chunks}",
+                                  Reason.BAD_CHUNK_COUNT)
+
+    def release_scratch(self) -> None:
+        if self.scratch is not None:
+            self.scratch_pool().give(self.scratch)
+            self.scratch = None
+
+
+def non_finite(what: str) -> InvalidArgument:
+    return InvalidArgument(f"{what} contains NaN or infinity", Reason.NON_FINITE)
+
+
+class PushIntake(RangeIntake):
+    """One push, whichever plane brings it: the gradient lands, then :meth:`commit` hands it to the shard.
+
+    It lands in a pooled host buffer of the shard's, taken when the payload comes (and given back by
+    :meth:`close` unless a sync round keeps it), or, on the shared-memory plane, stays in the
+    worker's memory and is read there (``borrowed``), or, on the CUDA IPC plane, is copied from the
+    worker's slot into a device buffer of the shard's own (:meth:`fill_device`).
+    """
+
+    __slots__ = ("shard", "worker_id", "clock", "version", "borrowed", "home")
+
+    def __init__(self, service, worker_id: int, clock: int, version: int):
+        shard = service.shard
+        super().__init__(shard.begin, shard.size, None, GRADIENT_DTYPES, service.half_pool, shard.finite_check)
+        self.shard, self.worker_id, self.clock, self.version = shard, worker_id, clock, version
+        self.borrowed = False
+        self.home = shard.landing_pool       # the pool ``buffer`` goes back to
+
+    def _destination(self) -> np.ndarray:
+        if self.buffer is None:
+            self.buffer = self.home.take()
+        return self.buffer
+
+    def fill_device(self, slot) -> None:
+        """The gradient is in ``slot``, a device buffer of the shard's that the worker writes (the IPC plane).
+
+        Copied first into a buffer the worker cannot reach, then checked there: the worker may write
+        its slot again at any time, and must not change a gradient between its check and its update.
+        """
+        arrays = self.shard.arrays
+        self.home = self.shard.pool
+        self.buffer = self.home.take()
+        with arrays.use():
+            self.buffer.data.copy_from_device_async(slot.data, slot.nbytes, arrays.stream)
+            if not arrays.all_finite(self.buffer):
+                raise non_finite("payload")
+        self.covered, self.chunks, self.nbytes = self.size, 1, slot.nbytes
+
+    def fill_shared(self, dtype: int, segment: np.ndarray) -> None:
+        """The gradient is ``segment``, this shard's range of a worker's shared memory, in wire ``dtype``.
+
+        A float32 gradient is checked and used where it lies (no copy); a half-precision one is
+        converted into a pooled buffer, then checked.
+        """
+        if dtype not in self.allowed:
+            self._check_dtype(dtype)
+        if len(segment) != self.size:
+            raise InvalidArgument(f"the shared gradient maps {len(segment)} elements; this shard's range has "
+                                  f"{self.size}", Reason.BAD_SIZE)
+        if dtype == FLOAT32:
+            self.buffer, self.borrowed = segment, True
+        else:
+            wire.decode_into(self._destination(), memoryview(segment).cast("B"), dtype)
+        if self.finite is not None and not self.finite(self.buffer):
+            raise non_finite("payload")
+        self.covered, self.chunks, self.nbytes = self.size, 1, segment.nbytes
+
+    def commit(self, declared_chunks: int | None = None) -> PushResult:
+        if self.covered != self.size or declared_chunks is not None:      # a whole landing is complete
+            self.complete(declared_chunks)
+        result, kept = self.shard.push(self.worker_id, self.clock, self.version, self.buffer, self.nbytes,
+                                       borrowed=self.borrowed)
+        if kept:
+            self.buffer = None          # the shard holds it for its sync round now
+        return result
+
+    def close(self) -> None:
+        if self.scratch is not None:
+            self.release_scratch()
+        if self.buffer is not None:
+            if not self.borrowed:
+                self.home.give(self.buffer)
+            self.buffer = None
+
+    def __enter__(self) -> "PushIntake":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class InitIntake(RangeIntake):
+    """The initial weights of this shard's range, from the first worker to offer them."""
+
+    __slots__ = ("shard", "spec")
+
+    def __init__(self, shard: Shard, spec: ModelSpec):
+        begin, end = shard.layout(spec)
+        try:
+            buffer = np.empty(end - begin, np.float32)
+        except MemoryError:
+            raise InvalidArgument(f"a range of {end - begin} elements does not fit in this shard's memory",
+                                  Reason.BAD_SPEC) from None
+        super().__init__(begin, end - begin, buffer, WEIGHT_DTYPES)
+        self.shard, self.spec = shard, spec
+
+    def commit(self, declared_chunks: int | None = None) -> tuple[bool, int]:
+        """Set the weights; returns (applied, version). False when the shard already had them."""
+        self.complete(declared_chunks)
+        applied = self.shard.init(self.spec, self.buffer)
+        return applied, self.shard.version
