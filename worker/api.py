@@ -176,7 +176,7 @@ class Session:
         self._closed = False
         try:
             self.client = Client(addresses, self.spec, worker_id=rank, world=world, init=initial,
-                                 pin_memory=pinner_for(self.xp), **client_options)
+                                 pin_memory=pinner_for(self.xp), gpu=self._device, **client_options)
         except BaseException:
             self._metrics.close()
             raise

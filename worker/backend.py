@@ -133,6 +133,11 @@ def visible_gpus() -> list[str]:
     return [runtime.deviceGetPCIBusId(i) for i in range(runtime.getDeviceCount())]
 
 
+def current_gpu(xp) -> int | None:
+    """The GPU this thread computes on (a client's ``gpu``), or None on the CPU."""
+    return None if xp is np else int(xp.cuda.runtime.getDevice())
+
+
 def pinned_empty(n, dtype, xp) -> np.ndarray:
     """An uninitialised host array, in CUDA pinned (page-locked) memory when ``xp`` is cupy.
 

@@ -10,7 +10,10 @@ between the shards and the device happen here, as few as the exchange allows:
   (shared memory a shard on this host reads in place), so a push copies nothing more;
 * an exchange that keeps the weights on this GPU (``on_device``, the all-reduce baseline there)
   lends its weights as ``params`` and takes the gradient where it was computed: nothing crosses
-  to the host.
+  to the host;
+* a client whose shards keep their weights on a GPU it reaches (CUDA IPC, ``device_push``) hands
+  the pull a device array to copy from and pushes the device gradient itself: nothing crosses to
+  the host either.
 
 On the CPU the device arrays are host arrays: a pull is one copy, a gradient none.
 """
@@ -47,8 +50,10 @@ class FlatBuffers:
         self.exchange = exchange
         self.in_place = exchange is not None and hasattr(exchange, "gradient_buffer")
         self.on_device = xp is not np and getattr(exchange, "on_device", False)
+        self.device_push = (xp is not np and not self.on_device
+                            and getattr(exchange, "takes_device_gradients", lambda: False)())
         count = 2 if double else 1
-        if self.on_device:
+        if self.on_device or self.device_push:
             self.host_grads = []
         elif self.in_place:
             self.host_grads = [exchange.gradient_buffer(i) for i in range(count)]
@@ -60,10 +65,14 @@ class FlatBuffers:
         if xp is np:
             self.params = np.empty(spec.size, np.float32)
             self._grad_views = [spec.views(g) for g in self.host_grads]
+            self.grads = []
         else:
             self.params = exchange.weights if self.on_device else spec.flat(xp)
-            self.grad = spec.flat(xp)
-            self.grad_views = spec.views(self.grad)
+            # Two device gradients where the push takes them as they are: the next is computed into one
+            # while the other's push copies it out.
+            self.grads = [spec.flat(xp) for _ in range(count if self.device_push else 1)]
+            self._device_views = [spec.views(g) for g in self.grads]
+            self.grad, self.grad_views = self.grads[0], self._device_views[0]
         self.param_views = spec.views(self.params)
         self._use(0)
 
@@ -74,17 +83,19 @@ class FlatBuffers:
 
     @property
     def pushed(self):
-        """What the exchange pushes: the device gradient to an exchange on the device, else ``host_grad``."""
-        return self.grad if self.on_device else self.host_grad
+        """What the exchange pushes: the device gradient where the exchange takes one, else ``host_grad``."""
+        return self.grad if self.on_device or self.device_push else self.host_grad
 
     def swap_gradient(self) -> None:
-        """Take the other host gradient for this step (its push, of the step before last, has ended)."""
-        self._use((self.current + 1) % len(self.host_grads))
+        """Take the other gradient buffer for this step (its push, of the step before last, has ended)."""
+        self._use((self.current + 1) % len(self.grads if self.device_push else self.host_grads))
 
     def _use(self, index: int) -> None:
         self.current = index
         if self.xp is np:       # on the CPU the model writes its gradient straight into the host buffer
             self.grad, self.grad_views = self.host_grads[index], self._grad_views[index]
+        elif self.device_push:
+            self.grad, self.grad_views = self.grads[index], self._device_views[index]
 
     @property
     def host_params(self) -> np.ndarray:
@@ -110,9 +121,14 @@ class FlatBuffers:
         # Called from the client's threads, one per shard: the device is named, not taken from the thread.
         # CuPy's set() only queues the copy (from page-locked memory it runs as a DMA after set() returns),
         # and ``values`` is the shard's own memory, which it may write again once this returns: wait for it.
+        # A shard's device array (CUDA IPC) is copied device to device, and the copy is done when this returns.
         with self.params.device:
             stream = self._upload_stream()
-            self.params[begin:end].set(values, stream=stream)
+            target = self.params[begin:end]
+            if isinstance(values, np.ndarray):
+                target.set(values, stream=stream)
+            else:
+                target.data.copy_from_device_async(values.data, target.nbytes, stream)
             stream.synchronize()
 
     def _upload_stream(self):
@@ -128,6 +144,12 @@ class FlatBuffers:
             stream.synchronize()
 
     def download_grad(self) -> None:
-        """Copy the gradient to ``host_grad`` (the exchange's buffer); nothing to do on the CPU."""
-        if self.xp is not np and not self.on_device:
+        """Copy the gradient to ``host_grad`` (the exchange's buffer); nothing to do on the CPU.
+
+        A gradient pushed from the device is only waited for: the push copies it on a stream of its
+        own, which does not wait for the compute's.
+        """
+        if self.device_push:
+            self.xp.cuda.get_current_stream().synchronize()
+        elif self.xp is not np and not self.on_device:
             self.grad.get(out=self.host_grad)

@@ -18,7 +18,7 @@ import numpy as np
 
 from psgrid.psserver.client.admin import Admin
 from psgrid.psserver.client.client import Client, Handle
-from psgrid.worker.backend import get_xp, pinner_for, select_gpu, sync
+from psgrid.worker.backend import current_gpu, get_xp, pinner_for, select_gpu, sync
 from psgrid.worker.config import TrainConfig
 from psgrid.worker.data import BatchLoader, load_dataset
 from psgrid.worker.flat import FlatBuffers
@@ -65,7 +65,8 @@ def security(train: TrainConfig) -> dict:
 def make_client(train: TrainConfig, addresses: list[str], spec, *, worker_id: int | None = None,
                 world: int | None = None, init=None, xp=np) -> Client:
     return Client(addresses, spec, worker_id=worker_id, world=world, init=init, data_plane=train.data_plane,
-                  shared_memory=train.shared_memory, pin_memory=pinner_for(xp), wire_dtype=train.wire_dtype,
+                  shared_memory=train.shared_memory, pin_memory=pinner_for(xp), gpu=current_gpu(xp),
+                  wire_dtype=train.wire_dtype,
                   chunk_bytes=train.chunk_bytes, deadline_s=train.deadline_s, retry_s=train.retry_s,
                   heartbeat_s=train.heartbeat_s, join_timeout_s=train.join_timeout_s, **security(train))
 

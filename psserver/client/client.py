@@ -38,7 +38,7 @@ import numpy as np
 from psgrid.psserver import dtypes as wire
 from psgrid.psserver.client.connections import ShardConnections
 from psgrid.psserver.client.handle import Handle, launch, settle
-from psgrid.psserver.client.joining import Initializer, check_flat, wait_for_workers
+from psgrid.psserver.client.joining import Initializer, check_flat, check_flat_device, wait_for_workers
 from psgrid.psserver.client.memory import ClientMemory, Pinner
 from psgrid.psserver.exceptions import InvalidArgument, PSError, UnknownWorker, WaitTimeout
 from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, PushResult, Reason, Registration
@@ -79,6 +79,11 @@ class Client:
     pin_memory : Pinner, optional
         Registers the host buffers a device copies to and from (the gradient buffer, the
         shards' weights mapped here): how a GPU worker gets DMA speed from shared memory.
+    gpu : int, optional
+        The GPU (of those this process sees) the caller's arrays are on. A shard on this host
+        that keeps its weights on a GPU reachable from it is then reached over CUDA IPC: a
+        pull hands ``into`` the shard's device array, and ``push`` takes a CuPy array
+        (:meth:`takes_device_gradients`). None: the caller's arrays are in host memory.
     wire_dtype : {"float32", "float16", "bfloat16"}
         Element type of pushed gradients.
     deadline_s, retry_s, max_wait_s
@@ -99,7 +104,7 @@ class Client:
                  max_wait_s: float = 3600.0, heartbeat_s: float | None = None, join_timeout_s: float = 120.0,
                  token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
                  tls_key: str | None = None, host: str | None = None, shared_memory: bool = True,
-                 pin_memory: Pinner | None = None):
+                 pin_memory: Pinner | None = None, gpu: int | None = None):
         if not isinstance(spec, ModelSpec):
             raise InvalidArgument(f"spec must be a ModelSpec, got {type(spec).__name__}")
         if world is not None and world < 1:
@@ -114,7 +119,8 @@ class Client:
         self._memory = ClientMemory(spec.size, shared=shared_memory, pinner=pin_memory)
         options = ConnectOptions(token=job_token(token), tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
                                  chunk_bytes=chunk_bytes, deadline_s=deadline_s, shared_memory=shared_memory,
-                                 memory=self._memory)
+                                 memory=self._memory, gpu=gpu)
+        self.gpu = gpu
         self._conn = ShardConnections(addresses, data_plane=data_plane, options=options, retry_s=retry_s,
                                       register=self._register_one)
         self.ranges = shard_ranges(spec.size, self._conn.num_shards)
@@ -323,7 +329,10 @@ class Client:
         until ``wait()`` returns).
         """
         self._require_joined()
-        check_flat(grad, self.spec, "the gradient")
+        if self.gpu is None or isinstance(grad, np.ndarray):
+            check_flat(grad, self.spec, "the gradient")
+        else:
+            check_flat_device(grad, self.spec, "the gradient")
         if versions is not None and len(versions) != self.num_shards:
             raise InvalidArgument(f"versions must give one version per shard ({self.num_shards}), got {len(versions)}")
         with self._calls:
@@ -385,10 +394,28 @@ class Client:
     def _push_one(self, shard: int, grad: np.ndarray, clock: int, version: int) -> PushResult:
         begin, end = self.ranges[shard]
         view = grad[begin:end]
-        # A retried push carries the same (worker, clock): the shard applies it once.
-        return self._worker_call(shard, lambda: self._conn.plane(shard).push(
-            view, begin=begin, wire_dtype=self.wire_dtype, worker_id=self.worker_id, clock=clock, version=version,
-            timeout_s=self.deadline_s))
+
+        def call() -> PushResult:
+            plane = self._conn.plane(shard)
+            values = view
+            if not (isinstance(view, np.ndarray) or plane.takes_device_arrays):
+                # A device gradient to a plane that sends host memory: through our gradient buffer, which a
+                # shard on this host reads in place (one copy, as a worker that downloads it itself makes).
+                values = self._memory.gradient(0)[begin:end]
+                with view.device:
+                    view.get(out=values)
+            # A retried push carries the same (worker, clock): the shard applies it once.
+            return plane.push(values, begin=begin, wire_dtype=self.wire_dtype, worker_id=self.worker_id, clock=clock,
+                              version=version, timeout_s=self.deadline_s)
+
+        return self._worker_call(shard, call)
+
+    def takes_device_gradients(self) -> bool:
+        """Whether every shard's plane takes a gradient on our GPU as it is (CUDA IPC): a GPU worker then
+        pushes its device gradient, and nothing crosses the host. False before the client has joined."""
+        if not self._joined or self._closed:
+            return False
+        return self.gpu is not None and all(self._conn.plane(i).takes_device_arrays for i in range(self.num_shards))
 
     def _worker_call(self, shard: int, call: Callable[[], T]) -> T:
         """A data call, retried while the shard is down; once more after registering again if it forgot us,

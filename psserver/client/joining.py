@@ -41,6 +41,15 @@ def check_flat(buf: np.ndarray, spec: ModelSpec, what: str) -> np.ndarray:
     return buf
 
 
+def check_flat_device(buf, spec: ModelSpec, what: str):
+    """``buf`` if it is a contiguous flat float32 device array (CUDA array interface) of the model's size."""
+    if (not hasattr(buf, "__cuda_array_interface__") or buf.dtype != np.float32 or buf.shape != (spec.size,)
+            or not buf.flags.c_contiguous):
+        raise InvalidArgument(f"{what} must be a contiguous float32 NumPy or CuPy array of shape ({spec.size},), got "
+                              f"{type(buf).__name__} {getattr(buf, 'dtype', '')} {getattr(buf, 'shape', '')}")
+    return buf
+
+
 def wait_for_workers(conn: ShardConnections, world: int | None, timeout_s: float, worker_id: int) -> list[dict] | None:
     """Until every shard has seen each of ``world`` workers join or go (or ``timeout_s`` passed).
 
