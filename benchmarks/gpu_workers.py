@@ -6,8 +6,11 @@ Run on a machine with CUDA GPUs (benchmarks/gpu_verify.sh runs it on the lent de
 
     python benchmarks/gpu_workers.py --steps 60 --batch 512 --shards 1,4 --planes shm,tcp
 
-Shards run as CPU processes on the same host, as they would on a single GPU box: the worker reaches
-them through shared memory (``shm``, the default there) or, for comparison, the TCP data plane.
+Shards run as processes on the same host, as they would on a single GPU box: host shards reached
+through shared memory (``shm``, the default there) or, for comparison, the TCP data plane; device
+shards (``ipc``: ``shard_device = "gpu"``, weights and update on the worker's GPU) over CUDA IPC.
+``--workers 2`` also runs two worker processes sharing the GPU against device shards, their total
+samples/s against one process with no servers.
 Times are medians over the steps after a warm-up; the device is synchronized
 inside each timed region (the gradient's copy to the host waits for it).
 """
@@ -72,13 +75,20 @@ def pinned_copies(params: int, repeat: int = 20) -> dict:
             "h2d_gbps": 4 * params / h2d / 1e9, "d2h_gbps": 4 * params / d2h / 1e9}
 
 
+def shard_processes(shards: int, mode: str, plane: str) -> list:
+    """The shards of one run (one job: clients check), on the GPU for the ``ipc`` plane."""
+    job = f"gpu-workers-{os.getpid()}-{time.monotonic_ns()}"
+    device = "gpu" if plane == "ipc" else "cpu"
+    return [ShardProcess(ServerConfig(shard_index=i, num_shards=shards, mode=mode, lr=0.01, threads=16, job_id=job,
+                                      shard_device=device))
+            for i in range(shards)]
+
+
 def with_servers(train: TrainConfig, shards: int, mode: str, plane: str = "shm") -> dict:
     from psgrid.worker.loop import run_worker
 
-    job = f"gpu-workers-{os.getpid()}"          # the shards of one run are one job (clients check)
-    procs = [ShardProcess(ServerConfig(shard_index=i, num_shards=shards, mode=mode, lr=0.01, threads=16, job_id=job))
-             for i in range(shards)]
-    train.shared_memory = plane == "shm"
+    procs = shard_processes(shards, mode, plane)
+    train.shared_memory = plane in ("shm", "ipc")
     try:
         with tempfile.TemporaryDirectory() as tmp:
             metrics = Path(tmp) / "worker.jsonl"
@@ -95,6 +105,35 @@ def with_servers(train: TrainConfig, shards: int, mode: str, plane: str = "shm")
             "warmup_s": result.get("warmup_s"),
             "params": None, "samples_per_s": result["samples"] / result["wall_s"],
             "step_s": result["wall_s"] / result["steps"], **med, "sum_of_medians_s": step_s}
+
+
+def _sharing_worker(rank: int, world: int, train: TrainConfig, addresses, queue) -> None:
+    from psgrid.worker.loop import run_worker
+
+    os.environ["LOCAL_RANK"] = "0"           # every worker on GPU 0: they share it
+    queue.put(run_worker(train, addresses, rank=rank, world=world))
+
+
+def sharing_the_gpu(train: TrainConfig, workers: int, shards: int, mode: str, plane: str) -> dict:
+    """``workers`` worker processes on one GPU against the same shards: their samples/s added up."""
+    procs = shard_processes(shards, mode, plane)
+    train.shared_memory = plane in ("shm", "ipc")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    try:
+        children = [ctx.Process(target=_sharing_worker, args=(r, workers, train, [p.address for p in procs], queue))
+                    for r in range(workers)]
+        for c in children:
+            c.start()
+        results = [queue.get(timeout=600) for _ in children]
+        for c in children:
+            c.join(timeout=60)
+    finally:
+        for p in procs:
+            p.close()
+    total = sum(r["samples"] / r["wall_s"] for r in results)
+    return {"setting": f"{workers} workers on 1 GPU, {shards} shard(s), {mode}, {plane}", "samples_per_s": total,
+            "per_worker": [r["samples"] / r["wall_s"] for r in results], "device": results[0]["device"]}
 
 
 def _two_gpu_worker(rank: int, addresses, metrics: str, queue, device: str) -> None:
@@ -143,8 +182,10 @@ def main() -> int:
     parser.add_argument("--shards", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     parser.add_argument("--modes", type=lambda s: s.split(","), default=["async", "sync"])
     parser.add_argument("--planes", type=lambda s: s.split(","), default=["shm", "tcp"],
-                        help="data planes to measure (shm: shared memory, the default on one host; tcp)")
+                        help="data planes to measure (shm: shared memory to host shards, the default on one host; tcp; "
+                             "ipc: CUDA IPC to device shards)")
     parser.add_argument("--skip-two-gpu", action="store_true")
+    parser.add_argument("--workers", type=int, default=1, help="also run this many workers sharing the GPU (ipc)")
     parser.add_argument("--json", default=None, help="also write all rows to this file")
     parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"], help="cpu: a dry run of this script")
     args = parser.parse_args()
@@ -180,6 +221,13 @@ def main() -> int:
         print(f"{r['setting']:<30} {r['samples_per_s']:10.0f} {r['samples_per_s'] / alone:7.3f} "
               f"{1e3 * r['step_s']:8.2f} {1e3 * r['pull_s']:8.2f} {r['pull_s'] / h2d:6.2f} "
               f"{1e3 * r['compute_s']:11.2f} {1e3 * r['push_s']:8.2f} {r['push_s'] / d2h:6.2f}", flush=True)
+    if args.workers > 1:
+        for mode in args.modes:
+            shared = sharing_the_gpu(big_mlp(args), args.workers, 1, mode, "ipc")
+            print(json.dumps(shared), flush=True)
+            print(f"{shared['setting']}: {shared['samples_per_s']:.0f} samples/s in all, "
+                  f"{shared['samples_per_s'] / alone:.3f}x one process with no servers", flush=True)
+            rows.append(shared)
     if reference:
         rows.append(reference)
     if (gpus >= 2 or args.device == "cpu") and not args.skip_two_gpu:

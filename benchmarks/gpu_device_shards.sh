@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Device shards (shard_device = "gpu") and the CUDA IPC plane, in one call on a machine with a CUDA GPU:
+#  1. the GPU tests: the device shard against the host shard, its checkpoints, the IPC plane's
+#     contract (other processes), the device optimizers, and the GPU data path of the other planes;
+#  2. benchmarks/gpu_workers.py on the 20M MLP: no servers, device shards over CUDA IPC (1 and 4),
+#     host shards over shared memory (4, async: the reference), and two workers sharing the GPU;
+#  3. psctl bench train on the GPU with device shards: the MLP and the digits CNN, async and sync;
+#  4. the default job (mnist) with GPU workers on device shards, to its test accuracy.
+# Logs land in $OUT. PARTS="1 2" runs only those parts.
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+PARTS=${PARTS:-1 2 3 4}
+STEPS=${STEPS:-80}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+echo "cores $(nproc), load $(cut -d' ' -f1-3 /proc/loadavg)"
+
+if part 1; then
+echo "== 1. GPU tests"
+python3 -m pytest -q -p no:cacheprovider tests/test_device_shard.py tests/test_device_optim.py \
+  tests/test_gpu_data_path.py -o addopts="--strict-markers -ra" -x 2>&1 | tee "$OUT/device-tests.log" | tail -25
+fi
+
+if part 2; then
+echo "== 2. worker figures, 20M MLP: device shards over CUDA IPC against no servers"
+python3 benchmarks/gpu_workers.py --json "$OUT/device-workers.jsonl" --planes ipc --shards 1,4 --modes async,sync \
+  --workers 2 --steps "$STEPS" --skip-two-gpu 2>&1 | tee "$OUT/device-workers.log" | grep -v '^{'
+fi
+
+if part 3; then
+echo "== 3. psctl bench train on device shards: MLP and CNN, async and sync"
+psctl bench train --device gpu --shard-device gpu --models mlp,cnn --hidden 4096,4096 --batch-size 512 --shards 1 \
+  --workers 1 --modes async,sync,ssp --steps "$STEPS" 2>&1 | tee "$OUT/device-bench-train.log"
+fi
+
+if part 4; then
+echo "== 4. the default job on GPU workers and device shards"
+sed 's/^\[server\]/[server]\nshard_device = "gpu"/' examples/mnist.toml > /tmp/mnist-device.toml
+grep -q '^shard_device' /tmp/mnist-device.toml || printf '\n[server]\nshard_device = "gpu"\n' >> /tmp/mnist-device.toml
+rm -rf /tmp/launch-device
+psctl launch --config /tmp/mnist-device.toml --device gpu --out /tmp/launch-device --no-progress 2>&1 | tail -3 \
+  | tee "$OUT/device-launch.log"
+python3 - <<'PY' | tee -a "$OUT/device-launch.log"
+import json
+s = json.load(open("/tmp/launch-device/summary.json"))
+starts = [json.loads(l) for l in open("/tmp/launch-device/metrics.jsonl") if '"event": "start"' in l]
+print(f"test accuracy {s['test_accuracy']:.4f}, training {s['wall_s']:.2f} s, "
+      f"data planes {sorted({p for e in starts for p in e.get('data_planes') or []})}")
+PY
+fi

@@ -1,0 +1,257 @@
+"""Device shards (shard_device = "gpu") and the CUDA IPC plane: run where a GPU is, skipped elsewhere.
+
+The device shard must do the host shard's maths (same pushes, same weights to float32 rounding),
+keep its state through a checkpoint, and serve GPU workers of other processes over CUDA IPC as the
+shared-memory plane serves host workers: a bad request is refused with its reason, a worker that
+dies mid-push takes nothing with it, and a worker's slots are freed with its connection.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from psgrid.psserver.config import ServerConfig
+from psgrid.psserver.protocol import FLOAT16, FLOAT32, Outcome, Reason, Status
+from psgrid.psserver.spec import ModelSpec
+from tests.gpu import cupy_or_skip
+
+pytestmark = pytest.mark.gpu
+SPEC = ModelSpec([("w", (64, 33)), ("b", (33,))])
+OPTIMIZERS = [
+    dict(optimizer="sgd", lr=0.1),
+    dict(optimizer="sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+    dict(optimizer="adam", lr=0.01, weight_decay=0.001),
+]
+
+
+def _push(shard, worker, clock, version, values):
+    """Push host ``values`` as a network plane's landing would hand them to the shard."""
+    grad = shard.landing_pool.take()
+    grad[...] = values
+    result, kept = shard.push(worker, clock, version, grad, grad.nbytes)
+    if not kept:
+        shard.landing_pool.give(grad)
+    return result
+
+
+def _weights(shard) -> np.ndarray:
+    return shard.arrays.download(shard.weights)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("hparams", OPTIMIZERS, ids=["sgd", "nesterov-wd", "adam"])
+def test_a_device_shard_applies_what_a_host_shard_applies(mode, hparams):
+    cupy_or_skip()
+    from psgrid.psserver.state.shard import Shard
+
+    rng = np.random.default_rng(3)
+    init = rng.normal(size=SPEC.size).astype(np.float32)
+    shards = [Shard(ServerConfig(mode=mode, shard_device=device, **hparams)) for device in ("cpu", "gpu")]
+    for shard in shards:
+        shard.init(SPEC, init.copy())
+        for worker in (0, 1):
+            shard.register(SPEC.hash(), worker, -1, "test")
+    assert shards[1].arrays.on_gpu and not shards[0].arrays.on_gpu
+    for clock in range(6):
+        for worker in (0, 1):
+            grad = rng.normal(size=SPEC.size).astype(np.float32)
+            results = [_push(s, worker, clock, s.version, grad) for s in shards]
+            assert results[0] == results[1]
+    host, device = (_weights(s) for s in shards)
+    assert shards[0].version == shards[1].version == (12 if mode == "async" else 6)
+    np.testing.assert_allclose(device, host, rtol=2e-5, atol=2e-6)
+    assert not np.allclose(device, init)
+    assert shards[1].pool.on_loan == 0 and shards[1].landing_pool.on_loan == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_device_shard_refuses_a_gradient_with_nan_and_changes_nothing():
+    cupy_or_skip()
+    from psgrid.psserver.exceptions import InvalidArgument
+    from psgrid.psserver.state.shard import Shard
+
+    shard = Shard(ServerConfig(mode="async", shard_device="gpu", lr=0.1, momentum=0.9))
+    shard.init(SPEC, np.ones(SPEC.size, np.float32))
+    shard.register(SPEC.hash(), 0, -1, "test")
+    bad = np.ones(SPEC.size, np.float32)
+    bad[7] = np.nan
+    with pytest.raises(InvalidArgument) as refused:
+        _push(shard, 0, 0, 0, bad)
+    assert refused.value.reason is Reason.NON_FINITE
+    np.testing.assert_array_equal(_weights(shard), 1.0)
+    assert shard.version == 0 and shard.policy.clocks[0] == 0
+    assert _push(shard, 0, 0, 0, np.ones(SPEC.size, np.float32)).outcome is Outcome.APPLIED
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_device_checkpoint_restores_on_the_device_and_on_the_host(tmp_path, mode):
+    cupy_or_skip()
+    from psgrid.psserver.state.shard import Shard
+
+    config = dict(mode=mode, optimizer="adam", lr=0.01, checkpoint_dir=str(tmp_path))
+    shard = Shard(ServerConfig(shard_device="gpu", **config))
+    shard.init(SPEC, np.zeros(SPEC.size, np.float32))
+    for worker in (0, 1):
+        shard.register(SPEC.hash(), worker, -1, "test")
+    rng = np.random.default_rng(1)
+    for clock in range(3):
+        for worker in (0, 1):
+            _push(shard, worker, clock, shard.version, rng.normal(size=SPEC.size).astype(np.float32))
+    if mode == "sync":       # an open round: worker 0's gradient of clock 3 is held on the device
+        _push(shard, 0, 3, shard.version, np.full(SPEC.size, 0.5, np.float32))
+    shard.checkpoint()
+    saved = _weights(shard)
+    state = shard.optimizer.state_dict()
+    last = np.full(SPEC.size, 0.25, np.float32)
+    expected = None
+    for device in ("gpu", "cpu"):
+        restored = Shard(ServerConfig(shard_device=device, **config))
+        assert restored.version == shard.version
+        np.testing.assert_array_equal(_weights(restored), saved)
+        for key, value in restored.optimizer.state_dict().items():
+            np.testing.assert_allclose(value, state[key], rtol=1e-6)
+        _push(restored, 1, 3, restored.version, last)         # closes the held round (sync), or applies (async)
+        after = _weights(restored)
+        if expected is None:
+            expected = after
+        np.testing.assert_allclose(after, expected, rtol=2e-5, atol=2e-6)
+        assert not np.array_equal(after, saved)
+
+
+# ----- the CUDA IPC plane: the shard here, its clients in processes of their own ---------------------
+
+CLIENT = textwrap.dedent("""
+    import json, sys
+    import cupy, numpy as np
+    from psgrid.psserver.client.client import Client
+    from psgrid.psserver.spec import ModelSpec
+    address, worker, pushes, value = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+    spec = ModelSpec([("w", (64, 33)), ("b", (33,))])
+    cupy.cuda.Device(0).use()
+    with Client([address], spec, worker_id=worker, init=np.zeros(spec.size, np.float32), gpu=0,
+                deadline_s=20, retry_s=5) as client:
+        params = cupy.zeros(spec.size, cupy.float32)
+        grad = cupy.full(spec.size, value, cupy.float32)
+        for _ in range(pushes):
+            client.pull(into=lambda b, e, v: params[b:e].__setitem__(Ellipsis, v) or cupy.cuda.Device(0).synchronize())
+            client.push(grad)
+        client.pull(into=lambda b, e, v: params[b:e].__setitem__(Ellipsis, v) or cupy.cuda.Device(0).synchronize())
+        print(json.dumps({"planes": client.data_planes, "device_push": client.takes_device_gradients(),
+                          "w0": float(params[0]), "version": client.versions[0]}), flush=True)
+        if len(sys.argv) > 5:            # hold on, pushing, until killed
+            print("ready", flush=True)
+            while True:
+                client.push(grad)
+""")
+
+
+def _run_client(address, worker, pushes, value, *extra, timeout=90):
+    return subprocess.run([sys.executable, "-c", CLIENT, address, str(worker), str(pushes), str(value), *extra],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def device_server():
+    cupy_or_skip()
+    from psgrid.psserver.server import serve
+
+    servers = []
+
+    def start(**settings):
+        settings.setdefault("job_id", "ipc-test")
+        servers.append(serve(ServerConfig(host="127.0.0.1", port=0, shard_device="gpu", **settings)))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_gpu_workers_of_other_processes_train_over_cuda_ipc(device_server, mode):
+    server = device_server(mode=mode, lr=0.5)
+    assert dict(server.service.offers())["ipc"].count("|") == 2 and "shm" not in dict(server.service.offers())
+    done = _run_client(server.address, 0, 4, 1.0)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["planes"] == ["ipc"] and seen["device_push"] is True
+    assert seen["w0"] == pytest.approx(-0.5 * 4) and seen["version"] == 4
+    assert server.ipc.slots == 0, "the worker's slots are freed with its connection"
+
+
+def _raw(server, token=None) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect("\0" + server.ipc.socket_name[1:])
+    return sock
+
+
+@pytest.mark.timeout(120)
+def test_the_ipc_plane_refuses_bad_requests_with_their_reason(device_server):
+    from psgrid.psserver.exceptions import PSError
+    from psgrid.psserver.transports.stream_frames import (ATTACH, MAGIC, REQUEST, attach_request, dtype_byte,
+                                                       map_request, push_request, read_reply)
+
+    server = device_server(mode="async", lr=0.1)
+    assert _run_client(server.address, 0, 1, 0.0).returncode == 0        # the shard has weights now
+    sock = _raw(server)
+    cases = [
+        (map_request(99), Reason.BAD_VALUE),                                 # no such ring buffer
+        (attach_request(dtype_byte(FLOAT16, 0), 0), Reason.BAD_DTYPE),       # slots hold float32 only
+        (attach_request(dtype_byte(FLOAT32, 3), 0), Reason.BAD_DTYPE),       # two slots: 0 and 1
+        (push_request(dtype_byte(FLOAT32, 1), 0, 1, 0, 0, 5.0), Reason.BAD_DTYPE),   # no slot attached
+    ]
+    for frame, reason in cases:
+        sock.sendall(frame)
+        with pytest.raises(PSError) as refused:
+            read_reply(sock, "test")
+        assert refused.value.status == Status.INVALID_ARGUMENT and refused.value.reason is reason
+    sock.sendall(REQUEST.pack(MAGIC, ATTACH, dtype_byte(FLOAT32, 0), 0, 0, 0, 64, 0.0) + b"x" * 64)
+    with pytest.raises(PSError) as refused:
+        read_reply(sock, "test")                                  # an ATTACH with a payload: not this plane's
+    assert refused.value.reason is Reason.MALFORMED
+    sock.close()
+    assert _run_client(server.address, 1, 1, 0.0).returncode == 0     # still serving
+    assert server.ipc.slots == 0
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_killed_mid_push_leaves_the_shard_serving_and_its_slots_are_reused(device_server):
+    server = device_server(mode="async", lr=0.1, lease_s=2.0)
+    victim = subprocess.Popen([sys.executable, "-c", CLIENT, server.address, "0", "1", "1.0", "hold"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and victim.stdout.readline().strip() != "ready":
+            pass
+        assert server.ipc.slots >= 1
+        time.sleep(0.2)                          # pushing in a loop: killed in the middle of one
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=30)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while server.ipc.slots and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.ipc.slots == 0, "a dead worker's slots are freed with its connection"
+    version = server.shard.version
+    done = _run_client(server.address, 1, 3, 0.0)            # slots made afresh for the next worker
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["planes"] == ["ipc"] and seen["version"] == version + 3
+    assert np.isfinite(server.shard.checksum())
