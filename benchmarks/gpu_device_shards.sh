@@ -24,7 +24,7 @@ fi
 if part 2; then
 echo "== 2. worker figures, 20M MLP: device shards over CUDA IPC against no servers"
 python3 benchmarks/gpu_workers.py --json "$OUT/device-workers.jsonl" --planes ipc --shards 1,4 --modes async,sync \
-  --workers 2 --steps "$STEPS" --skip-two-gpu 2>&1 | tee "$OUT/device-workers.log" | grep -v '^{'
+  --workers 2 --no-overlap --steps "$STEPS" --skip-two-gpu 2>&1 | tee "$OUT/device-workers.log" | grep -v '^{'
 fi
 
 if part 3; then

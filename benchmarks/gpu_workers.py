@@ -99,9 +99,14 @@ def with_servers(train: TrainConfig, shards: int, mode: str, plane: str = "shm")
             p.close()
     planes = next((s["data_planes"] for s in steps if s.get("event") == "start"), None)
     steps = [s for s in steps if s.get("event") == "step"][5:]
+    # The steady step: the median time from one step's start to the next's (one-time costs left out, as
+    # the no-servers reference leaves out its warm-up).
+    steady = statistics.median(b["started"] - a["started"] for a, b in zip(steps, steps[1:]))
     med = {k: statistics.median(s[k] for s in steps) for k in ("pull_s", "compute_s", "push_s")}
     step_s = med["pull_s"] + med["compute_s"] + med["push_s"]
-    return {"setting": f"{shards} shard(s), {mode}, {plane}", "device": result["device"], "planes": planes,
+    overlap = "" if train.overlap or mode == "sync" else ", no overlap"
+    return {"setting": f"{shards} shard(s), {mode}, {plane}{overlap}", "device": result["device"], "planes": planes,
+            "steady_step_s": steady, "steady_samples_per_s": train.batch_size / steady,
             "warmup_s": result.get("warmup_s"),
             "params": None, "samples_per_s": result["samples"] / result["wall_s"],
             "step_s": result["wall_s"] / result["steps"], **med, "sum_of_medians_s": step_s}
@@ -185,6 +190,8 @@ def main() -> int:
                         help="data planes to measure (shm: shared memory to host shards, the default on one host; tcp; "
                              "ipc: CUDA IPC to device shards)")
     parser.add_argument("--skip-two-gpu", action="store_true")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="also measure async over ipc with a step's push waited for before the next pull")
     parser.add_argument("--workers", type=int, default=1, help="also run this many workers sharing the GPU (ipc)")
     parser.add_argument("--json", default=None, help="also write all rows to this file")
     parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"], help="cpu: a dry run of this script")
@@ -209,16 +216,20 @@ def main() -> int:
             for shards in args.shards:
                 rows.append(with_servers(big_mlp(args), shards, mode, plane))
                 print(json.dumps(rows[-1]), flush=True)
+                if plane == "ipc" and mode != "sync" and args.no_overlap:
+                    rows.append(with_servers(big_mlp(args, overlap=False), shards, mode, plane))
+                    print(json.dumps(rows[-1]), flush=True)
     alone = rows[0]["samples_per_s"]
     h2d = reference["h2d_s"] if reference else float("nan")
     d2h = reference["d2h_s"] if reference else float("nan")
     if reference:
         print(f"\nCuPy pinned copy of {4 * params / 1e6:.0f} MB: host to device {1e3 * h2d:.2f} ms "
               f"({reference['h2d_gbps']:.1f} GB/s), device to host {1e3 * d2h:.2f} ms ({reference['d2h_gbps']:.1f} GB/s)")
-    print(f"\n{'setting':<30} {'samples/s':>10} {'x alone':>7} {'step ms':>8} {'pull ms':>8} {'x copy':>6} "
+    print(f"\n{'setting':<42} {'samples/s':>10} {'x alone':>7} {'steady':>7} {'step ms':>8} {'pull ms':>8} {'x copy':>6} "
           f"{'compute ms':>11} {'push ms':>8} {'x copy':>6}")
     for r in rows:
-        print(f"{r['setting']:<30} {r['samples_per_s']:10.0f} {r['samples_per_s'] / alone:7.3f} "
+        steady = r.get("steady_samples_per_s", r["samples_per_s"]) / alone
+        print(f"{r['setting']:<42} {r['samples_per_s']:10.0f} {r['samples_per_s'] / alone:7.3f} {steady:7.3f} "
               f"{1e3 * r['step_s']:8.2f} {1e3 * r['pull_s']:8.2f} {r['pull_s'] / h2d:6.2f} "
               f"{1e3 * r['compute_s']:11.2f} {1e3 * r['push_s']:8.2f} {r['push_s'] / d2h:6.2f}", flush=True)
     if args.workers > 1:

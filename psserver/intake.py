@@ -128,13 +128,14 @@ class PushIntake(RangeIntake):
     worker's slot into a device buffer of the shard's own (:meth:`fill_device`).
     """
 
-    __slots__ = ("shard", "worker_id", "clock", "version", "borrowed", "home")
+    __slots__ = ("shard", "worker_id", "clock", "version", "borrowed", "home", "checked")
 
     def __init__(self, service, worker_id: int, clock: int, version: int):
         shard = service.shard
         super().__init__(shard.begin, shard.size, None, GRADIENT_DTYPES, service.half_pool, shard.finite_check)
         self.shard, self.worker_id, self.clock, self.version = shard, worker_id, clock, version
         self.borrowed = False
+        self.checked = False                 # the gradient is known finite (else the update checks it, in async)
         self.home = shard.landing_pool       # the pool ``buffer`` goes back to
 
     def _destination(self) -> np.ndarray:
@@ -145,17 +146,16 @@ class PushIntake(RangeIntake):
     def fill_device(self, slot) -> None:
         """The gradient is in ``slot``, a device buffer of the shard's that the worker writes (the IPC plane).
 
-        Copied first into a buffer the worker cannot reach, then checked there: the worker may write
-        its slot again at any time, and must not change a gradient between its check and its update.
+        Copied first into a buffer the worker cannot reach, and checked for NaN and infinity in the
+        same pass: the worker may write its slot again at any time, and must not change a gradient
+        between its check and its update.
         """
-        arrays = self.shard.arrays
         self.home = self.shard.pool
         self.buffer = self.home.take()
-        with arrays.use():
-            self.buffer.data.copy_from_device_async(slot.data, slot.nbytes, arrays.stream)
-            if not arrays.all_finite(self.buffer):
-                raise non_finite("payload")
+        if not self.shard.arrays.copy_checked(self.buffer, slot):
+            raise non_finite("payload")
         self.covered, self.chunks, self.nbytes = self.size, 1, slot.nbytes
+        self.checked = True
 
     def fill_shared(self, dtype: int, segment: np.ndarray) -> None:
         """The gradient is ``segment``, this shard's range of a worker's shared memory, in wire ``dtype``.
@@ -180,7 +180,7 @@ class PushIntake(RangeIntake):
         if self.covered != self.size or declared_chunks is not None:      # a whole landing is complete
             self.complete(declared_chunks)
         result, kept = self.shard.push(self.worker_id, self.clock, self.version, self.buffer, self.nbytes,
-                                       borrowed=self.borrowed)
+                                       borrowed=self.borrowed, checked=self.checked)
         if kept:
             self.buffer = None          # the shard holds it for its sync round now
         return result

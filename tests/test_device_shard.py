@@ -231,8 +231,22 @@ def test_the_ipc_plane_refuses_bad_requests_with_their_reason(device_server):
 @pytest.mark.timeout(180)
 def test_a_worker_killed_mid_push_leaves_the_shard_serving_and_its_slots_are_reused(device_server):
     server = device_server(mode="async", lr=0.1, lease_s=2.0)
-    victim = subprocess.Popen([sys.executable, "-c", CLIENT, server.address, "0", "1", "1.0", "hold"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with subprocess.Popen([sys.executable, "-c", CLIENT, server.address, "0", "1", "1.0", "hold"],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as victim:
+        _kill_mid_push(server, victim)
+    deadline = time.monotonic() + 30
+    while server.ipc.slots and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.ipc.slots == 0, "a dead worker's slots are freed with its connection"
+    version = server.shard.version
+    done = _run_client(server.address, 1, 3, 0.0)            # slots made afresh for the next worker
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["planes"] == ["ipc"] and seen["version"] == version + 3
+    assert np.isfinite(server.shard.checksum())
+
+
+def _kill_mid_push(server, victim) -> None:
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and victim.stdout.readline().strip() != "ready":
@@ -245,13 +259,3 @@ def test_a_worker_killed_mid_push_leaves_the_shard_serving_and_its_slots_are_reu
         if victim.poll() is None:
             victim.kill()
             victim.wait(timeout=30)
-    deadline = time.monotonic() + 30
-    while server.ipc.slots and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.ipc.slots == 0, "a dead worker's slots are freed with its connection"
-    version = server.shard.version
-    done = _run_client(server.address, 1, 3, 0.0)            # slots made afresh for the next worker
-    assert done.returncode == 0, done.stderr[-2000:]
-    seen = json.loads(done.stdout.splitlines()[-1])
-    assert seen["planes"] == ["ipc"] and seen["version"] == version + 3
-    assert np.isfinite(server.shard.checksum())

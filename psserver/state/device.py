@@ -118,6 +118,9 @@ class GpuArrays:
         with self.device:
             self.stream = cupy.cuda.Stream(non_blocking=True)
         self.label = f"cuda:{index} ({self.pci_bus_id})"
+        self._copy_kernel = None
+        with self.device:
+            self._bad = cupy.zeros(1, cupy.int32)         # copy_checked's flag
 
     def use(self):
         """Make this GPU and the shard's stream current for the calling thread (``with arrays.use():``)."""
@@ -162,6 +165,28 @@ class GpuArrays:
     def all_finite(self, array) -> bool:
         with self.use():
             return bool(self.xp.isfinite(array).all())
+
+    def copy_checked(self, dst, src) -> bool:
+        """Copy ``src`` into ``dst`` and say whether every value was finite: one pass, one wait for the stream."""
+        with self.use():
+            if self._copy_kernel is None:
+                self._copy_kernel = self.xp.ElementwiseKernel(
+                    "float32 x", "float32 y, raw int32 bad", "y = x; if (!isfinite(x)) { bad[0] = 1; }",
+                    "psgrid_copy_checked")
+            self._bad.fill(0)
+            self._copy_kernel(src, dst, self._bad)
+            return not int(self._bad[0])
+
+    def warm_up(self) -> None:
+        """Compile now the kernels a push runs (CuPy compiles each on its first launch): not in a worker's step."""
+        one = self.empty(1)
+        one.fill(1.0)
+        self.copy_checked(self.empty(1), one)
+        with self.use():
+            self.xp.add(one, one, out=one)
+            self.xp.multiply(one, 0.5, out=one)
+            self.all_finite(one)
+            self.stream.synchronize()
 
     def free_bytes(self) -> int:
         with self.device:

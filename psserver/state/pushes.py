@@ -48,27 +48,28 @@ class Pushes:
             self._require_live(worker)
 
     def push(self, worker: int, clock: int, version_used: int, grad: np.ndarray,
-             nbytes: int, *, borrowed: bool = False) -> tuple[PushResult, bool]:
+             nbytes: int, *, borrowed: bool = False, checked: bool = False) -> tuple[PushResult, bool]:
         """Take one validated gradient of this range (a float32 buffer from ``self.pool``).
 
         Returns the result and whether the shard kept ``grad`` (sync holds it, without a copy,
         until its round closes, then gives it back to the pool); if not, the caller gives it back.
         A ``borrowed`` gradient is the worker's own memory (the shared-memory plane): it is read
-        during this call only, so a sync round that stays open keeps a pooled copy of it.
+        during this call only, so a sync round that stays open keeps a pooled copy of it. A
+        ``checked`` one is known finite already (the IPC plane checks as it copies): async skips its check.
         If the update makes a checkpoint due, it is on disk before this returns (so before the
         worker hears of the update), written without holding up other calls.
         """
         try:
             if self.arrays.on_gpu and isinstance(grad, np.ndarray):
                 return self._push_staged(worker, clock, version_used, grad, nbytes), False
-            return self._push_here(worker, clock, version_used, grad, nbytes, borrowed)
+            return self._push_here(worker, clock, version_used, grad, nbytes, borrowed, checked)
         finally:
             self._flush_capture()
 
     def _push_here(self, worker: int, clock: int, version_used: int, grad, nbytes: int,
-                   borrowed: bool) -> tuple[PushResult, bool]:
+                   borrowed: bool, checked: bool = False) -> tuple[PushResult, bool]:
         if self.config.mode == "async":
-            return self._push_async(worker, clock, version_used, grad, nbytes), False
+            return self._push_async(worker, clock, version_used, grad, nbytes, checked), False
         return self._push_rounds(worker, clock, version_used, grad, nbytes, borrowed)
 
     def _push_staged(self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int) -> PushResult:
@@ -122,7 +123,8 @@ class Pushes:
             self.cond.notify_all()
             return PushResult(decision.outcome, self.version, staleness, decision.next_clock), False
 
-    def _push_async(self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int) -> PushResult:
+    def _push_async(self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int,
+                    checked: bool = False) -> PushResult:
         """async: check and apply the gradient outside ``cond``, then take the push and publish its version.
 
         A pull returns at once in async, so nothing waits for an update but the next one: updates
@@ -155,9 +157,10 @@ class Pushes:
                     source, target = ring.current, self._spare(pulled)
             with self.arrays.use():
                 if self.plain_steps:
-                    self.optimizer.step(ring.arrays[source], grad, scale, out=ring.arrays[target], check_finite=True)
+                    self.optimizer.step(ring.arrays[source], grad, scale, out=ring.arrays[target],
+                                        check_finite=not checked)
                 else:
-                    self._step(ring, source, grad, scale, target, pulled, check_finite=True)
+                    self._step(ring, source, grad, scale, target, pulled, check_finite=not checked)
                 self.arrays.finished()      # written before it is published: readers elsewhere copy it at once
             with self.cond:
                 next_clock = clock + 1

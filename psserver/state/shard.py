@@ -157,6 +157,7 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
                 self.optimizer = make_device_optimizer(self.config.optimizer, self.size,
                                                        **self.config.optimizer_hparams())
                 self.optimizer.warm_up()      # compiled now, not in a worker's first push
+            self.arrays.warm_up()
             return
         self.optimizer = make_optimizer(self.config.optimizer, self.size, chunks=self.chunks,
                                         **self.config.optimizer_hparams())
