@@ -201,3 +201,20 @@ def test_bench_train_names_the_shard_device_and_refuses_a_gpu_it_lacks(monkeypat
     assert cli.main(["bench", "train", "--shard-device", "gpu", "--models", "mlp", "--hidden", "32"]) == 2
     assert capsys.readouterr().err.strip() == ("psctl bench: error: --shard-device gpu: CuPy finds no CUDA GPU: "
                                                 "use shard_device = 'cpu'")
+
+
+@pytest.mark.parametrize("command", [["launch"], ["compare", "--out", "cmp", "--modes", "sync"]])
+def test_shard_device_gpu_from_set_is_named_as_given_and_nothing_starts(monkeypatch, tmp_path, capsys, command):
+    from psgrid.cluster import cli
+    from psgrid.cluster.experiments import compare
+    from psgrid.cluster.run import launch
+    import psgrid.psserver.state.device as device
+
+    monkeypatch.setattr(device, "gpu_problem", lambda: "CuPy finds no CUDA GPU: use shard_device = 'cpu'")
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("the job started"))
+    monkeypatch.setattr(compare.Compare, "run", lambda self: pytest.fail("the experiment started"))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([*command, "--device", "cpu", "--set", "shard_device=gpu"]) == 2
+    assert capsys.readouterr().err.strip() == (f"psctl {command[0]}: error: --set shard_device=gpu: CuPy finds no "
+                                                f"CUDA GPU: use shard_device = 'cpu'")
+    assert list(tmp_path.iterdir()) == []

@@ -203,7 +203,7 @@ def check_machine(job, flags: Mapping[str, str] | None = None) -> None:
 
     check_device(job.train, flags)
     memory.check_here(job)
-    check_shard_device(job, flags)
+    check_shard_device(job, {**command_line, **(flags or {})})     # a --set shard_device=gpu is named as such
     base = job.server.metrics_port
     if base:
         for i in range(job.shards):
