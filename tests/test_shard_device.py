@@ -218,3 +218,15 @@ def test_shard_device_gpu_from_set_is_named_as_given_and_nothing_starts(monkeypa
     assert capsys.readouterr().err.strip() == (f"psctl {command[0]}: error: --set shard_device=gpu: CuPy finds no "
                                                 f"CUDA GPU: use shard_device = 'cpu'")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_local_cluster_refuses_device_shards_without_a_gpu_before_it_starts(monkeypatch, tmp_path):
+    import psgrid
+    import psgrid.psserver.state.device as device
+    from psgrid.cluster.run import local
+
+    monkeypatch.setattr(device, "gpu_problem", lambda: "CuPy finds no CUDA GPU: use shard_device = 'cpu'")
+    monkeypatch.setattr(local, "Launcher", lambda *a, **k: pytest.fail("a launcher was made"))
+    with pytest.raises(ConfigError, match=r"^shard_device = \"gpu\": CuPy finds no CUDA GPU"):
+        psgrid.LocalCluster(shards=1, shard_device="gpu", out=str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
