@@ -230,3 +230,12 @@ def test_a_local_cluster_refuses_device_shards_without_a_gpu_before_it_starts(mo
     with pytest.raises(ConfigError, match=r"^shard_device = \"gpu\": CuPy finds no CUDA GPU"):
         psgrid.LocalCluster(shards=1, shard_device="gpu", out=str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_an_experiments_job_line_names_where_its_shards_run(monkeypatch):
+    import psgrid.worker.backend as backend
+    from psgrid.cluster.experiments.settings import job_summary
+
+    monkeypatch.setattr(backend, "gpu_unavailable", lambda: None)
+    assert ", 1 GPU shard(s), " in job_summary(job(device="auto", shards=1))
+    assert ", 2 CPU shard(s), " in job_summary(job(device="gpu", shards=2, shard_device="cpu"))
