@@ -87,8 +87,9 @@ def with_servers(job: JobConfig) -> dict:
     worker_steps = sum(w["steps"] for w in summary["worker_results"]) or 1
     wait_s = sum(per_worker.values()) / worker_steps
     med = {k: statistics.median(e[k] for e in steps) for k in ("pull_s", "compute_s", "push_s")}
-    return {"samples_per_s": summary["samples_per_s"], "shard_device": summary["shard_device"], "pull_s": max(0.0, med["pull_s"] - wait_s), "wait_s": wait_s,
-            "compute_s": med["compute_s"], "push_s": med["push_s"], "steps": summary["steps"],
+    return {"samples_per_s": summary["samples_per_s"], "shard_device": summary["shard_device"],
+            "pull_s": max(0.0, med["pull_s"] - wait_s), "wait_s": wait_s, "compute_s": med["compute_s"],
+            "push_s": med["push_s"], "steps": summary["steps"],
             "warmup_s": summary.get("warmup_s", 0.0), "planes_used": planes, "status": summary["status"]}
 
 
@@ -147,7 +148,8 @@ def run(*, models, modes, device, shards, workers, planes, hidden, batch_size, s
             print(json.dumps(row), file=out, flush=True)
         else:
             print(f"{row['model']:>5} {row['params'] / 1e6:7.2f}M {row['shards']:>2} {row['workers']:>2} "
-                  f"{row['shard_device'] or '-':>5} {row['data_plane'] or '-':>5} {row['mode']:>6} {row['samples_per_s']:10.0f} "
-                  f"{row['ratio_vs_no_servers']:7.2f} {1e3 * row['pull_s']:8.2f} {1e3 * row['wait_s']:8.2f} "
-                  f"{1e3 * row['compute_s']:10.2f} {1e3 * row['push_s']:8.2f}", file=out, flush=True)
+                  f"{row['shard_device'] or '-':>5} {row['data_plane'] or '-':>5} {row['mode']:>6} "
+                  f"{row['samples_per_s']:10.0f} {row['ratio_vs_no_servers']:7.2f} {1e3 * row['pull_s']:8.2f} "
+                  f"{1e3 * row['wait_s']:8.2f} {1e3 * row['compute_s']:10.2f} {1e3 * row['push_s']:8.2f}",
+                  file=out, flush=True)
     return found

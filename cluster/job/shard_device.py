@@ -47,7 +47,7 @@ def with_shard_device(job):
 
 
 def shard_gpu(index: int, gpu: int, count: int) -> int:
-    """The GPU of shard ``index`` on a host of ``count`` GPUs: ``gpu`` where the job names one, else ``index mod count``."""
+    """The GPU of shard ``index`` on a host of ``count`` GPUs: ``gpu`` where the job names one, else index mod count."""
     return gpu if gpu >= 0 else index % count
 
 

@@ -206,7 +206,7 @@ class MPIJob:
         return code
 
     def share_addresses(self, shard) -> list[str]:
-        """Every shard's address, in shard order, from the shard ranks' ``(address, device)`` (others: None); collective.
+        """Every shard's address in shard order, from the shard ranks' ``(address, device)``; collective.
 
         Rank 0 writes them where ``psctl status --address-dir`` reads them, as psctl launch does, and
         records the device the shards resolved on their nodes in the job.
