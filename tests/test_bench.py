@@ -69,6 +69,7 @@ def test_bench_train_json_rows_have_the_breakdown_beside_no_servers(tmp_path):
     assert (alone["mode"], alone["shards"], alone["ratio_vs_no_servers"]) == ("none", 0, 1.0)
     assert (served["suite"], served["model"], served["mode"], served["data_plane"]) == ("train", "mlp", "async", "shm")
     assert served["planes_used"] == ["shm"] and served["params"] == alone["params"]
+    assert (alone["shard_device"], served["shard_device"]) == (None, "cpu")     # CPU workers: auto keeps host shards
     for key in ("samples_per_s", "pull_s", "compute_s", "push_s"):
         assert served[key] > 0, key
     assert served["ratio_vs_no_servers"] == pytest.approx(served["samples_per_s"] / alone["samples_per_s"])

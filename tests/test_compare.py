@@ -221,3 +221,38 @@ def test_compare_runs_a_users_script_in_every_mode(tmp_path):
                     "python", "examples/train_cupy.py")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
     assert "allreduce" in refused.stderr and not (tmp_path / "no").exists()
+
+
+OPEN_MPI_VERSION = "mpiexec (Open MPI) 5.0.3\n\nReport bugs to https://www.open-mpi.org/community/help/\n"
+HYDRA_VERSION = "HYDRA build details:\n    Version:                                 5.0.2\n"
+
+
+@pytest.mark.parametrize("said, unbound", [(OPEN_MPI_VERSION, ["--bind-to", "none"]), (HYDRA_VERSION, [])],
+                         ids=["open-mpi", "mpich"])
+def test_the_allreduce_runs_start_mpiexec_unbound_on_open_mpi(tmp_path, monkeypatch, said, unbound):
+    # Open MPI binds each rank to one core, where a GPU rank's loader then shares it with the loop
+    # (docs/performance.md: 165,653 against 226,828 samples/s); MPICH's hydra binds nothing by default.
+    from psgrid.cluster.experiments import compare
+    from psgrid.cluster.job.config import JobConfig, apply_overrides
+    from psgrid.cluster.mpi import mpiexec
+
+    fake = tmp_path / "mpiexec"
+    fake.write_text(f"#!/bin/sh\ncat <<'END'\n{said}END\n")
+    fake.chmod(0o755)
+    mpiexec.is_open_mpi.cache_clear()
+    monkeypatch.setattr(compare, "mpiexec_path", lambda: str(fake))
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def child(name, argv, log, env):
+        started.append(argv)
+        raise Started
+
+    monkeypatch.setattr(compare, "Child", child)
+    job = apply_overrides(JobConfig(name="t"), {"workers": 2, "out": str(tmp_path / "run")})
+    with pytest.raises(Started):
+        compare.run_allreduce_local(job, tmp_path / "run", None)
+    assert started[0][:3 + len(unbound)] == [str(fake), *unbound, "-n", "2"]
+    mpiexec.is_open_mpi.cache_clear()

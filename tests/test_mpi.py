@@ -56,8 +56,11 @@ def test_four_ranks(tmp_path):
     code, out, err, took = run_mpi(4, "--config", "mnist", "--shards", "1", "--steps", "40",
                                    "--out", str(tmp_path / "run"))
     assert code == 0, err
-    check_summary(tmp_path / "run", shards=1, workers=2)
+    summary = check_summary(tmp_path / "run", shards=1, workers=2)
     assert "mnist (sync, 1 shard, 2 workers): 80 steps in " in out and "test accuracy" in out
+    # each shard rank resolved "auto" on its node (CPU workers: host shards), and the job records it
+    assert summary["shard_device"] == summary["config"]["server"]["shard_device"] == "cpu"
+    assert "psctl mpi: shard 0/1 on the CPU listening on " in err
     print(f"mpiexec -n 4 took {took:.1f} s")
 
 

@@ -20,11 +20,16 @@ from pathlib import Path
 from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
 
 
-def base_job(model: str, device: str, hidden: list[int], batch_size: int, steps: int) -> JobConfig:
-    """The synthetic job every mode of ``model`` runs: no evaluation during training, plain SGD."""
+def base_job(model: str, device: str, hidden: list[int], batch_size: int, steps: int,
+             shard_device: str = "auto") -> JobConfig:
+    """The synthetic job every mode of ``model`` runs: no evaluation during training, plain SGD.
+
+    ``shard_device``: where the shards keep their state ("auto": on a GPU for GPU workers, as a job does).
+    """
     settings = {"name": f"bench-{model}", "model": model, "dataset": "synthetic", "hidden": hidden,
                 "batch_size": batch_size, "steps": steps, "eval_every": 0, "device": device, "lr": 0.01,
-                "momentum": 0.0, "optimizer": "sgd", "train.synthetic_samples": max(4096, 4 * batch_size)}
+                "momentum": 0.0, "optimizer": "sgd", "train.synthetic_samples": max(4096, 4 * batch_size),
+                "shard_device": shard_device}
     if model == "cnn":
         settings["train.synthetic_image"] = [1, 28, 28]
     return apply_overrides(load_job("mnist"), settings)
@@ -82,17 +87,33 @@ def with_servers(job: JobConfig) -> dict:
     worker_steps = sum(w["steps"] for w in summary["worker_results"]) or 1
     wait_s = sum(per_worker.values()) / worker_steps
     med = {k: statistics.median(e[k] for e in steps) for k in ("pull_s", "compute_s", "push_s")}
-    return {"samples_per_s": summary["samples_per_s"], "pull_s": max(0.0, med["pull_s"] - wait_s), "wait_s": wait_s,
-            "compute_s": med["compute_s"], "push_s": med["push_s"], "steps": summary["steps"],
+    return {"samples_per_s": summary["samples_per_s"], "shard_device": summary["shard_device"],
+            "pull_s": max(0.0, med["pull_s"] - wait_s), "wait_s": wait_s, "compute_s": med["compute_s"],
+            "push_s": med["push_s"], "steps": summary["steps"],
             "warmup_s": summary.get("warmup_s", 0.0), "planes_used": planes, "status": summary["status"]}
 
 
-def rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats):
+FLAGS = {"shard_device": "--shard-device", "device": "--device"}     # how a refusal names the settings
+
+
+def check(models, device, shards, workers, hidden, batch_size, steps, shard_device) -> None:
+    """Refuse, before anything runs, device shards that a configuration could not fit in this host's GPUs."""
+    from psgrid.cluster.run.preflight import check_shard_device
+
     for model in models:
-        base = base_job(model, device, hidden, batch_size, steps)
+        base = base_job(model, device, hidden, batch_size, steps, shard_device)
+        for s in shards:
+            for w in workers:
+                check_shard_device(apply_overrides(base, {"shards": s, "workers": w}), FLAGS)
+
+
+def rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, shard_device="auto"):
+    for model in models:
+        base = base_job(model, device, hidden, batch_size, steps, shard_device)
         alone = no_servers(base.train)
         yield {"suite": "train", "params": alone["params"], "shards": 0, "workers": 1, "mode": "none",
-               "model": model, "data_plane": None, "device": alone["device"], "batch_size": batch_size,
+               "model": model, "data_plane": None, "device": alone["device"], "shard_device": None,
+               "batch_size": batch_size,
                "samples_per_s": alone["samples_per_s"], "compute_s": alone["step_s"], "pull_s": 0.0, "push_s": 0.0,
                "wait_s": 0.0, "warmup_s": alone["warmup_s"], "ratio_vs_no_servers": 1.0}
         for s in shards:
@@ -107,24 +128,28 @@ def rows(models, modes, device, shards, workers, planes, hidden, batch_size, ste
                                 for k in ("samples_per_s", "pull_s", "wait_s", "compute_s", "push_s", "warmup_s")}
                         yield {"suite": "train", "params": alone["params"], "shards": s, "workers": w, "mode": mode,
                                "model": model, "data_plane": plane, "planes_used": runs[0]["planes_used"],
-                               "device": alone["device"], "batch_size": batch_size, **best,
+                               "device": alone["device"], "shard_device": runs[0]["shard_device"],
+                               "batch_size": batch_size, **best,
                                "ratio_vs_no_servers": best["samples_per_s"] / alone["samples_per_s"],
                                "repeats": repeats}
 
 
 def run(*, models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, as_json,
-        out=sys.stdout) -> list[dict]:
+        shard_device="auto", out=sys.stdout) -> list[dict]:
+    """Every configuration's row, printed as it comes (a table, or JSON lines); ``shard_device`` as the job key."""
+    check(models, device, shards, workers, hidden, batch_size, steps, shard_device)
     found = []
     if not as_json:
-        print(f"{'model':>5} {'params':>8} {'S':>2} {'W':>2} {'plane':>5} {'mode':>6} {'samples/s':>10} {'x alone':>7} "
-              f"{'pull ms':>8} {'wait ms':>8} {'compute ms':>10} {'push ms':>8}", file=out, flush=True)
-    for row in rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats):
+        print(f"{'model':>5} {'params':>8} {'S':>2} {'W':>2} {'shard':>5} {'plane':>5} {'mode':>6} {'samples/s':>10} "
+              f"{'x alone':>7} {'pull ms':>8} {'wait ms':>8} {'compute ms':>10} {'push ms':>8}", file=out, flush=True)
+    for row in rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, shard_device):
         found.append(row)
         if as_json:
             print(json.dumps(row), file=out, flush=True)
         else:
             print(f"{row['model']:>5} {row['params'] / 1e6:7.2f}M {row['shards']:>2} {row['workers']:>2} "
-                  f"{row['data_plane'] or '-':>5} {row['mode']:>6} {row['samples_per_s']:10.0f} "
-                  f"{row['ratio_vs_no_servers']:7.2f} {1e3 * row['pull_s']:8.2f} {1e3 * row['wait_s']:8.2f} "
-                  f"{1e3 * row['compute_s']:10.2f} {1e3 * row['push_s']:8.2f}", file=out, flush=True)
+                  f"{row['shard_device'] or '-':>5} {row['data_plane'] or '-':>5} {row['mode']:>6} "
+                  f"{row['samples_per_s']:10.0f} {row['ratio_vs_no_servers']:7.2f} {1e3 * row['pull_s']:8.2f} "
+                  f"{1e3 * row['wait_s']:8.2f} {1e3 * row['compute_s']:10.2f} {1e3 * row['push_s']:8.2f}",
+                  file=out, flush=True)
     return found

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands.common import add_command
+from psgrid.cluster.commands.common import SHARD_DEVICES, add_command
 
 HELP = "performance figures: transport vs raw TCP, apply vs memcpy, the parameter server vs its floor, training"
 
@@ -66,6 +66,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             psctl bench ps --params 10M --shards 1 --workers 2 --against HEAD~1 --repeats 3
             psctl bench train --models mlp,cnn --modes sync,async,ssp --json
             psctl bench train --device gpu --hidden 4096,4096 --batch-size 512 --shards 4 --workers 1
+            psctl bench train --device gpu --shard-device cpu --models mlp --modes async   # host shards
         """,
     )
     p.add_argument("target", choices=TARGETS, help="transport (includes the apply rows), apply, ps or train")
@@ -87,6 +88,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     tr.add_argument("--modes", type=_names(("sync", "async", "ssp")), default=["sync", "async", "ssp"],
                     help="default sync,async,ssp")
     tr.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="where workers compute (default cpu)")
+    tr.add_argument("--shard-device", choices=SHARD_DEVICES, default="auto",
+                    help="where the shards keep weights, optimizer state and update: gpu, cpu, or auto (the GPU "
+                         "when the workers compute on one; default)")
     tr.add_argument("--hidden", type=_counts, default=None, help="MLP widths (default 1024,1024)")
     tr.add_argument("--batch-size", type=int, default=None, help="batch per worker (default 256)")
     tr.add_argument("--steps", type=int, default=None, help="steps per worker (default 60)")
@@ -113,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         bench_train.run(models=args.models, modes=args.modes, device=args.device, shards=args.shards or [2],
                         workers=args.workers or [2], planes=args.planes or ["shm"],
                         hidden=args.hidden or [1024, 1024], batch_size=args.batch_size or 256,
-                        steps=args.steps or 60, repeats=max(1, args.repeats), as_json=args.json)
+                        steps=args.steps or 60, repeats=max(1, args.repeats), as_json=args.json,
+                        shard_device=args.shard_device)
         return 0
     what = ("transport", "apply") if args.target == "transport" else ("apply",)
     bench(sizes=args.sizes, repeat=max(1, args.repeat), as_json=args.json, what=what)

@@ -126,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
         rows = rewrite_report(Path(args.out), args.target_accuracy, args.classes)
         print(table_text(rows, rows[-1]["target_accuracy"] if rows else None))   # a repeat's: they come last
         return 0
-    from psgrid.cluster.commands.common import flag_names
-    from psgrid.cluster.run.preflight import check_device, refuse_mpi_rank
+    from psgrid.cluster.commands.common import flag_names, given_names
+    from psgrid.cluster.run.preflight import check_device, check_shard_device, refuse_mpi_rank
 
     from psgrid.cluster.run import script
 
@@ -151,6 +151,10 @@ def run(args: argparse.Namespace) -> int:
     if args.classes is not None and args.classes < 2:
         raise UsageError(f"--classes must be at least 2, got {args.classes}")
     workers = parse_counts(args.workers, "--workers") if args.workers else [job.workers]
+    if not args.mpi and any(m.uses_shards for m in modes):    # --mpi: each shard rank checks its own node
+        # the most workers any run has: the most gradient slots on a GPU
+        check_shard_device(apply_overrides(job, {"workers": max(workers)}), given_names(args),
+                           sized=command is None)
     stragglers = [parse_straggler_setting(s) for s in (args.stragglers or ["none"])]
     if len(set(stragglers)) != len(stragglers):
         raise UsageError("--stragglers: a setting is given twice")

@@ -29,6 +29,7 @@ from pathlib import Path
 from psgrid.cluster.run import coordinator as co
 from psgrid.cluster.job import credentials
 from psgrid.cluster.mpi import hydra_topology
+from psgrid.cluster.mpi.mpiexec import mpiexec_path, unbound_args
 from psgrid.cluster.experiments import results as res
 from psgrid.cluster.job.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import JobFailed, UsageError
@@ -126,11 +127,6 @@ def experiment_from(job: JobConfig, settings: dict, out: Path) -> Experiment:
                       settings, grid=grid if settings.get("tune") else [], tune_steps=settings.get("tune_steps"),
                       mode_settings={m: as_settings(p) for m, p in (settings.get("mode_settings") or {}).items()},
                       command=settings.get("script"))
-
-
-def mpiexec_path() -> str | None:
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
 
 
 def prepare(experiment: Experiment, resume: bool) -> list[Run]:
@@ -231,11 +227,12 @@ def run_parameter_server(job: JobConfig, out: Path, progress: RunProgress, comma
 
 
 def run_allreduce_local(job: JobConfig, out: Path, progress: RunProgress) -> None:
-    """One all-reduce run: ``mpiexec -n W psctl allreduce`` on this machine."""
+    """One all-reduce run: ``mpiexec -n W psctl allreduce`` on this machine, its ranks bound to no core."""
     files.make_dirs(out)
     job_file = out / "job.toml"
     files.write_text(job_file, f"# resolved job, as run by psctl compare\n{job.to_toml()}")
-    argv = [mpiexec_path(), "-n", str(job.workers),
+    mpiexec = mpiexec_path()
+    argv = [mpiexec, *unbound_args(mpiexec), "-n", str(job.workers),
             *psctl_argv("allreduce", "--config", str(job_file), "--out", str(out), "--no-progress",
                        "--ranks", str(job.workers))]
     env = child_env(credentials.child_env(job), threads=max(1, usable_cpus() // job.workers))

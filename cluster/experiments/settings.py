@@ -12,6 +12,7 @@ import shlex
 import socket
 
 from psgrid.cluster.job.config import JobConfig
+from psgrid.cluster.job.shard_device import resolve_shard_device
 from psgrid.cluster.run.procs import usable_cpus
 
 
@@ -47,7 +48,8 @@ def job_summary(job: JobConfig) -> str:
     batch = "full batch" if t.batch_size == 0 else f"batch {t.batch_size} per worker"
     length = f"{t.epochs} epochs" if t.epochs else f"{t.steps} steps per worker"
     opt = f"{s.optimizer} lr {s.lr:g}" + (f" momentum {s.momentum:g}" if s.optimizer == "sgd" and s.momentum else "")
-    return (f"{model} on {t.dataset}, {batch}, {length}, {opt} on the shards, {job.shards} shard(s), "
+    where = resolve_shard_device(s, t).upper()      # as each run's launcher will resolve "auto" on this machine
+    return (f"{model} on {t.dataset}, {batch}, {length}, {opt} on the shards, {job.shards} {where} shard(s), "
             f"{'shared memory on one host, else ' if t.shared_memory else ''}{t.data_plane} data plane, "
             f"device {t.device}, seed {t.seed}")
 

@@ -12,7 +12,8 @@ allocated), and each process's share is a lower bound of what it must hold:
 
 ``psctl launch`` checks the whole job against this host's available memory; ``psctl mpi`` checks
 each node's ranks against that node's. A GPU worker's weights and gradients are checked against
-the GPU's memory where CuPy can tell it.
+the GPU's memory where CuPy can tell it, and device shards (``shard_device = "gpu"``) against the
+free memory of the GPUs they are placed on (:func:`device_shard_problem`).
 """
 
 from __future__ import annotations
@@ -105,6 +106,54 @@ def gpu_problem(fp: Footprint, total: int | None) -> str | None:
         return None
     return (f"{fp.describe()} does not fit on a GPU: a worker's weights and gradients need {gib(fp.gpu_bytes)} "
             f"at least, and its GPU has {gib(total)}; make the model smaller, or use --device cpu")
+
+
+def _amount(n: int) -> str:
+    """GiB, or MiB below 10 GiB: a GPU's free memory is often a few GiB, and 0.4 against 0.4 says nothing."""
+    return gib(n) if n >= 10 * GIB else f"{n / (1 << 20):,.1f} MiB"
+
+
+def gpu_count() -> int:
+    """The GPUs CuPy sees in this process (call only where psserver.state.device.gpu_problem() is None)."""
+    import cupy
+
+    return int(cupy.cuda.runtime.getDeviceCount())
+
+
+def gpu_free_bytes(index: int) -> int:
+    """The free memory of GPU ``index`` now (cudaMemGetInfo), asked only where a device shard would go."""
+    import cupy
+
+    with cupy.cuda.Device(index):
+        return int(cupy.cuda.runtime.memGetInfo()[0])
+
+
+def device_shard_problem(fp: Footprint, job, indices, count: int, free_of=gpu_free_bytes) -> str | None:
+    """Why the device shards ``indices`` of ``job`` do not fit in this host's ``count`` GPUs (None: they fit).
+
+    Shard i goes on GPU i mod ``count`` (or the job's ``gpu``), as the shard places itself; per GPU,
+    the shards on it need :func:`~psgrid.psserver.state.device.shard_device_bytes` each (their ring,
+    optimizer state and every worker's gradient slots), against ``free_of(gpu)``: asked once per GPU
+    that gets a shard.
+    """
+    from psgrid.cluster.job.shard_device import shards_by_gpu
+    from psgrid.psserver.sharding import shard_ranges
+    from psgrid.psserver.state.device import shard_device_bytes
+
+    s = job.server
+    if s.gpu >= count:
+        return f"gpu = {s.gpu} asked for, but this host has {count} GPU(s) (0..{count - 1}); use gpu = -1"
+    ranges = shard_ranges(fp.params, job.shards)
+    for gpu, placed in sorted(shards_by_gpu(indices, s.gpu, count).items()):
+        need = sum(shard_device_bytes(ranges[i][1] - ranges[i][0], s.optimizer, s.momentum, job.workers)
+                   for i in placed)
+        free = free_of(gpu)
+        if need > free:
+            who = f"shard {placed[0]} needs" if len(placed) == 1 else \
+                f"shards {', '.join(map(str, placed))} need"
+            return (f"{who} {_amount(need)} on GPU {gpu} (weights, optimizer state and {job.workers} worker(s)' "
+                    f"gradient slots, for {fp.describe()}), and it has {_amount(free)} free")
+    return None
 
 
 def check_here(job) -> Footprint:

@@ -18,6 +18,7 @@ the spinning ranks would take the CPU the workers train on.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -29,6 +30,7 @@ from pathlib import Path
 from psgrid.cluster.run import coordinator as co
 from psgrid.cluster.job import credentials
 from psgrid.cluster.job import memory
+from psgrid.cluster.job.shard_device import resolve_shard_device
 from psgrid.cluster.mpi import report as mpi_report
 from psgrid.cluster.run import preflight
 from psgrid.cluster.run import script as user_script
@@ -157,6 +159,8 @@ class MPIJob:
         problem = preflight.gathered_device_problem(self.comm, self.role == "worker", self.job.train)
         if not problem and not self.command:      # a script's model is its own
             problem = self.memory_problem()
+        if not problem:
+            problem = self.shard_device_problem()
         if problem:     # before any shard binds: a worker rank cannot compute where the job asks
             if self.rank == 0:
                 print(f"psctl mpi: error: {problem}", file=sys.stderr, flush=True)
@@ -187,13 +191,7 @@ class MPIJob:
             self.server = running
         else:
             address = None
-        addresses = self.comm.gather(address, root=0)
-        if self.rank == 0:
-            addresses = [addresses[r] for r in self.placement.ranks(SERVER)]
-            for i, a in enumerate(addresses):  # as psctl launch does, for psctl status --address-dir
-                files.replace_text(self.out / "addr" / f"shard-{i}", format_address_file(a, self.job.server.job_id))
-            credentials.write_token_file(self.out, self.job)
-        self.addresses = self.comm.bcast(addresses, root=0)
+        self.addresses = self.share_addresses(address)
 
         if self.role == "coordinator":
             code = self.coordinate()
@@ -206,6 +204,23 @@ class MPIJob:
         wait_request(self.comm.Ibarrier(), None, "final barrier")
         mpi_report.untee()
         return code
+
+    def share_addresses(self, shard) -> list[str]:
+        """Every shard's address in shard order, from the shard ranks' ``(address, device)``; collective.
+
+        Rank 0 writes them where ``psctl status --address-dir`` reads them, as psctl launch does, and
+        records the device the shards resolved on their nodes in the job.
+        """
+        addresses = self.comm.gather(shard, root=0)
+        if self.rank == 0:
+            addresses, devices = zip(*(addresses[r] for r in self.placement.ranks(SERVER)))
+            addresses = list(addresses)
+            self.job = with_devices(self.job, devices)
+            mpi_report.write_job_file(self.out, self.job)
+            for i, a in enumerate(addresses):
+                files.replace_text(self.out / "addr" / f"shard-{i}", format_address_file(a, self.job.server.job_id))
+            credentials.write_token_file(self.out, self.job)
+        return self.comm.bcast(addresses, root=0)
 
     def memory_problem(self) -> str | None:
         """Whether the ranks of each node fit in its memory (and a GPU worker's arrays on its GPU); collective."""
@@ -223,6 +238,21 @@ class MPIJob:
             self.model = fp.describe()
         return next((p for p in self.comm.allgather(problem) if p), None)
 
+    def shard_device_problem(self) -> str | None:
+        """Whether this node's device shards fit in its GPUs (each shard rank checks its own node); collective.
+
+        ``shard_device = "auto"`` is resolved by each shard rank for its own node, as it will start.
+        """
+        me = self.placement.roles[self.rank]
+        problem = None
+        if me.kind == SERVER:
+            here = [r.index for r in self.placement.roles if r.kind == SERVER and r.node == me.node]
+            try:
+                preflight.check_shard_device(self.job, indices=here, sized=not self.command)
+            except UsageError as e:
+                problem = f"shard {me.index} (rank {self.rank} on {self.hostname}): {e}"
+        return next((p for p in self.comm.allgather(problem) if p), None)
+
     # -- roles -------------------------------------------------------------------------------
 
     def start_server(self, single_node: bool):
@@ -230,12 +260,14 @@ class MPIJob:
 
         bind, advertise = bind_and_advertise(self.host, self.iface, single_node)
         config = self.job.server_config(self.index, host=bind, port=0)
+        config.shard_device = resolve_shard_device(config, self.job.train)    # for this node's workers
         running = serve(config)
         address = f"{advertise}:{running.port}"
         metrics = f", metrics on {advertise}:{running.metrics.port}" if running.metrics else ""
-        print(f"psctl mpi: shard {self.index}/{self.job.shards} listening on {address} "
-              f"(rank {self.rank} on {self.hostname}, mode {config.mode}{metrics})", file=sys.stderr, flush=True)
-        return running, address
+        print(f"psctl mpi: shard {self.index}/{self.job.shards} on the {config.shard_device.upper()} listening on "
+              f"{address} (rank {self.rank} on {self.hostname}, mode {config.mode}{metrics})",
+              file=sys.stderr, flush=True)
+        return running, (address, config.shard_device)
 
     def serve_until_shutdown(self, running) -> None:
         # Ends when the coordinator's Shutdown RPC arrives; if the coordinator dies, mpiexec ends us.
@@ -373,6 +405,13 @@ class MPIJob:
             print(f"psctl mpi: {name}: stopped every rank{where}", file=sys.stderr, flush=True)
         mpi_report.untee()
         return 128 + signum
+
+
+def with_devices(job: JobConfig, devices) -> JobConfig:
+    """``job`` as its shards run: with the device they resolved on their nodes, where they all agree."""
+    if len(set(devices)) != 1:
+        return job      # nodes that differ: each shard's log line says its own
+    return dataclasses.replace(job, server=dataclasses.replace(job.server, shard_device=devices[0]))
 
 
 def _prepare_out(job: JobConfig) -> Path:

@@ -28,8 +28,9 @@ POLL_S = 0.05
 
 
 def write_job_file(out: Path, job) -> None:
-    """``OUT/job.toml``: the resolved job, readable by ``--config`` (its token redacted)."""
-    files.write_text(out / "job.toml", f"# resolved job, as run by psctl mpi (token redacted)\n{job.to_toml()}")
+    """``OUT/job.toml``: the resolved job, readable by ``--config`` (its token redacted); written again once
+    the shards said where they keep their state."""
+    files.replace_text(out / "job.toml", f"# resolved job, as run by psctl mpi (token redacted)\n{job.to_toml()}")
 
 
 def log_name(role: str, index: int) -> str:

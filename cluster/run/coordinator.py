@@ -403,6 +403,7 @@ def build_summary(
         "launcher": launcher,
         "mode": job.server.mode,
         "shards": job.shards,
+        "shard_device": None if launcher == "allreduce" else job.server.shard_device,   # "auto" resolved at launch
         "workers": job.workers,
         "workers_completed": sum(1 for w in workers if w["completed"]),
         "steps": steps,

@@ -63,7 +63,7 @@ class JobRun:
         job = self.job
         self.t0 = time.monotonic()
         self.event("job_start", name=job.name, mode=job.mode, shards=job.shards, workers=job.workers,
-                   out=str(self.out), **fields)
+                   shard_device=job.server.shard_device, out=str(self.out), **fields)
 
     def progress(self, enabled: bool | None, *, mode: str | None = None) -> co.Progress:
         """The progress bar over every worker's steps (no total for a script: its steps are its own)."""

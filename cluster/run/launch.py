@@ -36,6 +36,7 @@ from psgrid.cluster.errors import JobFailed
 from psgrid.cluster.run.interrupts import (Interrupted, check_interrupted, deferred_signals, ignore_signals,
                                         listen_for_interrupts)
 from psgrid.cluster.job.memory import footprint
+from psgrid.cluster.job.shard_device import with_shard_device
 from psgrid.cluster.job.outdir import lock, release
 from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
@@ -62,6 +63,7 @@ class Launcher:
                  quiet: bool = False, resumed: list[dict] | None = None, command: list[str] | None = None,
                  launcher: str = "launch"):
         job = credentials.secure(job)     # a token and a job id of its own, unless the job gives them
+        job = with_shard_device(job)      # shard_device "auto" made "cpu" or "gpu" here; job.toml says which
         self.job = job
         self.resumed = resumed     # where each shard's checkpoint stood, when this run resumes a job
         self.out = out
@@ -295,7 +297,8 @@ class Launcher:
             if not self.quiet:
                 model = "" if self.command else f" of {footprint(job).describe()}"     # a script's model is its own
                 metrics = f" (metrics on {','.join(self.metrics_at)})" if self.metrics_at else ""
-                print(f"psctl launch: {job.shards} shard(s) at {','.join(self.addresses)}{metrics} applying "
+                print(f"psctl launch: {job.shards} {job.server.shard_device.upper()} shard(s) at "
+                      f"{','.join(self.addresses)}{metrics} applying "
                       f"{job.server.describe_optimizer()}; starting {job.workers} worker(s){model}; logs in "
                       f"{self.out / 'logs'}", file=sys.stderr, flush=True)
             self.start_workers()

@@ -33,6 +33,7 @@ from psgrid.cluster.run import script as user_script
 from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
 from psgrid.cluster.errors import ConfigError
 from psgrid.cluster.run.launch import Launcher, prepare_out
+from psgrid.cluster.run.preflight import check_shard_device
 from psgrid.cluster.job.outdir import release
 from psgrid.psserver import files
 
@@ -69,6 +70,9 @@ class LocalCluster:
         if out is not None:
             overrides["out"] = out
         job = _with_settings(job, overrides)
+        # Device shards that cannot fit are refused before anything starts; without background workers
+        # the model is the program's own (psgrid.init's params), and only the GPU itself is checked.
+        check_shard_device(job, {}, sized=bool(workers) and command is None)
         self._temporary = out is None
         if out is None:
             out_dir = Path(tempfile.mkdtemp(prefix="psgrid-local-"))

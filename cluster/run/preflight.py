@@ -6,6 +6,8 @@ wait on each other, in words that point at what to change: the flag the user typ
 
 * :func:`check_job` on every job they load (names of models and datasets, steps, TLS
   settings that cannot agree) and :func:`check_device` where workers will run;
+* :func:`check_shard_device` where device shards will run (a usable GPU, and room in each
+  GPU's free memory for the shards placed on it);
 * :func:`refuse_mpi_rank` in ``psctl launch`` (a launcher started once per MPI rank) and
   :func:`require_mpi` in ``psctl mpi`` (mpi4py present, and running under a launcher);
 * :func:`check_port_free` before a shard binds a fixed port;
@@ -151,12 +153,57 @@ def check_device(train, flags: Mapping[str, str] | None = None) -> None:
                           f"or use --device cpu")
 
 
+def check_shard_device(job, flags: Mapping[str, str] | None = None, *, indices=None, sized: bool = True,
+                       free_of=None) -> None:
+    """Refuse device shards this host cannot hold, before anything starts.
+
+    ``job.server.shard_device`` as the job gives it (``auto`` is resolved here, as the launchers do);
+    nothing is checked, and CuPy never imported, unless the shards resolve to "gpu". Then this process
+    must see a GPU, and per GPU the shards ``indices`` (default: all of them) placed on it must fit in
+    its free memory (``free_of(gpu)``, default cudaMemGetInfo); ``sized=False`` (a user's script, whose
+    model is its own) checks the GPU alone.
+
+    Raises
+    ------
+    ConfigError
+        One line: the setting, what is missing or how much is needed against what is free, and the fix.
+    """
+    from psgrid.cluster.job.shard_device import resolve_shard_device
+
+    if resolve_shard_device(job.server, job.train) != "gpu":
+        return
+    from psgrid.cluster.job import memory
+    from psgrid.psserver.state.device import gpu_problem
+
+    name = Names(flags, job.source)
+    said = name.setting("shard_device", job.server.shard_device)
+    if job.server.shard_device == "auto":       # often no one's choice but the default's: the rule is the news
+        said = 'shard_device = "auto" (GPU workers, so the shards keep their state on a GPU)'
+    problem = gpu_problem()
+    if problem is None and sized:
+        indices = range(job.shards) if indices is None else indices
+        problem = memory.device_shard_problem(memory.footprint(job), job, indices, memory.gpu_count(),
+                                              free_of or memory.gpu_free_bytes)
+        if problem:
+            problem += f"; use fewer workers or a smaller model, or {_host_shards(name)}"
+    if problem:
+        raise ConfigError(f"{said}: {problem}")
+
+
+def _host_shards(name: Names) -> str:
+    """How to put the shards back on the host, in the words of the command that runs the job."""
+    given = name.flags.get("shard_device", "")
+    flag = given if given.startswith("--") and not given.startswith("--set") else None
+    return f"{flag} cpu" if flag else "--set shard_device=cpu (host shards)"
+
+
 def check_machine(job, flags: Mapping[str, str] | None = None) -> None:
     """What this machine must offer a job that ``psctl launch`` runs here: its GPUs, memory, metrics ports."""
     from psgrid.cluster.job import memory
 
     check_device(job.train, flags)
     memory.check_here(job)
+    check_shard_device(job, {**command_line, **(flags or {})})     # a --set shard_device=gpu is named as such
     base = job.server.metrics_port
     if base:
         for i in range(job.shards):
