@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands.common import SHARD_DEVICES, add_command
+from psgrid.cluster.commands.common import add_command
+from psgrid.psserver.protocol import SHARD_DEVICES
 
 HELP = "performance figures: transport vs raw TCP, apply vs memcpy, the parameter server vs its floor, training"
 
