@@ -45,9 +45,10 @@ class RecordingExchange:
 
     worker_id, data_planes, wire_dtype = 0, ["fake"], WIRE_DTYPES["float32"]
 
-    def __init__(self, init: np.ndarray, mode: str = "async"):
+    def __init__(self, init: np.ndarray, mode: str = "async", restart_after: int | None = None):
         self.mode = mode
         self.weights, self.version, self.pushes = init.copy(), 0, 0
+        self.restart_after, self.restarted, self.first_pull_since_restart = restart_after, False, None
         self.buffers: list[np.ndarray] = []      # the flat arrays pulls wrote into, in order of first use
         self.log: list[tuple] = []
 
@@ -70,6 +71,8 @@ class RecordingExchange:
 
     def pull(self, out: np.ndarray, *, background: bool = False) -> Done:
         which, version = self.buffer_of(out), self.version
+        if self.restarted and self.first_pull_since_restart is None:
+            self.first_pull_since_restart = self.pushes        # the pull's clock
         np.copyto(out, self.weights)           # written when issued: the worst case for a reader of ``out``
         self.log.append(("pull", which, version))
         handle = Done(lambda: (self.log.append(("pulled", which, version)), [version])[1])
@@ -82,8 +85,14 @@ class RecordingExchange:
         self.log.append(("push", clock, versions))
 
         def land():
+            # As psserver/state/pushes.py: after a restart, a push at a clock from the worker's first pull
+            # of the new process on may not name a version past the new process's.
+            if self.restarted and self.first_pull_since_restart is not None and clock >= self.first_pull_since_restart:
+                assert versions[0] <= self.version, f"push {clock} names version {versions}, the shard is at {self.version}"
             self.weights -= 0.5 * grad
             self.version += 1
+            if clock == self.restart_after:             # the shard goes back to its checkpoint of 3 versions ago
+                self.version, self.restarted = self.version - 3, True
             return [PushResult(Outcome.APPLIED, self.version, self.version - 1 - (versions or [0])[0], clock + 1)]
 
         handle = Done(land)
@@ -103,11 +112,12 @@ class RecordingModel:
         return self.model.loss_and_grad(params, x, y, grads)
 
 
-def run_recorded(pull_ahead: bool, mode: str = "async") -> RecordingExchange:
+def run_recorded(pull_ahead: bool, mode: str = "async", restart_after: int | None = None) -> RecordingExchange:
     train = TrainConfig(model="softmax", dataset="digits", batch_size=32, steps=STEPS, eval_every=0,
                         init_scale=0.1, pull_ahead=pull_ahead)
     xp, device, data, model = build(train, 0, 1, device="cpu")
-    exchange = RecordingExchange(model.spec.pack(model.init_params(train.seed, train.init_scale)), mode)
+    exchange = RecordingExchange(model.spec.pack(model.init_params(train.seed, train.init_scale)), mode,
+                                 restart_after)
     result = train_loop(train, exchange, 0, xp, device, data, RecordingModel(model, exchange))
     assert result["steps"] == STEPS and np.isfinite(result["final_loss"])
     return exchange
@@ -157,6 +167,16 @@ def test_the_weights_a_step_uses_are_at_most_one_version_older_than_without_it()
     assert without == [max(0, c - 1) for c in range(STEPS)]
     assert with_ahead == [max(0, c - 2) for c in range(STEPS)]
     assert all(0 <= a - b <= 1 for a, b in zip(without, with_ahead))
+
+
+@pytest.mark.parametrize("restart_after", range(2, 8))
+def test_after_a_shard_went_back_to_a_checkpoint_pushes_name_no_version_past_its_own(restart_after):
+    """The pull for step c+1 (clock c) reaches the restarted shard before the push of step c: that push
+    must then name the new process's version, which the next step's pull says (a real shard refuses
+    it otherwise, and the worker stops: seen in test_recovery's killed-shard job)."""
+    exchange = run_recorded(True, restart_after=restart_after)
+    pushed = [e[2][0] for e in exchange.log if e[0] == "push"]
+    assert len(pushed) == STEPS and exchange.first_pull_since_restart is not None
 
 
 def test_sync_and_ssp_pull_when_each_step_starts_unless_asked():

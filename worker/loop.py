@@ -157,7 +157,7 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
                 record = dict(event="step", rank=rank, worker=exchange.worker_id, step=step, clock=exchange.clock,
                               **timed)
                 # Pulled ahead, the client's last pull is the next step's: say which weights this gradient is of.
-                used = {} if ahead is None else {"versions": ahead.versions}
+                used = {} if ahead is None else {"versions": ahead.push_versions()}
                 in_flight = (exchange.push(bufs.pushed, background=overlap, **used), record)
                 if not overlap:
                     metrics.write(**_finish(*in_flight, step_bytes))
@@ -184,7 +184,8 @@ def pull_and_compute(bufs: FlatBuffers, loader, model, delay: Delay, overlap: bo
 
     Returns the step record's timings (``started``, ``pull_s``, ``compute_s``, ``delay_s``), ``loss`` and
     ``samples``, in the record's order. With ``ahead`` the weights are those pulled during the step before
-    (``pull_s`` is then what this step still waited for them, and ``pull_ahead_s`` what their pull took), and
+    (``pull_s`` is then what this step still waited for them, before the push of the step before and when it
+    started, and ``pull_ahead_s`` what their pull took), and
     unless ``last`` the next step's pull starts before this step computes.
     """
     started = time.time()
@@ -193,7 +194,7 @@ def pull_and_compute(bufs: FlatBuffers, loader, model, delay: Delay, overlap: bo
         bufs.pull()                   # pull_s: from the request to the weights on the device
     else:
         ahead.pull(ahead=not last)
-    pull_s = time.perf_counter() - t0
+    pull_s = time.perf_counter() - t0 + (ahead.waited_s if ahead is not None else 0.0)
     t1 = time.perf_counter()
     x, y = next(loader)
     if overlap:

@@ -13,9 +13,17 @@ sees up to 2). In ssp that pull is made at clock c, not c+1, so the bound the sh
 one for this worker: it is on by default in async only. Every push carries the versions of the pull
 its gradient was computed from (the client's own last pull is by then the next step's), so the
 shards count staleness, and delay compensation finds its weights, from the right version.
+
+A shard restarted from its checkpoint takes a push that names a version past its own only before
+the worker's first pull from the new process at a clock up to the push's (psserver/state/pushes.py),
+and the pull for step c+1 is made at clock c, before the push of step c. So before that push the
+next step's pull is waited for (in the steady state it ended during the compute) and the push names,
+per shard, the lower of the two pulls' versions: what the new process has published.
 """
 
 from __future__ import annotations
+
+import time
 
 from psgrid.worker.config import TrainConfig
 from psgrid.worker.flat import FlatBuffers
@@ -49,6 +57,8 @@ class PullAhead:
     pulled_s : float or None
         How long the pull of this step's weights took in the background (None where it was made
         when the step started: the first step).
+    waited_s : float
+        What this step waited for its weights, before the push of the step before (:meth:`push_versions`).
     """
 
     def __init__(self, bufs: FlatBuffers, spec):
@@ -58,12 +68,15 @@ class PullAhead:
         self.pending = None           # the pull into ``spare``, made during the step before
         self.versions: list[int] = []
         self.pulled_s: float | None = None
+        self.waited_s = 0.0
+        self._waited_before_push_s = 0.0
 
     def pull(self, ahead: bool = True) -> None:
         """Make ``bufs.params`` this step's weights; with ``ahead``, start the next step's pull into the other buffer.
 
         The first step pulls where it is called. ``ahead`` is false on the last step: nothing would read it.
         """
+        self.waited_s, self._waited_before_push_s = self._waited_before_push_s, 0.0
         if self.pending is None:
             self.versions, self.pulled_s = self.bufs.pull().wait(), None
         else:
@@ -75,3 +88,17 @@ class PullAhead:
         if ahead:
             # The buffer the step before computed from: its compute (and the gradient's copy) has ended.
             self.pending = self.bufs.pull_to(self.spare, background=True)
+
+    def push_versions(self) -> list[int]:
+        """The versions this step's push names: its weights', or the next step's pull's where lower.
+
+        Waits for the next step's pull first (counted in that step's ``waited_s``). Its versions are
+        lower only where a shard went back to an older checkpoint between the two pulls; elsewhere
+        the push names exactly the weights its gradient came from.
+        """
+        if self.pending is None:
+            return self.versions
+        t0 = time.perf_counter()
+        later = self.pending.wait()
+        self._waited_before_push_s = time.perf_counter() - t0
+        return [min(used, now) for used, now in zip(self.versions, later)]
