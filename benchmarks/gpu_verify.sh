@@ -6,7 +6,7 @@
 #     every plane (shared memory page-locked for DMA, TCP, gRPC), and the pull-ahead's second device buffer;
 #  3. benchmarks/gpu_workers.py: the 20M MLP with no servers, with 1 and 4 shards over shared memory
 #     and over TCP, each pull and push against CuPy's pinned copy of the same bytes in the same run
-#     (async pulls ahead, its default); then the pull-ahead's A/B: 4 shards over shared memory, async,
+#     (pull_ahead off, its default); then the pull-ahead's A/B: 4 shards over shared memory, async,
 #     pull_ahead off and on in turn, 5 times each, beside no servers (medians, ratios to no servers);
 #  4. psctl bench train on the GPU (MLP and CNN, async and sync, 4 shards) beside no servers.
 # Logs and JSON land in $OUT. PARTS="1 3" runs only those parts. On the lent device: wheels for

@@ -179,8 +179,8 @@ def test_after_a_shard_went_back_to_a_checkpoint_pushes_name_no_version_past_its
     assert len(pushed) == STEPS and exchange.first_pull_since_restart is not None
 
 
-def test_sync_and_ssp_pull_when_each_step_starts_unless_asked():
-    for mode, pull_ahead in (("sync", None), ("ssp", None), ("async", False)):
+def test_every_mode_pulls_when_each_step_starts_unless_asked():
+    for mode, pull_ahead in (("sync", False), ("ssp", False), ("async", False), ("sync", True)):
         log = run_recorded(pull_ahead, mode).log
         assert [e[0] for e in log[:3]] == ["pull", "pulled", "compute"], (mode, log[:3])
         assert {e[1] for e in log if e[0] == "compute"} == {0}, mode       # one buffer only
@@ -189,14 +189,12 @@ def test_sync_and_ssp_pull_when_each_step_starts_unless_asked():
 
 
 def test_when_a_worker_pulls_ahead():
-    train = TrainConfig()
-    assert pulls_ahead(train, "async") and not pulls_ahead(train, "ssp") and not pulls_ahead(train, "sync")
-    assert not pulls_ahead(train, "allreduce")
-    train.pull_ahead = True
-    assert pulls_ahead(train, "async") and pulls_ahead(train, "ssp") and not pulls_ahead(train, "sync")
-    assert not pulls_ahead(TrainConfig(pull_ahead=False), "async")
-    assert not pulls_ahead(TrainConfig(overlap=False), "async")
-    assert not pulls_ahead(TrainConfig(aggregate="host"), "async")
+    assert not any(pulls_ahead(TrainConfig(), mode) for mode in ("async", "ssp", "sync", "allreduce"))
+    train = TrainConfig(pull_ahead=True)
+    assert pulls_ahead(train, "async") and pulls_ahead(train, "ssp")
+    assert not pulls_ahead(train, "sync") and not pulls_ahead(train, "allreduce")
+    assert not pulls_ahead(TrainConfig(pull_ahead=True, overlap=False), "async")
+    assert not pulls_ahead(TrainConfig(pull_ahead=True, aggregate="host"), "async")
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -222,15 +220,17 @@ def test_job_files_refuse_it_where_it_cannot_apply(data, fragment):
 
 def test_job_files_take_it_in_async_and_ssp():
     assert job_from_dict({"mode": "ssp", "pull_ahead": True}).train.pull_ahead is True
+    assert job_from_dict({"mode": "async", "pull_ahead": True}).train.pull_ahead is True
     assert job_from_dict({"mode": "sync", "pull_ahead": False}).train.pull_ahead is False
-    assert job_from_dict({}).train.pull_ahead is None
+    assert job_from_dict({}).train.pull_ahead is False
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("data_plane", ["shm"])
 @pytest.mark.timeout(120)
 def test_a_lone_async_worker_pulling_ahead_learns_at_most_two_updates_behind(cluster, tmp_path, data_plane):
-    train = TrainConfig(model="softmax", dataset="digits", batch_size=32, steps=120, eval_every=0, init_scale=0.1)
+    train = TrainConfig(model="softmax", dataset="digits", batch_size=32, steps=120, eval_every=0, init_scale=0.1,
+                        pull_ahead=True)
     c = cluster(2, mode="async", lr=0.5)
     result = run_worker(train, c.addresses, 0, 1, str(tmp_path / "w0.jsonl"))
     records = [json.loads(line) for line in (tmp_path / "w0.jsonl").read_text().splitlines()]

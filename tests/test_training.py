@@ -62,14 +62,14 @@ def test_same_seed_gives_the_same_weights_in_sync_mode(cluster, tmp_path):
 @pytest.mark.timeout(120)
 def test_a_lone_async_worker_without_overlap_is_never_stale_and_with_it_still_learns(cluster, tmp_path):
     """overlap = false: each pull waits for the push before it, so one worker alone sees staleness 0.
-    With overlap (and no pull-ahead) its pushes run beside the next step and land all the same."""
+    With overlap (the default) its pushes run beside the next step and land all the same."""
     train = TrainConfig(model="softmax", dataset="digits", batch_size=32, steps=120, eval_every=0, overlap=False,
                         init_scale=0.1)
     results, scores, _ = train_job(cluster, tmp_path, train, workers=1, mode="async", lr=0.5)
     steps = [json.loads(line) for line in (tmp_path / "w0.jsonl").read_text().splitlines()]
     assert [s["staleness"] for s in steps if s["event"] == "step"] == [0] * 120
     assert scores["test_accuracy"] >= 0.85, scores
-    train.overlap, train.pull_ahead = True, False
+    train.overlap = True
     results, scores, _ = train_job(cluster, tmp_path / "overlap", train, workers=1, mode="async", lr=0.5)
     steps = [json.loads(line) for line in (tmp_path / "overlap" / "w0.jsonl").read_text().splitlines()]
     applied = [s for s in steps if s["event"] == "step" and s["outcome"] == "APPLIED"]

@@ -4,8 +4,9 @@ Parameters and gradients live in :class:`FlatBuffers` (flat device arrays with v
 name; the host side of the gradient is the client's, in shared memory where the shards are on
 this host). In async and ssp the push of step c runs in the background while the pull and the
 compute of step c+1 go on, its gradient computed into the other of two host buffers, and it is
-waited for before the push of step c+1; in async the pull of step c+1 also runs during the compute
-of step c, into a second parameter buffer (worker/prefetch.py). In sync the steps stay in order.
+waited for before the push of step c+1; with ``pull_ahead`` the pull of step c+1 also runs during
+the compute of step c, into a second parameter buffer (worker/prefetch.py). In sync the steps stay
+in order.
 """
 
 from __future__ import annotations

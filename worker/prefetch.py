@@ -10,7 +10,8 @@ What it costs: the pull for step c+1 is made before step c pushes, while the pus
 still be in flight, so the gradient of step c+1 is computed from weights that may lack this
 worker's pushes c and c-1: one step more of staleness than ``overlap`` alone (a lone async worker
 sees up to 2). In ssp that pull is made at clock c, not c+1, so the bound the shards keep grows by
-one for this worker: it is on by default in async only. Every push carries the versions of the pull
+one for this worker. With momentum that staleness costs accuracy (docs/performance.md, "The
+pull-ahead"), so it is off unless asked for (``pull_ahead = true``). Every push carries the versions of the pull
 its gradient was computed from (the client's own last pull is by then the next step's), so the
 shards count staleness, and delay compensation finds its weights, from the right version.
 
@@ -30,14 +31,12 @@ from psgrid.worker.flat import FlatBuffers
 
 
 def pulls_ahead(train: TrainConfig, mode: str) -> bool:
-    """Whether a worker of ``train`` pulls ahead in ``mode``: async, or ssp when asked, with overlap.
+    """Whether a worker of ``train`` pulls ahead in ``mode``: asked to, in async or ssp, with overlap.
 
     ``pull_ahead = true`` in sync is refused by the job file's check; a worker started by hand in
     sync just pulls when each step starts, as sync must.
     """
-    if not train.overlap or train.aggregate != "none" or mode not in ("async", "ssp"):
-        return False
-    return mode == "async" if train.pull_ahead is None else train.pull_ahead
+    return train.pull_ahead and train.overlap and train.aggregate == "none" and mode in ("async", "ssp")
 
 
 class PullAhead:
