@@ -283,3 +283,29 @@ def test_on_a_gpu_the_next_weights_land_in_the_other_buffer(cluster, data_plane)
         assert bufs.params is first
         np.testing.assert_allclose(cupy.asnumpy(bufs.params), init - grad, rtol=1e-6, atol=1e-6)
         assert ahead.pending is None and ahead.pulled_s is not None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_shard_restarted_from_its_checkpoint_takes_the_pushes_of_workers_pulling_ahead(tmp_path):
+    """The killed-shard job of test_recovery.py, pulling ahead: the workers' next pulls reach the new
+    process before their pushes do, and those pushes must not name versions it never published."""
+    import os
+    import signal
+
+    from tests.support import Launch, child_pids, steps_seen
+
+    args = ["--config", "mnist", "--eval-every", "0", "--no-progress", "--lease-s", "2", "--shards", "2",
+            "--steps", "300", "--restart-failed", "--set", "mode=async", "--set", "pull_ahead=true",
+            "--set", "momentum=0.0", "--set", "lr=0.2", "--set", f"checkpoint_dir={tmp_path / 'ckpt'}",
+            "--set", "checkpoint_every=10"]
+    with Launch(tmp_path, *args) as launch:
+        launch.wait_for(lambda: steps_seen(launch.out, 0) >= 40, 60, "worker 0 training")
+        os.kill(child_pids(launch.out)["shards"][1], signal.SIGKILL)
+        code = launch.wait(150)
+        text = launch.text()
+    assert code == 0, text
+    summary = json.loads((launch.out / "summary.json").read_text())
+    assert len(summary["restarts"]) == 1 and summary["shard_stats"][1]["restored_version"] >= 10
+    assert all(w["completed"] for w in summary["worker_results"]), summary["worker_results"]
+    assert summary["test_accuracy"] > 0.85, summary["test_accuracy"]
