@@ -73,7 +73,8 @@ def with_servers(job: JobConfig) -> dict:
         events = [json.loads(line) for line in (Path(job.out) / "metrics.jsonl").read_text().splitlines()]
     steps = [e for e in events if e.get("event") == "step"]
     steps = steps[len(steps) // 10:] or steps          # the first steps connect, map and warm caches
-    planes = sorted({p for e in events if e.get("event") == "start" for p in e.get("data_planes") or []})
+    starts = [e for e in events if e.get("event") == "start"]
+    planes = sorted({p for e in starts for p in e.get("data_planes") or []})
     # A pull waits on every shard at once: the longest of a worker's per-shard waits is its wait.
     per_worker: dict[int, float] = {}
     for shard in summary["shard_stats"]:
@@ -84,10 +85,11 @@ def with_servers(job: JobConfig) -> dict:
     med = {k: statistics.median(e[k] for e in steps) for k in ("pull_s", "compute_s", "push_s")}
     return {"samples_per_s": summary["samples_per_s"], "pull_s": max(0.0, med["pull_s"] - wait_s), "wait_s": wait_s,
             "compute_s": med["compute_s"], "push_s": med["push_s"], "steps": summary["steps"],
-            "warmup_s": summary.get("warmup_s", 0.0), "planes_used": planes, "status": summary["status"]}
+            "warmup_s": summary.get("warmup_s", 0.0), "planes_used": planes, "status": summary["status"],
+            "pulled_ahead": bool(starts) and all(e.get("pull_ahead") for e in starts)}
 
 
-def rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats):
+def rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, pull_ahead=False):
     for model in models:
         base = base_job(model, device, hidden, batch_size, steps)
         alone = no_servers(base.train)
@@ -99,26 +101,31 @@ def rows(models, modes, device, shards, workers, planes, hidden, batch_size, ste
             for w in workers:
                 for plane in planes:
                     for mode in modes:
+                        ahead = pull_ahead and mode != "sync"        # sync has nothing to pull ahead
                         job = apply_overrides(base, {"shards": s, "workers": w, "mode": mode,
-                                                     "shared_memory": plane == "shm",
+                                                     "shared_memory": plane == "shm", "pull_ahead": ahead,
                                                      "data_plane": "grpc" if plane == "grpc" else "tcp"})
                         runs = [with_servers(job) for _ in range(repeats)]
                         best = {k: statistics.median(r[k] for r in runs)
                                 for k in ("samples_per_s", "pull_s", "wait_s", "compute_s", "push_s", "warmup_s")}
                         yield {"suite": "train", "params": alone["params"], "shards": s, "workers": w, "mode": mode,
                                "model": model, "data_plane": plane, "planes_used": runs[0]["planes_used"],
-                               "device": alone["device"], "batch_size": batch_size, **best,
+                               "device": alone["device"], "batch_size": batch_size,
+                               "pull_ahead": runs[0]["pulled_ahead"], **best,
                                "ratio_vs_no_servers": best["samples_per_s"] / alone["samples_per_s"],
                                "repeats": repeats}
 
 
 def run(*, models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, as_json,
-        out=sys.stdout) -> list[dict]:
+        out=sys.stdout, pull_ahead: bool = False) -> list[dict]:
     found = []
+    if not as_json and pull_ahead:
+        print("async and ssp pull ahead (pull_ahead = true): pull ms is what a step still waited for its weights",
+              file=out, flush=True)
     if not as_json:
         print(f"{'model':>5} {'params':>8} {'S':>2} {'W':>2} {'plane':>5} {'mode':>6} {'samples/s':>10} {'x alone':>7} "
               f"{'pull ms':>8} {'wait ms':>8} {'compute ms':>10} {'push ms':>8}", file=out, flush=True)
-    for row in rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats):
+    for row in rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, pull_ahead):
         found.append(row)
         if as_json:
             print(json.dumps(row), file=out, flush=True)
