@@ -95,7 +95,8 @@ def with_servers(train: TrainConfig, shards: int, mode: str, plane: str = "shm")
     # Pulled ahead, pull_s is what a step still waited for its weights; their pull's own time is pull_ahead_s.
     med["pull_ahead_s"] = statistics.median(s.get("pull_ahead_s", float("nan")) for s in steps)
     step_s = med["pull_s"] + med["compute_s"] + med["push_s"]
-    return {"setting": f"{shards} shard(s), {mode}, {plane}{', pull-ahead' if ahead else ''}", "device": result["device"],
+    setting = f"{shards} shard(s), {mode}, {plane}{', pull-ahead' if ahead else ''}"
+    return {"setting": setting, "device": result["device"],
             "planes": planes, "pull_ahead": ahead,
             "warmup_s": result.get("warmup_s"),
             "params": None, "samples_per_s": result["samples"] / result["wall_s"],
@@ -130,11 +131,12 @@ def pull_ahead_ab(args, shards: int = 4, mode: str = "async", plane: str = "shm"
     print(f"{'setting':<46} {'samples/s':>10} {'x no servers':>12} {'pull ms':>8} {'ahead ms':>8} {'compute ms':>10} "
           f"{'push ms':>8}")
     for r in rows:
-        print(f"{r['setting']:<46} {r['samples_per_s']:10.0f} {r['ratio_vs_no_servers']:12.3f} {1e3 * r['pull_s']:8.2f} "
-              f"{1e3 * r['pull_ahead_s']:8.2f} {1e3 * r['compute_s']:10.2f} {1e3 * r['push_s']:8.2f}")
+        print(f"{r['setting']:<46} {r['samples_per_s']:10.0f} {r['ratio_vs_no_servers']:12.3f} "
+              f"{1e3 * r['pull_s']:8.2f} {1e3 * r['pull_ahead_s']:8.2f} {1e3 * r['compute_s']:10.2f} "
+              f"{1e3 * r['push_s']:8.2f}")
+    each = zip(rows[1]["samples_per_s_each"], rows[2]["samples_per_s_each"])
     print(f"pull_ahead on / off: {rows[2]['samples_per_s'] / rows[1]['samples_per_s']:.3f} "
-          f"(per repeat: {', '.join(f'{b / a:.3f}' for a, b in zip(rows[1]['samples_per_s_each'], rows[2]['samples_per_s_each']))})",
-          flush=True)
+          f"(per repeat: {', '.join(f'{on / off:.3f}' for off, on in each)})", flush=True)
     return rows
 
 

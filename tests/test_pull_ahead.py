@@ -87,8 +87,8 @@ class RecordingExchange:
         def land():
             # As psserver/state/pushes.py: after a restart, a push at a clock from the worker's first pull
             # of the new process on may not name a version past the new process's.
-            if self.restarted and self.first_pull_since_restart is not None and clock >= self.first_pull_since_restart:
-                assert versions[0] <= self.version, f"push {clock} names version {versions}, the shard is at {self.version}"
+            if self.restarted and clock >= (self.first_pull_since_restart or float("inf")):
+                assert versions[0] <= self.version, f"push {clock} names {versions}, the shard is at {self.version}"
             self.weights -= 0.5 * grad
             self.version += 1
             if clock == self.restart_after:             # the shard goes back to its checkpoint of 3 versions ago

@@ -186,8 +186,8 @@ def pull_and_compute(bufs: FlatBuffers, loader, model, delay: Delay, overlap: bo
     Returns the step record's timings (``started``, ``pull_s``, ``compute_s``, ``delay_s``), ``loss`` and
     ``samples``, in the record's order. With ``ahead`` the weights are those pulled during the step before
     (``pull_s`` is then what this step still waited for them, before the push of the step before and when it
-    started, and ``pull_ahead_s`` what their pull took), and
-    unless ``last`` the next step's pull starts before this step computes.
+    started, and ``pull_ahead_s`` what their pull took), and unless ``last`` the next step's pull starts
+    before this step computes.
     """
     started = time.time()
     t0 = time.perf_counter()

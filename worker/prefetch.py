@@ -11,9 +11,10 @@ still be in flight, so the gradient of step c+1 is computed from weights that ma
 worker's pushes c and c-1: one step more of staleness than ``overlap`` alone (a lone async worker
 sees up to 2). In ssp that pull is made at clock c, not c+1, so the bound the shards keep grows by
 one for this worker. With momentum that staleness costs accuracy (docs/performance.md, "The
-pull-ahead"), so it is off unless asked for (``pull_ahead = true``). Every push carries the versions of the pull
-its gradient was computed from (the client's own last pull is by then the next step's), so the
-shards count staleness, and delay compensation finds its weights, from the right version.
+pull-ahead"), so it is off unless asked for (``pull_ahead = true``). Every push carries the
+versions of the pull its gradient was computed from (the client's own last pull is by then the
+next step's), so the shards count staleness, and delay compensation finds its weights, from the
+right version.
 
 A shard restarted from its checkpoint takes a push that names a version past its own only before
 the worker's first pull from the new process at a clock up to the push's (psserver/state/pushes.py),
