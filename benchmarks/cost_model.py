@@ -13,7 +13,10 @@ shards update it:
            shard; sync: one update per round, after the sum of the round's W gradients;
 * push  = rtt + [4P / network] + update.
 * sync:  step = pull + compute + d2h + push (the next pull waits for the round's update).
-  async (overlap): step = max(pull + compute + d2h, push): the push of step c runs beside step c+1.
+  async (overlap): step = max(pull + compute + d2h, push): the push of step c runs beside step c+1;
+  with the pull-ahead (``pull_ahead``, worker/prefetch.py) the pull of step c+1 also runs beside
+  step c's compute: step = max(compute + d2h, pull, push). The sweep it is checked on was measured
+  without it.
 * plus a fixed cost per step (Python: the calls to S shards, the records), which only the
   measurements give: it is fitted on the smallest model of the sweep, per mode, and the model is
   checked on the other sizes.
@@ -70,11 +73,13 @@ class Host:
 
 
 def step_s(params: int, shards: int, workers: int, mode: str, compute_s: float, host: Host, *,
-           network_gbps: float | None = None, tcp_efficiency: float = 1.0, overhead_s: float = 0.0) -> dict:
+           network_gbps: float | None = None, tcp_efficiency: float = 1.0, overhead_s: float = 0.0,
+           pull_ahead: bool = False) -> dict:
     """Predicted seconds of each part of a step, and of the step, for one worker of ``workers``.
 
     ``network_gbps``: None on one host (shared memory); else the link between workers and shards
     in Gb/s, each worker and each shard on a host of its own, at ``tcp_efficiency`` of the link.
+    ``pull_ahead``: in async, the next step's pull runs beside this step's compute.
     """
     nbytes = 4 * params
     h2d, d2h = nbytes / (host.pcie_h2d * 1e9), nbytes / (host.pcie_d2h * 1e9)
@@ -97,6 +102,8 @@ def step_s(params: int, shards: int, workers: int, mode: str, compute_s: float, 
     push = RTT_S + wire + update
     if mode == "sync":
         step = pull + compute_s + d2h + push + overhead_s
+    elif pull_ahead:
+        step = max(compute_s + d2h + overhead_s, pull, push) + RTT_S
     else:
         step = max(pull + compute_s + d2h + overhead_s, push) + RTT_S
     return {"pull_s": pull, "d2h_s": d2h, "update_s": update, "push_s": push, "wire_s": wire, "step_s": step}

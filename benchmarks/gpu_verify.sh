@@ -3,9 +3,11 @@
 #  1. the default job trained by GPU workers through psctl launch on a fresh CuPy kernel cache, twice
 #     (the first run on a machine against the next: warm-up is reported apart from training time);
 #  2. the model, loader and backend tests on CuPy (compared with NumPy) and the GPU data path on
-#     every plane (shared memory page-locked for DMA, TCP, gRPC);
+#     every plane (shared memory page-locked for DMA, TCP, gRPC), and the pull-ahead's second device buffer;
 #  3. benchmarks/gpu_workers.py: the 20M MLP with no servers, with 1 and 4 shards over shared memory
-#     and over TCP, each pull and push against CuPy's pinned copy of the same bytes in the same run;
+#     and over TCP, each pull and push against CuPy's pinned copy of the same bytes in the same run
+#     (pull_ahead off, its default); then the pull-ahead's A/B: 4 shards over shared memory, async,
+#     pull_ahead off and on in turn, 5 times each, beside no servers (medians, ratios to no servers);
 #  4. psctl bench train on the GPU (MLP and CNN, async and sync, 4 shards) beside no servers.
 # Logs and JSON land in $OUT. PARTS="1 3" runs only those parts. On the lent device: wheels for
 # what its image lacks travel in .whl/.
@@ -61,13 +63,16 @@ fi
 if part 2; then
 echo "== 2. GPU tests (CuPy against NumPy; the GPU data path on every plane)"
 python3 -m pytest -q -p no:cacheprovider tests/test_models.py tests/test_data.py tests/test_backend.py \
-  tests/test_gpu_data_path.py -o addopts="--strict-markers -ra" 2>&1 | tee "$OUT/gpu-tests.log" | tail -6
+  tests/test_gpu_data_path.py tests/test_pull_ahead.py -o addopts="--strict-markers -ra" 2>&1 | tee "$OUT/gpu-tests.log" | tail -6
 fi
 
 if part 3; then
 echo "== 3. worker figures: no servers, shared memory and TCP, against CuPy's pinned copy"
 python3 benchmarks/gpu_workers.py --json "$OUT/gpu-workers.jsonl" --planes shm,tcp --shards 1,4 --modes async,sync \
   --steps 80 "$@" 2>&1 | tee "$OUT/gpu-workers.log" | grep -v '^{'
+echo "== 3b. the pull-ahead's A/B: 4 shards over shared memory, async, pull_ahead off and on alternating"
+python3 benchmarks/gpu_workers.py --json "$OUT/gpu-pull-ahead.jsonl" --ab-pull-ahead "${AB_REPEATS:-5}" --steps 80 "$@" \
+  2>&1 | tee "$OUT/gpu-pull-ahead.log" | grep -v '^{'
 fi
 
 if part 4; then

@@ -5,6 +5,7 @@ in the same run), and a two-GPU-worker MNIST run to test accuracy.
 Run on a machine with CUDA GPUs (benchmarks/gpu_verify.sh runs it on the lent device):
 
     python benchmarks/gpu_workers.py --steps 60 --batch 512 --shards 1,4 --planes shm,tcp
+    python benchmarks/gpu_workers.py --ab-pull-ahead 5     # pull_ahead off and on, alternating, 4 shards async
 
 Shards run as processes on the same host, as they would on a single GPU box: host shards reached
 through shared memory (``shm``, the default there) or, for comparison, the TCP data plane; device
@@ -97,15 +98,19 @@ def with_servers(train: TrainConfig, shards: int, mode: str, plane: str = "shm")
     finally:
         for p in procs:
             p.close()
-    planes = next((s["data_planes"] for s in steps if s.get("event") == "start"), None)
+    start = next((s for s in steps if s.get("event") == "start"), {})
+    planes, ahead = start.get("data_planes"), bool(start.get("pull_ahead"))
     steps = [s for s in steps if s.get("event") == "step"][5:]
     # The steady step: the median time from one step's start to the next's (one-time costs left out, as
     # the no-servers reference leaves out its warm-up).
     steady = statistics.median(b["started"] - a["started"] for a, b in zip(steps, steps[1:]))
     med = {k: statistics.median(s[k] for s in steps) for k in ("pull_s", "compute_s", "push_s")}
+    # Pulled ahead, pull_s is what a step still waited for its weights; their pull's own time is pull_ahead_s.
+    med["pull_ahead_s"] = statistics.median(s.get("pull_ahead_s", float("nan")) for s in steps)
     step_s = med["pull_s"] + med["compute_s"] + med["push_s"]
     overlap = "" if train.overlap or mode == "sync" else ", no overlap"
-    return {"setting": f"{shards} shard(s), {mode}, {plane}{overlap}", "device": result["device"], "planes": planes,
+    setting = f"{shards} shard(s), {mode}, {plane}{overlap}{', pull-ahead' if ahead else ''}"
+    return {"setting": setting, "device": result["device"], "planes": planes, "pull_ahead": ahead,
             "steady_step_s": steady, "steady_samples_per_s": train.batch_size / steady,
             "warmup_s": result.get("warmup_s"),
             "params": None, "samples_per_s": result["samples"] / result["wall_s"],
@@ -139,6 +144,43 @@ def sharing_the_gpu(train: TrainConfig, workers: int, shards: int, mode: str, pl
     total = sum(r["samples"] / r["wall_s"] for r in results)
     return {"setting": f"{workers} workers on 1 GPU, {shards} shard(s), {mode}, {plane}", "samples_per_s": total,
             "per_worker": [r["samples"] / r["wall_s"] for r in results], "device": results[0]["device"]}
+
+
+def pull_ahead_ab(args, shards: int = 4, mode: str = "async", plane: str = "shm") -> list[dict]:
+    """pull_ahead off and on in turn, ``args.ab_pull_ahead`` times each, with no servers measured beside every pair.
+
+    Alternating in one run keeps the machine's drift out of the ratio (the no-server figure moved by 27%
+    between two calls on the H100); each row is the median over the repeats.
+    """
+    runs: dict[str, list[dict]] = {"no servers": [], "pull_ahead = false": [], "pull_ahead = true": []}
+    for repeat in range(args.ab_pull_ahead):
+        runs["no servers"].append(without_servers(big_mlp(args)))
+        for on in (False, True):
+            row = with_servers(big_mlp(args, pull_ahead=on), shards, mode, plane)
+            runs[f"pull_ahead = {str(on).lower()}"].append(row)
+            print(json.dumps({"repeat": repeat, **row}), flush=True)
+    alone = statistics.median(r["samples_per_s"] for r in runs["no servers"])
+    rows = []
+    for name, found in runs.items():
+        med = {k: statistics.median(r[k] for r in found) for k in ("samples_per_s", "pull_s", "compute_s", "push_s")}
+        med["pull_ahead_s"] = statistics.median(r.get("pull_ahead_s", float("nan")) for r in found)
+        setting = name if name == "no servers" else f"{name} ({shards} shards, {mode}, {plane})"
+        rows.append({"setting": setting, "ab": "pull_ahead", "repeats": len(found), "device": found[0]["device"], **med,
+                     "ratio_vs_no_servers": med["samples_per_s"] / alone,
+                     "samples_per_s_each": [r["samples_per_s"] for r in found]})
+    params = runs["no servers"][0]["params"]
+    print(f"\npull-ahead A/B: MLP 784-{'-'.join(map(str, args.hidden))}-10 ({params / 1e6:.1f}M), batch {args.batch}, "
+          f"{args.steps} steps, {args.ab_pull_ahead} repeats alternating; medians ({rows[0]['device']})")
+    print(f"{'setting':<46} {'samples/s':>10} {'x no servers':>12} {'pull ms':>8} {'ahead ms':>8} {'compute ms':>10} "
+          f"{'push ms':>8}")
+    for r in rows:
+        print(f"{r['setting']:<46} {r['samples_per_s']:10.0f} {r['ratio_vs_no_servers']:12.3f} "
+              f"{1e3 * r['pull_s']:8.2f} {1e3 * r['pull_ahead_s']:8.2f} {1e3 * r['compute_s']:10.2f} "
+              f"{1e3 * r['push_s']:8.2f}")
+    each = zip(rows[1]["samples_per_s_each"], rows[2]["samples_per_s_each"])
+    print(f"pull_ahead on / off: {rows[2]['samples_per_s'] / rows[1]['samples_per_s']:.3f} "
+          f"(per repeat: {', '.join(f'{on / off:.3f}' for off, on in each)})", flush=True)
+    return rows
 
 
 def _two_gpu_worker(rank: int, addresses, metrics: str, queue, device: str) -> None:
@@ -193,6 +235,9 @@ def main() -> int:
     parser.add_argument("--no-overlap", action="store_true",
                         help="also measure async over ipc with a step's push waited for before the next pull")
     parser.add_argument("--workers", type=int, default=1, help="also run this many workers sharing the GPU (ipc)")
+    parser.add_argument("--ab-pull-ahead", type=int, default=0, metavar="REPEATS",
+                        help="instead of the grid: 4 shards over shared memory, async, pull_ahead off and on in turn "
+                             "REPEATS times each beside no servers; medians and their ratios")
     parser.add_argument("--json", default=None, help="also write all rows to this file")
     parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"], help="cpu: a dry run of this script")
     args = parser.parse_args()
@@ -204,6 +249,11 @@ def main() -> int:
         props = cupy.cuda.runtime.getDeviceProperties(0)
         gpus = cupy.cuda.runtime.getDeviceCount()
         print(f"GPU: {props['name'].decode()} x{gpus}, CuPy {cupy.__version__}", flush=True)
+    if args.ab_pull_ahead:
+        rows = pull_ahead_ab(args)
+        if args.json:
+            Path(args.json).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        return 0
     rows = [without_servers(big_mlp(args))]
     params = rows[0]["params"]
     reference = pinned_copies(params) if args.device == "gpu" else None

@@ -59,10 +59,11 @@ def test_bench_ps_json_rows_name_their_suite_settings_and_the_floor(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_bench_train_json_rows_have_the_breakdown_beside_no_servers(tmp_path):
+@pytest.mark.parametrize("pull_ahead", [False, True])
+def test_bench_train_json_rows_have_the_breakdown_beside_no_servers(tmp_path, pull_ahead):
     done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "bench", "train", "--models", "mlp",
                            "--modes", "async", "--hidden", "32", "--batch-size", "32", "--steps", "20",
-                           "--shards", "1", "--workers", "1", "--json"],
+                           "--shards", "1", "--workers", "1", "--json", *(["--pull-ahead"] if pull_ahead else [])],
                           capture_output=True, text=True, timeout=230, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     alone, served = [json.loads(line) for line in done.stdout.splitlines()]
@@ -70,6 +71,7 @@ def test_bench_train_json_rows_have_the_breakdown_beside_no_servers(tmp_path):
     assert (served["suite"], served["model"], served["mode"], served["data_plane"]) == ("train", "mlp", "async", "shm")
     assert served["planes_used"] == ["shm"] and served["params"] == alone["params"]
     assert (alone["shard_device"], served["shard_device"]) == (None, "cpu")     # CPU workers: auto keeps host shards
+    assert served["pull_ahead"] is pull_ahead
     for key in ("samples_per_s", "pull_s", "compute_s", "push_s"):
         assert served[key] > 0, key
     assert served["ratio_vs_no_servers"] == pytest.approx(served["samples_per_s"] / alone["samples_per_s"])

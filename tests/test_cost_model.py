@@ -44,3 +44,14 @@ def test_the_share_defaults_to_one_streams_and_a_measured_one_slows_the_wire():
     assert one_stream["share"] == cost_model.TBF_PAYLOAD_SHARE
     mesh = cost_model.links_step_s(PARAMS, SHARDS, WORKERS, GBIT, 0.0, share=cost_model.TBF_PAYLOAD_SHARE / 2)
     assert mesh["wire_s"] == pytest.approx(2 * one_stream["wire_s"])
+
+
+def test_with_the_pull_ahead_an_async_step_is_the_longest_of_compute_pull_and_push():
+    host = cost_model.Host(pcie_h2d=50.0, pcie_d2h=50.0, update_gbps={4: 40.0}, check_factor={4: 1.0})
+    plain = cost_model.step_s(20_000_000, 1, 1, "async", 0.003, host)
+    ahead = cost_model.step_s(20_000_000, 1, 1, "async", 0.003, host, pull_ahead=True)
+    assert ahead["step_s"] == pytest.approx(max(0.003 + ahead["d2h_s"], ahead["pull_s"], ahead["push_s"])
+                                            + cost_model.RTT_S)
+    assert ahead["step_s"] < plain["step_s"]
+    sync = cost_model.step_s(20_000_000, 1, 1, "sync", 0.003, host, pull_ahead=True)
+    assert sync == cost_model.step_s(20_000_000, 1, 1, "sync", 0.003, host)      # sync has none

@@ -32,6 +32,7 @@ class TrainConfig:
     data_plane: str = "tcp"                # "tcp": Pull/Push payloads over the shards' TCP data plane; "grpc"
     shared_memory: bool = True             # use the shards' shared memory where they run on this host
     overlap: bool = True                   # async/ssp: a step's push overlaps the next pull and compute (staleness >= 1)
+    pull_ahead: bool = False               # async/ssp with overlap: the next step's pull runs during this step's compute
     wire_dtype: str = "float32"            # float32 | float16 | bfloat16 for gradients
     deadline_s: float = 60.0               # per-RPC deadline (a consistency wait counts against it)
     retry_s: float = 30.0                  # retry UNAVAILABLE with backoff for this long
@@ -51,6 +52,14 @@ class TrainConfig:
             raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}")
         if self.aggregate not in ("none", "host"):
             raise ValueError(f"aggregate must be 'none' or 'host', got {self.aggregate!r}")
+        if not isinstance(self.pull_ahead, bool):
+            raise ValueError(f"pull_ahead must be true or false, got {self.pull_ahead!r}")
+        if self.pull_ahead and not self.overlap:
+            raise ValueError("pull_ahead = true needs overlap = true: the pull of step c+1 then runs beside step c "
+                             "and its push, which overlap = false waits for")
+        if self.pull_ahead and self.aggregate == "host":
+            raise ValueError("pull_ahead = true does not apply with aggregate = \"host\": the host's leader pulls for "
+                             "its workers step by step")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.synthetic_image and (len(self.synthetic_image) != 3 or min(self.synthetic_image) < 1):

@@ -153,3 +153,30 @@ class FlatBuffers:
             self.xp.cuda.get_current_stream().synchronize()
         elif self.xp is not np and not self.on_device:
             self.grad.get(out=self.host_grad)
+
+    def use_params(self, params, views: dict) -> None:
+        """Compute from ``params`` (an array like ``params``, with its ``views``) from now on: the pull-ahead's swap."""
+        self.params, self.param_views = params, views
+
+    def pull_to(self, target, *, background: bool = False):
+        """Pull the weights into ``target``, a second array like ``params`` that the model does not read meanwhile.
+
+        With ``background`` the pull runs on the exchange's threads and ``target`` is the pull's until its
+        handle's ``wait()`` returns; on a GPU the weights land through the upload stream, so the copy runs
+        beside the model's kernels. For exchanges that take ``into=`` (or on the CPU), as the pull-ahead
+        (worker/prefetch.py) needs.
+        """
+        if self.xp is np:
+            return self.exchange.pull(target, background=background)
+        if self.on_device or not self.in_place:
+            raise ValueError("a pull into a second device buffer needs an exchange that takes into=")
+        # The model may have read ``target`` in the step before: its kernels end before the copy may begin.
+        self.xp.cuda.get_current_stream().synchronize()
+
+        def land(begin: int, end: int, values: np.ndarray) -> None:
+            with target.device:      # as _to_device: called from the client's threads, waited for there
+                stream = self._upload_stream()
+                target[begin:end].set(values, stream=stream)
+                stream.synchronize()
+
+        return self.exchange.pull(into=land, background=background)

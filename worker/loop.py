@@ -4,7 +4,9 @@ Parameters and gradients live in :class:`FlatBuffers` (flat device arrays with v
 name; the host side of the gradient is the client's, in shared memory where the shards are on
 this host). In async and ssp the push of step c runs in the background while the pull and the
 compute of step c+1 go on, its gradient computed into the other of two host buffers, and it is
-waited for before the push of step c+1; in sync the steps stay in order.
+waited for before the push of step c+1; with ``pull_ahead`` the pull of step c+1 also runs during
+the compute of step c, into a second parameter buffer (worker/prefetch.py). In sync the steps stay
+in order.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from psgrid.worker.config import TrainConfig
 from psgrid.worker.data import BatchLoader, load_dataset
 from psgrid.worker.flat import FlatBuffers
 from psgrid.worker.models import accuracy, build_model
+from psgrid.worker.prefetch import PullAhead, pulls_ahead
 from psgrid.worker.records import MetricsWriter, bytes_per_step
 from psgrid.worker.straggler import Delay
 
@@ -129,7 +132,8 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
             # shards' checkpoints, or a replacement worker) makes the steps that are left.
             first_step = min(max(0, exchange.clock), steps)
             metrics.write(**start_event(exchange, train, data, rank=rank, device_name=device_name, params=spec.size,
-                                        steps=steps, first_step=first_step, warmup_s=warmup_s))
+                                        steps=steps, first_step=first_step, warmup_s=warmup_s),
+                          pull_ahead=pulls_ahead(train, exchange.mode))
             # In async and ssp the push runs in the background while the next pull waits for weights and
             # the next gradient is computed into the other of two buffers; it is waited for before the push
             # after it. In sync the next pull is answered only once the round the push closes is applied,
@@ -137,6 +141,7 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
             # With overlap off the next pull waits for this push (a worker alone then sees no staleness).
             overlap = exchange.mode not in ("sync", "allreduce") and train.overlap
             bufs = FlatBuffers(spec, xp, exchange, double=overlap)
+            ahead = PullAhead(bufs, spec) if overlap and pulls_ahead(train, exchange.mode) else None
             loader = BatchLoader(data.train_x, data.train_y, train.batch_size, xp=xp, seed=train.seed + 1000 * rank)
             delay = Delay(train.stragglers, rank, train.seed)
             step_bytes = bytes_per_step(exchange, spec.size)
@@ -146,14 +151,16 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
             loss_value = float("nan")
             start = time.perf_counter()
             for step in range(first_step, steps):
-                timed = pull_and_compute(bufs, loader, model, delay, overlap)
+                timed = pull_and_compute(bufs, loader, model, delay, overlap, ahead, last=step + 1 == steps)
                 loss_value = timed["loss"]
                 samples += timed["samples"]
                 if in_flight is not None:         # the push before (it overlapped this pull and compute) ends first
                     metrics.write(**_finish(*in_flight, step_bytes))
                 record = dict(event="step", rank=rank, worker=exchange.worker_id, step=step, clock=exchange.clock,
                               **timed)
-                in_flight = (exchange.push(bufs.pushed, background=overlap), record)
+                # Pulled ahead, the client's last pull is the next step's: say which weights this gradient is of.
+                used = {} if ahead is None else {"versions": ahead.push_versions()}
+                in_flight = (exchange.push(bufs.pushed, background=overlap, **used), record)
                 if not overlap:
                     metrics.write(**_finish(*in_flight, step_bytes))
                     in_flight = None
@@ -173,16 +180,23 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
         metrics.close()
 
 
-def pull_and_compute(bufs: FlatBuffers, loader, model, delay: Delay, overlap: bool) -> dict:
+def pull_and_compute(bufs: FlatBuffers, loader, model, delay: Delay, overlap: bool, ahead: PullAhead | None = None,
+                     last: bool = False) -> dict:
     """One step up to its push: pull the weights, compute the gradient into the host buffer, a straggler's delay.
 
     Returns the step record's timings (``started``, ``pull_s``, ``compute_s``, ``delay_s``), ``loss`` and
-    ``samples``, in the record's order.
+    ``samples``, in the record's order. With ``ahead`` the weights are those pulled during the step before
+    (``pull_s`` is then what this step still waited for them, before the push of the step before and when it
+    started, and ``pull_ahead_s`` what their pull took), and unless ``last`` the next step's pull starts
+    before this step computes.
     """
     started = time.time()
     t0 = time.perf_counter()
-    bufs.pull()                       # pull_s: from the request to the weights on the device
-    pull_s = time.perf_counter() - t0
+    if ahead is None:
+        bufs.pull()                   # pull_s: from the request to the weights on the device
+    else:
+        ahead.pull(ahead=not last)
+    pull_s = time.perf_counter() - t0 + (ahead.waited_s if ahead is not None else 0.0)
     t1 = time.perf_counter()
     x, y = next(loader)
     if overlap:
@@ -194,8 +208,11 @@ def pull_and_compute(bufs: FlatBuffers, loader, model, delay: Delay, overlap: bo
     delay_s = delay.seconds(compute_s)
     if delay_s:
         time.sleep(delay_s)
-    return dict(started=started, loss=loss_value, pull_s=pull_s, compute_s=compute_s, delay_s=delay_s,
-                samples=len(y))
+    timed = dict(started=started, loss=loss_value, pull_s=pull_s, compute_s=compute_s, delay_s=delay_s,
+                 samples=len(y))
+    if ahead is not None and ahead.pulled_s is not None:
+        timed["pull_ahead_s"] = ahead.pulled_s
+    return timed
 
 
 def start_event(exchange, train: TrainConfig, data, *, rank: int, device_name: str, params: int, steps: int,

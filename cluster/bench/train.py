@@ -78,7 +78,8 @@ def with_servers(job: JobConfig) -> dict:
         events = [json.loads(line) for line in (Path(job.out) / "metrics.jsonl").read_text().splitlines()]
     steps = [e for e in events if e.get("event") == "step"]
     steps = steps[len(steps) // 10:] or steps          # the first steps connect, map and warm caches
-    planes = sorted({p for e in events if e.get("event") == "start" for p in e.get("data_planes") or []})
+    starts = [e for e in events if e.get("event") == "start"]
+    planes = sorted({p for e in starts for p in e.get("data_planes") or []})
     # A pull waits on every shard at once: the longest of a worker's per-shard waits is its wait.
     per_worker: dict[int, float] = {}
     for shard in summary["shard_stats"]:
@@ -90,7 +91,8 @@ def with_servers(job: JobConfig) -> dict:
     return {"samples_per_s": summary["samples_per_s"], "shard_device": summary["shard_device"],
             "pull_s": max(0.0, med["pull_s"] - wait_s), "wait_s": wait_s, "compute_s": med["compute_s"],
             "push_s": med["push_s"], "steps": summary["steps"],
-            "warmup_s": summary.get("warmup_s", 0.0), "planes_used": planes, "status": summary["status"]}
+            "warmup_s": summary.get("warmup_s", 0.0), "planes_used": planes, "status": summary["status"],
+            "pulled_ahead": bool(starts) and all(e.get("pull_ahead") for e in starts)}
 
 
 FLAGS = {"shard_device": "--shard-device", "device": "--device"}     # how a refusal names the settings
@@ -107,7 +109,8 @@ def check(models, device, shards, workers, hidden, batch_size, steps, shard_devi
                 check_shard_device(apply_overrides(base, {"shards": s, "workers": w}), FLAGS)
 
 
-def rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, shard_device="auto"):
+def rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, shard_device="auto",
+         pull_ahead=False):
     for model in models:
         base = base_job(model, device, hidden, batch_size, steps, shard_device)
         alone = no_servers(base.train)
@@ -120,8 +123,9 @@ def rows(models, modes, device, shards, workers, planes, hidden, batch_size, ste
             for w in workers:
                 for plane in planes:
                     for mode in modes:
+                        ahead = pull_ahead and mode != "sync"        # sync has nothing to pull ahead
                         job = apply_overrides(base, {"shards": s, "workers": w, "mode": mode,
-                                                     "shared_memory": plane == "shm",
+                                                     "shared_memory": plane == "shm", "pull_ahead": ahead,
                                                      "data_plane": "grpc" if plane == "grpc" else "tcp"})
                         runs = [with_servers(job) for _ in range(repeats)]
                         best = {k: statistics.median(r[k] for r in runs)
@@ -129,20 +133,24 @@ def rows(models, modes, device, shards, workers, planes, hidden, batch_size, ste
                         yield {"suite": "train", "params": alone["params"], "shards": s, "workers": w, "mode": mode,
                                "model": model, "data_plane": plane, "planes_used": runs[0]["planes_used"],
                                "device": alone["device"], "shard_device": runs[0]["shard_device"],
-                               "batch_size": batch_size, **best,
+                               "batch_size": batch_size, "pull_ahead": runs[0]["pulled_ahead"], **best,
                                "ratio_vs_no_servers": best["samples_per_s"] / alone["samples_per_s"],
                                "repeats": repeats}
 
 
 def run(*, models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, as_json,
-        shard_device="auto", out=sys.stdout) -> list[dict]:
+        shard_device="auto", out=sys.stdout, pull_ahead: bool = False) -> list[dict]:
     """Every configuration's row, printed as it comes (a table, or JSON lines); ``shard_device`` as the job key."""
     check(models, device, shards, workers, hidden, batch_size, steps, shard_device)
     found = []
+    if not as_json and pull_ahead:
+        print("async and ssp pull ahead (pull_ahead = true): pull ms is what a step still waited for its weights",
+              file=out, flush=True)
     if not as_json:
         print(f"{'model':>5} {'params':>8} {'S':>2} {'W':>2} {'shard':>5} {'plane':>5} {'mode':>6} {'samples/s':>10} "
               f"{'x alone':>7} {'pull ms':>8} {'wait ms':>8} {'compute ms':>10} {'push ms':>8}", file=out, flush=True)
-    for row in rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, shard_device):
+    for row in rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, shard_device,
+                    pull_ahead):
         found.append(row)
         if as_json:
             print(json.dumps(row), file=out, flush=True)

@@ -95,6 +95,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     tr.add_argument("--hidden", type=_counts, default=None, help="MLP widths (default 1024,1024)")
     tr.add_argument("--batch-size", type=int, default=None, help="batch per worker (default 256)")
     tr.add_argument("--steps", type=int, default=None, help="steps per worker (default 60)")
+    tr.add_argument("--pull-ahead", action="store_true",
+                    help="async and ssp: pull the next step's weights during this step's compute (pull_ahead = true)")
     p.add_argument("--sizes", type=lambda s: [_size(x) for x in s.split(",")], default=None,
                    help="comma-separated sizes such as 4K,1M,64M (default 4K..256M)")
     p.add_argument("--repeat", type=int, default=5, help="timed repeats per size (median reported; default 5)")
@@ -119,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
                         workers=args.workers or [2], planes=args.planes or ["shm"],
                         hidden=args.hidden or [1024, 1024], batch_size=args.batch_size or 256,
                         steps=args.steps or 60, repeats=max(1, args.repeats), as_json=args.json,
-                        shard_device=args.shard_device)
+                        shard_device=args.shard_device, pull_ahead=args.pull_ahead)
         return 0
     what = ("transport", "apply") if args.target == "transport" else ("apply",)
     bench(sizes=args.sizes, repeat=max(1, args.repeat), as_json=args.json, what=what)

@@ -389,6 +389,9 @@ def _check_job(job: JobConfig, where: str) -> None:
         raise ConfigError(f"{where}: [job] max_restarts must be >= 0, got {job.max_restarts}")
     if not job.name or "/" in job.name:
         raise ConfigError(f"{where}: [job] name must be a non-empty string without '/', got {job.name!r}")
+    if job.server.mode == "sync" and job.train.pull_ahead:
+        raise ConfigError(f"{where}: [train] pull_ahead = true applies to async and ssp only: a sync pull waits for "
+                          f"the round the push before it closes, so there is nothing to pull ahead")
     if job.server.mode == "sync" and job.server.backup_workers >= job.workers:
         raise ConfigError(
             f"{where}: [server] backup_workers ({job.server.backup_workers}) must be less than "

@@ -1,0 +1,76 @@
+"""Where a push and a pull over CUDA IPC spend their time: the same calls on a tiny model (the fixed
+cost: frames, threads, stream waits) and on the 20M one, beside CuPy's own device-to-device copy of
+the same bytes. One device shard in a process of its own, one GPU client here; medians of repeats.
+
+    python benchmarks/ipc_latency.py --mode sync --repeat 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from psgrid.cluster.bench.transport import ShardProcess
+from psgrid.psserver.client.client import Client
+from psgrid.psserver.config import ServerConfig
+from psgrid.psserver.spec import ModelSpec
+
+
+def median_s(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[repeat // 10:])
+
+
+def measure(elements: int, mode: str, repeat: int) -> dict:
+    import cupy
+
+    spec = ModelSpec([("w", (elements,))])
+    shard = ShardProcess(ServerConfig(mode=mode, lr=1e-6, shard_device="gpu", job_id=f"ipc-latency-{elements}"))
+    try:
+        with Client([shard.address], spec, init=np.zeros(elements, np.float32), gpu=0, deadline_s=60) as client:
+            params = cupy.zeros(elements, cupy.float32)
+            grad = cupy.ones(elements, cupy.float32)
+            stream = cupy.cuda.Stream(non_blocking=True)
+
+            def into(begin, end, values):
+                params[begin:end].data.copy_from_device_async(values.data, values.nbytes, stream)
+                stream.synchronize()
+
+            client.pull(into=into)
+            client.push(grad)
+            planes = client.data_planes
+            plane = client._conn.plane(0)          # noqa: SLF001 - a benchmark looks inside
+            pull = median_s(lambda: client.pull(into=into), repeat)
+            push = median_s(lambda: client.push(grad), repeat)
+            slot = plane._slot(plane.pool.take(1.0), 0x01, elements)      # noqa: SLF001
+            fill = median_s(lambda: plane._fill(slot, grad, 1), repeat)     # noqa: SLF001
+            copy = median_s(lambda: (params.data.copy_from_device_async(grad.data, grad.nbytes, stream),
+                                     stream.synchronize()), repeat)
+    finally:
+        shard.close()
+    return {"elements": elements, "mode": mode, "planes": planes, "pull_ms": 1e3 * pull, "push_ms": 1e3 * push,
+            "fill_ms": 1e3 * fill, "d2d_copy_ms": 1e3 * copy}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mode", default="sync", choices=["sync", "async"])
+    parser.add_argument("--repeat", type=int, default=200)
+    args = parser.parse_args()
+    for elements in (1024, 20_000_000):
+        row = measure(elements, args.mode, args.repeat)
+        print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
