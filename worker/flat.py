@@ -121,14 +121,17 @@ class FlatBuffers:
         # Called from the client's threads, one per shard: the device is named, not taken from the thread.
         # CuPy's set() only queues the copy (from page-locked memory it runs as a DMA after set() returns),
         # and ``values`` is the shard's own memory, which it may write again once this returns: wait for it.
-        # A shard's device array (CUDA IPC) is copied device to device, and the copy is done when this returns.
-        with self.params.device:
+        self._land(self.params, begin, end, values)
+
+    def _land(self, target, begin: int, end: int, values) -> None:
+        """Copy ``values`` (host memory, or a shard's device array over CUDA IPC) into ``target[begin:end]``; done on return."""
+        with target.device:
             stream = self._upload_stream()
-            target = self.params[begin:end]
+            part = target[begin:end]
             if isinstance(values, np.ndarray):
-                target.set(values, stream=stream)
+                part.set(values, stream=stream)
             else:
-                target.data.copy_from_device_async(values.data, target.nbytes, stream)
+                part.data.copy_from_device_async(values.data, part.nbytes, stream)
             stream.synchronize()
 
     def _upload_stream(self):
@@ -173,10 +176,5 @@ class FlatBuffers:
         # The model may have read ``target`` in the step before: its kernels end before the copy may begin.
         self.xp.cuda.get_current_stream().synchronize()
 
-        def land(begin: int, end: int, values: np.ndarray) -> None:
-            with target.device:      # as _to_device: called from the client's threads, waited for there
-                stream = self._upload_stream()
-                target[begin:end].set(values, stream=stream)
-                stream.synchronize()
-
-        return self.exchange.pull(into=land, background=background)
+        return self.exchange.pull(into=lambda begin, end, values: self._land(target, begin, end, values),
+                                  background=background)
