@@ -5,11 +5,12 @@
 #  2. benchmarks/gpu_workers.py on the 20M MLP: no servers, device shards over CUDA IPC (1 and 4),
 #     host shards over shared memory (4, async: the reference), and two workers sharing the GPU;
 #  3. psctl bench train on the GPU with device shards: the MLP and the digits CNN, async and sync;
-#  4. the default job (mnist) with GPU workers on device shards, to its test accuracy.
+#  4. the default job (mnist) with GPU workers on device shards, to its test accuracy;
+#  5. where a push and a pull over CUDA IPC spend their time (benchmarks/ipc_latency.py).
 # Logs land in $OUT. PARTS="1 2" runs only those parts.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-PARTS=${PARTS:-1 2 3 4}
+PARTS=${PARTS:-1 2 3 4 5}
 STEPS=${STEPS:-80}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -18,7 +19,7 @@ echo "cores $(nproc), load $(cut -d' ' -f1-3 /proc/loadavg)"
 if part 1; then
 echo "== 1. GPU tests"
 python3 -m pytest -q -p no:cacheprovider tests/test_device_shard.py tests/test_device_optim.py \
-  tests/test_gpu_data_path.py -o addopts="--strict-markers -ra" -x 2>&1 | tee "$OUT/device-tests.log" | tail -25
+  tests/test_gpu_data_path.py tests/test_pull_ahead.py -o addopts="--strict-markers -ra" -x 2>&1 | tee "$OUT/device-tests.log" | tail -25
 fi
 
 if part 2; then
@@ -47,4 +48,9 @@ starts = [json.loads(l) for l in open("/tmp/launch-device/metrics.jsonl") if '"e
 print(f"test accuracy {s['test_accuracy']:.4f}, training {s['wall_s']:.2f} s, "
       f"data planes {sorted({p for e in starts for p in e.get('data_planes') or []})}")
 PY
+fi
+
+if part 5; then
+echo "== 5. a push and a pull over CUDA IPC: a tiny model (the fixed cost) and the 20M one"
+for mode in sync async; do python3 benchmarks/ipc_latency.py --mode "$mode" --repeat 200; done 2>&1 | tee "$OUT/ipc-latency.log"
 fi

@@ -8,12 +8,15 @@
 #     and over TCP, each pull and push against CuPy's pinned copy of the same bytes in the same run
 #     (pull_ahead off, its default); then the pull-ahead's A/B: 4 shards over shared memory, async,
 #     pull_ahead off and on in turn, 5 times each, beside no servers (medians, ratios to no servers);
-#  4. psctl bench train on the GPU (MLP and CNN, async and sync, 4 shards) beside no servers.
+#  4. psctl bench train on the GPU (MLP and CNN, async and sync, 4 host shards) beside no servers;
+#  5. device shards and the CUDA IPC plane (benchmarks/gpu_device_shards.sh: its tests, worker figures,
+#     bench train on device shards, the default job on them);
+#  6. the all-reduce baseline on the GPU (benchmarks/gpu_allreduce.sh).
 # Logs and JSON land in $OUT. PARTS="1 3" runs only those parts. On the lent device: wheels for
 # what its image lacks travel in .whl/.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-PARTS=${PARTS:-1 2 3 4}
+PARTS=${PARTS:-1 2 3 4 5 6}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "cores $(nproc), $(grep MemTotal /proc/meminfo)"
@@ -77,6 +80,16 @@ fi
 
 if part 4; then
 echo "== 4. psctl bench train on the GPU"
-psctl bench train --device gpu --models mlp,cnn --hidden 4096,4096 --batch-size 512 --shards 4 --workers 1 \
-  --modes async,sync --steps 80 2>&1 | tee "$OUT/gpu-bench-train.log"
+psctl bench train --device gpu --shard-device cpu --models mlp,cnn --hidden 4096,4096 --batch-size 512 --shards 4 \
+  --workers 1 --modes async,sync --steps 80 2>&1 | tee "$OUT/gpu-bench-train.log"
+fi
+
+if part 5; then
+echo "== 5. device shards and the CUDA IPC plane"
+OUT="$OUT" bash benchmarks/gpu_device_shards.sh
+fi
+
+if part 6; then
+echo "== 6. the all-reduce baseline on the GPU"
+OUT="$OUT" bash benchmarks/gpu_allreduce.sh
 fi
