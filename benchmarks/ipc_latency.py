@@ -61,14 +61,43 @@ def measure(elements: int, mode: str, repeat: int) -> dict:
             "fill_ms": 1e3 * fill, "d2d_copy_ms": 1e3 * copy}
 
 
+def server_side(elements: int, mode: str, repeat: int) -> dict:
+    """The shard's part of a push, in this process: the whole intake, and its copy-and-check and update alone."""
+    from psgrid.psserver.service import ShardService
+    from psgrid.psserver.state.shard import Shard
+
+    spec = ModelSpec([("w", (elements,))])
+    shard = Shard(ServerConfig(mode=mode, lr=1e-6, shard_device="gpu"))
+    service = ShardService(shard)
+    shard.init(spec, np.zeros(elements, np.float32))
+    shard.register(spec.hash(), 0, -1, "bench")
+    arrays = shard.arrays
+    slot, copy, out = arrays.empty(elements), arrays.empty(elements), arrays.empty(elements)
+    with arrays.use():
+        slot.fill(1.0)
+    clock = iter(range(10**9))
+
+    def push():
+        service.push_device(worker_id=0, clock=next(clock), version=shard.version, slot=slot)
+
+    def step():
+        with arrays.use():
+            shard.optimizer.step(shard.weights, copy, out=out)
+            arrays.finished()
+
+    return {"elements": elements, "mode": mode, "server_push_ms": 1e3 * median_s(push, repeat),
+            "copy_checked_ms": 1e3 * median_s(lambda: arrays.copy_checked(copy, slot), repeat),
+            "update_ms": 1e3 * median_s(step, repeat)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", default="sync", choices=["sync", "async"])
     parser.add_argument("--repeat", type=int, default=200)
     args = parser.parse_args()
     for elements in (1024, 20_000_000):
-        row = measure(elements, args.mode, args.repeat)
-        print(json.dumps(row), flush=True)
+        print(json.dumps(measure(elements, args.mode, args.repeat)), flush=True)
+        print(json.dumps(server_side(elements, args.mode, args.repeat)), flush=True)
     return 0
 
 
