@@ -31,6 +31,7 @@ from psgrid.psserver.intake import InitIntake, PushIntake
 from psgrid.psserver.protocol import (FLOAT32, ITEMSIZE, REPLY_MARGIN_S, HeartbeatInfo, PushResult, Reason, Refusal,
                                       Registration, Status, job_tag)
 from psgrid.psserver.state.buffers import BufferPool
+from psgrid.psserver.state.device import shard_device_bytes
 from psgrid.psserver.state.policy import MAX_CLOCK, MAX_START_CLOCK
 from psgrid.psserver.state.shard import Shard
 from psgrid.psserver.spec import ModelSpec
@@ -172,7 +173,19 @@ class ShardService:
             raise InvalidArgument(f"a range of {end - begin} elements ({need / 2**30:.1f} GiB with optimizer state and "
                                   f"buffers) is more than this shard can hold ({PHYSICAL_MEMORY / 2**30:.1f} GiB of "
                                   f"memory): use more shards", Reason.BAD_SPEC)
+        if self.shard.arrays.on_gpu:
+            self._check_gpu_room(end - begin)
         return InitIntake(self.shard, spec)
+
+    def _check_gpu_room(self, elements: int) -> None:
+        """A device shard refuses, before it allocates anything, a range its GPU has no room for (one worker's slots)."""
+        config, arrays = self.shard.config, self.shard.arrays
+        need = shard_device_bytes(elements, config.optimizer, config.momentum, workers=1)
+        free = arrays.free_bytes()
+        if need > free:
+            raise InvalidArgument(f"a range of {elements} elements needs {need / 2**20:.0f} MiB on {arrays.label} with "
+                                  f"its optimizer state and buffers, and it has {free / 2**20:.0f} MiB free: use more "
+                                  f"shards, or shard_device = 'cpu'", Reason.BAD_SPEC)
 
     def heartbeat(self, *, worker_id: int, leaving: bool) -> HeartbeatInfo:
         check_worker(worker_id, observer_ok=False)

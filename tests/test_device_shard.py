@@ -235,9 +235,10 @@ def test_a_worker_killed_mid_push_leaves_the_shard_serving_and_its_slots_are_reu
                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as victim:
         _kill_mid_push(server, victim)
     deadline = time.monotonic() + 30
-    while server.ipc.slots and time.monotonic() < deadline:
+    while (server.ipc.slots or 0 in server.shard.policy.clocks) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.ipc.slots == 0, "a dead worker's slots are freed with its connection"
+    assert 0 not in server.shard.policy.clocks, "its lease ran out"
     version = server.shard.version
     done = _run_client(server.address, 1, 3, 0.0)            # slots made afresh for the next worker
     assert done.returncode == 0, done.stderr[-2000:]
@@ -259,3 +260,30 @@ def _kill_mid_push(server, victim) -> None:
         if victim.poll() is None:
             victim.kill()
             victim.wait(timeout=30)
+
+
+@pytest.mark.timeout(60)
+def test_a_device_shard_refuses_a_range_its_gpu_cannot_hold_before_it_allocates(device_server):
+    from psgrid.psserver.exceptions import InvalidArgument
+
+    server = device_server(mode="async", lr=0.1)
+    huge = ModelSpec([("w", (5_000_000_000,))])        # 20 GB of weights: 120 GB on the GPU with its buffers
+    with pytest.raises(InvalidArgument) as refused:
+        server.service.open_init([("w", (5_000_000_000,), "float32")], huge.hash())
+    assert refused.value.reason is Reason.BAD_SPEC and "MiB free" in str(refused.value)
+    assert not server.shard.initialized
+
+
+@pytest.mark.timeout(300)
+def test_the_default_job_trains_on_device_shards_over_cuda_ipc(tmp_path):
+    cupy_or_skip()
+    out = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "launch", "--config", "mnist", "--device", "gpu",
+                           "--set", "shard_device=gpu", "--out", str(out), "--no-progress"],
+                          capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    starts = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"start"' in line]
+    planes = {p for event in starts if event.get("event") == "start" for p in event.get("data_planes") or []}
+    assert summary["shard_device"] == "gpu" and planes == {"ipc"}
+    assert summary["test_accuracy"] >= 0.9, summary["test_accuracy"]
