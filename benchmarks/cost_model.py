@@ -237,6 +237,60 @@ def links_step_s(params: int, shard_hosts: list[int], worker_hosts: list[int], r
             "link_bytes": total}
 
 
+# ----- device shards: the shard on the worker's GPU, over CUDA IPC ------------------------------------
+
+@dataclass
+class DeviceLink:
+    """A device shard and a worker on one GPU: the GPU's copy bandwidth and the fixed costs of a call (s).
+
+    ``push_fixed_s`` and ``pull_fixed_s`` are a tiny model's push and pull over CUDA IPC (frames, threads,
+    stream waits; a push also moves the GPU to the shard's context); ``switch_s`` is what a pull right
+    after a push costs beyond a pull alone: the GPU comes back to the worker's context first.
+    """
+
+    copy_gbps: float            # device-to-device copy, bytes moved (read + write) per second / 1e9
+    push_fixed_s: float
+    pull_fixed_s: float
+    switch_s: float
+
+    @classmethod
+    def h100(cls) -> "DeviceLink":
+        """The lent H100: ipc-latency-1xH100.jsonl (benchmarks/ipc_latency.py, sync)."""
+        rows = [r for r in _rows("ipc-latency-1xH100.jsonl") if r.get("mode") == "sync" and "push_ms" in r]
+        tiny, big = min(rows, key=lambda r: r["elements"]), max(rows, key=lambda r: r["elements"])
+        return cls(copy_gbps=8 * big["elements"] / (big["d2d_copy_ms"] * 1e-3) / 1e9,
+                   push_fixed_s=tiny["push_ms"] * 1e-3, pull_fixed_s=tiny["pull_ms"] * 1e-3,
+                   switch_s=max(0.0, big["pull_after_push_ms"] - big["pull_ms"]) * 1e-3)
+
+
+STATE_BYTES = {"sgd": 0, "momentum": 8, "adam": 16}     # per element, read and written by the update
+
+
+def device_step_s(params: int, mode: str, compute_s: float, link: DeviceLink, *, optimizer: str = "sgd",
+                  overlap: bool = True) -> dict:
+    """Predicted seconds of a step of one worker against one device shard on its own GPU.
+
+    * copy   = 8P bytes / the GPU's copy bandwidth (the gradient into its slot; the pull's copy);
+    * update = (8P + 12P + state) / the same: the shard copies the slot out and checks it in one
+               pass, then reads gradient and weights and writes the next version (HBM, not the host);
+    * pull   = the fixed cost + copy + the switch back to the worker's context after a push;
+    * push   = the fixed cost + copy + update;
+    * sync (and async without overlap): step = pull + compute + push; async with overlap: the push
+      runs beside the next pull and compute, but its copy and update take the same GPU:
+      step = max(pull + compute + copy + update, push).
+    """
+    rate = link.copy_gbps * 1e9
+    copy = 8 * params / rate
+    update = (20 + STATE_BYTES[optimizer]) * params / rate
+    pull = link.pull_fixed_s + copy + link.switch_s
+    push = link.push_fixed_s + copy + update
+    if mode == "sync" or not overlap:
+        step = pull + compute_s + push
+    else:
+        step = max(pull + compute_s + copy + update, push)
+    return {"copy_s": copy, "update_s": update, "pull_s": pull, "push_s": push, "step_s": step}
+
+
 def main() -> int:
     host = Host.h100()
     # The TCP plane's share of raw TCP at 64 MiB on that machine (bench-transport-1xH100.txt, 4th column).
@@ -260,7 +314,27 @@ def main() -> int:
         print(f"{r['params'] / 1e6:8.1f}M {r['network_gbps']:5d} {r['mode']:>6} {1e3 * r['wire_s']:8.2f} "
               f"{1e3 * r['update_s']:9.2f} {1e3 * r['step_s']:8.2f} {r['samples_per_s_per_worker']:16.0f} "
               f"{r['ratio_vs_no_servers']:7.3f}")
+    if (RESULTS / "ipc-latency-1xH100.jsonl").exists() and (RESULTS / "device-workers-1xH100.jsonl").exists():
+        print_device_check(DeviceLink.h100())
     return 0
+
+
+def print_device_check(link: DeviceLink) -> None:
+    """Device shards, predicted against device-workers-1xH100.jsonl (benchmarks/gpu_device_shards.sh part 2)."""
+    rows = _rows("device-workers-1xH100.jsonl")
+    alone = next(r for r in rows if r["setting"].startswith("no servers"))
+    print(f"\ndevice shards on the H100: copy {link.copy_gbps:.0f} GB/s, push {1e3 * link.push_fixed_s:.2f} ms and "
+          f"pull {1e3 * link.pull_fixed_s:.2f} ms fixed, switch back {1e3 * link.switch_s:.2f} ms")
+    print(f"{'setting':<34} {'measured ms':>11} {'predicted ms':>12} {'ratio':>6} {'x no servers':>12}")
+    params = next(r["params"] for r in rows if r.get("params"))
+    for r in rows:
+        if not r.get("steady_step_s") or not r["setting"].startswith("1 shard(s)"):
+            continue
+        mode = r["setting"].split(", ")[1]
+        predicted = device_step_s(params, mode, alone["step_s"], link,
+                                  overlap="no overlap" not in r["setting"])["step_s"]
+        print(f"{r['setting']:<34} {1e3 * r['steady_step_s']:11.2f} {1e3 * predicted:12.2f} "
+              f"{predicted / r['steady_step_s']:6.2f} {alone['step_s'] / predicted:12.3f}")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,12 @@ def measure(elements: int, mode: str, repeat: int) -> dict:
             plane = client._conn.plane(0)          # noqa: SLF001 - a benchmark looks inside
             pull = median_s(lambda: client.pull(into=into), repeat)
             push = median_s(lambda: client.push(grad), repeat)
+            after = []          # a pull right after a push: the GPU comes back from the shard's context first
+            for _ in range(repeat):
+                client.push(grad)
+                t = time.perf_counter()
+                client.pull(into=into)
+                after.append(time.perf_counter() - t)
             slot = plane._slot(plane.pool.take(1.0), 0x01, elements)      # noqa: SLF001
             fill = median_s(lambda: plane._fill(slot, grad, 1), repeat)     # noqa: SLF001
             copy = median_s(lambda: (params.data.copy_from_device_async(grad.data, grad.nbytes, stream),
@@ -58,6 +64,7 @@ def measure(elements: int, mode: str, repeat: int) -> dict:
     finally:
         shard.close()
     return {"elements": elements, "mode": mode, "planes": planes, "pull_ms": 1e3 * pull, "push_ms": 1e3 * push,
+            "pull_after_push_ms": 1e3 * statistics.median(after[repeat // 10:]),
             "fill_ms": 1e3 * fill, "d2d_copy_ms": 1e3 * copy}
 
 

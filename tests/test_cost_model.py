@@ -55,3 +55,17 @@ def test_with_the_pull_ahead_an_async_step_is_the_longest_of_compute_pull_and_pu
     assert ahead["step_s"] < plain["step_s"]
     sync = cost_model.step_s(20_000_000, 1, 1, "sync", 0.003, host, pull_ahead=True)
     assert sync == cost_model.step_s(20_000_000, 1, 1, "sync", 0.003, host)      # sync has none
+
+
+def test_a_device_shards_sync_step_adds_its_calls_and_an_async_one_overlaps_them():
+    DeviceLink, device_step_s = cost_model.DeviceLink, cost_model.device_step_s
+    link = DeviceLink(copy_gbps=2400, push_fixed_s=6e-4, pull_fixed_s=1e-4, switch_s=3e-4)
+    sync = device_step_s(20_000_000, "sync", 2.7e-3, link)
+    assert sync["step_s"] == pytest.approx(sync["pull_s"] + 2.7e-3 + sync["push_s"])
+    assert sync["push_s"] > link.push_fixed_s + sync["update_s"]          # the slot's copy too
+    overlapped = device_step_s(20_000_000, "async", 2.7e-3, link)
+    assert overlapped["step_s"] < sync["step_s"]
+    assert overlapped["step_s"] >= overlapped["pull_s"] + 2.7e-3 + overlapped["update_s"]   # the GPU is shared
+    assert device_step_s(20_000_000, "async", 2.7e-3, link, overlap=False)["step_s"] == pytest.approx(sync["step_s"])
+    # Adam reads and writes two more state arrays: a longer update
+    assert device_step_s(20_000_000, "sync", 2.7e-3, link, optimizer="adam")["update_s"] > sync["update_s"]
