@@ -19,6 +19,9 @@ from psgrid.psserver.state.buffers import BufferPool
 from psgrid.psserver.state.shard import Shard
 
 GRADIENT_DTYPES = frozenset(WIRE_DTYPES.values())
+# A device shard copies a payload to its GPU as it comes, a piece this size at a time: each copy runs
+# while the next piece is received, so the last piece's copy is all that follows the receive.
+UPLOAD_CHUNK_BYTES = 8 << 20
 WEIGHT_DTYPES = frozenset({FLOAT32})
 
 
@@ -125,10 +128,11 @@ class PushIntake(RangeIntake):
     It lands in a pooled host buffer of the shard's, taken when the payload comes (and given back by
     :meth:`close` unless a sync round keeps it), or, on the shared-memory plane, stays in the
     worker's memory and is read there (``borrowed``), or, on the CUDA IPC plane, is copied from the
-    worker's slot into a device buffer of the shard's own (:meth:`fill_device`).
+    worker's slot into a device buffer of the shard's own (:meth:`fill_device`). A device shard's
+    network payload lands in page-locked host memory and goes on to the GPU as it comes (:meth:`receive`).
     """
 
-    __slots__ = ("shard", "worker_id", "clock", "version", "borrowed", "home", "checked")
+    __slots__ = ("shard", "worker_id", "clock", "version", "borrowed", "home", "checked", "staged")
 
     def __init__(self, service, worker_id: int, clock: int, version: int):
         shard = service.shard
@@ -137,11 +141,40 @@ class PushIntake(RangeIntake):
         self.borrowed = False
         self.checked = False                 # the gradient is known finite (else the update checks it, in async)
         self.home = shard.landing_pool       # the pool ``buffer`` goes back to
+        self.staged = None                   # a device shard's copy of the payload on its GPU, as it comes
 
     def _destination(self) -> np.ndarray:
         if self.buffer is None:
             self.buffer = self.home.take()
         return self.buffer
+
+    def receive(self, landing: memoryview, read: Callable[[memoryview], object]) -> None:
+        """Fill ``landing`` (from :meth:`landing`) through ``read(view)``, which fills ``view`` from the wire.
+
+        On a device shard a float32 payload goes on to the GPU a piece at a time, each piece's copy
+        queued on the shard's stream while the next one is received; :meth:`landed` waits for the last.
+        """
+        arrays = self.shard.arrays
+        if not (arrays.on_gpu and self.landing_dtype == FLOAT32):
+            read(landing)
+            return
+        self.staged = self.shard.pool.take()
+        for start in range(0, landing.nbytes, UPLOAD_CHUNK_BYTES):
+            end = min(start + UPLOAD_CHUNK_BYTES, landing.nbytes)
+            read(landing[start:end])
+            arrays.upload_part(self.staged, self.buffer, start // 4, end // 4)
+
+    def landed(self) -> None:
+        if self.staged is None:
+            super().landed()
+            return
+        arrays = self.shard.arrays
+        arrays.finished()                  # the last piece is on the GPU: the host landing is free again
+        if not arrays.all_finite(self.staged):
+            raise non_finite("payload")
+        self.home.give(self.buffer)
+        self.buffer, self.home, self.staged, self.checked = self.staged, self.shard.pool, None, True
+        self.covered, self.chunks, self.nbytes = self.size, 1, self.size * ITEMSIZE[FLOAT32]
 
     def fill_device(self, slot) -> None:
         """The gradient is in ``slot``, a device buffer of the shard's that the worker writes (the IPC plane).
@@ -188,6 +221,10 @@ class PushIntake(RangeIntake):
     def close(self) -> None:
         if self.scratch is not None:
             self.release_scratch()
+        if self.staged is not None:        # a receive that did not complete: its copies end before reuse
+            self.shard.arrays.finished()
+            self.shard.pool.give(self.staged)
+            self.staged = None
         if self.buffer is not None:
             if not self.borrowed:
                 self.home.give(self.buffer)

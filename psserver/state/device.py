@@ -150,6 +150,11 @@ class GpuArrays:
             dst.set(src, stream=self.stream)
             self.stream.synchronize()     # src is the caller's again once this returns
 
+    def upload_part(self, dst, src: np.ndarray, begin: int, end: int) -> None:
+        """Queue the copy of ``src[begin:end]`` (page-locked) into ``dst[begin:end]`` on the shard's stream."""
+        with self.use():
+            dst[begin:end].set(src[begin:end], stream=self.stream)
+
     def download(self, src, out: np.ndarray | None = None) -> np.ndarray:
         with self.use():
             result = src.get(stream=self.stream, out=out)

@@ -79,7 +79,7 @@ class TcpDataServer(SocketDataServer):
             except Exception as exc:  # noqa: BLE001
                 self._refuse_unread(conn, exc, nbytes, self._most_a_push_sends())
                 return False
-            recv_exact(sock, landing, conn.read_by)
+            intake.receive(landing, lambda view: recv_exact(sock, view, conn.read_by))
             try:
                 intake.landed()
                 result = intake.commit()
