@@ -28,6 +28,30 @@ PUSH      dtype byte (below); no payload (it is in the file) as on TCP
 The dtype byte of an ATTACH or a shared PUSH carries the wire dtype in its low four bits and
 which of the client's two gradient files it means in its high four.
 
+The CUDA IPC plane (ipc_server.py, ipc_client.py), which serves a shard whose weights are on a
+GPU, speaks the shared-memory plane's frames on an abstract Unix socket of its own, with the same
+checks. It hands GPU memory across as a CUDA IPC handle of 64 bytes (``cudaIpcMemHandle_t``) sent
+as the reply's payload (``nbytes`` 64), where the shared-memory plane sends a descriptor; no
+request of this plane carries a payload or a descriptor (one with ``nbytes`` set is refused as
+``malformed`` and its connection closed):
+
+========  =================================================  ==================================
+op        request                                            reply
+========  =================================================  ==================================
+OPEN      as on shared memory                                as on shared memory: the marks
+                                                             table (still shared memory) by fd
+MAP       ``clock``: the ring buffer's index                 ``version``: the buffer's bytes;
+                                                             payload: its IPC handle
+ATTACH    dtype byte: float32 and gradient slot 0 or 1;      ``version``: the slot's bytes;
+          ``nbytes`` 0, no fd                                payload: the slot's IPC handle
+PULL      as on shared memory                                as on shared memory
+PUSH      dtype byte: which slot holds the gradient          as on TCP
+========  =================================================  ==================================
+
+An IPC ATTACH asks the shard to allocate the slot on its GPU (once per connection and slot; the
+slot is freed when the connection closes), so its dtype byte names float32 and the slot (0 or 1)
+as a shared ATTACH names a file, and a PUSH's dtype byte names the slot the same way.
+
 The marks table (the shared-memory plane's, written by the shard's weight ring and by readers)
 is a file of little-endian int64, one per reader slot: the index of the buffer the shard handed
 that slot, or :data:`NO_MARK` or :data:`REVOKED`.
@@ -172,7 +196,8 @@ class Reply(NamedTuple):
 
     @property
     def buffer_bytes(self) -> int:
-        """MAP: the size of the buffer whose descriptor follows."""
+        """MAP: the size of the buffer whose descriptor (or, on the CUDA IPC plane, handle) follows;
+        an IPC ATTACH: the size of the gradient slot whose handle follows."""
         return self.version
 
     @property
