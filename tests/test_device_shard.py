@@ -157,6 +157,23 @@ CLIENT = textwrap.dedent("""
 """)
 
 
+WRITER = textwrap.dedent("""
+    import sys
+    import cupy, numpy as np
+    from psgrid.psserver.client.client import Client
+    from psgrid.psserver.spec import ModelSpec
+    spec = ModelSpec([("w", (64, 33)), ("b", (33,))])
+    cupy.cuda.Device(0).use()
+    with Client([sys.argv[1]], spec, worker_id=0, init=np.zeros(spec.size, np.float32), gpu=0, deadline_s=20) as client:
+        def scribble(begin, end, values):       # the mapped version: writable, as every IPC mapping is
+            values.fill(1e9)
+            cupy.cuda.Device(0).synchronize()
+        client.pull(into=scribble)
+        client.push(cupy.ones(spec.size, cupy.float32))
+    print("done", flush=True)
+""")
+
+
 def _run_client(address, worker, pushes, value, *extra, timeout=90):
     return subprocess.run([sys.executable, "-c", CLIENT, address, str(worker), str(pushes), str(value), *extra],
                           capture_output=True, text=True, timeout=timeout)
@@ -190,6 +207,18 @@ def test_gpu_workers_of_other_processes_train_over_cuda_ipc(device_server, mode)
     assert seen["planes"] == ["ipc"] and seen["device_push"] is True
     assert seen["w0"] == pytest.approx(-0.5 * 4) and seen["version"] == 4
     assert server.ipc.slots == 0, "the worker's slots are freed with its connection"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_reader_that_writes_a_published_version_changes_no_update(device_server, mode):
+    server = device_server(mode=mode, lr=0.5, momentum=0.9)
+    done = subprocess.run([sys.executable, "-c", WRITER, server.address], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0 and "done" in done.stdout, done.stderr[-2000:]
+    weights = server.shard.arrays.download(server.shard.weights)
+    np.testing.assert_allclose(weights, -0.5)          # 0 - lr * 1: the scribbled version was never read
+    seen = json.loads(_run_client(server.address, 1, 0, 0.0).stdout.splitlines()[-1])
+    assert seen["w0"] == pytest.approx(-0.5)             # the version served now is the shard's, published anew
 
 
 def _raw(server, token=None) -> socket.socket:

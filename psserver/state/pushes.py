@@ -156,7 +156,9 @@ class Pushes:
                     pulled = self._pulled(version_used)
                     source, target = ring.current, self._spare(pulled)
             with self.arrays.use():
-                if self.plain_steps:
+                if self.arrays.on_gpu:
+                    self._step_device(ring, grad, scale, target, check_finite=not checked)
+                elif self.plain_steps:
                     self.optimizer.step(ring.arrays[source], grad, scale, out=ring.arrays[target],
                                         check_finite=not checked)
                 else:
@@ -238,7 +240,10 @@ class Pushes:
     def _apply(self, grad: np.ndarray, lr_scale: float, version_used: int | None = None) -> None:
         ring = self.ring
         with self.arrays.use():
-            if self.plain_steps:   # the spare is never the buffer readers see: they keep the version they were given
+            if self.arrays.on_gpu:
+                pulled, target = None, ring.spare()
+                self._step_device(ring, grad, lr_scale, target)
+            elif self.plain_steps:   # the spare is never the buffer readers see: they keep the version they were given
                 pulled, target = None, ring.spare()
                 self.optimizer.step(ring.weights, grad, lr_scale, out=ring.arrays[target])
             else:
@@ -271,6 +276,18 @@ class Pushes:
         else:
             self.optimizer.step(ring.arrays[source], grad, lr_scale, out=ring.arrays[target], check_finite=check_finite,
                                 delay=self.delay, pulled=None if pulled is None else ring.arrays[pulled])
+
+    def _step_device(self, ring: WeightRing, grad, lr_scale: float, target: int, check_finite: bool = False) -> None:
+        """A device shard's step: its own weights (``master``) updated in place, then copied into buffer ``target``.
+
+        Readers map the ring's buffers through CUDA IPC, which can only map them writable: the shard
+        reads none of them, so a reader that writes one changes what readers of that version copy,
+        never the weights the next update starts from, the optimizer state, or a checkpoint.
+        """
+        if self.auto_momentum:
+            self._tune_momentum()
+        self.optimizer.step(self.master, grad, lr_scale, check_finite=check_finite)
+        ring.arrays[target][...] = self.master
 
     def _tune_momentum(self) -> None:
         """async_momentum = "auto": the explicit momentum less what the live workers' asynchrony adds.

@@ -72,6 +72,7 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
         self.member_hashes: dict[int, str] = {}  # before Init: the spec hash each member registered with
         self.begin = self.end = 0
         self.ring: WeightRing | None = None      # the weights: versions readers hold, and the current one
+        self.master = None                       # a device shard's own weights, which no reader maps
         self.shares_memory = True     # False once this process could not put the weights in shared memory
         self.optimizer = None
         # Staleness remedies (compensation.py); sync computes every gradient from the version it meets.
@@ -114,8 +115,15 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
 
     @property
     def weights(self) -> np.ndarray | None:
-        """The current version of this range's weights (read only: updates write a new buffer)."""
-        return None if self.ring is None else self.ring.weights
+        """The current version of this range's weights (read only: updates write a new buffer).
+
+        On a device shard, its own copy: readers map the ring's buffers through CUDA IPC, which can
+        only map them writable, so the shard keeps the weights it updates and checkpoints apart
+        (``master``) and publishes a copy of each version (pushes.py).
+        """
+        if self.ring is None:
+            return None
+        return self.master if self.arrays.on_gpu else self.ring.weights
 
     def _new_ring(self, values: np.ndarray, version: int) -> None:
         """Hold ``values`` (at ``version``) as the weights, in shared memory when readers on this host may map them.
@@ -128,7 +136,10 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
         if self.arrays.on_gpu:       # readers on this host map the buffers through CUDA IPC; only the marks are shared
             self.shares_memory = False
             ring = WeightRing(len(values), shared=shared, keep_versions=keep, device=self.arrays)
-            self.arrays.upload(ring.weights, np.ascontiguousarray(values, np.float32))
+            self.master = self.arrays.adopt(values)
+            with self.arrays.use():
+                ring.weights[...] = self.master
+            self.arrays.finished()
             self._set_ring(ring, version)
             return
         try:

@@ -139,15 +139,19 @@ class IpcDataPlane(ShmDataPlane):
             self.stream.synchronize()
 
     def close(self) -> None:
-        super().close()
+        # The mappings go first: the shard frees a connection's slots when it closes, and memory must not
+        # be freed by its owner while another process still has it mapped.
         with self.map_lock:
             opened, self.opened = self.opened, []
+            self.buffers = {}
         with self.cupy.cuda.Device(self.gpu):
+            self.cupy.cuda.Device(self.gpu).synchronize()
             for pointer in opened:
                 try:
                     self.cupy.cuda.runtime.ipcCloseMemHandle(pointer)
                 except self.cupy.cuda.runtime.CUDARuntimeError:
                     pass
+        super().close()
 
 
 def reachable_gpu(pci_bus_id: str, gpu: int) -> int | None:
