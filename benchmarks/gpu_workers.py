@@ -37,9 +37,12 @@ from psgrid.worker.config import TrainConfig
 
 
 def big_mlp(args, **overrides) -> TrainConfig:
-    settings = dict(model="mlp", hidden=args.hidden, dataset="synthetic", synthetic_features=784,
+    """The measured model: the MLP (``--hidden``), or with ``--model cnn`` the digits-shaped CNN of bench train."""
+    settings = dict(model=args.model, hidden=args.hidden, dataset="synthetic", synthetic_features=784,
                     synthetic_samples=args.samples, batch_size=args.batch, steps=args.steps, eval_every=0,
                     device=args.device, deadline_s=120)
+    if args.model == "cnn":
+        settings["synthetic_image"] = [1, 28, 28]
     settings.update(overrides)
     return TrainConfig(**settings)
 
@@ -79,7 +82,10 @@ def pinned_copies(params: int, repeat: int = 20) -> dict:
 def shard_processes(shards: int, mode: str, plane: str) -> list:
     """The shards of one run (one job: clients check), on the GPU for the ``ipc`` plane."""
     job = f"gpu-workers-{os.getpid()}-{time.monotonic_ns()}"
-    device = "gpu" if plane == "ipc" else "cpu"
+    from psgrid.worker.backend import gpu_unavailable
+
+    # ipc means device shards; a dry run on a machine without a GPU runs host shards in their place
+    device = "gpu" if plane == "ipc" and gpu_unavailable() is None else "cpu"
     return [ShardProcess(ServerConfig(shard_index=i, num_shards=shards, mode=mode, lr=0.01, threads=16, job_id=job,
                                       shard_device=device))
             for i in range(shards)]
@@ -183,6 +189,41 @@ def pull_ahead_ab(args, shards: int = 4, mode: str = "async", plane: str = "shm"
     return rows
 
 
+def alternating(args) -> list[dict]:
+    """Device shards over CUDA IPC beside no servers, in turn, ``args.repeats`` times: each repeat's ratio is
+    taken against the no-servers run just before it (that reference moved by up to 30% between calls on the
+    H100), and the median of the ratios is reported. One worker's ratio is of steady steps (the median
+    start to start, as the reference's median step); workers sharing the GPU count every step of their run."""
+    settings = {f"1 shard, {mode}, ipc": (lambda mode=mode: with_servers(big_mlp(args), 1, mode, "ipc"))
+                for mode in args.modes}
+    if args.workers > 1:
+        settings.update({f"{args.workers} workers on 1 GPU, {mode}, ipc":
+                         (lambda mode=mode: sharing_the_gpu(big_mlp(args), args.workers, 1, mode, "ipc"))
+                         for mode in args.modes})
+    ratios: dict[str, list[float]] = {name: [] for name in settings}
+    speeds: dict[str, list[float]] = {name: [] for name in ["no servers", *settings]}
+    for repeat in range(args.repeats):
+        alone = without_servers(big_mlp(args))["samples_per_s"]
+        speeds["no servers"].append(alone)
+        for name, run in settings.items():
+            row = run()
+            speed = row.get("steady_samples_per_s", row["samples_per_s"])
+            speeds[name].append(speed)
+            ratios[name].append(speed / alone)
+            print(json.dumps({"repeat": repeat, "setting": name, "samples_per_s": speed, "no_servers": alone}),
+                  flush=True)
+    print(f"\n{args.model} ({args.steps} steps, batch {args.batch}), {args.repeats} repeats alternating with no servers")
+    print(f"{'setting':<34} {'samples/s':>10} {'x no servers':>12}  per repeat")
+    rows = []
+    for name, found in speeds.items():
+        ratio = statistics.median(ratios[name]) if name in ratios else 1.0
+        each = ", ".join(f"{r:.3f}" for r in ratios.get(name, []))
+        print(f"{name:<34} {statistics.median(found):10.0f} {ratio:12.3f}  {each}", flush=True)
+        rows.append({"setting": name, "model": args.model, "samples_per_s": statistics.median(found),
+                     "ratio_vs_no_servers": ratio, "ratios": ratios.get(name, []), "repeats": args.repeats})
+    return rows
+
+
 def _two_gpu_worker(rank: int, addresses, metrics: str, queue, device: str) -> None:
     os.environ["LOCAL_RANK"] = str(rank)
     from psgrid.worker.loop import run_worker
@@ -239,6 +280,10 @@ def main() -> int:
                         help="instead of the grid: 4 shards over shared memory, async, pull_ahead off and on in turn "
                              "REPEATS times each beside no servers; medians and their ratios")
     parser.add_argument("--json", default=None, help="also write all rows to this file")
+    parser.add_argument("--model", default="mlp", choices=["mlp", "cnn"])
+    parser.add_argument("--repeats", type=int, default=0,
+                        help="instead of the grid: device shards over ipc (--modes, --workers) and no servers in "
+                             "turn, this many times; the median of each repeat's ratio")
     parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"], help="cpu: a dry run of this script")
     args = parser.parse_args()
 
@@ -249,8 +294,8 @@ def main() -> int:
         props = cupy.cuda.runtime.getDeviceProperties(0)
         gpus = cupy.cuda.runtime.getDeviceCount()
         print(f"GPU: {props['name'].decode()} x{gpus}, CuPy {cupy.__version__}", flush=True)
-    if args.ab_pull_ahead:
-        rows = pull_ahead_ab(args)
+    if args.ab_pull_ahead or args.repeats:
+        rows = pull_ahead_ab(args) if args.ab_pull_ahead else alternating(args)
         if args.json:
             Path(args.json).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
         return 0
