@@ -316,3 +316,29 @@ def test_the_default_job_trains_on_device_shards_over_cuda_ipc(tmp_path):
     planes = {p for event in starts if event.get("event") == "start" for p in event.get("data_planes") or []}
     assert summary["shard_device"] == "gpu" and planes == {"ipc"}
     assert summary["test_accuracy"] >= 0.9, summary["test_accuracy"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("plane", ["tcp", "grpc"])
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_remote_worker_trains_a_device_shard_over_a_network_plane(device_server, plane, mode):
+    from psgrid.psserver.client.client import Client
+    from psgrid.psserver.exceptions import InvalidArgument
+
+    server = device_server(mode=mode, lr=0.5, data_plane="tcp")
+    size = 3_000_000          # 12 MB: a TCP payload goes to the GPU in more than one piece
+    spec = ModelSpec([("w", (size,))])
+    with Client([server.address], spec, worker_id=0, init=np.zeros(size, np.float32), data_plane=plane,
+                shared_memory=False, deadline_s=30) as client:
+        grad = np.linspace(-1.0, 1.0, size, dtype=np.float32)
+        for _ in range(3):
+            client.push(grad)
+        bad = grad.copy()
+        bad[size - 1] = np.inf
+        with pytest.raises(InvalidArgument):
+            client.push(bad)
+        out = np.empty(size, np.float32)
+        client.pull(out)
+        assert client.data_planes == [plane]
+    np.testing.assert_allclose(out, -1.5 * grad, rtol=1e-6, atol=1e-6)
+    assert server.shard.pool.on_loan == 0 and server.shard.landing_pool.on_loan == 0
