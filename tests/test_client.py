@@ -429,3 +429,25 @@ def test_admin_waits_for_members(cluster):
     with c.client(SPEC, init=SPEC.flat()):
         stats = admin.wait_for_members(1, timeout_s=10)
         assert [len(s["members"]) for s in stats] == [1, 1]
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_push_moves_no_clock_so_a_sync_worker_goes_on(cluster):
+    c = cluster(2, mode="sync", lr=0.5)
+    with c.client(REGRESSION, worker_id=0, init=np.zeros(REGRESSION.size, np.float32), max_wait_s=3) as client:
+        grad = np.ones(REGRESSION.size, np.float32)
+        client.push(grad)
+        bad = grad.copy()
+        bad[-1] = np.nan                       # in the last shard's range only: the first shard takes it
+        with pytest.raises(InvalidArgument):
+            client.push(bad)
+        assert client.clock == 1
+        out = np.empty(REGRESSION.size, np.float32)
+        client.pull(out)                       # before: waited for round 1, which this worker never pushed to
+        first = client.ranges[0][1]
+        np.testing.assert_allclose(out[:first], -1.0)       # the first shard applied the finite half of clock 1
+        np.testing.assert_allclose(out[first:], -0.5)
+        client.push(grad)                      # clock 1 again: a duplicate there, the first time on the other
+        client.pull(out)
+        np.testing.assert_allclose(out, -1.0)
+        assert client.clock == 2 and client.versions == [2, 2]
