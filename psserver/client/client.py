@@ -358,11 +358,12 @@ class Client:
                             # as a duplicate with its own clock, which the shards behind never reach unless
                             # the worker pushes the clocks in between.
                             self._next_clock = max(self._next_clock, min(r.next_clock for r in results))
-                        else:
-                            # A push that failed (a refused gradient, a shard out of reach) moves no clock: the
-                            # next push carries this clock again, which a shard that took this one answers
-                            # as a duplicate. Else a sync worker's next pull would wait for a round it never
-                            # pushed to.
+                        elif self.mode == "sync":
+                            # A sync push that failed (a refused gradient, a shard out of reach) moves no clock:
+                            # the next push carries this clock again, which a shard that took this one answers
+                            # as a duplicate. Else the next pull would wait for a round this worker never
+                            # pushed to on the shard that refused it. (In async and ssp the pull does not
+                            # wait for it; the refusing shard learns the next clock by a registration.)
                             self._next_clock = min(self._next_clock, clock)
 
             handle = self._push_handle = launch(run, background, self._conn.executor)
