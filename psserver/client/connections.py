@@ -178,8 +178,8 @@ class ShardConnections:
                     and cause.reason is Reason.TOO_MANY_CONNECTIONS and self.refused[shard] != offer)
             if full:
                 self.refused[shard] = offer
-                log.warning("shard %d's %s plane refused this client (too many connections: %s); its "
-                            "network plane (%s where offered) serves this client instead", shard, plane.name, cause,
+                log.warning("shard %d's %s refused this client (too many connections: %s); its "
+                            "network plane (%s where offered) serves this client instead", shard, plane.title, cause,
                             self.preference)
         if plane is not None:
             plane.close()

@@ -91,6 +91,7 @@ class DataPlane(ABC):
     """How the payloads of Pull and Push move to and from one shard."""
 
     name: str
+    title = "data plane"        # how messages name it ("shared-memory plane")
     reads_in_place = False      # a pull can hand over the shard's own memory (no copy of ours first)
     takes_device_arrays = False   # push takes a CuPy array, and pull_with may hand one to its writer
 

@@ -44,6 +44,7 @@ class IpcDataPlane(ShmDataPlane):
     """Pulls and pushes of one device shard's range through CUDA IPC, from GPU ``gpu`` of this process."""
 
     name = "ipc"
+    title = "CUDA IPC plane"
     takes_device_arrays = True
     connection_class = _IpcConnection
 

@@ -49,6 +49,7 @@ class ShmDataPlane(DataPlane):
     """Pulls and pushes of one shard's range through shared memory on this host."""
 
     name = "shm"
+    title = "shared-memory plane"
     reads_in_place = True
     connection_class = ShmConnection
 
