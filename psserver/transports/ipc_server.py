@@ -15,12 +15,15 @@ device memory where that plane hands over files:
 
 The shard owns every buffer it reads or serves: a worker maps the shard's allocations, never the
 other way round, so a worker that dies (or frees what it mapped) cannot take memory from under the
-shard. A push is copied out of the worker's slot before it is checked and applied (service.py
+shard. CUDA maps them writable only; the shard never reads the ring buffers it publishes (it
+updates weights of its own and copies each version out: state/pushes.py ``_step_device``), so a
+peer that writes one changes what readers of that version copy, nothing the shard keeps. A push is copied out of the worker's slot before it is checked and applied (service.py
 ``fill_device``), so a worker writing its slot meanwhile changes nothing it was not already sending.
 A connection's slots are freed when it closes: a worker that dies closes it, and its lease
 ends as on any plane. The offer names the shard's process and its GPU's PCI bus id, so a worker of
 the same process (which cannot map its own handles) or one that cannot reach that GPU takes
-another plane.
+another plane. What a connected peer can and cannot do: docs/reliability.md, "The CUDA IPC plane's
+threat model".
 """
 
 from __future__ import annotations
