@@ -342,3 +342,17 @@ def test_a_remote_worker_trains_a_device_shard_over_a_network_plane(device_serve
         assert client.data_planes == [plane]
     np.testing.assert_allclose(out, -1.5 * grad, rtol=1e-6, atol=1e-6)
     assert server.shard.pool.on_loan == 0 and server.shard.landing_pool.on_loan == 0
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_on_another_gpu_reaches_the_shard_by_peer_access_or_a_network_plane(device_server):
+    cupy = cupy_or_skip()
+    if cupy.cuda.runtime.getDeviceCount() < 2:
+        pytest.skip("needs two GPUs: a shard on one, its worker on the other")
+    server = device_server(mode="async", lr=0.5, gpu=1)          # the worker (CLIENT) computes on GPU 0
+    peer = bool(cupy.cuda.runtime.deviceCanAccessPeer(0, 1))
+    done = _run_client(server.address, 0, 4, 1.0)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["planes"] == (["ipc"] if peer else ["tcp"]), (peer, seen)
+    assert seen["w0"] == pytest.approx(-0.5 * 4) and seen["device_push"] is peer
