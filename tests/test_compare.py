@@ -212,9 +212,10 @@ def test_compare_runs_a_users_script_in_every_mode(tmp_path):
     assert sorted(r["mode"] for r in rows) == ["async", "ssp:2", "sync"]
     assert all(r["status"] == "ok" and r["diverged"] == "0" and int(r["steps"]) == 60 for r in rows)
     accuracy = {r["mode"]: (r["final_test_accuracy"], r["best_test_accuracy"], r["time_to_target_s"]) for r in rows}
-    # Every mode learned (its best) and none fell apart (its last). Async's last evaluation, after 60 pushes
-    # with the job's momentum 0.9 and two workers' staleness, swings: a CI run saw 0.486 with a best of 0.668.
-    assert all(0.5 < float(r["best_test_accuracy"]) <= 1.0 and float(r["final_test_accuracy"]) > 0.3
+    # Every mode learned (its best) and none fell to chance, 0.1 (its last). Async's last evaluation, after 60
+    # pushes with the job's momentum 0.9 and two workers' staleness, swings: 8 runs of this command gave
+    # 0.37 to 0.81 (best 0.57 to 0.81), and a CI run failed the former bar of 0.5 at 0.486.
+    assert all(0.5 < float(r["best_test_accuracy"]) <= 1.0 and float(r["final_test_accuracy"]) > 0.2
                and r["time_to_target_s"] for r in rows), accuracy
     for r in rows:     # each run's shards had its mode
         assert f'mode = "{r["mode"].partition(":")[0]}"' in (out / "runs" / r["run"] / "job.toml").read_text()
