@@ -18,22 +18,18 @@ CuPy is imported only by :class:`GpuArrays`, so a host shard never loads it.
 from __future__ import annotations
 
 import contextlib
-import logging
 
 import numpy as np
 
 from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.protocol import Reason
 
-log = logging.getLogger("psgrid.shard")
-
 # Range-sized float32 buffers a device shard holds at least, beside its optimizer state and the
-# workers' slots: the current version, the one an update writes, one a reader holds, and the
-# private copy an update reads a gradient from.
-DEVICE_RING_BUFFERS = 4
+# workers' slots: its own weights (``Shard.master``), the current version, the one an update writes,
+# one a reader holds, and the private copy an update reads a gradient from.
+DEVICE_RING_BUFFERS = 5
 SLOTS_PER_WORKER = 2          # each worker's gradient slots on the IPC plane (two, for overlap)
 OPTIMIZER_STATE = {"sgd": 0, "sgd+momentum": 1, "adam": 2}
-IPC_HANDLE_BYTES = 64         # sizeof(cudaIpcMemHandle_t)
 
 
 def shard_device_bytes(elements: int, optimizer: str, momentum: float, workers: int) -> int:
