@@ -6,9 +6,12 @@ import argparse
 import importlib
 import signal
 import sys
+import time
 
 from psgrid.cluster.commands import COMMANDS
 from psgrid.cluster.run.interrupts import heard_early, hear_early
+
+QUIET_RANK_GRACE_S = 1.0     # how long an MPI rank other than 0 waits before exiting on an error rank 0 reports
 
 EXAMPLES = """\
 examples:
@@ -107,6 +110,10 @@ def _main(argv: list[str] | None) -> int:
 
         if not quiet_rank():     # every MPI rank meets the same error: rank 0 says it once
             print(f"psctl {args.command}: error: {e}", file=sys.stderr)
+        else:
+            # ... and the others let it: a launcher that ends every task at the first bad exit (srun's
+            # KillOnBadExit) could otherwise end rank 0 before its line is out (seen once in CI).
+            time.sleep(QUIET_RANK_GRACE_S)
         return 2
     except JobFailed as e:
         print(f"psctl {args.command}: {e}", file=sys.stderr)
