@@ -110,9 +110,12 @@ def _main(argv: list[str] | None) -> int:
 
         if not quiet_rank():     # every MPI rank meets the same error: rank 0 says it once
             print(f"psctl {args.command}: error: {e}", file=sys.stderr)
-        else:
+        elif not _wired_mpi():
             # ... and the others let it: a launcher that ends every task at the first bad exit (srun's
-            # KillOnBadExit) could otherwise end rank 0 before its line is out (seen once in CI).
+            # KillOnBadExit) could otherwise end rank 0 before its line is out (seen once in CI). MPI is
+            # finished first, so a rank ended while it waits leaves none of MPI's shared memory. (Ranks
+            # that MPI wired together exit at once: their MPI finishes with all of them.)
+            _finish_lone_mpi()
             time.sleep(QUIET_RANK_GRACE_S)
         return 2
     except JobFailed as e:
@@ -126,6 +129,19 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print(f"psctl {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _wired_mpi() -> bool:
+    """Whether this process started MPI with other ranks."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.Get_size() > 1
+
+
+def _finish_lone_mpi() -> None:
+    """Finish an MPI this process started alone (a world of one: nobody to wait for), releasing what it holds."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
 
 
 if __name__ == "__main__":
