@@ -21,10 +21,10 @@ from typing import Callable
 import numpy as np
 
 from psgrid.psserver import dtypes as wire
-from psgrid.psserver.exceptions import BadReply, PSError
+from psgrid.psserver.exceptions import BadReply
 from psgrid.psserver.protocol import BFLOAT16, FLOAT16, FLOAT32, ITEMSIZE, Outcome, PushResult
 from psgrid.psserver.transports.base import ConnectOptions, Control, register_data_plane
-from psgrid.psserver.transports.shm_client import CONNECT_S, ShmDataPlane, ShmConnection
+from psgrid.psserver.transports.shm_client import ShmConnection, ShmDataPlane, answering
 from psgrid.psserver.transports.stream_frames import (attach_request, dtype_byte, map_request, push_request,
                                                    read_reply, recv_exact)
 
@@ -176,13 +176,7 @@ def _offered(control: Control, address: str, options: ConnectOptions) -> IpcData
     _, pid, pci_bus_id = address.split("|")
     if pid == str(os.getpid()) or reachable_gpu(pci_bus_id, options.gpu) is None:
         return None        # a process cannot map its own handles; another GPU without peer access cannot map them
-    plane = IpcDataPlane(address, options, control.address.rsplit(":", 1)[0].strip("[]"), options.gpu)
-    try:
-        plane.pool.give(plane.connect(CONNECT_S))
-    except (OSError, PSError):
-        plane.close()
-        return None
-    return plane
+    return answering(IpcDataPlane(address, options, control.address.rsplit(":", 1)[0].strip("[]"), options.gpu))
 
 
 register_data_plane("ipc", _offered)

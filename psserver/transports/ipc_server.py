@@ -123,8 +123,7 @@ class IpcDataServer(ShmDataServer):
                                   f"first", Reason.BAD_DTYPE)
         result = self.service.push_device(worker_id=request.worker, clock=request.clock, version=request.version,
                                           slot=slot)
-        self._reply(sock, outcome=result.outcome, version=result.version, staleness=result.staleness,
-                    next_clock=result.next_clock)
+        self._reply_push(sock, result)
 
 
 # ----- the plane's server end, registered (transports/base.py) ---------------------------------------

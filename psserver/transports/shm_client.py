@@ -220,7 +220,11 @@ def _offered(control: Control, address: str, options: ConnectOptions) -> ShmData
         return None
     if options.memory is not None and not options.memory.shares():
         return None      # our gradients could not be put in shared memory (said once, by ClientMemory)
-    plane = ShmDataPlane(address, options, host=control.address.rsplit(":", 1)[0].strip("[]"))
+    return answering(ShmDataPlane(address, options, host=control.address.rsplit(":", 1)[0].strip("[]")))
+
+
+def answering(plane: ShmDataPlane) -> ShmDataPlane | None:
+    """``plane`` with its first connection made, or None (closed) when its socket does not answer from here."""
     try:
         plane.pool.give(plane.connect(CONNECT_S))
     except (OSError, PSError):

@@ -149,8 +149,7 @@ class ShmDataServer(SocketDataServer):
                                   f"this connection: ATTACH it first", Reason.BAD_DTYPE)
         result = self.service.push_shared(worker_id=request.worker, clock=request.clock, version=request.version,
                                           dtype=request.wire_dtype, segment=segment)
-        self._reply(sock, outcome=result.outcome, version=result.version, staleness=result.staleness,
-                    next_clock=result.next_clock)
+        self._reply_push(sock, result)
 
     def _attach(self, sock, reader: Reader, request: Request) -> bool:
         """Take the worker's gradient file; False (close) when the descriptor did not come with it."""

@@ -339,6 +339,11 @@ class SocketDataServer(Admission):
         if payload is not None:
             conn.sendall(payload)
 
+    def _reply_push(self, conn, result) -> None:
+        """A push's answer: its outcome, the shard's version, the staleness and the worker's next clock."""
+        self._reply(conn, outcome=result.outcome, version=result.version, staleness=result.staleness,
+                    next_clock=result.next_clock)
+
     def _refuse(self, conn, exc: BaseException) -> Refusal:
         refusal = self.service.refuse(exc, f"a {self.name} call")
         self._reply(conn, status=refusal.status, reason=refusal.reason,

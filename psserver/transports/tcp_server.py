@@ -86,8 +86,7 @@ class TcpDataServer(SocketDataServer):
             except Exception as exc:  # noqa: BLE001 - the payload was read: the connection stays in step
                 self._refuse(sock, exc)
                 return True
-        self._reply(sock, outcome=result.outcome, version=result.version, staleness=result.staleness,
-                    next_clock=result.next_clock)
+        self._reply_push(sock, result)
         return True
 
     def _most_a_push_sends(self) -> int:
