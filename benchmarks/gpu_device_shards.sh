@@ -6,11 +6,19 @@
 #     host shards over shared memory (4, async: the reference), and two workers sharing the GPU;
 #  3. psctl bench train on the GPU with device shards: the MLP and the digits CNN, async and sync;
 #  4. the default job (mnist) with GPU workers on device shards, to its test accuracy;
-#  5. where a push and a pull over CUDA IPC spend their time (benchmarks/ipc_latency.py).
+#  5. where a push and a pull over CUDA IPC spend their time (benchmarks/ipc_latency.py), and what
+#     a move of the GPU between two processes' contexts costs (benchmarks/gpu_context_switch.py);
+#  6. the alternating figures (gpu_workers.py --repeats, MLP and CNN, device shards beside no servers),
+#     then they and part 5's measurements again under MPS: a control daemon of this script's own (a
+#     private pipe directory, so only the processes started here use it), quit when the script ends;
+#  7. where a step's time goes, without MPS then with it: each step's parts per repeat (gpu_workers.py
+#     --repeats prints them), whether a worker's matrix products slow down right after another
+#     process used the GPU (gpu_context_switch.py --mlp), and a profile of the worker's Python in sync.
 # Logs land in $OUT. PARTS="1 2" runs only those parts.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-PARTS=${PARTS:-1 2 3 4 5}
+PARTS=${PARTS:-1 2 3 4 5 6 7}
+REPEATS=${REPEATS:-3}
 STEPS=${STEPS:-80}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -53,4 +61,41 @@ fi
 if part 5; then
 echo "== 5. a push and a pull over CUDA IPC: a tiny model (the fixed cost) and the 20M one"
 for mode in sync async; do python3 benchmarks/ipc_latency.py --mode "$mode" --repeat 200; done 2>&1 | tee "$OUT/ipc-latency.log"
+python3 benchmarks/gpu_context_switch.py --repeat 400 --json "$OUT/context-switch.jsonl" 2>&1 | tee -a "$OUT/ipc-latency.log"
+fi
+
+if part 6; then
+echo "== 6. alternating figures, then the same under MPS (one GPU context for the workers and the shard)"
+python3 benchmarks/gpu_workers.py --repeats "$REPEATS" --modes async,sync --workers 2 --steps 150 \
+  --json "$OUT/device-ab-mlp.jsonl" 2>&1 | grep -v '^{' | tee "$OUT/ab.log"
+python3 benchmarks/gpu_workers.py --model cnn --repeats "$REPEATS" --modes async,sync --steps 150 \
+  --json "$OUT/device-ab-cnn.jsonl" 2>&1 | grep -v '^{' | tee -a "$OUT/ab.log"
+mps_dir=$(mktemp -d)
+export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
+mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control; rm -rf "$mps_dir"' EXIT
+python3 benchmarks/gpu_context_switch.py --repeat 400 --json "$OUT/context-switch-mps.jsonl" 2>&1 | tee "$OUT/mps.log"
+echo "MPS servers: $(echo get_server_list | nvidia-cuda-mps-control)" | tee -a "$OUT/mps.log"
+python3 benchmarks/ipc_latency.py --mode sync --repeat 200 2>&1 | tee -a "$OUT/mps.log"
+python3 benchmarks/gpu_workers.py --repeats "$REPEATS" --modes async,sync --workers 2 --steps 150 \
+  --json "$OUT/device-ab-mlp-mps.jsonl" 2>&1 | grep -v '^{' | tee -a "$OUT/mps.log"
+python3 benchmarks/gpu_workers.py --model cnn --repeats "$REPEATS" --modes async,sync --steps 150 \
+  --json "$OUT/device-ab-cnn-mps.jsonl" 2>&1 | grep -v '^{' | tee -a "$OUT/mps.log"
+fi
+
+if part 7; then
+echo "== 7. where a step's time goes: without MPS, then with it"
+for mps in off on; do
+  if [ $mps = on ]; then
+    mps_dir=$(mktemp -d)
+    export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control; rm -rf "$mps_dir"' EXIT
+  fi
+  echo "-- MPS $mps"
+  python3 benchmarks/gpu_context_switch.py --sizes 1024 --mlp --repeat 300 --json "$OUT/step-parts.jsonl" 2>&1 | tee -a "$OUT/step-parts.log"
+  python3 benchmarks/gpu_workers.py --repeats "$REPEATS" --modes sync,async --steps 150 2>&1 | grep '"repeat"' \
+    | sed "s/^{/{\"mps\": \"$mps\", /" | tee -a "$OUT/step-parts.jsonl"
+  [ $mps = off ] && python3 benchmarks/gpu_workers.py --profile 22 --modes sync --steps 150 2>&1 | tee "$OUT/profile-sync.log" | head -45
+done
 fi

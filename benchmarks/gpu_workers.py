@@ -203,14 +203,17 @@ def alternating(args) -> list[dict]:
     ratios: dict[str, list[float]] = {name: [] for name in settings}
     speeds: dict[str, list[float]] = {name: [] for name in ["no servers", *settings]}
     for repeat in range(args.repeats):
-        alone = without_servers(big_mlp(args))["samples_per_s"]
+        reference = without_servers(big_mlp(args))
+        alone = reference["samples_per_s"]
         speeds["no servers"].append(alone)
+        print(json.dumps({"repeat": repeat, "setting": "no servers", "step_ms": 1e3 * reference["step_s"]}), flush=True)
         for name, run in settings.items():
             row = run()
             speed = row.get("steady_samples_per_s", row["samples_per_s"])
             speeds[name].append(speed)
             ratios[name].append(speed / alone)
-            print(json.dumps({"repeat": repeat, "setting": name, "samples_per_s": speed, "no_servers": alone}),
+            parts = {f"{k[:-2]}_ms": 1e3 * row[k] for k in ("steady_step_s", "pull_s", "compute_s", "push_s") if k in row}
+            print(json.dumps({"repeat": repeat, "setting": name, "samples_per_s": speed, "no_servers": alone, **parts}),
                   flush=True)
     print(f"\n{args.model} ({args.steps} steps, batch {args.batch}), {args.repeats} repeats alternating with no servers")
     print(f"{'setting':<34} {'samples/s':>10} {'x no servers':>12}  per repeat")
@@ -285,7 +288,19 @@ def main() -> int:
                         help="instead of the grid: device shards over ipc (--modes, --workers) and no servers in "
                              "turn, this many times; the median of each repeat's ratio")
     parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"], help="cpu: a dry run of this script")
+    parser.add_argument("--profile", type=int, default=0, metavar="LINES",
+                        help="instead of the grid: one device shard over ipc in the first of --modes, the worker "
+                             "under cProfile; its step's parts and the LINES functions of most time of their own")
     args = parser.parse_args()
+    if args.profile:
+        import cProfile
+        import pstats
+
+        profile = cProfile.Profile()
+        row = profile.runcall(with_servers, big_mlp(args), 1, args.modes[0], "ipc")
+        print({k: round(1e3 * row[k], 3) for k in ("steady_step_s", "pull_s", "compute_s", "push_s")})
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
+        return 0
 
     gpus = 0
     if args.device == "gpu":

@@ -356,3 +356,41 @@ def test_a_worker_on_another_gpu_reaches_the_shard_by_peer_access_or_a_network_p
     seen = json.loads(done.stdout.splitlines()[-1])
     assert seen["planes"] == (["ipc"] if peer else ["tcp"]), (peer, seen)
     assert seen["w0"] == pytest.approx(-0.5 * 4) and seen["device_push"] is peer
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_killed_device_shard_restarts_from_its_checkpoint_and_a_stopped_job_resumes(tmp_path, mode):
+    # psctl launch on GPU workers and device shards: a shard killed mid-run comes back from its
+    # checkpoint onto its GPU (--restart-failed), then the job, stopped by Ctrl-C, resumes (--resume)
+    # from the device shards' checkpoints and finishes its steps.
+    from tests.support import Launch, child_pids, steps_seen
+
+    cupy_or_skip()
+    every, steps, ckpt = 10, 2000, tmp_path / "ckpt"
+    args = ["--config", "mnist", "--eval-every", "0", "--no-progress", "--lease-s", "2", "--device", "gpu",
+            "--set", "shard_device=gpu", "--mode", mode, "--shards", "2", "--steps", str(steps), "--restart-failed",
+            "--set", f"checkpoint_dir={ckpt}", "--set", f"checkpoint_every={every}",
+            "--set", 'stragglers=["0:exp:10", "1:exp:10"]']    # 10 ms a step: the kill and Ctrl-C land mid-run
+    with Launch(tmp_path, *args, log="first.log") as launch:
+        launch.wait_for(lambda: steps_seen(launch.out, 0) >= 40, 120, "worker 0 training")
+        victim = child_pids(launch.out)["shards"][1]
+        os.kill(victim, signal.SIGKILL)
+        launch.wait_for(lambda: "restarting it on" in launch.text(), 60, "the shard's restart")
+        launch.wait_for(lambda: steps_seen(launch.out, 0) >= 150, 180, "training after the restart")
+        launch.proc.send_signal(signal.SIGINT)
+        assert launch.wait(60) == 128 + signal.SIGINT, launch.text()
+        first = launch.text()
+    assert "server 1 was killed by SIGKILL (exit code -9)" in first, first
+    assert "restored its checkpoint at version" in (launch.out / "logs" / "server-1.log").read_text()
+    with Launch(tmp_path, "--no-progress", "--resume", str(tmp_path / "run"), "--set", "stragglers=[]",
+                log="resume.log") as resumed:
+        code = resumed.wait(240)
+        text = resumed.text()
+    assert code == 0, text
+    summary = json.loads((resumed.out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["shard_device"] == "gpu", summary
+    assert all(s["restored_version"] > 0 for s in summary["shard_stats"]), summary["shard_stats"]
+    assert all(w["completed"] for w in summary["worker_results"])
+    assert summary["worker_results"][0]["steps"] < steps         # the resumed attempt made only what was left
+    assert summary["test_accuracy"] > 0.85, summary["test_accuracy"]

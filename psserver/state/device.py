@@ -180,10 +180,10 @@ class GpuArrays:
 
     def warm_up(self) -> None:
         """Compile now the kernels a push runs (CuPy compiles each on its first launch): not in a worker's step."""
-        one = self.empty(1)
-        one.fill(1.0)
-        self.copy_checked(self.empty(1), one)
-        with self.use():
+        with self.use():       # this GPU current: a shard's GPU need not be the calling thread's
+            one = self.empty(1)
+            one.fill(1.0)
+            self.copy_checked(self.empty(1), one)
             self.xp.add(one, one, out=one)
             self.xp.multiply(one, 0.5, out=one)
             self.all_finite(one)
