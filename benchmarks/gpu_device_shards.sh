@@ -67,9 +67,9 @@ fi
 if part 6; then
 echo "== 6. alternating figures, then the same under MPS (one GPU context for the workers and the shard)"
 python3 benchmarks/gpu_workers.py --repeats "$REPEATS" --modes async,sync --workers 2 --steps 150 \
-  --json "$OUT/device-ab-mlp.jsonl" 2>&1 | grep -v '^{' | tee "$OUT/ab.log"
+  --json "$OUT/device-ab-mlp.jsonl" 2>&1 | tee "$OUT/ab.log" | grep -v '^{'
 python3 benchmarks/gpu_workers.py --model cnn --repeats "$REPEATS" --modes async,sync --steps 150 \
-  --json "$OUT/device-ab-cnn.jsonl" 2>&1 | grep -v '^{' | tee -a "$OUT/ab.log"
+  --json "$OUT/device-ab-cnn.jsonl" 2>&1 | tee -a "$OUT/ab.log" | grep -v '^{'
 mps_dir=$(mktemp -d)
 export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
@@ -78,9 +78,9 @@ python3 benchmarks/gpu_context_switch.py --repeat 400 --json "$OUT/context-switc
 echo "MPS servers: $(echo get_server_list | nvidia-cuda-mps-control)" | tee -a "$OUT/mps.log"
 python3 benchmarks/ipc_latency.py --mode sync --repeat 200 2>&1 | tee -a "$OUT/mps.log"
 python3 benchmarks/gpu_workers.py --repeats "$REPEATS" --modes async,sync --workers 2 --steps 150 \
-  --json "$OUT/device-ab-mlp-mps.jsonl" 2>&1 | grep -v '^{' | tee -a "$OUT/mps.log"
+  --json "$OUT/device-ab-mlp-mps.jsonl" 2>&1 | tee -a "$OUT/mps.log" | grep -v '^{'
 python3 benchmarks/gpu_workers.py --model cnn --repeats "$REPEATS" --modes async,sync --steps 150 \
-  --json "$OUT/device-ab-cnn-mps.jsonl" 2>&1 | grep -v '^{' | tee -a "$OUT/mps.log"
+  --json "$OUT/device-ab-cnn-mps.jsonl" 2>&1 | tee -a "$OUT/mps.log" | grep -v '^{'
 fi
 
 if part 7; then

@@ -303,19 +303,60 @@ def test_a_device_shard_refuses_a_range_its_gpu_cannot_hold_before_it_allocates(
     assert not server.shard.initialized
 
 
-@pytest.mark.timeout(300)
-def test_the_default_job_trains_on_device_shards_over_cuda_ipc(tmp_path):
-    cupy_or_skip()
-    out = tmp_path / "run"
+def _launch_mnist_on_device_shards(out, pipe_dir, *extra: str) -> tuple[dict, set, str]:
+    """psctl launch of the default job on GPU workers and device shards, CUDA told to find MPS in ``pipe_dir``."""
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir)}
     done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "launch", "--config", "mnist", "--device", "gpu",
-                           "--set", "shard_device=gpu", "--out", str(out), "--no-progress"],
-                          capture_output=True, text=True, timeout=280)
+                           "--set", "shard_device=gpu", "--out", str(out), "--no-progress", *extra],
+                          capture_output=True, text=True, timeout=280, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     starts = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"start"' in line]
     planes = {p for event in starts if event.get("event") == "start" for p in event.get("data_planes") or []}
+    return summary, planes, done.stderr
+
+
+@pytest.mark.timeout(300)
+def test_the_default_job_trains_on_device_shards_over_cuda_ipc(tmp_path):
+    cupy_or_skip()
+    summary, planes, said = _launch_mnist_on_device_shards(tmp_path / "run", tmp_path / "no-mps-here")
     assert summary["shard_device"] == "gpu" and planes == {"ipc"}
     assert summary["test_accuracy"] >= 0.9, summary["test_accuracy"]
+    assert "without MPS" in said and "nvidia-cuda-mps-control -d" in said       # the launcher says what would help
+
+
+@pytest.mark.timeout(300)
+def test_under_an_mps_daemon_the_job_trains_over_cuda_ipc_and_nothing_is_said(tmp_path):
+    # MPS gives the shard and the workers one GPU context; CUDA IPC must work between its clients.
+    import shutil
+
+    from psgrid.cluster.job.shard_device import mps_serving
+
+    cupy_or_skip()
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        pytest.skip("no MPS control daemon (nvidia-cuda-mps-control) on this machine")
+    pipe, logs = tmp_path / "mps-pipe", tmp_path / "mps-log"
+    pipe.mkdir()
+    logs.mkdir()
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
+    daemon = subprocess.Popen([control, "-f"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)     # in the foreground: this test's child, ended by its pid
+    try:
+        deadline = time.monotonic() + 30
+        while not mps_serving(env) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert mps_serving(env), "the MPS control daemon made no pipe"
+        summary, planes, said = _launch_mnist_on_device_shards(tmp_path / "run", pipe)
+        assert planes == {"ipc"} and "without MPS" not in said, said
+        assert summary["test_accuracy"] >= 0.9, summary["test_accuracy"]
+    finally:
+        subprocess.run([control], input="quit\n", text=True, env=env, timeout=30, capture_output=True)
+        try:
+            daemon.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait(timeout=10)
 
 
 @pytest.mark.timeout(120)

@@ -14,7 +14,7 @@ import pytest
 
 from psgrid.cluster.errors import ConfigError
 from psgrid.cluster.job.config import JobConfig, apply_overrides
-from psgrid.cluster.job.shard_device import resolve_shard_device, shards_by_gpu, with_shard_device
+from psgrid.cluster.job.shard_device import mps_note, resolve_shard_device, shards_by_gpu, with_shard_device
 from psgrid.cluster.run import preflight
 
 GIB = 1 << 30
@@ -85,6 +85,27 @@ def test_cpu_workers_never_ask_for_cupy(monkeypatch):
 
     monkeypatch.setattr(backend, "gpu_unavailable", lambda: pytest.fail("CuPy probed for CPU workers"))
     assert with_shard_device(job(device="cpu")).server.shard_device == "cpu"
+
+
+@pytest.mark.parametrize("shard_device, device, gpu_here, said", [
+    ("gpu", "gpu", None, True), ("gpu", "auto", None, True), ("gpu", "auto", "no GPU", False),
+    ("gpu", "cpu", None, False), ("cpu", "gpu", None, False),
+])
+def test_the_launcher_names_mps_where_device_shards_share_the_gpu_with_gpu_workers(monkeypatch, tmp_path, shard_device,
+                                                                                   device, gpu_here, said):
+    import psgrid.worker.backend as backend
+
+    monkeypatch.setattr(backend, "gpu_unavailable", lambda: gpu_here)
+    j = job(device=device, shard_device=shard_device)
+    pipe = tmp_path / "mps-pipe"
+    without = {"CUDA_MPS_PIPE_DIRECTORY": str(pipe)}         # no daemon's pipe there
+    note = mps_note(j, without)
+    assert (note is not None) == said
+    if said:
+        assert "nvidia-cuda-mps-control -d" in note and "\n" not in note
+    pipe.mkdir()
+    (pipe / "control").touch()                              # a control daemon's pipe where CUDA looks: said no more
+    assert mps_note(j, without) is None
 
 
 def test_shard_i_takes_gpu_i_mod_n_unless_the_job_names_one():

@@ -11,11 +11,20 @@ machine, and each shard rank of ``psctl mpi`` on its own node.
 
 Shard ``i`` of a host with ``n`` GPUs takes GPU ``i mod n`` (or the ``gpu`` the job names), as
 the shard itself does (psserver/state/device.py).
+
+A device shard and its workers are processes of their own, and without MPS a GPU runs one
+process's context at a time: every call over CUDA IPC moves the GPU to the shard's context and
+back, 0.14-0.16 ms each way on an H100 (benchmarks/gpu_context_switch.py). Under an MPS control
+daemon they share one context and the move costs nothing measurable. Starting that daemon is the
+machine owner's choice (it serves every CUDA process of the user), so the launcher only says,
+once, when device shards share a GPU with GPU workers and none serves them (:func:`mps_note`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 
 AUTO = "auto"
 
@@ -57,3 +66,27 @@ def shards_by_gpu(indices, gpu: int, count: int) -> dict[int, list[int]]:
     for i in indices:
         placed.setdefault(shard_gpu(i, gpu, count), []).append(i)
     return placed
+
+
+MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"      # where CUDA looks for the MPS control daemon without CUDA_MPS_PIPE_DIRECTORY
+
+
+def mps_serving(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether an MPS control daemon serves CUDA processes started with ``environ`` (its pipe is where CUDA looks)."""
+    return os.path.exists(os.path.join(environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT, "control"))
+
+
+def mps_note(job, environ: Mapping[str, str] = os.environ) -> str | None:
+    """One line for a job whose device shards share this host's GPU with GPU workers and no MPS serves them, else None."""
+    if job.server.shard_device != "gpu" or job.workers < 1 or mps_serving(environ):
+        return None
+    if job.train.device == "cpu":
+        return None
+    if job.train.device != "gpu":
+        from psgrid.worker.backend import gpu_unavailable
+
+        if gpu_unavailable() is not None:
+            return None
+    return ("device shards and GPU workers are separate processes sharing the GPU without MPS: each push and the "
+            "pull after it move the GPU between their contexts (0.15 ms each on an H100); an MPS control daemon "
+            "(nvidia-cuda-mps-control -d) gives them one context (docs/performance.md, \"Device shards\")")

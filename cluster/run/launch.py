@@ -36,7 +36,7 @@ from psgrid.cluster.errors import JobFailed
 from psgrid.cluster.run.interrupts import (Interrupted, check_interrupted, deferred_signals, ignore_signals,
                                         listen_for_interrupts)
 from psgrid.cluster.job.memory import footprint
-from psgrid.cluster.job.shard_device import with_shard_device
+from psgrid.cluster.job.shard_device import mps_note, with_shard_device
 from psgrid.cluster.job.outdir import lock, release
 from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
@@ -301,6 +301,9 @@ class Launcher:
                       f"{','.join(self.addresses)}{metrics} applying "
                       f"{job.server.describe_optimizer()}; starting {job.workers} worker(s){model}; logs in "
                       f"{self.out / 'logs'}", file=sys.stderr, flush=True)
+                note = mps_note(job)
+                if note:
+                    print(f"psctl launch: {note}", file=sys.stderr, flush=True)
             self.start_workers()
             train_wall = self.follow()
             self.stop_watching()
