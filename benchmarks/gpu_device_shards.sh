@@ -17,10 +17,25 @@
 # Logs land in $OUT. PARTS="1 2" runs only those parts.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-PARTS=${PARTS:-1 2 3 4 5 6 7}
+PARTS=${PARTS:-1 2 3 4 5 6}     # 7 only when asked (PARTS=7): diagnostics
 REPEATS=${REPEATS:-3}
 STEPS=${STEPS:-80}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
+# An MPS control daemon of this script's own: a private pipe directory, so that only the processes
+# started here while it is on use it; mps_off quits it (and the EXIT trap, should the script end first).
+mps_on() {
+  mps_dir=$(mktemp -d)
+  export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && trap mps_off EXIT
+}
+mps_off() {
+  [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || return 0
+  echo quit | nvidia-cuda-mps-control
+  rm -rf "$mps_dir"
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  trap - EXIT
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "cores $(nproc), load $(cut -d' ' -f1-3 /proc/loadavg)"
 
@@ -70,10 +85,7 @@ python3 benchmarks/gpu_workers.py --repeats "$REPEATS" --modes async,sync --work
   --json "$OUT/device-ab-mlp.jsonl" 2>&1 | tee "$OUT/ab.log" | grep -v '^{'
 python3 benchmarks/gpu_workers.py --model cnn --repeats "$REPEATS" --modes async,sync --steps 150 \
   --json "$OUT/device-ab-cnn.jsonl" 2>&1 | tee -a "$OUT/ab.log" | grep -v '^{'
-mps_dir=$(mktemp -d)
-export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control; rm -rf "$mps_dir"' EXIT
+mps_on
 python3 benchmarks/gpu_context_switch.py --repeat 400 --json "$OUT/context-switch-mps.jsonl" 2>&1 | tee "$OUT/mps.log"
 echo "MPS servers: $(echo get_server_list | nvidia-cuda-mps-control)" | tee -a "$OUT/mps.log"
 python3 benchmarks/ipc_latency.py --mode sync --repeat 200 2>&1 | tee -a "$OUT/mps.log"
@@ -81,21 +93,18 @@ python3 benchmarks/gpu_workers.py --repeats "$REPEATS" --modes async,sync --work
   --json "$OUT/device-ab-mlp-mps.jsonl" 2>&1 | tee -a "$OUT/mps.log" | grep -v '^{'
 python3 benchmarks/gpu_workers.py --model cnn --repeats "$REPEATS" --modes async,sync --steps 150 \
   --json "$OUT/device-ab-cnn-mps.jsonl" 2>&1 | tee -a "$OUT/mps.log" | grep -v '^{'
+mps_off
 fi
 
 if part 7; then
 echo "== 7. where a step's time goes: without MPS, then with it"
 for mps in off on; do
-  if [ $mps = on ]; then
-    mps_dir=$(mktemp -d)
-    export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
-    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-    nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control; rm -rf "$mps_dir"' EXIT
-  fi
+  [ $mps = on ] && mps_on
   echo "-- MPS $mps"
   python3 benchmarks/gpu_context_switch.py --sizes 1024 --mlp --repeat 300 --json "$OUT/step-parts.jsonl" 2>&1 | tee -a "$OUT/step-parts.log"
   python3 benchmarks/gpu_workers.py --repeats "$REPEATS" --modes sync,async --steps 150 2>&1 | grep '"repeat"' \
     | sed "s/^{/{\"mps\": \"$mps\", /" | tee -a "$OUT/step-parts.jsonl"
-  [ $mps = off ] && python3 benchmarks/gpu_workers.py --profile 22 --modes sync --steps 150 2>&1 | tee "$OUT/profile-sync.log" | head -45
+  [ $mps = off ] && python3 benchmarks/gpu_workers.py --profile 30 --modes sync --steps 150 2>&1 | tee "$OUT/profile-sync.log" | head -45
 done
+mps_off
 fi

@@ -10,7 +10,8 @@
 #     pull_ahead off and on in turn, 5 times each, beside no servers (medians, ratios to no servers);
 #  4. psctl bench train on the GPU (MLP and CNN, async and sync, 4 host shards) beside no servers;
 #  5. device shards and the CUDA IPC plane (benchmarks/gpu_device_shards.sh: its tests, worker figures,
-#     bench train on device shards, the default job on them);
+#     bench train on device shards, the default job on them, the cost of a call and of a move between
+#     GPU contexts, and the alternating figures without and under MPS);
 #  6. the all-reduce baseline on the GPU (benchmarks/gpu_allreduce.sh).
 # Logs and JSON land in $OUT. PARTS="1 3" runs only those parts. On the lent device: wheels for
 # what its image lacks travel in .whl/.
