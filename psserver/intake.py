@@ -129,10 +129,11 @@ class PushIntake(RangeIntake):
     :meth:`close` unless a sync round keeps it), or, on the shared-memory plane, stays in the
     worker's memory and is read there (``borrowed``), or, on the CUDA IPC plane, is copied from the
     worker's slot into a device buffer of the shard's own (:meth:`fill_device`). A device shard's
-    network payload lands in page-locked host memory and goes on to the GPU as it comes (:meth:`receive`).
+    network payload lands in page-locked host memory and goes on to the GPU as it comes: the TCP
+    plane's a piece at a time (:meth:`receive`), gRPC's a chunk at a time (:meth:`add_chunk`).
     """
 
-    __slots__ = ("shard", "worker_id", "clock", "version", "borrowed", "home", "checked", "staged")
+    __slots__ = ("shard", "worker_id", "clock", "version", "borrowed", "home", "checked", "staged", "uploaded")
 
     def __init__(self, service, worker_id: int, clock: int, version: int):
         shard = service.shard
@@ -142,11 +143,27 @@ class PushIntake(RangeIntake):
         self.checked = False                 # the gradient is known finite (else the update checks it, in async)
         self.home = shard.landing_pool       # the pool ``buffer`` goes back to
         self.staged = None                   # a device shard's copy of the payload on its GPU, as it comes
+        self.uploaded = 0                    # elements of gRPC chunks queued for the GPU so far
 
     def _destination(self) -> np.ndarray:
         if self.buffer is None:
             self.buffer = self.home.take()
         return self.buffer
+
+    def add_chunk(self, offset: int, dtype: int, data) -> None:
+        """A gRPC chunk: decoded and checked in the host landing, then, on a device shard, on its way to the GPU.
+
+        What has landed goes up ``UPLOAD_CHUNK_BYTES`` at a time, each copy queued on the shard's
+        stream while the next chunks are received, as the TCP plane's pieces do (:meth:`receive`);
+        :meth:`commit` waits for the last.
+        """
+        super().add_chunk(offset, dtype, data)
+        arrays = self.shard.arrays
+        if arrays.on_gpu and (self.covered - self.uploaded >= UPLOAD_CHUNK_BYTES // 4 or self.covered == self.size):
+            if self.staged is None:
+                self.staged = self.shard.pool.take()
+            arrays.upload_part(self.staged, self.buffer, self.uploaded, self.covered)
+            self.uploaded = self.covered
 
     def receive(self, landing: memoryview, read: Callable[[memoryview], object]) -> None:
         """Fill ``landing`` (from :meth:`landing`) through ``read(view)``, which fills ``view`` from the wire.
@@ -212,6 +229,10 @@ class PushIntake(RangeIntake):
     def commit(self, declared_chunks: int | None = None) -> PushResult:
         if self.covered != self.size or declared_chunks is not None:      # a whole landing is complete
             self.complete(declared_chunks)
+        if self.staged is not None:        # gRPC chunks went on to the GPU as they came: the last copy ends first
+            self.shard.arrays.finished()
+            self.home.give(self.buffer)
+            self.buffer, self.home, self.staged = self.staged, self.shard.pool, None
         result, kept = self.shard.push(self.worker_id, self.clock, self.version, self.buffer, self.nbytes,
                                        borrowed=self.borrowed, checked=self.checked)
         if kept:
