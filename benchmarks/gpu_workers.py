@@ -9,7 +9,9 @@ Run on a machine with CUDA GPUs (benchmarks/gpu_verify.sh runs it on the lent de
 
 Shards run as processes on the same host, as they would on a single GPU box: host shards reached
 through shared memory (``shm``, the default there) or, for comparison, the TCP data plane; device
-shards (``ipc``: ``shard_device = "gpu"``, weights and update on the worker's GPU) over CUDA IPC.
+shards (``ipc``: ``shard_device = "gpu"``, weights and update on the worker's GPU) over CUDA IPC, or
+(``local``, ``--device-planes``) a device shard in the worker's own process, called by the in-process
+plane.
 ``--workers 2`` also runs two worker processes sharing the GPU against device shards, their total
 samples/s against one process with no servers.
 Times are medians over the steps after a warm-up; the device is synchronized
@@ -91,11 +93,35 @@ def shard_processes(shards: int, mode: str, plane: str) -> list:
             for i in range(shards)]
 
 
+class HostedShard:
+    """A device shard in this process, served to it by calls (the in-process plane): GeePS' placement."""
+
+    def __init__(self, config: ServerConfig):
+        from psgrid.psserver.server import serve
+
+        self.server = serve(config, in_process_clients=True)
+        self.address = self.server.address
+
+    def close(self) -> None:
+        self.server.stop(grace=0.5)
+
+
+def hosted_shards(shards: int, mode: str) -> list[HostedShard]:
+    """The shards of one run in this process, on its GPU, for the ``local`` plane."""
+    job = f"gpu-workers-{os.getpid()}-{time.monotonic_ns()}"
+    from psgrid.worker.backend import gpu_unavailable
+
+    device = "gpu" if gpu_unavailable() is None else "cpu"
+    return [HostedShard(ServerConfig(shard_index=i, num_shards=shards, mode=mode, lr=0.01, threads=16, job_id=job,
+                                     shard_device=device))
+            for i in range(shards)]
+
+
 def with_servers(train: TrainConfig, shards: int, mode: str, plane: str = "shm") -> dict:
     from psgrid.worker.loop import run_worker
 
-    procs = shard_processes(shards, mode, plane)
-    train.shared_memory = plane in ("shm", "ipc")
+    procs = hosted_shards(shards, mode) if plane == "local" else shard_processes(shards, mode, plane)
+    train.shared_memory = plane in ("shm", "ipc", "local")
     try:
         with tempfile.TemporaryDirectory() as tmp:
             metrics = Path(tmp) / "worker.jsonl"
@@ -194,8 +220,8 @@ def alternating(args) -> list[dict]:
     taken against the no-servers run just before it (that reference moved by up to 30% between calls on the
     H100), and the median of the ratios is reported. One worker's ratio is of steady steps (the median
     start to start, as the reference's median step); workers sharing the GPU count every step of their run."""
-    settings = {f"1 shard, {mode}, ipc": (lambda mode=mode: with_servers(big_mlp(args), 1, mode, "ipc"))
-                for mode in args.modes}
+    settings = {f"1 shard, {mode}, {plane}": (lambda mode=mode, plane=plane: with_servers(big_mlp(args), 1, mode, plane))
+                for mode in args.modes for plane in args.device_planes}
     if args.workers > 1:
         settings.update({f"{args.workers} workers on 1 GPU, {mode}, ipc":
                          (lambda mode=mode: sharing_the_gpu(big_mlp(args), args.workers, 1, mode, "ipc"))
@@ -287,6 +313,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=0,
                         help="instead of the grid: device shards over ipc (--modes, --workers) and no servers in "
                              "turn, this many times; the median of each repeat's ratio")
+    parser.add_argument("--device-planes", type=lambda s: s.split(","), default=["ipc"],
+                        help="with --repeats: how the worker reaches its device shard: ipc (a shard process of its "
+                             "own, CUDA IPC) and/or local (the shard in the worker's process, called: GeePS' placement)")
     parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"], help="cpu: a dry run of this script")
     parser.add_argument("--profile", type=int, default=0, metavar="LINES",
                         help="instead of the grid: one device shard over ipc in the first of --modes, the worker "

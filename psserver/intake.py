@@ -207,6 +207,26 @@ class PushIntake(RangeIntake):
         self.covered, self.chunks, self.nbytes = self.size, 1, slot.nbytes
         self.checked = True
 
+    def fill_local(self, grad) -> None:
+        """The gradient is ``grad``, float32 memory of a caller in the shard's own process (the in-process plane).
+
+        Read where it lies, during this push only (``borrowed``): host memory, or on a device shard a
+        device array of its GPU, which the caller has finished writing. Checked as it lands where a
+        sync round may hold it; in async the update checks it as it reads it.
+        """
+        if getattr(grad, "dtype", None) != np.float32 or getattr(grad, "ndim", 0) != 1:
+            raise InvalidArgument(f"a pushed gradient must be a 1-D float32 array, got {getattr(grad, 'dtype', grad)!r}",
+                                  Reason.BAD_DTYPE)
+        if len(grad) != self.size:
+            raise InvalidArgument(f"the gradient has {len(grad)} elements; this shard's range has {self.size}",
+                                  Reason.BAD_SIZE)
+        self.buffer, self.borrowed = grad, True
+        if self.finite is not None:
+            finite = self.finite(grad) if isinstance(grad, np.ndarray) else self.shard.arrays.all_finite(grad)
+            if not finite:
+                raise non_finite("payload")
+        self.covered, self.chunks, self.nbytes = self.size, 1, grad.nbytes
+
     def fill_shared(self, dtype: int, segment: np.ndarray) -> None:
         """The gradient is ``segment``, this shard's range of a worker's shared memory, in wire ``dtype``.
 

@@ -22,9 +22,10 @@ SHARD_DEVICES = ("cpu", "gpu", "auto")
 # The built-in data planes, the one list of their names (transports/base.py finds each end's module by it).
 # gRPC carries the control calls always, and Pull and Push where no other plane serves; a local plane
 # serves only processes on the shard's host, and is chosen by ``shared_memory``, never named in a job file:
-# CUDA IPC first (a GPU worker and a shard whose weights are on a GPU it can reach), then shared memory.
+# The shard's own process first (a worker that hosts its shard: calls, no socket, no copy of a gradient),
+# then CUDA IPC (a GPU worker and a shard whose weights are on a GPU it can reach), then shared memory.
 CONTROL_PLANE = "grpc"
-LOCAL_PLANES = ("ipc", "shm")
+LOCAL_PLANES = ("local", "ipc", "shm")
 DATA_PLANES = ("tcp", CONTROL_PLANE)          # the network planes: what a job file's data_plane may name
 PLANES = LOCAL_PLANES + DATA_PLANES           # every built-in plane, in a client's order of preference
 

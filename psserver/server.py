@@ -32,7 +32,7 @@ log = logging.getLogger("psgrid.server")
 class RunningServer:
     """A started shard: its address, its state, and how to stop it."""
 
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, *, in_process_clients: bool = False):
         if not config.job_id:       # a Shutdown must name it (see ShardService.shutdown)
             config = dataclasses.replace(config, job_id=secrets.token_hex(6))
         self.config = config
@@ -43,7 +43,8 @@ class RunningServer:
         self.shutdown_requested = threading.Event()
         self.service = ShardService(self.shard, on_shutdown=self.shutdown_requested.set)
         ssl_context = server_ssl_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
-        context = ListenContext(ssl_context, on_failure=lambda: self.set_health(False))
+        context = ListenContext(ssl_context, on_failure=lambda: self.set_health(False),
+                                in_process_clients=in_process_clients)
         self.listening: dict[str, Listening] = {}     # each data plane's listener, by plane, beside gRPC's
         try:
             for name, listen in listener_factories().items():
@@ -147,9 +148,13 @@ class RunningServer:
         return True
 
 
-def serve(config: ServerConfig) -> RunningServer:
-    """Build and start a shard server; the caller stops it with ``.stop()``."""
-    return RunningServer(config).start()
+def serve(config: ServerConfig, *, in_process_clients: bool = False) -> RunningServer:
+    """Build and start a shard server; the caller stops it with ``.stop()``.
+
+    With ``in_process_clients`` the shard also offers the in-process plane (transports/local_server.py):
+    a client of this process, a worker that hosts the shard, then calls it instead of using a socket.
+    """
+    return RunningServer(config, in_process_clients=in_process_clients).start()
 
 
 def warn_if_open(config: ServerConfig) -> bool:

@@ -225,6 +225,13 @@ class ShardService:
         version, values = self.shard.snapshot()
         return PullLease(self.shard, Snapshot(version, self.shard.begin, values))
 
+    def pull_local(self, *, worker_id: int, clock: int, timeout_s: float | None) -> "PullLease":
+        """:meth:`pull` for a caller of this process (the in-process plane): the current buffer itself, lent,
+        on the GPU for a device shard."""
+        self._wait_for_pull(worker_id, clock, timeout_s, None)
+        version, values = self.shard.lend_current()
+        return PullLease(self.shard, Snapshot(version, self.shard.begin, values))
+
     def _wait_for_pull(self, worker_id: int, clock: int, timeout_s: float | None, cancelled) -> None:
         if not ((0 <= worker_id <= MAX_WORKER_ID or worker_id == -1) and 0 <= clock <= MAX_CLOCK):
             check_worker(worker_id, observer_ok=True)       # one of them is out of range: say which
@@ -316,6 +323,15 @@ class ShardService:
         intake = self.open_push(worker_id=worker_id, clock=clock, version=version)
         try:
             intake.fill_device(slot)
+            return intake.commit()
+        finally:
+            intake.close()
+
+    def push_local(self, *, worker_id: int, clock: int, version: int, grad) -> PushResult:
+        """One gradient of a caller in this process (the in-process plane), read where it lies during this call."""
+        intake = self.open_push(worker_id=worker_id, clock=clock, version=version)
+        try:
+            intake.fill_local(grad)
             return intake.commit()
         finally:
             intake.close()

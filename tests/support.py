@@ -23,8 +23,9 @@ from psgrid.psserver.spec import ModelSpec
 FEATURES = 12
 REGRESSION = ModelSpec([("w", (FEATURES,)), ("b", (1,))])
 # The planes the in-process fixtures run every test on. CUDA IPC serves GPU workers of other processes
-# only (a process cannot map its own handles): tests/test_ipc_plane.py runs it on a GPU.
-PLANES = tuple(p for p in BUILT_IN_PLANES if p != "ipc")
+# only (a process cannot map its own handles): tests/test_device_shard.py runs it on a GPU. The in-process
+# plane serves only a shard's own process, by calls: tests/test_local_plane.py.
+PLANES = tuple(p for p in BUILT_IN_PLANES if p not in ("ipc", "local"))
 
 
 

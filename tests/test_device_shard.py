@@ -438,3 +438,56 @@ def test_a_killed_device_shard_restarts_from_its_checkpoint_and_a_stopped_job_re
     assert all(w["completed"] for w in summary["worker_results"])
     assert summary["worker_results"][0]["steps"] < steps         # the resumed attempt made only what was left
     assert summary["test_accuracy"] > 0.85, summary["test_accuracy"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_gpu_workers_of_the_shards_own_process_call_it_and_push_device_gradients_in_place(mode):
+    """The in-process plane on a device shard: pulls lend the GPU buffer, pushes are read where computed."""
+    cupy = cupy_or_skip()
+    from psgrid.psserver.client.client import Client
+    from psgrid.psserver.exceptions import InvalidArgument
+    from psgrid.psserver.server import serve
+    from tests.support import run_threads
+
+    cupy.cuda.Device(0).use()
+    server = serve(ServerConfig(host="127.0.0.1", port=0, shard_device="gpu", mode=mode, lr=0.5, job_id="local-gpu"),
+                   in_process_clients=True)
+    try:
+        clients = [Client([server.address], SPEC, worker_id=w, world=2, init=np.zeros(SPEC.size, np.float32), gpu=0,
+                          deadline_s=20) for w in (0, 1)]
+        run_threads([c.join for c in clients], timeout=60)
+        params = [cupy.empty(SPEC.size, cupy.float32) for _ in clients]
+
+        def pull(i):
+            def land(begin, end, values):
+                assert isinstance(values, cupy.ndarray)         # the shard's own GPU buffer, lent
+                params[i][begin:end] = values
+                cupy.cuda.Device(0).synchronize()
+            clients[i].pull(into=land)
+
+        for i in (0, 1):
+            pull(i)
+        assert [c.data_planes for c in clients] == [["local"], ["local"]]
+        assert all(c.takes_device_gradients() for c in clients)
+        grads = [cupy.full(SPEC.size, 1.0, cupy.float32), cupy.full(SPEC.size, 3.0, cupy.float32)]
+        clients[0].push(grads[0])
+        grads[0].fill(cupy.nan)        # answered: a round still open must not read it again
+        clients[1].push(grads[1])
+        for i in (0, 1):
+            pull(i)
+        expected = -0.5 * (2.0 if mode == "sync" else 4.0)      # the round's mean; or each push in turn
+        assert clients[0].versions[0] == (1 if mode == "sync" else 2)
+        np.testing.assert_allclose(cupy.asnumpy(params[0]), expected)
+        np.testing.assert_allclose(_weights(server.shard), expected)
+        bad = cupy.zeros(SPEC.size, cupy.float32)
+        bad[5] = cupy.inf
+        with pytest.raises(InvalidArgument) as refused:
+            server.service.push_local(worker_id=0, clock=1, version=server.shard.version, grad=bad)
+        assert refused.value.reason is Reason.NON_FINITE
+        np.testing.assert_allclose(_weights(server.shard), expected)
+        for c in clients:
+            c.close()
+        assert server.shard.pool.on_loan == 0 and not any(server.shard.ring.lent)
+    finally:
+        server.stop()

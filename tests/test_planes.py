@@ -101,7 +101,7 @@ def test_registration_lists_every_listeners_offer_and_a_client_skips_planes_it_d
 
 
 def test_the_plane_names_have_one_source():
-    assert plane_names()[:len(PLANES)] == PLANES == ("ipc", "shm", "tcp", "grpc")
+    assert plane_names()[:len(PLANES)] == PLANES == ("local", "ipc", "shm", "tcp", "grpc")
     with pytest.raises(ValueError, match="built-in"):
         unregister_plane("tcp")
 

@@ -86,6 +86,9 @@ class HostArrays:
     def adopt(self, values: np.ndarray):
         return values
 
+    def copy(self, dst: np.ndarray, src: np.ndarray) -> None:
+        np.copyto(dst, src)
+
     def finished(self) -> None:
         """Everything queued so far is done (nothing is ever queued on the host)."""
 
@@ -156,6 +159,12 @@ class GpuArrays:
             result = src.get(stream=self.stream, out=out)
             self.stream.synchronize()
         return result
+
+    def copy(self, dst, src) -> None:
+        """Copy device array ``src`` into ``dst``; done on return (``src`` is its owner's again then)."""
+        with self.use():
+            dst[...] = src
+            self.stream.synchronize()
 
     def adopt(self, values: np.ndarray):
         """A device copy of host ``values``, in an allocation of its own."""

@@ -116,7 +116,7 @@ class Pushes:
                 closed = decision.round in self._close_rounds(borrowed=grad if borrowed else None)
                 if borrowed and not closed:       # the worker may write its memory again once answered
                     held[worker] = self.pool.take()
-                    np.copyto(held[worker], grad)
+                    self.arrays.copy(held[worker], grad)
                 self.cond.notify_all()
                 outcome = Outcome.APPLIED if closed else decision.outcome
                 return PushResult(outcome, self.version, staleness, decision.next_clock), not borrowed

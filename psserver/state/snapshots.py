@@ -71,6 +71,23 @@ class Snapshots:
             self._count_pull()
             return self.version, values
 
+    def lend_current(self) -> tuple[int, object]:
+        """:meth:`snapshot` for a reader in this process: on a device shard, the current GPU buffer itself, lent.
+
+        Give it back with :meth:`release_snapshot`. Past ``MAX_LENT_BUFFERS`` lent, a page-locked host
+        copy, as :meth:`snapshot` makes.
+        """
+        if not self.arrays.on_gpu:
+            return self.snapshot()
+        with self.cond:
+            self._require_serving()
+            if self.ring.lent_buffers() < MAX_LENT_BUFFERS or self.ring.lent[self.ring.current]:
+                values = self.ring.arrays[self.ring.lend()]
+            else:
+                values = self.arrays.download(self.ring.weights, self.landing_pool.take())
+            self._count_pull()
+            return self.version, values
+
     def _count_pull(self) -> None:
         self.counters.pulls += 1
         self.counters.bytes_out += self.size * 4

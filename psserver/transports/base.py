@@ -130,6 +130,7 @@ class ListenContext:
 
     ssl_context: ssl.SSLContext | None = None     # the shard's TLS (None: plain)
     on_failure: Callable[[], None] | None = None  # a listener that died calls it (the shard turns NOT_SERVING)
+    in_process_clients: bool = False              # serve clients of the shard's own process by calls (local plane)
 
 
 @dataclass(frozen=True)
