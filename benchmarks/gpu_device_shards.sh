@@ -14,10 +14,12 @@
 #  7. where a step's time goes, without MPS then with it: each step's parts per repeat (gpu_workers.py
 #     --repeats prints them), whether a worker's matrix products slow down right after another
 #     process used the GPU (gpu_context_switch.py --mlp), and a profile of the worker's Python in sync.
+#  8. GeePS' placement: the device shard in the worker's own process (the in-process plane) beside a
+#     shard process of its own (CUDA IPC) and no servers, MLP and CNN, without MPS then under it.
 # Logs land in $OUT. PARTS="1 2" runs only those parts.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-PARTS=${PARTS:-1 2 3 4 5 6}     # 7 only when asked (PARTS=7): diagnostics
+PARTS=${PARTS:-1 2 3 4 5 6 8}     # 7 only when asked (PARTS=7): diagnostics
 REPEATS=${REPEATS:-3}
 STEPS=${STEPS:-80}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -105,6 +107,19 @@ for mps in off on; do
   python3 benchmarks/gpu_workers.py --repeats "$REPEATS" --modes sync,async --steps 150 2>&1 | grep '"repeat"' \
     | sed "s/^{/{\"mps\": \"$mps\", /" | tee -a "$OUT/step-parts.jsonl"
   [ $mps = off ] && python3 benchmarks/gpu_workers.py --profile 30 --modes sync --steps 150 2>&1 | tee "$OUT/profile-sync.log" | head -45
+done
+mps_off
+fi
+
+if part 8; then
+echo "== 8. the shard in the worker's process (local) beside a shard process (ipc): without MPS, then under it"
+for mps in off on; do
+  [ $mps = on ] && mps_on
+  for model in mlp cnn; do
+    echo "-- $model, MPS $mps"
+    python3 benchmarks/gpu_workers.py --model $model --repeats "$REPEATS" --modes async,sync --device-planes ipc,local \
+      --steps 150 --json "$OUT/placement-$model-mps-$mps.jsonl" 2>&1 | tee -a "$OUT/placement.log" | grep -v '^{'
+  done
 done
 mps_off
 fi

@@ -62,6 +62,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.run import script
     from psgrid.cluster.commands.common import flag_names, given_names, load_job_from_args
+    from psgrid.cluster.run.hosting import check_placement
     from psgrid.cluster.run.launch import launch
     from psgrid.cluster.run.preflight import check_machine, check_shard_device, check_stragglers, refuse_mpi_rank
 
@@ -69,11 +70,13 @@ def run(args: argparse.Namespace) -> int:
     command = None if args.user_command is None else script.resolve_command(args.user_command)
     if args.resume:
         job = script.for_command(_resumed_job(args), command)
+        check_placement(job, command=command)
         check_shard_device(job, given_names(args), sized=command is None)
         return launch(job, progress=args.progress, resume=True, command=command)
     named = args.config is not None or args.override_name is not None
     args.config = args.config or "mnist"
     job = script.for_command(load_job_from_args(args), command, named=named)
+    check_placement(job, command=command)
     check_stragglers(job)
     if command is None:          # a user's script chooses its own device (it may not use CuPy at all)
         check_machine(job, flag_names(args))

@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.run import script
     from psgrid.cluster.commands.common import load_job_from_args
     from psgrid.cluster.errors import UsageError
+    from psgrid.cluster.run.hosting import check_placement
     from psgrid.cluster.run.preflight import require_mpi
 
     if args.plan:
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     command = None if args.user_command is None else script.resolve_command(args.user_command)
     named = args.config != "mnist" or args.override_name is not None
     job = script.for_command(load_job_from_args(args), command, named=named, local_gpus=False)
+    check_placement(job, command=command, launcher="psctl mpi")
     require_mpi("mpi")
     from psgrid.cluster.mpi.job import run_mpi
 

@@ -27,8 +27,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         examples=EXAMPLES,
     )
     add_config_arg(p, "mnist", "its [train] table is the base that flags override")
-    p.add_argument("--addresses", required=True, metavar="HOST:PORT,...",
-                   help="every shard's address, in shard order")
+    p.add_argument("--addresses", metavar="HOST:PORT,...",
+                   help="every shard's address, in shard order (required unless --host-shard)")
+    p.add_argument("--host-shard", type=int, metavar="I",
+                   help="first start shard I of the job in this process, serving it by calls, publish its address "
+                        "in --address-dir and take the others' from there; serve it on after training until a "
+                        "Shutdown or a signal ([job] shard_placement = \"worker\": psctl launch does this)")
+    p.add_argument("--address-dir", metavar="DIR", help="with --host-shard: where every shard publishes shard-I")
     p.add_argument("--rank", type=int, default=0, help="this worker's rank, 0..WORLD-1 (default 0)")
     p.add_argument("--world", type=int, default=None, help="number of workers (default: [job] workers)")
     p.add_argument("--metrics", metavar="FILE", help="append JSON lines of metrics here")
@@ -53,7 +58,13 @@ def run(args: argparse.Namespace) -> int:
 
     job = load_job_from_args(args)
     check_files(job.train, ("tls_cert", "tls_key", "tls_ca"))
-    addresses = split_addresses(args.addresses)
+    hosting = args.host_shard is not None
+    if hosting and not (args.address_dir and 0 <= args.host_shard < job.shards and args.addresses is None):
+        raise UsageError(f"--host-shard I needs --address-dir and no --addresses, and I in 0..{job.shards - 1} "
+                         f"([job] shards of --config)")
+    if not hosting and not args.addresses:
+        raise UsageError("--addresses is required: every shard's host:port, in shard order")
+    addresses = [] if hosting else split_addresses(args.addresses)
     world = job.workers if args.world is None else args.world
     if not 0 <= args.rank < world:
         raise UsageError(f"--rank must be in 0..{world - 1} for --world {world}, got {args.rank}")
@@ -62,6 +73,13 @@ def run(args: argparse.Namespace) -> int:
     # Started by hand, nobody set OMP_NUM_THREADS for us: W workers each starting one BLAS thread per core made
     # a small model 30x slower than under psctl launch, which gives each worker CPUs / W (as here, unless set).
     limit_blas_threads(args.threads or max(1, usable_cpus() // world))
+    if hosting:
+        from pathlib import Path
+
+        from psgrid.cluster.run.hosting import run_hosting_worker
+
+        run_hosting_worker(job, args.host_shard, Path(args.address_dir), args.rank, world, args.metrics)
+        return 0
     probe_shards(addresses, job.train)     # unreachable, or a TLS handshake that fails: said now, with the reason
     from psgrid.worker.loop import run_worker
 

@@ -2,7 +2,8 @@
 
 A job file has three optional tables::
 
-    [job]     name, shards, workers, out, overwrite, timeout_s, start_timeout_s, restart_failed, max_restarts
+    [job]     name, shards, workers, out, overwrite, timeout_s, start_timeout_s, restart_failed, max_restarts,
+              shard_placement
     [server]  any ServerConfig field (mode, staleness, optimizer, lr, lease_s, checkpoints, ...)
     [train]   any TrainConfig field (model, dataset, batch_size, steps, eval_every, device, ...)
 
@@ -47,6 +48,7 @@ if typing.TYPE_CHECKING:
 
 SECTIONS = ("job", "server", "train")
 SHARD_SECTIONS = ("job", "server")     # what one shard reads of a job file (load_shard_settings)
+SHARD_PLACEMENTS = ("process", "worker")   # where a job's shards run: processes of their own, or in its workers
 
 
 def _train_config():
@@ -100,6 +102,12 @@ class JobConfig:
         ``[server] checkpoint_dir`` and a checkpoint interval).
     max_restarts : int
         How many times each shard may be restarted before the job fails.
+    shard_placement : str
+        ``"process"``: every shard a process of its own, so a worker's death takes nothing of the
+        model with it. ``"worker"``: GeePS' placement, shard i in worker i's own process (``psctl
+        launch`` only), which calls it instead of reaching it over a socket; a worker's death then
+        takes its shard down (the job ends, or under ``restart_failed`` the shard comes back from its
+        checkpoint as a process of its own).
     server, train : ServerConfig, TrainConfig
         Settings shared by every shard (the shard index, count and port are set per
         process) and by every worker.
@@ -116,6 +124,7 @@ class JobConfig:
     start_timeout_s: float = 60.0
     restart_failed: bool = False
     max_restarts: int = 3
+    shard_placement: str = "process"
     server: ServerConfig = field(default_factory=ServerConfig)
     train: TrainConfig = field(default_factory=lambda: _train_config()())
     source: str | None = field(default=None, compare=False)
@@ -387,6 +396,12 @@ def _check_job(job: JobConfig, where: str) -> None:
                           f"checkpoint_every_s: a restarted shard starts from its latest checkpoint")
     if job.max_restarts < 0:
         raise ConfigError(f"{where}: [job] max_restarts must be >= 0, got {job.max_restarts}")
+    if job.shard_placement not in SHARD_PLACEMENTS:
+        raise ConfigError(with_suggestion(f"{where}: [job] shard_placement must be one of "
+                                          f"({', '.join(map(repr, SHARD_PLACEMENTS))}), got {job.shard_placement!r}"))
+    if job.shard_placement == "worker" and job.workers < job.shards:
+        raise ConfigError(f"{where}: [job] shard_placement = \"worker\" puts shard i in worker i's process, so it needs "
+                          f"workers >= shards; got {job.workers} worker(s) for {job.shards} shard(s)")
     if not job.name or "/" in job.name:
         raise ConfigError(f"{where}: [job] name must be a non-empty string without '/', got {job.name!r}")
     if job.server.mode == "sync" and job.train.pull_ahead:

@@ -17,6 +17,10 @@ What the job survives (docs/reliability.md has the whole contract):
   job, unless ``restart_failed`` is set, when it is started again on its address from its
   latest checkpoint (the workers retry meanwhile).
 
+With ``shard_placement = "worker"`` (GeePS' placement) worker i hosts shard i in its own process
+(cluster/run/hosting.py): one child is then both, its death is both's, and a restarted shard
+comes back as a process of its own.
+
 Every failure is listed in the summary. ``--resume DIR`` continues a stopped job from its
 shards' checkpoints toward its total steps (cluster/run/resume.py).
 """
@@ -62,6 +66,9 @@ class Launcher:
     def __init__(self, job: JobConfig, out: Path, progress: bool | None = None, *, bar=None,
                  quiet: bool = False, resumed: list[dict] | None = None, command: list[str] | None = None,
                  launcher: str = "launch"):
+        from psgrid.cluster.run.hosting import check_placement
+
+        check_placement(job, command=command)     # here too for callers of the Python API (LocalCluster)
         job = credentials.secure(job)     # a token and a job id of its own, unless the job gives them
         job = with_shard_device(job)      # shard_device "auto" made "cpu" or "gpu" here; job.toml says which
         self.job = job
@@ -93,6 +100,9 @@ class Launcher:
         secret = credentials.child_env(job)       # the token travels in the environment, never in argv
         self.worker_env = child_env(secret, threads=max(1, cpus // job.workers))
         self.shard_env = child_env(secret, threads=1)
+        # shard_placement = "worker": shard i lives in worker i's process, one child for both
+        self.hosting = job.shard_placement == "worker"
+        self.trained_at: dict[int, float] = {}    # rank -> when a hosting worker's training ended
 
     # -- phases ------------------------------------------------------------------------------
 
@@ -102,11 +112,28 @@ class Launcher:
                           "--num-shards", str(self.job.shards), "--port", str(port), "--address-file", str(addr_file))
         return Child(f"server {i}", argv, self.out / "logs" / f"server-{i}.log", self.shard_env)
 
+    def _hosting_child(self, i: int) -> Child:
+        """Worker i, hosting shard i in its own process: it publishes the shard's address as a shard would."""
+        job = self.job
+        argv = psctl_argv("worker", "--config", str(self.job_file), "--host-shard", str(i), "--address-dir",
+                          str(self.out / "addr"), "--rank", str(i), "--world", str(job.workers), "--metrics",
+                          str(self._metrics_path(i)))
+        return Child(f"worker {i} (hosting shard {i})", argv, self.out / "logs" / f"worker-{i}.log",
+                     dict(self.worker_env, LOCAL_RANK=str(i)))
+
+    def _metrics_path(self, rank: int) -> Path:
+        return self.out / "metrics" / f"worker-{rank}.jsonl"
+
+    def hosts(self, rank: int) -> bool:
+        """Whether worker ``rank``'s process is the one that serves a shard (it must not be stopped alone)."""
+        return self.hosting and rank < len(self.shards) and rank < len(self.workers) \
+            and self.workers[rank] is self.shards[rank]
+
     def start_shards(self) -> None:
         job = self.job
         for i in range(job.shards):
             with deferred_signals():  # a signal between fork and append would leave a child we do not know
-                self.shards.append(self._shard_child(i, 0))
+                self.shards.append(self._hosting_child(i) if self.hosting else self._shard_child(i, 0))
         deadline = time.monotonic() + job.start_timeout_s
         files = [self.out / "addr" / f"shard-{i}" for i in range(job.shards)]
         while not all(f.exists() for f in files):
@@ -131,7 +158,11 @@ class Launcher:
         job = self.job
         addresses = ",".join(self.addresses)
         for rank in range(job.workers):
-            metrics = self.out / "metrics" / f"worker-{rank}.jsonl"
+            metrics = self._metrics_path(rank)
+            if self.hosting and rank < job.shards:      # started with its shard, by start_shards
+                self.workers.append(self.shards[rank])
+                self.jobrun.tail.add(metrics)
+                continue
             if self.command:
                 argv = self.command
                 env = user_script.worker_env(self.worker_env, job, self.out, self.addresses, rank, job.workers, rank)
@@ -160,6 +191,9 @@ class Launcher:
                 self._check_shards()
                 for rank, w in enumerate(self.workers):
                     code = w.poll()
+                    if code is None and self.hosts(rank) and rank in self.state.done:
+                        code = 0        # trained; its process serves its shard on until the job ends
+                        self.trained_at.setdefault(rank, time.time())
                     if code is None:
                         self._stop_if_evicted(rank, w, progress)
                     elif rank not in reported:
@@ -190,8 +224,9 @@ class Launcher:
                 self.relay.pump(final=True)
             if progress is not self.bar:
                 progress.close()
-        wall = max((w.ended or time.time()) for w in self.workers) - min(w.started for w in self.workers)
-        if not any(w.returncode == 0 for w in self.workers):
+        ended = [self.trained_at.get(rank) or w.ended or time.time() for rank, w in enumerate(self.workers)]
+        wall = max(ended) - min(w.started for w in self.workers)
+        if not any(code == 0 for code in self.worker_exits().values()):
             for f in self.failures:
                 f["tolerated"] = False
             exits = "; ".join(f"{w.name} {w.describe_exit()}" for w in self.workers)
@@ -202,8 +237,8 @@ class Launcher:
 
     def _stop_if_evicted(self, rank: int, worker: Child, progress) -> None:
         """Stop a worker whose process lives on after the shards evicted it (a hung training loop)."""
-        if rank not in self.state.started or rank in self.state.done or self.watch is None:
-            return
+        if rank not in self.state.started or rank in self.state.done or self.watch is None or self.hosts(rank):
+            return        # (a hosting worker's process is a shard's too: it is never stopped alone)
         started = self.started_at.setdefault(rank, time.monotonic())
         absent = self.watch.absent_since(rank, started)
         # Two leases and a margin: long enough for an evicted worker that still runs to register again.
@@ -218,16 +253,16 @@ class Launcher:
     def _check_shards(self) -> None:
         for i, s in enumerate(self.shards):
             if s.poll() is not None:
-                if self._may_restart(s):
+                if self._may_restart(i):
                     self._restart_shard(i, s)
                     continue
                 self._record_failure(s, "server", i, tolerated=False)
                 raise JobFailed(f"{s.name} (pid {s.pid}) {s.describe_exit()}; a job cannot go on without "
                                 f"one of its shards. Last lines of {s.log_path}:\n{_indent(s.tail())}")
 
-    def _may_restart(self, shard: Child) -> bool:
+    def _may_restart(self, i: int) -> bool:
         job = self.job
-        return bool(job.restart_failed and self.addresses and sum(r["name"] == shard.name for r in self.restarts)
+        return bool(job.restart_failed and self.addresses and sum(r["shard"] == i for r in self.restarts)
                     < job.max_restarts)
 
     def _restart_shard(self, i: int, dead: Child) -> None:
@@ -243,15 +278,16 @@ class Launcher:
                               "exit_code": dead.returncode, "tolerated": True, "restarted": True,
                               "log": str(dead.log_path), "tail": dead.tail(10)})
         self.jobrun.event("shard_restart", **restart)
-        n = sum(r["name"] == dead.name for r in self.restarts)
+        n = sum(r["shard"] == i for r in self.restarts)
+        hosted = f"; shard {i} comes back as a process of its own" if self.hosts(i) else ""
         print(f"psctl launch: {dead.name} {dead.describe_exit()}; restarting it on {self.addresses[i]} from its "
-              f"checkpoint at version {restart['checkpoint_version']} (restart {n} of {self.job.max_restarts})",
-              file=sys.stderr, flush=True)
+              f"checkpoint at version {restart['checkpoint_version']} (restart {n} of {self.job.max_restarts})"
+              f"{hosted}", file=sys.stderr, flush=True)
         with deferred_signals():
             self.shards[i] = self._shard_child(i, port)
 
     def _record_failure(self, child: Child, role: str, index: int, tolerated: bool) -> None:
-        if any(f["name"] == child.name and f["pid"] == child.pid for f in self.failures):
+        if any(f["name"] == child.name and f["pid"] == child.pid and f["role"] == role for f in self.failures):
             return
         self.failures.append({
             "name": child.name, "role": role, "index": index, "pid": child.pid,
@@ -271,15 +307,16 @@ class Launcher:
             self.watch.close()
 
     def stop_workers(self) -> None:
-        stop_children(self.workers, STOP_GRACE_S)
+        """Stop the workers, but not a process that serves a shard too (stopped with the shards)."""
+        stop_children([w for rank, w in enumerate(self.workers) if not self.hosts(rank)], STOP_GRACE_S)
 
     def stop_all(self) -> None:
         self.stop_watching()
-        stop_children(self.workers + self.shards, STOP_GRACE_S)
+        stop_children(list({id(c): c for c in self.workers + self.shards}.values()), STOP_GRACE_S)
 
     def worker_exits(self) -> dict[int, int | None]:
-        """Each worker's exit code, by rank (None: still running)."""
-        return {rank: w.returncode for rank, w in enumerate(self.workers)}
+        """Each worker's exit code, by rank (None: still running); a hosting worker that trained counts 0."""
+        return {rank: 0 if rank in self.trained_at else w.returncode for rank, w in enumerate(self.workers)}
 
     def last_shard_stats(self) -> list[dict]:
         """Every shard's counters as last read while the job trained (none read: [])."""
@@ -297,8 +334,9 @@ class Launcher:
             if not self.quiet:
                 model = "" if self.command else f" of {footprint(job).describe()}"     # a script's model is its own
                 metrics = f" (metrics on {','.join(self.metrics_at)})" if self.metrics_at else ""
+                placed = " (shard i in worker i's process: shard_placement = worker)" if self.hosting else ""
                 print(f"psctl launch: {job.shards} {job.server.shard_device.upper()} shard(s) at "
-                      f"{','.join(self.addresses)}{metrics} applying "
+                      f"{','.join(self.addresses)}{metrics}{placed} applying "
                       f"{job.server.describe_optimizer()}; starting {job.workers} worker(s){model}; logs in "
                       f"{self.out / 'logs'}", file=sys.stderr, flush=True)
                 note = mps_note(job)
