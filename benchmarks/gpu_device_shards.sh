@@ -15,7 +15,8 @@
 #     --repeats prints them), whether a worker's matrix products slow down right after another
 #     process used the GPU (gpu_context_switch.py --mlp), and a profile of the worker's Python in sync.
 #  8. GeePS' placement: the device shard in the worker's own process (the in-process plane) beside a
-#     shard process of its own (CUDA IPC) and no servers, MLP and CNN, without MPS then under it.
+#     shard process of its own (CUDA IPC) and no servers, MLP and CNN, without MPS then under it; then
+#     whole jobs (psctl bench train --shard-placement process,worker), one worker and two sharing the GPU.
 # Logs land in $OUT. PARTS="1 2" runs only those parts.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -120,6 +121,9 @@ for mps in off on; do
     python3 benchmarks/gpu_workers.py --model $model --repeats "$REPEATS" --modes async,sync --device-planes ipc,local \
       --steps 150 --json "$OUT/placement-$model-mps-$mps.jsonl" 2>&1 | tee -a "$OUT/placement.log" | grep -v '^{'
   done
+  [ $mps = off ] && psctl bench train --device gpu --shard-device gpu --shard-placement process,worker \
+    --models mlp,cnn --hidden 4096,4096 --batch-size 512 --shards 1 --workers 1,2 --modes async,sync \
+    --steps 300 --repeats "$REPEATS" 2>&1 | tee "$OUT/placement-bench-train.log"
 done
 mps_off
 fi

@@ -63,10 +63,17 @@ def test_bench_ps_json_rows_name_their_suite_settings_and_the_floor(tmp_path):
 def test_bench_train_json_rows_have_the_breakdown_beside_no_servers(tmp_path, pull_ahead):
     done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "bench", "train", "--models", "mlp",
                            "--modes", "async", "--hidden", "32", "--batch-size", "32", "--steps", "20",
-                           "--shards", "1", "--workers", "1", "--json", *(["--pull-ahead"] if pull_ahead else [])],
+                           "--shards", "1", "--workers", "1", "--json",
+                           *(["--pull-ahead"] if pull_ahead else ["--shard-placement", "process,worker"])],
                           capture_output=True, text=True, timeout=230, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    alone, served = [json.loads(line) for line in done.stdout.splitlines()]
+    alone, served, *hosted = [json.loads(line) for line in done.stdout.splitlines()]
+    if not pull_ahead:      # the same job with its shard in the worker's process, which calls it
+        (hosted,) = hosted
+        assert (hosted["shard_placement"], hosted["planes_used"], hosted["mode"]) == ("worker", ["local"], "async")
+        assert hosted["samples_per_s"] > 0 and hosted["push_s"] > 0
+        assert hosted["ratio_vs_no_servers"] == pytest.approx(hosted["samples_per_s"] / alone["samples_per_s"])
+    assert served["shard_placement"] == "process"
     assert (alone["mode"], alone["shards"], alone["ratio_vs_no_servers"]) == ("none", 0, 1.0)
     assert (served["suite"], served["model"], served["mode"], served["data_plane"]) == ("train", "mlp", "async", "shm")
     assert served["planes_used"] == ["shm"] and served["params"] == alone["params"]

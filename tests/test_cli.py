@@ -59,7 +59,7 @@ def test_no_command_prints_help_and_fails(capsys):
     (["server", "--shard", "2", "--num-shards", "2"], "shard index 2 is outside 0..1"),
     (["worker", "--addresses", "localhost"], "--addresses expects host:port"),
     (["worker", "--addresses", "127.0.0.1:1", "--rank", "5", "--world", "2"], "--rank must be in 0..1"),
-    (["worker"], "the following arguments are required: --addresses"),
+    (["worker"], "--addresses is required: every shard's host:port, in shard order"),
     (["status", "--address-dir", "/nonexistent"], "no shard-I address files in /nonexistent"),     # none: ./runs
     (["status", "--addresses", "host:port"], "--addresses expects host:port"),
     (["launch", "--set", "servers=2"], "'servers' was renamed: use shards = N (the number of shard processes)"),

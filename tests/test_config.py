@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from psgrid.cluster.job.config import (
-    EXAMPLES_DIR, ConfigError, JobConfig, apply_overrides, dump_toml, example_names, job_from_dict, load_job,
+    EXAMPLES_DIR, ConfigError, JobConfig, apply_overrides, example_names, job_from_dict, load_job,
     parse_assignment, resolve_config_path, route,
 )
+from psgrid.cluster.job.toml_writer import dump_toml
 
 if sys.version_info >= (3, 11):
     import tomllib

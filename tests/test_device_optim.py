@@ -115,3 +115,38 @@ def test_bad_arrays_and_settings_are_refused_and_change_nothing(cupy):
     with pytest.raises(InvalidArgument):
         device.load_state_dict({"steps": 1, "momentum_buffer": np.full(16, np.nan, np.float32)})
     assert device.steps == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name, hparams", CASES)
+def test_a_published_copy_is_written_in_the_same_pass_and_changes_no_maths(cupy, name, hparams):
+    # A device shard publishes each version as a copy of its own weights, written by the update itself.
+    rng = np.random.default_rng(zlib.crc32(f"publish{name}{hparams}".encode()))
+    published, plain = make_device(name, SIZE, **hparams), make_device(name, SIZE, **hparams)
+    w_published = cupy.asarray(rng.standard_normal(SIZE).astype(np.float32))
+    w_plain = w_published.copy()
+    for step in range(3):
+        g = cupy.asarray(rng.standard_normal(SIZE).astype(np.float32))
+        copy = cupy.full(SIZE, cupy.nan, cupy.float32)          # poisoned: every element must be written
+        published.step(w_published, g, SCALES[step], publish=copy)
+        plain.step(w_plain, g, SCALES[step])
+        np.testing.assert_array_equal(cupy.asnumpy(copy), cupy.asnumpy(w_published))
+        np.testing.assert_array_equal(cupy.asnumpy(w_published), cupy.asnumpy(w_plain))
+    for key, value in published.state_dict().items():
+        np.testing.assert_array_equal(value, plain.state_dict()[key])
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
+def test_the_finite_check_finds_one_bad_value_anywhere(cupy):
+    from psgrid.psserver.kernels.device_optim import all_finite
+
+    values = cupy.ones(SIZE, cupy.float32)
+    assert all_finite(values) and all_finite(values[:1])
+    for where in (0, SIZE // 2, SIZE - 1):
+        for bad in (np.nan, np.inf, -np.inf):
+            values[where] = bad
+            assert not all_finite(values), (where, bad)
+            values[where] = 1.0
+    assert all_finite(values)

@@ -326,6 +326,20 @@ def test_the_default_job_trains_on_device_shards_over_cuda_ipc(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_the_default_job_trains_with_each_device_shard_in_its_workers_process(tmp_path):
+    # shard_placement = "worker": each worker calls its own shard on the GPU and reaches the other's over IPC.
+    cupy_or_skip()
+    out = tmp_path / "run"
+    summary, planes, said = _launch_mnist_on_device_shards(out, tmp_path / "no-mps-here", "--set",
+                                                           "shard_placement=worker")
+    assert summary["shard_device"] == "gpu" and summary["test_accuracy"] >= 0.9, summary["test_accuracy"]
+    starts = {e["rank"]: e["data_planes"] for e in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+              if e.get("event") == "start"}
+    assert starts == {0: ["local", "ipc"], 1: ["ipc", "local"]}, starts
+    assert "shard_placement = worker" in said and not (out / "logs" / "server-0.log").exists()
+
+
+@pytest.mark.timeout(300)
 def test_under_an_mps_daemon_the_job_trains_over_cuda_ipc_and_nothing_is_said(tmp_path):
     # MPS gives the shard and the workers one GPU context; CUDA IPC must work between its clients.
     import shutil

@@ -18,7 +18,7 @@ from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.protocol import Outcome, Reason
 from psgrid.psserver.server import serve
 from psgrid.psserver.spec import ModelSpec
-from psgrid.psserver.transports.local_server import hosted_service
+from psgrid.psserver.transports.local_registry import hosted_service
 from tests.support import REGRESSION, make_problem, regression_grad, run_threads
 
 SPEC = ModelSpec([("w", (1000,)), ("b", (10,))])

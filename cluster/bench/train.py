@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+from itertools import product
 import tempfile
 import time
 from pathlib import Path
@@ -110,7 +111,7 @@ def check(models, device, shards, workers, hidden, batch_size, steps, shard_devi
 
 
 def rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, shard_device="auto",
-         pull_ahead=False):
+         pull_ahead=False, placements=("process",)):
     for model in models:
         base = base_job(model, device, hidden, batch_size, steps, shard_device)
         alone = no_servers(base.train)
@@ -119,44 +120,47 @@ def rows(models, modes, device, shards, workers, planes, hidden, batch_size, ste
                "batch_size": batch_size,
                "samples_per_s": alone["samples_per_s"], "compute_s": alone["step_s"], "pull_s": 0.0, "push_s": 0.0,
                "wait_s": 0.0, "warmup_s": alone["warmup_s"], "ratio_vs_no_servers": 1.0}
-        for s in shards:
-            for w in workers:
-                for plane in planes:
-                    for mode in modes:
-                        ahead = pull_ahead and mode != "sync"        # sync has nothing to pull ahead
-                        job = apply_overrides(base, {"shards": s, "workers": w, "mode": mode,
-                                                     "shared_memory": plane == "shm", "pull_ahead": ahead,
-                                                     "data_plane": "grpc" if plane == "grpc" else "tcp"})
-                        runs = [with_servers(job) for _ in range(repeats)]
-                        best = {k: statistics.median(r[k] for r in runs)
-                                for k in ("samples_per_s", "pull_s", "wait_s", "compute_s", "push_s", "warmup_s")}
-                        yield {"suite": "train", "params": alone["params"], "shards": s, "workers": w, "mode": mode,
-                               "model": model, "data_plane": plane, "planes_used": runs[0]["planes_used"],
-                               "device": alone["device"], "shard_device": runs[0]["shard_device"],
-                               "batch_size": batch_size, "pull_ahead": runs[0]["pulled_ahead"], **best,
-                               "ratio_vs_no_servers": best["samples_per_s"] / alone["samples_per_s"],
-                               "repeats": repeats}
+        for s, w, plane, mode, placement in product(shards, workers, planes, modes, placements):
+            if placement == "worker" and w < s:
+                continue          # shard i lives in worker i: there must be a worker per shard
+            ahead = pull_ahead and mode != "sync"        # sync has nothing to pull ahead
+            job = apply_overrides(base, {"shards": s, "workers": w, "mode": mode,
+                                         "shared_memory": plane == "shm", "pull_ahead": ahead,
+                                         "data_plane": "grpc" if plane == "grpc" else "tcp",
+                                         "shard_placement": placement})
+            runs = [with_servers(job) for _ in range(repeats)]
+            best = {k: statistics.median(r[k] for r in runs)
+                    for k in ("samples_per_s", "pull_s", "wait_s", "compute_s", "push_s", "warmup_s")}
+            yield {"suite": "train", "params": alone["params"], "shards": s, "workers": w, "mode": mode,
+                   "model": model, "data_plane": plane, "planes_used": runs[0]["planes_used"],
+                   "device": alone["device"], "shard_device": runs[0]["shard_device"],
+                   "shard_placement": placement, "batch_size": batch_size, "pull_ahead": runs[0]["pulled_ahead"],
+                   **best,
+                   "ratio_vs_no_servers": best["samples_per_s"] / alone["samples_per_s"],
+                   "repeats": repeats}
 
 
 def run(*, models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, as_json,
-        shard_device="auto", out=sys.stdout, pull_ahead: bool = False) -> list[dict]:
-    """Every configuration's row, printed as it comes (a table, or JSON lines); ``shard_device`` as the job key."""
+        shard_device="auto", out=sys.stdout, pull_ahead: bool = False, placements=("process",)) -> list[dict]:
+    """Every configuration's row, printed as it comes (a table, or JSON lines); ``shard_device`` and
+    ``placements`` (``shard_placement``) as the job keys."""
     check(models, device, shards, workers, hidden, batch_size, steps, shard_device)
     found = []
     if not as_json and pull_ahead:
         print("async and ssp pull ahead (pull_ahead = true): pull ms is what a step still waited for its weights",
               file=out, flush=True)
     if not as_json:
-        print(f"{'model':>5} {'params':>8} {'S':>2} {'W':>2} {'shard':>5} {'plane':>5} {'mode':>6} {'samples/s':>10} "
+        print(f"{'model':>5} {'params':>8} {'S':>2} {'W':>2} {'shard':>5} {'in':>7} {'plane':>5} {'mode':>6} {'samples/s':>10} "
               f"{'x alone':>7} {'pull ms':>8} {'wait ms':>8} {'compute ms':>10} {'push ms':>8}", file=out, flush=True)
     for row in rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, shard_device,
-                    pull_ahead):
+                    pull_ahead, placements):
         found.append(row)
         if as_json:
             print(json.dumps(row), file=out, flush=True)
         else:
             print(f"{row['model']:>5} {row['params'] / 1e6:7.2f}M {row['shards']:>2} {row['workers']:>2} "
-                  f"{row['shard_device'] or '-':>5} {row['data_plane'] or '-':>5} {row['mode']:>6} "
+                  f"{row['shard_device'] or '-':>5} {row.get('shard_placement') or '-':>7} {row['data_plane'] or '-':>5} "
+                  f"{row['mode']:>6} "
                   f"{row['samples_per_s']:10.0f} {row['ratio_vs_no_servers']:7.2f} {1e3 * row['pull_s']:8.2f} "
                   f"{1e3 * row['wait_s']:8.2f} {1e3 * row['compute_s']:10.2f} {1e3 * row['push_s']:8.2f}",
                   file=out, flush=True)

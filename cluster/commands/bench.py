@@ -92,6 +92,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     tr.add_argument("--shard-device", choices=SHARD_DEVICES, default="auto",
                     help="where the shards keep weights, optimizer state and update: gpu, cpu, or auto (the GPU "
                          "when the workers compute on one; default)")
+    tr.add_argument("--shard-placement", type=_names(("process", "worker")), default=["process"],
+                    help="where the shards run: process (each a process of its own; default), worker (shard i in "
+                         "worker i's process, GeePS' placement), or both: process,worker")
     tr.add_argument("--hidden", type=_counts, default=None, help="MLP widths (default 1024,1024)")
     tr.add_argument("--batch-size", type=int, default=None, help="batch per worker (default 256)")
     tr.add_argument("--steps", type=int, default=None, help="steps per worker (default 60)")
@@ -121,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
                         workers=args.workers or [2], planes=args.planes or ["shm"],
                         hidden=args.hidden or [1024, 1024], batch_size=args.batch_size or 256,
                         steps=args.steps or 60, repeats=max(1, args.repeats), as_json=args.json,
-                        shard_device=args.shard_device, pull_ahead=args.pull_ahead)
+                        shard_device=args.shard_device, pull_ahead=args.pull_ahead,
+                        placements=args.shard_placement)
         return 0
     what = ("transport", "apply") if args.target == "transport" else ("apply",)
     bench(sizes=args.sizes, repeat=max(1, args.repeat), as_json=args.json, what=what)

@@ -24,8 +24,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import difflib
-import json
-import math
 import re
 import sys
 import types
@@ -40,6 +38,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 from psgrid.cluster.job.credentials import resolve_token
+from psgrid.cluster.job.toml_writer import dump_toml
 from psgrid.cluster.errors import ConfigError
 from psgrid.psserver.config import ServerConfig
 
@@ -478,37 +477,3 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     except tomllib.TOMLDecodeError:
         value = raw
     return key, value
-
-
-# ---------------------------------------------------------------------------------------------
-# Writing
-
-
-def dump_toml(tables: Mapping[str, Mapping[str, Any]]) -> str:
-    """Write ``{table: {key: value}}`` as TOML (scalars and flat lists only, which is all a job has)."""
-    lines: list[str] = []
-    for table, values in tables.items():
-        lines.append(f"[{table}]")
-        for key, value in values.items():
-            if value is not None:
-                lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} to TOML")

@@ -29,12 +29,31 @@ from psgrid.psserver.kernels.optim import NON_FINITE, checked_state, make_optimi
 # d: the gradient with weight decay; each kernel writes the next weights into `out` (may be `w` itself).
 _DECAYED = "float d = g; if (wd != 0.0f) { d = w * wd + d; }\n"
 
-_SGD = cupy.ElementwiseKernel(
+
+def _kernels(inputs: str, outputs: str, body: str, name: str) -> tuple:
+    """The update as a kernel, and as one that also writes the next weights into ``pub``: a device shard
+    publishes each version as a copy of its own weights, and writing it in the same pass saves reading
+    them again."""
+    return (cupy.ElementwiseKernel(inputs, outputs, body, name),
+            cupy.ElementwiseKernel(inputs, outputs + ", float32 pub", body + "\npub = out;", name + "_published"))
+
+
+# How many elements are NaN or infinite, in one pass that reads each once (no array of flags).
+_NON_FINITE = cupy.ReductionKernel("float32 x", "int32 bad", "isfinite(x) ? 0 : 1", "a + b", "bad = a", "0",
+                                   "psgrid_non_finite")
+
+
+def all_finite(array) -> bool:
+    """Whether a float32 device array holds no NaN or infinity (one read of it, then a wait for the answer)."""
+    return not int(_NON_FINITE(array))
+
+
+_SGD = _kernels(
     "float32 w, float32 g, float32 lr, float32 wd", "float32 out",
     _DECAYED + "out = w - d * lr;",
     "psgrid_sgd")
 
-_MOMENTUM = cupy.ElementwiseKernel(
+_MOMENTUM = _kernels(
     "float32 w, float32 g, float32 lr, float32 wd, float32 mu, int32 nesterov", "float32 out, float32 v",
     _DECAYED + """
     float vel = v * mu + d;
@@ -45,7 +64,7 @@ _MOMENTUM = cupy.ElementwiseKernel(
     "psgrid_momentum")
 
 # torch's order: m += (1 - b1) * (g - m); v = b2 * v + (1 - b2) * g * g; w -= step_size * m / (sqrt(v) + eps_hat)
-_ADAM = cupy.ElementwiseKernel(
+_ADAM = _kernels(
     "float32 w, float32 g, float32 step_size, float32 wd, float32 one_minus_b1, float32 b2, "
     "float32 one_minus_b2, float32 eps_hat",
     "float32 out, float32 m, float32 v",
@@ -77,7 +96,8 @@ class DeviceOptimizer:
         self.steps = 0
         self._buffers = {name: cupy.zeros(self.size, cupy.float32) for name in buffers}
 
-    def step(self, weights, grad, lr_scale: float = 1.0, *, out=None, check_finite: bool = False) -> None:
+    def step(self, weights, grad, lr_scale: float = 1.0, *, out=None, check_finite: bool = False,
+             publish=None) -> None:
         """Apply one update to ``weights``, in place or into ``out``; ``grad`` is only read.
 
         Parameters
@@ -90,6 +110,8 @@ class DeviceOptimizer:
             Where the updated weights go (``weights`` itself by default).
         check_finite : bool, optional
             Refuse a gradient with NaN or infinity first (one reduction over it), changing nothing.
+        publish : cupy.ndarray, optional
+            Also write the updated weights here, in the same pass (a device shard's published copy).
 
         Raises
         ------
@@ -98,19 +120,20 @@ class DeviceOptimizer:
             gradient that is not finite; nothing is changed then.
         """
         out = weights if out is None else out
-        for name, a in (("weights", weights), ("grad", grad), ("out", out)):
+        arrays = (("weights", weights), ("grad", grad), ("out", out))
+        for name, a in arrays + ((("publish", publish),) if publish is not None else ()):
             if not isinstance(a, cupy.ndarray) or a.dtype != np.float32 or a.shape != (self.size,):
                 got = f"{a.dtype} {a.shape}" if hasattr(a, "dtype") else type(a).__name__
                 raise InvalidArgument(f"{name} must be a float32 CuPy array of shape ({self.size},), got "
                                       f"{type(a).__module__}.{type(a).__name__} {got}")
         if isinstance(lr_scale, bool) or not 0.0 < float(lr_scale) < math.inf:
             raise InvalidArgument(f"lr_scale must be finite and > 0, got {lr_scale!r}")
-        if check_finite and not bool(cupy.isfinite(grad).all()):
+        if check_finite and not all_finite(grad):
             raise NON_FINITE()
         self.steps += 1
-        self._launch(weights, grad, self.lr * float(lr_scale), out)
+        self._launch(weights, grad, self.lr * float(lr_scale), out, publish)
 
-    def _launch(self, w, g, lr: float, out) -> None:
+    def _launch(self, w, g, lr: float, out, publish) -> None:
         raise NotImplementedError
 
     def warm_up(self) -> None:
@@ -120,7 +143,8 @@ class DeviceOptimizer:
         scratch.size = 1
         scratch._buffers = {name: cupy.zeros(1, cupy.float32) for name in self._buffers}
         one = cupy.ones(1, cupy.float32)
-        scratch.step(one, one.copy())
+        scratch.step(one, one.copy(), check_finite=True)
+        scratch.step(one, one.copy(), publish=one.copy())
         cupy.cuda.get_current_stream().synchronize()
 
     def state_dict(self) -> dict[str, np.ndarray | int]:
@@ -158,13 +182,14 @@ class DeviceSGD(DeviceOptimizer):
             self._buffers["momentum_buffer"].fill(0.0)
         self.momentum = float(momentum)
 
-    def _launch(self, w, g, lr, out):
+    def _launch(self, w, g, lr, out, publish):
         f32 = np.float32
+        published = () if publish is None else (publish,)
         if self.momentum:
-            _MOMENTUM(w, g, f32(lr), f32(self.weight_decay), f32(self.momentum), np.int32(self.nesterov),
-                      out, self._buffers["momentum_buffer"])
+            _MOMENTUM[bool(published)](w, g, f32(lr), f32(self.weight_decay), f32(self.momentum),
+                                       np.int32(self.nesterov), out, self._buffers["momentum_buffer"], *published)
         else:
-            _SGD(w, g, f32(lr), f32(self.weight_decay), out)
+            _SGD[bool(published)](w, g, f32(lr), f32(self.weight_decay), out, *published)
 
 
 class DeviceAdam(DeviceOptimizer):
@@ -174,13 +199,15 @@ class DeviceAdam(DeviceOptimizer):
         super().__init__(host, ("exp_avg", "exp_avg_sq"))
         self.beta1, self.beta2, self.eps = host.beta1, host.beta2, host.eps
 
-    def _launch(self, w, g, lr, out):
+    def _launch(self, w, g, lr, out, publish):
         # The host's scalars, computed the host's way in float64, then met as float32 by the arrays.
         sqrt_bc2 = math.sqrt(1.0 - self.beta2 ** self.steps)
         step_size = lr / (1.0 - self.beta1 ** self.steps) * sqrt_bc2
         f32 = np.float32
-        _ADAM(w, g, f32(step_size), f32(self.weight_decay), f32(1.0 - self.beta1), f32(self.beta2),
-              f32(1.0 - self.beta2), f32(self.eps * sqrt_bc2), out, self._buffers["exp_avg"], self._buffers["exp_avg_sq"])
+        published = () if publish is None else (publish,)
+        _ADAM[bool(published)](w, g, f32(step_size), f32(self.weight_decay), f32(1.0 - self.beta1), f32(self.beta2),
+                               f32(1.0 - self.beta2), f32(self.eps * sqrt_bc2), out, self._buffers["exp_avg"],
+                               self._buffers["exp_avg_sq"], *published)
 
 
 _DEVICE_KINDS = {"sgd": DeviceSGD, "adam": DeviceAdam}

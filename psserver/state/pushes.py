@@ -278,7 +278,7 @@ class Pushes:
                                 delay=self.delay, pulled=None if pulled is None else ring.arrays[pulled])
 
     def _step_device(self, ring: WeightRing, grad, lr_scale: float, target: int, check_finite: bool = False) -> None:
-        """A device shard's step: its own weights (``master``) updated in place, then copied into buffer ``target``.
+        """A device shard's step: its own weights (``master``) updated in place and written into buffer ``target``.
 
         Readers map the ring's buffers through CUDA IPC, which can only map them writable: the shard
         reads none of them, so a reader that writes one changes what readers of that version copy,
@@ -286,8 +286,8 @@ class Pushes:
         """
         if self.auto_momentum:
             self._tune_momentum()
-        self.optimizer.step(self.master, grad, lr_scale, check_finite=check_finite)
-        ring.arrays[target][...] = self.master
+        # The published copy is written in the update's own pass (the next weights go to both buffers).
+        self.optimizer.step(self.master, grad, lr_scale, check_finite=check_finite, publish=ring.arrays[target])
 
     def _tune_momentum(self) -> None:
         """async_momentum = "auto": the explicit momentum less what the live workers' asynchrony adds.

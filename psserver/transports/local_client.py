@@ -16,9 +16,8 @@ import numpy as np
 
 from psgrid.psserver import dtypes as wire
 from psgrid.psserver.protocol import FLOAT32, PushResult
-from psgrid.psserver.service import ShardService
 from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, register_data_plane
-from psgrid.psserver.transports.local_server import hosted_service
+from psgrid.psserver.transports.local_registry import hosted_service
 
 
 class LocalDataPlane(DataPlane):
@@ -28,8 +27,8 @@ class LocalDataPlane(DataPlane):
     title = "in-process plane"
     reads_in_place = True
 
-    def __init__(self, service: ShardService, gpu: int | None):
-        self.service = service
+    def __init__(self, service, gpu: int | None):
+        self.service = service          # the shard's ShardService, called as its transports call it
         arrays = service.shard.arrays
         # The caller's device arrays are the shard's to read only on the shard's own GPU.
         self.takes_device_arrays = bool(arrays.on_gpu and gpu is not None and gpu == arrays.index)

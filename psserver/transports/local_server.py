@@ -2,9 +2,10 @@
 
 GeePS' placement (Cui et al., EuroSys 2016): a worker that hosts a shard in its own process needs
 no socket, no frame and no copy to reach it. A shard started with ``in_process_clients``
-(``serve(config, in_process_clients=True)``) registers its service here under a random key and
-offers ``pid|key``; a client of the same process finds the service by that offer and calls it
-(local_client.py), and a client of any other process cannot (another pid: it takes the next plane).
+(``serve(config, in_process_clients=True)``) enters its service in this process's table
+(local_registry.py) under a random key and offers ``pid|key``; a client of the same process finds
+the service by that offer and calls it (local_client.py), and a client of any other process cannot
+(another pid: it takes the next plane).
 A pull lends the shard's current buffer (on its GPU for a device shard); a push hands the caller's
 gradient over to be read where it lies, during the call only.
 
@@ -15,24 +16,9 @@ reached over the planes other processes use.
 
 from __future__ import annotations
 
-import os
-import secrets
-import threading
-
 from psgrid.psserver.service import ShardService
+from psgrid.psserver.transports import local_registry
 from psgrid.psserver.transports.base import ListenContext, Listening, register_listener
-
-_HOSTED: dict[str, ShardService] = {}      # the shards of this process that serve it by calls, by key
-_LOCK = threading.Lock()
-
-
-def hosted_service(address: str) -> ShardService | None:
-    """The service an in-process offer (``pid|key``) names, if it is this process's and still serving."""
-    pid, _, key = address.partition("|")
-    if pid != str(os.getpid()):      # an offer of another process (or of this one's parent, before a fork)
-        return None
-    with _LOCK:
-        return _HOSTED.get(key)
 
 
 class InProcessListener:
@@ -40,16 +26,14 @@ class InProcessListener:
 
     def __init__(self, service: ShardService):
         self.service = service
-        self.key = secrets.token_hex(8)
-        self.address = f"{os.getpid()}|{self.key}"
+        self.address: str | None = None      # offered while started
 
     def start(self) -> None:
-        with _LOCK:
-            _HOSTED[self.key] = self.service
+        self.address = local_registry.enter(self.service)
 
     def stop(self) -> None:
-        with _LOCK:
-            _HOSTED.pop(self.key, None)
+        if self.address is not None:
+            local_registry.leave(self.address)
 
 
 def _listen(service: ShardService, config, context: ListenContext) -> Listening | None:
