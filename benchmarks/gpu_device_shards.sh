@@ -114,16 +114,18 @@ fi
 
 if part 8; then
 echo "== 8. the shard in the worker's process (local) beside a shard process (ipc): without MPS, then under it"
+# PLACEMENT_AB=0 or PLACEMENT_BENCH=0 leaves out the alternating figures or the whole jobs.
 for mps in off on; do
   [ $mps = on ] && mps_on
   for model in mlp cnn; do
+    [ "${PLACEMENT_AB:-1}" = 0 ] && continue
     echo "-- $model, MPS $mps"
     python3 benchmarks/gpu_workers.py --model $model --repeats "$REPEATS" --modes async,sync --device-planes ipc,local \
       --steps 150 --json "$OUT/placement-$model-mps-$mps.jsonl" 2>&1 | tee -a "$OUT/placement.log" | grep -v '^{'
   done
-  [ $mps = off ] && psctl bench train --device gpu --shard-device gpu --shard-placement process,worker \
+  [ $mps = off ] && [ "${PLACEMENT_BENCH:-1}" != 0 ] && psctl bench train --device gpu --shard-device gpu --shard-placement process,worker \
     --models mlp,cnn --hidden 4096,4096 --batch-size 512 --shards 1 --workers 1,2 --modes async,sync \
-    --steps 300 --repeats "$REPEATS" 2>&1 | tee "$OUT/placement-bench-train.log"
+    --steps 300 --repeats "${BENCH_REPEATS:-$REPEATS}" 2>&1 | tee "$OUT/placement-bench-train.log"
 done
 mps_off
 fi
