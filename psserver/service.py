@@ -320,27 +320,21 @@ class ShardService:
 
     def push_device(self, *, worker_id: int, clock: int, version: int, slot) -> PushResult:
         """One gradient in a worker's slot on the shard's GPU (the IPC plane): copied, checked, then taken."""
-        intake = self.open_push(worker_id=worker_id, clock=clock, version=version)
-        try:
-            intake.fill_device(slot)
-            return intake.commit()
-        finally:
-            intake.close()
+        return self._push_filled(worker_id, clock, version, lambda intake: intake.fill_device(slot))
 
     def push_local(self, *, worker_id: int, clock: int, version: int, grad) -> PushResult:
         """One gradient of a caller in this process (the in-process plane), read where it lies during this call."""
-        intake = self.open_push(worker_id=worker_id, clock=clock, version=version)
-        try:
-            intake.fill_local(grad)
-            return intake.commit()
-        finally:
-            intake.close()
+        return self._push_filled(worker_id, clock, version, lambda intake: intake.fill_local(grad))
 
     def push_shared(self, *, worker_id: int, clock: int, version: int, dtype: int, segment: np.ndarray) -> PushResult:
         """One gradient in a worker's shared memory: ``segment`` is this shard's range in ``dtype``, read in place."""
+        return self._push_filled(worker_id, clock, version, lambda intake: intake.fill_shared(dtype, segment))
+
+    def _push_filled(self, worker_id: int, clock: int, version: int, fill: Callable[[PushIntake], None]) -> PushResult:
+        """A push whose gradient is already where ``fill`` hands it to the intake (no payload to receive)."""
         intake = self.open_push(worker_id=worker_id, clock=clock, version=version)
         try:
-            intake.fill_shared(dtype, segment)
+            fill(intake)
             return intake.commit()
         finally:
             intake.close()

@@ -150,3 +150,12 @@ def test_a_placement_that_cannot_be_had_is_refused_in_one_line_before_anything_s
     assert done.returncode == 2, done.stderr
     assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_local_cluster_refuses_the_placement_before_it_makes_anything(tmp_path):
+    from psgrid.cluster.errors import UsageError
+    from psgrid.cluster.run.local import LocalCluster
+
+    with pytest.raises(UsageError, match="is for psctl launch, on one machine: psgrid.LocalCluster starts its shards"):
+        LocalCluster(shards=1, shard_placement="worker", out=str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()

@@ -68,7 +68,8 @@ class Launcher:
                  launcher: str = "launch"):
         from psgrid.cluster.run.hosting import check_placement
 
-        check_placement(job, command=command)     # here too for callers of the Python API (LocalCluster)
+        # here too for the Python API: LocalCluster's own sessions are workers no shard can live in
+        check_placement(job, command=command, launcher="psgrid.LocalCluster" if launcher == "local" else "psctl launch")
         job = credentials.secure(job)     # a token and a job id of its own, unless the job gives them
         job = with_shard_device(job)      # shard_device "auto" made "cpu" or "gpu" here; job.toml says which
         self.job = job

@@ -32,6 +32,7 @@ from psgrid.cluster.run import coordinator as co
 from psgrid.cluster.run import script as user_script
 from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
 from psgrid.cluster.errors import ConfigError
+from psgrid.cluster.run.hosting import check_placement
 from psgrid.cluster.run.launch import Launcher, prepare_out
 from psgrid.cluster.run.preflight import check_shard_device
 from psgrid.cluster.job.outdir import release
@@ -70,6 +71,7 @@ class LocalCluster:
         if out is not None:
             overrides["out"] = out
         job = _with_settings(job, overrides)
+        check_placement(job, command=command, launcher="psgrid.LocalCluster")     # its sessions host no shard
         # Device shards that cannot fit are refused before anything starts; without background workers
         # the model is the program's own (psgrid.init's params), and only the GPU itself is checked.
         check_shard_device(job, {}, sized=bool(workers) and command is None)
