@@ -18,8 +18,8 @@ import pytest
 
 from tests.support import ROOT, Launch, alive, child_pids, launch_env, steps_seen
 
-MNIST = ["--config", "mnist", "--eval-every", "0", "--no-progress", "--lease-s", "2",
-         "--set", "shard_placement=worker"]
+BASE = ["--config", "mnist", "--eval-every", "0", "--no-progress", "--lease-s", "2"]
+MNIST = [*BASE, "--set", "shard_placement=worker"]
 
 
 def summary_of(out) -> dict:
@@ -34,17 +34,18 @@ def data_planes(out, rank: int) -> list[str]:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_each_shard_lives_in_its_worker_which_calls_it_and_the_job_trains(tmp_path, mode):
-    with Launch(tmp_path, *MNIST, "--mode", mode, "--shards", "2", "--workers", "3", "--steps", "200") as launch:
+    # lr 0.02: at the job's 0.05 three async workers landed anywhere from 0.48 to 0.91 (with either
+    # placement); at 0.02 eight async runs landed at 0.907-0.930 and three sync ones at 0.904.
+    with Launch(tmp_path, *BASE, "--shard-placement", "worker", "--mode", mode, "--lr", "0.02", "--shards", "2",
+                "--workers", "3", "--steps", "200") as launch:
         code = launch.wait(120)
         text = launch.text()
         pids = child_pids(launch.out)
     assert code == 0, text
     out = launch.out
     summary = summary_of(out)
-    assert summary["status"] == "ok" and summary["failures"] == []
-    # Async with three workers at this learning rate spreads widely whatever the placement (four runs each
-    # way here: 0.64 to 0.91); sync lands near 0.92.
-    assert summary["test_accuracy"] > (0.85 if mode == "sync" else 0.5), summary["test_accuracy"]
+    assert summary["status"] == "ok" and summary["failures"] == [] and summary["shard_placement"] == "worker"
+    assert summary["test_accuracy"] > 0.85, summary["test_accuracy"]
     assert "(shard i in worker i's process: shard_placement = worker)" in text
     # Two processes host a shard each; the third worker is a process of its own, and no shard is.
     assert pids["shards"] == pids["workers"][:2] and len(set(pids["workers"])) == 3
@@ -64,7 +65,8 @@ def test_each_shard_lives_in_its_worker_which_calls_it_and_the_job_trains(tmp_pa
 @pytest.mark.timeout(180)
 def test_a_killed_hosting_worker_brings_its_shard_back_as_a_process_and_the_others_finish(tmp_path):
     every = 10
-    args = [*MNIST, "--mode", "async", "--shards", "2", "--workers", "3", "--steps", "300", "--restart-failed",
+    args = [*MNIST, "--mode", "async", "--lr", "0.02", "--shards", "2", "--workers", "3", "--steps", "300",
+            "--restart-failed",
             "--set", f"checkpoint_dir={tmp_path / 'ckpt'}", "--set", f"checkpoint_every={every}"]
     with Launch(tmp_path, *args) as launch:
         launch.wait_for(lambda: steps_seen(launch.out, 1) >= 40, 60, "worker 1 training")
@@ -87,7 +89,7 @@ def test_a_killed_hosting_worker_brings_its_shard_back_as_a_process_and_the_othe
     results = summary["worker_results"]
     assert [(w["completed"], w["steps"]) for w in (results[0], results[2])] == [(True, 300), (True, 300)]
     assert not results[1]["completed"]
-    assert summary["test_accuracy"] > 0.75, summary["test_accuracy"]
+    assert summary["test_accuracy"] > 0.85, summary["test_accuracy"]      # lr 0.02: see the test above
 
 
 @pytest.mark.timeout(120)

@@ -45,6 +45,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--restart-failed", dest="override_restart_failed", action="store_true", default=None,
                    help="restart a shard that dies, on its address, from its latest checkpoint "
                         "(needs checkpoint_dir and checkpoint_every or checkpoint_every_s)")
+    g.add_argument("--shard-placement", dest="override_shard_placement", choices=("process", "worker"), default=None,
+                   help="process (default): every shard a process of its own; worker: shard i in worker i's process, "
+                        "which calls it (GeePS' placement; a worker's death is then its shard's too)")
     g.add_argument("--resume", metavar="DIR",
                    help="continue the stopped job in DIR from its shards' checkpoints, toward its total steps "
                         "(its job.toml is the job; flags and --set still override it)")

@@ -404,6 +404,7 @@ def build_summary(
         "mode": job.server.mode,
         "shards": job.shards,
         "shard_device": None if launcher == "allreduce" else job.server.shard_device,   # "auto" resolved at launch
+        "shard_placement": None if launcher == "allreduce" else job.shard_placement,
         "workers": job.workers,
         "workers_completed": sum(1 for w in workers if w["completed"]),
         "steps": steps,
