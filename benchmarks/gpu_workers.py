@@ -222,6 +222,10 @@ def alternating(args) -> list[dict]:
     start to start, as the reference's median step); workers sharing the GPU count every step of their run."""
     settings = {f"1 shard, {mode}, {plane}": (lambda mode=mode, plane=plane: with_servers(big_mlp(args), 1, mode, plane))
                 for mode in args.modes for plane in args.device_planes}
+    if args.no_overlap:      # async and ssp with each push waited for before the next pull, beside the overlapped
+        settings.update({f"1 shard, {mode}, {plane}, no overlap":
+                         (lambda mode=mode, plane=plane: with_servers(big_mlp(args, overlap=False), 1, mode, plane))
+                         for mode in args.modes if mode != "sync" for plane in args.device_planes})
     if args.workers > 1:
         settings.update({f"{args.workers} workers on 1 GPU, {mode}, ipc":
                          (lambda mode=mode: sharing_the_gpu(big_mlp(args), args.workers, 1, mode, "ipc"))
@@ -303,7 +307,8 @@ def main() -> int:
                              "ipc: CUDA IPC to device shards)")
     parser.add_argument("--skip-two-gpu", action="store_true")
     parser.add_argument("--no-overlap", action="store_true",
-                        help="also measure async over ipc with a step's push waited for before the next pull")
+                        help="also measure async over ipc (with --repeats: on each of --device-planes) with a step's "
+                             "push waited for before the next pull")
     parser.add_argument("--workers", type=int, default=1, help="also run this many workers sharing the GPU (ipc)")
     parser.add_argument("--ab-pull-ahead", type=int, default=0, metavar="REPEATS",
                         help="instead of the grid: 4 shards over shared memory, async, pull_ahead off and on in turn "
