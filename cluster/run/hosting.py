@@ -80,5 +80,7 @@ def run_hosting_worker(job, shard_index: int, address_dir: Path, rank: int, worl
         server.wait()      # the other workers still train against this shard; the launcher's Shutdown ends it
         return result
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):     # a second signal must not cut the final checkpoint short
+            signal.signal(sig, signal.SIG_IGN)
         server.stop(grace=1.0)
         print(f"psgrid shard {shard_index} stopped", file=sys.stderr, flush=True)
