@@ -128,11 +128,15 @@ def test_a_stopped_job_of_hosting_workers_resumes_from_the_checkpoints_they_wrot
     summary = summary_of(launch.out)
     assert summary["status"] == "ok"
     restored = [s["restored_version"] for s in summary["shard_stats"]]
-    assert restored[0] == restored[1] >= 60, restored
+    assert min(restored) >= 60, restored
+    if restored[0] != restored[1]:
+        # The Ctrl-C landed between the two shards' final checkpoints (one round apart: seen once here),
+        # and neither kept another: each resumes at its latest, which the launcher says in one line.
+        assert "The shards stopped rounds apart and cannot resume at one round" in text, text
     assert all(s["min_clock"] == steps for s in summary["shard_stats"])
-    # Only what was left: the worker that joined first goes on from the restored round (with lease_s = 2 the
-    # other may join a few rounds later, moved to the round then open, as with shard processes).
-    assert max(w["steps"] for w in summary["worker_results"]) == steps - restored[0]
+    # Only what was left: the worker that joined first goes on from the slowest shard's round (with lease_s = 2
+    # the other may join a few rounds later, moved to the round then open, as with shard processes).
+    assert max(w["steps"] for w in summary["worker_results"]) == steps - min(restored)
 
 
 @pytest.mark.timeout(60)
