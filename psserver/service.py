@@ -214,22 +214,16 @@ class ShardService:
     # ----- data ---------------------------------------------------------------------------------
 
     def pull(self, *, worker_id: int, clock: int, timeout_s: float | None,
-             cancelled: Callable[[], bool] | None = None) -> "PullLease":
+             cancelled: Callable[[], bool] | None = None, device: bool = False) -> "PullLease":
         """Wait until the consistency rule lets ``worker_id`` pull at ``clock``, then lend a snapshot.
 
         ``timeout_s`` is what is left of the caller's deadline (None: no deadline); the wait ends
         early enough for the refusal to reach the caller first. Use it as a context manager: the
-        snapshot's buffer goes back to the pool when the block ends.
+        snapshot's buffer goes back to the pool when the block ends. ``device``: the caller is in this
+        process (the in-process plane) and may take a device shard's GPU buffer itself.
         """
         self._wait_for_pull(worker_id, clock, timeout_s, cancelled)
-        version, values = self.shard.snapshot()
-        return PullLease(self.shard, Snapshot(version, self.shard.begin, values))
-
-    def pull_local(self, *, worker_id: int, clock: int, timeout_s: float | None) -> "PullLease":
-        """:meth:`pull` for a caller of this process (the in-process plane): the current buffer itself, lent,
-        on the GPU for a device shard."""
-        self._wait_for_pull(worker_id, clock, timeout_s, None)
-        version, values = self.shard.lend_current()
+        version, values = self.shard.snapshot(device=device)
         return PullLease(self.shard, Snapshot(version, self.shard.begin, values))
 
     def _wait_for_pull(self, worker_id: int, clock: int, timeout_s: float | None, cancelled) -> None:

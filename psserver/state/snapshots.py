@@ -52,39 +52,25 @@ class Snapshots:
             self._emit("wait", seconds=waited)
             return waited
 
-    def snapshot(self) -> tuple[int, np.ndarray]:
+    def snapshot(self, *, device: bool = False) -> tuple[int, np.ndarray]:
         """The version and this range's weights at that version, to send; hand them back with
         :meth:`release_snapshot` once sent.
 
         Usually the current buffer itself, lent (updates write other buffers meanwhile); when
         ``MAX_LENT_BUFFERS`` are lent already, a pooled copy, so slow senders cannot make the ring grow.
+        A device shard's weights go out as a page-locked host copy, unless ``device``: a reader in this
+        process (the in-process plane) may take the GPU buffer itself.
         """
         with self.cond:
             self._require_serving()
-            if self.arrays.on_gpu:       # a network plane sends from host memory: a page-locked copy
+            lendable = self.ring.lent_buffers() < MAX_LENT_BUFFERS or self.ring.lent[self.ring.current]
+            if self.arrays.on_gpu and not (device and lendable):     # host memory to send from
                 values = self.arrays.download(self.ring.weights, self.landing_pool.take())
-            elif self.ring.lent_buffers() < MAX_LENT_BUFFERS or self.ring.lent[self.ring.current]:
+            elif lendable:
                 values = self.ring.arrays[self.ring.lend()]
             else:
                 values = self.pool.take()
                 np.copyto(values, self.ring.weights)
-            self._count_pull()
-            return self.version, values
-
-    def lend_current(self) -> tuple[int, object]:
-        """:meth:`snapshot` for a reader in this process: on a device shard, the current GPU buffer itself, lent.
-
-        Give it back with :meth:`release_snapshot`. Past ``MAX_LENT_BUFFERS`` lent, a page-locked host
-        copy, as :meth:`snapshot` makes.
-        """
-        if not self.arrays.on_gpu:
-            return self.snapshot()
-        with self.cond:
-            self._require_serving()
-            if self.ring.lent_buffers() < MAX_LENT_BUFFERS or self.ring.lent[self.ring.current]:
-                values = self.ring.arrays[self.ring.lend()]
-            else:
-                values = self.arrays.download(self.ring.weights, self.landing_pool.take())
             self._count_pull()
             return self.version, values
 

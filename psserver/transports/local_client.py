@@ -34,7 +34,7 @@ class LocalDataPlane(DataPlane):
         self.takes_device_arrays = bool(arrays.on_gpu and gpu is not None and gpu == arrays.index)
 
     def pull_into(self, out: np.ndarray, *, begin: int, worker_id: int, clock: int, timeout_s: float) -> int:
-        with self.service.pull_local(worker_id=worker_id, clock=clock, timeout_s=timeout_s) as snapshot:
+        with self.service.pull(worker_id=worker_id, clock=clock, timeout_s=timeout_s, device=True) as snapshot:
             if isinstance(snapshot.values, np.ndarray):
                 np.copyto(out, snapshot.values)
             else:
@@ -44,7 +44,7 @@ class LocalDataPlane(DataPlane):
     def pull_with(self, write: Callable, *, begin: int, end: int, staging, worker_id: int, clock: int,
                   timeout_s: float) -> int:
         """``write(begin, end, values)`` gets the shard's own buffer (a device array only where we take them)."""
-        with self.service.pull_local(worker_id=worker_id, clock=clock, timeout_s=timeout_s) as snapshot:
+        with self.service.pull(worker_id=worker_id, clock=clock, timeout_s=timeout_s, device=True) as snapshot:
             values = snapshot.values
             if not (isinstance(values, np.ndarray) or self.takes_device_arrays):
                 values = self.service.shard.arrays.download(values, staging()[begin:end])
