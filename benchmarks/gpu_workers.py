@@ -81,15 +81,15 @@ def pinned_copies(params: int, repeat: int = 20) -> dict:
             "h2d_gbps": 4 * params / h2d / 1e9, "d2h_gbps": 4 * params / d2h / 1e9}
 
 
-def shard_processes(shards: int, mode: str, plane: str) -> list:
-    """The shards of one run (one job: clients check), on the GPU for the ``ipc`` plane."""
+def shard_processes(shards: int, mode: str, plane: str, apply_threads: int = 0) -> list:
+    """The shards of one run (one job: clients check), on the GPU for the ``ipc`` plane; ``apply_threads`` 0: their default."""
     job = f"gpu-workers-{os.getpid()}-{time.monotonic_ns()}"
     from psgrid.worker.backend import gpu_unavailable
 
     # ipc means device shards; a dry run on a machine without a GPU runs host shards in their place
     device = "gpu" if plane == "ipc" and gpu_unavailable() is None else "cpu"
     return [ShardProcess(ServerConfig(shard_index=i, num_shards=shards, mode=mode, lr=0.01, threads=16, job_id=job,
-                                      shard_device=device))
+                                      shard_device=device, apply_threads=apply_threads))
             for i in range(shards)]
 
 
@@ -117,10 +117,10 @@ def hosted_shards(shards: int, mode: str) -> list[HostedShard]:
             for i in range(shards)]
 
 
-def with_servers(train: TrainConfig, shards: int, mode: str, plane: str = "shm") -> dict:
+def with_servers(train: TrainConfig, shards: int, mode: str, plane: str = "shm", apply_threads: int = 0) -> dict:
     from psgrid.worker.loop import run_worker
 
-    procs = hosted_shards(shards, mode) if plane == "local" else shard_processes(shards, mode, plane)
+    procs = hosted_shards(shards, mode) if plane == "local" else shard_processes(shards, mode, plane, apply_threads)
     train.shared_memory = plane in ("shm", "ipc", "local")
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -182,15 +182,20 @@ def pull_ahead_ab(args, shards: int = 4, mode: str = "async", plane: str = "shm"
     """pull_ahead off and on in turn, ``args.ab_pull_ahead`` times each, with no servers measured beside every pair.
 
     Alternating in one run keeps the machine's drift out of the ratio (the no-server figure moved by 27%
-    between two calls on the H100); each row is the median over the repeats.
+    between two calls on the H100); each row is the median over the repeats. With several
+    ``--apply-threads`` the pair runs for each (the shards' update threads: the host's memory is what
+    they share with the pull).
     """
-    runs: dict[str, list[dict]] = {"no servers": [], "pull_ahead = false": [], "pull_ahead = true": []}
+    counts = args.apply_threads
+    named = lambda on, t: f"pull_ahead = {str(on).lower()}" + (f", apply_threads {t or 'default'}" if len(counts) > 1 else "")  # noqa: E731
+    runs: dict[str, list[dict]] = {"no servers": [], **{named(on, t): [] for t in counts for on in (False, True)}}
     for repeat in range(args.ab_pull_ahead):
         runs["no servers"].append(without_servers(big_mlp(args)))
-        for on in (False, True):
-            row = with_servers(big_mlp(args, pull_ahead=on), shards, mode, plane)
-            runs[f"pull_ahead = {str(on).lower()}"].append(row)
-            print(json.dumps({"repeat": repeat, **row}), flush=True)
+        for threads in counts:
+            for on in (False, True):
+                row = with_servers(big_mlp(args, pull_ahead=on), shards, mode, plane, apply_threads=threads)
+                runs[named(on, threads)].append({**row, "apply_threads": threads})
+                print(json.dumps({"repeat": repeat, "apply_threads": threads, **row}), flush=True)
     alone = statistics.median(r["samples_per_s"] for r in runs["no servers"])
     rows = []
     for name, found in runs.items():
@@ -203,15 +208,16 @@ def pull_ahead_ab(args, shards: int = 4, mode: str = "async", plane: str = "shm"
     params = runs["no servers"][0]["params"]
     print(f"\npull-ahead A/B: MLP 784-{'-'.join(map(str, args.hidden))}-10 ({params / 1e6:.1f}M), batch {args.batch}, "
           f"{args.steps} steps, {args.ab_pull_ahead} repeats alternating; medians ({rows[0]['device']})")
-    print(f"{'setting':<46} {'samples/s':>10} {'x no servers':>12} {'pull ms':>8} {'ahead ms':>8} {'compute ms':>10} "
+    print(f"{'setting':<66} {'samples/s':>10} {'x no servers':>12} {'pull ms':>8} {'ahead ms':>8} {'compute ms':>10} "
           f"{'push ms':>8}")
     for r in rows:
-        print(f"{r['setting']:<46} {r['samples_per_s']:10.0f} {r['ratio_vs_no_servers']:12.3f} "
+        print(f"{r['setting']:<66} {r['samples_per_s']:10.0f} {r['ratio_vs_no_servers']:12.3f} "
               f"{1e3 * r['pull_s']:8.2f} {1e3 * r['pull_ahead_s']:8.2f} {1e3 * r['compute_s']:10.2f} "
               f"{1e3 * r['push_s']:8.2f}")
-    each = zip(rows[1]["samples_per_s_each"], rows[2]["samples_per_s_each"])
-    print(f"pull_ahead on / off: {rows[2]['samples_per_s'] / rows[1]['samples_per_s']:.3f} "
-          f"(per repeat: {', '.join(f'{on / off:.3f}' for off, on in each)})", flush=True)
+    for off, on in zip(rows[1::2], rows[2::2]):
+        each = zip(off["samples_per_s_each"], on["samples_per_s_each"])
+        print(f"{on['setting'].split(' (')[0]} against off: {on['samples_per_s'] / off['samples_per_s']:.3f} "
+              f"(per repeat: {', '.join(f'{b / a:.3f}' for a, b in each)})", flush=True)
     return rows
 
 
@@ -313,6 +319,8 @@ def main() -> int:
     parser.add_argument("--ab-pull-ahead", type=int, default=0, metavar="REPEATS",
                         help="instead of the grid: 4 shards over shared memory, async, pull_ahead off and on in turn "
                              "REPEATS times each beside no servers; medians and their ratios")
+    parser.add_argument("--apply-threads", type=lambda s: [int(x) for x in s.split(",")], default=[0],
+                        help="with --ab-pull-ahead: the shards' update threads, each value its own pair (0: the default)")
     parser.add_argument("--json", default=None, help="also write all rows to this file")
     parser.add_argument("--model", default="mlp", choices=["mlp", "cnn"])
     parser.add_argument("--repeats", type=int, default=0,

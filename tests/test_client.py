@@ -157,6 +157,27 @@ def test_a_pull_issued_while_a_push_is_in_flight_is_for_the_next_step(cluster):
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("one_thread", [False, True])
+def test_a_background_pull_into_a_callable_hands_every_shard_over_once(cluster, one_thread):
+    c = cluster(3, mode="async", lr=1.0)
+    init = np.arange(SPEC.size, dtype=np.float32)
+    with c.client(SPEC, init=init) as client:
+        landed, threads = SPEC.flat(), []
+
+        def land(begin, end, values):
+            threads.append((threading.get_ident(), begin))
+            landed[begin:end] = values
+
+        versions = client.pull(into=land, background=True, one_thread=one_thread).wait()
+        assert versions == [0, 0, 0]
+        np.testing.assert_array_equal(landed, init)
+        assert sorted(begin for _, begin in threads) == [begin for begin, _ in client.ranges]
+        callers = {ident for ident, _ in threads}
+        if one_thread:        # shard after shard, on one thread: the pull-ahead's (worker/flat.py)
+            assert len(callers) == 1 and [begin for _, begin in threads] == [b for b, _ in client.ranges]
+
+
+@pytest.mark.timeout(30)
 def test_a_retried_push_is_applied_once(cluster):
     c = cluster(1, mode="async", lr=1.0)
     with c.client(REGRESSION, init=REGRESSION.flat()) as client:

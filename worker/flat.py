@@ -45,6 +45,11 @@ class FlatBuffers:
         flight, so a step's compute overlaps the shards' update of the step before.
     """
 
+    # A pull made ahead on a GPU goes shard after shard on one thread (Client.pull's one_thread): it has
+    # a step's compute to hide in, and each thread beside the compute's launches stretches them
+    # (benchmarks/host_step_parts.py). A class attribute, so that benchmark can compare both.
+    ONE_THREAD_AHEAD = True
+
     def __init__(self, spec: ModelSpec, xp, exchange=None, *, double: bool = False):
         self.xp = xp
         self.exchange = exchange
@@ -175,6 +180,7 @@ class FlatBuffers:
             raise ValueError("a pull into a second device buffer needs an exchange that takes into=")
         # The model may have read ``target`` in the step before: its kernels end before the copy may begin.
         self.xp.cuda.get_current_stream().synchronize()
-
-        return self.exchange.pull(into=lambda begin, end, values: self._land(target, begin, end, values),
-                                  background=background)
+        land = lambda begin, end, values: self._land(target, begin, end, values)  # noqa: E731
+        if background and self.ONE_THREAD_AHEAD:
+            return self.exchange.pull(into=land, background=True, one_thread=True)
+        return self.exchange.pull(into=land, background=background)

@@ -287,14 +287,17 @@ class Client:
     # ----- pull and push ------------------------------------------------------------------------
 
     def pull(self, out: np.ndarray | None = None, *, into: Callable[[int, int, np.ndarray], object] | None = None,
-             background: bool = False) -> Handle[list[int]]:
+             background: bool = False, one_thread: bool = False) -> Handle[list[int]]:
         """Every shard's weights, once the mode allows: into ``out`` (flat float32), or to ``into``.
 
         ``into(begin, end, values)`` is called once per shard with its range's weights, valid
         during the call only: a shard on this host hands over its own memory, so a caller that
         copies them to a device (``device_params[begin:end].set(values)``) moves them once.
         Returns a handle whose ``wait()`` gives the shards' versions: done already, unless
-        ``background`` (then ``out`` is the pull's until ``wait()`` returns).
+        ``background`` (then ``out`` is the pull's until ``wait()`` returns). With ``one_thread``
+        the shards are pulled one after another on one thread rather than each on its own: slower,
+        but for a pull that has a step's compute to hide in (the pull-ahead), the fewest threads
+        taking the interpreter lock from the compute's kernel launches.
         """
         self._require_joined()
         if (out is None) == (into is None):
@@ -308,7 +311,8 @@ class Client:
             clock = self.clock
 
             def run() -> list[int]:
-                versions = self._conn.map(lambda i: self._pull_one(i, out, into, clock))
+                one = lambda i: self._pull_one(i, out, into, clock)  # noqa: E731
+                versions = [one(i) for i in range(self.num_shards)] if one_thread else self._conn.map(one)
                 with self._lock:
                     self._versions = versions
                 return versions

@@ -1,0 +1,109 @@
+"""Where a GPU worker's step goes against 4 host shards (async, shared memory), its compute cut in three.
+
+A step's ``compute_s`` is the model's kernels launched from Python, then the wait for them to run,
+then the gradient's copy to the host. With the shards' pushes (and, pulled ahead, the next pull)
+running on the client's threads beside it, this tells which of the three grows: the launches (the
+interpreter lock, held by those threads), the wait (the GPU shared with the pull's copy), or the
+copy (PCIe, the host's memory). It wraps the loop's gradient copy to synchronize first and time
+both, so each part is measured on the step it belongs to: for ``pull_ahead`` off and on (its pull
+shard after shard on one thread, as the loop makes it, and a thread a shard, as it was), for each
+``--apply-threads`` (the shards' update threads: the cores they take from the worker), and for each
+``--switch-intervals`` (``sys.setswitchinterval``: how long a thread that wants the interpreter
+lock waits before the holder is asked to give it up; 5 ms by default).
+
+    python benchmarks/host_step_parts.py --repeats 3 --apply-threads 0,3 --switch-intervals 0.005,0.0005
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_workers  # noqa: E402  (this directory's script, for its runs and models)
+
+from psgrid.worker import flat  # noqa: E402
+
+PARTS: list[tuple[float, float]] = []      # (wait for the kernels, copy) of each step, in order
+
+
+def _timed_download(original):
+    def download_grad(self) -> None:
+        if self.xp is flat.np:
+            return original(self)
+        t0 = time.perf_counter()
+        self.xp.cuda.get_current_stream().synchronize()
+        t1 = time.perf_counter()
+        original(self)
+        PARTS.append((t1 - t0, time.perf_counter() - t1))
+    return download_grad
+
+
+def run(args, pull_ahead: bool, one_thread: bool = True, apply_threads: int = 0) -> dict:
+    PARTS.clear()
+    flat.FlatBuffers.ONE_THREAD_AHEAD = one_thread
+    row = gpu_workers.with_servers(gpu_workers.big_mlp(args, pull_ahead=pull_ahead), 4, "async", "shm",
+                                   apply_threads=apply_threads)
+    if pull_ahead:
+        row["setting"] += ", one thread" if one_thread else ", a thread a shard"
+    if apply_threads:
+        row["setting"] += f", apply_threads {apply_threads}"
+    parts = PARTS[5:] or PARTS or [(float("nan"), float("nan"))]      # none on the CPU: no copy to time
+    wait = statistics.median(p[0] for p in parts)
+    copy = statistics.median(p[1] for p in parts)
+    return {**row, "wait_s": wait, "copy_s": copy, "launch_s": row["compute_s"] - wait - copy}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=lambda s: [int(x) for x in s.split(",")], default=[4096, 4096])
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--samples", type=int, default=65536)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--apply-threads", type=lambda s: [int(x) for x in s.split(",")], default=[0],
+                        help="the shards' update threads, each value its own runs (0: their default)")
+    parser.add_argument("--switch-intervals", type=lambda s: [float(x) for x in s.split(",")], default=[0.005])
+    parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    args.model = "mlp"
+    flat.FlatBuffers.download_grad = _timed_download(flat.FlatBuffers.download_grad)
+    rows = []
+    for repeat in range(args.repeats):
+        alone = gpu_workers.without_servers(gpu_workers.big_mlp(args))["step_s"]
+        rows.append({"repeat": repeat, "setting": "no servers", "steady_step_s": alone, "ratio": 1.0})
+        for interval in args.switch_intervals:
+            sys.setswitchinterval(interval)
+            for ahead, one in ((False, True), (True, False), (True, True)):
+                for threads in args.apply_threads:
+                    row = run(args, ahead, one, threads)
+                    rows.append({"repeat": repeat, "switch_interval": interval, **row,
+                                 "ratio": alone / row["steady_step_s"]})
+                    print(json.dumps(rows[-1]), flush=True)
+        sys.setswitchinterval(0.005)
+    keys = ("steady_step_s", "pull_s", "launch_s", "wait_s", "copy_s", "push_s", "pull_ahead_s")
+    print(f"\nMLP 784-{'-'.join(map(str, args.hidden))}-10, 4 host shards over shared memory, async; medians of "
+          f"{args.repeats} repeats (ms)")
+    print(f"{'setting':<72} {'x none':>6} " + " ".join(f"{k[:-2]:>8}" for k in keys))
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        switch = len(args.switch_intervals) > 1 and "switch_interval" in r
+        name = r["setting"] + (f", switch {1e3 * r['switch_interval']:g} ms" if switch else "")
+        groups.setdefault(name, []).append(r)
+    for name, found in groups.items():
+        med = {k: statistics.median(r.get(k, float("nan")) for r in found) for k in keys}
+        ratio = statistics.median(r.get("ratio", 1.0) for r in found)
+        print(f"{name:<72} {ratio:6.3f} " + " ".join(f"{1e3 * med[k]:8.2f}" for k in keys), flush=True)
+    if args.json:
+        Path(args.json).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
