@@ -5,11 +5,13 @@
 #  1. benchmarks/host_contention.py: the worker's compute + gradient copy alone, beside a copy to the
 #     GPU (a thread of its own process, then another process), beside S x T update threads, and both;
 #  2. gpu_workers.py --ab-pull-ahead: pull_ahead off and on in turn beside no servers, for each
-#     --apply-threads value (APPLY_THREADS, default "0,2,1"; 0 is the shards' default).
-# Logs land in $OUT. PARTS="2" runs only that part.
+#     --apply-threads value (APPLY_THREADS, default "0,2,1"; 0 is the shards' default);
+#  3. benchmarks/host_step_parts.py: each step's compute cut into its kernel launches, the wait for
+#     them and the gradient's copy, pull_ahead off and on (its pull on one thread and a thread a shard).
+# Logs land in $OUT. PARTS="3" runs only that part.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-PARTS=${PARTS:-1 2}
+PARTS=${PARTS:-1 2 3}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "cores $(nproc), load $(cut -d' ' -f1-3 /proc/loadavg)"
@@ -22,4 +24,9 @@ if part 2; then
   echo "== 2. the pull-ahead A/B by the shards' update threads: 4 host shards over shared memory, async"
   python3 benchmarks/gpu_workers.py --ab-pull-ahead "${AB_REPEATS:-3}" --apply-threads "${APPLY_THREADS:-0,2,1}" \
     --steps 150 --json "$OUT/host-pull-ahead.jsonl" 2>&1 | tee "$OUT/host-pull-ahead.log" | grep -v '^{'
+fi
+if part 3; then
+  echo "== 3. a step's parts: launches, the wait for the kernels, the gradient's copy"
+  python3 benchmarks/host_step_parts.py --repeats "${AB_REPEATS:-3}" --json "$OUT/host-step-parts.jsonl" \
+    2>&1 | tee "$OUT/host-step-parts.log" | grep -v '^{'
 fi
