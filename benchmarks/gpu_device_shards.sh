@@ -17,10 +17,12 @@
 #  8. GeePS' placement: the device shard in the worker's own process (the in-process plane) beside a
 #     shard process of its own (CUDA IPC) and no servers, MLP and CNN, without MPS then under it; then
 #     whole jobs (psctl bench train --shard-placement process,worker), one worker and two sharing the GPU.
+#  9. the shard in the worker's process against no servers in alternating blocks of steps of one
+#     process (benchmarks/placement_interleaved.py: the machine's drift between runs cancels), MLP and CNN.
 # Logs land in $OUT. PARTS="1 2" runs only those parts.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-PARTS=${PARTS:-1 2 3 4 5 6 8}     # 7 only when asked (PARTS=7): diagnostics
+PARTS=${PARTS:-1 2 3 4 5 6 8 9}     # 7 only when asked (PARTS=7): diagnostics
 REPEATS=${REPEATS:-3}
 STEPS=${STEPS:-80}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -128,4 +130,12 @@ for mps in off on; do
     --steps 300 --repeats "${BENCH_REPEATS:-$REPEATS}" 2>&1 | tee "$OUT/placement-bench-train.log"
 done
 mps_off
+fi
+
+if part 9; then
+echo "== 9. the shard in the worker's process against no servers, alternating blocks of one process"
+for model in mlp cnn; do
+  python3 benchmarks/placement_interleaved.py --model $model --pairs "${PAIRS:-20}" --block "${BLOCK:-50}" \
+    --json "$OUT/interleaved-$model.jsonl" 2>&1 | tee -a "$OUT/interleaved.log" | grep -v '^{'
+done
 fi
