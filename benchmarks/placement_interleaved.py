@@ -11,7 +11,8 @@ ABBA so a drift within a pair cancels; each pair gives a ratio (no servers' time
 shard's), and the median of the pairs is reported for each setting.
 
 The shard's threads (its server, the client's heartbeat) live in the process during the no-servers
-blocks too; they sleep there, and the step each block ends with waits for the last push (counted
+blocks too; they sleep there ("before" is the no-servers step timed before the shard started, to
+show whether they cost it anything), and each block ends by waiting for its last push (counted
 against the servers).
 
     python benchmarks/placement_interleaved.py --model mlp --pairs 10 --block 40
@@ -102,6 +103,8 @@ def interleave(args, setting: str, mode: str, overlap: bool) -> dict:
     warm_up(model, data, train, xp, evaluate=False)
     loader = BatchLoader(data.train_x, data.train_y, train.batch_size, xp=xp, seed=1)
     alone = NoServers(model, xp, loader)
+    # The reference before the shard exists in the process: whether its threads slow the no-servers blocks.
+    before = statistics.median(alone.steps(args.block) / args.block for _ in range(max(3, args.pairs // 2)))
     served = ShardInProcess(train, model, xp, loader, mode)
     ratios, times = [], {"no servers": [], setting: []}
     try:
@@ -120,7 +123,8 @@ def interleave(args, setting: str, mode: str, overlap: bool) -> dict:
     row = {"setting": setting, "model": args.model, "device": device, "planes": planes, "pairs": args.pairs,
            "block": args.block, "ratio_vs_no_servers": statistics.median(ratios), "ratios": ratios,
            "step_ms": 1e3 * statistics.median(times[setting]),
-           "no_servers_step_ms": 1e3 * statistics.median(times["no servers"])}
+           "no_servers_step_ms": 1e3 * statistics.median(times["no servers"]),
+           "no_servers_before_shard_step_ms": 1e3 * before}
     print(json.dumps(row), flush=True)
     return row
 
@@ -146,10 +150,10 @@ def main() -> int:
             interleave(args, "sync, shard in the worker's process", "sync", True)]
     print(f"\n{args.model}, batch {args.batch}: {args.pairs} pairs of {args.block}-step blocks, ABBA; median of the "
           f"pairs' ratios")
-    print(f"{'setting':<56} {'x no servers':>12} {'step ms':>8} {'alone ms':>8}  pairs")
+    print(f"{'setting':<56} {'x no servers':>12} {'step ms':>8} {'alone ms':>8} {'before':>7}  pairs")
     for r in rows:
         print(f"{r['setting']:<56} {r['ratio_vs_no_servers']:12.3f} {r['step_ms']:8.2f} {r['no_servers_step_ms']:8.2f}"
-              f"  {min(r['ratios']):.3f}-{max(r['ratios']):.3f}", flush=True)
+              f" {r['no_servers_before_shard_step_ms']:7.2f}  {min(r['ratios']):.3f}-{max(r['ratios']):.3f}", flush=True)
     if args.json:
         Path(args.json).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return 0

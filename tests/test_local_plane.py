@@ -145,3 +145,43 @@ def test_a_stopped_hosted_shard_refuses_and_a_regression_trains_on_the_plane(hos
         with pytest.raises(Exception) as gone:
             c.pull(params)
         assert "shard 1" in str(gone.value) or "unavailable" in str(gone.value).lower(), gone.value
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("overlap", ["auto", True])
+def test_in_the_shards_process_async_steps_wait_for_their_push_unless_asked_to_overlap(hosted, tmp_path, overlap):
+    import json
+
+    from psgrid.worker.config import TrainConfig
+    from psgrid.worker.loop import run_worker
+
+    train = TrainConfig(model="softmax", dataset="digits", batch_size=32, steps=40, eval_every=0, overlap=overlap)
+    servers = hosted(1, mode="async")
+    run_worker(train, [s.address for s in servers], 0, 1, str(tmp_path / "w0.jsonl"))
+    records = [json.loads(line) for line in (tmp_path / "w0.jsonl").read_text().splitlines()]
+    start = records[0]
+    steps = [r for r in records if r["event"] == "step"]
+    assert start["data_planes"] == ["local"] and len(steps) == 40
+    # "auto": the push is the shard's update, run in this process; each step waits for it, so a lone
+    # worker's gradients are never stale. Asked to overlap, the push runs beside the next step.
+    assert start["overlap"] is (overlap is True)
+    assert max(s["staleness"] for s in steps) == (1 if overlap is True else 0)
+
+
+def test_overlap_auto_is_off_only_where_every_shard_is_in_the_workers_process():
+    from psgrid.cluster.job.config import ConfigError, job_from_dict
+    from psgrid.worker.config import TrainConfig
+    from psgrid.worker.loop import overlaps
+
+    auto, on, off = (TrainConfig(overlap=v) for v in ("auto", True, False))
+    assert not overlaps(auto, "async", ["local"]) and not overlaps(auto, "ssp", ["local", "local"])
+    assert overlaps(auto, "async", ["local", "shm"]) and overlaps(auto, "async", ["ipc"])
+    assert overlaps(on, "async", ["local"]) and not overlaps(off, "async", ["shm"])
+    assert not overlaps(auto, "sync", ["shm"]) and not overlaps(on, "sync", ["local"])
+    assert overlaps(TrainConfig(pull_ahead=True), "async", ["local"])      # pulling ahead needs the overlap
+    assert job_from_dict({}).train.overlap == "auto"
+    assert job_from_dict({"train": {"overlap": False}}).train.overlap is False
+    with pytest.raises(ConfigError, match='overlap must be true, false or "auto"'):
+        job_from_dict({"train": {"overlap": "sometimes"}})
+    with pytest.raises(ValueError, match="pull_ahead = true needs overlap"):
+        TrainConfig(pull_ahead=True, overlap=False).validate()

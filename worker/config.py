@@ -31,7 +31,8 @@ class TrainConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     data_plane: str = "tcp"                # "tcp": Pull/Push payloads over the shards' TCP data plane; "grpc"
     shared_memory: bool = True             # use the shards' shared memory where they run on this host
-    overlap: bool = True                   # async/ssp: a step's push overlaps the next pull and compute (staleness >= 1)
+    overlap: bool | str = "auto"           # async/ssp: a step's push overlaps the next pull and compute (staleness >= 1);
+                                           # "auto": except where every shard is in the worker's process (loop.overlaps)
     pull_ahead: bool = False               # async/ssp with overlap: the next step's pull runs during this step's compute
     wire_dtype: str = "float32"            # float32 | float16 | bfloat16 for gradients
     deadline_s: float = 60.0               # per-RPC deadline (a consistency wait counts against it)
@@ -52,9 +53,11 @@ class TrainConfig:
             raise ValueError(f"data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}")
         if self.aggregate not in ("none", "host"):
             raise ValueError(f"aggregate must be 'none' or 'host', got {self.aggregate!r}")
+        if not (isinstance(self.overlap, bool) or self.overlap == "auto"):
+            raise ValueError(f"overlap must be true, false or \"auto\", got {self.overlap!r}")
         if not isinstance(self.pull_ahead, bool):
             raise ValueError(f"pull_ahead must be true or false, got {self.pull_ahead!r}")
-        if self.pull_ahead and not self.overlap:
+        if self.pull_ahead and self.overlap is False:
             raise ValueError("pull_ahead = true needs overlap = true: the pull of step c+1 then runs beside step c "
                              "and its push, which overlap = false waits for")
         if self.pull_ahead and self.aggregate == "host":

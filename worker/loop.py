@@ -131,15 +131,10 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
             # `steps` is the clock a worker trains to: one that joins at clock c (a job resumed from its
             # shards' checkpoints, or a replacement worker) makes the steps that are left.
             first_step = min(max(0, exchange.clock), steps)
+            overlap = overlaps(train, exchange.mode, exchange.data_planes)
             metrics.write(**start_event(exchange, train, data, rank=rank, device_name=device_name, params=spec.size,
                                         steps=steps, first_step=first_step, warmup_s=warmup_s),
-                          pull_ahead=pulls_ahead(train, exchange.mode))
-            # In async and ssp the push runs in the background while the next pull waits for weights and
-            # the next gradient is computed into the other of two buffers; it is waited for before the push
-            # after it. In sync the next pull is answered only once the round the push closes is applied,
-            # so an overlap saves one request's latency and costs a thread hand-off: it stays in order.
-            # With overlap off the next pull waits for this push (a worker alone then sees no staleness).
-            overlap = exchange.mode not in ("sync", "allreduce") and train.overlap
+                          pull_ahead=pulls_ahead(train, exchange.mode), overlap=overlap)
             bufs = FlatBuffers(spec, xp, exchange, double=overlap)
             ahead = PullAhead(bufs, spec) if overlap and pulls_ahead(train, exchange.mode) else None
             loader = BatchLoader(data.train_x, data.train_y, train.batch_size, xp=xp, seed=train.seed + 1000 * rank)
@@ -178,6 +173,26 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
         if loader is not None:
             loader.close()
         metrics.close()
+
+
+def overlaps(train: TrainConfig, mode: str, planes) -> bool:
+    """Whether a step's push runs in the background, beside the next step's pull and compute.
+
+    In async and ssp it does unless ``overlap = false``: the next gradient is computed into the
+    other of two buffers meanwhile, and the push is waited for before the one after it. In sync
+    the next pull is answered only once the round the push closes is applied, so an overlap saves
+    one request's latency and costs a thread hand-off: the steps stay in order. With the overlap
+    off the next pull waits for this push (a worker alone then sees no staleness). Under
+    ``"auto"`` (the default) it is also off where every shard is in the worker's own process (the
+    in-process plane, ``planes`` all "local"), unless the worker pulls ahead: the push is the
+    shard's update itself, run in this process, and a thread running it beside the next step's
+    kernel launches cost the compute more than the overlap saved (docs/performance.md, "The shard
+    in the worker's process").
+    """
+    if mode in ("sync", "allreduce") or train.overlap is False:
+        return False
+    in_process = bool(planes) and all(plane == "local" for plane in planes)
+    return not (train.overlap == "auto" and in_process and not train.pull_ahead)
 
 
 def pull_and_compute(bufs: FlatBuffers, loader, model, delay: Delay, overlap: bool, ahead: PullAhead | None = None,

@@ -37,7 +37,7 @@ def pulls_ahead(train: TrainConfig, mode: str) -> bool:
     ``pull_ahead = true`` in sync is refused by the job file's check; a worker started by hand in
     sync just pulls when each step starts, as sync must.
     """
-    return train.pull_ahead and train.overlap and train.aggregate == "none" and mode in ("async", "ssp")
+    return train.pull_ahead and train.overlap is not False and train.aggregate == "none" and mode in ("async", "ssp")
 
 
 class PullAhead:
