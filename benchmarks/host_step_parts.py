@@ -5,8 +5,9 @@ then the gradient's copy to the host. With the shards' pushes (and, pulled ahead
 running on the client's threads beside it, this tells which of the three grows: the launches (the
 interpreter lock, held by those threads), the wait (the GPU shared with the pull's copy), or the
 copy (PCIe, the host's memory). It wraps the loop's gradient copy to synchronize first and time
-both, so each part is measured on the step it belongs to: for ``pull_ahead`` off and on (its pull
-shard after shard on one thread, as the loop makes it, and a thread a shard, as it was), for each
+both, so each part is measured on the step it belongs to: for ``pull_ahead`` off and on, each with
+the calls posted (Client.posts: no client thread; the default) and on the client's threads (the
+pull-ahead's pull shard after shard on one thread, as it was before calls were posted), for each
 ``--apply-threads`` (the shards' update threads: the cores they take from the worker), and for each
 ``--switch-intervals`` (``sys.setswitchinterval``: how long a thread that wants the interpreter
 lock waits before the holder is asked to give it up; 5 ms by default).
@@ -27,9 +28,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_workers  # noqa: E402  (this directory's script, for its runs and models)
 
-from psgrid.worker import flat  # noqa: E402
+from psgrid.psserver.client.client import Client  # noqa: E402
+from psgrid.worker import flat, loop  # noqa: E402
+from psgrid.worker.prefetch import PullAhead  # noqa: E402
 
 PARTS: list[tuple[float, float]] = []      # (wait for the kernels, copy) of each step, in order
+# (pull_ahead, calls posted, a posted pull-ahead's copies started after the launches)
+VARIANTS = {"threads": (False, False, True), "posted": (False, True, True), "ahead-threads": (True, False, True),
+            "ahead-at-once": (True, True, False), "ahead-posted": (True, True, True)}
+WAITS: dict[str, list[float]] = {"post": [], "push_wait": []}   # in Client.post_pull; for the push before
+
+
+def _timed(name: str, original):
+    def timed(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return original(*args, **kw)
+        finally:
+            WAITS[name].append(time.perf_counter() - t0)
+    return timed
 
 
 def _timed_download(original):
@@ -44,19 +61,25 @@ def _timed_download(original):
     return download_grad
 
 
-def run(args, pull_ahead: bool, one_thread: bool = True, apply_threads: int = 0) -> dict:
+def run(args, pull_ahead: bool, posting: bool, apply_threads: int = 0, after_launch: bool = True) -> dict:
     PARTS.clear()
-    flat.FlatBuffers.ONE_THREAD_AHEAD = one_thread
+    for times in WAITS.values():
+        times.clear()
+    Client.POSTING = posting
+    PullAhead.ADVANCE_AFTER_LAUNCH = after_launch
     row = gpu_workers.with_servers(gpu_workers.big_mlp(args, pull_ahead=pull_ahead), 4, "async", "shm",
                                    apply_threads=apply_threads)
-    if pull_ahead:
-        row["setting"] += ", one thread" if one_thread else ", a thread a shard"
+    row["setting"] += ", posted" if posting else ", on the client's threads"
+    if pull_ahead and posting:
+        row["setting"] += ", copies after the launches" if after_launch else ", copies at once"
     if apply_threads:
         row["setting"] += f", apply_threads {apply_threads}"
     parts = PARTS[5:] or PARTS or [(float("nan"), float("nan"))]      # none on the CPU: no copy to time
     wait = statistics.median(p[0] for p in parts)
     copy = statistics.median(p[1] for p in parts)
-    return {**row, "wait_s": wait, "copy_s": copy, "launch_s": row["compute_s"] - wait - copy}
+    waits = {f"{name}_s": statistics.median(times[5:] or times) if times else float("nan")
+             for name, times in WAITS.items()}
+    return {**row, "wait_s": wait, "copy_s": copy, "launch_s": row["compute_s"] - wait - copy, **waits}
 
 
 def main() -> int:
@@ -69,25 +92,32 @@ def main() -> int:
     parser.add_argument("--apply-threads", type=lambda s: [int(x) for x in s.split(",")], default=[0],
                         help="the shards' update threads, each value its own runs (0: their default)")
     parser.add_argument("--switch-intervals", type=lambda s: [float(x) for x in s.split(",")], default=[0.005])
+    parser.add_argument("--variants", type=lambda s: [VARIANTS[v] for v in s.split(",")],
+                        default=[VARIANTS[v] for v in ("threads", "posted", "ahead-threads", "ahead-at-once",
+                                                       "ahead-posted")],
+                        help=f"which settings each repeat runs, of {', '.join(VARIANTS)}")
     parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     args.model = "mlp"
     flat.FlatBuffers.download_grad = _timed_download(flat.FlatBuffers.download_grad)
+    Client.post_pull = _timed("post", Client.post_pull)
+    loop._finish = _timed("push_wait", loop._finish)
     rows = []
     for repeat in range(args.repeats):
         alone = gpu_workers.without_servers(gpu_workers.big_mlp(args))["step_s"]
         rows.append({"repeat": repeat, "setting": "no servers", "steady_step_s": alone, "ratio": 1.0})
         for interval in args.switch_intervals:
             sys.setswitchinterval(interval)
-            for ahead, one in ((False, True), (True, False), (True, True)):
+            for ahead, posting, after in args.variants:
                 for threads in args.apply_threads:
-                    row = run(args, ahead, one, threads)
+                    row = run(args, ahead, posting, threads, after)
                     rows.append({"repeat": repeat, "switch_interval": interval, **row,
                                  "ratio": alone / row["steady_step_s"]})
                     print(json.dumps(rows[-1]), flush=True)
         sys.setswitchinterval(0.005)
-    keys = ("steady_step_s", "pull_s", "launch_s", "wait_s", "copy_s", "push_s", "pull_ahead_s")
+    keys = ("steady_step_s", "pull_s", "post_s", "launch_s", "wait_s", "copy_s", "push_wait_s", "push_s",
+            "pull_ahead_s")
     print(f"\nMLP 784-{'-'.join(map(str, args.hidden))}-10, 4 host shards over shared memory, async; medians of "
           f"{args.repeats} repeats (ms)")
     print(f"{'setting':<72} {'x none':>6} " + " ".join(f"{k[:-2]:>8}" for k in keys))

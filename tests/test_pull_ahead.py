@@ -272,6 +272,8 @@ def test_on_a_gpu_the_next_weights_land_in_the_other_buffer(cluster, data_plane)
         bufs = FlatBuffers(SPEC, cupy, client, double=True)
         ahead = PullAhead(bufs, SPEC)
         ahead.pull()                                   # step 0: pulled now, step 1's pull started
+        # Over shared memory it is posted: its copy started on this thread, no client thread waits for it.
+        assert ahead.pending.deferred is (data_plane == "shm")
         first = bufs.params
         np.testing.assert_array_equal(cupy.asnumpy(first), init)
         grad = np.ones(SPEC.size, np.float32)

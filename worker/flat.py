@@ -45,9 +45,11 @@ class FlatBuffers:
         flight, so a step's compute overlaps the shards' update of the step before.
     """
 
-    # A pull made ahead on a GPU goes shard after shard on one thread (Client.pull's one_thread): it has
-    # a step's compute to hide in, and each thread beside the compute's launches stretches them
-    # (benchmarks/host_step_parts.py). A class attribute, so that benchmark can compare both.
+    # A pull made ahead on a GPU takes no client thread where the client posts its calls (Client.post_pull:
+    # the shards on this host, over shared memory), else goes shard after shard on one thread (Client.pull's
+    # one_thread): it has a step's compute to hide in, and each thread beside the compute's launches
+    # stretches them (benchmarks/host_step_parts.py). Class attributes, so that benchmark can compare.
+    POST_AHEAD = True
     ONE_THREAD_AHEAD = True
 
     def __init__(self, spec: ModelSpec, xp, exchange=None, *, double: bool = False):
@@ -180,7 +182,31 @@ class FlatBuffers:
             raise ValueError("a pull into a second device buffer needs an exchange that takes into=")
         # The model may have read ``target`` in the step before: its kernels end before the copy may begin.
         self.xp.cuda.get_current_stream().synchronize()
+        if background and self.POST_AHEAD and getattr(self.exchange, "posts", lambda: False)():
+            return self.exchange.post_pull(Landing(self, target))
         land = lambda begin, end, values: self._land(target, begin, end, values)  # noqa: E731
         if background and self.ONE_THREAD_AHEAD:
             return self.exchange.pull(into=land, background=True, one_thread=True)
         return self.exchange.pull(into=land, background=background)
+
+
+class Landing:
+    """Where a posted pull (Client.post_pull) lands: ranges of ``target`` on the device, from host memory.
+
+    :meth:`queue` starts a range's copy on the buffers' upload stream, which runs beside the model's
+    kernels, and returns; :meth:`wait` returns once all have ended. Calling it copies one range and
+    returns when done (a shard the client pulls again in the usual way).
+    """
+
+    def __init__(self, bufs: FlatBuffers, target):
+        self.bufs, self.target = bufs, target
+
+    def queue(self, begin: int, end: int, values: np.ndarray) -> None:
+        with self.target.device:
+            self.target[begin:end].set(values, stream=self.bufs._upload_stream())
+
+    def wait(self) -> None:
+        self.bufs._upload_stream().synchronize()
+
+    def __call__(self, begin: int, end: int, values) -> None:
+        self.bufs._land(self.target, begin, end, values)

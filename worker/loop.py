@@ -217,6 +217,8 @@ def pull_and_compute(bufs: FlatBuffers, loader, model, delay: Delay, overlap: bo
     if overlap:
         bufs.swap_gradient()          # the other buffer: the push that read it has ended
     loss = model.loss_and_grad(bufs.param_views, x, y, bufs.grad_views)
+    if ahead is not None:
+        ahead.advance()
     bufs.download_grad()          # compute_s includes this copy to the host, which also synchronizes
     loss_value = float(loss)
     compute_s = time.perf_counter() - t1

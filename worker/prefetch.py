@@ -61,6 +61,11 @@ class PullAhead:
         What this step waited for its weights, before the push of the step before (:meth:`push_versions`).
     """
 
+    # A posted pull's copies start once the step's kernels are launched (advance()), its answers read
+    # then rather than waited for before the launches. A class attribute, so that
+    # benchmarks/host_step_parts.py can compare with starting them at once.
+    ADVANCE_AFTER_LAUNCH = True
+
     def __init__(self, bufs: FlatBuffers, spec):
         self.bufs = bufs
         self.spare = spec.flat(bufs.xp)
@@ -88,6 +93,15 @@ class PullAhead:
         if ahead:
             # The buffer the step before computed from: its compute (and the gradient's copy) has ended.
             self.pending = self.bufs.pull_to(self.spare, background=True)
+            if not self.ADVANCE_AFTER_LAUNCH:
+                self.advance()
+
+    def advance(self) -> None:
+        """Once the step's kernels are launched: start the next step's copies, where its pull was posted
+        (Client.post_pull: the shards' answers have come meanwhile, and reading them took the launches nothing)."""
+        advance = getattr(self.pending, "advance", None)     # a Client's handle has it; another exchange's may not
+        if advance is not None:
+            advance()
 
     def push_versions(self) -> list[int]:
         """The versions this step's push names: its weights', or the next step's pull's where lower.

@@ -1,7 +1,8 @@
 """What a pull or a push returns: a handle to wait on, in the manner of ps-lite's Wait(timestamp).
 
 A call made where it is issued is done when it returns; one run in the background (``background=True``)
-is done once every shard has answered, and its buffer is the call's until then.
+is done once every shard has answered, and its buffer is the call's until then. A posted call (:func:`defer`)
+has sent its requests and is finished by whoever first waits for it, in that thread.
 """
 
 from __future__ import annotations
@@ -25,8 +26,11 @@ class Handle(Generic[T]):
     None for a push or a pull ``into=`` a callable.
     """
 
-    def __init__(self, run: Callable[[], T], background: bool):
+    def __init__(self, run: Callable[[], T], background: bool, *, deferred: bool = False,
+                 advance: Callable[[], object] | None = None):
         self.started = time.perf_counter()
+        self.deferred = deferred        # run by the first wait(), never by a client thread
+        self._advance = advance
         self.finished: float | None = None
         self.out: np.ndarray | None = None
         self._run = run
@@ -49,6 +53,14 @@ class Handle(Generic[T]):
             if self._done is not None:
                 self._done.set()
 
+    def advance(self) -> None:
+        """A posted call's middle step, made now if it has one and it is not made yet (a pull's answers
+        read and its copies started): for a caller with time for it before it waits. ``wait()`` makes it
+        otherwise."""
+        step, self._advance = self._advance, None
+        if step is not None:
+            step()
+
     @property
     def seconds(self) -> float | None:
         """From the call to the last shard's answer (None while in flight)."""
@@ -64,7 +76,7 @@ class Handle(Generic[T]):
         timeout only: with one, the caller waits for a thread and keeps its limit).
         """
         if self._done is not None:
-            if timeout is None:
+            if timeout is None or self.deferred:
                 self._execute()
             if not self._done.wait(timeout):
                 raise WaitTimeout(f"still waiting for the shards after {timeout} s", Reason.WAIT_TIMEOUT)
@@ -80,6 +92,13 @@ def settle(handle: Handle | None) -> None:
             handle.wait()
         except Exception:  # noqa: BLE001 - reported through the handle itself
             pass
+
+
+def defer(run: Callable[[], T], advance: Callable[[], object] | None = None) -> Handle[T]:
+    """A handle for the rest of a call posted without a thread (transports/shm_posted.py): ``run`` is made
+    by the first ``wait()``, in the waiter's thread, after ``advance`` unless :meth:`Handle.advance` made it
+    before. ``seconds`` then runs from the call to the end of that wait."""
+    return Handle(run, True, deferred=True, advance=advance)
 
 
 def launch(run: Callable[[], T], background: bool, executor=None) -> Handle[T]:

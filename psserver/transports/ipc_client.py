@@ -46,6 +46,7 @@ class IpcDataPlane(ShmDataPlane):
     name = "ipc"
     title = "CUDA IPC plane"
     takes_device_arrays = True
+    posts = False          # its pulls hand over device arrays, copied device to device where they are called
     connection_class = _IpcConnection
 
     def __init__(self, address: str, options: ConnectOptions, host: str, gpu: int):

@@ -51,6 +51,7 @@ class ShmDataPlane(DataPlane):
     name = "shm"
     title = "shared-memory plane"
     reads_in_place = True
+    posts = True
     connection_class = ShmConnection
 
     def __init__(self, address: str, options: ConnectOptions, host: str = "localhost"):
@@ -163,12 +164,9 @@ class ShmDataPlane(DataPlane):
                 version, index = reply.version, reply.buffer_index
                 try:
                     consume(self._buffer(conn, index, size))
-                    # The copy is done (a device copy is synchronized by then): a slot that no longer
-                    # names the buffer means the shard took it back meanwhile (weight_ring.py), and
-                    # the copy may be torn. Read again.
-                    intact = self.marks[conn.slot] == index
+                    intact = self.still_marked(conn, index)
                 finally:
-                    self.marks[conn.slot] = NO_MARK      # the shard may write this buffer again
+                    self.unmark(conn)
                 if intact:
                     return version
                 if time.monotonic() > give_up:
@@ -178,8 +176,31 @@ class ShmDataPlane(DataPlane):
 
         return self.pool.round_trip(timeout_s, call)
 
+    def still_marked(self, conn: ShmConnection, index: int) -> bool:
+        """Once a copy of buffer ``index`` is done (a device copy synchronized): whether it is whole.
+
+        A slot that no longer names the buffer means the shard took it back meanwhile
+        (weight_ring.py), and the copy may be torn: the caller reads again.
+        """
+        return self.marks[conn.slot] == index
+
+    def unmark(self, conn: ShmConnection) -> None:
+        """Clear this connection's mark: the shard may write the buffer it named again."""
+        self.marks[conn.slot] = NO_MARK
+
     def push(self, grad: np.ndarray, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int,
              timeout_s: float) -> PushResult:
+        kind, segment, fd = self.stage(grad, begin, wire_dtype)
+
+        def call(conn: ShmConnection) -> PushResult:
+            self.send_push(conn, kind, segment, fd, worker_id=worker_id, clock=clock, version=version,
+                           timeout_s=timeout_s)
+            return self.push_answer(conn)
+
+        return self.pool.round_trip(timeout_s, call)
+
+    def stage(self, grad: np.ndarray, begin: int, wire_dtype: int) -> tuple[int, np.ndarray, int]:
+        """Put ``grad`` (this shard's range, from ``begin``) in a shared gradient file: its dtype byte, the file, its fd."""
         if self.memory is None:
             raise BadReply("this connection has no gradient memory to push from (an observer's)")
         end = begin + len(grad)
@@ -191,19 +212,33 @@ class ShmDataPlane(DataPlane):
             segment[begin:end] = np.frombuffer(wire.encode(grad, wire_dtype), np.uint16)
         elif index is None:         # not computed in one of our gradient buffers: copied into the first
             np.copyto(segment[begin:end], grad)
-        kind = dtype_byte(wire_dtype, index or 0)
+        return dtype_byte(wire_dtype, index or 0), segment, fd
 
-        def call(conn: ShmConnection) -> PushResult:
-            if kind not in conn.attached:
-                conn.sock.sendall(attach_request(kind, segment.nbytes))
-                socket.send_fds(conn.sock, [FD_BYTE], [fd])
-                read_reply(conn.sock, self.replier)
-                conn.attached.add(kind)
-            conn.sock.sendall(push_request(kind, worker_id, clock, version, 0, timeout_s))
-            reply = read_reply(conn.sock, self.replier)
-            return PushResult(Outcome(reply.outcome), reply.version, reply.staleness, reply.next_clock)
+    def send_push(self, conn: ShmConnection, kind: int, segment: np.ndarray, fd: int, *, worker_id: int, clock: int,
+                  version: int, timeout_s: float) -> None:
+        """Send a push's header on ``conn`` (attaching the gradient file first, once per connection)."""
+        if kind not in conn.attached:
+            conn.sock.sendall(attach_request(kind, segment.nbytes))
+            socket.send_fds(conn.sock, [FD_BYTE], [fd])
+            read_reply(conn.sock, self.replier)
+            conn.attached.add(kind)
+        conn.sock.sendall(push_request(kind, worker_id, clock, version, 0, timeout_s))
 
-        return self.pool.round_trip(timeout_s, call)
+    def push_answer(self, conn: ShmConnection) -> PushResult:
+        reply = read_reply(conn.sock, self.replier)
+        return PushResult(Outcome(reply.outcome), reply.version, reply.staleness, reply.next_clock)
+
+    def post_pull(self, *, size: int, worker_id: int, clock: int, timeout_s: float) -> "PostedPull":
+        """A pull made in steps on the caller's thread (shm_posted.py); its request is sent."""
+        from psgrid.psserver.transports.shm_posted import PostedPull
+        return PostedPull(self, size=size, worker_id=worker_id, clock=clock, timeout_s=timeout_s)
+
+    def post_push(self, grad: np.ndarray, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int,
+                  timeout_s: float) -> "PostedPush":
+        """A push made in steps on the caller's thread (shm_posted.py); its header is sent."""
+        from psgrid.psserver.transports.shm_posted import PostedPush
+        return PostedPush(self, grad, begin=begin, wire_dtype=wire_dtype, worker_id=worker_id, clock=clock,
+                          version=version, timeout_s=timeout_s)
 
     def close(self) -> None:
         self.pool.close()
