@@ -16,7 +16,8 @@ for it.
 
 ``pull`` and ``push`` return a :class:`Handle` (ps-lite's Push, Pull and Wait). By default
 they run in the calling thread and the handle is done when they return, so a buffer is never
-read half filled. With ``background=True`` they run on the client's threads and ``wait()``
+read half filled. With ``background=True`` they run on the client's threads (over shared memory a
+push is posted instead: sent now, its answers read by ``wait()``, client/posting.py) and ``wait()``
 blocks until every shard has answered; a buffer given to them is theirs until then. The
 client keeps the clocks: a push carries the next clock and the versions of the last pull,
 and a pull issued while a background push is in flight is for the step after it, so a loop
@@ -40,7 +41,8 @@ from psgrid.psserver.client.connections import ShardConnections
 from psgrid.psserver.client.handle import Handle, defer, launch, settle
 from psgrid.psserver.client.joining import Initializer, check_flat, check_flat_device, wait_for_workers
 from psgrid.psserver.client.memory import ClientMemory, Pinner
-from psgrid.psserver.exceptions import InvalidArgument, PSError, Unavailable, UnknownWorker, WaitTimeout
+from psgrid.psserver.client.posting import PostedCalls, failing_first
+from psgrid.psserver.exceptions import InvalidArgument, PSError, UnknownWorker, WaitTimeout
 from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, PushResult, Reason, Registration
 from psgrid.psserver.security import job_token
 from psgrid.psserver.sharding import shard_ranges
@@ -98,9 +100,7 @@ class Client:
         (Mutual) TLS material; off by default.
     """
 
-    # Whether calls are posted where every plane can (posts()); a class attribute, so that
-    # benchmarks/host_step_parts.py can compare with the calls on the client's threads.
-    POSTING = True
+    POSTING = True      # post where every plane can (posts()); off, benchmarks/host_step_parts.py compares
 
     def __init__(self, addresses: Sequence[str], spec: ModelSpec, *, worker_id: int | None = None,
                  world: int | None = None, init=None, data_plane: str = "tcp", wire_dtype: str = "float32",
@@ -354,17 +354,14 @@ class Client:
             posting = background and isinstance(grad, np.ndarray) and self.posts()
             if posting:
                 # Headers sent now, answers read by wait(): no client thread wakes during the next compute.
-                posted = self._post_each(lambda i, plane, begin, end: plane.post_push(
+                posted = PostedCalls(self._conn.planes, self.ranges, lambda i, plane, begin, end: plane.post_push(
                     grad[begin:end], begin=begin, wire_dtype=self.wire_dtype, worker_id=self.worker_id, clock=clock,
                     version=used[i], timeout_s=self.deadline_s))
 
             def run() -> list[PushResult]:
                 results = None
                 try:
-                    if posting:
-                        results = self._finish_all(posted, one)
-                    else:
-                        results = self._conn.map(one)
+                    results = posted.finish(self.num_shards, one) if posting else self._conn.map(one)
                     return results
                 finally:
                     self._pushed(clock, results)
@@ -379,18 +376,17 @@ class Client:
         with self._lock:
             self._unacked_clock = None
             if results:
-                # The earliest clock a shard still needs: a sync push dropped as late moves the
-                # worker to the open round (every shard says so), while a shard that is ahead of
-                # the others (restored from a later checkpoint) answers a push it already has
-                # as a duplicate with its own clock, which the shards behind never reach unless
-                # the worker pushes the clocks in between.
+                # The earliest clock a shard still needs: a sync push dropped as late moves the worker to
+                # the open round (every shard says so), while a shard ahead of the others (restored from a
+                # later checkpoint) answers a push it already has as a duplicate with its own clock, which
+                # the shards behind never reach unless the worker pushes the clocks in between.
                 self._next_clock = max(self._next_clock, min(r.next_clock for r in results))
             elif self.mode == "sync":
-                # A sync push that failed (a refused gradient, a shard out of reach) moves no clock:
-                # the next push carries this clock again, which a shard that took this one answers
-                # as a duplicate. Else the next pull would wait for a round this worker never
-                # pushed to on the shard that refused it. (In async and ssp the pull does not
-                # wait for it; the refusing shard learns the next clock by a registration.)
+                # A sync push that failed (a refused gradient, a shard out of reach) moves no clock: the
+                # next push carries this clock again, which a shard that took this one answers as a
+                # duplicate. Else the next pull would wait for a round this worker never pushed to on the
+                # shard that refused it. (In async and ssp the pull does not wait for it; the refusing
+                # shard learns the next clock by a registration.)
                 self._next_clock = min(self._next_clock, clock)
 
     def _require_joined(self) -> None:
@@ -411,7 +407,7 @@ class Client:
             call = lambda: self._conn.plane(shard).pull_with(  # noqa: E731
                 into, begin=begin, end=end, staging=self._memory.staging, worker_id=self.worker_id, clock=clock,
                 timeout_s=self.deadline_s)
-        call = _failing_first(failed, call)
+        call = failing_first(failed, call)
         waited_since = time.monotonic()
         while True:
             try:
@@ -440,13 +436,11 @@ class Client:
             return plane.push(values, begin=begin, wire_dtype=self.wire_dtype, worker_id=self.worker_id, clock=clock,
                               version=version, timeout_s=self.deadline_s)
 
-        return self._worker_call(shard, _failing_first(failed, call))
+        return self._worker_call(shard, failing_first(failed, call))
 
     def posts(self) -> bool:
-        """Whether every shard's plane makes calls in steps on the caller's thread (the shared-memory
-        plane, transports/shm_posted.py): a background push then waits on no client thread, and
-        :meth:`post_pull` can be used. False before the client has joined, or while a plane is being
-        chosen again."""
+        """Whether every shard's plane posts its calls (the shm plane, transports/shm_posted.py): a background
+        push then wakes no client thread, and :meth:`post_pull` serves. False before joining."""
         if not self._joined or self._closed or not self.POSTING:
             return False
         return all(plane is not None and plane.posts for plane in self._conn.planes)
@@ -454,80 +448,33 @@ class Client:
     def post_pull(self, landing) -> Handle[list[int]]:
         """Pull every shard's weights with no client thread: a GPU's copy engine moves them, beside the compute.
 
-        ``landing.queue(begin, end, values)`` starts a device copy of a shard's range from its
-        memory and returns; ``landing.wait()`` returns once every copy started has ended; and
-        ``landing(begin, end, values)`` copies and returns when done, for a shard pulled in the usual
-        way (a copy the shard took its buffer back from, a failure, a plane that cannot post). The
-        requests are sent now. In async, where a shard answers at once, the handle's ``advance()``
-        reads the answers and starts the copies, for a caller that has launched its compute and
-        waits for it anyway; ``wait()`` makes what is left (:func:`~handle.defer`). Used where
-        :meth:`posts`; like ``pull(into=..., background=True)`` otherwise.
+        ``landing.queue(begin, end, values)`` starts a device copy of a range from the shard's memory;
+        ``landing.wait()`` returns once the copies started have ended; ``landing(begin, end, values)``
+        copies at once, for a shard pulled the usual way (a torn copy, a failure, a plane that does not
+        post). The requests are sent now. In async the handle's ``advance()`` reads the answers and
+        starts the copies (for a caller whose compute is launched); ``wait()`` makes what is left.
         """
         self._require_joined()
         with self._calls:
             settle(self._pull_handle)
             clock = self.clock
-            queue = lambda i: lambda values: landing.queue(*self.ranges[i], values)  # noqa: E731
-            posted = self._post_each(lambda i, plane, begin, end: plane.post_pull(
+            posted = PostedCalls(self._conn.planes, self.ranges, lambda i, plane, begin, end: plane.post_pull(
                 size=end - begin, worker_id=self.worker_id, clock=clock, timeout_s=self.deadline_s))
-
-            def land() -> None:
-                for i in [i for i, call in posted.items() if not isinstance(call, BaseException) and not call.landed]:
-                    self._land_posted(posted, i, queue(i))
+            land = lambda: posted.land(landing)  # noqa: E731
 
             def run() -> list[int]:
                 try:
                     land()
                 finally:
                     landing.wait()      # a copy ends before its mark is cleared, whatever else failed
-                versions = self._finish_all(posted, lambda i, failed: self._pull_one(i, None, landing, clock, failed))
+                versions = posted.finish(self.num_shards,
+                                         lambda i, failed: self._pull_one(i, None, landing, clock, failed))
                 with self._lock:
                     self._versions = versions
                 return versions
 
             handle = self._pull_handle = defer(run, advance=land if self.mode == "async" else None)
         return handle
-
-    def _post_each(self, post: Callable) -> dict:
-        """``post(i, plane, begin, end)`` for every shard whose plane posts: shard -> its posted call, or the
-        failure that ended it (the call is then made the usual way when the rest is finished)."""
-        posted = {}
-        for i, plane in enumerate(self._conn.planes):
-            if plane is not None and plane.posts:
-                try:
-                    posted[i] = post(i, plane, *self.ranges[i])
-                except (PSError, OSError) as exc:
-                    posted[i] = exc
-        return posted
-
-    def _land_posted(self, posted: dict, shard: int, queue) -> None:
-        try:
-            posted[shard].land(queue)
-        except (PSError, OSError) as exc:
-            posted.pop(shard).abandon()
-            posted[shard] = exc
-
-    def _finish_all(self, posted: dict, again: Callable[[int, BaseException | None], T]) -> list[T]:
-        """Every shard's result: its posted call's last step, else ``again(shard, failure)``, the usual way,
-        for a call that failed (``failure`` is then taken as its first attempt's), was torn (None) or was
-        never posted. A failure is raised once every shard's call has ended."""
-        results, error = [], None
-        for shard in range(self.num_shards):
-            call = posted.pop(shard, None)
-            try:
-                result, failure = None, call if isinstance(call, BaseException) else None
-                if call is not None and failure is None:
-                    try:
-                        result = call.finish()
-                    except (PSError, OSError) as exc:
-                        call.abandon()
-                        failure = exc
-                results.append(again(shard, failure) if result is None else result)
-            except BaseException as exc:  # noqa: BLE001 - raised once every call has ended
-                error = error or exc
-        if error is not None:
-            raise error
-        return results
 
     def takes_device_gradients(self) -> bool:
         """Whether every shard's plane takes a gradient on our GPU as it is (CUDA IPC): a GPU worker then
@@ -551,19 +498,3 @@ class Client:
             self._conn.retrying(shard, lambda: self._register_one(shard))
             return self._conn.retrying(shard, call, data=True)
 
-
-def _failing_first(failed: BaseException | None, call: Callable[[], T]) -> Callable[[], T]:
-    """``call``, whose first attempt is taken to have failed with ``failed`` (a posted call's failure), if any:
-    the retries a failure earns (a shard down, a registration lost) are then made, and a refusal is not
-    asked for twice. A socket's error counts as the shard out of reach, as in a round trip."""
-    if failed is None:
-        return call
-    pending = [failed if isinstance(failed, PSError) else
-               Unavailable(f"a shared-memory connection was lost: {failed}", Reason.UNREACHABLE)]
-
-    def attempt() -> T:
-        if pending:
-            raise pending.pop()
-        return call()
-
-    return attempt
