@@ -166,6 +166,9 @@ class ShardService:
             raise InvalidArgument("the spec's hash does not match its parameters", Reason.BAD_SPEC)
         self.shard.check_spec(spec)
         begin, end = self.shard.layout(spec)
+        if self.shard.arrays.on_gpu:        # its weights, state and buffers are on the GPU: room there is what counts
+            self._check_gpu_room(end - begin)
+            return InitIntake(self.shard, spec)
         # The weights, the optimizer's state and the pooled buffers are each this range: refuse, before
         # anything is allocated, a model whose range could not fit in this machine's memory.
         need = (end - begin) * ITEMSIZE[FLOAT32] * RANGE_COPIES
@@ -173,8 +176,6 @@ class ShardService:
             raise InvalidArgument(f"a range of {end - begin} elements ({need / 2**30:.1f} GiB with optimizer state and "
                                   f"buffers) is more than this shard can hold ({PHYSICAL_MEMORY / 2**30:.1f} GiB of "
                                   f"memory): use more shards", Reason.BAD_SPEC)
-        if self.shard.arrays.on_gpu:
-            self._check_gpu_room(end - begin)
         return InitIntake(self.shard, spec)
 
     def _check_gpu_room(self, elements: int) -> None:
