@@ -29,11 +29,11 @@ def hold_every_reader_slot(address: str) -> tuple[ShmDataPlane, list]:
     for _ in range(MAX_SHARED_READERS):
         conn = holder.connect(5.0)
         held.append(conn)
-        holder._open(conn)
+        holder.open_slot(conn)
     extra = holder.connect(5.0)
     held.append(extra)
     with pytest.raises(Unavailable) as refused:
-        holder._open(extra)
+        holder.open_slot(extra)
     assert refused.value.reason is Reason.TOO_MANY_CONNECTIONS
     return holder, held
 

@@ -128,12 +128,12 @@ class FlatBuffers:
         # Called from the client's threads, one per shard: the device is named, not taken from the thread.
         # CuPy's set() only queues the copy (from page-locked memory it runs as a DMA after set() returns),
         # and ``values`` is the shard's own memory, which it may write again once this returns: wait for it.
-        self._land(self.params, begin, end, values)
+        self.land(self.params, begin, end, values)
 
-    def _land(self, target, begin: int, end: int, values) -> None:
+    def land(self, target, begin: int, end: int, values) -> None:
         """Copy ``values`` (host memory, or a shard's device array over CUDA IPC) into ``target[begin:end]``; done on return."""
         with target.device:
-            stream = self._upload_stream()
+            stream = self.upload_stream()
             part = target[begin:end]
             if isinstance(values, np.ndarray):
                 part.set(values, stream=stream)
@@ -141,7 +141,7 @@ class FlatBuffers:
                 part.data.copy_from_device_async(values.data, part.nbytes, stream)
             stream.synchronize()
 
-    def _upload_stream(self):
+    def upload_stream(self):
         if self._stream is None:
             self._stream = self.xp.cuda.Stream(non_blocking=True)
         return self._stream
@@ -149,7 +149,7 @@ class FlatBuffers:
     def upload_params(self) -> None:
         """Copy ``host_params`` (filled by hand) to the device; done when this returns."""
         if self.xp is not np:
-            stream = self._upload_stream()
+            stream = self.upload_stream()
             self.params.set(self.host_params, stream=stream)
             stream.synchronize()
 
@@ -184,7 +184,7 @@ class FlatBuffers:
         self.xp.cuda.get_current_stream().synchronize()
         if background and self.POST_AHEAD and getattr(self.exchange, "posts", lambda: False)():
             return self.exchange.post_pull(Landing(self, target))
-        land = lambda begin, end, values: self._land(target, begin, end, values)  # noqa: E731
+        land = lambda begin, end, values: self.land(target, begin, end, values)  # noqa: E731
         if background and self.ONE_THREAD_AHEAD:
             return self.exchange.pull(into=land, background=True, one_thread=True)
         return self.exchange.pull(into=land, background=background)
@@ -203,10 +203,10 @@ class Landing:
 
     def queue(self, begin: int, end: int, values: np.ndarray) -> None:
         with self.target.device:
-            self.target[begin:end].set(values, stream=self.bufs._upload_stream())
+            self.target[begin:end].set(values, stream=self.bufs.upload_stream())
 
     def wait(self) -> None:
-        self.bufs._upload_stream().synchronize()
+        self.bufs.upload_stream().synchronize()
 
     def __call__(self, begin: int, end: int, values) -> None:
-        self.bufs._land(self.target, begin, end, values)
+        self.bufs.land(self.target, begin, end, values)

@@ -39,7 +39,8 @@ import numpy as np
 from psgrid.psserver import dtypes as wire
 from psgrid.psserver.client.connections import ShardConnections
 from psgrid.psserver.client.handle import Handle, defer, launch, settle
-from psgrid.psserver.client.joining import Initializer, check_flat, check_flat_device, wait_for_workers
+from psgrid.psserver.client.joining import (Initializer, check_flat, check_flat_device, start_heartbeats,
+                                            wait_for_workers)
 from psgrid.psserver.client.memory import ClientMemory, Pinner
 from psgrid.psserver.client.posting import PostedCalls, failing_first
 from psgrid.psserver.exceptions import InvalidArgument, PSError, UnknownWorker, WaitTimeout
@@ -138,6 +139,8 @@ class Client:
         self._unacked_clock: int | None = None    # the clock of the push in flight, if any
         self._versions = [0] * self._conn.num_shards
         self._pull_handle: Handle | None = None
+        self._landing = None         # where a posted pull's copies may still run (Client.post_pull)
+        self._conn.before_close = lambda: self._landing and self._landing.wait()
         self._push_handle: Handle | None = None
         self._registered = False    # shard 0 gave this worker an id: it must leave
         self._joined = False        # every step of join() is done
@@ -242,20 +245,7 @@ class Client:
 
     def _start_heartbeats(self) -> None:
         interval = self._heartbeat_s or max(0.05, min(1.0, self.lease_s / 4))
-        timeout = min(max(interval, 1.0), 5.0)
-
-        def beat():
-            while not self._heartbeat_stop.wait(interval):
-                for control in self._conn.controls:
-                    if self._heartbeat_stop.is_set():
-                        return
-                    try:
-                        control.heartbeat(self.worker_id, timeout_s=timeout)
-                    except PSError:
-                        pass    # the next data call reports (and retries) a shard that is down
-
-        self._heartbeat_thread = threading.Thread(target=beat, name="psgrid-heartbeat", daemon=True)
-        self._heartbeat_thread.start()
+        self._heartbeat_thread = start_heartbeats(self._conn.controls, self.worker_id, interval, self._heartbeat_stop)
 
     def leave(self) -> None:
         """Tell every shard this worker is done, so sync and ssp stop waiting for it."""
@@ -461,12 +451,14 @@ class Client:
             posted = PostedCalls(self._conn.planes, self.ranges, lambda i, plane, begin, end: plane.post_pull(
                 size=end - begin, worker_id=self.worker_id, clock=clock, timeout_s=self.deadline_s))
             land = lambda: posted.land(landing)  # noqa: E731
+            self._landing = landing
 
             def run() -> list[int]:
                 try:
                     land()
                 finally:
                     landing.wait()      # a copy ends before its mark is cleared, whatever else failed
+                    self._landing = None
                 versions = posted.finish(self.num_shards,
                                          lambda i, failed: self._pull_one(i, None, landing, clock, failed))
                 with self._lock:

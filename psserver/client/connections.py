@@ -64,6 +64,9 @@ class ShardConnections:
         self.plane_lock = threading.Lock()
         # Two calls per shard may run at once: a push and the pull that overlaps it.
         self.executor = ThreadPoolExecutor(max_workers=2 * len(self.addresses) + 2, thread_name_prefix="psgrid-client")
+        # Called before a plane is closed: waits for device copies still reading memory it mapped (a posted
+        # pull's, Client.post_pull), which closing unregisters and unmaps.
+        self.before_close: Callable[[], None] = lambda: None
         self.job_tags: dict[int, str] = {}     # each shard's job, as its registration says (protocol.job_tag)
         self.mixed_jobs: str | None = None      # the line that said the shards belong to different jobs
 
@@ -182,6 +185,7 @@ class ShardConnections:
                             "network plane (%s where offered) serves this client instead", shard, plane.title, cause,
                             self.preference)
         if plane is not None:
+            self.before_close()
             plane.close()
         return full
 

@@ -1,4 +1,4 @@
-"""Joining a job: wait until its workers have registered, and see that every shard has weights.
+"""Joining a job: wait until its workers have registered, see that every shard has weights, heartbeat.
 
 The waits ask the shards again after 5 ms, then less and less often: a job whose workers start
 together sees the last one join (or the weights land) at once, and a long wait does not flood the
@@ -9,18 +9,38 @@ then offer their own (the first writer wins on each shard).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Mapping
 
 import numpy as np
 
 from psgrid.psserver.client.connections import ShardConnections
-from psgrid.psserver.exceptions import InvalidArgument, NotInitialized
+from psgrid.psserver.exceptions import InvalidArgument, NotInitialized, PSError
 from psgrid.psserver.protocol import Registration
 from psgrid.psserver.spec import ModelSpec
 
 log = logging.getLogger("psgrid.client")
 POLL_S = (0.005, 0.1)     # the first and the longest pause of a wait that polls the shards
+
+
+def start_heartbeats(controls, worker_id: int, interval: float, stop: threading.Event) -> threading.Thread:
+    """A daemon thread that heartbeats ``worker_id`` to every shard each ``interval`` until ``stop`` is set."""
+    timeout = min(max(interval, 1.0), 5.0)
+
+    def beat():
+        while not stop.wait(interval):
+            for control in controls:
+                if stop.is_set():
+                    return
+                try:
+                    control.heartbeat(worker_id, timeout_s=timeout)
+                except PSError:
+                    pass    # the next data call reports (and retries) a shard that is down
+
+    thread = threading.Thread(target=beat, name="psgrid-heartbeat", daemon=True)
+    thread.start()
+    return thread
 
 
 def polls(first: float, longest: float):

@@ -78,7 +78,7 @@ class IpcDataPlane(ShmDataPlane):
             memory = cupy.cuda.UnownedMemory(pointer, size * 4, owner=self, device_id=self.gpu)
             return cupy.ndarray((size,), cupy.float32, cupy.cuda.MemoryPointer(memory, 0))
 
-    def _buffer(self, conn: _IpcConnection, index: int, size: int):
+    def mapped(self, conn: _IpcConnection, index: int, size: int):
         buffer = self.buffers.get(index)
         if buffer is not None and len(buffer) == size:
             return buffer

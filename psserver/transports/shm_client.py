@@ -109,7 +109,7 @@ class ShmDataPlane(DataPlane):
 
     # ----- mapping the shard's memory -----------------------------------------------------------
 
-    def _open(self, conn: ShmConnection) -> None:
+    def open_slot(self, conn: ShmConnection) -> None:
         conn.sock.sendall(open_request())
         slot = read_reply(conn.sock, self.replier).slot
         fd = self._receive_fd(conn.sock)
@@ -121,7 +121,7 @@ class ShmDataPlane(DataPlane):
             os.close(fd)
         conn.slot = slot
 
-    def _buffer(self, conn: ShmConnection, index: int, size: int) -> np.ndarray:
+    def mapped(self, conn: ShmConnection, index: int, size: int) -> np.ndarray:
         buffer = self.buffers.get(index)
         if buffer is not None and len(buffer) == size:
             return buffer
@@ -156,14 +156,14 @@ class ShmDataPlane(DataPlane):
               timeout_s: float) -> int:
         def call(conn: ShmConnection) -> int:
             if conn.slot < 0:
-                self._open(conn)
+                self.open_slot(conn)
             give_up = time.monotonic() + (timeout_s or REREAD_S)
             while True:
                 conn.sock.sendall(pull_request(FLOAT32, worker_id, clock, timeout_s))
                 reply = read_reply(conn.sock, self.replier)
                 version, index = reply.version, reply.buffer_index
                 try:
-                    consume(self._buffer(conn, index, size))
+                    consume(self.mapped(conn, index, size))
                     intact = self.still_marked(conn, index)
                 finally:
                     self.unmark(conn)

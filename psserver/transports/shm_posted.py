@@ -72,7 +72,7 @@ class PostedPull(PostedCall):
         self.version: int | None = None
         try:
             if self.conn.slot < 0:
-                plane._open(self.conn)
+                plane.open_slot(self.conn)
             self.conn.sock.sendall(pull_request(FLOAT32, worker_id, clock, timeout_s))
         except BaseException:
             self.abandon()
@@ -85,7 +85,7 @@ class PostedPull(PostedCall):
     def land(self, queue) -> None:
         """Read the answer (waiting, in sync and ssp, until the mode allows) and ``queue(values)`` the copy."""
         reply = read_reply(self.conn.sock, self.plane.replier)
-        buffer = self.plane._buffer(self.conn, reply.buffer_index, self.size)
+        buffer = self.plane.mapped(self.conn, reply.buffer_index, self.size)
         self.index, self.version = reply.buffer_index, reply.version
         queue(buffer)
 
