@@ -182,3 +182,26 @@ def test_a_posted_pull_of_a_shard_that_went_away_is_made_the_usual_way(cluster, 
         assert [begin for _, begin in landing.queued] == [client.ranges[1][0]]
         assert handle.wait() == [0, 0] and landing.copied == [0]
         np.testing.assert_array_equal(landing.target, INIT)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["shm"])
+def test_a_plane_is_closed_only_once_a_posted_pulls_copies_have_ended(cluster, monkeypatch):
+    # Closing a plane unregisters and unmaps the shard's memory its copies may still be reading (a failed
+    # push's retry drops the plane while the pull-ahead's copies run).
+    c = cluster(2, mode="async")
+    with c.client(SPEC, init=INIT) as client:
+        landing, events = HostLanding(SPEC.size), []
+        monkeypatch.setattr(landing, "wait", lambda: events.append("copies ended"))
+        plane = client._conn.planes[0]
+        close = plane.close
+        monkeypatch.setattr(plane, "close", lambda: (events.append("plane closed"), close()))
+        handle = client.post_pull(landing)
+        handle.advance()
+        client._conn.drop_plane(0)
+        assert events == ["copies ended", "plane closed"]
+        assert handle.wait() == [0, 0]
+        np.testing.assert_array_equal(landing.target, INIT)
+        events.clear()
+        client._conn.drop_plane(1)                     # nothing in flight now: closed without a wait
+        assert events == []
