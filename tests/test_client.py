@@ -16,7 +16,7 @@ from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.transports.base import ConnectOptions, open_data_plane
 from psgrid.psserver.transports.grpc_client import open_control
 from psgrid.psserver.client.memory import ClientMemory
-from tests.support import REGRESSION, plane_options, run_threads
+from tests.support import REGRESSION, plane_options, run_threads, wait_for
 
 SPEC = ModelSpec([("w", (40,)), ("b", (3,))])
 ONES = np.ones(SPEC.size, np.float32)
@@ -56,6 +56,7 @@ def test_an_exception_in_the_block_still_leaves(cluster):
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])    # joining is control RPCs: no payload crosses a data plane
 def test_joining_waits_for_the_job_on_every_shard_not_only_the_first(cluster):
     c = cluster(2, mode="sync")
     # A stranger that registered with shard 0 only: shard 0 counts two members, shard 1 one.
@@ -266,13 +267,14 @@ def test_a_forgotten_worker_registers_again_by_itself(cluster):
 # ----- found in review ------------------------------------------------------------------------------
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])    # joining is control RPCs: no payload crosses a data plane
 def test_workers_with_different_models_are_refused_before_any_weights_exist(cluster):
     c = cluster(2, mode="sync")
     other = ModelSpec([("w", (3, 40)), ("b", (3,))])          # the same size, another layout
     first = c.client(SPEC, worker_id=0, world=2, init=SPEC.flat(), join_timeout_s=10)
     waiting = threading.Thread(target=first.join, daemon=True)
     waiting.start()
-    time.sleep(0.3)                                           # first has registered on every shard, no Init yet
+    wait_for(lambda: members(c) == members(c, 1) == [0], 10, "worker 0 registered on every shard")
     assert not c.shard().initialized
     with pytest.raises(SpecMismatch):
         c.client(other, worker_id=1).join()
@@ -442,6 +444,7 @@ def test_admin_pull_is_a_handle_like_the_clients_and_registers_once(cluster, mon
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])    # membership, read over gRPC: no payload crosses a data plane
 def test_admin_waits_for_members(cluster):
     c = cluster(2, mode="async", lr=0.1)
     admin = c.admin()

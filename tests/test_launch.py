@@ -90,6 +90,7 @@ def test_tiny_job_completes_with_a_summary(tmp_path):
     assert {"job_start", "shards_ready", "step", "eval", "done", "final_eval", "job_end"} <= kinds
     (start,) = [e for e in events if e["event"] == "job_start"]
     assert (start["shards"], start["workers"]) == (2, 2)
+    assert "starting 2 worker(s) of a 101,770-parameter mlp; logs in " in text       # a job says its size first
     assert "mnist (sync, 2 shards, 2 workers): 200 steps in " in text
     assert "test accuracy" in text and "summary in" in text
     print(f"tiny launch took {elapsed:.1f} s")

@@ -150,10 +150,12 @@ ATTEMPTS = 14       # Ctrl-Cs at random moments, 0.3 to 3 s after each start
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_ctrl_c_at_random_moments_then_resume_finishes_the_total_steps(tmp_path):
-    # While it is interrupted, each step sleeps 10 ms on average: 4000 steps are far more than 14
-    # short attempts make, so every Ctrl-C lands in the job (in its start, its training or its end
-    # of an attempt). The last resume drops the sleep and finishes the rest quickly.
-    steps = 4000
+    # While it is interrupted, each step sleeps 10 ms on average (a sync round waits for the slower of
+    # two: 15 ms): the 14 attempts sleep 20.6 s before their Ctrl-Cs, room for 1,400 rounds at most
+    # (about 400 seen), so 2500 steps are far more than they make and every Ctrl-C lands in the job (in
+    # its start, its training or its end of an attempt). The last resume drops the sleep and finishes
+    # the rest, at about 2 ms a round: every step past what the attempts need costs the suite time.
+    steps = 2500
     args = [*MNIST, "--mode", "sync", "--shards", "2", "--steps", str(steps), "--set", "checkpoint_every=50",
             "--set", f"checkpoint_dir={tmp_path / 'ckpt'}", "--set", 'stragglers=["0:exp:10", "1:exp:10"]']
     rng = random.Random(9)

@@ -59,6 +59,7 @@ def test_the_right_token_trains(cluster, data_plane, tcp_calls):
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("data_plane", ["tcp"])    # refused by the control connection, before any data plane
 @pytest.mark.parametrize("token", [None, "wrong", "s3cre", "s3cret "])
 def test_a_missing_or_wrong_token_is_refused_on_the_control_plane(cluster, token):
     c = cluster(1, mode="async", token=TOKEN)
