@@ -45,13 +45,6 @@ class FlatBuffers:
         flight, so a step's compute overlaps the shards' update of the step before.
     """
 
-    # A pull made ahead on a GPU takes no client thread where the client posts its calls (Client.post_pull:
-    # the shards on this host, over shared memory), else goes shard after shard on one thread (Client.pull's
-    # one_thread): it has a step's compute to hide in, and each thread beside the compute's launches
-    # stretches them (benchmarks/host_step_parts.py). Class attributes, so that benchmark can compare.
-    POST_AHEAD = True
-    ONE_THREAD_AHEAD = True
-
     def __init__(self, spec: ModelSpec, xp, exchange=None, *, double: bool = False):
         self.xp = xp
         self.exchange = exchange
@@ -182,12 +175,13 @@ class FlatBuffers:
             raise ValueError("a pull into a second device buffer needs an exchange that takes into=")
         # The model may have read ``target`` in the step before: its kernels end before the copy may begin.
         self.xp.cuda.get_current_stream().synchronize()
-        if background and self.POST_AHEAD and getattr(self.exchange, "posts", lambda: False)():
+        # A pull made ahead has a step's compute to hide in, and each client thread beside the compute's
+        # launches stretches them (benchmarks/host_step_parts.py): it takes none where the client posts its
+        # calls (the shards on this host, over shared memory), else one, shard after shard.
+        if background and getattr(self.exchange, "posts", lambda: False)():
             return self.exchange.post_pull(Landing(self, target))
         land = lambda begin, end, values: self.land(target, begin, end, values)  # noqa: E731
-        if background and self.ONE_THREAD_AHEAD:
-            return self.exchange.pull(into=land, background=True, one_thread=True)
-        return self.exchange.pull(into=land, background=background)
+        return self.exchange.pull(into=land, background=background, one_thread=background)
 
 
 class Landing:

@@ -489,4 +489,3 @@ class Client:
                         "forgot (evicted, or restarted from an older checkpoint)", self.worker_id)
             self._conn.retrying(shard, lambda: self._register_one(shard))
             return self._conn.retrying(shard, call, data=True)
-

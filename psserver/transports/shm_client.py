@@ -27,6 +27,7 @@ from psgrid.psserver.protocol import FLOAT32, ITEMSIZE, Outcome, PushResult, Rea
 from psgrid.psserver.security import client_ssl_context
 from psgrid.psserver.shared_memory import map_fd
 from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, register_data_plane
+from psgrid.psserver.transports.shm_posted import PostedPull, PostedPush
 from psgrid.psserver.transports.stream_client import ConnectionPool, StreamConnection, say_hello
 from psgrid.psserver.transports.stream_frames import (FD_BYTE, MARK_BYTES, NO_MARK, attach_request, dtype_byte,
                                                    map_request, open_request, pull_request, push_request,
@@ -228,15 +229,13 @@ class ShmDataPlane(DataPlane):
         reply = read_reply(conn.sock, self.replier)
         return PushResult(Outcome(reply.outcome), reply.version, reply.staleness, reply.next_clock)
 
-    def post_pull(self, *, size: int, worker_id: int, clock: int, timeout_s: float) -> "PostedPull":
+    def post_pull(self, *, size: int, worker_id: int, clock: int, timeout_s: float) -> PostedPull:
         """A pull made in steps on the caller's thread (shm_posted.py); its request is sent."""
-        from psgrid.psserver.transports.shm_posted import PostedPull
         return PostedPull(self, size=size, worker_id=worker_id, clock=clock, timeout_s=timeout_s)
 
     def post_push(self, grad: np.ndarray, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int,
-                  timeout_s: float) -> "PostedPush":
+                  timeout_s: float) -> PostedPush:
         """A push made in steps on the caller's thread (shm_posted.py); its header is sent."""
-        from psgrid.psserver.transports.shm_posted import PostedPush
         return PostedPush(self, grad, begin=begin, wire_dtype=wire_dtype, worker_id=worker_id, clock=clock,
                           version=version, timeout_s=timeout_s)
 

@@ -22,21 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from psgrid.psserver.exceptions import Unavailable
-from psgrid.psserver.protocol import FLOAT32, PushResult, Reason
-from psgrid.psserver.transports.stream_client import SOCKET_SLACK_S
+from psgrid.psserver.protocol import FLOAT32, PushResult
 from psgrid.psserver.transports.stream_frames import pull_request, read_reply
-
-
-def _take(plane, timeout_s: float):
-    """A connection of ``plane``'s pool for one posted call, its socket's limit set as a round trip sets it."""
-    try:
-        conn = plane.pool.take(timeout_s)
-    except OSError as exc:
-        raise Unavailable(f"cannot connect to the shared-memory plane at {plane.address}: {exc}",
-                          Reason.UNREACHABLE) from exc
-    conn.sock.settimeout(timeout_s + SOCKET_SLACK_S if timeout_s else None)
-    return conn
 
 
 class PostedCall:
@@ -44,7 +31,7 @@ class PostedCall:
 
     def __init__(self, plane, timeout_s: float):
         self.plane = plane
-        self.conn = _take(plane, timeout_s)
+        self.conn = plane.pool.borrow(timeout_s)
 
     def _give_back(self) -> None:
         conn, self.conn = self.conn, None

@@ -95,10 +95,10 @@ class ConnectionPool(Generic[Conn]):
                 return
         conn.close()      # the plane was closed while the call was in flight
 
-    def round_trip(self, timeout_s: float, call: Callable[[Conn], object], *, sends_payload: bool = False):
-        """``call(conn)`` on a pooled connection, within ``timeout_s`` (0: none) and the slack.
+    def borrow(self, timeout_s: float) -> Conn:
+        """A pooled connection for one call, its socket's limit ``timeout_s`` (0: none) and the slack.
 
-        ``sends_payload``: the request carries a payload the shard may refuse unread.
+        The caller gives it back when the call leaves it in step, and closes it otherwise.
         """
         try:
             conn = self.take(timeout_s)
@@ -107,6 +107,18 @@ class ConnectionPool(Generic[Conn]):
                               Reason.UNREACHABLE) from exc
         try:
             conn.sock.settimeout(timeout_s + SOCKET_SLACK_S if timeout_s else None)
+        except OSError as exc:
+            conn.close()
+            raise Unavailable(f"{self.label} connection to {self.where} lost: {exc}", Reason.UNREACHABLE) from exc
+        return conn
+
+    def round_trip(self, timeout_s: float, call: Callable[[Conn], object], *, sends_payload: bool = False):
+        """``call(conn)`` on a pooled connection, within ``timeout_s`` (0: none) and the slack.
+
+        ``sends_payload``: the request carries a payload the shard may refuse unread.
+        """
+        conn = self.borrow(timeout_s)
+        try:
             result = call(conn)
         except PSError as err:
             if in_step_after(err, sent_payload=sends_payload):
