@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import tracemalloc
 
 import numpy as np
@@ -96,12 +98,12 @@ def test_threads_over_chunks_give_the_same_bits_as_one_and_write_only_out(monkey
     from psgrid.psserver.kernels import parallel
 
     monkeypatch.setattr(parallel, "MIN_CHUNK", 100)
-    size = 1003                                            # 3 chunks of uneven length, many 64-element blocks
+    size = 1003                                            # parts of uneven length, many 64-element blocks
     monkeypatch.setattr(optim, "BLOCK", 64)
     w, grads = data(size)
     chunks = parallel.Chunks(3)
     try:
-        assert len(chunks.split(size)) == 3
+        assert len(chunks.split(size)) > 3                # more parts than threads: taken in turn
         one, three = make_optimizer(name, size, **hp), make_optimizer(name, size, chunks=chunks, **hp)
         w1, w3 = w.copy(), w.copy()
         for g, s in zip(grads, SCALES):
@@ -119,21 +121,50 @@ def test_threads_over_chunks_give_the_same_bits_as_one_and_write_only_out(monkey
         chunks.close()
 
 
-def test_a_failing_chunk_is_raised_after_every_chunk_ended():
+def test_a_failing_part_is_raised_once_every_part_begun_has_ended():
     from psgrid.psserver.kernels.parallel import Chunks
 
-    chunks, ended = Chunks(3), []
+    chunks, began, ended = Chunks(3), [], []
 
-    def work(lo, hi, index):
-        if index == 1:
-            raise ValueError("chunk 1")
-        ended.append(index)
-        return index
+    def work(lo, hi, thread):
+        began.append(lo)
+        time.sleep(0.001)
+        if lo == 1 << 20:
+            raise ValueError("part at 1M")
+        ended.append(lo)
+        return lo
 
     try:
-        with pytest.raises(ValueError, match="chunk 1"):
+        with pytest.raises(ValueError, match="part at 1M"):
             chunks.map(work, 3 << 20)
-        assert sorted(ended) == [0, 2]
+        assert sorted(ended) == sorted(lo for lo in began if lo != 1 << 20)    # nothing still running
+    finally:
+        chunks.close()
+
+
+def test_the_threads_that_run_take_over_the_parts_of_one_held_up(monkeypatch):
+    """A thread off its core for a while does not hold up the pass: the others take the parts left."""
+    from psgrid.psserver.kernels import parallel
+
+    monkeypatch.setattr(parallel, "MIN_CHUNK", 100)
+    chunks, by_thread, lock = parallel.Chunks(2), {0: [], 1: []}, threading.Lock()
+    parts = chunks.split(800)
+    assert len(parts) == 8
+    others_done = threading.Event()
+
+    def work(lo, hi, thread):
+        if thread == 1 and not by_thread[1]:
+            others_done.wait(10)            # held up until the caller's thread has done the rest
+        with lock:
+            by_thread[thread].append((lo, hi))
+            if len(by_thread[0]) >= len(parts) - 1:
+                others_done.set()
+
+    try:
+        chunks.map(work, 800)
+        assert others_done.is_set()
+        assert len(by_thread[0]) >= len(parts) - 1
+        assert sorted(by_thread[0] + by_thread[1]) == parts          # each part once
     finally:
         chunks.close()
 
