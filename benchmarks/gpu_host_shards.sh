@@ -8,10 +8,13 @@
 #     --apply-threads value (APPLY_THREADS, default "0,2,1"; 0 is the shards' default);
 #  3. benchmarks/host_step_parts.py: each step's compute cut into its kernel launches, the wait for
 #     them and the gradient's copy, pull_ahead off and on (its pull on one thread and a thread a shard).
+#  4. the shards' check of a gradient for NaN, NumPy's min and max (theirs) against BLAS's dot product
+#     (the one before, shard_variants.py): host_bandwidth.py by threads, host_contention.py beside the
+#     worker's step, and host_step_parts.py's pull-ahead in training, each check in turn.
 # Logs land in $OUT. PARTS="3" runs only that part.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-PARTS=${PARTS:-1 2 3}
+PARTS=${PARTS:-1 2 3 4}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "cores $(nproc), load $(cut -d' ' -f1-3 /proc/loadavg)"
@@ -29,4 +32,13 @@ if part 3; then
   echo "== 3. a step's parts: launches, the wait for the kernels, the gradient's copy"
   python3 benchmarks/host_step_parts.py --repeats "${AB_REPEATS:-3}" --json "$OUT/host-step-parts.jsonl" \
     2>&1 | tee "$OUT/host-step-parts.log" | grep -v '^{'
+fi
+if part 4; then
+  echo "== 4. the shards' check for NaN: NumPy's min and max against BLAS's dot product"
+  python3 benchmarks/host_bandwidth.py --params 20M --threads 4,8,16 --json "$OUT/host-bandwidth.jsonl" \
+    2>&1 | tee "$OUT/host-bandwidth.log"
+  python3 benchmarks/host_contention.py --updates 4x4 --checks none,numpy,blas --no-uploads \
+    --json "$OUT/host-contention-checks.jsonl" 2>&1 | tee "$OUT/host-contention-checks.log"
+  python3 benchmarks/host_step_parts.py --repeats "${AB_REPEATS:-3}" --variants ahead-posted --checks numpy,blas \
+    --json "$OUT/host-step-parts-checks.jsonl" 2>&1 | tee "$OUT/host-step-parts-checks.log" | grep -v '^{'
 fi

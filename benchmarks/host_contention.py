@@ -10,13 +10,16 @@ gradient's copy to pinned host memory (what a step's ``compute_s`` measures), ti
   own (the pull-ahead's shape: the copy, and that thread's share of the interpreter lock);
 * beside another process doing the same copy (no lock shared);
 * beside S shard-like processes of T threads each running psserver's update over 20M/S floats in
-  a loop (the host's memory, no PCIe), for each S x T of ``--updates``;
+  a loop (the host's memory, no PCIe), for each S x T of ``--updates`` and each check of the
+  gradient for NaN of ``--checks`` (none; numpy, a shard's own in async; blas, the one before:
+  shard_variants.py);
 * beside both (the update processes and the copying thread): the pull-ahead's whole contention.
 
 Each row gives the step's median and, where something ran beside it, that thing's median time per
 pass: how much each side slowed the other.
 
     python benchmarks/host_contention.py --updates 4x4,4x2,4x1
+    python benchmarks/host_contention.py --updates 4x4 --checks none,numpy,blas --no-uploads
 """
 
 from __future__ import annotations
@@ -32,11 +35,20 @@ from pathlib import Path
 
 import numpy as np
 
+import shard_variants  # this directory's: the shards' update as it was before
 
-def _updating(params: int, threads: int, ready, stop, out) -> None:
-    """A shard's update of ``params`` floats on ``threads`` threads, in a loop until ``stop``: its median pass."""
+
+def _updating(params: int, threads: int, check: str, ready, stop, out) -> None:
+    """A shard's update of ``params`` floats on ``threads`` threads, in a loop until ``stop``: its median pass.
+
+    ``check``: the gradient checked for NaN as the update reads it, as a shard in async does
+    ("numpy"; "blas", the check before), or not ("none").
+    """
     from psgrid.psserver.kernels.optim import make_optimizer
     from psgrid.psserver.kernels.parallel import Chunks
+
+    if check != "none":
+        shard_variants.use(check)
 
     rng = np.random.default_rng(0)
     weights = rng.standard_normal(params).astype(np.float32)
@@ -44,12 +56,13 @@ def _updating(params: int, threads: int, ready, stop, out) -> None:
     target = np.empty_like(weights)
     chunks = Chunks(threads)
     opt = make_optimizer("sgd", params, lr=1e-9, chunks=chunks)
-    opt.step(weights, grad, out=target)
+    checked = check != "none"
+    opt.step(weights, grad, out=target, check_finite=checked)
     ready.set()
     times = []
     while not stop.is_set():
         t = time.perf_counter()
-        opt.step(weights, grad, out=target)
+        opt.step(weights, grad, out=target, check_finite=checked)
         times.append(time.perf_counter() - t)
         weights, target = target, weights
     chunks.close()
@@ -129,7 +142,7 @@ class Step:
 
 
 def beside(step: Step, steps: int, *, updates: tuple[int, int] | None = None, thread_upload: bool = False,
-           process_upload: bool = False, run_step: bool = True) -> dict:
+           process_upload: bool = False, run_step: bool = True, check: str = "none") -> dict:
     """The step's median with the named load running beside it, and the load's own medians."""
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
@@ -139,7 +152,7 @@ def beside(step: Step, steps: int, *, updates: tuple[int, int] | None = None, th
         shards, threads = updates
         for _ in range(shards):
             ready = ctx.Event()
-            procs.append(ctx.Process(target=_updating, args=(step.size // shards, threads, ready, stop, out)))
+            procs.append(ctx.Process(target=_updating, args=(step.size // shards, threads, check, ready, stop, out)))
             readies.append(ready)
     if process_upload:
         ready = ctx.Event()
@@ -187,22 +200,31 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--updates", default="4x4,4x2,4x1", help="SxT: S processes of T update threads each")
+    parser.add_argument("--checks", default="none",
+                        help="the update loads' check for NaN, each its own rows: none, numpy, blas")
+    parser.add_argument("--no-uploads", action="store_true", help="leave out the rows with a copy to the GPU")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     step = Step(args.hidden, args.batch)
     step.time(5)
     loads = [tuple(int(v) for v in s.split("x")) for s in args.updates.split(",")]
+    checks = args.checks.split(",")
     rows = [("compute only", {"step_ms": 1e3 * step.time(args.steps, copy=False)}),
-            ("compute + gradient copy (alone)", {"step_ms": 1e3 * step.time(args.steps)}),
-            ("beside an upload thread (same process)", beside(step, args.steps, thread_upload=True)),
-            ("beside an upload process", beside(step, args.steps, process_upload=True))]
+            ("compute + gradient copy (alone)", {"step_ms": 1e3 * step.time(args.steps)})]
+    if not args.no_uploads:
+        rows += [("beside an upload thread (same process)", beside(step, args.steps, thread_upload=True)),
+                 ("beside an upload process", beside(step, args.steps, process_upload=True))]
+    named = lambda load, check: f"{load[0]}x{load[1]} update{'' if check == 'none' else ', ' + check + ' check'}"  # noqa: E731
     for load in loads:
-        rows.append((f"beside {load[0]}x{load[1]} update threads", beside(step, args.steps, updates=load)))
-        rows.append((f"beside {load[0]}x{load[1]} updates + upload thread",
-                     beside(step, args.steps, updates=load, thread_upload=True)))
+        for check in checks:
+            rows.append((f"beside {named(load, check)}", beside(step, args.steps, updates=load, check=check)))
+            if not args.no_uploads:
+                rows.append((f"beside {named(load, check)} + upload thread",
+                             beside(step, args.steps, updates=load, thread_upload=True, check=check)))
     for load in loads:
-        rows.append((f"{load[0]}x{load[1]} update threads alone (no step)",
-                     beside(step, args.steps, updates=load, run_step=False)))
+        for check in checks:
+            rows.append((f"{named(load, check)} alone (no step)",
+                         beside(step, args.steps, updates=load, run_step=False, check=check)))
     alone_upload = Uploader(step.size)
     for _ in range(10):
         alone_upload.once()

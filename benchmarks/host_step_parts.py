@@ -10,7 +10,10 @@ the calls posted (Client.posts: no client thread; the default) and on the client
 pull-ahead's pull shard after shard on one thread, as it was before calls were posted), for each
 ``--apply-threads`` (the shards' update threads: the cores they take from the worker), and for each
 ``--switch-intervals`` (``sys.setswitchinterval``: how long a thread that wants the interpreter
-lock waits before the holder is asked to give it up; 5 ms by default).
+lock waits before the holder is asked to give it up; 5 ms by default), and for each ``--checks``
+(the shards' check of a gradient for NaN: NumPy's min and max, theirs, or BLAS's dot product, the
+one before; shard_variants.py), and for each ``--parts`` (parts of the range an update's thread
+takes in turn; 1: one fixed chunk a thread, as before).
 
     python benchmarks/host_step_parts.py --repeats 3 --apply-threads 0,3 --switch-intervals 0.005,0.0005
 """
@@ -18,15 +21,20 @@ lock waits before the holder is asked to give it up; 5 ms by default).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import shard_variants  # noqa: E402  (this directory's: the shards' update as it was before)
 import gpu_workers  # noqa: E402  (this directory's script, for its runs and models)
+import shard_probe  # noqa: E402  (this directory's: the shards' own times for a push)
 
 from psgrid.psserver.client.client import Client  # noqa: E402
 from psgrid.worker import flat, loop  # noqa: E402
@@ -37,6 +45,10 @@ PARTS: list[tuple[float, float]] = []      # (wait for the kernels, copy) of eac
 VARIANTS = {"threads": (False, False, True), "posted": (False, True, True), "ahead-threads": (True, False, True),
             "ahead-at-once": (True, True, False), "ahead-posted": (True, True, True)}
 WAITS: dict[str, list[float]] = {"post": [], "push_wait": []}   # in Client.post_pull; for the push before
+AT: dict[str, list[float]] = {"push_wait": [], "push": []}     # when each ended (push_wait), began (push)
+
+shard_variants.install_if_asked()   # in a shard process spawned from here, as its parent asked
+shard_probe.install_if_asked()
 
 
 def _timed(name: str, original):
@@ -45,7 +57,11 @@ def _timed(name: str, original):
         try:
             return original(*args, **kw)
         finally:
-            WAITS[name].append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            if name in WAITS:
+                WAITS[name].append(t1 - t0)
+            if name in AT:
+                AT[name].append(t1 if name in WAITS else t0)
     return timed
 
 
@@ -61,19 +77,29 @@ def _timed_download(original):
     return download_grad
 
 
-def run(args, pull_ahead: bool, posting: bool, apply_threads: int = 0, after_launch: bool = True) -> dict:
+def run(args, pull_ahead: bool, posting: bool, apply_threads: int = 0, after_launch: bool = True,
+        check: str = "numpy", parts: int | None = None) -> dict:
     PARTS.clear()
-    for times in WAITS.values():
+    shard_variants.use(check, parts)
+    probe = tempfile.mkdtemp(prefix="shard-times-")
+    shard_probe.use(probe)
+    for times in (*WAITS.values(), *AT.values()):
         times.clear()
     Client.POSTING = posting
     PullAhead.ADVANCE_AFTER_LAUNCH = after_launch
-    row = gpu_workers.with_servers(gpu_workers.big_mlp(args, pull_ahead=pull_ahead), 4, "async", "shm",
-                                   apply_threads=apply_threads)
+    try:
+        row = gpu_workers.with_servers(gpu_workers.big_mlp(args, pull_ahead=pull_ahead), 4, "async", "shm",
+                                       apply_threads=apply_threads)
+        row.update(shard_probe.summary(probe, AT["push"], AT["push_wait"]))
+    finally:
+        shard_probe.use(None)
+        shutil.rmtree(probe, ignore_errors=True)
     row["setting"] += ", posted" if posting else ", on the client's threads"
     if pull_ahead and posting:
         row["setting"] += ", copies after the launches" if after_launch else ", copies at once"
     if apply_threads:
         row["setting"] += f", apply_threads {apply_threads}"
+    row["setting"] += shard_variants.describe(check, parts)
     parts = PARTS[5:] or PARTS or [(float("nan"), float("nan"))]      # none on the CPU: no copy to time
     wait = statistics.median(p[0] for p in parts)
     copy = statistics.median(p[1] for p in parts)
@@ -96,6 +122,10 @@ def main() -> int:
                         default=[VARIANTS[v] for v in ("threads", "posted", "ahead-threads", "ahead-at-once",
                                                        "ahead-posted")],
                         help=f"which settings each repeat runs, of {', '.join(VARIANTS)}")
+    parser.add_argument("--checks", type=lambda s: s.split(","), default=["numpy"],
+                        help="the shards' check for NaN, each its own runs: numpy (theirs), blas (the one before)")
+    parser.add_argument("--parts", type=lambda s: [int(x) for x in s.split(",")], default=[None],
+                        help="parts of the range an update thread takes in turn, each value its own runs (1: as before)")
     parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -103,6 +133,7 @@ def main() -> int:
     flat.FlatBuffers.download_grad = _timed_download(flat.FlatBuffers.download_grad)
     Client.post_pull = _timed("post", Client.post_pull)
     loop._finish = _timed("push_wait", loop._finish)
+    Client.push = _timed("push", Client.push)
     rows = []
     for repeat in range(args.repeats):
         alone = gpu_workers.without_servers(gpu_workers.big_mlp(args))["step_s"]
@@ -111,13 +142,14 @@ def main() -> int:
             sys.setswitchinterval(interval)
             for ahead, posting, after in args.variants:
                 for threads in args.apply_threads:
-                    row = run(args, ahead, posting, threads, after)
-                    rows.append({"repeat": repeat, "switch_interval": interval, **row,
-                                 "ratio": alone / row["steady_step_s"]})
-                    print(json.dumps(rows[-1]), flush=True)
+                    for check, parts in itertools.product(args.checks, args.parts):
+                        row = run(args, ahead, posting, threads, after, check, parts)
+                        rows.append({"repeat": repeat, "switch_interval": interval, **row,
+                                     "ratio": alone / row["steady_step_s"]})
+                        print(json.dumps(rows[-1]), flush=True)
         sys.setswitchinterval(0.005)
     keys = ("steady_step_s", "pull_s", "post_s", "launch_s", "wait_s", "copy_s", "push_wait_s", "push_s",
-            "pull_ahead_s")
+            "pull_ahead_s", "shard_push_s", "slowest_push_s", "shard_update_s", "shard_period_s", "to_shard_s", "to_worker_s")
     print(f"\nMLP 784-{'-'.join(map(str, args.hidden))}-10, 4 host shards over shared memory, async; medians of "
           f"{args.repeats} repeats (ms)")
     print(f"{'setting':<72} {'x none':>6} " + " ".join(f"{k[:-2]:>8}" for k in keys))
