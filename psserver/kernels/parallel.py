@@ -74,8 +74,8 @@ class Chunks:
         return results
 
     def all_finite(self, values) -> bool:
-        """Whether ``values`` holds no NaN or infinity, checked a chunk per thread."""
-        if self.threads == 1 or len(values) < 2 * MIN_CHUNK:     # one chunk (a gRPC push's): no hand-off
+        """Whether ``values`` holds no NaN or infinity, checked a part at a time on the threads."""
+        if self.threads == 1 or len(values) < 2 * MIN_CHUNK:     # one part (a gRPC push's): no hand-off
             return all_finite(values)
         return all(self.map(lambda lo, hi, _: all_finite(values[lo:hi]), len(values)))
 
