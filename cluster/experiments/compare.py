@@ -38,6 +38,7 @@ from psgrid.cluster.experiments.experiment import NO_STRAGGLERS, TUNE, Mode, Run
 from psgrid.cluster.run.interrupts import Interrupted, listen_for_interrupts
 from psgrid.cluster.run.launch import Launcher, prepare_out
 from psgrid.cluster.job.outdir import LOCK_FILE, lock
+from psgrid.cluster.job.records import write_job_file
 from psgrid.cluster.run.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 from psgrid.psserver import files
 
@@ -229,8 +230,7 @@ def run_parameter_server(job: JobConfig, out: Path, progress: RunProgress, comma
 def run_allreduce_local(job: JobConfig, out: Path, progress: RunProgress) -> None:
     """One all-reduce run: ``mpiexec -n W psctl allreduce`` on this machine, its ranks bound to no core."""
     files.make_dirs(out)
-    job_file = out / "job.toml"
-    files.write_text(job_file, f"# resolved job, as run by psctl compare\n{job.to_toml()}")
+    job_file = write_job_file(out, job, "by psctl compare")
     mpiexec = mpiexec_path()
     argv = [mpiexec, *unbound_args(mpiexec), "-n", str(job.workers),
             *psctl_argv("allreduce", "--config", str(job_file), "--out", str(out), "--no-progress",

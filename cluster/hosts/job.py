@@ -24,6 +24,7 @@ from psgrid.cluster.errors import JobFailed
 from psgrid.cluster.hosts.network import EmulatedNetwork
 from psgrid.cluster.job import credentials
 from psgrid.cluster.job.config import JobConfig
+from psgrid.cluster.job.records import write_job_file
 from psgrid.cluster.run.procs import Child, child_env, psctl_argv, stop_children
 from psgrid.psserver import files
 from psgrid.psserver.protocol import parse_address_file
@@ -122,9 +123,7 @@ class EmulatedJob:
 
     def _write_job(self) -> Path:
         files.make_dirs(self.out / "addr")
-        path = self.out / "job.toml"
-        files.write_text(path, f"# resolved job, as run on emulated hosts (token redacted)\n{self.job.to_toml()}")
-        return path
+        return write_job_file(self.out, self.job, "on emulated hosts")
 
     def _child(self, name: str, host: int, argv: list[str], env: dict[str, str]) -> Child:
         child = Child(name, self.network.hosts[host].argv(argv), self.out / "logs" / f"{name.replace(' ', '-')}.log",

@@ -12,11 +12,12 @@ garbage, or another job's ``psctl``, cannot stop it.
 from __future__ import annotations
 
 import dataclasses
-import os
 import secrets
 from pathlib import Path
 from typing import Any
 
+from psgrid.cluster.job.records import write_whole
+from psgrid.psserver.files import SECRET_MODE
 from psgrid.psserver.security import REDACTED_TOKEN as REDACTED  # noqa: F401 - re-exported for the cluster
 from psgrid.psserver.security import TOKEN_ENV, job_token
 
@@ -47,14 +48,12 @@ TOKEN_FILE = "token"
 
 
 def write_token_file(out, job) -> None:
-    """``OUT/token``, readable by its owner alone, so that ``psctl status OUT`` can reach the job."""
-    if not job.server.token:
-        return
-    path = Path(out) / TOKEN_FILE
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)    # never readable by others, not even briefly
-    with os.fdopen(fd, "w") as f:
-        f.write(job.server.token + "\n")
+    """``OUT/token``, readable by its owner alone, so that ``psctl status OUT`` can reach the job.
+
+    Replaced whole (cluster/job/records.py) by a file made private: never readable by others, not even briefly.
+    """
+    if job.server.token:
+        write_whole(Path(out) / TOKEN_FILE, job.server.token + "\n", SECRET_MODE)
 
 
 def token_file_of(out) -> Path:

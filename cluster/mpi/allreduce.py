@@ -23,12 +23,12 @@ from pathlib import Path
 
 from psgrid.cluster.run import coordinator as co
 from psgrid.cluster.job.config import JobConfig, apply_overrides
+from psgrid.cluster.job.records import write_job_file
 from psgrid.cluster.errors import UsageError
 from psgrid.cluster.mpi.comm import abort
 from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
 from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.procs import limit_blas_threads, usable_cpus
-from psgrid.psserver import files
 
 TAG_RESULT = 72
 
@@ -109,7 +109,7 @@ def _run(job: JobConfig, comm, progress: bool | None, quiet: bool) -> int:
         # Every rank trains; rank 0 also follows the job and writes its summary (no event log of its own).
         run = JobRun(job, out, "allreduce", log_events=False)
         run.start()
-        files.write_text(out / "job.toml", f"# resolved job, as run by psctl allreduce\n{job.to_toml()}")
+        write_job_file(out, job, "by psctl allreduce")
         if not quiet:
             print(f"psctl allreduce: {size} worker(s), no shards; output in {out}", file=sys.stderr, flush=True)
         follower = ProgressThread(run, metrics_files, progress)

@@ -35,6 +35,7 @@ from psgrid.cluster.mpi import report as mpi_report
 from psgrid.cluster.run import preflight
 from psgrid.cluster.run import script as user_script
 from psgrid.cluster.job.config import JobConfig, apply_overrides
+from psgrid.cluster.job.records import write_job_file
 from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.interrupts import ignore_signals, received_signal, stop_on_signals
@@ -183,7 +184,7 @@ class MPIJob:
         self.out = Path(out)
         mpi_report.tee_to_log(self.out, self.rank, self.role, self.index)     # OUT/logs/ROLE-I.log
         if self.rank == 0:
-            mpi_report.write_job_file(self.out, self.job)
+            write_job_file(self.out, self.job, "by psctl mpi")
 
         running = None
         if self.role == "server":
@@ -216,7 +217,7 @@ class MPIJob:
             addresses, devices = zip(*(addresses[r] for r in self.placement.ranks(SERVER)))
             addresses = list(addresses)
             self.job = with_devices(self.job, devices)
-            mpi_report.write_job_file(self.out, self.job)
+            write_job_file(self.out, self.job, "by psctl mpi")
             for i, a in enumerate(addresses):
                 files.replace_text(self.out / "addr" / f"shard-{i}", format_address_file(a, self.job.server.job_id))
             credentials.write_token_file(self.out, self.job)

@@ -1,7 +1,8 @@
 """What ``psctl mpi`` leaves in its output folder besides the summary: the job, each rank's log, and
 a partial summary when a rank fails.
 
-* ``OUT/job.toml``: the job as it ran (token redacted), written by rank 0, as ``psctl launch`` does.
+* ``OUT/job.toml``: the job as it ran (token redacted), written by rank 0 as ``psctl launch`` does
+  (cluster/job/records.py), and again once the shards said where they keep their state.
 * ``OUT/logs/ROLE-I.log`` (``coordinator.log``, ``server-I.log``, ``worker-I.log``): everything the
   rank's Python code writes to stdout and stderr, its traceback included, also goes to the terminal
   through mpiexec as before. On several nodes each rank writes where OUT is on its own node (put OUT
@@ -25,12 +26,6 @@ TAG_FAILED = 72
 # How long a failing rank waits for rank 0 to write the summary and abort the job, before it aborts it itself.
 NOTICE_WAIT_S = 5.0
 POLL_S = 0.05
-
-
-def write_job_file(out: Path, job) -> None:
-    """``OUT/job.toml``: the resolved job, readable by ``--config`` (its token redacted); written again once
-    the shards said where they keep their state."""
-    files.replace_text(out / "job.toml", f"# resolved job, as run by psctl mpi (token redacted)\n{job.to_toml()}")
 
 
 def log_name(role: str, index: int) -> str:

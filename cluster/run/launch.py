@@ -42,10 +42,10 @@ from psgrid.cluster.run.interrupts import (Interrupted, check_interrupted, defer
 from psgrid.cluster.job.memory import footprint
 from psgrid.cluster.job.shard_device import mps_note, with_shard_device
 from psgrid.cluster.job.outdir import lock, release
+from psgrid.cluster.job.records import signals_held, write_job_file
 from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 from psgrid.cluster.run.watch import ShardWatch
-from psgrid.psserver import files
 from psgrid.psserver.protocol import parse_address_file, parse_metrics_port
 
 POLL_S = 0.2
@@ -94,8 +94,7 @@ class Launcher:
         self.failures = self.jobrun.failures
         if job.server.checkpoint_dir:    # absolute, so a resume from another folder finds the checkpoints
             job.server.checkpoint_dir = str(Path(job.server.checkpoint_dir).resolve())
-        self.job_file = out / "job.toml"
-        files.write_text(self.job_file, f"# resolved job, as run by psctl launch (token redacted)\n{job.to_toml()}")
+        self.job_file = write_job_file(out, job, "by psctl launch")
         credentials.write_token_file(out, job)
         cpus = usable_cpus()
         secret = credentials.child_env(job)       # the token travels in the environment, never in argv
@@ -386,7 +385,8 @@ def launch(job: JobConfig, progress: bool | None = None, *, resume: bool = False
 
         lock(Path(job.out))      # a job still running there is said as such, before its checkpoints are read
         alignment = resuming.align(job, resuming.check_resumable(job, Path(job.out)))
-        resuming.rewind(job, alignment, Path(job.out))    # before prepare_out, which archives what it moved aside
+        with signals_held():      # every shard rewound before a Ctrl-C is heard
+            resuming.rewind(job, alignment, Path(job.out))    # before prepare_out, which archives what it moved aside
         print(f"psctl launch: {resuming.describe(alignment)}", file=sys.stderr, flush=True)
         resumed = [asdict(c) for c in alignment.restore]
     out = prepare_out(job, resume=resume)

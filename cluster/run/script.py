@@ -24,6 +24,7 @@ from pathlib import Path
 
 from psgrid.cluster.run import coordinator as co
 from psgrid.cluster.job import credentials
+from psgrid.cluster.job.records import JOB_FILE, write_job_file
 from psgrid.cluster.errors import UsageError
 from psgrid.cluster.run.procs import Child, child_env, stop_children, usable_cpus
 from psgrid.psserver import files
@@ -239,12 +240,8 @@ def _ensure_job_file(job, out: Path) -> None:
     Every worker rank of a node without a shared file system needs its own; ranks that share one
     write the same text, each through its own temporary file, so a reader never sees half of it.
     """
-    path = out / "job.toml"
-    if path.exists():
-        return
-    tmp = out / f".job.toml.{os.getpid()}"
-    files.write_text(tmp, f"# resolved job, as run by psctl mpi (token redacted)\n{job.to_toml()}")
-    os.replace(tmp, path)
+    if not (out / JOB_FILE).exists():
+        write_job_file(out, job, "by psctl mpi")
 
 
 def _report_gone(job, addresses: list[str], rank: int) -> None:
