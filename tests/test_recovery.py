@@ -1,5 +1,6 @@
 """What a job survives, end to end through ``psctl launch``: dead, hung and never-joined workers,
-a killed shard restarted from its checkpoint, and Ctrl-C followed by ``--resume``.
+a killed shard restarted from its checkpoint, Ctrl-C followed by ``--resume``, and a launcher stopped
+while it rewrites the job's file.
 
 Each test runs real processes on loopback and ends every one of them by its pid.
 """
@@ -10,12 +11,14 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 
-from tests.support import Launch, child_pids, coordinator_events, steps_seen, wait_for
+from tests.support import ROOT, Launch, child_pids, coordinator_events, launch_env, steps_seen, wait_for
 
 MNIST = ["--config", "mnist", "--eval-every", "0", "--no-progress", "--lease-s", "2"]
 
@@ -351,3 +354,51 @@ def test_resume_cli_errors_name_the_fix(tmp_path, capsys):
     assert "leave out --config" in capsys.readouterr().err
     assert main(["launch", "--resume", str(tmp_path)]) == 2
     assert "its job ran without checkpoints" in capsys.readouterr().err
+
+
+# psctl whose every open of a job.toml for writing takes SECONDS more (as under strace delaying its openat):
+# the moment after the open, where a rewrite in place had already emptied the file, lasts.
+SLOW_JOB_WRITE = """
+import os, sys, time
+real_open = os.open
+def slow_open(path, flags, *args, **kwargs):
+    fd = real_open(path, flags, *args, **kwargs)
+    if "job.toml" in os.path.basename(os.fsdecode(path)) and flags & (os.O_WRONLY | os.O_RDWR):
+        print("writing job.toml", file=sys.stderr, flush=True)
+        time.sleep(float(sys.argv[1]))
+    return fd
+os.open = slow_open
+from psgrid.cluster.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_a_launcher_stopped_while_it_rewrites_job_toml_leaves_the_job_resumable(tmp_path, sig):
+    from psgrid.cluster.job.config import load_job
+    from psgrid.cluster.run.resume import check_resumable
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "job.toml").write_text(_job(tmp_path).to_toml())
+    for shard in (0, 1):
+        _fake_checkpoint(tmp_path, shard, 2, 40)
+    log = tmp_path / "resume.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", SLOW_JOB_WRITE, "2", "launch", "--resume", str(out),
+                                 "--no-progress"], cwd=ROOT, env=launch_env(), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_for(lambda: "writing job.toml" in log.read_text() or proc.poll() is not None, 60, "the rewrite")
+        assert proc.poll() is None, log.read_text()
+        proc.send_signal(sig)       # SIGINT is held until the new job.toml is in place, then stops the launcher
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert code == (-sig if sig == signal.SIGKILL else 128 + sig), log.read_text()
+    job = load_job(str(out / "job.toml"), redacted_ok=True)
+    assert job.server.checkpoint_dir == str(tmp_path / "ckpt"), (out / "job.toml").read_text()
+    assert [c.version for c in check_resumable(job, out)] == [40, 40]

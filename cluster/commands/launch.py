@@ -94,14 +94,14 @@ def _resumed_job(args: argparse.Namespace):
     from psgrid.cluster.commands.common import collect_overrides
     from psgrid.cluster.job.config import apply_overrides, load_job
     from psgrid.cluster.errors import UsageError
+    from psgrid.cluster.run.resume import job_file_to_resume
 
     folder = Path(args.resume)
-    if not (folder / "job.toml").is_file():
-        raise UsageError(f"--resume {folder}: no job.toml there; give the folder of an earlier psctl launch (its --out)")
     if args.config is not None:
         raise UsageError("--resume takes the job from DIR/job.toml: leave out --config (flags and --set still apply)")
     overrides = collect_overrides(args)
     if overrides.get("out", str(folder)) != str(folder):
         raise UsageError("--resume continues in DIR itself: leave out --out")
+    job_file = job_file_to_resume(folder)     # DIR/job.toml, or where damaged the latest attempt's copy
     # its token is redacted there: the resumed job gets a new one, as every job does
-    return apply_overrides(load_job(str(folder / "job.toml"), redacted_ok=True), {**overrides, "out": str(folder)})
+    return apply_overrides(load_job(str(job_file), redacted_ok=True), {**overrides, "out": str(folder)})

@@ -16,17 +16,23 @@ it, and a shard that is ahead answers the pushes it already has as duplicates
 (psserver/client/client.py, ``join`` and ``push``).
 
 The earlier attempt's files move to ``DIR/attempts/N/`` so the new summary and metrics
-describe this attempt alone.
+describe this attempt alone; a copy of its ``job.toml`` goes with them. The job is read from
+``DIR/job.toml``, which is written whole (cluster/job/records.py); one found damaged all the
+same (empty, cut short, not TOML: by a psgrid that rewrote it in place, or by a disk) is
+taken from the latest attempt's copy instead (:func:`job_file_to_resume`).
 """
 
 from __future__ import annotations
 
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from psgrid.cluster.job.config import JobConfig
+from psgrid.cluster.job.config import JobConfig, tomllib
 from psgrid.cluster.errors import UsageError
+from psgrid.cluster.job.outdir import LOCK_FILE
+from psgrid.cluster.job.records import JOB_FILE, signals_held, write_whole
 from psgrid.psserver.state import checkpoint
 from psgrid.psserver import files
 
@@ -186,14 +192,65 @@ def _apart(found: list[ShardCheckpoint]) -> bool:
 
 
 def archive_attempt(out: Path) -> Path | None:
-    """Move the files of the previous attempt in ``out`` to ``out/attempts/N``; returns that folder."""
+    """Move the files of the previous attempt in ``out`` to ``out/attempts/N``, with a copy of its job; returns that folder.
+
+    Ctrl-C and SIGTERM wait until it is done, so an attempt's files are not left split between two folders.
+    """
     present = [name for name in ATTEMPT_FILES if (out / name).exists()]
     if not present:
         return None
-    attempts = out / "attempts"
-    n = 1 + max((int(p.name) for p in attempts.glob("*") if p.name.isdigit()), default=0)
-    target = attempts / str(n)
-    files.make_dirs(target)
-    for name in present:
-        shutil.move(str(out / name), str(target / name))
+    with signals_held():
+        target = files.make_dirs(out / "attempts" / str(1 + max(_attempts(out), default=0)))
+        for name in present:
+            shutil.move(str(out / name), str(target / name))
+        if _damage(out / JOB_FILE) is None:
+            write_whole(target / JOB_FILE, (out / JOB_FILE).read_text(encoding="utf-8"))
     return target
+
+
+def _attempts(out: Path) -> list[int]:
+    """The numbers of the attempts archived in ``out/attempts``."""
+    return [int(p.name) for p in (out / "attempts").glob("*") if p.name.isdigit()]
+
+
+def job_file_to_resume(out: Path) -> Path:
+    """The job file ``psctl launch --resume out`` runs: ``out/job.toml``, or if that is damaged the latest whole copy.
+
+    Raises
+    ------
+    UsageError
+        There is none to read, saying what to do.
+    """
+    path = out / JOB_FILE
+    damage = _damage(path)
+    if damage is None:
+        return path
+    copies = [out / "attempts" / str(n) / JOB_FILE for n in sorted(_attempts(out), reverse=True)]
+    copy = next((c for c in copies if _damage(c) is None), None)
+    if copy is not None:
+        print(f"psctl launch: {path} is {damage}: resuming the job of the attempt before, from {copy} "
+              f"(this run writes {path} whole again)", file=sys.stderr, flush=True)
+        return copy
+    if damage == "missing":
+        began = " (a launch stopped before it wrote its job has nothing to resume: launch it again with " \
+                f"--out {out} --overwrite)" if (out / LOCK_FILE).exists() else ""
+        raise UsageError(f"--resume {out}: no job.toml there; give the folder of an earlier psctl launch "
+                         f"(its --out){began}")
+    raise UsageError(f"--resume {out}: {path} is {damage} and no earlier attempt in {out / 'attempts'} kept a "
+                     f"copy: put the job back in {path} (the job file it was launched with, its --set values "
+                     f"written in) and resume again")
+
+
+def _damage(path: Path) -> str | None:
+    """What makes ``path`` no job file a resume can take (missing, empty, not TOML), or None when it is whole."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"unreadable ({getattr(e, 'strerror', None) or e})"
+    try:
+        tables = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        return f"not valid TOML ({e})"
+    return None if tables else f"empty ({len(text)} bytes, no table)"

@@ -1,0 +1,134 @@
+"""A job's records written whole (cluster/job/records.py), and a resume that finds its job.toml damaged.
+
+The processes that are killed in the middle of a rewrite are in tests/test_recovery.py; these run in
+this process, fast.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+
+import pytest
+
+from psgrid.cluster.cli import main
+from psgrid.cluster.errors import UsageError
+from psgrid.cluster.job.config import job_from_dict, load_job
+from psgrid.cluster.job.records import signals_held, write_job_file, write_whole
+from psgrid.cluster.run.resume import archive_attempt, job_file_to_resume
+
+
+def _job(tmp_path, **server):
+    return job_from_dict({"job": {"shards": 2, "out": str(tmp_path / "run")},
+                          "server": {"checkpoint_dir": str(tmp_path / "ckpt"), **server}})
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+# ----- writing whole ------------------------------------------------------------------------------
+
+
+def test_a_record_is_replaced_whole_with_its_mode_said_and_no_temporary_file_left(tmp_path):
+    path = tmp_path / "token"
+    path.write_text("old\n")
+    os.chmod(path, 0o666)
+    old = os.umask(0)
+    try:
+        write_whole(path, "secret\n", 0o600)
+        write_whole(tmp_path / "job.toml", "[job]\n")
+    finally:
+        os.umask(old)
+    assert path.read_text() == "secret\n" and _mode(path) == 0o600       # made afresh: not the old file's mode
+    assert _mode(tmp_path / "job.toml") == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml", "token"]
+
+
+def test_a_write_that_fails_half_way_leaves_the_old_record(tmp_path, monkeypatch):
+    path = tmp_path / "job.toml"
+    write_whole(path, "[job]\nworkers = 3\n")
+
+    def dies_before_the_rename(*args, **kwargs):       # what SIGKILL or a signal's exception does mid-write
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", dies_before_the_rename)
+    with pytest.raises(KeyboardInterrupt):
+        write_whole(path, "[job]\nworkers = 4\n")
+    assert path.read_text() == "[job]\nworkers = 3\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["job.toml"]
+
+
+def test_signals_are_held_across_a_rewrite_then_delivered_to_the_handler_they_had():
+    heard = []
+    before = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: heard.append(signum)),
+              signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+    try:
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+            assert heard == []          # held: a handler would run at once, here
+        assert heard == [signal.SIGTERM]        # the first one heard, once the block ends
+        with pytest.raises(KeyboardInterrupt):  # Python's own SIGINT handler, restored
+            with signals_held():
+                os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def test_the_job_file_reads_back_as_the_job(tmp_path):
+    job = _job(tmp_path, lr=0.125)
+    path = write_job_file(tmp_path, job, "by psctl launch")
+    assert path == tmp_path / "job.toml"
+    assert path.read_text().startswith("# resolved job, as run by psctl launch\n")
+    again = load_job(str(path))
+    assert (again.server.lr, again.server.checkpoint_dir, again.shards) == (0.125, str(tmp_path / "ckpt"), 2)
+
+
+# ----- a resume's job file ------------------------------------------------------------------------
+
+
+def _attempt(out, text: str | None) -> None:
+    """A finished attempt in ``out``: its summary, and its job.toml holding ``text`` (None: no job.toml)."""
+    out.mkdir(exist_ok=True)
+    (out / "summary.json").write_text("{}\n")
+    (out / "job.toml").unlink(missing_ok=True)
+    if text is not None:
+        (out / "job.toml").write_text(text)
+
+
+def test_each_attempt_keeps_a_copy_of_its_job_and_a_damaged_job_is_taken_from_the_latest_whole_one(tmp_path, capsys):
+    out = tmp_path / "run"
+    _attempt(out, write_job_file(tmp_path, _job(tmp_path, lr=0.25), "by psctl launch").read_text())
+    assert archive_attempt(out) == out / "attempts" / "1"
+    assert load_job(str(out / "attempts" / "1" / "job.toml")).server.lr == 0.25
+    assert job_file_to_resume(out) == out / "job.toml"        # whole: read as it is
+    _attempt(out, "")                  # attempt 2 died in the middle of an in-place rewrite
+    assert archive_attempt(out) == out / "attempts" / "2"
+    assert not (out / "attempts" / "2" / "job.toml").exists()         # no copy of a damaged job
+    for damaged in ("", "\n# resolved job, as run by psctl launch\n", "[server\nlr = ", b"\xff\xfe[job]"):
+        (out / "job.toml").write_bytes(damaged if isinstance(damaged, bytes) else damaged.encode())
+        assert job_file_to_resume(out) == out / "attempts" / "1" / "job.toml"
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "resuming the job of the attempt before" in err, err
+    (out / "job.toml").unlink()
+    assert job_file_to_resume(out) == out / "attempts" / "1" / "job.toml"
+
+
+def test_a_damaged_job_without_a_copy_is_refused_in_one_line_that_says_what_to_do(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "job.toml").write_text("")
+    with pytest.raises(UsageError, match=r"job.toml is empty \(0 bytes, no table\) and no earlier attempt .* kept "
+                                         r"a copy: put the job back in"):
+        job_file_to_resume(out)
+    assert main(["launch", "--resume", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "put the job back in" in err and "without checkpoints" not in err, err
+    (out / "job.toml").unlink()
+    (out / ".psgrid.lock").write_text("")       # a launch began here, and was stopped before it wrote its job
+    with pytest.raises(UsageError, match=r"no job.toml there; .* launch it again with --out .* --overwrite"):
+        job_file_to_resume(out)
