@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from psgrid.psserver.kernels.compensation import ASYNC_MOMENTUM, COMPENSATIONS
+from psgrid.psserver.kernels.optim import check_settings
 from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.protocol import (DATA_PLANES, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, MODES,
                                       OPTIMIZERS, SHARD_DEVICES)
@@ -87,8 +88,7 @@ class ServerConfig:
             raise InvalidArgument(f"async_momentum = 'auto' lowers SGD's momentum; optimizer is {self.optimizer!r}")
         if self.backup_workers < 0:
             raise InvalidArgument(f"backup_workers must be >= 0, got {self.backup_workers}")
-        if not self.lr > 0:
-            raise InvalidArgument(f"lr must be > 0, got {self.lr}")
+        check_settings(self.optimizer_hparams())     # the optimizer's bounds (kernels/optim.py), before anything starts
         if not self.lease_s > 0:
             raise InvalidArgument(f"lease_s must be > 0, got {self.lease_s}")
         if not self.progress_timeout_s >= 0:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,7 +72,12 @@ def test_server_token_reaches_the_workers():
     ({"lr": 0.1, "server": {"lr": 0.2}}, "lr is given twice (top-level lr and [server] lr)"),
     ({"mode": "bsp"}, "[server] mode must be one of ('sync', 'async', 'ssp'), got 'bsp'"),
     ({"lr": "fast"}, "[server] lr must be a number, got 'fast'"),
-    ({"lr": -1.0}, "[server] lr must be > 0"),
+    ({"lr": -1.0}, "[server] lr must be finite and > 0, got -1.0"),
+    ({"lr": float("inf")}, "[server] lr must be finite and > 0, got inf"),
+    ({"momentum": 1.0}, "[server] momentum must be in [0, 1), got 1.0"),
+    ({"optimizer": "adam", "beta2": -0.5}, "[server] beta2 must be in [0, 1), got -0.5"),
+    ({"eps": 0}, "[server] eps must be finite and > 0, got 0.0"),
+    ({"weight_decay": float("nan")}, "[server] weight_decay must be finite and >= 0, got nan"),
     ({"steps": 1.5}, "[train] steps must be an integer, got 1.5"),
     ({"nesterov": 1}, "[server] nesterov must be true or false, got 1"),
     ({"hidden": [64, "x"]}, "[train] hidden[1] must be an integer, got 'x'"),
@@ -262,3 +269,18 @@ def test_a_shard_reads_its_part_of_a_job_file_and_leaves_the_workers_part_to_the
                          ("[job]\nshards = 0\n", "shards must be >= 1"), ('[server]\nlr = "fast"\n', "lr")):
         with pytest.raises(ConfigError, match=message):
             load_shard_settings(write(tmp_path, bad, "bad.toml"))
+
+
+@pytest.mark.parametrize("assignment, words", [("lr=inf", "lr must be finite and > 0, got inf"),
+                                               ("momentum=1.5", "momentum must be in [0, 1), got 1.5")])
+def test_launch_refuses_an_optimizer_setting_out_of_bounds_in_one_line_before_anything_starts(tmp_path, assignment,
+                                                                                              words):
+    out = tmp_path / "out"
+    started = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "launch", "--config", "examples/mnist.toml",
+                        "--set", assignment, "--out", str(out)], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    elapsed = time.monotonic() - started
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [f"psctl launch: error: --set {assignment}: [server] {words}"]
+    assert not out.exists()            # nothing started, nothing written
+    assert elapsed < 30, elapsed       # about 0.5 s unloaded; the bound only catches a job that ran

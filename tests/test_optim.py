@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import tracemalloc
@@ -11,7 +12,7 @@ import pytest
 
 from psgrid.psserver.kernels import optim
 from psgrid.psserver.exceptions import InvalidArgument
-from psgrid.psserver.kernels.optim import SGD, Adam, make_optimizer
+from psgrid.psserver.kernels.optim import SGD, Adam, check_settings, make_optimizer
 
 STEPS = 4
 SCALES = [1.0, 0.5, 1.0, 0.25]  # lr_scale per step, as staleness scaling would give
@@ -309,6 +310,42 @@ def test_messages_name_the_problem():
         SGD(10, 0.1, nesterov=True)
     with pytest.raises(InvalidArgument, match="size"):
         SGD(-1, 0.1)
+
+
+# Every setting out of its bounds, with the words of the refusal (kernels/optim.py's BOUNDS).
+OUT_OF_BOUNDS = [
+    ("lr", float("inf"), "lr must be finite and > 0"), ("lr", 0.0, "lr must be finite and > 0"),
+    ("lr", float("nan"), "lr must be finite and > 0"), ("momentum", 1.0, "momentum must be in [0, 1)"),
+    ("momentum", -0.1, "momentum must be in [0, 1)"), ("weight_decay", float("inf"), "weight_decay must be finite"),
+    ("weight_decay", -1e-4, "weight_decay must be finite and >= 0"), ("beta1", 1.0, "beta1 must be in [0, 1)"),
+    ("beta2", float("nan"), "beta2 must be in [0, 1)"), ("eps", 0.0, "eps must be finite and > 0"),
+    ("eps", float("inf"), "eps must be finite and > 0"),
+]
+
+USED_BY = {"lr": ("sgd", "adam"), "weight_decay": ("sgd", "adam"), "momentum": ("sgd",), "beta1": ("adam",),
+           "beta2": ("adam",), "eps": ("adam",)}
+
+
+@pytest.mark.parametrize(("name", "value", "words"), OUT_OF_BOUNDS)
+def test_the_bounds_are_stated_once_the_job_check_and_the_optimizers_refuse_alike(name, value, words):
+    good = dict(lr=0.1, momentum=0.5, nesterov=False, weight_decay=0.0, beta1=0.9, beta2=0.999, eps=1e-8)
+    check_settings(good)
+    bad = dict(good, **{name: value})
+    with pytest.raises(InvalidArgument, match=re.escape(words)):
+        check_settings(bad)
+    # The optimizer that uses the setting refuses it with the same words as it is built (a shard's Init)
+    for kind in USED_BY[name]:
+        with pytest.raises(InvalidArgument, match=re.escape(words)):
+            make_optimizer(kind, 10, **bad)
+
+
+def test_the_job_check_refuses_a_setting_its_optimizer_does_not_use():
+    """momentum = 1.5 with Adam is as much a mistake as with SGD: refused before anything starts."""
+    make_optimizer("adam", 10, lr=0.1, momentum=1.5)              # Adam itself ignores it
+    with pytest.raises(InvalidArgument, match=re.escape("momentum must be in [0, 1), got 1.5")):
+        check_settings(dict(lr=0.1, momentum=1.5))
+    with pytest.raises(InvalidArgument, match="nesterov needs momentum > 0"):
+        check_settings(dict(lr=0.1, momentum=0.0, nesterov=True))
 
 
 def test_one_settings_dict_serves_both():

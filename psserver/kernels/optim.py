@@ -32,7 +32,7 @@ BLOCK = 1 << 18
 HPARAMS = ("lr", "momentum", "nesterov", "weight_decay", "beta1", "beta2", "eps")
 
 
-def _hparam(name: str, value, ok, expect: str) -> float:
+def _real(name: str, value, ok, expect: str) -> float:
     """Return ``value`` as a float if it is a real number that passes ``ok``, else raise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(float(value)):
         raise InvalidArgument(f"{name} must be {expect}, got {value!r}")
@@ -43,8 +43,56 @@ def _positive(v: float) -> bool:
     return 0.0 < v < math.inf
 
 
+def _non_negative(v: float) -> bool:
+    return 0.0 <= v < math.inf
+
+
 def _unit(v: float) -> bool:
     return 0.0 <= v < 1.0
+
+
+# The bounds of every optimizer setting, stated once. The optimizers hold to them as they are built (at a
+# shard's Init) and check_settings before anything starts (the job check, psserver/config.py), so a job
+# file, a flag and a shard refuse the same values with the same words.
+BOUNDS = {
+    "lr": (_positive, "finite and > 0"),
+    "momentum": (_unit, "in [0, 1)"),
+    "weight_decay": (_non_negative, "finite and >= 0"),
+    "beta1": (_unit, "in [0, 1)"),
+    "beta2": (_unit, "in [0, 1)"),
+    "eps": (_positive, "finite and > 0"),
+}
+
+
+def _hparam(name: str, value) -> float:
+    """``value`` of the setting ``name`` as a float, if it is within :data:`BOUNDS`; else raise."""
+    return _real(name, value, *BOUNDS[name])
+
+
+def _nesterov(nesterov, momentum: float) -> bool:
+    if not isinstance(nesterov, (bool, np.bool_)):
+        raise InvalidArgument(f"nesterov must be a bool, got {nesterov!r}")
+    if nesterov and momentum == 0.0:
+        raise InvalidArgument("nesterov needs momentum > 0")
+    return bool(nesterov)
+
+
+def check_settings(hparams: Mapping) -> None:
+    """Refuse any setting of ``hparams`` (keys of ``HPARAMS``) outside its bounds, whichever optimizer runs.
+
+    A job's every setting is checked, not only those its optimizer uses: ``momentum = 1.5`` with Adam is
+    a mistake as much as with SGD, and would be applied the day the optimizer changes.
+
+    Raises
+    ------
+    InvalidArgument
+        Naming the first setting out of bounds, its bounds and its value.
+    """
+    for name, value in hparams.items():
+        if name in BOUNDS:
+            _hparam(name, value)
+    if "nesterov" in hparams:
+        _nesterov(hparams["nesterov"], float(hparams.get("momentum", 0.0)))
 
 
 class Optimizer:
@@ -69,9 +117,8 @@ class Optimizer:
         if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
             raise InvalidArgument(f"size must be an integer >= 0, got {size!r}")
         self.size = int(size)
-        self.lr = _hparam("lr", lr, _positive, "finite and > 0")
-        self.weight_decay = _hparam(
-            "weight_decay", weight_decay, lambda v: 0.0 <= v < math.inf, "finite and >= 0")
+        self.lr = _hparam("lr", lr)
+        self.weight_decay = _hparam("weight_decay", weight_decay)
         self.steps = 0
         self._buffers: dict[str, np.ndarray] = {}
         self._block = BLOCK
@@ -132,7 +179,7 @@ class Optimizer:
                 raise InvalidArgument(f"{name} must be float32 of shape ({self.size},), got {got}")
         if not out.flags.writeable:
             raise InvalidArgument(f"{'weights' if out is weights else 'out'} must be writeable")
-        scale = _hparam("lr_scale", lr_scale, _positive, "finite and > 0")
+        scale = _real("lr_scale", lr_scale, _positive, "finite and > 0")
         fused = check_finite and not self._buffers and delay is None
         if check_finite and not fused and not self.chunks.all_finite(grad):
             raise NON_FINITE()
@@ -246,12 +293,8 @@ class SGD(Optimizer):
     def __init__(self, size: int, lr: float, momentum: float = 0.0, nesterov: bool = False,
                  weight_decay: float = 0.0, chunks: Chunks = SERIAL):
         super().__init__(size, lr, weight_decay, chunks)
-        self.momentum = _hparam("momentum", momentum, _unit, "in [0, 1)")
-        if not isinstance(nesterov, (bool, np.bool_)):
-            raise InvalidArgument(f"nesterov must be a bool, got {nesterov!r}")
-        if nesterov and self.momentum == 0.0:
-            raise InvalidArgument("nesterov needs momentum > 0")
-        self.nesterov = bool(nesterov)
+        self.momentum = _hparam("momentum", momentum)
+        self.nesterov = _nesterov(nesterov, self.momentum)
         self._v = self._buffer("momentum_buffer") if self.momentum else None
 
     def set_momentum(self, momentum: float) -> None:
@@ -306,9 +349,9 @@ class Adam(Optimizer):
     def __init__(self, size: int, lr: float, beta1: float = 0.9, beta2: float = 0.999,
                  eps: float = 1e-8, weight_decay: float = 0.0, chunks: Chunks = SERIAL):
         super().__init__(size, lr, weight_decay, chunks)
-        self.beta1 = _hparam("beta1", beta1, _unit, "in [0, 1)")
-        self.beta2 = _hparam("beta2", beta2, _unit, "in [0, 1)")
-        self.eps = _hparam("eps", eps, _positive, "finite and > 0")
+        self.beta1 = _hparam("beta1", beta1)
+        self.beta2 = _hparam("beta2", beta2)
+        self.eps = _hparam("eps", eps)
         self._m = self._buffer("exp_avg")
         self._v = self._buffer("exp_avg_sq")
 

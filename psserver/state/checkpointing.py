@@ -127,13 +127,8 @@ class Checkpointing:
         with self.cond:
             arrays, meta = found
             spec = ModelSpec.from_json(meta["spec"])
-            self.spec, self.begin, self.end = spec, meta["begin"], meta["end"]
-            self._new_ring(arrays["weights"], meta["version"])
-            self._new_optimizer()
-            opt_state = {k[4:]: v for k, v in arrays.items() if k.startswith("opt.")}
-            with self.arrays.use():
-                self.optimizer.load_state_dict({k: (v if v.ndim else v.item()) for k, v in opt_state.items()})
-            self._new_pools()
+            opt_state = {k[4:]: (v if v.ndim else v.item()) for k, v in arrays.items() if k.startswith("opt.")}
+            self._take_on(spec, meta["begin"], meta["end"], arrays["weights"], meta["version"], opt_state)
             for key, value in arrays.items():
                 if key.startswith("round."):
                     _, round_, worker = key.split(".")

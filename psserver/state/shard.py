@@ -160,24 +160,44 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
             self.ring.close()
         self.ring = ring
 
-    def _new_optimizer(self) -> None:
+    def _take_on(self, spec: ModelSpec, begin: int, end: int, values: np.ndarray, version: int,
+                 optimizer_state: dict | None = None) -> None:
+        """Serve the range ``[begin, end)`` of ``spec`` from ``values`` at ``version`` (an Init, or a restore).
+
+        Everything is built and checked before anything is published: the optimizer (with its state from
+        a checkpoint) and the pooled buffers first, then the weight ring, whose publication makes the shard
+        serve. A setting or state that is refused, or memory that runs out, leaves the shard as it was: a
+        refused Init leaves no half-built shard (weights and no optimizer), and the next Init is taken afresh.
+        """
+        optimizer, delay = self._new_optimizer(end - begin)
+        if optimizer_state is not None:
+            with self.arrays.use():
+                optimizer.load_state_dict(optimizer_state)
+        pool, landing_pool = self._new_pools(end - begin)
+        self._new_ring(values, version)
+        self.spec, self.begin, self.end = spec, begin, end
+        self.optimizer, self.delay, self.pool, self.landing_pool = optimizer, delay, pool, landing_pool
+
+    def _new_optimizer(self, size: int) -> tuple:
+        """The optimizer of a range of ``size`` elements and its delay compensation (None where there is none)."""
+        hparams = self.config.optimizer_hparams()
         if self.arrays.on_gpu:
             from psgrid.psserver.kernels.device_optim import make_device_optimizer
 
             with self.arrays.use():
-                self.optimizer = make_device_optimizer(self.config.optimizer, self.size,
-                                                       **self.config.optimizer_hparams())
-                self.optimizer.warm_up()      # compiled now, not in a worker's first push
+                optimizer = make_device_optimizer(self.config.optimizer, size, **hparams)
+                optimizer.warm_up()      # compiled now, not in a worker's first push
             self.arrays.warm_up()
-            return
-        self.optimizer = make_optimizer(self.config.optimizer, self.size, chunks=self.chunks,
-                                        **self.config.optimizer_hparams())
+            return optimizer, None
+        optimizer = make_optimizer(self.config.optimizer, size, chunks=self.chunks, **hparams)
         if not self.plain_steps and self.config.compensation == "dc":
-            self.delay = DelayCompensation(self.size, self.config.dc_lambda0, self.config.dc_beta)
+            return optimizer, DelayCompensation(size, self.config.dc_lambda0, self.config.dc_beta)
+        return optimizer, None
 
-    def _new_pools(self) -> None:
-        self.pool = BufferPool(self.size, make=self.arrays.empty)
-        self.landing_pool = BufferPool(self.size, make=self.arrays.landing) if self.arrays.on_gpu else self.pool
+    def _new_pools(self, size: int) -> tuple[BufferPool, BufferPool]:
+        """Range-sized buffers where the arrays live, and those network payloads land in (the same on a host shard)."""
+        pool = BufferPool(size, make=self.arrays.empty)
+        return pool, BufferPool(size, make=self.arrays.landing) if self.arrays.on_gpu else pool
 
     @property
     def size(self) -> int:
@@ -236,10 +256,7 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
             begin, end = self.layout(spec)
             if values is None or values.shape != (end - begin,):
                 raise InvalidArgument(f"Init must cover this shard's range [{begin}, {end})", Reason.BAD_SIZE)
-            self.spec, self.begin, self.end = spec, begin, end
-            self._new_ring(values, self.version)
-            self._new_optimizer()
-            self._new_pools()
+            self._take_on(spec, begin, end, values, self.version)
             # Members that registered another model were never the job's: they learn it at their next call.
             for worker in [w for w, h in self.member_hashes.items() if h != spec.hash()]:
                 log.warning("shard %d: worker %d registered another model spec than the one Init set; dropped",
@@ -248,6 +265,7 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
             self.member_hashes.clear()
             self.cond.notify_all()
             return True
+
     def close(self) -> None:
         """The server is stopping: release every waiting pull (as UNAVAILABLE, so clients retry)."""
         with self.cond:
