@@ -22,32 +22,34 @@ and done records as the built-in loop, worker/loop.py) as one progress bar and s
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import sys
 import time
 from typing import Mapping
 
 import numpy as np
 
-from psgrid.psserver.client.client import Client, Handle
 from psgrid.psserver.security import job_token
 from psgrid.psserver.exceptions import ShardUnavailable
 from psgrid.psserver.spec import ModelSpec
 from psgrid.worker import dlpack
-from psgrid.worker.backend import pinner_for, sync, to_host
+from psgrid.worker.backend import to_host
+from psgrid.worker.config import TrainConfig
+from psgrid.worker.core import WorkerCore, open_exchange
 from psgrid.worker.env import ADDRESSES, WORLD_SIZE, job_env, watch_launcher
-from psgrid.worker.flat import FlatBuffers
-from psgrid.worker.records import MetricsWriter, bytes_per_step
+from psgrid.worker.model_link import ModelLink
+from psgrid.worker.records import MetricsWriter
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-# What a client takes from the job file's [train] table (the rest of it is the built-in trainer's).
+# What a client takes from the job file's [train] table, and what a script's worker takes beside it (the rest
+# of the table, the model, data and schedule, is the built-in trainer's).
 CLIENT_SETTINGS = ("data_plane", "shared_memory", "wire_dtype", "chunk_bytes", "deadline_s", "retry_s", "heartbeat_s",
                    "join_timeout_s", "tls_ca", "tls_cert", "tls_key")
+WORKER_SETTINGS = ("overlap", "pull_ahead", "stragglers", "aggregate", "seed", "join_timeout_s", "deadline_s",
+                   "retry_s", "wire_dtype")
 
 NO_JOB = (f"psgrid.init() found no job: run the script with `psctl launch -- python SCRIPT` (or under "
           f"`psctl mpi -- ...`), or pass addresses=[...] and world=N (or set {ADDRESSES} and {WORLD_SIZE})")
@@ -86,14 +88,16 @@ def init(params, *, addresses=None, rank: int | None = None, world: int | None =
     world = world if world is not None else env.world
     if not addresses or world is None:
         raise RuntimeError(NO_JOB)
-    settings = job_file_settings(job_file or env.job_file)
+    table = job_train_table(job_file or env.job_file)
+    settings = {key: table[key] for key in CLIENT_SETTINGS if key in table}
     settings.update({key: value for key, value in (("tls_ca", env.tls_ca), ("tls_cert", env.tls_cert),
                                                    ("tls_key", env.tls_key)) if value})
     settings.update(client_options)
     settings["token"] = job_token(settings.get("token"))     # the rule of every entry point: given, else PSGRID_TOKEN
     watch_launcher()
     return Session(params, addresses=addresses, world=world, rank=rank if rank is not None else env.rank,
-                   metrics=metrics or env.metrics, local_rank=env.local_rank, gpu=env.gpu, **settings)
+                   metrics=metrics or env.metrics, local_rank=env.local_rank, gpu=env.gpu,
+                   train=worker_settings(table), **settings)
 
 
 def unreachable(addresses: list[str], settings: Mapping) -> str | None:
@@ -114,16 +118,32 @@ def unreachable(addresses: list[str], settings: Mapping) -> str | None:
     return None
 
 
-def job_file_settings(path: str | None) -> dict:
-    """The client settings of a job file's ``[train]`` table (its token is the environment's, not read here)."""
+def job_train_table(path: str | None) -> dict:
+    """A job file's ``[train]`` table ({} without a file; its token is the environment's, not read from it)."""
     if not path:
         return {}
     try:
         with open(path, "rb") as f:
-            train = tomllib.load(f).get("train", {})
+            return tomllib.load(f).get("train", {})
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise RuntimeError(f"cannot read the job file {path}: {exc}") from None
-    return {key: train[key] for key in CLIENT_SETTINGS if key in train}
+
+
+def job_file_settings(path: str | None) -> dict:
+    """The client settings of a job file's ``[train]`` table."""
+    table = job_train_table(path)
+    return {key: table[key] for key in CLIENT_SETTINGS if key in table}
+
+
+def worker_settings(table: dict) -> TrainConfig:
+    """What a script's worker takes from a job's ``[train]`` table beside the client's settings: overlap,
+    pull-ahead, stragglers, aggregation and the seed (the straggler's draws), as the built-in trainer does."""
+    train = TrainConfig(**{key: table[key] for key in WORKER_SETTINGS if key in table})
+    try:
+        train.validate()
+    except ValueError as exc:
+        raise RuntimeError(f"the job's [train] table: {exc}") from None
+    return train
 
 
 def named_parameters(params) -> list[tuple[str, object]]:
@@ -141,18 +161,22 @@ class Session:
     """One worker's exchange of a model's parameters and gradients with the shards (made by :func:`init`).
 
     ``pull()`` writes the shards' weights into the parameters, ``push()`` sends their gradients;
-    each pull-push pair is one step, recorded with its loss and timings. ``params`` holds the
+    each pull-push pair is one step, recorded with its loss and timings. Around the script's own
+    compute everything is the built-in trainer's (worker/core.py): the push of a step overlaps the
+    next step in async and ssp, the pull-ahead, the device gradient pushed over CUDA IPC to shards
+    on this GPU, a straggler's delay, a host's aggregation, the records. ``params`` holds the
     weights of the last pull as NumPy or CuPy arrays by name (what a JAX user rebuilds from).
     ``rank``, ``world``, ``local_rank``, ``gpu``, ``mode`` and ``steps`` describe the job and
     this worker; ``last_step`` is the record of the latest completed step.
     """
 
     def __init__(self, params, *, addresses, world: int, rank: int | None = None, metrics: str | None = None,
-                 local_rank: int = 0, gpu: int | None = None, **client_options):
+                 local_rank: int = 0, gpu: int | None = None, train: TrainConfig | None = None, **client_options):
         named = named_parameters(params)
         if not named:
             raise dlpack.ArrayError("params holds no parameters (a module whose parameters all have "
                                     "requires_grad=False, or an empty dict or list)")
+        train = train or TrainConfig()
         self.names = [name for name, _ in named]
         self._originals = [a for _, a in named]
         self._device = _one_device(self._originals)
@@ -163,8 +187,7 @@ class Session:
         self.world, self.local_rank, self.gpu = world, local_rank, gpu
         self.xp = dlpack.module_of(views[0])
         self.spec = ModelSpec((name, tuple(v.shape)) for name, v in zip(self.names, views))
-        # Weights are written into the parameters themselves, where their framework lets them be changed.
-        self._targets = [(name, v) for name, v, a in zip(self.names, views, self._originals) if dlpack.writable(a, v)]
+        self.link = ModelLink(self.names, self._originals, views, self.xp)
 
         def initial():       # the shards' first weights, where this worker is the one that gives them
             return self.spec.pack({n: to_host(v).astype(np.float32) for n, v in zip(self.names, views)})
@@ -175,59 +198,71 @@ class Session:
         self._metrics = MetricsWriter(metrics)
         self._closed = False
         try:
-            self.client = Client(addresses, self.spec, worker_id=rank, world=world, init=initial,
-                                 pin_memory=pinner_for(self.xp), gpu=self._device, **client_options)
+            exchange = open_exchange(train, addresses, self.spec, rank=rank, world=world, init=initial, xp=self.xp,
+                                     gpu=self._device, local_rank=local_rank, options=client_options)
         except BaseException:
             self._metrics.close()
             raise
+        self.core = WorkerCore(train, exchange, self.spec, rank=rank, xp=self.xp, metrics=self._metrics,
+                               device_name=self._device_name(), device=self._device)
         try:
-            with self._on_device():
-                # The gradient buffer is the client's (shared memory a shard on this host reads in place).
-                self.bufs = FlatBuffers(self.spec, self.xp, self.client)
-            self.client.join()
-            self.rank = rank if rank is not None else self.client.worker_id
-            self.mode = self.client.mode
-            # As the built-in loop: in async and ssp a push runs in the background while the next pull waits.
-            self._overlap = self.mode != "sync"
-            self._step_bytes = bytes_per_step(self.client, self.spec.size)
-            self.steps, self.samples, self.final_loss = 0, 0, float("nan")
-            self.last_step: dict | None = None
-            self._in_flight: tuple[Handle, dict] | None = None
-            self._pulled_at: float | None = None
-            self._pull_s, self._started = 0.0, None
-            self._t0 = time.perf_counter()
-            self._metrics.write(event="start", rank=self.rank, worker=self.client.worker_id, host=socket.gethostname(),
-                                device=self._device_name(), mode=self.mode, first_step=0, params=self.spec.size,
-                                data_planes=self.client.data_planes, stragglers=[])
+            self.core.__enter__()          # joins: the gradient buffers are made on the exchange's terms
         except BaseException:
             self._closed = True
-            self.client.close()
+            self._metrics.close()
+            raise
+        try:
+            self.rank = self.core.rank
+            self.mode = self.core.mode
+            self.final_loss = float("nan")
+            self._t0 = time.perf_counter()
+            self.core.start(first_step=0)
+        except BaseException:
+            self._closed = True
+            self.core.__exit__(None, None, None)
             self._metrics.close()
             raise
 
     # ----- the exchange ---------------------------------------------------------------------------
 
     @property
+    def client(self):
+        """What this worker exchanges through: a :class:`psgrid.Client`, or its host's aggregation."""
+        return self.core.exchange
+
+    @property
+    def bufs(self):
+        return self.core.bufs
+
+    @property
     def params(self) -> dict:
         """The weights of the last pull by name (NumPy or CuPy views of this session's buffer)."""
-        return self.bufs.param_views
+        return self.core.param_views
 
     @property
     def clock(self) -> int:
-        return self.client.clock
+        return self.core.exchange.clock
+
+    @property
+    def steps(self) -> int:
+        return self.core.step
+
+    @property
+    def samples(self) -> int:
+        return self.core.samples
+
+    @property
+    def last_step(self) -> dict | None:
+        return self.core.last_step
+
+    @property
+    def _overlap(self) -> bool:
+        return self.core.overlap
 
     def pull(self) -> dict:
         """Wait for the shards' weights (as the mode says), write them into the parameters; returns :attr:`params`."""
         self._check_open()
-        started, t0 = time.time(), time.perf_counter()
-        with self._on_device():
-            self.bufs.pull()       # onto the device straight from a shard's memory where it is on this host
-            for name, target in self._targets:
-                target[...] = self.bufs.param_views[name]
-            sync(self.xp)      # the model's framework may read them on another stream
-        self._pull_s = time.perf_counter() - t0
-        self._finish_push()
-        self._started, self._pulled_at = started, time.perf_counter()
+        self.core.pull(then=self.link.weights_in)
         return self.params
 
     def push(self, grads=None, *, loss=None, samples: int | None = None) -> None:
@@ -246,25 +281,12 @@ class Session:
         """
         self._check_open()
         sources = self._gradients(grads)
-        self._finish_push()        # a push in flight still reads the gradient buffer
-        with self._on_device():
-            for name, source in sources:
-                _copy_into(self.bufs.grad_views[name], source, name, self.xp)
-            self.bufs.download_grad()
-        t_push = time.perf_counter()
-        loss_value = float("nan") if loss is None else float(dlpack.exportable(loss))    # a tensor: its detached self
-        record = dict(event="step", rank=self.rank, worker=self.client.worker_id, step=self.steps,
-                      clock=self.client.clock, started=self._started or time.time(), loss=loss_value,
-                      pull_s=self._pull_s, compute_s=t_push - (self._pulled_at or t_push), delay_s=0.0)
-        if samples is not None:
-            record["samples"] = int(samples)
-            self.samples += int(samples)
-        self._in_flight = (self.client.push(self.bufs.host_grad, background=self._overlap), record)
-        if not self._overlap:
-            self._finish_push()
-        self.steps += 1
-        self.final_loss = loss_value
-        self._pulled_at, self._pull_s, self._started = None, 0.0, None
+        self.link.check(sources)          # before a buffer is taken: a refused push changes nothing
+        views = self.core.gradient()
+        with self.core.on_device():
+            self.link.gradients_out(sources, views)
+        record = self.core.push(None if loss is None else dlpack.exportable(loss), samples=samples)
+        self.final_loss = record["loss"]
 
     def log_eval(self, test_accuracy: float | None = None, **values: float) -> None:
         """Record an evaluation (the progress bar and summary.json show the latest ``test_accuracy``)."""
@@ -274,8 +296,9 @@ class Session:
 
     def result(self) -> dict:
         """This worker's totals: the fields of its ``done`` record."""
-        return {"rank": self.rank, "worker": self.client.worker_id, "steps": self.steps, "samples": self.samples,
-                "wall_s": time.perf_counter() - self._t0, "final_loss": self.final_loss, "device": self._device_name()}
+        return {"rank": self.rank, "worker": self.core.exchange.worker_id, "steps": self.steps,
+                "samples": self.samples, "wall_s": time.perf_counter() - self._t0, "final_loss": self.final_loss,
+                "device": self._device_name()}
 
     # ----- leaving --------------------------------------------------------------------------------
 
@@ -296,9 +319,9 @@ class Session:
         try:
             try:
                 if completed:
-                    self._finish_push()
+                    self.core.finish()
             finally:
-                self.client.close()
+                self.core.__exit__(None, None, None)
             if completed:
                 self._metrics.write(event="done", **self.result())
         finally:
@@ -309,19 +332,6 @@ class Session:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this psgrid session is closed; call psgrid.init() again to rejoin")
-
-    def _finish_push(self) -> None:
-        """Wait for the push in flight and complete its step's record: outcome, staleness, time, bytes."""
-        if self._in_flight is None:
-            return
-        handle, record = self._in_flight
-        self._in_flight = None
-        results = handle.wait()
-        outcomes = {r.outcome.name for r in results}
-        record.update(push_s=handle.seconds, staleness=max((r.staleness for r in results), default=0),
-                      outcome=outcomes.pop() if len(outcomes) == 1 else "MIXED", bytes=self._step_bytes)
-        self._metrics.write(**record)
-        self.last_step = record
 
     def _gradients(self, grads) -> list[tuple[str, object]]:
         if grads is None:
@@ -345,12 +355,6 @@ class Session:
             raise dlpack.ArrayError("push(grads): gradients by name or in order; pass the loss as push(loss=...)")
         raise dlpack.ArrayError(f"push(grads): a dict by name or a list in order, got {type(grads).__name__}")
 
-    def _on_device(self):
-        """Where this session's CuPy work runs: the parameters' GPU."""
-        if self._device is None:
-            return contextlib.nullcontext()
-        return self.xp.cuda.Device(self._device)
-
     def _device_name(self) -> str:
         return "cpu" if self._device is None else f"cuda:{self._device}"
 
@@ -364,17 +368,3 @@ def _one_device(arrays: list) -> int | None:
                                 f"that lives on one device")
     kind, index = devices.pop()
     return index if kind == "cuda" else None
-
-
-def _copy_into(target, source, name: str, xp) -> None:
-    """Copy a gradient into this session's buffer (a view of ``source``, never a copy in its framework)."""
-    if source is None:              # a parameter that took no part in the loss
-        target.fill(0)
-        return
-    array = dlpack.view(source)
-    if tuple(array.shape) != tuple(target.shape):
-        raise dlpack.ArrayError(f"the gradient of {name!r} has shape {tuple(array.shape)}, the parameter "
-                                f"{tuple(target.shape)}")
-    if dlpack.module_of(array) is not xp:
-        array = to_host(array) if xp is np else xp.asarray(array)
-    target[...] = array

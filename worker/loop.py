@@ -1,33 +1,27 @@
-"""The training loop of one worker: pull, compute, push, and record what each took.
+"""The built-in trainer: one of psgrid's models on one of its data sets, step after step.
 
-Parameters and gradients live in :class:`FlatBuffers` (flat device arrays with views by
-name; the host side of the gradient is the client's, in shared memory where the shards are on
-this host). In async and ssp the push of step c runs in the background while the pull and the
-compute of step c+1 go on, its gradient computed into the other of two host buffers, and it is
-waited for before the push of step c+1; with ``pull_ahead`` the pull of step c+1 also runs during
-the compute of step c, into a second parameter buffer (worker/prefetch.py). In sync the steps stay
-in order.
+What happens around each step's compute (the pull, the gradient buffers, the overlap of a push
+with the next step, the pull-ahead, a straggler's delay, the records) is the
+:class:`~psgrid.worker.core.WorkerCore`'s, which a user's script (worker/api.py) goes through
+too; this module adds the model, the data, the warm-up and the evaluations.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 
 import numpy as np
 
 from psgrid.psserver.client.admin import Admin
-from psgrid.psserver.client.client import Client, Handle
+from psgrid.psserver.client.client import Client
 from psgrid.worker.backend import current_gpu, get_xp, pinner_for, select_gpu, sync
 from psgrid.worker.config import TrainConfig
 from psgrid.worker.data import BatchLoader, load_dataset
-from psgrid.worker.flat import FlatBuffers
+from psgrid.worker.core import WorkerCore, client_settings, open_exchange, overlaps, security  # noqa: F401
 from psgrid.worker.models import accuracy, build_model
-from psgrid.worker.prefetch import PullAhead, pulls_ahead
-from psgrid.worker.records import MetricsWriter, bytes_per_step
-from psgrid.worker.straggler import Delay
+from psgrid.worker.records import MetricsWriter
 
 LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK", "SLURM_LOCALID")
 
@@ -61,17 +55,11 @@ def steps_for(train: TrainConfig, shard_rows: int) -> int:
     return train.steps
 
 
-def security(train: TrainConfig) -> dict:
-    return dict(token=train.token, tls_ca=train.tls_ca, tls_cert=train.tls_cert, tls_key=train.tls_key)
-
-
 def make_client(train: TrainConfig, addresses: list[str], spec, *, worker_id: int | None = None,
                 world: int | None = None, init=None, xp=np) -> Client:
-    return Client(addresses, spec, worker_id=worker_id, world=world, init=init, data_plane=train.data_plane,
-                  shared_memory=train.shared_memory, pin_memory=pinner_for(xp), gpu=current_gpu(xp),
-                  wire_dtype=train.wire_dtype,
-                  chunk_bytes=train.chunk_bytes, deadline_s=train.deadline_s, retry_s=train.retry_s,
-                  heartbeat_s=train.heartbeat_s, join_timeout_s=train.join_timeout_s, **security(train))
+    """A client of the job's shards with the job's transport settings (no aggregation: :func:`open_exchange`)."""
+    return Client(addresses, spec, worker_id=worker_id, world=world, init=init, pin_memory=pinner_for(xp),
+                  gpu=current_gpu(xp), **client_settings(train))
 
 
 def make_admin(train: TrainConfig, addresses: list[str], **kw) -> Admin:
@@ -94,17 +82,8 @@ def run_worker(train: TrainConfig, addresses: list[str], rank: int, world: int,
     # The rank is the worker id, so a sync round sums its gradients in the same order every run;
     # entering waits for the whole job, since sync and ssp count the members they have.
     init = lambda: spec.pack(model.init_params(train.seed, train.init_scale))  # noqa: E731
-    if train.aggregate == "host":       # one client per host, pushing the host's mean (worker/aggregate.py)
-        from psgrid.worker.aggregate import HostGroup, host_exchange, rendezvous_name
-
-        group = host_group or HostGroup.of(rank, world, local_rank=local_rank(None))
-        exchange = host_exchange(
-            group, rendezvous_name(addresses, train.token, group.host), spec.size,
-            lambda worker_id, hosts: make_client(train, addresses, spec, worker_id=worker_id, world=hosts, init=init,
-                                                 xp=xp),
-            wire_dtype=train.wire_dtype, timeout_s=train.join_timeout_s + train.deadline_s + train.retry_s)
-    else:
-        exchange = make_client(train, addresses, spec, worker_id=rank, world=world, init=init, xp=xp)
+    exchange = open_exchange(train, addresses, spec, rank=rank, world=world, init=init, xp=xp, gpu=current_gpu(xp),
+                             options=client_settings(train), host_group=host_group, local_rank=local_rank(None))
     return train_loop(train, exchange, rank, xp, device_name, data, model, metrics_path)
 
 
@@ -112,13 +91,13 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
                metrics_path: str | None = None) -> dict:
     """The steps of one worker, whatever moves its weights and gradients.
 
-    ``exchange`` is a :class:`Client` (the shards) or an
+    ``exchange`` is a :class:`Client` (the shards), a host's aggregation, or an
     :class:`~psgrid.worker.allreduce.AllreduceExchange` (no shards): a context manager with
     ``pull(out)``, ``push(grad, background=)`` returning a handle, and ``mode``, ``worker_id``,
-    ``clock``, ``data_planes`` and ``wire_dtype``. Everything else (data order, model, the
-    straggler's delay, what is recorded) is the same, so the two are measured on equal terms.
+    ``clock``, ``data_planes`` and ``wire_dtype``. Everything around the compute (buffers, overlap,
+    pull-ahead, the straggler's delay, what is recorded) is the :class:`WorkerCore`'s, as for a
+    user's script, so all are measured on equal terms.
     """
-    spec = model.spec
     metrics = MetricsWriter(metrics_path)
     loader = None
     try:
@@ -126,119 +105,38 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
         # before joining, so that it is not counted in training time (the other workers are warming up
         # or starting meanwhile) and the first run on a machine trains as fast as the next.
         warmup_s = warm_up(model, data, train, xp, evaluate=rank == 0 and bool(train.eval_every))
-        with exchange:
+        with WorkerCore(train, exchange, model.spec, rank=rank, xp=xp, metrics=metrics,
+                        device_name=device_name) as core:
             steps = steps_for(train, len(data.train_y))
             # `steps` is the clock a worker trains to: one that joins at clock c (a job resumed from its
             # shards' checkpoints, or a replacement worker) makes the steps that are left.
             first_step = min(max(0, exchange.clock), steps)
-            overlap = overlaps(train, exchange.mode, exchange.data_planes)
-            metrics.write(**start_event(exchange, train, data, rank=rank, device_name=device_name, params=spec.size,
-                                        steps=steps, first_step=first_step, warmup_s=warmup_s),
-                          pull_ahead=pulls_ahead(train, exchange.mode), overlap=overlap)
-            bufs = FlatBuffers(spec, xp, exchange, double=overlap)
-            ahead = PullAhead(bufs, spec) if overlap and pulls_ahead(train, exchange.mode) else None
+            core.step = first_step
+            core.start(steps=steps, first_step=first_step, shard_rows=len(data.train_y), warmup_s=warmup_s)
             loader = BatchLoader(data.train_x, data.train_y, train.batch_size, xp=xp, seed=train.seed + 1000 * rank)
-            delay = Delay(train.stragglers, rank, train.seed)
-            step_bytes = bytes_per_step(exchange, spec.size)
             test_x, test_y = xp.asarray(data.test_x), xp.asarray(data.test_y)
-            in_flight = None         # (push handle, its step's record): the push of the step before
-            samples = 0
-            loss_value = float("nan")
+            loss = None
             start = time.perf_counter()
             for step in range(first_step, steps):
-                timed = pull_and_compute(bufs, loader, model, delay, overlap, ahead, last=step + 1 == steps)
-                loss_value = timed["loss"]
-                samples += timed["samples"]
-                if in_flight is not None:         # the push before (it overlapped this pull and compute) ends first
-                    metrics.write(**_finish(*in_flight, step_bytes))
-                record = dict(event="step", rank=rank, worker=exchange.worker_id, step=step, clock=exchange.clock,
-                              **timed)
-                # Pulled ahead, the client's last pull is the next step's: say which weights this gradient is of.
-                used = {} if ahead is None else {"versions": ahead.push_versions()}
-                in_flight = (exchange.push(bufs.pushed, background=overlap, **used), record)
-                if not overlap:
-                    metrics.write(**_finish(*in_flight, step_bytes))
-                    in_flight = None
+                core.pull(last=step + 1 == steps)
+                x, y = next(loader)
+                loss = model.loss_and_grad(core.param_views, x, y, core.gradient())
+                core.push(loss, samples=len(y))
                 if rank == 0 and train.eval_every and (step + 1) % train.eval_every == 0:
-                    acc = accuracy(model, bufs.param_views, test_x, test_y)
+                    acc = accuracy(model, core.param_views, test_x, test_y)
                     metrics.write(event="eval", rank=rank, step=step + 1, test_accuracy=acc)
-            if in_flight is not None:
-                metrics.write(**_finish(*in_flight, step_bytes))
+            core.finish()
             wall = time.perf_counter() - start
-            result = {"rank": rank, "worker": exchange.worker_id, "steps": steps - first_step, "samples": samples,
-                      "wall_s": wall, "final_loss": loss_value, "device": device_name, "warmup_s": warmup_s}
+            result = {"rank": rank, "worker": exchange.worker_id, "steps": steps - first_step,
+                      "samples": core.samples, "wall_s": wall,
+                      "final_loss": float("nan") if loss is None else float(loss), "device": device_name,
+                      "warmup_s": warmup_s}
         metrics.write(event="done", **result)
         return result
     finally:
         if loader is not None:
             loader.close()
         metrics.close()
-
-
-def overlaps(train: TrainConfig, mode: str, planes) -> bool:
-    """Whether a step's push runs in the background, beside the next step's pull and compute.
-
-    In async and ssp it does unless ``overlap = false``: the next gradient is computed into the
-    other of two buffers meanwhile, and the push is waited for before the one after it. In sync
-    the next pull is answered only once the round the push closes is applied, so an overlap saves
-    one request's latency and costs a thread hand-off: the steps stay in order. With the overlap
-    off the next pull waits for this push (a worker alone then sees no staleness). Under
-    ``"auto"`` (the default) it is also off where every shard is in the worker's own process (the
-    in-process plane, ``planes`` all "local"), unless the worker pulls ahead: the push is the
-    shard's update itself, run in this process, and a thread running it beside the next step's
-    kernel launches cost the compute more than the overlap saved (docs/performance.md, "The shard
-    in the worker's process").
-    """
-    if mode in ("sync", "allreduce") or train.overlap is False:
-        return False
-    in_process = bool(planes) and all(plane == "local" for plane in planes)
-    return not (train.overlap == "auto" and in_process and not train.pull_ahead)
-
-
-def pull_and_compute(bufs: FlatBuffers, loader, model, delay: Delay, overlap: bool, ahead: PullAhead | None = None,
-                     last: bool = False) -> dict:
-    """One step up to its push: pull the weights, compute the gradient into the host buffer, a straggler's delay.
-
-    Returns the step record's timings (``started``, ``pull_s``, ``compute_s``, ``delay_s``), ``loss`` and
-    ``samples``, in the record's order. With ``ahead`` the weights are those pulled during the step before
-    (``pull_s`` is then what this step still waited for them, before the push of the step before and when it
-    started, and ``pull_ahead_s`` what their pull took), and unless ``last`` the next step's pull starts
-    before this step computes.
-    """
-    started = time.time()
-    t0 = time.perf_counter()
-    if ahead is None:
-        bufs.pull()                   # pull_s: from the request to the weights on the device
-    else:
-        ahead.pull(ahead=not last)
-    pull_s = time.perf_counter() - t0 + (ahead.waited_s if ahead is not None else 0.0)
-    t1 = time.perf_counter()
-    x, y = next(loader)
-    if overlap:
-        bufs.swap_gradient()          # the other buffer: the push that read it has ended
-    loss = model.loss_and_grad(bufs.param_views, x, y, bufs.grad_views)
-    if ahead is not None:
-        ahead.advance()
-    bufs.download_grad()          # compute_s includes this copy to the host, which also synchronizes
-    loss_value = float(loss)
-    compute_s = time.perf_counter() - t1
-    delay_s = delay.seconds(compute_s)
-    if delay_s:
-        time.sleep(delay_s)
-    timed = dict(started=started, loss=loss_value, pull_s=pull_s, compute_s=compute_s, delay_s=delay_s,
-                 samples=len(y))
-    if ahead is not None and ahead.pulled_s is not None:
-        timed["pull_ahead_s"] = ahead.pulled_s
-    return timed
-
-
-def start_event(exchange, train: TrainConfig, data, *, rank: int, device_name: str, params: int, steps: int,
-                first_step: int, warmup_s: float) -> dict:
-    """A worker's first record: who it is, where it runs, and the steps it makes."""
-    return dict(event="start", rank=rank, worker=exchange.worker_id, host=socket.gethostname(),
-                device=device_name, mode=exchange.mode, steps=steps, first_step=first_step, params=params,
-                shard_rows=len(data.train_y), data_planes=exchange.data_planes,
-                stragglers=list(train.stragglers), warmup_s=warmup_s)
 
 
 def warm_up(model, data, train: TrainConfig, xp, *, evaluate: bool) -> float:
@@ -260,14 +158,3 @@ def warm_up(model, data, train: TrainConfig, xp, *, evaluate: bool) -> float:
         accuracy(model, spec.views(params), xp.asarray(data.test_x), xp.asarray(data.test_y))
     sync(xp)
     return time.perf_counter() - t0
-
-
-def _finish(push: Handle, record: dict, step_bytes: int) -> dict:
-    """Complete a step's record with its push: outcome, staleness, time and bytes moved."""
-    results = push.wait()
-    record["push_s"] = push.seconds
-    record["staleness"] = max((r.staleness for r in results), default=0)
-    outcomes = {r.outcome.name for r in results}
-    record["outcome"] = outcomes.pop() if len(outcomes) == 1 else "MIXED"
-    record["bytes"] = step_bytes
-    return record
