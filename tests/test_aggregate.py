@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+import socket
 import threading
 
 import numpy as np
@@ -128,32 +130,66 @@ def test_psctl_mpi_with_host_aggregation_trains_through_one_aggregator(tmp_path)
 
 
 @pytest.mark.parametrize("data_plane", ["tcp"])
-def test_a_worker_that_goes_away_ends_its_host_with_a_clear_error(cluster):
-    """The follower leaves after one step: the leader's next push says so at once instead of waiting."""
-    from psgrid.worker.aggregate import AggregationError
-
-    c = cluster(1, mode="async", lr=0.1)
+def test_a_follower_that_goes_away_is_left_out_and_its_host_goes_on(cluster, caplog):
+    """Sync: the follower's socket closes after its first step (as at a kill -9): the leader's later pushes carry
+    its own gradient alone, at the weight of its host, and the host makes all its steps."""
+    c = cluster(1, mode="sync", lr=0.5)
     name = rendezvous_name(c.addresses, "test-gone", 0)
     connect = lambda wid, hosts: c.client(SPEC, worker_id=wid, world=hosts, init=np.zeros(SPEC.size, np.float32))  # noqa: E731
-    errors = []
+    outcomes = []
 
     def leader():
         params = np.empty(SPEC.size, np.float32)
         with host_exchange(HostGroup.of(0, 2, local_size=2), name, SPEC.size, connect, timeout_s=30) as ex:
+            for step in range(STEPS):
+                ex.pull(params)
+                outcomes.append({r.outcome for r in ex.push(gradient(0, step)).wait()})
+
+    def follower():
+        params = np.empty(SPEC.size, np.float32)
+        ex = host_exchange(HostGroup.of(1, 2, local_size=2), name, SPEC.size, connect, timeout_s=30)
+        with ex:
             ex.pull(params)
-            ex.push(gradient(0, 0))
-            ex.pull(params)
-            try:
-                ex.push(gradient(0, 1))
-            except AggregationError as e:
-                errors.append(str(e))
+            ex.push(gradient(1, 0))
+            ex.sock.shutdown(socket.SHUT_RDWR)     # gone, without a word
+
+    run_threads([leader, follower])
+    expected = -0.5 * ((gradient(0, 0) + gradient(1, 0)) / 2 + sum(gradient(0, s) for s in range(1, STEPS)))
+    np.testing.assert_allclose(c.weights(), expected, rtol=1e-5, atol=1e-6)
+    assert outcomes == [{Outcome.APPLIED}] * STEPS
+    # Seen as it is told the next weights (a broken pipe) or as its gradient is awaited (the socket closed).
+    assert re.search(r"host 0: the worker of local rank 1 (cannot be told|went away).*the host goes on without it",
+                     caplog.text), caplog.text
+
+
+@pytest.mark.parametrize("data_plane", ["tcp"])
+def test_when_the_leader_goes_the_follower_pushes_on_its_own(cluster, caplog):
+    """Async: the leader leaves after two steps; the follower, waiting for its next weights, becomes a worker of
+    its own (a new id) and makes the rest of its steps, the step in flight none (the leader had answered it)."""
+    c = cluster(1, mode="async", lr=0.5)
+    name = rendezvous_name(c.addresses, "test-leader-gone", 0)
+    connect = lambda wid, hosts: c.client(SPEC, worker_id=wid, world=hosts, init=np.zeros(SPEC.size, np.float32))  # noqa: E731
+    seen = []
+
+    def leader():
+        params = np.empty(SPEC.size, np.float32)
+        with host_exchange(HostGroup.of(0, 2, local_size=2), name, SPEC.size, connect, timeout_s=30) as ex:
+            for step in range(2):
+                ex.pull(params)
+                ex.push(gradient(0, step))
 
     def follower():
         params = np.empty(SPEC.size, np.float32)
         with host_exchange(HostGroup.of(1, 2, local_size=2), name, SPEC.size, connect, timeout_s=30) as ex:
-            ex.pull(params)
-            ex.push(gradient(1, 0))
-            ex.pull(params)
+            for step in range(STEPS + 1):
+                ex.pull(params)
+                results = ex.push(gradient(1, step)).wait()
+                seen.append((ex.worker_id, ex.data_planes, {r.outcome for r in results}))
 
     run_threads([leader, follower])
-    assert errors and "went away" in errors[0]
+    assert seen[:2] == [(0, ["host"], {Outcome.APPLIED})] * 2
+    assert [(w != 0, planes, o) for w, planes, o in seen[2:]] == [(True, ["tcp"], {Outcome.APPLIED})] * (STEPS - 1)
+    expected = -0.5 * (sum((gradient(0, s) + gradient(1, s)) / 2 for s in range(2))
+                       + sum(gradient(1, s) for s in range(2, STEPS + 1)))
+    np.testing.assert_allclose(c.weights(), expected, rtol=1e-5, atol=1e-6)
+    assert "it pushes to the shards on its own from now on" in caplog.text
