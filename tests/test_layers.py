@@ -38,7 +38,8 @@ WORKER_MAY_USE = ("psgrid.psserver.client", "psgrid.psserver.kernels", "psgrid.p
                   "psgrid.psserver.dtypes",      # the all-reduce baseline rounds its gradients as a push's dtype does
                   "psgrid.psserver.config",      # ... and applies a shard's optimizer with a shard's settings
                   "psgrid.psserver.security",    # the job's token, which a worker reads and hands to its client
-                  "psgrid.psserver.files")       # metrics files created owner-only, as every file psgrid writes
+                  "psgrid.psserver.files",       # metrics files created owner-only, as every file psgrid writes
+                  "psgrid.psserver.lifeline")    # a script stops when its launcher is gone, as psctl's children do
 
 
 

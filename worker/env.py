@@ -26,11 +26,10 @@ them with :meth:`JobEnv.to_env` and the user API reads them with :func:`job_env`
 from __future__ import annotations
 
 import os
-import signal
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Mapping
+
+from psgrid.psserver import lifeline
 
 ADDRESSES = "PSGRID_ADDRESSES"
 RANK = "PSGRID_RANK"
@@ -46,7 +45,7 @@ JOB_FILE = "PSGRID_JOB_FILE"
 OUT = "PSGRID_OUT"
 # Set by a launcher for its children (cluster/run/procs.py): a script watches it and stops when its
 # launcher vanished without stopping it (kill -9), as psctl's own children do.
-PARENT = "PSCTL_PARENT_PID"
+PARENT = lifeline.PARENT_ENV
 
 NAMES = (ADDRESSES, RANK, WORLD_SIZE, LOCAL_RANK, GPU, TOKEN, TLS_CA, TLS_CERT, TLS_KEY, METRICS, JOB_FILE, OUT)
 
@@ -117,25 +116,11 @@ def job_env(environ: Mapping[str, str] | None = None) -> JobEnv:
     return env
 
 
-_watching = threading.Event()
-
-
-def watch_launcher(interval: float = 1.0) -> None:
+def watch_launcher() -> None:
     """Stop this process (SIGTERM) when the launcher that started it is gone.
 
     A launcher stops its children itself; this covers the launcher killed with SIGKILL, which
-    would leave a user's script training against shards that are gone. Nothing happens when
-    no launcher started this process (or its parent is not that launcher, e.g. a shell between).
+    would leave a user's script training against shards that are gone, even one killed before the
+    script got here (psserver/lifeline.py). Nothing happens when no launcher started this process.
     """
-    want = os.environ.get(PARENT, "")
-    if not want.isdigit() or os.getppid() != int(want) or _watching.is_set():
-        return
-    _watching.set()
-    parent = int(want)
-
-    def run():
-        while os.getppid() == parent:
-            time.sleep(interval)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=run, name="psgrid-launcher-watch", daemon=True).start()
+    lifeline.watch()

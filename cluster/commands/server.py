@@ -174,13 +174,14 @@ def check_files(config, names) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.run.preflight import check_port_free
-    from psgrid.cluster.run.procs import limit_blas_threads, watch_parent
+    from psgrid.cluster.run.procs import limit_blas_threads
+    from psgrid.psserver.lifeline import watch
 
     config = server_config_from_args(args)
     check_port_free(config.host, config.port, "--port")
     if config.metrics_port:
         check_port_free(config.host, config.metrics_port, "--metrics-port")
-    watch_parent()
+    watch()          # a second call when psctl's bootstrap watches already: it covers a start through `psctl`
     limit_blas_threads(1)        # as psctl launch starts its shards: a shard's arithmetic is elementwise
     from psgrid.psserver.server import run_server
 

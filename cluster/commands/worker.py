@@ -54,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.commands.server import check_files
     from psgrid.cluster.errors import UsageError
     from psgrid.cluster.run.preflight import check_device, probe_shards
-    from psgrid.cluster.run.procs import limit_blas_threads, usable_cpus, watch_parent
+    from psgrid.cluster.run.procs import limit_blas_threads, usable_cpus
+    from psgrid.psserver.lifeline import watch
 
     job = load_job_from_args(args)
     check_files(job.train, ("tls_cert", "tls_key", "tls_ca"))
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.rank < world:
         raise UsageError(f"--rank must be in 0..{world - 1} for --world {world}, got {args.rank}")
     check_device(job.train, flag_names(args))
-    watch_parent()
+    watch()          # a second call when psctl's bootstrap watches already: it covers a start through `psctl`
     # Started by hand, nobody set OMP_NUM_THREADS for us: W workers each starting one BLAS thread per core made
     # a small model 30x slower than under psctl launch, which gives each worker CPUs / W (as here, unless set).
     limit_blas_threads(args.threads or max(1, usable_cpus() // world))

@@ -3,8 +3,9 @@
 Every child runs in a new session (its own process group) so that a Ctrl-C in the
 terminal reaches the launcher only, and the launcher decides how children stop:
 SIGTERM to the group, then SIGKILL after a grace period.  Children started with
-:func:`child_env` also watch their parent (:func:`watch_parent`) and stop themselves
-if the launcher vanishes without cleaning up (``kill -9``).
+:func:`child_env` also hold the launcher's lifeline (psserver/lifeline.py) from their first
+line and stop themselves when the launcher vanishes without cleaning up (``kill -9``), even
+one killed while they were still starting.
 """
 
 from __future__ import annotations
@@ -13,20 +14,22 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import deque
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from psgrid.psserver import files
+from psgrid.psserver import files, lifeline
 
-PARENT_ENV = "PSCTL_PARENT_PID"
+PARENT_ENV = lifeline.PARENT_ENV
 # Children start with this instead of ``python -m``, which would put the current folder first on their
-# path: a user's own worker.py (or psgrid.py) there must never shadow an import of ours.
+# path: a user's own worker.py (or psgrid.py) there must never shadow an import of ours. The launcher's
+# lifeline is watched before anything else: a child whose launcher is already gone never starts.
 CHILD_BOOTSTRAP = ("import sys\n"
                    "if sys.path and sys.path[0] == '':\n"
                    "    del sys.path[0]\n"
+                   "from psgrid.psserver.lifeline import watch\n"
+                   "watch()\n"
                    "from psgrid.cluster.cli import main\n"
                    "sys.exit(main())")
 
@@ -57,7 +60,7 @@ def limit_blas_threads(threads: int) -> None:
 
 def child_env(extra: dict[str, str] | None = None, threads: int | None = None) -> dict[str, str]:
     """The environment of a child: ours (psgrid is installed, so it imports the same package), unbuffered
-    output, parent watch on.
+    output, parent watch on (:class:`Child` hands it this process's lifeline).
 
     ``threads`` caps the BLAS/OpenMP threads of the child unless the user set them, so that
     W workers on a C-core machine do not each start C threads.
@@ -81,7 +84,10 @@ def psctl_argv(*args: str) -> list[str]:
 
 
 class Child:
-    """One child process in its own process group, stdout and stderr appended to ``log_path``."""
+    """One child process in its own process group, stdout and stderr appended to ``log_path``.
+
+    An ``env`` from :func:`child_env` of this process also gives it this process's lifeline.
+    """
 
     def __init__(self, name: str, argv: Sequence[str], log_path: str | Path, env: dict[str, str] | None = None,
                  cwd: str | Path | None = None):
@@ -89,10 +95,11 @@ class Child:
         self.argv = list(argv)
         self.log_path = Path(log_path)
         files.make_dirs(self.log_path.parent)
+        env, held = lifeline.hand_to(env) if env is not None else (None, ())
         with files.open_new(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, cwd=cwd, start_new_session=True,
+                env=env, cwd=cwd, start_new_session=True, pass_fds=held,
             )
         self.started = time.time()
         self.ended: float | None = None
@@ -165,27 +172,3 @@ def tail_file(path: str | Path, lines: int = 20) -> str:
     except OSError:
         return ""
     return "\n".join(deque(text.splitlines(), maxlen=lines))
-
-
-def watch_parent(interval: float = 1.0) -> None:
-    """If a launcher started us (``PSCTL_PARENT_PID``), stop with SIGTERM when it is gone.
-
-    Covers the one case the launcher's own cleanup cannot: the launcher killed by SIGKILL.
-    """
-    want = os.environ.get(PARENT_ENV)
-    if not want or not want.isdigit():
-        return
-    parent = int(want)
-    if os.getppid() != parent:
-        # Already orphaned (or started by something else that copied the variable): nothing to watch.
-        return
-
-    def run():
-        while True:
-            time.sleep(interval)
-            if os.getppid() != parent:
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-
-    threading.Thread(target=run, name="psctl-parent-watch", daemon=True).start()
-
