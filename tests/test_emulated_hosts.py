@@ -1,7 +1,8 @@
 """Jobs on emulated hosts: network namespaces on a bridge, links shaped by tc tbf (root only, as CI runs).
 
 Each test checks that no namespace, link, bridge or process it made is left, after success,
-after a failure and after Ctrl-C.
+after a failure and after Ctrl-C; after a holder's kill -9, its processes stop by themselves and
+what it made is swept when the next network is made.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from psgrid.cluster.hosts import network
 from psgrid.cluster.hosts.job import EmulatedJob
 from psgrid.cluster.hosts.network import EmulatedNetwork
 from psgrid.cluster.job.config import job_from_dict
+from tests.support import alive
 
 pytestmark = pytest.mark.skipif(network.available() is not None, reason=str(network.available()))
 
@@ -30,14 +32,6 @@ def small_job(**server):
                           "server": {"mode": "sync", "lr": 0.1, "momentum": 0.9, **server},
                           "train": {"dataset": "digits", "model": "softmax", "steps": 100, "batch_size": 32,
                                     "eval_every": 100}})
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def assert_nothing_left(net: EmulatedNetwork, pids=()) -> None:
@@ -102,6 +96,65 @@ def test_nothing_left_after_ctrl_c(tmp_path):
     while network.leftovers(prefix, tag) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert network.leftovers(prefix, tag) == []
+
+
+# A holder of 2 hosts with a shard serving inside host 0, started as every job's processes are (Child, child_env).
+HOLDER = """
+import sys, time
+from pathlib import Path
+from psgrid.cluster.hosts.network import EmulatedNetwork
+from psgrid.cluster.run.procs import Child, child_env, psctl_argv
+out = Path(sys.argv[1])
+with EmulatedNetwork(2, None) as net:
+    host, addr = net.hosts[0], out / "shard-0"
+    argv = psctl_argv("server", "--shard", "0", "--num-shards", "1", "--host", host.address, "--port", "0",
+                      "--address-file", str(addr))
+    shard = Child("server 0", host.argv(argv), out / "server.log", child_env({"PSGRID_TOKEN": "t" * 32}))
+    deadline = time.monotonic() + 30
+    while not addr.exists() and shard.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    print(net.prefix, net.tag, shard.pid, flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_killed_holders_processes_stop_and_its_names_are_swept_at_the_next_start(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    prefix = tag = None
+    shard = None
+    ours_alive = f"{network.NAMESPACE_PREFIX}{os.getpid()}-999-h0"       # a living holder's: kept
+    try:
+        prefix, tag, shard = holder.stdout.readline().split()
+        shard = int(shard)
+        dead = f"{network.NAMESPACE_PREFIX}{holder.pid}-kept"        # our prefix, a dead pid, not our pattern: kept
+        holder.kill()
+        holder.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while alive(shard) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(shard), "the shard inside the host outlived its holder's kill -9 by 5 s"
+        assert "launcher (pid" in (tmp_path / "server.log").read_text()
+        left = network.leftovers(prefix, tag)
+        assert len(left) == 5      # a holder killed by SIGKILL removes nothing itself
+        for name in (ours_alive, dead):
+            network.run_ip("ip", "netns", "add", name)
+        with EmulatedNetwork(1, None) as net:
+            assert sorted(net.swept) == sorted(left)
+            assert network.leftovers(prefix, tag) == []
+            listed = network.run_ip("ip", "netns", "list").stdout.split()
+            assert ours_alive in listed and dead in listed
+        assert_nothing_left(net)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(timeout=10)
+        if shard and alive(shard):
+            os.kill(shard, signal.SIGKILL)
+        if prefix:
+            network.remove_leftovers(prefix, tag)
+        for name in (ours_alive, f"{network.NAMESPACE_PREFIX}{holder.pid}-kept"):
+            network.run_ip("ip", "netns", "del", name, check=False)
+        holder.stdout.close()
 
 
 def test_host_aggregation_in_sync_gives_the_plain_runs_weights(tmp_path):

@@ -10,12 +10,16 @@ the root namespace's iptables, so traffic stays between the namespaces made here
 Everything is named with this process's id and a counter and removed by those names on exit,
 whatever the exit (an exception, Ctrl-C, or SIGTERM where the caller turns it into an exception):
 processes started in the namespaces must be ended first (:mod:`psgrid.cluster.hosts.job` does that).
+A holder killed by SIGKILL removes nothing (its processes in the namespaces stop by themselves: they
+hold its lifeline, psserver/lifeline.py), so every network made sweeps first what holders no longer
+alive left: names of this module's pattern whose pid is gone (:func:`sweep_dead_holders`), nothing else.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -25,6 +29,9 @@ from pathlib import Path
 IP_TIMEOUT_S = 10.0
 GONE_TIMEOUT_S = 10.0
 NAMESPACE_PREFIX = "psg-"
+# What EmulatedNetwork names, with the holder's pid: decimal in a namespace, hex in a link.
+OUR_NAMESPACE = re.compile(rf"^{NAMESPACE_PREFIX}(\d+)-\d+-h\d+$")
+OUR_LINK = re.compile(r"^pg([0-9a-f]+)x\d+-(?:br|h\d+|p\d+)$")
 _counter = itertools.count()
 
 
@@ -97,8 +104,10 @@ class EmulatedNetwork:
         self.hosts = [Host(i, f"{self.prefix}h{i}", f"10.231.{self.subnet}.{i + 1}", f"{self.tag}h{i}")
                       for i in range(hosts)]
         self._made = False
+        self.swept: list[str] = []       # what dead holders had left, removed as this network was made
 
     def __enter__(self) -> "EmulatedNetwork":
+        self.swept = sweep_dead_holders()
         self._made = True
         try:
             self._create()
@@ -185,8 +194,51 @@ def remove_leftovers(netns_prefix: str, link_prefix: str) -> list[str]:
     """Delete what a network of these prefixes left (its holder was killed before it could): the names removed."""
     found = leftovers(netns_prefix, link_prefix)
     for name in found:
-        if name.startswith(netns_prefix):
-            run_ip("ip", "netns", "del", name, check=False)
-        else:
-            run_ip("ip", "link", "del", name, check=False)
+        _delete(name, namespace=name.startswith(netns_prefix))
     return found
+
+
+def _delete(name: str, namespace: bool) -> None:
+    if namespace:
+        run_ip("ip", "netns", "del", name, check=False)
+    else:
+        run_ip("ip", "link", "del", name, check=False)      # a bridge port takes its peer along
+
+
+def holder_pid(name: str) -> int | None:
+    """The pid of the process that made the namespace or link ``name``; None for a name not of our pattern."""
+    ours = OUR_NAMESPACE.match(name)
+    if ours:
+        return int(ours.group(1))
+    ours = OUR_LINK.match(name)
+    return int(ours.group(1), 16) if ours else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:       # another user's process: alive
+        return True
+    try:        # a zombie has exited: it removes nothing any more
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def sweep_dead_holders() -> list[str]:
+    """Remove the namespaces, links and bridges of emulated networks whose holder is dead (killed by SIGKILL).
+
+    Only names of this module's pattern (``psg-PID-N-hI``, ``pgPIDxN-...``) are looked at, and of
+    those only the ones whose PID is no running process are removed; returns the names removed.
+    """
+    dead = [name for name in leftovers(NAMESPACE_PREFIX, "pg")
+            if holder_pid(name) is not None and not _alive(holder_pid(name))]
+    for name in dead:
+        _delete(name, namespace=OUR_NAMESPACE.match(name) is not None)
+    # A veth goes with its namespace asynchronously: wait until none of them is listed.
+    deadline = time.monotonic() + GONE_TIMEOUT_S
+    while set(dead) & set(leftovers(NAMESPACE_PREFIX, "pg")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return dead

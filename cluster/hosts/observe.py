@@ -13,6 +13,9 @@ import numpy as np
 
 
 def main(argv: list[str] | None = None) -> int:
+    from psgrid.psserver.lifeline import watch
+
+    watch()          # a child of the job's holder: it must not outlive it
     from psgrid.cluster.job.config import load_job
     from psgrid.worker.loop import make_admin
 
