@@ -1,6 +1,7 @@
-"""Kill -9 ``psctl launch`` a given time after its first child appears; say which of its processes outlive it.
+"""Kill -9 a launcher a given time after its first child appears; say which of its processes outlive it.
 
-Run as ``python -m tests.launcher_kill_probe DELAY_S OUT [launch args...]``; prints one JSON line:
+Run as ``python -m tests.launcher_kill_probe DELAY_S OUT COMMAND [args...]`` (``psctl COMMAND --out OUT
+args``, e.g. ``launch`` or ``compare``); prints one JSON line:
 ``{"children": N, "survivors": [...], "gone_after_s": T}``.
 
 This process makes itself a child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``), so every process
@@ -78,14 +79,14 @@ def end_all(deadline: float) -> None:
 
 
 def main(argv: list[str]) -> int:
-    delay, out, launch_args = float(argv[0]), argv[1], argv[2:]
+    delay, out, command, args = float(argv[0]), argv[1], argv[2], argv[3:]
     wait_s = float(os.environ.get("PROBE_WAIT_S", "5"))
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         print(json.dumps({"error": f"prctl: errno {ctypes.get_errno()}"}))
         return 2
     env = {k: v for k, v in os.environ.items() if not k.startswith("PSCTL_")}    # we are nobody's child here
     with open(Path(out).parent / "launch.log", "wb") as log:
-        launcher = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "launch", "--out", out, *launch_args],
+        launcher = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", command, "--out", out, *args],
                                     env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + FIRST_CHILD_TIMEOUT_S
     while not children_of(launcher.pid) and launcher.poll() is None and time.monotonic() < deadline:
