@@ -137,7 +137,7 @@ class HostLeader:
                                         f"no whole hello within {MESSAGE_S:g} s of connecting")
                     if now >= deadline:
                         break
-                    wake = min([deadline, *(s.reader.deadline(s.deadline) for s in strangers.values())])
+                    wake = min([deadline, *(s.deadline for s in strangers.values())])
                     for key, _ in selector.select(max(0.0, wake - now)):
                         if key.fileobj is self.listener:
                             self._accept(selector, strangers)
