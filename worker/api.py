@@ -31,7 +31,7 @@ import numpy as np
 from psgrid.psserver.security import job_token
 from psgrid.psserver.exceptions import ShardUnavailable
 from psgrid.psserver.spec import ModelSpec
-from psgrid.worker import dlpack
+from psgrid.worker import alone, dlpack
 from psgrid.worker.backend import to_host
 from psgrid.worker.config import TrainConfig
 from psgrid.worker.core import WorkerCore, open_exchange
@@ -84,6 +84,11 @@ def init(params, *, addresses=None, rank: int | None = None, world: int | None =
         No job: no addresses or no size, neither given nor in the environment.
     """
     env = job_env()
+    if alone.wanted():         # psctl bench script's reference run: this script with no servers
+        named = named_parameters(params)
+        return alone.alone_session(params, names=[n for n, _ in named], originals=[a for _, a in named],
+                                   job_table=job_tables(job_file or env.job_file), metrics=metrics or env.metrics,
+                                   device=_one_device([a for _, a in named]), local_rank=env.local_rank)
     addresses = list(addresses) if addresses is not None else env.addresses
     world = world if world is not None else env.world
     if not addresses or world is None:
@@ -118,15 +123,19 @@ def unreachable(addresses: list[str], settings: Mapping) -> str | None:
     return None
 
 
-def job_train_table(path: str | None) -> dict:
-    """A job file's ``[train]`` table ({} without a file; its token is the environment's, not read from it)."""
+def job_tables(path: str | None) -> dict:
+    """A job file's tables ({} without a file; its token is the environment's, not read from it)."""
     if not path:
         return {}
     try:
         with open(path, "rb") as f:
-            return tomllib.load(f).get("train", {})
+            return tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise RuntimeError(f"cannot read the job file {path}: {exc}") from None
+
+
+def job_train_table(path: str | None) -> dict:
+    return job_tables(path).get("train", {})
 
 
 def job_file_settings(path: str | None) -> dict:

@@ -66,7 +66,7 @@ def open_exchange(train: TrainConfig, addresses: list[str], spec, *, rank: int |
     group = host_group or HostGroup.of(rank, world, local_rank=local_rank)
     return host_exchange(group, rendezvous_name(addresses, options.get("token"), group.host), spec.size, connect,
                          wire_dtype=options.get("wire_dtype", train.wire_dtype),
-                         timeout_s=train.join_timeout_s + train.deadline_s + train.retry_s)
+                         timeout_s=train.join_timeout_s + train.deadline_s + train.retry_s, token=options.get("token"))
 
 
 def overlaps(train: TrainConfig, mode: str, planes) -> bool:

@@ -137,7 +137,7 @@ def rows(models, modes, device, shards, workers, planes, hidden, batch_size, ste
                    "shard_placement": placement, "batch_size": batch_size, "pull_ahead": runs[0]["pulled_ahead"],
                    **best,
                    "ratio_vs_no_servers": best["samples_per_s"] / alone["samples_per_s"],
-                   "repeats": repeats}
+                   "ratios": [r["samples_per_s"] / alone["samples_per_s"] for r in runs], "repeats": repeats}
 
 
 def run(*, models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, as_json,
@@ -151,7 +151,8 @@ def run(*, models, modes, device, shards, workers, planes, hidden, batch_size, s
               file=out, flush=True)
     if not as_json:
         print(f"{'model':>5} {'params':>8} {'S':>2} {'W':>2} {'shard':>5} {'in':>7} {'plane':>5} {'mode':>6} {'samples/s':>10} "
-              f"{'x alone':>7} {'pull ms':>8} {'wait ms':>8} {'compute ms':>10} {'push ms':>8}", file=out, flush=True)
+              f"{'x alone':>7} {'pull ms':>8} {'wait ms':>8} {'compute ms':>10} {'push ms':>8}  each repeat's x alone",
+              file=out, flush=True)
     for row in rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, shard_device,
                     pull_ahead, placements):
         found.append(row)
@@ -159,9 +160,16 @@ def run(*, models, modes, device, shards, workers, planes, hidden, batch_size, s
             print(json.dumps(row), file=out, flush=True)
         else:
             print(f"{row['model']:>5} {row['params'] / 1e6:7.2f}M {row['shards']:>2} {row['workers']:>2} "
-                  f"{row['shard_device'] or '-':>5} {row.get('shard_placement') or '-':>7} {row['data_plane'] or '-':>5} "
+                  f"{row['shard_device'] or '-':>5} {row.get('shard_placement') or '-':>7} {used_planes(row):>5} "
                   f"{row['mode']:>6} "
                   f"{row['samples_per_s']:10.0f} {row['ratio_vs_no_servers']:7.2f} {1e3 * row['pull_s']:8.2f} "
-                  f"{1e3 * row['wait_s']:8.2f} {1e3 * row['compute_s']:10.2f} {1e3 * row['push_s']:8.2f}",
+                  f"{1e3 * row['wait_s']:8.2f} {1e3 * row['compute_s']:10.2f} {1e3 * row['push_s']:8.2f}  "
+                  f"{' '.join(f'{r:.2f}' for r in row.get('ratios', []))}",
                   file=out, flush=True)
     return found
+
+
+def used_planes(row: dict) -> str:
+    """The data planes a run's workers used (``ipc`` to device shards, ``local`` in the process), not the one asked for."""
+    used = row.get("planes_used")
+    return "+".join(used) if used else (row["data_plane"] or "-")

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 
 from psgrid.cluster.commands.common import add_command
+from psgrid.cluster.errors import UsageError
 from psgrid.psserver.protocol import SHARD_DEVICES
 
 HELP = "performance figures: transport vs raw TCP, apply vs memcpy, the parameter server vs its floor, training"
 
-TARGETS = ("transport", "apply", "ps", "train")
+TARGETS = ("transport", "apply", "ps", "train", "script")
 
 
 def _size(text: str) -> int:
@@ -56,7 +57,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "and numpy.copyto of the same bytes; apply: the shard's optimizer against numpy.copyto; "
                     "ps: updates/s of shards and workers moving a fixed gradient, against the floor of one update "
                     "(two copies and the apply of P floats); train: samples/s of real training per mode, with "
-                    "pull/compute/push/wait per step, against the same model trained with no servers. "
+                    "pull/compute/push/wait per step, against the same model trained with no servers; script: your own "
+                    "script (-- python train.py ARGS) through psgrid, against the same script alone (psgrid.init "
+                    "then updates its parameters in place by plain SGD, torch.optim.SGD for a PyTorch module). "
                     "Medians of repeated runs; ratios are what to compare across machines.",
         examples="""
             psctl bench transport                     # table: 4 KiB .. 256 MiB
@@ -68,9 +71,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             psctl bench train --models mlp,cnn --modes sync,async,ssp --json
             psctl bench train --device gpu --hidden 4096,4096 --batch-size 512 --shards 4 --workers 1
             psctl bench train --device gpu --shard-device cpu --models mlp --modes async   # host shards
+            psctl bench script --device gpu --modes sync,async --workers 1,2 -- python train.py --steps 300
         """,
     )
-    p.add_argument("target", choices=TARGETS, help="transport (includes the apply rows), apply, ps or train")
+    p.add_argument("target", choices=TARGETS, help="transport (includes the apply rows), apply, ps, train or script")
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     ps = p.add_argument_group("ps and train")
     ps.add_argument("--params", type=_counts, default=[10 ** 6, 10 ** 7, 10 ** 8],
@@ -100,10 +104,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     tr.add_argument("--steps", type=int, default=None, help="steps per worker (default 60)")
     tr.add_argument("--pull-ahead", action="store_true",
                     help="async and ssp: pull the next step's weights during this step's compute (pull_ahead = true)")
+    sc = p.add_argument_group("script (after --, the command each worker runs)")
+    sc.add_argument("--skip", type=int, default=30, help="steps of each worker left out of samples/s (default 30)")
+    sc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a job-file key of the runs through psgrid, e.g. --set wire_dtype=\"bfloat16\" (repeatable)")
     p.add_argument("--sizes", type=lambda s: [_size(x) for x in s.split(",")], default=None,
                    help="comma-separated sizes such as 4K,1M,64M (default 4K..256M)")
     p.add_argument("--repeat", type=int, default=5, help="timed repeats per size (median reported; default 5)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, user_command=None)
     return p
 
 
@@ -127,6 +135,28 @@ def run(args: argparse.Namespace) -> int:
                         shard_device=args.shard_device, pull_ahead=args.pull_ahead,
                         placements=args.shard_placement)
         return 0
+    if args.target == "script":
+        return _script(args)
+    if args.user_command is not None:
+        raise UsageError(f"psctl bench {args.target} runs no command of yours: leave out the -- and what follows it "
+                         f"(psctl bench script takes one)")
     what = ("transport", "apply") if args.target == "transport" else ("apply",)
     bench(sizes=args.sizes, repeat=max(1, args.repeat), as_json=args.json, what=what)
+    return 0
+
+
+def _script(args: argparse.Namespace) -> int:
+    from psgrid.cluster.bench import script
+    from psgrid.cluster.job.config import parse_assignment
+
+    if not args.user_command:
+        raise UsageError("psctl bench script needs the command each worker runs after --, e.g. "
+                         "psctl bench script -- python train.py")
+    shards = args.shards or [1]
+    if len(shards) != 1:
+        raise UsageError("psctl bench script takes one --shards count")
+    settings = dict(parse_assignment(text) for text in args.set)
+    script.run(args.user_command, modes=args.modes, workers=args.workers or [1], shards=shards[0],
+               device=args.device, shard_device=args.shard_device, repeats=max(1, args.repeats),
+               skip=max(0, args.skip), settings=settings, as_json=args.json)
     return 0

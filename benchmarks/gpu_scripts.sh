@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Your own model through psgrid.init, against the same script alone, in one call on a machine with a CUDA
+# GPU, PyTorch, torchvision and CuPy (issue: "your own model is first-class"):
+#  1. the user API's tests on this GPU (tests/test_api.py, tests/test_dlpack.py, the worker core's);
+#  2. psctl bench script on torchvision's ResNet-18 and a 27M torch.nn.TransformerEncoder
+#     (benchmarks/torch_models.py) and examples/train_cupy.py: device shards (shard_device auto), sync
+#     and async, 1 worker and 2 sharing the GPU, each repeat's ratio to the script alone (torch.optim.SGD);
+#  3. the built-in trainer's 20M MLP, async, on a device shard (no regression: >= 0.9x of no servers).
+# REPEATS (default 3), STEPS (default 300) and PARTS ("1 2 3") narrow it. Logs land in $OUT.
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+PARTS=${PARTS:-1 2 3}
+REPEATS=${REPEATS:-3}
+STEPS=${STEPS:-300}
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+LOG="$OUT/gpu-scripts.log"
+exec > >(tee "$LOG") 2>&1
+date -u +"%Y-%m-%d %H:%M UTC"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, torchvision, cupy; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'cupy', cupy.__version__)"
+
+if part 1; then
+  echo "== 1. the user API's tests on the GPU"
+  python3 -m pytest -q -p no:cacheprovider tests/test_api.py tests/test_dlpack.py \
+    -o addopts="--strict-markers -ra" 2>&1 | tail -4
+fi
+if part 2; then
+  for model in resnet18 transformer; do
+    echo "== 2. psctl bench script: $model through psgrid.init (device shards) against torch.optim.SGD alone"
+    psctl bench script --device gpu --modes sync,async --workers 1,2 --repeats "$REPEATS" --skip 30 \
+      -- python benchmarks/torch_models.py "$model" --steps "$STEPS" 2>&1 | grep -v '^\[' 
+  done
+  echo "== 2. psctl bench script: examples/train_cupy.py (its own CuPy MLP, hidden 4096)"
+  psctl bench script --device gpu --modes sync,async --workers 1,2 --repeats "$REPEATS" --skip 30 \
+    -- python examples/train_cupy.py --steps "$STEPS" --hidden 4096 --batch-size 512 --eval-every 0 2>&1 | grep -v '^\['
+fi
+if part 3; then
+  echo "== 3. the built-in 20M MLP on a device shard, async (psctl bench train)"
+  psctl bench train --device gpu --shard-device gpu --models mlp --hidden 4096,4096 --batch-size 512 --shards 1 \
+    --workers 1 --modes async,sync --steps 300 --repeats "$REPEATS"
+fi

@@ -1,0 +1,146 @@
+"""``psctl bench script -- CMD``: a user's own script through psgrid against the same script alone.
+
+Each repeat runs the command alone first (``PSGRID_ALONE=1``: :func:`psgrid.init` returns a session
+with no servers that updates the parameters in place by plain SGD, ``torch.optim.SGD`` for a PyTorch
+module; worker/alone.py), then through ``psctl launch`` in each mode and worker count asked for, one
+after the other on the same machine, so each ratio compares runs minutes apart at most. Both write
+the same step records; samples/s is taken over the steps after the first ``skip`` of each worker
+(connections, caches, cuDNN's choice of kernels), summed over a job's workers.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from itertools import product
+from pathlib import Path
+
+from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
+
+
+def base_job(device: str, shards: int, shard_device: str, settings: dict) -> JobConfig:
+    """The job each run of the script belongs to: plain SGD at lr 0.01 unless ``settings`` (``--set``) say else."""
+    return apply_overrides(load_job("mnist"), {"name": "bench-script", "device": device, "shards": shards,
+                                               "optimizer": "sgd", "lr": 0.01, "momentum": 0.0,
+                                               "shard_device": shard_device, **settings})
+
+
+def steady_samples_per_s(metrics_files: list[Path], skip: int) -> float | None:
+    """Samples/s of a run: each worker's samples over its steps after the first ``skip``, per second, summed.
+
+    None where a worker recorded no samples (a script that does not pass ``samples=`` to ``push``)
+    or too few steps.
+    """
+    total = 0.0
+    for path in metrics_files:
+        steps = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") == "step"]
+        steady = steps[skip:]
+        if len(steady) < 2 or any("samples" not in r for r in steady):
+            return None
+        # From the start of the first steady step to the record of the last (written once its push ended).
+        seconds = steady[-1]["time"] - steady[0]["started"]
+        total += sum(r["samples"] for r in steady) / seconds
+    return total
+
+
+def alone(command: list[str], job: JobConfig, skip: int, timeout_s: float) -> float | None:
+    """The script with no servers: its samples/s."""
+    from psgrid.cluster.job.records import write_job_file
+    from psgrid.cluster.run.procs import child_env
+    from psgrid.cluster.run.script import gpu_for
+    from psgrid.worker.alone import ALONE
+    from psgrid.worker.env import JobEnv
+
+    with tempfile.TemporaryDirectory(prefix="psgrid-bench-alone-") as tmp:
+        metrics = Path(tmp) / "worker-0.jsonl"
+        job_file = write_job_file(tmp, job, "by psctl bench script, alone")
+        described = JobEnv(rank=0, world=1, local_rank=0, gpu=gpu_for(0, job.train.device), metrics=str(metrics),
+                           job_file=str(job_file), out=tmp)
+        env = child_env({**described.to_env(), ALONE: "1", "LOCAL_RANK": "0"})
+        done = subprocess.run(command, env=env, timeout=timeout_s, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
+            raise RuntimeError(f"the script alone exited {done.returncode}: {tail[0]}")
+        return steady_samples_per_s([metrics], skip) if metrics.exists() else None
+
+
+def through_psgrid(command: list[str], job: JobConfig, skip: int) -> dict:
+    """One ``psctl launch -- CMD`` of ``job``: samples/s, the planes its workers used, its step parts."""
+    from psgrid.cluster.run.launch import Launcher, prepare_out
+
+    with tempfile.TemporaryDirectory(prefix="psgrid-bench-script-") as tmp:
+        job = apply_overrides(job, {"out": str(Path(tmp) / "run")})
+        summary = Launcher(job, prepare_out(job), progress=False, quiet=True, command=command).run()
+        files = sorted((Path(job.out) / "metrics").glob("worker-*.jsonl"))
+        records = [r for f in files for r in map(json.loads, f.read_text().splitlines())]
+        rate = steady_samples_per_s(files, skip) if files else None
+    steps = [r for r in records if r.get("event") == "step"][skip:]
+    planes = sorted({p for r in records if r.get("event") == "start" for p in r.get("data_planes") or []})
+    parts = {k: statistics.median(r[k] for r in steps) if steps else None
+             for k in ("pull_s", "compute_s", "push_s", "delay_s")}
+    return {"samples_per_s": rate, "status": summary["status"], "planes_used": planes,
+            "shard_device": summary.get("shard_device"), **parts}
+
+
+def run(command: list[str], *, modes, workers, shards: int, device: str, shard_device: str, repeats: int,
+        skip: int, settings: dict, as_json: bool, timeout_s: float = 600.0, out=sys.stdout) -> list[dict]:
+    """Every configuration's row (its ratio in each repeat and their median), printed as it comes."""
+    from psgrid.cluster.run.script import resolve_command
+
+    command = resolve_command(command)      # `python` is this interpreter; a missing script is one line, here
+    base = base_job(device, shards, shard_device, settings)
+    configs = list(product(modes, workers))
+    runs: dict[tuple, list[dict]] = {c: [] for c in configs}
+    references: list[float] = []
+    if not as_json:
+        print(f"{' '.join(command)}: alone, then through psgrid ({shards} shard(s), device {device}); samples/s after "
+              f"the first {skip} steps of each worker", file=out, flush=True)
+    for r in range(repeats):
+        reference = alone(command, base, skip, timeout_s)
+        if reference is None:
+            raise RuntimeError("the script recorded no samples alone: pass samples= to ps.push() and run more than "
+                               f"{skip + 1} steps")
+        references.append(reference)
+        for mode, w in configs:
+            job = apply_overrides(base, {"mode": mode, "workers": w, "seed": base.train.seed + r})
+            found = through_psgrid(command, job, skip)
+            found["ratio"] = (found["samples_per_s"] or 0.0) / reference
+            runs[(mode, w)].append(found)
+            if as_json:
+                print(json.dumps({"suite": "script", "repeat": r, "mode": mode, "workers": w, "shards": shards,
+                                  "alone_samples_per_s": reference, **found}), file=out, flush=True)
+    rows = []
+    for (mode, w), found in runs.items():
+        ratios = [f["ratio"] for f in found]
+        row = {"suite": "script", "mode": mode, "workers": w, "shards": shards, "ratio": statistics.median(ratios),
+               "ratios": ratios, "samples_per_s": statistics.median(f["samples_per_s"] or 0.0 for f in found),
+               "alone_samples_per_s": statistics.median(references), "planes_used": found[0]["planes_used"],
+               "shard_device": found[0]["shard_device"],
+               **{k: _median(f[k] for f in found) for k in ("pull_s", "compute_s", "push_s", "delay_s")}}
+        rows.append(row)
+        if as_json:
+            print(json.dumps(row), file=out, flush=True)
+    if not as_json:
+        _table(rows, out)
+    return rows
+
+
+def _median(values):
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _table(rows: list[dict], out) -> None:
+    print(f"{'mode':>6} {'W':>2} {'shards on':>9} {'plane':>6} {'samples/s':>10} {'alone':>10} {'x alone':>7} "
+          f"{'pull ms':>8} {'compute ms':>10} {'push ms':>8}  each repeat's x alone", file=out)
+    for row in rows:
+        ms = {k: "-" if row[k] is None else f"{1e3 * row[k]:.2f}" for k in ("pull_s", "compute_s", "push_s")}
+        print(f"{row['mode']:>6} {row['workers']:>2} {row['shard_device'] or '-':>9} "
+              f"{'+'.join(row['planes_used']) or '-':>6} {row['samples_per_s']:10.0f} {row['alone_samples_per_s']:10.0f} "
+              f"{row['ratio']:7.2f} {ms['pull_s']:>8} {ms['compute_s']:>10} {ms['push_s']:>8}  "
+              f"{' '.join(f'{r:.2f}' for r in row['ratios'])}", file=out, flush=True)
+
