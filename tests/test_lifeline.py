@@ -50,6 +50,7 @@ def launch_and_die(tmp_path, child_sleep_s: float, launcher_lives_s: float) -> t
     return pid, log.read_text()
 
 
+@pytest.mark.slow
 def test_a_child_whose_launcher_died_before_its_first_line_never_starts(tmp_path):
     _, log = launch_and_die(tmp_path, child_sleep_s=1.0, launcher_lives_s=0.0)
     assert "watching" not in log
@@ -65,6 +66,7 @@ def test_a_running_child_stops_when_its_launcher_is_killed(tmp_path):
     assert time.monotonic() - t < 8       # seen at once, not after a poll of the parent pid
 
 
+@pytest.mark.slow
 def test_a_child_started_from_a_thread_that_ended_lives_while_its_launcher_does(tmp_path):
     # PR_SET_PDEATHSIG would kill it here: it fires when the thread that forked the child ends.
     started: list[Child] = []
