@@ -438,6 +438,8 @@ def table_text(rows: list[dict], target: float | None) -> str:
         acc = "-" if r["final_test_accuracy"] is None else f"{r['final_test_accuracy']:.4f}"
         sps = "-" if r["samples_per_s"] is None else f"{r['samples_per_s']:.0f}"
         st = "-" if r["mean_staleness"] is None else f"{r['mean_staleness']:.2f}"
-        status = "diverged" if r.get("diverged") and r["status"] == "ok" else r["status"]
+        status = r["status"]
+        if status == "ok" and (r.get("invalid_metrics") or r.get("diverged")):
+            status = "invalid" if r.get("invalid_metrics") else "diverged"
         lines.append(f"{r['run']:<36} {status:<11} {ttt:>10} {acc:>8} {sps:>10} {st:>9}")
     return "\n".join(lines)

@@ -38,6 +38,7 @@ ROW_FIELDS = (
     "settings",            # the job keys this run had beyond the base job, "lr=0.05 momentum=0.9"; empty: none
     "status",              # ok | failed | interrupted
     "diverged",            # 1 where the loss grew or turned non-finite, or the accuracy fell to chance; else 0
+    "invalid_metrics",     # what the run logged that no report can use (an accuracy outside [0, 1], ...); empty: none
     "target_accuracy",     # the experiment's target test accuracy
     "time_to_target_s",    # seconds from the run's first worker start to the first evaluation >= target; empty if never
     "final_test_accuracy",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -384,7 +385,12 @@ def write_plots(plot_dir: Path, rows: list[dict], events: dict, settings: dict,
     plots = [(lambda d, r, e, s: sensitivity(d, tuning.rows, s) if tuning else None, SENSITIVITY, "sensitivity"),
              *((plot, caption, plot.__name__) for plot, caption in PLOTS)]
     for plot, caption, name in plots:
-        path = plot(plot_dir, rows, events, settings)
+        try:
+            path = plot(plot_dir, rows, events, settings)
+        except Exception as exc:  # noqa: BLE001 - a plot that cannot be drawn must not take the report with it
+            print(f"psctl compare: the {name} plot is left out of the report: {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+            path = None
         if path is None:
             # An earlier report of this folder (before a --resume) may have left one behind.
             (plot_dir / f"{name}.png").unlink(missing_ok=True)

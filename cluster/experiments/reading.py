@@ -44,7 +44,8 @@ def reading(rows: list[dict], settings: dict, tune_rows: list[dict] | None = Non
         return ["No run finished, so there is nothing to compare."] + tail
     groups, modes = groups_of(ok, settings), modes_of(ok, settings)
     target = settings.get("target_accuracy")
-    paras = [p for p in (_diverged(ok), _unsettled(ok, settings), _tuned(ok, settings, tune_rows or [])) if p]
+    paras = [p for p in (_invalid(ok), _diverged(ok), _unsettled(ok, settings), _tuned(ok, settings, tune_rows or []))
+             if p]
     paras += [_race(ok, g, modes, target) for g in groups]
     paras += _straggler_effects(ok, groups, modes)
     # Staleness and waits explain the race best where stragglers make the modes differ.
@@ -66,6 +67,17 @@ def _compensation_flag() -> str:
     if "staleness_compensation" in names:
         return "--set staleness_compensation=dc (or =lr)"
     return "--set lr_staleness=true"
+
+
+def _invalid(ok: list[dict]) -> str | None:
+    """Said first: what a script logged that no loss or accuracy can be (validity.py), left out of the rest."""
+    bad = [r for r in ok if r.get("invalid_metrics")]
+    if not bad:
+        return None
+    said = "; ".join(f"{r['run']} logged {r['invalid_metrics']}" for r in bad)
+    return (f"Invalid metrics: {said}. Those values are left out of every number and plot here (the runs' other "
+            f"numbers count). The script's Session.log_eval(test_accuracy=...) takes an accuracy in [0, 1] and "
+            f"Session.push(loss=...) the step's loss.")
 
 
 def _diverged(ok: list[dict]) -> str | None:

@@ -16,6 +16,7 @@ from typing import Iterable
 
 import numpy as np
 
+from psgrid.cluster.experiments import validity
 from psgrid.cluster.experiments.experiment import ROW_FIELDS, Run
 from psgrid.psserver import files
 
@@ -41,13 +42,18 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def read_summary(run_dir: Path) -> dict | None:
     try:
-        return json.loads((run_dir / "summary.json").read_text())
+        summary = json.loads((run_dir / "summary.json").read_text())
     except (FileNotFoundError, ValueError):
         return None
+    return summary if isinstance(summary, dict) else None
 
 
 def run_events(run_dir: Path) -> list[dict]:
-    """The run's step and eval events, each with ``t``: seconds since the run's start."""
+    """The run's step and eval events, each with ``t``: seconds since the run's start.
+
+    Losses and accuracies are as :mod:`~psgrid.cluster.experiments.validity` reads them: a loss past
+    +-1e100 infinite, an accuracy outside [0, 1] left out (and kept under ``rejected``).
+    """
     raw = read_jsonl(run_dir / "metrics.jsonl")
     starts = [e["time"] for e in raw if e.get("event") == "start" and _number(e.get("time"))]
     if not starts:
@@ -56,10 +62,11 @@ def run_events(run_dir: Path) -> list[dict]:
     events = []
     for e in raw:
         if e.get("event") == "step" and _number(e.get("started")):
-            events.append({"event": "step", "t": e["started"] - t0, **{k: e.get(k) for k in STEP_FIELDS}})
+            events.append({"event": "step", "t": e["started"] - t0, **{k: e.get(k) for k in STEP_FIELDS},
+                           "loss": validity.loss(e.get("loss"))})
         elif e.get("event") == "eval" and _number(e.get("time")):
-            events.append({"event": "eval", "t": e["time"] - t0, "rank": e.get("rank"), "step": e.get("step"),
-                           "test_accuracy": e.get("test_accuracy")})
+            events.append(validity.checked_eval({"event": "eval", "t": e["time"] - t0, "rank": e.get("rank"),
+                                                 "step": e.get("step"), "test_accuracy": e.get("test_accuracy")}))
     events.sort(key=lambda e: e["t"])
     return events
 
@@ -105,17 +112,20 @@ def divergence(events: list[dict], summary: dict, classes: int | None) -> str | 
     (one step's loss is too noisy to compare). ``classes`` None skips the chance test (a user's
     script, whose number of classes psctl does not know).
     """
-    losses = [e["loss"] for e in events if e["event"] == "step" and isinstance(e.get("loss"), (int, float))]
+    losses = [e["loss"] for e in events if e["event"] == "step" and validity.real(e.get("loss"))]
     finite = [x for x in losses if math.isfinite(x)]
-    last = summary.get("final_loss")
+    last = validity.loss(summary.get("final_loss"))
     # A script that pushes no loss records NaN from its first step: only a loss that was finite can diverge.
-    if finite and (not math.isfinite(losses[-1]) or (_real(last) and not math.isfinite(last))):
+    if finite and (not math.isfinite(losses[-1]) or (last is not None and not math.isfinite(last))):
         return "its loss became non-finite"
-    k = max(1, len(finite) // 10)
-    if len(finite) >= 2 and np.mean(finite[-k:]) > LOSS_GROWTH * np.mean(finite[:k]):
-        return f"its loss grew from {np.mean(finite[:k]):.3g} to {np.mean(finite[-k:]):.3g}"
-    final = summary.get("test_accuracy")
-    if classes and _number(final) and final <= CHANCE_FACTOR / classes:
+    if len(finite) >= 2:
+        k = max(1, len(finite) // 10)
+        start, end = float(np.mean(finite[:k])), float(np.mean(finite[-k:]))
+        # Grown by a tenth of its size, whatever its sign: a script's own loss may be negative.
+        if end > start + (LOSS_GROWTH - 1) * abs(start):
+            return f"its loss grew from {start:.3g} to {end:.3g}"
+    final = validity.accuracy(summary.get("test_accuracy"))
+    if classes and final is not None and final <= CHANCE_FACTOR / classes:
         return f"its test accuracy {final:.3f} is at chance (<= {CHANCE_FACTOR:g}/{classes} classes)"
     return None
 
@@ -132,12 +142,13 @@ def summarize_run(run: Run, summary: dict | None, events: list[dict], target: fl
     row.update(
         status=summary.get("status", "interrupted"),
         diverged=int(bool(summary) and divergence(events, summary, classes) is not None),
+        invalid_metrics="; ".join(validity.problems(events, summary)) or None,
         best_test_accuracy=best_accuracy(events),
         target_accuracy=target,
         time_to_target_s=time_to_target(events, target) if target is not None else None,
-        final_test_accuracy=summary.get("test_accuracy"),
-        final_train_accuracy=summary.get("train_accuracy"),
-        final_loss=summary.get("final_loss"),
+        final_test_accuracy=validity.accuracy(summary.get("test_accuracy")),
+        final_train_accuracy=validity.accuracy(summary.get("train_accuracy")),
+        final_loss=validity.loss(summary.get("final_loss")),
         steps=summary.get("steps"),
         samples=summary.get("samples"),
         wall_s=summary.get("wall_s"),
@@ -199,10 +210,6 @@ def _parse_cell(text: str):
         except ValueError:
             pass
     return text
-
-
-def _real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _number(x) -> bool:
