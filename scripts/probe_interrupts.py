@@ -191,7 +191,7 @@ def main() -> int:
     ended = collections.Counter()           # (phase, signal, how the launcher ended) -> count
     outcomes = collections.Counter()        # resumable / never begun / NOT RESUMABLE
     problems: list[str] = []
-    orphans = temp_files = empty_job_files = finished = 0
+    orphans = killed_mid_write = temp_files = empty_job_files = finished = 0
     folders = 0
     started = time.monotonic()
     try:
@@ -214,7 +214,7 @@ def main() -> int:
                 if outcome == "NOT RESUMABLE":
                     problems.append(f"{out} after a {phase} launch {how}: {why}")
                 begun = begun or outcome == "resumable"
-                temp_files += sum(1 for p in out.glob(".*.tmp")) if out.is_dir() else 0
+                killed_mid_write += sum(1 for p in out.glob(".*.tmp")) if out.is_dir() else 0
                 empty_job_files += (out / "job.toml").is_file() and (out / "job.toml").stat().st_size == 0
                 print(f"{done}/{args.n} {out.name} {phase}: {signal.Signals(sig).name}, {how}; {outcome}",
                       file=sys.stderr, flush=True)
@@ -225,6 +225,7 @@ def main() -> int:
                 finished += ok
                 if not ok:
                     problems.append(f"{out}: the last resume did not finish the job ({why}; log {log})")
+            temp_files += sum(1 for p in out.glob(".*.tmp")) if out.is_dir() else 0
     finally:
         end_leftovers()
         elapsed = time.monotonic() - started
@@ -234,8 +235,8 @@ def main() -> int:
             print(f"  {phase:6s} {sig:7s} {how:28s} {count}")
         print("after each: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
         print(f"last resumes that finished the job: {finished}; processes that outlived their launcher by "
-              f"{ORPHAN_GRACE_S:g} s (ended here): {orphans}; temporary files left in OUT: {temp_files}; "
-              f"empty job.toml seen: {empty_job_files}")
+              f"{ORPHAN_GRACE_S:g} s (ended here): {orphans}; temporary files of a killed rewrite seen: "
+              f"{killed_mid_write}, left at the end: {temp_files}; empty job.toml seen: {empty_job_files}")
         for p in problems:
             print(f"PROBLEM: {p}")
         if args.keep or problems:

@@ -132,3 +132,20 @@ def test_a_damaged_job_without_a_copy_is_refused_in_one_line_that_says_what_to_d
     (out / ".psgrid.lock").write_text("")       # a launch began here, and was stopped before it wrote its job
     with pytest.raises(UsageError, match=r"no job.toml there; .* launch it again with --out .* --overwrite"):
         job_file_to_resume(out)
+
+
+def test_the_next_job_in_a_folder_sweeps_the_temporary_files_of_a_killed_writer(tmp_path):
+    from psgrid.cluster.job.outdir import prepare, release
+
+    out = tmp_path / "run"
+    out.mkdir()
+    left = [".job.toml.4242.tmp", ".token.4242.tmp"]          # a launcher SIGKILLed inside write_whole
+    mine = ["notes.tmp", "summary.json.tmp", ".hidden.tmp", "job.toml"]
+    for name in left + mine:
+        (out / name).write_text("x")
+    try:
+        assert prepare(_job(tmp_path), resume=True) == out
+    finally:
+        release(out)
+    assert not any((out / name).exists() for name in left)
+    assert all((out / name).exists() for name in mine)

@@ -22,6 +22,7 @@ import shutil
 from pathlib import Path
 
 from psgrid.cluster.errors import UsageError
+from psgrid.cluster.job.records import sweep_temporaries
 from psgrid.psserver import files
 
 # What a run of psctl launch / mpi / allreduce writes into its folder (cluster/run/resume.py moves the same to attempts/).
@@ -133,6 +134,7 @@ def prepare(job, resume: bool = False) -> Path:
             clear_run(out)
     else:
         out = claim_default(job)
+    sweep_temporaries(out)      # of a launcher killed while it wrote its job.toml or token here
     for sub in ("addr", "logs", "metrics"):
         files.make_dirs(out / sub)
     return out

@@ -8,6 +8,7 @@ record is written to a temporary file beside it, flushed to the disk, renamed ov
 (a rename within a folder is atomic: a reader sees the old record or the new one) and the folder
 flushed (so the rename outlives a power cut too). Ctrl-C and SIGTERM are held meanwhile and
 delivered once the record is in place: an interrupted launcher leaves no temporary file behind.
+One killed (SIGKILL) does: the next job in the folder sweeps it (:func:`sweep_temporaries`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Iterator
 from psgrid.psserver import files
 
 JOB_FILE = "job.toml"
+TMP_SUFFIX = ".tmp"         # a temporary file is .NAME.PID.tmp
 HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -59,7 +61,7 @@ def write_whole(path: str | os.PathLike, text: str, perms: int = files.FILE_MODE
     gives it; the temporary file is private to this process, so writers of one path never collide.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
     with signals_held():
         try:
             tmp.unlink(missing_ok=True)       # one of a dead process whose pid this one has: made afresh
@@ -72,6 +74,15 @@ def write_whole(path: str | os.PathLike, text: str, perms: int = files.FILE_MODE
             tmp.unlink(missing_ok=True)
             raise
         _fsync_folder(path.parent)
+
+
+def sweep_temporaries(folder: str | os.PathLike) -> None:
+    """Remove the temporary files that writers killed in the middle of :func:`write_whole` left in ``folder``.
+
+    Only for the holder of the folder's lock (cluster/job/outdir.py), when no other writer is at work there.
+    """
+    for tmp in Path(folder).glob(f".*.[0-9]*{TMP_SUFFIX}"):
+        tmp.unlink(missing_ok=True)
 
 
 def _fsync_folder(folder: Path) -> None:
