@@ -39,7 +39,8 @@ WORKER_MAY_USE = ("psgrid.psserver.client", "psgrid.psserver.kernels", "psgrid.p
                   "psgrid.psserver.config",      # ... and applies a shard's optimizer with a shard's settings
                   "psgrid.psserver.security",    # the job's token, which a worker reads and hands to its client
                   "psgrid.psserver.files",       # metrics files created owner-only, as every file psgrid writes
-                  "psgrid.psserver.lifeline")    # a script stops when its launcher is gone, as psctl's children do
+                  "psgrid.psserver.lifeline",    # a script stops when its launcher is gone, as psctl's children do
+                  "psgrid.psserver.shared_memory")   # a host's aggregation shares sealed memfds as the shm plane does
 
 
 

@@ -1,0 +1,111 @@
+"""One worker path: every worker feature reaches the built-in trainer and a user's script alike (worker/core.py).
+
+The same feature matrix runs through ``psctl launch --config mnist`` and ``psctl launch -- python
+examples/train_cupy.py``; each feature must show in both runs' records, where a second copy of the
+worker's code would show in one only.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import ROOT, launch_env, run_launch
+
+SCRIPT = ["--", "python", "examples/train_cupy.py", "--steps", "12", "--eval-every", "0"]
+BUILT_IN = ["--config", "mnist", "--steps", "12", "--eval-every", "0"]
+
+FEATURES = {
+    "stragglers": ["--mode", "sync", "--set", 'train.stragglers=["1:4"]'],
+    "overlap": ["--mode", "async"],
+    "pull_ahead": ["--set", "mode=\"async\"", "--set", "train.pull_ahead=true"],
+    "aggregate": ["--mode", "sync", "--set", 'train.aggregate="host"'],
+}
+
+
+def records(out, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics" / f"worker-{rank}.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("worker", ["built-in", "script"])
+def test_each_worker_feature_reaches_the_built_in_trainer_and_a_script(tmp_path, feature, worker):
+    runner = BUILT_IN if worker == "built-in" else SCRIPT
+    at = runner.index("--") if "--" in runner else len(runner)
+    args = [*runner[:at], "--workers", "2", "--no-progress", *FEATURES[feature], *runner[at:]]
+    code, text, out = run_launch(tmp_path, *args)
+    assert code == 0, text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == 24, summary
+    starts = {rank: next(r for r in records(out, rank) if r["event"] == "start") for rank in (0, 1)}
+    steps = {rank: [r for r in records(out, rank) if r["event"] == "step"] for rank in (0, 1)}
+    assert all(len(s) == 12 for s in steps.values())
+    if feature == "stragglers":
+        assert all(start["stragglers"] == ["1:4"] for start in starts.values())
+        assert all(r["delay_s"] > 0 for r in steps[1]) and all(r["delay_s"] == 0 for r in steps[0])
+        # 3 x its own compute: the delay follows the step it slowed.
+        assert all(r["delay_s"] == pytest.approx(3 * r["compute_s"]) for r in steps[1])
+    elif feature == "overlap":
+        assert all(start["overlap"] and not start["pull_ahead"] for start in starts.values())
+    elif feature == "pull_ahead":
+        assert all(start["pull_ahead"] and start["overlap"] for start in starts.values())
+        assert all("pull_ahead_s" in r for rank in (0, 1) for r in steps[rank][1:])
+    else:
+        # One host: its leader pushes the mean of both workers' gradients, once a step, as one worker.
+        assert all(s["pushes"] == 12 for s in summary["shard_stats"]), summary["shard_stats"]
+
+
+def _weights_seen(text: str) -> dict[int, list[float]]:
+    seen = {}
+    for line in text.splitlines():
+        if line.startswith("[rank ") and '"seen"' in line:
+            found = json.loads(line.split("] ", 1)[1])
+            seen[found["rank"]] = found["seen"]
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_script_aggregated_per_host_sees_the_same_weights_in_sync_as_unaggregated(tmp_path):
+    base = ["--workers", "2", "--shards", "2", "--mode", "sync", "--lr", "1", "--set", "momentum=0.0", "--no-progress"]
+    command = ["--", "python", "tests/user_script.py", "6"]
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "host").mkdir()
+    plain_code, plain, _ = run_launch(tmp_path / "plain", *base, *command)
+    host_code, host, out = run_launch(tmp_path / "host", *base, "--set", 'train.aggregate="host"', *command)
+    assert plain_code == 0 and host_code == 0, (plain, host)
+    plain_seen, host_seen = _weights_seen(plain), _weights_seen(host)
+    # Gradients rank + 1: each sync round moves every weight by minus their mean, 1.5.
+    assert plain_seen == {0: [-1.5 * k for k in range(7)], 1: [-1.5 * k for k in range(7)]}, plain
+    assert host_seen == plain_seen, host
+    assert all(s["pushes"] == 6 for s in json.loads((out / "summary.json").read_text())["shard_stats"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_compare_slows_a_scripts_straggler_and_sync_pays_for_it(tmp_path):
+    # A researcher's question, asked of their own script: what does one 4x slower worker cost sync?
+    out = tmp_path / "experiment"
+    argv = [sys.executable, "-m", "psgrid.cluster.cli", "compare", "--modes", "sync", "--workers", "2",
+            "--stragglers", "none", "--stragglers", "1:4", "--out", str(out), "--no-progress", "--",
+            "python", "examples/train_cupy.py", "--steps", "30", "--hidden", "512", "--batch-size", "256",
+            "--eval-every", "0"]
+    done = subprocess.run(argv, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with open(out / "summary.csv") as f:
+        rows = {row["stragglers"]: row for row in csv.DictReader(f)}
+    assert set(rows) == {"none", "1:4"} and all(row["status"] == "ok" for row in rows.values())
+    steps = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    delays = {(r["stragglers"], r["rank"]): [] for r in steps if r.get("event") == "step"}
+    for r in steps:
+        if r.get("event") == "step":
+            delays[(r["stragglers"], r["rank"])].append(r["delay_s"])
+    assert all(d > 0 for d in delays[("1:4", 1)]) and not any(delays[("1:4", 0)]) and not any(delays[("none", 1)])
+    # Every sync round waits for the straggler: the job's samples/s falls well below the run without one.
+    assert float(rows["1:4"]["samples_per_s"]) < 0.8 * float(rows["none"]["samples_per_s"]), rows
