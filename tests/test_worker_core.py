@@ -109,3 +109,24 @@ def test_compare_slows_a_scripts_straggler_and_sync_pays_for_it(tmp_path):
     assert all(d > 0 for d in delays[("1:4", 1)]) and not any(delays[("1:4", 0)]) and not any(delays[("none", 1)])
     # Every sync round waits for the straggler: the job's samples/s falls well below the run without one.
     assert float(rows["1:4"]["samples_per_s"]) < 0.8 * float(rows["none"]["samples_per_s"]), rows
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_psctl_mpi_aggregates_a_scripts_workers_through_one_client_per_node(tmp_path):
+    """5 ranks on this node (coordinator, shard, 3 workers running a script): one node, one aggregator, whose
+    client is the shards' only worker; each sync round moves the weights by minus the mean gradient, 2."""
+    from tests.support import run_mpiexec
+
+    out = tmp_path / "run"
+    code, stdout, err, _ = run_mpiexec(5, ["-m", "psgrid.cluster.cli", "mpi", "--shards", "1", "--mode", "sync",
+                                           "--lr", "1", "--set", "momentum=0.0", "--set", 'train.aggregate="host"',
+                                           "--out", str(out), "--", "python", "tests/user_script.py", "4"],
+                                       timeout=190)
+    assert code == 0, err
+    starts = {rank: next(r for r in records(out, rank) if r["event"] == "start") for rank in range(3)}
+    assert {rank: s["worker"] for rank, s in starts.items()} == {0: 0, 1: 0, 2: 0}
+    assert [starts[rank]["data_planes"] for rank in (1, 2)] == [["host"], ["host"]]
+    seen = _weights_seen(stdout + err)
+    assert seen == {rank: [-2.0 * k for k in range(5)] for rank in range(3)}, stdout + err

@@ -102,7 +102,7 @@ def init(params, *, addresses=None, rank: int | None = None, world: int | None =
     watch_launcher()
     return Session(params, addresses=addresses, world=world, rank=rank if rank is not None else env.rank,
                    metrics=metrics or env.metrics, local_rank=env.local_rank, gpu=env.gpu,
-                   train=worker_settings(table), **settings)
+                   train=worker_settings(table), host_group=env.host_group, **settings)
 
 
 def unreachable(addresses: list[str], settings: Mapping) -> str | None:
@@ -180,7 +180,8 @@ class Session:
     """
 
     def __init__(self, params, *, addresses, world: int, rank: int | None = None, metrics: str | None = None,
-                 local_rank: int = 0, gpu: int | None = None, train: TrainConfig | None = None, **client_options):
+                 local_rank: int = 0, gpu: int | None = None, train: TrainConfig | None = None,
+                 host_group: tuple[int, ...] | None = None, **client_options):
         named = named_parameters(params)
         if not named:
             raise dlpack.ArrayError("params holds no parameters (a module whose parameters all have "
@@ -208,7 +209,8 @@ class Session:
         self._closed = False
         try:
             exchange = open_exchange(train, addresses, self.spec, rank=rank, world=world, init=initial, xp=self.xp,
-                                     gpu=self._device, local_rank=local_rank, options=client_options)
+                                     gpu=self._device, local_rank=local_rank, options=client_options,
+                                     host_group=_host_group(host_group))
         except BaseException:
             self._metrics.close()
             raise
@@ -366,6 +368,15 @@ class Session:
 
     def _device_name(self) -> str:
         return "cpu" if self._device is None else f"cuda:{self._device}"
+
+
+def _host_group(values: tuple[int, ...] | None):
+    """The HostGroup a launcher put in the environment (psctl mpi), else None: the rank says it."""
+    if values is None:
+        return None
+    from psgrid.worker.aggregate import HostGroup
+
+    return HostGroup(*values)
 
 
 def _one_device(arrays: list) -> int | None:

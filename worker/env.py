@@ -17,6 +17,9 @@ started by hand may set them itself, and :func:`psgrid.init` also takes them as 
 ``PSGRID_JOB_FILE``    the job as it runs (``OUT/job.toml``): the client reads its ``[train]``
                        transport settings (``data_plane``, ``wire_dtype``, deadlines) from it
 ``PSGRID_OUT``         the job's output folder
+``PSGRID_HOST_GROUP``  with ``aggregate = "host"`` under ``psctl mpi``: ``HOST,HOSTS,LOCAL,SIZE,WORLD``,
+                       where this worker stands among the nodes (worker/aggregate.py's HostGroup);
+                       unset, a worker's rank and local rank say it
 =====================  ==========================================================================
 
 This module is the one place the names are spelled; the launchers (cluster/run/script.py) write
@@ -43,11 +46,13 @@ TLS_KEY = "PSGRID_TLS_KEY"
 METRICS = "PSGRID_METRICS"
 JOB_FILE = "PSGRID_JOB_FILE"
 OUT = "PSGRID_OUT"
+HOST_GROUP = "PSGRID_HOST_GROUP"
 # Set by a launcher for its children (cluster/run/procs.py): a script watches it and stops when its
 # launcher vanished without stopping it (kill -9), as psctl's own children do.
 PARENT = lifeline.PARENT_ENV
 
-NAMES = (ADDRESSES, RANK, WORLD_SIZE, LOCAL_RANK, GPU, TOKEN, TLS_CA, TLS_CERT, TLS_KEY, METRICS, JOB_FILE, OUT)
+NAMES = (ADDRESSES, RANK, WORLD_SIZE, LOCAL_RANK, GPU, TOKEN, TLS_CA, TLS_CERT, TLS_KEY, METRICS, JOB_FILE, OUT,
+         HOST_GROUP)
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class JobEnv:
     metrics: str | None = None
     job_file: str | None = None
     out: str | None = None
+    host_group: tuple[int, ...] | None = None
 
     @property
     def device(self) -> str:
@@ -78,7 +84,7 @@ class JobEnv:
             ADDRESSES: ",".join(self.addresses), RANK: self.rank, WORLD_SIZE: self.world,
             LOCAL_RANK: self.local_rank, GPU: self.gpu, TOKEN: self.token, TLS_CA: self.tls_ca,
             TLS_CERT: self.tls_cert, TLS_KEY: self.tls_key, METRICS: self.metrics, JOB_FILE: self.job_file,
-            OUT: self.out,
+            OUT: self.out, HOST_GROUP: ",".join(map(str, self.host_group)) if self.host_group else None,
         }
         return {name: str(value) for name, value in values.items() if value not in (None, "")}
 
@@ -110,10 +116,19 @@ def job_env(environ: Mapping[str, str] | None = None) -> JobEnv:
     env = JobEnv(addresses=addresses, rank=number(RANK, 0), world=number(WORLD_SIZE, 1),
                  local_rank=number(LOCAL_RANK, 0) or 0, gpu=number(GPU, 0), token=text(TOKEN),
                  tls_ca=text(TLS_CA), tls_cert=text(TLS_CERT), tls_key=text(TLS_KEY), metrics=text(METRICS),
-                 job_file=text(JOB_FILE), out=text(OUT))
+                 job_file=text(JOB_FILE), out=text(OUT), host_group=_host_group(text(HOST_GROUP)))
     if env.rank is not None and env.world is not None and env.rank >= env.world:
         raise ValueError(f"{RANK} ({env.rank}) must be less than {WORLD_SIZE} ({env.world})")
     return env
+
+
+def _host_group(value: str | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    parts = value.split(",")
+    if len(parts) != 5 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"{HOST_GROUP} must be HOST,HOSTS,LOCAL,SIZE,WORLD (five integers), got {value!r}")
+    return tuple(int(p) for p in parts)
 
 
 def watch_launcher() -> None:

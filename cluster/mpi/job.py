@@ -284,17 +284,20 @@ class MPIJob:
         os.environ["LOCAL_RANK"] = str(me.gpu if me.gpu is not None else me.local_rank)
         metrics = self.out / "metrics" / f"worker-{self.index}.jsonl"
         files.make_dirs(metrics.parent)
+        group = None
+        if self.job.train.aggregate == "host":     # one aggregator per node: its worker of local rank 0
+            from psgrid.cluster.mpi.placement import host_group
+
+            group = host_group(self.placement, self.rank)
         if self.command:
             gpu = me.gpu if me.gpu is not None else (me.local_rank or 0)
             message = user_script.run_on_rank(self.command, self.job, self.out, self.addresses, self.index,
-                                              self.job.workers, gpu)
+                                              self.job.workers, gpu, group)
         else:
-            group = None
-            if self.job.train.aggregate == "host":     # one aggregator per node: its worker of local rank 0
-                from psgrid.cluster.mpi.placement import host_group
+            if group is not None:
                 from psgrid.worker.aggregate import HostGroup
 
-                group = HostGroup(*host_group(self.placement, self.rank))
+                group = HostGroup(*group)
             result = run_worker(self.job.train, self.addresses, self.index, self.job.workers,
                                 metrics_path=str(metrics), host_group=group)
             # Send the events along: rank 0 may not see this node's files (no shared file system).

@@ -123,7 +123,7 @@ def gpu_for(local_rank: int, device: str, gpus: int | None = None) -> int | None
 
 
 def worker_env(base: dict[str, str], job, out: Path, addresses: list[str], rank: int, world: int,
-               local_rank: int) -> dict[str, str]:
+               local_rank: int, host_group: tuple[int, ...] | None = None) -> dict[str, str]:
     """The environment of worker ``rank``'s command: ``base`` with the job in it (worker/env.py)."""
     out = Path(out).resolve()
     train = job.train
@@ -135,7 +135,7 @@ def worker_env(base: dict[str, str], job, out: Path, addresses: list[str], rank:
                        gpu=gpu_for(local_rank, train.device), token=train.token, tls_ca=path(train.tls_ca),
                        tls_cert=path(train.tls_cert), tls_key=path(train.tls_key),
                        metrics=str(out / "metrics" / f"worker-{rank}.jsonl"), job_file=str(out / "job.toml"),
-                       out=str(out))
+                       out=str(out), host_group=host_group)
     env = {k: v for k, v in base.items() if not k.startswith(MPI_PREFIXES)}
     env.update(described.to_env())
     env["LOCAL_RANK"] = str(local_rank)
@@ -199,8 +199,10 @@ def blas_threads() -> int:
 
 
 def run_on_rank(command: list[str], job, out: Path, addresses: list[str], rank: int, world: int,
-                local_rank: int) -> dict:
+                local_rank: int, host_group: tuple[int, ...] | None = None) -> dict:
     """Run the command as worker ``rank`` of an MPI job; returns the message for the coordinator.
+
+    ``host_group``: where the worker stands among the nodes, for ``aggregate = "host"`` (worker/env.py).
 
     ``{"result": done record, "events": [...]}`` when it exits 0, ``{"failure": {...}, "events":
     [...]}`` otherwise; a command that failed before it joined is reported gone to the shards first.
@@ -213,7 +215,8 @@ def run_on_rank(command: list[str], job, out: Path, addresses: list[str], rank: 
     files.make_dirs(metrics.parent)
     _ensure_job_file(job, out)
     base = child_env(credentials.child_env(job), threads=blas_threads())
-    child = Child(f"worker {rank}", command, log, worker_env(base, job, out, addresses, rank, world, local_rank))
+    child = Child(f"worker {rank}", command, log, worker_env(base, job, out, addresses, rank, world, local_rank,
+                                                                      host_group))
     relay = OutputRelay({rank: log}, write=lambda line: print(line, flush=True))
     try:
         while child.wait(POLL_S) is None:
