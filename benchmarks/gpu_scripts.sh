@@ -6,7 +6,8 @@
 #     (benchmarks/torch_models.py) and examples/train_cupy.py: device shards (shard_device auto), sync
 #     and async, 1 worker and 2 sharing the GPU, each repeat's ratio to the script alone (torch.optim.SGD);
 #  3. the built-in trainer's 20M MLP, async, on a device shard (no regression: >= 0.9x of no servers).
-# REPEATS (default 3), STEPS (default 300) and PARTS ("1 2 3") narrow it. Logs land in $OUT.
+# REPEATS (default 3), STEPS (default 300), PARTS ("1 2 3"), MODELS ("resnet18 transformer") and CUPY_LAYERS
+# ("1 3"; empty: none) narrow it. Logs land in $OUT.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 PARTS=${PARTS:-1 2 3}
@@ -21,18 +22,21 @@ python3 -c "import torch, torchvision, cupy; print('torch', torch.__version__, '
 
 if part 1; then
   echo "== 1. the user API's tests on the GPU"
-  python3 -m pytest -q -p no:cacheprovider tests/test_api.py tests/test_dlpack.py \
-    -o addopts="--strict-markers -ra" 2>&1 | tail -4
+  python3 -m pytest -q -p no:cacheprovider tests/test_api.py tests/test_dlpack.py tests/test_worker_core.py \
+    -m "not mpi" -o addopts="--strict-markers -ra" 2>&1 | tail -4
 fi
 if part 2; then
-  for model in resnet18 transformer; do
+  for model in ${MODELS:-resnet18 transformer}; do
     echo "== 2. psctl bench script: $model through psgrid.init (device shards) against torch.optim.SGD alone"
     psctl bench script --device gpu --modes sync,async --workers 1,2 --repeats "$REPEATS" --skip 30 \
       -- python benchmarks/torch_models.py "$model" --steps "$STEPS" 2>&1 | grep -v '^\[' 
   done
-  echo "== 2. psctl bench script: examples/train_cupy.py (its own CuPy MLP, hidden 4096)"
-  psctl bench script --device gpu --modes sync,async --workers 1,2 --repeats "$REPEATS" --skip 30 \
-    -- python examples/train_cupy.py --steps "$STEPS" --hidden 4096 --batch-size 512 --eval-every 0 2>&1 | grep -v '^\['
+  for layers in ${CUPY_LAYERS-1 3}; do
+    echo "== 2. psctl bench script: examples/train_cupy.py, its own CuPy MLP, $layers hidden layer(s) of 4096"
+    psctl bench script --device gpu --modes sync,async --workers 1,2 --repeats "$REPEATS" --skip 30 \
+      -- python examples/train_cupy.py --steps "$STEPS" --hidden 4096 --layers $layers --batch-size 512 \
+      --eval-every 0 2>&1 | grep -v '^\['
+  done
 fi
 if part 3; then
   echo "== 3. the built-in 20M MLP on a device shard, async (psctl bench train)"

@@ -2,6 +2,7 @@
 
     psctl launch --workers 2 -- python examples/train_cupy.py
     mpiexec -n 4 psctl mpi --shards 1 -- python examples/train_cupy.py --steps 300
+    psctl bench script --device gpu -- python examples/train_cupy.py --hidden 4096 --layers 3 --batch-size 512
 
 The model is plain array code written once against ``xp`` (``cupy`` or ``numpy``); the lines
 marked ``# +ps`` are all it takes to train it on the job's shards, which hold the weights and
@@ -80,13 +81,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=64, help="width of each hidden layer")
+    parser.add_argument("--layers", type=int, default=1, help="hidden layers")
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     xp = array_module(psgrid.job_env().gpu)
-    params = {k: xp.asarray(v) for k, v in init_params([64, args.hidden, 10], args.seed).items()}
+    params = {k: xp.asarray(v) for k, v in init_params([64, *[args.hidden] * args.layers, 10], args.seed).items()}
     ps = psgrid.init(params)  # +ps: join the job; the shards start from rank 0's weights
 
     images, labels = read_shipped("digits")     # the UCI digits scikit-learn has, shipped with psgrid
