@@ -113,7 +113,7 @@ def test_each_attempt_keeps_a_copy_of_its_job_and_a_damaged_job_is_taken_from_th
         (out / "job.toml").write_bytes(damaged if isinstance(damaged, bytes) else damaged.encode())
         assert job_file_to_resume(out) == out / "attempts" / "1" / "job.toml"
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "resuming the job of the attempt before" in err, err
+        assert err.count("\n") == 1 and "resuming the job as attempt 1 ran it" in err, err
     (out / "job.toml").unlink()
     assert job_file_to_resume(out) == out / "attempts" / "1" / "job.toml"
 

@@ -225,12 +225,12 @@ def job_file_to_resume(out: Path) -> Path:
     damage = _damage(path)
     if damage is None:
         return path
-    copies = [out / "attempts" / str(n) / JOB_FILE for n in sorted(_attempts(out), reverse=True)]
-    copy = next((c for c in copies if _damage(c) is None), None)
-    if copy is not None:
-        print(f"psctl launch: {path} is {damage}: resuming the job of the attempt before, from {copy} "
-              f"(this run writes {path} whole again)", file=sys.stderr, flush=True)
-        return copy
+    for n in sorted(_attempts(out), reverse=True):
+        copy = out / "attempts" / str(n) / JOB_FILE
+        if _damage(copy) is None:
+            print(f"psctl launch: {path} is {damage}: resuming the job as attempt {n} ran it, from {copy} "
+                  f"(this run writes {path} whole again)", file=sys.stderr, flush=True)
+            return copy
     if damage == "missing":
         began = " (a launch stopped before it wrote its job has nothing to resume: launch it again with " \
                 f"--out {out} --overwrite)" if (out / LOCK_FILE).exists() else ""
