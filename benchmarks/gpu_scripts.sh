@@ -28,12 +28,12 @@ fi
 if part 2; then
   for model in ${MODELS:-resnet18 transformer}; do
     echo "== 2. psctl bench script: $model through psgrid.init (device shards) against torch.optim.SGD alone"
-    psctl bench script --device gpu --modes sync,async --workers 1,2 --repeats "$REPEATS" --skip 30 \
+    psctl bench script --device gpu --modes "${SCRIPT_MODES:-sync,async}" --workers "${SCRIPT_WORKERS:-1,2}" --repeats "$REPEATS" --skip 30 \
       -- python benchmarks/torch_models.py "$model" --steps "$STEPS" 2>&1 | grep -v '^\[' 
   done
   for layers in ${CUPY_LAYERS-1 3}; do
     echo "== 2. psctl bench script: examples/train_cupy.py, its own CuPy MLP, $layers hidden layer(s) of 4096"
-    psctl bench script --device gpu --modes sync,async --workers 1,2 --repeats "$REPEATS" --skip 30 \
+    psctl bench script --device gpu --modes "${SCRIPT_MODES:-sync,async}" --workers "${SCRIPT_WORKERS:-1,2}" --repeats "$REPEATS" --skip 30 \
       -- python examples/train_cupy.py --steps "$STEPS" --hidden 4096 --layers $layers --batch-size 512 \
       --eval-every 0 2>&1 | grep -v '^\['
   done

@@ -46,8 +46,8 @@ def steady_samples_per_s(metrics_files: list[Path], skip: int) -> float | None:
     return total
 
 
-def alone(command: list[str], job: JobConfig, skip: int, timeout_s: float) -> float | None:
-    """The script with no servers: its samples/s."""
+def alone(command: list[str], job: JobConfig, skip: int, timeout_s: float) -> dict | None:
+    """The script with no servers: its samples/s and its step's parts (None: it recorded no samples)."""
     from psgrid.cluster.job.records import write_job_file
     from psgrid.cluster.run.procs import child_env
     from psgrid.cluster.run.script import gpu_for
@@ -65,7 +65,11 @@ def alone(command: list[str], job: JobConfig, skip: int, timeout_s: float) -> fl
         if done.returncode != 0:
             tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
             raise RuntimeError(f"the script alone exited {done.returncode}: {tail[0]}")
-        return steady_samples_per_s([metrics], skip) if metrics.exists() else None
+        rate = steady_samples_per_s([metrics], skip) if metrics.exists() else None
+        if rate is None:
+            return None
+        steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if r.get("event") == "step"][skip:]
+        return {"samples_per_s": rate, **{k: statistics.median(r[k] for r in steps) for k in ("compute_s", "push_s")}}
 
 
 def through_psgrid(command: list[str], job: JobConfig, skip: int) -> dict:
@@ -95,7 +99,7 @@ def run(command: list[str], *, modes, workers, shards: int, device: str, shard_d
     base = base_job(device, shards, shard_device, settings)
     configs = list(product(modes, workers))
     runs: dict[tuple, list[dict]] = {c: [] for c in configs}
-    references: list[float] = []
+    references: list[dict] = []
     if not as_json:
         print(f"{' '.join(command)}: alone, then through psgrid ({shards} shard(s), device {device}); samples/s after "
               f"the first {skip} steps of each worker", file=out, flush=True)
@@ -108,17 +112,19 @@ def run(command: list[str], *, modes, workers, shards: int, device: str, shard_d
         for mode, w in configs:
             job = apply_overrides(base, {"mode": mode, "workers": w, "seed": base.train.seed + r})
             found = through_psgrid(command, job, skip)
-            found["ratio"] = (found["samples_per_s"] or 0.0) / reference
+            found["ratio"] = (found["samples_per_s"] or 0.0) / reference["samples_per_s"]
             runs[(mode, w)].append(found)
             if as_json:
                 print(json.dumps({"suite": "script", "repeat": r, "mode": mode, "workers": w, "shards": shards,
-                                  "alone_samples_per_s": reference, **found}), file=out, flush=True)
+                                  "alone": reference, **found}), file=out, flush=True)
     rows = []
     for (mode, w), found in runs.items():
         ratios = [f["ratio"] for f in found]
         row = {"suite": "script", "mode": mode, "workers": w, "shards": shards, "ratio": statistics.median(ratios),
                "ratios": ratios, "samples_per_s": statistics.median(f["samples_per_s"] or 0.0 for f in found),
-               "alone_samples_per_s": statistics.median(references), "planes_used": found[0]["planes_used"],
+               "alone_samples_per_s": statistics.median(r["samples_per_s"] for r in references),
+               "alone_compute_s": statistics.median(r["compute_s"] for r in references),
+               "alone_update_s": statistics.median(r["push_s"] for r in references), "planes_used": found[0]["planes_used"],
                "shard_device": found[0]["shard_device"],
                **{k: _median(f[k] for f in found) for k in ("pull_s", "compute_s", "push_s", "delay_s")}}
         rows.append(row)
@@ -135,6 +141,9 @@ def _median(values):
 
 
 def _table(rows: list[dict], out) -> None:
+    if rows:
+        print(f"alone: {rows[0]['alone_samples_per_s']:.0f} samples/s, {1e3 * rows[0]['alone_compute_s']:.2f} ms compute "
+              f"(pull to update), {1e3 * rows[0]['alone_update_s']:.2f} ms update (medians)", file=out)
     print(f"{'mode':>6} {'W':>2} {'shards on':>9} {'plane':>6} {'samples/s':>10} {'alone':>10} {'x alone':>7} "
           f"{'pull ms':>8} {'compute ms':>10} {'push ms':>8}  each repeat's x alone", file=out)
     for row in rows:
