@@ -143,8 +143,6 @@ def test_a_stopped_job_of_hosting_workers_resumes_from_the_checkpoints_they_wrot
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("argv, says", [
-    (["launch", "--config", "mnist", "--set", "shard_placement=worker", "--", sys.executable, "-c", "pass"],
-     'shard_placement = "worker" hosts each shard beside the built-in trainer, not beside a command of your own'),
     (["mpi", "--config", "mnist", "--set", "shard_placement=worker"],
      'shard_placement = "worker" is for psctl launch, on one machine: psctl mpi starts its shards as processes'),
     (["launch", "--config", "mnist", "--set", "shard_placement=worker", "--shards", "3", "--workers", "2"],

@@ -24,6 +24,7 @@ FEATURES = {
     "overlap": ["--mode", "async"],
     "pull_ahead": ["--set", "mode=\"async\"", "--set", "train.pull_ahead=true"],
     "aggregate": ["--mode", "sync", "--set", 'train.aggregate="host"'],
+    "placement": ["--mode", "async", "--set", 'shard_placement="worker"'],
 }
 
 
@@ -56,9 +57,14 @@ def test_each_worker_feature_reaches_the_built_in_trainer_and_a_script(tmp_path,
     elif feature == "pull_ahead":
         assert all(start["pull_ahead"] and start["overlap"] for start in starts.values())
         assert all("pull_ahead_s" in r for rank in (0, 1) for r in steps[rank][1:])
-    else:
+    elif feature == "aggregate":
         # One host: its leader pushes the mean of both workers' gradients, once a step, as one worker.
         assert all(s["pushes"] == 12 for s in summary["shard_stats"]), summary["shard_stats"]
+    else:
+        # Shard i in worker i's process: each worker calls its own shard in place and the other over shared memory.
+        assert [starts[rank]["data_planes"] for rank in (0, 1)] == [["local", "shm"], ["shm", "local"]]
+        assert all(s["pushes"] == 24 for s in summary["shard_stats"]), summary["shard_stats"]
+        assert not (out / "logs" / "server-0.log").exists()       # no shard process was started
 
 
 def _weights_seen(text: str) -> dict[int, list[float]]:

@@ -207,6 +207,7 @@ class Session:
             raise ShardUnavailable(problem) from None
         self._metrics = MetricsWriter(metrics)
         self._closed = False
+        self._after_close: list = []
         try:
             exchange = open_exchange(train, addresses, self.spec, rank=rank, world=world, init=initial, xp=self.xp,
                                      gpu=self._device, local_rank=local_rank, options=client_options,
@@ -323,6 +324,10 @@ class Session:
     def __exit__(self, exc_type, *exc) -> None:
         self._close(completed=exc_type is None)
 
+    def after_close(self, action) -> None:
+        """Run ``action(completed)`` once this session has closed (``completed``: it ended without an error)."""
+        self._after_close.append(action)
+
     def _close(self, completed: bool) -> None:
         if self._closed:
             return
@@ -337,6 +342,8 @@ class Session:
                 self._metrics.write(event="done", **self.result())
         finally:
             self._metrics.close()
+            for action in self._after_close:
+                action(completed)
 
     # ----- helpers --------------------------------------------------------------------------------
 

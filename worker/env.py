@@ -17,6 +17,9 @@ started by hand may set them itself, and :func:`psgrid.init` also takes them as 
 ``PSGRID_JOB_FILE``    the job as it runs (``OUT/job.toml``): the client reads its ``[train]``
                        transport settings (``data_plane``, ``wire_dtype``, deadlines) from it
 ``PSGRID_OUT``         the job's output folder
+``PSGRID_HOST_SHARD``  with ``shard_placement = "worker"`` under ``psctl launch -- CMD``: the shard this
+                       worker's process hosts (its address published in ``PSGRID_ADDRESS_DIR``,
+                       where the other shards' are found; cluster/run/hosted_script.py)
 ``PSGRID_HOST_GROUP``  with ``aggregate = "host"`` under ``psctl mpi``: ``HOST,HOSTS,LOCAL,SIZE,WORLD``,
                        where this worker stands among the nodes (worker/aggregate.py's HostGroup);
                        unset, a worker's rank and local rank say it
@@ -47,12 +50,14 @@ METRICS = "PSGRID_METRICS"
 JOB_FILE = "PSGRID_JOB_FILE"
 OUT = "PSGRID_OUT"
 HOST_GROUP = "PSGRID_HOST_GROUP"
+HOST_SHARD = "PSGRID_HOST_SHARD"
+ADDRESS_DIR = "PSGRID_ADDRESS_DIR"
 # Set by a launcher for its children (cluster/run/procs.py): a script watches it and stops when its
 # launcher vanished without stopping it (kill -9), as psctl's own children do.
 PARENT = lifeline.PARENT_ENV
 
 NAMES = (ADDRESSES, RANK, WORLD_SIZE, LOCAL_RANK, GPU, TOKEN, TLS_CA, TLS_CERT, TLS_KEY, METRICS, JOB_FILE, OUT,
-         HOST_GROUP)
+         HOST_GROUP, HOST_SHARD, ADDRESS_DIR)
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,8 @@ class JobEnv:
     job_file: str | None = None
     out: str | None = None
     host_group: tuple[int, ...] | None = None
+    host_shard: int | None = None
+    address_dir: str | None = None
 
     @property
     def device(self) -> str:
@@ -85,6 +92,7 @@ class JobEnv:
             LOCAL_RANK: self.local_rank, GPU: self.gpu, TOKEN: self.token, TLS_CA: self.tls_ca,
             TLS_CERT: self.tls_cert, TLS_KEY: self.tls_key, METRICS: self.metrics, JOB_FILE: self.job_file,
             OUT: self.out, HOST_GROUP: ",".join(map(str, self.host_group)) if self.host_group else None,
+            HOST_SHARD: self.host_shard, ADDRESS_DIR: self.address_dir,
         }
         return {name: str(value) for name, value in values.items() if value not in (None, "")}
 
@@ -116,7 +124,11 @@ def job_env(environ: Mapping[str, str] | None = None) -> JobEnv:
     env = JobEnv(addresses=addresses, rank=number(RANK, 0), world=number(WORLD_SIZE, 1),
                  local_rank=number(LOCAL_RANK, 0) or 0, gpu=number(GPU, 0), token=text(TOKEN),
                  tls_ca=text(TLS_CA), tls_cert=text(TLS_CERT), tls_key=text(TLS_KEY), metrics=text(METRICS),
-                 job_file=text(JOB_FILE), out=text(OUT), host_group=_host_group(text(HOST_GROUP)))
+                 job_file=text(JOB_FILE), out=text(OUT), host_group=_host_group(text(HOST_GROUP)),
+                 host_shard=number(HOST_SHARD, 0), address_dir=text(ADDRESS_DIR))
+    if env.host_shard is not None and not (env.address_dir and env.job_file):
+        raise ValueError(f"{HOST_SHARD} needs {ADDRESS_DIR} and {JOB_FILE}: where the shards publish their "
+                         f"addresses, and the job whose shard this process hosts")
     if env.rank is not None and env.world is not None and env.rank >= env.world:
         raise ValueError(f"{RANK} ({env.rank}) must be less than {WORLD_SIZE} ({env.world})")
     return env

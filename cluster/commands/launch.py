@@ -73,13 +73,13 @@ def run(args: argparse.Namespace) -> int:
     command = None if args.user_command is None else script.resolve_command(args.user_command)
     if args.resume:
         job = script.for_command(_resumed_job(args), command)
-        check_placement(job, command=command)
+        check_placement(job)
         check_shard_device(job, given_names(args), sized=command is None)
         return launch(job, progress=args.progress, resume=True, command=command)
     named = args.config is not None or args.override_name is not None
     args.config = args.config or "mnist"
     job = script.for_command(load_job_from_args(args), command, named=named)
-    check_placement(job, command=command)
+    check_placement(job)
     check_stragglers(job)
     if command is None:          # a user's script chooses its own device (it may not use CuPy at all)
         check_machine(job, flag_names(args))

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     command = None if args.user_command is None else script.resolve_command(args.user_command)
     named = args.config != "mnist" or args.override_name is not None
     job = script.for_command(load_job_from_args(args), command, named=named, local_gpus=False)
-    check_placement(job, command=command, launcher="psctl mpi")
+    check_placement(job, launcher="psctl mpi")
     require_mpi("mpi")
     from psgrid.cluster.mpi.job import run_mpi
 

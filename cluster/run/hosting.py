@@ -1,5 +1,7 @@
 """A worker that hosts a shard in its own process (``[job] shard_placement = "worker"``): GeePS' placement.
 
+The built-in trainer's; a user's script hosts its shard through ``psgrid.init`` (cluster/run/hosted_script.py).
+
 ``psctl launch`` starts worker i (i < shards) as ``psctl worker --host-shard i --address-dir OUT/addr``.
 It starts shard i of the job in its own process, serving that process by calls (the in-process
 plane, psserver/transports/local_server.py) and every other process over the shard's usual
@@ -26,7 +28,7 @@ from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.psserver.protocol import parse_address_file
 
 
-def check_placement(job, *, command=None, launcher: str = "psctl launch") -> None:
+def check_placement(job, *, launcher: str = "psctl launch") -> None:
     """Refuse in one line a job that asks for ``shard_placement = "worker"`` where it cannot be had."""
     if job.shard_placement != "worker":
         return
@@ -34,9 +36,6 @@ def check_placement(job, *, command=None, launcher: str = "psctl launch") -> Non
     if launcher != "psctl launch":
         raise UsageError(f'[job] shard_placement = "worker" is for psctl launch, on one machine: {launcher} starts its '
                          f'shards as processes of their own; {use_process}')
-    if command:
-        raise UsageError(f'[job] shard_placement = "worker" hosts each shard beside the built-in trainer, not beside a '
-                         f'command of your own; {use_process}')
     if job.train.aggregate == "host":
         raise UsageError(f'[job] shard_placement = "worker" and [train] aggregate = "host" do not go together (one '
                          f'client per host pushes the host\'s mean); {use_process}')

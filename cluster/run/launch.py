@@ -47,6 +47,7 @@ from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 from psgrid.cluster.run.watch import ShardWatch
 from psgrid.psserver.protocol import parse_address_file, parse_metrics_port
+from psgrid.worker.env import ADDRESS_DIR, HOST_SHARD
 
 POLL_S = 0.2
 STOP_GRACE_S = 5.0
@@ -69,7 +70,7 @@ class Launcher:
         from psgrid.cluster.run.hosting import check_placement
 
         # here too for the Python API: LocalCluster's own sessions are workers no shard can live in
-        check_placement(job, command=command, launcher="psgrid.LocalCluster" if launcher == "local" else "psctl launch")
+        check_placement(job, launcher="psgrid.LocalCluster" if launcher == "local" else "psctl launch")
         job = credentials.secure(job)     # a token and a job id of its own, unless the job gives them
         job = with_shard_device(job)      # shard_device "auto" made "cpu" or "gpu" here; job.toml says which
         self.job = job
@@ -115,6 +116,10 @@ class Launcher:
     def _hosting_child(self, i: int) -> Child:
         """Worker i, hosting shard i in its own process: it publishes the shard's address as a shard would."""
         job = self.job
+        if self.command:        # the user's script: psgrid.init hosts the shard (cluster/run/hosted_script.py)
+            env = user_script.worker_env(self.worker_env, job, self.out, [], i, job.workers, i)
+            env.update({HOST_SHARD: str(i), ADDRESS_DIR: str((self.out / "addr").resolve())})
+            return Child(f"worker {i} (hosting shard {i})", self.command, self.out / "logs" / f"worker-{i}.log", env)
         argv = psctl_argv("worker", "--config", str(self.job_file), "--host-shard", str(i), "--address-dir",
                           str(self.out / "addr"), "--rank", str(i), "--world", str(job.workers), "--metrics",
                           str(self._metrics_path(i)))

@@ -71,7 +71,7 @@ class LocalCluster:
         if out is not None:
             overrides["out"] = out
         job = _with_settings(job, overrides)
-        check_placement(job, command=command, launcher="psgrid.LocalCluster")     # its sessions host no shard
+        check_placement(job, launcher="psgrid.LocalCluster")     # its sessions host no shard
         # Device shards that cannot fit are refused before anything starts; without background workers
         # the model is the program's own (psgrid.init's params), and only the GPU itself is checked.
         check_shard_device(job, {}, sized=bool(workers) and command is None)
