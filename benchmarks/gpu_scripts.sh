@@ -6,7 +6,8 @@
 #     (benchmarks/torch_models.py) and examples/train_cupy.py: device shards (shard_device auto), sync
 #     and async, 1 worker and 2 sharing the GPU, each repeat's ratio to the script alone (torch.optim.SGD);
 #  3. the built-in trainer's 20M MLP, async, on a device shard (no regression: >= 0.9x of no servers).
-# REPEATS (default 3), STEPS (default 300), PARTS ("1 2 3"), MODELS ("resnet18 transformer") and CUPY_LAYERS
+# REPEATS (default 3), STEPS (default 300), PARTS ("1 2 3"), MODELS ("resnet18 transformer"), PLACEMENTS
+# (shard_placement: "process", or "process,worker" for the shard in the worker's process too) and CUPY_LAYERS
 # ("1 3"; empty: none) narrow it. Logs land in $OUT.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -28,18 +29,20 @@ fi
 if part 2; then
   for model in ${MODELS:-resnet18 transformer}; do
     echo "== 2. psctl bench script: $model through psgrid.init (device shards) against torch.optim.SGD alone"
-    psctl bench script --device gpu --modes "${SCRIPT_MODES:-sync,async}" --workers "${SCRIPT_WORKERS:-1,2}" --repeats "$REPEATS" --skip 30 \
-      -- python benchmarks/torch_models.py "$model" --steps "$STEPS" 2>&1 | grep -v '^\[' 
+    psctl bench script --device gpu --modes "${SCRIPT_MODES:-sync,async}" --workers "${SCRIPT_WORKERS:-1,2}" \
+      --repeats "$REPEATS" --skip 30 --shard-placement "${PLACEMENTS:-process}" \
+      -- python benchmarks/torch_models.py "$model" --steps "$STEPS"
   done
   for layers in ${CUPY_LAYERS-1 3}; do
     echo "== 2. psctl bench script: examples/train_cupy.py, its own CuPy MLP, $layers hidden layer(s) of 4096"
-    psctl bench script --device gpu --modes "${SCRIPT_MODES:-sync,async}" --workers "${SCRIPT_WORKERS:-1,2}" --repeats "$REPEATS" --skip 30 \
+    psctl bench script --device gpu --modes "${SCRIPT_MODES:-sync,async}" --workers "${SCRIPT_WORKERS:-1,2}" \
+      --repeats "$REPEATS" --skip 30 --shard-placement "${PLACEMENTS:-process}" \
       -- python examples/train_cupy.py --steps "$STEPS" --hidden 4096 --layers $layers --batch-size 512 \
-      --eval-every 0 2>&1 | grep -v '^\['
+      --eval-every 0
   done
 fi
 if part 3; then
   echo "== 3. the built-in 20M MLP on a device shard, async (psctl bench train)"
   psctl bench train --device gpu --shard-device gpu --models mlp --hidden 4096,4096 --batch-size 512 --shards 1 \
-    --workers 1 --modes async,sync --steps 300 --repeats "$REPEATS"
+    --workers 1 --modes async,sync --steps 300 --repeats "$REPEATS" --shard-placement "${PLACEMENTS:-process}"
 fi

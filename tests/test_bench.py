@@ -100,3 +100,35 @@ def test_bench_ps_against_an_unknown_revision_says_so_in_one_line(tmp_path):
                     f"install it from the checkout with pip install -e .")
     assert done.stderr.strip() == f"psctl bench: error: {expected}", done.stderr
     assert set(temp.glob("psgrid-bench-*")) == before      # no worktree folder made or left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_bench_script_measures_a_users_script_through_psgrid_against_itself_alone(tmp_path):
+    from tests.support import ROOT
+
+    done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "bench", "script", "--modes", "async",
+                           "--workers", "1", "--shard-placement", "process,worker", "--repeats", "2", "--skip", "5",
+                           "--json", "--", "python", str(ROOT / "examples" / "train_cupy.py"), "--steps", "25",
+                           "--eval-every", "0"],
+                          capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    repeats, summary = [r for r in rows if "repeat" in r], [r for r in rows if "repeat" not in r]
+    assert [(r["repeat"], r["shard_placement"]) for r in repeats] == [(0, "process"), (0, "worker"), (1, "process"),
+                                                                      (1, "worker")]
+    for r in repeats:       # each run's ratio is against the script alone in the same repeat
+        assert r["status"] == "ok" and r["alone"]["samples_per_s"] > 0 and r["samples_per_s"] > 0
+        assert r["ratio"] == pytest.approx(r["samples_per_s"] / r["alone"]["samples_per_s"])
+    assert [(r["shard_placement"], r["planes_used"]) for r in summary] == [("process", ["shm"]), ("worker", ["local"])]
+    for row in summary:
+        assert len(row["ratios"]) == 2 and row["ratio"] == pytest.approx(sum(row["ratios"]) / 2)    # their median
+
+
+def test_bench_script_needs_a_command_and_other_targets_take_none(capsys):
+    from psgrid.cluster.cli import main
+
+    assert main(["bench", "script"]) == 2
+    assert "psctl bench script needs the command each worker runs after --" in capsys.readouterr().err
+    assert main(["bench", "apply", "--", "python", "train.py"]) == 2
+    assert "psctl bench apply runs no command of yours" in capsys.readouterr().err

@@ -78,7 +78,8 @@ def through_psgrid(command: list[str], job: JobConfig, skip: int) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="psgrid-bench-script-") as tmp:
         job = apply_overrides(job, {"out": str(Path(tmp) / "run")})
-        summary = Launcher(job, prepare_out(job), progress=False, quiet=True, command=command).run()
+        summary = Launcher(job, prepare_out(job), progress=False, quiet=True, command=command,
+                           relay=False).run()
         files = sorted((Path(job.out) / "metrics").glob("worker-*.jsonl"))
         records = [r for f in files for r in map(json.loads, f.read_text().splitlines())]
         rate = steady_samples_per_s(files, skip) if files else None
@@ -91,13 +92,14 @@ def through_psgrid(command: list[str], job: JobConfig, skip: int) -> dict:
 
 
 def run(command: list[str], *, modes, workers, shards: int, device: str, shard_device: str, repeats: int,
-        skip: int, settings: dict, as_json: bool, timeout_s: float = 600.0, out=sys.stdout) -> list[dict]:
+        skip: int, settings: dict, as_json: bool, placements=("process",), timeout_s: float = 600.0,
+        out=sys.stdout) -> list[dict]:
     """Every configuration's row (its ratio in each repeat and their median), printed as it comes."""
     from psgrid.cluster.run.script import resolve_command
 
     command = resolve_command(command)      # `python` is this interpreter; a missing script is one line, here
     base = base_job(device, shards, shard_device, settings)
-    configs = list(product(modes, workers))
+    configs = [(m, w, p) for m, w, p in product(modes, workers, placements) if p == "process" or w >= shards]
     runs: dict[tuple, list[dict]] = {c: [] for c in configs}
     references: list[dict] = []
     if not as_json:
@@ -109,18 +111,20 @@ def run(command: list[str], *, modes, workers, shards: int, device: str, shard_d
             raise RuntimeError("the script recorded no samples alone: pass samples= to ps.push() and run more than "
                                f"{skip + 1} steps")
         references.append(reference)
-        for mode, w in configs:
-            job = apply_overrides(base, {"mode": mode, "workers": w, "seed": base.train.seed + r})
+        for mode, w, placement in configs:
+            job = apply_overrides(base, {"mode": mode, "workers": w, "seed": base.train.seed + r,
+                                         "shard_placement": placement})
             found = through_psgrid(command, job, skip)
             found["ratio"] = (found["samples_per_s"] or 0.0) / reference["samples_per_s"]
-            runs[(mode, w)].append(found)
+            runs[(mode, w, placement)].append(found)
             if as_json:
                 print(json.dumps({"suite": "script", "repeat": r, "mode": mode, "workers": w, "shards": shards,
-                                  "alone": reference, **found}), file=out, flush=True)
+                                  "shard_placement": placement, "alone": reference, **found}), file=out, flush=True)
     rows = []
-    for (mode, w), found in runs.items():
+    for (mode, w, placement), found in runs.items():
         ratios = [f["ratio"] for f in found]
-        row = {"suite": "script", "mode": mode, "workers": w, "shards": shards, "ratio": statistics.median(ratios),
+        row = {"suite": "script", "mode": mode, "workers": w, "shards": shards, "shard_placement": placement,
+               "ratio": statistics.median(ratios),
                "ratios": ratios, "samples_per_s": statistics.median(f["samples_per_s"] or 0.0 for f in found),
                "alone_samples_per_s": statistics.median(r["samples_per_s"] for r in references),
                "alone_compute_s": statistics.median(r["compute_s"] for r in references),
@@ -144,12 +148,12 @@ def _table(rows: list[dict], out) -> None:
     if rows:
         print(f"alone: {rows[0]['alone_samples_per_s']:.0f} samples/s, {1e3 * rows[0]['alone_compute_s']:.2f} ms compute "
               f"(pull to update), {1e3 * rows[0]['alone_update_s']:.2f} ms update (medians)", file=out)
-    print(f"{'mode':>6} {'W':>2} {'shards on':>9} {'plane':>6} {'samples/s':>10} {'alone':>10} {'x alone':>7} "
+    print(f"{'mode':>6} {'W':>2} {'shards on':>9} {'in':>7} {'plane':>9} {'samples/s':>10} {'alone':>10} {'x alone':>7} "
           f"{'pull ms':>8} {'compute ms':>10} {'push ms':>8}  each repeat's x alone", file=out)
     for row in rows:
         ms = {k: "-" if row[k] is None else f"{1e3 * row[k]:.2f}" for k in ("pull_s", "compute_s", "push_s")}
-        print(f"{row['mode']:>6} {row['workers']:>2} {row['shard_device'] or '-':>9} "
-              f"{'+'.join(row['planes_used']) or '-':>6} {row['samples_per_s']:10.0f} {row['alone_samples_per_s']:10.0f} "
+        print(f"{row['mode']:>6} {row['workers']:>2} {row['shard_device'] or '-':>9} {row['shard_placement']:>7} "
+              f"{'+'.join(row['planes_used']) or '-':>9} {row['samples_per_s']:10.0f} {row['alone_samples_per_s']:10.0f} "
               f"{row['ratio']:7.2f} {ms['pull_s']:>8} {ms['compute_s']:>10} {ms['push_s']:>8}  "
               f"{' '.join(f'{r:.2f}' for r in row['ratios'])}", file=out, flush=True)
 

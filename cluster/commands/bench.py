@@ -158,5 +158,5 @@ def _script(args: argparse.Namespace) -> int:
     settings = dict(parse_assignment(text) for text in args.set)
     script.run(args.user_command, modes=args.modes, workers=args.workers or [1], shards=shards[0],
                device=args.device, shard_device=args.shard_device, repeats=max(1, args.repeats),
-               skip=max(0, args.skip), settings=settings, as_json=args.json)
+               skip=max(0, args.skip), settings=settings, as_json=args.json, placements=args.shard_placement)
     return 0

@@ -66,7 +66,7 @@ class Launcher:
 
     def __init__(self, job: JobConfig, out: Path, progress: bool | None = None, *, bar=None,
                  quiet: bool = False, resumed: list[dict] | None = None, command: list[str] | None = None,
-                 launcher: str = "launch"):
+                 launcher: str = "launch", relay: bool = True):
         from psgrid.cluster.run.hosting import check_placement
 
         # here too for the Python API: LocalCluster's own sessions are workers no shard can live in
@@ -81,6 +81,7 @@ class Launcher:
         self.quiet = quiet
         self.command = command      # the user's own command, run by each worker instead of the built-in trainer
         self.relay = None           # copies the commands' output to the terminal, prefixed by rank
+        self.relays = relay         # whether it does (psctl bench script keeps its output to itself)
         self.shards: list[Child] = []  # the psctl server processes, in shard order
         self.workers: list[Child] = []
         self.addresses: list[str] = []
@@ -179,7 +180,7 @@ class Launcher:
                 self.workers.append(Child(f"worker {rank}", argv, self.out / "logs" / f"worker-{rank}.log", env))
             self.jobrun.tail.add(metrics)
         self.jobrun.event("workers_started", pids=[w.pid for w in self.workers])
-        if self.command:
+        if self.command and self.relays:
             self.relay = user_script.OutputRelay({rank: w.log_path for rank, w in enumerate(self.workers)})
 
     def follow(self) -> float:
