@@ -192,6 +192,7 @@ def main() -> int:
     ended = collections.Counter()           # (phase, signal, how the launcher ended) -> count
     outcomes = collections.Counter()        # resumable / never begun / NOT RESUMABLE
     problems: list[str] = []
+    odd: list[str] = []         # launches that ended otherwise than by the signal or by finishing
     orphans = killed_mid_write = temp_files = empty_job_files = finished = 0
     folders = 0
     started = time.monotonic()
@@ -208,6 +209,8 @@ def main() -> int:
                 sig = rng.choice((signal.SIGINT, signal.SIGKILL))
                 how = interrupt(argv, log, sig, rng.uniform(0.0, args.window))
                 landed = how != "finished before the signal"
+                if how.startswith(("exit", "hung")):
+                    odd.append(f"{out} {phase} launch: {how} (log {log})")
                 done, sent = done + landed, sent + landed
                 ended[(phase, signal.Signals(sig).name, how)] += 1
                 orphans += end_leftovers()
@@ -241,7 +244,9 @@ def main() -> int:
               f"{killed_mid_write}, left at the end: {temp_files}; empty job.toml seen: {empty_job_files}")
         for p in problems:
             print(f"PROBLEM: {p}")
-        if args.keep or problems:
+        for o in odd:
+            print(f"ended otherwise: {o}")
+        if args.keep or problems or odd:
             print(f"folders and logs in {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
