@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tests.support import ROOT, launch_env, run_launch
@@ -136,3 +137,96 @@ def test_psctl_mpi_aggregates_a_scripts_workers_through_one_client_per_node(tmp_
     assert [starts[rank]["data_planes"] for rank in (1, 2)] == [["host"], ["host"]]
     seen = _weights_seen(stdout + err)
     assert seen == {rank: [-2.0 * k for k in range(5)] for rank in range(3)}, stdout + err
+
+
+# ----- a script's session on the core, in this process ------------------------------------------------------
+
+
+@pytest.fixture
+def no_job(monkeypatch):
+    from psgrid.worker import env as job_vars
+
+    for name in (*job_vars.NAMES, "PSGRID_ALONE", job_vars.PARENT):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("data_plane", ["shm"])
+def test_a_push_refused_after_its_buffer_was_taken_leaves_the_push_in_flight_alone(cluster, data_plane, no_job):
+    # async overlaps a push with the next step, its gradient in the other of two buffers: a push that fails before
+    # it is sent (here the exchange refuses it) must not make the retry write the buffer the push in flight reads.
+    from psgrid.worker.api import init
+
+    c = cluster(1, mode="async", lr=1.0)
+    w = np.zeros(4, np.float32)
+    ps = init({"w": w}, addresses=c.addresses, world=1)
+    assert ps._overlap
+    ps.pull()
+    ps.push({"w": np.ones(4, np.float32)})
+    in_flight = ps.bufs.current
+    real_push, calls = ps.client.push, []
+
+    def refuse_once(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("refused")
+        return real_push(*args, **kw)
+
+    ps.client.push = refuse_once
+    with pytest.raises(RuntimeError, match="refused"):
+        ps.push({"w": np.full(4, 5, np.float32)})
+    ps.push({"w": np.full(4, 2, np.float32)})
+    assert ps.bufs.current != in_flight          # the retry wrote the buffer the refused push had taken
+    ps.close()
+    np.testing.assert_array_equal(c.weights(), -3.0)        # the first push and the retry, nothing of the refused
+    assert ps.steps == 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("data_plane", ["shm"])
+def test_a_script_that_pulls_ahead_may_push_before_its_first_pull(cluster, data_plane, no_job):
+    from psgrid.worker.api import init
+
+    c = cluster(1, mode="async", lr=1.0)
+    ps = init({"w": np.zeros(4, np.float32)}, addresses=c.addresses, world=1, pull_ahead=True)
+    assert ps.core.ahead is not None
+    ps.push({"w": np.ones(4, np.float32)})      # nothing pulled yet: the client's own versions
+    for _ in range(3):
+        ps.pull()
+        ps.push({"w": np.ones(4, np.float32)})
+    ps.close()
+    np.testing.assert_array_equal(c.weights(), -4.0)
+
+
+def test_a_worker_setting_given_to_init_reaches_the_core_and_a_bad_one_is_one_line(no_job):
+    from psgrid.worker.api import init
+
+    with pytest.raises(RuntimeError, match=r"the job's \[train\] table: stragglers: 'x' is not a straggler"):
+        init({"w": np.zeros(2, np.float32)}, addresses=["127.0.0.1:1"], world=1, stragglers=["x"])
+
+
+def test_a_script_alone_updates_as_torch_optim_sgd_and_writes_the_step_records(tmp_path, monkeypatch, no_job):
+    import psgrid
+
+    job = tmp_path / "job.toml"
+    job.write_text('[server]\noptimizer = "sgd"\nlr = 0.1\nmomentum = 0.9\nweight_decay = 0.01\n')
+    metrics = tmp_path / "worker-0.jsonl"
+    monkeypatch.setenv("PSGRID_ALONE", "1")
+    w = np.ones(3, np.float32)
+    ps = psgrid.init({"w": w}, job_file=str(job), metrics=str(metrics))
+    g = np.array([1.0, 2.0, 3.0], np.float32)
+    expected, velocity = w.copy(), None
+    for step in range(3):
+        ps.pull()
+        ps.push({"w": g}, loss=1.0 / (step + 1), samples=8)
+        d = g + 0.01 * expected                       # torch.optim.SGD: decay, then the momentum buffer
+        velocity = d.copy() if velocity is None else 0.9 * velocity + d
+        expected = expected - 0.1 * velocity
+    np.testing.assert_allclose(w, expected, rtol=1e-6)
+    ps.close()
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["event"] for r in records] == ["start", "step", "step", "step", "done"]
+    assert records[0]["mode"] == "alone" and records[-1]["samples"] == 24
+    job.write_text('[server]\noptimizer = "adam"\nlr = 0.1\n')
+    with pytest.raises(RuntimeError, match="trains alone with SGD"):
+        psgrid.init({"w": w}, job_file=str(job))

@@ -32,19 +32,23 @@ class AloneSession:
     mode = "alone"
 
     def __init__(self, params, *, names: list[str], originals: list, lr: float, momentum: float,
-                 metrics: str | None, device: int | None, local_rank: int = 0):
+                 metrics: str | None, device: int | None, local_rank: int = 0, weight_decay: float = 0.0,
+                 nesterov: bool = False):
         self.names, self._originals = names, originals
         self.rank, self.world, self.local_rank, self.gpu = 0, 1, local_rank, device
         self.steps, self.samples, self.final_loss, self.last_step = 0, 0, float("nan"), None
         self.clock = 0
         self._views = [dlpack.view(a) for a in originals]
         self.xp = dlpack.module_of(self._views[0])
-        self.lr, self.momentum = lr, momentum
+        self.lr, self.momentum, self.weight_decay, self.nesterov = lr, momentum, weight_decay, nesterov
         self._optimizer = None
+        self._torch = None
         if callable(getattr(params, "parameters", None)):
             import torch
 
-            self._optimizer = torch.optim.SGD(originals, lr=lr, momentum=momentum)
+            self._torch = torch
+            self._optimizer = torch.optim.SGD(originals, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                              nesterov=nesterov)
         self._velocity = None
         self._metrics = MetricsWriter(metrics)
         self._device_name = "cpu" if device is None else f"cuda:{device}"
@@ -69,7 +73,8 @@ class AloneSession:
             self._optimizer.step()
         else:
             self._apply(grads)
-        loss_value = float("nan") if loss is None else float(dlpack.exportable(loss))   # waits for the step's work
+        loss_value = float("nan") if loss is None else float(dlpack.exportable(loss))
+        self._synchronize()       # the step's work done, as a session's push waits for its gradient
         t_done = time.perf_counter()
         record = dict(event="step", rank=0, worker=0, step=self.steps, clock=self.steps,
                       started=self._started or time.time(), loss=loss_value, pull_s=0.0,
@@ -84,21 +89,35 @@ class AloneSession:
         self.clock = self.steps
         self._pulled_at = self._started = None
 
+    def _synchronize(self) -> None:
+        if self.gpu is None:
+            return
+        if self._torch is not None:
+            self._torch.cuda.synchronize(self.gpu)
+        else:
+            self.xp.cuda.Device(self.gpu).synchronize()
+
     def _apply(self, grads) -> None:
+        """``torch.optim.SGD``'s update, through the parameters' NumPy or CuPy views."""
         if grads is None:
             grads = [a.grad for a in self._originals]
         elif isinstance(grads, dict):
             grads = [grads[n] for n in self.names]
         if self.momentum and self._velocity is None:
-            self._velocity = [v * 0 for v in self._views]
+            self._velocity = [None] * len(self._views)
         for i, (param, grad) in enumerate(zip(self._views, grads)):
             if grad is None:
                 continue
             g = dlpack.view(grad)
+            if self.weight_decay:
+                g = g + self.weight_decay * param
             if self.momentum:
-                self._velocity[i] *= self.momentum
-                self._velocity[i] += g
-                g = self._velocity[i]
+                if self._velocity[i] is None:       # torch's first step: the buffer is the gradient itself
+                    self._velocity[i] = g.copy()
+                else:
+                    self._velocity[i] *= self.momentum
+                    self._velocity[i] += g
+                g = g + self.momentum * self._velocity[i] if self.nesterov else self._velocity[i]
             param -= self.lr * g
 
     def log_eval(self, test_accuracy: float | None = None, **values: float) -> None:
@@ -122,10 +141,19 @@ class AloneSession:
 
 
 def alone_session(params, *, names, originals, job_table: dict, metrics, device, local_rank) -> AloneSession:
-    """The session of a script run alone, at the job's ``[server]`` lr and momentum (0.01 and 0 by default)."""
+    """The session of a script run alone: the job's ``[server]`` SGD (lr 0.01, no momentum by default).
+
+    Only SGD has a counterpart here; a job of another optimizer is refused in one line, since the
+    reference would not train as the shards do.
+    """
     server = job_table.get("server", {})
+    optimizer = server.get("optimizer", "sgd")
+    if optimizer != "sgd":
+        raise RuntimeError(f"{ALONE}=1 trains alone with SGD, the reference of psctl bench script; the job's "
+                           f"optimizer is {optimizer!r}: use optimizer = \"sgd\"")
     lr, momentum = float(server.get("lr", 0.01)), float(server.get("momentum", 0.0))
     if not (np.isfinite(lr) and lr > 0):
         raise RuntimeError(f"{ALONE}=1: the job's lr must be a finite number > 0, got {lr}")
     return AloneSession(params, names=names, originals=originals, lr=lr, momentum=momentum, metrics=metrics,
-                        device=device, local_rank=local_rank)
+                        device=device, local_rank=local_rank, weight_decay=float(server.get("weight_decay", 0.0)),
+                        nesterov=bool(server.get("nesterov", False)))

@@ -50,6 +50,7 @@ CLIENT_SETTINGS = ("data_plane", "shared_memory", "wire_dtype", "chunk_bytes", "
                    "join_timeout_s", "tls_ca", "tls_cert", "tls_key")
 WORKER_SETTINGS = ("overlap", "pull_ahead", "stragglers", "aggregate", "seed", "join_timeout_s", "deadline_s",
                    "retry_s", "wire_dtype")
+WORKER_ONLY = tuple(key for key in WORKER_SETTINGS if key not in CLIENT_SETTINGS)
 
 NO_JOB = (f"psgrid.init() found no job: run the script with `psctl launch -- python SCRIPT` (or under "
           f"`psctl mpi -- ...`), or pass addresses=[...] and world=N (or set {ADDRESSES} and {WORLD_SIZE})")
@@ -75,8 +76,9 @@ def init(params, *, addresses=None, rank: int | None = None, world: int | None =
         of workers, the JSON-lines file for the records, the job file whose ``[train]``
         transport settings the client uses.
     **client_options
-        Passed to :class:`psgrid.Client` (``token``, ``wire_dtype``, ``deadline_s``, ...); they
-        override the environment and the job file.
+        Passed to :class:`psgrid.Client` (``token``, ``wire_dtype``, ``deadline_s``, ...), except a
+        worker's own settings (``overlap``, ``pull_ahead``, ``stragglers``, ``aggregate``, ``seed``),
+        which the session's worker core takes; they override the environment and the job file.
 
     Raises
     ------
@@ -94,6 +96,8 @@ def init(params, *, addresses=None, rank: int | None = None, world: int | None =
     if not addresses or world is None:
         raise RuntimeError(NO_JOB)
     table = job_train_table(job_file or env.job_file)
+    # A worker's own settings given here win over the job's, as the client's do; the rest go to the client.
+    table = {**table, **{key: client_options.pop(key) for key in WORKER_ONLY if key in client_options}}
     settings = {key: table[key] for key in CLIENT_SETTINGS if key in table}
     settings.update({key: value for key, value in (("tls_ca", env.tls_ca), ("tls_cert", env.tls_cert),
                                                    ("tls_key", env.tls_key)) if value})
@@ -102,7 +106,8 @@ def init(params, *, addresses=None, rank: int | None = None, world: int | None =
     watch_launcher()
     return Session(params, addresses=addresses, world=world, rank=rank if rank is not None else env.rank,
                    metrics=metrics or env.metrics, local_rank=env.local_rank, gpu=env.gpu,
-                   train=worker_settings(table), host_group=env.host_group, **settings)
+                   train=worker_settings({**table, **{k: v for k, v in settings.items() if k in WORKER_SETTINGS}}),
+                   host_group=env.host_group, **settings)
 
 
 def unreachable(addresses: list[str], settings: Mapping) -> str | None:
@@ -325,13 +330,14 @@ class Session:
         self._close(completed=exc_type is None)
 
     def after_close(self, action) -> None:
-        """Run ``action(completed)`` once this session has closed (``completed``: it ended without an error)."""
+        """Run ``action(ended)`` once this session has closed (``ended``: its last push taken, its ``done`` written)."""
         self._after_close.append(action)
 
     def _close(self, completed: bool) -> None:
         if self._closed:
             return
         self._closed = True
+        ended = False          # whether it ended as asked: its last push taken, its done record written
         try:
             try:
                 if completed:
@@ -340,10 +346,11 @@ class Session:
                 self.core.__exit__(None, None, None)
             if completed:
                 self._metrics.write(event="done", **self.result())
+                ended = True
         finally:
             self._metrics.close()
             for action in self._after_close:
-                action(completed)
+                action(ended)
 
     # ----- helpers --------------------------------------------------------------------------------
 

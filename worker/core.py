@@ -128,6 +128,9 @@ class WorkerCore:
         self._in_flight = None        # (push handle, its step's record): the push of the step before
         self._timed: dict | None = None
         self._compute_t0: float | None = None
+        # This step's gradient buffer is taken (swapped to) once; a push that failed before it was issued
+        # leaves it taken, so a retry writes it again rather than the buffer the push in flight reads.
+        self._taken = False
 
     # ----- joining ---------------------------------------------------------------------------------
 
@@ -197,8 +200,9 @@ class WorkerCore:
 
     def gradient(self) -> dict:
         """The views this step's gradient goes into (by name): the other buffer where a push is in flight."""
-        if self.overlap:
+        if self.overlap and not self._taken:
             self.bufs.swap_gradient()          # the push that read it (the step before last) has ended
+        self._taken = True
         return self.bufs.grad_views
 
     def push(self, loss, *, samples: int | None = None) -> dict:
@@ -219,18 +223,20 @@ class WorkerCore:
         delay_s = self.delay.seconds(compute_s)
         if delay_s:
             time.sleep(delay_s)
+        self._write_in_flight()             # the push before (it overlapped this pull and compute) ends first
         record = dict(event="step", rank=self.rank, worker=self.exchange.worker_id, step=self.step,
                       clock=self.exchange.clock, started=timed["started"], loss=loss_value, pull_s=timed["pull_s"],
                       compute_s=compute_s, delay_s=delay_s)
         if samples is not None:
             record["samples"] = int(samples)
-            self.samples += int(samples)
         if "pull_ahead_s" in timed:
             record["pull_ahead_s"] = timed["pull_ahead_s"]
-        self._write_in_flight()             # the push before (it overlapped this pull and compute) ends first
-        # Pulled ahead, the client's last pull is the next step's: say which weights this gradient is of.
-        used = {} if self.ahead is None else {"versions": self.ahead.push_versions()}
+        # Pulled ahead, the client's last pull is the next step's: say which weights this gradient is of
+        # (nothing pulled yet, a script's first push: the client's own versions).
+        used = {} if self.ahead is None or not self.ahead.versions else {"versions": self.ahead.push_versions()}
         self._in_flight = (self.exchange.push(self.bufs.pushed, background=self.overlap, **used), record)
+        self._taken = False
+        self.samples += int(samples or 0)
         if not self.overlap:
             self._write_in_flight()
         self.step += 1

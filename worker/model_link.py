@@ -94,8 +94,8 @@ class ModelLink:
             for name, source in sources:
                 if source is None:              # a parameter that took no part in the loss
                     flat[name].zero_()
-        device = given[0][0].device if given else None
-        if device is not None and device.type == "cuda" and torch.cuda.current_stream(device).cuda_stream != 0:
+        device = next(iter(flat.values())).device
+        if device.type == "cuda" and torch.cuda.current_stream(device).cuda_stream != 0:
             # psgrid waits on CuPy's default stream before it pushes: a script on a stream of its own is waited for here.
             torch.cuda.current_stream(device).synchronize()
 

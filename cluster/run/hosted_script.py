@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import signal
+import threading
 from pathlib import Path
 
 from psgrid.worker import api
@@ -35,14 +38,29 @@ def init(params, **options):
     if env.host_shard is None or options.get("addresses") is not None or alone.wanted():
         return api.init(params, **options)
     server = start_shard(env)
+    stop = functools.partial(server.stop, grace=1.0)
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (the launcher stopping this worker, or its lifeline when the launcher is gone) ends the
+        # process as it would have, once the shard has stopped and written its final checkpoint.
+        signal.signal(signal.SIGTERM, functools.partial(_stop_then_die, stop))
     try:
-        addresses = _addresses(env)
-        session = api.init(params, addresses=addresses, **options)
+        session = api.init(params, **{**options, "addresses": _addresses(env)})
     except BaseException:
-        server.stop(grace=1.0)
+        stop()
         raise
-    session.after_close(lambda completed: serve_on(server) if completed else server.stop(grace=1.0))
+    # Its training ended as asked: serve on until the job ends. Else the shard stops with it (the launcher
+    # starts it again as a process of its own under restart_failed, or the job ends).
+    session.after_close(lambda ended: serve_on(server) if ended else stop())
     return session
+
+
+def _stop_then_die(stop, signum, frame) -> None:
+    # Not SystemExit: the script's threads and pools would then hold the process, and no exit hook runs.
+    signal.signal(signum, signal.SIG_DFL)
+    try:
+        stop()
+    finally:
+        os.kill(os.getpid(), signum)
 
 
 def start_shard(env):
