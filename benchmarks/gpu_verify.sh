@@ -12,12 +12,14 @@
 #  5. device shards and the CUDA IPC plane (benchmarks/gpu_device_shards.sh: its tests, worker figures,
 #     bench train on device shards, the default job on them, the cost of a call and of a move between
 #     GPU contexts, and the alternating figures without and under MPS);
-#  6. the all-reduce baseline on the GPU (benchmarks/gpu_allreduce.sh).
+#  6. the all-reduce baseline on the GPU (benchmarks/gpu_allreduce.sh);
+#  7. your own script through psgrid.init against itself alone (benchmarks/gpu_scripts.sh: torchvision's
+#     ResNet-18, a 27M torch.nn.TransformerEncoder and examples/train_cupy.py, psctl bench script).
 # Logs and JSON land in $OUT. PARTS="1 3" runs only those parts. On the lent device: wheels for
 # what its image lacks travel in .whl/.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-PARTS=${PARTS:-1 2 3 4 5 6}
+PARTS=${PARTS:-1 2 3 4 5 6 7}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "cores $(nproc), $(grep MemTotal /proc/meminfo)"
@@ -95,4 +97,9 @@ fi
 if part 6; then
 echo "== 6. the all-reduce baseline on the GPU"
 OUT="$OUT" bash benchmarks/gpu_allreduce.sh
+fi
+
+if part 7; then
+echo "== 7. your own script through psgrid.init, against itself alone"
+OUT="$OUT" PARTS="1 2" bash benchmarks/gpu_scripts.sh
 fi
