@@ -18,6 +18,7 @@ import tempfile
 from itertools import product
 from pathlib import Path
 
+from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
 
 
@@ -64,7 +65,7 @@ def alone(command: list[str], job: JobConfig, skip: int, timeout_s: float) -> di
                               stderr=subprocess.PIPE, text=True)
         if done.returncode != 0:
             tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
-            raise RuntimeError(f"the script alone exited {done.returncode}: {tail[0]}")
+            raise JobFailed(f"the script alone exited {done.returncode}: {tail[0]}")
         rate = steady_samples_per_s([metrics], skip) if metrics.exists() else None
         if rate is None:
             return None
@@ -99,6 +100,9 @@ def run(command: list[str], *, modes, workers, shards: int, device: str, shard_d
 
     command = resolve_command(command)      # `python` is this interpreter; a missing script is one line, here
     base = base_job(device, shards, shard_device, settings)
+    if base.server.optimizer != "sgd":
+        raise UsageError(f"psctl bench script compares with the script alone under plain SGD: leave optimizer at "
+                         f"\"sgd\", not {base.server.optimizer!r}")
     configs = [(m, w, p) for m, w, p in product(modes, workers, placements) if p == "process" or w >= shards]
     runs: dict[tuple, list[dict]] = {c: [] for c in configs}
     references: list[dict] = []
@@ -108,8 +112,8 @@ def run(command: list[str], *, modes, workers, shards: int, device: str, shard_d
     for r in range(repeats):
         reference = alone(command, base, skip, timeout_s)
         if reference is None:
-            raise RuntimeError("the script recorded no samples alone: pass samples= to ps.push() and run more than "
-                               f"{skip + 1} steps")
+            raise JobFailed(f"the script recorded no samples alone: pass samples= to ps.push() and run more than "
+                            f"{skip + 1} steps (--skip {skip})")
         references.append(reference)
         for mode, w, placement in configs:
             job = apply_overrides(base, {"mode": mode, "workers": w, "seed": base.train.seed + r,
