@@ -31,6 +31,7 @@ ADDRESS_TIMEOUT_S = 120.0
 
 @functools.wraps(api.init)
 def init(params, **options):
+    from psgrid.cluster.run.hosting import wait_for_addresses
     from psgrid.worker import alone
     from psgrid.worker.env import job_env
 
@@ -44,7 +45,8 @@ def init(params, **options):
         # process as it would have, once the shard has stopped and written its final checkpoint.
         signal.signal(signal.SIGTERM, functools.partial(_stop_then_die, stop))
     try:
-        session = api.init(params, **{**options, "addresses": _addresses(env)})
+        addresses = wait_for_addresses(Path(env.address_dir), server.config.num_shards, ADDRESS_TIMEOUT_S)
+        session = api.init(params, **{**options, "addresses": addresses})
     except BaseException:
         stop()
         raise
@@ -84,13 +86,6 @@ def start_shard(env):
           f"(mode {config.mode}, job {server.config.job_id})", flush=True)
     return server
 
-
-def _addresses(env) -> list[str]:
-    from psgrid.cluster.job.config import load_shard_settings
-    from psgrid.cluster.run.hosting import wait_for_addresses
-
-    _, shards = load_shard_settings(env.job_file)
-    return wait_for_addresses(Path(env.address_dir), shards, ADDRESS_TIMEOUT_S)
 
 
 def serve_on(server) -> None:
