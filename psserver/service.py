@@ -201,6 +201,26 @@ class ShardService:
     def stats(self) -> dict:
         return self.shard.stats()
 
+    def describe(self) -> dict:
+        """What a worker needs to join this shard's job (DescribeReply in proto/ps.proto), changing nothing.
+
+        ``spec`` is ``(params, hash)`` with params as ``(name, shape, dtype)`` in layout order, the hash
+        being the one a registration is checked against; None before Init.
+        """
+        shard, config = self.shard, self.shard.config
+        layout = shard.layout_info()        # read first: a spec seen later is never older than it
+        spec = shard.spec
+        optimizer = {"name": config.optimizer, **config.optimizer_hparams(),
+                     "staleness_compensation": config.compensation, "async_momentum": config.async_momentum}
+        return {
+            **layout,
+            "spec": None if spec is None else ([(p.name, p.shape, p.dtype) for p in spec.params], spec.hash()),
+            "mode": config.mode, "staleness": config.staleness, "backup_workers": config.backup_workers,
+            "lease_s": config.lease_s, "shard_index": config.shard_index, "num_shards": config.num_shards,
+            "max_chunk_bytes": config.chunk_bytes, "planes": self.offers(), "optimizer": optimizer,
+            "update_device": "gpu" if shard.arrays.on_gpu else "cpu", "job_tag": job_tag(config.job_id),
+        }
+
     def checkpoint(self) -> tuple[str, int]:
         return self.shard.checkpoint()
 

@@ -15,9 +15,11 @@ import numpy as np
 
 from psgrid.psserver.client.handle import Handle, launch
 from psgrid.psserver.client.joining import POLL_S
-from psgrid.psserver.exceptions import InvalidArgument, Unavailable, WaitTimeout, WrongJob
+from psgrid.psserver.exceptions import (InvalidArgument, NotInitialized, SpecMismatch, Unavailable, WaitTimeout,
+                                        WrongJob)
 from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, Reason, Registration
 from psgrid.psserver.security import job_token
+from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.client.connections import ShardConnections
 from psgrid.psserver.transports.base import ConnectOptions
 
@@ -63,6 +65,26 @@ class Admin:
             if s.get("job_tag"):
                 self._conn.note_job(i, s["job_tag"])
         return [dict(s, address=a) for s, a in zip(stats, self.addresses)]
+
+    def describe(self) -> list[dict]:
+        """Every shard's answer to Describe (DescribeReply in proto/ps.proto), with its address: the job's
+        model spec and hash (``spec``: None before Init), its settings, and the shard's range and planes."""
+        return [dict(d, address=a) for d, a in zip(self._conn.each("describe"), self.addresses)]
+
+    def model_spec(self) -> ModelSpec:
+        """The running job's model, as its shards hold it: what a worker joining it must register.
+
+        Raises :class:`~psgrid.psserver.exceptions.NotInitialized` before any worker sent Init, and
+        :class:`~psgrid.psserver.exceptions.SpecMismatch` if the shards hold different specs.
+        """
+        described = self.describe()
+        specs = {d["spec"]["hash"] if d["spec"] else None for d in described}
+        if None in specs:
+            raise NotInitialized("the job's shards have no model yet: no worker has sent Init")
+        if len(specs) > 1:
+            raise SpecMismatch(f"the job's shards hold {len(specs)} different model specs: {sorted(specs)}")
+        spec = described[0]["spec"]
+        return ModelSpec((p["name"], tuple(p["shape"]), p["dtype"]) for p in spec["params"])
 
     def checkpoint(self) -> list[str]:
         """Ask every shard to write a checkpoint now; returns their paths."""

@@ -319,3 +319,69 @@ class ShutdownRequest(_message.Message):
 class ShutdownReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DescribeReply(_message.Message):
+    __slots__ = ("initialized", "spec", "mode", "staleness", "backup_workers", "lease_s", "shard_index", "num_shards", "total_size", "begin", "end", "max_chunk_bytes", "planes", "optimizer", "update_device", "job_tag", "version")
+    INITIALIZED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PLANES_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    JOB_TAG_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    initialized: bool
+    spec: ModelSpecMsg
+    mode: str
+    staleness: int
+    backup_workers: int
+    lease_s: float
+    shard_index: int
+    num_shards: int
+    total_size: int
+    begin: int
+    end: int
+    max_chunk_bytes: int
+    planes: _containers.RepeatedCompositeFieldContainer[PlaneOffer]
+    optimizer: OptimizerInfo
+    update_device: str
+    job_tag: str
+    version: int
+    def __init__(self, initialized: _Optional[bool] = ..., spec: _Optional[_Union[ModelSpecMsg, _Mapping]] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., lease_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_size: _Optional[int] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[PlaneOffer, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerInfo, _Mapping]] = ..., update_device: _Optional[str] = ..., job_tag: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class OptimizerInfo(_message.Message):
+    __slots__ = ("name", "lr", "momentum", "nesterov", "weight_decay", "beta1", "beta2", "eps", "staleness_compensation", "async_momentum")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_COMPENSATION_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    lr: float
+    momentum: float
+    nesterov: bool
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    staleness_compensation: str
+    async_momentum: str
+    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., staleness_compensation: _Optional[str] = ..., async_momentum: _Optional[str] = ...) -> None: ...

@@ -57,6 +57,11 @@ class ParameterServerStub:
                 request_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.ShutdownReply.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/ps.ParameterServer/Describe',
+                request_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.DescribeReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -120,6 +125,16 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """The job's model spec (names, shapes, dtype, and its hash: the one Register checks) and the settings a
+        worker needs to join it: mode, staleness, optimizer, data planes. Where the job has a token, only a
+        caller that shows it is answered (UNAUTHENTICATED, `unauthenticated`, as every call). Before Init the
+        shard knows no spec: `initialized` is false and `spec` empty. Needs no registration; changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +177,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.ShutdownRequest.FromString,
                     response_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.ShutdownReply.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.DescribeRequest.FromString,
+                    response_serializer=psgrid_dot_psserver_dot_rpc_dot_ps__pb2.DescribeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -380,6 +400,33 @@ class ParameterServer:
             '/ps.ParameterServer/Shutdown',
             psgrid_dot_psserver_dot_rpc_dot_ps__pb2.ShutdownRequest.SerializeToString,
             psgrid_dot_psserver_dot_rpc_dot_ps__pb2.ShutdownReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ps.ParameterServer/Describe',
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.DescribeRequest.SerializeToString,
+            psgrid_dot_psserver_dot_rpc_dot_ps__pb2.DescribeReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,6 +30,7 @@ _UNARY = {  # method: its reply message
     "Stats": ps_pb2.StatsReply,
     "Checkpoint": ps_pb2.CheckpointReply,
     "Shutdown": ps_pb2.ShutdownReply,
+    "Describe": ps_pb2.DescribeReply,
 }
 
 
@@ -121,6 +122,14 @@ class GrpcControl(Control):
 
     def shutdown(self, job_id: str) -> None:
         self.call("Shutdown", ps_pb2.ShutdownRequest(job_id=job_id))
+
+    def describe(self) -> dict:
+        """The shard's DescribeReply as plain values (``spec``: None before Init)."""
+        reply = self.call("Describe", ps_pb2.DescribeRequest())
+        described = _as_dict(reply)
+        if not reply.HasField("spec"):
+            described["spec"] = None
+        return described
 
     def close(self) -> None:
         self.channel.close()

@@ -40,6 +40,15 @@ def _decode(message_cls, raw: bytes):
         raise InvalidArgument(f"malformed {message_cls.__name__}: {exc}", Reason.MALFORMED) from None
 
 
+def _carries_chunk(chunk) -> bool:
+    """Whether a message carries a chunk: one with no type and no bytes is none (a header alone).
+
+    Such a message adds no elements, so a Push or Init of headers alone is refused as a stream that
+    ended before its range (``bad_size``, as the proto lists it), not for the type of a chunk it never sent.
+    """
+    return bool(chunk.dtype or len(chunk.data))
+
+
 def _abort(context: grpc.ServicerContext, refusal: Refusal):
     context.set_trailing_metadata(((REASON_KEY, refusal.reason.wire_name),))
     context.abort(_CODES[refusal.status.value], refusal.message)
@@ -72,8 +81,9 @@ class GrpcAdapter:
         params = [(p.name, tuple(p.shape), p.dtype or "float32") for p in first.spec.params]
         intake = self.service.open_init(params, first.spec.hash)
         for message in itertools.chain([first], messages):
-            self._check_chunk(message.chunk.data)
-            intake.add_chunk(message.chunk.offset, message.chunk.dtype, message.chunk.data)
+            if _carries_chunk(message.chunk):
+                self._check_chunk(message.chunk.data)
+                intake.add_chunk(message.chunk.offset, message.chunk.dtype, message.chunk.data)
         applied, version = intake.commit(first.num_chunks)
         return ps_pb2.InitReply(applied=applied, version=version)
 
@@ -96,8 +106,9 @@ class GrpcAdapter:
             raise InvalidArgument("an empty Push stream", Reason.BAD_SIZE)
         with self.service.open_push(worker_id=first.worker_id, clock=first.clock, version=first.version) as intake:
             for frame in itertools.chain([first], frames):
-                self._check_chunk(frame.chunk.data)
-                intake.add_chunk(frame.chunk.offset, frame.chunk.dtype, frame.chunk.data)
+                if _carries_chunk(frame.chunk):
+                    self._check_chunk(frame.chunk.data)
+                    intake.add_chunk(frame.chunk.offset, frame.chunk.dtype, frame.chunk.data)
             result = intake.commit(first.num_chunks)
         return ps_pb2.PushReply(outcome=int(result.outcome), version=result.version, staleness=result.staleness,
                                 next_clock=result.next_clock)
@@ -124,6 +135,10 @@ class GrpcAdapter:
         self.service.shutdown(r.job_id)
         return ps_pb2.ShutdownReply()
 
+    def Describe(self, raw, context):
+        _decode(ps_pb2.DescribeRequest, raw)
+        return describe_reply(self.service.describe())
+
 
 def register_reply(joined: Registration) -> ps_pb2.RegisterReply:
     """A :class:`Registration` as a RegisterReply: every plane in ``planes``, and the TCP and shared-memory
@@ -133,6 +148,22 @@ def register_reply(joined: Registration) -> ps_pb2.RegisterReply:
     offered = dict(planes)
     return ps_pb2.RegisterReply(planes=[ps_pb2.PlaneOffer(name=name, address=address) for name, address in planes],
                                 tcp_port=int(offered.get("tcp") or 0), shm_socket=offered.get("shm", ""), **fields)
+
+
+def describe_reply(described: dict) -> ps_pb2.DescribeReply:
+    """``ShardService.describe``'s answer as a DescribeReply."""
+    fields = dict(described)
+    spec = fields.pop("spec")
+    planes = fields.pop("planes")
+    reply = ps_pb2.DescribeReply(optimizer=ps_pb2.OptimizerInfo(**fields.pop("optimizer")),
+                                 planes=[ps_pb2.PlaneOffer(name=name, address=address) for name, address in planes],
+                                 **fields)
+    if spec is not None:
+        params, digest = spec
+        reply.spec.CopyFrom(ps_pb2.ModelSpecMsg(
+            params=[ps_pb2.ParamInfo(name=name, shape=list(shape), dtype=dtype) for name, shape, dtype in params],
+            hash=digest))
+    return reply
 
 
 def _refusing(service: ShardService, name: str, method, streaming_reply: bool):
@@ -161,7 +192,7 @@ def _refusing(service: ShardService, name: str, method, streaming_reply: bool):
 
 
 def method_handlers(service: ShardService, chunk_bytes: int) -> grpc.GenericRpcHandler:
-    """The service's eight methods; requests stay raw bytes until the handler decodes them."""
+    """The service's nine methods; requests stay raw bytes until the handler decodes them."""
     adapter = GrpcAdapter(service, chunk_bytes)
     kinds = {  # name: (handler factory, reply serializer, reply streams)
         "Register": (grpc.unary_unary_rpc_method_handler, ps_pb2.RegisterReply.SerializeToString, False),
@@ -172,6 +203,7 @@ def method_handlers(service: ShardService, chunk_bytes: int) -> grpc.GenericRpcH
         "Stats": (grpc.unary_unary_rpc_method_handler, ps_pb2.StatsReply.SerializeToString, False),
         "Checkpoint": (grpc.unary_unary_rpc_method_handler, ps_pb2.CheckpointReply.SerializeToString, False),
         "Shutdown": (grpc.unary_unary_rpc_method_handler, ps_pb2.ShutdownReply.SerializeToString, False),
+        "Describe": (grpc.unary_unary_rpc_method_handler, ps_pb2.DescribeReply.SerializeToString, False),
     }
     handlers = {name: factory(_refusing(service, name, getattr(adapter, name), streams), request_deserializer=None,
                               response_serializer=serialize)
