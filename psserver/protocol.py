@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 MODES = ("sync", "async", "ssp")
 OPTIMIZERS = ("sgd", "adam")
+
 # Where a shard keeps its weights, optimizer state and update: "auto" is resolved by the launcher (the GPU
 # when the job's workers compute on one there); a shard started alone with "auto" keeps to the CPU.
 SHARD_DEVICES = ("cpu", "gpu", "auto")
@@ -58,6 +59,34 @@ REASON_KEY = "ps-reason"
 # A consistency wait answers this long before the caller's deadline, so the caller reads the
 # DEADLINE_EXCEEDED reply instead of timing out on its own.
 REPLY_MARGIN_S = 0.05
+
+
+@dataclass(frozen=True)
+class ModeRules:
+    """What a consistency mode does, asked by name of capability, never by comparing mode names.
+
+    The shard's policy (state/policy.py) answers these for its own mode; a client, a worker or the
+    launcher that must know asks :func:`mode_rules`.
+    """
+
+    accumulates: bool     # a push is held for its round, whose mean is applied once (sync)
+    waits_on_pull: bool   # a pull may wait for slower workers (sync, ssp); otherwise it returns at once
+    bounded: bool         # the wait is the staleness bound: the slowest live clock at least c - s (ssp)
+
+
+MODE_RULES = {
+    "sync": ModeRules(accumulates=True, waits_on_pull=True, bounded=False),
+    "async": ModeRules(accumulates=False, waits_on_pull=False, bounded=False),
+    "ssp": ModeRules(accumulates=False, waits_on_pull=True, bounded=True),
+}
+
+
+def mode_rules(mode: str) -> ModeRules:
+    """The rules of consistency mode ``mode`` (ValueError naming the modes for any other)."""
+    try:
+        return MODE_RULES[mode]
+    except KeyError:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}") from None
 
 
 class Status(IntEnum):

@@ -151,6 +151,6 @@ class Checkpointing:
             clocks = sorted(self.policy.clocks.values())
             log.warning("shard %d restored its checkpoint at version %d (%s; worker clocks %s)",
                         self.config.shard_index, self.version,
-                        f"{self.policy.closed_rounds} rounds closed" if self.config.mode == "sync" else self.config.mode,
+                        f"{self.policy.closed_rounds} rounds closed" if self.policy.accumulates else self.config.mode,
                         f"{clocks[0]}..{clocks[-1]}" if clocks else "none")
             return True

@@ -76,7 +76,7 @@ class Membership:
     def register(self, spec_hash: str, worker_id: int, start_clock: int, host: str) -> dict:
         """Join (or rejoin) ``worker_id`` (-1: a new id); returns the join and the layout, read together."""
         try:
-            if self.config.mode == "async":       # never between an async update and the push it takes
+            if not self.policy.waits_on_pull:     # never between an async update and the push it takes
                 with self.apply_lock:
                     return self._register(spec_hash, worker_id, start_clock, host)
             return self._register(spec_hash, worker_id, start_clock, host)
@@ -121,7 +121,7 @@ class Membership:
         log.warning("shard %d: worker %d %s at clock %d, this shard had it at %d: %d push(es) it never took "
                     "(a restart from an older checkpoint, or pushes it refused)", self.config.shard_index, worker, how,
                     now_at, had, now_at - had)
-        if self.config.mode != "sync":
+        if not self.policy.accumulates:
             self.counters.lost_updates += now_at - had
 
     def mark_gone(self, worker: int) -> None:
@@ -170,7 +170,7 @@ class Membership:
         would never release the others. A worker that pushes again later registers anew.
         """
         timeout = self.config.progress_timeout_s
-        if not timeout or self.config.mode == "async":
+        if not timeout or not self.policy.waits_on_pull:
             return []
         with self.cond:
             stalled = [w for w in self.leases.stalled(self.now(), timeout) if self.policy.holding_back(w)]

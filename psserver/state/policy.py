@@ -29,7 +29,7 @@ import heapq
 from dataclasses import dataclass
 
 from psgrid.psserver.exceptions import InvalidArgument, UnknownWorker
-from psgrid.psserver.protocol import MODES, Outcome
+from psgrid.psserver.protocol import MODES, Outcome, mode_rules
 
 __all__ = ["MODES", "ConsistencyPolicy", "Outcome", "PushDecision"]
 
@@ -66,6 +66,9 @@ class ConsistencyPolicy:
         if staleness < 0 or backup_workers < 0:
             raise InvalidArgument("staleness and backup_workers must be non-negative")
         self.mode = mode
+        # What the mode does, asked by the shard (accumulates, waits_on_pull, bounded) and here alike.
+        rules = mode_rules(mode)
+        self.accumulates, self.waits_on_pull, self.bounded = rules.accumulates, rules.waits_on_pull, rules.bounded
         self.staleness = staleness
         self.backup_workers = backup_workers
         self.clocks: dict[int, int] = {}           # live worker -> its clock
@@ -94,9 +97,9 @@ class ConsistencyPolicy:
             return self.clocks[worker]
         if start_clock is None or start_clock < 0:
             start_clock = self.slowest_clock()
-            if self.mode == "sync":
+            if self.accumulates:
                 start_clock = max(start_clock, self.closed_rounds)
-        elif self.mode == "ssp":
+        elif self.bounded:
             start_clock = max(start_clock, self.slowest_clock())
         start_clock = max(start_clock, self.departed.pop(worker, 0))
         self.clocks[worker] = start_clock
@@ -120,7 +123,7 @@ class ConsistencyPolicy:
         """The smallest live clock; with no live worker, the sync open round (or 0)."""
         if self.clocks:
             return min(self.clocks.values())
-        return self.closed_rounds if self.mode == "sync" else 0
+        return self.closed_rounds if self.accumulates else 0
 
     def fastest_clock(self) -> int:
         return max(self.clocks.values()) if self.clocks else self.slowest_clock()
@@ -132,9 +135,9 @@ class ConsistencyPolicy:
         to close). ssp: its clock is more than the bound behind the fastest worker's.
         """
         clock = self.clocks.get(worker)
-        if clock is None or self.mode == "async":
+        if clock is None or not self.waits_on_pull:
             return False
-        if self.mode == "sync":
+        if self.accumulates:
             return clock <= self.closed_rounds and self.fastest_clock() > self.closed_rounds
         return clock < self.fastest_clock() - self.staleness
 
@@ -150,7 +153,7 @@ class ConsistencyPolicy:
         if clock < expected:
             return PushDecision(Outcome.DUPLICATE, clock, expected)
         self.check_ahead(worker, clock)
-        if self.mode != "sync":
+        if not self.accumulates:
             self.clocks[worker] = clock + 1
             return PushDecision(Outcome.APPLIED, clock, clock + 1)
         if clock < self.closed_rounds:
@@ -179,7 +182,7 @@ class ConsistencyPolicy:
         closes as many rounds at once (with no gradient), at no cost per round.
         """
         first = self.closed_rounds
-        if self.mode != "sync" or not self.clocks:
+        if not self.accumulates or not self.clocks:
             return range(first, first)
         if sum(1 for c in self.clocks.values() if c > first) < self.quorum():
             return range(first, first)         # most pushes: the open round stays open
@@ -200,8 +203,8 @@ class ConsistencyPolicy:
         Observers (worker < 0) and workers that are no longer live never wait: an
         evicted worker learns of its eviction at its next push instead of hanging.
         """
-        if worker < 0 or worker not in self.clocks or self.mode == "async":
+        if worker < 0 or worker not in self.clocks or not self.waits_on_pull:
             return True
-        if self.mode == "sync":
+        if self.accumulates:
             return self.closed_rounds >= clock
         return self.slowest_clock() >= clock - self.staleness

@@ -17,20 +17,21 @@ from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.kernels.compensation import effective_momentum
 from psgrid.psserver.kernels.parallel import Chunks
 from psgrid.psserver.protocol import Outcome, PushResult, Reason
+from psgrid.psserver.state.policy import ConsistencyPolicy
 from psgrid.psserver.state.weight_ring import WeightRing
 
 log = logging.getLogger("psgrid.shard")
 
 
-def finite_check(mode: str, chunks: Chunks) -> Callable[[np.ndarray], bool] | None:
+def finite_check(policy: ConsistencyPolicy, chunks: Chunks) -> Callable[[np.ndarray], bool] | None:
     """The check for NaN and infinity a pushed gradient passes as it lands, or None where the update makes it.
 
-    The one rule of where a gradient is checked, whatever plane brought it. In async the update
-    checks it as it reads it (:meth:`Pushes._push_async`, ``check_finite``): a pass of its own
-    would cost as much as a copy. Elsewhere a gradient may wait for its round, so it is checked as
-    it lands, a chunk per thread.
+    The one rule of where a gradient is checked, whatever plane brought it. Where no pull waits
+    (async) the update checks it as it reads it (:meth:`Pushes._push_async`, ``check_finite``): a
+    pass of its own would cost as much as a copy. Elsewhere a gradient may wait for its round, so it
+    is checked as it lands, a chunk per thread.
     """
-    return None if mode == "async" else chunks.all_finite
+    return chunks.all_finite if policy.waits_on_pull else None
 
 
 class Pushes:
@@ -68,7 +69,7 @@ class Pushes:
 
     def _push_here(self, worker: int, clock: int, version_used: int, grad, nbytes: int,
                    borrowed: bool, checked: bool = False) -> tuple[PushResult, bool]:
-        if self.config.mode == "async":
+        if not self.policy.waits_on_pull:     # nothing waits for an update but the next: it runs outside ``cond``
             return self._push_async(worker, clock, version_used, grad, nbytes, checked), False
         return self._push_rounds(worker, clock, version_used, grad, nbytes, borrowed)
 
@@ -190,7 +191,7 @@ class Pushes:
                                             or clock >= self.first_pulls.get(worker, math.inf)):
             raise InvalidArgument(f"worker {worker}'s push at clock {clock} was computed from version {version_used}, "
                                   f"but this shard has published versions up to {self.version}", Reason.FUTURE_VERSION)
-        if clock > expected and self.config.mode != "sync" and self.restored_clocks.get(worker) != expected:
+        if clock > expected and not self.policy.accumulates and self.restored_clocks.get(worker) != expected:
             raise InvalidArgument(f"worker {worker} pushed clock {clock}, but this shard has its pushes up to clock "
                                   f"{expected} only: register again with start_clock {clock} to move on",
                                   Reason.FUTURE_CLOCK)

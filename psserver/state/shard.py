@@ -63,9 +63,9 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
         # async: an update is computed outside ``cond`` (weights are never changed in place, so pulls
         # and everything else go on meanwhile); updates queue on this lock, taken before ``cond``.
         self.apply_lock = threading.Lock()
-        self.chunks = Chunks(config.apply_threads or default_threads())
-        self.finite_check = finite_check(config.mode, self.chunks)     # None: the update checks a gradient
         self.policy = ConsistencyPolicy(config.mode, config.staleness, config.backup_workers)
+        self.chunks = Chunks(config.apply_threads or default_threads())
+        self.finite_check = finite_check(self.policy, self.chunks)     # None: the update checks a gradient
         self.leases = Leases(config.lease_s)
         self.counters = Counters()
         self.spec: ModelSpec | None = None
@@ -78,8 +78,9 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
         # Staleness remedies (compensation.py); sync computes every gradient from the version it meets.
         self.lr_staleness = config.compensation == "lr"
         self.delay: DelayCompensation | None = None      # dc: made with the optimizer
-        self.auto_momentum = config.async_momentum == "auto" and config.mode != "sync" and config.momentum > 0
-        self.plain_steps = not self.auto_momentum and not (config.compensation == "dc" and config.mode != "sync")
+        stale = not self.policy.accumulates
+        self.auto_momentum = config.async_momentum == "auto" and stale and config.momentum > 0
+        self.plain_steps = not self.auto_momentum and not (config.compensation == "dc" and stale)
         self.version = 0
         self.pool: BufferPool | None = None             # range-sized buffers where the arrays live (rounds, updates)
         self.landing_pool: BufferPool | None = None     # ... and in host memory, for network payloads (the same on a host shard)
