@@ -27,6 +27,7 @@ from pathlib import Path
 
 from psgrid.cluster.bench.train import base_job, no_servers
 from psgrid.cluster.job.config import apply_overrides, load_job
+from psgrid.cluster.job.records import write_job_file
 
 MODELS = {"20M": [4096, 4096], "51.6M": [6800, 6800]}
 
@@ -39,9 +40,9 @@ def mpiexec() -> str:
 def allreduce(job, ranks: int, tmp: Path, mpi_args: tuple = ()) -> dict:
     """Run ``job`` under ``psctl allreduce`` with ``ranks`` ranks; its samples/s, median step and stderr notes."""
     folder = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{job.train.hidden[0]}-{ranks}-"))
-    (folder / "job.toml").write_text(job.to_toml())
+    job_file = write_job_file(folder, job, "by benchmarks/gpu_allreduce.py")
     cmd = [mpiexec(), "-n", str(ranks), *mpi_args, sys.executable, "-m", "psgrid.cluster.cli", "allreduce", "--config",
-           str(folder / "job.toml"), "--out", str(folder / "run"), "--no-progress"]
+           str(job_file), "--out", str(folder / "run"), "--no-progress"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     if proc.returncode != 0:
         return {"status": f"exit {proc.returncode}", "stderr": proc.stderr[-2000:]}

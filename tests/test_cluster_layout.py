@@ -45,3 +45,30 @@ def test_the_check_sees_what_it_looks_for(tmp_path):
     user = tmp_path / "b.py"
     user.write_text("from psgrid.cluster.run import coordinator as co\nco.build_summary()\n")
     assert lifecycle_parts_used(user) == ["build_summary"]
+
+
+# cluster/job/ is the job's files (config, credentials, output folder, records): what runs a job uses it.
+JOB_FILES_FOLDER = "cluster/job"
+ABOVE_JOB_FILES = ("psgrid.cluster.run", "psgrid.cluster.mpi", "psgrid.cluster.hosts", "psgrid.cluster.experiments",
+                   "psgrid.cluster.bench", "psgrid.cluster.commands")
+
+
+def imports_above_job_files(path: Path) -> list[str]:
+    """The modules of the folders that run jobs which ``path`` imports, lazily or not."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+        found |= {n for n in names if n.startswith(ABOVE_JOB_FILES)}
+    return sorted(found)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / JOB_FILES_FOLDER).rglob("*.py")), ids=rel)
+def test_job_files_import_nothing_of_what_runs_a_job(path):
+    assert imports_above_job_files(path) == [], f"{rel(path)} imports upward: pass what it needs in instead"
+
+
+def test_the_upward_import_check_sees_a_lazy_import(tmp_path):
+    probe = tmp_path / "outdir.py"
+    probe.write_text("def prepare():\n    from psgrid.cluster.run.resume import archive_attempt\n")
+    assert imports_above_job_files(probe) == ["psgrid.cluster.run.resume"]

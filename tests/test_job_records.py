@@ -6,9 +6,11 @@ this process, fast.
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -149,3 +151,47 @@ def test_the_next_job_in_a_folder_sweeps_the_temporary_files_of_a_killed_writer(
         release(out)
     assert not any((out / name).exists() for name in left)
     assert all((out / name).exists() for name in mine)
+
+
+# ----- one writer of job.toml ------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+WRITER = "cluster/job/records.py"
+SCANNED = ("cluster", "worker", "psserver", "psgrid", "benchmarks", "scripts")
+WRITES = {"write_text", "write_bytes", "write_whole", "replace_text", "open", "open_new", "copy", "copy2", "copyfile"}
+
+
+def job_file_writes(path: Path) -> list[str]:
+    """Where ``path`` renders a job file (``to_toml()``) or writes to a path that names ``job.toml``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        target = " ".join(ast.unparse(part) for part in [node.func, *node.args])
+        if name == "to_toml" or (name in WRITES and ("job.toml" in target or "JOB_FILE" in target)):
+            found.append(f"line {node.lineno}: {ast.unparse(node)[:80]}")
+    return found
+
+
+def sources_outside_the_writer() -> list[Path]:
+    return sorted(p for folder in SCANNED for p in (ROOT / folder).rglob("*.py")
+                  if p.relative_to(ROOT).as_posix() != WRITER)
+
+
+def test_job_toml_is_written_by_the_records_module_only():
+    # Written elsewhere it was written in place (an empty job for the next resume) or without its first line.
+    found = {p.relative_to(ROOT).as_posix(): w for p in sources_outside_the_writer() if (w := job_file_writes(p))}
+    assert found == {}, f"job.toml written outside {WRITER} (use write_job_file / copy_job_file): {found}"
+
+
+def test_the_writer_check_sees_each_way_of_writing_a_job_file(tmp_path):
+    # The rule above would pass on anything if it saw nothing: it finds each form in a made-up module, and
+    # finds the writer itself.
+    probe = tmp_path / "probe.py"
+    probe.write_text("(out / 'job.toml').write_text(job.to_toml())\n"
+                     "write_whole(target / JOB_FILE, text)\n"
+                     "files.replace_text(out / 'job.toml', text)\n"
+                     "(out / 'summary.json').write_text(text)\n")
+    assert sorted(w.split(":")[0] for w in job_file_writes(probe)) == ["line 1", "line 1", "line 2", "line 3"]
+    assert job_file_writes(ROOT / WRITER)

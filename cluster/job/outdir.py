@@ -116,13 +116,13 @@ def prepare(job, resume: bool = False) -> Path:
     UsageError
         ``job.out`` holds an earlier run and neither ``job.overwrite`` nor ``resume`` is set, or a
         job is running there now (whatever the flags).
-    """
-    if resume:
-        from psgrid.cluster.run.resume import archive_attempt
 
+    With ``resume`` the folder's earlier run is kept: the caller archives it first (a job folder knows
+    nothing of resuming; cluster/run/launch.py's :func:`prepare_out` does both).
+    """
+    if resume:      # the earlier attempt's files were moved aside by the resume (cluster/run/resume.py)
         out = Path(job.out)
         lock(out)
-        archive_attempt(out)
     elif job.out:
         out = Path(job.out)
         lock(out)

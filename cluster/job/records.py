@@ -1,5 +1,8 @@
 """A job's records in its output folder (``job.toml``, ``token``), each written whole or not at all.
 
+This module is the one writer of ``job.toml`` (:func:`write_job_file`, :func:`copy_job_file`): every
+launcher, resume and experiment goes through it, so every copy is whole and says what ran it.
+
 ``psctl launch --resume OUT`` takes the job from ``OUT/job.toml``, and every resume rewrites it.
 Rewritten in place (an open with ``O_TRUNC``, then the write) it is left empty by a death in
 between (SIGKILL, the OOM killer, a Ctrl-C whose exception lands there), and every later resume
@@ -105,4 +108,11 @@ def write_job_file(out: str | os.PathLike, job, by: str) -> Path:
     path = Path(out) / JOB_FILE
     redacted = " (token redacted)" if job.server.token or job.train.token else ""
     write_whole(path, f"# resolved job, as run {by}{redacted}\n{job.to_toml()}")
+    return path
+
+
+def copy_job_file(out: str | os.PathLike, folder: str | os.PathLike) -> Path:
+    """``folder/job.toml``: a whole copy of ``out/job.toml`` (an attempt's record of the job it ran)."""
+    path = Path(folder) / JOB_FILE
+    write_whole(path, (Path(out) / JOB_FILE).read_text(encoding="utf-8"))
     return path

@@ -55,9 +55,17 @@ SERVER_EXIT_TIMEOUT_S = 15.0
 
 
 def prepare_out(job: JobConfig, resume: bool = False) -> Path:
-    """The job's output folder, ready for this run (cluster/job/outdir.py: never a collision, ``--overwrite``)."""
+    """The job's output folder, ready for this run (cluster/job/outdir.py: never a collision, ``--overwrite``).
+
+    With ``resume`` the earlier attempt's files move to ``attempts/N`` first (cluster/run/resume.py).
+    """
     from psgrid.cluster.job.outdir import prepare
 
+    if resume:
+        from psgrid.cluster.run.resume import archive_attempt
+
+        lock(Path(job.out))        # before anything is moved: a job still running there keeps its files
+        archive_attempt(Path(job.out))
     return prepare(job, resume=resume)
 
 

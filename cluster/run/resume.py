@@ -32,7 +32,7 @@ from pathlib import Path
 from psgrid.cluster.job.config import JobConfig, tomllib
 from psgrid.cluster.errors import UsageError
 from psgrid.cluster.job.outdir import LOCK_FILE
-from psgrid.cluster.job.records import JOB_FILE, signals_held, write_whole
+from psgrid.cluster.job.records import JOB_FILE, copy_job_file, signals_held
 from psgrid.psserver.state import checkpoint
 from psgrid.psserver import files
 
@@ -204,7 +204,7 @@ def archive_attempt(out: Path) -> Path | None:
         for name in present:
             shutil.move(str(out / name), str(target / name))
         if _damage(out / JOB_FILE) is None:
-            write_whole(target / JOB_FILE, (out / JOB_FILE).read_text(encoding="utf-8"))
+            copy_job_file(out, target)
     return target
 
 
