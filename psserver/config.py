@@ -1,129 +1,136 @@
-"""Settings of one shard, with validation that names the bad field."""
+"""Settings of one shard: each key once (psserver/settings.py), with the rules that join two keys."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
 from psgrid.psserver.kernels.compensation import ASYNC_MOMENTUM, COMPENSATIONS
-from psgrid.psserver.kernels.optim import check_settings
+from psgrid.psserver.kernels.optim import BOUNDS, HPARAMS, check_settings
 from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.settings import above, at_least, between, check_fields, setting
 from psgrid.psserver.protocol import (DATA_PLANES, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, MODES,
                                       OPTIMIZERS, SHARD_DEVICES)
 
 
+# Keys that the optimizer's own check covers (kernels/optim.py check_settings, also run by a shard's Init).
+OPTIMIZER_KEYS = HPARAMS
+
+
 @dataclass
 class ServerConfig:
-    """Everything a shard needs to serve; ``psctl server`` flags map one to one onto these."""
+    """Everything a shard needs to serve; ``psctl server`` flags map one to one onto these (psserver/settings.py)."""
 
-    shard_index: int = 0
-    num_shards: int = 1
-    host: str = "127.0.0.1"
-    port: int = 0
-    mode: str = "async"
-    staleness: int = 2                 # ssp bound s
-    backup_workers: int = 0            # sync: close a round when all but this many live workers pushed
-    optimizer: str = "sgd"
-    lr: float = 0.01
-    momentum: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    lr_staleness: bool = False         # the older spelling of staleness_compensation = "lr"
-    staleness_compensation: str | None = None   # "none", "lr" or "dc" (None: "lr" if lr_staleness, else "none")
-    dc_lambda0: float = 2.0            # dc: lambda before its adaptive scaling (DC-ASGD-a)
-    dc_beta: float = 0.95              # dc: decay of the gradients' mean square that scales lambda
-    dc_versions: int = 3               # dc: past versions kept to compensate from (a range-sized buffer each)
-    async_momentum: str = "off"        # "auto": async/ssp lower momentum by the 1 - 1/W asynchrony adds
-    lease_s: float = 10.0
-    progress_timeout_s: float = 300.0  # sync/ssp: evict a worker others wait on that has not pushed this long (0: off)
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0          # updates between checkpoints (0: never by count)
-    checkpoint_every_s: float = 0.0    # seconds between checkpoints (0: never by time)
-    checkpoint_keep: int = 3           # complete checkpoints kept on disk (the newest ones)
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES     # largest gRPC chunk it sends and takes (RegisterReply.max_chunk_bytes)
-    token: str | None = None           # bearer token every request must carry
-    job_id: str | None = None          # the job this shard belongs to: a Shutdown must name it (made when not given)
-    tls_cert: str | None = None        # server certificate (PEM); enables TLS
-    tls_key: str | None = None         # server private key (PEM)
-    tls_ca: str | None = None          # CA that client certificates must chain to (mutual TLS)
-    metrics_port: int | None = None    # serve Prometheus metrics here (0: any free port)
-    threads: int = 128                 # gRPC handler threads; blocked pulls each hold one
-    data_plane: str = "tcp"            # "tcp": also serve Pull/Push payloads over plain TCP; "grpc": gRPC only
-    shared_memory: bool = True         # offer workers on this host the shared-memory data plane
-    apply_threads: int = 0             # threads an update's passes over the range use (0: a quarter of the CPUs, 1..8)
-    tcp_max_connections: int = 1024    # data-plane connections at once; past it a new one is refused (clients retry)
-    tcp_handshake_s: float = 3.0       # a new data-plane connection must show its token (and TLS) within this
-    shard_device: str = "auto"         # "gpu": weights, optimizer state and update on a GPU; "auto": see SHARD_DEVICES
-    gpu: int = -1                      # shard_device = "gpu": which of the GPUs this process sees (-1: shard i mod n)
+    shard_index: int = setting(0, "index I of this shard, 0..S-1", flag="--shard")
+    num_shards: int = setting(1, "number of shards S", bound=at_least(1),
+                              cli="([job] shards of --config when given)")
+    host: str = setting("127.0.0.1", "address `psctl server` binds (launch binds loopback; mpi: see "
+                        "`--host`/`--iface`)", cli="(0.0.0.0 for every interface)")
+    port: int = setting(0, "port to bind; 0 picks a free one", bound=between(0, 65535), cli="(see --address-file)")
+    mode: str = setting("async", "`sync`, `async` or `ssp` (see the modes)", choices=MODES)
+    staleness: int = setting(2, "ssp bound s", bound=at_least(0))
+    backup_workers: int = setting(0, "sync: close a round when all but this many live workers pushed (must be < "
+                                  "workers)", bound=at_least(0))
+    optimizer: str = setting("sgd", "`sgd` or `adam`, applied on the shards", choices=OPTIMIZERS)
+    lr: float = setting(0.01, "learning rate", bound=BOUNDS["lr"])
+    momentum: float = setting(0.0, "SGD momentum", bound=BOUNDS["momentum"])
+    nesterov: bool = setting(False, "Nesterov momentum (needs momentum > 0)")
+    weight_decay: float = setting(0.0, "L2 weight decay", bound=BOUNDS["weight_decay"])
+    beta1: float = setting(0.9, "Adam's decay of the gradients' mean", bound=BOUNDS["beta1"])
+    beta2: float = setting(0.999, "Adam's decay of the gradients' mean square", bound=BOUNDS["beta2"])
+    eps: float = setting(1e-8, "Adam's term added to the root mean square", bound=BOUNDS["eps"])
+    staleness_compensation: str = setting(
+        "none", "async and ssp: what a stale update gets: `none`; `lr`, the step scaled by 1/max(1, staleness); "
+        "`dc`, delay-compensated ASGD (Zheng et al. 2017): g + lambda * g * g * (w_now - w_pulled), w_pulled read "
+        "from the versions the shard still holds (else uncompensated, counted in `uncompensated_updates`)",
+        choices=COMPENSATIONS)
+    dc_lambda0: float = setting(2.0, "`dc`: lambda = dc_lambda0 / sqrt(mean square of the gradients, decaying by "
+                                "dc_beta), elementwise (DC-ASGD-a)", bound=BOUNDS["lr"])
+    dc_beta: float = setting(0.95, "`dc`: decay of the gradients' mean square that scales lambda",
+                             bound=BOUNDS["beta1"])
+    dc_versions: int = setting(3, "`dc`: past versions each shard keeps to compensate a stale push from (a copy of "
+                               "its range each)", bound=between(1, 64))
+    async_momentum: str = setting(
+        "off", "async and ssp, SGD: `auto` applies max(0, momentum - (1 - 1/W)), W the live workers, as W "
+        "asynchronous workers add about 1 - 1/W of momentum themselves (Mitliagkas et al. 2016); the shard stats' "
+        "`momentum` says what it applied", choices=ASYNC_MOMENTUM)
+    lease_s: float = setting(10.0, "drop a worker that has not heart-beaten for this long", bound=above(0))
+    progress_timeout_s: float = setting(300.0, "sync and ssp: drop a worker the others wait on that has not pushed "
+                                        "for this long, though its heartbeat lives; 0: never",
+                                        bound=at_least(0))
+    checkpoint_dir: str | None = setting(None, "checkpoint weights, optimizer state and clocks here; restore the "
+                                         "latest on start")
+    checkpoint_every: int = setting(0, "checkpoint every this many updates (0: never by count)", bound=at_least(0))
+    checkpoint_every_s: float = setting(0.0, "checkpoint every this many seconds (0: never by time)",
+                                        bound=at_least(0))
+    checkpoint_keep: int = setting(3, "complete checkpoints kept (the newest)", bound=at_least(1))
+    chunk_bytes: int = setting(DEFAULT_CHUNK_BYTES, "largest chunk of a streamed range on the wire, sent and taken "
+                               "over gRPC (RegisterReply.max_chunk_bytes)",
+                               bound=((lambda v: MIN_CHUNK_BYTES <= v <= MAX_CHUNK_BYTES),
+                                      f"in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]"))
+    token: str | None = setting(
+        None, "bearer token every request must carry (the workers of the job get it too); `psctl launch` and "
+        "`psctl mpi` make a random one unless one is given, and never write it where others can read it",
+        shown="made per job", cli="([server] token of --config, else $PSGRID_TOKEN, which is to be preferred: "
+                                  "command lines are visible to other users)")
+    job_id: str | None = setting(None, "the job a shard belongs to: a Shutdown must name it (printed by the shard "
+                                 "and written with its address)", shown="made per job",
+                                 cli="(give every shard of one job the same id)")
+    tls_cert: str | None = setting(None, "the shard's certificate (PEM); enables TLS (with `tls_key`)")
+    tls_key: str | None = setting(None, "the shard's private key (PEM)")
+    tls_ca: str | None = setting(None, "require client certificates signed by this CA (mutual TLS)")
+    metrics_port: int | None = setting(None, "serve Prometheus metrics; shard I uses `metrics_port + I` (0: any "
+                                       "free port)", bound=between(0, 65535))
+    threads: int = setting(128, "handler threads of each of the shard's listeners: the gRPC server and every data "
+                           "plane it serves (TCP, shared memory, CUDA IPC) has a pool of this many, and a request "
+                           "being served, a blocked pull included, holds one", bound=at_least(1))
+    data_plane: str = setting("tcp", "`tcp`: also serve Pull/Push payloads over a raw TCP data plane beside gRPC; "
+                              "`grpc`: gRPC only", choices=DATA_PLANES)
+    shared_memory: bool = setting(
+        True, "offer workers on this host the shared-memory data plane: they read the weights in place and push "
+        "from their own shared memory (off: they use `data_plane`). A device shard (`shard_device`) offers the CUDA "
+        "IPC plane instead: GPU workers of this host that reach its GPU copy the weights device to device and push "
+        "from their GPU. Where a process may not make shared files (a file-size limit, `ulimit -f`) or every reader "
+        "slot is taken, the network plane serves, said in one line")
+    apply_threads: int = setting(0, "threads an update's passes over the shard's range use (the apply, the check "
+                                 "for NaN and infinity); 0: a quarter of the machine's CPUs, 1 to 8",
+                                 bound=at_least(0))
+    tcp_max_connections: int = setting(
+        1024, "authenticated TCP data-plane connections a shard holds at once; past it a new one is refused and "
+        "its client retries (idle ones cost no thread; connections still to show the token are bounded apart, see "
+        "docs/reliability.md)", bound=at_least(1))
+    tcp_handshake_s: float = setting(3.0, "seconds a new TCP data-plane connection has to show the job's token "
+                                     "(and finish TLS); then it is closed",
+                                     bound=((lambda v: 0 < v <= 3600), "in (0, 3600]"))
+    shard_device: str = setting(
+        "auto", "where a shard keeps its weights, optimizer state and update: `gpu` on a GPU (workers on the same "
+        "host reach it over CUDA IPC), `cpu` in host memory; `auto`: the launcher puts the shards on the host's "
+        "GPUs when the job's workers compute on a GPU there (`device = \"gpu\"`, or `\"auto\"` where CuPy sees one; "
+        "`staleness_compensation = \"dc\"` stays on the host), and `psctl server` alone keeps to the CPU (README: "
+        "\"Where the shards run\")", choices=SHARD_DEVICES, flag="--device")
+    gpu: int = setting(-1, "with `shard_device = \"gpu\"`: which of the GPUs the shard's process sees", bound=((lambda v: v >= -1),
+                                                   "a GPU's index (0, 1, ...) or -1 (shard i takes GPU i mod n)"))
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> None:
-        if self.mode not in MODES:
-            raise InvalidArgument(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise InvalidArgument(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
-        if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
+        """Refuse, in one line naming the key, what the schema's bounds or a rule joining two keys forbid."""
+        check_fields(self, InvalidArgument, leave=OPTIMIZER_KEYS)
+        check_settings(self.optimizer_hparams())     # the optimizer's bounds (kernels/optim.py), before anything starts
+        if not 0 <= self.shard_index < self.num_shards:
             raise InvalidArgument(f"shard index {self.shard_index} is outside 0..{self.num_shards - 1}")
-        if self.staleness < 0:
-            raise InvalidArgument(f"staleness must be >= 0, got {self.staleness}")
-        if self.staleness_compensation is not None and self.staleness_compensation not in COMPENSATIONS:
-            raise InvalidArgument(f"staleness_compensation must be one of {COMPENSATIONS}, "
-                                  f"got {self.staleness_compensation!r}")
-        if self.lr_staleness and self.staleness_compensation not in (None, "lr"):
-            raise InvalidArgument(f"lr_staleness = true means staleness_compensation = 'lr', but it is "
-                                  f"{self.staleness_compensation!r}: keep one of the two (lr_staleness = false)")
-        if not 0.0 < self.dc_lambda0 < float("inf"):
-            raise InvalidArgument(f"dc_lambda0 must be finite and > 0, got {self.dc_lambda0}")
-        if not 0.0 <= self.dc_beta < 1.0:
-            raise InvalidArgument(f"dc_beta must be in [0, 1), got {self.dc_beta}")
-        if not 1 <= self.dc_versions <= 64:
-            raise InvalidArgument(f"dc_versions must be in 1..64, got {self.dc_versions}")
-        if self.async_momentum not in ASYNC_MOMENTUM:
-            raise InvalidArgument(f"async_momentum must be one of {ASYNC_MOMENTUM}, got {self.async_momentum!r}")
         if self.async_momentum == "auto" and self.optimizer != "sgd":
             raise InvalidArgument(f"async_momentum = 'auto' lowers SGD's momentum; optimizer is {self.optimizer!r}")
-        if self.backup_workers < 0:
-            raise InvalidArgument(f"backup_workers must be >= 0, got {self.backup_workers}")
-        check_settings(self.optimizer_hparams())     # the optimizer's bounds (kernels/optim.py), before anything starts
-        if not self.lease_s > 0:
-            raise InvalidArgument(f"lease_s must be > 0, got {self.lease_s}")
-        if not self.progress_timeout_s >= 0:
-            raise InvalidArgument(f"progress_timeout_s must be >= 0 (0 turns it off), got {self.progress_timeout_s}")
-        if self.checkpoint_keep < 1:
-            raise InvalidArgument(f"checkpoint_keep must be >= 1, got {self.checkpoint_keep}")
-        if not MIN_CHUNK_BYTES <= self.chunk_bytes <= MAX_CHUNK_BYTES:
-            raise InvalidArgument(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], "
-                                  f"got {self.chunk_bytes}")
-        if self.data_plane not in DATA_PLANES:
-            raise InvalidArgument(f"data_plane must be one of {DATA_PLANES}, got {self.data_plane!r}")
-        if self.apply_threads < 0:
-            raise InvalidArgument(f"apply_threads must be >= 0 (0: chosen from the CPUs), got {self.apply_threads}")
-        if self.tcp_max_connections < 1:
-            raise InvalidArgument(f"tcp_max_connections must be >= 1, got {self.tcp_max_connections}")
-        if not 0 < self.tcp_handshake_s <= 3600:
-            raise InvalidArgument(f"tcp_handshake_s must be in (0, 3600], got {self.tcp_handshake_s}")
-        if not 0 <= self.port <= 65535:
-            raise InvalidArgument(f"port must be in 0..65535, got {self.port}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidArgument("tls_cert and tls_key must be given together")
-        if self.shard_device not in SHARD_DEVICES:
-            raise InvalidArgument(f"shard_device must be one of {SHARD_DEVICES}, got {self.shard_device!r}")
-        if self.gpu < -1:
-            raise InvalidArgument(f"gpu must be a GPU's index (0, 1, ...) or -1 (shard i takes GPU i mod n), got {self.gpu}")
         if self.shard_device == "gpu" and self.compensation == "dc":
             raise InvalidArgument("staleness_compensation = 'dc' runs on host shards only: use shard_device = 'cpu', "
                                   "or staleness_compensation = 'lr' or 'none'")
 
     @property
     def compensation(self) -> str:
-        """What the shard does about staleness: one of COMPENSATIONS (``lr_staleness`` read as "lr")."""
-        if self.staleness_compensation is not None:
-            return self.staleness_compensation
-        return "lr" if self.lr_staleness else "none"
+        """What the shard does about staleness: one of COMPENSATIONS."""
+        return self.staleness_compensation
 
     def optimizer_hparams(self) -> dict:
         """The optimizer's settings, as :func:`~psgrid.psserver.kernels.optim.make_optimizer` takes them."""

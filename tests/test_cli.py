@@ -126,8 +126,8 @@ def test_server_flags_map_onto_server_config(tmp_path):
     assert (c.nesterov, c.momentum, c.lease_s, c.checkpoint_dir, c.checkpoint_every_s) == (True, 0.9, 3.0, "ck", 2.5)
     assert (c.metrics_port, c.chunk_bytes, c.host, c.port, c.data_plane) == (0, 65536, "0.0.0.0", 0, "grpc")
     # Without --config: ServerConfig defaults.
-    c = server_config_from_args(build_parser().parse_args(["server", "--mode", "sync", "--no-lr-staleness"]))
-    assert (c.mode, c.num_shards, c.lr_staleness, c.data_plane) == ("sync", 1, False, "tcp")
+    c = server_config_from_args(build_parser().parse_args(["server", "--mode", "sync", "--no-shared-memory"]))
+    assert (c.mode, c.num_shards, c.shared_memory, c.data_plane) == ("sync", 1, False, "tcp")
 
 
 def test_every_server_config_field_has_a_flag():

@@ -215,18 +215,15 @@ def test_auto_momentum_that_reaches_zero_clears_the_velocity():
 
 # ----- settings ---------------------------------------------------------------------------------
 
-def test_lr_staleness_is_an_alias_of_lr_compensation():
-    assert ServerConfig(lr_staleness=True).compensation == "lr"
-    assert ServerConfig(lr_staleness=True, staleness_compensation="lr").compensation == "lr"
+def test_lr_compensation_is_staleness_compensation_lr():
+    assert ServerConfig(staleness_compensation="lr").compensation == "lr"
     assert ServerConfig().compensation == "none"
-    assert make_shard(lr_staleness=True).lr_staleness and make_shard(staleness_compensation="lr").lr_staleness
+    assert make_shard(staleness_compensation="lr").lr_staleness and not make_shard().lr_staleness
 
 
 @pytest.mark.parametrize("settings, message", [
     ({"staleness_compensation": "delay"}, "staleness_compensation must be one of ('none', 'lr', 'dc'), got 'delay'"),
     ({"async_momentum": "on"}, "async_momentum must be one of ('off', 'auto'), got 'on'"),
-    ({"lr_staleness": True, "staleness_compensation": "dc"}, "lr_staleness = true means staleness_compensation"),
-    ({"lr_staleness": True, "staleness_compensation": "none"}, "keep one of the two (lr_staleness = false)"),
     ({"async_momentum": "auto", "optimizer": "adam"}, "async_momentum = 'auto' lowers SGD's momentum"),
     ({"dc_lambda0": 0.0}, "dc_lambda0 must be finite and > 0"),
     ({"dc_beta": 1.0}, "dc_beta must be in [0, 1)"),
@@ -237,15 +234,24 @@ def test_bad_compensation_settings_are_refused_in_one_line(settings, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_a_job_file_with_both_spellings_disagreeing_is_refused_in_one_line():
-    from psgrid.cluster.job.config import job_from_dict
+def test_an_earlier_job_file_with_lr_staleness_is_read_and_a_command_line_is_refused_naming_the_key():
+    from psgrid.cluster.job.config import apply_overrides, job_from_dict
     from psgrid.cluster.errors import ConfigError
 
     job = job_from_dict({"server": {"staleness_compensation": "dc", "async_momentum": "auto", "momentum": 0.9}})
     assert (job.server.compensation, job.server.async_momentum) == ("dc", "auto")
+    # Every job.toml written before the alias went says lr_staleness = false; a resume must read it.
+    assert job_from_dict({"server": {"lr_staleness": False}}).server.compensation == "none"
+    assert job_from_dict({"lr_staleness": True}).server.compensation == "lr"
     with pytest.raises(ConfigError) as err:
         job_from_dict({"server": {"lr_staleness": True, "staleness_compensation": "dc"}})
     assert "[server] lr_staleness = true means" in str(err.value) and "\n" not in str(err.value)
+    for where in ({"train": {"lr_staleness": True}},):
+        with pytest.raises(ConfigError, match='use staleness_compensation = "lr"'):
+            job_from_dict(where)
+    with pytest.raises(ConfigError, match='use staleness_compensation = "lr"') as err:
+        apply_overrides(job, {"lr_staleness": True})
+    assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match=r"must be one of \('none', 'lr', 'dc'\)"):
         job_from_dict({"server": {"staleness_compensation": "1/s"}})
 
@@ -260,7 +266,7 @@ def test_psctl_server_takes_the_compensation_flags():
     c = server_config_from_args(build_parser().parse_args(args))
     assert (c.compensation, c.dc_lambda0, c.dc_beta, c.async_momentum) == ("dc", 0.5, 0.9, "auto")
     with pytest.raises(ConfigError, match="--staleness-compensation dc"):
-        server_config_from_args(build_parser().parse_args(["server", "--lr-staleness",
+        server_config_from_args(build_parser().parse_args(["server", "--device", "gpu",
                                                            "--staleness-compensation", "dc"]))
 
 

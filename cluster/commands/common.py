@@ -6,8 +6,6 @@ import argparse
 import re
 import textwrap
 
-from psgrid.psserver.protocol import DATA_PLANES, MODES, OPTIMIZERS, WIRE_DTYPES
-
 
 def add_command(subparsers, name: str, help: str, description: str, examples: str) -> argparse.ArgumentParser:
     """A subparser whose ``--help`` ends with worked examples."""
@@ -39,52 +37,32 @@ def add_overwrite_arg(p: argparse.ArgumentParser) -> None:
 
 def add_set_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any job-file key, e.g. --set train.hidden=[256,256] --set lr_staleness=true "
+                   help="override any job-file key, e.g. --set train.hidden=[256,256] --set staleness_compensation=lr "
                         "(TOML values; applied before the other flags; repeatable)")
+
+
+# The keys that psctl launch, mpi, compare, allreduce and worker take as flags (any other through --set).
+TRAINING_FLAG_KEYS = ("mode", "staleness", "backup_workers", "optimizer", "lr", "lease_s", "model", "dataset",
+                      "batch_size", "steps", "epochs", "eval_every", "device", "wire_dtype", "data_plane",
+                      "shared_memory", "seed", "stragglers")
 
 
 def training_flags(keys=None) -> list[tuple]:
     """(flag, job-file key, type or choices, help) of the flags that override a job file, all or ``keys``.
 
-    A function, so that only the commands that take them load the worker's settings
-    (``psctl server`` never imports the worker package).
+    Each flag's type and help come from its key's schema (psserver/settings.py); a key both sides
+    have (``data_plane``) is described as the workers' settings describe it. A function, so that
+    only the commands that take them load the worker's settings (``psctl server`` never imports the
+    worker package).
     """
-    from psgrid.worker.config import DEVICES
+    from psgrid.psserver.config import ServerConfig
+    from psgrid.psserver.settings import flag_specs
+    from psgrid.worker.config import TrainConfig
 
-    flags = _training_flags(DEVICES)
-    return flags if keys is None else [f for f in flags if f[1] in keys]
-
-
-def _training_flags(devices: tuple) -> list[tuple]:
-    return [
-    ("--mode", "mode", MODES, "consistency: sync (BSP), async (ASP) or ssp (stale-synchronous)"),
-    ("--staleness", "staleness", int, "ssp bound s: a worker at clock c waits for the slowest to reach c-s"),
-    ("--backup-workers", "backup_workers", int, "sync: close a round when all but this many workers pushed"),
-    ("--optimizer", "optimizer", OPTIMIZERS, "server-side optimizer"),
-    ("--lr", "lr", float, "learning rate"),
-    ("--lease-s", "lease_s", float, "drop a worker that has not heart-beaten for this long"),
-    ("--model", "model", str, "softmax, mlp or cnn"),
-    ("--dataset", "dataset", str, "mnist5k, digits or synthetic"),
-    ("--batch-size", "batch_size", int, "batch size per worker (0: the worker's whole shard)"),
-    ("--steps", "steps", int, "steps per worker (ignored when epochs > 0)"),
-    ("--epochs", "epochs", int, "passes over each worker's shard of the training set"),
-    ("--eval-every", "eval_every", int, "evaluate test accuracy every this many steps on worker 0 (0: at the end)"),
-    ("--device", "device", devices, "where workers compute"),
-    ("--wire-dtype", "wire_dtype", tuple(WIRE_DTYPES), "dtype of gradients on the wire"),
-    ("--data-plane", "data_plane", DATA_PLANES,
-     "where Pull/Push payloads travel: tcp (the shards' TCP data plane, gRPC where a shard has none) or grpc"),
-    ("--shared-memory", "shared_memory", bool, "use the shards' shared memory where they run on this host "
-                                               "(default: on; --no-shared-memory moves payloads over the network plane)"),
-    ("--seed", "seed", int, "random seed"),
-    ("--stragglers", "stragglers", split_list,
-     "slow workers down: K:F (worker K F times slower than its own compute) or K:exp:MEAN_MS "
-     "(a random delay per step), comma-separated, e.g. 3:3,1:exp:20"),
-    ]
-
-
-def split_list(text: str) -> list[str]:
-    """A comma-separated flag value as a list: ``"3:3,1:exp:20"`` -> ``["3:3", "1:exp:20"]``."""
-    return [item.strip() for item in text.split(",") if item.strip()]
+    wanted = TRAINING_FLAG_KEYS if keys is None else tuple(k for k in TRAINING_FLAG_KEYS if k in keys)
+    found = flag_specs(ServerConfig, wanted, defaults=False) + flag_specs(TrainConfig, wanted, defaults=False)
+    specs = {spec[1]: spec for spec in found}
+    return [specs[key] for key in wanted]
 
 
 def add_training_flags(p: argparse.ArgumentParser, keys=None) -> None:

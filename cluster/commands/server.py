@@ -4,71 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands.common import DATA_PLANES, MODES, OPTIMIZERS, add_command, add_config_arg
-from psgrid.psserver.protocol import SHARD_DEVICES
-from psgrid.psserver.kernels.compensation import ASYNC_MOMENTUM, COMPENSATIONS
+from psgrid.cluster.commands.common import add_command, add_config_arg
+from psgrid.psserver.config import ServerConfig
+from psgrid.psserver.settings import flag_specs
 
 HELP = "run one parameter-server shard"
 
-# (flag, ServerConfig field, type or choices, help)
-SERVER_FLAGS = [
-    ("--shard", "shard_index", int, "index I of this shard, 0..S-1 (default 0)"),
-    ("--num-shards", "num_shards", int, "number of shards S (default: [job] shards of --config, else 1)"),
-    ("--host", "host", str, "address to bind (default 127.0.0.1; 0.0.0.0 for every interface)"),
-    ("--port", "port", int, "port to bind; 0 (the default) picks a free one, see --address-file"),
-    ("--mode", "mode", MODES, "consistency: sync, async or ssp"),
-    ("--staleness", "staleness", int, "ssp bound s"),
-    ("--backup-workers", "backup_workers", int, "sync: close a round when all but this many workers pushed"),
-    ("--optimizer", "optimizer", OPTIMIZERS, "optimizer applied on the shard"),
-    ("--lr", "lr", float, "learning rate"),
-    ("--momentum", "momentum", float, "SGD momentum"),
-    ("--nesterov", "nesterov", bool, "Nesterov momentum"),
-    ("--weight-decay", "weight_decay", float, "L2 weight decay"),
-    ("--lr-staleness", "lr_staleness", bool, "scale each update by 1/max(1, staleness) (the older spelling of "
-                                             "--staleness-compensation lr)"),
-    ("--staleness-compensation", "staleness_compensation", COMPENSATIONS,
-     "async/ssp: what a stale update gets: none, lr (step scaled by 1/max(1, staleness)) or dc (delay-compensated "
-     "ASGD, Zheng et al. 2017)"),
-    ("--dc-lambda0", "dc_lambda0", float, "dc: lambda before its adaptive scaling (default 2)"),
-    ("--dc-beta", "dc_beta", float, "dc: decay of the gradients' mean square that scales lambda (default 0.95)"),
-    ("--dc-versions", "dc_versions", int, "dc: past versions the shard keeps to compensate a stale push from "
-                                          "(default 3; a copy of the shard's range each)"),
-    ("--async-momentum", "async_momentum", ASYNC_MOMENTUM,
-     "async/ssp: auto lowers --momentum by the 1 - 1/W that W asynchronous workers add (Mitliagkas et al. 2016)"),
-    ("--lease-s", "lease_s", float, "evict a worker that has not heart-beaten for this many seconds"),
-    ("--progress-timeout-s", "progress_timeout_s", float, "sync/ssp: evict a worker the others wait on that has "
-                                                          "not pushed for this many seconds (0: never)"),
-    ("--checkpoint-dir", "checkpoint_dir", str, "checkpoint here, and restore the latest checkpoint on start"),
-    ("--checkpoint-every", "checkpoint_every", int, "checkpoint every this many updates (0: never by count)"),
-    ("--checkpoint-every-s", "checkpoint_every_s", float, "checkpoint every this many seconds (0: never by time)"),
-    ("--checkpoint-keep", "checkpoint_keep", int, "keep this many newest checkpoints"),
-    ("--chunk-bytes", "chunk_bytes", int, "largest chunk of a streamed range, in bytes, sent and taken over gRPC"),
-    ("--token", "token", str, "bearer token every request must carry (default: [server] token of --config, else "
-                              "$PSGRID_TOKEN, which is to be preferred: command lines are visible to other users)"),
-    ("--job-id", "job_id", str, "the job this shard belongs to: give every shard of one job the same id, which a "
-                                "Shutdown must name (default: a random id of this shard's own, printed at start "
-                                "and written with the address)"),
-    ("--tls-cert", "tls_cert", str, "server certificate (PEM); enables TLS"),
-    ("--tls-key", "tls_key", str, "server private key (PEM)"),
-    ("--tls-ca", "tls_ca", str, "require client certificates signed by this CA (mutual TLS)"),
-    ("--metrics-port", "metrics_port", int, "serve Prometheus metrics on this port (0: any free port)"),
-    ("--threads", "threads", int, "gRPC handler threads"),
-    ("--tcp-max-connections", "tcp_max_connections", int, "most TCP data-plane connections at once; past it a new "
-                                                          "one is refused and its client retries"),
-    ("--tcp-handshake-s", "tcp_handshake_s", float, "seconds a new TCP data-plane connection has to show the "
-                                                    "token (and finish TLS); then it is closed (default 3)"),
-    ("--data-plane", "data_plane", DATA_PLANES, "tcp: also serve Pull/Push payloads over plain TCP beside gRPC; "
-                                                "grpc: gRPC only"),
-    ("--apply-threads", "apply_threads", int, "threads an update's passes over the range use (0, the default: a "
-                                              "quarter of this machine's CPUs, at most 8)"),
-    ("--shared-memory", "shared_memory", bool, "offer workers on this host the shared-memory data plane "
-                                               "(default: on)"),
-    ("--device", "shard_device", SHARD_DEVICES, "gpu: keep the weights, optimizer state and update on a GPU "
-                                                "(workers on this host reach them over CUDA IPC); cpu: in host "
-                                                "memory; auto, the default: the CPU for a shard started alone"),
-    ("--gpu", "gpu", int, "with --device gpu: which GPU of those this process sees (default -1: shard i takes "
-                          "GPU i mod n)"),
-]
+# (flag, ServerConfig field, type or choices, help): one flag per key of the shard's schema (psserver/config.py).
+SERVER_FLAGS = flag_specs(ServerConfig)
 
 EXAMPLES = """
 psctl server --port 0 --address-file /tmp/shard-0 --mode ssp --staleness 2

@@ -41,6 +41,7 @@ from psgrid.cluster.job.credentials import resolve_token
 from psgrid.cluster.job.toml_writer import dump_toml
 from psgrid.cluster.errors import ConfigError
 from psgrid.psserver.config import ServerConfig
+from psgrid.psserver.settings import above, at_least, keys, problem, setting
 
 if typing.TYPE_CHECKING:
     from psgrid.worker.config import TrainConfig
@@ -74,56 +75,44 @@ RENAMED = {
     "step_delay_s": "'step_delay_s' was replaced: use stragglers = [\"K:F\"] (worker K F times slower than "
                     "its own compute) or [\"K:exp:MEAN_MS\"] (a random delay per step)",
     "straggler_ranks": "'straggler_ranks' was replaced: use stragglers = [\"K:F\"], e.g. [\"3:3\"]",
+    "lr_staleness": "'lr_staleness' was replaced: use staleness_compensation = \"lr\" (the old lr_staleness = true), "
+                    "or leave it out (false)",
 }
+# Still read where a job file of an earlier release says it at the top level or in [server]: every job.toml
+# written before it went says `lr_staleness = false`, and `psctl launch --resume` (or compare's report
+# rewritten) reads those folders. Anywhere else, and on a command line, it is refused as RENAMED says.
+OLD_ALIAS = "lr_staleness"
 
 
 @dataclass
 class JobConfig:
     """A whole job: how many processes, and the settings of every shard and every worker.
 
-    Parameters
-    ----------
-    name : str
-        Used in the default output folder ``runs/<name>-<timestamp>``.
-    shards, workers : int
-        Number of shard processes and worker processes.
-    out : str or None
-        Output folder (logs, metrics, summary); None picks a new ``runs/<name>-<timestamp>``
-        (``-2``, ``-3``, ... when that is taken).
-    overwrite : bool
-        Replace an earlier run in ``out`` (its files only) instead of refusing to start.
-    timeout_s : float
-        Stop the job if training has not finished after this long; 0 means no limit.
-    start_timeout_s : float
-        How long to wait for the shards to publish their addresses.
-    restart_failed : bool
-        Start a shard that dies again, on its address, from its latest checkpoint (needs
-        ``[server] checkpoint_dir`` and a checkpoint interval).
-    max_restarts : int
-        How many times each shard may be restarted before the job fails.
-    shard_placement : str
-        ``"process"``: every shard a process of its own, so a worker's death takes nothing of the
-        model with it. ``"worker"``: GeePS' placement, shard i in worker i's own process (``psctl
-        launch`` only), which calls it instead of reaching it over a socket; a worker's death then
-        takes its shard down (the job ends, or under ``restart_failed`` the shard comes back from its
-        checkpoint as a process of its own).
-    server, train : ServerConfig, TrainConfig
-        Settings shared by every shard (the shard index, count and port are set per
-        process) and by every worker.
-    source : str or None
-        The file this job was read from, for error messages.
+    Each key of ``[job]`` is declared once here, with its bounds, default and meaning
+    (psserver/settings.py); ``server`` and ``train`` hold the shards' and the workers' settings
+    (the shard index, count and port are set per process), and ``source`` names the file the job
+    was read from, for error messages.
     """
 
-    name: str = "job"
-    shards: int = 1
-    workers: int = 2
-    out: str | None = None
-    overwrite: bool = False
-    timeout_s: float = 0.0
-    start_timeout_s: float = 60.0
-    restart_failed: bool = False
-    max_restarts: int = 3
-    shard_placement: str = "process"
+    name: str = setting("job", "names the default output folder `runs/NAME-TIMESTAMP`", shown="file name",
+                        bound=((lambda v: bool(v) and "/" not in v), "a non-empty string without '/'"))
+    shards: int = setting(1, "shard processes (S)", bound=at_least(1))
+    workers: int = setting(2, "worker processes (W); under `psctl mpi` it is N-1-S", bound=at_least(1))
+    out: str | None = setting(None, "output folder; must not hold an earlier run (the default is a new folder every "
+                              "time)", shown="`runs/NAME-TIMESTAMP`")
+    overwrite: bool = setting(False, "replace an earlier run in `out` (its files only) instead of refusing "
+                              "(`--overwrite`)")
+    timeout_s: float = setting(0.0, "stop the job if training takes longer (0: no limit)", bound=at_least(0))
+    start_timeout_s: float = setting(60.0, "how long to wait for the shards to publish their addresses",
+                                     bound=above(0))
+    restart_failed: bool = setting(False, "start a shard that dies again, on its address, from its latest "
+                                   "checkpoint (`--restart-failed`; needs `checkpoint_dir` and an interval)")
+    max_restarts: int = setting(3, "restarts allowed per shard before the job fails", bound=at_least(0))
+    shard_placement: str = setting(
+        "process", "`process`: every shard a process of its own, so a worker's death takes nothing of the model "
+        "with it; `worker`: shard i in worker i's process, which calls it instead of reaching it over a socket "
+        "(GeePS' placement; `--shard-placement worker`; `psctl launch` only, needs workers >= shards; a worker's "
+        "death is then its shard's too)", choices=SHARD_PLACEMENTS)
     server: ServerConfig = field(default_factory=ServerConfig)
     train: TrainConfig = field(default_factory=lambda: _train_config()())
     source: str | None = field(default=None, compare=False)
@@ -173,15 +162,15 @@ class JobConfig:
 
 
 def job_keys() -> list[str]:
-    return [f.name for f in dataclasses.fields(JobConfig) if f.name not in ("server", "train", "source")]
+    return [k.name for k in keys(JobConfig)]
 
 
 def server_keys() -> list[str]:
-    return [k for k in ServerConfig.field_names() if k not in SERVER_PER_PROCESS]
+    return [k.name for k in keys(ServerConfig) if k.name not in SERVER_PER_PROCESS]
 
 
 def train_keys() -> list[str]:
-    return list(_train_config().field_names())
+    return [k.name for k in keys(_train_config())]
 
 
 def _section_keys(section: str) -> list[str]:
@@ -293,23 +282,15 @@ def load_job(spec: str | Path, *, redacted_ok: bool = False) -> JobConfig:
 def load_shard_settings(spec: str | Path) -> tuple[ServerConfig, int]:
     """What one shard needs of a job file: its [server] settings and [job] shards.
 
-    The workers' part ([train] and their top-level keys) is theirs to check: a shard
-    never loads the worker package.
+    Read as :func:`load_job` reads the whole file, but the workers' part ([train] and their
+    top-level keys) is theirs to check: a shard never loads the worker package.
     """
     path, data = _read(spec)
     where = str(path)
-    tables = _tables(data, where, SHARD_SECTIONS)
-    job_hints = typing.get_type_hints(JobConfig, localns={"TrainConfig": object})
-    srv = {k: _coerce(where, "server", k, v, typing.get_type_hints(ServerConfig)[k])
-           for k, v in tables["server"].items()}
-    srv["token"] = resolve_token(srv.get("token"), where)
-    shards = _coerce(where, "job", "shards", tables["job"].get("shards", JobConfig.shards), job_hints["shards"])
-    if shards < 1:
-        raise ConfigError(f"{where}: [job] shards must be >= 1, got {shards}")
-    try:
-        return ServerConfig(**srv), shards
-    except ValueError as e:
-        raise ConfigError(f"{where}: [server] {e}") from None
+    typed = _typed(_tables(data, where, SHARD_SECTIONS), where)
+    shards = typed["job"].get("shards", JobConfig.shards)
+    _refuse(keys(JobConfig), {"shards": shards}, f"{where}: [job] ")
+    return _server_config(typed["server"], where), shards
 
 
 def job_from_dict(data: Mapping[str, Any], source: str | None = None, *, redacted_ok: bool = False) -> JobConfig:
@@ -322,17 +303,37 @@ def _tables(data: Mapping[str, Any], where: str, sections: tuple[str, ...]) -> d
     """The job file's keys sorted into its tables; those of sections not asked for are left out."""
     tables: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     origin: dict[tuple[str, str], str] = {}
+    aliased = []
     for key, value in data.items():
         if key in tables and isinstance(value, dict):
             for name, item in value.items():
+                if (key, name) == ("server", OLD_ALIAS):
+                    aliased.append((item, f"[server] {name}"))
+                    continue
                 for place in _route_in(where, f"{key}.{name}", sections):
                     _put(tables, origin, place, item, f"[{key}] {name}", where)
         elif isinstance(value, dict):
             raise ConfigError(f"{where}: unknown table [{key}]; tables are [job], [server] and [train]")
+        elif key == OLD_ALIAS:
+            aliased.append((value, f"top-level {key}"))
         else:
             for place in _route_in(where, key, sections):
                 _put(tables, origin, place, value, f"top-level {key}", where)
+    for value, label in aliased:
+        _read_old_alias(tables["server"], value, label, where)
     return tables
+
+
+def _read_old_alias(server: dict[str, Any], value: Any, label: str, where: str) -> None:
+    """``lr_staleness`` of an earlier release's job file: false is no setting, true is staleness_compensation = "lr"."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: {label} must be true or false, got {value!r} ({RENAMED[OLD_ALIAS]})")
+    if not value:
+        return
+    given = server.setdefault("staleness_compensation", "lr")
+    if given != "lr":
+        raise ConfigError(f"{where}: {label} = true means staleness_compensation = 'lr', but it is {given!r}: keep "
+                          f"one of the two ({RENAMED[OLD_ALIAS]})")
 
 
 def _route_in(where: str, key: str, sections: tuple[str, ...] = SECTIONS) -> list[tuple[str, str]]:
@@ -350,29 +351,16 @@ def _put(tables, origin, place, value, label, where):
 
 
 def _build(tables: dict[str, dict[str, Any]], where: str, *, redacted_ok: bool = False) -> JobConfig:
-    TrainConfig = _train_config()
-    hints = {
-        "job": typing.get_type_hints(JobConfig, localns={"TrainConfig": TrainConfig}),
-        "server": typing.get_type_hints(ServerConfig),
-        "train": typing.get_type_hints(TrainConfig),
-    }
-    typed = {
-        section: {k: _coerce(where, section, k, v, hints[section][k]) for k, v in values.items()}
-        for section, values in tables.items()
-    }
+    typed = _typed(tables, where)
     srv, trn = typed["server"], typed["train"]
-    for table in (srv, trn):
-        token = resolve_token(table.pop("token", None), where, redacted_ok=redacted_ok)
-        if token:
-            table["token"] = token
+    server = _server_config(srv, where, redacted_ok=redacted_ok)
+    token = resolve_token(trn.pop("token", None), where, redacted_ok=redacted_ok)
+    if token:
+        trn["token"] = token
     # Workers of this job must carry the shards' token.
-    if srv.get("token") and "token" not in trn:
-        trn["token"] = srv["token"]
-    try:
-        server = ServerConfig(**srv)
-    except ValueError as e:
-        raise ConfigError(f"{where}: [server] {with_suggestion(str(e))}") from None
-    train = TrainConfig(**trn)
+    if server.token and "token" not in trn:
+        trn["token"] = server.token
+    train = _train_config()(**trn)
     try:
         train.validate()
     except ValueError as e:
@@ -382,27 +370,50 @@ def _build(tables: dict[str, dict[str, Any]], where: str, *, redacted_ok: bool =
     return job
 
 
+def _typed(tables: dict[str, dict[str, Any]], where: str) -> dict[str, dict[str, Any]]:
+    """Every value of ``tables`` checked against its key's type in the schema (ints are accepted for floats).
+
+    A table with nothing in it needs no class: a shard, which reads no [train], never loads the worker's.
+    """
+    classes = {"job": lambda: JobConfig, "server": lambda: ServerConfig, "train": _train_config}
+    typed = {}
+    for section, values in tables.items():
+        types_ = {k.name: k.type for k in keys(classes[section]())} if values else {}
+        typed[section] = {k: _coerce(where, section, k, v, types_[k]) for k, v in values.items()}
+    return typed
+
+
+def _server_config(srv: dict[str, Any], where: str, *, redacted_ok: bool = False) -> ServerConfig:
+    """The shards' settings of a job file's typed [server] table, its token taken where a file redacted it."""
+    srv = dict(srv)
+    token = resolve_token(srv.pop("token", None), where, redacted_ok=redacted_ok)
+    if token:
+        srv["token"] = token
+    try:
+        return ServerConfig(**srv)
+    except ValueError as e:
+        raise ConfigError(f"{where}: [server] {with_suggestion(str(e))}") from None
+
+
+def _refuse(schema, values: Mapping[str, Any], prefix: str) -> None:
+    """Raise ConfigError for the first of ``values`` that its key's schema refuses (``prefix`` names where)."""
+    for key in schema:
+        if key.name in values:
+            reason = problem(key.name, values[key.name], key.setting)
+            if reason:
+                raise ConfigError(with_suggestion(prefix + reason))
+
+
 def _check_job(job: JobConfig, where: str) -> None:
-    if job.shards < 1:
-        raise ConfigError(f"{where}: [job] shards must be >= 1, got {job.shards}")
-    if job.workers < 1:
-        raise ConfigError(f"{where}: [job] workers must be >= 1, got {job.workers}")
-    if job.timeout_s < 0 or not job.start_timeout_s > 0:
-        raise ConfigError(f"{where}: [job] timeout_s must be >= 0 and start_timeout_s > 0")
+    """The [job] keys' schema, then the rules that join keys of two tables."""
+    _refuse(keys(JobConfig), {k.name: getattr(job, k.name) for k in keys(JobConfig)}, f"{where}: [job] ")
     if job.restart_failed and not (job.server.checkpoint_dir and (job.server.checkpoint_every
                                                                   or job.server.checkpoint_every_s)):
         raise ConfigError(f"{where}: [job] restart_failed needs [server] checkpoint_dir and checkpoint_every or "
                           f"checkpoint_every_s: a restarted shard starts from its latest checkpoint")
-    if job.max_restarts < 0:
-        raise ConfigError(f"{where}: [job] max_restarts must be >= 0, got {job.max_restarts}")
-    if job.shard_placement not in SHARD_PLACEMENTS:
-        raise ConfigError(with_suggestion(f"{where}: [job] shard_placement must be one of "
-                                          f"({', '.join(map(repr, SHARD_PLACEMENTS))}), got {job.shard_placement!r}"))
     if job.shard_placement == "worker" and job.workers < job.shards:
         raise ConfigError(f"{where}: [job] shard_placement = \"worker\" puts shard i in worker i's process, so it needs "
                           f"workers >= shards; got {job.workers} worker(s) for {job.shards} shard(s)")
-    if not job.name or "/" in job.name:
-        raise ConfigError(f"{where}: [job] name must be a non-empty string without '/', got {job.name!r}")
     if job.server.mode == "sync" and job.train.pull_ahead:
         raise ConfigError(f"{where}: [train] pull_ahead = true applies to async and ssp only: a sync pull waits for "
                           f"the round the push before it closes, so there is nothing to pull ahead")
