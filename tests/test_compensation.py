@@ -12,6 +12,7 @@ from psgrid.psserver.kernels.optim import SGD
 from psgrid.psserver.kernels.parallel import MIN_CHUNK, Chunks
 from psgrid.psserver.protocol import Outcome
 from psgrid.psserver.state.shard import Shard
+from psgrid.psserver.state.updater import CompensatedUpdater
 from psgrid.psserver.spec import ModelSpec
 
 SPEC = ModelSpec([("w", (40,)), ("b", (3,))])
@@ -99,7 +100,7 @@ def test_a_dc_shard_compensates_stale_pushes_from_the_versions_its_ring_holds():
         np.testing.assert_allclose(shard.weights, versions[-1], rtol=1e-5, atol=1e-5)
     assert np.abs(shard.weights - plain).max() > 1e-2       # the compensation did change the updates
     assert shard.stats()["uncompensated_updates"] == 0
-    np.testing.assert_allclose(shard.delay.mean_square, ref_m, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(shard.updater.delay.mean_square, ref_m, rtol=1e-5, atol=1e-7)
 
 
 def test_a_stale_push_whose_version_the_ring_no_longer_holds_goes_uncompensated_and_is_counted():
@@ -111,14 +112,14 @@ def test_a_stale_push_whose_version_the_ring_no_longer_holds_goes_uncompensated_
         push(shard, 0, clock, clock, rng.normal(size=SPEC.size).astype(np.float32))
     assert shard.ring.find(0) is None                    # version 0's buffer was written over
     before = shard.weights.astype(np.float64)
-    ms = shard.delay.mean_square.astype(np.float64)
+    ms = shard.updater.delay.mean_square.astype(np.float64)
     g = rng.normal(size=SPEC.size).astype(np.float32)
     result = push(shard, 1, 0, 0, g)                     # computed from version 0, 4 versions ago
     assert result.staleness == 4
     np.testing.assert_allclose(shard.weights, before - 0.5 * g, rtol=1e-6, atol=1e-6)   # plain SGD
     assert shard.stats()["uncompensated_updates"] == 1
     _, ms = dc_reference(g, before, before, ms)
-    np.testing.assert_allclose(shard.delay.mean_square, ms, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(shard.updater.delay.mean_square, ms, rtol=1e-5, atol=1e-7)
 
 
 def test_the_ring_finds_a_version_only_while_a_buffer_holds_it():
@@ -159,7 +160,7 @@ def test_a_dc_shard_keeps_dc_versions_past_versions_to_compensate_from():
 
 def test_sync_shards_never_compensate():
     shard = make_shard(mode="sync", staleness_compensation="dc", async_momentum="auto", momentum=0.9)
-    assert shard.delay is None and not shard.auto_momentum
+    assert not isinstance(shard.updater, CompensatedUpdater)        # a plain step: no dc, no auto momentum
 
 
 # ----- auto momentum ----------------------------------------------------------------------------
@@ -218,7 +219,7 @@ def test_auto_momentum_that_reaches_zero_clears_the_velocity():
 def test_lr_compensation_is_staleness_compensation_lr():
     assert ServerConfig(staleness_compensation="lr").compensation == "lr"
     assert ServerConfig().compensation == "none"
-    assert make_shard(staleness_compensation="lr").lr_staleness and not make_shard().lr_staleness
+    assert make_shard(staleness_compensation="lr").updater.lr_staleness and not make_shard().updater.lr_staleness
 
 
 @pytest.mark.parametrize("settings, message", [

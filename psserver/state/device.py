@@ -25,7 +25,7 @@ from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.protocol import Reason
 
 # Range-sized float32 buffers a device shard holds at least, beside its optimizer state and the
-# workers' slots: its own weights (``Shard.master``), the current version, the one an update writes,
+# workers' slots: its own weights (``DeviceUpdater.master``), the current version, the one an update writes,
 # one a reader holds, and the private copy an update reads a gradient from.
 DEVICE_RING_BUFFERS = 5
 SLOTS_PER_WORKER = 2          # each worker's gradient slots on the IPC plane (two, for overlap)

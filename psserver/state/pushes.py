@@ -1,8 +1,8 @@
 """Pushes: the clock and version checks, sync rounds, and the update that publishes each new version.
 
 A mixin of :class:`~psgrid.psserver.state.shard.Shard`: its methods use the shard's locks
-(``cond``, and ``apply_lock`` in async), ring, pool, optimizer, policy and counters. Weights are
-never changed in place: an update writes a spare buffer of the ring and publishes it.
+(``cond``, and ``apply_lock`` in async), ring, pool, updater, policy and counters. Weights are
+never changed in place: the updater (updater.py) writes a spare buffer of the ring, then it is published.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ from typing import Callable
 import numpy as np
 
 from psgrid.psserver.exceptions import InvalidArgument
-from psgrid.psserver.kernels.compensation import effective_momentum
 from psgrid.psserver.kernels.parallel import Chunks
 from psgrid.psserver.protocol import Outcome, PushResult, Reason
 from psgrid.psserver.state.policy import ConsistencyPolicy
-from psgrid.psserver.state.weight_ring import WeightRing
 
 log = logging.getLogger("psgrid.shard")
 
@@ -107,8 +105,7 @@ class Pushes:
                 self._emit("dropped_late")
                 staleness = -1
             elif decision.outcome is Outcome.APPLIED:
-                scale = 1.0 / max(1, staleness) if self.lr_staleness else 1.0
-                self._apply(grad, scale, version_used)
+                self._apply(grad, self.updater.lr_scale(staleness), version_used)
                 self._record_staleness(staleness)
             else:  # ACCUMULATED: hold the buffer itself for the round (no copy); the pool gets it back at close
                 held = self.round_grads.setdefault(decision.round, {})
@@ -149,22 +146,9 @@ class Pushes:
                     return PushResult(Outcome.DUPLICATE, self.version, -1, expected)
                 self.policy.check_ahead(worker, clock)      # refused before the update is computed
                 staleness = max(0, self.version - version_used)
-                scale = 1.0 / max(1, staleness) if self.lr_staleness else 1.0
-                ring = self.ring
-                if self.plain_steps:
-                    pulled, source, target = None, ring.current, ring.spare()
-                else:
-                    pulled = self._pulled(version_used)
-                    source, target = ring.current, self._spare(pulled)
-            with self.arrays.use():
-                if self.arrays.on_gpu:
-                    self._step_device(ring, grad, scale, target, check_finite=not checked)
-                elif self.plain_steps:
-                    self.optimizer.step(ring.arrays[source], grad, scale, out=ring.arrays[target],
-                                        check_finite=not checked)
-                else:
-                    self._step(ring, source, grad, scale, target, pulled, check_finite=not checked)
-                self.arrays.finished()      # written before it is published: readers elsewhere copy it at once
+                ring, updater = self.ring, self.updater
+                step = updater.plan(ring, self.version, version_used)
+            updater.apply(ring, step, grad, updater.lr_scale(staleness), check_finite=not checked)
             with self.cond:
                 next_clock = clock + 1
                 if self.policy.is_live(worker):
@@ -173,8 +157,8 @@ class Pushes:
                         self._skipped(worker, expected, clock, "pushed")
                 self._count_push(worker, nbytes)
                 self._record_staleness(staleness)
-                ring.publish(target, self.version + 1)
-                self._count_applied(pulled)
+                ring.publish(step.target, self.version + 1)
+                self._count_applied(updater.uncompensated(step))
                 self.cond.notify_all()
                 return PushResult(Outcome.APPLIED, self.version, staleness, next_clock)
 
@@ -239,70 +223,16 @@ class Pushes:
                     self.pool.give(buf)
 
     def _apply(self, grad: np.ndarray, lr_scale: float, version_used: int | None = None) -> None:
-        ring = self.ring
-        with self.arrays.use():
-            if self.arrays.on_gpu:
-                pulled, target = None, ring.spare()
-                self._step_device(ring, grad, lr_scale, target)
-            elif self.plain_steps:   # the spare is never the buffer readers see: they keep the version they were given
-                pulled, target = None, ring.spare()
-                self.optimizer.step(ring.weights, grad, lr_scale, out=ring.arrays[target])
-            else:
-                pulled = self._pulled(version_used)
-                target = self._spare(pulled)
-                self._step(ring, ring.current, grad, lr_scale, target, pulled)
-            self.arrays.finished()
-        ring.publish(target, self.version + 1)
-        self._count_applied(pulled)
+        """Apply ``grad`` under ``cond`` and publish the next version (sync rounds and ssp)."""
+        ring, updater = self.ring, self.updater
+        step = updater.plan(ring, self.version, version_used)
+        updater.apply(ring, step, grad, lr_scale)
+        ring.publish(step.target, self.version + 1)
+        self._count_applied(updater.uncompensated(step))
 
-    def _pulled(self, version_used: int | None) -> int | None:
-        """dc: the ring's buffer that still holds the version a gradient was computed from (else None)."""
-        if self.delay is None or version_used is None:
-            return None
-        return self.ring.find(version_used)
-
-    def _spare(self, pulled: int | None) -> int:
-        """The buffer to write the next version into; dc keeps the last ``dc_versions`` and the one it reads."""
-        if self.delay is None:     # auto momentum alone
-            return self.ring.spare()
-        return self.ring.spare_keeping(pulled, self.version - self.config.dc_versions + 1)
-
-    def _step(self, ring: WeightRing, source: int, grad: np.ndarray, lr_scale: float, target: int,
-              pulled: int | None, check_finite: bool = False) -> None:
-        """A step with a remedy on (``plain_steps`` off): dc corrects ``grad`` from buffer ``pulled``."""
-        if self.auto_momentum:
-            self._tune_momentum()
-        if self.delay is None:
-            self.optimizer.step(ring.arrays[source], grad, lr_scale, out=ring.arrays[target], check_finite=check_finite)
-        else:
-            self.optimizer.step(ring.arrays[source], grad, lr_scale, out=ring.arrays[target], check_finite=check_finite,
-                                delay=self.delay, pulled=None if pulled is None else ring.arrays[pulled])
-
-    def _step_device(self, ring: WeightRing, grad, lr_scale: float, target: int, check_finite: bool = False) -> None:
-        """A device shard's step: its own weights (``master``) updated in place and written into buffer ``target``.
-
-        Readers map the ring's buffers through CUDA IPC, which can only map them writable: the shard
-        reads none of them, so a reader that writes one changes what readers of that version copy,
-        never the weights the next update starts from, the optimizer state, or a checkpoint.
-        """
-        if self.auto_momentum:
-            self._tune_momentum()
-        # The published copy is written in the update's own pass (the next weights go to both buffers).
-        self.optimizer.step(self.master, grad, lr_scale, check_finite=check_finite, publish=ring.arrays[target])
-
-    def _tune_momentum(self) -> None:
-        """async_momentum = "auto": the explicit momentum less what the live workers' asynchrony adds.
-
-        Read at each update (under ``apply_lock`` in async, ``cond`` in ssp, so never during a
-        step), so it follows the membership as workers come and go.
-        """
-        momentum = effective_momentum(self.config.momentum, len(self.policy.clocks))
-        if momentum != self.optimizer.momentum:
-            self.optimizer.set_momentum(momentum)
-
-    def _count_applied(self, pulled: int | None = None) -> None:
+    def _count_applied(self, uncompensated: bool = False) -> None:
         """A new version is published (call under ``cond``): count it, and capture a checkpoint if one is due."""
-        if self.delay is not None and pulled is None:
+        if uncompensated:
             self.counters.uncompensated += 1
         self.version += 1
         self.counters.applied_updates += 1

@@ -23,8 +23,6 @@ import numpy as np
 from psgrid.psserver import shared_memory
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import InvalidArgument, NotInitialized, SpecMismatch, Unavailable, UnknownWorker
-from psgrid.psserver.kernels.compensation import DelayCompensation
-from psgrid.psserver.kernels.optim import make_optimizer
 from psgrid.psserver.kernels.parallel import Chunks, default_threads
 from psgrid.psserver.protocol import Reason, job_tag
 from psgrid.psserver.sharding import shard_range
@@ -38,6 +36,7 @@ from psgrid.psserver.state.membership import Leases, Membership
 from psgrid.psserver.state.policy import ConsistencyPolicy
 from psgrid.psserver.state.pushes import Pushes, finite_check
 from psgrid.psserver.state.snapshots import MAX_LENT_BUFFERS, Snapshots
+from psgrid.psserver.state.updater import Updater, make_updater
 from psgrid.psserver.state.weight_ring import WeightRing
 
 __all__ = ["MAX_LENT_BUFFERS", "Shard"]
@@ -72,15 +71,8 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
         self.member_hashes: dict[int, str] = {}  # before Init: the spec hash each member registered with
         self.begin = self.end = 0
         self.ring: WeightRing | None = None      # the weights: versions readers hold, and the current one
-        self.master = None                       # a device shard's own weights, which no reader maps
         self.shares_memory = True     # False once this process could not put the weights in shared memory
-        self.optimizer = None
-        # Staleness remedies (compensation.py); sync computes every gradient from the version it meets.
-        self.lr_staleness = config.compensation == "lr"
-        self.delay: DelayCompensation | None = None      # dc: made with the optimizer
-        stale = not self.policy.accumulates
-        self.auto_momentum = config.async_momentum == "auto" and stale and config.momentum > 0
-        self.plain_steps = not self.auto_momentum and not (config.compensation == "dc" and stale)
+        self.updater: Updater | None = None      # the optimizer and how a gradient makes the next version (at Init)
         self.version = 0
         self.pool: BufferPool | None = None             # range-sized buffers where the arrays live (rounds, updates)
         self.landing_pool: BufferPool | None = None     # ... and in host memory, for network payloads (the same on a host shard)
@@ -120,26 +112,31 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
 
         On a device shard, its own copy: readers map the ring's buffers through CUDA IPC, which can
         only map them writable, so the shard keeps the weights it updates and checkpoints apart
-        (``master``) and publishes a copy of each version (pushes.py).
+        and publishes a copy of each version (updater.py's DeviceUpdater).
         """
         if self.ring is None:
             return None
-        return self.master if self.arrays.on_gpu else self.ring.weights
+        return self.updater.weights(self.ring)
 
-    def _new_ring(self, values: np.ndarray, version: int) -> None:
+    @property
+    def optimizer(self):
+        """The range's optimizer (its state is checkpointed), None before Init."""
+        return None if self.updater is None else self.updater.optimizer
+
+    def _new_ring(self, values: np.ndarray, version: int, updater: Updater) -> None:
         """Hold ``values`` (at ``version``) as the weights, in shared memory when readers on this host may map them.
 
         Where this process may not make the shared files (a file-size limit), in private memory:
         said once, and the shared-memory plane is no longer offered (the network planes serve).
         """
         shared = self.shares_memory and self.config.shared_memory and shared_memory.can_share_read_only()
-        keep = self.config.dc_versions if not self.plain_steps and self.config.compensation == "dc" else 0
+        keep = updater.keep_versions
         if self.arrays.on_gpu:       # readers on this host map the buffers through CUDA IPC; only the marks are shared
             self.shares_memory = False
             ring = WeightRing(len(values), shared=shared, keep_versions=keep, device=self.arrays)
-            self.master = self.arrays.adopt(values)
+            master = updater.hold(values)
             with self.arrays.use():
-                ring.weights[...] = self.master
+                ring.weights[...] = master
             self.arrays.finished()
             self._set_ring(ring, version)
             return
@@ -165,35 +162,21 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
                  optimizer_state: dict | None = None) -> None:
         """Serve the range ``[begin, end)`` of ``spec`` from ``values`` at ``version`` (an Init, or a restore).
 
-        Everything is built and checked before anything is published: the optimizer (with its state from
-        a checkpoint) and the pooled buffers first, then the weight ring, whose publication makes the shard
-        serve. A setting or state that is refused, or memory that runs out, leaves the shard as it was: a
-        refused Init leaves no half-built shard (weights and no optimizer), and the next Init is taken afresh.
+        Everything is built and checked before anything is published: the updater (its optimizer with
+        its state from a checkpoint) and the pooled buffers first, then the weight ring, whose publication
+        makes the shard serve. A setting or state that is refused, or memory that runs out, leaves the shard
+        as it was: a refused Init leaves no half-built shard (weights and no optimizer), and the next Init
+        is taken afresh.
         """
-        optimizer, delay = self._new_optimizer(end - begin)
+        updater = make_updater(self.config, self.arrays, end - begin, stale=not self.policy.accumulates,
+                               chunks=self.chunks, live_workers=lambda: len(self.policy.clocks))
         if optimizer_state is not None:
             with self.arrays.use():
-                optimizer.load_state_dict(optimizer_state)
+                updater.optimizer.load_state_dict(optimizer_state)
         pool, landing_pool = self._new_pools(end - begin)
-        self._new_ring(values, version)
+        self._new_ring(values, version, updater)
         self.spec, self.begin, self.end = spec, begin, end
-        self.optimizer, self.delay, self.pool, self.landing_pool = optimizer, delay, pool, landing_pool
-
-    def _new_optimizer(self, size: int) -> tuple:
-        """The optimizer of a range of ``size`` elements and its delay compensation (None where there is none)."""
-        hparams = self.config.optimizer_hparams()
-        if self.arrays.on_gpu:
-            from psgrid.psserver.kernels.device_optim import make_device_optimizer
-
-            with self.arrays.use():
-                optimizer = make_device_optimizer(self.config.optimizer, size, **hparams)
-                optimizer.warm_up()      # compiled now, not in a worker's first push
-            self.arrays.warm_up()
-            return optimizer, None
-        optimizer = make_optimizer(self.config.optimizer, size, chunks=self.chunks, **hparams)
-        if not self.plain_steps and self.config.compensation == "dc":
-            return optimizer, DelayCompensation(size, self.config.dc_lambda0, self.config.dc_beta)
-        return optimizer, None
+        self.updater, self.pool, self.landing_pool = updater, pool, landing_pool
 
     def _new_pools(self, size: int) -> tuple[BufferPool, BufferPool]:
         """Range-sized buffers where the arrays live, and those network payloads land in (the same on a host shard)."""
