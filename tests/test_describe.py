@@ -109,3 +109,28 @@ def test_shards_holding_different_specs_are_named(cluster):
             control.close()
     with pytest.raises(SpecMismatch, match="2 different model specs"):
         c.admin().model_spec()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("raw, malformed", [
+    (b"\xff", True),                        # a key cut short
+    (b"\x0a\x05ab", True),                  # a field that runs past the end
+    (b"\x08" + b"\xff" * 11, True),          # an overlong varint
+    (b"\x12\x00" * 3, False),               # unknown fields: skipped, as protobuf does
+])
+def test_a_describe_request_that_does_not_decode_is_malformed(cluster, raw, malformed):
+    c = cluster(1)
+    channel = grpc.insecure_channel(c.addresses[0])
+    try:
+        call = channel.unary_unary("/ps.ParameterServer/Describe")           # bytes in, bytes out
+        if malformed:
+            with pytest.raises(grpc.RpcError) as refused:
+                call(raw, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+            assert dict(refused.value.trailing_metadata())["ps-reason"] == "malformed"
+        else:
+            reply = ps_pb2.DescribeReply.FromString(call(raw, timeout=10))
+            assert reply.num_shards == 1 and not reply.initialized
+    finally:
+        channel.close()
+    assert c.shard().stats()["rejected"] == int(malformed)

@@ -9,7 +9,8 @@ The shared-memory plane (shm_server.py, shm_client.py) speaks the same frames ov
 with three more operations that hand memory across by file descriptor, and gives some fields
 other meanings. They are named here, once, by the constructors and views below: every other
 module builds and reads frames through them, so the bytes on the wire (a contract other-language
-clients rely on: tests/test_tcp_contract.py, tests/test_shm_contract.py) are spelled in one place.
+clients rely on: docs/wire.md spells every frame, and tests/test_wire_doc.py checks its vectors
+against these constructors) are spelled in one place.
 
 ========  =================================================  ==================================
 op        request                                            reply
