@@ -80,9 +80,10 @@ class ServerConfig:
     tls_ca: str | None = setting(None, "require client certificates signed by this CA (mutual TLS)")
     metrics_port: int | None = setting(None, "serve Prometheus metrics; shard I uses `metrics_port + I` (0: any "
                                        "free port)", bound=between(0, 65535))
-    threads: int = setting(128, "handler threads of each of the shard's listeners: the gRPC server and every data "
-                           "plane it serves (TCP, shared memory, CUDA IPC) has a pool of this many, and a request "
-                           "being served, a blocked pull included, holds one", bound=at_least(1))
+    threads: int = setting(128, "handler threads per listener: the gRPC server and each data plane the shard "
+                           "serves (TCP, shared memory, CUDA IPC) has a pool of its own this size, so up to four "
+                           "pools; a request being served, a blocked pull included, holds a thread of its "
+                           "listener's pool", bound=at_least(1))
     data_plane: str = setting("tcp", "`tcp`: also serve Pull/Push payloads over a raw TCP data plane beside gRPC; "
                               "`grpc`: gRPC only", choices=DATA_PLANES)
     shared_memory: bool = setting(

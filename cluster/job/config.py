@@ -2,10 +2,13 @@
 
 A job file has three optional tables::
 
-    [job]     name, shards, workers, out, overwrite, timeout_s, start_timeout_s, restart_failed, max_restarts,
-              shard_placement
-    [server]  any ServerConfig field (mode, staleness, optimizer, lr, lease_s, checkpoints, ...)
-    [train]   any TrainConfig field (model, dataset, batch_size, steps, eval_every, device, ...)
+    [job]     a JobConfig key (name, shards, workers, out, ...)
+    [server]  a ServerConfig key (mode, staleness, optimizer, lr, lease_s, checkpoints, ...)
+    [train]   a TrainConfig key (model, dataset, batch_size, steps, eval_every, device, ...)
+
+Each key is declared once, with its type, bounds, default and meaning, in its class
+(psserver/settings.py says how); a file is read the same way for a whole job
+(:func:`load_job`) and for one shard (:func:`load_shard_settings`, which leaves [train] alone).
 
 Any key may also be written at the top level, before the first table, when it is
 unambiguous: ``mode = "ssp"`` means ``[server] mode``, ``steps = 300`` means
