@@ -36,7 +36,7 @@ class Setting:
     choices : tuple, optional
         The values allowed; the refusal says ``NAME must be one of (...), got VALUE``.
     flag : str, optional
-        Its command-line flag where not ``--NAME`` (``--device`` for ``shard_device``); ``""``: none.
+        Its command-line flag where not ``--NAME`` (``--device`` for ``shard_device``).
     shown : str, optional
         How the README shows a default that is decided at run time ("made per job").
     cli : str
@@ -173,20 +173,20 @@ def flag_specs(cls, only: tuple[str, ...] | None = None, *, defaults: bool = Tru
 
     The type is ``bool`` for an on/off flag (``--x``/``--no-x``), a tuple of choices, or a converter
     (``int``, ``float``, ``str``, :func:`split_list` for a list of strings); a key of another type (a
-    list of numbers, or a flag of ``""``) is left to ``--set``. The help is the key's meaning, its
+    list of numbers) is left to ``--set``. The help is the key's meaning, its
     command-line note and, unless ``defaults`` is False (flags over a job file's values), its default.
     """
     specs = []
     for key in keys(cls):
-        if (only is not None and key.name not in only) or key.flag == "":
+        if only is not None and key.name not in only:
             continue
         kind = key.setting.choices or _converter(plain_type(key.type))
         if kind is None:
             continue
         note = f" {key.setting.cli}" if key.setting.cli else ""
         default = f" (default: {shown_default(key)})" if defaults else ""
-        help = f"{meaning(key)}{note}{default}".replace("`", "")
-        specs.append((key.flag, key.name, kind, help))
+        text = f"{meaning(key)}{note}{default}".replace("`", "")     # markdown's quotes read as noise in --help
+        specs.append((key.flag, key.name, kind, text))
     return specs
 
 

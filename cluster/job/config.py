@@ -292,7 +292,7 @@ def load_shard_settings(spec: str | Path) -> tuple[ServerConfig, int]:
     where = str(path)
     typed = _typed(_tables(data, where, SHARD_SECTIONS), where)
     shards = typed["job"].get("shards", JobConfig.shards)
-    _refuse(keys(JobConfig), {"shards": shards}, f"{where}: [job] ")
+    _check_job_keys({"shards": shards}, where)
     return _server_config(typed["server"], where), shards
 
 
@@ -378,12 +378,16 @@ def _typed(tables: dict[str, dict[str, Any]], where: str) -> dict[str, dict[str,
 
     A table with nothing in it needs no class: a shard, which reads no [train], never loads the worker's.
     """
-    classes = {"job": lambda: JobConfig, "server": lambda: ServerConfig, "train": _train_config}
     typed = {}
     for section, values in tables.items():
-        types_ = {k.name: k.type for k in keys(classes[section]())} if values else {}
-        typed[section] = {k: _coerce(where, section, k, v, types_[k]) for k, v in values.items()}
+        hints = {k.name: k.type for k in keys(_settings_class(section))} if values else {}
+        typed[section] = {k: _coerce(where, section, k, v, hints[k]) for k, v in values.items()}
     return typed
+
+
+def _settings_class(section: str) -> type:
+    """The class that declares a table's keys (the workers' imported only when asked for)."""
+    return {"job": JobConfig, "server": ServerConfig}.get(section) or _train_config()
 
 
 def _server_config(srv: dict[str, Any], where: str, *, redacted_ok: bool = False) -> ServerConfig:
@@ -398,18 +402,18 @@ def _server_config(srv: dict[str, Any], where: str, *, redacted_ok: bool = False
         raise ConfigError(f"{where}: [server] {with_suggestion(str(e))}") from None
 
 
-def _refuse(schema, values: Mapping[str, Any], prefix: str) -> None:
-    """Raise ConfigError for the first of ``values`` that its key's schema refuses (``prefix`` names where)."""
-    for key in schema:
+def _check_job_keys(values: Mapping[str, Any], where: str) -> None:
+    """Raise ConfigError for the first of the [job] ``values`` that its key's schema refuses."""
+    for key in keys(JobConfig):
         if key.name in values:
             reason = problem(key.name, values[key.name], key.setting)
             if reason:
-                raise ConfigError(with_suggestion(prefix + reason))
+                raise ConfigError(with_suggestion(f"{where}: [job] {reason}"))
 
 
 def _check_job(job: JobConfig, where: str) -> None:
     """The [job] keys' schema, then the rules that join keys of two tables."""
-    _refuse(keys(JobConfig), {k.name: getattr(job, k.name) for k in keys(JobConfig)}, f"{where}: [job] ")
+    _check_job_keys({k.name: getattr(job, k.name) for k in keys(JobConfig)}, where)
     if job.restart_failed and not (job.server.checkpoint_dir and (job.server.checkpoint_every
                                                                   or job.server.checkpoint_every_s)):
         raise ConfigError(f"{where}: [job] restart_failed needs [server] checkpoint_dir and checkpoint_every or "
