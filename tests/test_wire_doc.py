@@ -391,7 +391,7 @@ def test_sync_multiplies_the_sum_in_worker_order_by_one_over_w(no_leaks):
 @pytest.mark.gpu
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", STEPPED)
-def test_the_device_kernels_agree_with_each_update_vector_to_a_few_ulps(name):
+def test_the_device_kernels_agree_with_each_update_vector_to_float32_rounding(name):
     """A device shard runs the same operations, but its compiler may fuse a multiply and an add (one rounding)."""
     from tests.gpu import cupy_or_skip
 
@@ -404,7 +404,7 @@ def test_the_device_kernels_agree_with_each_update_vector_to_a_few_ulps(name):
     w = cupy.asarray(rows["w0"])
     for g, want in zip(grads, expected):
         optimizer.step(w, cupy.asarray(g), lr_scale(settings))
-        np.testing.assert_array_max_ulp(cupy.asnumpy(w), want, maxulp=4)
+        np.testing.assert_allclose(cupy.asnumpy(w), want, rtol=1e-6, atol=1e-6)
 
 
 # ----- the header-only push -----------------------------------------------------------------------------
