@@ -367,6 +367,26 @@ def test_a_shard_applies_each_update_vector_bit_for_bit(name, no_leaks):
 
 
 @pytest.mark.timeout(30)
+def test_a_shard_scales_a_stale_step_as_the_page_says(no_leaks):
+    """staleness_compensation = "lr": a push two versions stale takes lr_eff = lr × 1/2, rounded once."""
+    settings, rows = ARITHMETIC["SGD-STALE"]
+    server = serve(ServerConfig(host="127.0.0.1", port=0, data_plane="grpc", shared_memory=False, mode="async",
+                                optimizer="sgd", lr=settings["lr"], staleness_compensation="lr"))
+    try:
+        service = server.service
+        fresh, stale = start(service, rows["w0"], 2)
+        for clock in range(settings["staleness"]):      # the other worker moves the shard on, each push fresh
+            service.push_local(worker_id=fresh, clock=clock, version=clock, grad=rows["grad1"].copy())
+        before = weights(service)
+        result = service.push_local(worker_id=stale, clock=0, version=0, grad=rows["grad1"].copy())
+        assert result.staleness == settings["staleness"]
+        (expected,) = simulate(settings, before, [rows["grad1"]])
+        np.testing.assert_array_equal(weights(service).view(np.uint32), expected.view(np.uint32))
+    finally:
+        server.stop(grace=0)
+
+
+@pytest.mark.timeout(30)
 def test_sync_multiplies_the_sum_in_worker_order_by_one_over_w(no_leaks):
     settings, rows = ARITHMETIC["SYNC-MEAN"]
     grads = [rows[f"worker{i}"] for i in range(settings["workers"])]
