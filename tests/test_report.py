@@ -59,7 +59,7 @@ def synthetic_run(mode: str, workers: int, stragglers: str, repeat: int, ttt: fl
     staleness = sorted(e["staleness"] for e in events if e["event"] == "step")
     row = dict.fromkeys(ROW_FIELDS)
     row.update(run=f"{mode.replace(':', '')}-w{workers}-{stragglers.replace(':', 'x')}-r{repeat}", mode=mode,
-               workers=workers, stragglers=stragglers, repeat=repeat, status="ok", target_accuracy=TARGET,
+               workers=workers, stragglers=stragglers, repeat=repeat, seed=repeat, status="ok", target_accuracy=TARGET,
                time_to_target_s=next((e["t"] for e in evals if e["test_accuracy"] >= TARGET), None),
                final_test_accuracy=evals[-1]["test_accuracy"] - (0.02 if mode == "async" else 0.0),
                final_loss=0.12, steps=workers * steps, samples=64 * workers * steps, wall_s=wall,
@@ -120,7 +120,8 @@ def test_the_report_mentions_every_mode_and_embeds_every_plot(stragglers_case):
     for mode in MODES:
         assert f"| {mode} |" in md and f"<td>{mode}</td>" in html
     pngs = {name: p for name, p in paths.items() if name not in ("md", "html")}
-    assert set(pngs) == {"accuracy_vs_time", "loss_vs_steps", "samples_per_s", "staleness", "timeline"}
+    assert set(pngs) == {"accuracy_vs_time", "accuracy_vs_progress", "intervals", "loss_vs_steps", "samples_per_s",
+                         "staleness", "timeline"}
     for name in pngs:
         assert f"](plots/{name}.png)" in md
     assert html.count("data:image/png;base64,") == len(pngs) and 'src="plots/' not in html
@@ -150,7 +151,7 @@ def test_scaling_is_plotted_and_read_only_with_several_worker_counts(stragglers_
     text = " ".join(reading(rows, settings))
     sps = {(r["mode"], r["workers"]): r["samples_per_s"] for r in rows}
     efficiency = [sps["sync", n] / (n * sps["sync", 1]) for n in (2, 4)]
-    assert (f"Scaling efficiency (no stragglers), samples/s with n workers divided by n times the samples/s of "
+    assert (f"Scaling efficiency (no stragglers): the samples/s of n workers divided by n times the samples/s of "
             f"1 worker (1.00 is perfect): sync {efficiency[0]:.2f} at 2 workers and {efficiency[1]:.2f} at 4 workers"
             in text)
 
@@ -167,8 +168,10 @@ def test_the_reading_names_the_fastest_mode_and_by_how_much(stragglers_case):
     assert race.startswith(f"With 4 workers and stragglers 3:3, async reached the target test accuracy 0.900 first, "
                            f"in {secs(ttt('async'))} s")
     assert (f"the next, ssp:2 ({secs(ttt('ssp:2'))} s, {ttt('ssp:2') / ttt('async'):.3g}x as long; "
-            f"not settled with fewer than 3 repeats)") in race
-    assert f"sync took {secs(ttt('sync'))} s, {ttt('sync') / ttt('async'):.3g}x as long" in race
+            f"not settled: fewer than 5 repeats)") in race
+    # Every mode's time is said, all-reduce's too, slowest last.
+    assert (f"; then allreduce {secs(ttt('allreduce'))} s, {ttt('allreduce') / ttt('async'):.3g}x as long and "
+            f"sync {secs(ttt('sync'))} s, {ttt('sync') / ttt('async'):.3g}x as long.") in race
     text = " ".join(paras)
     assert "async and ssp:2 reached the target before sync, as theory predicts (Cui et al., ATC'14" in text
     assert "Stragglers 3:3 with 4 workers, against none: sync took" in text
@@ -189,17 +192,22 @@ def test_the_reading_says_plainly_when_stale_modes_lose_to_sync():
 
 
 def test_the_reading_says_when_a_lead_is_within_the_spread_of_repeats():
-    rows, _, settings = experiment(["sync", "async"], [2], ["none"], 3, lambda m, w, s: 0.5 if m == "sync" else 0.49)
+    rows, _, settings = experiment(["sync", "async"], [2], ["none"], 5, lambda m, w, s: 0.5 if m == "sync" else 0.49)
     race = next(p for p in reading(rows, settings) if p.startswith("With 2 workers"))
     assert "though their 95% intervals overlap, so the lead is not settled" in race
 
 
 def test_the_reading_calls_a_lead_settled_only_where_the_intervals_are_apart():
-    rows, _, settings = experiment(["sync", "async"], [2], ["none"], 3, lambda m, w, s: 0.5 if m == "sync" else 0.25)
+    rows, _, settings = experiment(["sync", "async"], [2], ["none"], 5, lambda m, w, s: 0.5 if m == "sync" else 0.25)
     paras = reading(rows, settings)
     race = next(p for p in paras if p.startswith("With 2 workers"))
     assert race.startswith("With 2 workers and no stragglers, async reached") and "settled: their 95% intervals" in race
-    assert not any("not settled" in p for p in paras)       # 3 repeats, 5 processes on 8 cores: nothing to hedge
+    assert not any("not settled" in p for p in paras)       # 5 seeds, 5 processes on 8 cores: nothing to hedge
+    # The same runs at one seed measure only timing noise: no interval, and the reading says why.
+    same = [dict(r, seed=0) for r in rows]
+    paras = reading(same, settings)
+    assert "not settled: its repeats ran with the same seed)" in next(p for p in paras if p.startswith("With 2"))
+    assert "the repeats ran with the same seed" in paras[0]
 
 
 def test_with_too_few_repeats_or_too_few_cores_the_reading_says_it_is_not_settled():
@@ -208,7 +216,7 @@ def test_with_too_few_repeats_or_too_few_cores_the_reading_says_it_is_not_settle
     assert first.startswith("These conclusions are not settled: each setting ran only 1 time")
     assert "shared" not in first                                      # 6 processes on 8 cores
     settings["machine"]["cpus"] = 2
-    rows3, _, settings3 = experiment(["sync", "allreduce"], [4], ["none"], 3, lambda m, w, s: 0.5, shards=1)
+    rows3, _, settings3 = experiment(["sync", "allreduce"], [4], ["none"], 5, lambda m, w, s: 0.5, shards=1)
     settings3["machine"]["cpus"] = 2
     first = reading(rows3, settings3)[0]
     assert first == ("These conclusions are not settled: 6 processes (1 coordinator, 1 shard and 4 workers; "
@@ -217,16 +225,17 @@ def test_with_too_few_repeats_or_too_few_cores_the_reading_says_it_is_not_settle
 
 
 def test_a_diverged_run_is_said_first_with_the_fix_to_try(tmp_path):
-    rows, events, settings = experiment(["sync", "async"], [2], ["none"], 3, lambda m, w, s: 0.5)
+    rows, events, settings = experiment(["sync", "async"], [2], ["none"], 5, lambda m, w, s: 0.5)
     for r in rows:
         if r["mode"] == "async":
             r.update(diverged=1, final_test_accuracy=0.1, time_to_target_s=None)
     paras = reading(rows, settings)
-    assert paras[0].startswith("Diverged: async in 3 of 3 runs (2 workers, no stragglers).")
+    assert paras[0].startswith("Diverged: async in 5 of 5 runs (2 workers, no stragglers).")
     assert "lower learning rate" in paras[0] and "--tune lr=" in paras[0] and "staleness" in paras[0]
     paths = write_report(tmp_path, settings, rows, events)
     summary = paths["md"].read_text().split("## Summary")[1].split("## Per mode")[0]
-    assert "| 3 of 3 |" in summary and "[" in summary        # the diverged count; 3 repeats: intervals
+    assert "| 2 | none | async | diverged in 5 of 5 | never |" in summary
+    assert "| 2 | none | sync | stable" in summary and ", " in summary.split("| sync |")[1]   # 5 seeds: intervals
     assert paths["intervals"].read_bytes().startswith(PNG)
 
 
@@ -236,7 +245,7 @@ def test_failed_runs_are_listed_and_left_out(stragglers_case):
     assert "## Runs that did not finish" in md and "| sync-w4-s3x3-r2 | sync | 4 | 3:3 | 2 | failed |" in md
     summary = md.split("## Summary")[1].split("## Per mode")[0]
     sync_row = next(line for line in summary.splitlines() if line.startswith("| 4 | 3:3 | sync |"))
-    assert sync_row.endswith("| 2 | - |")       # n: the two repeats that finished; none diverged
+    assert sync_row.startswith("| 4 | 3:3 | sync | stable") and sync_row.endswith("| 2 |")   # n: the two that finished
 
 
 def test_missing_values_and_failed_runs_do_not_crash(tmp_path):
@@ -248,7 +257,7 @@ def test_missing_values_and_failed_runs_do_not_crash(tmp_path):
     rows.append(failed_row("async-w2-r1", "async", "interrupted"))
     paths = write_report(tmp_path, settings, rows, events)
     md = paths["md"].read_text()
-    assert "async never reached it" in md and "| 2 | none | async | never | - |" in md
+    assert "async (1 run) never reached it" in md and "| 2 | none | async | stable | never | - |" in md
     assert "interrupted" in md
     # Nothing finished at all, and no target: still a report, saying so.
     only_failed = [failed_row("sync-w4-s3x3-r0", "sync", "failed")]
@@ -297,11 +306,16 @@ def test_the_bootstrap_interval_holds_the_median_and_is_the_same_every_time():
     rng = np.random.default_rng(0)
     medians = np.median(np.asarray(values)[rng.integers(0, 5, size=(2000, 5))], axis=1)
     assert (low, high) == tuple(np.percentile(medians, [2.5, 97.5]))
-    rows = [{"x": v} for v in values]
-    assert spread(rows[:2], "x").ci is None and spread(rows, "x").ci == (low, high)
-    assert separated(spread([{"x": 1.0}] * 3, "x"), spread([{"x": 2.0}] * 3, "x")) is True
-    assert separated(spread(rows, "x"), spread([{"x": 3.0}] * 3, "x")) is False
-    assert separated(spread(rows[:2], "x"), spread(rows, "x")) is None
+    rows = [{"x": v, "seed": i} for i, v in enumerate(values)]
+    assert spread(rows[:4], "x").ci is None and spread(rows, "x").ci == (low, high)
+    # An interval only from 5 repeats with seeds of their own: with one seed, min..max only.
+    assert spread([dict(r, seed=7) for r in rows], "x").ci is None
+    assert spread([dict(r, seed=7) for r in rows], "x").no_interval == "its repeats ran with the same seed"
+    assert spread(rows[:4], "x").no_interval == "fewer than 5 repeats"
+    ones, twos = ([{"x": x, "seed": i} for i in range(5)] for x in (1.0, 2.0))
+    assert separated(spread(ones, "x"), spread(twos, "x")) is True
+    assert separated(spread(rows, "x"), spread([{"x": 3.0, "seed": i} for i in range(5)], "x")) is False
+    assert separated(spread(rows[:4], "x"), spread(rows, "x")) is None
 
 
 def test_the_reading_names_each_modes_tuned_settings_and_the_grid_points_that_diverged():

@@ -84,12 +84,12 @@ def test_garbage_metrics_are_marked_left_out_and_the_report_is_written(tmp_path,
         assert bad["diverged"] == "1" and bad["invalid_metrics"] == ""
     else:
         assert said in bad["invalid_metrics"], bad["invalid_metrics"]
-    # No accuracy outside [0, 1] reaches a number: the automatic target is the lowest best of the runs that
-    # did not diverge, each run's best among the accuracies it could have had.
+    # No accuracy outside [0, 1] reaches a number: the automatic target is 95% of the best setting's median final
+    # accuracy among the accuracies the runs could have had (sync's 0.8; async's final is garbage or lower).
     for key in ("final_test_accuracy", "best_test_accuracy", "target_accuracy"):
         assert bad[key] == "" or 0.0 <= float(bad[key]) <= 1.0, (key, bad[key])
-    bests = [max(GOOD_ACCURACY)] + ([max(a for a in accuracies if 0 <= a <= 1)] if said != "diverged" else [])
-    assert float(sync["target_accuracy"]) == pytest.approx(min(bests))
+    finals = [GOOD_ACCURACY[-1]] + ([accuracies[-1]] if said != "diverged" and 0 <= accuracies[-1] <= 1 else [])
+    assert float(sync["target_accuracy"]) == pytest.approx(round(0.95 * max(finals), 4))
     md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
     reading = md.split("## Reading\n\n")[1]
     assert reading.startswith("Diverged: async" if said == "diverged" else "Invalid metrics: async-w2-r0 logged ")
@@ -108,7 +108,7 @@ def test_report_only_writes_a_report_of_runs_that_logged_garbage(tmp_path):
                        capture_output=True, text=True, timeout=50, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     line = next(t for t in p.stdout.splitlines() if t.startswith("async-w2-r0"))
-    assert line.split()[1] == "invalid"                 # the terminal's table does not call it ok
+    assert line.split()[2] == "invalid"                 # the terminal's table (run, seed, status) does not call it ok
     assert (out / "report.md").is_file() and (out / "report.html").is_file()
     bad = rows(out)["async"]["invalid_metrics"]
     assert "test accuracy 1e+09 at 3 evaluations" in bad and "loss infinite" in bad       # NaN is none either

@@ -20,12 +20,14 @@ psctl compare --config examples/synthetic-20m.toml --workers 1,2,4 --modes sync,
 psctl compare --config mnist --stragglers 1:exp:20 --target-accuracy 0.9 --out runs/noisy --resume
 psctl compare --modes sync,async,ssp:2 --tune lr=0.01,0.05,0.2 --tune momentum=0,0.9 --tune-steps 200 --out runs/tuned
 psctl compare --modes sync,async --mode-set async:lr=0.02 --out runs/lower-lr
+psctl compare --config mnist --modes sync,async --workers 4 --repeats 5 --tensorboard runs/tb --out runs/seeds
 psctl compare --modes sync,async,ssp:2 --workers 2 --out runs/mine -- python train.py --steps 300
 mpiexec -n 7 psctl compare --mpi --config mnist --shards 2 --workers 4 --out runs/cmp-mpi
 """
 
 DEFAULT_MODES = "sync,async,ssp:2,allreduce"
 SCRIPT_MODES = "sync,async,ssp:2"       # the default with a script: all-reduce needs the built-in loop
+TUNE_REPEATS = 2                        # tuning.DEFAULT_REPEATS, kept here so --help loads no experiment code
 # Set per run by the experiment, so not offered as job-file overrides here.
 _PER_RUN = ("mode", "staleness", "backup_workers", "stragglers")
 
@@ -44,10 +46,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "runs of --tune-steps, one each), picks each mode's best point (the earliest to the target; "
                     "where none reaches it, the best final accuracy; a diverged point never wins) and runs the "
                     "repeats there; the report shows each mode's chosen settings and how each setting did. "
-                    "A run whose loss grows or turns non-finite, or whose accuracy falls to chance, is marked "
-                    "diverged, and the reading says so first. With 3 or more repeats the tables show medians "
-                    "with bootstrap 95% intervals and the reading calls a difference settled only where they do "
-                    "not overlap. After -- comes your own script (-- python train.py ARGS): every worker of every "
+                    "Repeat r runs with seed base+r (the job's seed is the base; --seeds pins them). A setting whose "
+                    "final accuracies spread more than 0.05 across repeats, or whose loss rose for a stretch, is "
+                    "marked unstable; a run whose loss grows or turns non-finite (also when the shards refuse its "
+                    "non-finite gradients), or whose accuracy falls to chance, is marked diverged; the reading "
+                    "says so first. The target accuracy is --target-accuracy, else 95% of the best setting's median "
+                    "final accuracy, and time to it is 'k of n reached'. With 5 or more repeats of their own seeds "
+                    "the tables show medians with bootstrap 95% intervals (else min..max) and the reading calls a "
+                    "difference settled only where they do not overlap. async runs with async_momentum=auto unless "
+                    "--mode-set async:async_momentum=off (the report says which settings each mode ran with). "
+                    "After -- comes your own script (-- python train.py ARGS): every worker of every "
                     "run runs it as under psctl launch --, with that run's mode and settings on the shards, and "
                     "the report is built from what psgrid.init's session logs (loss, log_eval).",
         examples=EXAMPLES,
@@ -64,12 +72,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "compare settings, e.g. --stragglers none --stragglers 3:3 (default: none)")
     e.add_argument("--backup-workers", type=int, metavar="B",
                    help="sync: close a round when all but B workers pushed (default: the job's)")
-    e.add_argument("--repeats", type=int, default=1, metavar="R", help="runs of each setting (default 1)")
+    e.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="runs of each setting, repeat r with seed base+r (default 1; 5 or more for 95%% intervals)")
+    e.add_argument("--seeds", metavar="LIST",
+                   help="the repeats' seeds: 'same' to run every repeat with the job's seed (only timing then "
+                        "varies, and no interval is drawn), or one per repeat, e.g. 3,7,11 (default: base+r)")
     e.add_argument("--tune", action="append", default=[], metavar="KEY=V1,V2,...",
                    help="tune each mode over these values of a server or train key (values as --set takes them), "
                         "e.g. --tune lr=0.01,0.05,0.2 --tune momentum=0,0.9: every combination is a grid point")
     e.add_argument("--tune-steps", type=int, metavar="N",
                    help="steps per worker of each tuning run (default: the job's steps)")
+    e.add_argument("--tune-repeats", type=int, metavar="N",
+                   help=f"runs of each grid point, repeat r with seed base+r; the point is judged on their medians "
+                        f"(default {TUNE_REPEATS})")
     e.add_argument("--mode-set", action="append", default=[], metavar="MODE:KEY=VALUE",
                    help="a setting for one mode's runs only, e.g. --mode-set async:lr=0.02 (tuning, if any, "
                         "starts from it)")
@@ -92,6 +107,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="shard processes of the parameter-server runs (default: [job] shards)")
     e.add_argument("--timeout", dest="override_timeout_s", type=float, metavar="SECONDS",
                    help="stop a run that trains longer than this (default: no limit)")
+    e.add_argument("--tensorboard", metavar="DIR",
+                   help="also write each run's loss and test accuracy as TensorBoard event files, one folder per "
+                        "run named after its mode, workers and repeat (tensorboard --logdir DIR overlays them; "
+                        "needs pip install 'psgrid[tensorboard]')")
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show the progress bar (default: when stderr is a terminal)")
     add_token_arg(p)
@@ -118,12 +137,17 @@ def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.experiments.settings import settings_for
     from psgrid.cluster.job.config import apply_overrides
     from psgrid.cluster.errors import UsageError
-    from psgrid.cluster.experiments.experiment import parse_counts, parse_modes, parse_straggler_setting, plan
+    from psgrid.cluster.experiments.experiment import (mode_defaults, parse_counts, parse_modes,
+                                                       parse_straggler_setting, plan, repeat_seeds)
 
+    if args.tensorboard is not None:
+        from psgrid.cluster.experiments.tensorboard import require
+
+        require()
     if args.report_only:
         from psgrid.cluster.experiments.compare import rewrite_report, table_text
 
-        rows = rewrite_report(Path(args.out), args.target_accuracy, args.classes)
+        rows = rewrite_report(Path(args.out), args.target_accuracy, args.classes, args.tensorboard)
         print(table_text(rows, rows[-1]["target_accuracy"] if rows else None))   # a repeat's: they come last
         return 0
     from psgrid.cluster.commands.common import flag_names, given_names
@@ -148,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
                          "sync, async and ssp:S")
     tune = _tuning(args, job, command)
     mode_settings = _mode_settings(args.mode_set, modes, job, server_only=command is not None)
+    defaults = {} if "async_momentum" in given_names(args) else mode_defaults(modes, job)
     if args.classes is not None and args.classes < 2:
         raise UsageError(f"--classes must be at least 2, got {args.classes}")
     workers = parse_counts(args.workers, "--workers") if args.workers else [job.workers]
@@ -167,11 +192,15 @@ def run(args: argparse.Namespace) -> int:
         overrides["backup_workers"] = args.backup_workers
     job = dataclasses.replace(apply_overrides(job, overrides), out=None)    # every run has its own folder
     plan(modes, workers, stragglers, args.repeats)     # refuses a straggler that does not exist
+    tune_repeats = args.tune_repeats if args.tune_repeats is not None else TUNE_REPEATS
+    seeds = repeat_seeds(job.train.seed, max(args.repeats, tune_repeats if tune else 1), args.seeds)
     settings = settings_for(job, command=sys.argv[2:] if sys.argv[1:2] == ["compare"] else [],
                             modes=modes, workers=workers, stragglers=stragglers, repeats=args.repeats,
                             target=args.target_accuracy, backup_workers=args.backup_workers, tune=tune,
                             tune_steps=args.tune_steps, mode_settings=mode_settings, script=command,
-                            classes=args.classes)
+                            classes=args.classes, seeds=seeds, tune_repeats=tune_repeats, mode_defaults=defaults,
+                            tensorboard=None if args.tensorboard is None else str(Path(args.tensorboard).resolve()),
+                            script_given=args.user_command)
     experiment = experiment_from(job, settings, Path(args.out))
     if args.overwrite:
         _clear_for_overwrite(args)
@@ -188,6 +217,11 @@ def _tuning(args: argparse.Namespace, job, command: list[str] | None) -> dict:
     tune = parse_tune(args.tune, job, server_only=command is not None)
     if tune and args.mpi:
         raise UsageError("--tune runs on this machine: leave out --mpi (psctl compare --mpi does not tune yet)")
+    if args.tune_repeats is not None:
+        if not tune:
+            raise UsageError("--tune-repeats sets the runs of each grid point: give --tune KEY=V1,V2 too")
+        if args.tune_repeats < 1:
+            raise UsageError(f"--tune-repeats must be at least 1, got {args.tune_repeats}")
     if args.tune_steps is not None:
         if not tune:
             raise UsageError("--tune-steps sets the length of the tuning runs: give --tune KEY=V1,V2 too")

@@ -3,8 +3,9 @@
 The runs are planned by :mod:`psgrid.cluster.experiments.experiment` (modes x worker counts x straggler
 settings x repeats, repeats outermost) and each writes its own folder ``D/runs/RUN``: a
 parameter-server mode is a ``psctl launch`` job, ``allreduce`` a ``psctl allreduce`` job under
-the ``mpiexec`` of the ``mpi`` extra. Every run has the job's seed, so every mode starts from the
-same weights and sees the same data in the same order.
+the ``mpiexec`` of the ``mpi`` extra. Repeat r of every mode has the same seed (base+r unless
+pinned: experiment.repeat_seeds), so within a repeat every mode starts from the same weights and
+sees the same data in the same order, and across repeats those differ.
 
 With ``--tune`` the tune runs (:mod:`psgrid.cluster.experiments.tuning`) come first, then the repeats at each
 mode's best point; with a command after ``--`` every parameter-server run runs it as ``psctl launch
@@ -33,7 +34,9 @@ from psgrid.cluster.mpi.mpiexec import mpiexec_path, unbound_args
 from psgrid.cluster.experiments import results as res
 from psgrid.cluster.job.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import JobFailed, UsageError
-from psgrid.cluster.experiments import tuning
+from psgrid.cluster.experiments import stability, tuning
+from psgrid.cluster.experiments import target as targets
+from psgrid.cluster.experiments.stability import refused_non_finite
 from psgrid.cluster.experiments.experiment import NO_STRAGGLERS, TUNE, Mode, Run, Settings, plan, tune_plan
 from psgrid.cluster.run.interrupts import Interrupted, listen_for_interrupts
 from psgrid.cluster.run.launch import Launcher, prepare_out
@@ -62,25 +65,29 @@ class Experiment:
     stragglers: list[str]
     repeats: int
     out: Path
-    target: float | None          # test accuracy to reach; None: the highest every run reached
+    target: float | None          # test accuracy to reach; None: by the rule of target.py
     settings: dict                # written to D/experiment.json and the report
     grid: list[Settings] = field(default_factory=list)         # --tune's points; empty: no tuning
     tune_steps: int | None = None                               # steps per worker of a tune run; None: the job's
     mode_settings: dict[str, Settings] = field(default_factory=dict)   # per mode label, on every run of it
     command: list[str] | None = None                            # the user's script, run by each worker
+    seeds: list[int] | None = None                              # repeat r's seed; None: the job's for every run
+    tune_repeats: int = 1                                       # runs of each grid point
+    tensorboard: Path | None = None                             # where each run's TensorBoard events go
 
     @property
     def tune_runs(self) -> list[Run]:
         if not self.grid:
             return []
-        return [Run(r.mode, r.workers, r.stragglers, 0, self.mode_settings.get(r.mode.label, ()) + r.settings, TUNE)
-                for r in tune_plan(self.modes, self.workers, self.stragglers, self.grid)]
+        return [Run(r.mode, r.workers, r.stragglers, r.repeat, self.mode_settings.get(r.mode.label, ()) + r.settings,
+                    TUNE, r.seed)
+                for r in tune_plan(self.modes, self.workers, self.stragglers, self.grid, self.tune_repeats, self.seeds)]
 
     def repeat_runs(self, chosen: dict[tuple, Settings]) -> list[Run]:
         """The repeats, each group at its chosen settings (a group tuning chose nothing for: its mode's own)."""
         settings = {(m.label, w, s): chosen.get((m.label, w, s), self.mode_settings.get(m.label, ()))
                     for m in self.modes for w in self.workers for s in self.stragglers}
-        return plan(self.modes, self.workers, self.stragglers, self.repeats, settings)
+        return plan(self.modes, self.workers, self.stragglers, self.repeats, settings, self.seeds)
 
     @property
     def runs(self) -> list[Run]:
@@ -106,13 +113,20 @@ class Experiment:
         if run.mode.staleness is not None:
             overrides["staleness"] = run.mode.staleness
         overrides.update(run.settings)
+        if run.seed is not None:
+            overrides["seed"] = run.seed
         if run.phase == TUNE and self.tune_steps:
             overrides.update({"train.steps": self.tune_steps, "train.epochs": 0})
         return apply_overrides(self.job, overrides)
 
     def finished(self, run: Run) -> bool:
-        summary = res.read_summary(self.run_dir(run))
-        return bool(summary) and summary.get("status") == "ok"
+        return done(self.run_dir(run))
+
+
+def done(run_dir: Path) -> bool:
+    """Whether the run in ``run_dir`` needs no running again: it finished, or it diverged (its result)."""
+    summary = res.read_summary(run_dir)
+    return bool(summary) and (summary.get("status") == "ok" or refused_non_finite(summary))
 
 
 def experiment_from(job: JobConfig, settings: dict, out: Path) -> Experiment:
@@ -123,11 +137,19 @@ def experiment_from(job: JobConfig, settings: dict, out: Path) -> Experiment:
         return tuple((k, v) for k, v in pairs)
 
     grid = tuning.points(settings.get("tune") or {})
+    mode_settings = {m: as_settings(p) for m, p in (settings.get("mode_defaults") or {}).items()}
+    for m, p in (settings.get("mode_settings") or {}).items():     # given for a mode: over its defaults
+        given = as_settings(p)
+        mode_settings[m] = tuple(kv for kv in mode_settings.get(m, ()) if kv[0] not in dict(given)) + given
+    # An experiment written before seeds varied ran every repeat at the job's seed: so it is read back.
+    seeds = settings.get("seeds")
     return Experiment(job, parse_modes(",".join(settings["modes"])), list(settings["workers"]),
                       list(settings["stragglers"]), settings["repeats"], out, settings.get("target_accuracy"),
                       settings, grid=grid if settings.get("tune") else [], tune_steps=settings.get("tune_steps"),
-                      mode_settings={m: as_settings(p) for m, p in (settings.get("mode_settings") or {}).items()},
-                      command=settings.get("script"))
+                      mode_settings=mode_settings, command=settings.get("script"),
+                      seeds=list(seeds) if seeds else [job.train.seed] * max(settings["repeats"], 1),
+                      tune_repeats=int(settings.get("tune_repeats") or 1),
+                      tensorboard=Path(settings["tensorboard"]) if settings.get("tensorboard") else None)
 
 
 def prepare(experiment: Experiment, resume: bool) -> list[Run]:
@@ -147,8 +169,7 @@ def prepare(experiment: Experiment, resume: bool) -> list[Run]:
     files.make_dirs(out / "runs")
     co.write_json(settings_file, experiment.settings)
     for folder in (f for f in (out / "runs").iterdir() if f.is_dir() and not f.is_symlink()):
-        summary = res.read_summary(folder)
-        if not summary or summary.get("status") != "ok":
+        if not done(folder):
             shutil.rmtree(folder, ignore_errors=True)     # a run cut short starts again
     return [r for r in (experiment.tune_runs or experiment.runs) if not experiment.finished(r)]
 
@@ -159,14 +180,15 @@ def _plan_of(settings: dict) -> tuple:
                  for k in ("job", "modes", "workers", "stragglers", "repeats", "backup_workers", *NEWER_KEYS))
 
 
-NEWER_KEYS = ("tune", "tune_steps", "mode_settings", "script")
+NEWER_KEYS = ("tune", "tune_steps", "mode_settings", "script", "seeds", "tune_repeats", "mode_defaults")
 
 
 def _describe(settings: dict) -> str:
     return (f"modes {','.join(settings.get('modes', []))}, workers {settings.get('workers')}, "
             f"stragglers {settings.get('stragglers')}, repeats {settings.get('repeats')}"
             + (f", tune {settings['tune']}" if settings.get("tune") else "")
-            + (f", script {shlex.join(settings['script'])}" if settings.get("script") else ""))
+            + (f", script {shlex.join(settings['script'])}" if settings.get("script") else "")
+            + (f", seeds {settings['seeds']}" if settings.get("seeds") else ", every repeat at the job's seed"))
 
 
 class ExperimentProgress:
@@ -186,7 +208,8 @@ class ExperimentProgress:
         self.bar.set_description(f"[{self.done}/{self.count}] {'tune ' if run.phase == TUNE else ''}"
                                  f"{run.mode.label} w{run.workers} "
                                  f"{'' if run.stragglers == NO_STRAGGLERS else 'stragglers ' + run.stragglers + ' '}"
-                                 + (tuning_label(run) if run.phase == TUNE else f"repeat {run.repeat + 1}"),
+                                 + (tuning_label(run) if run.phase == TUNE else f"repeat {run.repeat + 1}")
+                + ("" if run.seed is None else f" seed {run.seed}"),
                                  refresh=False)
         return RunProgress(self.bar)
 
@@ -308,8 +331,12 @@ class Compare:
                 try:
                     self.run_one(run, bar.for_run(run))
                 except JobFailed as e:
-                    failed.append(run)
-                    bar.bar.write(f"psctl compare: run {run.id} failed: {e}", file=sys.stderr)
+                    if x.finished(run):     # stopped on the shards' non_finite refusal: a result, not a failure
+                        bar.bar.write(f"psctl compare: run {run.id} diverged: its weights or gradients turned "
+                                      f"non-finite and the shards refused them", file=sys.stderr)
+                    else:
+                        failed.append(run)
+                        bar.bar.write(f"psctl compare: run {run.id} failed: {e}", file=sys.stderr)
                 self.record(run)
         except Interrupted as e:
             return e
@@ -326,9 +353,14 @@ class Compare:
 
     def record(self, run: Run) -> None:
         """Add the run's steps to results.jsonl (an interrupted run's are added when it is done again)."""
+        events = res.run_events(self.x.run_dir(run))
         with files.open_new(self.x.out / "results.jsonl", "a") as f:
-            for line in res.result_lines(run, res.run_events(self.x.run_dir(run))):
+            for line in res.result_lines(run, events):
                 f.write(line + "\n")
+        if self.x.tensorboard is not None:
+            from psgrid.cluster.experiments.tensorboard import write_run
+
+            write_run(self.x.tensorboard, run.id, events)
 
     def write_results(self) -> list[dict]:
         return write_results(self.x)
@@ -345,13 +377,13 @@ def _rows(x: Experiment, runs: list[Run]) -> tuple[list[dict], dict[str, list[di
             for r in present], events
 
 
-def tune_rows(x: Experiment) -> tuple[list[dict], dict[str, list[dict]], dict]:
-    """The tune runs' rows, each timed to its group's tuning target; their events; the targets."""
+def tune_rows(x: Experiment) -> tuple[list[dict], dict[str, list[dict]], float | None]:
+    """The tune runs' rows, each timed to the tuning target; their events; the target."""
     rows, events = _rows(x, x.tune_runs)
-    targets = tuning.tuning_targets(rows, x.target)
+    target = tuning.tuning_target(rows, x.target)
     for row in rows:
-        res.set_target(row, events[row["run"]], targets[row["workers"], row["stragglers"]])
-    return rows, events, targets
+        res.set_target(row, events[row["run"]], target)
+    return stability.mark(rows), events, target
 
 
 def chosen_settings(x: Experiment, rows: list[dict]) -> dict[tuple, Settings]:
@@ -366,7 +398,7 @@ def chosen_settings(x: Experiment, rows: list[dict]) -> dict[tuple, Settings]:
     except (FileNotFoundError, ValueError, KeyError, TypeError):
         pass
     by_id = {r.id: r.settings for r in x.tune_runs}
-    return {group: by_id[row["run"]] for group, row in tuning.choose(rows).items()}
+    return {group: by_id[runs[0]["run"]] for group, runs in tuning.choose(rows).items()}
 
 
 def save_chosen(x: Experiment, chosen: dict[tuple, Settings]) -> None:
@@ -378,18 +410,19 @@ def write_results(x: Experiment) -> list[dict]:
     """summary.csv, a results.jsonl of exactly the runs there are, and the report; returns the rows."""
     from psgrid.cluster.experiments.report import Tuning, write_report
 
-    tuned, tune_events, tune_targets = tune_rows(x)
+    tuned, tune_events, tune_target = tune_rows(x)
     chosen = chosen_settings(x, tuned)
     repeats = x.repeat_runs(chosen)
     rows, events = _rows(x, repeats)
-    target, source = x.target, "given"
+    # One target for tuning and the report: the given one, else tuning's, else the rule over the repeats.
+    target, source = x.target, targets.GIVEN
+    if target is None and x.grid:
+        target, source = tune_target, targets.TUNING
     if target is None:
-        # A diverged run never sets the target: it would make the target whatever the worst run reached.
-        reached = [r["best_test_accuracy"] for r in rows if r["status"] == "ok" and not r["diverged"]]
-        target = min((a for a in reached if a is not None), default=None)
-        source = "auto"
+        target, source = targets.auto_target(rows), targets.AUTO
     for row in rows:
         res.set_target(row, events[row["run"]], target)
+    stability.mark(rows)
     every = tuned + rows
     res.write_csv(x.out / "summary.csv", every)
     by_id = {r.id: r for r in x.tune_runs + repeats}
@@ -400,21 +433,25 @@ def write_results(x: Experiment) -> list[dict]:
                 f.write(line + "\n")
     if every:
         write_report(x.out, dict(x.settings, target_accuracy=target, target_source=source), rows, events,
-                     tuning=Tuning(tuned, _chosen_runs(x, chosen), tune_targets) if x.grid else None)
+                     tuning=Tuning(tuned, _chosen_runs(x, chosen), tune_target) if x.grid else None)
     return every
 
 
-def _chosen_runs(x: Experiment, chosen: dict[tuple, Settings]) -> dict[tuple, str]:
-    """Each group's chosen point as the id of its tune run."""
-    return {(r.mode.label, r.workers, r.stragglers): r.id for r in x.tune_runs
-            if chosen.get((r.mode.label, r.workers, r.stragglers)) == r.settings}
+def _chosen_runs(x: Experiment, chosen: dict[tuple, Settings]) -> dict[tuple, list[str]]:
+    """Each group's chosen point as the ids of its tune runs (one per tune repeat)."""
+    runs: dict[tuple, list[str]] = {}
+    for r in x.tune_runs:
+        if chosen.get((r.mode.label, r.workers, r.stragglers)) == r.settings:
+            runs.setdefault((r.mode.label, r.workers, r.stragglers), []).append(r.id)
+    return runs
 
 
-def rewrite_report(out: Path, target: float | None = None, classes: int | None = None) -> list[dict]:
+def rewrite_report(out: Path, target: float | None = None, classes: int | None = None,
+                   tensorboard: str | Path | None = None) -> list[dict]:
     """Write summary.csv, results.jsonl and the report of the experiment in ``out`` again, from its runs.
 
     Nothing is run; the settings (machine included) are those saved when it ran, except the target
-    accuracy and the number of classes when given.
+    accuracy and the number of classes when given. With ``tensorboard`` every run's events are written there too.
     """
     from psgrid.cluster.job.config import job_from_dict
 
@@ -423,15 +460,23 @@ def rewrite_report(out: Path, target: float | None = None, classes: int | None =
     except (FileNotFoundError, ValueError):
         raise UsageError(f"{out} holds no experiment ({SETTINGS_FILE} is missing or unreadable)") from None
     if target is not None:
-        settings.update(target_accuracy=target, target_source="given")
+        settings.update(target_accuracy=target, target_source=targets.GIVEN)
     if classes is not None:
         settings["classes"] = classes
-    return write_results(experiment_from(job_from_dict(settings["job"]), settings, out))
+    x = experiment_from(job_from_dict(settings["job"]), settings, out)
+    if tensorboard is not None:
+        from psgrid.cluster.experiments.tensorboard import write_run
+
+        for run in x.runs:
+            if res.read_summary(x.run_dir(run)) is not None:
+                write_run(Path(tensorboard), run.id, res.run_events(x.run_dir(run)))
+    return write_results(x)
 
 
 def table_text(rows: list[dict], target: float | None) -> str:
     """The terminal's summary: one line per run."""
-    head = f"{'run':<36} {'status':<11} {'to target':>10} {'test acc':>8} {'samples/s':>10} {'staleness':>9}"
+    head = (f"{'run':<36} {'seed':>5} {'status':<11} {'to target':>10} {'test acc':>8} {'samples/s':>10} "
+            f"{'staleness':>9}")
     lines = [head + (f"   (target {target:.4f})" if target is not None else "")]
     for r in rows:
         ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.2f} s"
@@ -439,7 +484,9 @@ def table_text(rows: list[dict], target: float | None) -> str:
         sps = "-" if r["samples_per_s"] is None else f"{r['samples_per_s']:.0f}"
         st = "-" if r["mean_staleness"] is None else f"{r['mean_staleness']:.2f}"
         status = r["status"]
-        if status == "ok" and (r.get("invalid_metrics") or r.get("diverged")):
-            status = "invalid" if r.get("invalid_metrics") else "diverged"
-        lines.append(f"{r['run']:<36} {status:<11} {ttt:>10} {acc:>8} {sps:>10} {st:>9}")
+        if status in ("ok", stability.DIVERGED):
+            # What a reader must know first: diverged, or a setting that does not train reliably (stability.py).
+            status = "invalid" if r.get("invalid_metrics") else r.get("stability") or status
+        seed = "-" if r.get("seed") is None else str(r["seed"])
+        lines.append(f"{r['run']:<36} {seed:>5} {status:<11} {ttt:>10} {acc:>8} {sps:>10} {st:>9}")
     return "\n".join(lines)

@@ -4,9 +4,13 @@ Pure data and parsing, no processes: :mod:`psgrid.cluster.experiments.compare` r
 :mod:`psgrid.cluster.experiments.results` turns finished runs into rows and :mod:`psgrid.cluster.experiments.report`
 writes them up.
 
-With ``--tune`` each mode first runs a grid of settings (the *tune* phase: short runs, one
-each), and its repeats then run at the point that did best (:mod:`psgrid.cluster.experiments.tuning`); a
-run's ``settings`` are the job keys it ran with beyond the base job.
+With ``--tune`` each mode first runs a grid of settings (the *tune* phase: short runs,
+``--tune-repeats`` of each), and its repeats then run at the point that did best
+(:mod:`psgrid.cluster.experiments.tuning`); a run's ``settings`` are the job keys it ran with beyond the base job.
+
+Repeat r runs with seed base+r (the job's seed is the base): its data order, initial weights and straggler
+draws differ from the other repeats', so the spread over repeats measures run-to-run noise
+(:func:`repeat_seeds`; ``--seeds same`` pins them all to the base, ``--seeds 3,7,11`` names them).
 
 A mode label is ``sync``, ``async``, ``ssp:S`` (stale-synchronous with bound S) or
 ``allreduce`` (no shards: gradients averaged with MPI Allreduce). A straggler setting is a
@@ -34,10 +38,13 @@ ROW_FIELDS = (
     "workers",             # number of workers
     "stragglers",          # straggler setting, "none" or e.g. "3:3" or "1:exp:20"
     "repeat",              # 0-based repeat index
+    "seed",                # the job's seed this run ran with (data order, initial weights, straggler draws)
     "phase",               # tune (a grid point of --tune, short) | repeat (the runs the report compares)
     "settings",            # the job keys this run had beyond the base job, "lr=0.05 momentum=0.9"; empty: none
-    "status",              # ok | failed | interrupted
+    "status",              # ok | diverged (stopped on non-finite weights or gradients) | failed | interrupted
+    "stability",           # diverged (this run) | unstable (its setting: see stability.py) | stable
     "diverged",            # 1 where the loss grew or turned non-finite, or the accuracy fell to chance; else 0
+    "loss_rise",           # where the loss rose for a stretch of the run (stability.py); empty: it did not
     "invalid_metrics",     # what the run logged that no report can use (an accuracy outside [0, 1], ...); empty: none
     "target_accuracy",     # the experiment's target test accuracy
     "time_to_target_s",    # seconds from the run's first worker start to the first evaluation >= target; empty if never
@@ -127,24 +134,26 @@ class Run:
     repeat: int
     settings: Settings = ()
     phase: str = REPEAT
+    seed: int | None = None       # the job's seed for this run; None: the job's own
 
     @property
     def id(self) -> str:
         """Its folder name: readable and unique within the experiment, e.g. ``ssp2-w4-s3x3-r0``.
 
-        A tune run is named after its grid point (``tune-async-w4-lr0.05-momentum0.9``); a repeat
-        is not, so a resumed experiment finds its repeats whatever point they ran at.
+        A tune run is named after its grid point (``tune-async-w4-lr0.05-momentum0.9``, its second
+        repeat ``...-r1``); a repeat is not, so a resumed experiment finds its repeats whatever point
+        they ran at.
         """
         strag = "" if self.stragglers == NO_STRAGGLERS else "-s" + re.sub(r"[^0-9a-z.]+", "x", self.stragglers)
         base = f"{self.mode.label.replace(':', '')}-w{self.workers}{strag}"
         if self.phase == TUNE:
             point = "-".join(re.sub(r"[^0-9A-Za-z.]+", "", f"{k.rpartition('.')[2]}{v}") for k, v in self.settings)
-            return f"tune-{base}" + (f"-{point}" if point else "")
+            return f"tune-{base}" + (f"-{point}" if point else "") + (f"-r{self.repeat}" if self.repeat else "")
         return f"{base}-r{self.repeat}"
 
     def describe(self) -> dict:
         return {"run": self.id, "mode": self.mode.label, "workers": self.workers,
-                "stragglers": self.stragglers, "repeat": self.repeat, "phase": self.phase,
+                "stragglers": self.stragglers, "repeat": self.repeat, "seed": self.seed, "phase": self.phase,
                 "settings": settings_text(self.settings)}
 
 
@@ -161,12 +170,49 @@ def _value_text(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def mode_defaults(modes: list[Mode], job) -> dict[str, Settings]:
+    """What a mode runs with unless told otherwise (--mode-set MODE:KEY=VALUE, or --set KEY=VALUE for all).
+
+    async: ``async_momentum=auto`` where the shards' SGD has momentum. Asynchrony adds momentum of its own
+    (about 1 - 1/W with W workers, Mitliagkas et al. 2016), so the job's momentum 0.9 on top overshoots:
+    the built-in MNIST job at 4 workers ended async runs at 0.49 to 0.77 test accuracy with it off, and at
+    0.89 to 0.91 with it on (docs/experiments/mnist-mode-defaults), against sync's 0.92.
+    """
+    server = job.server
+    if server.optimizer != "sgd" or not server.momentum or server.async_momentum != "off":
+        return {}
+    return {m.label: (("async_momentum", "auto"),) for m in modes if m.mode == "async"}
+
+
+SAME_SEED = "same"
+
+
+def repeat_seeds(base: int, repeats: int, given: str | None = None) -> list[int]:
+    """The seed of each repeat: base+r, or all ``base`` (``given`` "same"), or the ``given`` list "3,7,11".
+
+    Only seeds that differ make the repeats measure run-to-run noise: with one seed the repeats differ
+    only by timing, and the report draws no interval from them.
+    """
+    if given is None or given.strip() == "":
+        return [base + r for r in range(repeats)]
+    if given.strip() == SAME_SEED:
+        return [base] * repeats
+    try:
+        seeds = [int(s) for s in given.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if len(seeds) != repeats or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
+        raise UsageError(f"--seeds expects {repeats} distinct non-negative integers separated by commas (one per "
+                         f"repeat), or 'same' to run every repeat with the job's seed; got {given!r}")
+    return seeds
+
+
 def plan(modes: list[Mode], workers: list[int], stragglers: list[str], repeats: int,
-         settings: dict | None = None) -> list[Run]:
+         settings: dict | None = None, seeds: list[int] | None = None) -> list[Run]:
     """Every run, repeats outermost: a stopped experiment has every mode at the same number of repeats.
 
     ``settings`` maps ``(mode label, workers, stragglers)`` to the settings that group's repeats
-    run with (the points tuning chose); absent: none.
+    run with (the points tuning chose); absent: none. ``seeds[r]`` is repeat r's seed (None: the job's).
     """
     for setting in stragglers:
         if setting == NO_STRAGGLERS:
@@ -177,13 +223,15 @@ def plan(modes: list[Mode], workers: list[int], stragglers: list[str], repeats: 
                 raise UsageError(f"--stragglers {setting}: worker {max(ranks)} does not exist with --workers {w} "
                                  f"(ranks are 0..{w - 1})")
     settings = settings or {}
-    return [Run(m, w, s, r, settings.get((m.label, w, s), ())) for r in range(repeats) for s in stragglers
-            for w in workers for m in modes]
+    return [Run(m, w, s, r, settings.get((m.label, w, s), ()), seed=seeds[r] if seeds else None)
+            for r in range(repeats) for s in stragglers for w in workers for m in modes]
 
 
-def tune_plan(modes: list[Mode], workers: list[int], stragglers: list[str], points: list[Settings]) -> list[Run]:
-    """One short run per mode, group and grid point, grid points outermost."""
-    return [Run(m, w, s, 0, p, TUNE) for p in points for s in stragglers for w in workers for m in modes]
+def tune_plan(modes: list[Mode], workers: list[int], stragglers: list[str], points: list[Settings],
+              repeats: int = 1, seeds: list[int] | None = None) -> list[Run]:
+    """``repeats`` short runs per mode, group and grid point (repeat r at ``seeds[r]``), repeats outermost."""
+    return [Run(m, w, s, r, p, TUNE, seed=seeds[r] if seeds else None)
+            for r in range(repeats) for p in points for s in stragglers for w in workers for m in modes]
 
 
 def mode_dict(mode: Mode) -> dict:

@@ -23,8 +23,9 @@ Group = tuple[int, str]          # (workers, straggler setting)
 # ---- the rows, grouped ------------------------------------------------------------------------
 
 def finished(rows: Iterable[dict]) -> list[dict]:
-    """The runs that count: a failed or interrupted run's numbers describe only part of a run."""
-    return [r for r in rows if r.get("status") == "ok"]
+    """The runs that count: those that finished, and those that stopped because they diverged (a result of
+    their mode and settings). A failed or interrupted run's numbers describe only part of a run."""
+    return [r for r in rows if r.get("status") in ("ok", "diverged")]
 
 
 def modes_of(rows: list[dict], settings: dict) -> list[str]:
@@ -67,15 +68,19 @@ def straggler_ranks(setting: str) -> list[int]:
     return [int(m.group(1)) for m in (re.match(r"\s*(\d+):", s) for s in setting.split(",")) if m]
 
 
-MIN_REPEATS = 3          # the fewest repeats an interval is drawn from: with fewer, nothing is settled
+MIN_REPEATS = 5          # the fewest repeats, each with its own seed, a 95% interval is drawn from; fewer: min..max
 RESAMPLES, SEED, LEVEL = 2000, 0, 0.95
+CENSORED = ("time_to_target_s",)     # a run that never got there has no time, and still counts: it took longer
 
 
 @dataclass(frozen=True)
 class Spread:
-    """Median and range of one number over repeats; ``n`` counts the repeats that had it.
+    """Median and range of one number over repeats; ``n`` counts the repeats that had it, ``of`` the repeats.
 
-    ``ci`` is the bootstrap 95% interval of the median where ``n >= MIN_REPEATS``, else None.
+    ``ci`` is the bootstrap 95% interval of the median where it can be drawn: ``n >= MIN_REPEATS``
+    repeats, each with its own seed, every one of them with the number; else None, and a reader gets
+    ``low..high``. For a time to target (``CENSORED``) a run that never reached the target counts as
+    longer than every run that did: the median exists only where more than half reached it.
     """
 
     median: float | None
@@ -83,14 +88,37 @@ class Spread:
     high: float | None
     n: int
     ci: tuple[float, float] | None = None
+    of: int = 0
+    varied: bool = False          # every repeat had its own seed
+
+    @property
+    def no_interval(self) -> str | None:
+        """Why there is no 95% interval, in words (None: there is one)."""
+        if self.ci is not None:
+            return None
+        if self.of and self.n < self.of:
+            return f"only {self.n} of {self.of} runs have it"
+        if not self.varied and self.n > 1:
+            return "its repeats ran with the same seed"
+        return f"fewer than {MIN_REPEATS} repeats"
 
 
 def spread(rows: Iterable[dict], key: str) -> Spread:
+    rows = list(rows)
     values = [float(r[key]) for r in rows if _number(r.get(key))]
+    seeds = [r.get("seed") for r in rows]
+    varied = None not in seeds and len(set(seeds)) == len(seeds)
     if not values:
-        return Spread(None, None, None, 0)
-    ci = bootstrap_interval(values) if len(values) >= MIN_REPEATS else None
-    return Spread(statistics.median(values), min(values), max(values), len(values), ci)
+        return Spread(None, None, None, 0, of=len(rows), varied=varied)
+    median = statistics.median(values)
+    if key in CENSORED and len(values) < len(rows):
+        # Never reached: longer than any run that did. The median of all runs is then one of the times only
+        # where more than half reached the target; else it is "never", and no median is given.
+        median = statistics.median(values + [math.inf] * (len(rows) - len(values)))
+        median = median if math.isfinite(median) else None
+    whole = len(values) == len(rows)
+    ci = bootstrap_interval(values) if len(values) >= MIN_REPEATS and varied and whole else None
+    return Spread(median, min(values), max(values), len(values), ci, of=len(rows), varied=varied)
 
 
 def bootstrap_interval(values: list[float], resamples: int = RESAMPLES, seed: int = SEED,
@@ -109,7 +137,7 @@ def bootstrap_interval(values: list[float], resamples: int = RESAMPLES, seed: in
 
 
 def separated(a: Spread, b: Spread) -> bool | None:
-    """Whether the two intervals do not overlap; None where either has none (fewer than 3 repeats)."""
+    """Whether the two intervals do not overlap; None where either has none (see Spread.no_interval)."""
     if a.ci is None or b.ci is None:
         return None
     return a.ci[1] < b.ci[0] or b.ci[1] < a.ci[0]

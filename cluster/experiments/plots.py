@@ -304,11 +304,15 @@ def scaling(plot_dir: Path, rows: list[dict], events: dict, settings: dict) -> P
 
 
 def intervals(plot_dir: Path, rows: list[dict], events: dict, settings: dict) -> Path | None:
-    """Time to target and final test accuracy per mode and group: medians with bootstrap 95% intervals."""
+    """Time to target and final test accuracy per mode and group: medians, with the bootstrap 95% interval
+    where there is one (5 or more repeats, each its own seed) and min..max (dashed) elsewhere.
+
+    Points, not bars: a bar starts at 0, and 0.88 against 0.90 would look the same.
+    """
     ok, groups, modes, colour = _context(rows, settings)
     cells = {(g, m, k): spread(rows_of(ok, g, m), k) for g in groups for m in modes
              for k in ("time_to_target_s", "final_test_accuracy")}
-    if not any(s.ci for s in cells.values()):
+    if not any(s.n > 1 for s in cells.values()):
         return None
     fig, axes = _grid(2, 2, 6.0, 4.0)
     width = 0.8 / max(1, len(modes))
@@ -319,15 +323,59 @@ def intervals(plot_dir: Path, rows: list[dict], events: dict, settings: dict) ->
                 s = cells[g, m, key]
                 if s.median is None:
                     continue
-                lo, hi = s.ci if s.ci else (s.median, s.median)
-                ax.bar(j + (i - (len(modes) - 1) / 2) * width, s.median, width, color=colour[m],
-                       yerr=[[s.median - lo], [hi - s.median]], capsize=3)
+                lo, hi = s.ci if s.ci else (s.low, s.high)
+                bars = ax.errorbar(j + (i - (len(modes) - 1) / 2) * width, s.median,
+                                   yerr=[[s.median - lo], [max(hi - s.median, 0.0)]], color=colour[m], marker="o",
+                                   ms=6, capsize=4, lw=1.5)
+                if s.ci is None:
+                    bars[-1][0].set_linestyle("--")
         ax.set_xticks(range(len(groups)), [group_title(g) for g in groups], rotation=10, fontsize=8)
         ax.set(ylabel=label)
+        ax.margins(y=0.15)
         ax.grid(alpha=0.3, axis="y")
-    _legend(fig, [Patch(color=colour[m], label=m) for m in modes])
-    fig.suptitle("Medians over repeats with bootstrap 95% intervals (from 3 repeats)")
+    handles = [Patch(color=colour[m], label=m) for m in modes]
+    if any(s.ci is None and s.n > 1 for s in cells.values()):
+        handles.append(Line2D([], [], color="0.3", ls="--", label="min..max (fewer than 5 seeds)"))
+    _legend(fig, handles)
+    fig.suptitle("Medians over repeats: bootstrap 95% intervals from 5 or more seeds, else min..max")
     return _save(fig, plot_dir, "intervals")
+
+
+def accuracy_vs_progress(plot_dir: Path, rows: list[dict], events: dict, settings: dict) -> Path | None:
+    """Test accuracy against steps and, where the workers said their shard's size, against epochs.
+
+    One row per group; a mode's curves in its colour, further repeats faint. Time alone mixes how fast a
+    mode computes with how much it learns per step; steps and epochs separate the two.
+    """
+    ok, groups, modes, colour = _context(rows, settings)
+    curves = {(g, m): [[e for e in events.get(r["run"]) or [] if e.get("event") == "eval"
+                        and _number(e.get("test_accuracy")) and isinstance(e.get("step"), int)]
+                       for r in rows_of(ok, g, m)] for g in groups for m in modes}
+    drawn = [m for m in modes if any(c for g in groups for c in curves[g, m])]
+    if not drawn:
+        return None
+    by_epoch = any(_number(e.get("epoch")) for cs in curves.values() for c in cs for e in c)
+    axes_per_group = 2 if by_epoch else 1
+    fig, axes = _grid(len(groups) * axes_per_group, axes_per_group, 6.0, 4.0)
+    target = settings.get("target_accuracy")
+    for k, g in enumerate(groups):
+        for a, (x_key, x_label) in enumerate((("step", "step (of the evaluating worker)"),
+                                              ("epoch", "epoch (passes over the worker's shard)"))[:axes_per_group]):
+            ax = axes[k * axes_per_group + a]
+            for m in drawn:
+                for i, curve in enumerate(c for c in curves[g, m] if c):
+                    points = [(e[x_key], e["test_accuracy"]) for e in curve if _number(e.get(x_key))]
+                    if points:
+                        x, y = zip(*sorted(points))
+                        ax.plot(x, y, color=colour[m], lw=2 if i == 0 else 1, alpha=1 if i == 0 else 0.4,
+                                marker="o" if len(x) < 3 else None)
+            if target is not None:
+                ax.axhline(target, color="0.3", ls="--", lw=1)
+            ax.set(title=group_title(g), xlabel=x_label, ylabel="test accuracy")
+            ax.grid(alpha=0.3)
+    _legend(fig, _mode_handles(drawn, colour))
+    fig.suptitle("Test accuracy against steps" + (" and epochs" if by_epoch else ""))
+    return _save(fig, plot_dir, "accuracy_vs_progress")
 
 
 def sensitivity(plot_dir: Path, tune_rows: list[dict], settings: dict) -> Path | None:
@@ -361,9 +409,12 @@ def sensitivity(plot_dir: Path, tune_rows: list[dict], settings: dict) -> Path |
 
 PLOTS = (
     (accuracy_vs_time, "Test accuracy against seconds since the run's start, per mode; the dashed line is the target."),
-    (intervals, "Time to target and final test accuracy per mode: medians over repeats, error bars the bootstrap "
-                "95% interval of the median (2,000 resamples). A difference is settled only where they do not "
-                "overlap."),
+    (accuracy_vs_progress, "Test accuracy against the evaluating worker's steps and, where known, epochs (passes over "
+                           "its shard), per mode; the dashed line is the target."),
+    (intervals, "Time to target and final test accuracy per mode: medians over repeats; solid error bars the "
+                "bootstrap 95% interval of the median (2,000 resamples, from 5 or more repeats each with its own "
+                "seed), dashed ones the range min..max where there are fewer. A difference is settled only where "
+                "the intervals do not overlap."),
     (loss_vs_steps, "Training loss per step, averaged over workers and repeats."),
     (samples_per_s, "Samples per second of all workers together: median over repeats, error bars min to max."),
     (staleness, "How many updates behind the weights each push was computed on, per mode (the first group with "

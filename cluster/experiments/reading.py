@@ -4,20 +4,22 @@ Every sentence restates medians of the rows (:mod:`psgrid.cluster.experiments.gr
 reached the target first and by how much, what stragglers changed, what staleness and waits
 say about why, and whether the result is what theory predicts.
 
-What would make a reader distrust the rest comes first: runs that diverged (with the fix to
-try), then why the conclusions are not settled (too few repeats for an interval, more
-processes than cores). A difference is called settled only where the bootstrap 95% intervals
-of the two medians do not overlap.
+What would make a reader distrust the rest comes first: settings that trained unstably (their final
+accuracies spread across repeats, or a loss that rose for a stretch) and runs that diverged, each with
+the spread and the fix to try (:mod:`psgrid.cluster.experiments.stability`), then why the conclusions
+are not settled (too few repeats with their own seeds for an interval, more processes than cores). A
+difference is called settled only where the bootstrap 95% intervals of the two medians do not overlap.
 """
 
 from __future__ import annotations
 
 import statistics
 
+from psgrid.cluster.experiments import stability
 from psgrid.cluster.experiments.experiment import NO_STRAGGLERS
-from psgrid.cluster.experiments.grouping import (MIN_REPEATS, Group, acc, finished, group_phrase, group_title, groups_of, join,
-                                     modes_of, ratio, rows_of, secs, separated, sig, spread, straggler_ranks,
-                                     waits_per_rank)
+from psgrid.cluster.experiments.grouping import (MIN_REPEATS, Group, Spread, acc, finished, group_phrase, group_title,
+                                                 groups_of, join, modes_of, ratio, rows_of, secs, separated, sig,
+                                                 spread, straggler_ranks, waits_per_rank)
 
 
 # ---- the reading: the numbers in words ----------------------------------------------------------
@@ -44,8 +46,8 @@ def reading(rows: list[dict], settings: dict, tune_rows: list[dict] | None = Non
         return ["No run finished, so there is nothing to compare."] + tail
     groups, modes = groups_of(ok, settings), modes_of(ok, settings)
     target = settings.get("target_accuracy")
-    paras = [p for p in (_invalid(ok), _diverged(ok), _unsettled(ok, settings), _tuned(ok, settings, tune_rows or []))
-             if p]
+    paras = [p for p in (_unstable(ok), _diverged(ok), _invalid(ok), _unsettled(ok, settings),
+                         _tuned(ok, settings, tune_rows or [])) if p]
     paras += [_race(ok, g, modes, target) for g in groups]
     paras += _straggler_effects(ok, groups, modes)
     # Staleness and waits explain the race best where stragglers make the modes differ.
@@ -80,6 +82,31 @@ def _invalid(ok: list[dict]) -> str | None:
             f"Session.push(loss=...) the step's loss.")
 
 
+def _unstable(ok: list[dict]) -> str | None:
+    """Said first: a setting whose repeats disagree, or whose loss rose for a stretch, with its spread."""
+    parts = []
+    for key, verdict in stability.verdicts(ok).items():
+        if verdict.label != stability.UNSTABLE:
+            continue
+        mode, workers, strag, settings = key
+        said = []
+        if verdict.spread is not None and verdict.spread > stability.UNSTABLE_SPREAD:
+            finals = sorted(verdict.finals)
+            said.append(f"final test accuracy spread {verdict.spread:.3f} across {len(finals)} repeats "
+                        f"({', '.join(acc(a) for a in finals)})")
+        if verdict.risen:
+            said.append(f"the loss rose for a stretch in {verdict.risen} of {verdict.runs} runs")
+        parts.append(f"{mode} ({group_title((workers, strag))}{', ' + settings if settings else ''}): "
+                     + " and ".join(said))
+    if not parts:
+        return None
+    return (f"Unstable: {'; '.join(parts)}. A setting is unstable where its final accuracies lie more than "
+            f"{stability.UNSTABLE_SPREAD:g} apart across repeats or a run's loss rose for a stretch: it does not train "
+            f"reliably, and its median hides how often it ends badly. To try: for async and ssp, "
+            f"--mode-set MODE:async_momentum=auto (lowers the momentum by what asynchrony adds), a lower learning "
+            f"rate (--mode-set MODE:lr=...), or each mode at its own best settings (--tune lr=0.01,0.05,0.2).")
+
+
 def _diverged(ok: list[dict]) -> str | None:
     """Said first: a diverged run's numbers describe a failed training, not its mode."""
     bad = [r for r in ok if r.get("diverged")]
@@ -92,8 +119,9 @@ def _diverged(ok: list[dict]) -> str | None:
         settings = runs[0].get("settings")
         parts.append(f"{key[0]} in {n} of {len(runs)} run{'s' if len(runs) != 1 else ''} "
                      f"({group_title((key[1], key[2]))}{', ' + settings if settings else ''})")
-    return (f"Diverged: {join(parts)}. Its loss grew or turned non-finite, or its test accuracy fell to chance, so "
-            f"its numbers describe a training that failed rather than its mode, and it did not set the target. "
+    return (f"Diverged: {join(parts)}. Its loss grew, its loss or weights turned non-finite (the shards then refuse "
+            f"the non-finite push and the workers stop), or its test accuracy fell to chance, so its numbers describe "
+            f"a training that failed rather than its mode, and it did not set the target. "
             f"To try: a lower learning rate (--set lr=..., or for one mode --mode-set MODE:lr=...), each mode at its "
             f"own best settings (--tune lr=0.01,0.05,0.2), or staleness compensation ({_compensation_flag()}).")
 
@@ -115,14 +143,19 @@ def processes(settings: dict) -> tuple[int, str]:
 
 def _unsettled(ok: list[dict], settings: dict) -> str | None:
     """Why the conclusions below are not settled, where they are not."""
-    counts = [len(rows_of(ok, g, m)) for g in groups_of(ok, settings) for m in modes_of(ok, settings)
-              if rows_of(ok, g, m)]
+    spreads = [spread(rows_of(ok, g, m), "final_test_accuracy") for g in groups_of(ok, settings)
+               for m in modes_of(ok, settings) if rows_of(ok, g, m)]
+    counts = [s.of for s in spreads]
     reasons = []
     if counts and min(counts) < MIN_REPEATS:
         n = min(counts)
         reasons.append(f"{'each setting' if max(counts) == n else 'some settings'} ran only {n} time"
-                       f"{'s' if n != 1 else ''}, and it takes at least {MIN_REPEATS} repeats to draw an interval "
-                       f"that separates a difference from run-to-run noise")
+                       f"{'s' if n != 1 else ''}, and it takes at least {MIN_REPEATS} repeats, each with its own "
+                       f"seed, to draw a 95% interval that separates a difference from run-to-run noise (the tables "
+                       f"show min..max instead)")
+    if any(s.of > 1 and not s.varied for s in spreads):
+        reasons.append("the repeats ran with the same seed, so they measure only timing noise, not how the "
+                       "training varies with its data order and initial weights")
     cpus = (settings.get("machine") or {}).get("cpus")
     count, what = processes(settings)
     if cpus and count > cpus:
@@ -163,9 +196,9 @@ def _race(ok: list[dict], group: Group, modes: list[str], target: float | None) 
     runs = {m: rs for m in modes if (rs := rows_of(ok, group, m))}
     times = {m: spread(rs, "time_to_target_s") for m, rs in runs.items()}
     reached = sorted((s.median, m) for m, s in times.items() if s.median is not None)
-    never = [m for m, s in times.items() if s.median is None]
     if not reached:
-        return f"{head}, no mode reached the target test accuracy {acc(target)}."
+        return f"{head}, no mode reached the target test accuracy {acc(target)} in more than half its runs" + (
+            f" ({_reached(times)})." if any(s.n for s in times.values()) else ".")
     t0, first = reached[0]
     n = len(runs[first])
     text = (f"{head}, {first} reached the target test accuracy {acc(target)} first, in {secs(t0)} s "
@@ -174,20 +207,30 @@ def _race(ok: list[dict], group: Group, modes: list[str], target: float | None) 
         t1, second = reached[1]
         text += f", {secs(t1 - t0)} s sooner than the next, {second} ({secs(t1)} s{_as_long(t1, t0)}"
         # Say when the repeats do not separate the two: the lead is then within the run-to-run noise.
-        text += {None: f"; not settled with fewer than {MIN_REPEATS} repeats)",
-                 True: "; settled: their 95% intervals do not overlap)",
-                 False: ", though their 95% intervals overlap, so the lead is not settled)"}[
-            separated(times[first], times[second])]
-    sync = dict((m, t) for t, m in reached[2:]).get("sync")
-    if sync is not None:
-        text += f", and sync took {secs(sync)} s{_as_long(sync, t0)}"
+        apart = separated(times[first], times[second])
+        text += (f"; not settled: {_why_no_interval(times[first], times[second])})" if apart is None else
+                 "; settled: their 95% intervals do not overlap)" if apart else
+                 ", though their 95% intervals overlap, so the lead is not settled)")
+    later = [f"{m} {secs(t)} s{_as_long(t, t0)}" for t, m in reached[2:]]
+    if later:
+        text += f"; then {join(later)}"
     text += "."
-    partial = [f"{m} in only {s.n} of {len(runs[m])} runs" for m, s in times.items() if 0 < s.n < len(runs[m])]
+    partial = {m: s for m, s in times.items() if 0 < s.n < s.of}
     if partial:
-        text += f" It was reached by {join(partial)}; those medians are over the runs that reached it."
+        text += (f" Not every run reached it: {_reached(partial)}. A run that never reached it counts as slower than "
+                 f"every run that did; a median is given only where more than half reached it.")
+    never = [f"{m} ({s.of} run{'s' if s.of != 1 else ''})" for m, s in times.items() if s.n == 0]
     if never:
         text += f" {join(never)} never reached it."
     return text
+
+
+def _reached(times: dict[str, Spread]) -> str:
+    return join([f"{m} {s.n} of {s.of}" for m, s in times.items()])
+
+
+def _why_no_interval(a: Spread, b: Spread) -> str:
+    return next(why for why in (a.no_interval, b.no_interval) if why)
 
 
 def _straggler_effects(ok: list[dict], groups: list[Group], modes: list[str]) -> list[str]:
@@ -304,7 +347,12 @@ def _accuracy(ok: list[dict], group: Group, modes: list[str]) -> str | None:
             text += {None: "", True: " (settled: their 95% intervals do not overlap)",
                      False: " (not settled: their 95% intervals overlap)"}[apart]
             s_worst, s_best = (_median(ok, group, m, "mean_staleness") for m in (worst, best))
-            if s_worst is not None and s_best is not None and s_worst > s_best:
+            label = next((v.label for v in stability.verdicts(rows_of(ok, group, worst)).values()
+                          if v.label != stability.STABLE), None)
+            if label is not None:
+                # Not a cost of staleness: the setting did not train reliably (said first, with its spread).
+                text += f", where it {'diverged' if label == stability.DIVERGED else 'trained unstably'} (see above)"
+            elif s_worst is not None and s_best is not None and s_worst > s_best:
                 text += (f" and trained on staler weights (mean staleness {sig(s_worst)} against {sig(s_best)}), "
                          f"which can cost accuracy")
     return text + "."
@@ -325,9 +373,9 @@ def _scaling(ok: list[dict], groups: list[Group], modes: list[str]) -> str | Non
             parts.append(f"{m} {join(effs)}")
     if not parts:
         return None
-    basis = "the samples/s of 1 worker" if n0 == 1 else f"n/{n0} times the samples/s of {n0} workers"
+    basis = "n times the samples/s of 1 worker" if n0 == 1 else f"n/{n0} times the samples/s of {n0} workers"
     where = "no stragglers" if setting == NO_STRAGGLERS else f"stragglers {setting}"
-    return (f"Scaling efficiency ({where}), samples/s with n workers divided by n times {basis} "
+    return (f"Scaling efficiency ({where}): the samples/s of n workers divided by {basis} "
             f"(1.00 is perfect): " + "; ".join(parts) + ".")
 
 

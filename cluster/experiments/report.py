@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from psgrid.cluster.experiments.grouping import (MIN_REPEATS, Spread, acc, finished, group_title, groups_of, modes_of, rows_of,
-                                     secs, sig, spread)
+from psgrid.cluster.experiments import stability
+from psgrid.cluster.experiments.grouping import (MIN_REPEATS, Spread, acc, finished, group_title, groups_of, modes_of,
+                                                 rows_of, secs, sig, spread)
 from psgrid.cluster.experiments.reading import reading
+from psgrid.cluster.experiments.target import rule_text
 from psgrid.psserver import files
 
 # matplotlib is an extra (psgrid[plots]): without it the report is written without its plots.
@@ -32,8 +35,8 @@ class Tuning:
     """What ``--tune`` ran and chose (:mod:`psgrid.cluster.experiments.tuning`)."""
 
     rows: list[dict]                          # the tune runs' summary rows
-    chosen: dict[tuple, str]                  # (mode, workers, stragglers) -> the run id of its best point
-    targets: dict[tuple, float | None]        # (workers, stragglers) -> the tuning target
+    chosen: dict[tuple, list[str]]            # (mode, workers, stragglers) -> the run ids of its best point
+    target: float | None                      # the tuning target, the report's too unless one was given
 
 
 # ---- the blocks and their two renderings ---------------------------------------------------
@@ -134,17 +137,18 @@ METRICS: tuple[tuple[str, str, Callable[[float], str]], ...] = (
 )
 
 
-def _cell(s: Spread, fmt: Callable[[float], str], with_range: bool) -> str:
+def _cell(s: Spread, fmt: Callable[[float], str]) -> str:
+    """``median [low, high]`` (a 95% interval) where there is one, else ``median [min..max]``."""
     if s.median is None:
         return "-"
-    if not with_range and s.ci is not None:
+    if s.ci is not None:
         return f"{fmt(s.median)} [{fmt(s.ci[0])}, {fmt(s.ci[1])}]"
-    if with_range and s.low != s.high:
+    if s.low != s.high:
         return f"{fmt(s.median)} [{fmt(s.low)}..{fmt(s.high)}]"
     return fmt(s.median)
 
 
-INTERVAL_METRICS = ("time_to_target_s", "final_test_accuracy")    # the summary shows their 95% intervals
+INTERVAL_METRICS = ("time_to_target_s", "final_test_accuracy")    # the summary shows their intervals or ranges
 
 
 def _metric_cells(runs: list[dict], with_range: bool) -> list[str]:
@@ -152,87 +156,110 @@ def _metric_cells(runs: list[dict], with_range: bool) -> list[str]:
     for key, _, fmt in METRICS:
         s = spread(runs, key)
         if not with_range and key not in INTERVAL_METRICS:
-            s = Spread(s.median, s.low, s.high, s.n)
-        cell = _cell(s, fmt, with_range)
+            s = Spread(s.median, s.median, s.median, s.n)
+        cell = _cell(s, fmt)
         if key == "time_to_target_s" and runs and s.n < len(runs):
-            cell = "never" if s.n == 0 else f"{cell} ({s.n} of {len(runs)} reached)"
+            # k of n: a run that never got there is counted, and the median exists only where most got there.
+            reached = f"{s.n} of {len(runs)} reached"
+            cell = "never" if s.n == 0 else f"{cell} ({reached})" if s.median is not None else f"{reached}, no median"
         cells.append(cell)
     return cells + [str(len(runs))]
 
 
+def _stability_cell(runs: list[dict], verdicts: dict) -> str:
+    found = [verdicts[k] for k in dict.fromkeys(map(stability.setting_of, runs)) if k in verdicts]
+    return " / ".join(v.text() for v in found) or "-"
+
+
 def summary_table(ok: list[dict], settings: dict) -> Table:
-    """One row per (group, mode), medians (with 95% intervals from 3 repeats): what a reader looks at first."""
+    """One row per (group, mode): its stability first, then medians with 95% intervals or min..max."""
     with_settings = any(r.get("settings") for r in ok)
-    rows = [[str(g[0]), g[1], m, *([_settings_of(runs)] if with_settings else []),
-             *_metric_cells(runs, with_range=False), _diverged_cell(runs)]
+    verdicts = stability.verdicts(ok)
+    rows = [[str(g[0]), g[1], m, _stability_cell(runs, verdicts), *([_settings_of(runs)] if with_settings else []),
+             *_metric_cells(runs, with_range=False)]
             for g in groups_of(ok, settings) for m in modes_of(ok, settings)
             if (runs := rows_of(ok, g, m))]
-    return Table(["workers", "stragglers", "mode", *(["settings"] if with_settings else []),
-                  *(t for _, t, _ in METRICS), "n", "diverged"], rows)
+    return Table(["workers", "stragglers", "mode", "stability", *(["settings"] if with_settings else []),
+                  *(t for _, t, _ in METRICS), "n"], rows)
 
 
 def _settings_of(runs: list[dict]) -> str:
     return " / ".join(dict.fromkeys(r.get("settings") or "job's" for r in runs))
 
 
-def _diverged_cell(runs: list[dict]) -> str:
-    n = sum(1 for r in runs if r.get("diverged"))
-    return f"{n} of {len(runs)}" if n else "-"
-
-
 def mode_table(ok: list[dict], settings: dict, mode: str) -> Table:
     """One row per group: median [min..max] over repeats."""
-    rows = [[str(g[0]), g[1], *_metric_cells(runs, with_range=True)]
+    verdicts = stability.verdicts(ok)
+    rows = [[str(g[0]), g[1], _stability_cell(runs, verdicts), *_metric_cells(runs, with_range=True)]
             for g in groups_of(ok, settings) if (runs := rows_of(ok, g, mode))]
-    return Table(["workers", "stragglers", *(t for _, t, _ in METRICS), "n"], rows)
+    return Table(["workers", "stragglers", "stability", *(t for _, t, _ in METRICS), "n"], rows)
 
 
 def _target_text(settings: dict) -> str:
     target = settings.get("target_accuracy")
     if target is None:
         return "Target test accuracy: none (no finished run recorded an evaluation), so no time to target."
-    how = ("given on the command line" if settings.get("target_source") == "given"
-           else "chosen automatically: the highest test accuracy that every finished run reached")
-    return f"Target test accuracy: {acc(target)}, {how}. Time to target counts from the run's start."
+    how = rule_text(settings.get("target_source") or "auto")
+    return (f"Target test accuracy: {acc(target)}, {how}. Time to target counts from the run's start; a run that "
+            f"never reached it is counted as 'k of n reached', and a median is given only where more than half "
+            f"reached it.")
 
 
-def _has_intervals(ok: list[dict]) -> bool:
-    return any(len([r for r in ok if (r["workers"], r["stragglers"], r["mode"]) == k]) >= MIN_REPEATS
-               for k in {(r["workers"], r["stragglers"], r["mode"]) for r in ok})
+def _interval_text(ok: list[dict]) -> str:
+    settings = [spread(rows_of(ok, g, m), "final_test_accuracy")
+                for g, m in dict.fromkeys(((r["workers"], r["stragglers"]), r["mode"]) for r in ok)]
+    if any(s.ci is not None for s in settings):
+        return (f"Where a setting ran {MIN_REPEATS} or more repeats, each with its own seed, time to target and final "
+                f"accuracy show the bootstrap 95% interval of the median as [low, high]; elsewhere [min..max] is the "
+                f"range of the repeats, not an interval. ")
+    if any(s.of > 1 and not s.varied for s in settings):
+        return ("[min..max] is the range of the repeats. They ran with the same seed, so they differ only by timing "
+                "and no interval is drawn from them: nothing here is settled. ")
+    return (f"[min..max] is the range of the repeats, not an interval: it takes {MIN_REPEATS} repeats, each with its "
+            f"own seed, to draw a 95% interval, so nothing here is settled. ")
 
 
 def tuning_blocks(t: Tuning, settings: dict) -> list:
     """Each mode's chosen settings, and how every grid point did (mode x setting)."""
     steps = settings.get("tune_steps")
+    n = int(settings.get("tune_repeats") or 1)
     blocks = [Heading("Tuning"),
-              Paragraph(f"Each mode ran every point of the grid ({_grid_text(settings)}) once"
+              Paragraph(f"Each mode ran every point of the grid ({_grid_text(settings)}) {_times(n)}"
                         + (f", {steps} steps per worker" if steps else "")
-                        + ", and its repeats ran at its best point: the earliest to the tuning target; where no "
-                          "point reached it, the best final test accuracy; a diverged point never wins. The tuning "
-                          "target is " + ("the given target accuracy." if settings.get("target_source") == "given"
-                                          else "the highest test accuracy every mode reached at some point of its "
-                                               "grid.")),
+                        + (", repeat r with seed base+r" if n > 1 else "")
+                        + ", and its repeats ran at its best point: over the point's tuning runs, none diverged, "
+                          "more than half reached the tuning target, the shortest median time to it, then the best "
+                          "median final test accuracy. The tuning target is "
+                        + ("-" if t.target is None else acc(t.target)) + ", "
+                        + rule_text("given" if settings.get("target_source") == "given" else "tuning") + "."),
               ]
     by_id = {r["run"]: r for r in t.rows}
     chosen_rows = []
-    for (mode, workers, strag), run in t.chosen.items():
-        r = by_id[run]
-        target = t.targets.get((workers, strag))
-        chosen_rows.append([str(workers), strag, mode, r.get("settings") or "job's",
-                            "-" if target is None else acc(target), _ttt(r), _final(r)])
-    blocks.append(Table(["workers", "stragglers", "mode", "chosen settings", "tuning target", "time to target (s)",
+    for (mode, workers, strag), runs in t.chosen.items():
+        rs = [by_id[r] for r in runs if r in by_id]
+        if rs:
+            chosen_rows.append([str(workers), strag, mode, rs[0].get("settings") or "job's", _ttt(rs), _final(rs)])
+    blocks.append(Table(["workers", "stragglers", "mode", "chosen settings", "time to target (s)",
                          "final test accuracy"], chosen_rows))
     for g in dict.fromkeys((r["workers"], r["stragglers"]) for r in t.rows):
         modes = list(dict.fromkeys(r["mode"] for r in t.rows if (r["workers"], r["stragglers"]) == g))
         points = list(dict.fromkeys(r.get("settings") or "job's" for r in t.rows
                                     if (r["workers"], r["stragglers"]) == g))
-        cells = {(r["mode"], r.get("settings") or "job's"): r for r in t.rows if (r["workers"], r["stragglers"]) == g}
+        cells: dict[tuple, list[dict]] = {}
+        for r in t.rows:
+            if (r["workers"], r["stragglers"]) == g:
+                cells.setdefault((r["mode"], r.get("settings") or "job's"), []).append(r)
         table = [[p, *(_point_cell(cells.get((m, p)), t.chosen.get((m, *g))) for m in modes)] for p in points]
         blocks += [Heading(f"Sensitivity, {group_title(g)}", 3),
-                   Paragraph("Each cell: time to the tuning target (s) / final test accuracy of that mode at that "
-                             "setting; * marks the point chosen for the repeats."),
+                   Paragraph("Each cell, over that point's tuning runs: median time to the tuning target (s) / median "
+                             "final test accuracy, and what did not hold (reached by k of n, diverged, unstable); "
+                             "* marks the point chosen for the repeats."),
                    Table(["setting", *modes], table)]
     return blocks
+
+
+def _times(n: int) -> str:
+    return "once" if n == 1 else "twice" if n == 2 else f"{n} times"
 
 
 def _grid_text(settings: dict) -> str:
@@ -240,21 +267,61 @@ def _grid_text(settings: dict) -> str:
     return "; ".join(f"{k} in {', '.join(map(str, v))}" for k, v in tune.items()) or "no grid"
 
 
-def _ttt(r: dict) -> str:
-    return "never" if r.get("time_to_target_s") is None else secs(r["time_to_target_s"])
+def _ttt(runs: list[dict]) -> str:
+    s = spread([r for r in runs if r.get("status") in ("ok", "diverged")], "time_to_target_s")
+    if s.median is None:
+        return "never" if s.n == 0 else f"{s.n} of {s.of} reached"
+    return secs(s.median) + (f" ({s.n} of {s.of} reached)" if s.n < s.of else "")
 
 
-def _final(r: dict) -> str:
-    return "-" if r.get("final_test_accuracy") is None else acc(r["final_test_accuracy"])
+def _final(runs: list[dict]) -> str:
+    s = spread(runs, "final_test_accuracy")
+    return "-" if s.median is None else acc(s.median)
 
 
-def _point_cell(r: dict | None, chosen: str | None) -> str:
-    if r is None:
+def _point_cell(runs: list[dict] | None, chosen: list[str] | None) -> str:
+    if not runs:
         return "-"
-    if r.get("status") != "ok":
-        return r.get("status") or "-"
-    text = f"{_ttt(r)} / {_final(r)}" + (" diverged" if r.get("diverged") else "")
-    return text + (" *" if r["run"] == chosen else "")
+    counted = finished(runs)
+    if not counted:
+        return " / ".join(dict.fromkeys(r.get("status") or "-" for r in runs))
+    text = f"{_ttt(counted)} / {_final(counted)}"
+    label = stability.verdicts(counted)
+    verdict = next(iter(label.values()), None)
+    if verdict is not None and verdict.label != stability.STABLE:
+        text += " " + verdict.label
+    return text + (" *" if chosen and runs[0]["run"] in chosen else "")
+
+
+def provenance_table(settings: dict) -> Table | None:
+    """What ran, so that another user can run it again from the report alone (settings.provenance)."""
+    found = settings.get("provenance") or {}
+    if not found:
+        return None
+    rows = [[str(k), "none" if v is None else v if isinstance(v, str) else json.dumps(v)] for k, v in found.items()]
+    return Table(["provenance", ""], rows)
+
+
+def mode_settings_text(settings: dict) -> str | None:
+    """Which settings each mode ran with beyond the job's, and which of them are the mode's own defaults."""
+    defaults = {m: dict(p) for m, p in (settings.get("mode_defaults") or {}).items()}
+    given = {m: dict(p) for m, p in (settings.get("mode_settings") or {}).items()}
+    parts = []
+    for m in settings.get("modes") or []:
+        own = {**defaults.get(m, {}), **given.get(m, {})}
+        if not own:
+            parts.append(f"{m} the job's")
+            continue
+        said = [f"{k}={_value(v)}" + (" (the mode's default)" if k in defaults.get(m, {}) and k not in given.get(m, {})
+                                      else "") for k, v in own.items()]
+        parts.append(f"{m} " + ", ".join(said))
+    if not parts:
+        return None
+    return "Settings each mode ran with, beyond the job's: " + "; ".join(parts) + "."
+
+
+def _value(v) -> str:
+    return "true" if v is True else "false" if v is False else f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]] | None,
@@ -268,19 +335,20 @@ def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]] |
                     Heading("Setup")]
     if machine := settings.get("machine") or {}:
         blocks.append(Table(["machine", ""], [[str(k), "none" if v is None else str(v)] for k, v in machine.items()]))
-    blocks += [Paragraph("Job: " + str(settings.get("job_summary") or "not recorded") + "."),
+    if table := provenance_table(settings):
+        blocks.append(table)
+    blocks += [Paragraph(("Script: " if settings.get("script") else "Job: ")
+                         + str(settings.get("job_summary") or "not recorded") + "."),
+               *([Paragraph(text)] if (text := mode_settings_text(settings)) else []),
+               Paragraph(_seeds_text(settings)),
                Paragraph(_target_text(settings)),
                *(tuning_blocks(tuning, settings) if tuning is not None else []),
                Heading("Summary"),
-               Paragraph("Medians over the repeats that finished; n counts them. "
-                         + (f"Where n is {MIN_REPEATS} or more, time to target and final accuracy show the median's "
-                            f"bootstrap 95% interval in brackets. " if _has_intervals(ok) else
-                            f"With fewer than {MIN_REPEATS} repeats there are no intervals: nothing here is "
-                            f"settled. ")
-                         + "Staleness is how many updates "
-                         "behind the weights a push was computed on; wait is the time a worker spent blocked "
-                         "waiting for the others; diverged counts the runs whose loss grew or turned non-finite, "
-                         "or whose accuracy fell to chance."),
+               Paragraph("Medians over the repeats that finished or diverged; n counts them. "
+                         + _interval_text(ok)
+                         + f"Stability comes first: {stability.RULE}. Staleness is how many updates "
+                         "behind the weights a push was computed on (p99: an observed whole number); wait is the time "
+                         "a worker spent blocked waiting for the others."),
                summary_table(ok, settings) if ok else Paragraph("No run finished."),
                Heading("Per mode"),
                Paragraph("Median [min..max] over the repeats that finished.")]
@@ -294,7 +362,7 @@ def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]] |
         blocks += [Image(path, f"plots/{path.name}", caption) for path, caption in plots.values()]
     blocks.append(Heading("Reading"))
     blocks += [Paragraph(p) for p in reading(rows, settings, tuning.rows if tuning is not None else None)]
-    failed = [r for r in rows if r.get("status") != "ok"]
+    failed = [r for r in rows if r not in ok]
     if failed:
         blocks += [Heading("Runs that did not finish"),
                    Paragraph("These are left out of every number above."),
@@ -302,6 +370,18 @@ def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]] |
                          [[str(r.get(k)) for k in ("run", "mode", "workers", "stragglers", "repeat", "status")]
                           for r in failed])]
     return blocks
+
+
+def _seeds_text(settings: dict) -> str:
+    seeds = settings.get("seeds")
+    if not seeds:
+        return "Seeds: every repeat ran with the job's seed (recorded before seeds varied per repeat)."
+    seeds = seeds[:max(int(settings.get("repeats") or 1), int(settings.get("tune_repeats") or 0))]
+    if len(set(seeds)) == 1:
+        return (f"Seeds: every repeat ran with seed {seeds[0]} (pinned with --seeds), so repeats differ only by "
+                f"timing and no interval is drawn from them.")
+    return (f"Seeds: repeat r of every mode ran with seed {', '.join(map(str, seeds))} for r = 0, 1, ... (data order, "
+            f"initial weights and straggler draws); each run's seed is in summary.csv.")
 
 
 def write_report(out: Path, settings: dict, rows: list[dict], events: dict[str, list[dict]],

@@ -8,7 +8,9 @@ not counted against any mode.
 
 from __future__ import annotations
 
+import bisect
 import csv
+import itertools
 import json
 import math
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Iterable
 
 import numpy as np
 
-from psgrid.cluster.experiments import validity
+from psgrid.cluster.experiments import stability, validity
 from psgrid.cluster.experiments.experiment import ROW_FIELDS, Run
 from psgrid.psserver import files
 
@@ -52,13 +54,17 @@ def run_events(run_dir: Path) -> list[dict]:
     """The run's step and eval events, each with ``t``: seconds since the run's start.
 
     Losses and accuracies are as :mod:`~psgrid.cluster.experiments.validity` reads them: a loss past
-    +-1e100 infinite, an accuracy outside [0, 1] left out (and kept under ``rejected``).
+    +-1e100 infinite, an accuracy outside [0, 1] left out (and kept under ``rejected``). An evaluation
+    also has ``epoch`` where the evaluating worker said how many rows its shard has (the built-in
+    trainer does): the passes over its shard its steps before the evaluation made.
     """
     raw = read_jsonl(run_dir / "metrics.jsonl")
     starts = [e["time"] for e in raw if e.get("event") == "start" and _number(e.get("time"))]
     if not starts:
         return []
     t0 = min(starts)
+    rows = {e.get("rank"): e["shard_rows"] for e in raw
+            if e.get("event") == "start" and _number(e.get("shard_rows")) and e["shard_rows"] > 0}
     events = []
     for e in raw:
         if e.get("event") == "step" and _number(e.get("started")):
@@ -68,7 +74,27 @@ def run_events(run_dir: Path) -> list[dict]:
             events.append(validity.checked_eval({"event": "eval", "t": e["time"] - t0, "rank": e.get("rank"),
                                                  "step": e.get("step"), "test_accuracy": e.get("test_accuracy")}))
     events.sort(key=lambda e: e["t"])
+    if rows:
+        _add_epochs(events, rows)
     return events
+
+
+def _add_epochs(events: list[dict], shard_rows: dict) -> None:
+    """Each evaluation's ``epoch``: its rank's samples over the steps before it, over the rows of its shard."""
+    steps: dict = {}            # rank -> [(step, samples)] in step order
+    for e in events:
+        if e["event"] == "step" and isinstance(e.get("step"), int) and e.get("rank") in shard_rows:
+            steps.setdefault(e["rank"], []).append((e["step"], e["samples"] if _number(e.get("samples")) else 0))
+    done: dict = {}             # rank -> (steps in order, samples through each)
+    for rank, pairs in steps.items():
+        pairs.sort()
+        done[rank] = ([k for k, _ in pairs], list(itertools.accumulate(n for _, n in pairs)))
+    for e in events:
+        if e["event"] == "eval" and e.get("rank") in shard_rows and isinstance(e.get("step"), int):
+            order, totals = done.get(e["rank"], ([], []))
+            # An evaluation at step k follows the steps before k: the rank's samples through step k - 1.
+            i = bisect.bisect_left(order, e["step"])
+            e["epoch"] = (totals[i - 1] if i else 0) / shard_rows[e["rank"]]
 
 
 def best_accuracy(events: Iterable[dict]) -> float | None:
@@ -134,14 +160,17 @@ def summarize_run(run: Run, summary: dict | None, events: list[dict], target: fl
                   classes: int | None = None) -> dict:
     """The run's row of summary.csv (keys: ROW_FIELDS); ``classes`` as :func:`divergence` takes it."""
     summary = summary or {}
+    # The shards refuse a non-finite gradient and the workers stop: the training diverged, psgrid did not fail.
+    refused = stability.refused_non_finite(summary)
     steps = [e for e in events if e["event"] == "step"]
     staleness = [e["staleness"] for e in steps if _number(e.get("staleness")) and e["staleness"] >= 0]
     waits = waits_by_worker(summary) if summary else None
     row = dict.fromkeys(ROW_FIELDS)
     row.update(run.describe())
     row.update(
-        status=summary.get("status", "interrupted"),
-        diverged=int(bool(summary) and divergence(events, summary, classes) is not None),
+        status=stability.DIVERGED if refused else summary.get("status", "interrupted"),
+        diverged=int(refused or (bool(summary) and divergence(events, summary, classes) is not None)),
+        loss_rise=stability.loss_rise(events),
         invalid_metrics="; ".join(validity.problems(events, summary)) or None,
         best_test_accuracy=best_accuracy(events),
         target_accuracy=target,
@@ -154,7 +183,8 @@ def summarize_run(run: Run, summary: dict | None, events: list[dict], target: fl
         wall_s=summary.get("wall_s"),
         samples_per_s=summary.get("samples_per_s"),
         mean_staleness=float(np.mean(staleness)) if staleness else None,
-        p99_staleness=float(np.percentile(staleness, 99)) if staleness else None,
+        # An observed staleness (a whole number of updates), not one interpolated between two.
+        p99_staleness=float(np.percentile(staleness, 99, method="higher")) if staleness else None,
         dropped_pushes=sum(1 for e in steps if e.get("outcome") == "DROPPED_LATE"),
         bytes_moved=sum(int(e["bytes"]) for e in steps if _number(e.get("bytes"))),
         mean_wait_s=float(np.mean(waits)) if waits else None,

@@ -1,4 +1,4 @@
-"""What an experiment records about itself: its settings, its job in one line, the machine it ran on.
+"""What an experiment records about itself: its settings, its job in one line, the machine it ran on, provenance.
 
 ``psctl compare`` writes them to ``D/experiment.json`` (:func:`settings_for`); the report
 (cluster/experiments/report.py) reads them back to say what ran and where.
@@ -54,11 +54,29 @@ def job_summary(job: JobConfig) -> str:
             f"device {t.device}, seed {t.seed}")
 
 
+def script_summary(job: JobConfig, script: list[str], given: list[str] | None = None) -> str:
+    """A user's script in one line: its command and what psgrid imposed on it (its own model and data are its own)."""
+    s = job.server
+    opt = f"{s.optimizer} lr {s.lr:g}" + (f" momentum {s.momentum:g}" if s.optimizer == "sgd" and s.momentum else "")
+    return (f"your script `{shlex.join(given or script)}` (its SHA-256 under provenance), run by every worker; psgrid "
+            f"imposed {opt} on the shards, {job.shards} {resolve_shard_device(s, job.train).upper()} shard(s), "
+            f"the {job.train.data_plane} data plane and the seed per repeat; its model, data and length are the "
+            f"script's own")
+
+
 def settings_for(job: JobConfig, *, command: list[str], modes, workers, stragglers, repeats: int,
                  target: float | None, backup_workers: int | None, tune: dict | None = None,
                  tune_steps: int | None = None, mode_settings: dict | None = None,
-                 script: list[str] | None = None, classes: int | None = None) -> dict:
-    """The experiment's settings as ``D/experiment.json`` keeps them (``command``: psctl compare's arguments)."""
+                 script: list[str] | None = None, classes: int | None = None, seeds: list[int] | None = None,
+                 tune_repeats: int = 1, mode_defaults: dict | None = None, tensorboard: str | None = None,
+                 script_given: list[str] | None = None) -> dict:
+    """The experiment's settings as ``D/experiment.json`` keeps them (``command``: psctl compare's arguments).
+
+    ``seeds`` are the repeats' (repeat r: ``seeds[r]``), ``mode_defaults`` the settings each mode runs with
+    unless ``mode_settings`` (--mode-set) says otherwise, ``script_given`` the script's command as typed.
+    """
+    from psgrid.cluster.experiments.provenance import provenance
+
     info = machine()
     info["gpu"] = gpu_name(job.train.device)
     return {
@@ -67,9 +85,13 @@ def settings_for(job: JobConfig, *, command: list[str], modes, workers, straggle
         "repeats": repeats, "backup_workers": backup_workers, "target_accuracy": target,
         "tune": tune or {}, "tune_steps": tune_steps,
         "mode_settings": {m: [list(kv) for kv in s] for m, s in (mode_settings or {}).items()},
+        "mode_defaults": {m: [list(kv) for kv in s] for m, s in (mode_defaults or {}).items()},
+        "seeds": seeds, "tune_repeats": tune_repeats if tune else None, "tensorboard": tensorboard,
         "script": script, "shards": job.shards, "classes": classes,
         "target_source": "given" if target is not None else "auto",
-        "machine": info, "job_summary": job_summary(job), "job": job.public_dict(),
+        "machine": info, "job_summary": script_summary(job, script, script_given) if script else job_summary(job),
+        "provenance": provenance(job, seeds=seeds, script=script, given=script_given),
+        "job": job.public_dict(),
         "title": f"psctl compare: {job.name}",
     }
 

@@ -3,13 +3,14 @@
 Published comparisons tune every method before comparing them (Chen et al. 2016, "Revisiting
 Distributed Synchronous SGD"): one learning rate for all modes decides the race before it
 starts. So, per mode and (workers, stragglers) group, the experiment first runs every point of
-the grid (the *tune* phase: one short run each), then picks the point that did best and runs
-the repeats there.
+the grid (the *tune* phase: ``--tune-repeats`` short runs each, repeat r at seed base+r), then
+picks the point that did best and runs the repeats there. One run per point picks by luck where
+a mode is unstable: two runs of a point that trains half the time disagree.
 
-Best is the earliest to the tuning target; where no point reaches it, the best final test
-accuracy; a point that diverged never wins while another did not. The tuning target is the
-given ``--target-accuracy``, else per group the highest accuracy that every mode reached at
-some point of its grid (so each mode is judged at a level it can reach when well tuned).
+Best, over a point's repeats: no repeat diverged; more than half reached the tuning target; the
+median time to it (a run that never reached it counting as longer); the median final test
+accuracy. The tuning target is the report's (:mod:`psgrid.cluster.experiments.target`): the given
+``--target-accuracy``, else 95% of the best grid point's median final test accuracy.
 """
 
 from __future__ import annotations
@@ -17,10 +18,15 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import statistics
 
 from psgrid.cluster.job.config import JobConfig, ConfigError, apply_overrides, parse_assignment, route
 from psgrid.cluster.errors import UsageError
 from psgrid.cluster.experiments.experiment import Settings
+from psgrid.cluster.experiments.grouping import spread
+from psgrid.cluster.experiments.target import auto_target
+
+DEFAULT_REPEATS = 2
 
 # Keys the experiment sets per run: tuning them would change what is compared.
 PER_RUN = ("mode", "staleness", "workers", "stragglers", "out", "name")
@@ -84,36 +90,33 @@ def group_of(row: dict) -> Group:
     return row["mode"], row["workers"], row["stragglers"]
 
 
-def tuning_targets(rows: list[dict], given: float | None) -> dict[tuple[int, str], float | None]:
-    """Per (workers, stragglers): the target the grid points race to (see the module's docstring)."""
-    targets: dict[tuple[int, str], float | None] = {}
-    by_group: dict[tuple[int, str], dict[str, float]] = {}
+def tuning_target(rows: list[dict], given: float | None) -> float | None:
+    """The target every grid point races to: the given one, else the report's rule over the tune runs."""
+    return given if given is not None else auto_target(rows)
+
+
+def point_of(row: dict) -> tuple:
+    return (*group_of(row), row.get("settings") or "")
+
+
+def choose(rows: list[dict]) -> dict[Group, list[dict]]:
+    """Each (mode, workers, stragglers) group's best grid point: the rows of its repeats (rows: the tune runs')."""
+    points: dict[tuple, list[dict]] = {}
     for r in _usable(rows):
-        if r.get("diverged") or not _number(r.get("best_test_accuracy")):
-            continue
-        best = by_group.setdefault((r["workers"], r["stragglers"]), {})
-        best[r["mode"]] = max(best.get(r["mode"], -1.0), r["best_test_accuracy"])
-    for r in rows:
-        g = (r["workers"], r["stragglers"])
-        targets[g] = given if given is not None else (min(by_group[g].values()) if by_group.get(g) else None)
-    return targets
-
-
-def choose(rows: list[dict]) -> dict[Group, dict]:
-    """Each (mode, workers, stragglers) group's best grid point: its row (rows: the tune runs' rows)."""
-    chosen = {}
-    for group in dict.fromkeys(group_of(r) for r in rows):
-        runs = [r for r in _usable(rows) if group_of(r) == group]
-        if runs:
-            chosen[group] = min(runs, key=_rank)
+        points.setdefault(point_of(r), []).append(r)
+    chosen: dict[Group, list[dict]] = {}
+    for point, runs in points.items():          # the grid's order: the first of equals wins
+        group = point[:3]
+        if group not in chosen or _rank(runs) < _rank(chosen[group]):
+            chosen[group] = runs
     return chosen
 
 
-def _rank(row: dict) -> tuple:
-    """Smaller is better: not diverged, reached the target, sooner, then higher final accuracy."""
-    ttt, final = row.get("time_to_target_s"), row.get("final_test_accuracy")
-    return (bool(row.get("diverged")), not _number(ttt), ttt if _number(ttt) else 0.0,
-            -(final if _number(final) else -1.0))
+def _rank(runs: list[dict]) -> tuple:
+    """Smaller is better: no repeat diverged, more than half reached the target, sooner, higher final accuracy."""
+    ttt, final = spread(runs, "time_to_target_s").median, spread(runs, "final_test_accuracy").median
+    return (any(r.get("diverged") for r in runs), ttt is None, ttt if ttt is not None else 0.0,
+            -(final if final is not None else -1.0))
 
 
 def _usable(rows: list[dict]) -> list[dict]:

@@ -1,0 +1,97 @@
+"""What an experiment ran, recorded so another user can cite it and run it again from the report alone.
+
+``psctl compare`` stores :func:`provenance` in ``D/experiment.json`` and the report's Setup shows it:
+psgrid's version and, run from a git checkout, its commit (and whether the tree had changes); the
+versions of Python, NumPy and, where installed, CuPy and PyTorch; the machine; the seeds; and for a
+user's script its command and the SHA-256 of every file the command names, with the settings psgrid
+imposed on it (the shards' optimizer and mode settings, the workers' settings from the job's
+``[train]`` table) rather than the built-in job's description, which the script never ran.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy
+
+import psgrid
+from psgrid.cluster.job.config import JobConfig
+
+GIT_TIMEOUT_S = 10.0
+PER_RUN = ("mode", "staleness", "workers", "stragglers", "seed")     # set per run: in summary.csv, not here
+# Packages whose versions change what a run computes, where installed (a script may load either).
+OPTIONAL = ("cupy", "torch")
+
+
+def provenance(job: JobConfig, *, seeds: list[int] | None, script: list[str] | None,
+               given: list[str] | None = None) -> dict:
+    """The record: ``{"psgrid": "0.1.0", "git_commit": ..., "python": ..., ...}`` (see the module's docstring)."""
+    found = {"psgrid": _version("psgrid"), **git_state(Path(psgrid.__file__).resolve().parent),
+             "python": sys.version.split()[0], "numpy": numpy.__version__}
+    for name in OPTIONAL:
+        found[name] = optional_version(name)
+    found["seeds"] = seeds
+    if script:
+        found["script_command"] = " ".join(given or script)
+        found["script_files"] = script_hashes(script)
+        found["imposed_settings"] = imposed_settings(job)
+    return found
+
+
+def git_state(where: Path) -> dict:
+    """``git_commit`` and ``git_tree`` (clean / changed) of the checkout holding ``where``; {} outside one."""
+    try:
+        commit = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=GIT_TIMEOUT_S)
+        if commit.returncode != 0:
+            return {}
+        changed = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    state = "unknown" if changed.returncode != 0 else "changed" if changed.stdout.strip() else "clean"
+    return {"git_commit": commit.stdout.strip(), "git_tree": state}
+
+
+def optional_version(name: str) -> str | None:
+    """The installed version of ``name`` (CuPy under any of its wheel names), read without importing it."""
+    if name in sys.modules and getattr(sys.modules[name], "__version__", None):
+        return str(sys.modules[name].__version__)
+    for dist in importlib.metadata.distributions():
+        dist_name = (dist.metadata["Name"] or "").lower()
+        if dist_name == name or (name == "cupy" and dist_name.startswith("cupy-")):
+            return dist.version
+    return None
+
+
+def script_hashes(command: list[str]) -> dict[str, str]:
+    """SHA-256 of each file the command names (the interpreter aside): ``{path: hex digest}``."""
+    hashes = {}
+    for arg in command[1:]:
+        path = Path(arg)
+        if path.suffix and path.is_file():
+            hashes[str(path.resolve())] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return hashes
+
+
+def imposed_settings(job: JobConfig) -> dict:
+    """What psgrid decides for a script's job: the shards' settings and the workers' own (the rest is the script's)."""
+    from psgrid.worker.api import CLIENT_SETTINGS, WORKER_SETTINGS
+
+    tables = job.public_dict()
+    train = tables.get("train") or {}
+    return {"job": {k: v for k, v in (tables.get("job") or {}).items() if k not in ("out", "name", *PER_RUN)},
+            "server": {k: v for k, v in (tables.get("server") or {}).items() if k not in PER_RUN},
+            "train": {k: train[k] for k in dict.fromkeys(WORKER_SETTINGS + CLIENT_SETTINGS)
+                      if k in train and k not in PER_RUN}}
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
