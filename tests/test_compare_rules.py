@@ -12,6 +12,8 @@ import hashlib
 import json
 import math
 import struct
+import subprocess
+import sys
 
 import pytest
 
@@ -24,6 +26,7 @@ from psgrid.cluster.experiments.reading import reading
 from psgrid.cluster.experiments.results import run_events, summarize_run
 from psgrid.cluster.experiments.settings import settings_for
 from psgrid.cluster.job.config import apply_overrides, load_job
+from tests.support import ROOT
 
 ASYNC_OLD_DEFAULTS = [0.494, 0.509, 0.511, 0.615, 0.769]
 SYNC = [0.920] * 5
@@ -321,6 +324,27 @@ def test_tensorboard_gets_one_folder_per_run_named_by_mode_that_reads_back(tmp_p
     assert scalars["test/accuracy_by_epoch"][0][0] == round(EVAL_EVERY * 50 / 1000 * 1000)
     rewrite_report(out, tensorboard=tmp_path / "tb")            # written again: replaced, not doubled
     assert len(list((tmp_path / "tb" / "sync-w4-r0").glob("events.out.tfevents.*"))) == 1
+
+
+def test_launch_writes_a_jobs_folder_as_events_and_without_the_extra_or_out_says_what_to_give(tmp_path):
+    pytest.importorskip("tensorboardX")
+    from psgrid.cluster.experiments.tensorboard import write_job
+
+    write_run(tmp_path / "job", 0.9)
+    folder = write_job(tmp_path / "tb", "mnist", tmp_path / "job")
+    assert folder == tmp_path / "tb" / "mnist"
+    assert sum(1 for e in read_events(folder) for v in e.summary.value if v.tag == "test/accuracy") == 4
+    code = "import sys\n{}from psgrid.cluster.cli import main\nsys.exit(main())"
+    for blocked, args, says in (
+            (True, ["compare", "--out", str(tmp_path / "c"), "--tensorboard", str(tmp_path / "t")],
+             "psctl compare: error: --tensorboard needs tensorboardX: pip install 'psgrid[tensorboard]'"),
+            (False, ["launch", "--steps", "3", "--tensorboard", str(tmp_path / "t")],
+             "psctl launch: error: --tensorboard reads the job's folder when it ends: give --out DIR too")):
+        absent = "sys.modules['tensorboardX'] = None\n" if blocked else ""     # as on an install without the extra
+        done = subprocess.run([sys.executable, "-c", code.format(absent), *args],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert (done.returncode, done.stderr.splitlines()) == (2, [says])
+    assert not (tmp_path / "c").exists() and not (tmp_path / "t").exists()
 
 
 # ---- 8. the modes' defaults ----------------------------------------------------------------------------------------

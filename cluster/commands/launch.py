@@ -53,6 +53,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "(its job.toml is the job; flags and --set still override it)")
     g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show the progress bar (default: when stderr is a terminal)")
+    g.add_argument("--tensorboard", metavar="DIR",
+                   help="after the job, write its loss and test accuracy as TensorBoard event files to DIR/NAME "
+                        "(needs --out, and pip install 'psgrid[tensorboard]')")
     add_overwrite_arg(p)
     add_token_arg(p)
     add_set_arg(p)
@@ -71,11 +74,13 @@ def run(args: argparse.Namespace) -> int:
 
     refuse_mpi_rank("launch")
     command = None if args.user_command is None else script.resolve_command(args.user_command)
+    if args.tensorboard is not None:
+        _check_tensorboard(args)
     if args.resume:
         job = script.for_command(_resumed_job(args), command)
         check_placement(job)
         check_shard_device(job, given_names(args), sized=command is None)
-        return launch(job, progress=args.progress, resume=True, command=command)
+        return _with_tensorboard(args, job, launch(job, progress=args.progress, resume=True, command=command))
     named = args.config is not None or args.override_name is not None
     args.config = args.config or "mnist"
     job = script.for_command(load_job_from_args(args), command, named=named)
@@ -85,7 +90,30 @@ def run(args: argparse.Namespace) -> int:
         check_machine(job, flag_names(args))
     else:                        # and its model is its own: the shards' GPU is checked, not their size
         check_shard_device(job, given_names(args), sized=False)
-    return launch(job, progress=args.progress, command=command)
+    return _with_tensorboard(args, job, launch(job, progress=args.progress, command=command))
+
+
+def _check_tensorboard(args: argparse.Namespace) -> None:
+    """--tensorboard: refused before anything runs without its extra, or without a folder to read it from."""
+    from psgrid.cluster.errors import UsageError
+    from psgrid.cluster.experiments.tensorboard import require
+
+    require()
+    if args.resume is None and args.override_out is None:
+        raise UsageError("--tensorboard reads the job's folder when it ends: give --out DIR too")
+
+
+def _with_tensorboard(args: argparse.Namespace, job, code: int) -> int:
+    """The job's events as TensorBoard files (psgrid.cluster.experiments.tensorboard), then its exit code."""
+    if args.tensorboard is not None and code in (0, 1):
+        import sys
+        from pathlib import Path
+
+        from psgrid.cluster.experiments.tensorboard import write_job
+
+        folder = write_job(Path(args.tensorboard), job.name, Path(job.out))
+        print(f"psctl launch: TensorBoard events in {folder}", file=sys.stderr)
+    return code
 
 
 def _resumed_job(args: argparse.Namespace):
