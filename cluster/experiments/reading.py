@@ -100,11 +100,14 @@ def _unstable(ok: list[dict]) -> str | None:
                      + " and ".join(said))
     if not parts:
         return None
+    stale = [key[0] for key, v in stability.verdicts(ok).items() if v.label == stability.UNSTABLE
+             and key[0] != "sync" and "async_momentum=auto" not in key[3]]
+    tries = ([f"--mode-set {stale[0]}:async_momentum=auto (the shards lower the momentum by what asynchrony adds)"]
+             if stale else []) + ["a lower learning rate (--mode-set MODE:lr=...)",
+                                  "each mode at its own best settings (--tune lr=0.01,0.05,0.2)"]
     return (f"Unstable: {'; '.join(parts)}. A setting is unstable where its final accuracies lie more than "
             f"{stability.UNSTABLE_SPREAD:g} apart across repeats or a run's loss rose for a stretch: it does not train "
-            f"reliably, and its median hides how often it ends badly. To try: for async and ssp, "
-            f"--mode-set MODE:async_momentum=auto (lowers the momentum by what asynchrony adds), a lower learning "
-            f"rate (--mode-set MODE:lr=...), or each mode at its own best settings (--tune lr=0.01,0.05,0.2).")
+            f"reliably, and its median hides how often it ends badly. To try: {join(tries)}.")
 
 
 def _diverged(ok: list[dict]) -> str | None:

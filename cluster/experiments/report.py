@@ -380,8 +380,9 @@ def _seeds_text(settings: dict) -> str:
     if len(set(seeds)) == 1:
         return (f"Seeds: every repeat ran with seed {seeds[0]} (pinned with --seeds), so repeats differ only by "
                 f"timing and no interval is drawn from them.")
-    return (f"Seeds: repeat r of every mode ran with seed {', '.join(map(str, seeds))} for r = 0, 1, ... (data order, "
-            f"initial weights and straggler draws); each run's seed is in summary.csv.")
+    return (f"Seeds: repeats {', '.join(map(str, range(len(seeds))))} of every mode ran with seeds "
+            f"{', '.join(map(str, seeds))} (data order, initial weights and straggler draws); each run's seed is in "
+            f"summary.csv.")
 
 
 def write_report(out: Path, settings: dict, rows: list[dict], events: dict[str, list[dict]],
