@@ -56,7 +56,7 @@ def test_the_oldest_deps_script_reads_the_lower_bounds_of_pyproject():
 def test_the_proto_and_the_docs_name_every_reason_a_shard_sends():
     from psgrid.psserver.protocol import CLIENT_SIDE_REASONS, Reason
 
-    for doc in ("proto/ps.proto", "docs/architecture.md"):
+    for doc in ("proto/ps.proto", "docs/contract.md"):
         text = (ROOT / doc).read_text()
         missing = [r.wire_name for r in Reason if r not in CLIENT_SIDE_REASONS and f"`{r.wire_name}`" not in text]
         assert not missing, f"{doc} does not list the ps-reason names {missing}"

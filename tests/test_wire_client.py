@@ -30,7 +30,7 @@ PARAMS = [("layer.weight", [40, 50]), ("layer.bias", [40]), ("gain", [])]     # 
 SPEC = ModelSpec([(name, tuple(shape)) for name, shape in PARAMS])
 STEPS = 5
 
-# The test vectors of the spec hash that proto/ps.proto and docs/architecture.md give: (params, canonical text, hash).
+# The test vectors of the spec hash that proto/ps.proto and docs/contract.md give: (params, canonical text, hash).
 HASH_VECTORS = [
     ([("layer1.weight", [4, 3]), ("layer1.bias", [4]), ("scale", [])],
      '[["layer1.weight",[4,3],"float32"],["layer1.bias",[4],"float32"],["scale",[],"float32"]]',
@@ -62,7 +62,7 @@ def test_the_documented_hash_vectors(params, canonical, digest):
     assert json.dumps([[n, s, "float32"] for n, s in params], separators=(",", ":")) == canonical
     assert ModelSpec([(n, tuple(s)) for n, s in params]).hash() == digest
     # ... and the proto and the docs show each vector as the test has it
-    for doc in ("proto/ps.proto", "docs/architecture.md"):
+    for doc in ("proto/ps.proto", "docs/contract.md"):
         text = (ROOT / doc).read_text()
         assert canonical in text and digest in text, f"{doc} does not show the hash vector {digest}"
 
