@@ -1,7 +1,7 @@
 """The shared-memory plane's frames, as a client in another language would write them.
 
-The peer here writes raw frames from the layout that docs/architecture.md ("The data
-planes") describes, spelled out below: no psgrid client code and no psgrid frame module, so a
+The peer here writes raw frames from the layout that docs/wire.md (section 3, "The
+shared-memory plane") describes, spelled out below: no psgrid client code and no psgrid frame module, so a
 change to the bytes on the wire fails here. It joins through tests/wire_client.py (gRPC only),
 then opens, maps, pulls and pushes over the Unix socket, and gets each documented refusal. Values
 are small dyadic numbers and lr is 1/2, so the weights it reads back are exact.

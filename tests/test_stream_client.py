@@ -173,7 +173,7 @@ def test_the_tcp_plane_keeps_its_connection_after_a_refused_pull(cluster, monkey
 
 
 def test_the_named_frames_are_the_documented_bytes():
-    """Each constructor and view against the layout spelled out by hand (docs/architecture.md, stream_frames.py)."""
+    """Each constructor and view against the layout spelled out by hand (docs/wire.md, stream_frames.py)."""
     import struct
 
     from psgrid.psserver.transports import stream_frames as f

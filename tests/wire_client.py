@@ -1,4 +1,4 @@
-"""A worker written from proto/ps.proto and docs/ (architecture.md, wire.md) alone, as a client in another language would be.
+"""A worker written from proto/ps.proto and docs/ (contract.md, wire.md) alone, as a client in another language would be.
 
 It imports gRPC, the modules generated from the proto and the standard library: no other psgrid
 code (tests/test_wire_client.py checks its imports). Every rule it follows is one the proto's

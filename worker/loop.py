@@ -72,7 +72,7 @@ def run_worker(train: TrainConfig, addresses: list[str], rank: int, world: int,
     """Train worker ``rank`` of ``world`` against the shards at ``addresses`` until its steps are done.
 
     Returns a summary ``{"rank", "worker", "steps", "samples", "wall_s", "final_loss", "device"}``
-    and appends per-step JSON lines to ``metrics_path`` (see docs/architecture.md). With
+    and appends per-step JSON lines to ``metrics_path`` (see docs/worker.md). With
     ``aggregate = "host"``, ``host_group`` (a :class:`~psgrid.worker.aggregate.HostGroup`) says where
     this worker stands among the hosts; by default its rank and ``LOCAL_SIZE`` do.
     """
