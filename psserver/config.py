@@ -108,8 +108,8 @@ class ServerConfig:
         "GPUs when the job's workers compute on a GPU there (`device = \"gpu\"`, or `\"auto\"` where CuPy sees one; "
         "`staleness_compensation = \"dc\"` stays on the host), and `psctl server` alone keeps to the CPU (README: "
         "\"Where the shards run\")", choices=SHARD_DEVICES, flag="--device")
-    gpu: int = setting(-1, "with `shard_device = \"gpu\"`: which of the GPUs the shard's process sees", bound=((lambda v: v >= -1),
-                                                   "a GPU's index (0, 1, ...) or -1 (shard i takes GPU i mod n)"))
+    gpu: int = setting(-1, "with `shard_device = \"gpu\"`: which of the GPUs the shard's process sees",
+                       bound=((lambda v: v >= -1), "a GPU's index (0, 1, ...) or -1 (shard i takes GPU i mod n)"))
 
     def __post_init__(self):
         self.validate()
