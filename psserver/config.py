@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from psgrid.psserver.kernels.compensation import ASYNC_MOMENTUM, COMPENSATIONS
@@ -44,9 +45,10 @@ class ServerConfig:
         "from the versions the shard still holds (else uncompensated, counted in `uncompensated_updates`)",
         choices=COMPENSATIONS)
     dc_lambda0: float = setting(2.0, "`dc`: lambda = dc_lambda0 / sqrt(mean square of the gradients, decaying by "
-                                "dc_beta), elementwise (DC-ASGD-a)", bound=BOUNDS["lr"])
+                                "dc_beta), elementwise (DC-ASGD-a)",
+                                bound=((lambda v: 0.0 < v < math.inf), "finite and > 0"))
     dc_beta: float = setting(0.95, "`dc`: decay of the gradients' mean square that scales lambda",
-                             bound=BOUNDS["beta1"])
+                             bound=((lambda v: 0.0 <= v < 1.0), "in [0, 1)"))
     dc_versions: int = setting(3, "`dc`: past versions each shard keeps to compensate a stale push from (a copy of "
                                "its range each)", bound=between(1, 64))
     async_momentum: str = setting(
