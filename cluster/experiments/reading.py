@@ -107,7 +107,8 @@ def _unstable(ok: list[dict]) -> str | None:
                                   "each mode at its own best settings (--tune lr=0.01,0.05,0.2)"]
     return (f"Unstable: {'; '.join(parts)}. A setting is unstable where its final accuracies lie more than "
             f"{stability.UNSTABLE_SPREAD:g} apart across repeats or a run's loss rose for a stretch: it does not train "
-            f"reliably, and its median hides how often it ends badly. To try: {join(tries)}.")
+            f"reliably, and its median hides how often it ends badly. To try: {', '.join(tries[:-1])} or "
+            f"{tries[-1]}.")
 
 
 def _diverged(ok: list[dict]) -> str | None:
@@ -171,14 +172,14 @@ def _unsettled(ok: list[dict], settings: dict) -> str | None:
 
 def _tuned(ok: list[dict], settings: dict, tune_rows: list[dict]) -> str | None:
     """Each mode's own settings, where they differ (tuning, or --mode-set), and the grid points that diverged."""
-    if not settings.get("tune") and not settings.get("mode_settings"):
+    if not settings.get("tune") and not settings.get("mode_settings") and not settings.get("mode_defaults"):
         return None
     parts = [f"{m} " + " / ".join(dict.fromkeys(r.get("settings") or "the job's" for r in runs))
              for m in modes_of(ok, settings) if (runs := [r for r in ok if r["mode"] == m])]
     how = "its best point of the tuning grid (see Tuning)" if settings.get("tune") else "its own settings"
     text = f"Each mode ran at {how}: {join(parts)}." if parts else ""
-    bad = [r["mode"] + " at " + (r.get("settings") or "the job's settings")
-           for r in finished(tune_rows) if r.get("diverged")]
+    bad = list(dict.fromkeys(r["mode"] + " at " + (r.get("settings") or "the job's settings")
+                             for r in finished(tune_rows) if r.get("diverged")))
     if bad:
         text += f" While tuning, {join(bad)} diverged."
     return text.strip() or None
