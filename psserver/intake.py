@@ -137,7 +137,7 @@ class PushIntake(RangeIntake):
 
     def __init__(self, service, worker_id: int, clock: int, version: int):
         shard = service.shard
-        super().__init__(shard.begin, shard.size, None, GRADIENT_DTYPES, service.half_pool, shard.finite_check)
+        super().__init__(shard.begin, shard.size, None, GRADIENT_DTYPES, service.half_pool, shard.pushes.finite_check)
         self.shard, self.worker_id, self.clock, self.version = shard, worker_id, clock, version
         self.borrowed = False
         self.checked = False                 # the gradient is known finite (else the update checks it, in async)

@@ -59,7 +59,7 @@ def check_invariants(server: RunningServer) -> None:
     if shard.initialized:
         assert np.isfinite(shard.weights).all(), "weights went non-finite"
         assert stats["applied_updates"] == stats["version"]
-        held = sum(len(grads) for grads in shard.round_grads.values())
+        held = sum(len(grads) for grads in shard.pushes.round_grads.values())
         assert shard.pool.on_loan == held, f"{shard.pool.on_loan - held} pooled buffers never came back"
         ring = shard.ring
         assert not any(ring.lent), f"weight buffers still lent to senders: {ring.lent}"

@@ -386,7 +386,7 @@ def test_a_remote_worker_trains_a_device_shard_over_a_network_plane(device_serve
     server = device_server(mode=mode, lr=0.5, data_plane="tcp")
     # Both planes' float32 payloads go on to the GPU as they come (TCP in pieces, gRPC chunks 8 MiB at a
     # time), never as one copy of the whole landing after the receive.
-    server.shard._push_staged = lambda *a, **k: pytest.fail(f"a {plane} push went to the GPU whole")
+    server.shard.pushes._push_staged = lambda *a, **k: pytest.fail(f"a {plane} push went to the GPU whole")
     size = 3_000_000          # 12 MB: a TCP payload goes to the GPU in more than one piece, gRPC's 12 chunks in two
     spec = ModelSpec([("w", (size,))])
     with Client([server.address], spec, worker_id=0, init=np.zeros(size, np.float32), data_plane=plane,

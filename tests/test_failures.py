@@ -365,7 +365,7 @@ def test_restore_trusts_only_the_manifest(cluster, tmp_path):
         for k in opt:
             np.testing.assert_array_equal(restored[k], opt[k])
         assert shard.policy.clocks == {0: 7}
-        assert shard.restored_version == 7
+        assert shard.claims.restored_version == 7
         # the crash's temporary files are gone; the torn file the manifest never named is left alone
         assert not (d / ".tmp-abc123.npz").exists() and not (d / (checkpoint.MANIFEST + ".tmp")).exists()
     finally:
@@ -451,7 +451,7 @@ def test_a_failing_checkpoint_does_not_stop_training(cluster, tmp_path):
             client.pull(SPEC.flat()).wait()
             client.push(np.ones(SPEC.size, np.float32)).wait()
     shard = c.shard()
-    assert shard.version == 3 and shard.policy.closed_rounds == 3 and not shard.round_grads
+    assert shard.version == 3 and shard.policy.closed_rounds == 3 and not shard.pushes.round_grads
     np.testing.assert_allclose(shard.weights, -1.5)
 
 
@@ -613,7 +613,7 @@ def test_shards_restored_at_different_rounds_resume_from_the_earliest(tmp_path, 
     servers = _sync_servers(saved)
     try:
         assert [s.shard.policy.closed_rounds for s in servers] == [5, 4]
-        assert [s.shard.restored_version for s in servers] == [5, 4]
+        assert [s.shard.claims.restored_version for s in servers] == [5, 4]
         addresses = [s.address for s in servers]
         clients = [Client(addresses, SPEC, worker_id=w, world=2) for w in (0, 1)]
         try:

@@ -177,12 +177,12 @@ def test_a_bad_init_is_refused_and_leaves_the_shard_empty(cluster, case):
                                     dict(start_clock=2**60), dict(host="x" * 1000)])
 def test_a_registration_with_numbers_out_of_range_is_refused_and_stores_nothing(job, fields):
     c, stub, _, _ = job
-    before = dict(c.shard().policy.clocks), c.shard().leases.next_id
+    before = dict(c.shard().policy.clocks), c.shard().members.leases.next_id
     request = ps_pb2.RegisterRequest(spec_hash=SPEC.hash(), **{"worker_id": -1, "start_clock": -1, **fields})
     with pytest.raises(grpc.RpcError) as err:
         stub.Register(request, timeout=5)
     assert err.value.code() == INVALID and reason(err.value) is Reason.BAD_VALUE
-    assert (dict(c.shard().policy.clocks), c.shard().leases.next_id) == before
+    assert (dict(c.shard().policy.clocks), c.shard().members.leases.next_id) == before
     # and registrations asking for a new id still work
     assert stub.Register(ps_pb2.RegisterRequest(spec_hash=SPEC.hash(), worker_id=-1, start_clock=-1),
                          timeout=5).worker_id == before[1]

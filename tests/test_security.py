@@ -71,7 +71,7 @@ def test_a_missing_or_wrong_token_is_refused_on_the_control_plane(cluster, token
     with pytest.raises(Unauthenticated):
         c.admin(token=token).stats()           # control calls raise the same domain error
     assert_same_state(before, shard_state(c.servers[0]))
-    assert c.shard().leases.members == {}
+    assert c.shard().members.leases.members == {}
 
 
 @pytest.fixture
@@ -198,7 +198,7 @@ def test_a_client_without_a_valid_certificate_is_refused(tls_cluster, certs, who
             pass
     for server, state in zip(tls_cluster.servers, before):
         assert_same_state(state, shard_state(server))
-    assert all(s.shard.leases.members == {} for s in tls_cluster.servers)
+    assert all(s.shard.members.leases.members == {} for s in tls_cluster.servers)
 
 
 @pytest.mark.timeout(30)

@@ -253,7 +253,7 @@ def test_a_restoring_shard_answers_unavailable_and_health_not_serving(tmp_path, 
             release.set()
             thread.join(20)
         assert health_of(server.address) == SERVING
-        assert server.shard.restored_version == 1
+        assert server.shard.claims.restored_version == 1
         np.testing.assert_array_equal(server.shard.weights, REGRESSION.flat() - 0.05)
     finally:
         server.stop(grace=0.5)

@@ -4,7 +4,7 @@ Two signs are tracked per member: ``last_seen`` (any heartbeat or request: the p
 and ``last_progress`` (joining or pushing: the training loop moves). A worker whose heartbeat
 thread lives while its loop hangs keeps the first fresh and lets the second age.
 
-:class:`Membership`, a mixin of :class:`~psgrid.psserver.state.shard.Shard`, applies them under
+:class:`Members`, a part of :class:`~psgrid.psserver.state.shard.Shard`, applies them under
 the shard's lock: joining, heartbeats, leaving and evictions, each releasing the waits it may end.
 """
 
@@ -70,97 +70,125 @@ class Leases:
         return [m.worker_id for m in self.members.values() if now - m.last_progress > timeout]
 
 
-class Membership:
-    """The shard's members: who joins, who is alive, who is dropped; uses the shard's ``cond``, policy and leases."""
+class Members:
+    """A shard's members: who joins, who is alive, who is dropped (the policy's clocks and the leases, kept together).
+
+    A part of :class:`~psgrid.psserver.state.shard.Shard`: it owns the leases and the spec hashes
+    members registered with before Init, and uses the shard's ``cond``, policy and counters; a
+    departure closes the sync rounds it held open (pushes.py).
+    """
+
+    def __init__(self, shard, lease_s: float):
+        self.shard = shard
+        self.leases = Leases(lease_s)
+        self.spec_hashes: dict[int, str] = {}  # before Init: the spec hash each member registered with
 
     def register(self, spec_hash: str, worker_id: int, start_clock: int, host: str) -> dict:
         """Join (or rejoin) ``worker_id`` (-1: a new id); returns the join and the layout, read together."""
+        shard = self.shard
         try:
-            if not self.policy.waits_on_pull:     # never between an async update and the push it takes
-                with self.apply_lock:
+            if not shard.policy.waits_on_pull:    # never between an async update and the push it takes
+                with shard.apply_lock:
                     return self._register(spec_hash, worker_id, start_clock, host)
             return self._register(spec_hash, worker_id, start_clock, host)
         finally:
-            self._flush_capture()     # moving a worker forward may have closed a sync round
+            shard.checkpoints.flush()     # moving a worker forward may have closed a sync round
 
     def _register(self, spec_hash: str, worker_id: int, start_clock: int, host: str) -> dict:
-        with self.cond:
-            self._require_up()
-            if spec_hash and self.spec is not None and spec_hash != self.spec.hash():
+        shard = self.shard
+        with shard.cond:
+            shard.require_up()
+            if spec_hash and shard.spec is not None and spec_hash != shard.spec.hash():
                 raise SpecMismatch(f"model spec hash {spec_hash[:12]} differs from this shard's "
-                                   f"{self.spec.hash()[:12]}: every worker must build the same model")
+                                   f"{shard.spec.hash()[:12]}: every worker must build the same model")
             if worker_id < 0:
-                worker_id = self.leases.new_id(taken=self.policy.departed)
-            before = self.policy.clocks.get(worker_id)
-            clock = self.policy.join(worker_id, start_clock if start_clock >= 0 else None)
+                worker_id = self.leases.new_id(taken=shard.policy.departed)
+            before = shard.policy.clocks.get(worker_id)
+            clock = shard.policy.join(worker_id, start_clock if start_clock >= 0 else None)
             if before is not None and clock > before:
-                self._skipped(worker_id, before, clock, "registered")
-            self.leases.add(worker_id, host, self.now())
-            if spec_hash and self.spec is None:
-                self.member_hashes[worker_id] = spec_hash    # the first Init decides whose model is the job's
-            self._close_rounds()
-            self.cond.notify_all()
-            return {"worker_id": worker_id, "start_clock": clock, **self._layout_info()}
+                self.skipped(worker_id, before, clock, "registered")
+            self.leases.add(worker_id, host, shard.now())
+            if spec_hash and shard.spec is None:
+                self.spec_hashes[worker_id] = spec_hash    # the first Init decides whose model is the job's
+            shard.pushes.close_rounds()
+            shard.cond.notify_all()
+            return {"worker_id": worker_id, "start_clock": clock, **shard.layout_fields()}
 
-    def layout_info(self) -> dict:
-        """Version, range and whether weights are set, read together (what an observer learns)."""
-        with self.cond:
-            self._require_up()
-            return self._layout_info()
+    def admit(self, spec_hash: str) -> None:
+        """Init set the job's model (call under ``cond``): members that registered another were never the job's.
 
-    def _layout_info(self) -> dict:
-        return {"version": self.version, "begin": self.begin, "end": self.end, "initialized": self.initialized,
-                "total_size": self.spec.size if self.spec is not None else 0}
+        They learn it at their next call.
+        """
+        for worker in [w for w, h in self.spec_hashes.items() if h != spec_hash]:
+            log.warning("shard %d: worker %d registered another model spec than the one Init set; dropped",
+                        self.shard.config.shard_index, worker)
+            self.drop(worker)
+        self.spec_hashes.clear()
 
-    def _skipped(self, worker: int, had: int, now_at: int, how: str) -> None:
+    def skipped(self, worker: int, had: int, now_at: int, how: str) -> None:
         """A live worker moved ahead of the clock this shard had for it: this shard missed its pushes.
 
         In async and ssp each missed push is a lost update; in sync the rounds it skipped are
-        counted when they close with no gradient (:meth:`_close_rounds`).
+        counted when they close with no gradient (:meth:`Pushes.close_rounds`).
         """
+        shard = self.shard
         log.warning("shard %d: worker %d %s at clock %d, this shard had it at %d: %d push(es) it never took "
-                    "(a restart from an older checkpoint, or pushes it refused)", self.config.shard_index, worker, how,
-                    now_at, had, now_at - had)
-        if not self.policy.accumulates:
-            self.counters.lost_updates += now_at - had
+                    "(a restart from an older checkpoint, or pushes it refused)", shard.config.shard_index, worker,
+                    how, now_at, had, now_at - had)
+        if not shard.policy.accumulates:
+            shard.counters.lost_updates += now_at - had
+
+    def progressed(self, worker: int) -> None:
+        """``worker`` pushed (call under ``cond``): its training loop moves."""
+        if worker in self.leases.members:
+            self.leases.progressed(worker, self.shard.now())
+
+    def renew(self, worker: int) -> None:
+        """A sign of life from ``worker`` (call under ``cond``)."""
+        self.leases.renew(worker, self.shard.now())
 
     def mark_gone(self, worker: int) -> None:
         """Record that a worker which never joined will not come (its launcher saw it exit).
 
         Those waiting for the whole job count it as departed; if it does come after all, it joins.
         """
-        with self.cond:
-            if not self.policy.is_live(worker):
-                self.policy.departed.setdefault(worker, 0)
-                self.policy.forget_oldest_departed()
-                self.cond.notify_all()
+        shard = self.shard
+        with shard.cond:
+            if not shard.policy.is_live(worker):
+                shard.policy.departed.setdefault(worker, 0)
+                shard.policy.forget_oldest_departed()
+                shard.cond.notify_all()
 
     def heartbeat(self, worker: int) -> bool:
-        with self.cond:
-            return self.policy.is_live(worker) and self.leases.renew(worker, self.now())
+        shard = self.shard
+        with shard.cond:
+            return shard.policy.is_live(worker) and self.leases.renew(worker, shard.now())
 
     def leave(self, worker: int) -> None:
-        with self.cond:
-            self._drop(worker)
-        self._flush_capture()     # the departure may have closed a sync round
+        with self.shard.cond:
+            self.drop(worker)
+        self.shard.checkpoints.flush()     # the departure may have closed a sync round
 
-    def _drop(self, worker: int) -> None:
+    def drop(self, worker: int) -> None:
+        """Drop ``worker`` (call under ``cond``): waits stop counting it, and the rounds it held open may close."""
+        shard = self.shard
         self.leases.remove(worker)
-        self.policy.leave(worker)
-        self.member_hashes.pop(worker, None)
-        self.first_pulls.pop(worker, None)
-        self._close_rounds()
-        self.cond.notify_all()
+        shard.policy.leave(worker)
+        self.spec_hashes.pop(worker, None)
+        shard.claims.forget(worker)
+        shard.pushes.close_rounds()
+        shard.cond.notify_all()
 
     def evict_expired(self) -> list[int]:
         """Drop every worker whose lease ran out; waits that counted them are released."""
-        with self.cond:
-            expired = self.leases.expired(self.now())
+        shard = self.shard
+        with shard.cond:
+            expired = self.leases.expired(shard.now())
             for worker in expired:
-                self.counters.evictions += 1
-                self._drop(worker)
-                self._emit("eviction", worker=worker)
-        self._flush_capture()
+                shard.counters.evictions += 1
+                self.drop(worker)
+                shard.emit("eviction", worker=worker)
+        shard.checkpoints.flush()
         return expired
 
     def evict_stalled(self) -> list[int]:
@@ -169,15 +197,16 @@ class Membership:
         Its heartbeat may be alive (a hung training loop with a live heartbeat thread): leases alone
         would never release the others. A worker that pushes again later registers anew.
         """
-        timeout = self.config.progress_timeout_s
-        if not timeout or not self.policy.waits_on_pull:
+        shard = self.shard
+        timeout = shard.config.progress_timeout_s
+        if not timeout or not shard.policy.waits_on_pull:
             return []
-        with self.cond:
-            stalled = [w for w in self.leases.stalled(self.now(), timeout) if self.policy.holding_back(w)]
+        with shard.cond:
+            stalled = [w for w in self.leases.stalled(shard.now(), timeout) if shard.policy.holding_back(w)]
             for worker in stalled:
-                self.counters.evictions += 1
-                self.counters.stalled_evictions += 1
-                self._drop(worker)
-                self._emit("eviction", worker=worker)
-        self._flush_capture()
+                shard.counters.evictions += 1
+                shard.counters.stalled_evictions += 1
+                self.drop(worker)
+                shard.emit("eviction", worker=worker)
+        shard.checkpoints.flush()
         return stalled

@@ -5,10 +5,13 @@ happens under one condition variable, and every change that could release a
 waiting pull notifies it. Nothing here knows about transports: service.py checks what arrives from the wire
 and calls these methods with validated values.
 
-:class:`Shard` holds the state and the rules every call shares (is the shard serving, is a worker
-live); each concept's methods live in a module of their own, mixed in: membership.py (joining,
-leases, evictions), snapshots.py (pulls), pushes.py (sync rounds and updates), checkpointing.py
-(capture, write, restore), counters.py (what stats reports).
+:class:`Shard` holds what every part shares (the lock, the policy, the served range: its ring,
+version, updater and pools, the counters) and the rules every call shares (is the shard serving, is
+a worker live). Each concept is a part of its own, holding its own state: ``members``
+(membership.py: joining, leases, evictions), ``snapshots`` (snapshots.py: pulls), ``pushes``
+(pushes.py: sync rounds and updates), ``checkpoints`` (checkpointing.py: capture, write, restore)
+and ``claims`` (claims.py: what a push may claim after a restart). The shard's public methods are
+the calls service.py makes, each handed to its part.
 """
 
 from __future__ import annotations
@@ -24,17 +27,18 @@ from psgrid.psserver import shared_memory
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import InvalidArgument, NotInitialized, SpecMismatch, Unavailable, UnknownWorker
 from psgrid.psserver.kernels.parallel import Chunks, default_threads
-from psgrid.psserver.protocol import Reason, job_tag
+from psgrid.psserver.protocol import PushResult, Reason, job_tag
 from psgrid.psserver.sharding import shard_range
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.state import checkpoint
 from psgrid.psserver.state.buffers import BufferPool
-from psgrid.psserver.state.checkpointing import Checkpointing
+from psgrid.psserver.state.checkpointing import Checkpoints
+from psgrid.psserver.state.claims import Claims
 from psgrid.psserver.state.counters import Counters
 from psgrid.psserver.state.device import shard_arrays
-from psgrid.psserver.state.membership import Leases, Membership
+from psgrid.psserver.state.membership import Members
 from psgrid.psserver.state.policy import ConsistencyPolicy
-from psgrid.psserver.state.pushes import Pushes, finite_check
+from psgrid.psserver.state.pushes import Pushes
 from psgrid.psserver.state.snapshots import MAX_LENT_BUFFERS, Snapshots
 from psgrid.psserver.state.updater import Updater, make_updater
 from psgrid.psserver.state.weight_ring import WeightRing
@@ -44,7 +48,7 @@ __all__ = ["MAX_LENT_BUFFERS", "Shard"]
 log = logging.getLogger("psgrid.shard")
 
 
-class Shard(Membership, Snapshots, Pushes, Checkpointing):
+class Shard:
     """The state of shard ``config.shard_index`` of ``config.num_shards``.
 
     Parameters
@@ -64,11 +68,8 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
         self.apply_lock = threading.Lock()
         self.policy = ConsistencyPolicy(config.mode, config.staleness, config.backup_workers)
         self.chunks = Chunks(config.apply_threads or default_threads())
-        self.finite_check = finite_check(self.policy, self.chunks)     # None: the update checks a gradient
-        self.leases = Leases(config.lease_s)
         self.counters = Counters()
         self.spec: ModelSpec | None = None
-        self.member_hashes: dict[int, str] = {}  # before Init: the spec hash each member registered with
         self.begin = self.end = 0
         self.ring: WeightRing | None = None      # the weights: versions readers hold, and the current one
         self.shares_memory = True     # False once this process could not put the weights in shared memory
@@ -76,29 +77,18 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
         self.version = 0
         self.pool: BufferPool | None = None             # range-sized buffers where the arrays live (rounds, updates)
         self.landing_pool: BufferPool | None = None     # ... and in host memory, for network payloads (the same on a host shard)
-        # sync: open round -> {worker: gradient}. Summed in worker order when the round closes,
-        # so a sync run is bitwise reproducible whatever order the pushes arrive in.
-        self.round_grads: dict[int, dict[int, np.ndarray]] = {}
         self.closing = False       # set by close(): waits end, new calls are refused
         self.restoring = False     # set while a checkpoint is loaded: calls are refused as UNAVAILABLE
-        self.restored_version = -1
-        # After a restore, what pushes made before it may claim (see _check_claims): each member's
-        # clock in the checkpoint, and the clock of each worker's first pull from this process.
-        self.restored_clocks: dict[int, int] = {}
-        self.first_pulls: dict[int, int] = {}
-        # Checkpoints: state is copied under the lock (_capture) and written outside it by the
-        # thread whose update made one due, before that update is answered (_flush_capture).
-        self.pending_capture: tuple[dict, dict] | None = None
-        self.write_lock = threading.Lock()
-        self.written_version = -1
-        self.last_checkpoint = ""
-        self.updates_since_checkpoint = 0
-        self.last_checkpoint_time = now()
         self.listeners: list = []   # callables(event: str, **fields) for metrics exporters
+        self.claims = Claims()
+        self.members = Members(self, config.lease_s)
+        self.snapshots = Snapshots(self)
+        self.pushes = Pushes(self)
+        self.checkpoints = Checkpoints(self)
         if config.checkpoint_dir:
-            checkpoint.remove_leftovers(self._checkpoint_dir())
+            checkpoint.remove_leftovers(self.checkpoints.directory)
             if restore:
-                self.restore()
+                self.checkpoints.restore()
 
     # ----- helpers ----------------------------------------------------------------------------
 
@@ -158,7 +148,7 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
             self.ring.close()
         self.ring = ring
 
-    def _take_on(self, spec: ModelSpec, begin: int, end: int, values: np.ndarray, version: int,
+    def take_on(self, spec: ModelSpec, begin: int, end: int, values: np.ndarray, version: int,
                  optimizer_state: dict | None = None) -> None:
         """Serve the range ``[begin, end)`` of ``spec`` from ``values`` at ``version`` (an Init, or a restore).
 
@@ -187,28 +177,29 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
     def size(self) -> int:
         return self.end - self.begin
 
-    def _emit(self, event: str, **fields) -> None:
+    def emit(self, event: str, **fields) -> None:
+        """Tell the metrics exporters (``listeners``) of ``event``."""
         for listener in self.listeners:
             listener(event, **fields)
 
-    def _require_serving(self) -> None:
+    def require_serving(self) -> None:
         """Data calls: refused while the shard stops or restores (clients retry), and before Init."""
         if self.closing or self.restoring:
-            self._require_up()
+            self.require_up()
         if self.ring is None:
-            self._require_initialized()
+            self.require_initialized()
 
-    def _require_up(self) -> None:
+    def require_up(self) -> None:
         if self.closing:
             raise Unavailable(f"shard {self.config.shard_index} is shutting down")
         if self.restoring:
             raise Unavailable(f"shard {self.config.shard_index} is restoring its checkpoint", Reason.RESTORING)
 
-    def _require_initialized(self) -> None:
+    def require_initialized(self) -> None:
         if not self.initialized:
             raise NotInitialized("shard has no weights yet: a worker must call Init first")
 
-    def _require_live(self, worker: int) -> None:
+    def require_live(self, worker: int) -> None:
         if not self.policy.is_live(worker):
             raise UnknownWorker(f"worker {worker} is unknown or was evicted from shard "
                                 f"{self.config.shard_index}; register again")
@@ -240,13 +231,8 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
             begin, end = self.layout(spec)
             if values is None or values.shape != (end - begin,):
                 raise InvalidArgument(f"Init must cover this shard's range [{begin}, {end})", Reason.BAD_SIZE)
-            self._take_on(spec, begin, end, values, self.version)
-            # Members that registered another model were never the job's: they learn it at their next call.
-            for worker in [w for w, h in self.member_hashes.items() if h != spec.hash()]:
-                log.warning("shard %d: worker %d registered another model spec than the one Init set; dropped",
-                            self.config.shard_index, worker)
-                self._drop(worker)
-            self.member_hashes.clear()
+            self.take_on(spec, begin, end, values, self.version)
+            self.members.admit(spec.hash())
             self.cond.notify_all()
             return True
 
@@ -259,9 +245,78 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
     def served_layout(self) -> tuple[int, int, int]:
         """(elements of the model, this range's first element, its length); refused until the shard serves."""
         with self.cond:
-            self._require_serving()
+            self.require_serving()
             return self.spec.size, self.begin, self.size
 
+    def layout_info(self) -> dict:
+        """Version, range and whether weights are set, read together (what an observer learns)."""
+        with self.cond:
+            self.require_up()
+            return self.layout_fields()
+
+    def layout_fields(self) -> dict:
+        return {"version": self.version, "begin": self.begin, "end": self.end, "initialized": self.initialized,
+                "total_size": self.spec.size if self.spec is not None else 0}
+
+    # ----- the calls service.py makes, each handed to its part --------------------------------
+
+    def register(self, spec_hash: str, worker_id: int, start_clock: int, host: str) -> dict:
+        return self.members.register(spec_hash, worker_id, start_clock, host)
+
+    def heartbeat(self, worker: int) -> bool:
+        return self.members.heartbeat(worker)
+
+    def leave(self, worker: int) -> None:
+        self.members.leave(worker)
+
+    def mark_gone(self, worker: int) -> None:
+        self.members.mark_gone(worker)
+
+    def evict_expired(self) -> list[int]:
+        return self.members.evict_expired()
+
+    def evict_stalled(self) -> list[int]:
+        return self.members.evict_stalled()
+
+    def wait_for_pull(self, worker: int, clock: int, timeout: float | None, cancelled=None) -> float:
+        return self.snapshots.wait_for_pull(worker, clock, timeout, cancelled)
+
+    def snapshot(self, *, device: bool = False) -> tuple[int, np.ndarray]:
+        return self.snapshots.snapshot(device=device)
+
+    def release_snapshot(self, values: np.ndarray) -> None:
+        self.snapshots.release_snapshot(values)
+
+    def mark_current(self, slot: int) -> tuple[int, int]:
+        return self.snapshots.mark_current(slot)
+
+    def take_reader_slot(self) -> int:
+        return self.snapshots.take_reader_slot()
+
+    def free_reader_slot(self, slot: int) -> None:
+        self.snapshots.free_reader_slot(slot)
+
+    def device_ring(self):
+        return self.snapshots.device_ring()
+
+    def check_pusher(self, worker: int) -> None:
+        self.pushes.check_pusher(worker)
+
+    def push(self, worker: int, clock: int, version_used: int, grad: np.ndarray,
+             nbytes: int, *, borrowed: bool = False, checked: bool = False) -> tuple[PushResult, bool]:
+        return self.pushes.push(worker, clock, version_used, grad, nbytes, borrowed=borrowed, checked=checked)
+
+    def checkpoint(self) -> tuple[str, int]:
+        return self.checkpoints.write_now()
+
+    def checkpoint_if_due(self) -> None:
+        self.checkpoints.if_due()
+
+    def begin_restore(self) -> None:
+        self.checkpoints.begin_restore()
+
+    def restore(self) -> bool:
+        return self.checkpoints.restore()
 
     # ----- stats ------------------------------------------------------------------------------
 
@@ -271,7 +326,7 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
             c = self.counters
             members = [{"worker_id": w, "clock": self.policy.clocks.get(w, -1),
                         "idle_s": now - m.last_seen, "host": m.host}
-                       for w, m in sorted(self.leases.members.items())]
+                       for w, m in sorted(self.members.leases.members.items())]
             return {
                 "shard_index": self.config.shard_index, "num_shards": self.config.num_shards,
                 "mode": self.config.mode, "version": self.version, "begin": self.begin, "end": self.end,
@@ -281,13 +336,13 @@ class Shard(Membership, Snapshots, Pushes, Checkpointing):
                 "dropped_late": c.dropped_late, "duplicates": c.duplicates, "evictions": c.evictions,
                 "rejected": c.rejected, "staleness_counts": list(c.staleness_counts),
                 "departed": sorted(self.policy.departed), "lost_updates": c.lost_updates,
-                "restored_version": self.restored_version, "stalled_evictions": c.stalled_evictions,
+                "restored_version": self.claims.restored_version, "stalled_evictions": c.stalled_evictions,
                 "revoked_reads": self.ring.revoked if self.ring is not None else 0,
                 "mean_staleness": c.staleness_sum / c.staleness_n if c.staleness_n else 0.0,
                 "max_staleness": c.max_staleness, "wait_s_total": c.wait_s_total,
                 "uncompensated_updates": c.uncompensated,
                 "momentum": float(getattr(self.optimizer, "momentum", 0.0)),
-                "checkpoint": self.last_checkpoint, "initialized": self.initialized,
+                "checkpoint": self.checkpoints.last, "initialized": self.initialized,
                 "total_size": self.spec.size if self.spec else 0,
                 "job_tag": job_tag(self.config.job_id),
                 "waits": [{"worker_id": w, "seconds": s} for w, s in sorted(c.wait_s_by_worker.items())],

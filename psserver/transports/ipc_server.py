@@ -16,7 +16,7 @@ device memory where that plane hands over files:
 The shard owns every buffer it reads or serves: a worker maps the shard's allocations, never the
 other way round, so a worker that dies (or frees what it mapped) cannot take memory from under the
 shard. CUDA maps them writable only; the shard never reads the ring buffers it publishes (it
-updates weights of its own and copies each version out: state/pushes.py ``_step_device``), so a
+updates weights of its own and copies each version out: state/updater.py ``DeviceUpdater``), so a
 peer that writes one changes what readers of that version copy, nothing the shard keeps. A push is copied out of the worker's slot before it is checked and applied (service.py
 ``fill_device``), so a worker writing its slot meanwhile changes nothing it was not already sending.
 A connection's slots are freed when it closes: a worker that dies closes it, and its lease
