@@ -49,6 +49,12 @@ AT: dict[str, list[float]] = {"push_wait": [], "push": []}     # when each ended
 
 shard_variants.install_if_asked()   # in a shard process spawned from here, as its parent asked
 shard_probe.install_if_asked()
+_POSTS = Client.posts
+
+
+def _never_posts(self) -> bool:
+    """The calls on the client's threads, as before they were posted (Client.posts says no plane posts)."""
+    return False
 
 
 def _timed(name: str, original):
@@ -85,7 +91,7 @@ def run(args, pull_ahead: bool, posting: bool, apply_threads: int = 0, after_lau
     shard_probe.use(probe)
     for times in (*WAITS.values(), *AT.values()):
         times.clear()
-    Client.POSTING = posting
+    Client.posts = _POSTS if posting else _never_posts
     PullAhead.ADVANCE_AFTER_LAUNCH = after_launch
     try:
         row = gpu_workers.with_servers(gpu_workers.big_mlp(args, pull_ahead=pull_ahead), 4, "async", "shm",

@@ -7,7 +7,8 @@ shard processes a benchmark spawns.
   one a core, in every shard process. Today's check (psserver/kernels/optim.py ``_checked``) takes
   the block's min and max with NumPy's own loops ("numpy").
 * ``parts=1``: until then the update's threads each took one fixed chunk of the range; today they
-  take parts of it in turn (psserver/kernels/parallel.py, ``Chunks.PARTS_PER_THREAD``).
+  take parts of it in turn (psserver/kernels/parallel.py, ``PARTS_PER_THREAD`` a thread). The fixed
+  split is put back here (``_one_chunk_a_thread``); other values set how many parts a thread takes.
 
 A benchmark that spawns shard processes calls ``use(...)`` first and ``install_if_asked()`` at the
 top of its module: a spawned process imports its parent's main module again, so the shards get it.
@@ -25,7 +26,16 @@ from psgrid.psserver.kernels import optim, parallel
 ENV = "PSGRID_BENCH_SHARD_VARIANT"
 CHECKS = ("numpy", "blas")      # today's, the one before
 _NUMPY_CHECK = optim._checked
-_PARTS = parallel.Chunks.PARTS_PER_THREAD
+_PARTS = parallel.PARTS_PER_THREAD
+_SPLIT = parallel.Chunks.split
+
+
+def _one_chunk_a_thread(self, size: int) -> list[tuple[int, int]]:
+    """The split before parts were taken in turn: one fixed chunk a thread."""
+    if self.threads == 1 or size < 2 * parallel.MIN_CHUNK:
+        return [(0, size)]
+    count = min(self.threads, size // parallel.MIN_CHUNK)
+    return [(size * i // count, size * (i + 1) // count) for i in range(count)]
 
 
 def _dot_checked(blocks, grad: np.ndarray):
@@ -42,7 +52,8 @@ def _apply(check: str, parts: int) -> None:
     if check not in CHECKS:
         raise SystemExit(f"unknown check {check!r}; choose from {', '.join(CHECKS)}")
     optim._checked = _dot_checked if check == "blas" else _NUMPY_CHECK
-    parallel.Chunks.PARTS_PER_THREAD = parts
+    parallel.Chunks.split = _one_chunk_a_thread if parts == 1 else _SPLIT
+    parallel.PARTS_PER_THREAD = parts
 
 
 def use(check: str = "numpy", parts: int | None = None) -> None:

@@ -131,7 +131,7 @@ class RunningServer:
                 self.shard.checkpoint()
             except Exception:  # noqa: BLE001 - stopping must finish; the last good checkpoint stays
                 log.exception("shard %d: final checkpoint failed", self.config.shard_index)
-        self.shard.chunks.close()
+        self.shard.parts.close()
         if self.metrics is not None:
             self.metrics.shutdown()
         if self.reaper.is_alive():

@@ -63,7 +63,7 @@ def test_a_refused_init_leaves_the_shard_uninitialised_and_a_correct_init_then_t
 ])
 def test_the_update_is_chosen_once_from_the_mode_and_the_remedies(mode, settings, kind, keeps):
     config = ServerConfig(mode=mode, **settings)
-    updater = make_updater(config, HostArrays(), 8, stale=mode != "sync", chunks=SERIAL, live_workers=lambda: 1)
+    updater = make_updater(config, HostArrays(), 8, stale=mode != "sync", parts=SERIAL, live_workers=lambda: 1)
     assert type(updater) is kind and updater.keep_versions == keeps
     assert updater.lr_scale(4) == (0.25 if config.compensation == "lr" else 1.0)
 
@@ -73,4 +73,4 @@ def test_a_device_shard_refuses_dc_before_it_builds_anything():
     config.staleness_compensation = "dc"        # past the job check, which refuses it too
     gpu = SimpleNamespace(on_gpu=True)          # refused before any GPU is touched
     with pytest.raises(InvalidArgument, match="dc' runs on host shards only"):
-        make_updater(config, gpu, 8, stale=True, chunks=SERIAL, live_workers=lambda: 1)
+        make_updater(config, gpu, 8, stale=True, parts=SERIAL, live_workers=lambda: 1)

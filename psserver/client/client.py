@@ -101,8 +101,6 @@ class Client:
         (Mutual) TLS material; off by default.
     """
 
-    POSTING = True      # post where every plane can (posts()); off, benchmarks/host_step_parts.py compares
-
     def __init__(self, addresses: Sequence[str], spec: ModelSpec, *, worker_id: int | None = None,
                  world: int | None = None, init=None, data_plane: str = "tcp", wire_dtype: str = "float32",
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, deadline_s: float = 60.0, retry_s: float = 30.0,
@@ -431,7 +429,7 @@ class Client:
     def posts(self) -> bool:
         """Whether every shard's plane posts its calls (the shm plane, transports/shm_posted.py): a background
         push then wakes no client thread, and :meth:`post_pull` serves. False before joining."""
-        if not self._joined or self._closed or not self.POSTING:
+        if not self._joined or self._closed:
             return False
         return all(plane is not None and plane.posts for plane in self._conn.planes)
 

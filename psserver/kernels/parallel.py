@@ -23,6 +23,7 @@ from psgrid.psserver.dtypes import all_finite
 
 T = TypeVar("T")
 MIN_CHUNK = 1 << 18       # elements: below this a thread's hand-off costs more than its share of the pass
+PARTS_PER_THREAD = 4      # parts a thread takes, on average, of a range large enough (see the module's text)
 
 
 class Chunks:
@@ -30,10 +31,6 @@ class Chunks:
 
     ``thread`` (0 .. threads-1) says which thread runs a part, for scratch memory of its own.
     """
-
-    # Parts a thread takes, on average, of a range large enough (1: one chunk a thread, as before).
-    # A class attribute, so that benchmarks can compare the two.
-    PARTS_PER_THREAD = 4
 
     def __init__(self, threads: int = 1):
         self.threads = max(1, int(threads))
@@ -43,10 +40,7 @@ class Chunks:
         """The parts of ``[0, size)``: whole multiples of MIN_CHUNK (a block of the optimizers) but the last."""
         if self.threads == 1 or size < 2 * MIN_CHUNK:
             return [(0, size)]
-        if self.PARTS_PER_THREAD == 1:
-            count = min(self.threads, size // MIN_CHUNK)
-            return [(size * i // count, size * (i + 1) // count) for i in range(count)]
-        part = MIN_CHUNK * max(1, size // (self.threads * self.PARTS_PER_THREAD * MIN_CHUNK))
+        part = MIN_CHUNK * max(1, size // (self.threads * PARTS_PER_THREAD * MIN_CHUNK))
         return [(lo, min(lo + part, size)) for lo in range(0, size, part)]
 
     def map(self, fn: Callable[[int, int, int], T], size: int) -> list[T]:

@@ -17,15 +17,15 @@ from psgrid.psserver.protocol import Outcome, PushResult
 from psgrid.psserver.state.policy import ConsistencyPolicy
 
 
-def finite_check(policy: ConsistencyPolicy, chunks: Chunks) -> Callable[[np.ndarray], bool] | None:
+def finite_check(policy: ConsistencyPolicy, parts: Chunks) -> Callable[[np.ndarray], bool] | None:
     """The check for NaN and infinity a pushed gradient passes as it lands, or None where the update makes it.
 
     The one rule of where a gradient is checked, whatever plane brought it. Where no pull waits
     (async) the update checks it as it reads it (:meth:`Pushes._push_at_once`, ``check_finite``): a
     pass of its own would cost as much as a copy. Elsewhere a gradient may wait for its round, so it
-    is checked as it lands, a chunk per thread.
+    is checked as it lands, a part per thread.
     """
-    return chunks.all_finite if policy.waits_on_pull else None
+    return parts.all_finite if policy.waits_on_pull else None
 
 
 class Pushes:
@@ -36,7 +36,7 @@ class Pushes:
         # sync: open round -> {worker: gradient}. Summed in worker order when the round closes,
         # so a sync run is bitwise reproducible whatever order the pushes arrive in.
         self.round_grads: dict[int, dict[int, np.ndarray]] = {}
-        self.finite_check = finite_check(shard.policy, shard.chunks)     # None: the update checks a gradient
+        self.finite_check = finite_check(shard.policy, shard.parts)     # None: the update checks a gradient
 
     def check_pusher(self, worker: int) -> None:
         """Refuse early (before the payload is read) a push from a worker that is not live.
@@ -183,7 +183,10 @@ class Pushes:
         self.shard.emit("staleness", value=staleness)
 
     def close_rounds(self, borrowed: np.ndarray | None = None) -> range:
-        """Apply the mean of every round that may close (call under ``cond``); ``borrowed`` (a worker's own memory) is only read."""
+        """Apply the mean of every round that may close (call under ``cond``).
+
+        ``borrowed`` (a worker's own memory) is only read.
+        """
         shard = self.shard
         closed = shard.policy.rounds_to_close()
         if not closed:

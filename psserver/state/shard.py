@@ -67,7 +67,7 @@ class Shard:
         # and everything else go on meanwhile); updates queue on this lock, taken before ``cond``.
         self.apply_lock = threading.Lock()
         self.policy = ConsistencyPolicy(config.mode, config.staleness, config.backup_workers)
-        self.chunks = Chunks(config.apply_threads or default_threads())
+        self.parts = Chunks(config.apply_threads or default_threads())    # the update's threads, over parts of the range
         self.counters = Counters()
         self.spec: ModelSpec | None = None
         self.begin = self.end = 0
@@ -159,7 +159,7 @@ class Shard:
         is taken afresh.
         """
         updater = make_updater(self.config, self.arrays, end - begin, stale=not self.policy.accumulates,
-                               chunks=self.chunks, live_workers=lambda: len(self.policy.clocks))
+                               parts=self.parts, live_workers=lambda: len(self.policy.clocks))
         if optimizer_state is not None:
             with self.arrays.use():
                 updater.optimizer.load_state_dict(optimizer_state)

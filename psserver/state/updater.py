@@ -176,7 +176,7 @@ class DeviceUpdater(Updater):
         self.optimizer.step(self.master, grad, lr_scale, check_finite=check_finite, publish=ring.arrays[step.target])
 
 
-def make_updater(config, arrays, size: int, *, stale: bool, chunks: Chunks,
+def make_updater(config, arrays, size: int, *, stale: bool, parts: Chunks,
                  live_workers: Callable[[], int]) -> Updater:
     """The update of a range of ``size`` elements, built and checked (InvalidArgument) before anything is published.
 
@@ -201,7 +201,7 @@ def make_updater(config, arrays, size: int, *, stale: bool, chunks: Chunks,
             optimizer.warm_up()      # compiled now, not in a worker's first push
         arrays.warm_up()
         return DeviceUpdater(optimizer, arrays, lr_staleness=lr_staleness, auto_momentum=auto)
-    optimizer = make_optimizer(config.optimizer, size, chunks=chunks, **hparams)
+    optimizer = make_optimizer(config.optimizer, size, chunks=parts, **hparams)
     if auto is None and not dc:
         return HostUpdater(optimizer, arrays, lr_staleness=lr_staleness)
     delay = DelayCompensation(size, config.dc_lambda0, config.dc_beta) if dc else None
