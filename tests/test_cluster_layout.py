@@ -36,8 +36,30 @@ def rel(path: Path) -> str:
 
 @pytest.mark.parametrize("path", [p for p in sources() if rel(p) not in LIFECYCLE_HOMES], ids=rel)
 def test_a_job_summary_is_built_and_written_by_jobrun_only(path):
-    # launch, LocalCluster, psctl mpi and psctl allreduce run one lifecycle (cluster/run/jobrun.py).
+    # launch, LocalCluster, psctl mpi, psctl allreduce and emulated hosts run one lifecycle (cluster/run/jobrun.py).
     assert lifecycle_parts_used(path) == [], f"{rel(path)} builds a job's summary or event log itself: use JobRun"
+
+
+def lifecycle_ends_written(path: Path) -> list[str]:
+    """Where ``path`` ends a job itself: ``X.ended_by(...)``, or ``X.end(...)`` with a summary's fields."""
+    tree = ast.parse(path.read_text())
+    return [f"line {node.lineno}: {ast.unparse(node)[:60]}" for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and (node.func.attr == "ended_by" or (node.func.attr == "end" and node.keywords))]
+
+
+@pytest.mark.parametrize("path", [p for p in sources() if rel(p) != "cluster/run/jobrun.py"], ids=rel)
+def test_a_job_is_ended_by_jobrun_run_only(path):
+    # How a job ends (its status from the exception, children stopped, summary written, folder released) is
+    # JobRun.run's, written once; a backend says what to stop and what to report.
+    assert lifecycle_ends_written(path) == [], f"{rel(path)} ends a job itself: be a Backend of JobRun.run"
+
+
+def test_the_end_check_sees_a_lifecycle_written_again(tmp_path):
+    probe = tmp_path / "launch.py"
+    probe.write_text("try:\n    pass\nexcept Exception as e:\n    jobrun.ended_by(e)\nfinally:\n"
+                     "    jobrun.end(addresses=[], worker_exits={})\nm.end()\n")
+    assert sorted(w.split(":")[0] for w in lifecycle_ends_written(probe)) == ["line 4", "line 6"]
 
 
 def test_the_check_sees_what_it_looks_for(tmp_path):

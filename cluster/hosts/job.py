@@ -9,7 +9,8 @@ host uses it). The token travels in the environment and the job file has it reda
 ``LOCAL_SIZE`` (what ``aggregate = "host"`` groups by).
 
 Every process is started in its own process group and ended by that group, on success, failure
-and interruption alike, before the network is removed.
+and interruption alike, before the network is removed. The job's lifecycle (its event log, summary
+and merged metrics) is cluster/run/jobrun.py's, as under ``psctl launch``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from psgrid.cluster.hosts.network import EmulatedNetwork
 from psgrid.cluster.job import credentials
 from psgrid.cluster.job.config import JobConfig
 from psgrid.cluster.job.records import write_job_file
+from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.procs import Child, child_env, psctl_argv, stop_children
 from psgrid.psserver import files
 from psgrid.psserver.protocol import parse_address_file
@@ -95,25 +97,54 @@ class EmulatedJob:
         self.network = network
         self.out = Path(out)
         self.children: list[Child] = []
+        self.workers: list[Child] = []
+        self.addresses: list[str] = []
+        self.job_file: Path | None = None
+        self.deadline = 0.0
+        self.weights_to: str | Path | None = None
+        self.counted: dict[str, dict] = {}        # the links' byte counters before and after the workers trained
 
     def run(self, timeout_s: float = 120.0, *, weights_to: str | Path | None = None) -> EmulatedResult:
         """Start the shards, then the workers; wait for the workers to end (at most ``timeout_s``); stop all.
 
-        ``weights_to``: save the shards' final weights there (``.npy``), read from inside host 0.
+        ``weights_to``: save the shards' final weights there (``.npy``), read from inside host 0. The
+        lifecycle is cluster/run/jobrun.py's, so ``OUT/summary.json`` and ``OUT/metrics.jsonl`` are
+        written as for any job (``launcher`` is ``emulated``; no evaluation: the hosts' shards are out of
+        this namespace's reach).
         """
-        deadline = time.monotonic() + timeout_s
-        try:
-            job_file = self._write_job()
-            addresses = self._start_shards(job_file, deadline)
-            before = self.network.counters()
-            workers = self._start_workers(job_file, addresses)
-            self._wait(workers, deadline)
-            after = self.network.counters()
-            if weights_to is not None:
-                self._save_weights(job_file, addresses, Path(weights_to), deadline)
-            return self._result(before, after)
-        finally:
-            stop_children(self.children, STOP_GRACE_S)
+        self.deadline = time.monotonic() + timeout_s
+        self.weights_to = weights_to
+        JobRun(self.job, self.out, "emulated").run(self)
+        return self._result(self.counted["before"], self.counted["after"])
+
+    # -- cluster/run/jobrun.py's Backend -----------------------------------------------------
+
+    def start(self, run: JobRun) -> None:
+        self.job_file = self._write_job()
+        self.addresses = self._start_shards(self.job_file, self.deadline)
+        run.event("shards_ready", addresses=self.addresses, pids=[c.pid for c in self.children])
+        self.counted["before"] = self.network.counters()
+        self.workers = self._start_workers(self.job_file, self.addresses)
+        for rank in range(len(self.workers)):
+            run.tail.add(self._metrics_path(rank))
+
+    def follow(self, run: JobRun) -> None:
+        self._wait(self.workers, self.deadline)
+        self.counted["after"] = self.network.counters()
+        run.refresh()
+        return None       # the training time is the workers' own (first step to last end)
+
+    def finish(self, run: JobRun) -> None:
+        if self.weights_to is not None:
+            self._save_weights(self.job_file, self.addresses, Path(self.weights_to), self.deadline)
+
+    def stop(self, run: JobRun) -> None:
+        stop_children(self.children, STOP_GRACE_S)
+
+    def report(self, run: JobRun) -> dict:
+        return {"addresses": self.addresses, "worker_exits": {rank: w.returncode for rank, w in enumerate(self.workers)}}
+
+    # -- the parts ---------------------------------------------------------------------------
 
     def _save_weights(self, job_file: Path, addresses: list[str], path: Path, deadline: float) -> None:
         argv = [sys.executable, "-c", "import sys; from psgrid.cluster.hosts.observe import main; sys.exit(main())",
@@ -160,10 +191,13 @@ class EmulatedJob:
             local = rank - self.worker_hosts.index(host)
             argv = psctl_argv("worker", "--config", str(job_file), "--addresses", ",".join(addresses),
                               "--rank", str(rank), "--world", str(world),
-                              "--metrics", str(self.out / "metrics" / f"worker-{rank}.jsonl"))
+                              "--metrics", str(self._metrics_path(rank)))
             workers.append(self._child(f"worker {rank}", host, argv,
                                        dict(env, LOCAL_RANK=str(local), LOCAL_SIZE=str(per_host[host]))))
         return workers
+
+    def _metrics_path(self, rank: int) -> Path:
+        return self.out / "metrics" / f"worker-{rank}.jsonl"
 
     def _wait(self, workers: list[Child], deadline: float) -> None:
         while any(w.poll() is None for w in workers):
@@ -183,7 +217,7 @@ class EmulatedJob:
     def _result(self, before: dict, after: dict) -> EmulatedResult:
         workers, records, starts, accuracy = [], [], [], None
         for rank in range(len(self.worker_hosts)):
-            lines = (self.out / "metrics" / f"worker-{rank}.jsonl").read_text().splitlines()
+            lines = self._metrics_path(rank).read_text().splitlines()
             events = [json.loads(line) for line in lines if line.strip()]
             workers.append(next(e for e in events if e.get("event") == "done"))
             records.append([e for e in events if e.get("event") == "step"])

@@ -104,27 +104,75 @@ def _run(job: JobConfig, comm, progress: bool | None, quiet: bool) -> int:
     if out is None:
         return 2
     metrics_files = [out / "metrics" / f"worker-{r}.jsonl" for r in range(size)]
-    run = follower = None
-    if rank == 0:
-        # Every rank trains; rank 0 also follows the job and writes its summary (no event log of its own).
-        run = JobRun(job, out, "allreduce", log_events=False)
-        run.start()
-        write_job_file(out, job, "by psctl allreduce")
-        if not quiet:
-            print(f"psctl allreduce: {size} worker(s), no shards; output in {out}", file=sys.stderr, flush=True)
-        follower = ProgressThread(run, metrics_files, progress)
-    exchange, result = _train(job, comm, metrics_files[rank])
-    events = co.MetricsTail([metrics_files[rank]]).read()   # rank 0 may not see this node's files
-    results = comm.gather({"result": result, "events": events}, root=0)
     if rank != 0:
+        _train_and_gather(job, comm, metrics_files[rank])
         return 0
-    follower.close()
-    summary = _summarize(run, exchange, results)
+    # Every rank trains; rank 0 also follows the job and writes its summary (no event log of its own).
+    run = JobRun(job, out, "allreduce", log_events=False)
+    summary = run.run(RankZeroTrains(job, comm, metrics_files, progress, quiet))
     if not quiet:
         print(co.headline(summary), flush=True)
         print(f"psctl allreduce: summary in {out / 'summary.json'}, metrics in {out / 'metrics.jsonl'}",
               file=sys.stderr, flush=True)
     return 0
+
+
+class RankZeroTrains:
+    """``psctl allreduce``'s rank 0 as cluster/run/jobrun.py's Backend: one of the workers, and their coordinator.
+
+    mpiexec started every rank, so starting is writing the job and following the metrics files for the
+    progress bar; rank 0's own training ends when every rank's result is gathered, and the final weights
+    (every rank holds them) are evaluated here. Nothing runs apart from the ranks, so nothing is stopped.
+    """
+
+    def __init__(self, job: JobConfig, comm, metrics_files: list[Path], progress: bool | None, quiet: bool):
+        self.job, self.comm, self.metrics_files = job, comm, metrics_files
+        self.progress, self.quiet = progress, quiet
+        self.follower: ProgressThread | None = None
+        self.exchange = None
+        self.results: list[dict] = []       # every rank's result and events, in rank order
+
+    def start(self, run: JobRun) -> None:
+        write_job_file(run.out, self.job, "by psctl allreduce")
+        if not self.quiet:
+            print(f"psctl allreduce: {self.comm.Get_size()} worker(s), no shards; output in {run.out}",
+                  file=sys.stderr, flush=True)
+        self.follower = ProgressThread(run, self.metrics_files, self.progress)
+
+    def follow(self, run: JobRun) -> None:
+        self.exchange, self.results = _train_and_gather(self.job, self.comm, self.metrics_files[0])
+        self.stop(run)
+        return None       # the training time is the workers' own (first step to last end)
+
+    def finish(self, run: JobRun) -> None:
+        from psgrid.worker.evaluate import evaluate_weights
+
+        run.refresh(events=self.events())
+        for r in self.results:
+            run.state.done[r["result"]["rank"]] = {"event": "done", **r["result"]}
+        run.evaluation = evaluate_weights(run.job.train, self.exchange.host_weights(), version=self.exchange.clock)
+
+    def stop(self, run: JobRun) -> None:
+        if self.follower is not None:
+            self.follower.close()
+            self.follower = None
+
+    def report(self, run: JobRun) -> dict:
+        by_rank = sorted(self.results, key=lambda r: r["result"]["rank"])
+        return {"sources": [self.events()], "addresses": [], "worker_exits": {r: 0 for r in range(len(self.results))},
+                "mode": "allreduce", "shards": 0, "ranks": self.comm.Get_size(),
+                "wait_s_by_worker": [r["result"]["wait_s"] for r in by_rank]}
+
+    def events(self) -> list[dict]:
+        return [e for r in self.results for e in r["events"]]
+
+
+def _train_and_gather(job: JobConfig, comm, metrics: Path):
+    """This rank's training, then every rank's result and events gathered on rank 0 (it may not see this
+    node's files); returns the exchange and, on rank 0, the results (elsewhere None)."""
+    exchange, result = _train(job, comm, metrics)
+    events = co.MetricsTail([metrics]).read()
+    return exchange, comm.gather({"result": result, "events": events}, root=0)
 
 
 def _shared_out(job: JobConfig, comm) -> Path | None:
@@ -165,18 +213,3 @@ def _train(job: JobConfig, comm, metrics: Path):
     result = train_loop(train, exchange, rank, xp, device_name, data, model, str(metrics))
     result["wait_s"] = exchange.wait_s
     return exchange, result
-
-
-def _summarize(run: JobRun, exchange, results: list[dict]) -> dict:
-    """Rank 0: evaluate the final weights, write summary.json and metrics.jsonl from every rank's results."""
-    from psgrid.worker.evaluate import evaluate_weights
-
-    worker_events = [e for r in results for e in r["events"]]
-    run.refresh(events=worker_events)
-    for r in results:
-        run.state.done[r["result"]["rank"]] = {"event": "done", **r["result"]}
-    run.evaluation = evaluate_weights(run.job.train, exchange.host_weights(), version=exchange.clock)
-    by_rank = sorted(results, key=lambda r: r["result"]["rank"])
-    return run.end(sources=[worker_events], addresses=[], worker_exits={r: 0 for r in range(len(results))},
-                   train_wall_s=None, mode="allreduce", shards=0, ranks=len(results),
-                   wait_s_by_worker=[r["result"]["wait_s"] for r in by_rank])

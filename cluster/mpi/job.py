@@ -23,7 +23,6 @@ import os
 import signal
 import socket
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -39,14 +38,14 @@ from psgrid.cluster.job.records import write_job_file
 from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.interrupts import ignore_signals, received_signal, stop_on_signals
-from psgrid.cluster.mpi.comm import POLL_S, abort, wait_request
+from psgrid.cluster.mpi.comm import abort, wait_request
 from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
 from psgrid.cluster.mpi.placement import SERVER, WORKER, Placement, PlacementError, Role, place
+from psgrid.cluster.mpi.rank_zero import TAG_DONE, RankZero
 from psgrid.cluster.run.procs import limit_blas_threads, usable_cpus
 from psgrid.psserver import files
 from psgrid.psserver.protocol import format_address_file
 
-TAG_DONE = 71
 LOOPBACK = "127.0.0.1"
 INTERRUPT_WAIT_S = 20.0
 
@@ -306,35 +305,12 @@ class MPIJob:
 
     def coordinate(self) -> int:
         """Rank 0: follow the job, evaluate, stop the shards, write the summary; returns the exit code."""
-        job, out = self.job, self.out
-        run = JobRun(job, out, "mpi", command=self.command)
-        run.start(launcher="mpi", ranks=self.size)
-        run.event("shards_ready", addresses=self.addresses)
-        model = f" of {self.model}" if self.model else ""      # a script's model is its own
-        print(f"psctl mpi: {self.size} ranks: coordinator on {self.hostname}, {job.shards} shard(s) at "
-              f"{','.join(self.addresses)} applying {job.server.describe_optimizer()}, {job.workers} worker(s)"
-              f"{model}; output in {out}", file=sys.stderr, flush=True)
-        for r in range(job.workers):
-            run.tail.add(out / "metrics" / f"worker-{r}.jsonl")
-        received: dict[int, list[dict]] = {}      # worker rank -> the events it sent with its results
-        train_wall = None
+        out = self.out
+        run = JobRun(self.job, out, "mpi", command=self.command)
         try:
-            train_wall = self.collect_results(run, received)
-            if self.command:
-                user_script.check_completed(run.failures, job.workers)
-            run.finish(self.addresses)
-            if self.command:
-                user_script.check_joined(run.state, run.failures)
-        except KeyboardInterrupt:       # Ctrl-C or SIGTERM: every rank heard it (see stop_interrupted)
-            run.status, run.message = "interrupted", f"stopped by {signal.Signals(received_signal()).name}"
-            raise
-        except Exception as e:      # JobFailed, or evaluation, stats or shutdown failing after training
-            run.ended_by(e)
-        finally:
-            exits = {r: next((f.get("exit_code", 1) for f in run.failures if f["index"] == r), 0) for r in received}
-            events = [e for sent in received.values() for e in sent]
-            summary = run.end(sources=[out / "metrics" / "coordinator.jsonl", events], addresses=self.addresses,
-                              worker_exits=exits, train_wall_s=train_wall, ranks=self.size)
+            summary = run.run(RankZero(self), launcher="mpi", ranks=self.size)
+        except JobFailed:       # the summary says how it ended; KeyboardInterrupt goes on to stop_interrupted
+            summary = None
         if run.status not in ("ok", "failed"):   # a mistake of the user's: every rank ended as it should
             print(f"psctl mpi: {run.message} (status {run.status}; summary in {out / 'summary.json'})",
                   file=sys.stderr, flush=True)
@@ -347,46 +323,6 @@ class MPIJob:
         print(f"psctl mpi: summary in {out / 'summary.json'}, metrics in {out / 'metrics.jsonl'}",
               file=sys.stderr, flush=True)
         return 0
-
-    def collect_results(self, run: JobRun, received: dict[int, list[dict]]) -> float:
-        """Rank 0, while the workers train: their results as they arrive, the progress bar, failures.
-
-        Each worker rank sends its result and its events when done (rank 0 may not see that node's
-        files); ``received`` gathers the events by worker. Returns the training wall time; raises
-        JobFailed when a rank reported a failure or ``timeout_s`` ran out.
-        """
-        from mpi4py import MPI
-
-        job = self.job
-        start, last_done = time.time(), None
-        progress = run.progress(self.progress)
-        try:
-            st = MPI.Status()
-            while len(received) < job.workers:
-                while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG_DONE, status=st):
-                    msg = self.comm.recv(source=st.Get_source(), tag=TAG_DONE)
-                    wrank = self.placement.roles[st.Get_source()].index
-                    received[wrank] = msg["events"]
-                    last_done = time.time()
-                    run.refresh(events=msg["events"])
-                    # a worker rank whose command failed (cluster/run/script.py)
-                    if user_script.record_failure(msg, run.failures, run.event, wrank):
-                        continue
-                    run.state.done.setdefault(wrank, {"event": "done", **msg["result"]})
-                    run.event("worker_exit", rank=wrank, exit_code=0)
-                # ranks that raised and said so before the abort (cluster/mpi/report.py)
-                failed = mpi_report.failures_reported(self.comm)
-                if failed:
-                    run.failures.extend(failed)
-                    raise JobFailed(mpi_report.describe(failed))
-                run.refresh(progress)
-                if job.timeout_s and time.monotonic() - run.t0 > job.timeout_s:
-                    raise JobFailed(f"training did not finish within timeout_s = {job.timeout_s:g} s")
-                time.sleep(POLL_S * 4)
-            progress.update(run.state, [])
-        finally:
-            progress.close()
-        return (last_done or time.time()) - start
 
     def stop_interrupted(self, signum: int) -> int:
         """After Ctrl-C or SIGTERM, which every rank hears: stop this rank's part and end with the others.

@@ -1,21 +1,47 @@
 """One job's lifecycle as its coordinator sees it, whoever starts the processes.
 
 ``psctl launch`` (cluster/run/launch.py), ``psgrid.LocalCluster`` (cluster/run/local.py), ``psctl mpi``'s
-rank 0 (cluster/mpi/job.py) and ``psctl allreduce``'s rank 0 (cluster/mpi/allreduce.py) run a job the
-same way: log its start, follow the workers' events for the progress bar, evaluate and stop the shards,
-log its end, build ``summary.json``, merge ``metrics.jsonl`` and write both. :class:`JobRun` is that
-sequence; each of them keeps only what differs: how the processes start, and how progress arrives.
+rank 0 (cluster/mpi/rank_zero.py), ``psctl allreduce``'s rank 0 (cluster/mpi/allreduce.py) and a job on
+emulated hosts (cluster/hosts/job.py) run a job the same way: log its start, start the children, follow
+the workers to their ends, evaluate and stop the shards; then, however it went, stop what still runs,
+log the end, build ``summary.json``, merge ``metrics.jsonl``, write both and let go of the folder.
+:meth:`JobRun.run` is that sequence, written once; each of them is a :class:`Backend` that says only
+what differs: how its children start, how their ends are awaited, how the job is finished, and what
+its summary reports.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Protocol
 
 from psgrid.cluster.errors import JobFailed
+from psgrid.cluster.job.outdir import release
 from psgrid.cluster.run import coordinator as co
-from psgrid.cluster.run.interrupts import Interrupted
+from psgrid.cluster.run.interrupts import Interrupted, received_signal
+
+
+class Backend(Protocol):
+    """What one way of running a job says of its own; :meth:`JobRun.run` calls it in this order."""
+
+    def start(self, run: JobRun) -> None:
+        """Start the job's children (shards, then workers); returns once they run."""
+
+    def follow(self, run: JobRun) -> float | None:
+        """Wait until the workers have ended, folding their events into ``run``; returns the training wall
+        time (None: the workers' own records give it)."""
+
+    def finish(self, run: JobRun) -> None:
+        """After training: evaluate, read the shards' counters and stop them (most call :meth:`JobRun.finish`)."""
+
+    def stop(self, run: JobRun) -> None:
+        """Stop whatever still runs, however the job ended (bounded by its own timeouts)."""
+
+    def report(self, run: JobRun) -> dict:
+        """The summary's fields of this backend's: ``addresses`` and ``worker_exits``, and ``sources`` or
+        extra fields as :meth:`JobRun.end` takes them."""
 
 
 class JobRun:
@@ -28,7 +54,7 @@ class JobRun:
     out : Path
         Its output folder.
     launcher : str
-        The summary's ``launcher``: ``launch``, ``local``, ``mpi`` or ``allreduce``.
+        The summary's ``launcher``: ``launch``, ``local``, ``mpi``, ``allreduce`` or ``emulated``.
     command : list of str, optional
         The user's command each worker runs instead of the built-in trainer.
     log_events : bool
@@ -49,6 +75,8 @@ class JobRun:
         self.status, self.message = "ok", None
         self.evaluation: dict | None = None
         self.shard_stats: list[dict] = []
+        self.train_wall_s: float | None = None     # as the backend's follow measured it
+        self.final_summary: dict | None = None      # summary.json as :meth:`run` wrote it
         self.t0 = time.monotonic()
 
     # -- while it runs -----------------------------------------------------------------------
@@ -100,9 +128,70 @@ class JobRun:
             self.status, self.message = error.status, str(error)
         elif isinstance(error, Interrupted):
             self.status, self.message = "interrupted", f"stopped by {error}"
+        elif isinstance(error, KeyboardInterrupt):      # an MPI rank's signal (cluster/run/interrupts.py)
+            self.status, self.message = "interrupted", f"stopped by {signal.Signals(received_signal()).name}"
         else:
             # Evaluation, stats or shutdown failing after training: the job did not complete cleanly.
             self.status, self.message = "failed", f"{type(error).__name__}: {error}"
+
+    # -- the whole job -----------------------------------------------------------------------
+
+    def run(self, backend: Backend, **start_fields) -> dict:
+        """The whole job through ``backend``: start, follow, finish, then end however it went.
+
+        ``start_fields`` go to the ``job_start`` event. Returns the summary.
+
+        Raises
+        ------
+        JobFailed, Interrupted, KeyboardInterrupt
+            What ended the job, once its summary is written; any other exception is a JobFailed whose
+            message is the summary's.
+        """
+        self.start(**start_fields)
+        return self._until_end(backend, [lambda: backend.start(self), lambda: self._follow(backend),
+                                         lambda: backend.finish(self)], end=True)
+
+    def begin(self, backend: Backend, **start_fields) -> None:
+        """:meth:`run`'s start alone (a start that fails ends the job, as in :meth:`run`).
+
+        ``psgrid.LocalCluster`` begins when it is made and concludes when it is closed.
+        """
+        self.start(**start_fields)
+        self._until_end(backend, [lambda: backend.start(self)], end=False)
+
+    def conclude(self, backend: Backend) -> dict:
+        """:meth:`run` after its start: follow, finish, end. Returns the summary."""
+        return self._until_end(backend, [lambda: self._follow(backend), lambda: backend.finish(self)], end=True)
+
+    def _follow(self, backend: Backend) -> None:
+        self.train_wall_s = backend.follow(self)
+
+    def _until_end(self, backend: Backend, steps: list, *, end: bool) -> dict | None:
+        """Take ``steps``; the job ends after them if ``end``, and at once if one raises (which is raised on).
+
+        The end is in ``finally``: a signal that lands anywhere in between still stops the children.
+        """
+        failed = True
+        try:
+            for step in steps:
+                step()
+            failed = False
+        except BaseException as e:
+            self.ended_by(e)
+            if isinstance(e, Exception) and not isinstance(e, (JobFailed, Interrupted)):
+                raise JobFailed(self.message) from e
+            raise
+        finally:
+            if end or failed:
+                self._end_with(backend)
+        return self.final_summary
+
+    def _end_with(self, backend: Backend) -> None:
+        try:
+            backend.stop(self)
+        finally:
+            self.final_summary = self.end(train_wall_s=self.train_wall_s, **backend.report(self))
+            release(self.out)       # the job is over: the folder may be taken again
 
     # -- at the end --------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from psgrid.cluster.run.interrupts import (Interrupted, check_interrupted, defer
                                         listen_for_interrupts)
 from psgrid.cluster.job.memory import footprint
 from psgrid.cluster.job.shard_device import mps_note, with_shard_device
-from psgrid.cluster.job.outdir import lock, release
+from psgrid.cluster.job.outdir import lock
 from psgrid.cluster.job.records import signals_held, write_job_file
 from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
@@ -191,8 +191,11 @@ class Launcher:
         if self.command and self.relays:
             self.relay = user_script.OutputRelay({rank: w.log_path for rank, w in enumerate(self.workers)})
 
-    def follow(self) -> float:
-        """Wait for every worker to end, feeding the progress bar; returns the training wall time."""
+    def follow(self, run: JobRun | None = None) -> float:
+        """Wait for every worker to end, feeding the progress bar; returns the training wall time.
+
+        ``run`` is this launcher's own :class:`JobRun` (the Backend's signature); None says the same.
+        """
         job = self.job
         start = time.monotonic()
         progress = self.bar or self.jobrun.progress(self.progress_enabled)
@@ -336,48 +339,53 @@ class Launcher:
         """Every shard's counters as last read while the job trained (none read: [])."""
         return [co.shard_summary(s) for s in self.watch.last_stats] if self.watch is not None else []
 
-    # -- the whole job -----------------------------------------------------------------------
+    # -- the whole job, as cluster/run/jobrun.py's Backend -------------------------------------
 
     def run(self) -> dict:
-        job, jobrun = self.job, self.jobrun
-        jobrun.start()
-        train_wall = None
-        try:
-            check_interrupted()      # a Ctrl-C heard before the launcher listened (cluster/run/interrupts.py)
-            self.start_shards()
-            if not self.quiet:
-                model = "" if self.command else f" of {footprint(job).describe()}"     # a script's model is its own
-                metrics = f" (metrics on {','.join(self.metrics_at)})" if self.metrics_at else ""
-                placed = " (shard i in worker i's process: shard_placement = worker)" if self.hosting else ""
-                print(f"psctl launch: {job.shards} {job.server.shard_device.upper()} shard(s) at "
-                      f"{','.join(self.addresses)}{metrics}{placed} applying "
-                      f"{job.server.describe_optimizer()}; starting {job.workers} worker(s){model}; logs in "
-                      f"{self.out / 'logs'}", file=sys.stderr, flush=True)
-                note = mps_note(job)
-                if note:
-                    print(f"psctl launch: {note}", file=sys.stderr, flush=True)
-            self.start_workers()
-            train_wall = self.follow()
-            self.stop_watching()
-            jobrun.finish(self.addresses)
-            if self.command:
-                user_script.check_joined(self.state, self.failures)
-            self.wait_shards()
-        except (JobFailed, Interrupted) as e:
-            jobrun.ended_by(e)
-            raise
-        except Exception as e:
-            jobrun.ended_by(e)
-            raise JobFailed(jobrun.message) from e
-        finally:
-            ignore_signals()
-            self.stop_all()
-            if not jobrun.shard_stats:      # stopped or failed: the counters last seen
-                jobrun.shard_stats = self.last_shard_stats()
-            summary = jobrun.end(addresses=self.addresses, worker_exits=self.worker_exits(), train_wall_s=train_wall,
-                                 restarts=self.restarts, resumed=self.resumed)
-            release(self.out)       # the job is over: the folder may be taken again
-        return summary
+        """The whole job (cluster/run/jobrun.py); returns the summary or raises JobFailed / Interrupted."""
+        return self.jobrun.run(self)
+
+    def start(self, run: JobRun) -> None:
+        check_interrupted()      # a Ctrl-C heard before the launcher listened (cluster/run/interrupts.py)
+        self.start_shards()
+        if not self.quiet:
+            self.announce()
+        self.start_workers()
+
+    def announce(self) -> None:
+        """One line for the terminal: the shards, where, what they apply, the workers and their model."""
+        job = self.job
+        model = "" if self.command else f" of {footprint(job).describe()}"     # a script's model is its own
+        metrics = f" (metrics on {','.join(self.metrics_at)})" if self.metrics_at else ""
+        placed = " (shard i in worker i's process: shard_placement = worker)" if self.hosting else ""
+        print(f"psctl launch: {job.shards} {job.server.shard_device.upper()} shard(s) at "
+              f"{','.join(self.addresses)}{metrics}{placed} applying "
+              f"{job.server.describe_optimizer()}; starting {job.workers} worker(s){model}; logs in "
+              f"{self.out / 'logs'}", file=sys.stderr, flush=True)
+        note = mps_note(job)
+        if note:
+            print(f"psctl launch: {note}", file=sys.stderr, flush=True)
+
+    def finish(self, run: JobRun) -> None:
+        self.stop_watching()
+        run.finish(self.addresses)
+        if self.command:
+            user_script.check_joined(self.state, self.failures)
+        self.wait_shards()
+
+    def stop(self, run: JobRun) -> None:
+        ignore_signals()
+        self.stop_all()
+        self.keep_last_shard_stats(run)
+
+    def keep_last_shard_stats(self, run: JobRun) -> None:
+        """A job stopped or failed before its shards were read at the end: their counters as last seen."""
+        if not run.shard_stats:
+            run.shard_stats = self.last_shard_stats()
+
+    def report(self, run: JobRun) -> dict:
+        return {"addresses": self.addresses, "worker_exits": self.worker_exits(), "restarts": self.restarts,
+                "resumed": self.resumed}
 
 
 def _indent(text: str) -> str:

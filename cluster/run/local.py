@@ -33,6 +33,7 @@ from psgrid.cluster.run import script as user_script
 from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
 from psgrid.cluster.errors import ConfigError
 from psgrid.cluster.run.hosting import check_placement
+from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.launch import Launcher, prepare_out
 from psgrid.cluster.run.preflight import check_shard_device
 from psgrid.cluster.job.outdir import release
@@ -88,20 +89,12 @@ class LocalCluster:
                                   bar=None if progress else _NoBar())
         self._run = self._launcher.jobrun      # its events, the workers' progress, its summary
         self.job = self._launcher.job          # with its token and job id
-        self._background = workers
-        self._thread: threading.Thread | None = None
-        self._outcome: dict = {}
+        self._job = LocalJob(self._launcher, workers)
         self._summary: dict | None = None
-        launcher = self._launcher
         # Stops the processes of a cluster nobody closed, when it is collected or at interpreter exit.
-        self._finalizer = weakref.finalize(self, _stop, launcher, out_dir, self._temporary)
-        self._run.start(launcher="local")
+        self._finalizer = weakref.finalize(self, _stop, self._launcher, out_dir, self._temporary)
         try:
-            launcher.start_shards()
-            if workers:
-                launcher.start_workers()
-                self._thread = threading.Thread(target=self._follow, name="psgrid-local-cluster", daemon=True)
-                self._thread.start()
+            self._run.begin(self._job, launcher="local")     # the rest of the lifecycle when it is closed
         except BaseException:
             self._finalizer()
             raise
@@ -147,12 +140,13 @@ class LocalCluster:
 
     def wait(self, timeout: float | None = None) -> None:
         """Until the background workers are done (none: at once); raises JobFailed if none completed."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
+        thread, outcome = self._job.thread, self._job.outcome
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
                 raise TimeoutError(f"the workers are still training after {timeout} s")
-        if "error" in self._outcome:
-            raise self._outcome["error"]
+        if "error" in outcome:
+            raise outcome["error"]
 
     def summary(self) -> dict:
         """What summary.json says: the final one once closed, else the job so far (``status`` "running")."""
@@ -171,30 +165,15 @@ class LocalCluster:
         """:meth:`close`; ``error`` ended the ``with`` block, and so the job (interrupted or failed)."""
         if self._summary is not None:
             return self._summary
-        launcher, run = self._launcher, self._run
+        run = self._run
         if isinstance(error, KeyboardInterrupt):
             run.status, run.message = "interrupted", "KeyboardInterrupt inside the with block"
         elif error is not None:
             run.status, run.message = "failed", f"{type(error).__name__} inside the with block: {error}"
         try:
-            if self._thread is not None and self._thread.is_alive():
-                if run.status == "ok":
-                    run.status, run.message = "interrupted", "closed while its workers were training"
-                launcher.stop_workers()
-                self._thread.join(30)
-            if "error" in self._outcome and run.status == "ok":
-                run.status, run.message = "failed", str(self._outcome["error"])
-            launcher.stop_watching()
-            run.refresh()
-            # Without background workers the program's own sessions trained: their evaluations are the job's.
-            run.finish(self.addresses, evaluate=run.status == "ok", workers_evaluate=not self._background)
-            launcher.wait_shards()
-        except Exception as exc:
-            run.ended_by(exc)
-            raise
+            run.conclude(self._job)
         finally:
-            launcher.stop_all()
-            self._summary = run.end(**self._summary_fields())
+            self._summary = run.final_summary
             self._finalizer()
         if error is not None:
             kept = "" if self._temporary else f"; summary in {self.out / 'summary.json'}"
@@ -214,24 +193,64 @@ class LocalCluster:
 
     # ----- helpers ----------------------------------------------------------------------------------
 
-    def _follow(self) -> None:
-        try:
-            self._outcome["train_wall_s"] = self._launcher.follow()
-        except Exception as exc:  # noqa: BLE001 - handed to wait() and close()
-            self._outcome["error"] = exc
-
     def _stats_or_none(self) -> list[dict]:
         try:
             return [co.shard_summary(s) for s in self.stats()]
         except Exception:  # noqa: BLE001 - a live summary without counters is still a summary
             return []
 
-    def _summary_fields(self) -> dict:
-        return {"addresses": self.addresses, "worker_exits": self._launcher.worker_exits(),
-                "train_wall_s": self._outcome.get("train_wall_s")}
-
     def _build(self, **fields) -> dict:
-        return self._run.summary(**self._summary_fields(), **fields)
+        return self._run.summary(**self._job.report(self._run), train_wall_s=self._job.outcome.get("train_wall_s"),
+                                 **fields)
+
+
+class LocalJob:
+    """A LocalCluster's job as cluster/run/jobrun.py's Backend: the launcher's shards and background workers,
+    whose ends are awaited when the cluster is closed (a thread follows them meanwhile)."""
+
+    def __init__(self, launcher: Launcher, workers: int):
+        self.launcher = launcher
+        self.background = workers       # workers started here (0: the program's own sessions are the workers)
+        self.thread: threading.Thread | None = None
+        self.outcome: dict = {}         # the background workers' training wall time, or the error that ended them
+
+    def start(self, run: JobRun) -> None:
+        self.launcher.start_shards()
+        if self.background:
+            self.launcher.start_workers()
+            self.thread = threading.Thread(target=self._follow_workers, name="psgrid-local-cluster", daemon=True)
+            self.thread.start()
+
+    def _follow_workers(self) -> None:
+        try:
+            self.outcome["train_wall_s"] = self.launcher.follow()
+        except Exception as exc:  # noqa: BLE001 - handed to wait() and close()
+            self.outcome["error"] = exc
+
+    def follow(self, run: JobRun) -> float | None:
+        """At close: the background workers' end; those still training are stopped (the job was closed)."""
+        if self.thread is not None and self.thread.is_alive():
+            if run.status == "ok":
+                run.status, run.message = "interrupted", "closed while its workers were training"
+            self.launcher.stop_workers()
+            self.thread.join(30)
+        if "error" in self.outcome and run.status == "ok":
+            run.status, run.message = "failed", str(self.outcome["error"])
+        return self.outcome.get("train_wall_s")
+
+    def finish(self, run: JobRun) -> None:
+        self.launcher.stop_watching()
+        run.refresh()
+        # Without background workers the program's own sessions trained: their evaluations are the job's.
+        run.finish(self.launcher.addresses, evaluate=run.status == "ok", workers_evaluate=not self.background)
+        self.launcher.wait_shards()
+
+    def stop(self, run: JobRun) -> None:
+        self.launcher.stop_all()
+        self.launcher.keep_last_shard_stats(run)
+
+    def report(self, run: JobRun) -> dict:
+        return {"addresses": list(self.launcher.addresses), "worker_exits": self.launcher.worker_exits()}
 
 
 def _with_settings(job: JobConfig, settings: dict) -> JobConfig:
