@@ -59,6 +59,11 @@ REASON_KEY = "ps-reason"
 # A consistency wait answers this long before the caller's deadline, so the caller reads the
 # DEADLINE_EXCEEDED reply instead of timing out on its own.
 REPLY_MARGIN_S = 0.05
+# The marks table a shard's weight ring shares with readers on its host (state/weight_ring.py): one
+# little-endian int64 per reader slot, the index of the buffer the shard handed that slot, or one of these.
+MARK_BYTES = 8
+NO_MARK = -1         # its reader holds nothing (written by the reader once its copy is done)
+REVOKED = -2         # the shard took the buffer back before the reader was done: its copy may be torn, read again
 
 
 @dataclass(frozen=True)

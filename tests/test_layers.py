@@ -37,6 +37,7 @@ WORKER_MAY_USE = ("psgrid.psserver.client", "psgrid.psserver.kernels", "psgrid.p
                   "psgrid.psserver.protocol",    # the vocabulary both ends speak: Outcome, PushResult, planes, sizes
                   "psgrid.psserver.dtypes",      # the all-reduce baseline rounds its gradients as a push's dtype does
                   "psgrid.psserver.config",      # ... and applies a shard's optimizer with a shard's settings
+                  "psgrid.psserver.settings",    # the [train] keys are declared in the one schema of every setting
                   "psgrid.psserver.security",    # the job's token, which a worker reads and hands to its client
                   "psgrid.psserver.files",       # metrics files created owner-only, as every file psgrid writes
                   "psgrid.psserver.lifeline",    # a script stops when its launcher is gone, as psctl's children do
@@ -142,6 +143,17 @@ def test_the_client_side_rule_sees_the_client_folder():
 def test_the_shard_side_knows_nothing_of_workers_or_jobs(path):
     upward = {m for m in imports(path) if m.startswith(("psgrid.worker", "psgrid.cluster"))}
     assert not upward, f"{rel(path)} imports {sorted(upward)}: psserver knows nothing of models, GPUs or jobs"
+
+
+# What a shard's state and its update maths stand below: the data path, the planes, the client.
+ABOVE_THE_STATE = ("psgrid.psserver.transports", "psgrid.psserver.client", "psgrid.psserver.service",
+                   "psgrid.psserver.server", "psgrid.psserver.intake", "psgrid.psserver.metrics")
+
+
+@pytest.mark.parametrize("path", sources("psserver/state", "psserver/kernels"), ids=rel)
+def test_a_shards_state_and_update_maths_import_nothing_above_them(path):
+    upward = {m for m in imports(path) if within(m, ABOVE_THE_STATE)}
+    assert not upward, f"{rel(path)} imports {sorted(upward)}: state/ and kernels/ sit below the data path"
 
 
 @pytest.mark.parametrize("path", sources("worker"), ids=rel)

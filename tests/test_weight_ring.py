@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from psgrid.psserver import shared_memory
-from psgrid.psserver.transports.stream_frames import NO_MARK, REVOKED
+from psgrid.psserver.protocol import NO_MARK, REVOKED
 from psgrid.psserver.state.weight_ring import MAX_SHARED_READERS, MAX_VERSIONS, NOT_GIVEN, WeightRing
 
 

@@ -21,7 +21,7 @@ buffer it handed out is still held: a slot holds buffer ``i`` when the shard gav
 slot still says ``i``; anything else in it (garbage, another slot's index) holds nothing. And a
 reader may hold on for ever, so the ring has at most :data:`MAX_VERSIONS` buffers: an update
 that finds none spare at that size takes back the buffer handed out longest ago, writing
-:data:`~psgrid.psserver.transports.stream_frames.REVOKED` into the slots that hold it first. A reader checks its slot once its copy is
+:data:`~psgrid.psserver.protocol.REVOKED` into the slots that hold it first. A reader checks its slot once its copy is
 done: a slot that no longer names its buffer means the copy may be torn, and the reader reads
 again (shm_client.py). The shard's store of REVOKED precedes its writes to the buffer, the
 reader's loads of the buffer precede its load of the slot, and x86 keeps both orders: a reader
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from psgrid.psserver.transports.stream_frames import NO_MARK, REVOKED
+from psgrid.psserver.protocol import NO_MARK, REVOKED
 from psgrid.psserver.shared_memory import READ_ONLY_TO_OTHERS, SharedArray
 
 MAX_SHARED_READERS = 256     # slots in the table of marks: connections of the shared-memory plane at once

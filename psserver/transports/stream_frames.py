@@ -65,6 +65,9 @@ import struct
 import time
 from typing import NamedTuple
 
+# The marks table's layout and values are the contract's (protocol.py): the shard's weight ring writes them too.
+from psgrid.psserver.protocol import MARK_BYTES, NO_MARK, REVOKED  # noqa: F401
+
 MAGIC = b"PST2"
 HELLO, PULL, PUSH = 1, 2, 3
 OPEN, MAP, ATTACH = 4, 5, 6          # the shared-memory plane's own operations
@@ -79,11 +82,6 @@ HANDSHAKE_S = 3.0                          # time a new connection has for its T
 # A header's fields as its named view: the layout fixed their number, so NamedTuple's check is skipped
 # (this is on every request's path).
 _named = tuple.__new__
-
-# ----- the marks table ---------------------------------------------------------------------------
-MARK_BYTES = 8       # one little-endian int64 per reader slot
-NO_MARK = -1         # its reader holds nothing (written by the reader once its copy is done)
-REVOKED = -2         # the shard took the buffer back before the reader was done: its copy may be torn, read again
 
 
 # ----- requests ----------------------------------------------------------------------------------
