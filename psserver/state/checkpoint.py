@@ -1,4 +1,6 @@
-"""Atomic shard checkpoints: write to a temp file, fsync, rename, manifest last.
+"""Checkpoint files on disk, written atomically: a temp file, fsync, rename, the manifest last.
+
+When a shard takes one and what it holds is shard_checkpoints.py's; this module is the files alone.
 
 A reader trusts only the manifest: a crash at any point leaves either the old
 checkpoint or the new one complete, never a torn file that looks valid. What a crash

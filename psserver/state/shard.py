@@ -9,7 +9,7 @@ and calls these methods with validated values.
 version, updater and pools, the counters) and the rules every call shares (is the shard serving, is
 a worker live). Each concept is a part of its own, holding its own state: ``members``
 (membership.py: joining, leases, evictions), ``snapshots`` (snapshots.py: pulls), ``pushes``
-(pushes.py: sync rounds and updates), ``checkpoints`` (checkpointing.py: capture, write, restore)
+(pushes.py: sync rounds and updates), ``checkpoints`` (shard_checkpoints.py: capture, write, restore)
 and ``claims`` (claims.py: what a push may claim after a restart). The shard's public methods are
 the calls service.py makes, each handed to its part.
 """
@@ -32,7 +32,7 @@ from psgrid.psserver.sharding import shard_range
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.state import checkpoint
 from psgrid.psserver.state.buffers import BufferPool
-from psgrid.psserver.state.checkpointing import Checkpoints
+from psgrid.psserver.state.shard_checkpoints import Checkpoints
 from psgrid.psserver.state.claims import Claims
 from psgrid.psserver.state.counters import Counters
 from psgrid.psserver.state.device import shard_arrays

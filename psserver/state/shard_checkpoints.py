@@ -1,4 +1,4 @@
-"""A shard's checkpoints: captured under its lock, written outside it, restored at start.
+"""A shard's checkpoints: when one is due, captured under its lock, written outside it, restored at start.
 
 A part of :class:`~psgrid.psserver.state.shard.Shard`; the file format (atomic writes, the
 manifest) is :mod:`~psgrid.psserver.state.checkpoint`'s. State is copied under ``cond``
