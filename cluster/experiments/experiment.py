@@ -174,9 +174,10 @@ def mode_defaults(modes: list[Mode], job) -> dict[str, Settings]:
     """What a mode runs with unless told otherwise (--mode-set MODE:KEY=VALUE, or --set KEY=VALUE for all).
 
     async: ``async_momentum=auto`` where the shards' SGD has momentum. Asynchrony adds momentum of its own
-    (about 1 - 1/W with W workers, Mitliagkas et al. 2016), so the job's momentum 0.9 on top overshoots:
-    the built-in MNIST job at 4 workers ended async runs at 0.49 to 0.77 test accuracy with it off, and at
-    0.89 to 0.91 with it on (docs/experiments/mnist-mode-defaults), against sync's 0.92.
+    (about 1 - 1/W with W workers, Mitliagkas et al. 2016), so the job's momentum 0.9 on top overshoots.
+    The built-in MNIST job at 4 workers, 10 seeds on a busy 2-core machine, ended async at 0.817 to 0.930
+    with it off and 0.864 to 0.916 with it on, sync at 0.907 to 0.921 (docs/experiments/mnist-mode-defaults;
+    on a quiet machine, 5 runs: 0.49 to 0.77 off, 0.89 to 0.91 on).
     """
     server = job.server
     if server.optimizer != "sgd" or not server.momentum or server.async_momentum != "off":

@@ -90,6 +90,7 @@ class Spread:
     ci: tuple[float, float] | None = None
     of: int = 0
     varied: bool = False          # every repeat had its own seed
+    censored: bool = False        # a time to target: a run without one never reached it
 
     @property
     def no_interval(self) -> str | None:
@@ -97,7 +98,7 @@ class Spread:
         if self.ci is not None:
             return None
         if self.of and self.n < self.of:
-            return f"only {self.n} of {self.of} runs have it"
+            return f"only {self.n} of {self.of} runs {'reached it' if self.censored else 'have it'}"
         if not self.varied and self.n > 1:
             return "its repeats ran with the same seed"
         return f"fewer than {MIN_REPEATS} repeats"
@@ -118,7 +119,8 @@ def spread(rows: Iterable[dict], key: str) -> Spread:
         median = median if math.isfinite(median) else None
     whole = len(values) == len(rows)
     ci = bootstrap_interval(values) if len(values) >= MIN_REPEATS and varied and whole else None
-    return Spread(median, min(values), max(values), len(values), ci, of=len(rows), varied=varied)
+    return Spread(median, min(values), max(values), len(values), ci, of=len(rows), varied=varied,
+                  censored=key in CENSORED)
 
 
 def bootstrap_interval(values: list[float], resamples: int = RESAMPLES, seed: int = SEED,

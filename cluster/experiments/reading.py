@@ -343,7 +343,13 @@ def _accuracy(ok: list[dict], group: Group, modes: list[str]) -> str | None:
     text = f"Final test accuracy, {group_title(group)}: " + join([f"{m} {acc(a)}" for m, a in finals.items()])
     if len(finals) > 1:
         best, worst = max(finals, key=finals.get), min(finals, key=finals.get)
-        if finals[best] - finals[worst] < SAME_ACCURACY:
+        shaky = [m for m in finals if any(v.label != stability.STABLE
+                                          for v in stability.verdicts(rows_of(ok, group, m)).values())]
+        if finals[best] - finals[worst] < SAME_ACCURACY and shaky:
+            # Equal medians of a mode that trains unstably say nothing about what its worst runs cost.
+            text += (f"; the medians are within {SAME_ACCURACY} of each other, but {join(shaky)} trained unstably "
+                     f"(see above): the median hides its worst runs")
+        elif finals[best] - finals[worst] < SAME_ACCURACY:
             text += f"; all within {SAME_ACCURACY} of each other, so staleness cost no visible accuracy here"
         else:
             text += f"; {worst} ended {acc(finals[best] - finals[worst])} below {best}"

@@ -155,7 +155,9 @@ def _metric_cells(runs: list[dict], with_range: bool) -> list[str]:
     cells = []
     for key, _, fmt in METRICS:
         s = spread(runs, key)
-        if not with_range and key not in INTERVAL_METRICS:
+        if with_range:          # the per-mode tables: the range of the repeats, always
+            s = Spread(s.median, s.low, s.high, s.n)
+        elif key not in INTERVAL_METRICS:
             s = Spread(s.median, s.median, s.median, s.n)
         cell = _cell(s, fmt)
         if key == "time_to_target_s" and runs and s.n < len(runs):
@@ -351,7 +353,7 @@ def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]] |
                          "a worker spent blocked waiting for the others."),
                summary_table(ok, settings) if ok else Paragraph("No run finished."),
                Heading("Per mode"),
-               Paragraph("Median [min..max] over the repeats that finished.")]
+               Paragraph("Median [min..max] over the repeats that finished or diverged.")]
     for mode in modes_of(ok, settings):
         if any(r["mode"] == mode for r in ok):
             blocks += [Heading(mode, 3), mode_table(ok, settings, mode)]
