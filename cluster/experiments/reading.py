@@ -123,7 +123,7 @@ def _diverged(ok: list[dict]) -> str | None:
         settings = runs[0].get("settings")
         parts.append(f"{key[0]} in {n} of {len(runs)} run{'s' if len(runs) != 1 else ''} "
                      f"({group_title((key[1], key[2]))}{', ' + settings if settings else ''})")
-    return (f"Diverged: {join(parts)}. Its loss grew, its loss or weights turned non-finite (the shards then refuse "
+    return (f"Diverged: {join(parts)}. A diverged run's loss grew, its loss or weights turned non-finite (the shards then refuse "
             f"the non-finite push and the workers stop), or its test accuracy fell to chance, so its numbers describe "
             f"a training that failed rather than its mode, and it did not set the target. "
             f"To try: a lower learning rate (--set lr=..., or for one mode --mode-set MODE:lr=...), each mode at its "

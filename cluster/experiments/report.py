@@ -200,7 +200,8 @@ def mode_table(ok: list[dict], settings: dict, mode: str) -> Table:
 def _target_text(settings: dict) -> str:
     target = settings.get("target_accuracy")
     if target is None:
-        return "Target test accuracy: none (no finished run recorded an evaluation), so no time to target."
+        return ("Target test accuracy: none (no run that finished without diverging recorded a final test accuracy), "
+                "so no time to target.")
     how = rule_text(settings.get("target_source") or "auto")
     return (f"Target test accuracy: {acc(target)}, {how}. Time to target counts from the run's start; a run that "
             f"never reached it is counted as 'k of n reached', and a median is given only where more than half "
@@ -382,9 +383,11 @@ def _seeds_text(settings: dict) -> str:
     if len(set(seeds)) == 1:
         return (f"Seeds: every repeat ran with seed {seeds[0]} (pinned with --seeds), so repeats differ only by "
                 f"timing and no interval is drawn from them.")
+    what = ("the job file's [train] seed: the straggler draws follow it, and your script's own data order and "
+            "initial weights only where it reads that seed" if settings.get("script")
+            else "data order, initial weights and straggler draws")
     return (f"Seeds: repeats {', '.join(map(str, range(len(seeds))))} of every mode ran with seeds "
-            f"{', '.join(map(str, seeds))} (data order, initial weights and straggler draws); each run's seed is in "
-            f"summary.csv.")
+            f"{', '.join(map(str, seeds))} ({what}); each run's seed is in summary.csv.")
 
 
 def write_report(out: Path, settings: dict, rows: list[dict], events: dict[str, list[dict]],
