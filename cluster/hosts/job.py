@@ -142,7 +142,8 @@ class EmulatedJob:
         stop_children(self.children, STOP_GRACE_S)
 
     def report(self, run: JobRun) -> dict:
-        return {"addresses": self.addresses, "worker_exits": {rank: w.returncode for rank, w in enumerate(self.workers)}}
+        exits = {rank: w.returncode for rank, w in enumerate(self.workers)}
+        return {"addresses": self.addresses, "worker_exits": exits}
 
     # -- the parts ---------------------------------------------------------------------------
 

@@ -89,12 +89,12 @@ class LocalCluster:
                                   bar=None if progress else _NoBar())
         self._run = self._launcher.jobrun      # its events, the workers' progress, its summary
         self.job = self._launcher.job          # with its token and job id
-        self._job = LocalJob(self._launcher, workers)
+        self._backend = LocalJob(self._launcher, workers)
         self._summary: dict | None = None
         # Stops the processes of a cluster nobody closed, when it is collected or at interpreter exit.
         self._finalizer = weakref.finalize(self, _stop, self._launcher, out_dir, self._temporary)
         try:
-            self._run.begin(self._job, launcher="local")     # the rest of the lifecycle when it is closed
+            self._run.begin(self._backend, launcher="local")     # the rest of the lifecycle when it is closed
         except BaseException:
             self._finalizer()
             raise
@@ -140,7 +140,7 @@ class LocalCluster:
 
     def wait(self, timeout: float | None = None) -> None:
         """Until the background workers are done (none: at once); raises JobFailed if none completed."""
-        thread, outcome = self._job.thread, self._job.outcome
+        thread, outcome = self._backend.thread, self._backend.outcome
         if thread is not None:
             thread.join(timeout)
             if thread.is_alive():
@@ -171,7 +171,7 @@ class LocalCluster:
         elif error is not None:
             run.status, run.message = "failed", f"{type(error).__name__} inside the with block: {error}"
         try:
-            run.conclude(self._job)
+            run.conclude(self._backend)
         finally:
             self._summary = run.final_summary
             self._finalizer()
@@ -200,8 +200,9 @@ class LocalCluster:
             return []
 
     def _build(self, **fields) -> dict:
-        return self._run.summary(**self._job.report(self._run), train_wall_s=self._job.outcome.get("train_wall_s"),
-                                 **fields)
+        backend = self._backend
+        wall = backend.outcome.get("train_wall_s")
+        return self._run.summary(**backend.report(self._run), train_wall_s=wall, **fields)
 
 
 class LocalJob:
