@@ -379,7 +379,10 @@ def accuracy_vs_progress(plot_dir: Path, rows: list[dict], events: dict, setting
 
 
 def sensitivity(plot_dir: Path, tune_rows: list[dict], settings: dict) -> Path | None:
-    """Tuning: each grid point's time to target and final accuracy, one line per mode (first group)."""
+    """Tuning: each grid point's median time to target and final accuracy over its runs, a line per mode
+    (first group); x marks a point where a run diverged."""
+    from psgrid.cluster.experiments.tuning import grid_point
+
     ok = finished(tune_rows)
     if not ok:
         return None
@@ -387,17 +390,18 @@ def sensitivity(plot_dir: Path, tune_rows: list[dict], settings: dict) -> Path |
     in_group = [r for r in ok if (r["workers"], r["stragglers"]) == group]
     modes = modes_of(in_group, settings)
     colour = dict(zip(modes, COLOURS * (1 + len(modes) // len(COLOURS))))
-    points = list(dict.fromkeys(r.get("settings") or "job's" for r in in_group))
+    grid = settings.get("tune") or {}
+    points = list(dict.fromkeys(grid_point(r, grid) for r in in_group))
     fig, axes = _grid(2, 2, 6.0, 4.0)
     for ax, key, label in zip(axes, ("time_to_target_s", "final_test_accuracy"),
-                              ("seconds to the tuning target", "final test accuracy")):
+                              ("median seconds to the tuning target", "median final test accuracy")):
         for m in modes:
-            by_point = {r.get("settings") or "job's": r for r in in_group if r["mode"] == m}
-            xs = [i for i, p in enumerate(points) if p in by_point and _number(by_point[p].get(key))]
-            ax.plot(xs, [by_point[points[i]][key] for i in xs], color=colour[m], marker="o", lw=1.5)
-            bad = [i for i, p in enumerate(points) if p in by_point and by_point[p].get("diverged")
-                   and _number(by_point[p].get(key))]
-            ax.plot(bad, [by_point[points[i]][key] for i in bad], ls="none", marker="x", ms=10, color="k")
+            runs = {p: [r for r in in_group if r["mode"] == m and grid_point(r, grid) == p] for p in points}
+            medians = {p: spread(rs, key).median for p, rs in runs.items() if rs}
+            xs = [i for i, p in enumerate(points) if medians.get(p) is not None]
+            ax.plot(xs, [medians[points[i]] for i in xs], color=colour[m], marker="o", lw=1.5)
+            bad = [i for i in xs if any(r.get("diverged") for r in runs[points[i]])]
+            ax.plot(bad, [medians[points[i]] for i in bad], ls="none", marker="x", ms=10, color="k")
         ax.set_xticks(range(len(points)), points, rotation=30, ha="right", fontsize=8)
         ax.set(ylabel=label)
         ax.grid(alpha=0.3)
@@ -423,7 +427,8 @@ PLOTS = (
                "the others), computing, the injected straggler delay and pushing."),
     (scaling, "Throughput and time to target against the number of workers; the dashed line is perfect scaling."),
 )
-SENSITIVITY = "Tuning: time to the tuning target and final test accuracy of each mode at each grid point (x: diverged)."
+SENSITIVITY = ("Tuning: median time to the tuning target and median final test accuracy of each mode at each grid "
+               "point, over its tuning runs (x: a run there diverged).")
 
 
 def write_plots(plot_dir: Path, rows: list[dict], events: dict, settings: dict,

@@ -24,6 +24,7 @@ from psgrid.cluster.experiments.grouping import (MIN_REPEATS, Spread, acc, finis
                                                  rows_of, secs, sig, spread)
 from psgrid.cluster.experiments.reading import reading
 from psgrid.cluster.experiments.target import rule_text
+from psgrid.cluster.experiments.tuning import grid_point
 from psgrid.psserver import files
 
 # matplotlib is an extra (psgrid[plots]): without it the report is written without its plots.
@@ -246,12 +247,12 @@ def tuning_blocks(t: Tuning, settings: dict) -> list:
                          "final test accuracy"], chosen_rows))
     for g in dict.fromkeys((r["workers"], r["stragglers"]) for r in t.rows):
         modes = list(dict.fromkeys(r["mode"] for r in t.rows if (r["workers"], r["stragglers"]) == g))
-        points = list(dict.fromkeys(r.get("settings") or "job's" for r in t.rows
+        points = list(dict.fromkeys(grid_point(r, settings.get("tune") or {}) for r in t.rows
                                     if (r["workers"], r["stragglers"]) == g))
         cells: dict[tuple, list[dict]] = {}
         for r in t.rows:
             if (r["workers"], r["stragglers"]) == g:
-                cells.setdefault((r["mode"], r.get("settings") or "job's"), []).append(r)
+                cells.setdefault((r["mode"], grid_point(r, settings.get("tune") or {})), []).append(r)
         table = [[p, *(_point_cell(cells.get((m, p)), t.chosen.get((m, *g))) for m in modes)] for p in points]
         blocks += [Heading(f"Sensitivity, {group_title(g)}", 3),
                    Paragraph("Each cell, over that point's tuning runs: median time to the tuning target (s) / median "

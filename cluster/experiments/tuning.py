@@ -95,6 +95,12 @@ def tuning_target(rows: list[dict], given: float | None) -> float | None:
     return given if given is not None else auto_target(rows)
 
 
+def grid_point(row: dict, grid: dict) -> str:
+    """A tune run's point of the grid alone ("lr=0.05"): its settings less the mode's own (defaults, --mode-set)."""
+    point = " ".join(t for t in (row.get("settings") or "").split() if t.partition("=")[0] in set(grid))
+    return point or "job's"
+
+
 def point_of(row: dict) -> tuple:
     return (*group_of(row), row.get("settings") or "")
 
