@@ -1,4 +1,4 @@
-"""The shard's one Updater: chosen from the mode and the settings, built and checked at Init before anything is published."""
+"""The shard's one Updater: chosen from the mode and the settings, and checked at Init before anything is published."""
 
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ class Shard:
         # and everything else go on meanwhile); updates queue on this lock, taken before ``cond``.
         self.apply_lock = threading.Lock()
         self.policy = ConsistencyPolicy(config.mode, config.staleness, config.backup_workers)
-        self.parts = Chunks(config.apply_threads or default_threads())    # the update's threads, over parts of the range
+        self.parts = Chunks(config.apply_threads or default_threads())    # the update's threads, over the range's parts
         self.counters = Counters()
         self.spec: ModelSpec | None = None
         self.begin = self.end = 0
@@ -76,7 +76,7 @@ class Shard:
         self.updater: Updater | None = None      # the optimizer and how a gradient makes the next version (at Init)
         self.version = 0
         self.pool: BufferPool | None = None             # range-sized buffers where the arrays live (rounds, updates)
-        self.landing_pool: BufferPool | None = None     # ... and in host memory, for network payloads (the same on a host shard)
+        self.landing_pool: BufferPool | None = None     # ... and in host memory, for network payloads (host shard: the same)
         self.closing = False       # set by close(): waits end, new calls are refused
         self.restoring = False     # set while a checkpoint is loaded: calls are refused as UNAVAILABLE
         self.listeners: list = []   # callables(event: str, **fields) for metrics exporters
