@@ -76,7 +76,7 @@ class Shard:
         self.updater: Updater | None = None      # the optimizer and how a gradient makes the next version (at Init)
         self.version = 0
         self.pool: BufferPool | None = None             # range-sized buffers where the arrays live (rounds, updates)
-        self.landing_pool: BufferPool | None = None     # ... and in host memory, for network payloads (host shard: same)
+        self.landing_pool: BufferPool | None = None     # ... in host memory, for network payloads (host shard: same)
         self.closing = False       # set by close(): waits end, new calls are refused
         self.restoring = False     # set while a checkpoint is loaded: calls are refused as UNAVAILABLE
         self.listeners: list = []   # callables(event: str, **fields) for metrics exporters
