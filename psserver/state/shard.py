@@ -80,6 +80,7 @@ class Shard:
         self.closing = False       # set by close(): waits end, new calls are refused
         self.restoring = False     # set while a checkpoint is loaded: calls are refused as UNAVAILABLE
         self.listeners: list = []   # callables(event: str, **fields) for metrics exporters
+        # Its parts, each with the state of its own concept (see the module's text).
         self.claims = Claims()
         self.members = Members(self, config.lease_s)
         self.snapshots = Snapshots(self)
