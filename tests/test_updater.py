@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -74,3 +75,72 @@ def test_a_device_shard_refuses_dc_before_it_builds_anything():
     gpu = SimpleNamespace(on_gpu=True)          # refused before any GPU is touched
     with pytest.raises(InvalidArgument, match="dc' runs on host shards only"):
         make_updater(config, gpu, 8, stale=True, parts=SERIAL, live_workers=lambda: 1)
+
+
+# ----- a device shard's path, with NumPy standing in for the GPU (the kernels themselves: test_device_*.py) ----------
+
+class NumpyDeviceOptimizer:
+    """A device optimizer's interface (``publish``: the next weights also written there) over the host's."""
+
+    def __init__(self, host):
+        self.host, self.momentum = host, getattr(host, "momentum", 0.0)
+
+    def step(self, weights, grad, lr_scale=1.0, *, out=None, check_finite=False, publish=None):
+        self.host.step(weights, grad, lr_scale, out=out, check_finite=check_finite)
+        if publish is not None:
+            publish[...] = weights if out is None else out
+
+    def set_momentum(self, momentum):
+        self.host.set_momentum(momentum)
+        self.momentum = momentum
+
+    def warm_up(self):
+        pass
+
+
+class NumpyGpuArrays(HostArrays):
+    """GpuArrays' interface on host memory: the shard takes every path a device shard takes."""
+
+    on_gpu = True
+
+    def adopt(self, values):
+        return np.array(values, np.float32)
+
+    def warm_up(self):
+        pass
+
+
+@pytest.mark.parametrize("mode, settings", [("async", {}), ("ssp", {"staleness": 5}), ("sync", {}),
+                                            ("async", {"momentum": 0.9, "async_momentum": "auto"}),
+                                            ("ssp", {"staleness_compensation": "lr", "staleness": 5})])
+def test_a_device_shards_update_trains_as_a_host_shards_does(monkeypatch, mode, settings):
+    from psgrid.psserver.kernels import optim
+    from psgrid.psserver.state import shard as shard_module
+
+    device_optim = SimpleNamespace(make_device_optimizer=lambda name, size, **hp: NumpyDeviceOptimizer(
+        optim.make_optimizer(name, size, **hp)))
+    monkeypatch.setitem(sys.modules, "psgrid.psserver.kernels.device_optim", device_optim)
+
+    def trained(arrays) -> Shard:
+        monkeypatch.setattr(shard_module, "shard_arrays", lambda config: arrays)
+        shard = Shard(ServerConfig(shared_memory=False, mode=mode, lr=0.1, **settings))
+        shard.init(SPEC, np.linspace(-1, 1, SPEC.size).astype(np.float32))
+        for worker in (0, 1):
+            shard.register(SPEC.hash(), worker, -1, "test")
+        rng = np.random.default_rng(0)
+        for step in range(10):       # each a host gradient: a device shard stages it on its GPU first
+            buf = shard.pool.take()
+            buf[...] = rng.normal(size=SPEC.size)
+            _, kept = shard.push(step % 2, step // 2, shard.version, buf, buf.nbytes)
+            if not kept:
+                shard.pool.give(buf)
+        return shard
+
+    host, device = trained(HostArrays()), trained(NumpyGpuArrays())
+    assert type(device.updater).__name__ == "DeviceUpdater"
+    assert device.version == host.version == (5 if mode == "sync" else 10)
+    np.testing.assert_allclose(device.weights, host.weights, rtol=1e-6)
+    assert device.stats()["momentum"] == host.stats()["momentum"]
+    version, published = device.snapshot()        # what readers get: the copy written in the update's pass
+    np.testing.assert_array_equal(published, device.weights)
+    device.release_snapshot(published)
