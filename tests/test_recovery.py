@@ -164,7 +164,12 @@ def test_ctrl_c_at_random_moments_then_resume_finishes_the_total_steps(tmp_path)
     rng = random.Random(9)
     out = tmp_path / "run"
     for attempt in range(ATTEMPTS):
-        flags = ["--no-progress", "--resume", str(out)] if attempt else args
+        # A launch stopped before it wrote its job.toml has nothing to resume (resume.py says so and to
+        # launch again with --overwrite, as a user then does): on a loaded machine the first Ctrl-C may land there.
+        if (out / "job.toml").exists():
+            flags = ["--no-progress", "--resume", str(out)]
+        else:
+            flags = [*args, "--overwrite"] if attempt else args
         with Launch(tmp_path, *flags, log=f"launch-{attempt}.log") as launch:
             time.sleep(rng.uniform(0.3, 3.0))
             launch.proc.send_signal(signal.SIGINT)
@@ -174,7 +179,7 @@ def test_ctrl_c_at_random_moments_then_resume_finishes_the_total_steps(tmp_path)
             else:   # still starting (a loaded machine): nothing ran, and Python may have died of the signal
                 assert code in (128 + signal.SIGINT, -signal.SIGINT), launch.text()
                 assert launch.text() in ("", "psctl: interrupted\n"), launch.text()
-    from psgrid.psserver.state import checkpoint
+    from psgrid.psserver.state import checkpoint_files as checkpoint
 
     kept = [checkpoint.read_manifest(checkpoint.shard_dir(tmp_path / "ckpt", i, 2)) for i in (0, 1)]
     with Launch(tmp_path, "--no-progress", "--resume", str(out), "--set", "stragglers=[]", log="launch-last.log") as last:
@@ -199,7 +204,7 @@ def test_ctrl_c_at_random_moments_then_resume_finishes_the_total_steps(tmp_path)
 
 def _final_clocks(ckpt, shards: int) -> list[dict[int, int]]:
     """Per shard, the clock of every worker in its latest checkpoint (live or departed)."""
-    from psgrid.psserver.state import checkpoint
+    from psgrid.psserver.state import checkpoint_files as checkpoint
 
     found = []
     for i in range(shards):
@@ -215,7 +220,7 @@ def _final_clocks(ckpt, shards: int) -> list[dict[int, int]]:
 def test_resume_from_shards_checkpointed_rounds_apart_finishes_in_every_mode(tmp_path, mode):
     # A finished job, then shard 1 goes back to its oldest kept checkpoint, as if it could not write
     # the later ones: it is 10 rounds (sync) or 10 pushes (async, ssp) behind shard 0.
-    from psgrid.psserver.state import checkpoint
+    from psgrid.psserver.state import checkpoint_files as checkpoint
 
     steps, ckpt = 60, tmp_path / "ckpt"
     args = [*MNIST, "--mode", mode, "--staleness", "2", "--shards", "2", "--steps", str(steps),
@@ -267,7 +272,7 @@ def _job(tmp_path, shards=2, mode="sync", ckpt=True):
 
 
 def _fake_checkpoint(tmp_path, shard, of, version, mode="sync", spec="S"):
-    from psgrid.psserver.state import checkpoint
+    from psgrid.psserver.state import checkpoint_files as checkpoint
 
     meta = {"version": version, "mode": mode, "spec": spec, "clocks": {"0": version, "1": version},
             "closed_rounds": version}
@@ -303,7 +308,7 @@ def test_resume_refuses_checkpoints_that_do_not_belong_together(tmp_path):
 
 def test_resume_brings_sync_shards_ahead_back_to_the_round_of_the_slowest(tmp_path):
     from psgrid.cluster.run.resume import align, check_resumable, describe, rewind
-    from psgrid.psserver.state import checkpoint
+    from psgrid.psserver.state import checkpoint_files as checkpoint
 
     out = tmp_path / "run"
     for version in (30, 35, 40):
@@ -333,7 +338,7 @@ def test_resume_brings_sync_shards_ahead_back_to_the_round_of_the_slowest(tmp_pa
 
 
 def test_a_checkpoint_newer_than_the_manifest_is_not_kept(tmp_path):
-    from psgrid.psserver.state import checkpoint
+    from psgrid.psserver.state import checkpoint_files as checkpoint
 
     for version in (1, 2, 3):
         checkpoint.save(tmp_path, {"w": np.zeros(1)}, {"version": version})
