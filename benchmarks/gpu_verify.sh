@@ -14,12 +14,13 @@
 #     GPU contexts, and the alternating figures without and under MPS);
 #  6. the all-reduce baseline on the GPU (benchmarks/gpu_allreduce.sh);
 #  7. your own script through psgrid.init against itself alone (benchmarks/gpu_scripts.sh: torchvision's
-#     ResNet-18, a 27M torch.nn.TransformerEncoder and examples/train_cupy.py, psctl bench script).
+#     ResNet-18, a 27M torch.nn.TransformerEncoder and examples/train_cupy.py, psctl bench script);
+#  8. the same models in one process, blocks alone and through psgrid in turn (benchmarks/gpu_script_ab.sh).
 # Logs and JSON land in $OUT. PARTS="1 3" runs only those parts. On the lent device: wheels for
 # what its image lacks travel in .whl/.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
-PARTS=${PARTS:-1 2 3 4 5 6 7}
+PARTS=${PARTS:-1 2 3 4 5 6 7 8}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "cores $(nproc), $(grep MemTotal /proc/meminfo)"
@@ -102,4 +103,8 @@ fi
 if part 7; then
 echo "== 7. your own script through psgrid.init, against itself alone"
 OUT="$OUT" PARTS="1 2" bash benchmarks/gpu_scripts.sh
+fi
+if part 8; then
+echo "== 8. the same models alone and through psgrid.init, interleaved in one process (paired ratios)"
+OUT="$OUT" bash benchmarks/gpu_script_ab.sh
 fi
