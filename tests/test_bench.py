@@ -117,9 +117,14 @@ def test_bench_script_measures_a_users_script_through_psgrid_against_itself_alon
     repeats, summary = [r for r in rows if "repeat" in r], [r for r in rows if "repeat" not in r]
     assert [(r["repeat"], r["shard_placement"]) for r in repeats] == [(0, "process"), (0, "worker"), (1, "process"),
                                                                       (1, "worker")]
-    for r in repeats:       # each run's ratio is against the script alone in the same repeat
+    for r in repeats:       # each run's ratio is against the script alone just before it and just after
         assert r["status"] == "ok" and r["alone"]["samples_per_s"] > 0 and r["samples_per_s"] > 0
-        assert r["ratio"] == pytest.approx(r["samples_per_s"] / r["alone"]["samples_per_s"])
+        beside = (r["alone"]["samples_per_s"] + r["alone_after"]["samples_per_s"]) / 2
+        assert r["alone_samples_per_s"] == pytest.approx(beside)
+        assert r["ratio"] == pytest.approx(r["samples_per_s"] / beside)
+    # alone, process, alone, worker, alone in each repeat: the run after one configuration is before the next
+    assert repeats[0]["alone_after"] == repeats[1]["alone"] and repeats[2]["alone_after"] == repeats[3]["alone"]
+    assert repeats[1]["alone_after"] != repeats[2]["alone"]
     assert [(r["shard_placement"], r["planes_used"]) for r in summary] == [("process", ["shm"]), ("worker", ["local"])]
     for row in summary:
         assert len(row["ratios"]) == 2 and row["ratio"] == pytest.approx(sum(row["ratios"]) / 2)    # their median

@@ -1,11 +1,14 @@
 """``psctl bench script -- CMD``: a user's own script through psgrid against the same script alone.
 
-Each repeat runs the command alone first (``PSGRID_ALONE=1``: :func:`psgrid.init` returns a session
-with no servers that updates the parameters in place by plain SGD, ``torch.optim.SGD`` for a PyTorch
-module; worker/alone.py), then through ``psctl launch`` in each mode and worker count asked for, one
-after the other on the same machine, so each ratio compares runs minutes apart at most. Both write
-the same step records; samples/s is taken over the steps after the first ``skip`` of each worker
-(connections, caches, cuDNN's choice of kernels), summed over a job's workers.
+Each repeat runs the command alone (``PSGRID_ALONE=1``: :func:`psgrid.init` returns a session with
+no servers that updates the parameters in place by plain SGD, ``torch.optim.SGD`` for a PyTorch
+module; worker/alone.py) and through ``psctl launch`` in each mode and worker count asked for, in
+turn: alone, a configuration, alone, the next, ..., alone. Each configuration's ratio is to the mean
+of the two alone runs beside it: on a shared machine the script alone moved by a fifth between runs
+minutes apart (docs/performance.md, "Your own script"), and a reference taken once per repeat moved
+every ratio of that repeat with it. Both write the same step records; samples/s is taken over the
+steps after the first ``skip`` of each worker (connections, caches, cuDNN's choice of kernels),
+summed over a job's workers.
 """
 
 from __future__ import annotations
@@ -107,23 +110,32 @@ def run(command: list[str], *, modes, workers, shards: int, device: str, shard_d
     runs: dict[tuple, list[dict]] = {c: [] for c in configs}
     references: list[dict] = []
     if not as_json:
-        print(f"{' '.join(command)}: alone, then through psgrid ({shards} shard(s), device {device}); samples/s after "
-              f"the first {skip} steps of each worker", file=out, flush=True)
-    for r in range(repeats):
-        reference = alone(command, base, skip, timeout_s)
-        if reference is None:
+        print(f"{' '.join(command)}: alone and through psgrid in turn ({shards} shard(s), device {device}), each "
+              f"ratio to the alone runs either side; samples/s after the first {skip} steps of each worker",
+              file=out, flush=True)
+    def reference() -> dict:
+        found = alone(command, base, skip, timeout_s)
+        if found is None:
             raise JobFailed(f"the script recorded no samples alone: pass samples= to ps.push() and run more than "
                             f"{skip + 1} steps (--skip {skip})")
-        references.append(reference)
+        references.append(found)
+        return found
+
+    for r in range(repeats):
+        before = reference()
         for mode, w, placement in configs:
             job = apply_overrides(base, {"mode": mode, "workers": w, "seed": base.train.seed + r,
                                          "shard_placement": placement})
             found = through_psgrid(command, job, skip)
-            found["ratio"] = (found["samples_per_s"] or 0.0) / reference["samples_per_s"]
+            after = reference()
+            beside = (before["samples_per_s"] + after["samples_per_s"]) / 2
+            found["ratio"] = (found["samples_per_s"] or 0.0) / beside
             runs[(mode, w, placement)].append(found)
             if as_json:
                 print(json.dumps({"suite": "script", "repeat": r, "mode": mode, "workers": w, "shards": shards,
-                                  "shard_placement": placement, "alone": reference, **found}), file=out, flush=True)
+                                  "shard_placement": placement, "alone": before, "alone_after": after,
+                                  "alone_samples_per_s": beside, **found}), file=out, flush=True)
+            before = after
     rows = []
     for (mode, w, placement), found in runs.items():
         ratios = [f["ratio"] for f in found]
