@@ -209,7 +209,7 @@ class ExperimentProgress:
                                  f"{run.mode.label} w{run.workers} "
                                  f"{'' if run.stragglers == NO_STRAGGLERS else 'stragglers ' + run.stragglers + ' '}"
                                  + (tuning_label(run) if run.phase == TUNE else f"repeat {run.repeat + 1}")
-                + ("" if run.seed is None else f" seed {run.seed}"),
+                                 + ("" if run.seed is None else f" seed {run.seed}"),
                                  refresh=False)
         return RunProgress(self.bar)
 
