@@ -262,6 +262,19 @@ def test_tuning_runs_each_point_on_several_seeds_and_keeps_one_target_for_the_re
     assert {r["settings"] for r in rows if r["phase"] == "repeat"} == {"lr=0.05"}
 
 
+def test_tune_repeats_and_seeds_are_checked_before_anything_runs(tmp_path):
+    from psgrid.cluster.cli import build_parser
+    from psgrid.cluster.commands.compare import _tuning
+
+    parser = build_parser("compare")
+    for argv, says in ((["--tune-repeats", "2"], "give --tune KEY=V1,V2 too"),
+                       (["--tune", "lr=0.01,0.1", "--tune-repeats", "0"], "--tune-repeats must be at least 1")):
+        args = parser.parse_args(["compare", "--out", str(tmp_path / "x"), *argv])
+        with pytest.raises(UsageError, match=says):
+            _tuning(args, mnist(), None)
+    assert not (tmp_path / "x").exists()
+
+
 # ---- 6. smaller: whole-number staleness, epochs, the scaling sentence --------------------------------------------
 
 def test_p99_staleness_is_an_observed_whole_number_and_evaluations_know_their_epoch(tmp_path):
