@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 
-from psgrid.psserver.state import checkpoint
+from psgrid.psserver.state import checkpoint_files as checkpoint
 from psgrid.psserver.client.admin import Admin
 from psgrid.psserver.client.client import Client
 from psgrid.psserver.config import ServerConfig

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from psgrid.psserver.state import checkpoint
+from psgrid.psserver.state import checkpoint_files as checkpoint
 from psgrid.psserver.client.client import Client
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import Unavailable

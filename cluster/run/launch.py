@@ -284,7 +284,7 @@ class Launcher:
 
     def _restart_shard(self, i: int, dead: Child) -> None:
         """Start shard ``i`` again on its address; it restores its latest checkpoint while clients retry."""
-        from psgrid.psserver.state import checkpoint
+        from psgrid.psserver.state import checkpoint_files as checkpoint
 
         port = int(self.addresses[i].rpartition(":")[2])
         manifest = checkpoint.read_manifest(checkpoint.shard_dir(self.job.server.checkpoint_dir, i, self.job.shards))

@@ -33,7 +33,7 @@ from psgrid.cluster.job.config import JobConfig, tomllib
 from psgrid.cluster.errors import UsageError
 from psgrid.cluster.job.outdir import LOCK_FILE
 from psgrid.cluster.job.records import JOB_FILE, copy_job_file, signals_held
-from psgrid.psserver.state import checkpoint
+from psgrid.psserver.state import checkpoint_files as checkpoint
 from psgrid.psserver import files
 
 SUPERSEDED = "superseded-checkpoints"    # checkpoints newer than the round the shards resume at (sync)

@@ -30,7 +30,7 @@ from psgrid.psserver.kernels.parallel import Chunks, default_threads
 from psgrid.psserver.protocol import PushResult, Reason, job_tag
 from psgrid.psserver.sharding import shard_range
 from psgrid.psserver.spec import ModelSpec
-from psgrid.psserver.state import checkpoint
+from psgrid.psserver.state import checkpoint_files
 from psgrid.psserver.state.buffers import BufferPool
 from psgrid.psserver.state.shard_checkpoints import Checkpoints
 from psgrid.psserver.state.claims import Claims
@@ -87,7 +87,7 @@ class Shard:
         self.pushes = Pushes(self)
         self.checkpoints = Checkpoints(self)
         if config.checkpoint_dir:
-            checkpoint.remove_leftovers(self.checkpoints.directory)
+            checkpoint_files.remove_leftovers(self.checkpoints.directory)
             if restore:
                 self.checkpoints.restore()
 

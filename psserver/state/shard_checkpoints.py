@@ -1,7 +1,7 @@
 """A shard's checkpoints: when one is due, captured under its lock, written outside it, restored at start.
 
 A part of :class:`~psgrid.psserver.state.shard.Shard`; the file format (atomic writes, the
-manifest) is :mod:`~psgrid.psserver.state.checkpoint`'s. State is copied under ``cond``
+manifest) is :mod:`~psgrid.psserver.state.checkpoint_files`'s. State is copied under ``cond``
 (:meth:`Checkpoints.capture`) and written by the thread whose update made a checkpoint due,
 before that update is answered (:meth:`Checkpoints.flush`).
 """
@@ -17,7 +17,7 @@ import numpy as np
 from psgrid.psserver.exceptions import CheckpointFailed
 from psgrid.psserver.protocol import Reason
 from psgrid.psserver.spec import ModelSpec
-from psgrid.psserver.state import checkpoint
+from psgrid.psserver.state import checkpoint_files
 
 log = logging.getLogger("psgrid.shard")
 
@@ -28,7 +28,7 @@ class Checkpoints:
     def __init__(self, shard):
         self.shard = shard
         config = shard.config
-        self.directory = (str(checkpoint.shard_dir(config.checkpoint_dir, config.shard_index, config.num_shards))
+        self.directory = (str(checkpoint_files.shard_dir(config.checkpoint_dir, config.shard_index, config.num_shards))
                           if config.checkpoint_dir else "")
         # State is copied under the lock (capture) and written outside it by the thread whose update
         # made one due, before that update is answered (flush).
@@ -97,7 +97,7 @@ class Checkpoints:
         with self.write_lock:
             if meta["version"] < self.written_version:
                 return self.last
-            path = str(checkpoint.save(self.directory, arrays, meta, keep=self.shard.config.checkpoint_keep))
+            path = str(checkpoint_files.save(self.directory, arrays, meta, keep=self.shard.config.checkpoint_keep))
             self.written_version = meta["version"]
             with self.shard.cond:
                 self.last = path
@@ -143,7 +143,7 @@ class Checkpoints:
                 self.shard.cond.notify_all()
 
     def _restore(self) -> bool:
-        found = checkpoint.load_latest(self.directory)   # read outside the lock: calls meanwhile are refused
+        found = checkpoint_files.load_latest(self.directory)   # read outside the lock: calls meanwhile are refused
         if found is None:
             return False
         shard = self.shard
@@ -169,7 +169,7 @@ class Checkpoints:
                 policy.clocks[int(w)] = c
                 leases.add(int(w), meta["hosts"].get(w, ""), now)
             shard.claims.restored(shard.version, policy.clocks)
-            self.last = str(Path(self.directory) / checkpoint.MANIFEST)
+            self.last = str(Path(self.directory) / checkpoint_files.MANIFEST)
             self.written_version = shard.version
             clocks = sorted(policy.clocks.values())
             log.warning("shard %d restored its checkpoint at version %d (%s; worker clocks %s)",
