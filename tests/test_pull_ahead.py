@@ -189,12 +189,17 @@ def test_every_mode_pulls_when_each_step_starts_unless_asked():
 
 
 def test_when_a_worker_pulls_ahead():
-    assert not any(pulls_ahead(TrainConfig(), mode) for mode in ("async", "ssp", "sync", "allreduce"))
+    from psgrid.worker.core import exchange_rules
+
+    def ahead(train, mode):
+        return pulls_ahead(train, exchange_rules(mode))
+
+    assert not any(ahead(TrainConfig(), mode) for mode in ("async", "ssp", "sync", "allreduce"))
     train = TrainConfig(pull_ahead=True)
-    assert pulls_ahead(train, "async") and pulls_ahead(train, "ssp")
-    assert not pulls_ahead(train, "sync") and not pulls_ahead(train, "allreduce")
-    assert not pulls_ahead(TrainConfig(pull_ahead=True, overlap=False), "async")
-    assert not pulls_ahead(TrainConfig(pull_ahead=True, aggregate="host"), "async")
+    assert ahead(train, "async") and ahead(train, "ssp")
+    assert not ahead(train, "sync") and not ahead(train, "allreduce")
+    assert not ahead(TrainConfig(pull_ahead=True, overlap=False), "async")
+    assert not ahead(TrainConfig(pull_ahead=True, aggregate="host"), "async")
 
 
 @pytest.mark.parametrize("settings, message", [

@@ -33,6 +33,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 
+from psgrid.psserver.protocol import mode_rules
 from psgrid.psserver.security import job_token
 from psgrid.worker.aggregate_follower import HostFollower
 from psgrid.worker.aggregate_leader import HostLeader
@@ -58,7 +59,7 @@ class HostGroup:
         hosts/world, so that the shards' mean over the hosts' pushes is the mean over all workers even where
         hosts differ in size (the same number where they do not)."""
         world = self.world or self.hosts * self.size
-        return self.hosts / world if mode == "sync" else 1.0 / self.size
+        return self.hosts / world if mode_rules(mode).accumulates else 1.0 / self.size
 
     @classmethod
     def of(cls, rank: int, world: int, local_rank: int | None = None, local_size: int | None = None) -> "HostGroup":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import socket
 import time
 
+from psgrid.psserver.protocol import ModeRules, mode_rules
 from psgrid.worker.config import TrainConfig
 from psgrid.worker.flat import FlatBuffers
 from psgrid.worker.prefetch import PullAhead, pulls_ahead
@@ -69,6 +70,15 @@ def open_exchange(train: TrainConfig, addresses: list[str], spec, *, rank: int |
                          timeout_s=train.join_timeout_s + train.deadline_s + train.retry_s, token=options.get("token"))
 
 
+# The all-reduce baseline (worker/allreduce.py) has no shards: each of its steps is one synchronous round.
+ALLREDUCE_RULES = ModeRules(accumulates=True, waits_on_pull=True, bounded=False)
+
+
+def exchange_rules(mode: str) -> ModeRules:
+    """The consistency rules of an exchange's ``mode``: a shard mode's (protocol.py), or the all-reduce baseline's."""
+    return ALLREDUCE_RULES if mode == "allreduce" else mode_rules(mode)
+
+
 def overlaps(train: TrainConfig, mode: str, planes) -> bool:
     """Whether a step's push runs in the background, beside the next step's pull and compute.
 
@@ -83,7 +93,7 @@ def overlaps(train: TrainConfig, mode: str, planes) -> bool:
     kernel launches cost the compute more than the overlap saved (docs/performance.md, "The shard
     in the worker's process").
     """
-    if mode in ("sync", "allreduce") or train.overlap is False:
+    if exchange_rules(mode).accumulates or train.overlap is False:
         return False
     in_process = bool(planes) and all(plane == "local" for plane in planes)
     return not (train.overlap == "auto" and in_process and not train.pull_ahead)
@@ -142,7 +152,7 @@ class WorkerCore:
             with self.on_device():
                 self.bufs = FlatBuffers(self.spec, self.xp, self.exchange, double=self.overlap)
                 self.ahead = (PullAhead(self.bufs, self.spec)
-                              if self.overlap and pulls_ahead(self.train, mode) else None)
+                              if self.overlap and pulls_ahead(self.train, exchange_rules(mode)) else None)
             self.delay = Delay(self.train.stragglers, self.rank, self.train.seed)
             self.step_bytes = bytes_per_step(self.exchange, self.spec.size)
         except BaseException:

@@ -27,17 +27,20 @@ from __future__ import annotations
 
 import time
 
+from psgrid.psserver.protocol import ModeRules
 from psgrid.worker.config import TrainConfig
 from psgrid.worker.flat import FlatBuffers
 
 
-def pulls_ahead(train: TrainConfig, mode: str) -> bool:
-    """Whether a worker of ``train`` pulls ahead in ``mode``: asked to, in async or ssp, with overlap.
+def pulls_ahead(train: TrainConfig, rules: ModeRules) -> bool:
+    """Whether a worker of ``train`` pulls ahead under a mode's ``rules``: asked to, with overlap, where pushes
+    are not held for a round (async, ssp).
 
     ``pull_ahead = true`` in sync is refused by the job file's check; a worker started by hand in
     sync just pulls when each step starts, as sync must.
     """
-    return train.pull_ahead and train.overlap is not False and train.aggregate == "none" and mode in ("async", "ssp")
+    return (train.pull_ahead and train.overlap is not False and train.aggregate == "none"
+            and not rules.accumulates)
 
 
 class PullAhead:

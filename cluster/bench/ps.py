@@ -29,6 +29,7 @@ import numpy as np
 
 from psgrid.cluster.bench.transport import median_time
 from psgrid.psserver import files
+from psgrid.psserver.protocol import mode_rules
 
 PLANES = ("shm", "tcp", "grpc")
 START_TIMEOUT_S = 120.0
@@ -226,7 +227,7 @@ def measure(code: Code, shards: Shards, *, params: int, workers: int, plane: str
                 p.wait(timeout=5)
     steps = sum(d["steps"] for d in done)
     wall = max(d["seconds"] for d in done)
-    updates = steps / workers if mode == "sync" else steps
+    updates = steps / workers if mode_rules(mode).accumulates else steps
     planes = sorted({x for r in ready for x in r["planes"]})
     return {"steps": steps, "updates_per_s": updates / wall, "gbps": steps * 8 * params / wall / 1e9,
             "pull_s": statistics.median(d["pull_s"] for d in done),

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
+from psgrid.psserver.protocol import mode_rules
 
 
 def base_job(model: str, device: str, hidden: list[int], batch_size: int, steps: int,
@@ -123,7 +124,7 @@ def rows(models, modes, device, shards, workers, planes, hidden, batch_size, ste
         for s, w, plane, mode, placement in product(shards, workers, planes, modes, placements):
             if placement == "worker" and w < s:
                 continue          # shard i lives in worker i: there must be a worker per shard
-            ahead = pull_ahead and mode != "sync"        # sync has nothing to pull ahead
+            ahead = pull_ahead and not mode_rules(mode).accumulates        # sync has nothing to pull ahead
             job = apply_overrides(base, {"shards": s, "workers": w, "mode": mode,
                                          "shared_memory": plane == "shm", "pull_ahead": ahead,
                                          "data_plane": "grpc" if plane == "grpc" else "tcp",

@@ -44,6 +44,7 @@ from psgrid.cluster.job.credentials import resolve_token
 from psgrid.cluster.job.toml_writer import dump_toml
 from psgrid.cluster.errors import ConfigError
 from psgrid.psserver.config import ServerConfig
+from psgrid.psserver.protocol import mode_rules
 from psgrid.psserver.settings import above, at_least, keys, problem, setting
 
 if typing.TYPE_CHECKING:
@@ -421,10 +422,10 @@ def _check_job(job: JobConfig, where: str) -> None:
     if job.shard_placement == "worker" and job.workers < job.shards:
         raise ConfigError(f"{where}: [job] shard_placement = \"worker\" puts shard i in worker i's process, so it needs "
                           f"workers >= shards; got {job.workers} worker(s) for {job.shards} shard(s)")
-    if job.server.mode == "sync" and job.train.pull_ahead:
+    if mode_rules(job.server.mode).accumulates and job.train.pull_ahead:
         raise ConfigError(f"{where}: [train] pull_ahead = true applies to async and ssp only: a sync pull waits for "
                           f"the round the push before it closes, so there is nothing to pull ahead")
-    if job.server.mode == "sync" and job.server.backup_workers >= job.workers:
+    if mode_rules(job.server.mode).accumulates and job.server.backup_workers >= job.workers:
         raise ConfigError(
             f"{where}: [server] backup_workers ({job.server.backup_workers}) must be less than "
             f"[job] workers ({job.workers}): a sync round needs at least one push"

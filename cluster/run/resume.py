@@ -35,6 +35,7 @@ from psgrid.cluster.job.outdir import LOCK_FILE
 from psgrid.cluster.job.records import JOB_FILE, copy_job_file, signals_held
 from psgrid.psserver.state import checkpoint_files as checkpoint
 from psgrid.psserver import files
+from psgrid.psserver.protocol import mode_rules
 
 SUPERSEDED = "superseded-checkpoints"    # checkpoints newer than the round the shards resume at (sync)
 ATTEMPT_FILES = ("summary.json", "metrics.jsonl", "metrics", "logs", "addr", SUPERSEDED)
@@ -54,7 +55,7 @@ class ShardCheckpoint:
 
     def where(self) -> str:
         clocks = sorted(self.clocks.values())
-        at = f"round {self.closed_rounds}" if self.mode == "sync" else (
+        at = f"round {self.closed_rounds}" if mode_rules(self.mode).accumulates else (
             f"worker clocks {clocks[0]}..{clocks[-1]}" if clocks else "no workers")
         return f"shard {self.shard} at version {self.version} ({at})"
 
@@ -109,7 +110,7 @@ def align(job: JobConfig, found: list[ShardCheckpoint]) -> Alignment:
     has; then, and where no round is kept by all, each shard resumes at its latest and ``apart``
     says why.
     """
-    if job.server.mode != "sync" or len({c.closed_rounds for c in found}) <= 1:
+    if not mode_rules(job.server.mode).accumulates or len({c.closed_rounds for c in found}) <= 1:
         return Alignment(found, found)
     slowest = min(c.closed_rounds for c in found)
     # Per shard, its kept checkpoints by round (the newest of a round: one may hold pushes of the open round).

@@ -44,7 +44,7 @@ from psgrid.psserver.client.joining import (Initializer, check_flat, check_flat_
 from psgrid.psserver.client.memory import ClientMemory, Pinner
 from psgrid.psserver.client.posting import PostedCalls, failing_first
 from psgrid.psserver.exceptions import InvalidArgument, PSError, UnknownWorker, WaitTimeout
-from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, PushResult, Reason, Registration
+from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, PushResult, Reason, Registration, mode_rules
 from psgrid.psserver.security import job_token
 from psgrid.psserver.sharding import shard_ranges
 from psgrid.psserver.spec import ModelSpec
@@ -369,7 +369,7 @@ class Client:
                 # later checkpoint) answers a push it already has as a duplicate with its own clock, which
                 # the shards behind never reach unless the worker pushes the clocks in between.
                 self._next_clock = max(self._next_clock, min(r.next_clock for r in results))
-            elif self.mode == "sync":
+            elif mode_rules(self.mode).accumulates:
                 # A sync push that failed (a refused gradient, a shard out of reach) moves no clock: the
                 # next push carries this clock again, which a shard that took this one answers as a
                 # duplicate. Else the next pull would wait for a round this worker never pushed to on the
@@ -463,7 +463,7 @@ class Client:
                     self._versions = versions
                 return versions
 
-            handle = self._pull_handle = defer(run, advance=land if self.mode == "async" else None)
+            handle = self._pull_handle = defer(run, advance=None if mode_rules(self.mode).waits_on_pull else land)
         return handle
 
     def takes_device_gradients(self) -> bool:
