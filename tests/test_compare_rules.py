@@ -22,7 +22,6 @@ from psgrid.cluster.experiments import stability, target
 from psgrid.cluster.experiments.compare import SETTINGS_FILE, experiment_from, rewrite_report, table_text
 from psgrid.cluster.experiments.experiment import mode_defaults, parse_modes, plan, repeat_seeds, tune_plan
 from psgrid.cluster.experiments.grouping import spread
-from psgrid.cluster.experiments.reading import reading
 from psgrid.cluster.experiments.results import run_events, summarize_run
 from psgrid.cluster.experiments.settings import settings_for
 from psgrid.cluster.job.config import apply_overrides, load_job
@@ -377,12 +376,11 @@ def test_a_mode_set_wins_over_the_modes_default_and_the_report_says_which_ran(tm
     x = experiment_from(mnist(), settings, tmp_path)
     job = x.run_job(next(r for r in x.runs if r.mode.label == "async"))
     assert (job.server.async_momentum, job.server.lr) == ("off", 0.02)
-    defaults_only = dict(settings, mode_settings={})
+    defaults_only = experiment_from(mnist(), dict(settings, mode_settings={}), tmp_path)
+    job = defaults_only.run_job(next(r for r in defaults_only.runs if r.mode.label == "async"))
+    assert job.server.async_momentum == "auto"
     out = experiment_dir(tmp_path, {"sync": [0.92], "async": [0.90]},
                          mode_defaults={"async": (("async_momentum", "auto"),)})
     rewrite_report(out)
     assert ("Settings each mode ran with, beyond the job's: sync the job's; async async_momentum=auto (the mode's "
             "default).") in (out / "report.md").read_text()
-    job = experiment_from(mnist(), defaults_only, tmp_path).run_job(
-        next(r for r in experiment_from(mnist(), defaults_only, tmp_path).runs if r.mode.label == "async"))
-    assert job.server.async_momentum == "auto"

@@ -175,9 +175,9 @@ def mode_defaults(modes: list[Mode], job) -> dict[str, Settings]:
 
     async: ``async_momentum=auto`` where the shards' SGD has momentum. Asynchrony adds momentum of its own
     (about 1 - 1/W with W workers, Mitliagkas et al. 2016), so the job's momentum 0.9 on top overshoots.
-    The built-in MNIST job at 4 workers, 10 seeds on a busy 2-core machine, ended async at 0.817 to 0.930
-    with it off and 0.864 to 0.916 with it on, sync at 0.907 to 0.921 (docs/experiments/mnist-mode-defaults;
-    on a quiet machine, 5 runs: 0.49 to 0.77 off, 0.89 to 0.91 on).
+    On the built-in MNIST job (docs/experiments/README.md) async with it off ended at 0.335 to 0.897 at 8
+    workers and 0.817 to 0.930 at 4 (unstable), with it on at 0.903 to 0.928 and 0.864 to 0.916; at 2
+    workers it costs accuracy (0.879 to 0.911 on, 0.922 to 0.939 off), where plain momentum did no harm.
     """
     server = job.server
     if server.optimizer != "sgd" or not server.momentum or server.async_momentum != "off":

@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import math
 import re
-import statistics
 
 from psgrid.cluster.job.config import JobConfig, ConfigError, apply_overrides, parse_assignment, route
 from psgrid.cluster.errors import UsageError
