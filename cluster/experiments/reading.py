@@ -123,9 +123,9 @@ def _diverged(ok: list[dict]) -> str | None:
         settings = runs[0].get("settings")
         parts.append(f"{key[0]} in {n} of {len(runs)} run{'s' if len(runs) != 1 else ''} "
                      f"({group_title((key[1], key[2]))}{', ' + settings if settings else ''})")
-    return (f"Diverged: {join(parts)}. A diverged run's loss grew, its loss or weights turned non-finite (the shards then refuse "
-            f"the non-finite push and the workers stop), or its test accuracy fell to chance, so its numbers describe "
-            f"a training that failed rather than its mode, and it did not set the target. "
+    return (f"Diverged: {join(parts)}. A diverged run's loss grew, its loss or weights turned non-finite (the shards "
+            f"then refuse the non-finite push and the workers stop), or its test accuracy fell to chance, so its "
+            f"numbers describe a training that failed rather than its mode, and it did not set the target. "
             f"To try: a lower learning rate (--set lr=..., or for one mode --mode-set MODE:lr=...), each mode at its "
             f"own best settings (--tune lr=0.01,0.05,0.2), or staleness compensation ({_compensation_flag()}).")
 

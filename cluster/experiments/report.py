@@ -350,9 +350,10 @@ def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]] |
                Heading("Summary"),
                Paragraph("Medians over the repeats that finished or diverged; n counts them. "
                          + _interval_text(ok)
-                         + f"Stability comes first: {stability.RULE}. Staleness is how many updates "
-                         "behind the weights a push was computed on (p99: an observed whole number); wait is the time "
-                         "a worker spent blocked waiting for the others."),
+                         + f"Stability comes first: {stability.RULE}. Staleness is how many updates behind the "
+                         "weights a push was computed on (a run's p99 is one it observed, a whole number; the table "
+                         "gives the median over repeats); wait is the time a worker spent blocked waiting for the "
+                         "others."),
                summary_table(ok, settings) if ok else Paragraph("No run finished."),
                Heading("Per mode"),
                Paragraph("Median [min..max] over the repeats that finished or diverged.")]

@@ -90,7 +90,8 @@ class Verdict:
         return STABLE
 
     def text(self) -> str:
-        """``stable, spread 0.004``, ``unstable: final accuracy spread 0.275 (0.494..0.769)``, ``diverged in 2 of 5``."""
+        """In words: ``stable, spread 0.004``, ``unstable: final accuracy spread 0.275 (0.494..0.769)``,
+        ``diverged in 2 of 5``."""
         said = []
         if self.spread is not None and self.spread > UNSTABLE_SPREAD:
             said.append(f"final accuracy spread {self.spread:.3f} ({min(self.finals):.3f}..{max(self.finals):.3f})")

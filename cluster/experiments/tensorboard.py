@@ -1,4 +1,5 @@
-"""TensorBoard event files of a run's records: ``psctl compare --tensorboard DIR`` and ``psctl launch --tensorboard DIR``.
+"""TensorBoard event files of a run's records: ``psctl compare --tensorboard DIR`` and ``psctl launch
+--tensorboard DIR``.
 
 One folder per run under DIR, named after the run (``async-w4-r0``: mode, workers, repeat), so
 ``tensorboard --logdir DIR`` overlays every mode and repeat. Each holds the run's mean training loss
