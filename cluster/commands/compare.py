@@ -53,8 +53,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "says so first. The target accuracy is --target-accuracy, else 95% of the best setting's median "
                     "final accuracy, and time to it is 'k of n reached'. With 5 or more repeats of their own seeds "
                     "the tables show medians with bootstrap 95% intervals (else min..max) and the reading calls a "
-                    "difference settled only where they do not overlap. async runs with async_momentum=auto unless "
-                    "--mode-set async:async_momentum=off (the report says which settings each mode ran with). "
+                    "difference settled only where they do not overlap. async and ssp run with async_momentum=auto "
+                    "unless --mode-set MODE:async_momentum=off (the report says which settings each mode ran with). "
                     "After -- comes your own script (-- python train.py ARGS): every worker of every "
                     "run runs it as under psctl launch --, with that run's mode and settings on the shards, and "
                     "the report is built from what psgrid.init's session logs (loss, log_eval).",
