@@ -187,18 +187,8 @@ class Session:
     def __init__(self, params, *, addresses, world: int, rank: int | None = None, metrics: str | None = None,
                  local_rank: int = 0, gpu: int | None = None, train: TrainConfig | None = None,
                  host_group: tuple[int, ...] | None = None, **client_options):
-        named = named_parameters(params)
-        if not named:
-            raise dlpack.ArrayError("params holds no parameters (a module whose parameters all have "
-                                    "requires_grad=False, or an empty dict or list)")
         train = train or TrainConfig()
-        self.names = [name for name, _ in named]
-        self._originals = [a for _, a in named]
-        self._device = _one_device(self._originals)
-        views = [dlpack.view(a) for a in self._originals]
-        for name, v in zip(self.names, views):
-            if v.dtype.kind != "f":
-                raise dlpack.ArrayError(f"parameter {name!r} is {v.dtype}: psgrid exchanges floating-point parameters")
+        self.names, self._originals, self._device, views = _float_parameters(params)
         self.world, self.local_rank, self.gpu = world, local_rank, gpu
         self.xp = dlpack.module_of(views[0])
         self.spec = ModelSpec((name, tuple(v.shape)) for name, v in zip(self.names, views))
@@ -382,6 +372,22 @@ class Session:
 
     def _device_name(self) -> str:
         return "cpu" if self._device is None else f"cuda:{self._device}"
+
+
+def _float_parameters(params) -> tuple[list[str], list, int | None, list]:
+    """A model's parameter names, the arrays themselves, the GPU they are on (None: the CPU) and their NumPy
+    or CuPy views; refused where there are none, where they are on different devices, or one is not a float."""
+    named = named_parameters(params)
+    if not named:
+        raise dlpack.ArrayError("params holds no parameters (a module whose parameters all have "
+                                "requires_grad=False, or an empty dict or list)")
+    names, originals = [name for name, _ in named], [a for _, a in named]
+    device = _one_device(originals)
+    views = [dlpack.view(a) for a in originals]
+    for name, v in zip(names, views):
+        if v.dtype.kind != "f":
+            raise dlpack.ArrayError(f"parameter {name!r} is {v.dtype}: psgrid exchanges floating-point parameters")
+    return names, originals, device, views
 
 
 def _host_group(values: tuple[int, ...] | None):

@@ -107,12 +107,29 @@ def run(command: list[str], *, modes, workers, shards: int, device: str, shard_d
         raise UsageError(f"psctl bench script compares with the script alone under plain SGD: leave optimizer at "
                          f"\"sgd\", not {base.server.optimizer!r}")
     configs = [(m, w, p) for m, w, p in product(modes, workers, placements) if p == "process" or w >= shards]
-    runs: dict[tuple, list[dict]] = {c: [] for c in configs}
-    references: list[dict] = []
     if not as_json:
         print(f"{' '.join(command)}: alone and through psgrid in turn ({shards} shard(s), device {device}), each "
               f"ratio to the alone runs either side; samples/s after the first {skip} steps of each worker",
               file=out, flush=True)
+    runs, references = _measure(command, base, configs, repeats=repeats, skip=skip, timeout_s=timeout_s,
+                                as_json=as_json, out=out)
+    rows = []
+    for (mode, w, placement), found in runs.items():
+        rows.append(_row(mode, w, shards, placement, found, references))
+        if as_json:
+            print(json.dumps(rows[-1]), file=out, flush=True)
+    if not as_json:
+        _table(rows, out)
+    return rows
+
+
+def _measure(command: list[str], base: JobConfig, configs: list[tuple], *, repeats: int, skip: int, timeout_s: float,
+             as_json: bool, out) -> tuple[dict, list[dict]]:
+    """Each configuration's runs in every repeat, each with its ratio to the alone runs beside it, and every alone run."""
+    shards = base.shards
+    runs: dict[tuple, list[dict]] = {c: [] for c in configs}
+    references: list[dict] = []
+
     def reference() -> dict:
         found = alone(command, base, skip, timeout_s)
         if found is None:
@@ -136,24 +153,20 @@ def run(command: list[str], *, modes, workers, shards: int, device: str, shard_d
                                   "shard_placement": placement, "alone": before, "alone_after": after,
                                   "alone_samples_per_s": beside, **found}), file=out, flush=True)
             before = after
-    rows = []
-    for (mode, w, placement), found in runs.items():
-        ratios = [f["ratio"] for f in found]
-        row = {"suite": "script", "mode": mode, "workers": w, "shards": shards, "shard_placement": placement,
-               "ratio": statistics.median(ratios),
-               "ratios": ratios, "samples_per_s": statistics.median(f["samples_per_s"] or 0.0 for f in found),
-               "alone_samples_per_s": statistics.median(r["samples_per_s"] for r in references),
-               "alone_compute_s": statistics.median(r["compute_s"] for r in references),
-               "alone_update_s": statistics.median(r["push_s"] for r in references), "planes_used": found[0]["planes_used"],
-               "shard_device": found[0]["shard_device"],
-               **{k: _median(f[k] for f in found) for k in ("pull_s", "compute_s", "push_s", "delay_s")}}
-        rows.append(row)
-        if as_json:
-            print(json.dumps(row), file=out, flush=True)
-    if not as_json:
-        _table(rows, out)
-    return rows
+    return runs, references
 
+
+def _row(mode: str, w: int, shards: int, placement: str, found: list[dict], references: list[dict]) -> dict:
+    """One configuration's summary: the median of its repeats' ratios beside each, and of its step's parts."""
+    ratios = [f["ratio"] for f in found]
+    return {"suite": "script", "mode": mode, "workers": w, "shards": shards, "shard_placement": placement,
+            "ratio": statistics.median(ratios), "ratios": ratios,
+            "samples_per_s": statistics.median(f["samples_per_s"] or 0.0 for f in found),
+            "alone_samples_per_s": statistics.median(r["samples_per_s"] for r in references),
+            "alone_compute_s": statistics.median(r["compute_s"] for r in references),
+            "alone_update_s": statistics.median(r["push_s"] for r in references),
+            "planes_used": found[0]["planes_used"], "shard_device": found[0]["shard_device"],
+            **{k: _median(f[k] for f in found) for k in ("pull_s", "compute_s", "push_s", "delay_s")}}
 
 def _median(values):
     known = [v for v in values if v is not None]

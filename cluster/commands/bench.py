@@ -88,7 +88,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     ps.add_argument("--against", metavar="REV", help="ps: also run the grid with the code of git revision REV, "
                                                      "interleaved (the previous commit: HEAD~1)")
     ps.add_argument("--repeats", type=int, default=1, help="ps and train: runs per configuration (median reported)")
-    tr = p.add_argument_group("train")
+    _train_arguments(p.add_argument_group("train"))
+    _script_arguments(p.add_argument_group("script (after --, the command each worker runs)"))
+    p.add_argument("--sizes", type=lambda s: [_size(x) for x in s.split(",")], default=None,
+                   help="comma-separated sizes such as 4K,1M,64M (default 4K..256M)")
+    p.add_argument("--repeat", type=int, default=5, help="timed repeats per size (median reported; default 5)")
+    p.set_defaults(func=run, user_command=None)
+    return p
+
+
+def _train_arguments(tr) -> None:
     tr.add_argument("--models", type=_names(("mlp", "cnn")), default=["mlp", "cnn"], help="default mlp,cnn")
     tr.add_argument("--modes", type=_names(("sync", "async", "ssp")), default=["sync", "async", "ssp"],
                     help="default sync,async,ssp")
@@ -104,15 +113,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     tr.add_argument("--steps", type=int, default=None, help="steps per worker (default 60)")
     tr.add_argument("--pull-ahead", action="store_true",
                     help="async and ssp: pull the next step's weights during this step's compute (pull_ahead = true)")
-    sc = p.add_argument_group("script (after --, the command each worker runs)")
+
+
+def _script_arguments(sc) -> None:
     sc.add_argument("--skip", type=int, default=30, help="steps of each worker left out of samples/s (default 30)")
     sc.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a job-file key of the runs through psgrid, e.g. --set wire_dtype=\"bfloat16\" (repeatable)")
-    p.add_argument("--sizes", type=lambda s: [_size(x) for x in s.split(",")], default=None,
-                   help="comma-separated sizes such as 4K,1M,64M (default 4K..256M)")
-    p.add_argument("--repeat", type=int, default=5, help="timed repeats per size (median reported; default 5)")
-    p.set_defaults(func=run, user_command=None)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:
