@@ -177,8 +177,8 @@ def mode_defaults(modes: list[Mode], job) -> dict[str, Settings]:
     its own (about 1 - 1/W with W workers, Mitliagkas et al. 2016), so the job's momentum 0.9 on top
     overshoots. On the built-in MNIST job (docs/experiments/README.md) async with it off ended at 0.335 to
     0.897 at 8 workers and 0.817 to 0.930 at 4 (unstable), with it on at 0.903 to 0.928 and 0.864 to 0.916;
-    ssp:2 at 8 workers at 0.097 to 0.892 off and 0.909 to 0.917 on. Where plain momentum did no harm (async
-    at 2 workers, ssp:2 at 4) it costs about 0.01 to 0.03 of final accuracy.
+    ssp:2 at 8 workers at 0.097 to 0.892 off and 0.909 to 0.917 on. Where plain momentum did no harm (2
+    workers, and ssp:2 at 4) it costs about 0.01 to 0.03 of final accuracy.
     """
     server = job.server
     if server.optimizer != "sgd" or not server.momentum or server.async_momentum != "off":
