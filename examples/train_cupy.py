@@ -84,18 +84,19 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64, help="width of each hidden layer")
     parser.add_argument("--layers", type=int, default=1, help="hidden layers")
     parser.add_argument("--eval-every", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None, help="default: the job's seed (PSGRID_SEED), else 0")
     args = parser.parse_args()
+    seed = args.seed if args.seed is not None else psgrid.job_env().seed or 0   # psctl compare varies it per repeat
 
     xp = array_module(psgrid.job_env().gpu)
-    params = {k: xp.asarray(v) for k, v in init_params([64, *[args.hidden] * args.layers, 10], args.seed).items()}
+    params = {k: xp.asarray(v) for k, v in init_params([64, *[args.hidden] * args.layers, 10], seed).items()}
     ps = psgrid.init(params)  # +ps: join the job; the shards start from rank 0's weights
 
     images, labels = read_shipped("digits")     # the UCI digits scikit-learn has, shipped with psgrid
     x, y = xp.asarray(images.reshape(len(labels), -1) / 16, dtype=xp.float32), xp.asarray(labels, dtype=xp.int64)
     x_train, y_train = x[:1400][ps.rank::ps.world], y[:1400][ps.rank::ps.world]
     x_test, y_test = x[1400:], y[1400:]
-    rng = np.random.default_rng(args.seed + ps.rank)
+    rng = np.random.default_rng(seed + ps.rank)
     for step in range(args.steps):
         ps.pull()  # +ps: the shards' weights, written into params
         batch = xp.asarray(rng.choice(len(y_train), size=args.batch_size, replace=False))

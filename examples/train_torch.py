@@ -48,11 +48,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--eval-every", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None, help="default: the job's seed (PSGRID_SEED), else 0")
     args = parser.parse_args()
+    seed = args.seed if args.seed is not None else psgrid.job_env().seed or 0   # psctl compare varies it per repeat
 
     device = torch.device(psgrid.job_env().device)       # +ps: this worker's GPU (cuda:N), or the CPU
-    torch.manual_seed(args.seed)
+    torch.manual_seed(seed)
     model = make_model().to(device)
     ps = psgrid.init(model)  # +ps: join the job; the shards start from rank 0's weights
 
@@ -60,7 +61,7 @@ def main() -> None:
     x = torch.tensor(images / 16, dtype=torch.float32, device=device).unsqueeze(1)
     y = torch.tensor(labels, dtype=torch.int64, device=device)
     x_train, y_train = x[:1400][ps.rank::ps.world], y[:1400][ps.rank::ps.world]
-    generator = torch.Generator(device="cpu").manual_seed(args.seed + ps.rank)
+    generator = torch.Generator(device="cpu").manual_seed(seed + ps.rank)
     for step in range(args.steps):
         ps.pull()  # +ps: the shards' weights, in the model's parameters
         batch = torch.randperm(len(y_train), generator=generator)[:args.batch_size].to(device)

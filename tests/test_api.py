@@ -44,9 +44,10 @@ def no_job(monkeypatch):
 
 def test_the_job_is_read_from_the_environment():
     described = job_vars.JobEnv(addresses=["127.0.0.1:1", "h:2"], rank=1, world=3, local_rank=1, gpu=0, token="t",
-                                metrics="/m.jsonl", job_file="/job.toml", out="/out")
+                                metrics="/m.jsonl", job_file="/job.toml", out="/out", seed=7)
     variables = described.to_env()
     assert variables["PSGRID_ADDRESSES"] == "127.0.0.1:1,h:2" and variables["PSGRID_WORLD_SIZE"] == "3"
+    assert variables["PSGRID_SEED"] == "7"
     assert "PSGRID_TLS_CA" not in variables                       # unset values are left out
     assert job_vars.job_env(variables) == described and described.device == "cuda:0"
     assert job_vars.job_env({}).device == "cpu" and job_vars.job_env({}).addresses == []

@@ -54,7 +54,7 @@ def test_each_worker_gets_the_job_in_its_environment(tmp_path, monkeypatch):
     from psgrid.worker.env import job_env
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    job = apply_overrides(load_job("mnist"), {"token": "secret-token", "train.tls_ca": "ca.pem"})
+    job = apply_overrides(load_job("mnist"), {"token": "secret-token", "train.tls_ca": "ca.pem", "seed": 11})
     base = {"PATH": "/bin", "PMI_RANK": "4", "OMPI_COMM_WORLD_RANK": "4", "PMIX_RANK": "4"}
     env = script.worker_env(base, job, tmp_path, ["127.0.0.1:1", "127.0.0.1:2"], rank=3, world=4, local_rank=3)
     assert not any(k.startswith(("PMI_", "PMIX_", "OMPI_")) for k in env)    # it is not an MPI rank
@@ -64,6 +64,7 @@ def test_each_worker_gets_the_job_in_its_environment(tmp_path, monkeypatch):
     assert seen.token == "secret-token" and seen.tls_ca == str(Path("ca.pem").resolve())
     assert seen.metrics == str(tmp_path.resolve() / "metrics" / "worker-3.jsonl")
     assert seen.job_file == str(tmp_path.resolve() / "job.toml") and env["LOCAL_RANK"] == "3"
+    assert seen.seed == 11          # the job's [train] seed, which compare's repeats vary
 
 
 def test_gpus_are_counted_without_cuda(monkeypatch):

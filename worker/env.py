@@ -17,6 +17,8 @@ started by hand may set them itself, and :func:`psgrid.init` also takes them as 
 ``PSGRID_JOB_FILE``    the job as it runs (``OUT/job.toml``): the client reads its ``[train]``
                        transport settings (``data_plane``, ``wire_dtype``, deadlines) from it
 ``PSGRID_OUT``         the job's output folder
+``PSGRID_SEED``        the job's ``[train] seed``: what a script seeds its weights and data order from, so
+                       that ``psctl compare``'s repeats (seed base+r) vary them
 ``PSGRID_HOST_SHARD``  with ``shard_placement = "worker"`` under ``psctl launch -- CMD``: the shard this
                        worker's process hosts (its address published in ``PSGRID_ADDRESS_DIR``,
                        where the other shards' are found; cluster/run/hosted_script.py)
@@ -52,12 +54,13 @@ OUT = "PSGRID_OUT"
 HOST_GROUP = "PSGRID_HOST_GROUP"
 HOST_SHARD = "PSGRID_HOST_SHARD"
 ADDRESS_DIR = "PSGRID_ADDRESS_DIR"
+SEED = "PSGRID_SEED"
 # Set by a launcher for its children (cluster/run/procs.py): a script watches it and stops when its
 # launcher vanished without stopping it (kill -9), as psctl's own children do.
 PARENT = lifeline.PARENT_ENV
 
 NAMES = (ADDRESSES, RANK, WORLD_SIZE, LOCAL_RANK, GPU, TOKEN, TLS_CA, TLS_CERT, TLS_KEY, METRICS, JOB_FILE, OUT,
-         HOST_GROUP, HOST_SHARD, ADDRESS_DIR)
+         HOST_GROUP, HOST_SHARD, ADDRESS_DIR, SEED)
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class JobEnv:
     host_group: tuple[int, ...] | None = None
     host_shard: int | None = None
     address_dir: str | None = None
+    seed: int | None = None
 
     @property
     def device(self) -> str:
@@ -92,7 +96,7 @@ class JobEnv:
             LOCAL_RANK: self.local_rank, GPU: self.gpu, TOKEN: self.token, TLS_CA: self.tls_ca,
             TLS_CERT: self.tls_cert, TLS_KEY: self.tls_key, METRICS: self.metrics, JOB_FILE: self.job_file,
             OUT: self.out, HOST_GROUP: ",".join(map(str, self.host_group)) if self.host_group else None,
-            HOST_SHARD: self.host_shard, ADDRESS_DIR: self.address_dir,
+            HOST_SHARD: self.host_shard, ADDRESS_DIR: self.address_dir, SEED: self.seed,
         }
         return {name: str(value) for name, value in values.items() if value not in (None, "")}
 
@@ -125,7 +129,7 @@ def job_env(environ: Mapping[str, str] | None = None) -> JobEnv:
                  local_rank=number(LOCAL_RANK, 0) or 0, gpu=number(GPU, 0), token=text(TOKEN),
                  tls_ca=text(TLS_CA), tls_cert=text(TLS_CERT), tls_key=text(TLS_KEY), metrics=text(METRICS),
                  job_file=text(JOB_FILE), out=text(OUT), host_group=_host_group(text(HOST_GROUP)),
-                 host_shard=number(HOST_SHARD, 0), address_dir=text(ADDRESS_DIR))
+                 host_shard=number(HOST_SHARD, 0), address_dir=text(ADDRESS_DIR), seed=number(SEED, 0))
     if env.host_shard is not None and not (env.address_dir and env.job_file):
         raise ValueError(f"{HOST_SHARD} needs {ADDRESS_DIR} and {JOB_FILE}: where the shards publish their "
                          f"addresses, and the job whose shard this process hosts")

@@ -62,7 +62,7 @@ def alone(command: list[str], job: JobConfig, skip: int, timeout_s: float) -> di
         metrics = Path(tmp) / "worker-0.jsonl"
         job_file = write_job_file(tmp, job, "by psctl bench script, alone")
         described = JobEnv(rank=0, world=1, local_rank=0, gpu=gpu_for(0, job.train.device), metrics=str(metrics),
-                           job_file=str(job_file), out=tmp)
+                           job_file=str(job_file), out=tmp, seed=job.train.seed)
         env = child_env({**described.to_env(), ALONE: "1", "LOCAL_RANK": "0"})
         done = subprocess.run(command, env=env, timeout=timeout_s, stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True)

@@ -385,8 +385,8 @@ def _seeds_text(settings: dict) -> str:
     if len(set(seeds)) == 1:
         return (f"Seeds: every repeat ran with seed {seeds[0]} (pinned with --seeds), so repeats differ only by "
                 f"timing and no interval is drawn from them.")
-    what = ("the job file's [train] seed: the straggler draws follow it, and your script's own data order and "
-            "initial weights only where it reads that seed" if settings.get("script")
+    what = ("the job's [train] seed, in PSGRID_SEED: the straggler draws follow it, and your script's own data "
+            "order and initial weights where it reads that seed, as the examples do" if settings.get("script")
             else "data order, initial weights and straggler draws")
     return (f"Seeds: repeats {', '.join(map(str, range(len(seeds))))} of every mode ran with seeds "
             f"{', '.join(map(str, seeds))} ({what}); each run's seed is in summary.csv.")

@@ -135,7 +135,7 @@ def worker_env(base: dict[str, str], job, out: Path, addresses: list[str], rank:
                        gpu=gpu_for(local_rank, train.device), token=train.token, tls_ca=path(train.tls_ca),
                        tls_cert=path(train.tls_cert), tls_key=path(train.tls_key),
                        metrics=str(out / "metrics" / f"worker-{rank}.jsonl"), job_file=str(out / "job.toml"),
-                       out=str(out), host_group=host_group)
+                       out=str(out), host_group=host_group, seed=train.seed)
     env = {k: v for k, v in base.items() if not k.startswith(MPI_PREFIXES)}
     env.update(described.to_env())
     env["LOCAL_RANK"] = str(local_rank)
