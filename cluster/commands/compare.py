@@ -32,36 +32,50 @@ TUNE_REPEATS = 2                        # tuning.DEFAULT_REPEATS, kept here so -
 _PER_RUN = ("mode", "staleness", "backup_workers", "stragglers")
 
 
+DESCRIPTION = (
+    "Run the same job once per mode, worker count, "
+    "straggler setting and repeat, one run after another on this machine, and write OUT/"
+    "results.jsonl (every step of every run), OUT/summary.csv (one row per run), OUT/report.md and "
+    "OUT/report.html (tables, plots and a reading of the numbers) and OUT/plots/*.png. Each run's "
+    "own output is under OUT/runs/. Ctrl-C stops cleanly and keeps the finished runs; --resume "
+    "runs only what is missing. The allreduce mode trains with no shards under the mpiexec of "
+    "the mpi extra (pip install 'psgrid[mpi]'). "
+    "--tune KEY=V1,V2 (repeatable) first runs every mode over the grid of those settings (short "
+    "runs of --tune-steps, one each), picks each mode's best point (the earliest to the target; "
+    "where none reaches it, the best final accuracy; a diverged point never wins) and runs the "
+    "repeats there; the report shows each mode's chosen settings and how each setting did. "
+    "Repeat r runs with seed base+r (the job's seed is the base; --seeds pins them). A setting whose "
+    "final accuracies spread more than 0.05 across repeats, or whose loss rose for a stretch, is "
+    "marked unstable; a run whose loss grows or turns non-finite (also when the shards refuse its "
+    "non-finite gradients), or whose accuracy falls to chance, is marked diverged; the reading "
+    "says so first. The target accuracy is --target-accuracy, else 95% of the best setting's median "
+    "final accuracy, and time to it is 'k of n reached'. With 5 or more repeats of their own seeds "
+    "the tables show medians with bootstrap 95% intervals (else min..max) and the reading calls a "
+    "difference settled only where they do not overlap. async and ssp run with async_momentum=auto "
+    "unless --mode-set MODE:async_momentum=off (the report says which settings each mode ran with). "
+    "After -- comes your own script (-- python train.py ARGS): every worker of every "
+    "run runs it as under psctl launch --, with that run's mode and settings on the shards, and "
+    "the report is built from what psgrid.init's session logs (loss, log_eval)."
+)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = add_command(
         subparsers, "compare", help=HELP,
-        description="Run the same job (same seed, data order and initial weights) once per mode, worker count, "
-                    "straggler setting and repeat, one run after another on this machine, and write OUT/"
-                    "results.jsonl (every step of every run), OUT/summary.csv (one row per run), OUT/report.md and "
-                    "OUT/report.html (tables, plots and a reading of the numbers) and OUT/plots/*.png. Each run's "
-                    "own output is under OUT/runs/. Ctrl-C stops cleanly and keeps the finished runs; --resume "
-                    "runs only what is missing. The allreduce mode trains with no shards under the mpiexec of "
-                    "the mpi extra (pip install 'psgrid[mpi]'). "
-                    "--tune KEY=V1,V2 (repeatable) first runs every mode over the grid of those settings (short "
-                    "runs of --tune-steps, one each), picks each mode's best point (the earliest to the target; "
-                    "where none reaches it, the best final accuracy; a diverged point never wins) and runs the "
-                    "repeats there; the report shows each mode's chosen settings and how each setting did. "
-                    "Repeat r runs with seed base+r (the job's seed is the base; --seeds pins them). A setting whose "
-                    "final accuracies spread more than 0.05 across repeats, or whose loss rose for a stretch, is "
-                    "marked unstable; a run whose loss grows or turns non-finite (also when the shards refuse its "
-                    "non-finite gradients), or whose accuracy falls to chance, is marked diverged; the reading "
-                    "says so first. The target accuracy is --target-accuracy, else 95% of the best setting's median "
-                    "final accuracy, and time to it is 'k of n reached'. With 5 or more repeats of their own seeds "
-                    "the tables show medians with bootstrap 95% intervals (else min..max) and the reading calls a "
-                    "difference settled only where they do not overlap. async and ssp run with async_momentum=auto "
-                    "unless --mode-set MODE:async_momentum=off (the report says which settings each mode ran with). "
-                    "After -- comes your own script (-- python train.py ARGS): every worker of every "
-                    "run runs it as under psctl launch --, with that run's mode and settings on the shards, and "
-                    "the report is built from what psgrid.init's session logs (loss, log_eval).",
+        description=DESCRIPTION,
         examples=EXAMPLES,
     )
     add_config_arg(p, "mnist", "flags override it")
-    e = p.add_argument_group("experiment")
+    _experiment_arguments(p.add_argument_group("experiment"))
+    add_token_arg(p)
+    add_set_arg(p)
+    add_training_flags(p, keys=_training_keys())
+    p.set_defaults(func=run, user_command=None)
+    p.usage = p.format_usage().removeprefix("usage: ").rstrip() + " [-- COMMAND ...]"   # split off by cli.main
+    return p
+
+
+def _experiment_arguments(e) -> None:
     e.add_argument("--modes", metavar="LIST",
                    help=f"modes to compare: sync, async, ssp:S (bound S), allreduce (default: {DEFAULT_MODES}; "
                         f"with a script after --, {SCRIPT_MODES})")
@@ -92,7 +106,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="classes of the task, for the divergence test (final test accuracy <= 1.5/K is chance; "
                         "default: the job's dataset's; with a script after --, no chance test unless given)")
     e.add_argument("--target-accuracy", type=float, metavar="A",
-                   help="test accuracy whose time to reach is compared (default: the highest every run reached)")
+                   help="test accuracy whose time to reach is compared (default: 95%% of the best setting's median final "
+                        "accuracy)")
     e.add_argument("--out", required=True, metavar="DIR", help="output folder of the experiment")
     e.add_argument("--resume", action="store_true", help="finish an experiment in OUT: skip the runs already done")
     e.add_argument("--overwrite", action="store_true",
@@ -113,12 +128,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "needs pip install 'psgrid[tensorboard]')")
     e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show the progress bar (default: when stderr is a terminal)")
-    add_token_arg(p)
-    add_set_arg(p)
-    add_training_flags(p, keys=_training_keys())
-    p.set_defaults(func=run, user_command=None)
-    p.usage = p.format_usage().removeprefix("usage: ").rstrip() + " [-- COMMAND ...]"   # split off by cli.main
-    return p
 
 
 def _training_keys() -> list[str]:

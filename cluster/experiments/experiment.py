@@ -23,6 +23,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from psgrid.cluster.errors import UsageError
+from psgrid.psserver.protocol import mode_rules
 from psgrid.worker.straggler import parse_stragglers
 
 ALLREDUCE = "allreduce"
@@ -76,6 +77,16 @@ class Mode:
     @property
     def uses_shards(self) -> bool:
         return self.label != ALLREDUCE
+
+    @property
+    def stale(self) -> bool:
+        """Whether its pushes are applied as they come, each from weights others may have moved (async, ssp:S)."""
+        return not mode_rules(self.mode).accumulates
+
+
+def is_stale(label: str) -> bool:
+    """:attr:`Mode.stale` of a mode as written (``sync``, ``async``, ``ssp:2``, ``allreduce``)."""
+    return parse_modes(label)[0].stale
 
 
 def parse_modes(text: str) -> list[Mode]:
@@ -183,7 +194,7 @@ def mode_defaults(modes: list[Mode], job) -> dict[str, Settings]:
     server = job.server
     if server.optimizer != "sgd" or not server.momentum or server.async_momentum != "off":
         return {}
-    return {m.label: (("async_momentum", "auto"),) for m in modes if m.mode in ("async", "ssp")}
+    return {m.label: (("async_momentum", "auto"),) for m in modes if m.stale}
 
 
 SAME_SEED = "same"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 
 from psgrid.cluster.experiments import stability
-from psgrid.cluster.experiments.experiment import NO_STRAGGLERS
+from psgrid.cluster.experiments.experiment import NO_STRAGGLERS, is_stale
 from psgrid.cluster.experiments.grouping import (MIN_REPEATS, Group, Spread, acc, finished, group_phrase, group_title,
                                                  groups_of, join, modes_of, ratio, rows_of, secs, separated, sig,
                                                  spread, straggler_ranks, waits_per_rank)
@@ -101,7 +101,7 @@ def _unstable(ok: list[dict]) -> str | None:
     if not parts:
         return None
     stale = [key[0] for key, v in stability.verdicts(ok).items() if v.label == stability.UNSTABLE
-             and key[0] != "sync" and "async_momentum=auto" not in key[3]]
+             and is_stale(key[0]) and "async_momentum=auto" not in key[3]]
     tries = ([f"--mode-set {stale[0]}:async_momentum=auto (the shards lower the momentum by what asynchrony adds)"]
              if stale else []) + ["a lower learning rate (--mode-set MODE:lr=...)",
                                   "each mode at its own best settings (--tune lr=0.01,0.05,0.2)"]
@@ -311,7 +311,7 @@ def _waiting_for_stragglers(runs: list[dict], setting: str) -> str | None:
 
 def _theory(ok: list[dict], group: Group, modes: list[str]) -> str | None:
     """Did the stale modes beat sync under stragglers, as theory predicts?"""
-    rivals = [m for m in modes if (m == "async" or m.startswith("ssp")) and rows_of(ok, group, m)]
+    rivals = [m for m in modes if is_stale(m) and rows_of(ok, group, m)]
     if not rivals or not rows_of(ok, group, "sync"):
         return None
     t_sync, s_sync = (_median(ok, group, "sync", k) for k in ("time_to_target_s", "samples_per_s"))
