@@ -25,7 +25,7 @@ CASES = {
     "sgd+nesterov+wd": ("sgd", dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-4)),
     "adam": ("adam", dict(lr=1e-3)),
     "adam+wd": ("adam", dict(lr=1e-3, weight_decay=1e-4)),
-    "sgd+dc": ("sgd", dict(lr=0.01)),                 # staleness_compensation = "dc" (compensation.py)
+    "sgd+dc": ("sgd", dict(lr=0.01)),  # staleness_compensation = "dc" (compensation.py)
     "sgd+momentum+dc": ("sgd", dict(lr=0.01, momentum=0.9)),
 }
 
@@ -40,20 +40,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=21)
-    parser.add_argument("--block", type=int, nargs="*", default=[optim.BLOCK],
-                        help="block sizes in elements to compare (default: optim.BLOCK)")
+    parser.add_argument(
+        "--block",
+        type=int,
+        nargs="*",
+        default=[optim.BLOCK],
+        help="block sizes in elements to compare (default: optim.BLOCK)",
+    )
     args = parser.parse_args()
 
     n = args.mib * (1 << 20) // 4
     rng = np.random.default_rng(0)
     w = rng.standard_normal(n, dtype=np.float32)
     g = rng.standard_normal(n, dtype=np.float32) * 1e-3
-    pulled = w + rng.standard_normal(n, dtype=np.float32) * 1e-3     # dc: the version a stale gradient came from
+    pulled = w + rng.standard_normal(n, dtype=np.float32) * 1e-3  # dc: the version a stale gradient came from
     dst = np.empty_like(w)
     np.copyto(dst, w)  # fault the pages in before timing
     alone = statistics.median(timed(lambda: np.copyto(dst, w)) for _ in range(args.repeats))
-    print(f"{args.mib} MiB, {n} float32 elements, median of {args.repeats}; "
-          f"copyto alone {alone * 1e3:.2f} ms")
+    print(f"{args.mib} MiB, {n} float32 elements, median of {args.repeats}; copyto alone {alone * 1e3:.2f} ms")
 
     default_block = optim.BLOCK
     try:
@@ -68,8 +72,10 @@ def main() -> None:
                     copy.append(timed(lambda: np.copyto(dst, w)))
                     step.append(timed(lambda: opt.step(w, g, **dc)))
                 tc, ts = statistics.median(copy), statistics.median(step)
-                print(f"block {block:>8}  {label:<16} step {ts * 1e3:6.2f} ms  "
-                      f"copyto {tc * 1e3:5.2f} ms  ratio {tc / ts:.2f} (vs copyto alone {alone / ts:.2f})")
+                print(
+                    f"block {block:>8}  {label:<16} step {ts * 1e3:6.2f} ms  "
+                    f"copyto {tc * 1e3:5.2f} ms  ratio {tc / ts:.2f} (vs copyto alone {alone / ts:.2f})"
+                )
     finally:
         optim.BLOCK = default_block
 

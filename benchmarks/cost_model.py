@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-RTT_S = 100e-6              # a control round trip in Python on one host (bench ps at 100K floats: 0.1-0.2 ms)
+RTT_S = 100e-6  # a control round trip in Python on one host (bench ps at 100K floats: 0.1-0.2 ms)
 
 
 def _rows(name: str) -> list[dict]:
@@ -49,12 +49,13 @@ class Host:
 
     pcie_h2d: float
     pcie_d2h: float
-    update_gbps: dict[int, float] = field(default_factory=dict)   # host update bandwidth by threads at once
+    update_gbps: dict[int, float] = field(default_factory=dict)  # host update bandwidth by threads at once
     check_factor: dict[int, float] = field(default_factory=dict)  # checked update / plain update, by threads
     apply_threads: int = 4
 
-    def update_s(self, params: int, shards: int, threads_per_shard: int | None = None, *,
-                 separate_check: bool = False) -> float:
+    def update_s(
+        self, params: int, shards: int, threads_per_shard: int | None = None, *, separate_check: bool = False
+    ) -> float:
         threads = shards * (threads_per_shard or self.apply_threads)
         known = sorted(self.update_gbps)
         nearest = min(known, key=lambda t: abs(t - threads))
@@ -63,18 +64,31 @@ class Host:
         return plain * 16 / 12 if separate_check else plain * self.check_factor[nearest]
 
     @classmethod
-    def h100(cls) -> "Host":
+    def h100(cls) -> Host:
         """The lent H100 machine: gpu-workers-1xH100.log (pinned copy), host-bandwidth-1xH100.jsonl."""
         copy = next(r for r in _rows("gpu-workers-1xH100.jsonl") if "h2d_gbps" in r)
         bandwidth = _rows("host-bandwidth-1xH100.jsonl")
-        return cls(pcie_h2d=copy["h2d_gbps"], pcie_d2h=copy["d2h_gbps"],
-                   update_gbps={r["threads"]: r["update_gbps"] for r in bandwidth},
-                   check_factor={r["threads"]: r["checked_update_s"] / r["update_s"] for r in bandwidth})
+        return cls(
+            pcie_h2d=copy["h2d_gbps"],
+            pcie_d2h=copy["d2h_gbps"],
+            update_gbps={r["threads"]: r["update_gbps"] for r in bandwidth},
+            check_factor={r["threads"]: r["checked_update_s"] / r["update_s"] for r in bandwidth},
+        )
 
 
-def step_s(params: int, shards: int, workers: int, mode: str, compute_s: float, host: Host, *,
-           network_gbps: float | None = None, tcp_efficiency: float = 1.0, overhead_s: float = 0.0,
-           pull_ahead: bool = False) -> dict:
+def step_s(
+    params: int,
+    shards: int,
+    workers: int,
+    mode: str,
+    compute_s: float,
+    host: Host,
+    *,
+    network_gbps: float | None = None,
+    tcp_efficiency: float = 1.0,
+    overhead_s: float = 0.0,
+    pull_ahead: bool = False,
+) -> dict:
     """Predicted seconds of each part of a step, and of the step, for one worker of ``workers``.
 
     ``network_gbps``: None on one host (shared memory); else the link between workers and shards
@@ -85,12 +99,15 @@ def step_s(params: int, shards: int, workers: int, mode: str, compute_s: float, 
     h2d, d2h = nbytes / (host.pcie_h2d * 1e9), nbytes / (host.pcie_d2h * 1e9)
     # One host: every shard shares its memory; across hosts each shard has its own.
     check = mode == "sync"
-    update = (host.update_s(params, shards, separate_check=check) if network_gbps is None
-              else host.update_s(params // shards, 1, separate_check=check))
-    if mode == "sync":      # one update per round, after summing the round's W gradients (read two, write one)
+    update = (
+        host.update_s(params, shards, separate_check=check)
+        if network_gbps is None
+        else host.update_s(params // shards, 1, separate_check=check)
+    )
+    if mode == "sync":  # one update per round, after summing the round's W gradients (read two, write one)
         part = params if network_gbps is None else params // shards
         update += (workers - 1) * 12 * part / (max(host.update_gbps.values()) * 1e9)
-    else:                   # every push is an update, and they queue on every shard
+    else:  # every push is an update, and they queue on every shard
         update *= workers
     if network_gbps is None:
         wire = 0.0
@@ -117,9 +134,12 @@ def overheads(host: Host) -> dict[str, float]:
     alone = next(r for r in rows if r["params"] == smallest and r["mode"] == "none")
     fitted = {}
     for mode in ("sync", "async"):
-        gaps = [r["batch_size"] / r["samples_per_s"]
-                - step_s(smallest, r["shards"], r["workers"], mode, alone["compute_s"], host)["step_s"]
-                for r in rows if r["params"] == smallest and r["mode"] == mode]
+        gaps = [
+            r["batch_size"] / r["samples_per_s"]
+            - step_s(smallest, r["shards"], r["workers"], mode, alone["compute_s"], host)["step_s"]
+            for r in rows
+            if r["params"] == smallest and r["mode"] == mode
+        ]
         fitted[mode] = max(0.0, statistics.median(gaps))
     return fitted
 
@@ -134,11 +154,26 @@ def check(host: Host, overhead: dict[str, float]) -> list[dict]:
         if r["mode"] == "none":
             continue
         measured = r["batch_size"] / r["samples_per_s"]
-        predicted = step_s(r["params"], r["shards"], r["workers"], r["mode"], alone[r["params"]]["compute_s"], host,
-                           overhead_s=overhead[r["mode"]])
-        out.append({"params": r["params"], "shards": r["shards"], "mode": r["mode"], "measured_s": measured,
-                    "predicted_s": predicted["step_s"], "ratio": predicted["step_s"] / measured,
-                    "fitted_on": r["params"] == smallest})
+        predicted = step_s(
+            r["params"],
+            r["shards"],
+            r["workers"],
+            r["mode"],
+            alone[r["params"]]["compute_s"],
+            host,
+            overhead_s=overhead[r["mode"]],
+        )
+        out.append(
+            {
+                "params": r["params"],
+                "shards": r["shards"],
+                "mode": r["mode"],
+                "measured_s": measured,
+                "predicted_s": predicted["step_s"],
+                "ratio": predicted["step_s"] / measured,
+                "fitted_on": r["params"] == smallest,
+            }
+        )
     return out
 
 
@@ -151,11 +186,27 @@ def networks(host: Host, *, tcp_efficiency: float, overhead: dict[str, float]) -
         batch = sweep[params]["batch_size"]
         for gbps in (25, 100, 400):
             for mode in ("sync", "async"):
-                p = step_s(params, 4, 8, mode, compute, host, network_gbps=gbps, tcp_efficiency=tcp_efficiency,
-                           overhead_s=overhead[mode])
-                out.append({"params": params, "network_gbps": gbps, "mode": mode, **p,
-                            "samples_per_s_per_worker": batch / p["step_s"],
-                            "ratio_vs_no_servers": compute / p["step_s"]})
+                p = step_s(
+                    params,
+                    4,
+                    8,
+                    mode,
+                    compute,
+                    host,
+                    network_gbps=gbps,
+                    tcp_efficiency=tcp_efficiency,
+                    overhead_s=overhead[mode],
+                )
+                out.append(
+                    {
+                        "params": params,
+                        "network_gbps": gbps,
+                        "mode": mode,
+                        **p,
+                        "samples_per_s_per_worker": batch / p["step_s"],
+                        "ratio_vs_no_servers": compute / p["step_s"],
+                    }
+                )
     return out
 
 
@@ -171,8 +222,9 @@ def networks(host: Host, *, tcp_efficiency: float, overhead: dict[str, float]) -
 TBF_PAYLOAD_SHARE = 0.957
 
 
-def link_bytes(params: int, shard_hosts: list[int], worker_hosts: list[int], *, aggregate: bool = False,
-               wire_itemsize: int = 4) -> dict[int, dict[str, int]]:
+def link_bytes(
+    params: int, shard_hosts: list[int], worker_hosts: list[int], *, aggregate: bool = False, wire_itemsize: int = 4
+) -> dict[int, dict[str, int]]:
     """Payload bytes each host's link carries in one step, by phase and direction.
 
     A worker pulls every shard's range (float32) and pushes its gradient to every shard; a range
@@ -196,16 +248,28 @@ def link_bytes(params: int, shard_hosts: list[int], worker_hosts: list[int], *, 
     return out
 
 
-def busiest_link_bytes(params: int, shard_hosts: list[int], worker_hosts: list[int], *,
-                       aggregate: bool = False) -> tuple[int, int]:
+def busiest_link_bytes(
+    params: int, shard_hosts: list[int], worker_hosts: list[int], *, aggregate: bool = False
+) -> tuple[int, int]:
     """The payload bytes of the busiest link in the pull phase and in the push phase (either direction)."""
     per_host = link_bytes(params, shard_hosts, worker_hosts, aggregate=aggregate)
-    return (max(max(b["pull_in"], b["pull_out"]) for b in per_host.values()),
-            max(max(b["push_in"], b["push_out"]) for b in per_host.values()))
+    return (
+        max(max(b["pull_in"], b["pull_out"]) for b in per_host.values()),
+        max(max(b["push_in"], b["push_out"]) for b in per_host.values()),
+    )
 
 
-def links_step_s(params: int, shard_hosts: list[int], worker_hosts: list[int], rate_bits: float, base_step_s: float,
-                 *, base_transfer_s: float = 0.0, aggregate: bool = False, share: float | None = None) -> dict:
+def links_step_s(
+    params: int,
+    shard_hosts: list[int],
+    worker_hosts: list[int],
+    rate_bits: float,
+    base_step_s: float,
+    *,
+    base_transfer_s: float = 0.0,
+    aggregate: bool = False,
+    share: float | None = None,
+) -> dict:
     """A sync step across hosts whose links run at ``rate_bits`` each way.
 
     The step is the same placement's step on unshaped links with its transfer part replaced by the larger of
@@ -233,11 +297,18 @@ def links_step_s(params: int, shard_hosts: list[int], worker_hosts: list[int], r
     total = sum(sum(b.values()) for b in link_bytes(params, shard_hosts, worker_hosts, aggregate=aggregate).values())
     wire = pull + push
     step = base_step_s - base_transfer_s + max(base_transfer_s, wire)
-    return {"pull_wire_s": pull, "push_wire_s": push, "wire_s": wire, "share": share, "step_s": step,
-            "link_bytes": total}
+    return {
+        "pull_wire_s": pull,
+        "push_wire_s": push,
+        "wire_s": wire,
+        "share": share,
+        "step_s": step,
+        "link_bytes": total,
+    }
 
 
 # ----- device shards: the shard on the worker's GPU, over CUDA IPC ------------------------------------
+
 
 @dataclass
 class DeviceLink:
@@ -248,26 +319,30 @@ class DeviceLink:
     after a push costs beyond a pull alone: the GPU comes back to the worker's context first.
     """
 
-    copy_gbps: float            # device-to-device copy, bytes moved (read + write) per second / 1e9
+    copy_gbps: float  # device-to-device copy, bytes moved (read + write) per second / 1e9
     push_fixed_s: float
     pull_fixed_s: float
     switch_s: float
 
     @classmethod
-    def h100(cls) -> "DeviceLink":
+    def h100(cls) -> DeviceLink:
         """The lent H100: ipc-latency-1xH100.jsonl (benchmarks/ipc_latency.py, sync)."""
         rows = [r for r in _rows("ipc-latency-1xH100.jsonl") if r.get("mode") == "sync" and "push_ms" in r]
         tiny, big = min(rows, key=lambda r: r["elements"]), max(rows, key=lambda r: r["elements"])
-        return cls(copy_gbps=8 * big["elements"] / (big["d2d_copy_ms"] * 1e-3) / 1e9,
-                   push_fixed_s=tiny["push_ms"] * 1e-3, pull_fixed_s=tiny["pull_ms"] * 1e-3,
-                   switch_s=max(0.0, big["pull_after_push_ms"] - big["pull_ms"]) * 1e-3)
+        return cls(
+            copy_gbps=8 * big["elements"] / (big["d2d_copy_ms"] * 1e-3) / 1e9,
+            push_fixed_s=tiny["push_ms"] * 1e-3,
+            pull_fixed_s=tiny["pull_ms"] * 1e-3,
+            switch_s=max(0.0, big["pull_after_push_ms"] - big["pull_ms"]) * 1e-3,
+        )
 
 
-STATE_BYTES = {"sgd": 0, "momentum": 8, "adam": 16}     # per element, read and written by the update
+STATE_BYTES = {"sgd": 0, "momentum": 8, "adam": 16}  # per element, read and written by the update
 
 
-def device_step_s(params: int, mode: str, compute_s: float, link: DeviceLink, *, optimizer: str = "sgd",
-                  overlap: bool = True) -> dict:
+def device_step_s(
+    params: int, mode: str, compute_s: float, link: DeviceLink, *, optimizer: str = "sgd", overlap: bool = True
+) -> dict:
     """Predicted seconds of a step of one worker against one device shard on its own GPU.
 
     * copy   = 8P bytes / the GPU's copy bandwidth (the gradient into its slot; the pull's copy);
@@ -297,23 +372,33 @@ def main() -> int:
     row = (RESULTS / "bench-transport-1xH100.txt").read_text().splitlines()[1].split()
     tcp = float(row[4])
     overhead = overheads(host)
-    print("fixed cost per step, fitted on the smallest model: "
-          + ", ".join(f"{mode} {1e3 * s:.2f} ms" for mode, s in overhead.items()))
+    print(
+        "fixed cost per step, fitted on the smallest model: "
+        + ", ".join(f"{mode} {1e3 * s:.2f} ms" for mode, s in overhead.items())
+    )
     rows = check(host, overhead)
     print(f"{'params':>9} {'S':>2} {'mode':>6} {'measured ms':>11} {'predicted ms':>12} {'ratio':>6}")
     for r in rows:
-        print(f"{r['params'] / 1e6:8.1f}M {r['shards']:>2} {r['mode']:>6} {1e3 * r['measured_s']:11.2f} "
-              f"{1e3 * r['predicted_s']:12.2f} {r['ratio']:6.2f}{'  (fitted here)' if r['fitted_on'] else ''}")
+        print(
+            f"{r['params'] / 1e6:8.1f}M {r['shards']:>2} {r['mode']:>6} {1e3 * r['measured_s']:11.2f} "
+            f"{1e3 * r['predicted_s']:12.2f} {r['ratio']:6.2f}{'  (fitted here)' if r['fitted_on'] else ''}"
+        )
     ratios = [r["ratio"] for r in rows if not r["fitted_on"]]
-    print(f"predicted / measured on the other sizes: median {statistics.median(ratios):.2f}, "
-          f"range {min(ratios):.2f}..{max(ratios):.2f}")
+    print(
+        f"predicted / measured on the other sizes: median {statistics.median(ratios):.2f}, "
+        f"range {min(ratios):.2f}..{max(ratios):.2f}"
+    )
     print(f"\nacross hosts: 8 workers (one H100 each), 4 shard hosts, the TCP plane at {tcp:.2f} of the link")
-    print(f"{'params':>9} {'Gb/s':>5} {'mode':>6} {'wire ms':>8} {'update ms':>9} {'step ms':>8} {'samples/s/worker':>16} "
-          f"{'x alone':>7}")
+    print(
+        f"{'params':>9} {'Gb/s':>5} {'mode':>6} {'wire ms':>8} {'update ms':>9} {'step ms':>8} {'samples/s/worker':>16} "
+        f"{'x alone':>7}"
+    )
     for r in networks(host, tcp_efficiency=tcp, overhead=overhead):
-        print(f"{r['params'] / 1e6:8.1f}M {r['network_gbps']:5d} {r['mode']:>6} {1e3 * r['wire_s']:8.2f} "
-              f"{1e3 * r['update_s']:9.2f} {1e3 * r['step_s']:8.2f} {r['samples_per_s_per_worker']:16.0f} "
-              f"{r['ratio_vs_no_servers']:7.3f}")
+        print(
+            f"{r['params'] / 1e6:8.1f}M {r['network_gbps']:5d} {r['mode']:>6} {1e3 * r['wire_s']:8.2f} "
+            f"{1e3 * r['update_s']:9.2f} {1e3 * r['step_s']:8.2f} {r['samples_per_s_per_worker']:16.0f} "
+            f"{r['ratio_vs_no_servers']:7.3f}"
+        )
     if (RESULTS / "ipc-latency-1xH100.jsonl").exists() and (RESULTS / "device-workers-1xH100.jsonl").exists():
         print_device_check(DeviceLink.h100())
     return 0
@@ -323,18 +408,23 @@ def print_device_check(link: DeviceLink) -> None:
     """Device shards, predicted against device-workers-1xH100.jsonl (benchmarks/gpu_device_shards.sh part 2)."""
     rows = _rows("device-workers-1xH100.jsonl")
     alone = next(r for r in rows if r["setting"].startswith("no servers"))
-    print(f"\ndevice shards on the H100: copy {link.copy_gbps:.0f} GB/s, push {1e3 * link.push_fixed_s:.2f} ms and "
-          f"pull {1e3 * link.pull_fixed_s:.2f} ms fixed, switch back {1e3 * link.switch_s:.2f} ms")
+    print(
+        f"\ndevice shards on the H100: copy {link.copy_gbps:.0f} GB/s, push {1e3 * link.push_fixed_s:.2f} ms and "
+        f"pull {1e3 * link.pull_fixed_s:.2f} ms fixed, switch back {1e3 * link.switch_s:.2f} ms"
+    )
     print(f"{'setting':<34} {'measured ms':>11} {'predicted ms':>12} {'ratio':>6} {'x no servers':>12}")
     params = next(r["params"] for r in rows if r.get("params"))
     for r in rows:
         if not r.get("steady_step_s") or not r["setting"].startswith("1 shard(s)"):
             continue
         mode = r["setting"].split(", ")[1]
-        predicted = device_step_s(params, mode, alone["step_s"], link,
-                                  overlap="no overlap" not in r["setting"])["step_s"]
-        print(f"{r['setting']:<34} {1e3 * r['steady_step_s']:11.2f} {1e3 * predicted:12.2f} "
-              f"{predicted / r['steady_step_s']:6.2f} {alone['step_s'] / predicted:12.3f}")
+        predicted = device_step_s(params, mode, alone["step_s"], link, overlap="no overlap" not in r["setting"])[
+            "step_s"
+        ]
+        print(
+            f"{r['setting']:<34} {1e3 * r['steady_step_s']:11.2f} {1e3 * predicted:12.2f} "
+            f"{predicted / r['steady_step_s']:6.2f} {alone['step_s'] / predicted:12.3f}"
+        )
 
 
 if __name__ == "__main__":

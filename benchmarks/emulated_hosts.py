@@ -37,20 +37,31 @@ import tempfile
 import time
 from pathlib import Path
 
-import cost_model    # beside this script: its folder is on the path when it runs
+import cost_model  # beside this script: its folder is on the path when it runs
+
 from psgrid.cluster.hosts.job import EmulatedJob
 from psgrid.cluster.hosts.network import EmulatedNetwork, available, rate_bits
 from psgrid.cluster.job.config import job_from_dict
 
 
 def make_job(hidden: int, steps: int, batch: int, shards: int, workers: int, aggregate: str):
-    return job_from_dict({
-        "job": {"shards": shards, "workers": workers},
-        "server": {"mode": "sync", "lr": 0.05, "momentum": 0.9},
-        "train": {"dataset": "synthetic", "synthetic_samples": 4000, "model": "mlp", "hidden": [hidden],
-                  "steps": steps, "batch_size": batch, "eval_every": 0, "aggregate": aggregate,
-                  "join_timeout_s": 300.0},
-    })
+    return job_from_dict(
+        {
+            "job": {"shards": shards, "workers": workers},
+            "server": {"mode": "sync", "lr": 0.05, "momentum": 0.9},
+            "train": {
+                "dataset": "synthetic",
+                "synthetic_samples": 4000,
+                "model": "mlp",
+                "hidden": [hidden],
+                "steps": steps,
+                "batch_size": batch,
+                "eval_every": 0,
+                "aggregate": aggregate,
+                "join_timeout_s": 300.0,
+            },
+        }
+    )
 
 
 # Every host sends BYTES to every other at once over plain TCP in FLOWS connections (what a sync phase does),
@@ -99,16 +110,30 @@ def mesh_rate(hosts: int, rate, flows: int = 1, mib: int = 20) -> float:
     with EmulatedNetwork(hosts, rate) as net:
         procs = []
         try:
-            receivers = [subprocess.Popen(h.argv([sys.executable, "-c", _RECEIVER, h.address, str((hosts - 1) * flows)]),
-                                          stdout=subprocess.PIPE, text=True, start_new_session=True)
-                         for h in net.hosts]
+            receivers = [
+                subprocess.Popen(
+                    h.argv([sys.executable, "-c", _RECEIVER, h.address, str((hosts - 1) * flows)]),
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )
+                for h in net.hosts
+            ]
             procs += receivers
             for r in receivers:
                 r.stdout.readline()
-            senders = [subprocess.Popen(h.argv([sys.executable, "-c", _SENDER, str(mib * 2**20), str(flows)]
-                                               + [o.address for o in net.hosts if o is not h]),
-                                        stdout=subprocess.PIPE, text=True, start_new_session=True)
-                       for h in net.hosts]
+            senders = [
+                subprocess.Popen(
+                    h.argv(
+                        [sys.executable, "-c", _SENDER, str(mib * 2**20), str(flows)]
+                        + [o.address for o in net.hosts if o is not h]
+                    ),
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    start_new_session=True,
+                )
+                for h in net.hosts
+            ]
             procs += senders
             seconds = max(float(p.communicate(timeout=120)[0]) for p in senders)
             for r in receivers:
@@ -132,8 +157,9 @@ def steady_step_s(result) -> float:
 def transfer_s(result, worker_hosts: list[int], aggregate: str) -> tuple[float, float]:
     """The median pull and push seconds of the workers that talk to the shards (every worker; with
     aggregation each host's leader, its first rank), after their first two steps."""
-    talkers = (range(len(worker_hosts)) if aggregate == "none"
-               else [worker_hosts.index(h) for h in sorted(set(worker_hosts))])
+    talkers = (
+        range(len(worker_hosts)) if aggregate == "none" else [worker_hosts.index(h) for h in sorted(set(worker_hosts))]
+    )
     steps = [r for rank in talkers for r in result.records[rank][2:]]
     return statistics.median(r["pull_s"] for r in steps), statistics.median(r["push_s"] for r in steps)
 
@@ -153,12 +179,24 @@ def run_one(hosts: int, rate, *, shards: int, workers: int, aggregate: str, args
     params = result.starts[0]["params"]
     step = steady_step_s(result)
     pull, push = transfer_s(result, worker_hosts, aggregate)
-    return {"hosts": hosts, "rate": rate, "shards": shards, "workers": workers, "aggregate": aggregate,
-            "params": params, "step_s": step, "samples_per_s": workers * args.batch / step,
-            "pull_s": pull, "push_s": push, "transfer_s": pull + push,
-            "link_bytes_per_step": result.bytes_per_step, "shard_hosts": shard_hosts, "worker_hosts": worker_hosts,
-            "compute_s": statistics.median(r["compute_s"] for recs in result.records for r in recs[2:]),
-            "accuracy": result.accuracy}
+    return {
+        "hosts": hosts,
+        "rate": rate,
+        "shards": shards,
+        "workers": workers,
+        "aggregate": aggregate,
+        "params": params,
+        "step_s": step,
+        "samples_per_s": workers * args.batch / step,
+        "pull_s": pull,
+        "push_s": push,
+        "transfer_s": pull + push,
+        "link_bytes_per_step": result.bytes_per_step,
+        "shard_hosts": shard_hosts,
+        "worker_hosts": worker_hosts,
+        "compute_s": statistics.median(r["compute_s"] for recs in result.records for r in recs[2:]),
+        "accuracy": result.accuracy,
+    }
 
 
 def with_prediction(row: dict, base: dict, cpu_rate: float, share: float | None = None) -> dict:
@@ -169,8 +207,12 @@ def with_prediction(row: dict, base: dict, cpu_rate: float, share: float | None 
     taken as the workers' median pull + push there (which holds the waits for the round and, with
     aggregation, for the host's other workers), and ``add_step_s``, the model before it was corrected (the
     unshaped step plus the wire time at one stream's share)."""
-    model = dict(params=row["params"], shard_hosts=row["shard_hosts"], worker_hosts=row["worker_hosts"],
-                 aggregate=row["aggregate"] == "host")
+    model = dict(
+        params=row["params"],
+        shard_hosts=row["shard_hosts"],
+        worker_hosts=row["worker_hosts"],
+        aggregate=row["aggregate"] == "host",
+    )
     transfer = sum(cost_model.busiest_link_bytes(**model)) / cpu_rate
     row = dict(row, cpu_rate=cpu_rate, model_transfer_s=transfer)
     if row["rate"] is None:
@@ -179,8 +221,15 @@ def with_prediction(row: dict, base: dict, cpu_rate: float, share: float | None 
     p = cost_model.links_step_s(**model, base_transfer_s=transfer, share=share)
     xfer = cost_model.links_step_s(**model, base_transfer_s=base["transfer_s"], share=share)["step_s"]
     added = cost_model.links_step_s(**model)["step_s"]
-    return dict(row, predicted_step_s=p["step_s"], predicted_link_bytes=p["link_bytes"], share=p["share"],
-                wire_s=p["wire_s"], xfer_step_s=xfer, add_step_s=added)
+    return dict(
+        row,
+        predicted_step_s=p["step_s"],
+        predicted_link_bytes=p["link_bytes"],
+        share=p["share"],
+        wire_s=p["wire_s"],
+        xfer_step_s=xfer,
+        add_step_s=added,
+    )
 
 
 def fmt(row: dict, batch: int) -> str:
@@ -188,18 +237,22 @@ def fmt(row: dict, batch: int) -> str:
     predicted = row.get("predicted_step_s")
     ratio = row["step_s"] / predicted if predicted else float("nan")
     pbytes = row.get("predicted_link_bytes")
-    return (f"{row['hosts']:>5} {row['shards']:>2} {row['workers']:>2} {rate:>9} {row['aggregate']:>5} "
-            f"{1e3 * row['step_s']:9.1f} {1e3 * predicted:9.1f} {ratio:6.2f} "
-            f"{row['samples_per_s']:9.0f} {row['workers'] * batch / predicted:9.0f} "
-            f"{row['link_bytes_per_step'] / 1e6:9.2f} {'' if pbytes is None else f'{pbytes / 1e6:9.2f}':>9} "
-            f"{1e3 * row['compute_s']:8.1f} {1e3 * row['transfer_s']:8.1f} {1e3 * row['model_transfer_s']:8.1f} "
-            f"{row.get('share') or float('nan'):5.2f} {1e3 * (row.get('wire_s') or float('nan')):8.1f} "
-            f"{1e3 * (row.get('xfer_step_s') or float('nan')):8.1f} {1e3 * (row.get('add_step_s') or float('nan')):8.1f}")
+    return (
+        f"{row['hosts']:>5} {row['shards']:>2} {row['workers']:>2} {rate:>9} {row['aggregate']:>5} "
+        f"{1e3 * row['step_s']:9.1f} {1e3 * predicted:9.1f} {ratio:6.2f} "
+        f"{row['samples_per_s']:9.0f} {row['workers'] * batch / predicted:9.0f} "
+        f"{row['link_bytes_per_step'] / 1e6:9.2f} {'' if pbytes is None else f'{pbytes / 1e6:9.2f}':>9} "
+        f"{1e3 * row['compute_s']:8.1f} {1e3 * row['transfer_s']:8.1f} {1e3 * row['model_transfer_s']:8.1f} "
+        f"{row.get('share') or float('nan'):5.2f} {1e3 * (row.get('wire_s') or float('nan')):8.1f} "
+        f"{1e3 * (row.get('xfer_step_s') or float('nan')):8.1f} {1e3 * (row.get('add_step_s') or float('nan')):8.1f}"
+    )
 
 
-HEADER = (f"{'hosts':>5} {'S':>2} {'W':>2} {'link':>9} {'aggr':>5} {'step ms':>9} {'model ms':>9} {'meas/model':>6} "
-          f"{'samples/s':>9} {'model':>9} {'MB/step':>9} {'model MB':>9} {'compute':>8} {'xfer ms':>8} {'cpu ms':>8} "
-          f"{'share':>5} {'wire ms':>8} {'by xfer':>8} {'by add':>8}")
+HEADER = (
+    f"{'hosts':>5} {'S':>2} {'W':>2} {'link':>9} {'aggr':>5} {'step ms':>9} {'model ms':>9} {'meas/model':>6} "
+    f"{'samples/s':>9} {'model':>9} {'MB/step':>9} {'model MB':>9} {'compute':>8} {'xfer ms':>8} {'cpu ms':>8} "
+    f"{'share':>5} {'wire ms':>8} {'by xfer':>8} {'by add':>8}"
+)
 
 
 def _interrupt(signum, frame):
@@ -222,23 +275,36 @@ def main() -> int:
         return 2
     # SIGTERM ends the runs as Ctrl-C does: every context manager removes what it made.
     signal.signal(signal.SIGTERM, _interrupt)
-    plan = []       # (title, hosts, rate, shards, workers, aggregate)
+    plan = []  # (title, hosts, rate, shards, workers, aggregate)
     if args.only in (None, "table"):
         for aggregate in ("none", "host"):
             plan += [("table", 2, None, 2, 8, aggregate), ("table", 2, "1gbit", 2, 8, aggregate)]
     if args.only in (None, "sweep"):
         for hosts in (2, 4):
             plan += [("sweep", hosts, rate, hosts, 4, "none") for rate in (None, "1gbit", "10gbit")]
-    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}; cpus: {os.cpu_count()}; "
-          f"MLP 784-{args.hidden}-10, batch {args.batch}, {args.steps} steps, sync, float32, "
-          f"median of {args.repeats} runs", flush=True)
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}; cpus: {os.cpu_count()}; "
+        f"MLP 784-{args.hidden}-10, batch {args.batch}, {args.steps} steps, sync, float32, "
+        f"median of {args.repeats} runs",
+        flush=True,
+    )
     rows, bases, shares, cpu_rates = [], {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="psgrid-emulated-") as tmp:
         for n, (title, hosts, rate, shards, workers, aggregate) in enumerate(plan):
             t0 = time.monotonic()
-            repeats = [run_one(hosts, rate, shards=shards, workers=workers, aggregate=aggregate, args=args,
-                               out=Path(tmp) / f"run-{n}-{r}") for r in range(args.repeats)]
-            row = sorted(repeats, key=lambda r: r["step_s"])[len(repeats) // 2]       # the median run
+            repeats = [
+                run_one(
+                    hosts,
+                    rate,
+                    shards=shards,
+                    workers=workers,
+                    aggregate=aggregate,
+                    args=args,
+                    out=Path(tmp) / f"run-{n}-{r}",
+                )
+                for r in range(args.repeats)
+            ]
+            row = sorted(repeats, key=lambda r: r["step_s"])[len(repeats) // 2]  # the median run
             row["steps_s"] = [r["step_s"] for r in repeats]
             row["title"], row["batch"], row["run_s"] = title, args.batch, time.monotonic() - t0
             key = (hosts, shards, workers, aggregate)

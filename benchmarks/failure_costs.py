@@ -25,14 +25,34 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-JOB = ["--config", "mnist", "--mode", "sync", "--shards", "2", "--workers", "3", "--steps", "600",
-       "--eval-every", "0", "--no-progress", "--set", 'stragglers=["0:exp:5", "1:exp:5", "2:exp:5"]']
+JOB = [
+    "--config",
+    "mnist",
+    "--mode",
+    "sync",
+    "--shards",
+    "2",
+    "--workers",
+    "3",
+    "--steps",
+    "600",
+    "--eval-every",
+    "0",
+    "--no-progress",
+    "--set",
+    'stragglers=["0:exp:5", "1:exp:5", "2:exp:5"]',
+]
 
 
 def launch(out: Path, *args: str) -> subprocess.Popen:
     log = open(out.parent / f"{out.name}.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "launch", *args, "--out", str(out)],
-                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "psgrid.cluster.cli", "launch", *args, "--out", str(out)],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def events(out: Path, rank: int, kind: str = "step") -> list[dict]:
@@ -89,8 +109,12 @@ def run(tmp: Path, name: str, *extra: str, inject=None) -> dict:
             os.killpg(proc.pid, signal.SIGKILL)
     summary = json.loads((out / "summary.json").read_text())
     first = events(out, 0, "start")
-    return {"code": code, "stall_s": longest_gap(out), "summary": summary,
-            "to_first_step_s": first[0]["time"] - started if first else None}
+    return {
+        "code": code,
+        "stall_s": longest_gap(out),
+        "summary": summary,
+        "to_first_step_s": first[0]["time"] - started if first else None,
+    }
 
 
 def kill_worker(out: Path) -> None:
@@ -112,15 +136,39 @@ def scenarios(tmp: Path) -> list[tuple[str, str, dict]]:
     rows = []
     base = run(tmp, "baseline", "--lease-s", "3")
     rows.append(("no failure", "lease_s = 3", base))
-    rows.append(("worker killed (kill -9)", "lease_s = 3", run(tmp, "worker-kill", "--lease-s", "3",
-                                                                inject=kill_worker)))
-    rows.append(("worker hung, heartbeat alive", "progress_timeout_s = 5",
-                 run(tmp, "worker-hang", "--lease-s", "3", "--set", "progress_timeout_s=5",
-                     "--set", 'stragglers=["0:exp:5", "1:exp:5", "2:1000000"]')))
-    rows.append(("worker killed before it joins", "join_timeout_s = 120",
-                 run(tmp, "worker-early", "--lease-s", "3", inject=kill_before_join)))
-    rows.append(("shard killed (kill -9), restarted", "checkpoint_every = 20",
-                 run(tmp, "shard-kill", "--lease-s", "3", "--restart-failed", *ckpt, inject=kill_shard)))
+    rows.append(
+        ("worker killed (kill -9)", "lease_s = 3", run(tmp, "worker-kill", "--lease-s", "3", inject=kill_worker))
+    )
+    rows.append(
+        (
+            "worker hung, heartbeat alive",
+            "progress_timeout_s = 5",
+            run(
+                tmp,
+                "worker-hang",
+                "--lease-s",
+                "3",
+                "--set",
+                "progress_timeout_s=5",
+                "--set",
+                'stragglers=["0:exp:5", "1:exp:5", "2:1000000"]',
+            ),
+        )
+    )
+    rows.append(
+        (
+            "worker killed before it joins",
+            "join_timeout_s = 120",
+            run(tmp, "worker-early", "--lease-s", "3", inject=kill_before_join),
+        )
+    )
+    rows.append(
+        (
+            "shard killed (kill -9), restarted",
+            "checkpoint_every = 20",
+            run(tmp, "shard-kill", "--lease-s", "3", "--restart-failed", *ckpt, inject=kill_shard),
+        )
+    )
     return rows
 
 
@@ -142,16 +190,20 @@ def main() -> int:
             results.setdefault((name, setting), []).append(res)
             print(f"repeat {r}: {name}: exit {res['code']}, stall {res['stall_s']:.2f} s", file=sys.stderr)
     print(f"load average before the table: {os.getloadavg()[0]:.2f}; {args.repeats} repeats, medians\n")
-    print("| failure | setting | exit | longest stall of worker 0 (s) | launch to worker 0's first step (s) "
-          "| lost updates | test accuracy |")
+    print(
+        "| failure | setting | exit | longest stall of worker 0 (s) | launch to worker 0's first step (s) "
+        "| lost updates | test accuracy |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for (name, setting), runs in results.items():
         codes = sorted({r["code"] for r in runs})
         lost = median([r["summary"].get("lost_updates") for r in runs])
         acc = median([r["summary"].get("test_accuracy") for r in runs])
         first = median([r["to_first_step_s"] for r in runs])
-        print(f"| {name} | {setting} | {','.join(map(str, codes))} | {median([r['stall_s'] for r in runs]):.2f} "
-              f"| {first:.2f} | {lost} | {acc:.3f} |")
+        print(
+            f"| {name} | {setting} | {','.join(map(str, codes))} | {median([r['stall_s'] for r in runs]):.2f} "
+            f"| {first:.2f} | {lost} | {acc:.3f} |"
+        )
     return 0
 
 

@@ -41,46 +41,83 @@ def allreduce(job, ranks: int, tmp: Path, mpi_args: tuple = ()) -> dict:
     """Run ``job`` under ``psctl allreduce`` with ``ranks`` ranks; its samples/s, median step and stderr notes."""
     folder = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{job.train.hidden[0]}-{ranks}-"))
     job_file = write_job_file(folder, job, "by benchmarks/gpu_allreduce.py")
-    cmd = [mpiexec(), "-n", str(ranks), *mpi_args, sys.executable, "-m", "psgrid.cluster.cli", "allreduce", "--config",
-           str(job_file), "--out", str(folder / "run"), "--no-progress"]
+    cmd = [
+        mpiexec(),
+        "-n",
+        str(ranks),
+        *mpi_args,
+        sys.executable,
+        "-m",
+        "psgrid.cluster.cli",
+        "allreduce",
+        "--config",
+        str(job_file),
+        "--out",
+        str(folder / "run"),
+        "--no-progress",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     if proc.returncode != 0:
         return {"status": f"exit {proc.returncode}", "stderr": proc.stderr[-2000:]}
     summary = json.loads((folder / "run" / "summary.json").read_text())
     events = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [e for e in events if e.get("event") == "step"]
-    steps = steps[len(steps) // 10:] or steps
+    steps = steps[len(steps) // 10 :] or steps
     step_s = statistics.median(e["pull_s"] + e["compute_s"] + e["push_s"] for e in steps)
     notes = [line for line in proc.stderr.splitlines() if "NCCL" in line]
-    return {"status": summary["status"], "samples_per_s": summary["samples_per_s"], "step_s": step_s,
-            "median_samples_per_s": ranks * job.train.batch_size / step_s,
-            "push_s": statistics.median(e["push_s"] for e in steps),
-            "compute_s": statistics.median(e["compute_s"] for e in steps),
-            "test_accuracy": summary.get("test_accuracy"), "final_loss": summary.get("final_loss"), "notes": notes}
+    return {
+        "status": summary["status"],
+        "samples_per_s": summary["samples_per_s"],
+        "step_s": step_s,
+        "median_samples_per_s": ranks * job.train.batch_size / step_s,
+        "push_s": statistics.median(e["push_s"] for e in steps),
+        "compute_s": statistics.median(e["compute_s"] for e in steps),
+        "test_accuracy": summary.get("test_accuracy"),
+        "final_loss": summary.get("final_loss"),
+        "notes": notes,
+    }
 
 
 def rows(models, steps: int, batch: int, shared: int, tmp: Path):
     for name in models:
         job = base_job("mlp", "gpu", MODELS[name], batch, steps)
         alone = no_servers(job.train)
-        yield {"model": name, "params": alone["params"], "setting": "no servers (local SGD on the GPU)", "ranks": 1,
-               "samples_per_s": alone["samples_per_s"], "median_samples_per_s": alone["samples_per_s"],
-               "step_s": alone["step_s"], "device": alone["device"], "ratio": 1.0}
+        yield {
+            "model": name,
+            "params": alone["params"],
+            "setting": "no servers (local SGD on the GPU)",
+            "ranks": 1,
+            "samples_per_s": alone["samples_per_s"],
+            "median_samples_per_s": alone["samples_per_s"],
+            "step_s": alone["step_s"],
+            "device": alone["device"],
+            "ratio": 1.0,
+        }
         # Open MPI binds a rank to one core by default: its loader and progress threads then share that core.
         free = ("--bind-to", "none")
-        settings = [("allreduce, 1 rank, SGD", job, 1, ()),
-                    ("allreduce, 1 rank, SGD, --bind-to none", job, 1, free),
-                    ("allreduce, 1 rank, momentum 0.9, --bind-to none", apply_overrides(job, {"momentum": 0.9}), 1, free)]
+        settings = [
+            ("allreduce, 1 rank, SGD", job, 1, ()),
+            ("allreduce, 1 rank, SGD, --bind-to none", job, 1, free),
+            ("allreduce, 1 rank, momentum 0.9, --bind-to none", apply_overrides(job, {"momentum": 0.9}), 1, free),
+        ]
         if shared > 1:
             settings.append((f"allreduce, {shared} ranks sharing the GPU, SGD", job, shared, free))
         for setting, j, ranks, mpi_args in settings:
             r = allreduce(j, ranks, tmp, mpi_args)
             ratio = r.get("samples_per_s", 0.0) / alone["samples_per_s"]
             yield {"model": name, "params": alone["params"], "setting": setting, "ranks": ranks, **r, "ratio": ratio}
-        again = no_servers(job.train)          # the reference twice: its spread is the noise of this table
-        yield {"model": name, "params": again["params"], "setting": "no servers, again", "ranks": 1,
-               "samples_per_s": again["samples_per_s"], "median_samples_per_s": again["samples_per_s"],
-               "step_s": again["step_s"], "device": again["device"], "ratio": again["samples_per_s"] / alone["samples_per_s"]}
+        again = no_servers(job.train)  # the reference twice: its spread is the noise of this table
+        yield {
+            "model": name,
+            "params": again["params"],
+            "setting": "no servers, again",
+            "ranks": 1,
+            "samples_per_s": again["samples_per_s"],
+            "median_samples_per_s": again["samples_per_s"],
+            "step_s": again["step_s"],
+            "device": again["device"],
+            "ratio": again["samples_per_s"] / alone["samples_per_s"],
+        }
     # The run the 3,310 samples/s of the host-side update came from: examples/synthetic-50m.toml, one rank.
     job = apply_overrides(load_job("examples/synthetic-50m.toml"), {"steps": steps, "eval_every": 0, "device": "gpu"})
     r = allreduce(job, 1, tmp, ("--bind-to", "none"))
@@ -96,8 +133,11 @@ def main() -> None:
     p.add_argument("--json", help="append every row to this file")
     p.add_argument("--runs-out", help="keep every run's folder under this one")
     args = p.parse_args()
-    print(f"{'model':>6} {'setting':<48} {'samples/s':>10} {'x none':>7} {'median/s':>9} {'step ms':>8} "
-          f"{'compute ms':>10} {'push ms':>8} {'status':>7}", flush=True)
+    print(
+        f"{'model':>6} {'setting':<48} {'samples/s':>10} {'x none':>7} {'median/s':>9} {'step ms':>8} "
+        f"{'compute ms':>10} {'push ms':>8} {'status':>7}",
+        flush=True,
+    )
     with tempfile.TemporaryDirectory(prefix="gpu-allreduce-") as tmp:
         tmp = args.runs_out or tmp
         Path(tmp).mkdir(parents=True, exist_ok=True)
@@ -110,9 +150,12 @@ def main() -> None:
             if "stderr" in row:
                 print(row["stderr"], flush=True)
             f = lambda k, scale=1.0: f"{scale * row[k]:.2f}" if row.get(k) is not None else "-"  # noqa: E731
-            print(f"{row['model']:>6} {row['setting']:<48} {row.get('samples_per_s') or 0:10.0f} "
-                  f"{row.get('ratio') or 0:7.3f} {row.get('median_samples_per_s') or 0:9.0f} {f('step_s', 1e3):>8} "
-                  f"{f('compute_s', 1e3):>10} {f('push_s', 1e3):>8} {row.get('status', 'ok'):>7}", flush=True)
+            print(
+                f"{row['model']:>6} {row['setting']:<48} {row.get('samples_per_s') or 0:10.0f} "
+                f"{row.get('ratio') or 0:7.3f} {row.get('median_samples_per_s') or 0:9.0f} {f('step_s', 1e3):>8} "
+                f"{f('compute_s', 1e3):>10} {f('push_s', 1e3):>8} {row.get('status', 'ok'):>7}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -59,7 +59,7 @@ def _round_trips(conn, run, mine: bool, theirs: bool, repeat: int) -> tuple[floa
         conn.recv_bytes()
         times.append(time.perf_counter() - t)
         work.append(w - t)
-    return statistics.median(times[repeat // 10:]), statistics.median(work[repeat // 10:])
+    return statistics.median(times[repeat // 10 :]), statistics.median(work[repeat // 10 :])
 
 
 def _mlp_step(size: int):
@@ -100,9 +100,13 @@ def measure(size: int, repeat: int, other: str, work: str = "add") -> dict:
             raise SystemExit(f"the {other} on the other side did not start in 120 s")
         ours.recv_bytes()
         trips, own = {}, {}
-        for _ in range(2):      # the second pass is kept: the first warms both sides up
-            for name, mine, their in (("neither", False, False), ("this side", True, False),
-                                      ("other side", False, True), ("both", True, True)):
+        for _ in range(2):  # the second pass is kept: the first warms both sides up
+            for name, mine, their in (
+                ("neither", False, False),
+                ("this side", True, False),
+                ("other side", False, True),
+                ("both", True, True),
+            ):
                 trips[name], own[name] = _round_trips(ours, run, mine, their, repeat)
         ours.send_bytes(b"q")
     finally:
@@ -111,9 +115,15 @@ def measure(size: int, repeat: int, other: str, work: str = "add") -> dict:
             peer.kill()
     switch = (trips["both"] - trips["this side"] - trips["other side"] + trips["neither"]) / 2
     # Does this side's own work run slower right after the other side's (a cold cache or TLB, say)?
-    return {"size": size, "other": other, "work": work, **{f"{k}_ms": 1e3 * v for k, v in trips.items()},
-            "switch_ms": 1e3 * switch, "own_work_alone_ms": 1e3 * own["this side"],
-            "own_work_after_other_ms": 1e3 * own["both"]}
+    return {
+        "size": size,
+        "other": other,
+        "work": work,
+        **{f"{k}_ms": 1e3 * v for k, v in trips.items()},
+        "switch_ms": 1e3 * switch,
+        "own_work_alone_ms": 1e3 * own["this side"],
+        "own_work_after_other_ms": 1e3 * own["both"],
+    }
 
 
 def main() -> None:
@@ -121,8 +131,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=400)
     parser.add_argument("--sizes", default="1024,20000000", help="float32 elements the kernel adds 1 to")
     parser.add_argument("--json", help="append one line per measurement to this file")
-    parser.add_argument("--mlp", action="store_true",
-                        help="also: this side runs the 20M MLP's products (a worker's step), the other the add")
+    parser.add_argument(
+        "--mlp",
+        action="store_true",
+        help="also: this side runs the 20M MLP's products (a worker's step), the other the add",
+    )
     args = parser.parse_args()
     cases = [(size, "add") for size in map(int, args.sizes.split(","))]
     if args.mlp:
@@ -130,11 +143,13 @@ def main() -> None:
     for size, work in cases:
         for other in ("thread", "process"):
             row = measure(size, args.repeat, other, work)
-            print(f"{size:>9} floats, {work}, other side a {other:<7}: round trip neither {row['neither_ms']:.3f} ms, "
-                  f"this side {row['this side_ms']:.3f}, other side {row['other side_ms']:.3f}, "
-                  f"both {row['both_ms']:.3f}; a move between contexts {row['switch_ms']:.3f} ms; this side's "
-                  f"work {row['own_work_alone_ms']:.3f} ms alone, {row['own_work_after_other_ms']:.3f} after the "
-                  f"other's")
+            print(
+                f"{size:>9} floats, {work}, other side a {other:<7}: round trip neither {row['neither_ms']:.3f} ms, "
+                f"this side {row['this side_ms']:.3f}, other side {row['other side_ms']:.3f}, "
+                f"both {row['both_ms']:.3f}; a move between contexts {row['switch_ms']:.3f} ms; this side's "
+                f"work {row['own_work_alone_ms']:.3f} ms alone, {row['own_work_after_other_ms']:.3f} after the "
+                f"other's"
+            )
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps(row) + "\n")

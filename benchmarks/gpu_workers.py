@@ -26,12 +26,11 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
-
-import numpy as np
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 
 from psgrid.cluster.bench.transport import ShardProcess
 from psgrid.psserver.config import ServerConfig
@@ -40,9 +39,18 @@ from psgrid.worker.config import TrainConfig
 
 def big_mlp(args, **overrides) -> TrainConfig:
     """The measured model: the MLP (``--hidden``), or with ``--model cnn`` the digits-shaped CNN of bench train."""
-    settings = dict(model=args.model, hidden=args.hidden, dataset="synthetic", synthetic_features=784,
-                    synthetic_samples=args.samples, batch_size=args.batch, steps=args.steps, eval_every=0,
-                    device=args.device, deadline_s=120)
+    settings = dict(
+        model=args.model,
+        hidden=args.hidden,
+        dataset="synthetic",
+        synthetic_features=784,
+        synthetic_samples=args.samples,
+        batch_size=args.batch,
+        steps=args.steps,
+        eval_every=0,
+        device=args.device,
+        deadline_s=120,
+    )
     if args.model == "cnn":
         settings["synthetic_image"] = [1, 28, 28]
     settings.update(overrides)
@@ -54,9 +62,16 @@ def without_servers(train: TrainConfig, lr: float = 0.01) -> dict:
     from psgrid.cluster.bench.train import no_servers
 
     alone = no_servers(train, lr)
-    return {"setting": "no servers (local SGD on the GPU)", "device": alone["device"], "params": alone["params"],
-            "step_s": alone["step_s"], "samples_per_s": alone["samples_per_s"], "compute_s": alone["step_s"],
-            "pull_s": 0.0, "push_s": 0.0}
+    return {
+        "setting": "no servers (local SGD on the GPU)",
+        "device": alone["device"],
+        "params": alone["params"],
+        "step_s": alone["step_s"],
+        "samples_per_s": alone["samples_per_s"],
+        "compute_s": alone["step_s"],
+        "pull_s": 0.0,
+        "push_s": 0.0,
+    }
 
 
 def pinned_copies(params: int, repeat: int = 20) -> dict:
@@ -77,8 +92,13 @@ def pinned_copies(params: int, repeat: int = 20) -> dict:
         device.get(out=host)
         times["d2h"].append(time.perf_counter() - t)
     h2d, d2h = (statistics.median(times[k][2:]) for k in ("h2d", "d2h"))
-    return {"setting": "CuPy pinned copy (reference)", "h2d_s": h2d, "d2h_s": d2h,
-            "h2d_gbps": 4 * params / h2d / 1e9, "d2h_gbps": 4 * params / d2h / 1e9}
+    return {
+        "setting": "CuPy pinned copy (reference)",
+        "h2d_s": h2d,
+        "d2h_s": d2h,
+        "h2d_gbps": 4 * params / h2d / 1e9,
+        "d2h_gbps": 4 * params / d2h / 1e9,
+    }
 
 
 def shard_processes(shards: int, mode: str, plane: str, apply_threads: int = 0) -> list:
@@ -88,9 +108,21 @@ def shard_processes(shards: int, mode: str, plane: str, apply_threads: int = 0) 
 
     # ipc means device shards; a dry run on a machine without a GPU runs host shards in their place
     device = "gpu" if plane == "ipc" and gpu_unavailable() is None else "cpu"
-    return [ShardProcess(ServerConfig(shard_index=i, num_shards=shards, mode=mode, lr=0.01, threads=16, job_id=job,
-                                      shard_device=device, apply_threads=apply_threads))
-            for i in range(shards)]
+    return [
+        ShardProcess(
+            ServerConfig(
+                shard_index=i,
+                num_shards=shards,
+                mode=mode,
+                lr=0.01,
+                threads=16,
+                job_id=job,
+                shard_device=device,
+                apply_threads=apply_threads,
+            )
+        )
+        for i in range(shards)
+    ]
 
 
 class HostedShard:
@@ -112,9 +144,14 @@ def hosted_shards(shards: int, mode: str) -> list[HostedShard]:
     from psgrid.worker.backend import gpu_unavailable
 
     device = "gpu" if gpu_unavailable() is None else "cpu"
-    return [HostedShard(ServerConfig(shard_index=i, num_shards=shards, mode=mode, lr=0.01, threads=16, job_id=job,
-                                     shard_device=device))
-            for i in range(shards)]
+    return [
+        HostedShard(
+            ServerConfig(
+                shard_index=i, num_shards=shards, mode=mode, lr=0.01, threads=16, job_id=job, shard_device=device
+            )
+        )
+        for i in range(shards)
+    ]
 
 
 def with_servers(train: TrainConfig, shards: int, mode: str, plane: str = "shm", apply_threads: int = 0) -> dict:
@@ -140,19 +177,28 @@ def with_servers(train: TrainConfig, shards: int, mode: str, plane: str = "shm",
     # Pulled ahead, pull_s is what a step still waited for its weights; their pull's own time is pull_ahead_s.
     med["pull_ahead_s"] = statistics.median(s.get("pull_ahead_s", float("nan")) for s in steps)
     step_s = med["pull_s"] + med["compute_s"] + med["push_s"]
-    overlap = "" if start.get("overlap", True) or mode == "sync" else ", no overlap"     # as the loop decided
+    overlap = "" if start.get("overlap", True) or mode == "sync" else ", no overlap"  # as the loop decided
     setting = f"{shards} shard(s), {mode}, {plane}{overlap}{', pull-ahead' if ahead else ''}"
-    return {"setting": setting, "device": result["device"], "planes": planes, "pull_ahead": ahead,
-            "steady_step_s": steady, "steady_samples_per_s": train.batch_size / steady,
-            "warmup_s": result.get("warmup_s"),
-            "params": None, "samples_per_s": result["samples"] / result["wall_s"],
-            "step_s": result["wall_s"] / result["steps"], **med, "sum_of_medians_s": step_s}
+    return {
+        "setting": setting,
+        "device": result["device"],
+        "planes": planes,
+        "pull_ahead": ahead,
+        "steady_step_s": steady,
+        "steady_samples_per_s": train.batch_size / steady,
+        "warmup_s": result.get("warmup_s"),
+        "params": None,
+        "samples_per_s": result["samples"] / result["wall_s"],
+        "step_s": result["wall_s"] / result["steps"],
+        **med,
+        "sum_of_medians_s": step_s,
+    }
 
 
 def _sharing_worker(rank: int, world: int, train: TrainConfig, addresses, queue) -> None:
     from psgrid.worker.loop import run_worker
 
-    os.environ["LOCAL_RANK"] = "0"           # every worker on GPU 0: they share it
+    os.environ["LOCAL_RANK"] = "0"  # every worker on GPU 0: they share it
     queue.put(run_worker(train, addresses, rank=rank, world=world))
 
 
@@ -163,8 +209,10 @@ def sharing_the_gpu(train: TrainConfig, workers: int, shards: int, mode: str, pl
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     try:
-        children = [ctx.Process(target=_sharing_worker, args=(r, workers, train, [p.address for p in procs], queue))
-                    for r in range(workers)]
+        children = [
+            ctx.Process(target=_sharing_worker, args=(r, workers, train, [p.address for p in procs], queue))
+            for r in range(workers)
+        ]
         for c in children:
             c.start()
         results = [queue.get(timeout=600) for _ in children]
@@ -174,8 +222,12 @@ def sharing_the_gpu(train: TrainConfig, workers: int, shards: int, mode: str, pl
         for p in procs:
             p.close()
     total = sum(r["samples"] / r["wall_s"] for r in results)
-    return {"setting": f"{workers} workers on 1 GPU, {shards} shard(s), {mode}, {plane}", "samples_per_s": total,
-            "per_worker": [r["samples"] / r["wall_s"] for r in results], "device": results[0]["device"]}
+    return {
+        "setting": f"{workers} workers on 1 GPU, {shards} shard(s), {mode}, {plane}",
+        "samples_per_s": total,
+        "per_worker": [r["samples"] / r["wall_s"] for r in results],
+        "device": results[0]["device"],
+    }
 
 
 def pull_ahead_ab(args, shards: int = 4, mode: str = "async", plane: str = "shm") -> list[dict]:
@@ -187,7 +239,10 @@ def pull_ahead_ab(args, shards: int = 4, mode: str = "async", plane: str = "shm"
     they share with the pull).
     """
     counts = args.apply_threads
-    named = lambda on, t: f"pull_ahead = {str(on).lower()}" + (f", apply_threads {t or 'default'}" if len(counts) > 1 else "")  # noqa: E731
+
+    def named(on, t):
+        return f"pull_ahead = {str(on).lower()}" + (f", apply_threads {t or 'default'}" if len(counts) > 1 else "")
+
     runs: dict[str, list[dict]] = {"no servers": [], **{named(on, t): [] for t in counts for on in (False, True)}}
     for repeat in range(args.ab_pull_ahead):
         runs["no servers"].append(without_servers(big_mlp(args)))
@@ -202,25 +257,44 @@ def pull_ahead_ab(args, shards: int = 4, mode: str = "async", plane: str = "shm"
         med = {k: statistics.median(r[k] for r in found) for k in ("samples_per_s", "pull_s", "compute_s", "push_s")}
         med["pull_ahead_s"] = statistics.median(r.get("pull_ahead_s", float("nan")) for r in found)
         # The steady step's samples/s (the median step, as the no-servers reference is), beside the whole run's.
-        med["steady_samples_per_s"] = statistics.median(r.get("steady_samples_per_s", r["samples_per_s"]) for r in found)
+        med["steady_samples_per_s"] = statistics.median(
+            r.get("steady_samples_per_s", r["samples_per_s"]) for r in found
+        )
         setting = name if name == "no servers" else f"{name} ({shards} shards, {mode}, {plane})"
-        rows.append({"setting": setting, "ab": "pull_ahead", "repeats": len(found), "device": found[0]["device"], **med,
-                     "ratio_vs_no_servers": med["samples_per_s"] / alone,
-                     "steady_ratio_vs_no_servers": med["steady_samples_per_s"] / alone,
-                     "samples_per_s_each": [r["samples_per_s"] for r in found]})
+        rows.append(
+            {
+                "setting": setting,
+                "ab": "pull_ahead",
+                "repeats": len(found),
+                "device": found[0]["device"],
+                **med,
+                "ratio_vs_no_servers": med["samples_per_s"] / alone,
+                "steady_ratio_vs_no_servers": med["steady_samples_per_s"] / alone,
+                "samples_per_s_each": [r["samples_per_s"] for r in found],
+            }
+        )
     params = runs["no servers"][0]["params"]
-    print(f"\npull-ahead A/B: MLP 784-{'-'.join(map(str, args.hidden))}-10 ({params / 1e6:.1f}M), batch {args.batch}, "
-          f"{args.steps} steps, {args.ab_pull_ahead} repeats alternating; medians ({rows[0]['device']})")
-    print(f"{'setting':<66} {'samples/s':>10} {'x no servers':>12} {'steady x':>8} {'pull ms':>8} {'ahead ms':>8} "
-          f"{'compute ms':>10} {'push ms':>8}")
+    print(
+        f"\npull-ahead A/B: MLP 784-{'-'.join(map(str, args.hidden))}-10 ({params / 1e6:.1f}M), batch {args.batch}, "
+        f"{args.steps} steps, {args.ab_pull_ahead} repeats alternating; medians ({rows[0]['device']})"
+    )
+    print(
+        f"{'setting':<66} {'samples/s':>10} {'x no servers':>12} {'steady x':>8} {'pull ms':>8} {'ahead ms':>8} "
+        f"{'compute ms':>10} {'push ms':>8}"
+    )
     for r in rows:
-        print(f"{r['setting']:<66} {r['samples_per_s']:10.0f} {r['ratio_vs_no_servers']:12.3f} "
-              f"{r['steady_ratio_vs_no_servers']:8.3f} {1e3 * r['pull_s']:8.2f} {1e3 * r['pull_ahead_s']:8.2f} "
-              f"{1e3 * r['compute_s']:10.2f} {1e3 * r['push_s']:8.2f}")
+        print(
+            f"{r['setting']:<66} {r['samples_per_s']:10.0f} {r['ratio_vs_no_servers']:12.3f} "
+            f"{r['steady_ratio_vs_no_servers']:8.3f} {1e3 * r['pull_s']:8.2f} {1e3 * r['pull_ahead_s']:8.2f} "
+            f"{1e3 * r['compute_s']:10.2f} {1e3 * r['push_s']:8.2f}"
+        )
     for off, on in zip(rows[1::2], rows[2::2]):
         each = zip(off["samples_per_s_each"], on["samples_per_s_each"])
-        print(f"{on['setting'].split(' (')[0]} against off: {on['samples_per_s'] / off['samples_per_s']:.3f} "
-              f"(per repeat: {', '.join(f'{b / a:.3f}' for a, b in each)})", flush=True)
+        print(
+            f"{on['setting'].split(' (')[0]} against off: {on['samples_per_s'] / off['samples_per_s']:.3f} "
+            f"(per repeat: {', '.join(f'{b / a:.3f}' for a, b in each)})",
+            flush=True,
+        )
     return rows
 
 
@@ -232,17 +306,33 @@ def alternating(args) -> list[dict]:
     # In the worker's process async does not overlap by default (overlap = "auto", worker/loop.py): there the
     # overlapped row asks for it, so that --no-overlap has something to be compared with.
     asked = lambda mode, plane: {"overlap": True} if plane == "local" and mode != "sync" else {}  # noqa: E731
-    settings = {f"1 shard, {mode}, {plane}{', overlap' if asked(mode, plane) else ''}":
-                (lambda mode=mode, plane=plane: with_servers(big_mlp(args, **asked(mode, plane)), 1, mode, plane))
-                for mode in args.modes for plane in args.device_planes}
-    if args.no_overlap:      # async and ssp with each push waited for before the next pull, beside the overlapped
-        settings.update({f"1 shard, {mode}, {plane}, no overlap":
-                         (lambda mode=mode, plane=plane: with_servers(big_mlp(args, overlap=False), 1, mode, plane))
-                         for mode in args.modes if mode != "sync" for plane in args.device_planes})
+    settings = {
+        f"1 shard, {mode}, {plane}{', overlap' if asked(mode, plane) else ''}": (
+            lambda mode=mode, plane=plane: with_servers(big_mlp(args, **asked(mode, plane)), 1, mode, plane)
+        )
+        for mode in args.modes
+        for plane in args.device_planes
+    }
+    if args.no_overlap:  # async and ssp with each push waited for before the next pull, beside the overlapped
+        settings.update(
+            {
+                f"1 shard, {mode}, {plane}, no overlap": (
+                    lambda mode=mode, plane=plane: with_servers(big_mlp(args, overlap=False), 1, mode, plane)
+                )
+                for mode in args.modes
+                if mode != "sync"
+                for plane in args.device_planes
+            }
+        )
     if args.workers > 1:
-        settings.update({f"{args.workers} workers on 1 GPU, {mode}, ipc":
-                         (lambda mode=mode: sharing_the_gpu(big_mlp(args), args.workers, 1, mode, "ipc"))
-                         for mode in args.modes})
+        settings.update(
+            {
+                f"{args.workers} workers on 1 GPU, {mode}, ipc": (
+                    lambda mode=mode: sharing_the_gpu(big_mlp(args), args.workers, 1, mode, "ipc")
+                )
+                for mode in args.modes
+            }
+        )
     ratios: dict[str, list[float]] = {name: [] for name in settings}
     speeds: dict[str, list[float]] = {name: [] for name in ["no servers", *settings]}
     for repeat in range(args.repeats):
@@ -255,18 +345,32 @@ def alternating(args) -> list[dict]:
             speed = row.get("steady_samples_per_s", row["samples_per_s"])
             speeds[name].append(speed)
             ratios[name].append(speed / alone)
-            parts = {f"{k[:-2]}_ms": 1e3 * row[k] for k in ("steady_step_s", "pull_s", "compute_s", "push_s") if k in row}
-            print(json.dumps({"repeat": repeat, "setting": name, "samples_per_s": speed, "no_servers": alone, **parts}),
-                  flush=True)
-    print(f"\n{args.model} ({args.steps} steps, batch {args.batch}), {args.repeats} repeats alternating with no servers")
+            parts = {
+                f"{k[:-2]}_ms": 1e3 * row[k] for k in ("steady_step_s", "pull_s", "compute_s", "push_s") if k in row
+            }
+            print(
+                json.dumps({"repeat": repeat, "setting": name, "samples_per_s": speed, "no_servers": alone, **parts}),
+                flush=True,
+            )
+    print(
+        f"\n{args.model} ({args.steps} steps, batch {args.batch}), {args.repeats} repeats alternating with no servers"
+    )
     print(f"{'setting':<34} {'samples/s':>10} {'x no servers':>12}  per repeat")
     rows = []
     for name, found in speeds.items():
         ratio = statistics.median(ratios[name]) if name in ratios else 1.0
         each = ", ".join(f"{r:.3f}" for r in ratios.get(name, []))
         print(f"{name:<34} {statistics.median(found):10.0f} {ratio:12.3f}  {each}", flush=True)
-        rows.append({"setting": name, "model": args.model, "samples_per_s": statistics.median(found),
-                     "ratio_vs_no_servers": ratio, "ratios": ratios.get(name, []), "repeats": args.repeats})
+        rows.append(
+            {
+                "setting": name,
+                "model": args.model,
+                "samples_per_s": statistics.median(found),
+                "ratio_vs_no_servers": ratio,
+                "ratios": ratios.get(name, []),
+                "repeats": args.repeats,
+            }
+        )
     return rows
 
 
@@ -274,8 +378,9 @@ def _two_gpu_worker(rank: int, addresses, metrics: str, queue, device: str) -> N
     os.environ["LOCAL_RANK"] = str(rank)
     from psgrid.worker.loop import run_worker
 
-    train = TrainConfig(model="mlp", hidden=[128], dataset="mnist5k", batch_size=32, epochs=20,
-                        eval_every=0, device=device, seed=0)
+    train = TrainConfig(
+        model="mlp", hidden=[128], dataset="mnist5k", batch_size=32, epochs=20, eval_every=0, device=device, seed=0
+    )
     queue.put(run_worker(train, addresses, rank=rank, world=2, metrics_path=metrics))
 
 
@@ -290,8 +395,10 @@ def two_gpu_mnist(mode: str = "sync", device: str = "gpu") -> dict:
     try:
         addresses = [p.address for p in procs]
         with tempfile.TemporaryDirectory() as tmp:
-            workers = [ctx.Process(target=_two_gpu_worker, args=(r, addresses, f"{tmp}/w{r}.jsonl", queue, device))
-                       for r in range(2)]
+            workers = [
+                ctx.Process(target=_two_gpu_worker, args=(r, addresses, f"{tmp}/w{r}.jsonl", queue, device))
+                for r in range(2)
+            ]
             start = time.perf_counter()
             for w in workers:
                 w.start()
@@ -303,8 +410,13 @@ def two_gpu_mnist(mode: str = "sync", device: str = "gpu") -> dict:
     finally:
         for p in procs:
             p.close()
-    return {"mode": mode, "workers": sorted(r["device"] for r in results), "wall_s": wall,
-            "steps": [r["steps"] for r in results], **scores}
+    return {
+        "mode": mode,
+        "workers": sorted(r["device"] for r in results),
+        "wall_s": wall,
+        "steps": [r["steps"] for r in results],
+        **scores,
+    }
 
 
 def main() -> int:
@@ -315,31 +427,60 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=65536)
     parser.add_argument("--shards", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     parser.add_argument("--modes", type=lambda s: s.split(","), default=["async", "sync"])
-    parser.add_argument("--planes", type=lambda s: s.split(","), default=["shm", "tcp"],
-                        help="data planes to measure (shm: shared memory to host shards, the default on one host; tcp; "
-                             "ipc: CUDA IPC to device shards)")
+    parser.add_argument(
+        "--planes",
+        type=lambda s: s.split(","),
+        default=["shm", "tcp"],
+        help="data planes to measure (shm: shared memory to host shards, the default on one host; tcp; "
+        "ipc: CUDA IPC to device shards)",
+    )
     parser.add_argument("--skip-two-gpu", action="store_true")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="also measure async over ipc (with --repeats: on each of --device-planes) with a step's "
-                             "push waited for before the next pull")
+    parser.add_argument(
+        "--no-overlap",
+        action="store_true",
+        help="also measure async over ipc (with --repeats: on each of --device-planes) with a step's "
+        "push waited for before the next pull",
+    )
     parser.add_argument("--workers", type=int, default=1, help="also run this many workers sharing the GPU (ipc)")
-    parser.add_argument("--ab-pull-ahead", type=int, default=0, metavar="REPEATS",
-                        help="instead of the grid: 4 shards over shared memory, async, pull_ahead off and on in turn "
-                             "REPEATS times each beside no servers; medians and their ratios")
-    parser.add_argument("--apply-threads", type=lambda s: [int(x) for x in s.split(",")], default=[0],
-                        help="with --ab-pull-ahead: the shards' update threads, each value its own pair (0: the default)")
+    parser.add_argument(
+        "--ab-pull-ahead",
+        type=int,
+        default=0,
+        metavar="REPEATS",
+        help="instead of the grid: 4 shards over shared memory, async, pull_ahead off and on in turn "
+        "REPEATS times each beside no servers; medians and their ratios",
+    )
+    parser.add_argument(
+        "--apply-threads",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[0],
+        help="with --ab-pull-ahead: the shards' update threads, each value its own pair (0: the default)",
+    )
     parser.add_argument("--json", default=None, help="also write all rows to this file")
     parser.add_argument("--model", default="mlp", choices=["mlp", "cnn"])
-    parser.add_argument("--repeats", type=int, default=0,
-                        help="instead of the grid: device shards over ipc (--modes, --workers) and no servers in "
-                             "turn, this many times; the median of each repeat's ratio")
-    parser.add_argument("--device-planes", type=lambda s: s.split(","), default=["ipc"],
-                        help="with --repeats: how the worker reaches its device shard: ipc (a shard process of its "
-                             "own, CUDA IPC) and/or local (the shard in the worker's process, called: GeePS' placement)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=0,
+        help="instead of the grid: device shards over ipc (--modes, --workers) and no servers in "
+        "turn, this many times; the median of each repeat's ratio",
+    )
+    parser.add_argument(
+        "--device-planes",
+        type=lambda s: s.split(","),
+        default=["ipc"],
+        help="with --repeats: how the worker reaches its device shard: ipc (a shard process of its "
+        "own, CUDA IPC) and/or local (the shard in the worker's process, called: GeePS' placement)",
+    )
     parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"], help="cpu: a dry run of this script")
-    parser.add_argument("--profile", type=int, default=0, metavar="LINES",
-                        help="instead of the grid: one device shard over ipc in the first of --modes, the worker "
-                             "under cProfile; its step's parts and the LINES functions of most time of their own")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="LINES",
+        help="instead of the grid: one device shard over ipc in the first of --modes, the worker "
+        "under cProfile; its step's parts and the LINES functions of most time of their own",
+    )
     args = parser.parse_args()
     if args.profile:
         import cProfile
@@ -366,8 +507,11 @@ def main() -> int:
     rows = [without_servers(big_mlp(args))]
     params = rows[0]["params"]
     reference = pinned_copies(params) if args.device == "gpu" else None
-    print(f"MLP 784-{'-'.join(map(str, args.hidden))}-10: {params / 1e6:.1f}M parameters, "
-          f"batch {args.batch}, {args.steps} steps", flush=True)
+    print(
+        f"MLP 784-{'-'.join(map(str, args.hidden))}-10: {params / 1e6:.1f}M parameters, "
+        f"batch {args.batch}, {args.steps} steps",
+        flush=True,
+    )
     if reference:
         print(json.dumps(reference), flush=True)
     for plane in args.planes:
@@ -382,30 +526,43 @@ def main() -> int:
     h2d = reference["h2d_s"] if reference else float("nan")
     d2h = reference["d2h_s"] if reference else float("nan")
     if reference:
-        print(f"\nCuPy pinned copy of {4 * params / 1e6:.0f} MB: host to device {1e3 * h2d:.2f} ms "
-              f"({reference['h2d_gbps']:.1f} GB/s), device to host {1e3 * d2h:.2f} ms ({reference['d2h_gbps']:.1f} GB/s)")
-    print(f"\n{'setting':<42} {'samples/s':>10} {'x alone':>7} {'steady':>7} {'step ms':>8} {'pull ms':>8} {'x copy':>6} "
-          f"{'compute ms':>11} {'push ms':>8} {'x copy':>6}")
+        print(
+            f"\nCuPy pinned copy of {4 * params / 1e6:.0f} MB: host to device {1e3 * h2d:.2f} ms "
+            f"({reference['h2d_gbps']:.1f} GB/s), device to host {1e3 * d2h:.2f} ms ({reference['d2h_gbps']:.1f} GB/s)"
+        )
+    print(
+        f"\n{'setting':<42} {'samples/s':>10} {'x alone':>7} {'steady':>7} {'step ms':>8} {'pull ms':>8} {'x copy':>6} "
+        f"{'compute ms':>11} {'push ms':>8} {'x copy':>6}"
+    )
     for r in rows:
         steady = r.get("steady_samples_per_s", r["samples_per_s"]) / alone
-        print(f"{r['setting']:<42} {r['samples_per_s']:10.0f} {r['samples_per_s'] / alone:7.3f} {steady:7.3f} "
-              f"{1e3 * r['step_s']:8.2f} {1e3 * r['pull_s']:8.2f} {r['pull_s'] / h2d:6.2f} "
-              f"{1e3 * r['compute_s']:11.2f} {1e3 * r['push_s']:8.2f} {r['push_s'] / d2h:6.2f}", flush=True)
+        print(
+            f"{r['setting']:<42} {r['samples_per_s']:10.0f} {r['samples_per_s'] / alone:7.3f} {steady:7.3f} "
+            f"{1e3 * r['step_s']:8.2f} {1e3 * r['pull_s']:8.2f} {r['pull_s'] / h2d:6.2f} "
+            f"{1e3 * r['compute_s']:11.2f} {1e3 * r['push_s']:8.2f} {r['push_s'] / d2h:6.2f}",
+            flush=True,
+        )
     if args.workers > 1:
         for mode in args.modes:
             shared = sharing_the_gpu(big_mlp(args), args.workers, 1, mode, "ipc")
             print(json.dumps(shared), flush=True)
-            print(f"{shared['setting']}: {shared['samples_per_s']:.0f} samples/s in all, "
-                  f"{shared['samples_per_s'] / alone:.3f}x one process with no servers", flush=True)
+            print(
+                f"{shared['setting']}: {shared['samples_per_s']:.0f} samples/s in all, "
+                f"{shared['samples_per_s'] / alone:.3f}x one process with no servers",
+                flush=True,
+            )
             rows.append(shared)
     if reference:
         rows.append(reference)
     if (gpus >= 2 or args.device == "cpu") and not args.skip_two_gpu:
         two = two_gpu_mnist(device=args.device)
         rows.append(two)
-        print(f"\n2 GPU workers, MLP 784-128-10 on mnist5k ({two['mode']}): test accuracy "
-              f"{two['test_accuracy']:.4f}, train accuracy {two['train_accuracy']:.4f}, workers {two['workers']}, "
-              f"{two['wall_s']:.1f}s", flush=True)
+        print(
+            f"\n2 GPU workers, MLP 784-128-10 on mnist5k ({two['mode']}): test accuracy "
+            f"{two['test_accuracy']:.4f}, train accuracy {two['train_accuracy']:.4f}, workers {two['workers']}, "
+            f"{two['wall_s']:.1f}s",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return 0

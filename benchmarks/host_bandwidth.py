@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 import shard_variants  # this directory's: the shards' update as it was before
+
 from psgrid.psserver.kernels.optim import make_optimizer
 from psgrid.psserver.kernels.parallel import Chunks
 
@@ -46,7 +46,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=9)
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
-    units = {"k": 10 ** 3, "m": 10 ** 6}
+    units = {"k": 10**3, "m": 10**6}
     text = args.params.lower()
     params = int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
     rng = np.random.default_rng(0)
@@ -55,29 +55,43 @@ def main() -> int:
     target = np.empty_like(weights)
     rows = []
     print(f"{params / 1e6:g}M floats ({4 * params / 1e6:.0f} MB); GB/s count every byte read and written")
-    print(f"{'threads':>7} {'copy ms':>8} {'copy GB/s':>9} {'update ms':>9} {'update GB/s':>11} {'checked ms':>10} {'blas-checked ms':>15}")
+    print(
+        f"{'threads':>7} {'copy ms':>8} {'copy GB/s':>9} {'update ms':>9} {'update GB/s':>11} {'checked ms':>10} {'blas-checked ms':>15}"
+    )
     for threads in (int(t) for t in args.threads.split(",")):
         chunks = Chunks(threads)
         try:
-            copy_s = median_time(lambda: chunks.map(lambda lo, hi, _: np.copyto(target[lo:hi], weights[lo:hi]),
-                                                    params), args.repeat)
+            copy_s = median_time(
+                lambda: chunks.map(lambda lo, hi, _: np.copyto(target[lo:hi], weights[lo:hi]), params), args.repeat
+            )
             opt = make_optimizer("sgd", params, lr=1e-9, chunks=chunks)
             update_s = median_time(lambda: opt.step(weights, grad, out=target), args.repeat)
             checked_s = median_time(lambda: opt.step(weights, grad, out=target, check_finite=True), args.repeat)
             shard_variants.use("blas")
             try:
-                blas_checked_s = median_time(lambda: opt.step(weights, grad, out=target, check_finite=True),
-                                             args.repeat)
+                blas_checked_s = median_time(
+                    lambda: opt.step(weights, grad, out=target, check_finite=True), args.repeat
+                )
             finally:
                 shard_variants.use("numpy")
         finally:
             chunks.close()
-        row = {"params": params, "threads": threads, "copy_s": copy_s, "copy_gbps": 8 * params / copy_s / 1e9,
-               "update_s": update_s, "update_gbps": 12 * params / update_s / 1e9, "checked_update_s": checked_s,
-               "blas_checked_update_s": blas_checked_s}
+        row = {
+            "params": params,
+            "threads": threads,
+            "copy_s": copy_s,
+            "copy_gbps": 8 * params / copy_s / 1e9,
+            "update_s": update_s,
+            "update_gbps": 12 * params / update_s / 1e9,
+            "checked_update_s": checked_s,
+            "blas_checked_update_s": blas_checked_s,
+        }
         rows.append(row)
-        print(f"{threads:7d} {1e3 * copy_s:8.2f} {row['copy_gbps']:9.1f} {1e3 * update_s:9.2f} "
-              f"{row['update_gbps']:11.1f} {1e3 * checked_s:10.2f} {1e3 * blas_checked_s:15.2f}", flush=True)
+        print(
+            f"{threads:7d} {1e3 * copy_s:8.2f} {row['copy_gbps']:9.1f} {1e3 * update_s:9.2f} "
+            f"{row['update_gbps']:11.1f} {1e3 * checked_s:10.2f} {1e3 * blas_checked_s:15.2f}",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return 0

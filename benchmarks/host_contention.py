@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 import shard_variants  # this directory's: the shards' update as it was before
 
 
@@ -141,8 +140,16 @@ class Step:
         return statistics.median(times[3:])
 
 
-def beside(step: Step, steps: int, *, updates: tuple[int, int] | None = None, thread_upload: bool = False,
-           process_upload: bool = False, run_step: bool = True, check: str = "none") -> dict:
+def beside(
+    step: Step,
+    steps: int,
+    *,
+    updates: tuple[int, int] | None = None,
+    thread_upload: bool = False,
+    process_upload: bool = False,
+    run_step: bool = True,
+    check: str = "none",
+) -> dict:
     """The step's median with the named load running beside it, and the load's own medians."""
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
@@ -186,7 +193,7 @@ def beside(step: Step, steps: int, *, updates: tuple[int, int] | None = None, th
                 p.kill()
     row = {"step_ms": 1e3 * step_s}
     if updates:
-        row["update_ms"] = 1e3 * statistics.median(loads[:updates[0]])
+        row["update_ms"] = 1e3 * statistics.median(loads[: updates[0]])
     if process_upload:
         row["upload_ms"] = 1e3 * loads[-1]
     if uploader is not None:
@@ -200,8 +207,9 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--updates", default="4x4,4x2,4x1", help="SxT: S processes of T update threads each")
-    parser.add_argument("--checks", default="none",
-                        help="the update loads' check for NaN, each its own rows: none, numpy, blas")
+    parser.add_argument(
+        "--checks", default="none", help="the update loads' check for NaN, each its own rows: none, numpy, blas"
+    )
     parser.add_argument("--no-uploads", action="store_true", help="leave out the rows with a copy to the GPU")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -209,22 +217,34 @@ def main() -> int:
     step.time(5)
     loads = [tuple(int(v) for v in s.split("x")) for s in args.updates.split(",")]
     checks = args.checks.split(",")
-    rows = [("compute only", {"step_ms": 1e3 * step.time(args.steps, copy=False)}),
-            ("compute + gradient copy (alone)", {"step_ms": 1e3 * step.time(args.steps)})]
+    rows = [
+        ("compute only", {"step_ms": 1e3 * step.time(args.steps, copy=False)}),
+        ("compute + gradient copy (alone)", {"step_ms": 1e3 * step.time(args.steps)}),
+    ]
     if not args.no_uploads:
-        rows += [("beside an upload thread (same process)", beside(step, args.steps, thread_upload=True)),
-                 ("beside an upload process", beside(step, args.steps, process_upload=True))]
+        rows += [
+            ("beside an upload thread (same process)", beside(step, args.steps, thread_upload=True)),
+            ("beside an upload process", beside(step, args.steps, process_upload=True)),
+        ]
     named = lambda load, check: f"{load[0]}x{load[1]} update{'' if check == 'none' else ', ' + check + ' check'}"  # noqa: E731
     for load in loads:
         for check in checks:
             rows.append((f"beside {named(load, check)}", beside(step, args.steps, updates=load, check=check)))
             if not args.no_uploads:
-                rows.append((f"beside {named(load, check)} + upload thread",
-                             beside(step, args.steps, updates=load, thread_upload=True, check=check)))
+                rows.append(
+                    (
+                        f"beside {named(load, check)} + upload thread",
+                        beside(step, args.steps, updates=load, thread_upload=True, check=check),
+                    )
+                )
     for load in loads:
         for check in checks:
-            rows.append((f"{named(load, check)} alone (no step)",
-                         beside(step, args.steps, updates=load, run_step=False, check=check)))
+            rows.append(
+                (
+                    f"{named(load, check)} alone (no step)",
+                    beside(step, args.steps, updates=load, run_step=False, check=check),
+                )
+            )
     alone_upload = Uploader(step.size)
     for _ in range(10):
         alone_upload.once()
@@ -232,8 +252,11 @@ def main() -> int:
     print(f"\nMLP 784-{'-'.join(map(str, args.hidden))}-10 ({step.size / 1e6:.1f}M), batch {args.batch}; medians")
     print(f"{'setting':<44} {'step ms':>8} {'upload ms':>9} {'update ms':>9}")
     for name, row in rows:
-        print(f"{name:<44} {row.get('step_ms', float('nan')):8.2f} {row.get('upload_ms', float('nan')):9.2f} "
-              f"{row.get('update_ms', float('nan')):9.2f}", flush=True)
+        print(
+            f"{name:<44} {row.get('step_ms', float('nan')):8.2f} {row.get('upload_ms', float('nan')):9.2f} "
+            f"{row.get('update_ms', float('nan')):9.2f}",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text("\n".join(json.dumps({"setting": n, **r}) for n, r in rows) + "\n")
     return 0

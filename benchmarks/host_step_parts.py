@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -32,22 +32,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import shard_variants  # noqa: E402  (this directory's: the shards' update as it was before)
 import gpu_workers  # noqa: E402  (this directory's script, for its runs and models)
 import shard_probe  # noqa: E402  (this directory's: the shards' own times for a push)
+import shard_variants  # noqa: E402  (this directory's: the shards' update as it was before)
 
 from psgrid.psserver.client.client import Client  # noqa: E402
 from psgrid.worker import flat, loop  # noqa: E402
 from psgrid.worker.prefetch import PullAhead  # noqa: E402
 
-PARTS: list[tuple[float, float]] = []      # (wait for the kernels, copy) of each step, in order
+PARTS: list[tuple[float, float]] = []  # (wait for the kernels, copy) of each step, in order
 # (pull_ahead, calls posted, a posted pull-ahead's copies started after the launches)
-VARIANTS = {"threads": (False, False, True), "posted": (False, True, True), "ahead-threads": (True, False, True),
-            "ahead-at-once": (True, True, False), "ahead-posted": (True, True, True)}
-WAITS: dict[str, list[float]] = {"post": [], "push_wait": []}   # in Client.post_pull; for the push before
-AT: dict[str, list[float]] = {"push_wait": [], "push": []}     # when each ended (push_wait), began (push)
+VARIANTS = {
+    "threads": (False, False, True),
+    "posted": (False, True, True),
+    "ahead-threads": (True, False, True),
+    "ahead-at-once": (True, True, False),
+    "ahead-posted": (True, True, True),
+}
+WAITS: dict[str, list[float]] = {"post": [], "push_wait": []}  # in Client.post_pull; for the push before
+AT: dict[str, list[float]] = {"push_wait": [], "push": []}  # when each ended (push_wait), began (push)
 
-shard_variants.install_if_asked()   # in a shard process spawned from here, as its parent asked
+shard_variants.install_if_asked()  # in a shard process spawned from here, as its parent asked
 shard_probe.install_if_asked()
 _POSTS = Client.posts
 
@@ -68,6 +73,7 @@ def _timed(name: str, original):
                 WAITS[name].append(t1 - t0)
             if name in AT:
                 AT[name].append(t1 if name in WAITS else t0)
+
     return timed
 
 
@@ -80,11 +86,19 @@ def _timed_download(original):
         t1 = time.perf_counter()
         original(self)
         PARTS.append((t1 - t0, time.perf_counter() - t1))
+
     return download_grad
 
 
-def run(args, pull_ahead: bool, posting: bool, apply_threads: int = 0, after_launch: bool = True,
-        check: str = "numpy", parts: int | None = None) -> dict:
+def run(
+    args,
+    pull_ahead: bool,
+    posting: bool,
+    apply_threads: int = 0,
+    after_launch: bool = True,
+    check: str = "numpy",
+    parts: int | None = None,
+) -> dict:
     PARTS.clear()
     shard_variants.use(check, parts)
     probe = tempfile.mkdtemp(prefix="shard-times-")
@@ -94,8 +108,9 @@ def run(args, pull_ahead: bool, posting: bool, apply_threads: int = 0, after_lau
     Client.posts = _POSTS if posting else _never_posts
     PullAhead.ADVANCE_AFTER_LAUNCH = after_launch
     try:
-        row = gpu_workers.with_servers(gpu_workers.big_mlp(args, pull_ahead=pull_ahead), 4, "async", "shm",
-                                       apply_threads=apply_threads)
+        row = gpu_workers.with_servers(
+            gpu_workers.big_mlp(args, pull_ahead=pull_ahead), 4, "async", "shm", apply_threads=apply_threads
+        )
         row.update(shard_probe.summary(probe, AT["push"], AT["push_wait"]))
     finally:
         shard_probe.use(None)
@@ -106,11 +121,12 @@ def run(args, pull_ahead: bool, posting: bool, apply_threads: int = 0, after_lau
     if apply_threads:
         row["setting"] += f", apply_threads {apply_threads}"
     row["setting"] += shard_variants.describe(check, parts)
-    parts = PARTS[5:] or PARTS or [(float("nan"), float("nan"))]      # none on the CPU: no copy to time
+    parts = PARTS[5:] or PARTS or [(float("nan"), float("nan"))]  # none on the CPU: no copy to time
     wait = statistics.median(p[0] for p in parts)
     copy = statistics.median(p[1] for p in parts)
-    waits = {f"{name}_s": statistics.median(times[5:] or times) if times else float("nan")
-             for name, times in WAITS.items()}
+    waits = {
+        f"{name}_s": statistics.median(times[5:] or times) if times else float("nan") for name, times in WAITS.items()
+    }
     return {**row, "wait_s": wait, "copy_s": copy, "launch_s": row["compute_s"] - wait - copy, **waits}
 
 
@@ -121,17 +137,31 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--samples", type=int, default=65536)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--apply-threads", type=lambda s: [int(x) for x in s.split(",")], default=[0],
-                        help="the shards' update threads, each value its own runs (0: their default)")
+    parser.add_argument(
+        "--apply-threads",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[0],
+        help="the shards' update threads, each value its own runs (0: their default)",
+    )
     parser.add_argument("--switch-intervals", type=lambda s: [float(x) for x in s.split(",")], default=[0.005])
-    parser.add_argument("--variants", type=lambda s: [VARIANTS[v] for v in s.split(",")],
-                        default=[VARIANTS[v] for v in ("threads", "posted", "ahead-threads", "ahead-at-once",
-                                                       "ahead-posted")],
-                        help=f"which settings each repeat runs, of {', '.join(VARIANTS)}")
-    parser.add_argument("--checks", type=lambda s: s.split(","), default=["numpy"],
-                        help="the shards' check for NaN, each its own runs: numpy (theirs), blas (the one before)")
-    parser.add_argument("--parts", type=lambda s: [int(x) for x in s.split(",")], default=[None],
-                        help="parts of the range an update thread takes in turn, each value its own runs (1: as before)")
+    parser.add_argument(
+        "--variants",
+        type=lambda s: [VARIANTS[v] for v in s.split(",")],
+        default=[VARIANTS[v] for v in ("threads", "posted", "ahead-threads", "ahead-at-once", "ahead-posted")],
+        help=f"which settings each repeat runs, of {', '.join(VARIANTS)}",
+    )
+    parser.add_argument(
+        "--checks",
+        type=lambda s: s.split(","),
+        default=["numpy"],
+        help="the shards' check for NaN, each its own runs: numpy (theirs), blas (the one before)",
+    )
+    parser.add_argument(
+        "--parts",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[None],
+        help="parts of the range an update thread takes in turn, each value its own runs (1: as before)",
+    )
     parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -150,14 +180,37 @@ def main() -> int:
                 for threads in args.apply_threads:
                     for check, parts in itertools.product(args.checks, args.parts):
                         row = run(args, ahead, posting, threads, after, check, parts)
-                        rows.append({"repeat": repeat, "switch_interval": interval, **row,
-                                     "ratio": alone / row["steady_step_s"]})
+                        rows.append(
+                            {
+                                "repeat": repeat,
+                                "switch_interval": interval,
+                                **row,
+                                "ratio": alone / row["steady_step_s"],
+                            }
+                        )
                         print(json.dumps(rows[-1]), flush=True)
         sys.setswitchinterval(0.005)
-    keys = ("steady_step_s", "pull_s", "post_s", "launch_s", "wait_s", "copy_s", "push_wait_s", "push_s",
-            "pull_ahead_s", "shard_push_s", "slowest_push_s", "shard_update_s", "shard_period_s", "to_shard_s", "to_worker_s")
-    print(f"\nMLP 784-{'-'.join(map(str, args.hidden))}-10, 4 host shards over shared memory, async; medians of "
-          f"{args.repeats} repeats (ms)")
+    keys = (
+        "steady_step_s",
+        "pull_s",
+        "post_s",
+        "launch_s",
+        "wait_s",
+        "copy_s",
+        "push_wait_s",
+        "push_s",
+        "pull_ahead_s",
+        "shard_push_s",
+        "slowest_push_s",
+        "shard_update_s",
+        "shard_period_s",
+        "to_shard_s",
+        "to_worker_s",
+    )
+    print(
+        f"\nMLP 784-{'-'.join(map(str, args.hidden))}-10, 4 host shards over shared memory, async; medians of "
+        f"{args.repeats} repeats (ms)"
+    )
     print(f"{'setting':<72} {'x none':>6} " + " ".join(f"{k[:-2]:>8}" for k in keys))
     groups: dict[str, list[dict]] = {}
     for r in rows:

@@ -27,7 +27,7 @@ def median_s(fn, repeat: int) -> float:
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times[repeat // 10:])
+    return statistics.median(times[repeat // 10 :])
 
 
 def measure(elements: int, mode: str, repeat: int) -> dict:
@@ -48,24 +48,33 @@ def measure(elements: int, mode: str, repeat: int) -> dict:
             client.pull(into=into)
             client.push(grad)
             planes = client.data_planes
-            plane = client._conn.plane(0)          # noqa: SLF001 - a benchmark looks inside
+            plane = client._conn.plane(0)  # noqa: SLF001 - a benchmark looks inside
             pull = median_s(lambda: client.pull(into=into), repeat)
             push = median_s(lambda: client.push(grad), repeat)
-            after = []          # a pull right after a push: the GPU comes back from the shard's context first
+            after = []  # a pull right after a push: the GPU comes back from the shard's context first
             for _ in range(repeat):
                 client.push(grad)
                 t = time.perf_counter()
                 client.pull(into=into)
                 after.append(time.perf_counter() - t)
-            slot = plane._slot(plane.pool.take(1.0), 0x01, elements)      # noqa: SLF001
-            fill = median_s(lambda: plane._fill(slot, grad, 1), repeat)     # noqa: SLF001
-            copy = median_s(lambda: (params.data.copy_from_device_async(grad.data, grad.nbytes, stream),
-                                     stream.synchronize()), repeat)
+            slot = plane._slot(plane.pool.take(1.0), 0x01, elements)  # noqa: SLF001
+            fill = median_s(lambda: plane._fill(slot, grad, 1), repeat)  # noqa: SLF001
+            copy = median_s(
+                lambda: (params.data.copy_from_device_async(grad.data, grad.nbytes, stream), stream.synchronize()),
+                repeat,
+            )
     finally:
         shard.close()
-    return {"elements": elements, "mode": mode, "planes": planes, "pull_ms": 1e3 * pull, "push_ms": 1e3 * push,
-            "pull_after_push_ms": 1e3 * statistics.median(after[repeat // 10:]),
-            "fill_ms": 1e3 * fill, "d2d_copy_ms": 1e3 * copy}
+    return {
+        "elements": elements,
+        "mode": mode,
+        "planes": planes,
+        "pull_ms": 1e3 * pull,
+        "push_ms": 1e3 * push,
+        "pull_after_push_ms": 1e3 * statistics.median(after[repeat // 10 :]),
+        "fill_ms": 1e3 * fill,
+        "d2d_copy_ms": 1e3 * copy,
+    }
 
 
 def server_side(elements: int, mode: str, repeat: int) -> dict:
@@ -92,9 +101,13 @@ def server_side(elements: int, mode: str, repeat: int) -> dict:
             shard.optimizer.step(shard.weights, copy, out=out)
             arrays.finished()
 
-    return {"elements": elements, "mode": mode, "server_push_ms": 1e3 * median_s(push, repeat),
-            "copy_checked_ms": 1e3 * median_s(lambda: arrays.copy_checked(copy, slot), repeat),
-            "update_ms": 1e3 * median_s(step, repeat)}
+    return {
+        "elements": elements,
+        "mode": mode,
+        "server_push_ms": 1e3 * median_s(push, repeat),
+        "copy_checked_ms": 1e3 * median_s(lambda: arrays.copy_checked(copy, slot), repeat),
+        "update_ms": 1e3 * median_s(step, repeat),
+    }
 
 
 def main() -> int:

@@ -37,8 +37,23 @@ def rss_kib(pid: int) -> int:
 def start_shard(folder: Path, env: dict) -> tuple[subprocess.Popen, str]:
     address_file = folder / "addr"
     with open(folder / "shard.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--port", "0", "--mode", "async",
-                                 "--address-file", str(address_file)], env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "psgrid.cluster.cli",
+                "server",
+                "--port",
+                "0",
+                "--mode",
+                "async",
+                "--address-file",
+                str(address_file),
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + 30
     while not address_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -62,7 +77,7 @@ def main() -> None:
             spec = ModelSpec([("w", (1000,))])
             with Client([address], spec, init=np.zeros(spec.size, np.float32)) as client:
                 client.push(np.ones(spec.size, np.float32)).wait()
-            garbage = b"\xff" * (args.mib << 20)       # a field key whose varint never ends
+            garbage = b"\xff" * (args.mib << 20)  # a field key whose varint never ends
             with grpc.insecure_channel(address) as channel:
                 push = channel.stream_unary(f"/{SERVICE}/Push", request_serializer=None, response_deserializer=None)
                 start, sent, codes = rss_kib(proc.pid), 0, {}
@@ -77,8 +92,11 @@ def main() -> None:
                         codes[code] = codes.get(code, 0) + 1
                     sent += batch
                     now = rss_kib(proc.pid)
-                    print(f"{sent:6d} messages of {args.mib} MiB: resident {now / 1024:.1f} MB "
-                          f"({(now - start) / 1024:+.1f}), answers {codes}", flush=True)
+                    print(
+                        f"{sent:6d} messages of {args.mib} MiB: resident {now / 1024:.1f} MB "
+                        f"({(now - start) / 1024:+.1f}), answers {codes}",
+                        flush=True,
+                    )
         finally:
             proc.kill()
             proc.wait(10)

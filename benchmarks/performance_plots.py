@@ -23,8 +23,14 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 OUT = ROOT / "docs" / "performance"
 
-COLORS = {"async": "tab:blue", "sync": "tab:orange", "none": "black", "shm": "tab:green", "tcp": "tab:blue",
-          "grpc": "tab:red"}
+COLORS = {
+    "async": "tab:blue",
+    "sync": "tab:orange",
+    "none": "black",
+    "shm": "tab:green",
+    "tcp": "tab:blue",
+    "grpc": "tab:red",
+}
 STYLES = {1: ":", 2: "--", 4: "-"}
 
 
@@ -36,13 +42,26 @@ def gpu_samples_vs_size(sweep: list[dict]) -> Figure:
     fig = Figure(figsize=(7.5, 4.5))
     ax = fig.subplots()
     alone = sorted((r for r in sweep if r["mode"] == "none"), key=lambda r: r["params"])
-    ax.plot([r["params"] / 1e6 for r in alone], [r["samples_per_s"] for r in alone], "o-", color="black",
-            label="no servers (SGD on the GPU)")
+    ax.plot(
+        [r["params"] / 1e6 for r in alone],
+        [r["samples_per_s"] for r in alone],
+        "o-",
+        color="black",
+        label="no servers (SGD on the GPU)",
+    )
     for mode in ("async", "sync"):
         for shards in (1, 2, 4):
-            points = sorted((r for r in sweep if r["mode"] == mode and r["shards"] == shards), key=lambda r: r["params"])
-            ax.plot([r["params"] / 1e6 for r in points], [r["samples_per_s"] for r in points], "o",
-                    linestyle=STYLES[shards], color=COLORS[mode], label=f"{mode}, {shards} shard(s)")
+            points = sorted(
+                (r for r in sweep if r["mode"] == mode and r["shards"] == shards), key=lambda r: r["params"]
+            )
+            ax.plot(
+                [r["params"] / 1e6 for r in points],
+                [r["samples_per_s"] for r in points],
+                "o",
+                linestyle=STYLES[shards],
+                color=COLORS[mode],
+                label=f"{mode}, {shards} shard(s)",
+            )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("MLP parameters (millions)")
@@ -60,8 +79,12 @@ def gpu_step_breakdown(sweep: list[dict]) -> Figure:
     points = sorted((r for r in sweep if r["mode"] != "none"), key=lambda r: (r["params"], r["mode"], r["shards"]))
     labels, x = [], range(len(points))
     bottom = [0.0] * len(points)
-    for key, color in (("pull_s", "tab:green"), ("wait_s", "tab:gray"), ("compute_s", "tab:purple"),
-                       ("push_s", "tab:red")):
+    for key, color in (
+        ("pull_s", "tab:green"),
+        ("wait_s", "tab:gray"),
+        ("compute_s", "tab:purple"),
+        ("push_s", "tab:red"),
+    ):
         values = [1e3 * r[key] for r in points]
         ax.bar(x, values, bottom=bottom, color=color, label=key.removesuffix("_s"))
         bottom = [b + v for b, v in zip(bottom, values)]
@@ -82,10 +105,16 @@ def cpu_updates(grid: list[dict]) -> Figure:
     measured = [r for r in grid if "skipped" not in r and r["workers"] == 2]
     for ax, shards in zip(axes, (1, 2, 4)):
         for plane in ("shm", "tcp", "grpc"):
-            points = sorted((r for r in measured if r["shards"] == shards and r["data_plane"] == plane),
-                            key=lambda r: r["params"])
-            ax.plot([r["params"] / 1e6 for r in points], [r["updates_per_s"] for r in points], "o-",
-                    color=COLORS[plane], label=plane)
+            points = sorted(
+                (r for r in measured if r["shards"] == shards and r["data_plane"] == plane), key=lambda r: r["params"]
+            )
+            ax.plot(
+                [r["params"] / 1e6 for r in points],
+                [r["updates_per_s"] for r in points],
+                "o-",
+                color=COLORS[plane],
+                label=plane,
+            )
         floor = sorted({(r["params"], r["floor_updates_per_s"]) for r in measured if r["shards"] == shards})
         ax.plot([p / 1e6 for p, _ in floor], [f for _, f in floor], "k--", label="floor (2 copies + apply)")
         ax.set_xscale("log")
@@ -109,8 +138,12 @@ def cost_model_check() -> Figure:
     ax = fig.subplots()
     for mode in ("async", "sync"):
         chosen = [p for p in points if p["mode"] == mode]
-        ax.scatter([1e3 * p["measured_s"] for p in chosen], [1e3 * p["predicted_s"] for p in chosen],
-                   color=COLORS[mode], label=mode)
+        ax.scatter(
+            [1e3 * p["measured_s"] for p in chosen],
+            [1e3 * p["predicted_s"] for p in chosen],
+            color=COLORS[mode],
+            label=mode,
+        )
     top = max(1e3 * max(p["measured_s"], p["predicted_s"]) for p in points) * 1.1
     ax.plot([0, top], [0, top], "k:", label="predicted = measured")
     ax.set_xlabel("measured step (ms)")
@@ -124,8 +157,12 @@ def cost_model_check() -> Figure:
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     sweep = rows("gpu-sweep-1xH100.jsonl")
-    figures = {"gpu-samples-vs-size.png": gpu_samples_vs_size(sweep), "gpu-step-breakdown.png": gpu_step_breakdown(sweep),
-               "cpu-updates.png": cpu_updates(rows("bench-ps-2core.jsonl")), "cost-model.png": cost_model_check()}
+    figures = {
+        "gpu-samples-vs-size.png": gpu_samples_vs_size(sweep),
+        "gpu-step-breakdown.png": gpu_step_breakdown(sweep),
+        "cpu-updates.png": cpu_updates(rows("bench-ps-2core.jsonl")),
+        "cost-model.png": cost_model_check(),
+    }
     for name, fig in figures.items():
         fig.savefig(OUT / name, dpi=110)
         print(OUT / name)

@@ -66,12 +66,22 @@ class ShardInProcess:
     """A device shard in this process and one worker's steps against it, as worker/loop.py makes them."""
 
     def __init__(self, train, model, xp, loader, mode: str):
-        device = "cpu" if train.device == "cpu" else "gpu"          # cpu: a dry run of this script
-        self.shard = HostedShard(ServerConfig(shard_index=0, num_shards=1, mode=mode, lr=LR, threads=16,
-                                              job_id=f"interleaved-{os.getpid()}-{mode}", shard_device=device))
+        device = "cpu" if train.device == "cpu" else "gpu"  # cpu: a dry run of this script
+        self.shard = HostedShard(
+            ServerConfig(
+                shard_index=0,
+                num_shards=1,
+                mode=mode,
+                lr=LR,
+                threads=16,
+                job_id=f"interleaved-{os.getpid()}-{mode}",
+                shard_device=device,
+            )
+        )
         spec = model.spec
-        self.client = make_client(train, [self.shard.address], spec, worker_id=0, world=1,
-                                  init=lambda: spec.pack(model.init_params(0)), xp=xp)
+        self.client = make_client(
+            train, [self.shard.address], spec, worker_id=0, world=1, init=lambda: spec.pack(model.init_params(0)), xp=xp
+        )
         self.client.__enter__()
         self.model, self.loader = model, loader
         self.overlap = mode != "sync" and train.overlap
@@ -108,7 +118,7 @@ def interleave(args, setting: str, mode: str, overlap: bool) -> dict:
     served = ShardInProcess(train, model, xp, loader, mode)
     ratios, times = [], {"no servers": [], setting: []}
     try:
-        alone.steps(args.block)          # one block each first: caches, the first pull, the first push
+        alone.steps(args.block)  # one block each first: caches, the first pull, the first push
         served.steps(args.block)
         for pair in range(args.pairs):
             order = (alone, served) if pair % 2 == 0 else (served, alone)
@@ -120,11 +130,19 @@ def interleave(args, setting: str, mode: str, overlap: bool) -> dict:
     finally:
         served.close()
         loader.close()
-    row = {"setting": setting, "model": args.model, "device": device, "planes": planes, "pairs": args.pairs,
-           "block": args.block, "ratio_vs_no_servers": statistics.median(ratios), "ratios": ratios,
-           "step_ms": 1e3 * statistics.median(times[setting]),
-           "no_servers_step_ms": 1e3 * statistics.median(times["no servers"]),
-           "no_servers_before_shard_step_ms": 1e3 * before}
+    row = {
+        "setting": setting,
+        "model": args.model,
+        "device": device,
+        "planes": planes,
+        "pairs": args.pairs,
+        "block": args.block,
+        "ratio_vs_no_servers": statistics.median(ratios),
+        "ratios": ratios,
+        "step_ms": 1e3 * statistics.median(times[setting]),
+        "no_servers_step_ms": 1e3 * statistics.median(times["no servers"]),
+        "no_servers_before_shard_step_ms": 1e3 * before,
+    }
     print(json.dumps(row), flush=True)
     return row
 
@@ -140,20 +158,27 @@ def main() -> int:
     parser.add_argument("--device", default="gpu", choices=["gpu", "cpu"], help="cpu: a dry run of this script")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    args.steps = args.block          # big_mlp's steps: unused here, each block counts its own
+    args.steps = args.block  # big_mlp's steps: unused here, each block counts its own
     if args.device == "gpu":
         import cupy
 
         print(f"GPU: {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, CuPy {cupy.__version__}", flush=True)
-    rows = [interleave(args, "async, shard in the worker's process", "async", True),
-            interleave(args, "async without overlap, shard in the worker's process", "async", False),
-            interleave(args, "sync, shard in the worker's process", "sync", True)]
-    print(f"\n{args.model}, batch {args.batch}: {args.pairs} pairs of {args.block}-step blocks, ABBA; median of the "
-          f"pairs' ratios")
+    rows = [
+        interleave(args, "async, shard in the worker's process", "async", True),
+        interleave(args, "async without overlap, shard in the worker's process", "async", False),
+        interleave(args, "sync, shard in the worker's process", "sync", True),
+    ]
+    print(
+        f"\n{args.model}, batch {args.batch}: {args.pairs} pairs of {args.block}-step blocks, ABBA; median of the "
+        f"pairs' ratios"
+    )
     print(f"{'setting':<56} {'x no servers':>12} {'step ms':>8} {'alone ms':>8} {'before':>7}  pairs")
     for r in rows:
-        print(f"{r['setting']:<56} {r['ratio_vs_no_servers']:12.3f} {r['step_ms']:8.2f} {r['no_servers_step_ms']:8.2f}"
-              f" {r['no_servers_before_shard_step_ms']:7.2f}  {min(r['ratios']):.3f}-{max(r['ratios']):.3f}", flush=True)
+        print(
+            f"{r['setting']:<56} {r['ratio_vs_no_servers']:12.3f} {r['step_ms']:8.2f} {r['no_servers_step_ms']:8.2f}"
+            f" {r['no_servers_before_shard_step_ms']:7.2f}  {min(r['ratios']):.3f}-{max(r['ratios']):.3f}",
+            flush=True,
+        )
     if args.json:
         Path(args.json).write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return 0

@@ -89,14 +89,35 @@ def start_shard(mode: str, placement: str, lr: float, device: str):
         from psgrid.psserver.config import ServerConfig
         from psgrid.psserver.server import serve
 
-        server = serve(ServerConfig(host="127.0.0.1", port=0, mode=mode, lr=lr, shard_device=device, gpu=0),
-                       in_process_clients=True)
+        server = serve(
+            ServerConfig(host="127.0.0.1", port=0, mode=mode, lr=lr, shard_device=device, gpu=0),
+            in_process_clients=True,
+        )
         return server.address, lambda: server.stop(grace=1.0)
     folder = tempfile.mkdtemp(prefix="psgrid-ab-")
     address_file = Path(folder) / "address"
-    proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--host", "127.0.0.1", "--port", "0",
-                             "--mode", mode, "--lr", str(lr), "--device", device, "--gpu", "0",
-                             "--address-file", str(address_file)])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "psgrid.cluster.cli",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--mode",
+            mode,
+            "--lr",
+            str(lr),
+            "--device",
+            device,
+            "--gpu",
+            "0",
+            "--address-file",
+            str(address_file),
+        ]
+    )
     deadline = time.monotonic() + 120
     while not (address_file.exists() and address_file.read_text().strip()):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -139,7 +160,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--cpu", action="store_true", help="NumPy and a host shard (cupy-mlp only): a check of this script")
+    parser.add_argument(
+        "--cpu", action="store_true", help="NumPy and a host shard (cupy-mlp only): a check of this script"
+    )
     args = parser.parse_args()
 
     import psgrid
@@ -151,20 +174,30 @@ def main() -> None:
     else:
         params, step, synchronize = torch_model(args.model)
     named = named_parameters(params)
-    alone = AloneSession(params, names=[n for n, _ in named], originals=[a for _, a in named], lr=args.lr,
-                         momentum=0.0, metrics=None, device=None if args.cpu else 0)
-    for _ in range(20):                      # compile kernels, cudnn's choice
+    alone = AloneSession(
+        params,
+        names=[n for n, _ in named],
+        originals=[a for _, a in named],
+        lr=args.lr,
+        momentum=0.0,
+        metrics=None,
+        device=None if args.cpu else 0,
+    )
+    for _ in range(20):  # compile kernels, cudnn's choice
         step(alone)
-    print(f"{args.model}: {sum(int(np.prod(a.shape)) for _, a in named) / 1e6:.1f}M parameters; blocks of "
-          f"{args.steps} steps; ratio = alone's step time (mean of the blocks either side) / psgrid's")
-    print(f"{'mode':>6} {'in':>7} {'plane':>6} {'alone ms':>9} {'psgrid ms':>9} {'x alone':>7}  each block"
-          f"{'':>30} medians, ms: pull compute push")
+    print(
+        f"{args.model}: {sum(int(np.prod(a.shape)) for _, a in named) / 1e6:.1f}M parameters; blocks of "
+        f"{args.steps} steps; ratio = alone's step time (mean of the blocks either side) / psgrid's"
+    )
+    print(
+        f"{'mode':>6} {'in':>7} {'plane':>6} {'alone ms':>9} {'psgrid ms':>9} {'x alone':>7}  each block"
+        f"{'':>30} medians, ms: pull compute push"
+    )
     for mode in args.modes.split(","):
         for placement in args.placements.split(","):
             address, stop = start_shard(mode, placement, args.lr, "cpu" if args.cpu else "gpu")
             try:
-                ps = psgrid.init(params, addresses=[address], world=1, rank=0,
-                                 metrics=os.devnull)
+                ps = psgrid.init(params, addresses=[address], world=1, rank=0, metrics=os.devnull)
                 for _ in range(20):
                     step(ps)
                 alones, ours, ratios, records = [block(step, alone, args.steps, synchronize)], [], [], []
@@ -173,8 +206,10 @@ def main() -> None:
                     alones.append(block(step, alone, args.steps, synchronize))
                     ratios.append((alones[-2] + alones[-1]) / 2 / ours[-1])
                 # push_s of an overlapped push is its time in the background, not the step's
-                phases = " ".join(f"{1e3 * statistics.median(r.get(k, 0.0) for r in records):.2f}"
-                                  for k in ("pull_s", "compute_s", "push_s"))
+                phases = " ".join(
+                    f"{1e3 * statistics.median(r.get(k, 0.0) for r in records):.2f}"
+                    for k in ("pull_s", "compute_s", "push_s")
+                )
                 planes = "+".join(ps.client.data_planes) if hasattr(ps.client, "data_planes") else "-"
                 profile = ""
                 if args.profile:
@@ -189,8 +224,11 @@ def main() -> None:
             finally:
                 stop()
             alone_ms, ours_ms = 1e3 * statistics.median(alones), 1e3 * statistics.median(ours)
-            print(f"{mode:>6} {placement:>7} {planes:>6} {alone_ms:9.3f} {ours_ms:9.3f} {statistics.median(ratios):7.3f}  "
-                  f"{' '.join(f'{r:.2f}' for r in ratios):<40} {phases}", flush=True)
+            print(
+                f"{mode:>6} {placement:>7} {planes:>6} {alone_ms:9.3f} {ours_ms:9.3f} {statistics.median(ratios):7.3f}  "
+                f"{' '.join(f'{r:.2f}' for r in ratios):<40} {phases}",
+                flush=True,
+            )
             if profile:
                 print("\n".join(profile.splitlines()[:40]), flush=True)
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 ENV = "PSGRID_BENCH_SHARD_TIMES"
-EVERY = 25          # pushes between two writes of a shard's file
+EVERY = 25  # pushes between two writes of a shard's file
 
 
 def _timed(cls, name: str, times: list, write) -> None:
@@ -79,14 +79,15 @@ def summary(folder: str, posted: list[float] = (), answered: list[float] = (), s
         spans = times["push"]
         push += [b - a for a, b in spans[skip:]]
         update += [b - a for a, b in times["update"][skip:]]
-        period += [b[0] - a[0] for a, b in zip(spans[skip:], spans[skip + 1:])]
+        period += [b[0] - a[0] for a, b in zip(spans[skip:], spans[skip + 1 :])]
         starts.append([a for a, _ in spans])
         ends.append([b for _, b in spans])
     med = lambda xs: statistics.median(xs) if xs else float("nan")  # noqa: E731
     row = {"shard_push_s": med(push), "shard_update_s": med(update), "shard_period_s": med(period)}
     n = min([len(posted), len(answered), *map(len, starts)]) if starts else 0
-    row["slowest_push_s"] = med([max(e[i] - s[i] for s, e in zip(starts, ends))
-                                 for i in range(skip, min(map(len, starts), default=0))])
+    row["slowest_push_s"] = med(
+        [max(e[i] - s[i] for s, e in zip(starts, ends)) for i in range(skip, min(map(len, starts), default=0))]
+    )
     row["to_shard_s"] = med([max(s[i] for s in starts) - posted[i] for i in range(skip, n)])
     row["to_worker_s"] = med([answered[i] - max(e[i] for e in ends) for i in range(skip, n)])
     return row

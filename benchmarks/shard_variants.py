@@ -24,7 +24,7 @@ import numpy as np
 from psgrid.psserver.kernels import optim, parallel
 
 ENV = "PSGRID_BENCH_SHARD_VARIANT"
-CHECKS = ("numpy", "blas")      # today's, the one before
+CHECKS = ("numpy", "blas")  # today's, the one before
 _NUMPY_CHECK = optim._checked
 _PARTS = parallel.PARTS_PER_THREAD
 _SPLIT = parallel.Chunks.split
@@ -43,7 +43,7 @@ def _dot_checked(blocks, grad: np.ndarray):
     with np.errstate(invalid="ignore"):
         for block in blocks:
             part = grad[block[0]]
-            if math.isnan(float(np.dot(part, zeros[:len(part)]))):
+            if math.isnan(float(np.dot(part, zeros[: len(part)]))):
                 raise optim.NON_FINITE()
             yield block
 

@@ -29,8 +29,20 @@ from psgrid.psserver.client.admin import Admin
 from psgrid.psserver.client.client import Client
 from psgrid.psserver.protocol import FLOAT32
 from psgrid.psserver.spec import ModelSpec
-from psgrid.psserver.transports.stream_frames import (ATTACH, FD_BYTE, MAGIC, MAP, MAX_MESSAGE, OPEN, PULL, PUSH, REPLY,
-                                                   REQUEST, recv_exact, recv_struct)
+from psgrid.psserver.transports.stream_frames import (
+    ATTACH,
+    FD_BYTE,
+    MAGIC,
+    MAP,
+    MAX_MESSAGE,
+    OPEN,
+    PULL,
+    PUSH,
+    REPLY,
+    REQUEST,
+    recv_exact,
+    recv_struct,
+)
 
 SERVE = """
 import json, sys
@@ -68,12 +80,14 @@ class Peer:
 class Shard:
     def __init__(self, elements: int, mode: str):
         config = {"host": "127.0.0.1", "port": 0, "lr": 1.0, "mode": mode}
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVE, json.dumps(config)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SERVE, json.dumps(config)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         self.address = self.proc.stdout.readline().strip()
         self.spec = ModelSpec([("w", (elements,))])
-        self.worker = Client([self.address], self.spec, init=np.full(elements, 100, np.float32), deadline_s=10,
-                             retry_s=2).join()
+        self.worker = Client(
+            [self.address], self.spec, init=np.full(elements, 100, np.float32), deadline_s=10, retry_s=2
+        ).join()
         self.params = np.zeros(elements, np.float32)
         self.worker.pull(self.params).wait()
         self.path = self.worker._conn.planes[0].path
@@ -149,7 +163,7 @@ def unsealed_gradient(shard: Shard, _) -> str:
 def own_gradient(shard: Shard, _) -> str:
     _, fd = shard.worker._memory.segment(FLOAT32)
     answer = attempt(lambda: os.ftruncate(fd, 0))
-    try:           # pushed as it lies (writing it here would fault this process, if it was truncated)
+    try:  # pushed as it lies (writing it here would fault this process, if it was truncated)
         shard.worker.push(shard.worker.gradient_buffer()).wait()
     except Exception:  # noqa: BLE001 - the shard's fate is what is reported
         pass
@@ -165,6 +179,7 @@ def mapped_weights(action):
         peer.call(MAP, clock=index)
         fd = peer.fd()
         return attempt(lambda: action(fd, shard.spec.size * 4))
+
     return attack
 
 
@@ -193,7 +208,7 @@ def hold_marks(shard: Shard, readers: int) -> str:
         try:
             peer.call(OPEN)
         except RuntimeError:
-            break                    # every slot is taken
+            break  # every slot is taken
         peer.fd()
         shard.worker.push(grad).wait()
         peer.call(PULL, worker=shard.worker.worker_id)
@@ -237,8 +252,10 @@ def main() -> None:
     parser.add_argument("--elements", type=int, default=250_000, help="model size (float32 elements)")
     parser.add_argument("--readers", type=int, default=250, help="connections that hold marks")
     args = parser.parse_args()
-    print("| attack | attack step | shard | later pulls exact | ring buffers | shard RSS MB before -> after "
-          "| revoked reads |")
+    print(
+        "| attack | attack step | shard | later pulls exact | ring buffers | shard RSS MB before -> after "
+        "| revoked reads |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, mode, attack in ATTACKS:
         shard = Shard(args.elements, mode)
@@ -247,9 +264,16 @@ def main() -> None:
             before_rss, before_buffers = shard.rss_mb(), shard.buffers()
             answer = attack(shard, args.readers)
             exact = shard.exact() if shard.fate() == "alive" else "-"
-            fate = shard.fate()       # the later pulls may be what kills it
-            after = ("-", "-", "-") if fate != "alive" else \
-                (f"{before_buffers} -> {shard.buffers()}", f"{before_rss:.0f} -> {shard.rss_mb():.0f}", shard.revoked())
+            fate = shard.fate()  # the later pulls may be what kills it
+            after = (
+                ("-", "-", "-")
+                if fate != "alive"
+                else (
+                    f"{before_buffers} -> {shard.buffers()}",
+                    f"{before_rss:.0f} -> {shard.rss_mb():.0f}",
+                    shard.revoked(),
+                )
+            )
             exact = exact if fate == "alive" else "-"
             print(f"| {name} | {answer} | {fate} | {exact} | {' | '.join(after)} |", flush=True)
         finally:

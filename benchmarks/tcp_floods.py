@@ -16,8 +16,8 @@ The shard's files-open limit must allow the floods (``ulimit -n 4096``).
 from __future__ import annotations
 
 import argparse
-import socket
 import multiprocessing
+import socket
 import time
 
 import numpy as np
@@ -45,12 +45,12 @@ def flood(port: int, n: int, opening: bytes, trickle: bytes, tick: float, stop, 
             sock, sent = entry
             try:
                 try:
-                    if sock.recv(1 << 16) == b"":      # the shard's replies are read and dropped
+                    if sock.recv(1 << 16) == b"":  # the shard's replies are read and dropped
                         raise ConnectionError
                 except BlockingIOError:
                     pass
                 if sent < len(trickle):
-                    entry[1] += sock.send(trickle[sent:sent + 1])
+                    entry[1] += sock.send(trickle[sent : sent + 1])
             except BlockingIOError:
                 pass
             except OSError:
@@ -77,8 +77,7 @@ def train(address: str, seconds: float) -> tuple[float, float, float]:
     """(rounds/s, slowest round s, seconds to join) of a new worker on the TCP plane."""
     params, grad = SPEC.flat(), np.full(SPEC.size, 0.01, np.float32)
     t0 = time.monotonic()
-    with Client([address], SPEC, init=SPEC.flat(), token=TOKEN, shared_memory=False, deadline_s=5,
-                retry_s=5) as client:
+    with Client([address], SPEC, init=SPEC.flat(), token=TOKEN, shared_memory=False, deadline_s=5, retry_s=5) as client:
         joined = time.monotonic() - t0
         rounds, slowest, end = 0, 0.0, time.monotonic() + seconds
         while time.monotonic() < end:
@@ -94,7 +93,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0, help="seconds of training per row")
     args = parser.parse_args()
-    mp = multiprocessing.get_context("spawn")      # the floods run in their own process: not on the shard's GIL
+    mp = multiprocessing.get_context("spawn")  # the floods run in their own process: not on the shard's GIL
     server = serve(ServerConfig(mode="async", lr=0.05, token=TOKEN))
     try:
         port = server.tcp.port
@@ -109,8 +108,10 @@ def main() -> None:
             ("none", None),
             ("200 strangers trickling a hello (10 bytes/s)", dict(n=200, trickle=long_hello)),
             ("150 strangers trickling refused 1 GiB pushes", dict(n=150, opening=push(0), trickle=b"\0" * 100_000)),
-            ("150 oversized 1 GiB pushes of a token holder, trickled",
-             dict(n=150, opening=hello + push(holder.worker_id), trickle=b"\0" * 100_000)),
+            (
+                "150 oversized 1 GiB pushes of a token holder, trickled",
+                dict(n=150, opening=hello + push(holder.worker_id), trickle=b"\0" * 100_000),
+            ),
             ("1,100 idle strangers", dict(n=1100)),
         ]
         print("| flood | rounds/s | slowest round (s) | join (s) | connections held | connections cut |")
@@ -119,13 +120,14 @@ def main() -> None:
             stop, opened, cut, attacker = mp.Event(), mp.Value("l", 0), mp.Value("l", 0), None
             if flood_args is not None:
                 flood_args = {"opening": b"", "trickle": b"", "tick": 0.1, **flood_args}
-                attacker = mp.Process(target=flood, args=(port,),
-                                      kwargs=dict(flood_args, stop=stop, opened=opened, cut=cut))
+                attacker = mp.Process(
+                    target=flood, args=(port,), kwargs=dict(flood_args, stop=stop, opened=opened, cut=cut)
+                )
                 attacker.start()
                 deadline = time.monotonic() + 60
                 while opened.value < flood_args["n"] and time.monotonic() < deadline:
                     time.sleep(0.05)
-                time.sleep(0.5)      # let it take hold
+                time.sleep(0.5)  # let it take hold
             try:
                 rate, slowest, joined = train(server.address, args.seconds)
                 row = f"{rate:.0f} | {slowest:.3f} | {joined:.3f}"

@@ -78,8 +78,10 @@ def main() -> None:
     ps.close()
     if ps.rank == 0:
         params = sum(p.numel() for p in model.parameters())
-        print(f"{args.model}: {params / 1e6:.1f}M parameters, {args.steps} steps of {batch} on {device}, "
-              f"last loss {ps.final_loss:.4f}")
+        print(
+            f"{args.model}: {params / 1e6:.1f}M parameters, {args.steps} steps of {batch} on {device}, "
+            f"last loss {ps.final_loss:.4f}"
+        )
 
 
 if __name__ == "__main__":

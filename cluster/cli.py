@@ -9,9 +9,9 @@ import sys
 import time
 
 from psgrid.cluster.commands import COMMANDS
-from psgrid.cluster.run.interrupts import heard_early, hear_early
+from psgrid.cluster.run.interrupts import hear_early, heard_early
 
-QUIET_RANK_GRACE_S = 1.0     # how long an MPI rank other than 0 waits before exiting on an error rank 0 reports
+QUIET_RANK_GRACE_S = 1.0  # how long an MPI rank other than 0 waits before exiting on an error rank 0 reports
 
 EXAMPLES = """\
 examples:
@@ -39,7 +39,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = Parser(
         prog="psctl",
         description="Sharded parameter servers for data-parallel training: start shards and workers, "
-                    "launch whole jobs locally or under mpiexec/srun, and inspect running shards.",
+        "launch whole jobs locally or under mpiexec/srun, and inspect running shards.",
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         before = hear_early()
         return _main(argv)
-    except KeyboardInterrupt:       # a Ctrl-C while the command still loads its modules
+    except KeyboardInterrupt:  # a Ctrl-C while the command still loads its modules
         print("psctl: interrupted", file=sys.stderr)
         return 130
     except Exception:
@@ -91,8 +91,8 @@ def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # Everything after the first `--` is the user's own command (psctl launch -- python train.py ARGS):
     # it is never parsed as psctl's options.
-    user_command = argv[argv.index("--") + 1:] if "--" in argv else None
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    user_command = argv[argv.index("--") + 1 :] if "--" in argv else None
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     command = next((a for a in argv if not a.startswith("-")), None)
     parser = build_parser(command if command in COMMANDS else None)
     args = parser.parse_args(argv)
@@ -108,7 +108,7 @@ def _main(argv: list[str] | None) -> int:
     except UsageError as e:
         from psgrid.cluster.run.preflight import quiet_rank
 
-        if not quiet_rank():     # every MPI rank meets the same error: rank 0 says it once
+        if not quiet_rank():  # every MPI rank meets the same error: rank 0 says it once
             print(f"psctl {args.command}: error: {e}", file=sys.stderr)
         elif not _wired_mpi():
             # ... and the others let it: a launcher that ends every task at the first bad exit (srun's

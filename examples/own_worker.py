@@ -23,7 +23,7 @@ spec = psgrid.ModelSpec([("w", (20,))])
 params = spec.flat()
 with psgrid.Client(sys.argv[1].split(","), spec, init=np.zeros(20, np.float32)) as client:
     grad = client.gradient_buffer()                  # shards on this host read it in place: no push copies
-    for step in range(300):
+    for _ in range(300):
         client.pull(params)                          # returns with the shards' weights, once the mode allows
         batch = rng.integers(0, len(x), 64)
         np.matmul(x[batch].T, x[batch] @ params - y[batch], out=grad)

@@ -86,15 +86,15 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=None, help="default: the job's seed (PSGRID_SEED), else 0")
     args = parser.parse_args()
-    seed = args.seed if args.seed is not None else psgrid.job_env().seed or 0   # psctl compare varies it per repeat
+    seed = args.seed if args.seed is not None else psgrid.job_env().seed or 0  # psctl compare varies it per repeat
 
     xp = array_module(psgrid.job_env().gpu)
     params = {k: xp.asarray(v) for k, v in init_params([64, *[args.hidden] * args.layers, 10], seed).items()}
     ps = psgrid.init(params)  # +ps: join the job; the shards start from rank 0's weights
 
-    images, labels = read_shipped("digits")     # the UCI digits scikit-learn has, shipped with psgrid
+    images, labels = read_shipped("digits")  # the UCI digits scikit-learn has, shipped with psgrid
     x, y = xp.asarray(images.reshape(len(labels), -1) / 16, dtype=xp.float32), xp.asarray(labels, dtype=xp.int64)
-    x_train, y_train = x[:1400][ps.rank::ps.world], y[:1400][ps.rank::ps.world]
+    x_train, y_train = x[:1400][ps.rank :: ps.world], y[:1400][ps.rank :: ps.world]
     x_test, y_test = x[1400:], y[1400:]
     rng = np.random.default_rng(seed + ps.rank)
     for step in range(args.steps):
@@ -109,8 +109,10 @@ def main() -> None:
     if ps.rank == 0:
         ps.log_eval(test_accuracy=final, train_accuracy=accuracy(xp, params, x[:1400], y[:1400]))
     ps.close()  # +ps: leave the job
-    print(f"worker {ps.rank} of {ps.world} ({'cupy' if xp is not np else 'numpy'}): {args.steps} steps, "
-          f"last loss {loss:.4f}, test accuracy {final:.4f}")
+    print(
+        f"worker {ps.rank} of {ps.world} ({'cupy' if xp is not np else 'numpy'}): {args.steps} steps, "
+        f"last loss {loss:.4f}, test accuracy {final:.4f}"
+    )
 
 
 if __name__ == "__main__":

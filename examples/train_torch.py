@@ -24,8 +24,10 @@ try:
     import torch.nn.functional as F
     from torch import nn
 except ImportError:
-    raise SystemExit("examples/train_torch.py needs PyTorch, which psgrid does not install: pip install torch "
-                     "(PyTorch's site lists a smaller CPU-only build)") from None
+    raise SystemExit(
+        "examples/train_torch.py needs PyTorch, which psgrid does not install: pip install torch "
+        "(PyTorch's site lists a smaller CPU-only build)"
+    ) from None
 
 import psgrid  # +ps
 from psgrid.worker.data import read_shipped
@@ -33,8 +35,13 @@ from psgrid.worker.data import read_shipped
 
 def make_model() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),      # 8x8 -> 4x4
-        nn.Flatten(), nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),  # 8x8 -> 4x4
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
     )
 
 
@@ -50,21 +57,21 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=None, help="default: the job's seed (PSGRID_SEED), else 0")
     args = parser.parse_args()
-    seed = args.seed if args.seed is not None else psgrid.job_env().seed or 0   # psctl compare varies it per repeat
+    seed = args.seed if args.seed is not None else psgrid.job_env().seed or 0  # psctl compare varies it per repeat
 
-    device = torch.device(psgrid.job_env().device)       # +ps: this worker's GPU (cuda:N), or the CPU
+    device = torch.device(psgrid.job_env().device)  # +ps: this worker's GPU (cuda:N), or the CPU
     torch.manual_seed(seed)
     model = make_model().to(device)
     ps = psgrid.init(model)  # +ps: join the job; the shards start from rank 0's weights
 
-    images, labels = read_shipped("digits")     # the UCI digits scikit-learn has, shipped with psgrid
+    images, labels = read_shipped("digits")  # the UCI digits scikit-learn has, shipped with psgrid
     x = torch.tensor(images / 16, dtype=torch.float32, device=device).unsqueeze(1)
     y = torch.tensor(labels, dtype=torch.int64, device=device)
-    x_train, y_train = x[:1400][ps.rank::ps.world], y[:1400][ps.rank::ps.world]
+    x_train, y_train = x[:1400][ps.rank :: ps.world], y[:1400][ps.rank :: ps.world]
     generator = torch.Generator(device="cpu").manual_seed(seed + ps.rank)
     for step in range(args.steps):
         ps.pull()  # +ps: the shards' weights, in the model's parameters
-        batch = torch.randperm(len(y_train), generator=generator)[:args.batch_size].to(device)
+        batch = torch.randperm(len(y_train), generator=generator)[: args.batch_size].to(device)
         loss = F.cross_entropy(model(x_train[batch]), y_train[batch])
         model.zero_grad()
         loss.backward()
@@ -76,8 +83,10 @@ def main() -> None:
     if ps.rank == 0:
         ps.log_eval(test_accuracy=final, train_accuracy=accuracy(model, x[:1400], y[:1400]))
     ps.close()  # +ps: leave the job
-    print(f"worker {ps.rank} of {ps.world} (torch {torch.__version__} on {device}): {args.steps} steps, "
-          f"last loss {loss.item():.4f}, test accuracy {final:.4f}")
+    print(
+        f"worker {ps.rank} of {ps.world} (torch {torch.__version__} on {device}): {args.steps} steps, "
+        f"last loss {loss.item():.4f}, test accuracy {final:.4f}"
+    )
 
 
 if __name__ == "__main__":

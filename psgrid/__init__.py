@@ -34,7 +34,7 @@ _EXPORTS = {
     "ModelSpec": "psgrid.psserver.spec",
     "ServerConfig": "psgrid.psserver.config",
     "serve": "psgrid.psserver.server",
-    "init": "psgrid.cluster.run.hosted_script",     # psgrid.worker.api.init, or a script hosting a shard
+    "init": "psgrid.cluster.run.hosted_script",  # psgrid.worker.api.init, or a script hosting a shard
     "Session": "psgrid.worker.api",
     "job_env": "psgrid.worker.env",
     "JobEnv": "psgrid.worker.env",

@@ -5,13 +5,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.kernels.compensation import ASYNC_MOMENTUM, COMPENSATIONS
 from psgrid.psserver.kernels.optim import BOUNDS, HPARAMS, check_settings
-from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.protocol import (
+    DATA_PLANES,
+    DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    MODES,
+    OPTIMIZERS,
+    SHARD_DEVICES,
+)
 from psgrid.psserver.settings import above, at_least, between, check_fields, setting
-from psgrid.psserver.protocol import (DATA_PLANES, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, MODES,
-                                      OPTIMIZERS, SHARD_DEVICES)
-
 
 # Keys that the optimizer's own check covers (kernels/optim.py check_settings, also run by a shard's Init).
 OPTIMIZER_KEYS = HPARAMS
@@ -22,15 +28,18 @@ class ServerConfig:
     """Everything a shard needs to serve; ``psctl server`` flags map one to one onto these (psserver/settings.py)."""
 
     shard_index: int = setting(0, "index I of this shard, 0..S-1", flag="--shard")
-    num_shards: int = setting(1, "number of shards S", bound=at_least(1),
-                              cli="([job] shards of --config when given)")
-    host: str = setting("127.0.0.1", "address `psctl server` binds (launch binds loopback; mpi: see "
-                        "`--host`/`--iface`)", cli="(0.0.0.0 for every interface)")
+    num_shards: int = setting(1, "number of shards S", bound=at_least(1), cli="([job] shards of --config when given)")
+    host: str = setting(
+        "127.0.0.1",
+        "address `psctl server` binds (launch binds loopback; mpi: see `--host`/`--iface`)",
+        cli="(0.0.0.0 for every interface)",
+    )
     port: int = setting(0, "port to bind; 0 picks a free one", bound=between(0, 65535), cli="(see --address-file)")
     mode: str = setting("async", "`sync`, `async` or `ssp` (see the modes)", choices=MODES)
     staleness: int = setting(2, "ssp bound s", bound=at_least(0))
-    backup_workers: int = setting(0, "sync: close a round when all but this many live workers pushed (must be < "
-                                  "workers)", bound=at_least(0))
+    backup_workers: int = setting(
+        0, "sync: close a round when all but this many live workers pushed (must be < workers)", bound=at_least(0)
+    )
     optimizer: str = setting("sgd", "`sgd` or `adam`, applied on the shards", choices=OPTIMIZERS)
     lr: float = setting(0.01, "learning rate", bound=BOUNDS["lr"])
     momentum: float = setting(0.0, "SGD momentum", bound=BOUNDS["momentum"])
@@ -40,78 +49,126 @@ class ServerConfig:
     beta2: float = setting(0.999, "Adam's decay of the gradients' mean square", bound=BOUNDS["beta2"])
     eps: float = setting(1e-8, "Adam's term added to the root mean square", bound=BOUNDS["eps"])
     staleness_compensation: str = setting(
-        "none", "async and ssp: what a stale update gets: `none`; `lr`, the step scaled by 1/max(1, staleness); "
+        "none",
+        "async and ssp: what a stale update gets: `none`; `lr`, the step scaled by 1/max(1, staleness); "
         "`dc`, delay-compensated ASGD (Zheng et al. 2017): g + lambda * g * g * (w_now - w_pulled), w_pulled read "
         "from the versions the shard still holds (else uncompensated, counted in `uncompensated_updates`)",
-        choices=COMPENSATIONS)
-    dc_lambda0: float = setting(2.0, "`dc`: lambda = dc_lambda0 / sqrt(mean square of the gradients, decaying by "
-                                "dc_beta), elementwise (DC-ASGD-a)",
-                                bound=((lambda v: 0.0 < v < math.inf), "finite and > 0"))
-    dc_beta: float = setting(0.95, "`dc`: decay of the gradients' mean square that scales lambda",
-                             bound=((lambda v: 0.0 <= v < 1.0), "in [0, 1)"))
-    dc_versions: int = setting(3, "`dc`: past versions each shard keeps to compensate a stale push from (a copy of "
-                               "its range each)", bound=between(1, 64))
+        choices=COMPENSATIONS,
+    )
+    dc_lambda0: float = setting(
+        2.0,
+        "`dc`: lambda = dc_lambda0 / sqrt(mean square of the gradients, decaying by dc_beta), elementwise (DC-ASGD-a)",
+        bound=((lambda v: 0.0 < v < math.inf), "finite and > 0"),
+    )
+    dc_beta: float = setting(
+        0.95,
+        "`dc`: decay of the gradients' mean square that scales lambda",
+        bound=((lambda v: 0.0 <= v < 1.0), "in [0, 1)"),
+    )
+    dc_versions: int = setting(
+        3,
+        "`dc`: past versions each shard keeps to compensate a stale push from (a copy of its range each)",
+        bound=between(1, 64),
+    )
     async_momentum: str = setting(
-        "off", "async and ssp, SGD: `auto` applies max(0, momentum - (1 - 1/W)), W the live workers, as W "
+        "off",
+        "async and ssp, SGD: `auto` applies max(0, momentum - (1 - 1/W)), W the live workers, as W "
         "asynchronous workers add about 1 - 1/W of momentum themselves (Mitliagkas et al. 2016); the shard stats' "
-        "`momentum` says what it applied", choices=ASYNC_MOMENTUM)
+        "`momentum` says what it applied",
+        choices=ASYNC_MOMENTUM,
+    )
     lease_s: float = setting(10.0, "drop a worker that has not heart-beaten for this long", bound=above(0))
-    progress_timeout_s: float = setting(300.0, "sync and ssp: drop a worker the others wait on that has not pushed "
-                                        "for this long, though its heartbeat lives; 0: never",
-                                        bound=at_least(0))
-    checkpoint_dir: str | None = setting(None, "checkpoint weights, optimizer state and clocks here; restore the "
-                                         "latest on start")
+    progress_timeout_s: float = setting(
+        300.0,
+        "sync and ssp: drop a worker the others wait on that has not pushed "
+        "for this long, though its heartbeat lives; 0: never",
+        bound=at_least(0),
+    )
+    checkpoint_dir: str | None = setting(
+        None, "checkpoint weights, optimizer state and clocks here; restore the latest on start"
+    )
     checkpoint_every: int = setting(0, "checkpoint every this many updates (0: never by count)", bound=at_least(0))
-    checkpoint_every_s: float = setting(0.0, "checkpoint every this many seconds (0: never by time)",
-                                        bound=at_least(0))
+    checkpoint_every_s: float = setting(0.0, "checkpoint every this many seconds (0: never by time)", bound=at_least(0))
     checkpoint_keep: int = setting(3, "complete checkpoints kept (the newest)", bound=at_least(1))
-    chunk_bytes: int = setting(DEFAULT_CHUNK_BYTES, "largest chunk of a streamed range on the wire, sent and taken "
-                               "over gRPC (RegisterReply.max_chunk_bytes)",
-                               bound=((lambda v: MIN_CHUNK_BYTES <= v <= MAX_CHUNK_BYTES),
-                                      f"in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]"))
+    chunk_bytes: int = setting(
+        DEFAULT_CHUNK_BYTES,
+        "largest chunk of a streamed range on the wire, sent and taken over gRPC (RegisterReply.max_chunk_bytes)",
+        bound=((lambda v: MIN_CHUNK_BYTES <= v <= MAX_CHUNK_BYTES), f"in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]"),
+    )
     token: str | None = setting(
-        None, "bearer token every request must carry (the workers of the job get it too); `psctl launch` and "
+        None,
+        "bearer token every request must carry (the workers of the job get it too); `psctl launch` and "
         "`psctl mpi` make a random one unless one is given, and never write it where others can read it",
-        shown="made per job", cli="([server] token of --config, else $PSGRID_TOKEN, which is to be preferred: "
-                                  "command lines are visible to other users)")
-    job_id: str | None = setting(None, "the job a shard belongs to: a Shutdown must name it (printed by the shard "
-                                 "and written with its address)", shown="made per job",
-                                 cli="(give every shard of one job the same id)")
+        shown="made per job",
+        cli="([server] token of --config, else $PSGRID_TOKEN, which is to be preferred: "
+        "command lines are visible to other users)",
+    )
+    job_id: str | None = setting(
+        None,
+        "the job a shard belongs to: a Shutdown must name it (printed by the shard and written with its address)",
+        shown="made per job",
+        cli="(give every shard of one job the same id)",
+    )
     tls_cert: str | None = setting(None, "the shard's certificate (PEM); enables TLS (with `tls_key`)")
     tls_key: str | None = setting(None, "the shard's private key (PEM)")
     tls_ca: str | None = setting(None, "require client certificates signed by this CA (mutual TLS)")
-    metrics_port: int | None = setting(None, "serve Prometheus metrics; shard I uses `metrics_port + I` (0: any "
-                                       "free port)", bound=between(0, 65535))
-    threads: int = setting(128, "handler threads per listener: the gRPC server and each data plane the shard "
-                           "serves (TCP, shared memory, CUDA IPC) has a pool of its own this size, so up to four "
-                           "pools; a request being served, a blocked pull included, holds a thread of its "
-                           "listener's pool", bound=at_least(1))
-    data_plane: str = setting("tcp", "`tcp`: also serve Pull/Push payloads over a raw TCP data plane beside gRPC; "
-                              "`grpc`: gRPC only", choices=DATA_PLANES)
+    metrics_port: int | None = setting(
+        None, "serve Prometheus metrics; shard I uses `metrics_port + I` (0: any free port)", bound=between(0, 65535)
+    )
+    threads: int = setting(
+        128,
+        "handler threads per listener: the gRPC server and each data plane the shard "
+        "serves (TCP, shared memory, CUDA IPC) has a pool of its own this size, so up to four "
+        "pools; a request being served, a blocked pull included, holds a thread of its "
+        "listener's pool",
+        bound=at_least(1),
+    )
+    data_plane: str = setting(
+        "tcp",
+        "`tcp`: also serve Pull/Push payloads over a raw TCP data plane beside gRPC; `grpc`: gRPC only",
+        choices=DATA_PLANES,
+    )
     shared_memory: bool = setting(
-        True, "offer workers on this host the shared-memory data plane: they read the weights in place and push "
+        True,
+        "offer workers on this host the shared-memory data plane: they read the weights in place and push "
         "from their own shared memory (off: they use `data_plane`). A device shard (`shard_device`) offers the CUDA "
         "IPC plane instead: GPU workers of this host that reach its GPU copy the weights device to device and push "
         "from their GPU. Where a process may not make shared files (a file-size limit, `ulimit -f`) or every reader "
-        "slot is taken, the network plane serves, said in one line")
-    apply_threads: int = setting(0, "threads an update's passes over the shard's range use (the apply, the check "
-                                 "for NaN and infinity); 0: a quarter of the machine's CPUs, 1 to 8",
-                                 bound=at_least(0))
+        "slot is taken, the network plane serves, said in one line",
+    )
+    apply_threads: int = setting(
+        0,
+        "threads an update's passes over the shard's range use (the apply, the check "
+        "for NaN and infinity); 0: a quarter of the machine's CPUs, 1 to 8",
+        bound=at_least(0),
+    )
     tcp_max_connections: int = setting(
-        1024, "authenticated TCP data-plane connections a shard holds at once; past it a new one is refused and "
+        1024,
+        "authenticated TCP data-plane connections a shard holds at once; past it a new one is refused and "
         "its client retries (idle ones cost no thread; connections still to show the token are bounded apart, see "
-        "docs/reliability.md)", bound=at_least(1))
-    tcp_handshake_s: float = setting(3.0, "seconds a new TCP data-plane connection has to show the job's token "
-                                     "(and finish TLS); then it is closed",
-                                     bound=((lambda v: 0 < v <= 3600), "in (0, 3600]"))
+        "docs/reliability.md)",
+        bound=at_least(1),
+    )
+    tcp_handshake_s: float = setting(
+        3.0,
+        "seconds a new TCP data-plane connection has to show the job's token (and finish TLS); then it is closed",
+        bound=((lambda v: 0 < v <= 3600), "in (0, 3600]"),
+    )
     shard_device: str = setting(
-        "auto", "where a shard keeps its weights, optimizer state and update: `gpu` on a GPU (workers on the same "
+        "auto",
+        "where a shard keeps its weights, optimizer state and update: `gpu` on a GPU (workers on the same "
         "host reach it over CUDA IPC), `cpu` in host memory; `auto`: the launcher puts the shards on the host's "
-        "GPUs when the job's workers compute on a GPU there (`device = \"gpu\"`, or `\"auto\"` where CuPy sees one; "
-        "`staleness_compensation = \"dc\"` stays on the host), and `psctl server` alone keeps to the CPU (README: "
-        "\"Where the shards run\")", choices=SHARD_DEVICES, flag="--device")
-    gpu: int = setting(-1, "with `shard_device = \"gpu\"`: which of the GPUs the shard's process sees",
-                       bound=((lambda v: v >= -1), "a GPU's index (0, 1, ...) or -1 (shard i takes GPU i mod n)"))
+        'GPUs when the job\'s workers compute on a GPU there (`device = "gpu"`, or `"auto"` where CuPy sees one; '
+        '`staleness_compensation = "dc"` stays on the host), and `psctl server` alone keeps to the CPU (README: '
+        '"Where the shards run")',
+        choices=SHARD_DEVICES,
+        flag="--device",
+    )
+    gpu: int = setting(
+        -1,
+        'with `shard_device = "gpu"`: which of the GPUs the shard\'s process sees',
+        bound=((lambda v: v >= -1), "a GPU's index (0, 1, ...) or -1 (shard i takes GPU i mod n)"),
+    )
 
     def __post_init__(self):
         self.validate()
@@ -119,7 +176,7 @@ class ServerConfig:
     def validate(self) -> None:
         """Refuse, in one line naming the key, what the schema's bounds or a rule joining two keys forbid."""
         check_fields(self, InvalidArgument, leave=OPTIMIZER_KEYS)
-        check_settings(self.optimizer_hparams())     # the optimizer's bounds (kernels/optim.py), before anything starts
+        check_settings(self.optimizer_hparams())  # the optimizer's bounds (kernels/optim.py), before anything starts
         if not 0 <= self.shard_index < self.num_shards:
             raise InvalidArgument(f"shard index {self.shard_index} is outside 0..{self.num_shards - 1}")
         if self.async_momentum == "auto" and self.optimizer != "sgd":
@@ -127,8 +184,10 @@ class ServerConfig:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidArgument("tls_cert and tls_key must be given together")
         if self.shard_device == "gpu" and self.compensation == "dc":
-            raise InvalidArgument("staleness_compensation = 'dc' runs on host shards only: use shard_device = 'cpu', "
-                                  "or staleness_compensation = 'lr' or 'none'")
+            raise InvalidArgument(
+                "staleness_compensation = 'dc' runs on host shards only: use shard_device = 'cpu', "
+                "or staleness_compensation = 'lr' or 'none'"
+            )
 
     @property
     def compensation(self) -> str:
@@ -137,8 +196,15 @@ class ServerConfig:
 
     def optimizer_hparams(self) -> dict:
         """The optimizer's settings, as :func:`~psgrid.psserver.kernels.optim.make_optimizer` takes them."""
-        return dict(lr=self.lr, momentum=self.momentum, nesterov=self.nesterov, weight_decay=self.weight_decay,
-                    beta1=self.beta1, beta2=self.beta2, eps=self.eps)
+        return dict(
+            lr=self.lr,
+            momentum=self.momentum,
+            nesterov=self.nesterov,
+            weight_decay=self.weight_decay,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            eps=self.eps,
+        )
 
     def applied_optimizer(self) -> dict:
         """The optimizer and only the settings it uses (Adam has no momentum; SGD no betas)."""

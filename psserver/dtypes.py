@@ -22,8 +22,9 @@ def wire_dtype(name: str) -> int:
     try:
         return WIRE_DTYPES[name]
     except KeyError:
-        raise InvalidArgument(f"wire dtype must be one of {sorted(WIRE_DTYPES)}, got {name!r}",
-                              Reason.BAD_DTYPE) from None
+        raise InvalidArgument(
+            f"wire dtype must be one of {sorted(WIRE_DTYPES)}, got {name!r}", Reason.BAD_DTYPE
+        ) from None
 
 
 def encode(values: np.ndarray, dtype: int) -> bytes:
@@ -52,7 +53,7 @@ FINITE_BLOCK = 1 << 16
 def all_finite(values: np.ndarray) -> bool:
     """Whether every value is finite, checked a block at a time so the boolean temporary stays small."""
     for start in range(0, len(values), FINITE_BLOCK):
-        if not np.isfinite(values[start:start + FINITE_BLOCK]).all():
+        if not np.isfinite(values[start : start + FINITE_BLOCK]).all():
             return False
     return True
 
@@ -62,8 +63,9 @@ def element_count(data: bytes, dtype: int) -> int:
     if size is None:
         raise InvalidArgument(f"unknown or unspecified chunk dtype {dtype}", Reason.BAD_DTYPE)
     if len(data) % size:
-        raise InvalidArgument(f"chunk of {len(data)} bytes is not a whole number of {size}-byte elements",
-                              Reason.BAD_SIZE)
+        raise InvalidArgument(
+            f"chunk of {len(data)} bytes is not a whole number of {size}-byte elements", Reason.BAD_SIZE
+        )
     return len(data) // size
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 DIR_MODE = 0o755
 FILE_MODE = 0o644
@@ -36,7 +37,7 @@ def make_dirs(path: str | os.PathLike, mode: int = DIR_MODE) -> Path:
     for folder in reversed(missing):
         try:
             folder.mkdir(mode=mode)
-        except FileExistsError:      # made meanwhile by another process (or a file in the way: said below)
+        except FileExistsError:  # made meanwhile by another process (or a file in the way: said below)
             if not folder.is_dir():
                 raise
     return path
@@ -72,7 +73,7 @@ def replacing(path: str | os.PathLike, mode: str = "w", perms: int = FILE_MODE, 
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)      # one left by a crash keeps its mode: made afresh, it has ``perms``
+    tmp.unlink(missing_ok=True)  # one left by a crash keeps its mode: made afresh, it has ``perms``
     with open_new(tmp, mode, perms, **kwargs) as f:
         yield f
     os.replace(tmp, path)

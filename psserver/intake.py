@@ -7,7 +7,7 @@ service.py opens them; what a valid payload does to the state is the shard's.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -37,15 +37,32 @@ class RangeIntake:
     :func:`finite_check`).
     """
 
-    __slots__ = ("begin", "size", "buffer", "allowed", "scratch_pool", "scratch", "landing_dtype", "covered",
-                 "chunks", "nbytes", "finite")
+    __slots__ = (
+        "begin",
+        "size",
+        "buffer",
+        "allowed",
+        "scratch_pool",
+        "scratch",
+        "landing_dtype",
+        "covered",
+        "chunks",
+        "nbytes",
+        "finite",
+    )
 
-    def __init__(self, begin: int, size: int, buffer: np.ndarray | None, allowed: frozenset[int],
-                 scratch: Callable[[], BufferPool] | None = None,
-                 finite: Callable[[np.ndarray], bool] | None = wire.all_finite):
+    def __init__(
+        self,
+        begin: int,
+        size: int,
+        buffer: np.ndarray | None,
+        allowed: frozenset[int],
+        scratch: Callable[[], BufferPool] | None = None,
+        finite: Callable[[np.ndarray], bool] | None = wire.all_finite,
+    ):
         self.begin, self.size, self.buffer, self.allowed = begin, size, buffer, allowed
         self.finite = finite
-        self.scratch_pool = scratch          # where half-precision landings come from (asked only for those)
+        self.scratch_pool = scratch  # where half-precision landings come from (asked only for those)
         self.scratch: np.ndarray | None = None
         self.landing_dtype = 0
         self.covered = self.chunks = self.nbytes = 0
@@ -64,14 +81,18 @@ class RangeIntake:
         n = wire.element_count(data, dtype)
         expected = self.begin + self.covered
         if offset != expected:
-            raise InvalidArgument(f"chunk {self.chunks} starts at offset {offset}, expected {expected}: chunks must "
-                                  f"tile this shard's range [{self.begin}, {self.begin + self.size}) in order",
-                                  Reason.BAD_OFFSET)
+            raise InvalidArgument(
+                f"chunk {self.chunks} starts at offset {offset}, expected {expected}: chunks must "
+                f"tile this shard's range [{self.begin}, {self.begin + self.size}) in order",
+                Reason.BAD_OFFSET,
+            )
         if self.covered + n > self.size:
-            raise InvalidArgument(f"chunk {self.chunks} runs past the end of this shard's range "
-                                  f"[{self.begin}, {self.begin + self.size})", Reason.BAD_SIZE)
+            raise InvalidArgument(
+                f"chunk {self.chunks} runs past the end of this shard's range [{self.begin}, {self.begin + self.size})",
+                Reason.BAD_SIZE,
+            )
         buffer = self.buffer if self.buffer is not None else self._destination()
-        piece = buffer[self.covered:self.covered + n]
+        piece = buffer[self.covered : self.covered + n]
         wire.decode_into(piece, data, dtype)
         if self.finite is not None and not self.finite(piece):
             raise non_finite(f"chunk {self.chunks} (offset {offset})")
@@ -85,8 +106,10 @@ class RangeIntake:
             self._check_dtype(dtype)
         expected = self.size * ITEMSIZE[dtype]
         if nbytes != expected:
-            raise InvalidArgument(f"payload of {nbytes} bytes; this shard's range needs {expected} "
-                                  f"({self.size} elements)", Reason.BAD_SIZE)
+            raise InvalidArgument(
+                f"payload of {nbytes} bytes; this shard's range needs {expected} ({self.size} elements)",
+                Reason.BAD_SIZE,
+            )
         self.landing_dtype = dtype
         buffer = self._destination()
         if dtype == FLOAT32:
@@ -106,11 +129,13 @@ class RangeIntake:
 
     def complete(self, declared_chunks: int | None = None) -> None:
         if self.covered != self.size:
-            raise InvalidArgument(f"payload ended early: it covered {self.covered} of this shard's {self.size} "
-                                  f"elements", Reason.BAD_SIZE)
+            raise InvalidArgument(
+                f"payload ended early: it covered {self.covered} of this shard's {self.size} elements", Reason.BAD_SIZE
+            )
         if declared_chunks is not None and declared_chunks != self.chunks:
-            raise InvalidArgument(f"stream declared {declared_chunks} chunks but sent {self.chunks}",
-                                  Reason.BAD_CHUNK_COUNT)
+            raise InvalidArgument(
+                f"stream declared {declared_chunks} chunks but sent {self.chunks}", Reason.BAD_CHUNK_COUNT
+            )
 
     def release_scratch(self) -> None:
         if self.scratch is not None:
@@ -140,10 +165,10 @@ class PushIntake(RangeIntake):
         super().__init__(shard.begin, shard.size, None, GRADIENT_DTYPES, service.half_pool, shard.pushes.finite_check)
         self.shard, self.worker_id, self.clock, self.version = shard, worker_id, clock, version
         self.borrowed = False
-        self.checked = False                 # the gradient is known finite (else the update checks it, in async)
-        self.home = shard.landing_pool       # the pool ``buffer`` goes back to
-        self.staged = None                   # a device shard's copy of the payload on its GPU, as it comes
-        self.uploaded = 0                    # elements of gRPC chunks queued for the GPU so far
+        self.checked = False  # the gradient is known finite (else the update checks it, in async)
+        self.home = shard.landing_pool  # the pool ``buffer`` goes back to
+        self.staged = None  # a device shard's copy of the payload on its GPU, as it comes
+        self.uploaded = 0  # elements of gRPC chunks queued for the GPU so far
 
     def _destination(self) -> np.ndarray:
         if self.buffer is None:
@@ -186,7 +211,7 @@ class PushIntake(RangeIntake):
             super().landed()
             return
         arrays = self.shard.arrays
-        arrays.finished()                  # the last piece is on the GPU: the host landing is free again
+        arrays.finished()  # the last piece is on the GPU: the host landing is free again
         if not arrays.all_finite(self.staged):
             raise non_finite("payload")
         self.home.give(self.buffer)
@@ -215,11 +240,13 @@ class PushIntake(RangeIntake):
         sync round may hold it; in async the update checks it as it reads it.
         """
         if getattr(grad, "dtype", None) != np.float32 or getattr(grad, "ndim", 0) != 1:
-            raise InvalidArgument(f"a pushed gradient must be a 1-D float32 array, got {getattr(grad, 'dtype', grad)!r}",
-                                  Reason.BAD_DTYPE)
+            raise InvalidArgument(
+                f"a pushed gradient must be a 1-D float32 array, got {getattr(grad, 'dtype', grad)!r}", Reason.BAD_DTYPE
+            )
         if len(grad) != self.size:
-            raise InvalidArgument(f"the gradient has {len(grad)} elements; this shard's range has {self.size}",
-                                  Reason.BAD_SIZE)
+            raise InvalidArgument(
+                f"the gradient has {len(grad)} elements; this shard's range has {self.size}", Reason.BAD_SIZE
+            )
         self.buffer, self.borrowed = grad, True
         if self.finite is not None:
             finite = self.finite(grad) if isinstance(grad, np.ndarray) else self.shard.arrays.all_finite(grad)
@@ -236,8 +263,9 @@ class PushIntake(RangeIntake):
         if dtype not in self.allowed:
             self._check_dtype(dtype)
         if len(segment) != self.size:
-            raise InvalidArgument(f"the shared gradient maps {len(segment)} elements; this shard's range has "
-                                  f"{self.size}", Reason.BAD_SIZE)
+            raise InvalidArgument(
+                f"the shared gradient maps {len(segment)} elements; this shard's range has {self.size}", Reason.BAD_SIZE
+            )
         if dtype == FLOAT32:
             self.buffer, self.borrowed = segment, True
         else:
@@ -247,22 +275,29 @@ class PushIntake(RangeIntake):
         self.covered, self.chunks, self.nbytes = self.size, 1, segment.nbytes
 
     def commit(self, declared_chunks: int | None = None) -> PushResult:
-        if self.covered != self.size or declared_chunks is not None:      # a whole landing is complete
+        if self.covered != self.size or declared_chunks is not None:  # a whole landing is complete
             self.complete(declared_chunks)
-        if self.staged is not None:        # gRPC chunks went on to the GPU as they came: the last copy ends first
+        if self.staged is not None:  # gRPC chunks went on to the GPU as they came: the last copy ends first
             self.shard.arrays.finished()
             self.home.give(self.buffer)
             self.buffer, self.home, self.staged = self.staged, self.shard.pool, None
-        result, kept = self.shard.push(self.worker_id, self.clock, self.version, self.buffer, self.nbytes,
-                                       borrowed=self.borrowed, checked=self.checked)
+        result, kept = self.shard.push(
+            self.worker_id,
+            self.clock,
+            self.version,
+            self.buffer,
+            self.nbytes,
+            borrowed=self.borrowed,
+            checked=self.checked,
+        )
         if kept:
-            self.buffer = None          # the shard holds it for its sync round now
+            self.buffer = None  # the shard holds it for its sync round now
         return result
 
     def close(self) -> None:
         if self.scratch is not None:
             self.release_scratch()
-        if self.staged is not None:        # a receive that did not complete: its copies end before reuse
+        if self.staged is not None:  # a receive that did not complete: its copies end before reuse
             self.shard.arrays.finished()
             self.shard.pool.give(self.staged)
             self.staged = None
@@ -271,7 +306,7 @@ class PushIntake(RangeIntake):
                 self.home.give(self.buffer)
             self.buffer = None
 
-    def __enter__(self) -> "PushIntake":
+    def __enter__(self) -> PushIntake:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -288,8 +323,9 @@ class InitIntake(RangeIntake):
         try:
             buffer = np.empty(end - begin, np.float32)
         except MemoryError:
-            raise InvalidArgument(f"a range of {end - begin} elements does not fit in this shard's memory",
-                                  Reason.BAD_SPEC) from None
+            raise InvalidArgument(
+                f"a range of {end - begin} elements does not fit in this shard's memory", Reason.BAD_SPEC
+            ) from None
         super().__init__(begin, end - begin, buffer, WEIGHT_DTYPES)
         self.shard, self.spec = shard, spec
 

@@ -30,11 +30,11 @@ import time
 
 PARENT_ENV = "PSCTL_PARENT_PID"
 LIFELINE_ENV = "PSCTL_LIFELINE"
-GRACE_S = 5.0       # after SIGTERM, as long as a launcher gives its children before it sends SIGKILL
-POLL_S = 1.0        # how often the parent pid is looked at; the pipe's end is seen at once
+GRACE_S = 5.0  # after SIGTERM, as long as a launcher gives its children before it sends SIGKILL
+POLL_S = 1.0  # how often the parent pid is looked at; the pipe's end is seen at once
 
 _lock = threading.Lock()
-_ends: dict[str, int] = {}          # this process's pipe: "pid" that made it, "read", "write"
+_ends: dict[str, int] = {}  # this process's pipe: "pid" that made it, "read", "write"
 _watching = threading.Event()
 
 
@@ -53,8 +53,8 @@ def hand_to(env: dict[str, str]) -> tuple[dict[str, str], tuple[int, ...]]:
 
 def _read_end() -> int:
     with _lock:
-        if _ends.get("pid") != os.getpid():     # none yet, or a forked copy of another process's
-            read, write = os.pipe()             # both close-on-exec: only pass_fds hands the reading end on
+        if _ends.get("pid") != os.getpid():  # none yet, or a forked copy of another process's
+            read, write = os.pipe()  # both close-on-exec: only pass_fds hands the reading end on
             _ends.update(pid=os.getpid(), read=read, write=write)
         return _ends["read"]
 
@@ -66,7 +66,7 @@ def inherited() -> int | None:
         return None
     try:
         info = os.fstat(int(fd))
-    except OSError:        # the variable was copied into a process that was not handed the pipe
+    except OSError:  # the variable was copied into a process that was not handed the pipe
         return None
     return int(fd) if f"{info.st_dev}:{info.st_ino}" == identity else None
 
@@ -97,10 +97,11 @@ def watch() -> bool:
             return True
         _watching.set()
     if fd is not None and cut(fd):
-        _stop(parent)        # orphaned before it started: it must not start
+        _stop(parent)  # orphaned before it started: it must not start
         return True
-    threading.Thread(target=_follow, args=(fd, parent if follow_parent else None), name="psctl-launcher-watch",
-                     daemon=True).start()
+    threading.Thread(
+        target=_follow, args=(fd, parent if follow_parent else None), name="psctl-launcher-watch", daemon=True
+    ).start()
     return True
 
 

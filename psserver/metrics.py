@@ -25,11 +25,20 @@ class ShardMetrics:
         self.applied = counter("ps_applied_updates", "Optimizer steps applied")
         self.dropped = counter("ps_dropped_late_pushes", "Sync pushes dropped because their round had closed")
         self.evictions = counter("ps_evictions", "Workers evicted for an expired lease")
-        self.staleness = Histogram("ps_update_staleness", "Staleness of applied updates (versions)", list(labels),
-                                   buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64), registry=registry).labels(**labels)
-        self.wait = Histogram("ps_pull_wait_seconds", "Seconds pulls spent in consistency waits", list(labels),
-                              buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
-                              registry=registry).labels(**labels)
+        self.staleness = Histogram(
+            "ps_update_staleness",
+            "Staleness of applied updates (versions)",
+            list(labels),
+            buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+            registry=registry,
+        ).labels(**labels)
+        self.wait = Histogram(
+            "ps_pull_wait_seconds",
+            "Seconds pulls spent in consistency waits",
+            list(labels),
+            buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+            registry=registry,
+        ).labels(**labels)
         registry.register(self)
         shard.listeners.append(self.on_event)
 
@@ -56,10 +65,12 @@ class ShardMetrics:
         # on the HTTP thread, never inside a shard method.
         stats = self.shard.stats()
         label = [str(stats["shard_index"])]
-        for name, doc, value in (("ps_version", "Updates applied to this shard's weights", stats["version"]),
-                                 ("ps_members", "Live workers", len(stats["members"])),
-                                 ("ps_min_clock", "Slowest live worker clock", stats["min_clock"]),
-                                 ("ps_max_clock", "Fastest live worker clock", stats["max_clock"])):
+        for name, doc, value in (
+            ("ps_version", "Updates applied to this shard's weights", stats["version"]),
+            ("ps_members", "Live workers", len(stats["members"])),
+            ("ps_min_clock", "Slowest live worker clock", stats["min_clock"]),
+            ("ps_max_clock", "Fastest live worker clock", stats["max_clock"]),
+        ):
             gauge = GaugeMetricFamily(name, doc, labels=["shard"])
             gauge.add_metric(label, value)
             yield gauge

@@ -7,7 +7,6 @@ import os
 import ssl
 from pathlib import Path
 
-
 # What the written copies of a job hold in place of its token (cluster/job/credentials.py).
 REDACTED_TOKEN = "<redacted>"
 # The variable a job's token travels in: launchers hand it to their children there, never in argv.
@@ -52,8 +51,9 @@ def check_token(token: str | None) -> None:
     if token == REDACTED_TOKEN:
         from psgrid.psserver.exceptions import InvalidArgument
 
-        raise InvalidArgument("the token is the placeholder of a redacted job file; pass the job's real token "
-                              "(PSGRID_TOKEN)")
+        raise InvalidArgument(
+            "the token is the placeholder of a redacted job file; pass the job's real token (PSGRID_TOKEN)"
+        )
 
 
 def read_pem(path: str | None) -> bytes | None:

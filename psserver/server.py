@@ -33,19 +33,20 @@ class RunningServer:
     """A started shard: its address, its state, and how to stop it."""
 
     def __init__(self, config: ServerConfig, *, in_process_clients: bool = False):
-        if not config.job_id:       # a Shutdown must name it (see ShardService.shutdown)
+        if not config.job_id:  # a Shutdown must name it (see ShardService.shutdown)
             config = dataclasses.replace(config, job_id=secrets.token_hex(6))
         self.config = config
         check_token(config.token)
         warn_if_open(config)
-        self.shard = Shard(config, restore=False)     # restored in start(), once the transports listen
+        self.shard = Shard(config, restore=False)  # restored in start(), once the transports listen
         self.stopped = threading.Event()
         self.shutdown_requested = threading.Event()
         self.service = ShardService(self.shard, on_shutdown=self.shutdown_requested.set)
         ssl_context = server_ssl_context(config.tls_cert, config.tls_key, config.tls_ca) if config.tls_cert else None
-        context = ListenContext(ssl_context, on_failure=lambda: self.set_health(False),
-                                in_process_clients=in_process_clients)
-        self.listening: dict[str, Listening] = {}     # each data plane's listener, by plane, beside gRPC's
+        context = ListenContext(
+            ssl_context, on_failure=lambda: self.set_health(False), in_process_clients=in_process_clients
+        )
+        self.listening: dict[str, Listening] = {}  # each data plane's listener, by plane, beside gRPC's
         try:
             for name, listen in listener_factories().items():
                 built = listen(self.service, config, context)
@@ -57,13 +58,16 @@ class RunningServer:
                 built.listener.stop()
             raise
         # gRPC's Pull and Push are on the control port: its offer is the channel itself.
-        self.service.planes = [(CONTROL_PLANE, lambda: ""),
-                               *((name, built.address) for name, built in self.listening.items())]
+        self.service.planes = [
+            (CONTROL_PLANE, lambda: ""),
+            *((name, built.address) for name, built in self.listening.items()),
+        ]
         self.port = self.grpc.port
         self.address = f"{config.host}:{self.port}"
         self.metrics = None
         if config.metrics_port is not None:
             from psgrid.psserver.metrics import start_exporter
+
             self.metrics = start_exporter(self.shard, config.host, config.metrics_port)
         self.reaper = threading.Thread(target=self._reap, name="lease-reaper", daemon=True)
 
@@ -74,7 +78,7 @@ class RunningServer:
             return None if built is None else built.listener
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def start(self) -> "RunningServer":
+    def start(self) -> RunningServer:
         """Listen, restore the latest checkpoint (if any), then serve.
 
         While a checkpoint loads, the shard already answers: every call is refused as
@@ -107,13 +111,21 @@ class RunningServer:
         while not self.stopped.wait(interval):
             try:
                 for worker in self.shard.evict_expired():
-                    log.warning("shard %d evicted worker %d: no heartbeat for %.1fs",
-                                self.config.shard_index, worker, self.config.lease_s)
+                    log.warning(
+                        "shard %d evicted worker %d: no heartbeat for %.1fs",
+                        self.config.shard_index,
+                        worker,
+                        self.config.lease_s,
+                    )
                 for worker in self.shard.evict_stalled():
-                    log.warning("shard %d evicted worker %d: the others waited on it and it pushed nothing "
-                                "for %gs (progress_timeout_s); its heartbeat was alive, so its training loop is "
-                                "hung or far too slow", self.config.shard_index, worker,
-                                self.config.progress_timeout_s)
+                    log.warning(
+                        "shard %d evicted worker %d: the others waited on it and it pushed nothing "
+                        "for %gs (progress_timeout_s); its heartbeat was alive, so its training loop is "
+                        "hung or far too slow",
+                        self.config.shard_index,
+                        worker,
+                        self.config.progress_timeout_s,
+                    )
                 self.shard.checkpoint_if_due()
             except Exception:  # noqa: BLE001 - the reaper must keep running
                 log.exception("lease reaper failed")
@@ -122,7 +134,7 @@ class RunningServer:
         if self.stopped.is_set():
             return
         self.stopped.set()
-        self.shard.close()        # release waiting pulls first, or stop() waits out their deadlines
+        self.shard.close()  # release waiting pulls first, or stop() waits out their deadlines
         for built in self.listening.values():
             built.listener.stop()
         self.grpc.stop(grace)
@@ -164,9 +176,13 @@ def warn_if_open(config: ServerConfig) -> bool:
     """
     if config.token or config.tls_ca or is_loopback(config.host):
         return False
-    log.warning("shard %d listens on %s with no token and no client certificates: anyone who can reach the port "
-                "can read and change the weights. Set token (psctl launch and mpi make one per job) or "
-                "tls_cert/tls_key/tls_ca", config.shard_index, config.host)
+    log.warning(
+        "shard %d listens on %s with no token and no client certificates: anyone who can reach the port "
+        "can read and change the weights. Set token (psctl launch and mpi make one per job) or "
+        "tls_cert/tls_key/tls_ca",
+        config.shard_index,
+        config.host,
+    )
     return True
 
 
@@ -177,7 +193,7 @@ def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
-        return False      # a name, or 0.0.0.0 / :: (every interface)
+        return False  # a name, or 0.0.0.0 / :: (every interface)
 
 
 def write_address(path: str | os.PathLike, address: str, job_id: str, metrics_port: int | None = None) -> None:
@@ -199,11 +215,15 @@ def run_server(config: ServerConfig, address_file: str | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     if address_file:
-        write_address(address_file, server.address, server.config.job_id,
-                      server.metrics.port if server.metrics else None)
+        write_address(
+            address_file, server.address, server.config.job_id, server.metrics.port if server.metrics else None
+        )
     extra = f", metrics on :{server.metrics.port}" if server.metrics else ""
-    print(f"psgrid shard {config.shard_index}/{config.num_shards} listening on {server.address} "
-          f"(mode {config.mode}, job {server.config.job_id}){extra}", flush=True)
+    print(
+        f"psgrid shard {config.shard_index}/{config.num_shards} listening on {server.address} "
+        f"(mode {config.mode}, job {server.config.job_id}){extra}",
+        flush=True,
+    )
     while not done.is_set() and not server.shutdown_requested.is_set():
         done.wait(0.2)
     server.stop(grace=1.0)

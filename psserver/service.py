@@ -22,19 +22,30 @@ import logging
 import math
 import os
 import threading
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 from psgrid.psserver.exceptions import InvalidArgument, PSError, Unavailable, WrongJob
 from psgrid.psserver.intake import InitIntake, PushIntake
-from psgrid.psserver.protocol import (FLOAT32, ITEMSIZE, REPLY_MARGIN_S, HeartbeatInfo, PushResult, Reason, Refusal,
-                                      Registration, Status, job_tag)
+from psgrid.psserver.protocol import (
+    FLOAT32,
+    ITEMSIZE,
+    REPLY_MARGIN_S,
+    HeartbeatInfo,
+    PushResult,
+    Reason,
+    Refusal,
+    Registration,
+    Status,
+    job_tag,
+)
+from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.state.buffers import BufferPool
 from psgrid.psserver.state.device import shard_device_bytes
 from psgrid.psserver.state.policy import MAX_CLOCK, MAX_START_CLOCK
 from psgrid.psserver.state.shard import Shard
-from psgrid.psserver.spec import ModelSpec
 
 log = logging.getLogger("psgrid.shard")
 
@@ -42,8 +53,8 @@ log = logging.getLogger("psgrid.shard")
 MAX_WORKER_ID = 2**31 - 1
 MAX_HOST_CHARS = 256
 MAX_SPEC_PARAMS = 1 << 16
-MAX_MODEL_ELEMENTS = 1 << 40     # 4 TiB of float32: far past any shard, short of overflowing anything
-RANGE_COPIES = 4                 # weights, optimizer state, and at least two pooled buffers
+MAX_MODEL_ELEMENTS = 1 << 40  # 4 TiB of float32: far past any shard, short of overflowing anything
+RANGE_COPIES = 4  # weights, optimizer state, and at least two pooled buffers
 PHYSICAL_MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -126,8 +137,9 @@ class ShardService:
 
     # ----- control ------------------------------------------------------------------------------
 
-    def register(self, *, spec_hash: str, worker_id: int, start_clock: int, host: str,
-                 observer: bool = False) -> Registration:
+    def register(
+        self, *, spec_hash: str, worker_id: int, start_clock: int, host: str, observer: bool = False
+    ) -> Registration:
         """Join (or rejoin) the membership; an observer only learns the layout and data planes."""
         check_worker(worker_id, observer_ok=True)
         if start_clock != -1:
@@ -140,9 +152,17 @@ class ShardService:
         else:
             joined = shard.register(spec_hash, worker_id, start_clock, host)
         return Registration(
-            mode=config.mode, staleness=config.staleness, backup_workers=config.backup_workers,
-            lease_s=config.lease_s, shard_index=config.shard_index, num_shards=config.num_shards,
-            planes=self.offers(), max_chunk_bytes=config.chunk_bytes, job_tag=job_tag(config.job_id), **joined)
+            mode=config.mode,
+            staleness=config.staleness,
+            backup_workers=config.backup_workers,
+            lease_s=config.lease_s,
+            shard_index=config.shard_index,
+            num_shards=config.num_shards,
+            planes=self.offers(),
+            max_chunk_bytes=config.chunk_bytes,
+            job_tag=job_tag(config.job_id),
+            **joined,
+        )
 
     def offers(self) -> tuple[tuple[str, str], ...]:
         """(plane, address) of every data plane this shard serves now, as registration answers them."""
@@ -160,22 +180,26 @@ class ShardService:
         except InvalidArgument as exc:
             raise InvalidArgument(str(exc), Reason.BAD_SPEC) from None
         if spec.size > MAX_MODEL_ELEMENTS:
-            raise InvalidArgument(f"model of {spec.size} elements is past the limit of {MAX_MODEL_ELEMENTS}",
-                                  Reason.BAD_SPEC)
+            raise InvalidArgument(
+                f"model of {spec.size} elements is past the limit of {MAX_MODEL_ELEMENTS}", Reason.BAD_SPEC
+            )
         if spec_hash != spec.hash():
             raise InvalidArgument("the spec's hash does not match its parameters", Reason.BAD_SPEC)
         self.shard.check_spec(spec)
         begin, end = self.shard.layout(spec)
-        if self.shard.arrays.on_gpu:        # its weights, state and buffers are on the GPU: room there is what counts
+        if self.shard.arrays.on_gpu:  # its weights, state and buffers are on the GPU: room there is what counts
             self._check_gpu_room(end - begin)
             return InitIntake(self.shard, spec)
         # The weights, the optimizer's state and the pooled buffers are each this range: refuse, before
         # anything is allocated, a model whose range could not fit in this machine's memory.
         need = (end - begin) * ITEMSIZE[FLOAT32] * RANGE_COPIES
         if need > PHYSICAL_MEMORY:
-            raise InvalidArgument(f"a range of {end - begin} elements ({need / 2**30:.1f} GiB with optimizer state and "
-                                  f"buffers) is more than this shard can hold ({PHYSICAL_MEMORY / 2**30:.1f} GiB of "
-                                  f"memory): use more shards", Reason.BAD_SPEC)
+            raise InvalidArgument(
+                f"a range of {end - begin} elements ({need / 2**30:.1f} GiB with optimizer state and "
+                f"buffers) is more than this shard can hold ({PHYSICAL_MEMORY / 2**30:.1f} GiB of "
+                f"memory): use more shards",
+                Reason.BAD_SPEC,
+            )
         return InitIntake(self.shard, spec)
 
     def _check_gpu_room(self, elements: int) -> None:
@@ -184,9 +208,12 @@ class ShardService:
         need = shard_device_bytes(elements, config.optimizer, config.momentum, workers=1)
         free = arrays.free_bytes()
         if need > free:
-            raise InvalidArgument(f"a range of {elements} elements needs {need / 2**20:.0f} MiB on {arrays.label} with "
-                                  f"its optimizer state and buffers, and it has {free / 2**20:.0f} MiB free: use more "
-                                  f"shards, or shard_device = 'cpu'", Reason.BAD_SPEC)
+            raise InvalidArgument(
+                f"a range of {elements} elements needs {need / 2**20:.0f} MiB on {arrays.label} with "
+                f"its optimizer state and buffers, and it has {free / 2**20:.0f} MiB free: use more "
+                f"shards, or shard_device = 'cpu'",
+                Reason.BAD_SPEC,
+            )
 
     def heartbeat(self, *, worker_id: int, leaving: bool) -> HeartbeatInfo:
         check_worker(worker_id, observer_ok=False)
@@ -194,9 +221,13 @@ class ShardService:
         if leaving and known:
             self.shard.leave(worker_id)
         elif leaving:
-            self.shard.mark_gone(worker_id)     # a launcher reporting a worker that died before it joined
-        return HeartbeatInfo(known=known, lease_s=self.shard.config.lease_s,
-                             min_clock=self.shard.policy.slowest_clock(), version=self.shard.version)
+            self.shard.mark_gone(worker_id)  # a launcher reporting a worker that died before it joined
+        return HeartbeatInfo(
+            known=known,
+            lease_s=self.shard.config.lease_s,
+            min_clock=self.shard.policy.slowest_clock(),
+            version=self.shard.version,
+        )
 
     def stats(self) -> dict:
         return self.shard.stats()
@@ -208,17 +239,28 @@ class ShardService:
         being the one a registration is checked against; None before Init.
         """
         shard, config = self.shard, self.shard.config
-        layout = shard.layout_info()        # read first: a spec seen later is never older than it
+        layout = shard.layout_info()  # read first: a spec seen later is never older than it
         spec = shard.spec
-        optimizer = {"name": config.optimizer, **config.optimizer_hparams(),
-                     "staleness_compensation": config.compensation, "async_momentum": config.async_momentum}
+        optimizer = {
+            "name": config.optimizer,
+            **config.optimizer_hparams(),
+            "staleness_compensation": config.compensation,
+            "async_momentum": config.async_momentum,
+        }
         return {
             **layout,
             "spec": None if spec is None else ([(p.name, p.shape, p.dtype) for p in spec.params], spec.hash()),
-            "mode": config.mode, "staleness": config.staleness, "backup_workers": config.backup_workers,
-            "lease_s": config.lease_s, "shard_index": config.shard_index, "num_shards": config.num_shards,
-            "max_chunk_bytes": config.chunk_bytes, "planes": self.offers(), "optimizer": optimizer,
-            "update_device": "gpu" if shard.arrays.on_gpu else "cpu", "job_tag": job_tag(config.job_id),
+            "mode": config.mode,
+            "staleness": config.staleness,
+            "backup_workers": config.backup_workers,
+            "lease_s": config.lease_s,
+            "shard_index": config.shard_index,
+            "num_shards": config.num_shards,
+            "max_chunk_bytes": config.chunk_bytes,
+            "planes": self.offers(),
+            "optimizer": optimizer,
+            "update_device": "gpu" if shard.arrays.on_gpu else "cpu",
+            "job_tag": job_tag(config.job_id),
         }
 
     def checkpoint(self) -> tuple[str, int]:
@@ -227,15 +269,24 @@ class ShardService:
     def shutdown(self, job_id: str) -> None:
         """Stop the shard, if ``job_id`` names its job: garbage or another job's tool cannot stop it."""
         if not hmac.compare_digest(job_id.encode(), self.shard.config.job_id.encode()):
-            raise WrongJob("Shutdown must name this shard's job: the id psctl prints when the shard starts and "
-                           "writes with its address (OUT/addr/shard-I)")
+            raise WrongJob(
+                "Shutdown must name this shard's job: the id psctl prints when the shard starts and "
+                "writes with its address (OUT/addr/shard-I)"
+            )
         if self.on_shutdown is not None:
             self.on_shutdown()
 
     # ----- data ---------------------------------------------------------------------------------
 
-    def pull(self, *, worker_id: int, clock: int, timeout_s: float | None,
-             cancelled: Callable[[], bool] | None = None, device: bool = False) -> "PullLease":
+    def pull(
+        self,
+        *,
+        worker_id: int,
+        clock: int,
+        timeout_s: float | None,
+        cancelled: Callable[[], bool] | None = None,
+        device: bool = False,
+    ) -> PullLease:
         """Wait until the consistency rule lets ``worker_id`` pull at ``clock``, then lend a snapshot.
 
         ``timeout_s`` is what is left of the caller's deadline (None: no deadline); the wait ends
@@ -249,13 +300,14 @@ class ShardService:
 
     def _wait_for_pull(self, worker_id: int, clock: int, timeout_s: float | None, cancelled) -> None:
         if not ((0 <= worker_id <= MAX_WORKER_ID or worker_id == -1) and 0 <= clock <= MAX_CLOCK):
-            check_worker(worker_id, observer_ok=True)       # one of them is out of range: say which
+            check_worker(worker_id, observer_ok=True)  # one of them is out of range: say which
             check_range("clock", clock, 0, MAX_CLOCK)
         wait_s = None
         if timeout_s is not None:
             if not math.isfinite(timeout_s):
-                raise InvalidArgument(f"a deadline must be a finite number of seconds, got {timeout_s}",
-                                      Reason.BAD_VALUE)
+                raise InvalidArgument(
+                    f"a deadline must be a finite number of seconds, got {timeout_s}", Reason.BAD_VALUE
+                )
             wait_s = max(0.0, timeout_s - REPLY_MARGIN_S)
         self.shard.wait_for_pull(worker_id, clock, wait_s, cancelled=cancelled)
 
@@ -265,8 +317,10 @@ class ShardService:
         # A client that chose this plane before Init found the weights could not be shared: it drops
         # the plane, and its next registration no longer offers it.
         if not self.shard.shares_memory:
-            raise Unavailable(f"shard {self.shard.config.shard_index} keeps its weights in private memory (its log "
-                              f"says why): use a network plane")
+            raise Unavailable(
+                f"shard {self.shard.config.shard_index} keeps its weights in private memory (its log "
+                f"says why): use a network plane"
+            )
 
     def open_reader(self) -> tuple[int, int]:
         """A slot in the shard's table of reader marks, and that table's shared file (see weight_ring.py).
@@ -281,8 +335,10 @@ class ShardService:
         if self.shard.ring.marks_fd < 0:
             self.shard.free_reader_slot(slot)
             self._require_shared()
-            raise Unavailable(f"shard {self.shard.config.shard_index} has no shared table of marks (its log says "
-                              f"why): use a network plane")
+            raise Unavailable(
+                f"shard {self.shard.config.shard_index} has no shared table of marks (its log says "
+                f"why): use a network plane"
+            )
         return slot, self.shard.ring.marks_fd
 
     def marks_fd(self) -> int:
@@ -327,7 +383,7 @@ class ShardService:
         Every plane's push comes in here; a push moves its worker to clock + 1, which must be a clock too.
         """
         if not (0 <= worker_id <= MAX_WORKER_ID and 0 <= clock < MAX_CLOCK and 0 <= version <= MAX_CLOCK):
-            check_worker(worker_id, observer_ok=False)       # one of them is out of range: say which
+            check_worker(worker_id, observer_ok=False)  # one of them is out of range: say which
             check_range("clock", clock, 0, MAX_CLOCK - 1)
             check_range("version", version, 0, MAX_CLOCK)
         self.shard.check_pusher(worker_id)

@@ -16,8 +16,9 @@ import json
 import sys
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 # (test, the words after "must be"), as psserver/kernels/optim.py's BOUNDS state the optimizer's.
 Bound = tuple[Callable[[Any], bool], str]
@@ -51,8 +52,16 @@ class Setting:
     cli: str = ""
 
 
-def setting(default: Any, doc: str, *, bound: Bound | None = None, choices: tuple | None = None,
-            flag: str | None = None, shown: str | None = None, cli: str = "") -> Any:
+def setting(
+    default: Any,
+    doc: str,
+    *,
+    bound: Bound | None = None,
+    choices: tuple | None = None,
+    flag: str | None = None,
+    shown: str | None = None,
+    cli: str = "",
+) -> Any:
     """A dataclass field with its :class:`Setting`; a list default is copied for every instance."""
     meta = {"setting": Setting(doc, bound, tuple(choices) if choices is not None else None, flag, shown, cli)}
     if isinstance(default, list):
@@ -104,7 +113,7 @@ def _annotation(cls, f: dataclasses.Field) -> Any:
     type imported for type checkers only, such as JobConfig's ``train``, is never needed)."""
     if not isinstance(f.type, str):
         return f.type
-    return eval(f.type, vars(sys.modules[cls.__module__]))     # noqa: S307 (the class's own source text)
+    return eval(f.type, vars(sys.modules[cls.__module__]))  # noqa: S307 (the class's own source text)
 
 
 def problem(name: str, value: Any, s: Setting) -> str | None:
@@ -115,7 +124,7 @@ def problem(name: str, value: Any, s: Setting) -> str | None:
         test, words = s.bound
         try:
             ok = bool(test(value))
-        except TypeError:          # a value of another type than the key's: refused, not a traceback
+        except TypeError:  # a value of another type than the key's: refused, not a traceback
             ok = False
         if not ok:
             return f"{name} must be {words}, got {value!r}"
@@ -185,7 +194,7 @@ def flag_specs(cls, only: tuple[str, ...] | None = None, *, defaults: bool = Tru
             continue
         note = f" {key.setting.cli}" if key.setting.cli else ""
         default = f" (default: {shown_default(key)})" if defaults else ""
-        text = f"{meaning(key)}{note}{default}".replace("`", "")     # markdown's quotes read as noise in --help
+        text = f"{meaning(key)}{note}{default}".replace("`", "")  # markdown's quotes read as noise in --help
         specs.append((key.flag, key.name, kind, text))
     return specs
 

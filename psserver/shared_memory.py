@@ -31,9 +31,10 @@ import numpy as np
 # Python's fcntl names F_SEAL_FUTURE_WRITE only from 3.12 (the kernel's value since 5.1).
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x10)
 # Sizes fixed, and no seal added after ours (a peer could otherwise seal out its maker's writes).
-FIXED_SIZE = (getattr(fcntl, "F_SEAL_SHRINK", 0x2) | getattr(fcntl, "F_SEAL_GROW", 0x4)
-              | getattr(fcntl, "F_SEAL_SEAL", 0x1))
-READ_ONLY_TO_OTHERS = FIXED_SIZE | F_SEAL_FUTURE_WRITE     # for files the maker writes and peers only read
+FIXED_SIZE = (
+    getattr(fcntl, "F_SEAL_SHRINK", 0x2) | getattr(fcntl, "F_SEAL_GROW", 0x4) | getattr(fcntl, "F_SEAL_SEAL", 0x1)
+)
+READ_ONLY_TO_OTHERS = FIXED_SIZE | F_SEAL_FUTURE_WRITE  # for files the maker writes and peers only read
 
 
 def available() -> bool:
@@ -81,7 +82,7 @@ class SharedArray:
         try:
             os.ftruncate(fd, self.nbytes)
             self._map = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            if seals:       # after our writable mapping: F_SEAL_FUTURE_WRITE leaves it be
+            if seals:  # after our writable mapping: F_SEAL_FUTURE_WRITE leaves it be
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
         except BaseException:
             os.close(fd)
@@ -139,7 +140,7 @@ def _libc():
 
 def _filesystem(fd: int) -> int | None:
     """The first word of ``fstatfs``'s answer (the filesystem's magic number), None if it fails."""
-    answer = ctypes.create_string_buffer(256)        # struct statfs is 120 bytes on 64-bit Linux
+    answer = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
     if _libc().fstatfs(fd, answer) != 0:
         return None
     return ctypes.c_long.from_buffer(answer).value

@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
 
 import numpy as np
 
@@ -58,9 +58,7 @@ class ModelSpec:
     """
 
     def __init__(self, params: Iterable[ParamSpec | tuple]):
-        self.params: tuple[ParamSpec, ...] = tuple(
-            p if isinstance(p, ParamSpec) else ParamSpec(*p) for p in params
-        )
+        self.params: tuple[ParamSpec, ...] = tuple(p if isinstance(p, ParamSpec) else ParamSpec(*p) for p in params)
         names = [p.name for p in self.params]
         if len(set(names)) != len(names):
             raise InvalidArgument(f"duplicate parameter names in spec: {names}")
@@ -72,7 +70,7 @@ class ModelSpec:
         self.size: int = begin
 
     @classmethod
-    def from_shapes(cls, shapes: Mapping[str, tuple[int, ...]]) -> "ModelSpec":
+    def from_shapes(cls, shapes: Mapping[str, tuple[int, ...]]) -> ModelSpec:
         """Build a spec from an ordered ``{name: shape}`` mapping."""
         return cls(ParamSpec(name, tuple(shape)) for name, shape in shapes.items())
 
@@ -93,7 +91,7 @@ class ModelSpec:
         return json.dumps([[p.name, list(p.shape), p.dtype] for p in self.params])
 
     @classmethod
-    def from_json(cls, text: str) -> "ModelSpec":
+    def from_json(cls, text: str) -> ModelSpec:
         return cls(ParamSpec(name, tuple(shape), dtype) for name, shape, dtype in json.loads(text))
 
     def flat(self, xp=np):
@@ -104,7 +102,7 @@ class ModelSpec:
         """Per-parameter views (no copies) into a flat buffer laid out by this spec."""
         if flat.ndim != 1 or flat.shape[0] != self.size:
             raise InvalidArgument(f"flat buffer has shape {flat.shape}, spec needs ({self.size},)")
-        return {p.name: flat[self.offsets[p.name][0]:self.offsets[p.name][1]].reshape(p.shape) for p in self.params}
+        return {p.name: flat[self.offsets[p.name][0] : self.offsets[p.name][1]].reshape(p.shape) for p in self.params}
 
     def pack(self, arrays: Mapping, xp=np):
         """Copy named arrays into a new flat buffer (the inverse of :meth:`views`)."""

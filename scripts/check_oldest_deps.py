@@ -27,8 +27,14 @@ else:  # pragma: no cover
 
 ROOT = Path(__file__).resolve().parent.parent
 PINNED = ("grpcio", "grpcio-health-checking", "protobuf")
-TESTS = ["tests/test_proto.py", "tests/test_grpc_contract.py", "tests/test_contract.py", "tests/test_tcp_contract.py",
-         "-k", "not test_generated_code_matches_proto"]
+TESTS = [
+    "tests/test_proto.py",
+    "tests/test_grpc_contract.py",
+    "tests/test_contract.py",
+    "tests/test_tcp_contract.py",
+    "-k",
+    "not test_generated_code_matches_proto",
+]
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.2", "hypothesis>=6.80"]
 
 
@@ -54,15 +60,25 @@ def main(pytest_args: list[str]) -> int:
         python = str(venv / "bin" / "python")
         constraints = Path(tmp) / "constraints.txt"
         constraints.write_text("".join(f"{k}=={v}\n" for k, v in bounds.items()))
-        subprocess.run([python, "-m", "pip", "install", "-q", "-c", str(constraints), "-e", str(ROOT), *TEST_TOOLS],
-                       check=True)
-        versions = subprocess.run([python, "-c", "import grpc, google.protobuf as p; print('grpcio', grpc.__version__,"
-                                   " 'protobuf', p.__version__)"], check=True, capture_output=True, text=True)
+        subprocess.run(
+            [python, "-m", "pip", "install", "-q", "-c", str(constraints), "-e", str(ROOT), *TEST_TOOLS], check=True
+        )
+        versions = subprocess.run(
+            [
+                python,
+                "-c",
+                "import grpc, google.protobuf as p; print('grpcio', grpc.__version__, 'protobuf', p.__version__)",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         print("testing with " + versions.stdout.strip(), flush=True)
         # From the checkout, as the README's test command runs (editable: the tests import this tree).
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        return subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, *pytest_args],
-                              cwd=ROOT, env=env).returncode
+        return subprocess.run(
+            [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, *pytest_args], cwd=ROOT, env=env
+        ).returncode
 
 
 if __name__ == "__main__":

@@ -25,13 +25,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-NOTE = ("# scripts/gen_proto.py removed the generator's runtime version check: this module runs on the\n"
-        "# grpcio and protobuf releases that pyproject.toml allows (scripts/check_oldest_deps.py proves the oldest).\n")
+NOTE = (
+    "# scripts/gen_proto.py removed the generator's runtime version check: this module runs on the\n"
+    "# grpcio and protobuf releases that pyproject.toml allows (scripts/check_oldest_deps.py proves the oldest).\n"
+)
 
 # protobuf: the import of runtime_version (absent before protobuf 5.26) and the call that refuses older runtimes.
 _PROTOBUF_CHECK = re.compile(
     r"from google\.protobuf import runtime_version as _runtime_version\n"
-    r"|_runtime_version\.ValidateProtobufRuntimeVersion\(\n(?:    .*\n)*?\)\n")
+    r"|_runtime_version\.ValidateProtobufRuntimeVersion\(\n(?:    .*\n)*?\)\n"
+)
 # grpc: from GRPC_GENERATED_VERSION to the end of the `raise RuntimeError(...)` that refuses older grpcio.
 _GRPC_CHECK = re.compile(r"GRPC_GENERATED_VERSION = .*?\n    \)\n", re.S)
 
@@ -47,8 +50,10 @@ def without_version_checks(name: str, text: str) -> str:
     else:
         return text
     if n != expected:
-        raise SystemExit(f"gen_proto.py: the version check of {name} has changed shape (found {n} of {expected} "
-                         "parts); update without_version_checks()")
+        raise SystemExit(
+            f"gen_proto.py: the version check of {name} has changed shape (found {n} of {expected} "
+            "parts); update without_version_checks()"
+        )
     first, _, rest = text.partition("\n")
     return f"{first}\n{NOTE}{rest}"
 
@@ -63,8 +68,14 @@ def generate(out_dir: Path) -> list[Path]:
         shutil.copy(ROOT / "proto" / "ps.proto", staged / "ps.proto")
         gen = Path(tmp) / "gen"
         gen.mkdir()
-        args = ["protoc", f"-I{tmp}", f"--python_out={gen}", f"--pyi_out={gen}", f"--grpc_python_out={gen}",
-                "psgrid/psserver/rpc/ps.proto"]
+        args = [
+            "protoc",
+            f"-I{tmp}",
+            f"--python_out={gen}",
+            f"--pyi_out={gen}",
+            f"--grpc_python_out={gen}",
+            "psgrid/psserver/rpc/ps.proto",
+        ]
         if protoc.main(args) != 0:
             raise SystemExit("protoc failed")
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ END = "<!-- end of settings table -->"
 
 def rows(section: str) -> list[str]:
     """The markdown table of one job-file table's keys: header, rule and one row per key."""
-    from psgrid.cluster.job.config import JobConfig, SERVER_PER_PROCESS
+    from psgrid.cluster.job.config import SERVER_PER_PROCESS, JobConfig
     from psgrid.psserver.config import ServerConfig
     from psgrid.psserver.settings import keys, meaning, shown_default
     from psgrid.worker.config import TrainConfig
@@ -33,7 +33,7 @@ def rows(section: str) -> list[str]:
     lines = ["| key | default | meaning |", "| --- | --- | --- |"]
     for key in keys(cls):
         if section == "server" and key.name in SERVER_PER_PROCESS:
-            continue            # flags of psctl server only: a job file cannot set them
+            continue  # flags of psctl server only: a job file cannot set them
         cells = (f"`{key.name}`", shown_default(key), meaning(key))
         lines.append("| " + " | ".join(cell.replace("|", r"\|") for cell in cells) + " |")
     return lines
@@ -47,7 +47,7 @@ def updated(text: str) -> str:
         if not found:
             raise SystemExit(f"README.md lacks the lines {begin!r} ... {END!r} around the [{section}] table")
         table = "\n".join(rows(section)) + "\n"
-        text = text[:found.start(1)] + table + text[found.end(1):]
+        text = text[: found.start(1)] + table + text[found.end(1) :]
     return text
 
 
@@ -56,8 +56,10 @@ def main(argv: list[str]) -> int:
     new = updated(text)
     if "--check" in argv:
         if new != text:
-            print("README.md's settings tables differ from the schema: run python scripts/gen_settings_tables.py",
-                  file=sys.stderr)
+            print(
+                "README.md's settings tables differ from the schema: run python scripts/gen_settings_tables.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     if new != text:

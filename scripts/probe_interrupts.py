@@ -46,7 +46,7 @@ from psgrid.cluster.run.resume import align, check_resumable, job_file_to_resume
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 200
 PR_SET_CHILD_SUBREAPER = 36
-ORPHAN_GRACE_S = 3.0        # how long a launcher's children get to end on their own once it is gone
+ORPHAN_GRACE_S = 3.0  # how long a launcher's children get to end on their own once it is gone
 EXIT_TIMEOUT_S = 60.0
 
 SLOW_JOB_WRITE = """
@@ -64,9 +64,25 @@ sys.exit(main(sys.argv[2:]))
 
 
 def job_args(work: Path, n: int) -> list[str]:
-    return ["--config", "mnist", "--steps", str(STEPS), "--eval-every", "0", "--no-progress", "--lease-s", "2",
-            "--set", "checkpoint_every=10", "--set", f"checkpoint_dir={work / f'ckpt-{n}'}",
-            "--set", 'stragglers=["0:exp:10", "1:exp:10"]', "--out", str(work / f"OUT-{n}")]
+    return [
+        "--config",
+        "mnist",
+        "--steps",
+        str(STEPS),
+        "--eval-every",
+        "0",
+        "--no-progress",
+        "--lease-s",
+        "2",
+        "--set",
+        "checkpoint_every=10",
+        "--set",
+        f"checkpoint_dir={work / f'ckpt-{n}'}",
+        "--set",
+        'stragglers=["0:exp:10", "1:exp:10"]',
+        "--out",
+        str(work / f"OUT-{n}"),
+    ]
 
 
 def psctl(args: list[str], slow_write: float) -> list[str]:
@@ -136,8 +152,12 @@ def interrupt(argv: list[str], log: Path, sig: int, delay: float) -> str:
         proc.kill()
         code = proc.wait(10)
         return "hung after the signal"
-    return {0: "finished before the signal", 128 + signal.SIGINT: "stopped (SIGINT)", -signal.SIGINT: "stopped (SIGINT)",
-            -signal.SIGKILL: "killed"}.get(code, f"exit {code}")
+    return {
+        0: "finished before the signal",
+        128 + signal.SIGINT: "stopped (SIGINT)",
+        -signal.SIGINT: "stopped (SIGINT)",
+        -signal.SIGKILL: "killed",
+    }.get(code, f"exit {code}")
 
 
 def resumable(out: Path, checkpoints: Path) -> tuple[str, str]:
@@ -155,7 +175,7 @@ def resumable(out: Path, checkpoints: Path) -> tuple[str, str]:
         align(job, check_resumable(job, out))
     except UsageError as e:
         return "NOT RESUMABLE", str(e)
-    except Exception as e:      # noqa: BLE001 - the probe reports whatever a resume would have died of
+    except Exception as e:  # noqa: BLE001 - the probe reports whatever a resume would have died of
         return "NOT RESUMABLE", f"{type(e).__name__}: {e}"
     return "resumable", ""
 
@@ -181,18 +201,19 @@ def main() -> int:
     parser.add_argument("--per-out", type=int, default=5, help="interruptions per output folder (default 5)")
     parser.add_argument("--window", type=float, default=6.0, help="signals land 0 to this many s after a start")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--slow-write", type=float, default=0.0, metavar="S",
-                        help="every open of a job.toml for writing takes S s more")
+    parser.add_argument(
+        "--slow-write", type=float, default=0.0, metavar="S", help="every open of a job.toml for writing takes S s more"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the folders (their logs say what happened)")
     args = parser.parse_args()
 
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="probe-interrupts-"))
-    ended = collections.Counter()           # (phase, signal, how the launcher ended) -> count
-    outcomes = collections.Counter()        # resumable / never begun / NOT RESUMABLE
+    ended = collections.Counter()  # (phase, signal, how the launcher ended) -> count
+    outcomes = collections.Counter()  # resumable / never begun / NOT RESUMABLE
     problems: list[str] = []
-    odd: list[str] = []         # launches that ended otherwise than by the signal or by finishing
+    odd: list[str] = []  # launches that ended otherwise than by the signal or by finishing
     orphans = killed_mid_write = temp_files = empty_job_files = finished = 0
     folders = 0
     started = time.monotonic()
@@ -204,8 +225,10 @@ def main() -> int:
             begun, sent = False, 0
             while sent < args.per_out and done < args.n:
                 phase = "resume" if begun else "first"
-                argv = psctl(["--resume", str(out), "--no-progress"] if begun
-                             else [*job_args(work, folders), "--overwrite"], args.slow_write)
+                argv = psctl(
+                    ["--resume", str(out), "--no-progress"] if begun else [*job_args(work, folders), "--overwrite"],
+                    args.slow_write,
+                )
                 sig = rng.choice((signal.SIGINT, signal.SIGKILL))
                 how = interrupt(argv, log, sig, rng.uniform(0.0, args.window))
                 landed = how != "finished before the signal"
@@ -221,10 +244,13 @@ def main() -> int:
                 begun = begun or outcome == "resumable"
                 killed_mid_write += sum(1 for p in out.glob(".*.tmp")) if out.is_dir() else 0
                 empty_job_files += (out / "job.toml").is_file() and (out / "job.toml").stat().st_size == 0
-                print(f"{done}/{args.n} {out.name} {phase}: {signal.Signals(sig).name}, {how}; {outcome}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{done}/{args.n} {out.name} {phase}: {signal.Signals(sig).name}, {how}; {outcome}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if outcome == "NOT RESUMABLE" or not landed:
-                    break           # (a job finished: the folder's last resume follows)
+                    break  # (a job finished: the folder's last resume follows)
             if begun:
                 ok, why = finish(out, log)
                 finished += ok
@@ -234,14 +260,18 @@ def main() -> int:
     finally:
         end_leftovers()
         elapsed = time.monotonic() - started
-        print(f"\n{done} interruptions ({sum(ended.values())} launches) in {folders} folders in {elapsed:.0f} s "
-              f"(slow write: {args.slow_write:g} s, window {args.window:g} s, seed {args.seed})")
+        print(
+            f"\n{done} interruptions ({sum(ended.values())} launches) in {folders} folders in {elapsed:.0f} s "
+            f"(slow write: {args.slow_write:g} s, window {args.window:g} s, seed {args.seed})"
+        )
         for (phase, sig, how), count in sorted(ended.items()):
             print(f"  {phase:6s} {sig:7s} {how:28s} {count}")
         print("after each: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
-        print(f"last resumes that finished the job: {finished}; processes that outlived their launcher by "
-              f"{ORPHAN_GRACE_S:g} s (ended here): {orphans}; temporary files of a killed rewrite seen: "
-              f"{killed_mid_write}, left at the end: {temp_files}; empty job.toml seen: {empty_job_files}")
+        print(
+            f"last resumes that finished the job: {finished}; processes that outlived their launcher by "
+            f"{ORPHAN_GRACE_S:g} s (ended here): {orphans}; temporary files of a killed rewrite seen: "
+            f"{killed_mid_write}, left at the end: {temp_files}; empty job.toml seen: {empty_job_files}"
+        )
         for p in problems:
             print(f"PROBLEM: {p}")
         for o in odd:

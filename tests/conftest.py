@@ -29,8 +29,11 @@ def _installed_from_here() -> None:
     found = importlib.util.find_spec("psgrid.psserver")
     where = Path(found.origin).resolve().parent.parent if found is not None and found.origin else None
     if where != here:
-        pytest.exit(f"psgrid.psserver comes from {where or 'nowhere'}, not from this clone {here}: "
-                    f"install it first (pip install -e '.[test]')", returncode=4)
+        pytest.exit(
+            f"psgrid.psserver comes from {where or 'nowhere'}, not from this clone {here}: "
+            f"install it first (pip install -e '.[test]')",
+            returncode=4,
+        )
 
 
 _installed_from_here()
@@ -39,12 +42,12 @@ from psgrid.psserver.client.admin import Admin  # noqa: E402
 from psgrid.psserver.client.client import Client  # noqa: E402
 from psgrid.psserver.config import ServerConfig  # noqa: E402
 from psgrid.psserver.server import RunningServer, serve  # noqa: E402
-from psgrid.psserver.state.shard import MAX_LENT_BUFFERS  # noqa: E402
-from tests.support import PLANES, plane_options  # noqa: E402
 from psgrid.psserver.spec import ModelSpec  # noqa: E402
+from psgrid.psserver.state.shard import MAX_LENT_BUFFERS  # noqa: E402
 from psgrid.psserver.state.weight_ring import MAX_VERSIONS  # noqa: E402
+from tests.support import PLANES, plane_options  # noqa: E402
 
-LEAK_GRACE_S = 5.0     # threads and sockets get this long to wind down after teardown
+LEAK_GRACE_S = 5.0  # threads and sockets get this long to wind down after teardown
 
 
 def check_invariants(server: RunningServer) -> None:
@@ -63,7 +66,7 @@ def check_invariants(server: RunningServer) -> None:
         assert shard.pool.on_loan == held, f"{shard.pool.on_loan - held} pooled buffers never came back"
         ring = shard.ring
         assert not any(ring.lent), f"weight buffers still lent to senders: {ring.lent}"
-        bound = min(MAX_VERSIONS, 2 + MAX_LENT_BUFFERS + ring.peak_readers)   # current, one to write, one per reader
+        bound = min(MAX_VERSIONS, 2 + MAX_LENT_BUFFERS + ring.peak_readers)  # current, one to write, one per reader
         assert len(ring.arrays) <= bound, f"the ring grew to {len(ring.arrays)} buffers (bound {bound})"
     half = server.service._half
     assert half is None or half.on_loan == 0, "a half-precision landing buffer never came back"
@@ -73,13 +76,14 @@ class InProcessCluster:
     """Shards in this process; clients and admins made here use the cluster's data plane and close with it."""
 
     def __init__(self, num_shards: int, client_plane: str, **settings):
-        self.data_plane = client_plane       # what its clients use; settings["data_plane"] is what shards offer
+        self.data_plane = client_plane  # what its clients use; settings["data_plane"] is what shards offer
         self.servers: list[RunningServer] = []
         self.owned: list = []
-        settings.setdefault("job_id", "cluster-job")     # one job, as psctl gives its shards (None: each its own)
+        settings.setdefault("job_id", "cluster-job")  # one job, as psctl gives its shards (None: each its own)
         for i in range(num_shards):
-            self.servers.append(serve(ServerConfig(shard_index=i, num_shards=num_shards, host="127.0.0.1", port=0,
-                                                   **settings)))
+            self.servers.append(
+                serve(ServerConfig(shard_index=i, num_shards=num_shards, host="127.0.0.1", port=0, **settings))
+            )
         self.addresses = [s.address for s in self.servers]
 
     def shard(self, i: int = 0):
@@ -121,13 +125,14 @@ class InProcessCluster:
 
 # ----- what a test may not leave behind --------------------------------------------------------------
 
+
 def _sockets() -> set[str]:
     found = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
-            continue          # closed while listing
+            continue  # closed while listing
         if target.startswith("socket:"):
             found.add(target)
     return found
@@ -226,6 +231,7 @@ def tcp_calls(monkeypatch):
             with lock:
                 calls[kind] += 1
             return real(self, *args)
+
         return method
 
     monkeypatch.setattr(TcpDataServer, "_pull", counting("pull", TcpDataServer._pull))

@@ -84,10 +84,15 @@ def main(argv: list[str]) -> int:
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         print(json.dumps({"error": f"prctl: errno {ctypes.get_errno()}"}))
         return 2
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PSCTL_")}    # we are nobody's child here
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PSCTL_")}  # we are nobody's child here
     with open(Path(out).parent / "launch.log", "wb") as log:
-        launcher = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", command, "--out", out, *args],
-                                    env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "psgrid.cluster.cli", command, "--out", out, *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + FIRST_CHILD_TIMEOUT_S
     while not children_of(launcher.pid) and launcher.poll() is None and time.monotonic() < deadline:
         time.sleep(POLL_S)

@@ -14,8 +14,8 @@ import sys
 import threading
 import time
 
-from psgrid.cluster.mpi import job as mpi
 from psgrid.cluster.cli import main
+from psgrid.cluster.mpi import job as mpi
 
 BUSY_WAIT_S = 60.0
 
@@ -30,6 +30,7 @@ def raising(role_method, target: int, busy: str):
         while not (os.path.exists(busy) and os.path.getsize(busy)) and time.monotonic() < deadline:
             time.sleep(0.05)
         raise RuntimeError(f"rank {target}: raising on purpose at t={time.time():.3f} (test)")
+
     return method
 
 

@@ -45,12 +45,12 @@ import pytest
 from tests.support import MPI_ENV, ROOT, alive, wait_for
 
 PACKAGES = "slurmd slurmctld slurm-client munge"
-REQUIRE_SLURM = "PSGRID_REQUIRE_SLURM"   # "1": missing Slurm fails the srun tests (CI) instead of skipping them
+REQUIRE_SLURM = "PSGRID_REQUIRE_SLURM"  # "1": missing Slurm fails the srun tests (CI) instead of skipping them
 PROGRAMS = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "squeue", "scancel", "scontrol")
 NODE = "psgrid-node"
 PARTITION = "psgrid"
-NODE_CPUS = 16            # claimed (config_overrides): room for every rank a test starts, on any machine
-NODE_GPUS = 4             # claimed too, as empty files: enough for examples/slurm/*.sbatch
+NODE_CPUS = 16  # claimed (config_overrides): room for every rank a test starts, on any machine
+NODE_GPUS = 4  # claimed too, as empty files: enough for examples/slurm/*.sbatch
 START_S = 30.0
 STOP_S = 10.0
 # Environment variables of an enclosing Slurm job or MPI launcher that would make srun or MPICH
@@ -104,11 +104,16 @@ def find_programs(search_path: str | None = None) -> dict[str, str]:
     found = {name: shutil.which(name, path=search_path) for name in PROGRAMS}
     missing = sorted(name for name, where in found.items() if not where)
     if missing and os.environ.get(REQUIRE_SLURM) == "1":
-        pytest.fail(f"Slurm is not installed ({', '.join(missing)} not found) and {REQUIRE_SLURM}=1 asks for the "
-                    f"srun tests: `apt-get install --no-install-recommends {PACKAGES}` as root", pytrace=False)
+        pytest.fail(
+            f"Slurm is not installed ({', '.join(missing)} not found) and {REQUIRE_SLURM}=1 asks for the "
+            f"srun tests: `apt-get install --no-install-recommends {PACKAGES}` as root",
+            pytrace=False,
+        )
     if missing:
-        pytest.skip(f"srun tests need Slurm ({', '.join(missing)} not found): "
-                    f"apt-get install --no-install-recommends {PACKAGES}")
+        pytest.skip(
+            f"srun tests need Slurm ({', '.join(missing)} not found): "
+            f"apt-get install --no-install-recommends {PACKAGES}"
+        )
     return found
 
 
@@ -139,14 +144,14 @@ class SlurmCluster:
         self.programs = find_programs()
         self.root = Path(tempfile.mkdtemp(prefix="psgrid-slurm-"))
         self.conf = self.root / "slurm.conf"
-        self.first_job_id = random.randrange(10_000, 60_000_000)    # below Slurm's MaxJobId (67,043,328)
+        self.first_job_id = random.randrange(10_000, 60_000_000)  # below Slurm's MaxJobId (67,043,328)
         self.daemons: dict[str, subprocess.Popen] = {}
         self.logs: dict[str, Path] = {}
 
     # -- start and stop ------------------------------------------------------------------------
 
     @classmethod
-    def start(cls) -> "SlurmCluster":
+    def start(cls) -> SlurmCluster:
         """Start a cluster and wait until its node takes jobs (a few seconds)."""
         cluster = cls()
         try:
@@ -161,27 +166,46 @@ class SlurmCluster:
             (self.root / sub).mkdir()
         munge = self.root / "munge"
         munge.mkdir(mode=0o711)
-        munge.chmod(0o711)                               # munged wants its socket folder executable by all
+        munge.chmod(0o711)  # munged wants its socket folder executable by all
         key = munge / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        self._spawn("munged", "-F", "--force", f"--socket={munge}/munge.socket.2", f"--key-file={key}",
-                    f"--pid-file={munge}/munged.pid", f"--seed-file={munge}/munged.seed",
-                    f"--log-file={self.root}/log/munged.log")
+        self._spawn(
+            "munged",
+            "-F",
+            "--force",
+            f"--socket={munge}/munge.socket.2",
+            f"--key-file={key}",
+            f"--pid-file={munge}/munged.pid",
+            f"--seed-file={munge}/munged.seed",
+            f"--log-file={self.root}/log/munged.log",
+        )
         self._wait(lambda: (munge / "munge.socket.2").exists(), "munged's socket")
         ctld_port, slurmd_port = free_ports(2)
-        self.conf.write_text(CONFIG.format(
-            root=self.root, ctld_port=ctld_port, slurmd_port=slurmd_port, user=_user(), node=NODE,
-            hostname=socket.gethostname(), cpus=NODE_CPUS, gpus=NODE_GPUS, partition=PARTITION,
-            first_job_id=self.first_job_id))
+        self.conf.write_text(
+            CONFIG.format(
+                root=self.root,
+                ctld_port=ctld_port,
+                slurmd_port=slurmd_port,
+                user=_user(),
+                node=NODE,
+                hostname=socket.gethostname(),
+                cpus=NODE_CPUS,
+                gpus=NODE_GPUS,
+                partition=PARTITION,
+                first_job_id=self.first_job_id,
+            )
+        )
         for i in range(NODE_GPUS):
             (self.root / f"gpu{i}").touch()
-        (self.root / "gres.conf").write_text(f"AutoDetect=off\nNodeName={NODE} Name=gpu "
-                                             f"File={self.root}/gpu[0-{NODE_GPUS - 1}]\n")
+        (self.root / "gres.conf").write_text(
+            f"AutoDetect=off\nNodeName={NODE} Name=gpu File={self.root}/gpu[0-{NODE_GPUS - 1}]\n"
+        )
         self._spawn("slurmctld", "-D", "-i")
         self._spawn("slurmd", "-D", "-N", NODE)
-        self._wait(lambda: self._client("sinfo", "-h", "-n", NODE, "-o", "%t").stdout.strip() == "idle",
-                   "the node to be idle")
+        self._wait(
+            lambda: self._client("sinfo", "-h", "-n", NODE, "-o", "%t").stdout.strip() == "idle", "the node to be idle"
+        )
 
     def stop(self) -> None:
         """Cancel every job, stop the daemons and whatever they started, and remove what they left."""
@@ -189,8 +213,12 @@ class SlurmCluster:
             next_job_id = self._next_job_id()
             if "slurmctld" in self.daemons and self.daemons["slurmctld"].poll() is None:
                 self._client("scancel", f"--partition={PARTITION}", check=False)
-                self._wait(lambda: not self._client("squeue", "-h", check=False).stdout.strip(), "jobs to end",
-                           timeout=STOP_S, fail=False)
+                self._wait(
+                    lambda: not self._client("squeue", "-h", check=False).stdout.strip(),
+                    "jobs to end",
+                    timeout=STOP_S,
+                    fail=False,
+                )
             for name in ("slurmd", "slurmctld", "munged"):
                 proc = self.daemons.get(name)
                 if proc is not None and proc.poll() is None:
@@ -200,7 +228,7 @@ class SlurmCluster:
                     except subprocess.TimeoutExpired:
                         proc.kill()
                         proc.wait(STOP_S)
-            for pid in self.strays():               # slurmstepd, tasks: anything that outlived the daemons
+            for pid in self.strays():  # slurmstepd, tasks: anything that outlived the daemons
                 _kill(pid)
             wait_for(lambda: not self.strays(), STOP_S, "the cluster's processes to end")
             for path in self.shm_leftovers(next_job_id):
@@ -214,21 +242,38 @@ class SlurmCluster:
         """The environment of a command on this cluster: ours without any enclosing job's, its config,
         this Python's ``psctl`` first on the path, MPI on loopback."""
         env = {k: v for k, v in os.environ.items() if not FOREIGN_ENV.match(k)}
-        env.update(SLURM_CONF=str(self.conf), **MPI_ENV,
-                   PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+        env.update(
+            SLURM_CONF=str(self.conf),
+            **MPI_ENV,
+            PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        )
         env.update(extra or {})
         return env
 
-    def srun(self, n: int, argv: list[str], *, timeout: float = 120, options: tuple[str, ...] = (),
-             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def srun(
+        self,
+        n: int,
+        argv: list[str],
+        *,
+        timeout: float = 120,
+        options: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> subprocess.CompletedProcess:
         """``srun --mpi=pmi2 -n N [OPTIONS] ARGV`` on this cluster, from the checkout's root: the completed
         process (text ``stdout`` and ``stderr``). Fails the test, after cancelling the job, past ``timeout``."""
-        minutes = int(timeout // 60) + 1                   # Slurm's own limit, a little above ours
-        return self._run([self.programs["srun"], "--mpi=pmi2", "-n", str(n), f"--time={minutes}", *options, *argv],
-                         timeout, env)
+        minutes = int(timeout // 60) + 1  # Slurm's own limit, a little above ours
+        return self._run(
+            [self.programs["srun"], "--mpi=pmi2", "-n", str(n), f"--time={minutes}", *options, *argv], timeout, env
+        )
 
-    def sbatch(self, script: Path, *args: str, options: tuple[str, ...] = (), timeout: float = 120,
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    def sbatch(
+        self,
+        script: Path,
+        *args: str,
+        options: tuple[str, ...] = (),
+        timeout: float = 120,
+        env: dict[str, str] | None = None,
+    ) -> subprocess.CompletedProcess:
         """``sbatch [OPTIONS] SCRIPT ARGS`` from the checkout's root, waited for: a completed process with the
         job's exit code and its output (stdout and stderr) as ``stdout``. Fails the test past ``timeout``.
 
@@ -253,8 +298,9 @@ class SlurmCluster:
             pytest.fail(f"batch job {job} ({script.name}) did not end in {timeout} s")
         code, signal_number = (int(x) for x in state["ExitCode"].split(":"))
         text = output.read_text(errors="replace") if output.exists() else ""
-        return subprocess.CompletedProcess(cmd, code or (128 + signal_number if signal_number else 0), text,
-                                           f"job {job}: {state['JobState']}")
+        return subprocess.CompletedProcess(
+            cmd, code or (128 + signal_number if signal_number else 0), text, f"job {job}: {state['JobState']}"
+        )
 
     def strays(self) -> list[int]:
         """Live processes of this cluster besides its daemons and their own helpers: job steps, tasks, sruns.
@@ -271,7 +317,7 @@ class SlurmCluster:
             try:
                 environ = Path(f"/proc/{entry}/environ").read_bytes()
                 parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):      # gone, or not ours to read
+            except (OSError, IndexError, ValueError):  # gone, or not ours to read
                 continue
             if marker in environ.split(b"\0") and parent not in daemons and alive(int(entry)):
                 found.append(int(entry))
@@ -285,14 +331,24 @@ class SlurmCluster:
         return sorted(p for p in shm.glob("mpich_shm_*") if p.name.rsplit("_", 1)[0] in names) if shm.is_dir() else []
 
     def log_tail(self, lines: int = 20) -> str:
-        return "\n".join(f"--- {name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-                         for name, path in self.logs.items() if path.exists())
+        return "\n".join(
+            f"--- {name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+            for name, path in self.logs.items()
+            if path.exists()
+        )
 
     # -- helpers -------------------------------------------------------------------------------
 
     def _run(self, cmd: list[str], timeout: float, env: dict[str, str] | None) -> subprocess.CompletedProcess:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=self.env(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -309,14 +365,20 @@ class SlurmCluster:
     def _spawn(self, name: str, *args: str) -> None:
         self.logs[name] = self.root / "log" / f"{name}.out"
         with open(self.logs[name], "wb") as log:
-            self.daemons[name] = subprocess.Popen([self.programs[name], *args], env=self.env(), stdout=log,
-                                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                  start_new_session=True)
+            self.daemons[name] = subprocess.Popen(
+                [self.programs[name], *args],
+                env=self.env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     def _client(self, name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         try:
-            result = subprocess.run([self.programs[name], *args], env=self.env(), capture_output=True, text=True,
-                                    timeout=STOP_S)
+            result = subprocess.run(
+                [self.programs[name], *args], env=self.env(), capture_output=True, text=True, timeout=STOP_S
+            )
         except subprocess.TimeoutExpired:
             if check:
                 raise
@@ -356,7 +418,7 @@ def _kill(pid: int) -> None:
         pass
 
 
-if __name__ == "__main__":   # by hand: start a cluster, run srun ARGS on it, stop it
+if __name__ == "__main__":  # by hand: start a cluster, run srun ARGS on it, stop it
     c = SlurmCluster.start()
     try:
         r = c.srun(int(sys.argv[1]), sys.argv[2:])

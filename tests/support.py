@@ -28,8 +28,6 @@ REGRESSION = ModelSpec([("w", (FEATURES,)), ("b", (1,))])
 PLANES = tuple(p for p in BUILT_IN_PLANES if p not in ("ipc", "local"))
 
 
-
-
 def plane_options(plane: str) -> dict:
     """A client's settings that make it use ``plane``: shared memory is chosen first where it is offered."""
     return {"data_plane": "tcp" if plane == "shm" else plane, "shared_memory": plane == "shm"}
@@ -79,8 +77,13 @@ def run_threads(targets, timeout: float) -> list:
 ROOT = Path(__file__).resolve().parent.parent
 # Loopback only: no MPI transport may go looking for a network. And no hydra topology file for a
 # failing test to leave in /tmp (cluster/mpi/hydra_topology.py).
-MPI_ENV = {"HYDRA_IFACE": "lo", "UCX_TLS": "self,sm", "UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo",
-           **hydra_topology.ENV}
+MPI_ENV = {
+    "HYDRA_IFACE": "lo",
+    "UCX_TLS": "self,sm",
+    "UCX_NET_DEVICES": "lo",
+    "FI_TCP_IFACE": "lo",
+    **hydra_topology.ENV,
+}
 
 
 def mpiexec() -> str:
@@ -95,8 +98,9 @@ def run_mpiexec(n: int, python_args: list[str], timeout: float = 120, extra_env:
     env = dict(os.environ, **MPI_ENV, **(extra_env or {}))
     argv = [mpiexec(), "-n", str(n), sys.executable, *python_args]
     t = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -112,8 +116,9 @@ def run_mpiexec(n: int, python_args: list[str], timeout: float = 120, extra_env:
 
 # ----- psctl launch as a background process ------------------------------------------------------
 
+
 def launch_env() -> dict:
-    return dict(os.environ)     # psgrid is installed (pip install -e .): every child imports the same package
+    return dict(os.environ)  # psgrid is installed (pip install -e .): every child imports the same package
 
 
 def wait_for(predicate, timeout: float, what: str, poll: float = 0.1):
@@ -140,8 +145,11 @@ def alive(pid: int) -> bool:
 
 def coordinator_events(out: Path) -> list[dict]:
     try:
-        return [json.loads(line) for line in (out / "metrics" / "coordinator.jsonl").read_text().splitlines()
-                if line.strip()]
+        return [
+            json.loads(line)
+            for line in (out / "metrics" / "coordinator.jsonl").read_text().splitlines()
+            if line.strip()
+        ]
     except FileNotFoundError:
         return []
 
@@ -160,7 +168,7 @@ def steps_seen(out: Path, rank: int) -> int:
     path = out / "metrics" / f"worker-{rank}.jsonl"
     state = JobState()
     state.update(MetricsTail([path]).read())
-    return state.position     # a resumed worker's steps count from where the job was
+    return state.position  # a resumed worker's steps count from where the job was
 
 
 class Launch:
@@ -171,10 +179,20 @@ class Launch:
         self.log = tmp_path / log
         with open(self.log, "wb") as log:
             args = list(args)
-            at = args.index("--") if "--" in args else len(args)     # after `--` comes the user's command
-            argv = [sys.executable, "-m", "psgrid.cluster.cli", "launch", *args[:at], "--out", str(self.out), *args[at:]]
-            self.proc = subprocess.Popen(argv, cwd=ROOT, env=launch_env(), stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            at = args.index("--") if "--" in args else len(args)  # after `--` comes the user's command
+            argv = [
+                sys.executable,
+                "-m",
+                "psgrid.cluster.cli",
+                "launch",
+                *args[:at],
+                "--out",
+                str(self.out),
+                *args[at:],
+            ]
+            self.proc = subprocess.Popen(
+                argv, cwd=ROOT, env=launch_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def wait_for(self, predicate, timeout: float, what: str):
         def check():
@@ -182,6 +200,7 @@ class Launch:
                 return True
             assert self.proc.poll() is None, f"launch exited ({self.proc.returncode}) before {what}:\n{self.text()}"
             return False
+
         return wait_for(check, timeout, what)
 
     def wait(self, timeout: float) -> int:

@@ -9,9 +9,9 @@ import threading
 import numpy as np
 import pytest
 
+from psgrid.cluster.mpi.placement import COORDINATOR, SERVER, WORKER, host_group, place
 from psgrid.psserver.protocol import Outcome
 from psgrid.psserver.spec import ModelSpec
-from psgrid.cluster.mpi.placement import COORDINATOR, SERVER, WORKER, host_group, place
 from psgrid.worker.aggregate import HostGroup, host_exchange, rendezvous_name
 
 SPEC = ModelSpec([("w", (50,))])
@@ -63,9 +63,13 @@ def test_one_host_push_carries_the_mean_of_its_workers(cluster):
                 exchange = c.client(SPEC, worker_id=rank, world=2, init=init)
             else:
                 group = HostGroup.of(rank, 2, local_size=2)
-                exchange = host_exchange(group, rendezvous_name(c.addresses, f"test-{id(c)}", 0), SPEC.size,
-                                         lambda wid, hosts: c.client(SPEC, worker_id=wid, world=hosts, init=init),
-                                         timeout_s=30)
+                exchange = host_exchange(
+                    group,
+                    rendezvous_name(c.addresses, f"test-{id(c)}", 0),
+                    SPEC.size,
+                    lambda wid, hosts: c.client(SPEC, worker_id=wid, world=hosts, init=init),
+                    timeout_s=30,
+                )
             params = np.empty(SPEC.size, np.float32)
             with exchange:
                 for step in range(STEPS):
@@ -100,7 +104,7 @@ def test_psctl_mpi_gives_each_node_one_aggregator_by_local_rank():
     assert kinds == [COORDINATOR, SERVER] + [WORKER] * 5
     groups = {rank: HostGroup(*host_group(placement, rank)) for rank in range(2, 7)}
     assert [g.host for g in groups.values()] == [0, 0, 1, 1, 1]
-    assert [rank for rank, g in groups.items() if g.local == 0] == [2, 4]      # one aggregator per node
+    assert [rank for rank, g in groups.items() if g.local == 0] == [2, 4]  # one aggregator per node
     assert {(g.hosts, g.size, g.world) for r, g in groups.items() if r < 4} == {(2, 2, 5)}
     assert {(g.hosts, g.size, g.world) for r, g in groups.items() if r >= 4} == {(2, 3, 5)}
     with pytest.raises(ValueError, match="not a worker"):
@@ -117,15 +121,35 @@ def test_psctl_mpi_with_host_aggregation_trains_through_one_aggregator(tmp_path)
     from tests.support import run_mpiexec
 
     out = tmp_path / "run"
-    code, _, err, _ = run_mpiexec(5, ["-m", "psgrid.cluster.cli", "mpi", "--config", "mnist", "--shards", "1",
-                                      "--steps", "30", "--set", "train.dataset=digits", "--set", "train.model=softmax",
-                                      "--set", "train.aggregate=host", "--out", str(out)], timeout=200)
+    code, _, err, _ = run_mpiexec(
+        5,
+        [
+            "-m",
+            "psgrid.cluster.cli",
+            "mpi",
+            "--config",
+            "mnist",
+            "--shards",
+            "1",
+            "--steps",
+            "30",
+            "--set",
+            "train.dataset=digits",
+            "--set",
+            "train.model=softmax",
+            "--set",
+            "train.aggregate=host",
+            "--out",
+            str(out),
+        ],
+        timeout=200,
+    )
     assert code == 0, err
     summary = json.loads((out / "summary.json").read_text())
     events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     starts = {e["rank"]: e for e in events if e.get("event") == "start"}
     assert summary["steps"] == 90 and summary["test_accuracy"] > 0.7
-    assert {r: s["worker"] for r, s in starts.items()} == {0: 0, 1: 0, 2: 0}       # one client of the shards
+    assert {r: s["worker"] for r, s in starts.items()} == {0: 0, 1: 0, 2: 0}  # one client of the shards
     assert [starts[r]["data_planes"] for r in (1, 2)] == [["host"], ["host"]]
 
 
@@ -151,15 +175,16 @@ def test_a_follower_that_goes_away_is_left_out_and_its_host_goes_on(cluster, cap
         with ex:
             ex.pull(params)
             ex.push(gradient(1, 0))
-            ex.sock.shutdown(socket.SHUT_RDWR)     # gone, without a word
+            ex.sock.shutdown(socket.SHUT_RDWR)  # gone, without a word
 
     run_threads([leader, follower])
     expected = -0.5 * ((gradient(0, 0) + gradient(1, 0)) / 2 + sum(gradient(0, s) for s in range(1, STEPS)))
     np.testing.assert_allclose(c.weights(), expected, rtol=1e-5, atol=1e-6)
     assert outcomes == [{Outcome.APPLIED}] * STEPS
     # Seen as it is told the next weights (a broken pipe) or as its gradient is awaited (the socket closed).
-    assert re.search(r"host 0: the worker of local rank 1 (cannot be told|went away).*the host goes on without it",
-                     caplog.text), caplog.text
+    assert re.search(
+        r"host 0: the worker of local rank 1 (cannot be told|went away).*the host goes on without it", caplog.text
+    ), caplog.text
 
 
 @pytest.mark.parametrize("data_plane", ["tcp"])
@@ -189,7 +214,8 @@ def test_when_the_leader_goes_the_follower_pushes_on_its_own(cluster, caplog):
     run_threads([leader, follower])
     assert seen[:2] == [(0, ["host"], {Outcome.APPLIED})] * 2
     assert [(w != 0, planes, o) for w, planes, o in seen[2:]] == [(True, ["tcp"], {Outcome.APPLIED})] * (STEPS - 1)
-    expected = -0.5 * (sum((gradient(0, s) + gradient(1, s)) / 2 for s in range(2))
-                       + sum(gradient(1, s) for s in range(2, STEPS + 1)))
+    expected = -0.5 * (
+        sum((gradient(0, s) + gradient(1, s)) / 2 for s in range(2)) + sum(gradient(1, s) for s in range(2, STEPS + 1))
+    )
     np.testing.assert_allclose(c.weights(), expected, rtol=1e-5, atol=1e-6)
     assert "it pushes to the shards on its own from now on" in caplog.text

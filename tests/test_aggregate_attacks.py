@@ -47,11 +47,12 @@ class Host:
         self.joined_after: float | None = None
         init = np.zeros(SPEC.size, np.float32)
         self.connect = lambda wid, hosts: self.cluster.client(SPEC, worker_id=wid, world=hosts, init=init)  # noqa: E731
-        self.leader = self.exchange(0)          # bound now: attackers may connect before it meets anyone
+        self.leader = self.exchange(0)  # bound now: attackers may connect before it meets anyone
 
     def exchange(self, rank: int):
-        return host_exchange(HostGroup.of(rank, 2, local_size=2), self.name, SPEC.size, self.connect, timeout_s=20,
-                             token=TOKEN)
+        return host_exchange(
+            HostGroup.of(rank, 2, local_size=2), self.name, SPEC.size, self.connect, timeout_s=20, token=TOKEN
+        )
 
     def train(self, exchange, rank: int) -> None:
         params = np.empty(SPEC.size, np.float32)
@@ -65,6 +66,7 @@ class Host:
 
     def run(self, *, follower_after=None) -> np.ndarray:
         """Train both workers (the follower once ``follower_after()`` returned, if given); the shard's weights."""
+
         def follower():
             if follower_after is not None:
                 follower_after()
@@ -94,7 +96,7 @@ def refusal(sock: socket.socket) -> tuple[str, list[int]]:
 
 GARBAGE = [
     # what was sent, what the refusal must say
-    (encode({"local": "1"}), "not an object with an op"),                 # the issue's 9 bytes, framed
+    (encode({"local": "1"}), "not an object with an op"),  # the issue's 9 bytes, framed
     (encode({"op": "hello", "local": "1", "token": TOKEN}), "'local' as int, got str"),
     (encode({"op": "hello", "local": True, "token": TOKEN}), "'local' as int, got bool"),
     (encode({"op": "hello", "local": 7, "token": TOKEN}), "not a follower of this host"),
@@ -102,7 +104,7 @@ GARBAGE = [
     (encode([1, 2, 3]), "not an object with an op"),
     (struct.pack("<I", 5) + b"{nope", "not JSON"),
     (struct.pack("<I", 0xFFFFFFFF), "at most 65536"),
-    (b'{"local": 1}', "at most 65536"),                                  # no length: its first bytes read as one
+    (b'{"local": 1}', "at most 65536"),  # no length: its first bytes read as one
 ]
 
 
@@ -125,14 +127,16 @@ def test_malformed_hellos_are_refused_with_a_reason_and_the_host_trains_on(clust
 
 # ----- stalls ----------------------------------------------------------------------------------------
 
+
 def cut_after(sock: socket.socket, t0: float, cut: dict, name: str, trickle: bytes = b"") -> threading.Thread:
     """Send ``trickle`` a byte every 0.4 s, then read until the leader closes; ``cut[name]``: when, from ``t0``."""
+
     def run():
         try:
             for byte in trickle:
                 sock.send(bytes([byte]))
                 time.sleep(0.4)
-            while sock.recv(1 << 16):       # the refusal, then the close
+            while sock.recv(1 << 16):  # the refusal, then the close
                 pass
         except OSError:
             pass
@@ -171,6 +175,7 @@ def test_a_silent_and_a_trickling_connection_hold_up_nobody(cluster):
 
 # ----- impostors and what a follower is given ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("data_plane", ["tcp"])
 def test_an_impostor_claiming_a_rank_first_without_the_token_gets_nothing(cluster):
     host = Host(cluster)
@@ -204,15 +209,20 @@ def rogue_follower(name: str, seen: dict) -> None:
             assert seen["slot seals"] & resize == resize
             reopened = os.open(f"/proc/self/fd/{weights_fd}", os.O_RDWR)
             try:
-                for what, attempt in [("truncate the slot", lambda: os.ftruncate(slot_fd, 0)),
-                                      ("grow the slot", lambda: os.ftruncate(slot_fd, 1 << 20)),
-                                      ("truncate the weights", lambda: os.ftruncate(reopened, 0)),
-                                      ("write the weights", lambda: os.pwrite(reopened, b"\xff" * 8, 0)),
-                                      ("map the weights writable",
-                                       lambda: mmap.mmap(reopened, 4 * SPEC.size, mmap.MAP_SHARED,
-                                                         mmap.PROT_READ | mmap.PROT_WRITE)),
-                                      ("seal the weights against the leader",
-                                       lambda: fcntl.fcntl(weights_fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE))]:
+                for what, attempt in [
+                    ("truncate the slot", lambda: os.ftruncate(slot_fd, 0)),
+                    ("grow the slot", lambda: os.ftruncate(slot_fd, 1 << 20)),
+                    ("truncate the weights", lambda: os.ftruncate(reopened, 0)),
+                    ("write the weights", lambda: os.pwrite(reopened, b"\xff" * 8, 0)),
+                    (
+                        "map the weights writable",
+                        lambda: mmap.mmap(reopened, 4 * SPEC.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE),
+                    ),
+                    (
+                        "seal the weights against the leader",
+                        lambda: fcntl.fcntl(weights_fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE),
+                    ),
+                ]:
                     try:
                         attempt()
                         seen[what] = "done"
@@ -249,5 +259,9 @@ def test_a_follower_can_neither_resize_nor_write_beyond_its_own_slot(cluster):
     assert len(refused) == 6
     # Its own slot it may write: its gradients are the host's, and the leader (which read it) lives on.
     np.testing.assert_allclose(weights, expected_weights(), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(seen["pulled"][-1], -LR * sum((gradient(0, s) + gradient(1, s)) / 2
-                                                             for s in range(STEPS - 1)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        seen["pulled"][-1],
+        -LR * sum((gradient(0, s) + gradient(1, s)) / 2 for s in range(STEPS - 1)),
+        rtol=1e-5,
+        atol=1e-6,
+    )

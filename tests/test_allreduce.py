@@ -54,7 +54,7 @@ def test_allreduce_and_sync_reach_the_same_weights(tmp_path, ranks, wire_dtype):
     assert code == 0, err
     w = np.load(out)
     moved = np.abs(w["sync"] - w["init"]).max()
-    assert moved > 1e-2                    # 30 steps of momentum SGD went somewhere
+    assert moved > 1e-2  # 30 steps of momentum SGD went somewhere
     # The same algorithm: only the order of float32 additions may differ (Allreduce's tree, the shard's loop).
     np.testing.assert_allclose(w["allreduce"], w["sync"], rtol=1e-4, atol=1e-6)
 
@@ -81,8 +81,22 @@ def test_a_ring_all_reduce_moves_2_w_minus_1_over_w_of_the_gradient_each_way():
 @pytest.mark.slow
 def test_psctl_allreduce_writes_a_summary(tmp_path):
     out = tmp_path / "ar"
-    code, stdout, err, _ = run_mpiexec(2, ["-m", "psgrid.cluster.cli", "allreduce", "--config", "mnist",
-                                           "--steps", "40", "--eval-every", "20", "--out", str(out)])
+    code, stdout, err, _ = run_mpiexec(
+        2,
+        [
+            "-m",
+            "psgrid.cluster.cli",
+            "allreduce",
+            "--config",
+            "mnist",
+            "--steps",
+            "40",
+            "--eval-every",
+            "20",
+            "--out",
+            str(out),
+        ],
+    )
     assert code == 0, err
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["mode"], summary["shards"], summary["workers"], summary["steps"]) == ("allreduce", 0, 2, 80)
@@ -95,8 +109,9 @@ def test_psctl_allreduce_writes_a_summary(tmp_path):
 @pytest.mark.mpi
 def test_psctl_allreduce_refuses_a_job_of_the_wrong_size(tmp_path):
     # What an mpiexec of another MPI than mpi4py's looks like: N one-rank jobs instead of one N-rank job.
-    code, _, err, _ = run_mpiexec(2, ["-m", "psgrid.cluster.cli", "allreduce", "--config", "mnist", "--ranks", "3",
-                                      "--out", str(tmp_path / "ar")])
+    code, _, err, _ = run_mpiexec(
+        2, ["-m", "psgrid.cluster.cli", "allreduce", "--config", "mnist", "--ranks", "3", "--out", str(tmp_path / "ar")]
+    )
     assert code != 0 and "expected 3 ranks, this job has 2" in err
     assert not (tmp_path / "ar" / "summary.json").exists()
 
@@ -136,7 +151,7 @@ def test_one_rank_on_a_gpu_keeps_and_updates_the_weights_there_as_the_host_does(
     device = AllreduceExchange(OneRank(), init, server, xp=cupy)
     assert (device.on_device, device.reduction) == (True, "none")
     bufs = FlatBuffers(spec, cupy, device)
-    assert bufs.params is device.weights and bufs.pushed is bufs.grad       # nothing crosses to the host
+    assert bufs.params is device.weights and bufs.pushed is bufs.grad  # nothing crosses to the host
     for _ in range(5):
         bufs.pull()
         g = rng.standard_normal(spec.size).astype(np.float32)
@@ -158,12 +173,28 @@ def test_two_ranks_on_gpus_train_and_say_how_they_sum(tmp_path):
 
     gpus = cupy_or_skip().cuda.runtime.getDeviceCount()
     out = tmp_path / "ar"
-    code, _, err, _ = run_mpiexec(2, ["-m", "psgrid.cluster.cli", "allreduce", "--config", "mnist", "--device", "gpu",
-                                      "--steps", "60", "--eval-every", "0",
-                                      "--out", str(out)], timeout=300)
+    code, _, err, _ = run_mpiexec(
+        2,
+        [
+            "-m",
+            "psgrid.cluster.cli",
+            "allreduce",
+            "--config",
+            "mnist",
+            "--device",
+            "gpu",
+            "--steps",
+            "60",
+            "--eval-every",
+            "0",
+            "--out",
+            str(out),
+        ],
+        timeout=300,
+    )
     assert code == 0, err
     summary = json.loads((out / "summary.json").read_text())
-    if gpus == 1:       # NCCL refuses two ranks on one device: the host's MPI sums, said in one line
+    if gpus == 1:  # NCCL refuses two ranks on one device: the host's MPI sums, said in one line
         assert err.count("NCCL needs a GPU per rank") == 1, err
     else:
         assert "NCCL needs" not in err

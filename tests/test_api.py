@@ -43,22 +43,38 @@ def no_job(monkeypatch):
 
 
 def test_the_job_is_read_from_the_environment():
-    described = job_vars.JobEnv(addresses=["127.0.0.1:1", "h:2"], rank=1, world=3, local_rank=1, gpu=0, token="t",
-                                metrics="/m.jsonl", job_file="/job.toml", out="/out", seed=7)
+    described = job_vars.JobEnv(
+        addresses=["127.0.0.1:1", "h:2"],
+        rank=1,
+        world=3,
+        local_rank=1,
+        gpu=0,
+        token="t",
+        metrics="/m.jsonl",
+        job_file="/job.toml",
+        out="/out",
+        seed=7,
+    )
     variables = described.to_env()
     assert variables["PSGRID_ADDRESSES"] == "127.0.0.1:1,h:2" and variables["PSGRID_WORLD_SIZE"] == "3"
     assert variables["PSGRID_SEED"] == "7"
-    assert "PSGRID_TLS_CA" not in variables                       # unset values are left out
+    assert "PSGRID_TLS_CA" not in variables  # unset values are left out
     assert job_vars.job_env(variables) == described and described.device == "cuda:0"
     assert job_vars.job_env({}).device == "cpu" and job_vars.job_env({}).addresses == []
 
 
-@pytest.mark.parametrize("variables, message", [
-    ({"PSGRID_RANK": "-1"}, "PSGRID_RANK must be an integer >= 0, got '-1'"),
-    ({"PSGRID_WORLD_SIZE": "0"}, "PSGRID_WORLD_SIZE must be an integer >= 1"),
-    ({"PSGRID_RANK": "2", "PSGRID_WORLD_SIZE": "2"}, r"PSGRID_RANK \(2\) must be less than PSGRID_WORLD_SIZE \(2\)"),
-    ({"PSGRID_ADDRESSES": "127.0.0.1"}, "PSGRID_ADDRESSES must be host:port"),
-])
+@pytest.mark.parametrize(
+    "variables, message",
+    [
+        ({"PSGRID_RANK": "-1"}, "PSGRID_RANK must be an integer >= 0, got '-1'"),
+        ({"PSGRID_WORLD_SIZE": "0"}, "PSGRID_WORLD_SIZE must be an integer >= 1"),
+        (
+            {"PSGRID_RANK": "2", "PSGRID_WORLD_SIZE": "2"},
+            r"PSGRID_RANK \(2\) must be less than PSGRID_WORLD_SIZE \(2\)",
+        ),
+        ({"PSGRID_ADDRESSES": "127.0.0.1"}, "PSGRID_ADDRESSES must be host:port"),
+    ],
+)
 def test_a_wrong_variable_is_named(variables, message):
     with pytest.raises(ValueError, match=message):
         job_vars.job_env(variables)
@@ -70,7 +86,7 @@ def test_without_a_job_init_says_how_to_get_one(monkeypatch):
         init({"w": np.zeros(2, np.float32)})
     assert str(caught.value) == NO_JOB and "psctl launch -- python SCRIPT" in NO_JOB
     monkeypatch.setenv("PSGRID_ADDRESSES", "127.0.0.1:1")
-    with pytest.raises(RuntimeError, match="PSGRID_WORLD_SIZE"):     # the job's size is never guessed
+    with pytest.raises(RuntimeError, match="PSGRID_WORLD_SIZE"):  # the job's size is never guessed
         init({"w": np.zeros(2, np.float32)})
 
 
@@ -89,31 +105,55 @@ def test_the_job_file_gives_the_clients_transport_settings(tmp_path):
 @pytest.mark.timeout(60)
 def test_weights_land_in_the_users_arrays_and_gradients_leave_them(cluster, data_plane, no_job_env, tmp_path):
     c = cluster(2, mode="sync", lr=1.0)
-    a, b = np.zeros((2, 3), np.float32), np.ones(4)              # b is float64: exchanged as float32
+    a, b = np.zeros((2, 3), np.float32), np.ones(4)  # b is float64: exchanged as float32
     frozen = np.full(2, 5.0, np.float32)
     metrics = tmp_path / "worker-0.jsonl"
-    with init({"a": Foreign(a), "b": b, "c": Immutable(frozen)}, addresses=c.addresses, world=1, rank=0,
-              metrics=str(metrics), **plane_options(data_plane)) as ps:
+    with init(
+        {"a": Foreign(a), "b": b, "c": Immutable(frozen)},
+        addresses=c.addresses,
+        world=1,
+        rank=0,
+        metrics=str(metrics),
+        **plane_options(data_plane),
+    ) as ps:
         assert (ps.rank, ps.world, ps.mode, ps.names) == (0, 1, "sync", ["a", "b", "c"])
         weights = ps.pull()
         np.testing.assert_array_equal(a, 0)
         np.testing.assert_array_equal(weights["b"], 1)
         for step in range(2):
-            ps.push({"a": Foreign(np.full((2, 3), step + 1, np.float32)), "b": np.zeros(4), "c": np.ones(2)},
-                    loss=0.5, samples=4)
+            ps.push(
+                {"a": Foreign(np.full((2, 3), step + 1, np.float32)), "b": np.zeros(4), "c": np.ones(2)},
+                loss=0.5,
+                samples=4,
+            )
             ps.pull()
-        np.testing.assert_array_equal(a, -3)                 # written in place through the DLPack view
+        np.testing.assert_array_equal(a, -3)  # written in place through the DLPack view
         np.testing.assert_array_equal(b, 1)
-        np.testing.assert_array_equal(frozen, 5)             # an immutable array is read, never written...
-        np.testing.assert_array_equal(ps.params["c"], 3)     # ...its weights are there for the program
+        np.testing.assert_array_equal(frozen, 5)  # an immutable array is read, never written...
+        np.testing.assert_array_equal(ps.params["c"], 3)  # ...its weights are there for the program
         ps.log_eval(test_accuracy=0.75)
         assert ps.last_step["outcome"] == "APPLIED" and ps.steps == 2
-    assert c.shard().stats()["members"] == []                # closing left the job
+    assert c.shard().stats()["members"] == []  # closing left the job
     events = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [e["event"] for e in events] == ["start", "step", "step", "eval", "done"]
     step = events[1]
-    for key in ("time", "started", "rank", "worker", "step", "clock", "loss", "staleness", "bytes", "pull_s",
-                "compute_s", "delay_s", "push_s", "samples", "outcome"):
+    for key in (
+        "time",
+        "started",
+        "rank",
+        "worker",
+        "step",
+        "clock",
+        "loss",
+        "staleness",
+        "bytes",
+        "pull_s",
+        "compute_s",
+        "delay_s",
+        "push_s",
+        "samples",
+        "outcome",
+    ):
         assert key in step, key
     state = JobState()
     state.update(MetricsTail([metrics]).read())
@@ -128,15 +168,18 @@ def no_job_env(monkeypatch):
 @pytest.mark.timeout(60)
 def test_a_module_pushes_its_own_grads(cluster, data_plane, no_job_env):
     c = cluster(1, mode="sync", lr=0.5)
-    weight, bias, frozen = TorchLike(np.ones((2, 2), np.float32)), TorchLike(np.zeros(2, np.float32)), \
-        TorchLike(np.zeros(1, np.float32))
-    frozen.requires_grad = False                             # not trained: stays out of the exchange
+    weight, bias, frozen = (
+        TorchLike(np.ones((2, 2), np.float32)),
+        TorchLike(np.zeros(2, np.float32)),
+        TorchLike(np.zeros(1, np.float32)),
+    )
+    frozen.requires_grad = False  # not trained: stays out of the exchange
     model = Module(weight=weight, bias=bias, frozen=frozen)
     with init(model, addresses=c.addresses, world=1, **plane_options(data_plane)) as ps:
         assert ps.names == ["weight", "bias"] and ps.client.data_planes == [data_plane]
         ps.pull()
         weight.grad = Foreign(np.full((2, 2), 2.0, np.float32))
-        bias.grad = None                                     # took no part in the loss: zeros
+        bias.grad = None  # took no part in the loss: zeros
         ps.push(loss=0.25)
         ps.pull()
         np.testing.assert_array_equal(weight._array, 0.0)
@@ -151,19 +194,22 @@ def test_a_module_pushes_its_own_grads(cluster, data_plane, no_job_env):
         ps.pull()
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"i": np.zeros(2, np.int64)}, "'i' is int64: psgrid exchanges floating-point parameters"),
-    ({}, "no parameters"),
-    ({"x": np.zeros(2, np.float32), "y": Foreign(np.zeros(2, np.float32), (2, 0))}, "on different devices"),
-    (np.zeros(3, np.float32), "params must be a PyTorch module, a dict"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"i": np.zeros(2, np.int64)}, "'i' is int64: psgrid exchanges floating-point parameters"),
+        ({}, "no parameters"),
+        ({"x": np.zeros(2, np.float32), "y": Foreign(np.zeros(2, np.float32), (2, 0))}, "on different devices"),
+        (np.zeros(3, np.float32), "params must be a PyTorch module, a dict"),
+    ],
+)
 def test_parameters_psgrid_cannot_exchange_are_refused_before_joining(params, message):
     with pytest.raises(ArrayError, match=message):
         init(params, addresses=["127.0.0.1:1"], world=1)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data_plane", ["shm"])    # its processes take the client's default plane
+@pytest.mark.parametrize("data_plane", ["shm"])  # its processes take the client's default plane
 @pytest.mark.timeout(90)
 def test_two_scripts_started_3_s_apart_average_every_round(cluster, data_plane, tmp_path):
     # Sync with lr 1: worker r pushes r + 1 every step, so a round that averages both moves the weight
@@ -172,10 +218,22 @@ def test_two_scripts_started_3_s_apart_average_every_round(cluster, data_plane, 
     steps = 40
     procs = []
     for rank in range(2):
-        env = dict(os.environ, PSGRID_ADDRESSES=",".join(c.addresses), PSGRID_RANK=str(rank),
-                   PSGRID_WORLD_SIZE="2", PSGRID_METRICS=str(tmp_path / f"worker-{rank}.jsonl"))
-        procs.append(subprocess.Popen([sys.executable, str(USER_SCRIPT), str(steps)], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        env = dict(
+            os.environ,
+            PSGRID_ADDRESSES=",".join(c.addresses),
+            PSGRID_RANK=str(rank),
+            PSGRID_WORLD_SIZE="2",
+            PSGRID_METRICS=str(tmp_path / f"worker-{rank}.jsonl"),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(USER_SCRIPT), str(steps)],
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
         if rank == 0:
             time.sleep(3.0)
     try:
@@ -219,16 +277,16 @@ OWN_WORKER = Path(__file__).resolve().parent.parent / "examples" / "own_worker.p
 
 def test_the_readmes_worker_is_examples_own_worker_verbatim():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme[readme.index("## Your own worker"):]
-    block = section[section.index("```python\n") + len("```python\n"):section.index("```\n", 10)]
+    section = readme[readme.index("## Your own worker") :]
+    block = section[section.index("```python\n") + len("```python\n") : section.index("```\n", 10)]
     code = OWN_WORKER.read_text()
-    assert block == code[code.index("import sys"):]
-    loop = block[block.index("with psgrid.Client"):block.index("print(")].strip().splitlines()
+    assert block == code[code.index("import sys") :]
+    loop = block[block.index("with psgrid.Client") : block.index("print(")].strip().splitlines()
     assert len(loop) <= 10 and "Thread" not in block
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("data_plane", ["shm"])    # the README's worker takes the client's default: shared memory here
+@pytest.mark.parametrize("data_plane", ["shm"])  # the README's worker takes the client's default: shared memory here
 def test_the_readmes_worker_pushes_its_gradient_buffer_so_no_push_copies(cluster, data_plane, monkeypatch, capsys):
     # The fast way first: a push of client.gradient_buffer() is read in place by a shard on this host;
     # any other array is copied into it on every push.
@@ -250,12 +308,19 @@ def test_the_readmes_worker_pushes_its_gradient_buffer_so_no_push_copies(cluster
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("data_plane", ["shm"])    # its processes take the client's default plane
+@pytest.mark.parametrize("data_plane", ["shm"])  # its processes take the client's default plane
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_the_readmes_worker_trains_against_running_shards(cluster, data_plane, mode):
     c = cluster(2, mode=mode, lr=0.1)
-    runs = [subprocess.Popen([sys.executable, str(OWN_WORKER), ",".join(c.addresses)], text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    runs = [
+        subprocess.Popen(
+            [sys.executable, str(OWN_WORKER), ",".join(c.addresses)],
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
     outputs = [proc.communicate(timeout=50) for proc in runs]
     for proc, (out, err) in zip(runs, outputs):
         assert proc.returncode == 0, err
@@ -281,24 +346,31 @@ def test_async_pushes_overlap_the_next_pull_and_all_land(cluster, data_plane, no
     for _ in range(5):
         ps.pull()
         ps.push([np.ones(5, np.float32)])
-    ps.close()                                   # waits for the push in flight before leaving
+    ps.close()  # waits for the push in flight before leaving
     np.testing.assert_array_equal(c.weights(), -5.0)
     assert ps.last_step["outcome"] == "APPLIED" and ps.last_step["step"] == 4
 
 
 # The built-in trainer: its loop, data sets and models, its evaluation and all-reduce baseline (a straggler's
 # delay is the worker core's, which a script's session goes through too).
-TRAINER = ("psgrid.worker.loop", "psgrid.worker.data", "psgrid.worker.models", "psgrid.worker.evaluate",
-           "psgrid.worker.allreduce")
+TRAINER = (
+    "psgrid.worker.loop",
+    "psgrid.worker.data",
+    "psgrid.worker.models",
+    "psgrid.worker.evaluate",
+    "psgrid.worker.allreduce",
+)
 
 
 @pytest.mark.timeout(60)
 def test_the_user_api_does_not_import_the_built_in_trainer():
     # A script brings its own model and data: psgrid.init and Session must not load (and pay for) ours.
-    code = ("import json, sys\n"
-            "import psgrid\n"
-            "psgrid.init, psgrid.Session\n"
-            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('psgrid.worker'))))")
+    code = (
+        "import json, sys\n"
+        "import psgrid\n"
+        "psgrid.init, psgrid.Session\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('psgrid.worker'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=50)
     assert out.returncode == 0, out.stderr
     loaded = json.loads(out.stdout)

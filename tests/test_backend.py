@@ -15,8 +15,6 @@ from tests.gpu import cupy_or_skip
 REPO = Path(__file__).resolve().parents[1]
 
 
-
-
 def test_cpu_is_numpy():
     assert get_xp("cpu") == (np, "cpu")
 
@@ -85,8 +83,9 @@ def test_cpu_run_never_imports_cupy():
         assert not tried, f"an import of {tried} was attempted"
         print("ok")
     """)
-    done = subprocess.run([sys.executable, "-W", "error", "-c", script], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
 

@@ -14,8 +14,23 @@ import pytest
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_bench_transport_json_rows():
-    done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "bench", "transport", "--sizes", "4K,64K",
-                           "--repeat", "1", "--json"], capture_output=True, text=True, timeout=110)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgrid.cluster.cli",
+            "bench",
+            "transport",
+            "--sizes",
+            "4K,64K",
+            "--repeat",
+            "1",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     transport = [r for r in rows if r["bench"] == "transport"]
@@ -25,7 +40,7 @@ def test_bench_transport_json_rows():
         for key in ("gbps", "tcp_gbps", "ratio_vs_tcp", "grpc_gbps", "grpc_ratio_vs_tcp"):
             assert r[key] > 0, key
         assert r["ratio_vs_tcp"] == pytest.approx(r["tcp_s"] / r["ps_s"])
-        assert r["shm_planes"] == ["shm"]                 # the shared-memory rows went through shared memory
+        assert r["shm_planes"] == ["shm"]  # the shared-memory rows went through shared memory
         for key in ("shm_pull_s", "shm_push_s", "copyto_s", "apply_s", "shm_gbps", "shm_ratio_vs_copyto"):
             assert r[key] > 0, key
         assert r["shm_ratio_vs_copyto"] == pytest.approx(2 * r["copyto_s"] / (r["shm_pull_s"] + r["shm_push_s"]))
@@ -36,17 +51,42 @@ def test_bench_transport_json_rows():
 
 
 def test_bench_refuses_a_bad_size():
-    done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "bench", "transport", "--sizes", "10"],
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-m", "psgrid.cluster.cli", "bench", "transport", "--sizes", "10"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 2 and "at least 4 KiB" in done.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bench_ps_json_rows_name_their_suite_settings_and_the_floor(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "bench", "ps", "--params", "100K",
-                           "--shards", "1", "--workers", "2", "--planes", "shm,tcp", "--seconds", "0.5", "--json"],
-                          capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgrid.cluster.cli",
+            "bench",
+            "ps",
+            "--params",
+            "100K",
+            "--shards",
+            "1",
+            "--workers",
+            "2",
+            "--planes",
+            "shm,tcp",
+            "--seconds",
+            "0.5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     assert [(r["data_plane"], r["planes_used"]) for r in rows] == [("shm", ["shm"]), ("tcp", ["tcp"])]
@@ -61,14 +101,38 @@ def test_bench_ps_json_rows_name_their_suite_settings_and_the_floor(tmp_path):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("pull_ahead", [False, True])
 def test_bench_train_json_rows_have_the_breakdown_beside_no_servers(tmp_path, pull_ahead):
-    done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "bench", "train", "--models", "mlp",
-                           "--modes", "async", "--hidden", "32", "--batch-size", "32", "--steps", "20",
-                           "--shards", "1", "--workers", "1", "--json",
-                           *(["--pull-ahead"] if pull_ahead else ["--shard-placement", "process,worker"])],
-                          capture_output=True, text=True, timeout=230, cwd=tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgrid.cluster.cli",
+            "bench",
+            "train",
+            "--models",
+            "mlp",
+            "--modes",
+            "async",
+            "--hidden",
+            "32",
+            "--batch-size",
+            "32",
+            "--steps",
+            "20",
+            "--shards",
+            "1",
+            "--workers",
+            "1",
+            "--json",
+            *(["--pull-ahead"] if pull_ahead else ["--shard-placement", "process,worker"]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=230,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     alone, served, *hosted = [json.loads(line) for line in done.stdout.splitlines()]
-    if not pull_ahead:      # the same job with its shard in the worker's process, which calls it
+    if not pull_ahead:  # the same job with its shard in the worker's process, which calls it
         (hosted,) = hosted
         assert (hosted["shard_placement"], hosted["planes_used"], hosted["mode"]) == ("worker", ["local"], "async")
         assert hosted["samples_per_s"] > 0 and hosted["push_s"] > 0
@@ -77,7 +141,7 @@ def test_bench_train_json_rows_have_the_breakdown_beside_no_servers(tmp_path, pu
     assert (alone["mode"], alone["shards"], alone["ratio_vs_no_servers"]) == ("none", 0, 1.0)
     assert (served["suite"], served["model"], served["mode"], served["data_plane"]) == ("train", "mlp", "async", "shm")
     assert served["planes_used"] == ["shm"] and served["params"] == alone["params"]
-    assert (alone["shard_device"], served["shard_device"]) == (None, "cpu")     # CPU workers: auto keeps host shards
+    assert (alone["shard_device"], served["shard_device"]) == (None, "cpu")  # CPU workers: auto keeps host shards
     assert served["pull_ahead"] is pull_ahead
     for key in ("samples_per_s", "pull_s", "compute_s", "push_s"):
         assert served[key] > 0, key
@@ -87,19 +151,44 @@ def test_bench_train_json_rows_have_the_breakdown_beside_no_servers(tmp_path, pu
 def test_bench_ps_against_an_unknown_revision_says_so_in_one_line(tmp_path):
     temp = Path(tempfile.gettempdir())
     before = set(temp.glob("psgrid-bench-*"))
-    done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "bench", "ps", "--against", "no-such-rev",
-                           "--params", "100K", "--shards", "1", "--workers", "1"],
-                          capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgrid.cluster.cli",
+            "bench",
+            "ps",
+            "--against",
+            "no-such-rev",
+            "--params",
+            "100K",
+            "--shards",
+            "1",
+            "--workers",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert done.returncode == 2, done.stderr
-    root = subprocess.run([sys.executable, "-c", "from psgrid.cluster.bench.ps import CODE_ROOT; print(CODE_ROOT)"],
-                          capture_output=True, text=True, timeout=30, cwd=tmp_path).stdout.strip()
-    if (Path(root) / ".git").exists():       # psgrid runs from this checkout (an editable install)
+    root = subprocess.run(
+        [sys.executable, "-c", "from psgrid.cluster.bench.ps import CODE_ROOT; print(CODE_ROOT)"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=tmp_path,
+    ).stdout.strip()
+    if (Path(root) / ".git").exists():  # psgrid runs from this checkout (an editable install)
         expected = f"--against no-such-rev: no such revision in {root} (try HEAD~1 or a commit id)"
-    else:                                    # installed (CI, the quick start): no revisions to check out
-        expected = (f"--against needs psgrid run from a git checkout, and this one runs from {root}: "
-                    f"install it from the checkout with pip install -e .")
+    else:  # installed (CI, the quick start): no revisions to check out
+        expected = (
+            f"--against needs psgrid run from a git checkout, and this one runs from {root}: "
+            f"install it from the checkout with pip install -e ."
+        )
     assert done.stderr.strip() == f"psctl bench: error: {expected}", done.stderr
-    assert set(temp.glob("psgrid-bench-*")) == before      # no worktree folder made or left
+    assert set(temp.glob("psgrid-bench-*")) == before  # no worktree folder made or left
 
 
 @pytest.mark.slow
@@ -107,17 +196,47 @@ def test_bench_ps_against_an_unknown_revision_says_so_in_one_line(tmp_path):
 def test_bench_script_measures_a_users_script_through_psgrid_against_itself_alone(tmp_path):
     from tests.support import ROOT
 
-    done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "bench", "script", "--modes", "async",
-                           "--workers", "1", "--shard-placement", "process,worker", "--repeats", "2", "--skip", "5",
-                           "--json", "--", "python", str(ROOT / "examples" / "train_cupy.py"), "--steps", "25",
-                           "--eval-every", "0"],
-                          capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgrid.cluster.cli",
+            "bench",
+            "script",
+            "--modes",
+            "async",
+            "--workers",
+            "1",
+            "--shard-placement",
+            "process,worker",
+            "--repeats",
+            "2",
+            "--skip",
+            "5",
+            "--json",
+            "--",
+            "python",
+            str(ROOT / "examples" / "train_cupy.py"),
+            "--steps",
+            "25",
+            "--eval-every",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=170,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     repeats, summary = [r for r in rows if "repeat" in r], [r for r in rows if "repeat" not in r]
-    assert [(r["repeat"], r["shard_placement"]) for r in repeats] == [(0, "process"), (0, "worker"), (1, "process"),
-                                                                      (1, "worker")]
-    for r in repeats:       # each run's ratio is against the script alone just before it and just after
+    assert [(r["repeat"], r["shard_placement"]) for r in repeats] == [
+        (0, "process"),
+        (0, "worker"),
+        (1, "process"),
+        (1, "worker"),
+    ]
+    for r in repeats:  # each run's ratio is against the script alone just before it and just after
         assert r["status"] == "ok" and r["alone"]["samples_per_s"] > 0 and r["samples_per_s"] > 0
         beside = (r["alone"]["samples_per_s"] + r["alone_after"]["samples_per_s"]) / 2
         assert r["alone_samples_per_s"] == pytest.approx(beside)
@@ -127,7 +246,7 @@ def test_bench_script_measures_a_users_script_through_psgrid_against_itself_alon
     assert repeats[1]["alone_after"] != repeats[2]["alone"]
     assert [(r["shard_placement"], r["planes_used"]) for r in summary] == [("process", ["shm"]), ("worker", ["local"])]
     for row in summary:
-        assert len(row["ratios"]) == 2 and row["ratio"] == pytest.approx(sum(row["ratios"]) / 2)    # their median
+        assert len(row["ratios"]) == 2 and row["ratio"] == pytest.approx(sum(row["ratios"]) / 2)  # their median
 
 
 def test_bench_script_needs_a_command_and_other_targets_take_none(capsys):

@@ -18,7 +18,7 @@ def test_a_buffer_given_back_is_the_next_one_taken_so_the_steady_state_allocates
     assert pool.on_loan == 0
     again = pool.take()
     assert again is first
-    second = pool.take()                         # none free: a new one
+    second = pool.take()  # none free: a new one
     assert second is not first and pool.on_loan == 2
 
 
@@ -40,8 +40,11 @@ def test_a_buffer_given_back_twice_is_refused_and_never_handed_to_two_holders():
     assert pool.take() is not pool.take()
 
 
-@pytest.mark.parametrize("foreign", [np.zeros(5, np.float32), np.zeros(4, np.float64), np.zeros((2, 2), np.float32)],
-                         ids=["size", "dtype", "shape"])
+@pytest.mark.parametrize(
+    "foreign",
+    [np.zeros(5, np.float32), np.zeros(4, np.float64), np.zeros((2, 2), np.float32)],
+    ids=["size", "dtype", "shape"],
+)
 def test_a_buffer_not_of_the_pool_is_refused(foreign):
     pool = BufferPool(4)
     pool.take()
@@ -58,7 +61,7 @@ def test_threads_taking_and_giving_never_share_a_buffer():
         for _ in range(500):
             buf = pool.take()
             buf[:] = me
-            if not (buf == me).all():            # another holder wrote it meanwhile
+            if not (buf == me).all():  # another holder wrote it meanwhile
                 shared.append(f"thread {me}")
             pool.give(buf)
 

@@ -22,8 +22,15 @@ from tests.support import address_lines  # noqa: E402
 
 def psctl(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    return subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "psgrid.cluster.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
 
 
 def test_top_level_help_lists_commands_and_examples():
@@ -49,48 +56,58 @@ def test_no_command_prints_help_and_fails(capsys):
     assert "COMMAND" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["launch", "--mode", "bsp"], "argument --mode: invalid choice: 'bsp'"),
-    (["launch", "--workers", "two"], "argument --workers: invalid int value: 'two'"),
-    (["launch", "--config", "no-such-job"], "job file 'no-such-job' not found"),
-    (["launch", "--set", "lrr=0.1"], "unknown key 'lrr'"),
-    (["launch", "--set", "lr"], "--set expects KEY=VALUE"),
-    (["launch", "--staleness", "-1"], "staleness must be >= 0"),
-    (["server", "--shard", "2", "--num-shards", "2"], "shard index 2 is outside 0..1"),
-    (["worker", "--addresses", "localhost"], "--addresses expects host:port"),
-    (["worker", "--addresses", "127.0.0.1:1", "--rank", "5", "--world", "2"], "--rank must be in 0..1"),
-    (["worker"], "--addresses is required: every shard's host:port, in shard order"),
-    (["status", "--address-dir", "/nonexistent"], "no shard-I address files in /nonexistent"),     # none: ./runs
-    (["status", "--addresses", "host:port"], "--addresses expects host:port"),
-    (["launch", "--set", "servers=2"], "'servers' was renamed: use shards = N (the number of shard processes)"),
-    (["mpi", "--set", "job.servers=2"], "'servers' was renamed: use shards = N"),
-    (["launch", "--set", "bulk=false"], "'bulk' was replaced: use data_plane = \"tcp\""),
-    (["launch", "--servers", "2"], "unrecognized arguments: --servers 2"),
-    (["mpi", "--servers", "2"], "unrecognized arguments: --servers 2"),
-    (["worker", "--addresses", "127.0.0.1:1", "--servers", "127.0.0.1:1"], "unrecognized arguments: --servers"),
-    (["server", "--bulk"], "unrecognized arguments: --bulk"),
-    (["server", "--data-plane", "udp"], "argument --data-plane: invalid choice: 'udp'"),
-    (["status", "--address-dir", "/nonexistent"], "no shard-I address files in /nonexistent"),
-    (["launch", "--stragglers", "3:0.5"], "the slowdown factor F in K:F must be >= 1"),
-    (["launch", "--set", "step_delay_s=0.02"], "'step_delay_s' was replaced: use stragglers"),
-    (["compare", "--out", "x", "--modes", "ssp"], "--modes: write ssp:S"),
-    (["compare", "--out", "x", "--workers", "2", "--stragglers", "3:3"], "worker 3 does not exist with --workers 2"),
-    (["compare", "--out", "x", "--stragglers", "1:exp:0"], "--stragglers: '1:exp:0'"),
-    (["compare", "--out", "x", "--repeats", "0"], "--repeats must be at least 1"),
-    (["compare", "--out", "x", "--target-accuracy", "1.5"], "--target-accuracy must be in (0, 1]"),
-    (["compare", "--report-only", "--out", "/nonexistent"], "holds no experiment"),
-    (["compare", "--out", "x", "--tune", "lr=abc"], "--tune lr=abc: [server] lr must be a number, got 'abc'"),
-    (["compare", "--out", "x", "--tune", "lr"], "--tune expects KEY=V1,V2"),
-    (["compare", "--out", "x", "--tune", "mode=sync,async"], "set by the experiment itself"),
-    (["compare", "--out", "x", "--tune-steps", "10"], "give --tune KEY=V1,V2 too"),
-    (["compare", "--out", "x", "--classes", "1"], "--classes must be at least 2, got 1"),
-    (["compare", "--out", "x", "--modes", "sync", "--mode-set", "async:lr=1"], "--mode-set expects MODE:KEY=VALUE"),
-    (["compare", "--out", "x", "--mode-set", "async:lr=1,2"], "one value; to try several, use --tune"),
-    (["compare", "--out", "x", "--modes", "sync,allreduce", "--", "python", "examples/train_cupy.py"],
-     "--modes allreduce needs the built-in trainer"),
-    (["compare", "--out", "x", "--tune", "train.batch_size=8,16", "--", "python", "examples/train_cupy.py"],
-     "tune the shards' keys"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["launch", "--mode", "bsp"], "argument --mode: invalid choice: 'bsp'"),
+        (["launch", "--workers", "two"], "argument --workers: invalid int value: 'two'"),
+        (["launch", "--config", "no-such-job"], "job file 'no-such-job' not found"),
+        (["launch", "--set", "lrr=0.1"], "unknown key 'lrr'"),
+        (["launch", "--set", "lr"], "--set expects KEY=VALUE"),
+        (["launch", "--staleness", "-1"], "staleness must be >= 0"),
+        (["server", "--shard", "2", "--num-shards", "2"], "shard index 2 is outside 0..1"),
+        (["worker", "--addresses", "localhost"], "--addresses expects host:port"),
+        (["worker", "--addresses", "127.0.0.1:1", "--rank", "5", "--world", "2"], "--rank must be in 0..1"),
+        (["worker"], "--addresses is required: every shard's host:port, in shard order"),
+        (["status", "--address-dir", "/nonexistent"], "no shard-I address files in /nonexistent"),  # none: ./runs
+        (["status", "--addresses", "host:port"], "--addresses expects host:port"),
+        (["launch", "--set", "servers=2"], "'servers' was renamed: use shards = N (the number of shard processes)"),
+        (["mpi", "--set", "job.servers=2"], "'servers' was renamed: use shards = N"),
+        (["launch", "--set", "bulk=false"], "'bulk' was replaced: use data_plane = \"tcp\""),
+        (["launch", "--servers", "2"], "unrecognized arguments: --servers 2"),
+        (["mpi", "--servers", "2"], "unrecognized arguments: --servers 2"),
+        (["worker", "--addresses", "127.0.0.1:1", "--servers", "127.0.0.1:1"], "unrecognized arguments: --servers"),
+        (["server", "--bulk"], "unrecognized arguments: --bulk"),
+        (["server", "--data-plane", "udp"], "argument --data-plane: invalid choice: 'udp'"),
+        (["status", "--address-dir", "/nonexistent"], "no shard-I address files in /nonexistent"),
+        (["launch", "--stragglers", "3:0.5"], "the slowdown factor F in K:F must be >= 1"),
+        (["launch", "--set", "step_delay_s=0.02"], "'step_delay_s' was replaced: use stragglers"),
+        (["compare", "--out", "x", "--modes", "ssp"], "--modes: write ssp:S"),
+        (
+            ["compare", "--out", "x", "--workers", "2", "--stragglers", "3:3"],
+            "worker 3 does not exist with --workers 2",
+        ),
+        (["compare", "--out", "x", "--stragglers", "1:exp:0"], "--stragglers: '1:exp:0'"),
+        (["compare", "--out", "x", "--repeats", "0"], "--repeats must be at least 1"),
+        (["compare", "--out", "x", "--target-accuracy", "1.5"], "--target-accuracy must be in (0, 1]"),
+        (["compare", "--report-only", "--out", "/nonexistent"], "holds no experiment"),
+        (["compare", "--out", "x", "--tune", "lr=abc"], "--tune lr=abc: [server] lr must be a number, got 'abc'"),
+        (["compare", "--out", "x", "--tune", "lr"], "--tune expects KEY=V1,V2"),
+        (["compare", "--out", "x", "--tune", "mode=sync,async"], "set by the experiment itself"),
+        (["compare", "--out", "x", "--tune-steps", "10"], "give --tune KEY=V1,V2 too"),
+        (["compare", "--out", "x", "--classes", "1"], "--classes must be at least 2, got 1"),
+        (["compare", "--out", "x", "--modes", "sync", "--mode-set", "async:lr=1"], "--mode-set expects MODE:KEY=VALUE"),
+        (["compare", "--out", "x", "--mode-set", "async:lr=1,2"], "one value; to try several, use --tune"),
+        (
+            ["compare", "--out", "x", "--modes", "sync,allreduce", "--", "python", "examples/train_cupy.py"],
+            "--modes allreduce needs the built-in trainer",
+        ),
+        (
+            ["compare", "--out", "x", "--tune", "train.batch_size=8,16", "--", "python", "examples/train_cupy.py"],
+            "tune the shards' keys",
+        ),
+    ],
+)
 def test_user_errors_are_one_line_and_exit_2(argv, fragment, capsys):
     with pytest.raises(SystemExit) as exit:
         code = main(argv)
@@ -107,8 +124,10 @@ def test_user_error_through_a_subprocess_has_no_traceback(tmp_path):
     bad.write_text("[server]\nmode = 'bsp'\n")
     r = psctl("launch", "--config", str(bad))
     assert r.returncode == 2
-    assert r.stderr.strip() == (f"psctl launch: error: {bad}: [server] mode must be one of "
-                                "('sync', 'async', 'ssp'), got 'bsp' (did you mean 'ssp'?)")
+    assert r.stderr.strip() == (
+        f"psctl launch: error: {bad}: [server] mode must be one of "
+        "('sync', 'async', 'ssp'), got 'bsp' (did you mean 'ssp'?)"
+    )
 
 
 def test_server_flags_map_onto_server_config(tmp_path):
@@ -116,11 +135,36 @@ def test_server_flags_map_onto_server_config(tmp_path):
 
     job = tmp_path / "job.toml"
     job.write_text("[job]\nshards = 3\n[server]\nmode = 'ssp'\nlr = 0.2\nstaleness = 5\n")
-    args = build_parser().parse_args([
-        "server", "--config", str(job), "--shard", "2", "--staleness", "1", "--nesterov", "--momentum", "0.9",
-        "--lease-s", "3", "--checkpoint-dir", "ck", "--checkpoint-every-s", "2.5", "--metrics-port", "0",
-        "--chunk-bytes", "65536", "--host", "0.0.0.0", "--port", "0", "--data-plane", "grpc",
-    ])
+    args = build_parser().parse_args(
+        [
+            "server",
+            "--config",
+            str(job),
+            "--shard",
+            "2",
+            "--staleness",
+            "1",
+            "--nesterov",
+            "--momentum",
+            "0.9",
+            "--lease-s",
+            "3",
+            "--checkpoint-dir",
+            "ck",
+            "--checkpoint-every-s",
+            "2.5",
+            "--metrics-port",
+            "0",
+            "--chunk-bytes",
+            "65536",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "0",
+            "--data-plane",
+            "grpc",
+        ]
+    )
     c = server_config_from_args(args)
     assert (c.shard_index, c.num_shards, c.mode, c.lr, c.staleness) == (2, 3, "ssp", 0.2, 1)
     assert (c.nesterov, c.momentum, c.lease_s, c.checkpoint_dir, c.checkpoint_every_s) == (True, 0.9, 3.0, "ck", 2.5)
@@ -142,10 +186,31 @@ def test_every_server_config_field_has_a_flag():
 def test_launch_flags_override_the_job(capsys):
     from psgrid.cluster.commands.common import load_job_from_args
 
-    args = build_parser().parse_args([
-        "launch", "--config", "mnist", "--mode", "ssp", "--staleness", "3", "--workers", "4", "--shards", "1",
-        "--steps", "9", "--set", "train.hidden=[16]", "--set", "steps=5", "--out", "x", "--timeout", "30",
-    ])
+    args = build_parser().parse_args(
+        [
+            "launch",
+            "--config",
+            "mnist",
+            "--mode",
+            "ssp",
+            "--staleness",
+            "3",
+            "--workers",
+            "4",
+            "--shards",
+            "1",
+            "--steps",
+            "9",
+            "--set",
+            "train.hidden=[16]",
+            "--set",
+            "steps=5",
+            "--out",
+            "x",
+            "--timeout",
+            "30",
+        ]
+    )
     job = load_job_from_args(args)
     assert (job.mode, job.server.staleness, job.workers, job.shards) == ("ssp", 3, 4, 1)
     assert (job.train.steps, job.train.hidden, job.out, job.timeout_s) == (9, [16], "x", 30.0)  # flags beat --set
@@ -156,8 +221,9 @@ def test_launch_flags_override_the_job(capsys):
 def test_shards_and_data_plane_flags_of_launch_and_mpi(command):
     from psgrid.cluster.commands.common import load_job_from_args
 
-    job = load_job_from_args(build_parser().parse_args([command, "--config", "mnist", "--shards", "3",
-                                                        "--data-plane", "grpc"]))
+    job = load_job_from_args(
+        build_parser().parse_args([command, "--config", "mnist", "--shards", "3", "--data-plane", "grpc"])
+    )
     assert job.shards == 3
     assert job.server.data_plane == job.train.data_plane == "grpc"  # the flag sets both sides
     assert job.server_config(2).num_shards == 3
@@ -166,8 +232,9 @@ def test_shards_and_data_plane_flags_of_launch_and_mpi(command):
 def test_worker_takes_addresses_and_data_plane():
     from psgrid.cluster.commands.common import load_job_from_args, split_addresses
 
-    args = build_parser().parse_args(["worker", "--addresses", "127.0.0.1:1, node2:50051", "--rank", "1",
-                                      "--data-plane", "grpc"])
+    args = build_parser().parse_args(
+        ["worker", "--addresses", "127.0.0.1:1, node2:50051", "--rank", "1", "--data-plane", "grpc"]
+    )
     assert split_addresses(args.addresses) == ["127.0.0.1:1", "node2:50051"]
     assert load_job_from_args(args).train.data_plane == "grpc"
 
@@ -176,11 +243,27 @@ def test_server_subprocess_publishes_its_address_and_stops_on_sigterm(tmp_path):
     addr, log = tmp_path / "addr", tmp_path / "server.log"
     env = dict(os.environ)
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--port", "0", "--address-file",
-                                 str(addr), "--mode", "ssp"], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "psgrid.cluster.cli",
+                "server",
+                "--port",
+                "0",
+                "--address-file",
+                str(addr),
+                "--mode",
+                "ssp",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
-        address, job = address_lines(proc, addr, log)     # the address, then the job id Shutdown must name
+        address, job = address_lines(proc, addr, log)  # the address, then the job id Shutdown must name
         host, _, port = address.rpartition(":")
         assert host == "127.0.0.1" and int(port) > 0 and job.startswith("job ")
         r = psctl("status", "--addresses", address, "--json")
@@ -246,6 +329,6 @@ def test_a_ctrl_c_that_an_import_turned_into_an_import_error_exits_130(monkeypat
     monkeypatch.setattr(cli, "_main", importing)
     assert cli.main(["launch"]) == 130
     assert capsys.readouterr().err.strip() == "psctl: interrupted"
-    monkeypatch.setattr(cli, "_main", lambda argv: 1 // 0)       # no signal: a bug stays a bug
+    monkeypatch.setattr(cli, "_main", lambda argv: 1 // 0)  # no signal: a bug stays a bug
     with pytest.raises(ZeroDivisionError):
         cli.main(["launch"])

@@ -25,9 +25,14 @@ def sources(root: Path = ROOT) -> list[Path]:
 def lifecycle_parts_used(path: Path) -> list[str]:
     """Names of the coordinator's summary and event-log parts that ``path`` uses."""
     tree = ast.parse(path.read_text())
-    return sorted({node.attr if isinstance(node, ast.Attribute) else node.id for node in ast.walk(tree)
-                   if (isinstance(node, ast.Attribute) and node.attr in LIFECYCLE_PARTS)
-                   or (isinstance(node, ast.Name) and node.id in LIFECYCLE_PARTS)})
+    return sorted(
+        {
+            node.attr if isinstance(node, ast.Attribute) else node.id
+            for node in ast.walk(tree)
+            if (isinstance(node, ast.Attribute) and node.attr in LIFECYCLE_PARTS)
+            or (isinstance(node, ast.Name) and node.id in LIFECYCLE_PARTS)
+        }
+    )
 
 
 def rel(path: Path) -> str:
@@ -43,9 +48,13 @@ def test_a_job_summary_is_built_and_written_by_jobrun_only(path):
 def lifecycle_ends_written(path: Path) -> list[str]:
     """Where ``path`` ends a job itself: ``X.ended_by(...)``, or ``X.end(...)`` with a summary's fields."""
     tree = ast.parse(path.read_text())
-    return [f"line {node.lineno}: {ast.unparse(node)[:60]}" for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-            and (node.func.attr == "ended_by" or (node.func.attr == "end" and node.keywords))]
+    return [
+        f"line {node.lineno}: {ast.unparse(node)[:60]}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and (node.func.attr == "ended_by" or (node.func.attr == "end" and node.keywords))
+    ]
 
 
 @pytest.mark.parametrize("path", [p for p in sources() if rel(p) != "cluster/run/jobrun.py"], ids=rel)
@@ -57,8 +66,10 @@ def test_a_job_is_ended_by_jobrun_run_only(path):
 
 def test_the_end_check_sees_a_lifecycle_written_again(tmp_path):
     probe = tmp_path / "launch.py"
-    probe.write_text("try:\n    pass\nexcept Exception as e:\n    jobrun.ended_by(e)\nfinally:\n"
-                     "    jobrun.end(addresses=[], worker_exits={})\nm.end()\n")
+    probe.write_text(
+        "try:\n    pass\nexcept Exception as e:\n    jobrun.ended_by(e)\nfinally:\n"
+        "    jobrun.end(addresses=[], worker_exits={})\nm.end()\n"
+    )
     assert sorted(w.split(":")[0] for w in lifecycle_ends_written(probe)) == ["line 4", "line 6"]
 
 
@@ -71,16 +82,27 @@ def test_the_check_sees_what_it_looks_for(tmp_path):
 
 # cluster/job/ is the job's files (config, credentials, output folder, records): what runs a job uses it.
 JOB_FILES_FOLDER = "cluster/job"
-ABOVE_JOB_FILES = ("psgrid.cluster.run", "psgrid.cluster.mpi", "psgrid.cluster.hosts", "psgrid.cluster.experiments",
-                   "psgrid.cluster.bench", "psgrid.cluster.commands")
+ABOVE_JOB_FILES = (
+    "psgrid.cluster.run",
+    "psgrid.cluster.mpi",
+    "psgrid.cluster.hosts",
+    "psgrid.cluster.experiments",
+    "psgrid.cluster.bench",
+    "psgrid.cluster.commands",
+)
 
 
 def imports_above_job_files(path: Path) -> list[str]:
     """The modules of the folders that run jobs which ``path`` imports, lazily or not."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module]
+            if isinstance(node, ast.ImportFrom) and node.module
+            else []
+        )
         found |= {n for n in names if n.startswith(ABOVE_JOB_FILES)}
     return sorted(found)
 

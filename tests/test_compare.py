@@ -20,8 +20,14 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 def psctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = dict(os.environ, **MPI_ENV)
-    return subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "psgrid.cluster.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def rows_of(out) -> list[dict]:
@@ -34,13 +40,24 @@ def rows_of(out) -> list[dict]:
 def test_compare_runs_every_mode_and_writes_the_report(tmp_path):
     out = tmp_path / "cmp"
     # How long it takes is the test's timeout's business, not a bar: it took 61 s once at load 13.
-    p = psctl("compare", *TINY, "--workers", "2", "--modes", "sync,async,ssp:2,allreduce",
-              "--stragglers", "none", "--stragglers", "1:3", "--out", str(out))
+    p = psctl(
+        "compare",
+        *TINY,
+        "--workers",
+        "2",
+        "--modes",
+        "sync,async,ssp:2,allreduce",
+        "--stragglers",
+        "none",
+        "--stragglers",
+        "1:3",
+        "--out",
+        str(out),
+    )
     assert p.returncode == 0, p.stderr
     rows = rows_of(out)
     modes = ["sync", "async", "ssp:2", "allreduce"]
-    assert sorted((r["mode"], r["stragglers"]) for r in rows) == sorted(
-        (m, s) for m in modes for s in ("none", "1:3"))
+    assert sorted((r["mode"], r["stragglers"]) for r in rows) == sorted((m, s) for m in modes for s in ("none", "1:3"))
     assert all(r["status"] == "ok" and float(r["samples_per_s"]) > 0 for r in rows)
     assert all(0.0 < float(r["final_test_accuracy"]) <= 1.0 for r in rows)
     # The straggler's injected delay is in the results, and only where a straggler was asked for.
@@ -53,8 +70,13 @@ def test_compare_runs_every_mode_and_writes_the_report(tmp_path):
         assert mode in md and mode in html
     assert "data:image/png;base64," in html and 'src="plots/' not in html
     pngs = sorted((out / "plots").glob("*.png"))
-    assert {p.name for p in pngs} >= {"accuracy_vs_time.png", "loss_vs_steps.png", "samples_per_s.png",
-                                     "staleness.png", "timeline.png"}
+    assert {p.name for p in pngs} >= {
+        "accuracy_vs_time.png",
+        "loss_vs_steps.png",
+        "samples_per_s.png",
+        "staleness.png",
+        "timeline.png",
+    }
     for png in pngs:
         data = png.read_bytes()
         assert data.startswith(PNG) and len(data) > 5000, png.name
@@ -67,8 +89,8 @@ def test_resume_runs_only_what_is_missing(tmp_path):
     args = ["compare", *TINY, "--workers", "1", "--modes", "sync,async", "--out", str(out), "--no-progress"]
     assert psctl(*args).returncode == 0
     again = psctl(*args)
-    assert again.returncode == 2 and "--resume" in again.stderr          # an experiment is never overwritten
-    (out / "runs" / "async-w1-r0" / "summary.json").unlink()                # as if cut short
+    assert again.returncode == 2 and "--resume" in again.stderr  # an experiment is never overwritten
+    (out / "runs" / "async-w1-r0" / "summary.json").unlink()  # as if cut short
     resumed = psctl(*args, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "1 already finished, skipped" in resumed.stderr
@@ -89,10 +111,33 @@ def test_resume_runs_only_what_is_missing(tmp_path):
 def test_ctrl_c_stops_cleanly_and_keeps_the_finished_runs(tmp_path):
     out = tmp_path / "cmp"
     env = dict(os.environ)
-    proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "compare", "--config", "mnist",
-                             "--steps", "400", "--eval-every", "100", "--shards", "1", "--workers", "1",
-                             "--modes", "sync,async,ssp:1", "--out", str(out)],
-                            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "psgrid.cluster.cli",
+            "compare",
+            "--config",
+            "mnist",
+            "--steps",
+            "400",
+            "--eval-every",
+            "100",
+            "--shards",
+            "1",
+            "--workers",
+            "1",
+            "--modes",
+            "sync,async,ssp:1",
+            "--out",
+            str(out),
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first = out / "runs" / "sync-w1-r0" / "summary.json"
         deadline = time.monotonic() + 90
@@ -112,8 +157,10 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_finished_runs(tmp_path):
     assert rows["sync-w1-r0"] == "ok" and rows.get("async-w1-r0") == "interrupted"
     assert "ssp1-w1-r0" not in rows
     # No child of the stopped run is left: every pid its launcher recorded is gone.
-    log = [json.loads(line) for line in (out / "runs" / "async-w1-r0" / "metrics" / "coordinator.jsonl")
-           .read_text().splitlines()]
+    log = [
+        json.loads(line)
+        for line in (out / "runs" / "async-w1-r0" / "metrics" / "coordinator.jsonl").read_text().splitlines()
+    ]
     pids = [p for e in log for p in e.get("pids", [])]
     assert pids and not [p for p in pids if _alive(p)]
 
@@ -130,8 +177,23 @@ def _alive(pid: int) -> bool:
 @pytest.mark.mpi
 def test_compare_under_mpiexec_runs_each_run_on_its_ranks(tmp_path):
     out = tmp_path / "cmp"
-    code, stdout, err, _ = run_mpiexec(4, ["-m", "psgrid.cluster.cli", "compare", "--mpi", *TINY, "--workers", "2",
-                                           "--modes", "sync,allreduce", "--out", str(out)], timeout=180)
+    code, stdout, err, _ = run_mpiexec(
+        4,
+        [
+            "-m",
+            "psgrid.cluster.cli",
+            "compare",
+            "--mpi",
+            *TINY,
+            "--workers",
+            "2",
+            "--modes",
+            "sync,allreduce",
+            "--out",
+            str(out),
+        ],
+        timeout=180,
+    )
     assert code == 0, err
     rows = rows_of(out)
     assert sorted(r["mode"] for r in rows) == ["allreduce", "sync"] and all(r["status"] == "ok" for r in rows)
@@ -143,8 +205,22 @@ def test_compare_under_mpiexec_runs_each_run_on_its_ranks(tmp_path):
 
 @pytest.mark.mpi
 def test_compare_under_mpiexec_with_too_few_ranks_fails_at_once(tmp_path):
-    code, _, err, took = run_mpiexec(2, ["-m", "psgrid.cluster.cli", "compare", "--mpi", *TINY, "--workers", "2",
-                                         "--modes", "sync", "--out", str(tmp_path / "cmp")])
+    code, _, err, took = run_mpiexec(
+        2,
+        [
+            "-m",
+            "psgrid.cluster.cli",
+            "compare",
+            "--mpi",
+            *TINY,
+            "--workers",
+            "2",
+            "--modes",
+            "sync",
+            "--out",
+            str(tmp_path / "cmp"),
+        ],
+    )
     assert code != 0 and "needs at least 4 ranks" in err
     assert not (tmp_path / "cmp").exists()
 
@@ -156,27 +232,52 @@ def _num(text: str):
 @pytest.mark.slow
 def test_tune_runs_the_repeats_of_each_mode_at_its_own_best_grid_point(tmp_path):
     out = tmp_path / "cmp"
-    p = psctl("compare", *TINY, "--workers", "1", "--modes", "sync,async", "--tune", "lr=0.01,0.2",
-              "--tune-steps", "20", "--tune-repeats", "1", "--out", str(out), "--no-progress")
+    p = psctl(
+        "compare",
+        *TINY,
+        "--workers",
+        "1",
+        "--modes",
+        "sync,async",
+        "--tune",
+        "lr=0.01,0.2",
+        "--tune-steps",
+        "20",
+        "--tune-repeats",
+        "1",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
     assert p.returncode == 0, p.stderr
     rows = rows_of(out)
     tune = [r for r in rows if r["phase"] == "tune"]
     repeats = [r for r in rows if r["phase"] == "repeat"]
     # async's points carry its own default (async_momentum=auto) before the grid's value.
     assert sorted((r["mode"], r["settings"]) for r in tune) == [
-        ("async", "async_momentum=auto lr=0.01"), ("async", "async_momentum=auto lr=0.2"),
-        ("sync", "lr=0.01"), ("sync", "lr=0.2")]
-    assert all(r["status"] == "ok" and int(r["steps"]) == 20 for r in tune)        # --tune-steps
+        ("async", "async_momentum=auto lr=0.01"),
+        ("async", "async_momentum=auto lr=0.2"),
+        ("sync", "lr=0.01"),
+        ("sync", "lr=0.2"),
+    ]
+    assert all(r["status"] == "ok" and int(r["steps"]) == 20 for r in tune)  # --tune-steps
     for mode in ("sync", "async"):
         points = [r for r in tune if r["mode"] == mode]
         # Best: not diverged, then the earliest to the target, then the best final accuracy.
-        best = min(points, key=lambda r: (r["diverged"] == "1", _num(r["time_to_target_s"]) is None,
-                                          _num(r["time_to_target_s"]) or 0.0, -float(r["final_test_accuracy"])))
+        best = min(
+            points,
+            key=lambda r: (
+                r["diverged"] == "1",
+                _num(r["time_to_target_s"]) is None,
+                _num(r["time_to_target_s"]) or 0.0,
+                -float(r["final_test_accuracy"]),
+            ),
+        )
         (rep,) = [r for r in repeats if r["mode"] == mode]
         assert rep["settings"] == best["settings"], (mode, points)
         assert int(rep["steps"]) == 30
         lr = float(best["settings"].split("lr=")[1])
-        assert f"lr = {lr}" in (out / "runs" / rep["run"] / "job.toml").read_text()    # what the run ran with
+        assert f"lr = {lr}" in (out / "runs" / rep["run"] / "job.toml").read_text()  # what the run ran with
     md = (out / "report.md").read_text()
     assert "## Tuning" in md and "### Sensitivity, 1 worker, no stragglers" in md and "| lr=0.01 |" in md
     assert (out / "plots" / "sensitivity.png").read_bytes().startswith(PNG)
@@ -184,14 +285,26 @@ def test_tune_runs_the_repeats_of_each_mode_at_its_own_best_grid_point(tmp_path)
     again = psctl("compare", "--report-only", "--out", str(out), "--target-accuracy", "0.05")
     assert again.returncode == 0, again.stderr
     assert [(r["run"], r["settings"]) for r in rows_of(out) if r["phase"] == "repeat"] == [
-        (r["run"], r["settings"]) for r in repeats]
+        (r["run"], r["settings"]) for r in repeats
+    ]
 
 
 @pytest.mark.slow
 def test_a_diverged_mode_is_marked_said_first_and_never_sets_the_target(tmp_path):
     out = tmp_path / "cmp"
-    p = psctl("compare", *TINY, "--workers", "1", "--modes", "sync,async", "--mode-set", "async:lr=50",
-              "--out", str(out), "--no-progress")
+    p = psctl(
+        "compare",
+        *TINY,
+        "--workers",
+        "1",
+        "--modes",
+        "sync,async",
+        "--mode-set",
+        "async:lr=50",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
     assert p.returncode == 0, p.stderr
     rows = {r["mode"]: r for r in rows_of(out)}
     assert (rows["sync"]["diverged"], rows["async"]["diverged"]) == ("0", "1")
@@ -208,8 +321,25 @@ def test_a_diverged_mode_is_marked_said_first_and_never_sets_the_target(tmp_path
 @pytest.mark.slow
 def test_compare_runs_a_users_script_in_every_mode(tmp_path):
     out = tmp_path / "cmp"
-    p = psctl("compare", "--workers", "2", "--shards", "1", "--classes", "10", "--out", str(out), "--no-progress",
-              "--", "python", "examples/train_cupy.py", "--steps", "30", "--eval-every", "10")
+    p = psctl(
+        "compare",
+        "--workers",
+        "2",
+        "--shards",
+        "1",
+        "--classes",
+        "10",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--",
+        "python",
+        "examples/train_cupy.py",
+        "--steps",
+        "30",
+        "--eval-every",
+        "10",
+    )
     assert p.returncode == 0, p.stderr
     rows = rows_of(out)
     assert sorted(r["mode"] for r in rows) == ["async", "ssp:2", "sync"]
@@ -218,18 +348,20 @@ def test_compare_runs_a_users_script_in_every_mode(tmp_path):
     # Every mode learned (its best) and none fell to chance, 0.1 (its last). Async's last evaluation, after 60
     # pushes with the job's momentum 0.9 and two workers' staleness, swings: 8 runs of this command gave
     # 0.37 to 0.81 (best 0.57 to 0.81), and a CI run failed the former bar of 0.5 at 0.486.
-    assert all(0.5 < float(r["best_test_accuracy"]) <= 1.0 and float(r["final_test_accuracy"]) > 0.2
-               for r in rows), accuracy
+    assert all(0.5 < float(r["best_test_accuracy"]) <= 1.0 and float(r["final_test_accuracy"]) > 0.2 for r in rows), (
+        accuracy
+    )
     # The target is 95% of the best mode's final accuracy (one run each): that mode reached it.
     best = max(rows, key=lambda r: float(r["final_test_accuracy"]))
     assert float(best["target_accuracy"]) == round(0.95 * float(best["final_test_accuracy"]), 4)
     assert best["time_to_target_s"], accuracy
-    for r in rows:     # each run's shards had its mode
+    for r in rows:  # each run's shards had its mode
         assert f'mode = "{r["mode"].partition(":")[0]}"' in (out / "runs" / r["run"] / "job.toml").read_text()
     md = (out / "report.md").read_text()
     assert all(f"| {m} |" in md for m in ("sync", "async", "ssp:2")) and "reached the target" in md
-    refused = psctl("compare", "--modes", "sync,allreduce", "--out", str(tmp_path / "no"), "--",
-                    "python", "examples/train_cupy.py")
+    refused = psctl(
+        "compare", "--modes", "sync,allreduce", "--out", str(tmp_path / "no"), "--", "python", "examples/train_cupy.py"
+    )
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
     assert "allreduce" in refused.stderr and not (tmp_path / "no").exists()
 
@@ -238,8 +370,9 @@ OPEN_MPI_VERSION = "mpiexec (Open MPI) 5.0.3\n\nReport bugs to https://www.open-
 HYDRA_VERSION = "HYDRA build details:\n    Version:                                 5.0.2\n"
 
 
-@pytest.mark.parametrize("said, unbound", [(OPEN_MPI_VERSION, ["--bind-to", "none"]), (HYDRA_VERSION, [])],
-                         ids=["open-mpi", "mpich"])
+@pytest.mark.parametrize(
+    "said, unbound", [(OPEN_MPI_VERSION, ["--bind-to", "none"]), (HYDRA_VERSION, [])], ids=["open-mpi", "mpich"]
+)
 def test_the_allreduce_runs_start_mpiexec_unbound_on_open_mpi(tmp_path, monkeypatch, said, unbound):
     # Open MPI binds each rank to one core, where a GPU rank's loader then shares it with the loop
     # (docs/performance.md: 165,653 against 226,828 samples/s); MPICH's hydra binds nothing by default.
@@ -265,5 +398,5 @@ def test_the_allreduce_runs_start_mpiexec_unbound_on_open_mpi(tmp_path, monkeypa
     job = apply_overrides(JobConfig(name="t"), {"workers": 2, "out": str(tmp_path / "run")})
     with pytest.raises(Started):
         compare.run_allreduce_local(job, tmp_path / "run", None)
-    assert started[0][:3 + len(unbound)] == [str(fake), *unbound, "-n", "2"]
+    assert started[0][: 3 + len(unbound)] == [str(fake), *unbound, "-n", "2"]
     mpiexec.is_open_mpi.cache_clear()

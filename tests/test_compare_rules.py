@@ -47,21 +47,44 @@ def mnist(**overrides):
 
 # ---- an experiment's folder as psctl compare leaves it ----------------------------------------------------------
 
+
 def write_run(run_dir, final: float, *, losses=None, summary=None) -> None:
     """A run of WORKERS workers whose test accuracy climbs to ``final``; ``summary`` overrides summary.json."""
     run_dir.mkdir(parents=True)
     losses = losses or [2.3 * math.exp(-s / 10) + 0.1 for s in range(STEPS)]
     events = [{"event": "start", "rank": r, "time": 100.0, "shard_rows": 1000} for r in range(WORKERS)]
     for step, loss in enumerate(losses):
-        events += [{"event": "step", "rank": r, "step": step, "started": 100.0 + 0.1 * step, "loss": loss,
-                    "pull_s": 0.01, "compute_s": 0.02, "push_s": 0.01, "staleness": step % 3, "samples": 50}
-                   for r in range(WORKERS)]
+        events += [
+            {
+                "event": "step",
+                "rank": r,
+                "step": step,
+                "started": 100.0 + 0.1 * step,
+                "loss": loss,
+                "pull_s": 0.01,
+                "compute_s": 0.02,
+                "push_s": 0.01,
+                "staleness": step % 3,
+                "samples": 50,
+            }
+            for r in range(WORKERS)
+        ]
     evals = range(EVAL_EVERY, len(losses) + 1, EVAL_EVERY)
-    events += [{"event": "eval", "rank": 0, "step": k, "time": 100.0 + 0.1 * k,
-                "test_accuracy": final * k / len(losses)} for k in evals]
+    events += [
+        {"event": "eval", "rank": 0, "step": k, "time": 100.0 + 0.1 * k, "test_accuracy": final * k / len(losses)}
+        for k in evals
+    ]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    body = {"status": "ok", "steps": STEPS * WORKERS, "samples": 50 * STEPS * WORKERS, "wall_s": 4.0,
-            "samples_per_s": 2000.0, "test_accuracy": final, "final_loss": losses[-1], **(summary or {})}
+    body = {
+        "status": "ok",
+        "steps": STEPS * WORKERS,
+        "samples": 50 * STEPS * WORKERS,
+        "wall_s": 4.0,
+        "samples_per_s": 2000.0,
+        "test_accuracy": final,
+        "final_loss": losses[-1],
+        **(summary or {}),
+    }
     (run_dir / "summary.json").write_text(json.dumps(body))
 
 
@@ -70,9 +93,18 @@ def experiment_dir(tmp_path, finals: dict[str, list[float]], *, summaries=None, 
     out = tmp_path / "cmp"
     modes = parse_modes(",".join(finals))
     repeats = len(next(iter(finals.values())))
-    settings = settings_for(mnist(), command=["--modes", ",".join(finals)], modes=modes, workers=[WORKERS],
-                            stragglers=["none"], repeats=repeats, target=None, backup_workers=None,
-                            seeds=repeat_seeds(0, repeats), **given)
+    settings = settings_for(
+        mnist(),
+        command=["--modes", ",".join(finals)],
+        modes=modes,
+        workers=[WORKERS],
+        stragglers=["none"],
+        repeats=repeats,
+        target=None,
+        backup_workers=None,
+        seeds=repeat_seeds(0, repeats),
+        **given,
+    )
     out.mkdir(parents=True)
     (out / SETTINGS_FILE).write_text(json.dumps(settings))
     for mode, accs in finals.items():
@@ -92,6 +124,7 @@ def reading_of(out) -> list[str]:
 
 # ---- 1. seeds -------------------------------------------------------------------------------------------------
 
+
 def test_each_repeat_has_its_own_seed_unless_pinned_and_the_run_records_it():
     assert repeat_seeds(7, 3) == [7, 8, 9]
     assert repeat_seeds(7, 3, "same") == [7, 7, 7]
@@ -101,16 +134,31 @@ def test_each_repeat_has_its_own_seed_unless_pinned_and_the_run_records_it():
             repeat_seeds(0, 3, bad)
     runs = plan(parse_modes("sync,async"), [2], ["none"], 3, seeds=[5, 6, 7])
     assert [(r.mode.label, r.repeat, r.seed) for r in runs] == [
-        ("sync", 0, 5), ("async", 0, 5), ("sync", 1, 6), ("async", 1, 6), ("sync", 2, 7), ("async", 2, 7)]
-    assert runs[2].describe()["seed"] == 6 and runs[2].id == "sync-w2-r1"      # the id does not change
+        ("sync", 0, 5),
+        ("async", 0, 5),
+        ("sync", 1, 6),
+        ("async", 1, 6),
+        ("sync", 2, 7),
+        ("async", 2, 7),
+    ]
+    assert runs[2].describe()["seed"] == 6 and runs[2].id == "sync-w2-r1"  # the id does not change
 
 
 def test_a_runs_job_carries_its_seed_and_an_older_experiment_reads_back_as_one_seed(tmp_path):
-    settings = settings_for(mnist(), command=[], modes=parse_modes("sync"), workers=[2], stragglers=["none"],
-                            repeats=3, target=None, backup_workers=None, seeds=[0, 1, 2])
+    settings = settings_for(
+        mnist(),
+        command=[],
+        modes=parse_modes("sync"),
+        workers=[2],
+        stragglers=["none"],
+        repeats=3,
+        target=None,
+        backup_workers=None,
+        seeds=[0, 1, 2],
+    )
     x = experiment_from(mnist(), settings, tmp_path)
     assert [x.run_job(r).train.seed for r in x.runs] == [0, 1, 2]
-    older = {k: v for k, v in settings.items() if k != "seeds"}        # written before seeds varied
+    older = {k: v for k, v in settings.items() if k != "seeds"}  # written before seeds varied
     assert [r.seed for r in experiment_from(mnist(), older, tmp_path).runs] == [0, 0, 0]
 
 
@@ -119,7 +167,7 @@ def test_intervals_only_from_five_or_more_varied_seeds_and_min_max_below(tmp_pat
     rewrite_report(out)
     assert [r["seed"] for r in csv_rows(out)] == ["0", "1", "2", "3", "4"]
     summary = (out / "report.md").read_text().split("## Summary")[1].split("## Per mode")[0]
-    assert "| 0.920 [0.900, 0.940] |" in summary or "| 0.920 [0.910, 0.930] |" in summary    # a 95% interval
+    assert "| 0.920 [0.900, 0.940] |" in summary or "| 0.920 [0.910, 0.930] |" in summary  # a 95% interval
     three = experiment_dir(tmp_path / "three", {"sync": [0.90, 0.91, 0.93]})
     rewrite_report(three)
     md = (three / "report.md").read_text()
@@ -129,14 +177,17 @@ def test_intervals_only_from_five_or_more_varied_seeds_and_min_max_below(tmp_pat
 
 # ---- 2. stability first --------------------------------------------------------------------------------------
 
+
 def test_a_setting_whose_repeats_spread_is_unstable_in_the_table_the_csv_and_the_first_lines(tmp_path):
     out = experiment_dir(tmp_path, {"sync": SYNC, "async": ASYNC_OLD_DEFAULTS})
     rows = rewrite_report(out)
     assert {r["mode"]: r["stability"] for r in rows} == {"sync": "stable", "async": "unstable"}
     assert {r["stability"] for r in csv_rows(out) if r["mode"] == "async"} == {"unstable"}
     first = reading_of(out)[0]
-    assert first.startswith("Unstable: async (4 workers, no stragglers): final test accuracy "
-                            "spread 0.275 across 5 repeats (0.494, 0.509, 0.511, 0.615, 0.769)")
+    assert first.startswith(
+        "Unstable: async (4 workers, no stragglers): final test accuracy "
+        "spread 0.275 across 5 repeats (0.494, 0.509, 0.511, 0.615, 0.769)"
+    )
     assert f"more than {stability.UNSTABLE_SPREAD:g} apart" in first
     summary = (out / "report.md").read_text().split("## Summary")[1]
     assert "| async | unstable: final accuracy spread 0.275 (0.494..0.769) |" in summary
@@ -149,29 +200,50 @@ def test_a_loss_that_rose_for_a_stretch_makes_its_setting_unstable():
     steps = [{"event": "step", "loss": x} for x in bump]
     assert "rose from" in stability.loss_rise(steps)
     assert stability.loss_rise([{"event": "step", "loss": x} for x in falling]) is None
-    noisy = [{"event": "step", "loss": 0.3 + 0.01 * (k % 7)} for k in range(100)]       # flat, wobbling
+    noisy = [{"event": "step", "loss": 0.3 + 0.01 * (k % 7)} for k in range(100)]  # flat, wobbling
     assert stability.loss_rise(noisy) is None
-    rows = [{"mode": "async", "workers": 4, "stragglers": "none", "status": "ok", "final_test_accuracy": 0.9,
-             "loss_rise": "its loss rose", "diverged": 0}, {"mode": "async", "workers": 4, "stragglers": "none",
-                                                            "status": "ok", "final_test_accuracy": 0.9, "diverged": 0}]
+    rows = [
+        {
+            "mode": "async",
+            "workers": 4,
+            "stragglers": "none",
+            "status": "ok",
+            "final_test_accuracy": 0.9,
+            "loss_rise": "its loss rose",
+            "diverged": 0,
+        },
+        {
+            "mode": "async",
+            "workers": 4,
+            "stragglers": "none",
+            "status": "ok",
+            "final_test_accuracy": 0.9,
+            "diverged": 0,
+        },
+    ]
     (verdict,) = stability.verdicts(rows).values()
     assert verdict.label == "unstable" and verdict.text() == "unstable: loss rose in 1 of 2"
 
 
-NON_FINITE_FAILURE = {"status": "failed", "test_accuracy": None, "final_loss": None,
-                      "message": "no worker completed (worker 0 exited with code 1). Last lines of worker-0.log:\n"
-                                 "    psctl worker: shard 0 at 127.0.0.1:4000: payload contains NaN or infinity"}
+NON_FINITE_FAILURE = {
+    "status": "failed",
+    "test_accuracy": None,
+    "final_loss": None,
+    "message": "no worker completed (worker 0 exited with code 1). Last lines of worker-0.log:\n"
+    "    psctl worker: shard 0 at 127.0.0.1:4000: payload contains NaN or infinity",
+}
 
 
 def test_a_run_the_shards_stopped_on_non_finite_values_is_diverged_never_failed(tmp_path):
-    out = experiment_dir(tmp_path, {"sync": [0.92, 0.92], "async": [0.9, 0.1]},
-                         summaries={("async", 1): NON_FINITE_FAILURE})
+    out = experiment_dir(
+        tmp_path, {"sync": [0.92, 0.92], "async": [0.9, 0.1]}, summaries={("async", 1): NON_FINITE_FAILURE}
+    )
     x = experiment_from(mnist(), json.loads((out / SETTINGS_FILE).read_text()), out)
-    assert all(x.finished(r) for r in x.runs)            # a diverged run is a result: --resume does not redo it
+    assert all(x.finished(r) for r in x.runs)  # a diverged run is a result: --resume does not redo it
     rows = {r["run"]: r for r in rewrite_report(out)}
     bad = rows[f"async-w{WORKERS}-r1"]
     assert (bad["status"], bad["diverged"], bad["stability"]) == ("diverged", 1, "diverged")
-    assert rows[f"async-w{WORKERS}-r0"]["stability"] == "unstable"     # its setting diverged once in two
+    assert rows[f"async-w{WORKERS}-r0"]["stability"] == "unstable"  # its setting diverged once in two
     md = (out / "report.md").read_text()
     assert "Runs that did not finish" not in md and "| failed |" not in md
     assert "| async | diverged in 1 of 2 |" in md
@@ -187,15 +259,27 @@ def test_a_run_the_shards_stopped_on_non_finite_values_is_diverged_never_failed(
 
 # ---- 3. the target -------------------------------------------------------------------------------------------
 
+
 def test_the_automatic_target_is_a_fraction_of_the_best_settings_median_not_the_worst_run(tmp_path):
     eleven = [0.508, 0.655, 0.715, 0.778, 0.785, 0.794, 0.868, 0.885, 0.892, 0.904, 0.920]
     out = experiment_dir(tmp_path, {"sync": [0.920] * 11, "async": eleven})
     rows = rewrite_report(out)
-    assert rows[0]["target_accuracy"] == pytest.approx(round(0.95 * 0.920, 4))        # 0.874, not 0.508
+    assert rows[0]["target_accuracy"] == pytest.approx(round(0.95 * 0.920, 4))  # 0.874, not 0.508
     assert "95% of the best setting's median final test accuracy" in (out / "report.md").read_text()
     # One bad run of the best setting moves its median, not the target's rule: still 95% of a median.
-    assert target.auto_target([{"mode": "sync", "workers": 4, "stragglers": "none", "status": "ok", "diverged": 0,
-                                "final_test_accuracy": a} for a in (0.92, 0.92, 0.10)]) == round(0.95 * 0.92, 4)
+    assert target.auto_target(
+        [
+            {
+                "mode": "sync",
+                "workers": 4,
+                "stragglers": "none",
+                "status": "ok",
+                "diverged": 0,
+                "final_test_accuracy": a,
+            }
+            for a in (0.92, 0.92, 0.10)
+        ]
+    ) == round(0.95 * 0.92, 4)
 
 
 def test_time_to_target_is_k_of_n_reached_with_a_median_only_where_more_than_half_reached(tmp_path):
@@ -203,8 +287,8 @@ def test_time_to_target_is_k_of_n_reached_with_a_median_only_where_more_than_hal
         return [{"time_to_target_s": t, "seed": i} for i, t in enumerate(times)]
 
     most = spread(rows([1.0, 2.0, 3.0, None, None]), "time_to_target_s")
-    assert (most.n, most.of, most.median, most.ci) == (3, 5, 3.0, None)      # the never-reached count as slowest
-    assert spread(rows([1.0, 2.0, None, None]), "time_to_target_s").median is None     # half is not more than half
+    assert (most.n, most.of, most.median, most.ci) == (3, 5, 3.0, None)  # the never-reached count as slowest
+    assert spread(rows([1.0, 2.0, None, None]), "time_to_target_s").median is None  # half is not more than half
     out = experiment_dir(tmp_path, {"sync": [0.920] * 7, "async": [0.6, 0.7, 0.95, 0.95, 0.8, 0.75, 0.7]})
     rewrite_report(out)
     summary = (out / "report.md").read_text().split("## Summary")[1].split("## Per mode")[0]
@@ -215,12 +299,12 @@ def test_time_to_target_is_k_of_n_reached_with_a_median_only_where_more_than_hal
 
 # ---- 4. provenance ---------------------------------------------------------------------------------------------
 
+
 def test_a_scripts_report_names_the_script_its_hash_and_what_psgrid_imposed(tmp_path):
     script = tmp_path / "train_mine.py"
     script.write_text("import psgrid\n# my own model\n")
     command = ["python", str(script), "--steps", "30"]
-    out = experiment_dir(tmp_path, {"sync": [0.9, 0.9], "async": [0.9, 0.9]}, script=command,
-                         script_given=command)
+    out = experiment_dir(tmp_path, {"sync": [0.9, 0.9], "async": [0.9, 0.9]}, script=command, script_given=command)
     rewrite_report(out)
     saved = json.loads((out / SETTINGS_FILE).read_text())
     md = (out / "report.md").read_text()
@@ -237,14 +321,29 @@ def test_a_scripts_report_names_the_script_its_hash_and_what_psgrid_imposed(tmp_
 
 # ---- 5. tuning ---------------------------------------------------------------------------------------------------
 
+
 def test_tuning_runs_each_point_on_several_seeds_and_keeps_one_target_for_the_report(tmp_path):
     runs = tune_plan(parse_modes("async"), [4], ["none"], [(("lr", 0.05),), (("lr", 0.1),)], 2, [0, 1])
-    assert [(r.id, r.seed) for r in runs] == [("tune-async-w4-lr0.05", 0), ("tune-async-w4-lr0.1", 0),
-                                               ("tune-async-w4-lr0.05-r1", 1), ("tune-async-w4-lr0.1-r1", 1)]
+    assert [(r.id, r.seed) for r in runs] == [
+        ("tune-async-w4-lr0.05", 0),
+        ("tune-async-w4-lr0.1", 0),
+        ("tune-async-w4-lr0.05-r1", 1),
+        ("tune-async-w4-lr0.1-r1", 1),
+    ]
     out = tmp_path / "cmp"
-    settings = settings_for(mnist(), command=[], modes=parse_modes("sync,async"), workers=[WORKERS],
-                            stragglers=["none"], repeats=1, target=None, backup_workers=None,
-                            tune={"lr": [0.05, 0.1]}, tune_repeats=2, seeds=[0, 1])
+    settings = settings_for(
+        mnist(),
+        command=[],
+        modes=parse_modes("sync,async"),
+        workers=[WORKERS],
+        stragglers=["none"],
+        repeats=1,
+        target=None,
+        backup_workers=None,
+        tune={"lr": [0.05, 0.1]},
+        tune_repeats=2,
+        seeds=[0, 1],
+    )
     out.mkdir()
     (out / SETTINGS_FILE).write_text(json.dumps(settings))
     x = experiment_from(mnist(), settings, out)
@@ -255,7 +354,7 @@ def test_tuning_runs_each_point_on_several_seeds_and_keeps_one_target_for_the_re
         write_run(out / "runs" / r.id, 0.9)
     rows = rewrite_report(out)
     tune_target = round(0.95 * 0.90, 4)
-    assert {r["target_accuracy"] for r in rows} == {tune_target}           # tuning's target is the report's
+    assert {r["target_accuracy"] for r in rows} == {tune_target}  # tuning's target is the report's
     md = (out / "report.md").read_text()
     assert "ran every point of the grid (lr in 0.05, 0.1) twice" in md and f"{tune_target:.3f}" in md
     assert {r["settings"] for r in rows if r["phase"] == "repeat"} == {"lr=0.05"}
@@ -266,8 +365,10 @@ def test_tune_repeats_and_seeds_are_checked_before_anything_runs(tmp_path):
     from psgrid.cluster.commands.compare import _tuning
 
     parser = build_parser("compare")
-    for argv, says in ((["--tune-repeats", "2"], "give --tune KEY=V1,V2 too"),
-                       (["--tune", "lr=0.01,0.1", "--tune-repeats", "0"], "--tune-repeats must be at least 1")):
+    for argv, says in (
+        (["--tune-repeats", "2"], "give --tune KEY=V1,V2 too"),
+        (["--tune", "lr=0.01,0.1", "--tune-repeats", "0"], "--tune-repeats must be at least 1"),
+    ):
         args = parser.parse_args(["compare", "--out", str(tmp_path / "x"), *argv])
         with pytest.raises(UsageError, match=says):
             _tuning(args, mnist(), None)
@@ -275,6 +376,7 @@ def test_tune_repeats_and_seeds_are_checked_before_anything_runs(tmp_path):
 
 
 # ---- 6. smaller: whole-number staleness, epochs, the scaling sentence --------------------------------------------
+
 
 def test_p99_staleness_is_an_observed_whole_number_and_evaluations_know_their_epoch(tmp_path):
     write_run(tmp_path / "run", 0.9)
@@ -293,20 +395,25 @@ def test_the_report_plots_accuracy_against_steps_and_epochs_and_ranges_without_b
     settings = json.loads((out / SETTINGS_FILE).read_text())
     x = experiment_from(mnist(), settings, out)
     events = {r.id: run_events(x.run_dir(r)) for r in x.runs}
-    rows = [summarize_run(r, json.loads((x.run_dir(r) / "summary.json").read_text()), events[r.id], 0.85)
-            for r in x.runs]
+    rows = [
+        summarize_run(r, json.loads((x.run_dir(r) / "summary.json").read_text()), events[r.id], 0.85) for r in x.runs
+    ]
     path = plots.accuracy_vs_progress(tmp_path / "plots", rows, events, settings)
     assert path.name == "accuracy_vs_progress.png" and path.read_bytes().startswith(b"\x89PNG")
     limits = {}
     save = plots._save
-    monkeypatch.setattr(plots, "_save", lambda fig, d, name: limits.setdefault(name, [a.get_ylim() for a in fig.axes])
-                        and save(fig, d, name))
+    monkeypatch.setattr(
+        plots,
+        "_save",
+        lambda fig, d, name: limits.setdefault(name, [a.get_ylim() for a in fig.axes]) and save(fig, d, name),
+    )
     assert plots.intervals(tmp_path / "plots", rows, events, settings).read_bytes().startswith(b"\x89PNG")
-    low, high = limits["intervals"][1]          # min..max from 2 seeds; the accuracy axis shows 0.88 against 0.92
+    low, high = limits["intervals"][1]  # min..max from 2 seeds; the accuracy axis shows 0.88 against 0.92
     assert 0.5 < low < 0.88 and 0.92 < high < 1.0
 
 
 # ---- 7. TensorBoard --------------------------------------------------------------------------------------------------
+
 
 def read_events(folder) -> list:
     """Every event of a folder's event files, read as TensorBoard does: TFRecord frames of Event protos."""
@@ -315,16 +422,16 @@ def read_events(folder) -> list:
     for path in sorted(folder.glob("events.out.tfevents.*")):
         data, at = path.read_bytes(), 0
         while at < len(data):
-            (length,) = struct.unpack("<Q", data[at:at + 8])
+            (length,) = struct.unpack("<Q", data[at : at + 8])
             event = event_pb2.Event()
-            event.ParseFromString(data[at + 12:at + 12 + length])
+            event.ParseFromString(data[at + 12 : at + 12 + length])
             found.append(event)
             at += 12 + length + 4
     return found
 
 
 def test_tensorboard_gets_one_folder_per_run_named_by_mode_that_reads_back(tmp_path):
-    pytest.importorskip("tensorboardX")       # the tensorboard extra, in the test extra too
+    pytest.importorskip("tensorboardX")  # the tensorboard extra, in the test extra too
     out = experiment_dir(tmp_path, {"sync": [0.92], "async": [0.88]})
     rewrite_report(out, tensorboard=tmp_path / "tb")
     assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == ["async-w4-r0", "sync-w4-r0"]
@@ -334,7 +441,7 @@ def test_tensorboard_gets_one_folder_per_run_named_by_mode_that_reads_back(tmp_p
             scalars.setdefault(v.tag, []).append((e.step, round(v.simple_value, 4)))
     assert scalars["test/accuracy"][-1] == (STEPS, 0.88) and len(scalars["train/loss"]) == STEPS
     assert scalars["test/accuracy_by_epoch"][0][0] == round(EVAL_EVERY * 50 / 1000 * 1000)
-    rewrite_report(out, tensorboard=tmp_path / "tb")            # written again: replaced, not doubled
+    rewrite_report(out, tensorboard=tmp_path / "tb")  # written again: replaced, not doubled
     assert len(list((tmp_path / "tb" / "sync-w4-r0").glob("events.out.tfevents.*"))) == 1
 
 
@@ -348,40 +455,60 @@ def test_launch_writes_a_jobs_folder_as_events_and_without_the_extra_or_out_says
     assert sum(1 for e in read_events(folder) for v in e.summary.value if v.tag == "test/accuracy") == 4
     code = "import sys\n{}from psgrid.cluster.cli import main\nsys.exit(main())"
     for blocked, args, says in (
-            (True, ["compare", "--out", str(tmp_path / "c"), "--tensorboard", str(tmp_path / "t")],
-             "psctl compare: error: --tensorboard needs tensorboardX: pip install 'psgrid[tensorboard]'"),
-            (False, ["launch", "--steps", "3", "--tensorboard", str(tmp_path / "t")],
-             "psctl launch: error: --tensorboard reads the job's folder when it ends: give --out DIR too")):
-        absent = "sys.modules['tensorboardX'] = None\n" if blocked else ""     # as on an install without the extra
-        done = subprocess.run([sys.executable, "-c", code.format(absent), *args],
-                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        (
+            True,
+            ["compare", "--out", str(tmp_path / "c"), "--tensorboard", str(tmp_path / "t")],
+            "psctl compare: error: --tensorboard needs tensorboardX: pip install 'psgrid[tensorboard]'",
+        ),
+        (
+            False,
+            ["launch", "--steps", "3", "--tensorboard", str(tmp_path / "t")],
+            "psctl launch: error: --tensorboard reads the job's folder when it ends: give --out DIR too",
+        ),
+    ):
+        absent = "sys.modules['tensorboardX'] = None\n" if blocked else ""  # as on an install without the extra
+        done = subprocess.run(
+            [sys.executable, "-c", code.format(absent), *args], capture_output=True, text=True, timeout=60, cwd=ROOT
+        )
         assert (done.returncode, done.stderr.splitlines()) == (2, [says])
     assert not (tmp_path / "c").exists() and not (tmp_path / "t").exists()
 
 
 # ---- 8. the modes' defaults ----------------------------------------------------------------------------------------
 
+
 def test_async_and_ssp_default_to_auto_momentum_where_the_jobs_sgd_has_momentum():
     modes = parse_modes("sync,async,ssp:2")
     auto = (("async_momentum", "auto"),)
-    assert mode_defaults(modes, mnist()) == {"async": auto, "ssp:2": auto}          # sync keeps the job's
+    assert mode_defaults(modes, mnist()) == {"async": auto, "ssp:2": auto}  # sync keeps the job's
     assert mode_defaults(modes, mnist(momentum=0.0)) == {}
     assert mode_defaults(modes, mnist(optimizer="adam")) == {}
 
 
 def test_a_mode_set_wins_over_the_modes_default_and_the_report_says_which_ran(tmp_path):
-    settings = settings_for(mnist(), command=[], modes=parse_modes("sync,async"), workers=[2], stragglers=["none"],
-                            repeats=1, target=None, backup_workers=None, seeds=[0],
-                            mode_defaults={"async": (("async_momentum", "auto"),)},
-                            mode_settings={"async": (("async_momentum", "off"), ("lr", 0.02))})
+    settings = settings_for(
+        mnist(),
+        command=[],
+        modes=parse_modes("sync,async"),
+        workers=[2],
+        stragglers=["none"],
+        repeats=1,
+        target=None,
+        backup_workers=None,
+        seeds=[0],
+        mode_defaults={"async": (("async_momentum", "auto"),)},
+        mode_settings={"async": (("async_momentum", "off"), ("lr", 0.02))},
+    )
     x = experiment_from(mnist(), settings, tmp_path)
     job = x.run_job(next(r for r in x.runs if r.mode.label == "async"))
     assert (job.server.async_momentum, job.server.lr) == ("off", 0.02)
     defaults_only = experiment_from(mnist(), dict(settings, mode_settings={}), tmp_path)
     job = defaults_only.run_job(next(r for r in defaults_only.runs if r.mode.label == "async"))
     assert job.server.async_momentum == "auto"
-    out = experiment_dir(tmp_path, {"sync": [0.92], "async": [0.90]},
-                         mode_defaults={"async": (("async_momentum", "auto"),)})
+    out = experiment_dir(
+        tmp_path, {"sync": [0.92], "async": [0.90]}, mode_defaults={"async": (("async_momentum", "auto"),)}
+    )
     rewrite_report(out)
-    assert ("Settings each mode ran with, beyond the job's: sync the job's; async async_momentum=auto (the mode's "
-            "default).") in (out / "report.md").read_text()
+    assert (
+        "Settings each mode ran with, beyond the job's: sync the job's; async async_momentum=auto (the mode's default)."
+    ) in (out / "report.md").read_text()

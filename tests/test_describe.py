@@ -41,7 +41,13 @@ def test_describe_answers_the_spec_whose_hash_the_shards_check(cluster):
         params = [(p["name"], tuple(p["shape"]), p["dtype"]) for p in d["spec"]["params"]]
         assert params == [(p.name, p.shape, "float32") for p in SPEC.params]
         assert d["spec"]["hash"] == SPEC.hash() == c.shard(i).spec.hash()
-        assert (d["initialized"], d["mode"], d["staleness"], d["shard_index"], d["num_shards"]) == (True, "ssp", 3, i, 2)
+        assert (d["initialized"], d["mode"], d["staleness"], d["shard_index"], d["num_shards"]) == (
+            True,
+            "ssp",
+            3,
+            i,
+            2,
+        )
         assert (d["begin"], d["end"], d["total_size"]) == (c.shard(i).begin, c.shard(i).end, SPEC.size)
         assert d["optimizer"]["name"] == "sgd" and d["optimizer"]["lr"] == 0.25
         assert d["optimizer"]["momentum"] == 0.5 and d["optimizer"]["nesterov"]
@@ -54,20 +60,27 @@ def test_describe_answers_the_spec_whose_hash_the_shards_check(cluster):
     channel, shard0 = stub(c.addresses[0])
     with channel:
         hashed = described[0]["spec"]["hash"]
-        joined = shard0.Register(ps_pb2.RegisterRequest(spec_hash=hashed, worker_id=-1, start_clock=-1, host="x"),
-                                 timeout=10, metadata=bearer(TOKEN))
+        joined = shard0.Register(
+            ps_pb2.RegisterRequest(spec_hash=hashed, worker_id=-1, start_clock=-1, host="x"),
+            timeout=10,
+            metadata=bearer(TOKEN),
+        )
         assert joined.worker_id >= 0
         other = ModelSpec([("encoder.weight", (5, 6)), *((p.name, p.shape) for p in SPEC.params[1:])]).hash()
         with pytest.raises(grpc.RpcError) as refused:
-            shard0.Register(ps_pb2.RegisterRequest(spec_hash=other, worker_id=-1, start_clock=-1, host="x"),
-                            timeout=10, metadata=bearer(TOKEN))
+            shard0.Register(
+                ps_pb2.RegisterRequest(spec_hash=other, worker_id=-1, start_clock=-1, host="x"),
+                timeout=10,
+                metadata=bearer(TOKEN),
+            )
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert dict(refused.value.trailing_metadata())["ps-reason"] == "spec_mismatch"
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("metadata", [(), bearer("not-the-token"), (("authorization", TOKEN),)],
-                         ids=["missing", "wrong", "not-bearer"])
+@pytest.mark.parametrize(
+    "metadata", [(), bearer("not-the-token"), (("authorization", TOKEN),)], ids=["missing", "wrong", "not-bearer"]
+)
 def test_describe_without_the_token_is_unauthenticated(cluster, metadata):
     c = cluster(1, token=TOKEN)
     channel, shard = stub(c.addresses[0])
@@ -93,14 +106,14 @@ def test_describe_before_init_says_so_and_the_admin_refuses_a_spec(cluster):
     assert admin.describe()[0]["spec"] is None
     with pytest.raises(NotInitialized, match="no model yet"):
         admin.model_spec()
-    assert c.shard().version == 0 and not c.shard().initialized        # asking changed nothing
+    assert c.shard().version == 0 and not c.shard().initialized  # asking changed nothing
 
 
 @pytest.mark.timeout(30)
 def test_shards_holding_different_specs_are_named(cluster):
     c = cluster(2)
     other = ModelSpec([("w", (SPEC.size,))])
-    for i, spec in enumerate((SPEC, other)):      # each shard's first Init, each with its own model
+    for i, spec in enumerate((SPEC, other)):  # each shard's first Init, each with its own model
         begin, end = shard_range(spec.size, i, 2)
         control = open_control(c.addresses[i], ConnectOptions())
         try:
@@ -112,17 +125,20 @@ def test_shards_holding_different_specs_are_named(cluster):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("raw, malformed", [
-    (b"\xff", True),                        # a key cut short
-    (b"\x0a\x05ab", True),                  # a field that runs past the end
-    (b"\x08" + b"\xff" * 11, True),          # an overlong varint
-    (b"\x12\x00" * 3, False),               # unknown fields: skipped, as protobuf does
-])
+@pytest.mark.parametrize(
+    "raw, malformed",
+    [
+        (b"\xff", True),  # a key cut short
+        (b"\x0a\x05ab", True),  # a field that runs past the end
+        (b"\x08" + b"\xff" * 11, True),  # an overlong varint
+        (b"\x12\x00" * 3, False),  # unknown fields: skipped, as protobuf does
+    ],
+)
 def test_a_describe_request_that_does_not_decode_is_malformed(cluster, raw, malformed):
     c = cluster(1)
     channel = grpc.insecure_channel(c.addresses[0])
     try:
-        call = channel.unary_unary("/ps.ParameterServer/Describe")           # bytes in, bytes out
+        call = channel.unary_unary("/ps.ParameterServer/Describe")  # bytes in, bytes out
         if malformed:
             with pytest.raises(grpc.RpcError) as refused:
                 call(raw, timeout=10)

@@ -16,7 +16,7 @@ from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.kernels.optim import make_optimizer
 from tests.gpu import cupy_or_skip
 
-SIZE = 100_003          # not a multiple of any block or warp size
+SIZE = 100_003  # not a multiple of any block or warp size
 STEPS = 6
 SCALES = [1.0, 0.5, 1.0, 0.25, 1.0, 2.0]
 
@@ -63,11 +63,11 @@ def test_device_matches_host_step_by_step(cupy, name, hparams, in_place):
             device.step(w_dev, cupy.asarray(g), SCALES[step])
         else:
             out_host = np.full(SIZE, np.nan, np.float32)
-            out_dev = cupy.full(SIZE, cupy.nan, cupy.float32)      # poisoned: every element must be written
+            out_dev = cupy.full(SIZE, cupy.nan, cupy.float32)  # poisoned: every element must be written
             before = w_dev.copy()
             host.step(w_host, g, SCALES[step], out=out_host)
             device.step(w_dev, cupy.asarray(g), SCALES[step], out=out_dev)
-            np.testing.assert_array_equal(cupy.asnumpy(w_dev), cupy.asnumpy(before))   # the input is only read
+            np.testing.assert_array_equal(cupy.asnumpy(w_dev), cupy.asnumpy(before))  # the input is only read
             w_host, w_dev = out_host, out_dev
         got = cupy.asnumpy(w_dev)
         assert np.isfinite(got).all()
@@ -87,7 +87,7 @@ def test_state_round_trips_between_host_and_device(cupy):
     for _ in range(3):
         host.step(w, rng.standard_normal(SIZE).astype(np.float32))
     device = make_device("adam", SIZE, lr=0.01)
-    device.load_state_dict(host.state_dict())        # a host checkpoint resumes on the device, Adam's clock too
+    device.load_state_dict(host.state_dict())  # a host checkpoint resumes on the device, Adam's clock too
     g = rng.standard_normal(SIZE).astype(np.float32)
     w_dev = cupy.asarray(w)
     host.step(w, g)
@@ -109,7 +109,7 @@ def test_bad_arrays_and_settings_are_refused_and_change_nothing(cupy):
         device.step(w, cupy.ones(16, cupy.float32), lr_scale=float("inf"))
     assert device.steps == 0 and bool((w == 1).all())
     with pytest.raises(InvalidArgument, match="nesterov needs momentum"):
-        make_device("sgd", 16, lr=0.1, nesterov=True)          # the host's validation, the host's message
+        make_device("sgd", 16, lr=0.1, nesterov=True)  # the host's validation, the host's message
     with pytest.raises(InvalidArgument, match="unknown optimizer"):
         make_device("lamb", 16, lr=0.1)
     with pytest.raises(InvalidArgument):
@@ -128,7 +128,7 @@ def test_a_published_copy_is_written_in_the_same_pass_and_changes_no_maths(cupy,
     w_plain = w_published.copy()
     for step in range(3):
         g = cupy.asarray(rng.standard_normal(SIZE).astype(np.float32))
-        copy = cupy.full(SIZE, cupy.nan, cupy.float32)          # poisoned: every element must be written
+        copy = cupy.full(SIZE, cupy.nan, cupy.float32)  # poisoned: every element must be written
         published.step(w_published, g, SCALES[step], publish=copy)
         plain.step(w_plain, g, SCALES[step])
         np.testing.assert_array_equal(cupy.asnumpy(copy), cupy.asnumpy(w_published))

@@ -109,7 +109,7 @@ def test_a_device_checkpoint_restores_on_the_device_and_on_the_host(tmp_path, mo
     for clock in range(3):
         for worker in (0, 1):
             _push(shard, worker, clock, shard.version, rng.normal(size=SPEC.size).astype(np.float32))
-    if mode == "sync":       # an open round: worker 0's gradient of clock 3 is held on the device
+    if mode == "sync":  # an open round: worker 0's gradient of clock 3 is held on the device
         _push(shard, 0, 3, shard.version, np.full(SPEC.size, 0.5, np.float32))
     shard.checkpoint()
     saved = _weights(shard)
@@ -122,7 +122,7 @@ def test_a_device_checkpoint_restores_on_the_device_and_on_the_host(tmp_path, mo
         np.testing.assert_array_equal(_weights(restored), saved)
         for key, value in restored.optimizer.state_dict().items():
             np.testing.assert_allclose(value, state[key], rtol=1e-6)
-        _push(restored, 1, 3, restored.version, last)         # closes the held round (sync), or applies (async)
+        _push(restored, 1, 3, restored.version, last)  # closes the held round (sync), or applies (async)
         after = _weights(restored)
         if expected is None:
             expected = after
@@ -175,8 +175,12 @@ WRITER = textwrap.dedent("""
 
 
 def _run_client(address, worker, pushes, value, *extra, timeout=90):
-    return subprocess.run([sys.executable, "-c", CLIENT, address, str(worker), str(pushes), str(value), *extra],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", CLIENT, address, str(worker), str(pushes), str(value), *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
@@ -216,9 +220,9 @@ def test_a_reader_that_writes_a_published_version_changes_no_update(device_serve
     done = subprocess.run([sys.executable, "-c", WRITER, server.address], capture_output=True, text=True, timeout=90)
     assert done.returncode == 0 and "done" in done.stdout, done.stderr[-2000:]
     weights = server.shard.arrays.download(server.shard.weights)
-    np.testing.assert_allclose(weights, -0.5)          # 0 - lr * 1: the scribbled version was never read
+    np.testing.assert_allclose(weights, -0.5)  # 0 - lr * 1: the scribbled version was never read
     seen = json.loads(_run_client(server.address, 1, 0, 0.0).stdout.splitlines()[-1])
-    assert seen["w0"] == pytest.approx(-0.5)             # the version served now is the shard's, published anew
+    assert seen["w0"] == pytest.approx(-0.5)  # the version served now is the shard's, published anew
 
 
 def _raw(server, token=None) -> socket.socket:
@@ -231,17 +235,25 @@ def _raw(server, token=None) -> socket.socket:
 @pytest.mark.timeout(120)
 def test_the_ipc_plane_refuses_bad_requests_with_their_reason(device_server):
     from psgrid.psserver.exceptions import PSError
-    from psgrid.psserver.transports.stream_frames import (ATTACH, MAGIC, REQUEST, attach_request, dtype_byte,
-                                                       map_request, push_request, read_reply)
+    from psgrid.psserver.transports.stream_frames import (
+        ATTACH,
+        MAGIC,
+        REQUEST,
+        attach_request,
+        dtype_byte,
+        map_request,
+        push_request,
+        read_reply,
+    )
 
     server = device_server(mode="async", lr=0.1)
-    assert _run_client(server.address, 0, 1, 0.0).returncode == 0        # the shard has weights now
+    assert _run_client(server.address, 0, 1, 0.0).returncode == 0  # the shard has weights now
     sock = _raw(server)
     cases = [
-        (map_request(99), Reason.BAD_VALUE),                                 # no such ring buffer
-        (attach_request(dtype_byte(FLOAT16, 0), 0), Reason.BAD_DTYPE),       # slots hold float32 only
-        (attach_request(dtype_byte(FLOAT32, 3), 0), Reason.BAD_DTYPE),       # two slots: 0 and 1
-        (push_request(dtype_byte(FLOAT32, 1), 0, 1, 0, 0, 5.0), Reason.BAD_DTYPE),   # no slot attached
+        (map_request(99), Reason.BAD_VALUE),  # no such ring buffer
+        (attach_request(dtype_byte(FLOAT16, 0), 0), Reason.BAD_DTYPE),  # slots hold float32 only
+        (attach_request(dtype_byte(FLOAT32, 3), 0), Reason.BAD_DTYPE),  # two slots: 0 and 1
+        (push_request(dtype_byte(FLOAT32, 1), 0, 1, 0, 0, 5.0), Reason.BAD_DTYPE),  # no slot attached
     ]
     for frame, reason in cases:
         sock.sendall(frame)
@@ -250,18 +262,22 @@ def test_the_ipc_plane_refuses_bad_requests_with_their_reason(device_server):
         assert refused.value.status == Status.INVALID_ARGUMENT and refused.value.reason is reason
     sock.sendall(REQUEST.pack(MAGIC, ATTACH, dtype_byte(FLOAT32, 0), 0, 0, 0, 64, 0.0) + b"x" * 64)
     with pytest.raises(PSError) as refused:
-        read_reply(sock, "test")                                  # an ATTACH with a payload: not this plane's
+        read_reply(sock, "test")  # an ATTACH with a payload: not this plane's
     assert refused.value.reason is Reason.MALFORMED
     sock.close()
-    assert _run_client(server.address, 1, 1, 0.0).returncode == 0     # still serving
+    assert _run_client(server.address, 1, 1, 0.0).returncode == 0  # still serving
     assert server.ipc.slots == 0
 
 
 @pytest.mark.timeout(180)
 def test_a_worker_killed_mid_push_leaves_the_shard_serving_and_its_slots_are_reused(device_server):
     server = device_server(mode="async", lr=0.1, lease_s=2.0)
-    with subprocess.Popen([sys.executable, "-c", CLIENT, server.address, "0", "1", "1.0", "hold"],
-                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) as victim:
+    with subprocess.Popen(
+        [sys.executable, "-c", CLIENT, server.address, "0", "1", "1.0", "hold"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    ) as victim:
         _kill_mid_push(server, victim)
     deadline = time.monotonic() + 30
     while (server.ipc.slots or 0 in server.shard.policy.clocks) and time.monotonic() < deadline:
@@ -269,7 +285,7 @@ def test_a_worker_killed_mid_push_leaves_the_shard_serving_and_its_slots_are_reu
     assert server.ipc.slots == 0, "a dead worker's slots are freed with its connection"
     assert 0 not in server.shard.policy.clocks, "its lease ran out"
     version = server.shard.version
-    done = _run_client(server.address, 1, 3, 0.0)            # slots made afresh for the next worker
+    done = _run_client(server.address, 1, 3, 0.0)  # slots made afresh for the next worker
     assert done.returncode == 0, done.stderr[-2000:]
     seen = json.loads(done.stdout.splitlines()[-1])
     assert seen["planes"] == ["ipc"] and seen["version"] == version + 3
@@ -282,7 +298,7 @@ def _kill_mid_push(server, victim) -> None:
         while time.monotonic() < deadline and victim.stdout.readline().strip() != "ready":
             pass
         assert server.ipc.slots >= 1
-        time.sleep(0.2)                          # pushing in a loop: killed in the middle of one
+        time.sleep(0.2)  # pushing in a loop: killed in the middle of one
         os.kill(victim.pid, signal.SIGKILL)
         victim.wait(timeout=30)
     finally:
@@ -309,9 +325,28 @@ def test_a_device_shard_refuses_a_range_its_gpu_cannot_hold_before_it_allocates(
 def _launch_mnist_on_device_shards(out, pipe_dir, *extra: str) -> tuple[dict, set, str]:
     """psctl launch of the default job on GPU workers and device shards, CUDA told to find MPS in ``pipe_dir``."""
     env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir)}
-    done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "launch", "--config", "mnist", "--device", "gpu",
-                           "--set", "shard_device=gpu", "--out", str(out), "--no-progress", *extra],
-                          capture_output=True, text=True, timeout=280, env=env)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "psgrid.cluster.cli",
+            "launch",
+            "--config",
+            "mnist",
+            "--device",
+            "gpu",
+            "--set",
+            "shard_device=gpu",
+            "--out",
+            str(out),
+            "--no-progress",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     starts = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"start"' in line]
@@ -325,7 +360,7 @@ def test_the_default_job_trains_on_device_shards_over_cuda_ipc(tmp_path):
     summary, planes, said = _launch_mnist_on_device_shards(tmp_path / "run", tmp_path / "no-mps-here")
     assert summary["shard_device"] == "gpu" and planes == {"ipc"}
     assert summary["test_accuracy"] >= 0.9, summary["test_accuracy"]
-    assert "without MPS" in said and "nvidia-cuda-mps-control -d" in said       # the launcher says what would help
+    assert "without MPS" in said and "nvidia-cuda-mps-control -d" in said  # the launcher says what would help
 
 
 @pytest.mark.timeout(300)
@@ -333,11 +368,15 @@ def test_the_default_job_trains_with_each_device_shard_in_its_workers_process(tm
     # shard_placement = "worker": each worker calls its own shard on the GPU and reaches the other's over IPC.
     cupy_or_skip()
     out = tmp_path / "run"
-    summary, planes, said = _launch_mnist_on_device_shards(out, tmp_path / "no-mps-here", "--set",
-                                                           "shard_placement=worker")
+    summary, planes, said = _launch_mnist_on_device_shards(
+        out, tmp_path / "no-mps-here", "--set", "shard_placement=worker"
+    )
     assert summary["shard_device"] == "gpu" and summary["test_accuracy"] >= 0.9, summary["test_accuracy"]
-    starts = {e["rank"]: e["data_planes"] for e in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-              if e.get("event") == "start"}
+    starts = {
+        e["rank"]: e["data_planes"]
+        for e in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        if e.get("event") == "start"
+    }
     assert starts == {0: ["local", "ipc"], 1: ["ipc", "local"]}, starts
     assert "shard_placement = worker" in said and not (out / "logs" / "server-0.log").exists()
 
@@ -357,8 +396,9 @@ def test_under_an_mps_daemon_the_job_trains_over_cuda_ipc_and_nothing_is_said(tm
     pipe.mkdir()
     logs.mkdir()
     env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
-    daemon = subprocess.Popen([control, "-f"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)     # in the foreground: this test's child, ended by its pid
+    daemon = subprocess.Popen(
+        [control, "-f"], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )  # in the foreground: this test's child, ended by its pid
     try:
         deadline = time.monotonic() + 30
         while not mps_serving(env) and time.monotonic() < deadline:
@@ -387,10 +427,17 @@ def test_a_remote_worker_trains_a_device_shard_over_a_network_plane(device_serve
     # Both planes' float32 payloads go on to the GPU as they come (TCP in pieces, gRPC chunks 8 MiB at a
     # time), never as one copy of the whole landing after the receive.
     server.shard.pushes._push_staged = lambda *a, **k: pytest.fail(f"a {plane} push went to the GPU whole")
-    size = 3_000_000          # 12 MB: a TCP payload goes to the GPU in more than one piece, gRPC's 12 chunks in two
+    size = 3_000_000  # 12 MB: a TCP payload goes to the GPU in more than one piece, gRPC's 12 chunks in two
     spec = ModelSpec([("w", (size,))])
-    with Client([server.address], spec, worker_id=0, init=np.zeros(size, np.float32), data_plane=plane,
-                shared_memory=False, deadline_s=30) as client:
+    with Client(
+        [server.address],
+        spec,
+        worker_id=0,
+        init=np.zeros(size, np.float32),
+        data_plane=plane,
+        shared_memory=False,
+        deadline_s=30,
+    ) as client:
         grad = np.linspace(-1.0, 1.0, size, dtype=np.float32)
         for _ in range(3):
             client.push(grad)
@@ -410,7 +457,7 @@ def test_a_worker_on_another_gpu_reaches_the_shard_by_peer_access_or_a_network_p
     cupy = cupy_or_skip()
     if cupy.cuda.runtime.getDeviceCount() < 2:
         pytest.skip("needs two GPUs: a shard on one, its worker on the other")
-    server = device_server(mode="async", lr=0.5, gpu=1)          # the worker (CLIENT) computes on GPU 0
+    server = device_server(mode="async", lr=0.5, gpu=1)  # the worker (CLIENT) computes on GPU 0
     peer = bool(cupy.cuda.runtime.deviceCanAccessPeer(0, 1))
     done = _run_client(server.address, 0, 4, 1.0)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -429,10 +476,32 @@ def test_a_killed_device_shard_restarts_from_its_checkpoint_and_a_stopped_job_re
 
     cupy_or_skip()
     every, steps, ckpt = 10, 2000, tmp_path / "ckpt"
-    args = ["--config", "mnist", "--eval-every", "0", "--no-progress", "--lease-s", "2", "--device", "gpu",
-            "--set", "shard_device=gpu", "--mode", mode, "--shards", "2", "--steps", str(steps), "--restart-failed",
-            "--set", f"checkpoint_dir={ckpt}", "--set", f"checkpoint_every={every}",
-            "--set", 'stragglers=["0:exp:10", "1:exp:10"]']    # 10 ms a step: the kill and Ctrl-C land mid-run
+    args = [
+        "--config",
+        "mnist",
+        "--eval-every",
+        "0",
+        "--no-progress",
+        "--lease-s",
+        "2",
+        "--device",
+        "gpu",
+        "--set",
+        "shard_device=gpu",
+        "--mode",
+        mode,
+        "--shards",
+        "2",
+        "--steps",
+        str(steps),
+        "--restart-failed",
+        "--set",
+        f"checkpoint_dir={ckpt}",
+        "--set",
+        f"checkpoint_every={every}",
+        "--set",
+        'stragglers=["0:exp:10", "1:exp:10"]',
+    ]  # 10 ms a step: the kill and Ctrl-C land mid-run
     with Launch(tmp_path, *args, log="first.log") as launch:
         launch.wait_for(lambda: steps_seen(launch.out, 0) >= 40, 120, "worker 0 training")
         victim = child_pids(launch.out)["shards"][1]
@@ -444,8 +513,9 @@ def test_a_killed_device_shard_restarts_from_its_checkpoint_and_a_stopped_job_re
         first = launch.text()
     assert "server 1 was killed by SIGKILL (exit code -9)" in first, first
     assert "restored its checkpoint at version" in (launch.out / "logs" / "server-1.log").read_text()
-    with Launch(tmp_path, "--no-progress", "--resume", str(tmp_path / "run"), "--set", "stragglers=[]",
-                log="resume.log") as resumed:
+    with Launch(
+        tmp_path, "--no-progress", "--resume", str(tmp_path / "run"), "--set", "stragglers=[]", log="resume.log"
+    ) as resumed:
         code = resumed.wait(240)
         text = resumed.text()
     assert code == 0, text
@@ -453,7 +523,7 @@ def test_a_killed_device_shard_restarts_from_its_checkpoint_and_a_stopped_job_re
     assert summary["status"] == "ok" and summary["shard_device"] == "gpu", summary
     assert all(s["restored_version"] > 0 for s in summary["shard_stats"]), summary["shard_stats"]
     assert all(w["completed"] for w in summary["worker_results"])
-    assert summary["worker_results"][0]["steps"] < steps         # the resumed attempt made only what was left
+    assert summary["worker_results"][0]["steps"] < steps  # the resumed attempt made only what was left
     assert summary["test_accuracy"] > 0.85, summary["test_accuracy"]
 
 
@@ -468,19 +538,26 @@ def test_gpu_workers_of_the_shards_own_process_call_it_and_push_device_gradients
     from tests.support import run_threads
 
     cupy.cuda.Device(0).use()
-    server = serve(ServerConfig(host="127.0.0.1", port=0, shard_device="gpu", mode=mode, lr=0.5, job_id="local-gpu"),
-                   in_process_clients=True)
+    server = serve(
+        ServerConfig(host="127.0.0.1", port=0, shard_device="gpu", mode=mode, lr=0.5, job_id="local-gpu"),
+        in_process_clients=True,
+    )
     try:
-        clients = [Client([server.address], SPEC, worker_id=w, world=2, init=np.zeros(SPEC.size, np.float32), gpu=0,
-                          deadline_s=20) for w in (0, 1)]
+        clients = [
+            Client(
+                [server.address], SPEC, worker_id=w, world=2, init=np.zeros(SPEC.size, np.float32), gpu=0, deadline_s=20
+            )
+            for w in (0, 1)
+        ]
         run_threads([c.join for c in clients], timeout=60)
         params = [cupy.empty(SPEC.size, cupy.float32) for _ in clients]
 
         def pull(i):
             def land(begin, end, values):
-                assert isinstance(values, cupy.ndarray)         # the shard's own GPU buffer, lent
+                assert isinstance(values, cupy.ndarray)  # the shard's own GPU buffer, lent
                 params[i][begin:end] = values
                 cupy.cuda.Device(0).synchronize()
+
             clients[i].pull(into=land)
 
         for i in (0, 1):
@@ -489,11 +566,11 @@ def test_gpu_workers_of_the_shards_own_process_call_it_and_push_device_gradients
         assert all(c.takes_device_gradients() for c in clients)
         grads = [cupy.full(SPEC.size, 1.0, cupy.float32), cupy.full(SPEC.size, 3.0, cupy.float32)]
         clients[0].push(grads[0])
-        grads[0].fill(cupy.nan)        # answered: a round still open must not read it again
+        grads[0].fill(cupy.nan)  # answered: a round still open must not read it again
         clients[1].push(grads[1])
         for i in (0, 1):
             pull(i)
-        expected = -0.5 * (2.0 if mode == "sync" else 4.0)      # the round's mean; or each push in turn
+        expected = -0.5 * (2.0 if mode == "sync" else 4.0)  # the round's mean; or each push in turn
         assert clients[0].versions[0] == (1 if mode == "sync" else 2)
         np.testing.assert_allclose(cupy.asnumpy(params[0]), expected)
         np.testing.assert_allclose(_weights(server.shard), expected)

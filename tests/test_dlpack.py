@@ -42,16 +42,16 @@ class Immutable(Foreign):
     pass
 
 
-Immutable.__module__ = "jaxlib.xla_extension"     # what a JAX array's type says
+Immutable.__module__ = "jaxlib.xla_extension"  # what a JAX array's type says
 
 
 def test_a_foreign_array_is_viewed_not_copied():
     a = np.arange(6, dtype=np.float32).reshape(2, 3)
     v = dlpack.view(Foreign(a))
     assert isinstance(v, np.ndarray) and v.shape == (2, 3) and np.shares_memory(v, a)
-    v[...] = -1                              # what a pull does to it
+    v[...] = -1  # what a pull does to it
     assert (a == -1).all()
-    assert dlpack.view(a) is a               # NumPy needs no view at all
+    assert dlpack.view(a) is a  # NumPy needs no view at all
     assert dlpack.module_of(v) is np and dlpack.device_of(Foreign(a)) == ("cpu", 0)
 
 
@@ -64,7 +64,7 @@ def test_a_tensor_that_requires_grad_is_viewed_through_detach():
 def test_devices_are_read_from_dlpack():
     a = np.zeros(2, np.float32)
     assert dlpack.device_of(Foreign(a, (2, 1))) == ("cuda", 1)
-    assert dlpack.device_of(Foreign(a, (3, 0))) == ("cpu", 0)       # pinned host memory
+    assert dlpack.device_of(Foreign(a, (3, 0))) == ("cpu", 0)  # pinned host memory
     with pytest.raises(dlpack.ArrayError, match="DLPack device type 4"):
         dlpack.device_of(Foreign(a, (4, 0)))
     with pytest.raises(dlpack.ArrayError, match="not an array psgrid can exchange"):

@@ -24,14 +24,17 @@ from tests.support import alive
 
 pytestmark = pytest.mark.skipif(network.available() is not None, reason=str(network.available()))
 
-RATE = "100mbit"     # the digits model is small: at this rate its step still crosses the links in a few ms
+RATE = "100mbit"  # the digits model is small: at this rate its step still crosses the links in a few ms
 
 
 def small_job(**server):
-    return job_from_dict({"job": {"shards": 2, "workers": 2},
-                          "server": {"mode": "sync", "lr": 0.1, "momentum": 0.9, **server},
-                          "train": {"dataset": "digits", "model": "softmax", "steps": 100, "batch_size": 32,
-                                    "eval_every": 100}})
+    return job_from_dict(
+        {
+            "job": {"shards": 2, "workers": 2},
+            "server": {"mode": "sync", "lr": 0.1, "momentum": 0.9, **server},
+            "train": {"dataset": "digits", "model": "softmax", "steps": 100, "batch_size": 32, "eval_every": 100},
+        }
+    )
 
 
 def assert_nothing_left(net: EmulatedNetwork, pids=()) -> None:
@@ -50,7 +53,7 @@ def test_job_on_two_shaped_hosts_trains_over_their_addresses(tmp_path):
     assert result.accuracy is not None and result.accuracy > 0.85
     # A worker reaches the shard of its own host through shared memory and the other host's over TCP.
     assert [s["data_planes"] for s in result.starts] == [["shm", "tcp"], ["tcp", "shm"]]
-    for i, host in enumerate(net.hosts):      # each shard listens on its own host's address
+    for i, host in enumerate(net.hosts):  # each shard listens on its own host's address
         assert (tmp_path / "addr" / f"shard-{i}").read_text().startswith(host.address + ":")
     # Each step each worker pulls and pushes the other host's half of the weights across the links (twice:
     # out of one host's link, into the other's): 2 workers x 2 directions x 2 links x half of 650 floats.
@@ -64,7 +67,7 @@ def test_nothing_left_when_a_job_fails(tmp_path):
     with pytest.raises(JobFailed, match="did not publish"):
         with net:
             job = EmulatedJob(net, small_job(), tmp_path)
-            job.run(timeout_s=0.0)       # shards started, then the wait for their addresses runs out at once
+            job.run(timeout_s=0.0)  # shards started, then the wait for their addresses runs out at once
     assert job.children and all(c.poll() is not None for c in job.children)
     assert_nothing_left(net, [c.pid for c in job.children])
 
@@ -72,17 +75,19 @@ def test_nothing_left_when_a_job_fails(tmp_path):
 def test_nothing_left_after_ctrl_c(tmp_path):
     # A terminal's Ctrl-C: the child hears SIGINT as KeyboardInterrupt even where it inherited SIGINT
     # ignored (a full run's pytest process was once seen to ignore it: the child then slept on).
-    script = ("import signal, sys, time\n"
-              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-              "from psgrid.cluster.hosts.network import EmulatedNetwork\n"
-              "with EmulatedNetwork(2, '1gbit') as net:\n"
-              "    print(net.prefix, net.tag, flush=True)\n"
-              "    time.sleep(60)\n")
+    script = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "from psgrid.cluster.hosts.network import EmulatedNetwork\n"
+        "with EmulatedNetwork(2, '1gbit') as net:\n"
+        "    print(net.prefix, net.tag, flush=True)\n"
+        "    time.sleep(60)\n"
+    )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     prefix = tag = None
     try:
         prefix, tag = proc.stdout.readline().split()
-        assert len(network.leftovers(prefix, tag)) == 5       # 2 namespaces, 2 bridge ports, the bridge
+        assert len(network.leftovers(prefix, tag)) == 5  # 2 namespaces, 2 bridge ports, the bridge
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
     finally:
@@ -90,7 +95,7 @@ def test_nothing_left_after_ctrl_c(tmp_path):
             proc.kill()
             proc.wait(timeout=10)
             if prefix:
-                network.remove_leftovers(prefix, tag)      # killed: what it made is the test's to remove
+                network.remove_leftovers(prefix, tag)  # killed: what it made is the test's to remove
         proc.stdout.close()
     deadline = time.monotonic() + 10
     while network.leftovers(prefix, tag) and time.monotonic() < deadline:
@@ -122,11 +127,11 @@ def test_a_killed_holders_processes_stop_and_its_names_are_swept_at_the_next_sta
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     prefix = tag = None
     shard = None
-    ours_alive = f"{network.NAMESPACE_PREFIX}{os.getpid()}-999-h0"       # a living holder's: kept
+    ours_alive = f"{network.NAMESPACE_PREFIX}{os.getpid()}-999-h0"  # a living holder's: kept
     try:
         prefix, tag, shard = holder.stdout.readline().split()
         shard = int(shard)
-        dead = f"{network.NAMESPACE_PREFIX}{holder.pid}-kept"        # our prefix, a dead pid, not our pattern: kept
+        dead = f"{network.NAMESPACE_PREFIX}{holder.pid}-kept"  # our prefix, a dead pid, not our pattern: kept
         holder.kill()
         holder.wait(timeout=10)
         deadline = time.monotonic() + 5
@@ -135,7 +140,7 @@ def test_a_killed_holders_processes_stop_and_its_names_are_swept_at_the_next_sta
         assert not alive(shard), "the shard inside the host outlived its holder's kill -9 by 5 s"
         assert "launcher (pid" in (tmp_path / "server.log").read_text()
         left = network.leftovers(prefix, tag)
-        assert len(left) == 5      # a holder killed by SIGKILL removes nothing itself
+        assert len(left) == 5  # a holder killed by SIGKILL removes nothing itself
         for name in (ours_alive, dead):
             network.run_ip("ip", "netns", "add", name)
         with EmulatedNetwork(1, None) as net:

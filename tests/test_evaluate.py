@@ -11,8 +11,9 @@ def test_train_accuracy_of_a_large_synthetic_set_is_measured_on_a_bounded_part(m
     from psgrid.worker.loop import build
 
     monkeypatch.setattr(ev, "MAX_TRAIN_ROWS", 1000)
-    train = TrainConfig(model="mlp", hidden=[8], dataset="synthetic", synthetic_features=20, synthetic_samples=4500,
-                        device="cpu")
+    train = TrainConfig(
+        model="mlp", hidden=[8], dataset="synthetic", synthetic_features=20, synthetic_samples=4500, device="cpu"
+    )
     made = []
 
     def recording_build(*args, **kwargs):

@@ -16,7 +16,6 @@ import grpc
 import numpy as np
 import pytest
 
-from psgrid.psserver.state import checkpoint_files as checkpoint
 from psgrid.psserver.client.admin import Admin
 from psgrid.psserver.client.client import Client
 from psgrid.psserver.config import ServerConfig
@@ -25,6 +24,7 @@ from psgrid.psserver.protocol import FLOAT32, REASON_KEY, Outcome, Reason, parse
 from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
 from psgrid.psserver.server import serve
 from psgrid.psserver.spec import ModelSpec
+from psgrid.psserver.state import checkpoint_files as checkpoint
 from psgrid.psserver.transports.base import ConnectOptions
 from psgrid.psserver.transports.grpc_client import open_control
 from tests.support import PLANES, plane_options, run_threads
@@ -77,13 +77,14 @@ class Heartbeats:
 
 # ----- (a) (b) a worker that stops heart-beating is evicted; it may rejoin -----------------------------
 
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("mode", ["sync", "ssp"])
 def test_a_dead_worker_is_evicted_and_the_others_finish(cluster, data_plane, mode):
     steps = 6
     c = cluster(2, mode=mode, staleness=1, lease_s=LEASE, lr=0.01)
     alive = [c.client(SPEC, worker_id=r, init=SPEC.flat()).join() for r in range(2)]
-    dead = c.client(SPEC, worker_id=2, heartbeat_s=3600).join()        # it never heart-beats
+    dead = c.client(SPEC, worker_id=2, heartbeat_s=3600).join()  # it never heart-beats
     params = SPEC.flat()
     dead.pull(params).wait()
     dead.push(grad_for(dead.worker_id, 0)).wait()  # it takes part in clock 0, then goes silent
@@ -102,8 +103,13 @@ def test_a_dead_worker_is_evicted_and_the_others_finish(cluster, data_plane, mod
             assert stats["version"] == steps
     # The evicted worker's next push is refused as unknown, with the reason that says "register again" ...
     with grpc.insecure_channel(c.addresses[0]) as channel:
-        request = ps_pb2.PushRequest(worker_id=dead.worker_id, clock=1, version=0, num_chunks=1,
-                                     chunk=ps_pb2.Chunk(offset=0, dtype=FLOAT32, data=np.zeros(21, "<f4").tobytes()))
+        request = ps_pb2.PushRequest(
+            worker_id=dead.worker_id,
+            clock=1,
+            version=0,
+            num_chunks=1,
+            chunk=ps_pb2.Chunk(offset=0, dtype=FLOAT32, data=np.zeros(21, "<f4").tobytes()),
+        )
         with pytest.raises(grpc.RpcError) as err:
             ps_pb2_grpc.ParameterServerStub(channel).Push(iter([request]), timeout=5)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -147,15 +153,15 @@ def test_rejoin_with_an_old_clock_lands_at_the_slowest_live_clock_policy_level()
             if c == 0:
                 policy.on_push(2, 0)
             if c == 1:
-                policy.leave(2)                     # evicted at clock 1
+                policy.leave(2)  # evicted at clock 1
             policy.rounds_to_close()
         assert policy.slowest_clock() == 6
-        policy.join(2, start_clock=1)               # what the client asks for: the clock it had
-        decision = policy.on_push(2, 1)             # its stale push is not applied ...
+        policy.join(2, start_clock=1)  # what the client asks for: the clock it had
+        decision = policy.on_push(2, 1)  # its stale push is not applied ...
         assert decision.outcome is outcome and decision.next_clock == 6
-        assert policy.clocks[2] == 6                # ... and it is at the slowest live clock
+        assert policy.clocks[2] == 6  # ... and it is at the slowest live clock
         if mode == "ssp":
-            assert policy.may_pull(0, 7)            # nobody waits for the rejoined worker to catch up
+            assert policy.may_pull(0, 7)  # nobody waits for the rejoined worker to catch up
     # joining ahead of the others (a shard restored from an older checkpoint) keeps the clock asked for
     policy = ConsistencyPolicy("ssp", staleness=1)
     policy.join(0, start_clock=3)
@@ -163,6 +169,7 @@ def test_rejoin_with_an_old_clock_lands_at_the_slowest_live_clock_policy_level()
 
 
 # ----- (c) joining a running job -------------------------------------------------------------------
+
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
@@ -172,7 +179,7 @@ def test_a_worker_joins_a_running_job_at_the_slowest_live_clock(cluster, mode):
     slow = c.client(SPEC, worker_id=1).join()
     if mode == "sync":
         run_threads([lambda: live_worker(fast, 3), lambda: live_worker(slow, 3)], timeout=15)
-        live_worker(fast, 1, start=3)       # fast is at 4, round 3 is open waiting for slow
+        live_worker(fast, 1, start=3)  # fast is at 4, round 3 is open waiting for slow
         expected = 3
     else:
         live_worker(fast, 3)
@@ -192,6 +199,7 @@ def test_a_worker_joins_a_running_job_at_the_slowest_live_clock(cluster, mode):
 
 # ----- (d) (f) a shard process: kill, restart from its checkpoint; stop cleanly ------------------------
 
+
 def start_shard(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen, str]:
     """``psctl server`` in a subprocess; returns it and its address once published."""
     address_file = tmp_path / f"{name}.addr"
@@ -199,9 +207,25 @@ def start_shard(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen
     env = {k: v for k, v in os.environ.items() if k != "PSCTL_PARENT_PID"}
     log = open(tmp_path / f"{name}.log", "ab")
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--shard", "0",
-                                 "--num-shards", "1", "--address-file", str(address_file), *args],
-                                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "psgrid.cluster.cli",
+                "server",
+                "--shard",
+                "0",
+                "--num-shards",
+                "1",
+                "--address-file",
+                str(address_file),
+                *args,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     finally:
         log.close()
     deadline = time.monotonic() + 20
@@ -233,15 +257,27 @@ def manifest_version(ckpt_dir: Path) -> int:
 def test_a_killed_shard_restarts_from_its_checkpoint(tmp_path, plane, no_leaks):
     every = 5
     ckpt = tmp_path / "ckpt"
-    args = ["--mode", "async", "--optimizer", "adam", "--lr", "0.05", "--lease-s", "30",
-            "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every)]
+    args = [
+        "--mode",
+        "async",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.05",
+        "--lease-s",
+        "30",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        str(every),
+    ]
     first = second = None
     try:
         first, address = start_shard(tmp_path, "first", "--port", "0", *args)
         port = int(address.rsplit(":", 1)[1])
         with Client([address], SPEC, init=SPEC.flat(), retry_s=15, deadline_s=5, **plane_options(plane)) as client:
             params = SPEC.flat()
-            history = {}                    # version -> weights
+            history = {}  # version -> weights
             for step in range(12):
                 [version] = client.pull(params).wait()
                 history[version] = params.copy()
@@ -303,17 +339,18 @@ def test_the_shutdown_rpc_stops_psctl_server_with_a_final_checkpoint(tmp_path, n
     ckpt = tmp_path / "ckpt"
     proc = None
     try:
-        proc, address = start_shard(tmp_path, "shard", "--port", "0", "--mode", "sync",
-                                    "--checkpoint-dir", str(ckpt))   # no periodic checkpoints
+        proc, address = start_shard(
+            tmp_path, "shard", "--port", "0", "--mode", "sync", "--checkpoint-dir", str(ckpt)
+        )  # no periodic checkpoints
         with Client([address], SPEC, init=SPEC.flat(), deadline_s=5, retry_s=2) as client:
             for step in range(3):
                 client.pull(SPEC.flat()).wait()
                 client.push(grad_for(0, step)).wait()
             assert not (ckpt / "shard-0-of-1" / checkpoint.MANIFEST).exists()
         job = job_of(tmp_path, "shard")
-        assert len(job) == 12 and f"job {job}" in (tmp_path / "shard.log").read_text()   # printed and published
+        assert len(job) == 12 and f"job {job}" in (tmp_path / "shard.log").read_text()  # printed and published
         with Admin([address], deadline_s=5, retry_s=2) as admin:
-            for wrong in ("", "another-job", job[:-1]):       # garbage or another job's psctl cannot stop it
+            for wrong in ("", "another-job", job[:-1]):  # garbage or another job's psctl cannot stop it
                 with pytest.raises(FailedPrecondition) as refused:
                     admin.shutdown(wrong)
                 assert refused.value.reason is Reason.WRONG_JOB
@@ -323,13 +360,14 @@ def test_the_shutdown_rpc_stops_psctl_server_with_a_final_checkpoint(tmp_path, n
         assert proc.wait(timeout=15) == 0
         assert manifest_version(ckpt) == 3
         arrays, meta = checkpoint.load_latest(ckpt / "shard-0-of-1")
-        assert meta["clocks"] == {} and meta["departed"] == {"0": 3}     # the worker left after clock 3
+        assert meta["clocks"] == {} and meta["departed"] == {"0": 3}  # the worker left after clock 3
         assert arrays["weights"].shape == (SPEC.size,)
     finally:
         kill(proc)
 
 
 # ----- (e) checkpoint files are atomic --------------------------------------------------------------
+
 
 def checkpointing_cluster(cluster, ckpt: Path, **kw):
     return cluster(1, mode="async", optimizer="adam", lr=0.05, checkpoint_dir=str(ckpt), **kw)
@@ -344,7 +382,7 @@ def test_restore_trusts_only_the_manifest(cluster, tmp_path):
         client.push(grad_for(0, step)).wait()
     weights = c.shard().weights.copy()
     opt = c.shard().optimizer.state_dict()
-    c.servers[0].stop(grace=0.5)         # with the worker still a member: stop() writes version 7
+    c.servers[0].stop(grace=0.5)  # with the worker still a member: stop() writes version 7
     client.close()
     d = ckpt / "shard-0-of-1"
     assert manifest_version(ckpt) == 7
@@ -390,14 +428,18 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(cluster, tmp_path, m
         pass
 
     if crash_at == "array file":
+
         def savez(f, **arrays):
             f.write(b"PK\x03\x04 partial")
             raise Crash()
+
         monkeypatch.setattr(checkpoint.np, "savez", savez)
     elif crash_at == "manifest write":
+
         def dump(obj, f, *a, **kw):
             f.write('{"file": "ckpt-0000')
             raise Crash()
+
         monkeypatch.setattr(checkpoint.json, "dump", dump)
     else:
         real = os.replace
@@ -406,6 +448,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(cluster, tmp_path, m
             if Path(dst).name == checkpoint.MANIFEST:
                 raise Crash()
             return real(src, dst)
+
         monkeypatch.setattr(checkpoint.os, "replace", replace)
     with pytest.raises(Crash):
         shard.checkpoint()
@@ -423,12 +466,13 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint(cluster, tmp_path, m
 
 # ----- found in review: shutdown releases waits, checkpoints keep open rounds and never break training
 
+
 @pytest.mark.timeout(30)
 def test_stopping_a_server_releases_a_waiting_pull(cluster):
     c = cluster(1, mode="sync", lr=0.1)
     waiting = c.client(SPEC, worker_id=0, init=SPEC.flat(), retry_s=0.5, deadline_s=30).join()
     c.client(SPEC, worker_id=1, retry_s=0.5).join()
-    waiting.push(np.ones(SPEC.size, np.float32)).wait()       # round 0 waits for the other worker
+    waiting.push(np.ones(SPEC.size, np.float32)).wait()  # round 0 waits for the other worker
     pending = waiting.pull(SPEC.flat(), background=True)
     time.sleep(0.5)
     assert not pending.done()
@@ -466,15 +510,15 @@ def test_a_checkpoint_keeps_the_gradients_of_an_open_sync_round(tmp_path):
         shard.register(SPEC.hash(), worker, -1, "test")
     grad = shard.pool.take()
     grad[...] = 2.0
-    shard.push(0, 0, 0, grad, 0)                                     # held: round 0 waits for worker 1
+    shard.push(0, 0, 0, grad, 0)  # held: round 0 waits for worker 1
     shard.checkpoint()
-    restored = Shard(config)                                          # a restart
+    restored = Shard(config)  # a restart
     duplicate = restored.pool.take()
     assert restored.push(0, 0, 0, duplicate, 0)[0].outcome is Outcome.DUPLICATE
     restored.pool.give(duplicate)
     last = restored.pool.take()
     last[...] = 4.0
-    restored.push(1, 0, 0, last, 0)                                   # closes round 0 with both
+    restored.push(1, 0, 0, last, 0)  # closes round 0 with both
     np.testing.assert_allclose(restored.weights, -3.0)
     assert restored.pool.on_loan == 0
 
@@ -504,9 +548,9 @@ def test_a_restarted_shard_takes_the_versions_and_clocks_of_before_its_crash_and
     shard.init(SPEC, np.zeros(SPEC.size, np.float32))
     shard.register(SPEC.hash(), 0, -1, "test")
     push(shard, 0, 0)
-    shard.checkpoint()                                   # version 1, the worker at clock 1
+    shard.checkpoint()  # version 1, the worker at clock 1
     push(shard, 1, 1)
-    push(shard, 2, 2)                                    # versions 2 and 3: lost in the crash
+    push(shard, 2, 2)  # versions 2 and 3: lost in the crash
     restarted = Shard(config)
     assert restarted.version == 1 and restarted.policy.clocks == {0: 1}
     # The worker's push in flight at the crash: its clock and its version are of before the restart.
@@ -517,7 +561,7 @@ def test_a_restarted_shard_takes_the_versions_and_clocks_of_before_its_crash_and
     with pytest.raises(InvalidArgument) as err:
         push(restarted, 9, 2)
     assert err.value.reason is Reason.FUTURE_CLOCK
-    restarted.wait_for_pull(0, 4, 1.0)                   # a pull of this process's weights, at clock 4
+    restarted.wait_for_pull(0, 4, 1.0)  # a pull of this process's weights, at clock 4
     with pytest.raises(InvalidArgument) as err:
         push(restarted, 4, 3)
     assert err.value.reason is Reason.FUTURE_VERSION
@@ -552,10 +596,10 @@ def test_updates_lost_to_restarts_are_counted_across_every_restart(tmp_path, mod
             step(shard, clock)
             clock += 1
         shard.checkpoint()
-        for _ in range(3):                   # never in a checkpoint: lost with the process
+        for _ in range(3):  # never in a checkpoint: lost with the process
             step(shard, clock)
             clock += 1
-        shard = Shard(config)                # restarted: the workers push on from where they are
+        shard = Shard(config)  # restarted: the workers push on from where they are
         step(shard, clock)
         clock += 1
         assert shard.stats()["lost_updates"] == (restart + 1) * (3 if mode == "sync" else 6)
@@ -568,22 +612,27 @@ def test_updates_lost_to_restarts_are_counted_across_every_restart(tmp_path, mod
 def test_a_checkpoint_that_cannot_be_written_is_a_precondition_with_its_reason(cluster, tmp_path):
     from psgrid.psserver.exceptions import CheckpointFailed
 
-    for settings, reason in (({}, Reason.NO_CHECKPOINT_DIR),
-                             ({"checkpoint_dir": str(tmp_path / "a-file")}, Reason.CHECKPOINT_FAILED)):
+    for settings, reason in (
+        ({}, Reason.NO_CHECKPOINT_DIR),
+        ({"checkpoint_dir": str(tmp_path / "a-file")}, Reason.CHECKPOINT_FAILED),
+    ):
         (tmp_path / "a-file").write_text("a file where the checkpoint directory should be")
         c = cluster(1, mode="async", **settings)
         c.client(SPEC, init=SPEC.flat()).join()
         with pytest.raises(CheckpointFailed) as err:
             c.admin().checkpoint()
         assert err.value.reason is reason and err.value.status.name == "FAILED_PRECONDITION"
-        assert c.shard().stats()["rejected"] == 0            # not bad input
+        assert c.shard().stats()["rejected"] == 0  # not bad input
 
 
 # ----- (g) shards restored from checkpoints of different moments; progress leases ----------------------
 
+
 def _sync_servers(ckpt: Path) -> list:
-    return [serve(ServerConfig(shard_index=i, num_shards=2, mode="sync", lr=0.01, lease_s=30,
-                               checkpoint_dir=str(ckpt))) for i in range(2)]
+    return [
+        serve(ServerConfig(shard_index=i, num_shards=2, mode="sync", lr=0.01, lease_s=30, checkpoint_dir=str(ckpt)))
+        for i in range(2)
+    ]
 
 
 @pytest.mark.timeout(60)
@@ -618,7 +667,7 @@ def test_shards_restored_at_different_rounds_resume_from_the_earliest(tmp_path, 
         clients = [Client(addresses, SPEC, worker_id=w, world=2) for w in (0, 1)]
         try:
             run_threads([lambda c=c: c.join() for c in clients], timeout=20)
-            assert [c.clock for c in clients] == [4, 4]          # the earliest shard's round
+            assert [c.clock for c in clients] == [4, 4]  # the earliest shard's round
             run_threads([lambda c=c: live_worker(c, 3, start=4) for c in clients], timeout=20)
         finally:
             for c in clients:
@@ -650,8 +699,14 @@ def test_shards_restored_rounds_apart_resume_at_the_earliest_in_every_mode(tmp_p
     # answer must not move the worker to shard 0's clock: shard 1 would then wait for rounds (sync)
     # or clocks (ssp) nobody pushes, or count the pushes it never got as lost (async).
     def servers_in(ckpt: Path) -> list:
-        return [serve(ServerConfig(shard_index=i, num_shards=2, mode=mode, staleness=1, lr=0.01, lease_s=30,
-                                   checkpoint_dir=str(ckpt))) for i in range(2)]
+        return [
+            serve(
+                ServerConfig(
+                    shard_index=i, num_shards=2, mode=mode, staleness=1, lr=0.01, lease_s=30, checkpoint_dir=str(ckpt)
+                )
+            )
+            for i in range(2)
+        ]
 
     first, saved = tmp_path / "first", tmp_path / "saved"
     servers = servers_in(first)
@@ -682,9 +737,9 @@ def test_shards_restored_rounds_apart_resume_at_the_earliest_in_every_mode(tmp_p
             for c in clients:
                 c.close()
         assert [s["min_clock"] for s in stats] == [9, 9]
-        assert [s["lost_updates"] for s in stats] == [0, 0]          # nothing skipped ...
-        assert [s["duplicates"] for s in stats] == [6, 0]            # ... and nothing applied twice
-        assert stats[0]["version"] == stats[1]["version"]            # every push applied once on each shard
+        assert [s["lost_updates"] for s in stats] == [0, 0]  # nothing skipped ...
+        assert [s["duplicates"] for s in stats] == [6, 0]  # ... and nothing applied twice
+        assert stats[0]["version"] == stats[1]["version"]  # every push applied once on each shard
     finally:
         for s in servers:
             s.stop(grace=0.5)
@@ -703,8 +758,8 @@ def test_progress_lease_evicts_only_a_worker_the_others_wait_on(mode):
     for step in range(20):
         now[0] += 2.0
         for w in (0, 1, 2):
-            shard.heartbeat(w)                # everyone's heartbeat is alive
-        for w in (0, 1):                      # ... but worker 2 never pushes
+            shard.heartbeat(w)  # everyone's heartbeat is alive
+        for w in (0, 1):  # ... but worker 2 never pushes
             if mode != "sync" or step == 0:
                 buf = shard.pool.take()
                 np.copyto(buf, grad)
@@ -715,13 +770,13 @@ def test_progress_lease_evicts_only_a_worker_the_others_wait_on(mode):
         if evicted:
             break
     if mode == "async":
-        assert evicted == [] and shard.counters.stalled_evictions == 0    # nobody waits in async
+        assert evicted == [] and shard.counters.stalled_evictions == 0  # nobody waits in async
     else:
         assert evicted == [2] and now[0] > 30.0
         assert shard.counters.stalled_evictions == 1 and not shard.policy.is_live(2)
-        assert shard.policy.is_live(0) and shard.policy.is_live(1)     # they pushed: progress
+        assert shard.policy.is_live(0) and shard.policy.is_live(1)  # they pushed: progress
         if mode == "sync":
-            assert shard.policy.closed_rounds == 1                     # the round it held closed
+            assert shard.policy.closed_rounds == 1  # the round it held closed
 
 
 def test_a_failed_checkpoint_write_removes_its_temporary_file(tmp_path, monkeypatch):

@@ -39,15 +39,37 @@ def loose(top: Path) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_job_under_umask_000_leaves_nothing_others_may_write(tmp_path):
-    top = tmp_path / "made"                    # --out's parents are made by the job too
+    top = tmp_path / "made"  # --out's parents are made by the job too
     out, checkpoints = top / "runs" / "job", top / "ckpt"
-    argv = [sys.executable, "-m", "psgrid.cluster.cli", "launch", "--config", "mnist", "--steps", "20",
-            "--eval-every", "0", "--no-progress", "--out", str(out), "--set", f"server.checkpoint_dir={checkpoints}",
-            "--set", "server.checkpoint_every=5"]
+    argv = [
+        sys.executable,
+        "-m",
+        "psgrid.cluster.cli",
+        "launch",
+        "--config",
+        "mnist",
+        "--steps",
+        "20",
+        "--eval-every",
+        "0",
+        "--no-progress",
+        "--out",
+        str(out),
+        "--set",
+        f"server.checkpoint_dir={checkpoints}",
+        "--set",
+        "server.checkpoint_every=5",
+    ]
     done = subprocess.run(argv, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=150, umask=0)
     assert done.returncode == 0, done.stdout + done.stderr
-    for expected in ("token", "job.toml", "summary.json", "addr/shard-0", "logs/server-0.log",
-                     "metrics/worker-0.jsonl"):
+    for expected in (
+        "token",
+        "job.toml",
+        "summary.json",
+        "addr/shard-0",
+        "logs/server-0.log",
+        "metrics/worker-0.jsonl",
+    ):
         assert (out / expected).is_file(), expected
     assert any(checkpoints.rglob("*.npz"))
     assert loose(top) == []
@@ -74,14 +96,14 @@ def _creates_by_umask(node: ast.Call) -> bool:
     name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
     keywords = {k.arg: k.value for k in node.keywords}
     if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "files":
-        return False                                        # psserver/files.py says the mode
+        return False  # psserver/files.py says the mode
     if name == "mkdir" and "mode" in keywords and "parents" not in keywords:
-        return False                                        # one folder, its mode given
+        return False  # one folder, its mode given
     if name == "savefig" and "format" in keywords:
-        return False                                        # into a file opened here, not a path
+        return False  # into a file opened here, not a path
     if name in UMASKED:
         return True
-    if name == "open" and isinstance(func, ast.Name):       # the builtin open, for writing
+    if name == "open" and isinstance(func, ast.Name):  # the builtin open, for writing
         modes = [a for a in node.args[1:2]] + [k.value for k in node.keywords if k.arg == "mode"]
         return any(isinstance(m, ast.Constant) and set(str(m.value)) & set("wax+") for m in modes)
     return False

@@ -46,8 +46,9 @@ def run(argv: list[str], cwd: Path, env: dict | None = None, timeout: float = 60
     or (under mpiexec) a file of hydra's in /tmp or MPICH's in /dev/shm (psgrid's own shared memory is memfd)."""
     since = time.time() - 1
     started = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         _, err = proc.communicate(timeout=timeout)
     finally:
@@ -104,20 +105,27 @@ def no_mpi4py(tmp_path) -> Path:
 
 # ---- the job: checked before any process starts ------------------------------------------------------
 
-@pytest.mark.parametrize("args, fragment", [
-    (["launch", "--dataset", "mnist"], f"psctl launch: error: --dataset mnist: {CHOOSE_DATASET}"),
-    (["launch", "--model", "resnet"], "--model resnet: no such model; choose softmax, mlp or cnn"),
-    (["launch", "--steps", "0"], "--steps 0 trains nothing: give --steps 1 or more"),
-    (["launch", "--set", "steps=0"], "--set steps=0 trains nothing"),
-    (["launch", "--model", "cnn", "--dataset", "synthetic"], "--model cnn needs images"),
-    (["compare", "--out", "cmp", "--dataset", "mnist"], f"psctl compare: error: --dataset mnist: {CHOOSE_DATASET}"),
-    (["worker", "--addresses", "127.0.0.1:9", "--dataset", "mnist"], f"--dataset mnist: {CHOOSE_DATASET}"),
-    (["server", "--set", "mode=bsp"], "psctl server: error: --set mode=bsp: mode must be one of"),
-    # an error about a flag names the flag, not the job-file key
-    (["launch", "--staleness", "-1"], "psctl launch: error: --staleness must be >= 0, got -1"),
-    (["launch", "--batch-size", "-1"], "psctl launch: error: --batch-size must be >= 0, got -1"),
-    (["server", "--shard", "2", "--num-shards", "2"], "psctl server: error: --shard 2: shard index 2 is outside 0..1"),
-])
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["launch", "--dataset", "mnist"], f"psctl launch: error: --dataset mnist: {CHOOSE_DATASET}"),
+        (["launch", "--model", "resnet"], "--model resnet: no such model; choose softmax, mlp or cnn"),
+        (["launch", "--steps", "0"], "--steps 0 trains nothing: give --steps 1 or more"),
+        (["launch", "--set", "steps=0"], "--set steps=0 trains nothing"),
+        (["launch", "--model", "cnn", "--dataset", "synthetic"], "--model cnn needs images"),
+        (["compare", "--out", "cmp", "--dataset", "mnist"], f"psctl compare: error: --dataset mnist: {CHOOSE_DATASET}"),
+        (["worker", "--addresses", "127.0.0.1:9", "--dataset", "mnist"], f"--dataset mnist: {CHOOSE_DATASET}"),
+        (["server", "--set", "mode=bsp"], "psctl server: error: --set mode=bsp: mode must be one of"),
+        # an error about a flag names the flag, not the job-file key
+        (["launch", "--staleness", "-1"], "psctl launch: error: --staleness must be >= 0, got -1"),
+        (["launch", "--batch-size", "-1"], "psctl launch: error: --batch-size must be >= 0, got -1"),
+        (
+            ["server", "--shard", "2", "--num-shards", "2"],
+            "psctl server: error: --shard 2: shard index 2 is outside 0..1",
+        ),
+    ],
+)
 def test_a_job_that_cannot_train_is_refused_before_anything_starts(tmp_path, args, fragment):
     code, err, _ = run(psctl(*args), tmp_path, env_with())
     one_line(code, err, fragment)
@@ -139,14 +147,13 @@ def test_the_activations_a_job_may_name_are_the_models_own(monkeypatch):
     from psgrid.worker.models import mlp
 
     job = apply_overrides(JobConfig(name="x"), {"activation": "tanh"})
-    with pytest.raises(ConfigError, match='no such activation; choose relu or sigmoid'):
+    with pytest.raises(ConfigError, match="no such activation; choose relu or sigmoid"):
         check_job(job)
     monkeypatch.setitem(mlp.ACTIVATIONS, "tanh", mlp.ACTIVATIONS["sigmoid"])
     check_job(job)
 
 
-@pytest.mark.parametrize("command", [["launch"], ["compare", "--out", "cmp"],
-                                     ["worker", "--addresses", "127.0.0.1:9"]])
+@pytest.mark.parametrize("command", [["launch"], ["compare", "--out", "cmp"], ["worker", "--addresses", "127.0.0.1:9"]])
 def test_a_gpu_asked_for_without_cupy(tmp_path, no_cupy, command):
     code, err, _ = run(psctl(*command, "--device", "gpu"), tmp_path, env_with(no_cupy))
     line = one_line(code, err, NO_CUPY)
@@ -156,12 +163,16 @@ def test_a_gpu_asked_for_without_cupy(tmp_path, no_cupy, command):
 
 # ---- MPI: the wrong launcher, no mpi4py, one rank ----------------------------------------------------
 
+
 @pytest.mark.mpi
 def test_launch_under_mpiexec_suggests_psctl_mpi(tmp_path):
-    code, err, took = run([mpiexec(), "-n", "3", *psctl("launch", "--steps", "5")], tmp_path,
-                          env_with(**MPI_ENV))
-    one_line(code, err, "psctl launch: error: psctl launch starts a whole job by itself and is running as rank 0 "
-                        "of 3 under mpiexec or srun: use 'mpiexec -n 3 psctl mpi ...' (same options) instead")
+    code, err, took = run([mpiexec(), "-n", "3", *psctl("launch", "--steps", "5")], tmp_path, env_with(**MPI_ENV))
+    one_line(
+        code,
+        err,
+        "psctl launch: error: psctl launch starts a whole job by itself and is running as rank 0 "
+        "of 3 under mpiexec or srun: use 'mpiexec -n 3 psctl mpi ...' (same options) instead",
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -171,8 +182,11 @@ def test_mpi_job_checks_are_said_once_before_any_shard_starts(tmp_path, no_cupy)
     one_line(code, err, f"psctl mpi: error: --dataset mnist: {CHOOSE_DATASET}")
     code, err, _ = run([mpiexec(), "-n", "3", *psctl("mpi", "--shards", "2")], tmp_path, env_with(**MPI_ENV))
     one_line(code, err, "psctl mpi needs at least 4 ranks (1 coordinator + 2 shards + at least 1 worker); got 3")
-    code, err, _ = run([mpiexec(), "-n", "3", *psctl("mpi", "--device", "gpu", "--shards", "1")], tmp_path,
-                       env_with(no_cupy, **MPI_ENV))
+    code, err, _ = run(
+        [mpiexec(), "-n", "3", *psctl("mpi", "--device", "gpu", "--shards", "1")],
+        tmp_path,
+        env_with(no_cupy, **MPI_ENV),
+    )
     # Placement asks every rank which GPUs it sees, before anything starts: none here.
     line = one_line(code, err, "psctl mpi: error: device = gpu, but no rank sees a CUDA GPU")
     assert "install psgrid[gpu] (CuPy) where the workers run, or use --device cpu" in line
@@ -187,8 +201,12 @@ def test_mpi_without_mpi4py_names_the_extra(tmp_path, no_mpi4py):
 @pytest.mark.mpi
 def test_mpi_outside_mpiexec_says_how_to_run_it(tmp_path):
     code, err, _ = run(psctl("mpi", "--steps", "5"), tmp_path, env_with())
-    one_line(code, err, "psctl mpi: error: psctl mpi runs one role per MPI rank and was started as a single "
-                        "process: run it under a launcher ('mpiexec -n 4 psctl mpi ...' or srun)")
+    one_line(
+        code,
+        err,
+        "psctl mpi: error: psctl mpi runs one role per MPI rank and was started as a single "
+        "process: run it under a launcher ('mpiexec -n 4 psctl mpi ...' or srun)",
+    )
     assert not (tmp_path / "runs").exists()
 
 
@@ -199,8 +217,12 @@ def test_mpi_plan_checks_a_layout_before_the_queue_without_mpi4py_or_anything_st
     code, err, took = run(psctl(*plan), tmp_path, env_with(no_mpi4py))
     assert code == 0 and err == "" and took < 30, err
     code, err, took = run(psctl(*plan[:2], "--np", "12", *plan[4:]), tmp_path, env_with(no_mpi4py))
-    one_line(code, err, "psctl mpi: error: 12 ranks leave 9 workers beside the coordinator and 2 shards, for 8 GPUs "
-                        "on 2 nodes; run 11 ranks (srun -N 2 -n 11 --gpus-per-node=4)")
+    one_line(
+        code,
+        err,
+        "psctl mpi: error: 12 ranks leave 9 workers beside the coordinator and 2 shards, for 8 GPUs "
+        "on 2 nodes; run 11 ranks (srun -N 2 -n 11 --gpus-per-node=4)",
+    )
     code, err, _ = run(psctl("mpi", "--np", "11"), tmp_path, env_with(no_mpi4py))
     one_line(code, err, "psctl mpi: error: --np only describes a job for --plan")
     assert list(tmp_path.iterdir()) == [tmp_path / "no-mpi4py"]
@@ -211,15 +233,28 @@ def test_an_sbatch_script_under_gres_counts_its_gpus(tmp_path):
     fake = tmp_path / "srun"
     fake.write_text('#!/bin/sh\necho "srun $*"\n')
     fake.chmod(0o755)
-    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "SLURM_NTASKS": "7", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "p",
-           "SLURM_JOB_ID": "3", "SLURM_JOB_GPUS": "0,1,2,3", "SLURM_GRES": "gpu:4"}
-    result = subprocess.run(["bash", str(ROOT / "examples" / "slurm" / "one-node.sbatch")], env=env,
-                            capture_output=True, text=True, timeout=10)
+    env = {
+        "PATH": f"{tmp_path}:/usr/bin:/bin",
+        "SLURM_NTASKS": "7",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NAME": "p",
+        "SLURM_JOB_ID": "3",
+        "SLURM_JOB_GPUS": "0,1,2,3",
+        "SLURM_GRES": "gpu:4",
+    }
+    result = subprocess.run(
+        ["bash", str(ROOT / "examples" / "slurm" / "one-node.sbatch")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert result.stdout.startswith("srun --mpi=pmi2 psctl mpi --shards 2 --device gpu "), result.stdout
 
 
 # ---- ports, unreachable shards, TLS ------------------------------------------------------------------
+
 
 @pytest.fixture
 def busy_port():
@@ -250,11 +285,13 @@ def closed_port() -> int:
 def test_unreachable_shards_are_said_within_seconds(tmp_path):
     port = closed_port()
     code, err, took = run(psctl("worker", "--addresses", f"127.0.0.1:{port}", "--steps", "1"), tmp_path, env_with())
-    said = f"psctl worker: error: shard 0 at 127.0.0.1:{port}: cannot connect for 5 s (Connection refused): is the " \
-           "shard running, at that address? (psctl server prints its address; psctl launch starts shards and workers " \
-           "together)"
+    said = (
+        f"psctl worker: error: shard 0 at 127.0.0.1:{port}: cannot connect for 5 s (Connection refused): is the "
+        "shard running, at that address? (psctl server prints its address; psctl launch starts shards and workers "
+        "together)"
+    )
     assert one_line(code, err, said) == said
-    assert took < 15, f"took {took:.0f} s"         # the probe's 5 s, not the client's retry_s of 30
+    assert took < 15, f"took {took:.0f} s"  # the probe's 5 s, not the client's retry_s of 30
 
 
 @pytest.fixture
@@ -265,12 +302,19 @@ def tls_shard(tmp_path):
     pki = tmp_path / "pki"
     make_certs(pki, ["localhost", "127.0.0.1"])
     job = tmp_path / "shard.toml"
-    job.write_text(f'[server]\ntls_cert = "{pki / "shard.pem"}"\ntls_key = "{pki / "shard.key"}"\n'
-                   f'tls_ca = "{pki / "ca.pem"}"\n')
+    job.write_text(
+        f'[server]\ntls_cert = "{pki / "shard.pem"}"\ntls_key = "{pki / "shard.key"}"\ntls_ca = "{pki / "ca.pem"}"\n'
+    )
     addr = tmp_path / "addr"
     log = open(tmp_path / "shard.log", "wb")
-    proc = subprocess.Popen(psctl("server", "--config", str(job), "--address-file", str(addr)), cwd=tmp_path,
-                            env=env_with(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        psctl("server", "--config", str(job), "--address-file", str(addr)),
+        cwd=tmp_path,
+        env=env_with(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 30
         while not addr.exists():
@@ -300,13 +344,24 @@ def test_tls_handshake_failures_say_why(tmp_path, tls_shard):
     other = tmp_path / "other-pki"
     make_certs(other, ["localhost", "127.0.0.1"])
     cases = [
-        (worker_job(tmp_path, "no-cert", tls_ca=pki / "ca.pem"),
-         "TLS handshake failed: the shard requires a client certificate: set [train] tls_cert and tls_key"),
-        (worker_job(tmp_path, "other-ca", tls_ca=other / "ca.pem", tls_cert=other / "client.pem",
-                    tls_key=other / "client.key"),
-         f"TLS handshake failed: its certificate is not signed by [train] tls_ca ({other / 'ca.pem'}): unknown CA"),
-        (worker_job(tmp_path, "plain"),
-         "the shard speaks TLS and the job has no TLS settings for its workers: set [train] tls_ca"),
+        (
+            worker_job(tmp_path, "no-cert", tls_ca=pki / "ca.pem"),
+            "TLS handshake failed: the shard requires a client certificate: set [train] tls_cert and tls_key",
+        ),
+        (
+            worker_job(
+                tmp_path,
+                "other-ca",
+                tls_ca=other / "ca.pem",
+                tls_cert=other / "client.pem",
+                tls_key=other / "client.key",
+            ),
+            f"TLS handshake failed: its certificate is not signed by [train] tls_ca ({other / 'ca.pem'}): unknown CA",
+        ),
+        (
+            worker_job(tmp_path, "plain"),
+            "the shard speaks TLS and the job has no TLS settings for its workers: set [train] tls_ca",
+        ),
     ]
     for job, fragment in cases:
         code, err, took = run(psctl("worker", "--config", str(job), "--addresses", address), tmp_path, env_with())
@@ -323,6 +378,7 @@ def test_status_names_the_tls_problem(tmp_path, tls_shard):
 
 # ---- output folders, status of a finished job -------------------------------------------------------
 
+
 def test_an_earlier_run_is_kept_unless_overwrite(tmp_path):
     out = tmp_path / "run"
     (out / "logs").mkdir(parents=True)
@@ -333,9 +389,7 @@ def test_an_earlier_run_is_kept_unless_overwrite(tmp_path):
     assert (out / "summary.json").read_text() == "{}"
 
     from psgrid.cluster.job.config import JobConfig
-    from psgrid.cluster.job.outdir import prepare
-
-    from psgrid.cluster.job.outdir import release
+    from psgrid.cluster.job.outdir import prepare, release
 
     prepare(JobConfig(out=str(out), overwrite=True))
     release(out)
@@ -350,21 +404,40 @@ def test_default_output_folders_never_collide(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     job = JobConfig(name="same")
     monkeypatch.setattr(JobConfig, "default_out", lambda self, now=None: "runs/same-20260101-120000")
-    folders = [prepare(job) for _ in range(3)]       # three launches in the same second
+    folders = [prepare(job) for _ in range(3)]  # three launches in the same second
     assert [f.name for f in folders] == ["same-20260101-120000", "same-20260101-120000-2", "same-20260101-120000-3"]
 
 
 def test_status_of_a_finished_job_reads_its_summary(tmp_path, capsys):
     from psgrid.cluster.cli import main
 
-    shard = {"shard_index": 0, "address": "127.0.0.1:45123", "mode": "sync", "version": 400, "members": 2,
-             "min_clock": 200, "max_clock": 200, "applied_updates": 400, "dropped_late": 3,
-             "mean_staleness": 0.0, "max_staleness": 0}
+    shard = {
+        "shard_index": 0,
+        "address": "127.0.0.1:45123",
+        "mode": "sync",
+        "version": 400,
+        "members": 2,
+        "min_clock": 200,
+        "max_clock": 200,
+        "applied_updates": 400,
+        "dropped_late": 3,
+        "mean_staleness": 0.0,
+        "max_staleness": 0,
+    }
     (tmp_path / "addr").mkdir()
-    (tmp_path / "addr" / "shard-0").write_text("127.0.0.1:45123\njob abc\n")   # nobody listens there any more
-    (tmp_path / "summary.json").write_text(json.dumps({"name": "mnist", "status": "ok", "steps": 400,
-                                                       "test_accuracy": 0.9, "out": str(tmp_path),
-                                                       "shard_stats": [shard]}))
+    (tmp_path / "addr" / "shard-0").write_text("127.0.0.1:45123\njob abc\n")  # nobody listens there any more
+    (tmp_path / "summary.json").write_text(
+        json.dumps(
+            {
+                "name": "mnist",
+                "status": "ok",
+                "steps": 400,
+                "test_accuracy": 0.9,
+                "out": str(tmp_path),
+                "shard_stats": [shard],
+            }
+        )
+    )
     assert main(["status", "--address-dir", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("mnist finished: status ok, 400 steps, test accuracy 0.9000")
@@ -395,8 +468,14 @@ def test_a_worker_started_by_hand_limits_its_blas_threads(tmp_path):
     if not threadpool_info():
         pytest.fail("numpy loaded no BLAS that threadpoolctl sees")
     for world, env in [(2, env_with()), (1, env_with(OMP_NUM_THREADS="1"))]:
-        done = subprocess.run([sys.executable, "-c", BLAS_PROBE, str(world)], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-c", BLAS_PROBE, str(world)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stderr
         blas = json.loads(done.stdout.strip().splitlines()[-1])["blas"]
         # as psctl launch gives its workers: the CPUs divided among the job's workers (or what the user set)
@@ -405,16 +484,34 @@ def test_a_worker_started_by_hand_limits_its_blas_threads(tmp_path):
 
 # ---- psctl mpi writes what the README says, and a partial summary when a rank dies --------------------
 
+
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_mpi_writes_its_job_and_logs_and_a_partial_summary_when_a_rank_raises(tmp_path):
     from tests.support import run_mpiexec
 
     out = tmp_path / "run"
-    busy = out / "metrics" / "worker-0.jsonl"      # worker 1 (rank 3) raises once worker 0 trains
+    busy = out / "metrics" / "worker-0.jsonl"  # worker 1 (rank 3) raises once worker 0 trains
     raiser = ROOT / "tests" / "mpi_raise_on_rank.py"
-    code, _, err, took = run_mpiexec(4, [str(raiser), "3", str(busy), "--", "mpi", "--config", "mnist", "--shards",
-                                         "1", "--steps", "100000", "--out", str(out)], timeout=120)
+    code, _, err, took = run_mpiexec(
+        4,
+        [
+            str(raiser),
+            "3",
+            str(busy),
+            "--",
+            "mpi",
+            "--config",
+            "mnist",
+            "--shards",
+            "1",
+            "--steps",
+            "100000",
+            "--out",
+            str(out),
+        ],
+        timeout=120,
+    )
     assert code != 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "failed" and summary["launcher"] == "mpi"
@@ -433,15 +530,22 @@ def test_mpi_writes_its_job_and_logs_and_a_partial_summary_when_a_rank_raises(tm
 
 # ---- a folder in use is never taken ------------------------------------------------------------------
 
+
 def test_a_live_output_folder_is_never_taken(tmp_path):
     out = tmp_path / "run"
     env = env_with()
-    first = subprocess.Popen(psctl("launch", "--out", str(out), "--dataset", "synthetic", "--steps", "100000"),
-                             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
+    first = subprocess.Popen(
+        psctl("launch", "--out", str(out), "--dataset", "synthetic", "--steps", "100000"),
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
-        while not (out / "addr" / "shard-0").exists():   # the lock is taken before any shard starts
+        while not (out / "addr" / "shard-0").exists():  # the lock is taken before any shard starts
             assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
             time.sleep(0.05)
         for extra in (["--overwrite"], [], ["--resume", str(out)]):
@@ -467,11 +571,13 @@ def test_a_live_output_folder_is_never_taken(tmp_path):
 
 # ---- Ctrl-C under mpiexec ends as under psctl launch ------------------------------------------------
 
+
 def left_behind(since: float) -> list[str]:
     """MPI's files made since ``since`` that are still there 5 s on: hydra's in /tmp, MPICH's and ours in /dev/shm.
 
     Another test's job may own a new file for a moment; ours must not outlive the command.
     """
+
     def found():
         tmp = [p for p in Path("/tmp").glob("hydra_hwloc_xmlfile_*")]
         shm = [p for p in Path("/dev/shm").iterdir()]
@@ -494,16 +600,21 @@ def _made_after(path: Path, since: float) -> bool:
 def test_ctrl_c_under_mpiexec_stops_every_rank_in_one_line(tmp_path):
     out = tmp_path / "run"
     since = time.time() - 1
-    proc = subprocess.Popen([mpiexec(), "-n", "4", *psctl("mpi", "--dataset", "synthetic", "--steps", "1000000",
-                                                           "--out", str(out))],
-                            cwd=tmp_path, env=env_with(**MPI_ENV), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [mpiexec(), "-n", "4", *psctl("mpi", "--dataset", "synthetic", "--steps", "1000000", "--out", str(out))],
+        cwd=tmp_path,
+        env=env_with(**MPI_ENV),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
-        while not (out / "metrics" / "worker-0.jsonl").exists():     # a worker trains: every rank is busy
+        while not (out / "metrics" / "worker-0.jsonl").exists():  # a worker trains: every rank is busy
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
             time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGINT)        # what Ctrl-C in the terminal does
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
@@ -512,8 +623,14 @@ def test_ctrl_c_under_mpiexec_stops_every_rank_in_one_line(tmp_path):
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     # after the job's start lines and the progress, one line says what happened
-    said = [line for line in err.splitlines() if line.strip() and not line.startswith("[")
-            and " listening on " not in line and " ranks: coordinator on " not in line]
+    said = [
+        line
+        for line in err.splitlines()
+        if line.strip()
+        and not line.startswith("[")
+        and " listening on " not in line
+        and " ranks: coordinator on " not in line
+    ]
     assert said == [f"psctl mpi: SIGINT: stopped every rank; partial results in {out}"], err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["message"] == "stopped by SIGINT"
@@ -530,7 +647,7 @@ def test_a_script_that_never_calls_init_is_not_ok(tmp_path):
     (tmp_path / "noinit.py").write_text('print("training, I think")\n')
     out = tmp_path / "run"
     code, err, took = run(psctl("launch", "--out", str(out), "--", "python", "noinit.py"), tmp_path, env_with())
-    said = [line for line in err.splitlines() if " shard(s) at " not in line]     # the job's start line
+    said = [line for line in err.splitlines() if " shard(s) at " not in line]  # the job's start line
     one_line(code, "\n".join(said), f"psctl launch: {NO_INIT}", expected_code=1)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "not_joined" and summary["message"].startswith(NO_INIT)
@@ -541,19 +658,29 @@ def test_a_script_that_never_calls_init_is_not_ok(tmp_path):
 def test_a_script_that_never_calls_init_is_not_ok_under_mpiexec(tmp_path):
     (tmp_path / "noinit.py").write_text('print("training, I think")\n')
     out = tmp_path / "run"
-    code, err, _ = run([mpiexec(), "-n", "4", *psctl("mpi", "--out", str(out), "--", "python", "noinit.py")],
-                       tmp_path, env_with(**MPI_ENV))
+    code, err, _ = run(
+        [mpiexec(), "-n", "4", *psctl("mpi", "--out", str(out), "--", "python", "noinit.py")],
+        tmp_path,
+        env_with(**MPI_ENV),
+    )
     said = [line for line in err.splitlines() if " listening on " not in line and " ranks: coordinator " not in line]
     one_line(code, "\n".join(said), f"psctl mpi: {NO_INIT}", expected_code=1)
     assert json.loads((out / "summary.json").read_text())["status"] == "not_joined"
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--stragglers", "2:3"], "psctl launch: error: --stragglers 2:3: worker 2 does not exist in a job of 2 workers "
-                              "(ranks are 0..1)"),
-    (["--workers", "3", "--set", 'stragglers=["1:3","5:exp:20"]'],
-     'psctl launch: error: --set stragglers=["1:3","5:exp:20"]: worker 5 does not exist in a job of 3 workers'),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (
+            ["--stragglers", "2:3"],
+            "psctl launch: error: --stragglers 2:3: worker 2 does not exist in a job of 2 workers (ranks are 0..1)",
+        ),
+        (
+            ["--workers", "3", "--set", 'stragglers=["1:3","5:exp:20"]'],
+            'psctl launch: error: --set stragglers=["1:3","5:exp:20"]: worker 5 does not exist in a job of 3 workers',
+        ),
+    ],
+)
 def test_a_straggler_that_is_no_worker_is_refused(tmp_path, args, fragment):
     code, err, took = run(psctl("launch", *args), tmp_path, env_with())
     one_line(code, err, fragment)
@@ -575,15 +702,20 @@ except KeyboardInterrupt:
 def test_a_local_cluster_interrupted_in_its_with_block_is_not_ok(tmp_path):
     out = tmp_path / "lc"
     code, err, _ = run([sys.executable, "-c", LOCAL_INTERRUPTED, str(out)], tmp_path, env_with())
-    one_line(code, err, "psgrid.LocalCluster: KeyboardInterrupt inside the with block: stopped its processes, "
-                        f"job interrupted; summary in {out / 'summary.json'}", expected_code=130)
+    one_line(
+        code,
+        err,
+        "psgrid.LocalCluster: KeyboardInterrupt inside the with block: stopped its processes, "
+        f"job interrupted; summary in {out / 'summary.json'}",
+        expected_code=130,
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["launcher"] == "local"
 
 
 # ---- a model too big for the machine -----------------------------------------------------------------
 
-HUGE = 'hidden=[200000,200000]'     # 40 billion parameters: 160 GB a copy in float32, more than any one host here
+HUGE = "hidden=[200000,200000]"  # 40 billion parameters: 160 GB a copy in float32, more than any one host here
 
 
 def test_a_model_too_big_for_memory_is_refused_before_anything_starts(tmp_path):
@@ -595,8 +727,9 @@ def test_a_model_too_big_for_memory_is_refused_before_anything_starts(tmp_path):
 
 @pytest.mark.mpi
 def test_a_model_too_big_for_a_node_is_refused_under_mpiexec(tmp_path):
-    code, err, _ = run([mpiexec(), "-n", "4", *psctl("mpi", "--model", "mlp", "--set", HUGE)], tmp_path,
-                       env_with(**MPI_ENV))
+    code, err, _ = run(
+        [mpiexec(), "-n", "4", *psctl("mpi", "--model", "mlp", "--set", HUGE)], tmp_path, env_with(**MPI_ENV)
+    )
     line = one_line(code, err, "psctl mpi: error: a 40,159,200,010-parameter mlp does not fit: 2 shards need ")
     assert "1 worker needs " in line and "and node " in line
     assert not (tmp_path / "runs").exists()
@@ -609,13 +742,14 @@ def test_what_a_model_needs_is_told_per_process():
     job = apply_overrides(JobConfig(), {"model": "mlp", "hidden": [100000, 100000], "optimizer": "adam", "shards": 2})
     fp = footprint(job)
     assert fp.params == 784 * 100000 + 100000 + 100000 * 100000 + 100000 + 100000 * 10 + 10
-    assert fp.shard_bytes == -(-fp.params // 2) * 4 * 4          # weights, gradients, Adam's two slots
+    assert fp.shard_bytes == -(-fp.params // 2) * 4 * 4  # weights, gradients, Adam's two slots
     assert fp.worker_bytes == 2 * 4 * fp.params + 8 * 100000 * 100000
     assert host_problem(fp, 2, 2, 2000 * GIB, "this machine") is None
     said = host_problem(fp, 2, 2, 16 * GIB, "this machine")
-    assert said.startswith("a 10,079,600,010-parameter mlp does not fit: 2 shards need 150.2 GiB (75.1 GiB each) "
-                           "and 2 workers need 299.2 GiB (149.6 GiB each) at least, and this machine has 16.0 GiB"), \
-        said
+    assert said.startswith(
+        "a 10,079,600,010-parameter mlp does not fit: 2 shards need 150.2 GiB (75.1 GiB each) "
+        "and 2 workers need 299.2 GiB (149.6 GiB each) at least, and this machine has 16.0 GiB"
+    ), said
     assert "its GPU has 40.0 GiB" in gpu_problem(fp, 40 * GIB) and gpu_problem(fp, 200 * GIB) is None
 
 
@@ -669,8 +803,13 @@ def test_init_against_nothing_says_so_within_seconds(tmp_path):
     assert took < 15, f"took {took:.0f} s"
 
 
-@pytest.mark.parametrize("endpoint, what", [("http_server", "an HTTP server answered"),
-                                            ("silent_listener", "something listens there but did not answer in 3 s")])
+@pytest.mark.parametrize(
+    "endpoint, what",
+    [
+        ("http_server", "an HTTP server answered"),
+        ("silent_listener", "something listens there but did not answer in 3 s"),
+    ],
+)
 def test_init_against_something_that_is_no_shard_says_what_answered(tmp_path, request, endpoint, what):
     address = request.getfixturevalue(endpoint)
     code, err, took = run([sys.executable, "-c", INIT_AT, address], tmp_path, env_with())
@@ -690,14 +829,26 @@ def test_a_worker_with_tls_against_an_http_server_is_not_told_about_tls(tmp_path
 
 # ---- LocalCluster's settings: named as the call gave them ---------------------------------------------
 
-@pytest.mark.parametrize("settings, said", [
-    ({"mode": "asynch"}, "psgrid.LocalCluster(mode='asynch'): mode must be one of ('sync', 'async', 'ssp'), got "
-                         "'asynch' (did you mean 'async'?)"),
-    ({"lr": 0.1, "stepz": 3},
-     "psgrid.LocalCluster(stepz=3): unknown key 'stepz' (did you mean 'steps'?); valid keys: "),
-    ({"optimizer": "adma"}, "psgrid.LocalCluster(optimizer='adma'): optimizer must be one of ('sgd', 'adam'), got "
-                            "'adma' (did you mean 'adam'?)"),
-])
+
+@pytest.mark.parametrize(
+    "settings, said",
+    [
+        (
+            {"mode": "asynch"},
+            "psgrid.LocalCluster(mode='asynch'): mode must be one of ('sync', 'async', 'ssp'), got "
+            "'asynch' (did you mean 'async'?)",
+        ),
+        (
+            {"lr": 0.1, "stepz": 3},
+            "psgrid.LocalCluster(stepz=3): unknown key 'stepz' (did you mean 'steps'?); valid keys: ",
+        ),
+        (
+            {"optimizer": "adma"},
+            "psgrid.LocalCluster(optimizer='adma'): optimizer must be one of ('sgd', 'adam'), got "
+            "'adma' (did you mean 'adam'?)",
+        ),
+    ],
+)
 def test_a_local_cluster_setting_that_is_wrong_is_named_with_a_suggestion(tmp_path, settings, said):
     from psgrid import LocalCluster
     from psgrid.cluster.errors import ConfigError
@@ -705,7 +856,7 @@ def test_a_local_cluster_setting_that_is_wrong_is_named_with_a_suggestion(tmp_pa
     with pytest.raises(ConfigError) as caught:
         LocalCluster(out=str(tmp_path / "lc"), **settings)
     assert str(caught.value).startswith(said), str(caught.value)
-    assert caught.value.__context__ is None or caught.value.__suppress_context__     # one error, not a chain
+    assert caught.value.__context__ is None or caught.value.__suppress_context__  # one error, not a chain
     assert "job file" not in str(caught.value) and "override" not in str(caught.value)
 
 
@@ -713,16 +864,21 @@ def test_a_job_file_value_that_is_almost_right_gets_a_suggestion(tmp_path):
     job = tmp_path / "job.toml"
     job.write_text('mode = "asynch"\n')
     code, err, _ = run(psctl("launch", "--config", str(job)), tmp_path, env_with())
-    one_line(code, err, f"{job}: [server] mode must be one of ('sync', 'async', 'ssp'), got 'asynch' "
-                        "(did you mean 'async'?)")
+    one_line(
+        code, err, f"{job}: [server] mode must be one of ('sync', 'async', 'ssp'), got 'asynch' (did you mean 'async'?)"
+    )
 
 
 def test_the_torch_example_says_how_to_get_pytorch(tmp_path):
     (tmp_path / "torch").mkdir()
     (tmp_path / "torch" / "__init__.py").write_text("raise ImportError(\"No module named 'torch' (test)\")\n")
     code, err, _ = run([sys.executable, str(ROOT / "examples" / "train_torch.py")], tmp_path, env_with(tmp_path))
-    one_line(code, err, "examples/train_torch.py needs PyTorch, which psgrid does not install: pip install torch",
-             expected_code=1)
+    one_line(
+        code,
+        err,
+        "examples/train_torch.py needs PyTorch, which psgrid does not install: pip install torch",
+        expected_code=1,
+    )
 
 
 def test_metrics_port_0_says_the_ports_it_bound(tmp_path):
@@ -740,20 +896,29 @@ def test_metrics_port_0_says_the_ports_it_bound(tmp_path):
 
 # ---- psctl status with no argument: the newest job, and a stopped job's last counters ---------------
 
+
 def test_status_without_arguments_shows_the_newest_job_and_a_stopped_jobs_last_counters(tmp_path):
     code, err, _ = run(psctl("status"), tmp_path, env_with())
     one_line(code, err, "psctl status: error: no job folder in runs/ here: give --address-dir DIR")
 
-    job = subprocess.Popen(psctl("launch", "--dataset", "synthetic", "--steps", "1000000", "--no-progress"),
-                           cwd=tmp_path, env=env_with(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True)
+    job = subprocess.Popen(
+        psctl("launch", "--dataset", "synthetic", "--steps", "1000000", "--no-progress"),
+        cwd=tmp_path,
+        env=env_with(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
-        while not list(tmp_path.glob("runs/*/metrics/worker-0.jsonl")) or \
-                '"step"' not in next(tmp_path.glob("runs/*/metrics/worker-0.jsonl")).read_text():
+        while (
+            not list(tmp_path.glob("runs/*/metrics/worker-0.jsonl"))
+            or '"step"' not in next(tmp_path.glob("runs/*/metrics/worker-0.jsonl")).read_text()
+        ):
             assert job.poll() is None and time.monotonic() < deadline, job.communicate()[1]
             time.sleep(0.05)
-        time.sleep(2.5)          # the launcher reads the shards' counters every second
+        time.sleep(2.5)  # the launcher reads the shards' counters every second
         os.killpg(job.pid, signal.SIGINT)
         job.communicate(timeout=60)
     finally:
@@ -774,40 +939,57 @@ def test_status_without_arguments_shows_the_newest_job_and_a_stopped_jobs_last_c
 
 # ---- the optimizer the shards apply is said, and recorded as it applies -------------------------------
 
+
 def test_a_script_is_told_the_optimizer_the_shards_apply(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text("import numpy as np, psgrid\nps = psgrid.init({'w': np.zeros(4, np.float32)})\n"
-                      "ps.pull()\nps.push({'w': np.ones(4, np.float32)})\nps.close()\n")
+    script.write_text(
+        "import numpy as np, psgrid\nps = psgrid.init({'w': np.zeros(4, np.float32)})\n"
+        "ps.pull()\nps.push({'w': np.ones(4, np.float32)})\nps.close()\n"
+    )
     code, err, _ = run(psctl("launch", "--out", "run", "--", "python", str(script)), tmp_path, env_with())
     assert code == 0, err
-    assert " applying sgd (lr 0.05, momentum 0.9); starting 2 worker(s); logs in " in err     # --config mnist's
+    assert " applying sgd (lr 0.05, momentum 0.9); starting 2 worker(s); logs in " in err  # --config mnist's
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["optimizer"] == {"optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "nesterov": False,
-                                    "weight_decay": 0.0}
+    assert summary["optimizer"] == {
+        "optimizer": "sgd",
+        "lr": 0.05,
+        "momentum": 0.9,
+        "nesterov": False,
+        "weight_decay": 0.0,
+    }
 
 
 def test_only_the_settings_an_optimizer_uses_are_recorded():
     from psgrid.psserver.config import ServerConfig
 
     adam = ServerConfig(optimizer="adam", lr=1e-3, momentum=0.9)
-    assert adam.applied_optimizer() == {"optimizer": "adam", "lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8,
-                                        "weight_decay": 0.0}
+    assert adam.applied_optimizer() == {
+        "optimizer": "adam",
+        "lr": 1e-3,
+        "beta1": 0.9,
+        "beta2": 0.999,
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+    }
     assert adam.describe_optimizer() == "adam (lr 0.001, beta1 0.9, beta2 0.999, eps 1e-08)"
     assert ServerConfig(lr=0.1).describe_optimizer() == "sgd (lr 0.1)"
 
 
 # ---- progress lines: one per evaluation step, in order; accuracy of every worker ----------------------
 
+
 def test_progress_lines_come_once_per_step_in_order_and_accuracy_is_every_workers(capsys):
     from psgrid.cluster.run.coordinator import JobState, Progress
 
     state, progress = JobState(), Progress(800, enabled=False)
-    batch = [{"event": "eval", "rank": 1, "step": 50, "test_accuracy": 0.5, "train_accuracy": 0.6},
-             {"event": "eval", "rank": 0, "step": 100, "test_accuracy": 0.7, "train_accuracy": 0.8},
-             {"event": "eval", "rank": 0, "step": 50, "test_accuracy": 0.5, "train_accuracy": 0.5},
-             {"event": "eval", "rank": 1, "step": 100, "test_accuracy": 0.7, "train_accuracy": 0.6}]
+    batch = [
+        {"event": "eval", "rank": 1, "step": 50, "test_accuracy": 0.5, "train_accuracy": 0.6},
+        {"event": "eval", "rank": 0, "step": 100, "test_accuracy": 0.7, "train_accuracy": 0.8},
+        {"event": "eval", "rank": 0, "step": 50, "test_accuracy": 0.5, "train_accuracy": 0.5},
+        {"event": "eval", "rank": 1, "step": 100, "test_accuracy": 0.7, "train_accuracy": 0.6},
+    ]
     progress.update(state, state.update(batch))
-    progress.update(state, state.update(batch[2:]))         # psctl mpi hands the same events over again
+    progress.update(state, state.update(batch[2:]))  # psctl mpi hands the same events over again
     lines = capsys.readouterr().err.splitlines()
     assert [line.split(":")[0].split("] ")[1] for line in lines] == ["worker 1 step 50", "worker 0 step 100"], lines
     assert state.evaluation() == pytest.approx({"test_accuracy": 0.7, "train_accuracy": 0.7})

@@ -41,29 +41,89 @@ uints64 = st.one_of(st.sampled_from([0, 1, 2**32, 2**63, 2**64 - 1]), st.integer
 uints32 = st.integers(0, 2**32 - 1)
 texts = st.text(max_size=300)
 chunks = st.builds(ps_pb2.Chunk, offset=uints64, dtype=st.integers(0, 2**31 - 1), data=st.binary(max_size=64))
-specs = st.builds(ps_pb2.ModelSpecMsg, params=st.lists(st.builds(
-    ps_pb2.ParamInfo, name=texts, shape=st.lists(ints64, max_size=4), dtype=st.sampled_from(["float32", "", "x"])),
-    max_size=4), hash=texts)
+specs = st.builds(
+    ps_pb2.ModelSpecMsg,
+    params=st.lists(
+        st.builds(
+            ps_pb2.ParamInfo,
+            name=texts,
+            shape=st.lists(ints64, max_size=4),
+            dtype=st.sampled_from(["float32", "", "x"]),
+        ),
+        max_size=4,
+    ),
+    hash=texts,
+)
 garbage = st.binary(max_size=200)
 
-MESSAGES = {   # RPC: (does the request stream, strategy of one request as bytes)
-    "Register": (False, st.one_of(garbage, st.builds(
-        ps_pb2.RegisterRequest, spec_hash=texts, worker_id=ints64, start_clock=ints64, host=texts,
-        observer=st.booleans()).map(lambda m: m.SerializeToString()))),
-    "Pull": (False, st.one_of(garbage, st.builds(
-        ps_pb2.PullRequest, worker_id=ints64, clock=ints64, chunk_bytes=uints32).map(lambda m: m.SerializeToString()))),
-    "Heartbeat": (False, st.one_of(garbage, st.builds(
-        ps_pb2.HeartbeatRequest, worker_id=ints64, leaving=st.booleans()).map(lambda m: m.SerializeToString()))),
+MESSAGES = {  # RPC: (does the request stream, strategy of one request as bytes)
+    "Register": (
+        False,
+        st.one_of(
+            garbage,
+            st.builds(
+                ps_pb2.RegisterRequest,
+                spec_hash=texts,
+                worker_id=ints64,
+                start_clock=ints64,
+                host=texts,
+                observer=st.booleans(),
+            ).map(lambda m: m.SerializeToString()),
+        ),
+    ),
+    "Pull": (
+        False,
+        st.one_of(
+            garbage,
+            st.builds(ps_pb2.PullRequest, worker_id=ints64, clock=ints64, chunk_bytes=uints32).map(
+                lambda m: m.SerializeToString()
+            ),
+        ),
+    ),
+    "Heartbeat": (
+        False,
+        st.one_of(
+            garbage,
+            st.builds(ps_pb2.HeartbeatRequest, worker_id=ints64, leaving=st.booleans()).map(
+                lambda m: m.SerializeToString()
+            ),
+        ),
+    ),
     "Stats": (False, garbage),
     "Checkpoint": (False, garbage),
-    "Shutdown": (False, st.one_of(garbage, st.builds(ps_pb2.ShutdownRequest, job_id=texts).map(
-        lambda m: m.SerializeToString()))),
-    "Push": (True, st.lists(st.one_of(garbage, st.builds(
-        ps_pb2.PushRequest, worker_id=ints64, clock=ints64, version=uints64, num_chunks=uints32,
-        chunk=chunks).map(lambda m: m.SerializeToString())), max_size=4)),
-    "Init": (True, st.lists(st.one_of(garbage, st.builds(
-        ps_pb2.InitRequest, spec=specs, num_chunks=uints32, chunk=chunks).map(lambda m: m.SerializeToString())),
-        max_size=4)),
+    "Shutdown": (
+        False,
+        st.one_of(garbage, st.builds(ps_pb2.ShutdownRequest, job_id=texts).map(lambda m: m.SerializeToString())),
+    ),
+    "Push": (
+        True,
+        st.lists(
+            st.one_of(
+                garbage,
+                st.builds(
+                    ps_pb2.PushRequest,
+                    worker_id=ints64,
+                    clock=ints64,
+                    version=uints64,
+                    num_chunks=uints32,
+                    chunk=chunks,
+                ).map(lambda m: m.SerializeToString()),
+            ),
+            max_size=4,
+        ),
+    ),
+    "Init": (
+        True,
+        st.lists(
+            st.one_of(
+                garbage,
+                st.builds(ps_pb2.InitRequest, spec=specs, num_chunks=uints32, chunk=chunks).map(
+                    lambda m: m.SerializeToString()
+                ),
+            ),
+            max_size=4,
+        ),
+    ),
 }
 PER_RPC = 1000
 TCP_REQUESTS = 2000
@@ -82,9 +142,26 @@ def shard(tmp_path):
     address_file, log = tmp_path / "addr", tmp_path / "shard.log"
     env = {k: v for k, v in os.environ.items() if k not in ("PSCTL_PARENT_PID", "PSGRID_TOKEN")}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--port", "0", "--mode", "async",
-                                 "--lease-s", "1", "--address-file", str(address_file)], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "psgrid.cluster.cli",
+                "server",
+                "--port",
+                "0",
+                "--mode",
+                "async",
+                "--lease-s",
+                "1",
+                "--address-file",
+                str(address_file),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 30
         while not address_file.exists():
@@ -118,14 +195,15 @@ class Counter:
 
 def fuzz_grpc(channel, name: str, streams: bool, strategy, counter: Counter, job: str, examples: int) -> None:
     path = f"/{SERVICE}/{name}"
-    call = (channel.stream_unary(path) if streams else channel.unary_unary(path))   # bytes in, bytes out
+    call = channel.stream_unary(path) if streams else channel.unary_unary(path)  # bytes in, bytes out
 
-    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(strategy)
     def one(request):
         if name == "Shutdown" and request == ps_pb2.ShutdownRequest(job_id=job).SerializeToString():
-            return      # the one request that may stop it
+            return  # the one request that may stop it
         try:
             call(iter(request) if streams else request, timeout=10)
             counter.note("OK")
@@ -138,26 +216,33 @@ def fuzz_grpc(channel, name: str, streams: bool, strategy, counter: Counter, job
 
 def fuzz_tcp(port: int, counter: Counter, examples: int) -> None:
     request = st.tuples(
-        st.one_of(st.just(MAGIC), st.binary(min_size=4, max_size=4)), st.integers(0, 255), st.integers(0, 255),
-        ints64, ints64, uints64, st.one_of(st.sampled_from([0, 1 << 40, 2**64 - 1]), st.integers(0, 4096)),
-        st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -1.0, 0.5]))).map(
-        lambda f: REQUEST.pack(*f))
-    streams = st.tuples(st.lists(request, min_size=1, max_size=3), st.binary(max_size=512),
-                        st.integers(0, REQUEST.size))
+        st.one_of(st.just(MAGIC), st.binary(min_size=4, max_size=4)),
+        st.integers(0, 255),
+        st.integers(0, 255),
+        ints64,
+        ints64,
+        uints64,
+        st.one_of(st.sampled_from([0, 1 << 40, 2**64 - 1]), st.integers(0, 4096)),
+        st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -1.0, 0.5])),
+    ).map(lambda f: REQUEST.pack(*f))
+    streams = st.tuples(
+        st.lists(request, min_size=1, max_size=3), st.binary(max_size=512), st.integers(0, REQUEST.size)
+    )
 
-    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(streams)
     def one(stream):
         headers, payload, cut = stream
         data = b"".join(headers) + payload
-        data = data[: len(data) - cut] if cut else data        # sometimes truncated
+        data = data[: len(data) - cut] if cut else data  # sometimes truncated
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             try:
                 sock.sendall(data)
                 sock.shutdown(socket.SHUT_WR)
                 replies = read_replies(sock)
-            except OSError:           # the shard closed first (a bad header): nothing to read
+            except OSError:  # the shard closed first (a bad header): nothing to read
                 replies = []
         for status in replies:
             assert status not in (INTERNAL, UNKNOWN), f"TCP plane answered {status} to {data!r}"
@@ -173,9 +258,9 @@ def read_replies(sock) -> list[int]:
         data += chunk
     statuses = []
     while len(data) >= REPLY.size and data[:4] == MAGIC:
-        fields = REPLY.unpack(data[:REPLY.size])
+        fields = REPLY.unpack(data[: REPLY.size])
         statuses.append(fields[1])
-        data = data[REPLY.size + fields[-1]:]
+        data = data[REPLY.size + fields[-1] :]
     return statuses
 
 
@@ -197,11 +282,13 @@ def test_ten_thousand_malformed_requests_are_refused_cleanly(shard):
             fuzz_grpc(channel, name, streams, strategy, counter, job, PER_RPC)
         fuzz_tcp(tcp_port, counter, TCP_REQUESTS)
     grown = rss_kib(proc.pid) / warm_rss - 1
-    print(f"{counter.sent} requests; answers {dict(sorted(counter.codes.items()))}; "
-          f"resident memory {warm_rss} KiB after warm-up, {grown:+.1%} after")
+    print(
+        f"{counter.sent} requests; answers {dict(sorted(counter.codes.items()))}; "
+        f"resident memory {warm_rss} KiB after warm-up, {grown:+.1%} after"
+    )
     assert counter.sent >= 10_000
     assert proc.poll() is None, "the shard stopped"
-    assert checksum(address) == before                      # garbage changed no weight
+    assert checksum(address) == before  # garbage changed no weight
     assert grown < 0.10
     text = log.read_text()
     assert "Traceback" not in text and " ERROR " not in text, text[-3000:]
@@ -230,12 +317,21 @@ def test_edge_ids_and_clocks_are_refused_or_handled_and_break_nothing_later(tmp_
         refused = 0
         for value in (0, -1, 2**31 - 1, 2**31, 2**63 - 1):
             for call in (
-                    lambda: control.register(spec_hash="", worker_id=value, start_clock=value, host="h"),
-                    lambda: control.heartbeat(value),
-                    lambda: plane.pull_into(np.empty(SPEC.size, np.float32), begin=0, worker_id=value, clock=value,
-                                            timeout_s=1),
-                    lambda: plane.push(np.zeros(SPEC.size, np.float32), begin=0, wire_dtype="float32",
-                                       worker_id=value, clock=value, version=value, timeout_s=1)):
+                lambda: control.register(spec_hash="", worker_id=value, start_clock=value, host="h"),
+                lambda: control.heartbeat(value),
+                lambda: plane.pull_into(
+                    np.empty(SPEC.size, np.float32), begin=0, worker_id=value, clock=value, timeout_s=1
+                ),
+                lambda: plane.push(
+                    np.zeros(SPEC.size, np.float32),
+                    begin=0,
+                    wire_dtype="float32",
+                    worker_id=value,
+                    clock=value,
+                    version=value,
+                    timeout_s=1,
+                ),
+            ):
                 try:
                     call()
                 except PSError as exc:
@@ -269,7 +365,7 @@ def test_init_with_an_absurd_shape_is_refused_before_anything_is_allocated():
     try:
         control = open_control(server.address, ConnectOptions())
         try:
-            huge = ModelSpec([("w", (2**20, 2**20))])          # 4 TiB of float32
+            huge = ModelSpec([("w", (2**20, 2**20))])  # 4 TiB of float32
             with pytest.raises(InvalidArgument, match="more than this shard can hold"):
                 control.init(huge, np.zeros(4, np.float32), 0)
         finally:
@@ -308,7 +404,7 @@ def test_malformed_health_checks_are_refused_without_growth_and_real_probes_are_
     proc, address, _, log = shard
     n = 2000
     with grpc.insecure_channel(address) as channel:
-        malformed_health_checks(channel, 200)              # warm-up
+        malformed_health_checks(channel, 200)  # warm-up
         rss, logged = rss_kib(proc.pid), log.stat().st_size
         codes = malformed_health_checks(channel, n)
         grown_kib, log_grown = rss_kib(proc.pid) - rss, log.stat().st_size - logged
@@ -327,7 +423,7 @@ def test_malformed_health_checks_are_refused_without_growth_and_real_probes_are_
         assert malformed_watch.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     print(f"{n} malformed health checks: {codes}; resident memory {grown_kib:+d} KiB, log {log_grown:+d} bytes")
     assert codes == {"INVALID_ARGUMENT": n}
-    assert grown_kib < 4096, grown_kib         # was about 38 MB per 2,000
-    assert log_grown < 1024, log_grown         # was about 790 KB per 2,000 (a traceback each)
+    assert grown_kib < 4096, grown_kib  # was about 38 MB per 2,000
+    assert log_grown < 1024, log_grown  # was about 790 KB per 2,000 (a traceback each)
     text = log.read_text()
-    assert "Traceback" not in text and text.count("malformed health checks") == 1, text[-3000:]   # once a minute
+    assert "Traceback" not in text and text.count("malformed health checks") == 1, text[-3000:]  # once a minute

@@ -32,7 +32,7 @@ def test_weights_reach_the_device_and_gradients_the_shards(cluster, data_plane):
         grad = rng.standard_normal(SPEC.size).astype(np.float32)
         bufs.grad[...] = cupy.asarray(grad)
         bufs.download_grad()
-        assert bufs.host_grad is client.gradient_buffer()          # the push copies nothing more
+        assert bufs.host_grad is client.gradient_buffer()  # the push copies nothing more
         client.push(bufs.host_grad).wait()
         bufs.pull()
         np.testing.assert_allclose(cupy.asnumpy(bufs.params), init - grad, rtol=1e-6, atol=1e-6)
@@ -54,4 +54,4 @@ def test_shared_pages_are_page_locked_for_dma(cluster, data_plane):
         assert mapped
         for host in [*mapped, client.gradient_buffer()]:
             attributes = cupy.cuda.runtime.pointerGetAttributes(host.ctypes.data)
-            assert attributes.type == cupy.cuda.runtime.memoryTypeHost, attributes.type   # registered, not pageable
+            assert attributes.type == cupy.cuda.runtime.memoryTypeHost, attributes.type  # registered, not pageable

@@ -36,8 +36,22 @@ def data_planes(out, rank: int) -> list[str]:
 def test_each_shard_lives_in_its_worker_which_calls_it_and_the_job_trains(tmp_path, mode):
     # lr 0.02: at the job's 0.05 three async workers landed anywhere from 0.48 to 0.91 (with either
     # placement); at 0.02 eight async runs landed at 0.907-0.930 and three sync ones at 0.904.
-    with Launch(tmp_path, *BASE, "--shard-placement", "worker", "--mode", mode, "--lr", "0.02", "--shards", "2",
-                "--workers", "3", "--steps", "200") as launch:
+    with Launch(
+        tmp_path,
+        *BASE,
+        "--shard-placement",
+        "worker",
+        "--mode",
+        mode,
+        "--lr",
+        "0.02",
+        "--shards",
+        "2",
+        "--workers",
+        "3",
+        "--steps",
+        "200",
+    ) as launch:
         code = launch.wait(120)
         text = launch.text()
         pids = child_pids(launch.out)
@@ -65,9 +79,24 @@ def test_each_shard_lives_in_its_worker_which_calls_it_and_the_job_trains(tmp_pa
 @pytest.mark.timeout(180)
 def test_a_killed_hosting_worker_brings_its_shard_back_as_a_process_and_the_others_finish(tmp_path):
     every = 10
-    args = [*MNIST, "--mode", "async", "--lr", "0.02", "--shards", "2", "--workers", "3", "--steps", "300",
-            "--restart-failed",
-            "--set", f"checkpoint_dir={tmp_path / 'ckpt'}", "--set", f"checkpoint_every={every}"]
+    args = [
+        *MNIST,
+        "--mode",
+        "async",
+        "--lr",
+        "0.02",
+        "--shards",
+        "2",
+        "--workers",
+        "3",
+        "--steps",
+        "300",
+        "--restart-failed",
+        "--set",
+        f"checkpoint_dir={tmp_path / 'ckpt'}",
+        "--set",
+        f"checkpoint_every={every}",
+    ]
     with Launch(tmp_path, *args) as launch:
         launch.wait_for(lambda: steps_seen(launch.out, 1) >= 40, 60, "worker 1 training")
         victim = child_pids(launch.out)["shards"][1]
@@ -78,8 +107,9 @@ def test_a_killed_hosting_worker_brings_its_shard_back_as_a_process_and_the_othe
     summary = summary_of(launch.out)
     (restart,) = summary["restarts"]
     assert (restart["shard"], restart["pid"], restart["exit_code"]) == (1, victim, -9)
-    assert ("worker 1 (hosting shard 1) was killed by SIGKILL (exit code -9); restarting it on "
-            f"{summary['addresses'][1]}") in text
+    assert (
+        f"worker 1 (hosting shard 1) was killed by SIGKILL (exit code -9); restarting it on {summary['addresses'][1]}"
+    ) in text
     assert "shard 1 comes back as a process of its own" in text
     # Both of its parts are listed: the shard, restarted, and the worker, gone for good (tolerated).
     roles = sorted((f["role"], f["pid"], f["tolerated"]) for f in summary["failures"])
@@ -89,7 +119,7 @@ def test_a_killed_hosting_worker_brings_its_shard_back_as_a_process_and_the_othe
     results = summary["worker_results"]
     assert [(w["completed"], w["steps"]) for w in (results[0], results[2])] == [(True, 300), (True, 300)]
     assert not results[1]["completed"]
-    assert summary["test_accuracy"] > 0.85, summary["test_accuracy"]      # lr 0.02: see the test above
+    assert summary["test_accuracy"] > 0.85, summary["test_accuracy"]  # lr 0.02: see the test above
 
 
 @pytest.mark.timeout(120)
@@ -102,8 +132,10 @@ def test_without_restarts_a_dead_hosting_worker_ends_the_job_and_says_which(tmp_
         text = launch.text()
         pids = child_pids(launch.out)
     assert code == 1, text
-    assert f"worker 0 (hosting shard 0) (pid {victim}) was killed by SIGKILL (exit code -9); a job cannot go on " \
-           f"without one of its shards" in text
+    assert (
+        f"worker 0 (hosting shard 0) (pid {victim}) was killed by SIGKILL (exit code -9); a job cannot go on "
+        f"without one of its shards" in text
+    )
     assert summary_of(launch.out)["status"] == "failed"
     assert not any(alive(p) for p in pids["workers"])
 
@@ -114,16 +146,31 @@ def test_a_stopped_job_of_hosting_workers_resumes_from_the_checkpoints_they_wrot
     # The Ctrl-C comes at step 60; at 5 ms or more a round the first attempt is seconds from its end
     # then. The resume trains the rest: more steps would only cost time.
     steps = 1000
-    args = [*MNIST, "--mode", "sync", "--shards", "2", "--workers", "2", "--steps", str(steps),
-            "--set", f"checkpoint_dir={tmp_path / 'ckpt'}", "--set", "checkpoint_every=100000",
-            "--set", 'stragglers=["0:exp:5", "1:exp:5"]']
+    args = [
+        *MNIST,
+        "--mode",
+        "sync",
+        "--shards",
+        "2",
+        "--workers",
+        "2",
+        "--steps",
+        str(steps),
+        "--set",
+        f"checkpoint_dir={tmp_path / 'ckpt'}",
+        "--set",
+        "checkpoint_every=100000",
+        "--set",
+        'stragglers=["0:exp:5", "1:exp:5"]',
+    ]
     with Launch(tmp_path, *args) as launch:
         launch.wait_for(lambda: steps_seen(launch.out, 0) >= 60, 90, "worker 0 training")
         launch.proc.send_signal(signal.SIGINT)
         assert launch.wait(60) == 128 + signal.SIGINT, launch.text()
     # No checkpoint fell due (every 100000 updates): what a resume finds, the hosting workers wrote as they stopped.
-    with Launch(tmp_path, "--no-progress", "--resume", str(launch.out), "--set", "stragglers=[]",
-                log="resume.log") as resumed:
+    with Launch(
+        tmp_path, "--no-progress", "--resume", str(launch.out), "--set", "stragglers=[]", log="resume.log"
+    ) as resumed:
         code = resumed.wait(180)
         text = resumed.text()
     assert code == 0, text
@@ -142,17 +189,32 @@ def test_a_stopped_job_of_hosting_workers_resumes_from_the_checkpoints_they_wrot
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("argv, says", [
-    (["mpi", "--config", "mnist", "--set", "shard_placement=worker"],
-     'shard_placement = "worker" is for psctl launch, on one machine: psctl mpi starts its shards as processes'),
-    (["launch", "--config", "mnist", "--set", "shard_placement=worker", "--shards", "3", "--workers", "2"],
-     'shard_placement = "worker" puts shard i in worker i\'s process, so it needs workers >= shards'),
-    (["launch", "--config", "mnist", "--set", "shard_placement=workers"],
-     "shard_placement must be one of ('process', 'worker'), got 'workers' (did you mean 'worker'?)"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (
+            ["mpi", "--config", "mnist", "--set", "shard_placement=worker"],
+            'shard_placement = "worker" is for psctl launch, on one machine: psctl mpi starts its shards as processes',
+        ),
+        (
+            ["launch", "--config", "mnist", "--set", "shard_placement=worker", "--shards", "3", "--workers", "2"],
+            'shard_placement = "worker" puts shard i in worker i\'s process, so it needs workers >= shards',
+        ),
+        (
+            ["launch", "--config", "mnist", "--set", "shard_placement=workers"],
+            "shard_placement must be one of ('process', 'worker'), got 'workers' (did you mean 'worker'?)",
+        ),
+    ],
+)
 def test_a_placement_that_cannot_be_had_is_refused_in_one_line_before_anything_starts(tmp_path, argv, says):
-    done = subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", *argv, "--out", str(tmp_path / "run")],
-                          cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=50)
+    done = subprocess.run(
+        [sys.executable, "-m", "psgrid.cluster.cli", *argv, "--out", str(tmp_path / "run")],
+        cwd=ROOT,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
     assert done.returncode == 2, done.stderr
     assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "Traceback" not in done.stderr and not (tmp_path / "run").exists()

@@ -34,7 +34,7 @@ def worker(cluster, rank, world, steps, *, batch=None, **client_kw):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("data_plane", ["tcp"])    # the maths of the modes, not a plane (see the docstring)
+@pytest.mark.parametrize("data_plane", ["tcp"])  # the maths of the modes, not a plane (see the docstring)
 @pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
 def test_workers_fit_linear_regression(cluster, data_plane, mode):
     _, _, w_true, b_true = make_problem()
@@ -91,8 +91,9 @@ def test_low_precision_gradients_converge_like_float32(cluster, wire_dtype):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("data_plane", ["tcp"])
-@pytest.mark.parametrize("mode, wire_dtype", [("sync", "float32"), ("async", "float32"), ("sync", "bfloat16"),
-                                              ("async", "float16")])
+@pytest.mark.parametrize(
+    "mode, wire_dtype", [("sync", "float32"), ("async", "float32"), ("sync", "bfloat16"), ("async", "float16")]
+)
 def test_every_data_plane_trains_to_identical_weights(cluster, tcp_calls, mode, wire_dtype):
     """The same deterministic run over shared memory, the TCP plane and gRPC: bit for bit the same weights."""
     finals, versions = {}, {}
@@ -100,17 +101,25 @@ def test_every_data_plane_trains_to_identical_weights(cluster, tcp_calls, mode, 
         before = dict(tcp_calls)
         c = cluster(2, mode=mode, optimizer="adam", lr=0.05)
         x, y, _, _ = make_problem(0)
-        clients = [c.client(REGRESSION, worker_id=r, init=REGRESSION.flat() if r == 0 else None,
-                            wire_dtype=wire_dtype, **plane_options(plane)).join() for r in range(2)]
+        clients = [
+            c.client(
+                REGRESSION,
+                worker_id=r,
+                init=REGRESSION.flat() if r == 0 else None,
+                wire_dtype=wire_dtype,
+                **plane_options(plane),
+            ).join()
+            for r in range(2)
+        ]
 
         def step(rank):
             params = REGRESSION.flat()
             clients[rank].pull(params).wait()
             clients[rank].push(regression_grad(params, x[rank::2], y[rank::2])).wait()
 
-        if mode == "sync":       # the rounds make threads deterministic
+        if mode == "sync":  # the rounds make threads deterministic
             run_threads([lambda r=r: [step(r) for _ in range(12)] for r in range(2)], timeout=40)
-        else:                    # async: a fixed interleaving in one thread
+        else:  # async: a fixed interleaving in one thread
             for _ in range(12):
                 for rank in range(2):
                     step(rank)
@@ -121,7 +130,7 @@ def test_every_data_plane_trains_to_identical_weights(cluster, tcp_calls, mode, 
     np.testing.assert_array_equal(finals["tcp"], finals["grpc"])
     np.testing.assert_array_equal(finals["shm"], finals["grpc"])
     assert versions["shm"] == versions["tcp"] == versions["grpc"] == ([12, 12] if mode == "sync" else [24, 24])
-    assert np.abs(finals["tcp"]).sum() > 0      # something was learned
+    assert np.abs(finals["tcp"]).sum() > 0  # something was learned
 
 
 @pytest.mark.timeout(30)
@@ -129,7 +138,7 @@ def test_every_data_plane_trains_to_identical_weights(cluster, tcp_calls, mode, 
 def test_client_uses_grpc_when_the_shards_offer_no_tcp_plane(cluster, tcp_calls):
     c = cluster(2, mode="async", data_plane="grpc")
     assert all(s.tcp is None for s in c.servers)
-    with c.client(REGRESSION, init=REGRESSION.flat()) as client:       # it prefers tcp
+    with c.client(REGRESSION, init=REGRESSION.flat()) as client:  # it prefers tcp
         params = REGRESSION.flat()
         client.pull(params).wait()
         client.push(np.ones(REGRESSION.size, np.float32)).wait()
@@ -146,7 +155,7 @@ def test_backup_workers_drop_late_pushes_and_count_them(cluster):
     slow = c.client(REGRESSION, worker_id=2).join()
     grad, params = np.ones(REGRESSION.size, np.float32), REGRESSION.flat()
     slow.pull(params).wait()
-    for client in fast:                # two of three pushed round 0: it closes without the slow one
+    for client in fast:  # two of three pushed round 0: it closes without the slow one
         client.pull(params).wait()
         client.push(grad).wait()
     [result] = slow.push(grad).wait()
@@ -167,8 +176,9 @@ def test_async_updates_lose_nothing_and_no_pull_sees_a_version_half_written(clus
     spec = ModelSpec([("x", (3 * MIN_CHUNK + 5,))])
     c = cluster(1, mode="async", lr=1.0, apply_threads=3)
     ones = np.ones(spec.size, np.float32)
-    pushers = [c.client(spec, worker_id=r, init=np.zeros(spec.size, np.float32) if r == 0 else None, world=3)
-               for r in range(2)]
+    pushers = [
+        c.client(spec, worker_id=r, init=np.zeros(spec.size, np.float32) if r == 0 else None, world=3) for r in range(2)
+    ]
     reader = c.client(spec, worker_id=2, world=3)
     seen, stop = [], threading.Event()
 

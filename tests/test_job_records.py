@@ -22,8 +22,12 @@ from psgrid.cluster.run.resume import archive_attempt, job_file_to_resume
 
 
 def _job(tmp_path, **server):
-    return job_from_dict({"job": {"shards": 2, "out": str(tmp_path / "run")},
-                          "server": {"checkpoint_dir": str(tmp_path / "ckpt"), **server}})
+    return job_from_dict(
+        {
+            "job": {"shards": 2, "out": str(tmp_path / "run")},
+            "server": {"checkpoint_dir": str(tmp_path / "ckpt"), **server},
+        }
+    )
 
 
 def _mode(path) -> int:
@@ -43,7 +47,7 @@ def test_a_record_is_replaced_whole_with_its_mode_said_and_no_temporary_file_lef
         write_whole(tmp_path / "job.toml", "[job]\n")
     finally:
         os.umask(old)
-    assert path.read_text() == "secret\n" and _mode(path) == 0o600       # made afresh: not the old file's mode
+    assert path.read_text() == "secret\n" and _mode(path) == 0o600  # made afresh: not the old file's mode
     assert _mode(tmp_path / "job.toml") == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml", "token"]
 
@@ -52,7 +56,7 @@ def test_a_write_that_fails_half_way_leaves_the_old_record(tmp_path, monkeypatch
     path = tmp_path / "job.toml"
     write_whole(path, "[job]\nworkers = 3\n")
 
-    def dies_before_the_rename(*args, **kwargs):       # what SIGKILL or a signal's exception does mid-write
+    def dies_before_the_rename(*args, **kwargs):  # what SIGKILL or a signal's exception does mid-write
         raise KeyboardInterrupt
 
     monkeypatch.setattr(os, "fsync", dies_before_the_rename)
@@ -64,14 +68,16 @@ def test_a_write_that_fails_half_way_leaves_the_old_record(tmp_path, monkeypatch
 
 def test_signals_are_held_across_a_rewrite_then_delivered_to_the_handler_they_had():
     heard = []
-    before = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: heard.append(signum)),
-              signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+    before = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: heard.append(signum)),
+        signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+    }
     try:
         with signals_held():
             os.kill(os.getpid(), signal.SIGTERM)
             os.kill(os.getpid(), signal.SIGINT)
-            assert heard == []          # held: a handler would run at once, here
-        assert heard == [signal.SIGTERM]        # the first one heard, once the block ends
+            assert heard == []  # held: a handler would run at once, here
+        assert heard == [signal.SIGTERM]  # the first one heard, once the block ends
         with pytest.raises(KeyboardInterrupt):  # Python's own SIGINT handler, restored
             with signals_held():
                 os.kill(os.getpid(), signal.SIGINT)
@@ -107,10 +113,10 @@ def test_each_attempt_keeps_a_copy_of_its_job_and_a_damaged_job_is_taken_from_th
     _attempt(out, write_job_file(tmp_path, _job(tmp_path, lr=0.25), "by psctl launch").read_text())
     assert archive_attempt(out) == out / "attempts" / "1"
     assert load_job(str(out / "attempts" / "1" / "job.toml")).server.lr == 0.25
-    assert job_file_to_resume(out) == out / "job.toml"        # whole: read as it is
-    _attempt(out, "")                  # attempt 2 died in the middle of an in-place rewrite
+    assert job_file_to_resume(out) == out / "job.toml"  # whole: read as it is
+    _attempt(out, "")  # attempt 2 died in the middle of an in-place rewrite
     assert archive_attempt(out) == out / "attempts" / "2"
-    assert not (out / "attempts" / "2" / "job.toml").exists()         # no copy of a damaged job
+    assert not (out / "attempts" / "2" / "job.toml").exists()  # no copy of a damaged job
     for damaged in ("", "\n# resolved job, as run by psctl launch\n", "[server\nlr = ", b"\xff\xfe[job]"):
         (out / "job.toml").write_bytes(damaged if isinstance(damaged, bytes) else damaged.encode())
         assert job_file_to_resume(out) == out / "attempts" / "1" / "job.toml"
@@ -124,14 +130,17 @@ def test_a_damaged_job_without_a_copy_is_refused_in_one_line_that_says_what_to_d
     out = tmp_path / "run"
     out.mkdir()
     (out / "job.toml").write_text("")
-    with pytest.raises(UsageError, match=r"job.toml is empty \(0 bytes, no table\) and no earlier attempt .* kept "
-                                         r"a copy: put the job back in"):
+    with pytest.raises(
+        UsageError,
+        match=r"job.toml is empty \(0 bytes, no table\) and no earlier attempt .* kept "
+        r"a copy: put the job back in",
+    ):
         job_file_to_resume(out)
     assert main(["launch", "--resume", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "put the job back in" in err and "without checkpoints" not in err, err
     (out / "job.toml").unlink()
-    (out / ".psgrid.lock").write_text("")       # a launch began here, and was stopped before it wrote its job
+    (out / ".psgrid.lock").write_text("")  # a launch began here, and was stopped before it wrote its job
     with pytest.raises(UsageError, match=r"no job.toml there; .* launch it again with --out .* --overwrite"):
         job_file_to_resume(out)
 
@@ -141,7 +150,7 @@ def test_the_next_job_in_a_folder_sweeps_the_temporary_files_of_a_killed_writer(
 
     out = tmp_path / "run"
     out.mkdir()
-    left = [".job.toml.4242.tmp", ".token.4242.tmp"]          # a launcher SIGKILLed inside write_whole
+    left = [".job.toml.4242.tmp", ".token.4242.tmp"]  # a launcher SIGKILLed inside write_whole
     mine = ["notes.tmp", "summary.json.tmp", ".hidden.tmp", "job.toml"]
     for name in left + mine:
         (out / name).write_text("x")
@@ -175,8 +184,9 @@ def job_file_writes(path: Path) -> list[str]:
 
 
 def sources_outside_the_writer() -> list[Path]:
-    return sorted(p for folder in SCANNED for p in (ROOT / folder).rglob("*.py")
-                  if p.relative_to(ROOT).as_posix() != WRITER)
+    return sorted(
+        p for folder in SCANNED for p in (ROOT / folder).rglob("*.py") if p.relative_to(ROOT).as_posix() != WRITER
+    )
 
 
 def test_job_toml_is_written_by_the_records_module_only():
@@ -189,9 +199,11 @@ def test_the_writer_check_sees_each_way_of_writing_a_job_file(tmp_path):
     # The rule above would pass on anything if it saw nothing: it finds each form in a made-up module, and
     # finds the writer itself.
     probe = tmp_path / "probe.py"
-    probe.write_text("(out / 'job.toml').write_text(job.to_toml())\n"
-                     "write_whole(target / JOB_FILE, text)\n"
-                     "files.replace_text(out / 'job.toml', text)\n"
-                     "(out / 'summary.json').write_text(text)\n")
+    probe.write_text(
+        "(out / 'job.toml').write_text(job.to_toml())\n"
+        "write_whole(target / JOB_FILE, text)\n"
+        "files.replace_text(out / 'job.toml', text)\n"
+        "(out / 'summary.json').write_text(text)\n"
+    )
     assert sorted(w.split(":")[0] for w in job_file_writes(probe)) == ["line 1", "line 1", "line 2", "line 3"]
     assert job_file_writes(ROOT / WRITER)

@@ -63,26 +63,33 @@ def test_a_job_starts_follows_finishes_then_stops_and_writes_what_its_backend_re
     backend = Recording()
     summary = _run(tmp_path).run(backend, ranks=3)
     assert backend.calls == STEPS + ENDING
-    assert (summary["status"], summary["wall_s"], summary["addresses"], summary["ranks"]) == ("ok", 1.5,
-                                                                                            ["127.0.0.1:1"], 3)
+    assert (summary["status"], summary["wall_s"], summary["addresses"], summary["ranks"]) == (
+        "ok",
+        1.5,
+        ["127.0.0.1:1"],
+        3,
+    )
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     assert (tmp_path / "metrics.jsonl").is_file() and _events(tmp_path) == ["job_start", "job_end"]
 
 
 @pytest.mark.parametrize("step", STEPS)
-@pytest.mark.parametrize("error, raised, status, message", [
-    (JobFailed("a shard died"), JobFailed, "failed", "a shard died"),
-    (JobFailed("never joined", status="not_joined"), JobFailed, "not_joined", "never joined"),
-    (RuntimeError("evaluation broke"), JobFailed, "failed", "RuntimeError: evaluation broke"),
-    (Interrupted(signal.SIGTERM), Interrupted, "interrupted", "stopped by SIGTERM"),
-    (KeyboardInterrupt(), KeyboardInterrupt, "interrupted", None),    # the signal the rank heard, SIGINT if none
-], ids=["failed", "user's mistake", "other error", "interrupted", "rank's signal"])
-def test_a_step_that_raises_ends_the_job_there_with_its_summary_written(tmp_path, step, error, raised, status,
-                                                                       message):
+@pytest.mark.parametrize(
+    "error, raised, status, message",
+    [
+        (JobFailed("a shard died"), JobFailed, "failed", "a shard died"),
+        (JobFailed("never joined", status="not_joined"), JobFailed, "not_joined", "never joined"),
+        (RuntimeError("evaluation broke"), JobFailed, "failed", "RuntimeError: evaluation broke"),
+        (Interrupted(signal.SIGTERM), Interrupted, "interrupted", "stopped by SIGTERM"),
+        (KeyboardInterrupt(), KeyboardInterrupt, "interrupted", None),  # the signal the rank heard, SIGINT if none
+    ],
+    ids=["failed", "user's mistake", "other error", "interrupted", "rank's signal"],
+)
+def test_a_step_that_raises_ends_the_job_there_with_its_summary_written(tmp_path, step, error, raised, status, message):
     backend = Recording(fail_in=step, error=error)
     with pytest.raises(raised) as caught:
         _run(tmp_path).run(backend)
-    assert backend.calls == STEPS[:STEPS.index(step) + 1] + ENDING       # nothing after it, the end always
+    assert backend.calls == STEPS[: STEPS.index(step) + 1] + ENDING  # nothing after it, the end always
     summary = json.loads((tmp_path / "summary.json").read_text())
     message = message or f"stopped by {signal.Signals(received_signal()).name}"
     assert (summary["status"], summary["message"]) == (status, message)

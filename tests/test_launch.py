@@ -46,8 +46,9 @@ def test_merge_metrics_sorts_by_time(tmp_path):
 
 
 def test_stop_children_escalates_to_sigkill(tmp_path):
-    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); " \
-               "time.sleep(60)"
+    stubborn = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    )
     kids = [Child(f"stubborn {i}", [sys.executable, "-c", stubborn], tmp_path / f"{i}.log") for i in range(2)]
     kids.append(Child("polite", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "p.log"))
     try:
@@ -74,8 +75,19 @@ def test_tiny_job_completes_with_a_summary(tmp_path):
     elapsed = time.monotonic() - t
     assert code == 0, text
     summary = json.loads((out / "summary.json").read_text())
-    for key in ("mode", "steps", "wall_s", "samples_per_s", "train_accuracy", "test_accuracy", "shards",
-                "workers", "failures", "shard_stats", "config"):
+    for key in (
+        "mode",
+        "steps",
+        "wall_s",
+        "samples_per_s",
+        "train_accuracy",
+        "test_accuracy",
+        "shards",
+        "workers",
+        "failures",
+        "shard_stats",
+        "config",
+    ):
         assert key in summary, key
     assert (summary["status"], summary["mode"], summary["shards"], summary["workers"]) == ("ok", "sync", 2, 2)
     assert summary["steps"] == 200 and summary["failures"] == []
@@ -90,7 +102,7 @@ def test_tiny_job_completes_with_a_summary(tmp_path):
     assert {"job_start", "shards_ready", "step", "eval", "done", "final_eval", "job_end"} <= kinds
     (start,) = [e for e in events if e["event"] == "job_start"]
     assert (start["shards"], start["workers"]) == (2, 2)
-    assert "starting 2 worker(s) of a 101,770-parameter mlp; logs in " in text       # a job says its size first
+    assert "starting 2 worker(s) of a 101,770-parameter mlp; logs in " in text  # a job says its size first
     assert "mnist (sync, 2 shards, 2 workers): 200 steps in " in text
     assert "test accuracy" in text and "summary in" in text
     print(f"tiny launch took {elapsed:.1f} s")
@@ -98,10 +110,18 @@ def test_tiny_job_completes_with_a_summary(tmp_path):
 
 @pytest.mark.slow
 def test_a_server_that_cannot_start_fails_the_job_by_name(tmp_path):
-    code, text, out = run_launch(tmp_path, *TINY, "--shards", "1",
-                                 "--set", "server.tls_cert=/nonexistent/cert.pem",
-                                 "--set", "server.tls_key=/nonexistent/key.pem",
-                                 "--set", "train.tls_ca=/nonexistent/ca.pem")     # the workers' side agrees
+    code, text, out = run_launch(
+        tmp_path,
+        *TINY,
+        "--shards",
+        "1",
+        "--set",
+        "server.tls_cert=/nonexistent/cert.pem",
+        "--set",
+        "server.tls_key=/nonexistent/key.pem",
+        "--set",
+        "train.tls_ca=/nonexistent/ca.pem",
+    )  # the workers' side agrees
     assert code == 1, text
     assert "psctl launch: job failed: server 0 (pid" in text and "exited with code 2" in text
     assert "psctl server: error: tls_cert '/nonexistent/cert.pem': no such file" in text  # its log's tail
@@ -143,8 +163,9 @@ def test_a_dead_worker_is_tolerated(tmp_path):
 @pytest.mark.slow
 def test_sigterm_stops_every_child(tmp_path):
     with Launch(tmp_path, *TINY, "--steps", "5000") as launch:
-        launch.wait_for(lambda: steps_seen(launch.out, 0) >= 5 and steps_seen(launch.out, 1) >= 5, 60,
-                        "workers training")
+        launch.wait_for(
+            lambda: steps_seen(launch.out, 0) >= 5 and steps_seen(launch.out, 1) >= 5, 60, "workers training"
+        )
         pids = child_pids(launch.out)
         t = time.monotonic()
         launch.proc.send_signal(signal.SIGTERM)
@@ -187,16 +208,16 @@ def test_a_ctrl_c_that_code_on_the_way_swallowed_still_stops_the_launcher():
 
     old = listen_for_interrupts()
     try:
-        check_interrupted()                                  # nothing came: nothing raised
+        check_interrupted()  # nothing came: nothing raised
         try:
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)                                    # the handler runs here, in the main thread
-        except Exception:                                    # noqa: BLE001 - as the library on the way does
+            time.sleep(1)  # the handler runs here, in the main thread
+        except Exception:  # noqa: BLE001 - as the library on the way does
             pass
         with pytest.raises(Interrupted) as raised:
             check_interrupted()
         assert raised.value.signum == signal.SIGINT
-        listen_for_interrupts()                              # a new job does not inherit it
+        listen_for_interrupts()  # a new job does not inherit it
         check_interrupted()
     finally:
         for sig, handler in old.items():
@@ -216,14 +237,14 @@ def test_a_ctrl_c_swallowed_before_the_launcher_listens_still_stops_the_job():
     try:
         try:
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)                                    # the handler runs here, in the main thread
-        except KeyboardInterrupt:                            # as "Exception ignored in: ... cb" does
+            time.sleep(1)  # the handler runs here, in the main thread
+        except KeyboardInterrupt:  # as "Exception ignored in: ... cb" does
             pass
         old = listen_for_interrupts()
         with pytest.raises(Interrupted) as raised:
             check_interrupted()
         assert raised.value.signum == signal.SIGINT
-        listen_for_interrupts()                              # heard once: the next job does not inherit it
+        listen_for_interrupts()  # heard once: the next job does not inherit it
         check_interrupted()
     finally:
         for sig, handler in (old or {}).items():

@@ -23,12 +23,13 @@ PROBE_TIMEOUT_S = 100.0
 
 def kill_launcher(tmp_path, delay_s: float, command: str, *args: str) -> dict:
     argv = [sys.executable, "-m", "tests.launcher_kill_probe", str(delay_s), str(tmp_path / "run"), command, *args]
-    probe = subprocess.Popen(argv, cwd=ROOT, env=dict(os.environ, **MPI_ENV), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    probe = subprocess.Popen(
+        argv, cwd=ROOT, env=dict(os.environ, **MPI_ENV), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         out, err = probe.communicate(timeout=PROBE_TIMEOUT_S)
     finally:
-        if probe.poll() is None:       # it ends what it counted before it returns; only a hang leaves it here
+        if probe.poll() is None:  # it ends what it counted before it returns; only a hang leaves it here
             probe.kill()
             probe.communicate(timeout=10)
     assert probe.returncode == 0, err
@@ -42,8 +43,10 @@ def kill_launcher(tmp_path, delay_s: float, command: str, *args: str) -> dict:
 def test_no_child_outlives_a_launcher_killed_while_they_start(tmp_path, delay_s):
     found = kill_launcher(tmp_path, delay_s, "launch", *JOB)
     assert found["children"] >= 1, "the launcher was killed before it started any child"
-    assert found["survivors"] == [], (f"{len(found['survivors'])} processes alive 5 s after the launcher's "
-                                      f"kill -9: {found['survivors']}\n{found['log']}")
+    assert found["survivors"] == [], (
+        f"{len(found['survivors'])} processes alive 5 s after the launcher's "
+        f"kill -9: {found['survivors']}\n{found['log']}"
+    )
 
 
 @pytest.mark.slow

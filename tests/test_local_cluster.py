@@ -35,12 +35,17 @@ def test_a_notebook_trains_against_a_local_cluster(no_leaks, no_job_env):
         assert (running["status"], running["steps"], running["samples"]) == ("running", 5, 10)
         assert [s["version"] for s in cluster.stats()] == [5, 5]
         weights = np.empty(3, np.float32)
-        with cluster.client(psgrid.ModelSpec([("w", (3,))])) as client:    # a client of its shards, its token
+        with cluster.client(psgrid.ModelSpec([("w", (3,))])) as client:  # a client of its shards, its token
             client.pull(weights)
         np.testing.assert_array_equal(weights, -5.0)
     np.testing.assert_array_equal(w, -5.0)
     summary = cluster.summary()
-    assert (summary["status"], summary["launcher"], summary["steps"], summary["test_accuracy"]) == ("ok", "local", 5, 0.5)
+    assert (summary["status"], summary["launcher"], summary["steps"], summary["test_accuracy"]) == (
+        "ok",
+        "local",
+        5,
+        0.5,
+    )
     assert [s["version"] for s in summary["shard_stats"]] == [5, 5]
     assert not out.exists(), "its temporary folder outlived it"
     assert not any(alive(pid) for pid in pids)
@@ -49,13 +54,14 @@ def test_a_notebook_trains_against_a_local_cluster(no_leaks, no_job_env):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_background_workers_train_the_jobs_model(no_leaks, tmp_path):
-    with psgrid.LocalCluster(shards=1, workers=2, config="mnist", steps=40, eval_every=0,
-                             out=str(tmp_path / "run")) as cluster:
+    with psgrid.LocalCluster(
+        shards=1, workers=2, config="mnist", steps=40, eval_every=0, out=str(tmp_path / "run")
+    ) as cluster:
         cluster.wait(timeout=100)
         assert cluster.summary()["workers_completed"] == 2
     summary = cluster.summary()
     assert (summary["status"], summary["workers_completed"], summary["steps"]) == ("ok", 2, 80)
-    assert summary["test_accuracy"] > 0.5               # the job's own evaluation, as psctl launch makes it
+    assert summary["test_accuracy"] > 0.5  # the job's own evaluation, as psctl launch makes it
     assert (tmp_path / "run" / "summary.json").is_file() and (tmp_path / "run" / "metrics.jsonl").is_file()
 
 

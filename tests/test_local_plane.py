@@ -32,8 +32,13 @@ def hosted():
 
     def start(num_shards: int = 1, in_process: bool = True, **settings):
         settings.setdefault("job_id", "local-plane")
-        servers = [serve(ServerConfig(shard_index=i, num_shards=num_shards, host="127.0.0.1", port=0, lr=LR,
-                                      **settings), in_process_clients=in_process) for i in range(num_shards)]
+        servers = [
+            serve(
+                ServerConfig(shard_index=i, num_shards=num_shards, host="127.0.0.1", port=0, lr=LR, **settings),
+                in_process_clients=in_process,
+            )
+            for i in range(num_shards)
+        ]
         started.extend(servers)
         return servers
 
@@ -68,37 +73,37 @@ def test_a_client_of_the_shards_process_calls_it_and_the_update_is_the_optimizer
 
 @pytest.mark.timeout(60)
 def test_the_plane_is_offered_only_when_asked_and_only_to_the_shards_own_process(hosted):
-    plain, = hosted(1, in_process=False)
+    (plain,) = hosted(1, in_process=False)
     assert "local" not in dict(plain.service.offers())
     with client([plain], world=1, init=np.zeros(SPEC.size, np.float32)) as c:
         c.pull(np.empty(SPEC.size, np.float32))
-        assert c.data_planes == ["shm"]          # a shard tests start in their process: the planes others use
-    server, = hosted(1, job_id="other-job")
+        assert c.data_planes == ["shm"]  # a shard tests start in their process: the planes others use
+    (server,) = hosted(1, job_id="other-job")
     offer = dict(server.service.offers())["local"]
     pid, _, key = offer.partition("|")
     assert pid == str(os.getpid()) and hosted_service(offer) is server.service
-    assert hosted_service(f"{os.getppid()}|{key}") is None       # the same key, offered by another process
+    assert hosted_service(f"{os.getppid()}|{key}") is None  # the same key, offered by another process
     with client([server], world=1, init=np.zeros(SPEC.size, np.float32), shared_memory=False) as c:
         c.pull(np.empty(SPEC.size, np.float32))
-        assert c.data_planes == ["tcp"]           # shared_memory off keeps a client on its network plane
+        assert c.data_planes == ["tcp"]  # shared_memory off keeps a client on its network plane
     server.stop(grace=0.2)
-    assert hosted_service(offer) is None         # a stopped shard is no longer found
+    assert hosted_service(offer) is None  # a stopped shard is no longer found
 
 
 @pytest.mark.timeout(60)
 def test_a_sync_round_keeps_a_copy_of_a_gradient_the_caller_writes_again(hosted):
-    server, = hosted(1, mode="sync")
+    (server,) = hosted(1, mode="sync")
     first = np.full(SPEC.size, 1.0, np.float32)
     second = np.full(SPEC.size, 3.0, np.float32)
     start = np.zeros(SPEC.size, np.float32)
     a = client([server], worker_id=0, world=2, init=start.copy())
     b = client([server], worker_id=1, world=2, init=start.copy())
-    run_threads([a.join, b.join], timeout=30)      # each join waits for the whole world
+    run_threads([a.join, b.join], timeout=30)  # each join waits for the whole world
     with a, b:
         for c in (a, b):
             c.pull(np.empty(SPEC.size, np.float32))
         a.push(first)
-        first[:] = np.nan             # the round is still open: the shard must not read this memory again
+        first[:] = np.nan  # the round is still open: the shard must not read this memory again
         b.push(second)
         params = np.empty(SPEC.size, np.float32)
         a.pull(params)
@@ -109,15 +114,18 @@ def test_a_sync_round_keeps_a_copy_of_a_gradient_the_caller_writes_again(hosted)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_bad_gradient_is_refused_with_its_reason_and_changes_nothing(hosted, mode):
-    server, = hosted(1, mode=mode)
+    (server,) = hosted(1, mode=mode)
     service = server.service
     with client([server], worker_id=0, world=1, init=np.zeros(SPEC.size, np.float32)) as c:
         c.pull(np.empty(SPEC.size, np.float32))
         before = server.shard.weights.copy()
         bad = np.zeros(SPEC.size, np.float32)
         bad[7] = np.inf
-        for grad, reason in ((bad, Reason.NON_FINITE), (np.zeros(SPEC.size, np.float64), Reason.BAD_DTYPE),
-                             (np.zeros(SPEC.size - 1, np.float32), Reason.BAD_SIZE)):
+        for grad, reason in (
+            (bad, Reason.NON_FINITE),
+            (np.zeros(SPEC.size, np.float64), Reason.BAD_DTYPE),
+            (np.zeros(SPEC.size - 1, np.float32), Reason.BAD_SIZE),
+        ):
             with pytest.raises(InvalidArgument) as refused:
                 service.push_local(worker_id=0, clock=0, version=0, grad=grad)
             assert refused.value.reason is reason
@@ -133,8 +141,7 @@ def test_a_stopped_hosted_shard_refuses_and_a_regression_trains_on_the_plane(hos
     x, y, _, _ = make_problem()
     params, grad = np.zeros(REGRESSION.size, np.float32), np.empty(REGRESSION.size, np.float32)
     loss = lambda p: float(np.mean((x @ p[:-1] + p[-1] - y) ** 2))  # noqa: E731
-    with Client([s.address for s in servers], REGRESSION, world=1, init=params.copy(), deadline_s=20,
-                retry_s=1) as c:
+    with Client([s.address for s in servers], REGRESSION, world=1, init=params.copy(), deadline_s=20, retry_s=1) as c:
         for _ in range(60):
             c.pull(params)
             c.push(regression_grad(params, x, y, grad) * np.float32(0.2))
@@ -178,7 +185,7 @@ def test_overlap_auto_is_off_only_where_every_shard_is_in_the_workers_process():
     assert overlaps(auto, "async", ["local", "shm"]) and overlaps(auto, "async", ["ipc"])
     assert overlaps(on, "async", ["local"]) and not overlaps(off, "async", ["shm"])
     assert not overlaps(auto, "sync", ["shm"]) and not overlaps(on, "sync", ["local"])
-    assert overlaps(TrainConfig(pull_ahead=True), "async", ["local"])      # pulling ahead needs the overlap
+    assert overlaps(TrainConfig(pull_ahead=True), "async", ["local"])  # pulling ahead needs the overlap
     assert job_from_dict({}).train.overlap == "auto"
     assert job_from_dict({"train": {"overlap": False}}).train.overlap is False
     with pytest.raises(ConfigError, match='overlap must be true, false or "auto"'):

@@ -14,7 +14,7 @@ def test_expires_after_lease_s():
     leases.add(0, "host-a", now=100.0)
     leases.add(1, "host-b", now=102.0)
     assert leases.expired(100.0) == []
-    assert leases.expired(105.0) == []        # exactly lease_s: still alive
+    assert leases.expired(105.0) == []  # exactly lease_s: still alive
     assert leases.expired(105.001) == [0]
     assert leases.expired(107.0) == [0]
     assert sorted(leases.expired(107.5)) == [0, 1]
@@ -66,7 +66,7 @@ def test_a_live_heartbeat_does_not_count_as_progress():
     leases.add(0, "a", now=0.0)
     leases.add(1, "b", now=0.0)
     for t in range(1, 10):
-        leases.renew(0, now=float(t))       # heartbeats only: the process lives, its loop does not move
+        leases.renew(0, now=float(t))  # heartbeats only: the process lives, its loop does not move
         leases.renew(1, now=float(t))
         leases.progressed(1, now=float(t))  # pushes
     assert leases.expired(9.5) == []
@@ -87,10 +87,10 @@ def test_add_bumps_next_id():
     leases.add(5, "h", now=0.0)
     assert leases.next_id == 6
     assert leases.new_id() == 6
-    leases.add(2, "h", now=0.0)     # a lower id never moves next_id back
+    leases.add(2, "h", now=0.0)  # a lower id never moves next_id back
     assert leases.next_id == 7
     assert leases.new_id() == 7
-    leases.add(7, "h", now=0.0)     # an id just handed out, registered
+    leases.add(7, "h", now=0.0)  # an id just handed out, registered
     assert leases.new_id() == 8
 
 

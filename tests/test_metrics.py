@@ -35,8 +35,8 @@ def test_metrics_follow_pushes_pulls_and_evictions(cluster):
     clients[2].pull(buf).wait()
     for client in clients[:2]:
         client.pull(buf).wait()
-        client.push(grad).wait()          # two of three: round 0 closes
-    clients[2].push(grad).wait()          # late: dropped
+        client.push(grad).wait()  # two of three: round 0 closes
+    clients[2].push(grad).wait()  # late: dropped
     m = scrape(server)
     assert m[("ps_pushes_total", "")] == 3
     assert m[("ps_pulls_total", "")] == 3

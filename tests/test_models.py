@@ -131,10 +131,15 @@ def test_build_model_refuses_bad_names_and_shapes():
     model = build_model("mlp", (1, 28, 28), 10, hidden=(25,), activation="sigmoid")
     assert isinstance(model, Model)
     assert [(p.name, p.shape) for p in model.spec.params] == [
-        ("fc1.w", (784, 25)), ("fc1.b", (25,)), ("fc2.w", (25, 10)), ("fc2.b", (10,))]
+        ("fc1.w", (784, 25)),
+        ("fc1.b", (25,)),
+        ("fc2.w", (25, 10)),
+        ("fc2.b", (10,)),
+    ]
 
 
 # ---------------------------------------------------------------- training on the CPU, no servers
+
 
 @pytest.fixture(scope="module")
 def mnist():
@@ -185,7 +190,6 @@ def test_relu_mlp_minibatch_sgd_reaches_90_percent_test_accuracy(mnist, one_blas
 
 
 # ---------------------------------------------------------------- CuPy gives NumPy's numbers
-
 
 
 def relative_error(a, b):

@@ -25,10 +25,12 @@ def run_mpi(n: int, *args: str, timeout: float = 120, extra_env: dict | None = N
 
 def test_too_few_ranks_message():
     assert min_ranks(2) == 4
-    assert too_few_ranks_message(2, 3) == ("psctl mpi needs at least 4 ranks (1 coordinator + 2 shards "
-                                           "+ at least 1 worker); got 3")
-    assert too_few_ranks_message(1, 2) == ("psctl mpi needs at least 3 ranks (1 coordinator + 1 shard "
-                                           "+ at least 1 worker); got 2")
+    assert too_few_ranks_message(2, 3) == (
+        "psctl mpi needs at least 4 ranks (1 coordinator + 2 shards + at least 1 worker); got 3"
+    )
+    assert too_few_ranks_message(1, 2) == (
+        "psctl mpi needs at least 3 ranks (1 coordinator + 1 shard + at least 1 worker); got 2"
+    )
 
 
 def check_summary(out_dir: Path, shards: int, workers: int) -> dict:
@@ -53,8 +55,9 @@ def check_summary(out_dir: Path, shards: int, workers: int) -> dict:
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_four_ranks(tmp_path):
-    code, out, err, took = run_mpi(4, "--config", "mnist", "--shards", "1", "--steps", "40",
-                                   "--out", str(tmp_path / "run"))
+    code, out, err, took = run_mpi(
+        4, "--config", "mnist", "--shards", "1", "--steps", "40", "--out", str(tmp_path / "run")
+    )
     assert code == 0, err
     summary = check_summary(tmp_path / "run", shards=1, workers=2)
     assert "mnist (sync, 1 shard, 2 workers): 80 steps in " in out and "test accuracy" in out
@@ -67,8 +70,9 @@ def test_four_ranks(tmp_path):
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_six_ranks_two_shards(tmp_path):
-    code, out, err, took = run_mpi(6, "--config", "mnist", "--shards", "2", "--steps", "40",
-                                   "--out", str(tmp_path / "run"))
+    code, out, err, took = run_mpi(
+        6, "--config", "mnist", "--shards", "2", "--steps", "40", "--out", str(tmp_path / "run")
+    )
     assert code == 0, err
     summary = check_summary(tmp_path / "run", shards=2, workers=3)
     assert [s["end"] - s["begin"] for s in summary["shard_stats"]] == [50885, 50885]  # 101,770 parameters halved
@@ -77,8 +81,7 @@ def test_six_ranks_two_shards(tmp_path):
 
 @pytest.mark.mpi
 def test_too_few_ranks_fails_at_once(tmp_path):
-    code, out, err, took = run_mpi(2, "--config", "mnist", "--shards", "1", "--out", str(tmp_path / "run"),
-                                   timeout=60)
+    code, out, err, took = run_mpi(2, "--config", "mnist", "--shards", "1", "--out", str(tmp_path / "run"), timeout=60)
     assert code != 0
     assert "psctl mpi needs at least 3 ranks (1 coordinator + 1 shard + at least 1 worker); got 2" in err
     assert took < 30
@@ -88,13 +91,18 @@ def test_too_few_ranks_fails_at_once(tmp_path):
 @pytest.mark.mpi
 def test_more_workers_than_gpus_fails_at_once_on_every_rank(tmp_path):
     # 6 ranks, 1 shard: 4 workers for the 2 GPUs every rank sees
-    code, out, err, took = run_mpiexec(6, [str(FAKE_GPUS), "2", "--", "mpi", "--config", "mnist", "--shards", "1",
-                                           "--out", str(tmp_path / "run")], timeout=60)
+    code, out, err, took = run_mpiexec(
+        6,
+        [str(FAKE_GPUS), "2", "--", "mpi", "--config", "mnist", "--shards", "1", "--out", str(tmp_path / "run")],
+        timeout=60,
+    )
     assert code == 2, err
     lines = [line for line in err.splitlines() if line.startswith("psctl mpi")]
-    assert lines == ["psctl mpi: error: 6 ranks leave 4 workers beside the coordinator and 1 shard, for 2 GPUs on "
-                     "1 node; run 4 ranks (-n 4), or keep 6 ranks with --shards 3 for one worker per GPU, or let "
-                     "workers share GPUs with --oversubscribe"], err
+    assert lines == [
+        "psctl mpi: error: 6 ranks leave 4 workers beside the coordinator and 1 shard, for 2 GPUs on "
+        "1 node; run 4 ranks (-n 4), or keep 6 ranks with --shards 3 for one worker per GPU, or let "
+        "workers share GPUs with --oversubscribe"
+    ], err
     assert "Traceback" not in err
     assert not (tmp_path / "run").exists()
     assert took < 30
@@ -107,14 +115,35 @@ def test_each_worker_trains_on_a_gpu_of_its_own(tmp_path):
     cupy = cupy_or_skip()
     total = cupy.cuda.runtime.getDeviceCount()
     gpus = min(total, 4)
-    code, _, err, _ = run_mpi(2 + gpus, "--config", "mnist", "--shards", "1", "--steps", "40", "--device", "gpu",
-                              "--out", str(tmp_path / "run"))
+    code, _, err, _ = run_mpi(
+        2 + gpus,
+        "--config",
+        "mnist",
+        "--shards",
+        "1",
+        "--steps",
+        "40",
+        "--device",
+        "gpu",
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert code == 0, err
     summary = check_summary(tmp_path / "run", shards=1, workers=gpus)
     assert sorted(w["device"] for w in summary["worker_results"]) == [f"cuda:{i}" for i in range(gpus)]
     # one worker more than there are GPUs: refused on every rank before anything starts
-    code, _, err, took = run_mpi(3 + total, "--config", "mnist", "--shards", "1", "--device", "gpu",
-                                 "--out", str(tmp_path / "refused"), timeout=60)
+    code, _, err, took = run_mpi(
+        3 + total,
+        "--config",
+        "mnist",
+        "--shards",
+        "1",
+        "--device",
+        "gpu",
+        "--out",
+        str(tmp_path / "refused"),
+        timeout=60,
+    )
     assert code == 2 and f"psctl mpi: error: {3 + total} ranks leave {1 + total} workers" in err, err
     assert not (tmp_path / "refused").exists()
 
@@ -142,7 +171,7 @@ def test_an_aborted_job_leaves_no_mpich_file_in_dev_shm():
     assert code != 0
     # the ranks' lines may run together in mpiexec's forwarding: find the names, not the lines
     mapped = set(re.findall(r"/dev/shm/mpich_shm_[0-9a-f]+_[0-9]+", out))
-    assert out.count(" mapped /dev/shm/mpich_shm_") == 3 and len(mapped) == 1, out + err   # one file per node
+    assert out.count(" mapped /dev/shm/mpich_shm_") == 3 and len(mapped) == 1, out + err  # one file per node
     assert not Path(next(iter(mapped))).exists()
 
 
@@ -171,7 +200,7 @@ def test_an_aborted_job_leaves_no_hydra_topology_file_in_tmp():
     code, out, err, _ = run_mpiexec(2, ["-c", ABORT_SCRIPT], timeout=60)
     assert code == 3, out + err
     assert set(glob(LEFTOVERS)) - before == set()
-    assert LOCAL_MPI_ENV.items() >= ENV.items()         # psctl compare's own mpiexec gets the same
+    assert LOCAL_MPI_ENV.items() >= ENV.items()  # psctl compare's own mpiexec gets the same
 
 
 def test_mapped_init_shm_reads_only_named_mpich_files(tmp_path):
@@ -181,7 +210,8 @@ def test_mapped_init_shm_reads_only_named_mpich_files(tmp_path):
         "7f0000400000-7f0000800000 rw-s 00000000 00:1a 123 /dev/shm/mpich_shm_1a2b3c_0\n"
         "7f0000800000-7f0000900000 rw-s 00000000 00:1a 124 /dev/shm/mpich_shm_99_0 (deleted)\n"
         "7f0000900000-7f0000a00000 rw-s 00000000 00:1a 125 /dev/shm/other_file\n"
-        "7f0000a00000-7f0000b00000 rw-p 00000000 00:00 0 \n")
+        "7f0000a00000-7f0000b00000 rw-p 00000000 00:00 0 \n"
+    )
     assert mapped_init_shm(str(maps)) == ["/dev/shm/mpich_shm_1a2b3c_0"]
     assert mapped_init_shm(str(tmp_path / "absent")) == []
 
@@ -192,9 +222,25 @@ def test_mapped_init_shm_reads_only_named_mpich_files(tmp_path):
 def test_a_rank_that_raises_ends_the_job(tmp_path, rank):
     out = tmp_path / "run"
     busy = out / "metrics" / "worker-0.jsonl"  # the rank raises once worker 0 (rank 2) is training
-    code, stdout, err, took = run_mpiexec(4, [str(RAISE_ON_RANK), str(rank), str(busy), "--",
-                                              "mpi", "--config", "mnist", "--shards", "1", "--steps", "100000",
-                                              "--out", str(out)], timeout=120)
+    code, stdout, err, took = run_mpiexec(
+        4,
+        [
+            str(RAISE_ON_RANK),
+            str(rank),
+            str(busy),
+            "--",
+            "mpi",
+            "--config",
+            "mnist",
+            "--shards",
+            "1",
+            "--steps",
+            "100000",
+            "--out",
+            str(out),
+        ],
+        timeout=120,
+    )
     ended = time.time()
     assert code != 0
     assert f"psctl mpi: rank {rank} on " in err and "failed; aborting the job" in err, f"{code}\n{stdout}\n{err}"
@@ -245,8 +291,9 @@ def test_every_srun_line_of_the_readme_and_the_help_names_its_pmi_plugin():
     from psgrid.cluster.commands.mpi import EXAMPLES
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    lines = [line.strip() for text in (EXAMPLES, readme) for line in text.splitlines()
-             if line.strip().startswith("srun ")]
+    lines = [
+        line.strip() for text in (EXAMPLES, readme) for line in text.splitlines() if line.strip().startswith("srun ")
+    ]
     assert len(lines) >= 4
     assert all(line.startswith("srun --mpi=") for line in lines), [x for x in lines if "--mpi=" not in x]
 
@@ -261,9 +308,15 @@ def test_slurm_host_and_task_lists_expand_as_slurm_writes_them():
 
 
 # What sbatch --nodes=2 --ntasks=11 --gres=gpu:4 sets in its batch script (no SLURM_GPUS_PER_NODE there)
-FAKE_ALLOCATION = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "11", "SLURM_NNODES": "2",
-                   "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_TASKS_PER_NODE": "6,5",
-                   "SLURM_JOB_GPUS": "0,1,2,3", "SLURM_GRES": "gpu:4"}
+FAKE_ALLOCATION = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_NTASKS": "11",
+    "SLURM_NNODES": "2",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_TASKS_PER_NODE": "6,5",
+    "SLURM_JOB_GPUS": "0,1,2,3",
+    "SLURM_GRES": "gpu:4",
+}
 
 
 def run_plan(tmp_path: Path, *args: str, env: dict | None = None):
@@ -273,23 +326,31 @@ def run_plan(tmp_path: Path, *args: str, env: dict | None = None):
 
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PMI_", "OMPI_", "CUDA_VISIBLE"))}
     clean.update(**(env or {}))
-    return subprocess.run([sys.executable, "-m", "psgrid.cluster.cli", "mpi", "--plan", *args], cwd=tmp_path,
-                          env=clean, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "psgrid.cluster.cli", "mpi", "--plan", *args],
+        cwd=tmp_path,
+        env=clean,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_plan_prints_the_layout_of_the_slurm_allocation_without_starting_anything(tmp_path):
     result = run_plan(tmp_path, "--config", "mnist", "--shards", "2", env=FAKE_ALLOCATION)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0] == ("psctl mpi --plan (Slurm job 4242: 11 ranks on 2 nodes, 4 GPUs each): 1 coordinator, "
-                        "2 shards, 8 workers; nothing started"), lines[0]
+    assert lines[0] == (
+        "psctl mpi --plan (Slurm job 4242: 11 ranks on 2 nodes, 4 GPUs each): 1 coordinator, "
+        "2 shards, 8 workers; nothing started"
+    ), lines[0]
     rows = [line.split() for line in lines[2:]]
     # the first node (6 tasks): the coordinator, a shard and 4 workers; the second (5): a shard and 4 workers
     assert rows[0] == ["0", "gpu07", "coordinator", "-"]
     assert [r[1:] for r in rows if r[2] == "shard"] == [["gpu07", "shard", "0", "-"], ["gpu08", "shard", "1", "-"]]
     workers = [(r[1], r[4]) for r in rows if r[2] == "worker"]
     assert workers == [("gpu07", g) for g in "0123"] + [("gpu08", g) for g in "0123"], workers
-    assert list(tmp_path.iterdir()) == [] and result.stderr == ""         # no runs/ folder, no MPI
+    assert list(tmp_path.iterdir()) == [] and result.stderr == ""  # no runs/ folder, no MPI
 
 
 def test_plan_of_given_numbers_names_the_fix_as_the_job_would(tmp_path):
@@ -298,11 +359,13 @@ def test_plan_of_given_numbers_names_the_fix_as_the_job_would(tmp_path):
     assert result.stderr.strip() == (
         "psctl mpi: error: 12 ranks leave 9 workers beside the coordinator and 2 shards, for 8 GPUs on 2 nodes; "
         "run 11 ranks (srun -N 2 -n 11 --gpus-per-node=4), or keep 12 ranks with --shards 3 for one worker per "
-        "GPU, or let workers share GPUs with --oversubscribe")
-    cpu = run_plan(tmp_path, "--np", "4", "--shards", "1")     # no GPUs: ranks 1..S serve
+        "GPU, or let workers share GPUs with --oversubscribe"
+    )
+    cpu = run_plan(tmp_path, "--np", "4", "--shards", "1")  # no GPUs: ranks 1..S serve
     assert cpu.returncode == 0, cpu.stderr
     assert [line.split()[2] for line in cpu.stdout.splitlines()[2:]] == ["coordinator", "shard", "worker", "worker"]
     alone = run_plan(tmp_path)
-    assert alone.returncode == 2 and "--plan needs the number of ranks" in alone.stderr \
-        and alone.stderr.count("\n") == 1
+    assert (
+        alone.returncode == 2 and "--plan needs the number of ranks" in alone.stderr and alone.stderr.count("\n") == 1
+    )
     assert list(tmp_path.iterdir()) == []

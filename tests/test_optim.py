@@ -10,8 +10,8 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from psgrid.psserver.kernels import optim
 from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.kernels import optim
 from psgrid.psserver.kernels.optim import SGD, Adam, check_settings, make_optimizer
 
 STEPS = 4
@@ -42,8 +42,8 @@ def ref_adam(w, grads, scales, lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_deca
         g = g.astype(np.float64) + weight_decay * w
         m = beta1 * m + (1 - beta1) * g
         v = beta2 * v + (1 - beta2) * g * g
-        denom = np.sqrt(v) / np.sqrt(1 - beta2 ** t) + eps
-        w = w - lr * s / (1 - beta1 ** t) * m / denom
+        denom = np.sqrt(v) / np.sqrt(1 - beta2**t) + eps
+        w = w - lr * s / (1 - beta1**t) * m / denom
     return w
 
 
@@ -99,12 +99,12 @@ def test_threads_over_chunks_give_the_same_bits_as_one_and_write_only_out(monkey
     from psgrid.psserver.kernels import parallel
 
     monkeypatch.setattr(parallel, "MIN_CHUNK", 100)
-    size = 1003                                            # parts of uneven length, many 64-element blocks
+    size = 1003  # parts of uneven length, many 64-element blocks
     monkeypatch.setattr(optim, "BLOCK", 64)
     w, grads = data(size)
     chunks = parallel.Chunks(3)
     try:
-        assert len(chunks.split(size)) > 3                # more parts than threads: taken in turn
+        assert len(chunks.split(size)) > 3  # more parts than threads: taken in turn
         one, three = make_optimizer(name, size, **hp), make_optimizer(name, size, chunks=chunks, **hp)
         w1, w3 = w.copy(), w.copy()
         for g, s in zip(grads, SCALES):
@@ -112,8 +112,8 @@ def test_threads_over_chunks_give_the_same_bits_as_one_and_write_only_out(monkey
             one.step(w1, g, lr_scale=s, out=out1)
             before = w3.copy()
             three.step(w3, g, lr_scale=s, out=out3)
-            np.testing.assert_array_equal(w3, before)       # the weights read are never written
-            np.testing.assert_array_equal(out3, out1)      # every element written, bit for bit the same
+            np.testing.assert_array_equal(w3, before)  # the weights read are never written
+            np.testing.assert_array_equal(out3, out1)  # every element written, bit for bit the same
             w1, w3 = out1, out3
         for key, value in one.state_dict().items():
             np.testing.assert_array_equal(three.state_dict()[key], value)
@@ -138,7 +138,7 @@ def test_a_failing_part_is_raised_once_every_part_begun_has_ended():
     try:
         with pytest.raises(ValueError, match="part at 1M"):
             chunks.map(work, 3 << 20)
-        assert sorted(ended) == sorted(lo for lo in began if lo != 1 << 20)    # nothing still running
+        assert sorted(ended) == sorted(lo for lo in began if lo != 1 << 20)  # nothing still running
     finally:
         chunks.close()
 
@@ -155,7 +155,7 @@ def test_the_threads_that_run_take_over_the_parts_of_one_held_up(monkeypatch):
 
     def work(lo, hi, thread):
         if thread == 1 and not by_thread[1]:
-            others_done.wait(10)            # held up until the caller's thread has done the rest
+            others_done.wait(10)  # held up until the caller's thread has done the rest
         with lock:
             by_thread[thread].append((lo, hi))
             if len(by_thread[0]) >= len(parts) - 1:
@@ -165,15 +165,14 @@ def test_the_threads_that_run_take_over_the_parts_of_one_held_up(monkeypatch):
         chunks.map(work, 800)
         assert others_done.is_set()
         assert len(by_thread[0]) >= len(parts) - 1
-        assert sorted(by_thread[0] + by_thread[1]) == parts          # each part once
+        assert sorted(by_thread[0] + by_thread[1]) == parts  # each part once
     finally:
         chunks.close()
 
 
 def test_grad_not_modified(small_block):
     w, grads = data(200)
-    for opt in (SGD(200, 0.1, momentum=0.9, nesterov=True, weight_decay=0.1),
-                Adam(200, 0.01, weight_decay=0.1)):
+    for opt in (SGD(200, 0.1, momentum=0.9, nesterov=True, weight_decay=0.1), Adam(200, 0.01, weight_decay=0.1)):
         g = grads[0].copy()
         opt.step(w, g, lr_scale=0.5)
         np.testing.assert_array_equal(g, grads[0])
@@ -219,8 +218,7 @@ def test_state_loads_from_npz_form():
     w, (g,) = data(10, steps=1)
     a = SGD(10, 0.1, momentum=0.9)
     a.step(w, g)
-    state = {k: np.asarray(v, dtype=np.float64 if k != "steps" else np.int64)
-             for k, v in a.state_dict().items()}
+    state = {k: np.asarray(v, dtype=np.float64 if k != "steps" else np.int64) for k, v in a.state_dict().items()}
     b = SGD(10, 0.1, momentum=0.9)
     b.load_state_dict(state)
     assert b.steps == 1 and isinstance(b.steps, int)
@@ -276,22 +274,41 @@ def test_state_of_other_optimizer_is_refused():
         SGD(10, 0.1).load_state_dict(sgd.state_dict())
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(lr=0.0), dict(lr=-1.0), dict(lr=float("nan")), dict(lr=float("inf")), dict(lr="0.1"),
-    dict(lr=True), dict(lr=0.1, momentum=1.0), dict(lr=0.1, momentum=-0.1),
-    dict(lr=0.1, nesterov=True), dict(lr=0.1, momentum=0.9, nesterov="yes"),
-    dict(lr=0.1, weight_decay=-1e-4), dict(lr=0.1, weight_decay=float("nan")),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(lr=0.0),
+        dict(lr=-1.0),
+        dict(lr=float("nan")),
+        dict(lr=float("inf")),
+        dict(lr="0.1"),
+        dict(lr=True),
+        dict(lr=0.1, momentum=1.0),
+        dict(lr=0.1, momentum=-0.1),
+        dict(lr=0.1, nesterov=True),
+        dict(lr=0.1, momentum=0.9, nesterov="yes"),
+        dict(lr=0.1, weight_decay=-1e-4),
+        dict(lr=0.1, weight_decay=float("nan")),
+    ],
+)
 def test_bad_sgd_hyperparameters(kwargs):
     with pytest.raises(InvalidArgument):
         make_optimizer("sgd", 10, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(lr=0.0), dict(lr=0.1, beta1=1.0), dict(lr=0.1, beta1=-0.5), dict(lr=0.1, beta2=1.0),
-    dict(lr=0.1, beta2=float("nan")), dict(lr=0.1, eps=0.0), dict(lr=0.1, eps=-1e-8),
-    dict(lr=0.1, weight_decay=-0.1),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(lr=0.0),
+        dict(lr=0.1, beta1=1.0),
+        dict(lr=0.1, beta1=-0.5),
+        dict(lr=0.1, beta2=1.0),
+        dict(lr=0.1, beta2=float("nan")),
+        dict(lr=0.1, eps=0.0),
+        dict(lr=0.1, eps=-1e-8),
+        dict(lr=0.1, weight_decay=-0.1),
+    ],
+)
 def test_bad_adam_hyperparameters(kwargs):
     with pytest.raises(InvalidArgument):
         make_optimizer("adam", 10, **kwargs)
@@ -314,16 +331,27 @@ def test_messages_name_the_problem():
 
 # Every setting out of its bounds, with the words of the refusal (kernels/optim.py's BOUNDS).
 OUT_OF_BOUNDS = [
-    ("lr", float("inf"), "lr must be finite and > 0"), ("lr", 0.0, "lr must be finite and > 0"),
-    ("lr", float("nan"), "lr must be finite and > 0"), ("momentum", 1.0, "momentum must be in [0, 1)"),
-    ("momentum", -0.1, "momentum must be in [0, 1)"), ("weight_decay", float("inf"), "weight_decay must be finite"),
-    ("weight_decay", -1e-4, "weight_decay must be finite and >= 0"), ("beta1", 1.0, "beta1 must be in [0, 1)"),
-    ("beta2", float("nan"), "beta2 must be in [0, 1)"), ("eps", 0.0, "eps must be finite and > 0"),
+    ("lr", float("inf"), "lr must be finite and > 0"),
+    ("lr", 0.0, "lr must be finite and > 0"),
+    ("lr", float("nan"), "lr must be finite and > 0"),
+    ("momentum", 1.0, "momentum must be in [0, 1)"),
+    ("momentum", -0.1, "momentum must be in [0, 1)"),
+    ("weight_decay", float("inf"), "weight_decay must be finite"),
+    ("weight_decay", -1e-4, "weight_decay must be finite and >= 0"),
+    ("beta1", 1.0, "beta1 must be in [0, 1)"),
+    ("beta2", float("nan"), "beta2 must be in [0, 1)"),
+    ("eps", 0.0, "eps must be finite and > 0"),
     ("eps", float("inf"), "eps must be finite and > 0"),
 ]
 
-USED_BY = {"lr": ("sgd", "adam"), "weight_decay": ("sgd", "adam"), "momentum": ("sgd",), "beta1": ("adam",),
-           "beta2": ("adam",), "eps": ("adam",)}
+USED_BY = {
+    "lr": ("sgd", "adam"),
+    "weight_decay": ("sgd", "adam"),
+    "momentum": ("sgd",),
+    "beta1": ("adam",),
+    "beta2": ("adam",),
+    "eps": ("adam",),
+}
 
 
 @pytest.mark.parametrize(("name", "value", "words"), OUT_OF_BOUNDS)
@@ -341,7 +369,7 @@ def test_the_bounds_are_stated_once_the_job_check_and_the_optimizers_refuse_alik
 
 def test_the_job_check_refuses_a_setting_its_optimizer_does_not_use():
     """momentum = 1.5 with Adam is as much a mistake as with SGD: refused before anything starts."""
-    make_optimizer("adam", 10, lr=0.1, momentum=1.5)              # Adam itself ignores it
+    make_optimizer("adam", 10, lr=0.1, momentum=1.5)  # Adam itself ignores it
     with pytest.raises(InvalidArgument, match=re.escape("momentum must be in [0, 1), got 1.5")):
         check_settings(dict(lr=0.1, momentum=1.5))
     with pytest.raises(InvalidArgument, match="nesterov needs momentum > 0"):
@@ -349,20 +377,26 @@ def test_the_job_check_refuses_a_setting_its_optimizer_does_not_use():
 
 
 def test_one_settings_dict_serves_both():
-    settings = dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-4,
-                    beta1=0.9, beta2=0.999, eps=1e-8)
+    settings = dict(lr=0.01, momentum=0.9, nesterov=True, weight_decay=1e-4, beta1=0.9, beta2=0.999, eps=1e-8)
     sgd = make_optimizer("sgd", 10, **settings)
     adam = make_optimizer("adam", 10, **settings)
     assert isinstance(sgd, SGD) and sgd.momentum == 0.9 and sgd.nesterov
     assert isinstance(adam, Adam) and adam.beta2 == 0.999 and adam.weight_decay == 1e-4
 
 
-@pytest.mark.parametrize("bad", [
-    dict(weights=np.zeros(11, np.float32)), dict(grad=np.zeros(9, np.float32)),
-    dict(grad=np.zeros(10, np.float64)), dict(weights=np.zeros((2, 5), np.float32)),
-    dict(grad=[0.0] * 10), dict(lr_scale=0.0), dict(lr_scale=float("nan")),
-    dict(weights=np.frombuffer(np.ones(10, np.float32).tobytes(), np.float32)),  # read-only
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(weights=np.zeros(11, np.float32)),
+        dict(grad=np.zeros(9, np.float32)),
+        dict(grad=np.zeros(10, np.float64)),
+        dict(weights=np.zeros((2, 5), np.float32)),
+        dict(grad=[0.0] * 10),
+        dict(lr_scale=0.0),
+        dict(lr_scale=float("nan")),
+        dict(weights=np.frombuffer(np.ones(10, np.float32).tobytes(), np.float32)),  # read-only
+    ],
+)
 def test_bad_step_arguments_change_nothing(bad):
     opt = SGD(10, 0.1, momentum=0.9)
     args = dict(weights=np.ones(10, np.float32), grad=np.ones(10, np.float32), lr_scale=1.0) | bad
@@ -383,10 +417,13 @@ def _peak_bytes(fn) -> int:
         tracemalloc.stop()
 
 
-@pytest.mark.parametrize(("name", "hp"), [
-    ("sgd", dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)),
-    ("adam", dict(lr=1e-3, weight_decay=1e-4)),
-])
+@pytest.mark.parametrize(
+    ("name", "hp"),
+    [
+        ("sgd", dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4)),
+        ("adam", dict(lr=1e-3, weight_decay=1e-4)),
+    ],
+)
 def test_step_allocates_no_parameter_sized_arrays(name, hp):
     size = 4 << 20
     w = np.zeros(size, np.float32)
@@ -398,17 +435,24 @@ def test_step_allocates_no_parameter_sized_arrays(name, hp):
     assert peak < w.nbytes // 64, f"step allocated {peak} bytes at peak for a {w.nbytes}-byte range"
 
 
-@pytest.mark.parametrize(("name", "hp"), [("sgd", dict(lr=0.1)), ("sgd", dict(lr=0.1, weight_decay=0.01)),
-                                          ("sgd", dict(lr=0.1, momentum=0.9)), ("adam", dict(lr=0.01))],
-                         ids=["sgd", "sgd-wd", "momentum", "adam"])
+@pytest.mark.parametrize(
+    ("name", "hp"),
+    [
+        ("sgd", dict(lr=0.1)),
+        ("sgd", dict(lr=0.1, weight_decay=0.01)),
+        ("sgd", dict(lr=0.1, momentum=0.9)),
+        ("adam", dict(lr=0.01)),
+    ],
+    ids=["sgd", "sgd-wd", "momentum", "adam"],
+)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_a_checked_step_refuses_a_non_finite_gradient_and_changes_no_state(small_block, name, hp, bad):
     w, grads = data(1000)
     opt = make_optimizer(name, 1000, **hp)
-    opt.step(w, grads[0])                                  # some state to keep
+    opt.step(w, grads[0])  # some state to keep
     state, weights = opt.state_dict(), w.copy()
     poisoned = grads[1].copy()
-    poisoned[777] = bad                                    # in a late block: earlier ones pass the check
+    poisoned[777] = bad  # in a late block: earlier ones pass the check
     with pytest.raises(InvalidArgument, match="NaN or infinity") as refused:
         opt.step(w, poisoned, out=np.empty_like(w), check_finite=True)
     assert refused.value.reason.name == "NON_FINITE"
@@ -418,7 +462,7 @@ def test_a_checked_step_refuses_a_non_finite_gradient_and_changes_no_state(small
     for key in state:
         np.testing.assert_array_equal(after[key], state[key])
     out = np.empty_like(w)
-    opt.step(w, grads[1], out=out, check_finite=True)      # a clean gradient passes, the same as unchecked
+    opt.step(w, grads[1], out=out, check_finite=True)  # a clean gradient passes, the same as unchecked
     reference = make_optimizer(name, 1000, **hp)
     reference.load_state_dict(state)
     expected = np.empty_like(w)

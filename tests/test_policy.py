@@ -374,7 +374,7 @@ def test_join_running_job_starts_at_slowest_clock(mode):
 @pytest.mark.parametrize("mode", ["sync", "ssp"])
 def test_holding_back_names_the_workers_others_wait_on(mode):
     policy = make(mode, 3, staleness=1)
-    assert not any(policy.holding_back(w) for w in range(3))       # nobody has moved yet
+    assert not any(policy.holding_back(w) for w in range(3))  # nobody has moved yet
     for w in (0, 1):
         for c in range(3 if mode == "ssp" else 1):
             policy.on_push(w, c)
@@ -382,7 +382,7 @@ def test_holding_back_names_the_workers_others_wait_on(mode):
     assert [policy.holding_back(w) for w in range(3)] == [False, False, True]
     policy.on_push(2, 0)
     policy.rounds_to_close()
-    assert policy.holding_back(2) is (mode == "ssp")     # ssp: 1 is still more than the bound behind 3
+    assert policy.holding_back(2) is (mode == "ssp")  # ssp: 1 is still more than the bound behind 3
     assert not policy.holding_back(99)
 
 

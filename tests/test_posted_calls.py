@@ -29,8 +29,8 @@ class HostLanding:
 
     def __init__(self, size: int):
         self.target = np.zeros(size, np.float32)
-        self.queued: list[tuple[int, int]] = []     # (thread, begin) of each copy started
-        self.copied: list[int] = []                  # begin of each copy made the usual way
+        self.queued: list[tuple[int, int]] = []  # (thread, begin) of each copy started
+        self.copied: list[int] = []  # begin of each copy made the usual way
         self.waits = 0
 
     def queue(self, begin, end, values):
@@ -76,11 +76,11 @@ def test_an_async_posted_pull_starts_every_copy_on_the_callers_thread_and_ends_o
         client.push(ONES).wait()
         landing = HostLanding(SPEC.size)
         handle = client.post_pull(landing)
-        assert landing.queued == []                    # requests sent; answers read when the caller has time
+        assert landing.queued == []  # requests sent; answers read when the caller has time
         handle.advance()
         # In async the shards answered at once: every copy started here, and each buffer is still marked.
         assert landing.queued == [(threading.get_ident(), begin) for begin, _ in client.ranges]
-        handle.advance()                               # made once
+        handle.advance()  # made once
         assert len(landing.queued) == 3 and not handle.done() and landing.waits == 0
         planes = client._conn.planes
         assert all((plane.marks != NO_MARK).sum() == 1 for plane in planes)
@@ -99,7 +99,7 @@ def test_a_sync_posted_pull_reads_its_answers_when_waited_for(cluster):
         client.push(ONES).wait()
         landing = HostLanding(SPEC.size)
         handle = client.post_pull(landing)
-        handle.advance()                               # nothing to do before the wait in sync
+        handle.advance()  # nothing to do before the wait in sync
         assert landing.queued == []
         assert handle.wait() == [1, 1]
         assert sorted(begin for _, begin in landing.queued) == [0, client.ranges[1][0]]
@@ -114,13 +114,13 @@ def test_a_posted_copy_the_shard_took_back_is_pulled_again(cluster):
         landing = HostLanding(SPEC.size)
         handle = client.post_pull(landing)
         handle.advance()
-        landing.target[:] = 99.0                       # as a torn copy would leave it
+        landing.target[:] = 99.0  # as a torn copy would leave it
         plane = client._conn.planes[1]
         plane.marks[plane.marks != NO_MARK] = REVOKED  # what the shard writes when it takes a buffer back
         assert handle.wait() == [0, 0]
-        assert landing.copied == [client.ranges[1][0]]          # shard 1 only, read again the usual way
-        np.testing.assert_array_equal(landing.target[client.ranges[1][0]:], INIT[client.ranges[1][0]:])
-        assert (landing.target[:client.ranges[0][1]] == 99.0).all()   # shard 0's copy stood
+        assert landing.copied == [client.ranges[1][0]]  # shard 1 only, read again the usual way
+        np.testing.assert_array_equal(landing.target[client.ranges[1][0] :], INIT[client.ranges[1][0] :])
+        assert (landing.target[: client.ranges[0][1]] == 99.0).all()  # shard 0's copy stood
 
 
 @pytest.mark.timeout(30)
@@ -148,7 +148,7 @@ def test_a_posted_push_that_is_refused_is_refused_once(cluster, monkeypatch):
     with c.client(SPEC, init=SPEC.flat()) as client:
         made = posted_calls(monkeypatch, "push")
         bad = ONES.copy()
-        bad[-1] = np.nan                                        # in shard 1's range only
+        bad[-1] = np.nan  # in shard 1's range only
         handle = client.push(bad, background=True)
         with pytest.raises(InvalidArgument) as err:
             handle.wait()
@@ -203,5 +203,5 @@ def test_a_plane_is_closed_only_once_a_posted_pulls_copies_have_ended(cluster, m
         assert handle.wait() == [0, 0]
         np.testing.assert_array_equal(landing.target, INIT)
         events.clear()
-        client._conn.drop_plane(1)                     # nothing in flight now: closed without a wait
+        client._conn.drop_plane(1)  # nothing in flight now: closed without a wait
         assert events == []

@@ -14,20 +14,29 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.timeout(60)
 def test_generated_code_matches_proto(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_proto.py"), str(tmp_path)], check=True,
-                   capture_output=True, timeout=50)
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), str(tmp_path)],
+        check=True,
+        capture_output=True,
+        timeout=50,
+    )
     for name in ("ps_pb2.py", "ps_pb2.pyi", "ps_pb2_grpc.py"):
         committed = (ROOT / "psserver" / "rpc" / name).read_text()
         assert (tmp_path / name).read_text() == committed, (
-            f"psserver/rpc/{name} is stale: run `python scripts/gen_proto.py` and commit the result")
+            f"psserver/rpc/{name} is stale: run `python scripts/gen_proto.py` and commit the result"
+        )
 
 
 def test_every_rpc_and_field_is_commented():
     lines = (ROOT / "proto" / "ps.proto").read_text().splitlines()
     for i, line in enumerate(lines):
         stripped = line.strip()
-        is_field = stripped and "=" in stripped and stripped.endswith(";") and not stripped.startswith(
-            ("//", "syntax", "option"))
+        is_field = (
+            stripped
+            and "=" in stripped
+            and stripped.endswith(";")
+            and not stripped.startswith(("//", "syntax", "option"))
+        )
         if stripped.startswith("rpc ") or is_field:
             commented = "//" in line or lines[i - 1].strip().startswith("//")
             assert commented, f"proto/ps.proto:{i + 1} has no comment: {stripped}"
@@ -38,8 +47,12 @@ def test_generated_code_does_not_refuse_older_runtimes():
     # and pyproject.toml's lower bounds are what scripts/check_oldest_deps.py runs the wire tests on.
     for name in ("ps_pb2.py", "ps_pb2_grpc.py"):
         text = (ROOT / "psserver" / "rpc" / name).read_text()
-        for check in ("ValidateProtobufRuntimeVersion", "runtime_version", "GRPC_GENERATED_VERSION",
-                      "first_version_is_lower"):
+        for check in (
+            "ValidateProtobufRuntimeVersion",
+            "runtime_version",
+            "GRPC_GENERATED_VERSION",
+            "first_version_is_lower",
+        ):
             assert check not in text, f"psserver/rpc/{name} has {check}: regenerate with scripts/gen_proto.py"
 
 

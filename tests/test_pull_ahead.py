@@ -49,7 +49,7 @@ class RecordingExchange:
         self.mode = mode
         self.weights, self.version, self.pushes = init.copy(), 0, 0
         self.restart_after, self.restarted, self.first_pull_since_restart = restart_after, False, None
-        self.buffers: list[np.ndarray] = []      # the flat arrays pulls wrote into, in order of first use
+        self.buffers: list[np.ndarray] = []  # the flat arrays pulls wrote into, in order of first use
         self.log: list[tuple] = []
 
     def __enter__(self):
@@ -72,8 +72,8 @@ class RecordingExchange:
     def pull(self, out: np.ndarray, *, background: bool = False) -> Done:
         which, version = self.buffer_of(out), self.version
         if self.restarted and self.first_pull_since_restart is None:
-            self.first_pull_since_restart = self.pushes        # the pull's clock
-        np.copyto(out, self.weights)           # written when issued: the worst case for a reader of ``out``
+            self.first_pull_since_restart = self.pushes  # the pull's clock
+        np.copyto(out, self.weights)  # written when issued: the worst case for a reader of ``out``
         self.log.append(("pull", which, version))
         handle = Done(lambda: (self.log.append(("pulled", which, version)), [version])[1])
         if not background:
@@ -91,7 +91,7 @@ class RecordingExchange:
                 assert versions[0] <= self.version, f"push {clock} names {versions}, the shard is at {self.version}"
             self.weights -= 0.5 * grad
             self.version += 1
-            if clock == self.restart_after:             # the shard goes back to its checkpoint of 3 versions ago
+            if clock == self.restart_after:  # the shard goes back to its checkpoint of 3 versions ago
                 self.version, self.restarted = self.version - 3, True
             return [PushResult(Outcome.APPLIED, self.version, self.version - 1 - (versions or [0])[0], clock + 1)]
 
@@ -113,11 +113,17 @@ class RecordingModel:
 
 
 def run_recorded(pull_ahead: bool, mode: str = "async", restart_after: int | None = None) -> RecordingExchange:
-    train = TrainConfig(model="softmax", dataset="digits", batch_size=32, steps=STEPS, eval_every=0,
-                        init_scale=0.1, pull_ahead=pull_ahead)
+    train = TrainConfig(
+        model="softmax",
+        dataset="digits",
+        batch_size=32,
+        steps=STEPS,
+        eval_every=0,
+        init_scale=0.1,
+        pull_ahead=pull_ahead,
+    )
     xp, device, data, model = build(train, 0, 1, device="cpu")
-    exchange = RecordingExchange(model.spec.pack(model.init_params(train.seed, train.init_scale)), mode,
-                                 restart_after)
+    exchange = RecordingExchange(model.spec.pack(model.init_params(train.seed, train.init_scale)), mode, restart_after)
     result = train_loop(train, exchange, 0, xp, device, data, RecordingModel(model, exchange))
     assert result["steps"] == STEPS and np.isfinite(result["final_loss"])
     return exchange
@@ -139,14 +145,14 @@ def test_a_buffer_being_pulled_into_is_never_the_one_the_model_reads():
     in_flight = set()
     for i, event in enumerate(log):
         if event[0] == "pull":
-            assert event[1] not in in_flight, f"two pulls into buffer {event[1]} at once: {log[:i + 1]}"
+            assert event[1] not in in_flight, f"two pulls into buffer {event[1]} at once: {log[: i + 1]}"
             in_flight.add(event[1])
         elif event[0] == "pulled":
             in_flight.discard(event[1])
         elif event[0] == "compute":
-            assert event[1] not in in_flight, f"the model read buffer {event[1]} while a pull wrote it: {log[:i + 1]}"
+            assert event[1] not in in_flight, f"the model read buffer {event[1]} while a pull wrote it: {log[: i + 1]}"
     computes = [e for e in log if e[0] == "compute"]
-    assert len(computes) == STEPS and {e[1] for e in computes} == {0, 1}      # two buffers, taken in turn
+    assert len(computes) == STEPS and {e[1] for e in computes} == {0, 1}  # two buffers, taken in turn
     assert [e[1] for e in computes] == [i % 2 for i in range(STEPS)]
     # The next step's pull is made before this step computes, and none after the last step's start.
     pulls = [i for i, e in enumerate(log) if e[0] == "pull"]
@@ -183,7 +189,7 @@ def test_every_mode_pulls_when_each_step_starts_unless_asked():
     for mode, pull_ahead in (("sync", False), ("ssp", False), ("async", False), ("sync", True)):
         log = run_recorded(pull_ahead, mode).log
         assert [e[0] for e in log[:3]] == ["pull", "pulled", "compute"], (mode, log[:3])
-        assert {e[1] for e in log if e[0] == "compute"} == {0}, mode       # one buffer only
+        assert {e[1] for e in log if e[0] == "compute"} == {0}, mode  # one buffer only
     log = run_recorded(True, "ssp").log
     assert {e[1] for e in log if e[0] == "compute"} == {0, 1}
 
@@ -202,21 +208,27 @@ def test_when_a_worker_pulls_ahead():
     assert not ahead(TrainConfig(pull_ahead=True, aggregate="host"), "async")
 
 
-@pytest.mark.parametrize("settings, message", [
-    (dict(pull_ahead=True, overlap=False), "pull_ahead = true needs overlap = true"),
-    (dict(pull_ahead=True, aggregate="host"), 'pull_ahead = true does not apply with aggregate = "host"'),
-    (dict(pull_ahead="yes"), "pull_ahead must be true or false, got 'yes'"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(pull_ahead=True, overlap=False), "pull_ahead = true needs overlap = true"),
+        (dict(pull_ahead=True, aggregate="host"), 'pull_ahead = true does not apply with aggregate = "host"'),
+        (dict(pull_ahead="yes"), "pull_ahead must be true or false, got 'yes'"),
+    ],
+)
 def test_the_option_is_checked(settings, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**settings).validate()
 
 
-@pytest.mark.parametrize("data, fragment", [
-    ({"mode": "sync", "pull_ahead": True}, "[train] pull_ahead = true applies to async and ssp only"),
-    ({"pull_ahead": 1}, "[train] pull_ahead must be true or false, got 1"),
-    ({"overlap": False, "pull_ahead": True}, "[train] pull_ahead = true needs overlap = true"),
-])
+@pytest.mark.parametrize(
+    "data, fragment",
+    [
+        ({"mode": "sync", "pull_ahead": True}, "[train] pull_ahead = true applies to async and ssp only"),
+        ({"pull_ahead": 1}, "[train] pull_ahead must be true or false, got 1"),
+        ({"overlap": False, "pull_ahead": True}, "[train] pull_ahead = true needs overlap = true"),
+    ],
+)
 def test_job_files_refuse_it_where_it_cannot_apply(data, fragment):
     with pytest.raises(ConfigError) as err:
         job_from_dict(data, source="f.toml")
@@ -234,8 +246,9 @@ def test_job_files_take_it_in_async_and_ssp():
 @pytest.mark.parametrize("data_plane", ["shm"])
 @pytest.mark.timeout(120)
 def test_a_lone_async_worker_pulling_ahead_learns_at_most_two_updates_behind(cluster, tmp_path, data_plane):
-    train = TrainConfig(model="softmax", dataset="digits", batch_size=32, steps=120, eval_every=0, init_scale=0.1,
-                        pull_ahead=True)
+    train = TrainConfig(
+        model="softmax", dataset="digits", batch_size=32, steps=120, eval_every=0, init_scale=0.1, pull_ahead=True
+    )
     c = cluster(2, mode="async", lr=0.5)
     result = run_worker(train, c.addresses, 0, 1, str(tmp_path / "w0.jsonl"))
     records = [json.loads(line) for line in (tmp_path / "w0.jsonl").read_text().splitlines()]
@@ -252,11 +265,13 @@ def test_a_lone_async_worker_pulling_ahead_learns_at_most_two_updates_behind(clu
 @pytest.mark.parametrize("data_plane", ["shm"])
 @pytest.mark.timeout(150)
 def test_two_ssp_workers_pulling_ahead_learn(cluster, tmp_path, data_plane):
-    train = TrainConfig(model="softmax", dataset="digits", batch_size=32, steps=100, eval_every=0, init_scale=0.1,
-                        pull_ahead=True)
+    train = TrainConfig(
+        model="softmax", dataset="digits", batch_size=32, steps=100, eval_every=0, init_scale=0.1, pull_ahead=True
+    )
     c = cluster(2, mode="ssp", staleness=1, lr=0.3)
-    results = run_threads([lambda r=r: run_worker(train, c.addresses, r, 2, str(tmp_path / f"w{r}.jsonl"))
-                           for r in range(2)], timeout=120)
+    results = run_threads(
+        [lambda r=r: run_worker(train, c.addresses, r, 2, str(tmp_path / f"w{r}.jsonl")) for r in range(2)], timeout=120
+    )
     assert [r["steps"] for r in results] == [100, 100]
     assert evaluate(train, c.addresses)["test_accuracy"] >= 0.85
 
@@ -276,17 +291,17 @@ def test_on_a_gpu_the_next_weights_land_in_the_other_buffer(cluster, data_plane)
     with c.client(SPEC, init=init, pin_memory=pinner_for(cupy)) as client:
         bufs = FlatBuffers(SPEC, cupy, client, double=True)
         ahead = PullAhead(bufs, SPEC)
-        ahead.pull()                                   # step 0: pulled now, step 1's pull started
+        ahead.pull()  # step 0: pulled now, step 1's pull started
         # Over shared memory it is posted: its copy started on this thread, no client thread waits for it.
         assert ahead.pending.deferred is (data_plane == "shm")
         first = bufs.params
         np.testing.assert_array_equal(cupy.asnumpy(first), init)
         grad = np.ones(SPEC.size, np.float32)
         client.push(grad, versions=ahead.versions).wait()
-        ahead.pull()                                   # step 1: the weights pulled during step 0, in the other buffer
+        ahead.pull()  # step 1: the weights pulled during step 0, in the other buffer
         assert bufs.params is not first
-        np.testing.assert_array_equal(cupy.asnumpy(bufs.params), init)     # pulled before the push landed
-        ahead.pull(ahead=False)                        # step 2: pulled during step 1, after the push
+        np.testing.assert_array_equal(cupy.asnumpy(bufs.params), init)  # pulled before the push landed
+        ahead.pull(ahead=False)  # step 2: pulled during step 1, after the push
         assert bufs.params is first
         np.testing.assert_allclose(cupy.asnumpy(bufs.params), init - grad, rtol=1e-6, atol=1e-6)
         assert ahead.pending is None and ahead.pulled_s is not None
@@ -302,10 +317,32 @@ def test_a_shard_restarted_from_its_checkpoint_takes_the_pushes_of_workers_pulli
 
     from tests.support import Launch, child_pids, steps_seen
 
-    args = ["--config", "mnist", "--eval-every", "0", "--no-progress", "--lease-s", "2", "--shards", "2",
-            "--steps", "300", "--restart-failed", "--set", "mode=async", "--set", "pull_ahead=true",
-            "--set", "momentum=0.0", "--set", "lr=0.2", "--set", f"checkpoint_dir={tmp_path / 'ckpt'}",
-            "--set", "checkpoint_every=10"]
+    args = [
+        "--config",
+        "mnist",
+        "--eval-every",
+        "0",
+        "--no-progress",
+        "--lease-s",
+        "2",
+        "--shards",
+        "2",
+        "--steps",
+        "300",
+        "--restart-failed",
+        "--set",
+        "mode=async",
+        "--set",
+        "pull_ahead=true",
+        "--set",
+        "momentum=0.0",
+        "--set",
+        "lr=0.2",
+        "--set",
+        f"checkpoint_dir={tmp_path / 'ckpt'}",
+        "--set",
+        "checkpoint_every=10",
+    ]
     with Launch(tmp_path, *args) as launch:
         launch.wait_for(lambda: steps_seen(launch.out, 0) >= 40, 60, "worker 0 training")
         os.kill(child_pids(launch.out)["shards"][1], signal.SIGKILL)

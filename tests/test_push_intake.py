@@ -31,7 +31,7 @@ def by_chunks(service, worker, values, dtype=FLOAT32, chunk=40):
     size = len(data) // len(values)
     with service.open_push(worker_id=worker, clock=0, version=0) as intake:
         for start in range(0, len(values), chunk):
-            intake.add_chunk(start, dtype, data[start * size:(start + chunk) * size])
+            intake.add_chunk(start, dtype, data[start * size : (start + chunk) * size])
         return intake.commit((len(values) + chunk - 1) // chunk)
 
 
@@ -110,13 +110,13 @@ def test_a_sync_round_keeps_a_pooled_gradient_and_never_the_workers_own_memory(f
     second = service.register(spec_hash=SPEC.hash(), worker_id=-1, start_clock=-1, host="here").worker_id
     pool = service.shard.pool
     own = np.full(SPEC.size, 2.0, np.float32)
-    if fill == "shared":         # the segment is the worker's memory itself
+    if fill == "shared":  # the segment is the worker's memory itself
         pushed = service.push_shared(worker_id=first, clock=0, version=0, dtype=FLOAT32, segment=own)
     else:
         pushed = FILLS[fill](service, first, own)
     assert pushed.outcome is Outcome.ACCUMULATED
-    assert pool.on_loan == 1                       # held for the round: a pooled buffer, the worker's own copied
-    own[:] = 1e6                                   # the worker may write its memory once answered
+    assert pool.on_loan == 1  # held for the round: a pooled buffer, the worker's own copied
+    own[:] = 1e6  # the worker may write its memory once answered
     assert FILLS[fill](service, second, np.zeros(SPEC.size, np.float32)).outcome is Outcome.APPLIED
     assert pool.on_loan == 0
     lr = service.shard.config.lr
@@ -129,7 +129,8 @@ def test_the_shared_plane_refuses_a_wrong_dtype_or_size_before_it_reads():
         service.push_shared(worker_id=worker, clock=0, version=0, dtype=99, segment=np.zeros(SPEC.size, np.float32))
     assert refused.value.reason is Reason.BAD_DTYPE
     with pytest.raises(InvalidArgument) as refused:
-        service.push_shared(worker_id=worker, clock=0, version=0, dtype=FLOAT32,
-                            segment=np.zeros(SPEC.size - 1, np.float32))
+        service.push_shared(
+            worker_id=worker, clock=0, version=0, dtype=FLOAT32, segment=np.zeros(SPEC.size - 1, np.float32)
+        )
     assert refused.value.reason is Reason.BAD_SIZE
     assert service.shard.policy.clocks[worker] == 0 and service.shard.pool.on_loan == 0

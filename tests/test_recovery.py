@@ -29,7 +29,7 @@ def summary_of(out) -> dict:
 
 def worker_events(out, rank: int, kind: str) -> list[dict]:
     path = out / "metrics" / f"worker-{rank}.jsonl"
-    if not path.exists():       # an attempt stopped before the worker wrote anything
+    if not path.exists():  # an attempt stopped before the worker wrote anything
         return []
     return [e for e in map(json.loads, path.read_text().splitlines()) if e.get("event") == kind]
 
@@ -51,14 +51,18 @@ def test_a_worker_killed_in_any_mode_is_named_and_the_job_completes(tmp_path, mo
     summary = summary_of(launch.out)
     (failure,) = summary["failures"]
     assert (failure["name"], failure["pid"], failure["exit_code"], failure["tolerated"]) == (
-        "worker 2", victim, -9, True)
+        "worker 2",
+        victim,
+        -9,
+        True,
+    )
     assert "tolerated failure: worker 2" in text
     assert summary["workers_completed"] == 2
     survivors = summary["worker_results"][:2]
     assert [(w["completed"], w["steps"]) for w in survivors] == [(True, 250), (True, 250)], survivors
-    if mode == "async":     # every push of the survivors was applied: the kill cost them nothing
+    if mode == "async":  # every push of the survivors was applied: the kill cost them nothing
         assert all(s["applied_updates"] == s["pushes"] >= 500 for s in summary["shard_stats"])
-    else:                   # the others waited on it: one lease, not forever (async never waits)
+    else:  # the others waited on it: one lease, not forever (async never waits)
         assert all(s["evictions"] >= 1 for s in summary["shard_stats"])
     # The job still learned. Sync and ssp land near 0.92 whatever the timing; async's accuracy
     # depends on how the survivors' pushes interleave under load (15 runs at load 9 to 12: 0.905 to
@@ -72,8 +76,19 @@ def test_a_worker_killed_in_any_mode_is_named_and_the_job_completes(tmp_path, mo
 @pytest.mark.parametrize("mode", ["sync", "ssp"])
 def test_a_hung_worker_with_a_live_heartbeat_is_evicted_and_stopped(tmp_path, mode):
     # Worker 1 sleeps 10^6 times its compute after its first gradient: its heartbeat thread lives on.
-    args = [*MNIST, "--mode", mode, "--staleness", "1", "--steps", "120", "--stragglers", "1:1000000",
-            "--set", "progress_timeout_s=3"]
+    args = [
+        *MNIST,
+        "--mode",
+        mode,
+        "--staleness",
+        "1",
+        "--steps",
+        "120",
+        "--stragglers",
+        "1:1000000",
+        "--set",
+        "progress_timeout_s=3",
+    ]
     with Launch(tmp_path, *args) as launch:
         code = launch.wait(120)
         text = launch.text()
@@ -100,10 +115,13 @@ def test_a_worker_killed_before_it_joins_is_not_waited_for(tmp_path):
         code = launch.wait(100)
         text = launch.text()
     assert code == 0, text
-    assert "worker 1 was killed by SIGKILL (exit code -9) before it joined; the shards were told not to wait for it" in text
+    assert (
+        "worker 1 was killed by SIGKILL (exit code -9) before it joined; the shards were told not to wait for it"
+        in text
+    )
     summary = summary_of(launch.out)
     assert summary["worker_results"][0]["completed"]
-    assert all(set(s["departed"]) == {0, 1} for s in summary["shard_stats"])     # 1 reported gone, 0 left
+    assert all(set(s["departed"]) == {0, 1} for s in summary["shard_stats"])  # 1 reported gone, 0 left
     started = next(e["time"] for e in coordinator_events(launch.out) if e["event"] == "workers_started")
     (start,) = worker_events(launch.out, 0, "start")
     assert start["time"] - started < 30, "worker 0 waited for the dead worker (join_timeout_s is 100 s)"
@@ -119,8 +137,20 @@ def test_a_worker_killed_before_it_joins_is_not_waited_for(tmp_path):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_killed_shard_is_restarted_from_its_checkpoint_and_the_job_completes(tmp_path, mode):
     every = 10
-    args = [*MNIST, "--mode", mode, "--shards", "2", "--steps", "300", "--restart-failed",
-            "--set", f"checkpoint_dir={tmp_path / 'ckpt'}", "--set", f"checkpoint_every={every}"]
+    args = [
+        *MNIST,
+        "--mode",
+        mode,
+        "--shards",
+        "2",
+        "--steps",
+        "300",
+        "--restart-failed",
+        "--set",
+        f"checkpoint_dir={tmp_path / 'ckpt'}",
+        "--set",
+        f"checkpoint_every={every}",
+    ]
     with Launch(tmp_path, *args) as launch:
         launch.wait_for(lambda: steps_seen(launch.out, 0) >= 40, 60, "worker 0 training")
         victim = child_pids(launch.out)["shards"][1]
@@ -147,7 +177,7 @@ def test_a_killed_shard_is_restarted_from_its_checkpoint_and_the_job_completes(t
     assert "restored its checkpoint at version" in (launch.out / "logs" / "server-1.log").read_text()
 
 
-ATTEMPTS = 14       # Ctrl-Cs at random moments, 0.3 to 3 s after each start
+ATTEMPTS = 14  # Ctrl-Cs at random moments, 0.3 to 3 s after each start
 
 
 @pytest.mark.slow
@@ -159,8 +189,21 @@ def test_ctrl_c_at_random_moments_then_resume_finishes_the_total_steps(tmp_path)
     # its start, its training or its end of an attempt). The last resume drops the sleep and finishes
     # the rest, at about 2 ms a round: every step past what the attempts need costs the suite time.
     steps = 2500
-    args = [*MNIST, "--mode", "sync", "--shards", "2", "--steps", str(steps), "--set", "checkpoint_every=50",
-            "--set", f"checkpoint_dir={tmp_path / 'ckpt'}", "--set", 'stragglers=["0:exp:10", "1:exp:10"]']
+    args = [
+        *MNIST,
+        "--mode",
+        "sync",
+        "--shards",
+        "2",
+        "--steps",
+        str(steps),
+        "--set",
+        "checkpoint_every=50",
+        "--set",
+        f"checkpoint_dir={tmp_path / 'ckpt'}",
+        "--set",
+        'stragglers=["0:exp:10", "1:exp:10"]',
+    ]
     rng = random.Random(9)
     out = tmp_path / "run"
     for attempt in range(ATTEMPTS):
@@ -174,29 +217,31 @@ def test_ctrl_c_at_random_moments_then_resume_finishes_the_total_steps(tmp_path)
             time.sleep(rng.uniform(0.3, 3.0))
             launch.proc.send_signal(signal.SIGINT)
             code = launch.wait(60)
-            if "psctl launch:" in launch.text():        # the job had begun: stopped by the launcher, cleanly
+            if "psctl launch:" in launch.text():  # the job had begun: stopped by the launcher, cleanly
                 assert code == 128 + signal.SIGINT, launch.text()
-            else:   # still starting (a loaded machine): nothing ran, and Python may have died of the signal
+            else:  # still starting (a loaded machine): nothing ran, and Python may have died of the signal
                 assert code in (128 + signal.SIGINT, -signal.SIGINT), launch.text()
                 assert launch.text() in ("", "psctl: interrupted\n"), launch.text()
     from psgrid.psserver.state import checkpoint_files as checkpoint
 
     kept = [checkpoint.read_manifest(checkpoint.shard_dir(tmp_path / "ckpt", i, 2)) for i in (0, 1)]
-    with Launch(tmp_path, "--no-progress", "--resume", str(out), "--set", "stragglers=[]", log="launch-last.log") as last:
+    with Launch(
+        tmp_path, "--no-progress", "--resume", str(out), "--set", "stragglers=[]", log="launch-last.log"
+    ) as last:
         assert last.wait(240) == 0, last.text()
     summary = summary_of(out)
     assert summary["status"] == "ok"
     for s in summary["shard_stats"]:
-        assert s["min_clock"] == steps, s     # every round of the job closed on every shard
+        assert s["min_clock"] == steps, s  # every round of the job closed on every shard
     attempts = sorted((out / "attempts").iterdir())
     # Each resume that began moved the attempt before it aside; one stopped while still starting did not.
     began = sum("psctl launch:" in (tmp_path / f"launch-{n}.log").read_text() for n in range(1, ATTEMPTS)) + 1
     assert 0 < len(attempts) <= began
-    for rank in (0, 1):     # the steps of all attempts together reach the job's last step
+    for rank in (0, 1):  # the steps of all attempts together reach the job's last step
         last_steps = [e["step"] for folder in [*attempts, out] for e in worker_events(folder, rank, "step")]
         assert max(last_steps) == steps - 1
-    if all(kept):       # the last attempt made only what was left (on a loaded machine every Ctrl-C may
-        assert summary["worker_results"][0]["steps"] < steps      # land before a checkpoint: then all of it)
+    if all(kept):  # the last attempt made only what was left (on a loaded machine every Ctrl-C may
+        assert summary["worker_results"][0]["steps"] < steps  # land before a checkpoint: then all of it)
     else:
         assert "the job starts from the beginning" in last.text(), last.text()
     assert summary["test_accuracy"] > 0.85
@@ -223,8 +268,21 @@ def test_resume_from_shards_checkpointed_rounds_apart_finishes_in_every_mode(tmp
     from psgrid.psserver.state import checkpoint_files as checkpoint
 
     steps, ckpt = 60, tmp_path / "ckpt"
-    args = [*MNIST, "--mode", mode, "--staleness", "2", "--shards", "2", "--steps", str(steps),
-            "--set", f"checkpoint_dir={ckpt}", "--set", "checkpoint_every=5"]
+    args = [
+        *MNIST,
+        "--mode",
+        mode,
+        "--staleness",
+        "2",
+        "--shards",
+        "2",
+        "--steps",
+        str(steps),
+        "--set",
+        f"checkpoint_dir={ckpt}",
+        "--set",
+        "checkpoint_every=5",
+    ]
     with Launch(tmp_path, *args, log="first.log") as first:
         assert first.wait(120) == 0, first.text()
     behind = checkpoint.shard_dir(ckpt, 1, 2)
@@ -234,7 +292,7 @@ def test_resume_from_shards_checkpointed_rounds_apart_finishes_in_every_mode(tmp
     for name in files[1:]:
         (behind / name).unlink()
     with Launch(tmp_path, "--no-progress", "--resume", str(tmp_path / "run"), log="resume.log") as resumed:
-        code = resumed.wait(150)       # it hung here: shard 1 waited for rounds nobody pushed
+        code = resumed.wait(150)  # it hung here: shard 1 waited for rounds nobody pushed
         text = resumed.text()
     assert code == 0, text
     summary = summary_of(resumed.out)
@@ -248,7 +306,7 @@ def test_resume_from_shards_checkpointed_rounds_apart_finishes_in_every_mode(tmp
         # both shards went back to the round shard 1 had: one model, nothing taken as a duplicate
         assert [s["min_clock"] for s in stats] == [steps, steps]
         assert [s["restored_version"] for s in stats] == [steps - 10] * 2
-        assert sum(s["duplicates"] for s in stats) < 20, stats   # not the 2 x 10 replayed pushes (a retry may be one)
+        assert sum(s["duplicates"] for s in stats) < 20, stats  # not the 2 x 10 replayed pushes (a retry may be one)
         assert f"every shard resumes at round {steps - 10}, where the slowest stopped" in text
         aside = tmp_path / "run" / "attempts" / "1" / "superseded-checkpoints" / "shard-0-of-2"
         assert sorted(p.name for p in aside.iterdir()) == [f"ckpt-{v:012d}.npz" for v in (steps - 5, steps)]
@@ -274,8 +332,13 @@ def _job(tmp_path, shards=2, mode="sync", ckpt=True):
 def _fake_checkpoint(tmp_path, shard, of, version, mode="sync", spec="S"):
     from psgrid.psserver.state import checkpoint_files as checkpoint
 
-    meta = {"version": version, "mode": mode, "spec": spec, "clocks": {"0": version, "1": version},
-            "closed_rounds": version}
+    meta = {
+        "version": version,
+        "mode": mode,
+        "spec": spec,
+        "clocks": {"0": version, "1": version},
+        "closed_rounds": version,
+    }
     checkpoint.save(checkpoint.shard_dir(tmp_path / "ckpt", shard, of), {"w": np.zeros(2)}, meta)
 
 
@@ -285,8 +348,8 @@ def test_resume_refuses_checkpoints_that_do_not_belong_together(tmp_path):
 
     with pytest.raises(UsageError, match="ran without checkpoints. Set \\[server\\] checkpoint_dir"):
         check_resumable(_job(tmp_path, ckpt=False), tmp_path / "run")
-    assert check_resumable(_job(tmp_path), tmp_path / "run") == []       # stopped before any: from the start
-    early = tmp_path / "early"              # stopped in its first second: one shard had its initial weights
+    assert check_resumable(_job(tmp_path), tmp_path / "run") == []  # stopped before any: from the start
+    early = tmp_path / "early"  # stopped in its first second: one shard had its initial weights
     _fake_checkpoint(early, 0, 2, 0)
     assert check_resumable(_job(early), early / "run") == []
     _fake_checkpoint(tmp_path, 0, 2, 40)
@@ -295,8 +358,10 @@ def test_resume_refuses_checkpoints_that_do_not_belong_together(tmp_path):
     _fake_checkpoint(tmp_path, 1, 2, 39)
     found = check_resumable(_job(tmp_path), tmp_path / "run")
     assert [c.version for c in found] == [40, 39]
-    assert ("shard(s) [0] keep no checkpoint of round 39 (rounds kept: shard 0: 40; shard 1: 39), and no round is "
-            "kept by all of them") in describe(align(_job(tmp_path), found))
+    assert (
+        "shard(s) [0] keep no checkpoint of round 39 (rounds kept: shard 0: 40; shard 1: 39), and no round is "
+        "kept by all of them"
+    ) in describe(align(_job(tmp_path), found))
     with pytest.raises(UsageError, match="written in mode 'sync', the job says 'async'"):
         check_resumable(_job(tmp_path, mode="async"), tmp_path / "run")
     with pytest.raises(UsageError, match="for another number of shards"):
@@ -327,14 +392,16 @@ def test_resume_brings_sync_shards_ahead_back_to_the_round_of_the_slowest(tmp_pa
     assert [p.name for p in (out / "superseded-checkpoints" / ahead.name).iterdir()] == ["ckpt-000000000040.npz"]
     again = align(job, check_resumable(job, out))
     assert [c.version for c in again.restore] == [35, 35] and again.rewound == []
-    assert describe(again).endswith("shard 1 at version 35 (round 35)")       # nothing left to reconcile
+    assert describe(again).endswith("shard 1 at version 35 (round 35)")  # nothing left to reconcile
     # Shard 1 stopped at a round shard 0 did not keep: going back to 30 would redo 5 rounds the job has.
     _fake_checkpoint(tmp_path, 1, 2, 37)
     _fake_checkpoint(tmp_path, 0, 2, 38)
     alignment = align(job, check_resumable(job, out))
     assert [c.version for c in alignment.restore] == [38, 37] and alignment.rewound == []
-    assert ("shard(s) [0] keep no checkpoint of round 37 (rounds kept: shard 0: 30, 35, 38; shard 1: 30, 35, 37), "
-            "and going back to round 35, the latest all of them kept, would redo 2 round(s)") in describe(alignment)
+    assert (
+        "shard(s) [0] keep no checkpoint of round 37 (rounds kept: shard 0: 30, 35, 38; shard 1: 30, 35, 37), "
+        "and going back to round 35, the latest all of them kept, would redo 2 round(s)"
+    ) in describe(alignment)
 
 
 def test_a_checkpoint_newer_than_the_manifest_is_not_kept(tmp_path):
@@ -346,7 +413,7 @@ def test_a_checkpoint_newer_than_the_manifest_is_not_kept(tmp_path):
     assert [p.name for p in checkpoint.kept(tmp_path)] == ["ckpt-000000000002.npz", "ckpt-000000000001.npz"]
     with pytest.raises(FileNotFoundError, match="keeps no checkpoint of version 7"):
         checkpoint.rewind(tmp_path, 7, tmp_path / "aside")
-    assert checkpoint.read_manifest(tmp_path)["version"] == 2      # a refused rewind changes nothing
+    assert checkpoint.read_manifest(tmp_path)["version"] == 2  # a refused rewind changes nothing
 
 
 def test_resume_cli_errors_name_the_fix(tmp_path, capsys):
@@ -391,13 +458,18 @@ def test_a_launcher_stopped_while_it_rewrites_job_toml_leaves_the_job_resumable(
         _fake_checkpoint(tmp_path, shard, 2, 40)
     log = tmp_path / "resume.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-c", SLOW_JOB_WRITE, "2", "launch", "--resume", str(out),
-                                 "--no-progress"], cwd=ROOT, env=launch_env(), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SLOW_JOB_WRITE, "2", "launch", "--resume", str(out), "--no-progress"],
+            cwd=ROOT,
+            env=launch_env(),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         wait_for(lambda: "writing job.toml" in log.read_text() or proc.poll() is not None, 60, "the rewrite")
         assert proc.poll() is None, log.read_text()
-        proc.send_signal(sig)       # SIGINT is held until the new job.toml is in place, then stops the launcher
+        proc.send_signal(sig)  # SIGINT is held until the new job.toml is in place, then stops the launcher
         code = proc.wait(30)
     finally:
         if proc.poll() is None:

@@ -22,9 +22,16 @@ PNG = b"\x89PNG\r\n\x1a\n"
 MODES = ["sync", "async", "ssp:2", "allreduce"]
 TARGET = 0.9
 # Designed seconds to the target: with stragglers async is clearly first, then ssp:2, and sync waits.
-TIME_TO_TARGET = {("sync", "none"): 0.50, ("async", "none"): 0.45, ("ssp:2", "none"): 0.47,
-                  ("allreduce", "none"): 0.40, ("sync", "3:3"): 1.40, ("async", "3:3"): 0.60,
-                  ("ssp:2", "3:3"): 0.85, ("allreduce", "3:3"): 1.30}
+TIME_TO_TARGET = {
+    ("sync", "none"): 0.50,
+    ("async", "none"): 0.45,
+    ("ssp:2", "none"): 0.47,
+    ("allreduce", "none"): 0.40,
+    ("sync", "3:3"): 1.40,
+    ("async", "3:3"): 0.60,
+    ("ssp:2", "3:3"): 0.85,
+    ("allreduce", "3:3"): 1.30,
+}
 
 
 def synthetic_run(mode: str, workers: int, stragglers: str, repeat: int, ttt: float, steps: int = 30):
@@ -44,31 +51,68 @@ def synthetic_run(mode: str, workers: int, stragglers: str, repeat: int, ttt: fl
         t = 0.001 * rank
         for step in range(steps):
             stale = 0 if share == 1.0 else rng.randint(0, 2 if mode == "ssp:2" else 2 * workers)
-            events.append({"event": "step", "rank": rank, "step": step, "t": t,
-                           "loss": 2.3 * math.exp(-step / 10) + 0.1 + 0.02 * rng.random(),
-                           "pull_s": 0.003 + waits[rank], "compute_s": compute,
-                           "delay_s": 2 * compute if rank == slow else 0.0, "push_s": push, "staleness": stale,
-                           "outcome": "APPLIED", "samples": 64, "bytes": 4000})
+            events.append(
+                {
+                    "event": "step",
+                    "rank": rank,
+                    "step": step,
+                    "t": t,
+                    "loss": 2.3 * math.exp(-step / 10) + 0.1 + 0.02 * rng.random(),
+                    "pull_s": 0.003 + waits[rank],
+                    "compute_s": compute,
+                    "delay_s": 2 * compute if rank == slow else 0.0,
+                    "push_s": push,
+                    "staleness": stale,
+                    "outcome": "APPLIED",
+                    "samples": 64,
+                    "bytes": 4000,
+                }
+            )
             t += work[rank] + waits[rank]
         ends.append(t)
     wall = max(ends)
     ttt *= 1 + 0.05 * repeat
-    evals = [{"event": "eval", "rank": 0, "step": k, "t": 0.05 * k,
-              "test_accuracy": 0.95 * (1 - math.exp(-2.9444 * 0.05 * k / ttt))} for k in range(1, int(wall / 0.05))]
+    evals = [
+        {
+            "event": "eval",
+            "rank": 0,
+            "step": k,
+            "t": 0.05 * k,
+            "test_accuracy": 0.95 * (1 - math.exp(-2.9444 * 0.05 * k / ttt)),
+        }
+        for k in range(1, int(wall / 0.05))
+    ]
     events += evals
     staleness = sorted(e["staleness"] for e in events if e["event"] == "step")
     row = dict.fromkeys(ROW_FIELDS)
-    row.update(run=f"{mode.replace(':', '')}-w{workers}-{stragglers.replace(':', 'x')}-r{repeat}", mode=mode,
-               workers=workers, stragglers=stragglers, repeat=repeat, seed=repeat, status="ok", target_accuracy=TARGET,
-               time_to_target_s=next((e["t"] for e in evals if e["test_accuracy"] >= TARGET), None),
-               final_test_accuracy=evals[-1]["test_accuracy"] - (0.02 if mode == "async" else 0.0),
-               final_loss=0.12, steps=workers * steps, samples=64 * workers * steps, wall_s=wall,
-               samples_per_s=64 * workers * steps / wall, mean_staleness=statistics.fmean(staleness),
-               p99_staleness=float(staleness[int(0.99 * (len(staleness) - 1))]), dropped_pushes=0,
-               bytes_moved=4000 * workers * steps, mean_wait_s=statistics.fmean(waits) * steps,
-               max_wait_s=max(waits) * steps, wait_s_by_worker=";".join(f"{w * steps:.3f}" for w in waits),
-               pull_s=0.003 + statistics.fmean(waits), compute_s=compute,
-               delay_s=2 * compute / workers if slow is not None else 0.0, push_s=push)
+    row.update(
+        run=f"{mode.replace(':', '')}-w{workers}-{stragglers.replace(':', 'x')}-r{repeat}",
+        mode=mode,
+        workers=workers,
+        stragglers=stragglers,
+        repeat=repeat,
+        seed=repeat,
+        status="ok",
+        target_accuracy=TARGET,
+        time_to_target_s=next((e["t"] for e in evals if e["test_accuracy"] >= TARGET), None),
+        final_test_accuracy=evals[-1]["test_accuracy"] - (0.02 if mode == "async" else 0.0),
+        final_loss=0.12,
+        steps=workers * steps,
+        samples=64 * workers * steps,
+        wall_s=wall,
+        samples_per_s=64 * workers * steps / wall,
+        mean_staleness=statistics.fmean(staleness),
+        p99_staleness=float(staleness[int(0.99 * (len(staleness) - 1))]),
+        dropped_pushes=0,
+        bytes_moved=4000 * workers * steps,
+        mean_wait_s=statistics.fmean(waits) * steps,
+        max_wait_s=max(waits) * steps,
+        wait_s_by_worker=";".join(f"{w * steps:.3f}" for w in waits),
+        pull_s=0.003 + statistics.fmean(waits),
+        compute_s=compute,
+        delay_s=2 * compute / workers if slow is not None else 0.0,
+        push_s=push,
+    )
     return row, events
 
 
@@ -81,10 +125,18 @@ def experiment(modes, workers, stragglers, repeats, ttt, **settings):
                     row, evs = synthetic_run(m, w, s, r, ttt(m, w, s))
                     rows.append(row)
                     events[row["run"]] = evs
-    settings = {"command": "psctl compare --config mnist --out runs/cmp", "modes": modes, "workers": workers,
-                "stragglers": stragglers, "repeats": repeats, "target_accuracy": TARGET, "target_source": "given",
-                "machine": {"host": "box", "cpus": 8, "gpu": None, "python": "3.12.1"},
-                "job_summary": "mlp [128] relu on mnist5k, batch 64 per worker, 30 steps per worker", **settings}
+    settings = {
+        "command": "psctl compare --config mnist --out runs/cmp",
+        "modes": modes,
+        "workers": workers,
+        "stragglers": stragglers,
+        "repeats": repeats,
+        "target_accuracy": TARGET,
+        "target_source": "given",
+        "machine": {"host": "box", "cpus": 8, "gpu": None, "python": "3.12.1"},
+        "job_summary": "mlp [128] relu on mnist5k, batch 64 per worker, 30 steps per worker",
+        **settings,
+    }
     return rows, events, settings
 
 
@@ -97,8 +149,14 @@ def failed_row(run: str, mode: str, status: str) -> dict:
 @pytest.fixture(scope="module")
 def stragglers_case(tmp_path_factory):
     """4 modes x {no stragglers, 3:3} x 2 repeats on 4 workers, one failed run; the command holds a '<'."""
-    rows, events, settings = experiment(MODES, [4], ["none", "3:3"], 2, lambda m, w, s: TIME_TO_TARGET[m, s],
-                                        command="psctl compare --title '<b>bold</b>' --out runs/cmp")
+    rows, events, settings = experiment(
+        MODES,
+        [4],
+        ["none", "3:3"],
+        2,
+        lambda m, w, s: TIME_TO_TARGET[m, s],
+        command="psctl compare --title '<b>bold</b>' --out runs/cmp",
+    )
     rows.append(failed_row("sync-w4-s3x3-r2", "sync", "failed"))
     events["sync-w4-s3x3-r2"] = events[rows[0]["run"]][:10]
     out = tmp_path_factory.mktemp("stragglers")
@@ -108,8 +166,9 @@ def stragglers_case(tmp_path_factory):
 @pytest.fixture(scope="module")
 def scaling_case(tmp_path_factory):
     """sync and async on 1, 2 and 4 workers, no stragglers."""
-    rows, events, settings = experiment(["sync", "async"], [1, 2, 4], ["none"], 1,
-                                        lambda m, w, s: 0.6 / w ** 0.7 * (1.1 if m == "sync" else 1.0))
+    rows, events, settings = experiment(
+        ["sync", "async"], [1, 2, 4], ["none"], 1, lambda m, w, s: 0.6 / w**0.7 * (1.1 if m == "sync" else 1.0)
+    )
     out = tmp_path_factory.mktemp("scaling")
     return rows, events, settings, write_report(out, settings, rows, events)
 
@@ -120,12 +179,19 @@ def test_the_report_mentions_every_mode_and_embeds_every_plot(stragglers_case):
     for mode in MODES:
         assert f"| {mode} |" in md and f"<td>{mode}</td>" in html
     pngs = {name: p for name, p in paths.items() if name not in ("md", "html")}
-    assert set(pngs) == {"accuracy_vs_time", "accuracy_vs_progress", "intervals", "loss_vs_steps", "samples_per_s",
-                         "staleness", "timeline"}
+    assert set(pngs) == {
+        "accuracy_vs_time",
+        "accuracy_vs_progress",
+        "intervals",
+        "loss_vs_steps",
+        "samples_per_s",
+        "staleness",
+        "timeline",
+    }
     for name in pngs:
         assert f"](plots/{name}.png)" in md
     assert html.count("data:image/png;base64,") == len(pngs) and 'src="plots/' not in html
-    assert "http://" not in html and "https://" not in html        # opens offline
+    assert "http://" not in html and "https://" not in html  # opens offline
     assert "Target test accuracy: 0.900, given" in md and "| gpu | none |" in md
 
 
@@ -151,9 +217,11 @@ def test_scaling_is_plotted_and_read_only_with_several_worker_counts(stragglers_
     text = " ".join(reading(rows, settings))
     sps = {(r["mode"], r["workers"]): r["samples_per_s"] for r in rows}
     efficiency = [sps["sync", n] / (n * sps["sync", 1]) for n in (2, 4)]
-    assert (f"Scaling efficiency (no stragglers): the samples/s of n workers divided by n times the samples/s of "
-            f"1 worker (1.00 is perfect): sync {efficiency[0]:.2f} at 2 workers and {efficiency[1]:.2f} at 4 workers"
-            in text)
+    assert (
+        f"Scaling efficiency (no stragglers): the samples/s of n workers divided by n times the samples/s of "
+        f"1 worker (1.00 is perfect): sync {efficiency[0]:.2f} at 2 workers and {efficiency[1]:.2f} at 4 workers"
+        in text
+    )
 
 
 def test_the_reading_names_the_fastest_mode_and_by_how_much(stragglers_case):
@@ -165,25 +233,30 @@ def test_the_reading_names_the_fastest_mode_and_by_how_much(stragglers_case):
         return statistics.median(r["time_to_target_s"] for r in ok if r["mode"] == mode and r["stragglers"] == "3:3")
 
     race = next(p for p in paras if p.startswith("With 4 workers and stragglers 3:3"))
-    assert race.startswith(f"With 4 workers and stragglers 3:3, async reached the target test accuracy 0.900 first, "
-                           f"in {secs(ttt('async'))} s")
-    assert (f"the next, ssp:2 ({secs(ttt('ssp:2'))} s, {ttt('ssp:2') / ttt('async'):.3g}x as long; "
-            f"not settled: fewer than 5 repeats)") in race
+    assert race.startswith(
+        f"With 4 workers and stragglers 3:3, async reached the target test accuracy 0.900 first, "
+        f"in {secs(ttt('async'))} s"
+    )
+    assert (
+        f"the next, ssp:2 ({secs(ttt('ssp:2'))} s, {ttt('ssp:2') / ttt('async'):.3g}x as long; "
+        f"not settled: fewer than 5 repeats)"
+    ) in race
     # Every mode's time is said, all-reduce's too, slowest last.
-    assert (f"; then allreduce {secs(ttt('allreduce'))} s, {ttt('allreduce') / ttt('async'):.3g}x as long and "
-            f"sync {secs(ttt('sync'))} s, {ttt('sync') / ttt('async'):.3g}x as long.") in race
+    assert (
+        f"; then allreduce {secs(ttt('allreduce'))} s, {ttt('allreduce') / ttt('async'):.3g}x as long and "
+        f"sync {secs(ttt('sync'))} s, {ttt('sync') / ttt('async'):.3g}x as long."
+    ) in race
     text = " ".join(paras)
     assert "async and ssp:2 reached the target before sync, as theory predicts (Cui et al., ATC'14" in text
     assert "Stragglers 3:3 with 4 workers, against none: sync took" in text
     # In sync the straggler (worker 3) waits least: the others wait for it.
     assert "in sync the straggling worker 3 waited 0.000 s and the others" in text
-    assert "async ended 0.0" in text and "staler weights" in text     # async's synthetic accuracy cost
+    assert "async ended 0.0" in text and "staler weights" in text  # async's synthetic accuracy cost
     assert "1 run did not finish" in text
 
 
 def test_the_reading_says_plainly_when_stale_modes_lose_to_sync():
-    rows, _, settings = experiment(["sync", "ssp:2"], [2], ["1:3"], 1,
-                                   lambda m, w, s: 0.5 if m == "sync" else 0.9)
+    rows, _, settings = experiment(["sync", "ssp:2"], [2], ["1:3"], 1, lambda m, w, s: 0.5 if m == "sync" else 0.9)
     text = " ".join(reading(rows, settings))
     assert "ssp:2 did not reach the target before sync, contrary to what theory predicts" in text
     assert "With 2 workers and stragglers 1:3, sync reached the target" in text
@@ -202,7 +275,7 @@ def test_the_reading_calls_a_lead_settled_only_where_the_intervals_are_apart():
     paras = reading(rows, settings)
     race = next(p for p in paras if p.startswith("With 2 workers"))
     assert race.startswith("With 2 workers and no stragglers, async reached") and "settled: their 95% intervals" in race
-    assert not any("not settled" in p for p in paras)       # 5 seeds, 5 processes on 8 cores: nothing to hedge
+    assert not any("not settled" in p for p in paras)  # 5 seeds, 5 processes on 8 cores: nothing to hedge
     # The same runs at one seed measure only timing noise: no interval, and the reading says why.
     same = [dict(r, seed=0) for r in rows]
     paras = reading(same, settings)
@@ -214,14 +287,16 @@ def test_with_too_few_repeats_or_too_few_cores_the_reading_says_it_is_not_settle
     rows, _, settings = experiment(["sync", "async"], [4], ["none"], 1, lambda m, w, s: 0.5, shards=1)
     first = reading(rows, settings)[0]
     assert first.startswith("These conclusions are not settled: each setting ran only 1 time")
-    assert "shared" not in first                                      # 6 processes on 8 cores
+    assert "shared" not in first  # 6 processes on 8 cores
     settings["machine"]["cpus"] = 2
     rows3, _, settings3 = experiment(["sync", "allreduce"], [4], ["none"], 5, lambda m, w, s: 0.5, shards=1)
     settings3["machine"]["cpus"] = 2
     first = reading(rows3, settings3)[0]
-    assert first == ("These conclusions are not settled: 6 processes (1 coordinator, 1 shard and 4 workers; "
-                     "all-reduce ran 4) shared 2 cores, so they slowed one another and the times say as much about "
-                     "that sharing as about the modes.")
+    assert first == (
+        "These conclusions are not settled: 6 processes (1 coordinator, 1 shard and 4 workers; "
+        "all-reduce ran 4) shared 2 cores, so they slowed one another and the times say as much about "
+        "that sharing as about the modes."
+    )
 
 
 def test_a_diverged_run_is_said_first_with_the_fix_to_try(tmp_path):
@@ -235,7 +310,7 @@ def test_a_diverged_run_is_said_first_with_the_fix_to_try(tmp_path):
     paths = write_report(tmp_path, settings, rows, events)
     summary = paths["md"].read_text().split("## Summary")[1].split("## Per mode")[0]
     assert "| 2 | none | async | diverged in 5 of 5 | never |" in summary
-    assert "| 2 | none | sync | stable" in summary and ", " in summary.split("| sync |")[1]   # 5 seeds: intervals
+    assert "| 2 | none | sync | stable" in summary and ", " in summary.split("| sync |")[1]  # 5 seeds: intervals
     assert paths["intervals"].read_bytes().startswith(PNG)
 
 
@@ -245,14 +320,22 @@ def test_failed_runs_are_listed_and_left_out(stragglers_case):
     assert "## Runs that did not finish" in md and "| sync-w4-s3x3-r2 | sync | 4 | 3:3 | 2 | failed |" in md
     summary = md.split("## Summary")[1].split("## Per mode")[0]
     sync_row = next(line for line in summary.splitlines() if line.startswith("| 4 | 3:3 | sync |"))
-    assert sync_row.startswith("| 4 | 3:3 | sync | stable") and sync_row.endswith("| 2 |")   # n: the two that finished
+    assert sync_row.startswith("| 4 | 3:3 | sync | stable") and sync_row.endswith("| 2 |")  # n: the two that finished
 
 
 def test_missing_values_and_failed_runs_do_not_crash(tmp_path):
     rows, events, settings = experiment(["sync", "async"], [2], ["none"], 1, lambda m, w, s: 0.3)
-    for key in ("time_to_target_s", "final_test_accuracy", "samples_per_s", "mean_staleness", "p99_staleness",
-                "mean_wait_s", "wait_s_by_worker", "wall_s"):
-        rows[1][key] = None                  # async: finished, but with nothing measured
+    for key in (
+        "time_to_target_s",
+        "final_test_accuracy",
+        "samples_per_s",
+        "mean_staleness",
+        "p99_staleness",
+        "mean_wait_s",
+        "wait_s_by_worker",
+        "wall_s",
+    ):
+        rows[1][key] = None  # async: finished, but with nothing measured
     del events[rows[1]["run"]]
     rows.append(failed_row("async-w2-r1", "async", "interrupted"))
     paths = write_report(tmp_path, settings, rows, events)
@@ -261,8 +344,7 @@ def test_missing_values_and_failed_runs_do_not_crash(tmp_path):
     assert "interrupted" in md
     # Nothing finished at all, and no target: still a report, saying so.
     only_failed = [failed_row("sync-w4-s3x3-r0", "sync", "failed")]
-    paths = write_report(tmp_path / "none", dict(settings, target_accuracy=None, target_source="auto"),
-                         only_failed, {})
+    paths = write_report(tmp_path / "none", dict(settings, target_accuracy=None, target_source="auto"), only_failed, {})
     md = paths["md"].read_text()
     assert set(paths) == {"md", "html"} and "No run finished" in md and "sync-w4-s3x3-r0" in md
     assert not (tmp_path / "none" / "plots").exists() or not list((tmp_path / "none" / "plots").iterdir())
@@ -319,13 +401,24 @@ def test_the_bootstrap_interval_holds_the_median_and_is_the_same_every_time():
 
 
 def test_the_reading_names_each_modes_tuned_settings_and_the_grid_points_that_diverged():
-    rows, _, settings = experiment(["sync", "async"], [2], ["none"], 3, lambda m, w, s: 0.5,
-                                   tune={"lr": [0.1, 0.5]})
+    rows, _, settings = experiment(["sync", "async"], [2], ["none"], 3, lambda m, w, s: 0.5, tune={"lr": [0.1, 0.5]})
     for r in rows:
         r["settings"] = "lr=0.5" if r["mode"] == "sync" else "lr=0.1"
-    tune = [{"run": f"tune-{m}-{lr}", "mode": m, "workers": 2, "stragglers": "none", "status": "ok",
-             "settings": f"lr={lr}", "diverged": int(m == "async" and lr == 0.5)}
-            for m in ("sync", "async") for lr in (0.1, 0.5)]
+    tune = [
+        {
+            "run": f"tune-{m}-{lr}",
+            "mode": m,
+            "workers": 2,
+            "stragglers": "none",
+            "status": "ok",
+            "settings": f"lr={lr}",
+            "diverged": int(m == "async" and lr == 0.5),
+        }
+        for m in ("sync", "async")
+        for lr in (0.1, 0.5)
+    ]
     tuned = next(p for p in reading(rows, settings, tune) if p.startswith("Each mode ran at"))
-    assert tuned == ("Each mode ran at its best point of the tuning grid (see Tuning): sync lr=0.5 and async lr=0.1. "
-                     "While tuning, async at lr=0.5 diverged.")
+    assert tuned == (
+        "Each mode ran at its best point of the tuning grid (see Tuning): sync lr=0.5 and async lr=0.1. "
+        "While tuning, async at lr=0.5 diverged."
+    )

@@ -12,8 +12,8 @@ import pytest
 from psgrid.psserver.exceptions import ShardUnavailable, Unauthenticated, Unavailable
 from psgrid.psserver.protocol import FLOAT32, Reason, Status
 from psgrid.psserver.transports.base import ConnectOptions
-from psgrid.psserver.transports.tcp_client import TcpDataPlane
 from psgrid.psserver.transports.stream_frames import HELLO, MAGIC, OPEN, PULL, REPLY, REQUEST, recv_exact, recv_struct
+from psgrid.psserver.transports.tcp_client import TcpDataPlane
 from tests.support import FEATURES, REGRESSION, make_problem, regression_grad
 
 TOKEN = "s3cret"
@@ -34,8 +34,13 @@ def fit(cluster, steps=60, **client_kw):
 def shard_state(server):
     shard = server.shard
     with shard.cond:
-        return (None if shard.weights is None else shard.weights.copy(), shard.version,
-                dict(shard.policy.clocks), shard.counters.pushes, shard.counters.pulls)
+        return (
+            None if shard.weights is None else shard.weights.copy(),
+            shard.version,
+            dict(shard.policy.clocks),
+            shard.counters.pushes,
+            shard.counters.pulls,
+        )
 
 
 def assert_same_state(before, after):
@@ -48,6 +53,7 @@ def assert_same_state(before, after):
 
 # ----- bearer token -------------------------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 def test_the_right_token_trains(cluster, data_plane, tcp_calls):
     c = cluster(2, mode="sync", lr=0.3, token=TOKEN)
@@ -59,7 +65,7 @@ def test_the_right_token_trains(cluster, data_plane, tcp_calls):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])    # refused by the control connection, before any data plane
+@pytest.mark.parametrize("data_plane", ["tcp"])  # refused by the control connection, before any data plane
 @pytest.mark.parametrize("token", [None, "wrong", "s3cre", "s3cret "])
 def test_a_missing_or_wrong_token_is_refused_on_the_control_plane(cluster, token):
     c = cluster(1, mode="async", token=TOKEN)
@@ -69,7 +75,7 @@ def test_a_missing_or_wrong_token_is_refused_on_the_control_plane(cluster, token
             pass
     assert err.value.reason is Reason.UNAUTHENTICATED
     with pytest.raises(Unauthenticated):
-        c.admin(token=token).stats()           # control calls raise the same domain error
+        c.admin(token=token).stats()  # control calls raise the same domain error
     assert_same_state(before, shard_state(c.servers[0]))
     assert c.shard().members.leases.members == {}
 
@@ -96,12 +102,19 @@ def test_the_tcp_plane_refuses_without_or_with_a_wrong_token(token_job, token):
         with pytest.raises(Unauthenticated):
             plane.pull_into(out, begin=0, worker_id=worker, clock=1, timeout_s=5)
         with pytest.raises(Unauthenticated):
-            plane.push(np.ones(REGRESSION.size, np.float32), begin=0, wire_dtype=FLOAT32, worker_id=worker, clock=1,
-                       version=1, timeout_s=5)
+            plane.push(
+                np.ones(REGRESSION.size, np.float32),
+                begin=0,
+                wire_dtype=FLOAT32,
+                worker_id=worker,
+                clock=1,
+                version=1,
+                timeout_s=5,
+            )
     finally:
         plane.close()
     assert_same_state(before, shard_state(server))
-    plane = TcpDataPlane("127.0.0.1", server.tcp.port, ConnectOptions(token=TOKEN))    # the right one works
+    plane = TcpDataPlane("127.0.0.1", server.tcp.port, ConnectOptions(token=TOKEN))  # the right one works
     try:
         out = np.empty(REGRESSION.size, np.float32)
         assert plane.pull_into(out, begin=0, worker_id=worker, clock=1, timeout_s=5) == before[1]
@@ -132,11 +145,12 @@ def test_the_hello_must_come_first_and_a_refused_hello_closes(token_job):
 
 def _read_reply(sock):
     fields = recv_struct(sock, REPLY)
-    recv_exact(sock, memoryview(bytearray(fields[-1])))      # the refusal's text
+    recv_exact(sock, memoryview(bytearray(fields[-1])))  # the refusal's text
     return fields
 
 
 # ----- mutual TLS ---------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
@@ -146,22 +160,31 @@ def certs(tmp_path_factory):
     d = tmp_path_factory.mktemp("pki")
     ours = make_certs(d / "job", ["localhost", "127.0.0.1"], days=2)
     theirs = make_certs(d / "other", ["localhost", "127.0.0.1"], days=2)
-    return {"ca": str(ours["ca_cert"]), "server_cert": str(ours["shard_cert"]), "server_key": str(ours["shard_key"]),
-            "client_cert": str(ours["client_cert"]), "client_key": str(ours["client_key"]),
-            "rogue_cert": str(theirs["client_cert"]), "rogue_key": str(theirs["client_key"])}
+    return {
+        "ca": str(ours["ca_cert"]),
+        "server_cert": str(ours["shard_cert"]),
+        "server_key": str(ours["shard_key"]),
+        "client_cert": str(ours["client_cert"]),
+        "client_key": str(ours["client_key"]),
+        "rogue_cert": str(theirs["client_cert"]),
+        "rogue_key": str(theirs["client_key"]),
+    }
 
 
 def client_tls(certs, who: str = "valid") -> dict:
-    return {"valid": dict(tls_ca=certs["ca"], tls_cert=certs["client_cert"], tls_key=certs["client_key"]),
-            "no client cert": dict(tls_ca=certs["ca"]),
-            "rogue client cert": dict(tls_ca=certs["ca"], tls_cert=certs["rogue_cert"], tls_key=certs["rogue_key"]),
-            "no TLS": {}}[who]
+    return {
+        "valid": dict(tls_ca=certs["ca"], tls_cert=certs["client_cert"], tls_key=certs["client_key"]),
+        "no client cert": dict(tls_ca=certs["ca"]),
+        "rogue client cert": dict(tls_ca=certs["ca"], tls_cert=certs["rogue_cert"], tls_key=certs["rogue_key"]),
+        "no TLS": {},
+    }[who]
 
 
 @pytest.fixture
 def tls_cluster(cluster, certs):
-    return cluster(2, mode="sync", lr=0.3, tls_cert=certs["server_cert"], tls_key=certs["server_key"],
-                   tls_ca=certs["ca"])
+    return cluster(
+        2, mode="sync", lr=0.3, tls_cert=certs["server_cert"], tls_key=certs["server_key"], tls_ca=certs["ca"]
+    )
 
 
 @pytest.mark.timeout(60)
@@ -189,12 +212,14 @@ def test_the_tcp_plane_verifies_the_shard_by_name_or_address(tls_cluster, certs,
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("data_plane", ["tcp"])    # refused by the control connection, before any data plane
+@pytest.mark.parametrize("data_plane", ["tcp"])  # refused by the control connection, before any data plane
 @pytest.mark.parametrize("who", ["no client cert", "rogue client cert", "no TLS"])
 def test_a_client_without_a_valid_certificate_is_refused(tls_cluster, certs, who):
     before = [shard_state(s) for s in tls_cluster.servers]
     with pytest.raises(ShardUnavailable):
-        with tls_cluster.client(REGRESSION, init=REGRESSION.flat(), retry_s=0.5, deadline_s=5, **client_tls(certs, who)):
+        with tls_cluster.client(
+            REGRESSION, init=REGRESSION.flat(), retry_s=0.5, deadline_s=5, **client_tls(certs, who)
+        ):
             pass
     for server, state in zip(tls_cluster.servers, before):
         assert_same_state(state, shard_state(server))
@@ -214,8 +239,15 @@ def test_the_tcp_plane_refuses_a_client_without_a_valid_certificate(tls_cluster,
         with pytest.raises(Unavailable):
             plane.pull_into(out, begin=0, worker_id=client.worker_id, clock=0, timeout_s=3)
         with pytest.raises(Unavailable):
-            plane.push(np.full(server.shard.size, 2.0, np.float32), begin=0, wire_dtype=FLOAT32,
-                       worker_id=client.worker_id, clock=0, version=0, timeout_s=3)
+            plane.push(
+                np.full(server.shard.size, 2.0, np.float32),
+                begin=0,
+                wire_dtype=FLOAT32,
+                worker_id=client.worker_id,
+                clock=0,
+                version=0,
+                timeout_s=3,
+            )
     finally:
         plane.close()
     assert_same_state(before, shard_state(server))
@@ -246,7 +278,7 @@ def shm_open(address: str, context: ssl.SSLContext | None = None) -> bool:
         for fd in fds:
             os.close(fd)
         return len(fds) == 1
-    except (OSError, ConnectionError):       # ssl.SSLError is an OSError: a refused handshake
+    except (OSError, ConnectionError):  # ssl.SSLError is an OSError: a refused handshake
         return False
     finally:
         for s in owned:
@@ -279,6 +311,7 @@ def test_the_shared_memory_plane_asks_for_the_client_certificate_too(tls_cluster
 
 # ----- secure by default: psctl launch ------------------------------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_launch_without_a_token_flag_refuses_strangers_and_keeps_its_token_secret(tmp_path):
@@ -297,7 +330,7 @@ def test_launch_without_a_token_flag_refuses_strangers_and_keeps_its_token_secre
         launch.wait_for(lambda: steps_seen(out, 0) >= 3, 60, "training")
         pids = child_pids(out)
         token = assert_token_kept(out)
-        for pid in [launch.proc.pid, *pids["shards"], *pids["workers"]]:     # what `ps` shows every user
+        for pid in [launch.proc.pid, *pids["shards"], *pids["workers"]]:  # what `ps` shows every user
             assert token.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
         assert "<redacted>" in (out / "job.toml").read_text()
         address, job_id = parse_address_file((out / "addr" / "shard-0").read_text())
@@ -309,15 +342,15 @@ def test_launch_without_a_token_flag_refuses_strangers_and_keeps_its_token_secre
                         call()
         with Admin([address], token=token, deadline_s=5, retry_s=1) as admin:
             with pytest.raises(FailedPrecondition):
-                admin.shutdown("not-this-job")               # the token alone does not stop it either
+                admin.shutdown("not-this-job")  # the token alone does not stop it either
             look = admin._look(0)
-            assert admin.stats()[0]["initialized"]            # the job's token is served
+            assert admin.stats()[0]["initialized"]  # the job's token is served
         # ... and on the TCP data plane
         for hello in (b"", b"wrong"):
             with socket.create_connection(("127.0.0.1", int(look.address("tcp"))), timeout=5) as sock:
                 sock.sendall(REQUEST.pack(MAGIC, HELLO, 0, 0, 0, 0, len(hello), 0.0) + hello)
                 assert recv_struct(sock, REPLY)[1] == Status.UNAUTHENTICATED
-        assert steps_seen(out, 0) >= 3 and launch.proc.poll() is None     # the job goes on
+        assert steps_seen(out, 0) >= 3 and launch.proc.poll() is None  # the job goes on
         launch.proc.send_signal(signals.SIGTERM)
         assert launch.wait(30) == 128 + signals.SIGTERM
     summary = json.loads((out / "summary.json").read_text())
@@ -344,7 +377,7 @@ def test_psctl_certs_writes_private_keys_for_their_owner_alone(tmp_path, capsys)
     assert names.get_values_for_type(x509.DNSName) == ["node1"]
     assert [str(a) for a in names.get_values_for_type(x509.IPAddress)] == ["10.0.0.7"]
     before = (tmp_path / "pki" / "ca.pem").read_bytes()
-    assert main(["certs", str(tmp_path / "pki")]) == 2                       # never overwritten unasked
+    assert main(["certs", str(tmp_path / "pki")]) == 2  # never overwritten unasked
     assert "already holds" in capsys.readouterr().err
     assert (tmp_path / "pki" / "ca.pem").read_bytes() == before
     assert main(["certs", str(tmp_path / "pki"), "--force"]) == 0
@@ -368,9 +401,9 @@ def test_a_shard_beyond_loopback_without_token_or_client_certificates_warns(capl
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("node1")
-    assert warn_if_open(ServerConfig(host="0.0.0.0"))          # decided from the settings: nothing is bound
+    assert warn_if_open(ServerConfig(host="0.0.0.0"))  # decided from the settings: nothing is bound
     assert "with no token and no client certificates" in caplog.text
     assert not warn_if_open(ServerConfig(host="0.0.0.0", token="t"))
-    assert warn_if_open(ServerConfig(host="node1", tls_cert="c.pem", tls_key="k.pem"))   # TLS, but anyone may connect
+    assert warn_if_open(ServerConfig(host="node1", tls_cert="c.pem", tls_key="k.pem"))  # TLS, but anyone may connect
     assert not warn_if_open(ServerConfig(host="node1", tls_cert="c.pem", tls_key="k.pem", tls_ca="ca.pem"))
     assert not warn_if_open(ServerConfig())

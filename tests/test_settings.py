@@ -39,7 +39,7 @@ def readme_rows(section: str) -> dict[str, tuple[str, str]]:
     """``{key: (default cell, meaning cell)}`` of README.md's table of ``section``."""
     text = (ROOT / "README.md").read_text()
     begin = generator().BEGIN.format(section=section)
-    table = text[text.index(begin):].split("\n\n", 1)[0]
+    table = text[text.index(begin) :].split("\n\n", 1)[0]
     rows = {}
     for line in table.splitlines():
         found = re.match(r"\| `(\w+)` \| (.*?) \| (.*) \|$", line)
@@ -69,7 +69,7 @@ def test_every_key_is_in_the_readme_with_its_default(section):
         cell = rows[key.name][0]
         if key.default is None:
             assert cell == "none", key.name
-        else:       # the cell is the TOML a job file would write: read back, it is the dataclass's default
+        else:  # the cell is the TOML a job file would write: read back, it is the dataclass's default
             assert tomllib.loads(f"v = {cell.strip('`')}")["v"] == getattr(defaults, key.name), key.name
         assert key.setting.doc in rows[key.name][1]
 
@@ -78,11 +78,11 @@ def _flag_actions(argv: list[str]) -> dict[str, argparse.Action]:
     from psgrid.cluster.cli import build_parser
 
     parser = build_parser().parse_args(argv).parser
-    return {a.dest: a for a in parser._actions}     # argparse has no public accessor for its options
+    return {a.dest: a for a in parser._actions}  # argparse has no public accessor for its options
 
 
 def test_psctl_server_has_a_flag_for_every_key_of_the_schema_and_no_other():
-    actions = {dest[len("cfg_"):]: a for dest, a in _flag_actions(["server"]).items() if dest.startswith("cfg_")}
+    actions = {dest[len("cfg_") :]: a for dest, a in _flag_actions(["server"]).items() if dest.startswith("cfg_")}
     assert list(actions) == [k.name for k in keys(ServerConfig)]
     for key in keys(ServerConfig):
         action = actions[key.name]
@@ -101,8 +101,11 @@ def test_psctl_server_has_a_flag_for_every_key_of_the_schema_and_no_other():
 def test_the_job_file_flags_are_typed_and_described_by_the_schema():
     from psgrid.cluster.commands.common import TRAINING_FLAG_KEYS
 
-    actions = {dest[len("override_"):]: a for dest, a in _flag_actions(["launch"]).items()
-               if dest.startswith("override_") and dest[len("override_"):] in TRAINING_FLAG_KEYS}
+    actions = {
+        dest[len("override_") :]: a
+        for dest, a in _flag_actions(["launch"]).items()
+        if dest.startswith("override_") and dest[len("override_") :] in TRAINING_FLAG_KEYS
+    }
     assert set(actions) == set(TRAINING_FLAG_KEYS)
     schema = {k.name: k for k in keys(ServerConfig)} | {k.name: k for k in keys(TrainConfig)}
     for name, action in actions.items():
@@ -114,11 +117,14 @@ def test_the_job_file_flags_are_typed_and_described_by_the_schema():
         assert key.setting.doc.replace("`", "") in action.help, name
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--threads", "0"], "--threads 0: threads must be >= 1, got 0"),
-    (["--beta2", "1.5"], "--beta2 1.5: beta2 must be in [0, 1), got 1.5"),
-    (["--checkpoint-every", "-1"], "--checkpoint-every -1: checkpoint_every must be >= 0, got -1"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--threads", "0"], "--threads 0: threads must be >= 1, got 0"),
+        (["--beta2", "1.5"], "--beta2 1.5: beta2 must be in [0, 1), got 1.5"),
+        (["--checkpoint-every", "-1"], "--checkpoint-every -1: checkpoint_every must be >= 0, got -1"),
+    ],
+)
 def test_a_server_flag_out_of_its_bounds_is_one_line_naming_the_flag(argv, words):
     from psgrid.cluster.cli import build_parser
     from psgrid.cluster.commands.server import server_config_from_args
@@ -131,7 +137,7 @@ def test_a_server_flag_out_of_its_bounds_is_one_line_naming_the_flag(argv, words
 def test_optimizer_bounds_are_kernels_bounds_and_checked_there():
     by_name = {k.name: k for k in keys(ServerConfig)}
     for name in BOUNDS:
-        assert by_name[name].setting.bound is BOUNDS[name]        # stated once: the README says the kernels' words
+        assert by_name[name].setting.bound is BOUNDS[name]  # stated once: the README says the kernels' words
     assert set(BOUNDS) <= set(HPARAMS)
     with pytest.raises(InvalidArgument, match=r"^lr must be finite and > 0, got inf$"):
         ServerConfig(lr=float("inf"))
@@ -143,11 +149,14 @@ class _Example:
     colour: str = setting("red", "which", choices=("red", "blue"))
 
 
-@pytest.mark.parametrize("changes, words", [
-    ({"size": 0}, "size must be >= 1, got 0"),
-    ({"size": "3"}, "size must be >= 1, got '3'"),          # a value of another type: refused, not a TypeError
-    ({"colour": "green"}, "colour must be one of ('red', 'blue'), got 'green'"),
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"size": 0}, "size must be >= 1, got 0"),
+        ({"size": "3"}, "size must be >= 1, got '3'"),  # a value of another type: refused, not a TypeError
+        ({"colour": "green"}, "colour must be one of ('red', 'blue'), got 'green'"),
+    ],
+)
 def test_check_fields_refuses_in_one_line_naming_the_key(changes, words):
     with pytest.raises(ValueError) as err:
         check_fields(dataclasses.replace(_Example(), **changes), ValueError)
@@ -163,14 +172,16 @@ def test_a_list_default_is_not_shared_between_instances():
 
 def test_a_shard_and_a_whole_job_read_a_job_file_the_same_way(tmp_path):
     path = tmp_path / "job.toml"
-    path.write_text('lr = 0.5\nlr_staleness = true\n[job]\nshards = 3\n[server]\nthreads = 8\nmetrics_port = 9100\n')
+    path.write_text("lr = 0.5\nlr_staleness = true\n[job]\nshards = 3\n[server]\nthreads = 8\nmetrics_port = 9100\n")
     server, shards = load_shard_settings(path)
     job = load_job(path)
     assert shards == job.shards == 3
     assert server == job.server and (server.lr, server.compensation, server.threads) == (0.5, "lr", 8)
-    for bad, words in (("[server]\nthreads = 0\n", "[server] threads must be >= 1, got 0"),
-                       ("[server]\nthreads = 1.5\n", "[server] threads must be an integer, got 1.5"),
-                       ("[job]\nshards = 0\n", "[job] shards must be >= 1, got 0")):
+    for bad, words in (
+        ("[server]\nthreads = 0\n", "[server] threads must be >= 1, got 0"),
+        ("[server]\nthreads = 1.5\n", "[server] threads must be an integer, got 1.5"),
+        ("[job]\nshards = 0\n", "[job] shards must be >= 1, got 0"),
+    ):
         path.write_text(bad)
         for read in (load_shard_settings, load_job):
             with pytest.raises(ConfigError) as err:

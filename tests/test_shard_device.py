@@ -41,18 +41,27 @@ def fake_cupy(monkeypatch, free: list[int]):
         asked.append(current[0])
         return free[current[0]], 80 * GIB
 
-    runtime = types.SimpleNamespace(getDeviceCount=lambda: len(free), memGetInfo=mem_get_info,
-                                    getDevice=lambda: current[0])
-    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime,
-                                                                                              Device=device)))
+    runtime = types.SimpleNamespace(
+        getDeviceCount=lambda: len(free), memGetInfo=mem_get_info, getDevice=lambda: current[0]
+    )
+    monkeypatch.setitem(
+        sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, Device=device))
+    )
     return asked
 
 
 # ---- the auto rule -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("device, gpu_here, expected", [
-    ("gpu", None, "gpu"), ("cpu", None, "cpu"), ("auto", None, "gpu"), ("auto", "CuPy does not import here", "cpu"),
-])
+
+@pytest.mark.parametrize(
+    "device, gpu_here, expected",
+    [
+        ("gpu", None, "gpu"),
+        ("cpu", None, "cpu"),
+        ("auto", None, "gpu"),
+        ("auto", "CuPy does not import here", "cpu"),
+    ],
+)
 def test_auto_puts_the_shards_where_the_workers_compute(monkeypatch, device, gpu_here, expected):
     import psgrid.worker.backend as backend
 
@@ -61,7 +70,7 @@ def test_auto_puts_the_shards_where_the_workers_compute(monkeypatch, device, gpu
     assert j.server.shard_device == "auto"
     assert resolve_shard_device(j.server, j.train) == expected
     resolved = with_shard_device(j)
-    assert resolved.server.shard_device == expected and j.server.shard_device == "auto"    # the job is not changed
+    assert resolved.server.shard_device == expected and j.server.shard_device == "auto"  # the job is not changed
 
 
 @pytest.mark.parametrize("explicit", ["cpu", "gpu"])
@@ -87,24 +96,31 @@ def test_cpu_workers_never_ask_for_cupy(monkeypatch):
     assert with_shard_device(job(device="cpu")).server.shard_device == "cpu"
 
 
-@pytest.mark.parametrize("shard_device, device, gpu_here, said", [
-    ("gpu", "gpu", None, True), ("gpu", "auto", None, True), ("gpu", "auto", "no GPU", False),
-    ("gpu", "cpu", None, False), ("cpu", "gpu", None, False),
-])
-def test_the_launcher_names_mps_where_device_shards_share_the_gpu_with_gpu_workers(monkeypatch, tmp_path, shard_device,
-                                                                                   device, gpu_here, said):
+@pytest.mark.parametrize(
+    "shard_device, device, gpu_here, said",
+    [
+        ("gpu", "gpu", None, True),
+        ("gpu", "auto", None, True),
+        ("gpu", "auto", "no GPU", False),
+        ("gpu", "cpu", None, False),
+        ("cpu", "gpu", None, False),
+    ],
+)
+def test_the_launcher_names_mps_where_device_shards_share_the_gpu_with_gpu_workers(
+    monkeypatch, tmp_path, shard_device, device, gpu_here, said
+):
     import psgrid.worker.backend as backend
 
     monkeypatch.setattr(backend, "gpu_unavailable", lambda: gpu_here)
     j = job(device=device, shard_device=shard_device)
     pipe = tmp_path / "mps-pipe"
-    without = {"CUDA_MPS_PIPE_DIRECTORY": str(pipe)}         # no daemon's pipe there
+    without = {"CUDA_MPS_PIPE_DIRECTORY": str(pipe)}  # no daemon's pipe there
     note = mps_note(j, without)
     assert (note is not None) == said
     if said:
         assert "nvidia-cuda-mps-control -d" in note and "\n" not in note
     pipe.mkdir()
-    (pipe / "control").touch()                              # a control daemon's pipe where CUDA looks: said no more
+    (pipe / "control").touch()  # a control daemon's pipe where CUDA looks: said no more
     assert mps_note(j, without) is None
 
 
@@ -116,14 +132,15 @@ def test_shard_i_takes_gpu_i_mod_n_unless_the_job_names_one():
 
 # ---- the preflight check -------------------------------------------------------------------------
 
+
 def test_device_shards_that_fit_pass_and_free_memory_is_asked_per_gpu_only(monkeypatch):
     asked = fake_cupy(monkeypatch, [8 * GIB, 8 * GIB, 8 * GIB])
     preflight.check_shard_device(job(device="gpu", shards=2, hidden=[4096, 4096]))
-    assert sorted(asked) == [0, 1]         # shards 0 and 1 on GPUs 0 and 1; GPU 2 holds none and is not asked
+    assert sorted(asked) == [0, 1]  # shards 0 and 1 on GPUs 0 and 1; GPU 2 holds none and is not asked
 
 
 def test_host_shards_never_import_cupy(monkeypatch):
-    monkeypatch.setitem(sys.modules, "cupy", None)      # an import of it would raise
+    monkeypatch.setitem(sys.modules, "cupy", None)  # an import of it would raise
     preflight.check_shard_device(job(device="cpu"))
     preflight.check_shard_device(job(device="gpu", shard_device="cpu"))
 
@@ -143,12 +160,14 @@ def test_the_shards_on_one_gpu_are_summed_against_its_free_memory(monkeypatch):
     line = str(refused.value)
     assert "\n" not in line
     both = need[0] + need[2]
-    assert line.startswith('shard_device = "auto" (GPU workers, so the shards keep their state on a GPU): '
-                           f'shards 0, 2 need {both / MIB:,.1f} MiB on GPU 0 '), line
+    assert line.startswith(
+        'shard_device = "auto" (GPU workers, so the shards keep their state on a GPU): '
+        f"shards 0, 2 need {both / MIB:,.1f} MiB on GPU 0 "
+    ), line
     assert f"for a 20,037,642-parameter mlp), and it has {both / MIB - 64:,.1f} MiB free" in line
     assert line.endswith("use fewer workers or a smaller model, or --set shard_device=cpu (host shards)")
     fake_cupy(monkeypatch, [need[0] + need[2], 80 * GIB])
-    preflight.check_shard_device(j)        # exactly enough
+    preflight.check_shard_device(j)  # exactly enough
 
 
 def test_shard_device_gpu_without_a_gpu_is_refused_in_one_line(monkeypatch):
@@ -175,8 +194,10 @@ def test_psctl_launch_refuses_device_shards_that_do_not_fit_before_anything_star
     code = cli.main(["launch", "--device", "gpu", "--model", "mlp", "--set", "hidden=[4096,4096]"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err, err
-    assert err.startswith('psctl launch: error: shard_device = "auto" (GPU workers, so the shards keep their '
-                          'state on a GPU): shards 0, 1 need '), err
+    assert err.startswith(
+        'psctl launch: error: shard_device = "auto" (GPU workers, so the shards keep their '
+        "state on a GPU): shards 0, 1 need "
+    ), err
     assert not (tmp_path / "runs").exists()
 
 
@@ -198,6 +219,7 @@ def test_a_launcher_writes_the_resolved_shard_device_into_the_job_it_runs(monkey
 
 # ---- psctl bench train --shard-device -----------------------------------------------------------
 
+
 def test_bench_train_takes_a_shard_device(monkeypatch):
     from psgrid.cluster import cli
     from psgrid.cluster.bench import train
@@ -212,32 +234,34 @@ def test_bench_train_takes_a_shard_device(monkeypatch):
 
 
 def test_bench_train_names_the_shard_device_and_refuses_a_gpu_it_lacks(monkeypatch, capsys):
+    import psgrid.psserver.state.device as device
     from psgrid.cluster import cli
     from psgrid.cluster.bench import train
-    import psgrid.psserver.state.device as device
 
     assert train.base_job("mlp", "cpu", [32], 32, 5, "gpu").server.shard_device == "gpu"
     monkeypatch.setattr(device, "gpu_problem", lambda: "CuPy finds no CUDA GPU: use shard_device = 'cpu'")
     monkeypatch.setattr(train, "rows", lambda *a, **k: pytest.fail("a configuration ran"))
     assert cli.main(["bench", "train", "--shard-device", "gpu", "--models", "mlp", "--hidden", "32"]) == 2
-    assert capsys.readouterr().err.strip() == ("psctl bench: error: --shard-device gpu: CuPy finds no CUDA GPU: "
-                                                "use shard_device = 'cpu'")
+    assert capsys.readouterr().err.strip() == (
+        "psctl bench: error: --shard-device gpu: CuPy finds no CUDA GPU: use shard_device = 'cpu'"
+    )
 
 
 @pytest.mark.parametrize("command", [["launch"], ["compare", "--out", "cmp", "--modes", "sync"]])
 def test_shard_device_gpu_from_set_is_named_as_given_and_nothing_starts(monkeypatch, tmp_path, capsys, command):
+    import psgrid.psserver.state.device as device
     from psgrid.cluster import cli
     from psgrid.cluster.experiments import compare
     from psgrid.cluster.run import launch
-    import psgrid.psserver.state.device as device
 
     monkeypatch.setattr(device, "gpu_problem", lambda: "CuPy finds no CUDA GPU: use shard_device = 'cpu'")
     monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("the job started"))
     monkeypatch.setattr(compare.Compare, "run", lambda self: pytest.fail("the experiment started"))
     monkeypatch.chdir(tmp_path)
     assert cli.main([*command, "--device", "cpu", "--set", "shard_device=gpu"]) == 2
-    assert capsys.readouterr().err.strip() == (f"psctl {command[0]}: error: --set shard_device=gpu: CuPy finds no "
-                                                f"CUDA GPU: use shard_device = 'cpu'")
+    assert capsys.readouterr().err.strip() == (
+        f"psctl {command[0]}: error: --set shard_device=gpu: CuPy finds no CUDA GPU: use shard_device = 'cpu'"
+    )
     assert list(tmp_path.iterdir()) == []
 
 

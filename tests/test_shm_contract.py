@@ -21,18 +21,20 @@ import pytest
 from psgrid.psserver import shared_memory
 from tests.wire_client import WireWorker
 
-pytestmark = [pytest.mark.skipif(not shared_memory.available(), reason="no memfd on this host"),
-              pytest.mark.parametrize("data_plane", ["shm"])]
+pytestmark = [
+    pytest.mark.skipif(not shared_memory.available(), reason="no memfd on this host"),
+    pytest.mark.parametrize("data_plane", ["shm"]),
+]
 
 # ----- the contract: header layouts, operations, numbers ------------------------------------------
 MAGIC = b"PST2"
-REQUEST = struct.Struct("<4sBBqqQQd")   # magic, op, dtype byte, worker, clock, version, nbytes, timeout_s: 48 bytes
-REPLY = struct.Struct("<4sBBBQqqQ")     # magic, status, reason, outcome, version, staleness, next_clock, nbytes
+REQUEST = struct.Struct("<4sBBqqQQd")  # magic, op, dtype byte, worker, clock, version, nbytes, timeout_s: 48 bytes
+REPLY = struct.Struct("<4sBBBQqqQ")  # magic, status, reason, outcome, version, staleness, next_clock, nbytes
 HELLO, PULL, PUSH, OPEN, MAP, ATTACH = 1, 2, 3, 4, 5, 6
-FLOAT32 = 1                             # the low four bits of the dtype byte; the high four: the gradient file
-OK, INVALID_ARGUMENT, FAILED_PRECONDITION, UNAUTHENTICATED = 0, 3, 9, 16          # statuses: gRPC's numbers
-MALFORMED, BAD_SIZE, BAD_DTYPE, BAD_VALUE, UNKNOWN_WORKER = 1, 2, 4, 7, 10          # reasons: proto/ps.proto's
-NO_MARK = -1                            # a reader's slot in the marks table once its copy is done
+FLOAT32 = 1  # the low four bits of the dtype byte; the high four: the gradient file
+OK, INVALID_ARGUMENT, FAILED_PRECONDITION, UNAUTHENTICATED = 0, 3, 9, 16  # statuses: gRPC's numbers
+MALFORMED, BAD_SIZE, BAD_DTYPE, BAD_VALUE, UNKNOWN_WORKER = 1, 2, 4, 7, 10  # reasons: proto/ps.proto's
+NO_MARK = -1  # a reader's slot in the marks table once its copy is done
 TOKEN = "shm-contract-token"
 PARAMS = [("w", [1000]), ("b", [24])]
 SIZE = 1024
@@ -50,18 +52,28 @@ class RawPeer:
     def __init__(self, address: str):
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(10)
-        self.sock.connect("\0" + address[1:])      # "@name": Linux's abstract namespace
+        self.sock.connect("\0" + address[1:])  # "@name": Linux's abstract namespace
 
-    def send(self, op: int, *, dtype=0, worker=0, clock=0, version=0, nbytes=0, timeout_s=0.0, payload=b"",
-             fd: int | None = None) -> None:
+    def send(
+        self,
+        op: int,
+        *,
+        dtype=0,
+        worker=0,
+        clock=0,
+        version=0,
+        nbytes=0,
+        timeout_s=0.0,
+        payload=b"",
+        fd: int | None = None,
+    ) -> None:
         self.sock.sendall(REQUEST.pack(MAGIC, op, dtype, worker, clock, version, nbytes, timeout_s) + payload)
         if fd is not None:
             socket.send_fds(self.sock, [b"F"], [fd])
 
     def reply(self) -> tuple[int, int, int, int]:
         """(outcome, version, staleness, next_clock); a refusal raised with its status, reason and text."""
-        magic, status, reason, outcome, version, staleness, next_clock, nbytes = REPLY.unpack(
-            self.read(REPLY.size))
+        magic, status, reason, outcome, version, staleness, next_clock, nbytes = REPLY.unpack(self.read(REPLY.size))
         assert magic == MAGIC
         if status != OK:
             raise Refused(status, reason, self.read(nbytes).decode())
@@ -111,7 +123,7 @@ def gradient_file(values: np.ndarray, seal: bool = True) -> int:
 
 
 def shm_address(cluster) -> str:
-    return cluster.servers[0].shm.address       # what RegisterReply names the shard's shm socket
+    return cluster.servers[0].shm.address  # what RegisterReply names the shard's shm socket
 
 
 @pytest.fixture
@@ -129,29 +141,30 @@ def joined(cluster):
 def test_open_map_pull_attach_push_by_hand(joined):
     c, worker, peer = joined
     peer.call(HELLO, nbytes=len(TOKEN), payload=TOKEN.encode())
-    _, slot, _, _ = peer.call(OPEN)                                  # the slot comes in ``version``
+    _, slot, _, _ = peer.call(OPEN)  # the slot comes in ``version``
     marks_fd = peer.receive_fd()
     marks = np.frombuffer(mmap.mmap(marks_fd, os.fstat(marks_fd).st_size), "<i8")
     os.close(marks_fd)
 
-    _, version, index, _ = peer.call(PULL, worker=worker.worker_id, clock=0, timeout_s=5.0)   # index in ``staleness``
+    _, version, index, _ = peer.call(PULL, worker=worker.worker_id, clock=0, timeout_s=5.0)  # index in ``staleness``
     assert version == 0 and marks[slot] == index
-    _, nbytes, _, _ = peer.call(MAP, clock=index)                    # MAP: the index in ``clock``, bytes in ``version``
+    _, nbytes, _, _ = peer.call(MAP, clock=index)  # MAP: the index in ``clock``, bytes in ``version``
     buffer_fd = peer.receive_fd()
     assert nbytes == 4 * SIZE
     with mmap.mmap(buffer_fd, nbytes, prot=mmap.PROT_READ) as weights:
         assert np.frombuffer(weights, "<f4").tolist() == [2.0] * SIZE
-    marks[slot] = NO_MARK                                            # done reading: the shard may write it again
+    marks[slot] = NO_MARK  # done reading: the shard may write it again
 
     grad = gradient_file(np.full(SIZE, 1.0))
     file_index = 1
     kind = FLOAT32 | file_index << 4
     peer.call(ATTACH, dtype=kind, nbytes=4 * SIZE, fd=grad)
     os.close(grad)
-    outcome, new_version, staleness, next_clock = peer.call(PUSH, dtype=kind, worker=worker.worker_id, clock=0,
-                                                            version=0, timeout_s=5.0)
+    outcome, new_version, staleness, next_clock = peer.call(
+        PUSH, dtype=kind, worker=worker.worker_id, clock=0, version=0, timeout_s=5.0
+    )
     assert (new_version, staleness, next_clock) == (1, 0, 1)
-    assert c.shard().weights.tolist() == [1.5] * SIZE                 # 2 - 0.5 * 1
+    assert c.shard().weights.tolist() == [1.5] * SIZE  # 2 - 0.5 * 1
 
     _, version, index, _ = peer.call(PULL, worker=worker.worker_id, clock=1, timeout_s=5.0)
     assert version == 1
@@ -180,17 +193,19 @@ def test_each_documented_refusal_and_whether_the_connection_stays(joined):
         peer.call(HELLO, nbytes=len(TOKEN), payload=TOKEN.encode())
         # Refusals of the service leave the connection in step: each is followed by a call it serves.
         refused = refusal(peer, PULL, worker=worker.worker_id)
-        assert (refused.status, refused.reason) == (INVALID_ARGUMENT, MALFORMED) and "OPEN" in refused.text   # malformed
+        assert (refused.status, refused.reason) == (INVALID_ARGUMENT, MALFORMED) and "OPEN" in refused.text  # malformed
         peer.call(OPEN)
         os.close(peer.receive_fd())
         refused = refusal(peer, PULL, worker=worker.worker_id + 1000, timeout_s=5.0)
         assert (refused.status, refused.reason) == (FAILED_PRECONDITION, UNKNOWN_WORKER)
         refused = refusal(peer, MAP, clock=1 << 40)
-        assert (refused.status, refused.reason) == (INVALID_ARGUMENT, BAD_VALUE)       # no such buffer
+        assert (refused.status, refused.reason) == (INVALID_ARGUMENT, BAD_VALUE)  # no such buffer
         refused = refusal(peer, PUSH, dtype=FLOAT32, worker=worker.worker_id)
         assert (refused.status, refused.reason) == (INVALID_ARGUMENT, BAD_DTYPE) and "ATTACH" in refused.text
-        for fd, nbytes, reason in [(gradient_file(np.zeros(SIZE)), 4 * SIZE + 4, BAD_SIZE),     # not the model's size
-                                   (gradient_file(np.zeros(SIZE), seal=False), 4 * SIZE, BAD_VALUE)]:      # unsealed
+        for fd, nbytes, reason in [
+            (gradient_file(np.zeros(SIZE)), 4 * SIZE + 4, BAD_SIZE),  # not the model's size
+            (gradient_file(np.zeros(SIZE), seal=False), 4 * SIZE, BAD_VALUE),
+        ]:  # unsealed
             refused = refusal(peer, ATTACH, dtype=FLOAT32, nbytes=nbytes, fd=fd)
             os.close(fd)
             assert (refused.status, refused.reason) == (INVALID_ARGUMENT, reason), refused.text
@@ -204,7 +219,7 @@ def test_each_documented_refusal_and_whether_the_connection_stays(joined):
     peer = RawPeer(shm_address(c))
     try:
         peer.call(HELLO, nbytes=len(TOKEN), payload=TOKEN.encode())
-        refused = refusal(peer, ATTACH, dtype=FLOAT32, nbytes=4 * SIZE, payload=b"F")   # its byte, no descriptor
+        refused = refusal(peer, ATTACH, dtype=FLOAT32, nbytes=4 * SIZE, payload=b"F")  # its byte, no descriptor
         assert (refused.status, refused.reason) == (INVALID_ARGUMENT, MALFORMED) and peer.closed_by_shard()
     finally:
         peer.close()

@@ -14,9 +14,9 @@ import pytest
 
 from psgrid.psserver.exceptions import Unavailable
 from psgrid.psserver.protocol import Reason
+from psgrid.psserver.state.weight_ring import MAX_SHARED_READERS
 from psgrid.psserver.transports.base import ConnectOptions
 from psgrid.psserver.transports.shm_client import ShmDataPlane
-from psgrid.psserver.state.weight_ring import MAX_SHARED_READERS
 from tests.support import REGRESSION
 
 TOKEN = "s3cret"
@@ -42,7 +42,7 @@ def hold_every_reader_slot(address: str) -> tuple[ShmDataPlane, list]:
 @pytest.mark.timeout(60)
 def test_a_client_refused_by_a_full_shared_memory_plane_trains_over_tcp(cluster, data_plane, caplog):
     c = cluster(1, mode="async", lr=0.5, token=TOKEN)
-    with c.client(REGRESSION, init=REGRESSION.flat(), token=TOKEN):     # initialised, then gone
+    with c.client(REGRESSION, init=REGRESSION.flat(), token=TOKEN):  # initialised, then gone
         pass
     holder, held = hold_every_reader_slot(c.servers[0].shm.address)
     try:

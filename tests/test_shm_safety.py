@@ -27,19 +27,31 @@ import pytest
 from psgrid.psserver import shared_memory
 from psgrid.psserver.client.client import Client
 from psgrid.psserver.protocol import BFLOAT16, FLOAT32, Reason, Status
-from psgrid.psserver.transports.stream_frames import NO_MARK
 from psgrid.psserver.spec import ModelSpec
-from psgrid.psserver.transports.stream_frames import (ATTACH, FD_BYTE, MAGIC, MAP, MAX_MESSAGE, OPEN, PULL, PUSH, REPLY,
-                                                   REQUEST, recv_exact, recv_struct)
 from psgrid.psserver.state.weight_ring import MAX_SHARED_READERS, MAX_VERSIONS
+from psgrid.psserver.transports.stream_frames import (
+    ATTACH,
+    FD_BYTE,
+    MAGIC,
+    MAP,
+    MAX_MESSAGE,
+    NO_MARK,
+    OPEN,
+    PULL,
+    PUSH,
+    REPLY,
+    REQUEST,
+    recv_exact,
+    recv_struct,
+)
 from tests.support import ROOT
 
 pytestmark = pytest.mark.skipif(not shared_memory.available(), reason="no memfd on this host")
 
-SIZE = 3000                                  # elements: several pages, not a whole number of them
+SIZE = 3000  # elements: several pages, not a whole number of them
 SPEC = ModelSpec([("w", (SIZE,))])
 F_SEAL_FUTURE_WRITE = 0x10
-FALLOC_FL_PUNCH_HOLE = 0x02 | 0x01           # with KEEP_SIZE, as the kernel requires
+FALLOC_FL_PUNCH_HOLE = 0x02 | 0x01  # with KEEP_SIZE, as the kernel requires
 SERVE = """
 import json, sys
 from psgrid.psserver.config import ServerConfig
@@ -65,8 +77,17 @@ class Peer:
         self.sock.settimeout(10)
         self.sock.connect(path)
 
-    def call(self, op: int, *, dtype: int = 0, worker: int = 0, clock: int = 0, version: int = 0, nbytes: int = 0,
-             fd: int | None = None) -> tuple:
+    def call(
+        self,
+        op: int,
+        *,
+        dtype: int = 0,
+        worker: int = 0,
+        clock: int = 0,
+        version: int = 0,
+        nbytes: int = 0,
+        fd: int | None = None,
+    ) -> tuple:
         self.sock.sendall(REQUEST.pack(MAGIC, op, dtype, worker, clock, version, nbytes, 0.0))
         if fd is not None:
             socket.send_fds(self.sock, [FD_BYTE], [fd])
@@ -122,8 +143,14 @@ class ShardProcess:
     def __init__(self, **settings):
         config = dict(host="127.0.0.1", port=0, lr=1.0, **settings)
         env = dict(os.environ)
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVE, json.dumps(config)], cwd=ROOT, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SERVE, json.dumps(config)],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         try:
             self.address = self.proc.stdout.readline().strip()
             assert self.address, f"the shard did not start (exit {self.proc.wait(10)})"
@@ -184,6 +211,7 @@ def shard_process():
 
 # ----- finding 1: gradient files ----------------------------------------------------------------------
 
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_an_unsealed_gradient_file_is_refused_and_shrinking_one_cannot_kill_the_shard(shard_process, mode):
@@ -196,7 +224,7 @@ def test_an_unsealed_gradient_file_is_refused_and_shrinking_one_cannot_kill_the_
             refusal = None
         except Refused as exc:
             refusal = exc
-        if refusal is None:               # taken: the attack goes on, as it would against a shard that took it
+        if refusal is None:  # taken: the attack goes on, as it would against a shard that took it
             os.ftruncate(fd, 0)
             try:
                 peer.call(PUSH, dtype=FLOAT32, worker=shard.worker.worker_id, clock=0)
@@ -218,7 +246,7 @@ def test_an_unsealed_gradient_file_is_refused_and_shrinking_one_cannot_kill_the_
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_worker_cannot_shrink_its_own_gradient_file(shard_process, mode):
     shard = shard_process(mode=mode)
-    shard.step()                              # the gradient file is attached now
+    shard.step()  # the gradient file is attached now
     _, fd = shard.worker._memory.segment(FLOAT32)
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
@@ -237,9 +265,11 @@ def test_attach_takes_only_a_sealed_memfd_of_the_models_size(cluster, data_plane
         client.pull(np.zeros(SIZE, np.float32)).wait()
         peer = Peer(client._conn.planes[0].path)
         fixed = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-        cases = [("larger than the model", memfd(1 << 40, fixed), 1 << 40, Reason.BAD_SIZE),
-                 ("smaller than declared", memfd(SIZE * 2, fixed), SIZE * 4, Reason.BAD_SIZE),
-                 ("sealed against shrinking only", memfd(SIZE * 4, fcntl.F_SEAL_SHRINK), SIZE * 4, Reason.BAD_VALUE)]
+        cases = [
+            ("larger than the model", memfd(1 << 40, fixed), 1 << 40, Reason.BAD_SIZE),
+            ("smaller than declared", memfd(SIZE * 2, fixed), SIZE * 4, Reason.BAD_SIZE),
+            ("sealed against shrinking only", memfd(SIZE * 4, fcntl.F_SEAL_SHRINK), SIZE * 4, Reason.BAD_VALUE),
+        ]
         r, w = os.pipe()
         cases.append(("a pipe", r, SIZE * 4, Reason.BAD_VALUE))
         try:
@@ -249,7 +279,7 @@ def test_attach_takes_only_a_sealed_memfd_of_the_models_size(cluster, data_plane
                 assert refused.value.reason is reason, what
             fd = memfd(SIZE * 2, fixed)
             cases.append(("half precision", fd, 0, None))
-            peer.call(ATTACH, dtype=BFLOAT16, nbytes=SIZE * 2, fd=fd)          # a sealed one is taken
+            peer.call(ATTACH, dtype=BFLOAT16, nbytes=SIZE * 2, fd=fd)  # a sealed one is taken
         finally:
             for _, fd, _, _ in cases:
                 os.close(fd)
@@ -276,6 +306,7 @@ def test_attach_refuses_a_hugetlb_file():
 
 # ----- finding 1: the weights and the marks table handed out --------------------------------------------
 
+
 def expect_refused(what: str, attempt) -> None:
     try:
         attempt()
@@ -295,28 +326,32 @@ def test_a_mapped_weight_buffer_cannot_be_written_truncated_or_punched(shard_pro
     nbytes = SIZE * 4
     reopened = -1
     try:
-        expect_refused("map the weights writable", lambda: mmap.mmap(fd, nbytes, mmap.MAP_SHARED,
-                                                                     mmap.PROT_READ | mmap.PROT_WRITE))
+        expect_refused(
+            "map the weights writable", lambda: mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        )
         expect_refused("write the weights", lambda: os.pwrite(fd, np.full(4, np.nan, np.float32).tobytes(), 0))
         expect_refused("punch a hole in the weights", lambda: punch_hole(fd, nbytes))
         expect_refused("truncate the weights", lambda: os.ftruncate(fd, 0))
         expect_refused("add a seal to the weights", lambda: fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE))
-        reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)      # the inode's mode lets its owner reopen it
-        expect_refused("map the reopened weights writable", lambda: mmap.mmap(reopened, nbytes, mmap.MAP_SHARED,
-                                                                              mmap.PROT_READ | mmap.PROT_WRITE))
+        reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # the inode's mode lets its owner reopen it
+        expect_refused(
+            "map the reopened weights writable",
+            lambda: mmap.mmap(reopened, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE),
+        )
         expect_refused("write the reopened weights", lambda: os.pwrite(reopened, b"\xff" * 16, 0))
         expect_refused("truncate the reopened weights", lambda: os.ftruncate(reopened, 0))
         expect_refused("punch a hole in the reopened weights", lambda: punch_hole(reopened, nbytes))
         # the marks table: every reader writes its own slot, nobody may resize it
         expect_refused("truncate the marks table", lambda: os.ftruncate(marks_fd, 0))
         expect_refused("grow the marks table", lambda: os.ftruncate(marks_fd, 1 << 20))
-        marks = np.frombuffer(mmap.mmap(marks_fd, MAX_SHARED_READERS * 8, mmap.MAP_SHARED,
-                                        mmap.PROT_READ | mmap.PROT_WRITE), np.int64)
+        marks = np.frombuffer(
+            mmap.mmap(marks_fd, MAX_SHARED_READERS * 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), np.int64
+        )
         marks[slot] = NO_MARK
         for step in range(3):
             shard.step()
             assert shard.alive(), shard.death()
-            np.testing.assert_array_equal(shard.params, 99 - step)       # finite, and what the updates made
+            np.testing.assert_array_equal(shard.params, 99 - step)  # finite, and what the updates made
     finally:
         for d in (fd, marks_fd, reopened):
             if d >= 0:
@@ -325,6 +360,7 @@ def test_a_mapped_weight_buffer_cannot_be_written_truncated_or_punched(shard_pro
 
 
 # ----- finding 2: marks held forever, garbage in the table ------------------------------------------------
+
 
 def untorn(params: np.ndarray, version: int) -> None:
     """With lr 1 and every gradient ones, version v's weights are 100 - v everywhere."""
@@ -345,7 +381,7 @@ def test_readers_that_hold_their_marks_forever_cannot_grow_the_ring(cluster, dat
         path = client._conn.planes[0].path
         peers, fds = [], []
         try:
-            for i in range(40):                         # each holds the version it pulled, and never lets go
+            for _ in range(40):  # each holds the version it pulled, and never lets go
                 peers.append(Peer(path))
                 fds.append(peers[-1].open()[1])
                 peers[-1].pull(client.worker_id)
@@ -356,8 +392,9 @@ def test_readers_that_hold_their_marks_forever_cannot_grow_the_ring(cluster, dat
             revoked = shard.stats()["revoked_reads"]
             assert revoked >= 40 - MAX_VERSIONS
             # garbage everywhere: indices out of range, huge numbers, every buffer's index in every slot
-            marks = np.frombuffer(mmap.mmap(fds[0], MAX_SHARED_READERS * 8, mmap.MAP_SHARED,
-                                            mmap.PROT_READ | mmap.PROT_WRITE), np.int64)
+            marks = np.frombuffer(
+                mmap.mmap(fds[0], MAX_SHARED_READERS * 8, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), np.int64
+            )
             rng = np.random.default_rng(0)
             for _ in range(20):
                 marks[:] = rng.choice([-(1 << 63), -7, 2, 0, 1, MAX_VERSIONS, 1 << 62], MAX_SHARED_READERS)
@@ -406,12 +443,12 @@ def test_a_reader_whose_mark_is_revoked_reads_again_and_never_returns_torn_weigh
             # is quick, as a reader's usually is.
             calls[0] += 1
             started = shard.version
-            params[begin:begin + 1024] = values[:1024]
+            params[begin : begin + 1024] = values[:1024]
             if calls[0] % 2:
                 deadline = time.monotonic() + 10
                 while shard.version <= started + MAX_VERSIONS and time.monotonic() < deadline:
                     time.sleep(0.002)
-            params[begin + 1024:end] = values[1024:]
+            params[begin + 1024 : end] = values[1024:]
 
         params = np.zeros(SIZE, np.float32)
         pusher = threading.Thread(target=push_and_hold, daemon=True)

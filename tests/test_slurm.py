@@ -30,11 +30,11 @@ def test_without_slurm_a_users_machine_skips_the_srun_tests_and_ci_fails_them(tm
     from tests.slurm import PACKAGES, REQUIRE_SLURM, find_programs
 
     monkeypatch.delenv(REQUIRE_SLURM, raising=False)
-    with pytest.raises(pytest.skip.Exception) as skipped:          # a folder holding no Slurm program
+    with pytest.raises(pytest.skip.Exception) as skipped:  # a folder holding no Slurm program
         find_programs(str(tmp_path))
     assert f"apt-get install --no-install-recommends {PACKAGES}" in str(skipped.value)
     assert "\n" not in str(skipped.value) and "srun" in str(skipped.value)
-    monkeypatch.setenv(REQUIRE_SLURM, "1")                         # what .ci/run exports
+    monkeypatch.setenv(REQUIRE_SLURM, "1")  # what .ci/run exports
     with pytest.raises(pytest.fail.Exception) as failed:
         find_programs(str(tmp_path))
     assert PACKAGES in str(failed.value) and REQUIRE_SLURM in str(failed.value)
@@ -57,8 +57,22 @@ def test_srun_runs_the_default_job_to_its_accuracy(slurm, tmp_path):
 
 def test_srun_runs_a_users_script_on_each_worker_rank(slurm, tmp_path):
     out = tmp_path / "run"
-    result = slurm.srun(5, [*PSCTL, "mpi", "--shards", "1", "--no-progress", "--out", str(out), "--",
-                            "python", str(EXAMPLES / "train_cupy.py")], timeout=180)
+    result = slurm.srun(
+        5,
+        [
+            *PSCTL,
+            "mpi",
+            "--shards",
+            "1",
+            "--no-progress",
+            "--out",
+            str(out),
+            "--",
+            "python",
+            str(EXAMPLES / "train_cupy.py"),
+        ],
+        timeout=180,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((out / "summary.json").read_text())
     # 1 coordinator, 1 shard and 3 worker ranks, each running the script with the job in its environment
@@ -71,9 +85,25 @@ def test_srun_runs_a_users_script_on_each_worker_rank(slurm, tmp_path):
 
 def test_a_rank_that_raises_ends_the_step_within_seconds(slurm, tmp_path):
     out = tmp_path / "run"
-    busy = out / "metrics" / "worker-0.jsonl"      # rank 4 (worker 1) raises once worker 0 (rank 3) trains
-    result = slurm.srun(5, [sys.executable, str(RAISE_ON_RANK), "4", str(busy), "--", "mpi", "--config", "mnist",
-                            "--steps", "100000", "--out", str(out)], timeout=120)
+    busy = out / "metrics" / "worker-0.jsonl"  # rank 4 (worker 1) raises once worker 0 (rank 3) trains
+    result = slurm.srun(
+        5,
+        [
+            sys.executable,
+            str(RAISE_ON_RANK),
+            "4",
+            str(busy),
+            "--",
+            "mpi",
+            "--config",
+            "mnist",
+            "--steps",
+            "100000",
+            "--out",
+            str(out),
+        ],
+        timeout=120,
+    )
     ended = time.time()
     assert result.returncode != 0
     assert "psctl mpi: rank 4 on " in result.stderr and "failed; aborting the job" in result.stderr, result.stderr
@@ -86,8 +116,10 @@ def test_a_rank_that_raises_ends_the_step_within_seconds(slurm, tmp_path):
 
 # Each rank dies of SIGKILL once MPI is up: nothing of MPICH's runs after it. (With MPI_Abort the file was
 # left in most runs but not all: the aborting rank's own clean-up could unlink it before srun killed it.)
-ABORT_SCRIPT = ("import os, signal; from mpi4py import MPI; MPI.COMM_WORLD.Barrier(); "
-                "print('initialized', flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+ABORT_SCRIPT = (
+    "import os, signal; from mpi4py import MPI; MPI.COMM_WORLD.Barrier(); "
+    "print('initialized', flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+)
 
 
 def test_the_cluster_finds_and_removes_what_a_plain_mpi_job_leaves_in_dev_shm(slurm):
@@ -103,21 +135,35 @@ def test_the_cluster_finds_and_removes_what_a_plain_mpi_job_leaves_in_dev_shm(sl
     assert "initialized" in result.stdout and result.returncode != 0, result.stdout + result.stderr
     left = slurm.shm_leftovers()
     assert len(left) == 1 and left[0].stat().st_size > 0, left
-    for path in left:            # this test's own leftover, so later tests see a clean /dev/shm
+    for path in left:  # this test's own leftover, so later tests see a clean /dev/shm
         path.unlink()
     assert_nothing_left(slurm)
 
 
-@pytest.mark.parametrize("script, options", [
-    ("one-node.sbatch", ()),
-    ("multi-node.sbatch", ("--nodes=1", "--ntasks-per-node=7")),     # the test's cluster has one node
-])
+@pytest.mark.parametrize(
+    "script, options",
+    [
+        ("one-node.sbatch", ()),
+        ("multi-node.sbatch", ("--nodes=1", "--ntasks-per-node=7")),  # the test's cluster has one node
+    ],
+)
 def test_the_example_sbatch_scripts_give_each_gpu_a_worker(slurm, tmp_path, script, options):
     # The node's 4 GPUs are made up, so the job trains on the CPU; the scripts' arithmetic is real:
     # 7 tasks and 4 GPUs make 1 coordinator, 2 shards and 4 workers.
     out = tmp_path / "run"
-    result = slurm.sbatch(EXAMPLES / "slurm" / script, "--device", "cpu", "--steps", "20", "--eval-every", "0",
-                          "--out", str(out), options=options, timeout=120)
+    result = slurm.sbatch(
+        EXAMPLES / "slurm" / script,
+        "--device",
+        "cpu",
+        "--steps",
+        "20",
+        "--eval-every",
+        "0",
+        "--out",
+        str(out),
+        options=options,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["status"], summary["ranks"], summary["shards"], summary["workers"]) == ("ok", 7, 2, 4)
@@ -127,8 +173,9 @@ def test_the_example_sbatch_scripts_give_each_gpu_a_worker(slurm, tmp_path, scri
 def test_srun_without_the_pmi2_plugin_says_to_add_it(slurm, tmp_path):
     # A site whose MpiDefault is none (as this cluster's) starts N unwired tasks from a plain srun:
     # each sees an MPI world of one. One line names the srun flag, on rank 0 only.
-    result = slurm.srun(4, [*PSCTL, "mpi", "--config", "mnist", "--out", str(tmp_path / "run")],
-                        options=("--mpi=none",), timeout=60)
+    result = slurm.srun(
+        4, [*PSCTL, "mpi", "--config", "mnist", "--out", str(tmp_path / "run")], options=("--mpi=none",), timeout=60
+    )
     assert result.returncode != 0, result.stdout + result.stderr
     # srun's and slurmstepd's own lines aside (KillOnBadExit ends the other tasks)
     lines = [line for line in result.stderr.splitlines() if line.startswith("psctl")]
@@ -154,17 +201,23 @@ GPU_VARIABLES = [
 
 @pytest.mark.parametrize("script, nodes, tasks", [("one-node.sbatch", 1, 7), ("multi-node.sbatch", 2, 10)])
 @pytest.mark.parametrize("gpu_env", GPU_VARIABLES, ids=lambda env: "-".join(f"{k}={v}" for k, v in env.items()))
-def test_the_sbatch_scripts_count_gpus_from_whichever_variable_the_site_sets(tmp_path, script, nodes, tasks,
-                                                                            gpu_env):
+def test_the_sbatch_scripts_count_gpus_from_whichever_variable_the_site_sets(tmp_path, script, nodes, tasks, gpu_env):
     # The script itself under bash (set -euo pipefail), with a stand-in srun that prints its arguments.
     # No Slurm needed: this runs on any machine with bash.
     fake = tmp_path / "srun"
     fake.write_text('#!/bin/sh\necho "srun $*"\n')
     fake.chmod(0o755)
-    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "SLURM_NTASKS": str(tasks), "SLURM_NNODES": str(nodes),
-           "SLURM_JOB_NAME": "psgrid", "SLURM_JOB_ID": "12", **gpu_env}
-    result = subprocess.run(["bash", str(EXAMPLES / "slurm" / script), "--steps", "5"], env=env,
-                            capture_output=True, text=True, timeout=10)
+    env = {
+        "PATH": f"{tmp_path}:/usr/bin:/bin",
+        "SLURM_NTASKS": str(tasks),
+        "SLURM_NNODES": str(nodes),
+        "SLURM_JOB_NAME": "psgrid",
+        "SLURM_JOB_ID": "12",
+        **gpu_env,
+    }
+    result = subprocess.run(
+        ["bash", str(EXAMPLES / "slurm" / script), "--steps", "5"], env=env, capture_output=True, text=True, timeout=10
+    )
     assert result.returncode == 0, result.stderr
     # 4 GPUs a node: one-node 7 tasks = 1 + 2 shards + 4 workers; two nodes of 5 = 1 + 1 shard + 8 workers
     shards = tasks - 1 - 4 * nodes
@@ -172,10 +225,17 @@ def test_the_sbatch_scripts_count_gpus_from_whichever_variable_the_site_sets(tmp
 
 
 def test_an_sbatch_script_without_any_gpu_variable_says_which_it_read(tmp_path):
-    env = {"PATH": "/usr/bin:/bin", "SLURM_NTASKS": "7", "SLURM_NNODES": "1", "SLURM_JOB_NAME": "psgrid",
-           "SLURM_JOB_ID": "12"}
-    result = subprocess.run(["bash", str(EXAMPLES / "slurm" / "one-node.sbatch")], env=env,
-                            capture_output=True, text=True, timeout=10)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "SLURM_NTASKS": "7",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NAME": "psgrid",
+        "SLURM_JOB_ID": "12",
+    }
+    result = subprocess.run(
+        ["bash", str(EXAMPLES / "slurm" / "one-node.sbatch")], env=env, capture_output=True, text=True, timeout=10
+    )
     assert result.returncode != 0
-    assert result.stderr.count("\n") == 1 and "SLURM_GPUS_ON_NODE" in result.stderr \
-        and "--gpus-per-node" in result.stderr, result.stderr
+    assert (
+        result.stderr.count("\n") == 1 and "SLURM_GPUS_ON_NODE" in result.stderr and "--gpus-per-node" in result.stderr
+    ), result.stderr

@@ -39,10 +39,32 @@ def start_shards(tmp_path: Path, n: int) -> list[tuple[subprocess.Popen, str]]:
     for i in range(n):
         address_file = tmp_path / f"shard-{i}"
         with open(tmp_path / f"shard-{i}.log", "wb") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--shard", str(i),
-                                     "--num-shards", str(n), "--port", "0", "--mode", "ssp", "--staleness", "3",
-                                     "--lr", "0.001", "--address-file", str(address_file)],
-                                    cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "psgrid.cluster.cli",
+                    "server",
+                    "--shard",
+                    str(i),
+                    "--num-shards",
+                    str(n),
+                    "--port",
+                    "0",
+                    "--mode",
+                    "ssp",
+                    "--staleness",
+                    "3",
+                    "--lr",
+                    "0.001",
+                    "--address-file",
+                    str(address_file),
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         shards.append((proc, address_file))
     out = []
     deadline = time.monotonic() + 30
@@ -64,12 +86,21 @@ def test_sixty_four_clients_for_45_seconds(tmp_path):
     slowest = [0.0] * CLIENTS
     stop_at = time.monotonic() + SECONDS
     try:
+
         def work(rank: int) -> None:
             rng = np.random.default_rng(rank)
             params, grad = SPEC.flat(), SPEC.flat()
             try:
-                with Client(addresses, SPEC, worker_id=rank, world=CLIENTS, init=SPEC.flat(), deadline_s=30,
-                            retry_s=10, join_timeout_s=60) as client:
+                with Client(
+                    addresses,
+                    SPEC,
+                    worker_id=rank,
+                    world=CLIENTS,
+                    init=SPEC.flat(),
+                    deadline_s=30,
+                    retry_s=10,
+                    join_timeout_s=60,
+                ) as client:
                     while time.monotonic() < stop_at:
                         t0 = time.monotonic()
                         client.pull(params).wait()
@@ -97,11 +128,13 @@ def test_sixty_four_clients_for_45_seconds(tmp_path):
                 p.kill()
             p.wait(timeout=10)
     growth = [e / w - 1 for w, e in zip(warm, end)]
-    print(f"{CLIENTS} clients, {SECONDS:.0f} s: {sum(steps)} pull+push rounds ({sum(steps) - warm_steps} after "
-          f"warm-up), slowest round {max(slowest):.2f} s; shard memory {warm} -> {end} KiB "
-          f"({', '.join(f'{g:+.1%}' for g in growth)})")
+    print(
+        f"{CLIENTS} clients, {SECONDS:.0f} s: {sum(steps)} pull+push rounds ({sum(steps) - warm_steps} after "
+        f"warm-up), slowest round {max(slowest):.2f} s; shard memory {warm} -> {end} KiB "
+        f"({', '.join(f'{g:+.1%}' for g in growth)})"
+    )
     assert not errors, errors[:5]
-    assert min(steps) > 0                           # every client made progress
+    assert min(steps) > 0  # every client made progress
     assert all(g < 0.10 for g in growth)
     for i in range(2):
         log = (tmp_path / f"shard-{i}.log").read_text()

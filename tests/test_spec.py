@@ -229,7 +229,7 @@ def test_shard_ranges_tile_and_balance(total, num_shards):
     ranges = shard_ranges(total, num_shards)
     assert len(ranges) == num_shards
     assert ranges[0][0] == 0 and ranges[-1][1] == total
-    for (b0, e0), (b1, _) in zip(ranges, ranges[1:]):
+    for (_, e0), (b1, _) in zip(ranges, ranges[1:]):
         assert e0 == b1
     sizes = [e - b for b, e in ranges]
     assert all(s >= 0 for s in sizes)

@@ -17,8 +17,7 @@ from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.transports import stream_client
 from psgrid.psserver.transports.base import ConnectOptions
 from psgrid.psserver.transports.stream_client import ConnectionPool, StreamConnection
-from psgrid.psserver.transports.stream_frames import (MAX_MESSAGE, pull_request, read_reply, refusal_frame,
-                                                   reply_header)
+from psgrid.psserver.transports.stream_frames import MAX_MESSAGE, pull_request, read_reply, refusal_frame, reply_header
 from psgrid.psserver.transports.tcp_client import TcpDataPlane
 
 SPEC = ModelSpec([("w", (64,))])
@@ -67,28 +66,34 @@ def reused(pool: ConnectionPool, shard: FakeShard) -> bool:
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("status, reason, raised", [
-    (Status.DEADLINE_EXCEEDED, Reason.WAIT_TIMEOUT, WaitTimeout),
-    (Status.INVALID_ARGUMENT, Reason.BAD_VALUE, PSError),
-    (Status.FAILED_PRECONDITION, Reason.UNKNOWN_WORKER, FailedPrecondition),
-    (Status.INTERNAL, Reason.NONE, PSError),
-])
+@pytest.mark.parametrize(
+    "status, reason, raised",
+    [
+        (Status.DEADLINE_EXCEEDED, Reason.WAIT_TIMEOUT, WaitTimeout),
+        (Status.INVALID_ARGUMENT, Reason.BAD_VALUE, PSError),
+        (Status.FAILED_PRECONDITION, Reason.UNKNOWN_WORKER, FailedPrecondition),
+        (Status.INTERNAL, Reason.NONE, PSError),
+    ],
+)
 def test_a_connection_is_reused_after_a_whole_refusal_the_shard_keeps_it_for(shard, status, reason, raised):
     pool = ConnectionPool(shard.connect, "data plane", "fake")
     shard.says(refusal_frame(status, reason, b"no"))
     with pytest.raises(raised):
         pull(pool)
     assert reused(pool, shard)
-    shard.says(reply_header(version=7))       # and it serves the next call
+    shard.says(reply_header(version=7))  # and it serves the next call
     assert pull(pool) == 7 and reused(pool, shard)
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("status, reason", [
-    (Status.UNAUTHENTICATED, Reason.UNAUTHENTICATED),         # the shard closes after these
-    (Status.UNAVAILABLE, Reason.TOO_MANY_CONNECTIONS),
-    (Status.INVALID_ARGUMENT, Reason.MALFORMED),
-])
+@pytest.mark.parametrize(
+    "status, reason",
+    [
+        (Status.UNAUTHENTICATED, Reason.UNAUTHENTICATED),  # the shard closes after these
+        (Status.UNAVAILABLE, Reason.TOO_MANY_CONNECTIONS),
+        (Status.INVALID_ARGUMENT, Reason.MALFORMED),
+    ],
+)
 def test_a_connection_is_closed_after_a_refusal_the_shard_closes_it_after(shard, status, reason):
     pool = ConnectionPool(shard.connect, "data plane", "fake")
     shard.says(refusal_frame(status, reason, b"no"))
@@ -131,7 +136,7 @@ def test_a_torn_frame_closes_the_connection_and_is_unavailable(shard):
 def test_a_timeout_mid_frame_closes_the_connection(shard, monkeypatch):
     monkeypatch.setattr(stream_client, "SOCKET_SLACK_S", 0.0)
     pool = ConnectionPool(shard.connect, "data plane", "fake")
-    shard.says(reply_header(version=3)[:10])         # the rest never comes
+    shard.says(reply_header(version=3)[:10])  # the rest never comes
     with pytest.raises(Unavailable):
         pull(pool, timeout_s=0.2)
     assert not reused(pool, shard)
@@ -165,7 +170,7 @@ def test_the_tcp_plane_keeps_its_connection_after_a_refused_pull(cluster, monkey
     try:
         out = np.zeros(SPEC.size, np.float32)
         with pytest.raises(FailedPrecondition):
-            plane.pull_into(out, begin=0, worker_id=12345, clock=0, timeout_s=5.0)     # never registered
+            plane.pull_into(out, begin=0, worker_id=12345, clock=0, timeout_s=5.0)  # never registered
         assert plane.pull_into(out, begin=0, worker_id=-1, clock=0, timeout_s=5.0) == 0
         assert len(connects) == 1
     finally:
@@ -183,15 +188,17 @@ def test_the_named_frames_are_the_documented_bytes():
     assert f.pull_request(1, 7, 9, 2.5) == request.pack(b"PST2", 2, 1, 7, 9, 0, 0, 2.5)
     assert f.push_request(2, 7, 9, 4, 100, 2.5) == request.pack(b"PST2", 3, 2, 7, 9, 4, 100, 2.5)
     assert f.open_request() == request.pack(b"PST2", 4, 0, 0, 0, 0, 0, 0.0)
-    assert f.map_request(5) == request.pack(b"PST2", 5, 0, 0, 5, 0, 0, 0.0)           # the index in ``clock``
+    assert f.map_request(5) == request.pack(b"PST2", 5, 0, 0, 5, 0, 0, 0.0)  # the index in ``clock``
     assert f.attach_request(0x13, 4096) == request.pack(b"PST2", 6, 0x13, 0, 0, 0, 4096, 0.0)
-    assert f.dtype_byte(3, 1) == 0x13                                                 # dtype low, file high
+    assert f.dtype_byte(3, 1) == 0x13  # dtype low, file high
     parsed = f.Request._make(request.unpack(request.pack(b"PST2", 6, 0x13, 7, 5, 0, 4096, 0.0)))
     assert (parsed.buffer_index, parsed.wire_dtype, parsed.file_index) == (5, 3, 1)
-    assert f.open_reply(12) == reply.pack(b"PST2", 0, 0, 0, 12, 0, 0, 0)            # the slot in ``version``
-    assert f.map_reply(4096) == reply.pack(b"PST2", 0, 0, 0, 4096, 0, 0, 0)         # the bytes in ``version``
-    assert f.shared_pull_reply(8, 2) == reply.pack(b"PST2", 0, 0, 0, 8, 2, 0, 0)    # the index in ``staleness``
-    assert f.refusal_frame(3, 2, b"x" * (f.MAX_MESSAGE + 1)) == reply.pack(b"PST2", 3, 2, 0, 0, 0, 0,
-                                                                             f.MAX_MESSAGE) + b"x" * f.MAX_MESSAGE
+    assert f.open_reply(12) == reply.pack(b"PST2", 0, 0, 0, 12, 0, 0, 0)  # the slot in ``version``
+    assert f.map_reply(4096) == reply.pack(b"PST2", 0, 0, 0, 4096, 0, 0, 0)  # the bytes in ``version``
+    assert f.shared_pull_reply(8, 2) == reply.pack(b"PST2", 0, 0, 0, 8, 2, 0, 0)  # the index in ``staleness``
+    assert (
+        f.refusal_frame(3, 2, b"x" * (f.MAX_MESSAGE + 1))
+        == reply.pack(b"PST2", 3, 2, 0, 0, 0, 0, f.MAX_MESSAGE) + b"x" * f.MAX_MESSAGE
+    )
     shown = f.Reply._make(reply.unpack(f.shared_pull_reply(8, 2)))
     assert (shown.version, shown.buffer_index, shown.slot, shown.buffer_bytes) == (8, 2, 8, 8)

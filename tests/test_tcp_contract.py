@@ -33,7 +33,7 @@ def test_a_large_refused_push_still_gets_its_refusal_not_a_reset(cluster):
     """A push refused before its payload is read must still deliver the refusal, however big the payload."""
     c = cluster(1, mode="async")
     client = c.client(BIG, init=BIG.flat()).join()
-    for _ in range(5):                    # one element too many: 4 MiB + 4 bytes
+    for _ in range(5):  # one element too many: 4 MiB + 4 bytes
         payload = b"\0" * (4 * BIG.size + 4)
         with socket.create_connection(("127.0.0.1", c.servers[0].tcp.port), timeout=10) as sock:
             sock.sendall(REQUEST.pack(MAGIC, PUSH, FLOAT32, client.worker_id, 0, 0, len(payload), 10.0))
@@ -57,7 +57,7 @@ def test_a_connection_closed_mid_payload_changes_nothing(cluster):
         sock.sendall(payload[: len(payload) // 2])
     finally:
         sock.close()
-    deadline = time.monotonic() + 5                # until the shard has seen the connection go
+    deadline = time.monotonic() + 5  # until the shard has seen the connection go
     while c.servers[0].tcp.connections and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not c.servers[0].tcp.connections
@@ -67,7 +67,7 @@ def test_a_connection_closed_mid_payload_changes_nothing(cluster):
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(REQUEST.pack(MAGIC, PUSH, FLOAT32, client.worker_id, 0, 0, len(payload), 5.0) + payload)
         fields, _ = read_reply(sock)
-    assert fields[1] == Status.OK and fields[6] == 1        # next_clock
+    assert fields[1] == Status.OK and fields[6] == 1  # next_clock
 
 
 @pytest.mark.timeout(30)
@@ -83,11 +83,11 @@ def test_an_unknown_operation_or_another_protocol_closes_the_connection(cluster)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 40)
         try:
-            closed = sock.recv(1) == b""           # not our magic: closed without a reply ...
+            closed = sock.recv(1) == b""  # not our magic: closed without a reply ...
         except ConnectionResetError:
-            closed = True                          # ... reset, since the rest of the request was never read
+            closed = True  # ... reset, since the rest of the request was never read
         assert closed
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:   # the plane still serves
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:  # the plane still serves
         sock.sendall(REQUEST.pack(MAGIC, PULL, FLOAT32, -1, 0, 0, 0, 5.0))
         fields, body = read_reply(sock)
     assert fields[1] == Status.OK and len(body) == 4 * BIG.size

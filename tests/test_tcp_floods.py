@@ -24,10 +24,10 @@ from tests.support import REGRESSION, make_problem, regression_grad
 pytestmark = pytest.mark.parametrize("data_plane", ["tcp"])
 
 TOKEN = "s3cret"
-HANDLERS = 8             # the shard's threads: the floods below are sized against these
-MIN_ROUNDS = 30         # pull+push rounds a worker makes in 2.5 s at least (hundreds, here, alone)
+HANDLERS = 8  # the shard's threads: the floods below are sized against these
+MIN_ROUNDS = 30  # pull+push rounds a worker makes in 2.5 s at least (hundreds, here, alone)
 GIB = 1 << 30
-TRICKLE = 100_000       # bytes of a payload a flood ever sends (never all of the GiB it declares)
+TRICKLE = 100_000  # bytes of a payload a flood ever sends (never all of the GiB it declares)
 
 
 class Flood:
@@ -41,13 +41,13 @@ class Flood:
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="flood", daemon=True)
 
-    def __enter__(self) -> "Flood":
+    def __enter__(self) -> Flood:
         self.thread.start()
         deadline = time.monotonic() + 10
         while self.opened < self.n and time.monotonic() < deadline:
             time.sleep(0.02)
         assert self.opened >= self.n, "the flood could not open its connections"
-        time.sleep(0.5)            # let it take hold of what it can
+        time.sleep(0.5)  # let it take hold of what it can
         return self
 
     def __exit__(self, *exc) -> None:
@@ -71,7 +71,7 @@ class Flood:
             kept = []
             for sock, sent in self.socks:
                 try:
-                    if sock.recv(1 << 16) == b"":        # closed by the shard (replies are read and dropped)
+                    if sock.recv(1 << 16) == b"":  # closed by the shard (replies are read and dropped)
                         raise ConnectionError
                 except BlockingIOError:
                     pass
@@ -81,7 +81,7 @@ class Flood:
                     continue
                 if sent < len(self.trickle):
                     try:
-                        sock.send(self.trickle[sent:sent + 1])
+                        sock.send(self.trickle[sent : sent + 1])
                         sent += 1
                     except BlockingIOError:
                         pass
@@ -135,12 +135,14 @@ def job(cluster, **settings):
 @pytest.mark.timeout(60)
 def test_a_worker_trains_through_strangers_trickling_their_hello_one_byte_at_a_time(cluster):
     c = job(cluster)
-    header = REQUEST.pack(MAGIC, HELLO, 0, 0, 0, 0, 60_000, 0.0)          # a long token, never finished
+    header = REQUEST.pack(MAGIC, HELLO, 0, 0, 0, 0, 60_000, 0.0)  # a long token, never finished
     with Flood(c.servers[0].tcp.port, 3 * HANDLERS, trickle=header + b"t" * 60_000) as flood:
         rounds, slowest = train_through(c)
-    print(f"{rounds} rounds (slowest {slowest:.3f}s) beside {flood.n} trickling strangers, "
-          f"{flood.dropped} of their connections cut by the shard")
-    assert flood.dropped >= flood.n           # each cut at its handshake deadline, and opened again
+    print(
+        f"{rounds} rounds (slowest {slowest:.3f}s) beside {flood.n} trickling strangers, "
+        f"{flood.dropped} of their connections cut by the shard"
+    )
+    assert flood.dropped >= flood.n  # each cut at its handshake deadline, and opened again
 
 
 @pytest.mark.timeout(60)
@@ -148,20 +150,28 @@ def test_a_worker_trains_through_strangers_trickling_refused_one_gib_pushes(clus
     c = job(cluster)
     with Flood(c.servers[0].tcp.port, 3 * HANDLERS, opening=lambda: push_header(GIB), trickle=b"\0" * TRICKLE) as flood:
         rounds, slowest = train_through(c)
-    print(f"{rounds} rounds (slowest {slowest:.3f}s) beside {flood.n} strangers trickling refused pushes, "
-          f"{flood.dropped} of their connections cut by the shard")
+    print(
+        f"{rounds} rounds (slowest {slowest:.3f}s) beside {flood.n} strangers trickling refused pushes, "
+        f"{flood.dropped} of their connections cut by the shard"
+    )
     assert flood.dropped >= flood.n
 
 
 @pytest.mark.timeout(60)
 def test_a_worker_trains_through_a_token_holder_trickling_oversized_pushes(cluster):
     c = job(cluster)
-    pusher = c.client(REGRESSION, init=REGRESSION.flat(), token=TOKEN).join()     # a live worker id: its push
-    with Flood(c.servers[0].tcp.port, 3 * HANDLERS,                                   # is refused for its size
-               opening=lambda: hello() + push_header(GIB, pusher.worker_id), trickle=b"\0" * TRICKLE) as flood:
+    pusher = c.client(REGRESSION, init=REGRESSION.flat(), token=TOKEN).join()  # a live worker id: its push
+    with Flood(
+        c.servers[0].tcp.port,
+        3 * HANDLERS,  # is refused for its size
+        opening=lambda: hello() + push_header(GIB, pusher.worker_id),
+        trickle=b"\0" * TRICKLE,
+    ) as flood:
         rounds, slowest = train_through(c)
-    print(f"{rounds} rounds (slowest {slowest:.3f}s) beside {flood.n} trickled oversized pushes of a token holder, "
-          f"{flood.dropped} of their connections cut by the shard")       # each after 3 s (the next test)
+    print(
+        f"{rounds} rounds (slowest {slowest:.3f}s) beside {flood.n} trickled oversized pushes of a token holder, "
+        f"{flood.dropped} of their connections cut by the shard"
+    )  # each after 3 s (the next test)
 
 
 @pytest.mark.timeout(60)
@@ -172,12 +182,12 @@ def test_an_oversized_push_is_refused_before_its_payload_and_the_connection_clos
         sock.sendall(hello())
         assert recv_struct(sock, REPLY)[1] == 0
         t0 = time.monotonic()
-        sock.sendall(push_header(GIB, pusher.worker_id))            # no payload sent at all
+        sock.sendall(push_header(GIB, pusher.worker_id))  # no payload sent at all
         fields = recv_struct(sock, REPLY)
         assert (fields[1], fields[2]) == (Status.INVALID_ARGUMENT, Reason.BAD_SIZE)
-        recv_exact(sock, memoryview(bytearray(fields[-1])))           # the refusal's text
+        recv_exact(sock, memoryview(bytearray(fields[-1])))  # the refusal's text
         closed = False
-        while time.monotonic() - t0 < 10:                           # trickled: the shard cuts it
+        while time.monotonic() - t0 < 10:  # trickled: the shard cuts it
             try:
                 sock.send(b"\0")
             except OSError:
@@ -191,9 +201,11 @@ def test_an_oversized_push_is_refused_before_its_payload_and_the_connection_clos
 def test_a_worker_joins_and_trains_beside_more_idle_strangers_than_the_plane_takes(cluster, monkeypatch):
     monkeypatch.setattr(socket_server, "MAX_HANDSHAKES", 16)
     c = job(cluster, tcp_max_connections=32)
-    with Flood(c.servers[0].tcp.port, 64) as flood:                 # idle: they never send a byte
+    with Flood(c.servers[0].tcp.port, 64) as flood:  # idle: they never send a byte
         rounds, slowest = train_through(c)
         assert c.servers[0].tcp.open_connections <= 32 + 16
-    print(f"{rounds} rounds (slowest {slowest:.3f}s) beside {flood.n} idle strangers, "
-          f"{flood.dropped} of their connections cut by the shard")
+    print(
+        f"{rounds} rounds (slowest {slowest:.3f}s) beside {flood.n} idle strangers, "
+        f"{flood.dropped} of their connections cut by the shard"
+    )
     assert flood.dropped >= flood.n

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from psgrid.psserver.state import checkpoint_files as checkpoint
 from psgrid.psserver.client.client import Client
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import Unavailable
 from psgrid.psserver.protocol import SERVICE, Reason, Status
 from psgrid.psserver.server import RunningServer, serve
+from psgrid.psserver.state import checkpoint_files as checkpoint
 from psgrid.psserver.transports.base import ConnectOptions
 from psgrid.psserver.transports.grpc_client import open_control
 from psgrid.psserver.transports.stream_frames import HELLO, MAGIC, MAX_MESSAGE, REPLY, REQUEST, recv_exact, recv_struct
@@ -70,16 +70,18 @@ def test_two_thousand_idle_connections_hold_no_threads_and_a_client_is_served_at
             deadline = time.monotonic() + 20
             while server.tcp.open_connections < IDLE and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert server.tcp.open_connections >= IDLE          # every one accepted, and held
+            assert server.tcp.open_connections >= IDLE  # every one accepted, and held
             threads = threading.active_count()
             crowded = statistics.median(rounds_per_s(client) for _ in range(3))
             assert client.data_planes == ["tcp"]
         finally:
             for s in idle:
                 s.close()
-    assert threads - threads_before <= 2, (threads_before, threads)       # idle connections cost no thread
-    print(f"pull+push rounds/s: {baseline:.0f} alone, {crowded:.0f} beside {IDLE} idle connections "
-          f"(ratio {crowded / baseline:.2f}); threads {threads_before} -> {threads}")
+    assert threads - threads_before <= 2, (threads_before, threads)  # idle connections cost no thread
+    print(
+        f"pull+push rounds/s: {baseline:.0f} alone, {crowded:.0f} beside {IDLE} idle connections "
+        f"(ratio {crowded / baseline:.2f}); threads {threads_before} -> {threads}"
+    )
     assert crowded > baseline / 3
 
 
@@ -117,7 +119,7 @@ def test_with_a_token_the_limit_counts_authenticated_connections_and_strangers_t
     c = cluster(1, mode="async", token="s3cret", tcp_max_connections=2)
     port = c.servers[0].tcp.port
     hello = REQUEST.pack(MAGIC, HELLO, 0, 0, 0, 0, 6, 0.0) + b"s3cret"
-    strangers = open_idle(port, 8)                        # never say hello: they hold no place of a worker's
+    strangers = open_idle(port, 8)  # never say hello: they hold no place of a worker's
     workers = []
     try:
         for expected in (Status.OK, Status.OK, Status.UNAVAILABLE):
@@ -142,12 +144,12 @@ def test_a_connection_that_never_says_hello_or_trickles_it_is_closed_at_the_hand
     server = c.servers[0]
     with socket.create_connection(("127.0.0.1", server.tcp.port), timeout=5) as silent:
         t0 = time.monotonic()
-        assert silent.recv(1) == b""                      # closed by the shard, not by us
+        assert silent.recv(1) == b""  # closed by the shard, not by us
         assert time.monotonic() - t0 < 3
     hello = REQUEST.pack(MAGIC, HELLO, 0, 0, 0, 0, 6, 0.0) + b"s3cret"
     with socket.create_connection(("127.0.0.1", server.tcp.port), timeout=5) as slow:
         t0 = time.monotonic()
-        with pytest.raises(OSError):                      # one byte every 50 ms: each comes in time, the whole not
+        with pytest.raises(OSError):  # one byte every 50 ms: each comes in time, the whole not
             for byte in hello:
                 slow.sendall(bytes([byte]))
                 time.sleep(0.05)
@@ -175,11 +177,11 @@ def test_the_accept_loop_outlives_a_thread_that_cannot_start(cluster, monkeypatc
     monkeypatch.setattr(server.tcp.pool, "submit", submit)
     with socket.create_connection(("127.0.0.1", server.tcp.port), timeout=5) as first:
         first.sendall(REQUEST.pack(MAGIC, HELLO, 0, 0, 0, 0, 0, 0.0))
-        try:                                              # that one connection is dropped ...
+        try:  # that one connection is dropped ...
             assert first.recv(1) == b""
         except ConnectionResetError:
             pass
-    with c.client(REGRESSION, init=REGRESSION.flat()) as client:    # ... and the plane serves the next
+    with c.client(REGRESSION, init=REGRESSION.flat()) as client:  # ... and the plane serves the next
         rounds_per_s(client, 5)
         assert client.data_planes == ["tcp"]
     assert "cannot serve a connection now: can't start new thread" in caplog.text
@@ -203,7 +205,7 @@ def test_health_serving_without_a_token_and_not_serving_when_the_data_plane_died
     c = cluster(1, mode="async", token="s3cret")
     server = c.servers[0]
     address = c.addresses[0]
-    assert health_of(address) == health_of(address, SERVICE) == SERVING      # a probe carries no token
+    assert health_of(address) == health_of(address, SERVICE) == SERVING  # a probe carries no token
 
     def die():
         raise SystemExit("the loop ends")
@@ -225,7 +227,7 @@ def test_a_restoring_shard_answers_unavailable_and_health_not_serving(tmp_path, 
         with Client([first.address], REGRESSION, init=REGRESSION.flat()) as client:
             client.push(REGRESSION.flat() + 1).wait()
     finally:
-        first.stop(grace=0.5)           # writes its final checkpoint
+        first.stop(grace=0.5)  # writes its final checkpoint
     release, loading = threading.Event(), threading.Event()
     real_load = checkpoint.load_latest
 
@@ -235,7 +237,7 @@ def test_a_restoring_shard_answers_unavailable_and_health_not_serving(tmp_path, 
         return real_load(directory)
 
     monkeypatch.setattr(checkpoint, "load_latest", slow_load)
-    server = RunningServer(ServerConfig(mode="async", lr=0.05, checkpoint_dir=str(ckpt)))   # bound, not started
+    server = RunningServer(ServerConfig(mode="async", lr=0.05, checkpoint_dir=str(ckpt)))  # bound, not started
     thread = threading.Thread(target=server.start)
     thread.start()
     try:
@@ -244,7 +246,7 @@ def test_a_restoring_shard_answers_unavailable_and_health_not_serving(tmp_path, 
             assert health_of(server.address) == health_of(server.address, SERVICE) == NOT_SERVING
             control = open_control(server.address, ConnectOptions())
             try:
-                with pytest.raises(Unavailable) as refused:       # clients retry this
+                with pytest.raises(Unavailable) as refused:  # clients retry this
                     control.register(spec_hash="", worker_id=-1, start_clock=-1, host="h", observer=True)
                 assert refused.value.reason is Reason.RESTORING
             finally:

@@ -17,8 +17,8 @@ import pytest
 
 from psgrid.cluster.cli import build_parser, main
 from psgrid.cluster.commands.server import server_config_from_args
-from psgrid.psserver.exceptions import Unauthenticated
 from psgrid.cluster.job.credentials import TOKEN_ENV
+from psgrid.psserver.exceptions import Unauthenticated
 from psgrid.worker import env as job_vars
 from psgrid.worker.api import init
 from tests.support import REGRESSION, address_lines, plane_options
@@ -41,9 +41,9 @@ def test_the_rule_given_then_token_file_then_environment(tmp_path, monkeypatch):
 
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     token_file = tmp_path / "token"
-    assert job_token(None) is None and job_token(None, token_file=token_file) is None    # no file: nothing
+    assert job_token(None) is None and job_token(None, token_file=token_file) is None  # no file: nothing
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    assert job_token(None) == TOKEN and job_token("") == TOKEN     # an empty setting is no setting
+    assert job_token(None) == TOKEN and job_token("") == TOKEN  # an empty setting is no setting
     token_file.write_text(OTHER + "\n")
     assert job_token(None, token_file=token_file) == OTHER
     assert job_token("given", token_file=token_file) == "given"
@@ -70,9 +70,14 @@ def test_a_shard_started_by_hand_with_the_variable_refuses_calls_without_it(tmp_
     addr, log = tmp_path / "addr", tmp_path / "server.log"
     env = dict(os.environ, **{TOKEN_ENV: TOKEN})
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "psgrid.cluster.cli", "server", "--port", "0",
-                                 "--address-file", str(addr)], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "psgrid.cluster.cli", "server", "--port", "0", "--address-file", str(addr)],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         address = address_lines(proc, addr, log)[0]
         from psgrid.psserver.client.admin import Admin
@@ -94,21 +99,22 @@ def test_client_and_admin_take_the_environments_token(cluster, data_plane, token
         client.push(np.ones(REGRESSION.size, np.float32)).wait()
         assert client.clock == 1
     assert c.admin().stats()[0]["pushes"] == 1
-    with pytest.raises(Unauthenticated):       # a token given wins over the environment's
+    with pytest.raises(Unauthenticated):  # a token given wins over the environment's
         c.admin(token=OTHER, retry_s=1).stats()
 
 
 @pytest.mark.parametrize("data_plane", ["tcp"])  # status reads stats over gRPC whatever the data plane
 @pytest.mark.timeout(60)
-def test_psctl_status_takes_the_job_folders_token_before_the_environments(cluster, data_plane, tmp_path,
-                                                                        monkeypatch, capsys):
+def test_psctl_status_takes_the_job_folders_token_before_the_environments(
+    cluster, data_plane, tmp_path, monkeypatch, capsys
+):
     c = cluster(1, mode="async", token=TOKEN)
     (tmp_path / "addr").mkdir()
     (tmp_path / "addr" / "shard-0").write_text(c.addresses[0] + "\n")
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    assert main(["status", "--address-dir", str(tmp_path), "--json", "--timeout", "2"]) == 0   # the environment's
+    assert main(["status", "--address-dir", str(tmp_path), "--json", "--timeout", "2"]) == 0  # the environment's
     (tmp_path / "token").write_text(TOKEN + "\n")
-    monkeypatch.setenv(TOKEN_ENV, OTHER)             # another job's token in this shell: the folder's wins
+    monkeypatch.setenv(TOKEN_ENV, OTHER)  # another job's token in this shell: the folder's wins
     assert main(["status", "--address-dir", str(tmp_path), "--json", "--timeout", "2"]) == 0
     assert main(["status", "--address-dir", str(tmp_path), "--json", "--timeout", "2", "--token", OTHER]) == 1
     capsys.readouterr()
@@ -117,12 +123,12 @@ def test_psctl_status_takes_the_job_folders_token_before_the_environments(cluste
 @pytest.mark.timeout(60)
 def test_psgrid_init_takes_the_environments_token(cluster, data_plane, token_env):
     c = cluster(1, mode="async", token=TOKEN)
-    with init({"w": np.zeros(REGRESSION.size, np.float32)}, addresses=c.addresses, world=1,
-              **plane_options(data_plane)) as ps:
+    with init(
+        {"w": np.zeros(REGRESSION.size, np.float32)}, addresses=c.addresses, world=1, **plane_options(data_plane)
+    ) as ps:
         ps.pull()
         ps.push({"w": np.ones(REGRESSION.size, np.float32)})
         assert ps.client.data_planes == [data_plane]
     assert c.shard().stats()["pushes"] == 1
-    with pytest.raises(Unauthenticated):             # a token given wins over the environment's
-        init({"w": np.zeros(REGRESSION.size, np.float32)}, addresses=c.addresses, world=1, token=OTHER,
-             retry_s=1)
+    with pytest.raises(Unauthenticated):  # a token given wins over the environment's
+        init({"w": np.zeros(REGRESSION.size, np.float32)}, addresses=c.addresses, world=1, token=OTHER, retry_s=1)

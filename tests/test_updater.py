@@ -30,9 +30,16 @@ def push_ones(shard: Shard, worker: int, clock: int):
 
 
 # Each optimizer setting out of its bounds (kernels/optim.py's BOUNDS), set past the job check as only a bug could.
-BAD_SETTINGS = [("sgd", "lr", float("inf")), ("sgd", "lr", 0.0), ("sgd", "momentum", 1.5),
-                ("sgd", "weight_decay", -1.0), ("adam", "beta1", 1.0), ("adam", "beta2", -0.1),
-                ("adam", "eps", 0.0), ("adam", "momentum", 1.5)]
+BAD_SETTINGS = [
+    ("sgd", "lr", float("inf")),
+    ("sgd", "lr", 0.0),
+    ("sgd", "momentum", 1.5),
+    ("sgd", "weight_decay", -1.0),
+    ("adam", "beta1", 1.0),
+    ("adam", "beta2", -0.1),
+    ("adam", "eps", 0.0),
+    ("adam", "momentum", 1.5),
+]
 
 
 @pytest.mark.parametrize("optimizer, name, bad", BAD_SETTINGS)
@@ -46,22 +53,25 @@ def test_a_refused_init_leaves_the_shard_uninitialised_and_a_correct_init_then_t
         shard.init(SPEC, SPEC.flat())
     assert "\n" not in str(refused.value)
     assert not shard.initialized and shard.spec is None and shard.updater is None and shard.pool is None
-    with pytest.raises(NotInitialized):       # not INTERNAL: nothing was half built
+    with pytest.raises(NotInitialized):  # not INTERNAL: nothing was half built
         shard.check_pusher(0)
     setattr(shard.config, name, good)
     assert shard.init(SPEC, SPEC.flat())
-    assert push_ones(shard, 0, 0).outcome is Outcome.APPLIED      # sync: the round of one worker closes
+    assert push_ones(shard, 0, 0).outcome is Outcome.APPLIED  # sync: the round of one worker closes
     assert shard.version == 1 and not np.array_equal(shard.weights, SPEC.flat())
 
 
-@pytest.mark.parametrize("mode, settings, kind, keeps", [
-    ("async", {}, HostUpdater, 0),
-    ("async", {"staleness_compensation": "lr"}, HostUpdater, 0),
-    ("async", {"staleness_compensation": "dc", "dc_versions": 4}, CompensatedUpdater, 4),
-    ("ssp", {"async_momentum": "auto", "momentum": 0.9}, CompensatedUpdater, 0),
-    ("async", {"async_momentum": "auto"}, HostUpdater, 0),                  # no momentum to lower
-    ("sync", {"staleness_compensation": "dc", "async_momentum": "auto", "momentum": 0.9}, HostUpdater, 0),
-])
+@pytest.mark.parametrize(
+    "mode, settings, kind, keeps",
+    [
+        ("async", {}, HostUpdater, 0),
+        ("async", {"staleness_compensation": "lr"}, HostUpdater, 0),
+        ("async", {"staleness_compensation": "dc", "dc_versions": 4}, CompensatedUpdater, 4),
+        ("ssp", {"async_momentum": "auto", "momentum": 0.9}, CompensatedUpdater, 0),
+        ("async", {"async_momentum": "auto"}, HostUpdater, 0),  # no momentum to lower
+        ("sync", {"staleness_compensation": "dc", "async_momentum": "auto", "momentum": 0.9}, HostUpdater, 0),
+    ],
+)
 def test_the_update_is_chosen_once_from_the_mode_and_the_remedies(mode, settings, kind, keeps):
     config = ServerConfig(mode=mode, **settings)
     updater = make_updater(config, HostArrays(), 8, stale=mode != "sync", parts=SERIAL, live_workers=lambda: 1)
@@ -71,13 +81,14 @@ def test_the_update_is_chosen_once_from_the_mode_and_the_remedies(mode, settings
 
 def test_a_device_shard_refuses_dc_before_it_builds_anything():
     config = ServerConfig(mode="async")
-    config.staleness_compensation = "dc"        # past the job check, which refuses it too
-    gpu = SimpleNamespace(on_gpu=True)          # refused before any GPU is touched
+    config.staleness_compensation = "dc"  # past the job check, which refuses it too
+    gpu = SimpleNamespace(on_gpu=True)  # refused before any GPU is touched
     with pytest.raises(InvalidArgument, match="dc' runs on host shards only"):
         make_updater(config, gpu, 8, stale=True, parts=SERIAL, live_workers=lambda: 1)
 
 
 # ----- a device shard's path, with NumPy standing in for the GPU (the kernels themselves: test_device_*.py) ----------
+
 
 class NumpyDeviceOptimizer:
     """A device optimizer's interface (``publish``: the next weights also written there) over the host's."""
@@ -110,15 +121,23 @@ class NumpyGpuArrays(HostArrays):
         pass
 
 
-@pytest.mark.parametrize("mode, settings", [("async", {}), ("ssp", {"staleness": 5}), ("sync", {}),
-                                            ("async", {"momentum": 0.9, "async_momentum": "auto"}),
-                                            ("ssp", {"staleness_compensation": "lr", "staleness": 5})])
+@pytest.mark.parametrize(
+    "mode, settings",
+    [
+        ("async", {}),
+        ("ssp", {"staleness": 5}),
+        ("sync", {}),
+        ("async", {"momentum": 0.9, "async_momentum": "auto"}),
+        ("ssp", {"staleness_compensation": "lr", "staleness": 5}),
+    ],
+)
 def test_a_device_shards_update_trains_as_a_host_shards_does(monkeypatch, mode, settings):
     from psgrid.psserver.kernels import optim
     from psgrid.psserver.state import shard as shard_module
 
-    device_optim = SimpleNamespace(make_device_optimizer=lambda name, size, **hp: NumpyDeviceOptimizer(
-        optim.make_optimizer(name, size, **hp)))
+    device_optim = SimpleNamespace(
+        make_device_optimizer=lambda name, size, **hp: NumpyDeviceOptimizer(optim.make_optimizer(name, size, **hp))
+    )
     monkeypatch.setitem(sys.modules, "psgrid.psserver.kernels.device_optim", device_optim)
 
     def trained(arrays) -> Shard:
@@ -128,7 +147,7 @@ def test_a_device_shards_update_trains_as_a_host_shards_does(monkeypatch, mode, 
         for worker in (0, 1):
             shard.register(SPEC.hash(), worker, -1, "test")
         rng = np.random.default_rng(0)
-        for step in range(10):       # each a host gradient: a device shard stages it on its GPU first
+        for step in range(10):  # each a host gradient: a device shard stages it on its GPU first
             buf = shard.pool.take()
             buf[...] = rng.normal(size=SPEC.size)
             _, kept = shard.push(step % 2, step // 2, shard.version, buf, buf.nbytes)
@@ -141,6 +160,6 @@ def test_a_device_shards_update_trains_as_a_host_shards_does(monkeypatch, mode, 
     assert device.version == host.version == (5 if mode == "sync" else 10)
     np.testing.assert_allclose(device.weights, host.weights, rtol=1e-6)
     assert device.stats()["momentum"] == host.stats()["momentum"]
-    version, published = device.snapshot()        # what readers get: the copy written in the update's pass
+    version, published = device.snapshot()  # what readers get: the copy written in the update's pass
     np.testing.assert_array_equal(published, device.weights)
     device.release_snapshot(published)

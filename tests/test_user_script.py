@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from psgrid.cluster.run import script
 from psgrid.cluster.cli import main
+from psgrid.cluster.run import script
 from tests.support import ROOT, assert_token_kept, run_launch, run_mpiexec
 
 EXAMPLE = "examples/train_cupy.py"
@@ -36,8 +36,10 @@ def test_a_command_is_checked_before_anything_starts(tmp_path, capsys, monkeypat
     with pytest.raises(SystemExit) as exit_:
         main(["server", "--", "python", "train.py"])
     assert exit_.value.code == 2
-    assert ("psctl: error: only launch, mpi and compare run a command of yours after --, not server"
-            in capsys.readouterr().err)
+    assert (
+        "psctl: error: only launch, mpi and compare run a command of yours after --, not server"
+        in capsys.readouterr().err
+    )
 
 
 def test_python_is_the_interpreter_psctl_runs_on(monkeypatch):
@@ -57,14 +59,19 @@ def test_each_worker_gets_the_job_in_its_environment(tmp_path, monkeypatch):
     job = apply_overrides(load_job("mnist"), {"token": "secret-token", "train.tls_ca": "ca.pem", "seed": 11})
     base = {"PATH": "/bin", "PMI_RANK": "4", "OMPI_COMM_WORLD_RANK": "4", "PMIX_RANK": "4"}
     env = script.worker_env(base, job, tmp_path, ["127.0.0.1:1", "127.0.0.1:2"], rank=3, world=4, local_rank=3)
-    assert not any(k.startswith(("PMI_", "PMIX_", "OMPI_")) for k in env)    # it is not an MPI rank
+    assert not any(k.startswith(("PMI_", "PMIX_", "OMPI_")) for k in env)  # it is not an MPI rank
     seen = job_env(env)
     assert (seen.addresses, seen.rank, seen.world, seen.local_rank, seen.gpu) == (
-        ["127.0.0.1:1", "127.0.0.1:2"], 3, 4, 3, 1)                          # local rank 3 of 2 visible GPUs
+        ["127.0.0.1:1", "127.0.0.1:2"],
+        3,
+        4,
+        3,
+        1,
+    )  # local rank 3 of 2 visible GPUs
     assert seen.token == "secret-token" and seen.tls_ca == str(Path("ca.pem").resolve())
     assert seen.metrics == str(tmp_path.resolve() / "metrics" / "worker-3.jsonl")
     assert seen.job_file == str(tmp_path.resolve() / "job.toml") and env["LOCAL_RANK"] == "3"
-    assert seen.seed == 11          # the job's [train] seed, which compare's repeats vary
+    assert seen.seed == 11  # the job's [train] seed, which compare's repeats vary
 
 
 def test_gpus_are_counted_without_cuda(monkeypatch):
@@ -107,11 +114,15 @@ def test_launch_runs_the_example_once_per_worker(tmp_path):
     assert code == 0, text
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["status"], summary["name"], summary["workers"], summary["workers_completed"]) == (
-        "ok", "train_cupy", 2, 2)
+        "ok",
+        "train_cupy",
+        2,
+        2,
+    )
     assert summary["steps"] == 600 and summary["samples"] == 600 * 32 and summary["samples_per_s"] > 0
     assert summary["test_accuracy"] >= 0.88, summary["test_accuracy"]
     assert summary["command"][1:] == [EXAMPLE]
-    assert all(s["applied_updates"] == 300 and s["pushes"] == 600 for s in summary["shard_stats"])   # sync rounds
+    assert all(s["applied_updates"] == 300 and s["pushes"] == 600 for s in summary["shard_stats"])  # sync rounds
     kinds = {(e["event"], e.get("rank")) for e in read_events(out)}
     assert {("start", 0), ("start", 1), ("step", 0), ("step", 1), ("eval", 0), ("done", 0), ("done", 1)} <= kinds
     for rank in range(2):
@@ -124,8 +135,19 @@ def test_launch_runs_the_example_once_per_worker(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_script_that_fails_before_it_joins_is_a_tolerated_worker_failure(tmp_path):
     t = time.monotonic()
-    code, text, out = run_launch(tmp_path, "--workers", "2", "--no-progress", "--set", "join_timeout_s=100", "--",
-                                 "python", USER_SCRIPT, "20", "exit-before-join:1")
+    code, text, out = run_launch(
+        tmp_path,
+        "--workers",
+        "2",
+        "--no-progress",
+        "--set",
+        "join_timeout_s=100",
+        "--",
+        "python",
+        USER_SCRIPT,
+        "20",
+        "exit-before-join:1",
+    )
     assert code == 0, text
     assert time.monotonic() - t < 60, "worker 0 waited for the one that never joined"
     summary = json.loads((out / "summary.json").read_text())
@@ -139,8 +161,9 @@ def test_a_script_that_fails_before_it_joins_is_a_tolerated_worker_failure(tmp_p
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_job_whose_scripts_all_fail_fails(tmp_path):
-    code, text, out = run_launch(tmp_path, "--workers", "2", "--no-progress", "--",
-                                 "python", USER_SCRIPT, "20", "exit-before-join:all")
+    code, text, out = run_launch(
+        tmp_path, "--workers", "2", "--no-progress", "--", "python", USER_SCRIPT, "20", "exit-before-join:all"
+    )
     assert code == 1, text
     assert "no worker completed (worker 0 exited with code 3; worker 1 exited with code 3)" in text
     assert json.loads((out / "summary.json").read_text())["status"] == "failed"
@@ -151,8 +174,23 @@ def test_a_job_whose_scripts_all_fail_fails(tmp_path):
 @pytest.mark.timeout(180)
 def test_mpi_runs_the_example_on_each_worker_rank(tmp_path):
     out = tmp_path / "run"
-    code, stdout, err, took = run_mpiexec(4, ["-m", "psgrid.cluster.cli", "mpi", "--shards", "1", "--no-progress",
-                                              "--out", str(out), "--", "python", EXAMPLE], timeout=150)
+    code, stdout, err, took = run_mpiexec(
+        4,
+        [
+            "-m",
+            "psgrid.cluster.cli",
+            "mpi",
+            "--shards",
+            "1",
+            "--no-progress",
+            "--out",
+            str(out),
+            "--",
+            "python",
+            EXAMPLE,
+        ],
+        timeout=150,
+    )
     assert code == 0, f"{stdout}\n{err}"
     summary = json.loads((out / "summary.json").read_text())
     assert (summary["status"], summary["launcher"], summary["shards"], summary["workers"]) == ("ok", "mpi", 1, 2)
@@ -173,10 +211,27 @@ def test_mpi_runs_the_example_on_each_worker_rank(tmp_path):
 @pytest.mark.timeout(180)
 def test_mpi_tolerates_a_script_that_fails_while_another_completes(tmp_path):
     out = tmp_path / "run"
-    code, stdout, err, took = run_mpiexec(4, ["-m", "psgrid.cluster.cli", "mpi", "--shards", "1", "--no-progress",
-                                              "--set", "join_timeout_s=100", "--out", str(out), "--",
-                                              "python", USER_SCRIPT, "20", "exit-before-join:0"],
-                                          timeout=150)
+    code, stdout, err, took = run_mpiexec(
+        4,
+        [
+            "-m",
+            "psgrid.cluster.cli",
+            "mpi",
+            "--shards",
+            "1",
+            "--no-progress",
+            "--set",
+            "join_timeout_s=100",
+            "--out",
+            str(out),
+            "--",
+            "python",
+            USER_SCRIPT,
+            "20",
+            "exit-before-join:0",
+        ],
+        timeout=150,
+    )
     assert code == 0, f"{stdout}\n{err}"
     assert took < 90, "worker 1 waited for the one that never joined"
     summary = json.loads((out / "summary.json").read_text())

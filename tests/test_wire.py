@@ -143,8 +143,8 @@ def test_bfloat16_is_nearest(values):
     """Independently of bit tricks: the result is a nearest bfloat16, the even one on a tie."""
     _, out = round_trip(values, BF16)
     for x, b, g in zip(values.astype(np.float64).tolist(), bits_of(values).tolist(), out.astype(np.float64).tolist()):
-        lo_bits = b & 0xFFFF0000            # the bfloat16 neighbour toward zero
-        hi_bits = lo_bits + 0x10000         # and the one away from zero (may be infinity)
+        lo_bits = b & 0xFFFF0000  # the bfloat16 neighbour toward zero
+        hi_bits = lo_bits + 0x10000  # and the one away from zero (may be infinity)
         lo = float(np.uint32(lo_bits).view(np.float32))
         hi = float(np.uint32(hi_bits).view(np.float32))
         if x == lo:
@@ -164,20 +164,20 @@ def test_bfloat16_is_nearest(values):
 def test_bfloat16_explicit_ties():
     one = 0x3F800000
     cases = {
-        one: 0x3F80,               # 1.0 exact
-        one | 0x8000: 0x3F80,      # 1 + 2**-8: tie, 0x3F80 is even -> stays
-        0x3F818000: 0x3F82,        # tie, 0x3F81 is odd -> rounds up to even
-        0x3F808001: 0x3F81,        # just above the tie -> up
-        0x3F807FFF: 0x3F80,        # just below the tie -> down
-        0xBF808000: 0xBF80,        # negative tie, even -> stays (magnitude)
-        0xBF818000: 0xBF82,        # negative tie, odd -> magnitude up
-        0x7F7FFFFF: 0x7F80,        # float32 max rounds to +inf
-        0xFF7FFFFF: 0xFF80,        # and -max to -inf
-        0x7F7F8000: 0x7F80,        # tie at the top, 0x7F7F odd -> inf
-        0x00008000: 0x0000,        # subnormal tie, even -> 0
-        0x00018000: 0x0002,        # subnormal tie, odd -> up
-        0x80000000: 0x8000,        # -0.0 keeps its sign
-        0x007FFFFF: 0x0080,        # largest subnormal rounds up to the smallest normal
+        one: 0x3F80,  # 1.0 exact
+        one | 0x8000: 0x3F80,  # 1 + 2**-8: tie, 0x3F80 is even -> stays
+        0x3F818000: 0x3F82,  # tie, 0x3F81 is odd -> rounds up to even
+        0x3F808001: 0x3F81,  # just above the tie -> up
+        0x3F807FFF: 0x3F80,  # just below the tie -> down
+        0xBF808000: 0xBF80,  # negative tie, even -> stays (magnitude)
+        0xBF818000: 0xBF82,  # negative tie, odd -> magnitude up
+        0x7F7FFFFF: 0x7F80,  # float32 max rounds to +inf
+        0xFF7FFFFF: 0xFF80,  # and -max to -inf
+        0x7F7F8000: 0x7F80,  # tie at the top, 0x7F7F odd -> inf
+        0x00008000: 0x0000,  # subnormal tie, even -> 0
+        0x00018000: 0x0002,  # subnormal tie, odd -> up
+        0x80000000: 0x8000,  # -0.0 keeps its sign
+        0x007FFFFF: 0x0080,  # largest subnormal rounds up to the smallest normal
     }
     patterns = np.array(list(cases), dtype=np.uint32)
     data = wire.encode(patterns.view(np.float32), BF16)
@@ -186,16 +186,19 @@ def test_bfloat16_explicit_ties():
 
 
 def test_bfloat16_nan_stays_nan_and_inf_stays_inf():
-    patterns = np.array([
-        0x7FC00000,  # quiet NaN
-        0xFFC00000,  # negative quiet NaN
-        0x7F800001,  # signalling NaN whose payload is only in the low half: truncation would make it inf
-        0x7F80FFFF,  # rounding would carry the payload into ... still NaN
-        0x7FFFFFFF,  # rounding would overflow the exponent
-        0xFFFFFFFF,  # and the 32-bit word
-        0x7F800000,  # +inf
-        0xFF800000,  # -inf
-    ], dtype=np.uint32)
+    patterns = np.array(
+        [
+            0x7FC00000,  # quiet NaN
+            0xFFC00000,  # negative quiet NaN
+            0x7F800001,  # signalling NaN whose payload is only in the low half: truncation would make it inf
+            0x7F80FFFF,  # rounding would carry the payload into ... still NaN
+            0x7FFFFFFF,  # rounding would overflow the exponent
+            0xFFFFFFFF,  # and the 32-bit word
+            0x7F800000,  # +inf
+            0xFF800000,  # -inf
+        ],
+        dtype=np.uint32,
+    )
     values = patterns.view(np.float32)
     data, out = round_trip(values, BF16)
     assert np.isnan(out[:6]).all()
@@ -226,8 +229,9 @@ def test_decode_into_a_slice_of_a_larger_buffer():
 # ----- validation -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,nbytes", [(F32, 1), (F32, 2), (F32, 3), (F32, 7), (F16, 1), (F16, 5),
-                                          (BF16, 1), (BF16, 9)])
+@pytest.mark.parametrize(
+    "dtype,nbytes", [(F32, 1), (F32, 2), (F32, 3), (F32, 7), (F16, 1), (F16, 5), (BF16, 1), (BF16, 9)]
+)
 def test_element_count_rejects_partial_elements(dtype, nbytes):
     with pytest.raises(InvalidArgument):
         wire.element_count(b"\x00" * nbytes, dtype)

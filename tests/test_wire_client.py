@@ -26,19 +26,23 @@ from tests.wire_client import WireWorker
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "wire-client-token"
-PARAMS = [("layer.weight", [40, 50]), ("layer.bias", [40]), ("gain", [])]     # 2041 elements
+PARAMS = [("layer.weight", [40, 50]), ("layer.bias", [40]), ("gain", [])]  # 2041 elements
 SPEC = ModelSpec([(name, tuple(shape)) for name, shape in PARAMS])
 STEPS = 5
 
 # The test vectors of the spec hash that proto/ps.proto and docs/contract.md give: (params, canonical text, hash).
 HASH_VECTORS = [
-    ([("layer1.weight", [4, 3]), ("layer1.bias", [4]), ("scale", [])],
-     '[["layer1.weight",[4,3],"float32"],["layer1.bias",[4],"float32"],["scale",[],"float32"]]',
-     "8513880b1cb74a54143811ed065797dc"),
-    ([("poids_\u00e9", [2, 2]), ("\u5c64", [3]), ("emoji_\U0001f642", [1]), ('q"\\/x', [2])],
-     '[["poids_\\u00e9",[2,2],"float32"],["\\u5c64",[3],"float32"],["emoji_\\ud83d\\ude42",[1],"float32"],'
-     '["q\\"\\\\/x",[2],"float32"]]',
-     "3a648d74ce573e296b927571ffdae8ad"),
+    (
+        [("layer1.weight", [4, 3]), ("layer1.bias", [4]), ("scale", [])],
+        '[["layer1.weight",[4,3],"float32"],["layer1.bias",[4],"float32"],["scale",[],"float32"]]',
+        "8513880b1cb74a54143811ed065797dc",
+    ),
+    (
+        [("poids_\u00e9", [2, 2]), ("\u5c64", [3]), ("emoji_\U0001f642", [1]), ('q"\\/x', [2])],
+        '[["poids_\\u00e9",[2,2],"float32"],["\\u5c64",[3],"float32"],["emoji_\\ud83d\\ude42",[1],"float32"],'
+        '["q\\"\\\\/x",[2],"float32"]]',
+        "3a648d74ce573e296b927571ffdae8ad",
+    ),
 ]
 
 
@@ -110,12 +114,12 @@ def in_thread(fn, *args) -> tuple[threading.Thread, list]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_worker_written_from_the_proto_trains_beside_a_client(cluster, mode):
-    c = cluster(2, mode=mode, lr=0.5, token=TOKEN, chunk_bytes=4096)       # 4 KiB chunks: several per range
+    c = cluster(2, mode=mode, lr=0.5, token=TOKEN, chunk_bytes=4096)  # 4 KiB chunks: several per range
     wire = WireWorker(c.addresses, PARAMS, TOKEN, world=2)
     theirs: list = []
     try:
         joining, join_errors = in_thread(wire.join, initial_weights().tolist())
-        for _ in range(500):                     # it registers first, so it has the lowest id and sends Init
+        for _ in range(500):  # it registers first, so it has the lowest id and sends Init
             if wire.worker_id >= 0 or join_errors:
                 break
             time.sleep(0.01)
@@ -147,6 +151,6 @@ def test_a_worker_written_from_the_proto_trains_beside_a_client(cluster, mode):
         for (_, g0, _), (_, g1, _) in zip(ours, theirs):
             expected = expected - np.float32(0.5) * ((g0 + g1) * np.float32(0.5))
         outcomes = {r.outcome for _, _, replies in ours for r in replies}
-        assert outcomes <= {0, 1}, outcomes             # applied (closed the round) or accumulated: none late
+        assert outcomes <= {0, 1}, outcomes  # applied (closed the round) or accumulated: none late
     np.testing.assert_array_equal(c.weights(), expected)
     assert [s.shard.version for s in c.servers] == [2 * STEPS if mode == "async" else STEPS] * 2

@@ -26,8 +26,16 @@ import pytest
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import PSError
 from psgrid.psserver.kernels.optim import make_optimizer
-from psgrid.psserver.protocol import (CLIENT_SIDE_REASONS, FLOAT32, ITEMSIZE, WIRE_DTYPES, Outcome, PushResult,
-                                      Reason, Status)
+from psgrid.psserver.protocol import (
+    CLIENT_SIDE_REASONS,
+    FLOAT32,
+    ITEMSIZE,
+    WIRE_DTYPES,
+    Outcome,
+    PushResult,
+    Reason,
+    Status,
+)
 from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
 from psgrid.psserver.server import serve
 from psgrid.psserver.spec import ModelSpec
@@ -41,6 +49,7 @@ SPEC = ModelSpec([("w", (12,))])
 
 
 # ----- reading the page -------------------------------------------------------------------------------
+
 
 def _fields(text: str) -> dict:
     """``a=1 b=2.5 c="x y" p=1.0,-2.5`` as values: ints, floats, strings, float lists."""
@@ -94,7 +103,7 @@ def table(title: str) -> list[list[str]]:
             rows.append([cell.strip().strip("`") for cell in line.strip().strip("|").split("|")])
         elif rows:
             break
-    return rows[2:]       # past the header and its rule
+    return rows[2:]  # past the header and its rule
 
 
 HEX = hex_vectors()
@@ -102,6 +111,7 @@ ARITHMETIC = arithmetic_vectors()
 
 
 # ----- the frames ---------------------------------------------------------------------------------------
+
 
 class Sink:
     """What a stream server's reply writes, kept (the server's own ``_reply`` builds the frame)."""
@@ -131,25 +141,38 @@ def f32(values) -> bytes:
 
 def build(kind: str, name: str, f: dict) -> bytes:
     """The frame the project's code makes for the fields a vector gives."""
-    get = lambda key: f.get(key, 0)      # noqa: E731 - a field the vector leaves out is 0
+    get = lambda key: f.get(key, 0)  # noqa: E731 - a field the vector leaves out is 0
     if kind == "request":
         return {
             "HELLO": lambda: frames.hello_request(f["token"].encode()),
             "PULL": lambda: frames.pull_request(get("dtype"), get("worker"), get("clock"), get("timeout")),
-            "PUSH": lambda: frames.push_request(get("dtype"), get("worker"), get("clock"), get("version"),
-                                                get("nbytes"), get("timeout")) + f32(f["payload"]),
+            "PUSH": lambda: (
+                frames.push_request(
+                    get("dtype"), get("worker"), get("clock"), get("version"), get("nbytes"), get("timeout")
+                )
+                + f32(f["payload"])
+            ),
             "OPEN": frames.open_request,
             "MAP": lambda: frames.map_request(get("clock")),
-            "ATTACH": lambda: frames.attach_request(frames.dtype_byte(get("dtype") & 15, get("dtype") >> 4),
-                                                    get("nbytes")),
-            "PUSH-SHM": lambda: frames.push_request(frames.dtype_byte(get("dtype") & 15, get("dtype") >> 4),
-                                                    get("worker"), get("clock"), get("version"), 0, get("timeout")),
+            "ATTACH": lambda: frames.attach_request(
+                frames.dtype_byte(get("dtype") & 15, get("dtype") >> 4), get("nbytes")
+            ),
+            "PUSH-SHM": lambda: frames.push_request(
+                frames.dtype_byte(get("dtype") & 15, get("dtype") >> 4),
+                get("worker"),
+                get("clock"),
+                get("version"),
+                0,
+                get("timeout"),
+            ),
         }[name]()
     return {
         "OK": lambda: served(SocketDataServer._reply),
         "PULL": lambda: served(SocketDataServer._reply, version=get("version"), payload=f32(f["payload"])),
-        "PUSH": lambda: served(SocketDataServer._reply_push, PushResult(Outcome(get("outcome")), get("version"),
-                                                                       get("staleness"), get("next_clock"))),
+        "PUSH": lambda: served(
+            SocketDataServer._reply_push,
+            PushResult(Outcome(get("outcome")), get("version"), get("staleness"), get("next_clock")),
+        ),
         "REFUSAL": lambda: frames.refusal_frame(get("status"), get("reason"), f["text"].encode()),
         "OPEN": lambda: frames.open_reply(get("version")),
         "MAP": lambda: frames.map_reply(get("version")),
@@ -157,8 +180,9 @@ def build(kind: str, name: str, f: dict) -> bytes:
     }[name]()
 
 
-BUILT = {("request", name) for name in ("HELLO", "PULL", "PUSH", "OPEN", "MAP", "ATTACH", "PUSH-SHM")} | \
-        {("reply", name) for name in ("OK", "PULL", "PUSH", "REFUSAL", "OPEN", "MAP", "PULL-SHM")}
+BUILT = {("request", name) for name in ("HELLO", "PULL", "PUSH", "OPEN", "MAP", "ATTACH", "PUSH-SHM")} | {
+    ("reply", name) for name in ("OK", "PULL", "PUSH", "REFUSAL", "OPEN", "MAP", "PULL-SHM")
+}
 
 
 def test_the_page_has_a_vector_of_every_frame():
@@ -189,7 +213,7 @@ def parse(frame: bytes, how):
 def test_each_request_vector_parses_to_its_fields(name):
     fields, frame = HEX[("request", name)]
     request, payload = parse(frame, frames.read_request)
-    follows = 0 if name == "ATTACH" else request.nbytes      # an ATTACH's nbytes is its file's size
+    follows = 0 if name == "ATTACH" else request.nbytes  # an ATTACH's nbytes is its file's size
     assert len(frame) == frames.REQUEST.size + follows == frames.REQUEST.size + len(payload)
     expected = {key: fields.get(key, 0) for key in ("op", "dtype", "worker", "clock", "version", "nbytes", "timeout")}
     assert {key: getattr(request, key) for key in expected} == expected
@@ -197,7 +221,7 @@ def test_each_request_vector_parses_to_its_fields(name):
         assert payload == fields["token"].encode()
     if "payload" in fields:
         assert np.frombuffer(payload, "<f4").tolist() == fields["payload"]
-    if name.endswith("-SHM") or name == "ATTACH":        # the dtype byte: wire dtype and gradient file
+    if name.endswith("-SHM") or name == "ATTACH":  # the dtype byte: wire dtype and gradient file
         assert (request.wire_dtype, request.file_index) == (fields["dtype"] & 15, fields["dtype"] >> 4)
 
 
@@ -211,8 +235,10 @@ def test_each_reply_vector_parses_to_its_fields(name):
         return
     reply, payload = parse(frame, lambda sock: frames.read_reply(sock, "doc"))
     assert len(frame) == frames.REPLY.size + reply.nbytes == frames.REPLY.size + len(payload)
-    expected = {key: fields.get(key, 0) for key in ("status", "reason", "outcome", "version", "staleness",
-                                                    "next_clock", "nbytes")}
+    expected = {
+        key: fields.get(key, 0)
+        for key in ("status", "reason", "outcome", "version", "staleness", "next_clock", "nbytes")
+    }
     assert {key: getattr(reply, key) for key in expected} == expected
     if "payload" in fields:
         assert np.frombuffer(payload, "<f4").tolist() == fields["payload"]
@@ -223,10 +249,14 @@ def test_each_reply_vector_parses_to_its_fields(name):
 TYPES = {"bytes": "4s", "u8": "B", "i64": "q", "u64": "Q", "f64": "d"}
 
 
-@pytest.mark.parametrize("title, layout, names", [
-    ("### 2.1 The request header", frames.REQUEST, frames.Request._fields),
-    ("### 2.2 The reply header", frames.REPLY, frames.Reply._fields),
-], ids=["request", "reply"])
+@pytest.mark.parametrize(
+    "title, layout, names",
+    [
+        ("### 2.1 The request header", frames.REQUEST, frames.Request._fields),
+        ("### 2.2 The reply header", frames.REPLY, frames.Reply._fields),
+    ],
+    ids=["request", "reply"],
+)
 def test_the_header_tables_are_the_structs(title, layout, names):
     rows = table(title)
     assert f"{title}: {layout.size} bytes\n" in DOC
@@ -242,19 +272,21 @@ def test_the_header_tables_are_the_structs(title, layout, names):
 
 def test_the_op_codes_element_types_status_codes_and_outcomes_are_the_codes():
     assert {int(r[0]): r[1] for r in table("### 2.3 Operations")} == {
-        getattr(frames, name): name for name in ("HELLO", "PULL", "PUSH", "OPEN", "MAP", "ATTACH")}
+        getattr(frames, name): name for name in ("HELLO", "PULL", "PUSH", "OPEN", "MAP", "ATTACH")
+    }
     types = table("### 2.4 Element types")
     assert {int(r[0]): r[1].lower() for r in types} == {code: name for name, code in WIRE_DTYPES.items()}
     assert {int(r[0]): int(r[2]) for r in types} == ITEMSIZE
-    assert {int(r[0]): r[1] for r in table("`status` is the numeric gRPC status code")} == \
-        {s.value: s.name for s in Status}
+    assert {int(r[0]): r[1] for r in table("`status` is the numeric gRPC status code")} == {
+        s.value: s.name for s in Status
+    }
     assert {int(r[0]): r[1] for r in table("### 2.6 Push outcomes")} == {o.value: o.name for o in Outcome}
 
 
 def test_every_reason_number_its_name_and_its_status_as_the_proto_lists_them():
     rows = table("`reason` numbers the rule")
     assert {int(r[0]): r[1] for r in rows} == {r.value: r.wire_name for r in Reason}
-    listed = dict(re.findall(r"^//   `(\w+)`\s+([A-Z_]+)", PROTO, re.M))     # the proto's list: name, code
+    listed = dict(re.findall(r"^//   `(\w+)`\s+([A-Z_]+)", PROTO, re.M))  # the proto's list: name, code
     for number, name, status in rows:
         reason = Reason(int(number))
         if reason in CLIENT_SIDE_REASONS:
@@ -290,8 +322,8 @@ def simulate(settings: dict, w: np.ndarray, grads: list[np.ndarray]) -> list[np.
         if settings["optimizer"] == "adam":
             m = m + (d - m) * fl(1.0 - b1)
             v = v * fl(b2) + (d * d) * fl(1.0 - b2)
-            s = (1.0 - b2 ** t) ** 0.5
-            w = w - m / (np.sqrt(v) + fl(eps * s)) * fl(lr_eff / (1.0 - b1 ** t) * s)
+            s = (1.0 - b2**t) ** 0.5
+            w = w - m / (np.sqrt(v) + fl(eps * s)) * fl(lr_eff / (1.0 - b1**t) * s)
         else:
             if mu:
                 v = v * fl(mu) + d
@@ -308,8 +340,9 @@ def steps(rows: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
 
 
 def test_the_page_has_a_vector_of_each_optimizer_and_mode():
-    assert {"SGD", "SGD-MOMENTUM-DECAY", "SGD-NESTEROV", "ADAM", "ADAM-DECAY", "SGD-STALE", "SYNC-MEAN"} <= \
-        set(ARITHMETIC)
+    assert {"SGD", "SGD-MOMENTUM-DECAY", "SGD-NESTEROV", "ADAM", "ADAM-DECAY", "SGD-STALE", "SYNC-MEAN"} <= set(
+        ARITHMETIC
+    )
 
 
 @pytest.mark.parametrize("name", STEPPED)
@@ -323,7 +356,7 @@ def test_each_update_vector_is_the_pages_formula_and_the_host_optimizer(name):
     for g, want in zip(grads, expected):
         optimizer.step(w, g.copy(), lr_scale(settings))
         np.testing.assert_array_equal(w.view(np.uint32), want.view(np.uint32))
-    if "other" in rows:        # the formula the page rules out would not give these weights
+    if "other" in rows:  # the formula the page rules out would not give these weights
         assert not np.array_equal(rows["other"], expected[0])
 
 
@@ -337,8 +370,10 @@ def a_shard(settings: dict, size: int):
 def start(service, w0: np.ndarray, workers: int) -> list[int]:
     """Register ``workers`` workers and set the weights to ``w0``; their ids."""
     spec = ModelSpec([("w", w0.shape)])
-    ids = [service.register(spec_hash=spec.hash(), worker_id=-1, start_clock=-1, host="doc").worker_id
-           for _ in range(workers)]
+    ids = [
+        service.register(spec_hash=spec.hash(), worker_id=-1, start_clock=-1, host="doc").worker_id
+        for _ in range(workers)
+    ]
     intake = service.open_init([("w", w0.shape, "float32")], spec.hash())
     intake.add_chunk(0, FLOAT32, w0.tobytes())
     assert intake.commit(1) == (True, 0)
@@ -370,12 +405,22 @@ def test_a_shard_applies_each_update_vector_bit_for_bit(name, no_leaks):
 def test_a_shard_scales_a_stale_step_as_the_page_says(no_leaks):
     """staleness_compensation = "lr": a push two versions stale takes lr_eff = lr × 1/2, rounded once."""
     settings, rows = ARITHMETIC["SGD-STALE"]
-    server = serve(ServerConfig(host="127.0.0.1", port=0, data_plane="grpc", shared_memory=False, mode="async",
-                                optimizer="sgd", lr=settings["lr"], staleness_compensation="lr"))
+    server = serve(
+        ServerConfig(
+            host="127.0.0.1",
+            port=0,
+            data_plane="grpc",
+            shared_memory=False,
+            mode="async",
+            optimizer="sgd",
+            lr=settings["lr"],
+            staleness_compensation="lr",
+        )
+    )
     try:
         service = server.service
         fresh, stale = start(service, rows["w0"], 2)
-        for clock in range(settings["staleness"]):      # the other worker moves the shard on, each push fresh
+        for clock in range(settings["staleness"]):  # the other worker moves the shard on, each push fresh
             service.push_local(worker_id=fresh, clock=clock, version=clock, grad=rows["grad1"].copy())
         before = weights(service)
         result = service.push_local(worker_id=stale, clock=0, version=0, grad=rows["grad1"].copy())
@@ -395,13 +440,14 @@ def test_sync_multiplies_the_sum_in_worker_order_by_one_over_w(no_leaks):
         total = total + g
     mean = total * np.float32(1.0 / len(grads))
     np.testing.assert_array_equal(simulate(settings, rows["w0"], [mean])[0], rows["w1"])
-    assert not np.array_equal(rows["other"], rows["w1"])     # dividing by W gives other weights here
+    assert not np.array_equal(rows["other"], rows["w1"])  # dividing by W gives other weights here
     np.testing.assert_array_equal(rows["w0"] - np.float32(settings["lr"]) * (total / np.float32(3)), rows["other"])
     server, service = a_shard(settings, len(rows["w0"]))
     try:
         ids = start(service, rows["w0"], len(grads))
-        outcomes = [service.push_local(worker_id=w, clock=0, version=0, grad=g.copy()).outcome
-                    for w, g in zip(ids, grads)]
+        outcomes = [
+            service.push_local(worker_id=w, clock=0, version=0, grad=g.copy()).outcome for w, g in zip(ids, grads)
+        ]
         assert outcomes == [Outcome.ACCUMULATED] * (len(grads) - 1) + [Outcome.APPLIED]
         np.testing.assert_array_equal(weights(service).view(np.uint32), rows["w1"].view(np.uint32))
     finally:
@@ -429,6 +475,7 @@ def test_the_device_kernels_agree_with_each_update_vector_to_float32_rounding(na
 
 # ----- the header-only push -----------------------------------------------------------------------------
 
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("data_plane", ["grpc"])
 @pytest.mark.parametrize("headers", [1, 2], ids=["one message", "two messages"])
@@ -439,8 +486,9 @@ def test_a_push_of_headers_alone_is_bad_size(cluster, headers):
     channel = grpc.insecure_channel(c.addresses[0])
     try:
         push = ps_pb2_grpc.ParameterServerStub(channel).Push
-        messages = [ps_pb2.PushRequest(worker_id=client.worker_id, clock=0, version=0, num_chunks=1)] + \
-            [ps_pb2.PushRequest()] * (headers - 1)
+        messages = [ps_pb2.PushRequest(worker_id=client.worker_id, clock=0, version=0, num_chunks=1)] + [
+            ps_pb2.PushRequest()
+        ] * (headers - 1)
         with pytest.raises(grpc.RpcError) as refused:
             push(iter(messages), timeout=10)
     finally:

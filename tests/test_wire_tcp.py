@@ -16,7 +16,7 @@ from tests.wire_client import Refused, TcpPlane, WireWorker
 pytestmark = pytest.mark.parametrize("data_plane", ["tcp"])
 
 TOKEN = "wire-tcp-token"
-PARAMS = [("embedding", [1024, 1000]), ("bias", [576])]      # 1,024,576 floats
+PARAMS = [("embedding", [1024, 1000]), ("bias", [576])]  # 1,024,576 floats
 SIZE = 1024 * 1000 + 576
 LR = 0.1
 STEPS = 3
@@ -41,11 +41,11 @@ def test_a_tcp_pull_and_push_of_a_million_floats_from_the_doc_alone_is_exact(clu
             np.testing.assert_array_equal(pulled.view(np.uint32), expected.view(np.uint32))
             grad = gradient(pulled, step)
             replies = wire.push(grad.tobytes())
-            assert [r[:2] for r in replies] == [(0, step + 1)] * 2          # APPLIED, the shard's version after it
+            assert [r[:2] for r in replies] == [(0, step + 1)] * 2  # APPLIED, the shard's version after it
             assert wire.clock == step + 1
-            expected = expected - np.float32(LR) * grad                    # w - fl32(lr) * g, in float32
+            expected = expected - np.float32(LR) * grad  # w - fl32(lr) * g, in float32
         np.testing.assert_array_equal(c.weights().view(np.uint32), expected.view(np.uint32))
-        assert tcp_calls == {"pull": 2 * STEPS, "push": 2 * STEPS}     # every payload went over TCP
+        assert tcp_calls == {"pull": 2 * STEPS, "push": 2 * STEPS}  # every payload went over TCP
         wire.leave()
     finally:
         wire.close()
@@ -63,13 +63,13 @@ def test_the_doc_alone_handles_the_tcp_planes_refusals(cluster):
             stranger.pull(wire.worker_id, 0, 32)
         assert (refused.value.status, refused.value.reason, stranger.sock) == (16, "unauthenticated", None)
         plane = wire.tcp[0]
-        with pytest.raises(Refused) as refused:                   # one element short: refused, then closed
+        with pytest.raises(Refused) as refused:  # one element short: refused, then closed
             plane.push(wire.worker_id, 0, 0, np.ones(7, np.float32).tobytes())
         assert (refused.value.status, refused.value.reason, plane.sock) == (3, "bad_size", None)
-        with pytest.raises(Refused) as refused:                   # a refused pull: read whole, connection kept
+        with pytest.raises(Refused) as refused:  # a refused pull: read whole, connection kept
             plane.pull(wire.worker_id + 1, 0, 32)
         assert (refused.value.status, refused.value.reason) == (9, "unknown_worker") and plane.sock is not None
-        version, data = plane.pull(wire.worker_id, 0, 32)         # ... and it serves the next request
+        version, data = plane.pull(wire.worker_id, 0, 32)  # ... and it serves the next request
         assert version == 0 and np.frombuffer(data, np.float32).tolist() == [1.0] * 8
         assert c.shard().version == 0
         wire.leave()

@@ -22,8 +22,14 @@ BUILT_IN = ["--config", "mnist", "--steps", "12", "--eval-every", "0"]
 
 # One job per row, to keep the suite short: a straggler, in async, pulling ahead (with the overlap it needs).
 FEATURES = {
-    "stragglers_pull_ahead": ["--set", "mode=\"async\"", "--set", 'train.stragglers=["1:4"]', "--set",
-                              "train.pull_ahead=true"],
+    "stragglers_pull_ahead": [
+        "--set",
+        'mode="async"',
+        "--set",
+        'train.stragglers=["1:4"]',
+        "--set",
+        "train.pull_ahead=true",
+    ],
     "aggregate": ["--mode", "sync", "--set", 'train.aggregate="host"'],
     "placement": ["--mode", "async", "--set", 'shard_placement="worker"'],
 }
@@ -64,7 +70,7 @@ def test_each_worker_feature_reaches_the_built_in_trainer_and_a_script(tmp_path,
         # Shard i in worker i's process: each worker calls its own shard in place and the other over shared memory.
         assert [starts[rank]["data_planes"] for rank in (0, 1)] == [["local", "shm"], ["shm", "local"]]
         assert all(s["pushes"] == 24 for s in summary["shard_stats"]), summary["shard_stats"]
-        assert not (out / "logs" / "server-0.log").exists()       # no shard process was started
+        assert not (out / "logs" / "server-0.log").exists()  # no shard process was started
 
 
 def _weights_seen(text: str) -> dict[int, list[float]]:
@@ -98,10 +104,34 @@ def test_a_script_aggregated_per_host_sees_the_same_weights_in_sync_as_unaggrega
 def test_compare_slows_a_scripts_straggler_and_sync_pays_for_it(tmp_path):
     # A researcher's question, asked of their own script: what does one 4x slower worker cost sync?
     out = tmp_path / "experiment"
-    argv = [sys.executable, "-m", "psgrid.cluster.cli", "compare", "--modes", "sync", "--workers", "2",
-            "--stragglers", "none", "--stragglers", "1:4", "--out", str(out), "--no-progress", "--",
-            "python", "examples/train_cupy.py", "--steps", "30", "--hidden", "512", "--batch-size", "256",
-            "--eval-every", "0"]
+    argv = [
+        sys.executable,
+        "-m",
+        "psgrid.cluster.cli",
+        "compare",
+        "--modes",
+        "sync",
+        "--workers",
+        "2",
+        "--stragglers",
+        "none",
+        "--stragglers",
+        "1:4",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--",
+        "python",
+        "examples/train_cupy.py",
+        "--steps",
+        "30",
+        "--hidden",
+        "512",
+        "--batch-size",
+        "256",
+        "--eval-every",
+        "0",
+    ]
     done = subprocess.run(argv, cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=110)
     assert done.returncode == 0, done.stdout + done.stderr
     with open(out / "summary.csv") as f:
@@ -126,10 +156,31 @@ def test_psctl_mpi_aggregates_a_scripts_workers_through_one_client_per_node(tmp_
     from tests.support import run_mpiexec
 
     out = tmp_path / "run"
-    code, stdout, err, _ = run_mpiexec(5, ["-m", "psgrid.cluster.cli", "mpi", "--shards", "1", "--mode", "sync",
-                                           "--lr", "1", "--set", "momentum=0.0", "--set", 'train.aggregate="host"',
-                                           "--out", str(out), "--", "python", "tests/user_script.py", "4"],
-                                       timeout=190)
+    code, stdout, err, _ = run_mpiexec(
+        5,
+        [
+            "-m",
+            "psgrid.cluster.cli",
+            "mpi",
+            "--shards",
+            "1",
+            "--mode",
+            "sync",
+            "--lr",
+            "1",
+            "--set",
+            "momentum=0.0",
+            "--set",
+            'train.aggregate="host"',
+            "--out",
+            str(out),
+            "--",
+            "python",
+            "tests/user_script.py",
+            "4",
+        ],
+        timeout=190,
+    )
     assert code == 0, err
     starts = {rank: next(r for r in records(out, rank) if r["event"] == "start") for rank in range(3)}
     assert {rank: s["worker"] for rank, s in starts.items()} == {0: 0, 1: 0, 2: 0}
@@ -175,9 +226,9 @@ def test_a_push_refused_after_its_buffer_was_taken_leaves_the_push_in_flight_alo
     with pytest.raises(RuntimeError, match="refused"):
         ps.push({"w": np.full(4, 5, np.float32)})
     ps.push({"w": np.full(4, 2, np.float32)})
-    assert ps.bufs.current != in_flight          # the retry wrote the buffer the refused push had taken
+    assert ps.bufs.current != in_flight  # the retry wrote the buffer the refused push had taken
     ps.close()
-    np.testing.assert_array_equal(c.weights(), -3.0)        # the first push and the retry, nothing of the refused
+    np.testing.assert_array_equal(c.weights(), -3.0)  # the first push and the retry, nothing of the refused
     assert ps.steps == 2
 
 
@@ -189,7 +240,7 @@ def test_a_script_that_pulls_ahead_may_push_before_its_first_pull(cluster, data_
     c = cluster(1, mode="async", lr=1.0)
     ps = init({"w": np.zeros(4, np.float32)}, addresses=c.addresses, world=1, pull_ahead=True)
     assert ps.core.ahead is not None
-    ps.push({"w": np.ones(4, np.float32)})      # nothing pulled yet: the client's own versions
+    ps.push({"w": np.ones(4, np.float32)})  # nothing pulled yet: the client's own versions
     for _ in range(3):
         ps.pull()
         ps.push({"w": np.ones(4, np.float32)})
@@ -218,7 +269,7 @@ def test_a_script_alone_updates_as_torch_optim_sgd_and_writes_the_step_records(t
     for step in range(3):
         ps.pull()
         ps.push({"w": g}, loss=1.0 / (step + 1), samples=8)
-        d = g + 0.01 * expected                       # torch.optim.SGD: decay, then the momentum buffer
+        d = g + 0.01 * expected  # torch.optim.SGD: decay, then the momentum buffer
         velocity = d.copy() if velocity is None else 0.9 * velocity + d
         expected = expected - 0.1 * velocity
     np.testing.assert_allclose(w, expected, rtol=1e-6)

@@ -39,7 +39,7 @@ def _json_string(text: str) -> str:
             out.append(ch)
         elif code <= 0xFFFF:
             out.append(f"\\u{code:04x}")
-        else:                                   # a surrogate pair
+        else:  # a surrogate pair
             code -= 0x10000
             out.append(f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}")
     out.append('"')
@@ -75,14 +75,38 @@ def unpack(data: bytes) -> list[float]:
 MAGIC = b"PST2"
 OP_HELLO, OP_PULL, OP_PUSH = 1, 2, 3
 DTYPE_FLOAT32 = 1
-REQUEST = struct.Struct("<4sBBqqQQd")      # magic, op, dtype, worker, clock, version, nbytes, timeout: 46 bytes
-REPLY = struct.Struct("<4sBBBQqqQ")        # magic, status, reason, outcome, version, staleness, next_clock, nbytes: 39
+REQUEST = struct.Struct("<4sBBqqQQd")  # magic, op, dtype, worker, clock, version, nbytes, timeout: 46 bytes
+REPLY = struct.Struct("<4sBBBQqqQ")  # magic, status, reason, outcome, version, staleness, next_clock, nbytes: 39
 STATUS_UNAVAILABLE, STATUS_UNAUTHENTICATED = 14, 16
 # Reason numbers, in order from 0 (docs/wire.md 2.5).
-REASONS = ("none", "malformed", "bad_size", "bad_offset", "bad_dtype", "non_finite", "bad_chunk_count", "bad_value",
-           "bad_spec", "spec_mismatch", "unknown_worker", "not_initialized", "unauthenticated", "shutting_down",
-           "wait_timeout", "no_checkpoint_dir", "unreachable", "bad_reply", "timed_out", "checkpoint_failed",
-           "restoring", "wrong_job", "too_many_connections", "chunk_too_large", "future_version", "future_clock")
+REASONS = (
+    "none",
+    "malformed",
+    "bad_size",
+    "bad_offset",
+    "bad_dtype",
+    "non_finite",
+    "bad_chunk_count",
+    "bad_value",
+    "bad_spec",
+    "spec_mismatch",
+    "unknown_worker",
+    "not_initialized",
+    "unauthenticated",
+    "shutting_down",
+    "wait_timeout",
+    "no_checkpoint_dir",
+    "unreachable",
+    "bad_reply",
+    "timed_out",
+    "checkpoint_failed",
+    "restoring",
+    "wrong_job",
+    "too_many_connections",
+    "chunk_too_large",
+    "future_version",
+    "future_clock",
+)
 
 
 class Refused(Exception):
@@ -119,23 +143,24 @@ class TcpPlane:
             token = self.token.encode()
             sock.sendall(REQUEST.pack(MAGIC, OP_HELLO, 0, 0, 0, 0, len(token), 0.0) + token)
             self.sock = sock
-            self._reply()               # a refused hello: the shard closes, and so do we
+            self._reply()  # a refused hello: the shard closes, and so do we
         return self.sock
 
     def _reply(self) -> tuple[int, int, int, int, int]:
         """(outcome, version, staleness, next_clock, nbytes) of an OK reply; a refusal, its text read, raised."""
         try:
             magic, status, reason, outcome, version, staleness, next_clock, nbytes = REPLY.unpack(
-                _receive(self.sock, REPLY.size))
+                _receive(self.sock, REPLY.size)
+            )
             if magic != MAGIC:
                 raise ConnectionError(f"not a psgrid data-plane reply: {magic!r}")
             if status:
                 refused = Refused(status, reason, _receive(self.sock, nbytes).decode(errors="replace"))
                 if status in (STATUS_UNAVAILABLE, STATUS_UNAUTHENTICATED) or refused.reason == "malformed":
-                    self.close()        # the shard closes these connections
+                    self.close()  # the shard closes these connections
                 raise refused
         except (OSError, ConnectionError):
-            self.close()                # out of step: never reused
+            self.close()  # out of step: never reused
             raise
         return outcome, version, staleness, next_clock, nbytes
 
@@ -152,13 +177,14 @@ class TcpPlane:
     def push(self, worker_id: int, clock: int, version: int, payload) -> tuple[int, int, int, int]:
         """(outcome, version, staleness, next_clock) of one push of this shard's range, float32 bytes."""
         sock = self._connection()
-        sock.sendall(REQUEST.pack(MAGIC, OP_PUSH, DTYPE_FLOAT32, worker_id, clock, version, len(payload),
-                                  self.timeout_s))
+        sock.sendall(
+            REQUEST.pack(MAGIC, OP_PUSH, DTYPE_FLOAT32, worker_id, clock, version, len(payload), self.timeout_s)
+        )
         sock.sendall(payload)
         try:
             return self._reply()[:4]
         except Refused:
-            self.close()                # after any refused push (docs/wire.md 2.8)
+            self.close()  # after any refused push (docs/wire.md 2.8)
             raise
 
     def close(self) -> None:
@@ -189,8 +215,15 @@ class WireWorker:
         "grpc" (Pull and Push streams of chunks) or "tcp" (the TCP data plane every shard must then offer).
     """
 
-    def __init__(self, addresses: list[str], params: list[tuple[str, list[int]]], token: str, world: int,
-                 timeout_s: float = 10.0, data_plane: str = "grpc"):
+    def __init__(
+        self,
+        addresses: list[str],
+        params: list[tuple[str, list[int]]],
+        token: str,
+        world: int,
+        timeout_s: float = 10.0,
+        data_plane: str = "grpc",
+    ):
         self.params, self.world, self.timeout_s, self.data_plane = params, world, timeout_s, data_plane
         self.token, self.addresses = token, addresses
         self.tcp: list[TcpPlane] = []
@@ -209,14 +242,24 @@ class WireWorker:
     def _call(self, method, request):
         return method(request, timeout=self.timeout_s, metadata=self.metadata)
 
-    def join(self, init_values: list[float] | None = None) -> "WireWorker":
+    def join(self, init_values: list[float] | None = None) -> WireWorker:
         """Register (shard 0 assigns the id, every other shard takes it), wait for the job, Init if needed."""
-        replies = [self._call(self.stubs[0].Register, ps_pb2.RegisterRequest(
-            spec_hash=self.hash, worker_id=-1, start_clock=-1, host="wire-client"))]
+        replies = [
+            self._call(
+                self.stubs[0].Register,
+                ps_pb2.RegisterRequest(spec_hash=self.hash, worker_id=-1, start_clock=-1, host="wire-client"),
+            )
+        ]
         self.worker_id = replies[0].worker_id
         for stub in self.stubs[1:]:
-            replies.append(self._call(stub.Register, ps_pb2.RegisterRequest(
-                spec_hash=self.hash, worker_id=self.worker_id, start_clock=-1, host="wire-client")))
+            replies.append(
+                self._call(
+                    stub.Register,
+                    ps_pb2.RegisterRequest(
+                        spec_hash=self.hash, worker_id=self.worker_id, start_clock=-1, host="wire-client"
+                    ),
+                )
+            )
         for i, reply in enumerate(replies):
             assert reply.shard_index == i and reply.num_shards == len(self.stubs)
         self.mode = replies[0].mode
@@ -262,19 +305,25 @@ class WireWorker:
         data = _as_bytes(values)
         begin, end = self.ranges[shard]
         step = self.max_chunk_bytes[shard] // FLOAT32_BYTES
-        return [(begin + a, bytes(data[FLOAT32_BYTES * (begin + a):FLOAT32_BYTES * min(begin + a + step, end)]))
-                for a in range(0, end - begin, step)]
+        return [
+            (begin + a, bytes(data[FLOAT32_BYTES * (begin + a) : FLOAT32_BYTES * min(begin + a + step, end)]))
+            for a in range(0, end - begin, step)
+        ]
 
     def init(self, shard: int, values) -> None:
-        spec = ps_pb2.ModelSpecMsg(params=[ps_pb2.ParamInfo(name=n, shape=list(s), dtype="float32")
-                                           for n, s in self.params], hash=self.hash)
+        spec = ps_pb2.ModelSpecMsg(
+            params=[ps_pb2.ParamInfo(name=n, shape=list(s), dtype="float32") for n, s in self.params], hash=self.hash
+        )
         chunks = self._chunks(shard, values)
 
         def messages():
             for k, (offset, data) in enumerate(chunks):
                 chunk = ps_pb2.Chunk(offset=offset, dtype=ps_pb2.FLOAT32, data=data)
-                yield (ps_pb2.InitRequest(spec=spec, num_chunks=len(chunks), chunk=chunk) if k == 0
-                       else ps_pb2.InitRequest(chunk=chunk))
+                yield (
+                    ps_pb2.InitRequest(spec=spec, num_chunks=len(chunks), chunk=chunk)
+                    if k == 0
+                    else ps_pb2.InitRequest(chunk=chunk)
+                )
 
         self.stubs[shard].Init(messages(), timeout=self.timeout_s, metadata=self.metadata)
 
@@ -291,11 +340,16 @@ class WireWorker:
                 self.versions[i], data = self.tcp[i].pull(self.worker_id, self.clock, FLOAT32_BYTES * (end - begin))
                 out += data
                 continue
-            replies = list(stub.Pull(ps_pb2.PullRequest(worker_id=self.worker_id, clock=self.clock),
-                                     timeout=self.timeout_s, metadata=self.metadata))
+            replies = list(
+                stub.Pull(
+                    ps_pb2.PullRequest(worker_id=self.worker_id, clock=self.clock),
+                    timeout=self.timeout_s,
+                    metadata=self.metadata,
+                )
+            )
             assert replies[0].num_chunks == len(replies)
             self.versions[i] = replies[0].version
-            for reply in replies:                      # in order, tiling [begin, end)
+            for reply in replies:  # in order, tiling [begin, end)
                 assert reply.chunk.offset == len(out) // FLOAT32_BYTES and reply.chunk.dtype == ps_pb2.FLOAT32
                 out += reply.chunk.data
             assert len(out) == FLOAT32_BYTES * end
@@ -310,17 +364,31 @@ class WireWorker:
         for i, stub in enumerate(self.stubs):
             if self.tcp:
                 begin, end = self.ranges[i]
-                replies.append(self.tcp[i].push(self.worker_id, self.clock, self.versions[i],
-                                                memoryview(data)[FLOAT32_BYTES * begin:FLOAT32_BYTES * end]))
+                replies.append(
+                    self.tcp[i].push(
+                        self.worker_id,
+                        self.clock,
+                        self.versions[i],
+                        memoryview(data)[FLOAT32_BYTES * begin : FLOAT32_BYTES * end],
+                    )
+                )
                 continue
             chunks = self._chunks(i, data)
 
             def requests(i=i, chunks=chunks):
                 for k, (offset, piece) in enumerate(chunks):
                     chunk = ps_pb2.Chunk(offset=offset, dtype=ps_pb2.FLOAT32, data=piece)
-                    yield (ps_pb2.PushRequest(worker_id=self.worker_id, clock=self.clock, version=self.versions[i],
-                                              num_chunks=len(chunks), chunk=chunk) if k == 0
-                           else ps_pb2.PushRequest(chunk=chunk))
+                    yield (
+                        ps_pb2.PushRequest(
+                            worker_id=self.worker_id,
+                            clock=self.clock,
+                            version=self.versions[i],
+                            num_chunks=len(chunks),
+                            chunk=chunk,
+                        )
+                        if k == 0
+                        else ps_pb2.PushRequest(chunk=chunk)
+                    )
 
             replies.append(stub.Push(requests(), timeout=self.timeout_s, metadata=self.metadata))
         self.clock = max(r[3] if self.tcp else r.next_clock for r in replies)

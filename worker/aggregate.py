@@ -52,7 +52,7 @@ class HostGroup:
     hosts: int
     local: int
     size: int
-    world: int = 0          # 0: hosts x size (every host the same size)
+    world: int = 0  # 0: hosts x size (every host the same size)
 
     def scale(self, mode: str) -> float:
         """What the leader multiplies its host's sum by: 1/size, the mean of its workers' gradients. In sync,
@@ -62,19 +62,23 @@ class HostGroup:
         return self.hosts / world if mode_rules(mode).accumulates else 1.0 / self.size
 
     @classmethod
-    def of(cls, rank: int, world: int, local_rank: int | None = None, local_size: int | None = None) -> "HostGroup":
+    def of(cls, rank: int, world: int, local_rank: int | None = None, local_size: int | None = None) -> HostGroup:
         """The group of worker ``rank``; the local size comes from the environment (all on one host if unset).
 
         Raises ValueError where the workers are not in equal blocks of consecutive ranks per host.
         """
         size = local_size if local_size is not None else _local_size_from_env(world)
         if size < 1 or world % size:
-            raise ValueError(f"aggregate = 'host' needs the same number of workers on every host: {world} workers "
-                             f"do not split into hosts of {size}")
+            raise ValueError(
+                f"aggregate = 'host' needs the same number of workers on every host: {world} workers "
+                f"do not split into hosts of {size}"
+            )
         local = rank % size
         if local_rank is not None and local_rank != local:
-            raise ValueError(f"aggregate = 'host' needs the workers of one host to have consecutive ranks: rank "
-                             f"{rank} of hosts of {size} should have local rank {local}, it has {local_rank}")
+            raise ValueError(
+                f"aggregate = 'host' needs the workers of one host to have consecutive ranks: rank "
+                f"{rank} of hosts of {size} should have local rank {local}, it has {local_rank}"
+            )
         return cls(rank // size, world // size, local, size, world)
 
 
@@ -92,8 +96,16 @@ def rendezvous_name(addresses: list[str], token: str | None, host: int) -> str:
     return f"psgrid-agg-{digest}"
 
 
-def host_exchange(group: HostGroup, name: str, size: int, connect, *, wire_dtype: str = "float32",
-                  timeout_s: float = 120.0, token: str | None = None):
+def host_exchange(
+    group: HostGroup,
+    name: str,
+    size: int,
+    connect,
+    *,
+    wire_dtype: str = "float32",
+    timeout_s: float = 120.0,
+    token: str | None = None,
+):
     """The leader's exchange or a follower's, by local rank.
 
     ``connect(worker_id, world)`` makes a client of the shards: the leader's (as worker ``host`` of

@@ -25,8 +25,19 @@ import numpy as np
 from psgrid.psserver import dtypes as wire
 from psgrid.psserver.protocol import Outcome, PushResult
 from psgrid.psserver.shared_memory import map_fd, unsafe_to_map
-from psgrid.worker.aggregate_wire import (MESSAGE_S, MODES, AggregationError, Completed, Malformed, expect, field,
-                                          receive, results_of, same_user, send)
+from psgrid.worker.aggregate_wire import (
+    MESSAGE_S,
+    MODES,
+    AggregationError,
+    Completed,
+    Malformed,
+    expect,
+    field,
+    receive,
+    results_of,
+    same_user,
+    send,
+)
 
 log = logging.getLogger("psgrid.worker")
 CONNECT_POLL_S = 0.05
@@ -38,11 +49,11 @@ class HostFollower:
 
     def __init__(self, group, name: str, size: int, connect, wire_dtype: str, timeout_s: float, token: str | None):
         self.group, self.name, self.size, self.timeout_s, self.token = group, name, size, timeout_s, token
-        self.connect = connect             # connect(None, None): a client of the shards of this worker's own
+        self.connect = connect  # connect(None, None): a client of the shards of this worker's own
         self._wire_dtype = wire.wire_dtype(wire_dtype)
         self.sock: socket.socket | None = None
         self.weights = self.slot = None
-        self.direct = None                 # that client, once the leader is gone
+        self.direct = None  # that client, once the leader is gone
         self._mode, self._clock, self._planes = "", 0, 0
 
     # what the training loop reads of an exchange: the leader's, or this worker's own client's
@@ -52,7 +63,7 @@ class HostFollower:
     data_planes = property(lambda self: self.direct.data_planes if self.direct else ["host"] * self._planes)
     wire_dtype = property(lambda self: self.direct.wire_dtype if self.direct else self._wire_dtype)
 
-    def __enter__(self) -> "HostFollower":
+    def __enter__(self) -> HostFollower:
         try:
             try:
                 self._join()
@@ -110,12 +121,13 @@ class HostFollower:
             except OSError as exc:
                 sock.close()
                 if time.monotonic() > deadline:
-                    raise AggregationError(f"its leader (local rank 0) did not listen within {self.timeout_s:g} s "
-                                           f"({exc.strerror or exc})") from None
+                    raise AggregationError(
+                        f"its leader (local rank 0) did not listen within {self.timeout_s:g} s ({exc.strerror or exc})"
+                    ) from None
                 time.sleep(CONNECT_POLL_S)
 
     def bytes_per_step(self, params: int) -> int:
-        return 0        # nothing of this worker's crosses the network: the leader's step carries it
+        return 0  # nothing of this worker's crosses the network: the leader's step carries it
 
     def pull(self, out: np.ndarray, *, background: bool = False):
         if self.direct is None:
@@ -156,14 +168,14 @@ class HostFollower:
             raise AggregationError(f"{where} {why}")
         log.warning("%s %s; it pushes to the shards on its own from now on", where, why)
         client = self.connect(None, None)
-        client.__enter__()        # a client that cannot join closes itself and raises
+        client.__enter__()  # a client that cannot join closes itself and raises
         self.direct = client
 
     def _leave_host(self) -> None:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
-        self.weights = self.slot = None      # the mappings go with the last view of them
+        self.weights = self.slot = None  # the mappings go with the last view of them
 
     def close(self) -> None:
         self._leave_host()

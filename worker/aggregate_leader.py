@@ -23,18 +23,30 @@ import os
 import selectors
 import socket
 import time
-from dataclasses import dataclass, field as dataclass_field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 import numpy as np
 
 from psgrid.psserver.protocol import ITEMSIZE
 from psgrid.psserver.security import token_matches
 from psgrid.psserver.shared_memory import FIXED_SIZE, READ_ONLY_TO_OTHERS, SharedArray, can_share_read_only, refused
-from psgrid.worker.aggregate_wire import (MESSAGE_S, AggregationError, Completed, Malformed, MessageReader, encode,
-                                          expect, field, results_message, same_user, send)
+from psgrid.worker.aggregate_wire import (
+    MESSAGE_S,
+    AggregationError,
+    Completed,
+    Malformed,
+    MessageReader,
+    encode,
+    expect,
+    field,
+    results_message,
+    same_user,
+    send,
+)
 
 log = logging.getLogger("psgrid.worker")
-MAX_STRANGERS = 64                 # connections still to say their hello; past it the oldest is dropped
+MAX_STRANGERS = 64  # connections still to say their hello; past it the oldest is dropped
 READ_BYTES = 1 << 16
 
 
@@ -80,14 +92,16 @@ class HostLeader:
 
     def __init__(self, client, group, name: str, size: int, timeout_s: float, token: str | None):
         self.client, self.group, self.size, self.timeout_s, self.token = client, group, size, timeout_s, token
-        self.members: dict[int, Member] = {}     # by local rank
+        self.members: dict[int, Member] = {}  # by local rank
         self.memory: SharedArray | None = None
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             if not can_share_read_only():
-                raise AggregationError('aggregate = "host" needs a kernel that seals shared memory against its '
-                                       'readers\' writes (F_SEAL_FUTURE_WRITE, Linux 5.1); use aggregate = "none"')
-            self.listener.bind("\0" + name)      # before the shards' join: the others may connect meanwhile
+                raise AggregationError(
+                    'aggregate = "host" needs a kernel that seals shared memory against its '
+                    'readers\' writes (F_SEAL_FUTURE_WRITE, Linux 5.1); use aggregate = "none"'
+                )
+            self.listener.bind("\0" + name)  # before the shards' join: the others may connect meanwhile
             self.listener.listen(128)
             self.memory = self._shared(READ_ONLY_TO_OTHERS, "psgrid-host-weights")
         except BaseException:
@@ -108,7 +122,7 @@ class HostLeader:
         except OSError as exc:
             raise AggregationError(f"host {self.group.host}: {refused(exc, 4 * self.size)}") from None
 
-    def __enter__(self) -> "HostLeader":
+    def __enter__(self) -> HostLeader:
         try:
             self.client.__enter__()
             self._meet()
@@ -133,8 +147,9 @@ class HostLeader:
                 while len(self.members) < self.group.size - 1:
                     now = time.monotonic()
                     for stranger in [s for s in strangers.values() if s.deadline <= now]:
-                        self._turn_away(selector, strangers, stranger,
-                                        f"no whole hello within {MESSAGE_S:g} s of connecting")
+                        self._turn_away(
+                            selector, strangers, stranger, f"no whole hello within {MESSAGE_S:g} s of connecting"
+                        )
                     if now >= deadline:
                         break
                     wake = min([deadline, *(s.deadline for s in strangers.values())])
@@ -146,12 +161,16 @@ class HostLeader:
             finally:
                 for stranger in list(strangers.values()):
                     self._turn_away(selector, strangers, stranger, "the host's workers have met")
-        self.listener.close()          # nobody joins later: a late follower pushes on its own
+        self.listener.close()  # nobody joins later: a late follower pushes on its own
         missing = [k for k in range(1, self.group.size) if k not in self.members]
         if missing:
-            log.warning("host %d: local rank(s) %s did not join its aggregation within %g s; the host goes on "
-                        "without them", self.group.host, missing, self.timeout_s)
-        self.memory.close()            # every follower has its descriptors; the mappings stay
+            log.warning(
+                "host %d: local rank(s) %s did not join its aggregation within %g s; the host goes on without them",
+                self.group.host,
+                missing,
+                self.timeout_s,
+            )
+        self.memory.close()  # every follower has its descriptors; the mappings stay
 
     def _accept(self, selector, strangers: dict) -> None:
         while True:
@@ -159,7 +178,7 @@ class HostLeader:
                 sock, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:      # out of descriptors, say: the others are still heard
+            except OSError as exc:  # out of descriptors, say: the others are still heard
                 log.warning("host %d: cannot accept a connection: %s", self.group.host, exc)
                 return
             if not same_user(sock):
@@ -168,7 +187,7 @@ class HostLeader:
             sock.setblocking(False)
             strangers[sock] = Stranger(sock, time.monotonic() + MESSAGE_S)
             selector.register(sock, selectors.EVENT_READ)
-            if len(strangers) > MAX_STRANGERS:      # a flood only ever takes its own places
+            if len(strangers) > MAX_STRANGERS:  # a flood only ever takes its own places
                 self._turn_away(selector, strangers, next(iter(strangers.values())), "too many connections at once")
 
     def _hear(self, selector, strangers: dict, stranger: Stranger) -> None:
@@ -203,11 +222,16 @@ class HostLeader:
             if local in self.members:
                 raise AggregationError(f"local rank {local} has joined already")
             slot = self._shared(FIXED_SIZE, f"psgrid-host-gradient-{local}")
-        except AggregationError as exc:       # (no memory for its slot: it pushes on its own, as it is told)
+        except AggregationError as exc:  # (no memory for its slot: it pushes on its own, as it is told)
             say_refused(sock, str(exc))
             return
-        welcome = {"op": "welcome", "mode": self.mode, "worker_id": self.worker_id, "clock": self.clock,
-                   "planes": len(self.data_planes)}
+        welcome = {
+            "op": "welcome",
+            "mode": self.mode,
+            "worker_id": self.worker_id,
+            "clock": self.clock,
+            "planes": len(self.data_planes),
+        }
         try:
             sock.settimeout(MESSAGE_S)
             send(sock, welcome, [self.memory.reader_fd(), slot.fd])
@@ -215,7 +239,7 @@ class HostLeader:
             slot.close()
             sock.close()
             return
-        slot.close()          # its descriptor is the follower's now; the leader keeps its mapping
+        slot.close()  # its descriptor is the follower's now; the leader keeps its mapping
         self.members[local] = Member(local, sock, slot)
 
     # ----- the steps ------------------------------------------------------------------------------
@@ -235,12 +259,12 @@ class HostLeader:
         t0 = time.perf_counter()
         clock = self.clock
         self._gather(clock)
-        total = self.client.gradient_buffer(0)      # shards on this host read it in place
+        total = self.client.gradient_buffer(0)  # shards on this host read it in place
         np.copyto(total, grad)
-        for local in sorted(self.members):          # in local-rank order: the same sum every run
+        for local in sorted(self.members):  # in local-rank order: the same sum every run
             np.add(total, self.members[local].slot.array, out=total)
         scale = self.group.scale(self.mode)
-        if len(self.members) + 1 < self.group.size:    # a follower's share goes to those left: the host weighs the same
+        if len(self.members) + 1 < self.group.size:  # a follower's share goes to those left: the host weighs the same
             scale *= self.group.size / (len(self.members) + 1)
         np.multiply(total, np.float32(scale), out=total)
         results = self.client.push(total).wait()
@@ -260,8 +284,12 @@ class HostLeader:
                 for member in late:
                     selector.unregister(member.sock)
                     del waiting[member.local]
-                    self._drop(member, "said nothing within a step's time" if member.reader.begun_at is None
-                               else f"did not finish a message within {MESSAGE_S:g} s")
+                    self._drop(
+                        member,
+                        "said nothing within a step's time"
+                        if member.reader.begun_at is None
+                        else f"did not finish a message within {MESSAGE_S:g} s",
+                    )
                 if not waiting:
                     break
                 wake = min(m.reader.deadline(until) for m in waiting.values())
@@ -299,8 +327,12 @@ class HostLeader:
                 self._drop(member, f"cannot be told ({exc.strerror or exc})")
 
     def _drop(self, member: Member, why: str) -> None:
-        log.warning("host %d: the worker of local rank %d %s; the host goes on without it, its gradient left out",
-                    self.group.host, member.local, why)
+        log.warning(
+            "host %d: the worker of local rank %d %s; the host goes on without it, its gradient left out",
+            self.group.host,
+            member.local,
+            why,
+        )
         self.members.pop(member.local, None)
         member.sock.close()
 

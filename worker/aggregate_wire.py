@@ -36,10 +36,10 @@ from psgrid.psserver.protocol import Outcome, PushResult
 HANDSHAKE_S = 3.0
 
 LENGTH = struct.Struct("<I")
-MAX_MESSAGE = 1 << 16       # longest message: the largest, ``pushed``, is 4 numbers per shard
-MESSAGE_S = HANDSHAKE_S     # a message (a hello included) must be whole this long after its first byte
+MAX_MESSAGE = 1 << 16  # longest message: the largest, ``pushed``, is 4 numbers per shard
+MESSAGE_S = HANDSHAKE_S  # a message (a hello included) must be whole this long after its first byte
 MODES = ("sync", "async", "ssp")
-PEERCRED = struct.Struct("3i")     # pid, uid, gid
+PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 class AggregationError(RuntimeError):
@@ -85,7 +85,7 @@ class MessageReader:
 
     def __init__(self):
         self.buffer = bytearray()
-        self.begun_at: float | None = None     # when the first byte of the message being read came
+        self.begun_at: float | None = None  # when the first byte of the message being read came
 
     def feed(self, data: bytes) -> list[dict]:
         """The messages ``data`` completes (Malformed: the peer must be dropped)."""
@@ -97,8 +97,8 @@ class MessageReader:
             length = length_of(self.buffer)
             if len(self.buffer) < LENGTH.size + length:
                 break
-            messages.append(decode(bytes(self.buffer[LENGTH.size:LENGTH.size + length])))
-            del self.buffer[:LENGTH.size + length]
+            messages.append(decode(bytes(self.buffer[LENGTH.size : LENGTH.size + length])))
+            del self.buffer[: LENGTH.size + length]
             self.begun_at = time.monotonic() if self.buffer else None
         return messages
 
@@ -138,8 +138,11 @@ def receive(sock: socket.socket, wait_s: float, *, fds: int = 0) -> tuple[dict, 
         while len(data) < need:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AggregationError("it said nothing within the time a step may take" if begun_at is None
-                                       else f"it did not finish a message within {MESSAGE_S:g} s")
+                raise AggregationError(
+                    "it said nothing within the time a step may take"
+                    if begun_at is None
+                    else f"it did not finish a message within {MESSAGE_S:g} s"
+                )
             sock.settimeout(left)
             try:
                 if fds and not data:
@@ -147,7 +150,7 @@ def receive(sock: socket.socket, wait_s: float, *, fds: int = 0) -> tuple[dict, 
                     received += got
                 else:
                     chunk = sock.recv(need - len(data))
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError as exc:
                 raise AggregationError(f"its socket failed ({exc.strerror or exc})") from None
@@ -159,7 +162,7 @@ def receive(sock: socket.socket, wait_s: float, *, fds: int = 0) -> tuple[dict, 
             data += chunk
             if need == LENGTH.size and len(data) == need:
                 need += length_of(data)
-        return decode(bytes(data[LENGTH.size:])), received
+        return decode(bytes(data[LENGTH.size :])), received
     except BaseException:
         for fd in received:
             os.close(fd)
@@ -184,8 +187,11 @@ def expect(message: dict, op: str) -> dict:
 
 
 def results_message(clock: int, results: list[PushResult]) -> dict:
-    return {"op": "pushed", "clock": clock,
-            "results": [[int(r.outcome), r.version, r.staleness, r.next_clock] for r in results]}
+    return {
+        "op": "pushed",
+        "clock": clock,
+        "results": [[int(r.outcome), r.version, r.staleness, r.next_clock] for r in results],
+    }
 
 
 def results_of(message: dict) -> list[PushResult]:
@@ -193,9 +199,12 @@ def results_of(message: dict) -> list[PushResult]:
     results = field(message, "results", list)
     parsed = []
     for result in results:
-        if (not isinstance(result, list) or len(result) != 4
-                or not all(isinstance(n, int) and not isinstance(n, bool) for n in result)
-                or result[0] not in Outcome._value2member_map_):
+        if (
+            not isinstance(result, list)
+            or len(result) != 4
+            or not all(isinstance(n, int) and not isinstance(n, bool) for n in result)
+            or result[0] not in Outcome._value2member_map_
+        ):
             raise Malformed(f"a push result that is not [outcome, version, staleness, next_clock]: {result!r:.100}")
         parsed.append(PushResult(Outcome(result[0]), *result[1:]))
     return parsed

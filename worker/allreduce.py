@@ -35,7 +35,6 @@ from psgrid.psserver.protocol import ITEMSIZE, Outcome, PushResult
 from psgrid.worker.backend import pinned_empty
 
 
-
 class Completed:
     """A finished pull or push, with the handle surface the loop reads (``wait()``, ``seconds``)."""
 
@@ -87,11 +86,12 @@ class AllreduceExchange:
             self._mean = np.empty_like(self.weights)
             # The shards' optimizer and its threads (a shard cuts its range among apply_threads threads).
             self._chunks = Chunks(server.apply_threads or default_threads())
-            self.optimizer = make_optimizer(server.optimizer, self.weights.size, chunks=self._chunks,
-                                            **server.optimizer_hparams())
+            self.optimizer = make_optimizer(
+                server.optimizer, self.weights.size, chunks=self._chunks, **server.optimizer_hparams()
+            )
             self.reduction = "mpi" if self.world > 1 else "none"
         self.clock = 0
-        self.wait_s = 0.0            # seconds inside Allreduce: the transfer and waiting for the others
+        self.wait_s = 0.0  # seconds inside Allreduce: the transfer and waiting for the others
 
     def _on_device(self, init: np.ndarray, server: ServerConfig) -> None:
         from psgrid.psserver.kernels.device_optim import make_device_optimizer
@@ -100,11 +100,12 @@ class AllreduceExchange:
         cupy = self.xp
         self.weights = cupy.array(init, dtype=cupy.float32)
         self.optimizer = make_device_optimizer(server.optimizer, self.weights.size, **server.optimizer_hparams())
-        self.optimizer.warm_up()     # CuPy compiles on first launch: not inside the first timed step
+        self.optimizer.warm_up()  # CuPy compiles on first launch: not inside the first timed step
         self._sum = device_reduction(self.comm, cupy, self.weights.size)
         self.reduction = "none" if self._sum is None else self._sum.kind
-        self._rounding = None if self.wire_dtype == wire.wire_dtype("float32") else \
-            pinned_empty(self.weights.size, np.float32, cupy)
+        self._rounding = (
+            None if self.wire_dtype == wire.wire_dtype("float32") else pinned_empty(self.weights.size, np.float32, cupy)
+        )
 
     def __enter__(self):
         return self
@@ -167,7 +168,7 @@ class AllreduceExchange:
         if self._sum is not None:
             mean = self._sum(grad)
             self.wait_s += time.perf_counter() - t0
-            cupy.multiply(mean, 1.0 / self.world, out=mean)      # as a shard closes a sync round
+            cupy.multiply(mean, 1.0 / self.world, out=mean)  # as a shard closes a sync round
         # Queued, not waited for: the next step's kernels run after it on the same stream (as no servers'
         # update does), and the GPU updates while the loop records this step. push_s is the sum and the
         # launch; the update's own time falls in the next step's compute.

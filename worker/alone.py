@@ -31,9 +31,20 @@ class AloneSession:
 
     mode = "alone"
 
-    def __init__(self, params, *, names: list[str], originals: list, lr: float, momentum: float,
-                 metrics: str | None, device: int | None, local_rank: int = 0, weight_decay: float = 0.0,
-                 nesterov: bool = False):
+    def __init__(
+        self,
+        params,
+        *,
+        names: list[str],
+        originals: list,
+        lr: float,
+        momentum: float,
+        metrics: str | None,
+        device: int | None,
+        local_rank: int = 0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ):
         self.names, self._originals = names, originals
         self.rank, self.world, self.local_rank, self.gpu = 0, 1, local_rank, device
         self.steps, self.samples, self.final_loss, self.last_step = 0, 0, float("nan"), None
@@ -47,17 +58,29 @@ class AloneSession:
             import torch
 
             self._torch = torch
-            self._optimizer = torch.optim.SGD(originals, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                              nesterov=nesterov)
+            self._optimizer = torch.optim.SGD(
+                originals, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov
+            )
         self._velocity = None
         self._metrics = MetricsWriter(metrics)
         self._device_name = "cpu" if device is None else f"cuda:{device}"
         self._t0 = time.perf_counter()
         self._pulled_at: float | None = None
         self._started: float | None = None
-        self._metrics.write(event="start", rank=0, worker=0, host=socket.gethostname(), device=self._device_name,
-                            mode=self.mode, first_step=0, params=sum(int(v.size) for v in self._views),
-                            data_planes=[], stragglers=[], pull_ahead=False, overlap=False)
+        self._metrics.write(
+            event="start",
+            rank=0,
+            worker=0,
+            host=socket.gethostname(),
+            device=self._device_name,
+            mode=self.mode,
+            first_step=0,
+            params=sum(int(v.size) for v in self._views),
+            data_planes=[],
+            stragglers=[],
+            pull_ahead=False,
+            overlap=False,
+        )
 
     @property
     def params(self) -> dict:
@@ -74,12 +97,24 @@ class AloneSession:
         else:
             self._apply(grads)
         loss_value = float("nan") if loss is None else float(dlpack.exportable(loss))
-        self._synchronize()       # the step's work done, as a session's push waits for its gradient
+        self._synchronize()  # the step's work done, as a session's push waits for its gradient
         t_done = time.perf_counter()
-        record = dict(event="step", rank=0, worker=0, step=self.steps, clock=self.steps,
-                      started=self._started or time.time(), loss=loss_value, pull_s=0.0,
-                      compute_s=t_push - (self._pulled_at or t_push), delay_s=0.0, push_s=t_done - t_push,
-                      staleness=0, outcome="APPLIED", bytes=0)
+        record = dict(
+            event="step",
+            rank=0,
+            worker=0,
+            step=self.steps,
+            clock=self.steps,
+            started=self._started or time.time(),
+            loss=loss_value,
+            pull_s=0.0,
+            compute_s=t_push - (self._pulled_at or t_push),
+            delay_s=0.0,
+            push_s=t_done - t_push,
+            staleness=0,
+            outcome="APPLIED",
+            bytes=0,
+        )
         if samples is not None:
             record["samples"] = int(samples)
             self.samples += int(samples)
@@ -112,7 +147,7 @@ class AloneSession:
             if self.weight_decay:
                 g = g + self.weight_decay * param
             if self.momentum:
-                if self._velocity[i] is None:       # torch's first step: the buffer is the gradient itself
+                if self._velocity[i] is None:  # torch's first step: the buffer is the gradient itself
                     self._velocity[i] = g.copy()
                 else:
                     self._velocity[i] *= self.momentum
@@ -125,15 +160,22 @@ class AloneSession:
         self._metrics.write(event="eval", rank=0, step=self.steps, **fields)
 
     def result(self) -> dict:
-        return {"rank": 0, "worker": 0, "steps": self.steps, "samples": self.samples,
-                "wall_s": time.perf_counter() - self._t0, "final_loss": self.final_loss, "device": self._device_name}
+        return {
+            "rank": 0,
+            "worker": 0,
+            "steps": self.steps,
+            "samples": self.samples,
+            "wall_s": time.perf_counter() - self._t0,
+            "final_loss": self.final_loss,
+            "device": self._device_name,
+        }
 
     def close(self) -> None:
         if self._metrics.file is not None and not self._metrics.file.closed:
             self._metrics.write(event="done", **self.result())
         self._metrics.close()
 
-    def __enter__(self) -> "AloneSession":
+    def __enter__(self) -> AloneSession:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -149,11 +191,22 @@ def alone_session(params, *, names, originals, job_table: dict, metrics, device,
     server = job_table.get("server", {})
     optimizer = server.get("optimizer", "sgd")
     if optimizer != "sgd":
-        raise RuntimeError(f"{ALONE}=1 trains alone with SGD, the reference of psctl bench script; the job's "
-                           f"optimizer is {optimizer!r}: use optimizer = \"sgd\"")
+        raise RuntimeError(
+            f"{ALONE}=1 trains alone with SGD, the reference of psctl bench script; the job's "
+            f'optimizer is {optimizer!r}: use optimizer = "sgd"'
+        )
     lr, momentum = float(server.get("lr", 0.01)), float(server.get("momentum", 0.0))
     if not (np.isfinite(lr) and lr > 0):
         raise RuntimeError(f"{ALONE}=1: the job's lr must be a finite number > 0, got {lr}")
-    return AloneSession(params, names=names, originals=originals, lr=lr, momentum=momentum, metrics=metrics,
-                        device=device, local_rank=local_rank, weight_decay=float(server.get("weight_decay", 0.0)),
-                        nesterov=bool(server.get("nesterov", False)))
+    return AloneSession(
+        params,
+        names=names,
+        originals=originals,
+        lr=lr,
+        momentum=momentum,
+        metrics=metrics,
+        device=device,
+        local_rank=local_rank,
+        weight_decay=float(server.get("weight_decay", 0.0)),
+        nesterov=bool(server.get("nesterov", False)),
+    )

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
-from psgrid.psserver.security import job_token
 from psgrid.psserver.exceptions import ShardUnavailable
+from psgrid.psserver.security import job_token
 from psgrid.psserver.spec import ModelSpec
 from psgrid.worker import alone, dlpack
 from psgrid.worker.backend import to_host
@@ -46,18 +46,48 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 # What a client takes from the job file's [train] table, and what a script's worker takes beside it (the rest
 # of the table, the model, data and schedule, is the built-in trainer's).
-CLIENT_SETTINGS = ("data_plane", "shared_memory", "wire_dtype", "chunk_bytes", "deadline_s", "retry_s", "heartbeat_s",
-                   "join_timeout_s", "tls_ca", "tls_cert", "tls_key")
-WORKER_SETTINGS = ("overlap", "pull_ahead", "stragglers", "aggregate", "seed", "join_timeout_s", "deadline_s",
-                   "retry_s", "wire_dtype")
+CLIENT_SETTINGS = (
+    "data_plane",
+    "shared_memory",
+    "wire_dtype",
+    "chunk_bytes",
+    "deadline_s",
+    "retry_s",
+    "heartbeat_s",
+    "join_timeout_s",
+    "tls_ca",
+    "tls_cert",
+    "tls_key",
+)
+WORKER_SETTINGS = (
+    "overlap",
+    "pull_ahead",
+    "stragglers",
+    "aggregate",
+    "seed",
+    "join_timeout_s",
+    "deadline_s",
+    "retry_s",
+    "wire_dtype",
+)
 WORKER_ONLY = tuple(key for key in WORKER_SETTINGS if key not in CLIENT_SETTINGS)
 
-NO_JOB = (f"psgrid.init() found no job: run the script with `psctl launch -- python SCRIPT` (or under "
-          f"`psctl mpi -- ...`), or pass addresses=[...] and world=N (or set {ADDRESSES} and {WORLD_SIZE})")
+NO_JOB = (
+    f"psgrid.init() found no job: run the script with `psctl launch -- python SCRIPT` (or under "
+    f"`psctl mpi -- ...`), or pass addresses=[...] and world=N (or set {ADDRESSES} and {WORLD_SIZE})"
+)
 
 
-def init(params, *, addresses=None, rank: int | None = None, world: int | None = None, metrics: str | None = None,
-         job_file: str | None = None, **client_options) -> "Session":
+def init(
+    params,
+    *,
+    addresses=None,
+    rank: int | None = None,
+    world: int | None = None,
+    metrics: str | None = None,
+    job_file: str | None = None,
+    **client_options,
+) -> Session:
     """Join the job this process belongs to with a model's parameters; returns the :class:`Session`.
 
     Waits until the job's ``world`` workers have joined every shard (sync and ssp count the
@@ -86,11 +116,17 @@ def init(params, *, addresses=None, rank: int | None = None, world: int | None =
         No job: no addresses or no size, neither given nor in the environment.
     """
     env = job_env()
-    if alone.wanted():         # psctl bench script's reference run: this script with no servers
+    if alone.wanted():  # psctl bench script's reference run: this script with no servers
         named = named_parameters(params)
-        return alone.alone_session(params, names=[n for n, _ in named], originals=[a for _, a in named],
-                                   job_table=job_tables(job_file or env.job_file), metrics=metrics or env.metrics,
-                                   device=_one_device([a for _, a in named]), local_rank=env.local_rank)
+        return alone.alone_session(
+            params,
+            names=[n for n, _ in named],
+            originals=[a for _, a in named],
+            job_table=job_tables(job_file or env.job_file),
+            metrics=metrics or env.metrics,
+            device=_one_device([a for _, a in named]),
+            local_rank=env.local_rank,
+        )
     addresses = list(addresses) if addresses is not None else env.addresses
     world = world if world is not None else env.world
     if not addresses or world is None:
@@ -99,15 +135,28 @@ def init(params, *, addresses=None, rank: int | None = None, world: int | None =
     # A worker's own settings given here win over the job's, as the client's do; the rest go to the client.
     table = {**table, **{key: client_options.pop(key) for key in WORKER_ONLY if key in client_options}}
     settings = {key: table[key] for key in CLIENT_SETTINGS if key in table}
-    settings.update({key: value for key, value in (("tls_ca", env.tls_ca), ("tls_cert", env.tls_cert),
-                                                   ("tls_key", env.tls_key)) if value})
+    settings.update(
+        {
+            key: value
+            for key, value in (("tls_ca", env.tls_ca), ("tls_cert", env.tls_cert), ("tls_key", env.tls_key))
+            if value
+        }
+    )
     settings.update(client_options)
-    settings["token"] = job_token(settings.get("token"))     # the rule of every entry point: given, else PSGRID_TOKEN
+    settings["token"] = job_token(settings.get("token"))  # the rule of every entry point: given, else PSGRID_TOKEN
     watch_launcher()
-    return Session(params, addresses=addresses, world=world, rank=rank if rank is not None else env.rank,
-                   metrics=metrics or env.metrics, local_rank=env.local_rank, gpu=env.gpu,
-                   train=worker_settings({**table, **{k: v for k, v in settings.items() if k in WORKER_SETTINGS}}),
-                   host_group=env.host_group, **settings)
+    return Session(
+        params,
+        addresses=addresses,
+        world=world,
+        rank=rank if rank is not None else env.rank,
+        metrics=metrics or env.metrics,
+        local_rank=env.local_rank,
+        gpu=env.gpu,
+        train=worker_settings({**table, **{k: v for k, v in settings.items() if k in WORKER_SETTINGS}}),
+        host_group=env.host_group,
+        **settings,
+    )
 
 
 def unreachable(addresses: list[str], settings: Mapping) -> str | None:
@@ -184,9 +233,20 @@ class Session:
     this worker; ``last_step`` is the record of the latest completed step.
     """
 
-    def __init__(self, params, *, addresses, world: int, rank: int | None = None, metrics: str | None = None,
-                 local_rank: int = 0, gpu: int | None = None, train: TrainConfig | None = None,
-                 host_group: tuple[int, ...] | None = None, **client_options):
+    def __init__(
+        self,
+        params,
+        *,
+        addresses,
+        world: int,
+        rank: int | None = None,
+        metrics: str | None = None,
+        local_rank: int = 0,
+        gpu: int | None = None,
+        train: TrainConfig | None = None,
+        host_group: tuple[int, ...] | None = None,
+        **client_options,
+    ):
         train = train or TrainConfig()
         self.names, self._originals, self._device, views = _float_parameters(params)
         self.world, self.local_rank, self.gpu = world, local_rank, gpu
@@ -194,7 +254,7 @@ class Session:
         self.spec = ModelSpec((name, tuple(v.shape)) for name, v in zip(self.names, views))
         self.link = ModelLink(self.names, self._originals, views, self.xp)
 
-        def initial():       # the shards' first weights, where this worker is the one that gives them
+        def initial():  # the shards' first weights, where this worker is the one that gives them
             return self.spec.pack({n: to_host(v).astype(np.float32) for n, v in zip(self.names, views)})
 
         problem = unreachable(addresses, client_options)
@@ -204,16 +264,34 @@ class Session:
         self._closed = False
         self._after_close: list = []
         try:
-            exchange = open_exchange(train, addresses, self.spec, rank=rank, world=world, init=initial, xp=self.xp,
-                                     gpu=self._device, local_rank=local_rank, options=client_options,
-                                     host_group=_host_group(host_group))
+            exchange = open_exchange(
+                train,
+                addresses,
+                self.spec,
+                rank=rank,
+                world=world,
+                init=initial,
+                xp=self.xp,
+                gpu=self._device,
+                local_rank=local_rank,
+                options=client_options,
+                host_group=_host_group(host_group),
+            )
         except BaseException:
             self._metrics.close()
             raise
-        self.core = WorkerCore(train, exchange, self.spec, rank=rank, xp=self.xp, metrics=self._metrics,
-                               device_name=self._device_name(), device=self._device)
+        self.core = WorkerCore(
+            train,
+            exchange,
+            self.spec,
+            rank=rank,
+            xp=self.xp,
+            metrics=self._metrics,
+            device_name=self._device_name(),
+            device=self._device,
+        )
         try:
-            self.core.__enter__()          # joins: the gradient buffers are made on the exchange's terms
+            self.core.__enter__()  # joins: the gradient buffers are made on the exchange's terms
         except BaseException:
             self._closed = True
             self._metrics.close()
@@ -288,7 +366,7 @@ class Session:
         """
         self._check_open()
         sources = self._gradients(grads)
-        self.link.check(sources)          # before a buffer is taken: a refused push changes nothing
+        self.link.check(sources)  # before a buffer is taken: a refused push changes nothing
         views = self.core.gradient()
         with self.core.on_device():
             self.link.gradients_out(sources, views)
@@ -303,9 +381,15 @@ class Session:
 
     def result(self) -> dict:
         """This worker's totals: the fields of its ``done`` record."""
-        return {"rank": self.rank, "worker": self.core.exchange.worker_id, "steps": self.steps,
-                "samples": self.samples, "wall_s": time.perf_counter() - self._t0, "final_loss": self.final_loss,
-                "device": self._device_name()}
+        return {
+            "rank": self.rank,
+            "worker": self.core.exchange.worker_id,
+            "steps": self.steps,
+            "samples": self.samples,
+            "wall_s": time.perf_counter() - self._t0,
+            "final_loss": self.final_loss,
+            "device": self._device_name(),
+        }
 
     # ----- leaving --------------------------------------------------------------------------------
 
@@ -313,7 +397,7 @@ class Session:
         """Finish the push in flight, leave the job (sync and ssp stop waiting for this worker), record ``done``."""
         self._close(completed=True)
 
-    def __enter__(self) -> "Session":
+    def __enter__(self) -> Session:
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -327,7 +411,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
-        ended = False          # whether it ended as asked: its last push taken, its done record written
+        ended = False  # whether it ended as asked: its last push taken, its done record written
         try:
             try:
                 if completed:
@@ -352,15 +436,20 @@ class Session:
         if grads is None:
             missing = [n for n, a in zip(self.names, self._originals) if not hasattr(a, "grad")]
             if missing:
-                raise dlpack.ArrayError(f"push() needs the gradients: push(grads) by name or in the parameters' "
-                                        f"order ({missing[0]!r} has no .grad of its own)")
+                raise dlpack.ArrayError(
+                    f"push() needs the gradients: push(grads) by name or in the parameters' "
+                    f"order ({missing[0]!r} has no .grad of its own)"
+                )
             return [(n, a.grad) for n, a in zip(self.names, self._originals)]
         if isinstance(grads, Mapping):
             unknown = sorted(set(map(str, grads)) - set(self.names))
             missing = [n for n in self.names if n not in grads]
             if unknown or missing:
-                raise dlpack.ArrayError(f"push(grads): unknown parameter(s) {unknown}" if unknown else
-                                        f"push(grads): no gradient for {missing}")
+                raise dlpack.ArrayError(
+                    f"push(grads): unknown parameter(s) {unknown}"
+                    if unknown
+                    else f"push(grads): no gradient for {missing}"
+                )
             return [(n, grads[n]) for n in self.names]
         if isinstance(grads, (list, tuple)):
             if len(grads) != len(self.names):
@@ -379,8 +468,10 @@ def _float_parameters(params) -> tuple[list[str], list, int | None, list]:
     or CuPy views; refused where there are none, where they are on different devices, or one is not a float."""
     named = named_parameters(params)
     if not named:
-        raise dlpack.ArrayError("params holds no parameters (a module whose parameters all have "
-                                "requires_grad=False, or an empty dict or list)")
+        raise dlpack.ArrayError(
+            "params holds no parameters (a module whose parameters all have "
+            "requires_grad=False, or an empty dict or list)"
+        )
     names, originals = [name for name, _ in named], [a for _, a in named]
     device = _one_device(originals)
     views = [dlpack.view(a) for a in originals]
@@ -404,7 +495,8 @@ def _one_device(arrays: list) -> int | None:
     devices = {dlpack.device_of(dlpack.exportable(a)) for a in arrays}
     if len(devices) > 1:
         found = ", ".join(sorted(f"{kind}:{index}" for kind, index in devices))
-        raise dlpack.ArrayError(f"the parameters are on different devices ({found}): psgrid exchanges a model "
-                                f"that lives on one device")
+        raise dlpack.ArrayError(
+            f"the parameters are on different devices ({found}): psgrid exchanges a model that lives on one device"
+        )
     kind, index = devices.pop()
     return index if kind == "cuda" else None

@@ -13,10 +13,7 @@ import numpy as np
 
 from psgrid.worker.config import DEVICES
 
-GPU_MISSING = (
-    "device='gpu' asked for but no CUDA GPU/CuPy is available: "
-    "install psgrid[gpu] or use device='cpu'"
-)
+GPU_MISSING = "device='gpu' asked for but no CUDA GPU/CuPy is available: install psgrid[gpu] or use device='cpu'"
 
 
 def _usable_cupy():
@@ -157,6 +154,7 @@ def pinned_empty(n, dtype, xp) -> np.ndarray:
         return np.empty(shape, dtype=dtype)
     try:
         import cupyx
+
         return cupyx.empty_pinned(shape, dtype=dtype)
     except (ImportError, AttributeError):  # CuPy older than v8 has no empty_pinned
         dtype = np.dtype(dtype)
@@ -196,13 +194,15 @@ class CudaPinner:
 
                 logging.getLogger("psgrid.worker").warning(
                     "could not page-lock %d MB of host memory for the GPU (%s): copies use pageable memory, slower",
-                    array.nbytes >> 20, exc)
+                    array.nbytes >> 20,
+                    exc,
+                )
 
     def unregister(self, array: np.ndarray) -> None:
         try:
             self.cupy.cuda.runtime.hostUnregister(array.ctypes.data)
         except self.cupy.cuda.runtime.CUDARuntimeError:
-            pass       # it was never registered (see register)
+            pass  # it was never registered (see register)
 
 
 def pinner_for(xp):

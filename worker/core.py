@@ -35,13 +35,33 @@ def security(train: TrainConfig) -> dict:
 
 def client_settings(train: TrainConfig) -> dict:
     """The :class:`Client` keywords a job's ``[train]`` table gives (transport, deadlines, security)."""
-    return dict(data_plane=train.data_plane, shared_memory=train.shared_memory, wire_dtype=train.wire_dtype,
-                chunk_bytes=train.chunk_bytes, deadline_s=train.deadline_s, retry_s=train.retry_s,
-                heartbeat_s=train.heartbeat_s, join_timeout_s=train.join_timeout_s, **security(train))
+    return dict(
+        data_plane=train.data_plane,
+        shared_memory=train.shared_memory,
+        wire_dtype=train.wire_dtype,
+        chunk_bytes=train.chunk_bytes,
+        deadline_s=train.deadline_s,
+        retry_s=train.retry_s,
+        heartbeat_s=train.heartbeat_s,
+        join_timeout_s=train.join_timeout_s,
+        **security(train),
+    )
 
 
-def open_exchange(train: TrainConfig, addresses: list[str], spec, *, rank: int | None, world: int, init, xp,
-                  gpu: int | None, options: dict, host_group=None, local_rank: int | None = None):
+def open_exchange(
+    train: TrainConfig,
+    addresses: list[str],
+    spec,
+    *,
+    rank: int | None,
+    world: int,
+    init,
+    xp,
+    gpu: int | None,
+    options: dict,
+    host_group=None,
+    local_rank: int | None = None,
+):
     """The exchange worker ``rank`` of ``world`` trains through: its own client, or its host's aggregation.
 
     ``init`` gives the shards' first weights where this worker is the one that gives them; ``options``
@@ -53,8 +73,16 @@ def open_exchange(train: TrainConfig, addresses: list[str], spec, *, rank: int |
     from psgrid.worker.backend import pinner_for
 
     def connect(worker_id, workers):
-        return Client(addresses, spec, worker_id=worker_id, world=workers, init=init, pin_memory=pinner_for(xp),
-                      gpu=gpu, **options)
+        return Client(
+            addresses,
+            spec,
+            worker_id=worker_id,
+            world=workers,
+            init=init,
+            pin_memory=pinner_for(xp),
+            gpu=gpu,
+            **options,
+        )
 
     if train.aggregate != "host":
         return connect(rank, world)
@@ -62,12 +90,20 @@ def open_exchange(train: TrainConfig, addresses: list[str], spec, *, rank: int |
     from psgrid.worker.aggregate import HostGroup, host_exchange, rendezvous_name
 
     if rank is None:
-        raise ValueError('aggregate = "host" needs each worker\'s rank: run the script under psctl launch or '
-                         'psctl mpi, or pass rank= to psgrid.init')
+        raise ValueError(
+            'aggregate = "host" needs each worker\'s rank: run the script under psctl launch or '
+            "psctl mpi, or pass rank= to psgrid.init"
+        )
     group = host_group or HostGroup.of(rank, world, local_rank=local_rank)
-    return host_exchange(group, rendezvous_name(addresses, options.get("token"), group.host), spec.size, connect,
-                         wire_dtype=options.get("wire_dtype", train.wire_dtype),
-                         timeout_s=train.join_timeout_s + train.deadline_s + train.retry_s, token=options.get("token"))
+    return host_exchange(
+        group,
+        rendezvous_name(addresses, options.get("token"), group.host),
+        spec.size,
+        connect,
+        wire_dtype=options.get("wire_dtype", train.wire_dtype),
+        timeout_s=train.join_timeout_s + train.deadline_s + train.retry_s,
+        token=options.get("token"),
+    )
 
 
 # The all-reduce baseline (worker/allreduce.py) has no shards: each of its steps is one synchronous round.
@@ -124,8 +160,18 @@ class WorkerCore:
         Where the records go.
     """
 
-    def __init__(self, train: TrainConfig, exchange, spec, *, rank: int | None, xp, metrics: MetricsWriter,
-                 device_name: str = "cpu", device=None):
+    def __init__(
+        self,
+        train: TrainConfig,
+        exchange,
+        spec,
+        *,
+        rank: int | None,
+        xp,
+        metrics: MetricsWriter,
+        device_name: str = "cpu",
+        device=None,
+    ):
         self.train, self.exchange, self.spec, self.xp = train, exchange, spec, xp
         self.metrics, self.device_name, self._device = metrics, device_name, device
         self._rank = rank
@@ -135,7 +181,7 @@ class WorkerCore:
         self.step = 0
         self.samples = 0
         self.last_step: dict | None = None
-        self._in_flight = None        # (push handle, its step's record): the push of the step before
+        self._in_flight = None  # (push handle, its step's record): the push of the step before
         self._timed: dict | None = None
         self._compute_t0: float | None = None
         # This step's gradient buffer is taken (swapped to) once; a push that failed before it was issued
@@ -144,15 +190,18 @@ class WorkerCore:
 
     # ----- joining ---------------------------------------------------------------------------------
 
-    def __enter__(self) -> "WorkerCore":
+    def __enter__(self) -> WorkerCore:
         self.exchange.__enter__()
         try:
             mode = self.exchange.mode
             self.overlap = overlaps(self.train, mode, self.exchange.data_planes)
             with self.on_device():
                 self.bufs = FlatBuffers(self.spec, self.xp, self.exchange, double=self.overlap)
-                self.ahead = (PullAhead(self.bufs, self.spec)
-                              if self.overlap and pulls_ahead(self.train, exchange_rules(mode)) else None)
+                self.ahead = (
+                    PullAhead(self.bufs, self.spec)
+                    if self.overlap and pulls_ahead(self.train, exchange_rules(mode))
+                    else None
+                )
             self.delay = Delay(self.train.stragglers, self.rank, self.train.seed)
             self.step_bytes = bytes_per_step(self.exchange, self.spec.size)
         except BaseException:
@@ -177,10 +226,20 @@ class WorkerCore:
 
     def start(self, **fields) -> None:
         """The worker's first record: who it is, where it runs, how it exchanges (``fields``: what it trains)."""
-        self.metrics.write(event="start", rank=self.rank, worker=self.exchange.worker_id, host=socket.gethostname(),
-                           device=self.device_name, mode=self.mode, **fields, params=self.spec.size,
-                           data_planes=self.exchange.data_planes, stragglers=list(self.train.stragglers),
-                           pull_ahead=self.ahead is not None, overlap=self.overlap)
+        self.metrics.write(
+            event="start",
+            rank=self.rank,
+            worker=self.exchange.worker_id,
+            host=socket.gethostname(),
+            device=self.device_name,
+            mode=self.mode,
+            **fields,
+            params=self.spec.size,
+            data_planes=self.exchange.data_planes,
+            stragglers=list(self.train.stragglers),
+            pull_ahead=self.ahead is not None,
+            overlap=self.overlap,
+        )
 
     # ----- a step ----------------------------------------------------------------------------------
 
@@ -196,7 +255,7 @@ class WorkerCore:
         t0 = time.perf_counter()
         with self.on_device():
             if self.ahead is None:
-                self.bufs.pull()              # pull_s: from the request to the weights on the device
+                self.bufs.pull()  # pull_s: from the request to the weights on the device
             else:
                 self.ahead.pull(ahead=not last)
             if then is not None:
@@ -211,7 +270,7 @@ class WorkerCore:
     def gradient(self) -> dict:
         """The views this step's gradient goes into (by name): the other buffer where a push is in flight."""
         if self.overlap and not self._taken:
-            self.bufs.swap_gradient()          # the push that read it (the step before last) has ended
+            self.bufs.swap_gradient()  # the push that read it (the step before last) has ended
         self._taken = True
         return self.bufs.grad_views
 
@@ -227,16 +286,25 @@ class WorkerCore:
         with self.on_device():
             if self.ahead is not None:
                 self.ahead.advance()
-            self.bufs.download_grad()      # compute_s includes this copy to the host, which also synchronizes
+            self.bufs.download_grad()  # compute_s includes this copy to the host, which also synchronizes
         loss_value = float(loss) if loss is not None else float("nan")
         compute_s = time.perf_counter() - t1
         delay_s = self.delay.seconds(compute_s)
         if delay_s:
             time.sleep(delay_s)
-        self._write_in_flight()             # the push before (it overlapped this pull and compute) ends first
-        record = dict(event="step", rank=self.rank, worker=self.exchange.worker_id, step=self.step,
-                      clock=self.exchange.clock, started=timed["started"], loss=loss_value, pull_s=timed["pull_s"],
-                      compute_s=compute_s, delay_s=delay_s)
+        self._write_in_flight()  # the push before (it overlapped this pull and compute) ends first
+        record = dict(
+            event="step",
+            rank=self.rank,
+            worker=self.exchange.worker_id,
+            step=self.step,
+            clock=self.exchange.clock,
+            started=timed["started"],
+            loss=loss_value,
+            pull_s=timed["pull_s"],
+            compute_s=compute_s,
+            delay_s=delay_s,
+        )
         if samples is not None:
             record["samples"] = int(samples)
         if "pull_ahead_s" in timed:

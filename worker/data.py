@@ -41,7 +41,7 @@ class Dataset:
     input_shape: tuple[int, ...]
     num_classes: int
     train_index: np.ndarray
-    train_size: int          # rows in the whole training set, all shards together
+    train_size: int  # rows in the whole training set, all shards together
     rank: int = 0
     world: int = 1
 
@@ -80,11 +80,22 @@ def load_dataset(name: str, rank: int = 0, world: int = 1, seed: int = 0, **kw) 
         raise TypeError(f"dataset {name!r} takes no options, got {sorted(kw)}")
     train_x, train_y, test_x, test_y, input_shape, num_classes = _SPLITS[name]()
     index = np.random.default_rng(seed).permutation(len(train_y))[rank::world]
-    return Dataset(name, train_x[index], train_y[index], test_x.copy(), test_y.copy(), input_shape,
-                   num_classes, index, len(train_y), rank, world)
+    return Dataset(
+        name,
+        train_x[index],
+        train_y[index],
+        test_x.copy(),
+        test_y.copy(),
+        input_shape,
+        num_classes,
+        index,
+        len(train_y),
+        rank,
+        world,
+    )
 
 
-DATA_DIR = Path(__file__).resolve().parent / "datasets"   # package data; its README.md says where each came from
+DATA_DIR = Path(__file__).resolve().parent / "datasets"  # package data; its README.md says where each came from
 
 
 def read_shipped(name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -98,17 +109,17 @@ def read_shipped(name: str) -> tuple[np.ndarray, np.ndarray]:
         return f["images"], f["labels"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mnist5k():
     images, labels = read_shipped("mnist5k")
-    x, y = images.reshape(len(labels), -1), labels   # sorted by class: shuffle before splitting
+    x, y = images.reshape(len(labels), -1), labels  # sorted by class: shuffle before splitting
     order = np.random.default_rng(0).permutation(len(y))
     x = (x[order] / 255.0).astype(np.float32)
     y = y[order].astype(np.int64)
     return _readonly(x[:4000], y[:4000], x[4000:], y[4000:]) + ((1, 28, 28), 10)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _digits():
     images, labels = read_shipped("digits")
     order = np.random.default_rng(0).permutation(len(labels))
@@ -132,9 +143,18 @@ def _readonly(*arrays):
 _BLOCK = 1024  # samples are drawn in blocks seeded by (seed, block), so any shard is cheap to make
 
 
-def synthetic_shard(rank: int = 0, world: int = 1, seed: int = 0, *, features: int = 784,
-                    samples: int = 10000, classes: int = 10, test_samples: int = 2000,
-                    teacher_hidden: int = 32, image: tuple[int, ...] | None = None) -> Dataset:
+def synthetic_shard(
+    rank: int = 0,
+    world: int = 1,
+    seed: int = 0,
+    *,
+    features: int = 784,
+    samples: int = 10000,
+    classes: int = 10,
+    test_samples: int = 2000,
+    teacher_hidden: int = 32,
+    image: tuple[int, ...] | None = None,
+) -> Dataset:
     """Gaussian inputs labelled by a seeded random teacher MLP; only this rank's shard is generated.
 
     With ``image = (C, H, W)`` each sample is an image of that shape (``features`` is then
@@ -155,8 +175,19 @@ def synthetic_shard(rank: int = 0, world: int = 1, seed: int = 0, *, features: i
     train_x = _gaussian_rows(seed, 1, lo, hi, features)
     test_x = _gaussian_rows(seed, 2, 0, test_samples, features)
     shape = tuple(int(d) for d in image) if image else (features,)
-    return Dataset("synthetic", train_x, teacher(train_x), test_x, teacher(test_x), shape, classes,
-                   np.arange(lo, hi), samples, rank, world)
+    return Dataset(
+        "synthetic",
+        train_x,
+        teacher(train_x),
+        test_x,
+        teacher(test_x),
+        shape,
+        classes,
+        np.arange(lo, hi),
+        samples,
+        rank,
+        world,
+    )
 
 
 def _gaussian_rows(seed, stream, lo, hi, features):
@@ -165,7 +196,7 @@ def _gaussian_rows(seed, stream, lo, hi, features):
     for block in range(lo // _BLOCK, -(-hi // _BLOCK)):
         rows = np.random.default_rng([seed, stream, block]).standard_normal((_BLOCK, features), dtype=np.float32)
         start, stop = max(lo, block * _BLOCK), min(hi, (block + 1) * _BLOCK)
-        out[start - lo:stop - lo] = rows[start - block * _BLOCK:stop - block * _BLOCK]
+        out[start - lo : stop - lo] = rows[start - block * _BLOCK : stop - block * _BLOCK]
     return out
 
 
@@ -190,6 +221,7 @@ def _teacher(seed, features, classes, hidden):
 
 
 # ---------------------------------------------------------------- batches on the device
+
 
 class BatchLoader:
     """Endless (or ``epochs``-long) shuffled batches ``(x, y)`` on the device of ``xp``.
@@ -222,8 +254,7 @@ class BatchLoader:
         Batches prepared ahead.
     """
 
-    def __init__(self, x, y, batch_size: int, xp=np, seed: int = 0, epochs: int | None = None,
-                 prefetch: int = 2):
+    def __init__(self, x, y, batch_size: int, xp=np, seed: int = 0, epochs: int | None = None, prefetch: int = 2):
         n = len(y)
         if len(x) != n or n == 0:
             raise ValueError(f"x and y must have the same non-zero length, got {len(x)} and {n}")
@@ -233,7 +264,7 @@ class BatchLoader:
         self.batch_size = n if batch_size == 0 or batch_size >= n else int(batch_size)
         self.full_batch = self.batch_size == n
         self.steps_per_epoch = math.ceil(n / self.batch_size)
-        self.epoch = -1                  # the epoch of the batch last returned
+        self.epoch = -1  # the epoch of the batch last returned
         self.seed, self.epochs, self.xp = seed, epochs, xp
         self._failure: BaseException | None = None
         self._finished = False
@@ -248,8 +279,9 @@ class BatchLoader:
         self._stop = threading.Event()
         # The thread gets no reference to self, so a loader nobody closed can still be collected.
         order = _batch_order(n, self.batch_size, seed, epochs)
-        self._thread = threading.Thread(target=_produce, args=(order, self._staging, self._ready, self._stop),
-                                        name="BatchLoader", daemon=True)
+        self._thread = threading.Thread(
+            target=_produce, args=(order, self._staging, self._ready, self._stop), name="BatchLoader", daemon=True
+        )
         self._thread.start()
 
     # -- consumer
@@ -327,7 +359,7 @@ def _batch_order(n, batch_size, seed, epochs):
     while epochs is None or epoch < epochs:
         order = rng.permutation(n)
         for start in range(0, n, batch_size):
-            yield epoch, order[start:start + batch_size]
+            yield epoch, order[start : start + batch_size]
         epoch += 1
 
 

@@ -15,8 +15,8 @@ import numpy as np
 from psgrid.worker.backend import is_cupy_array
 
 # DLPack device types (dlpack.h): what np.from_dlpack and cupy.from_dlpack take.
-_CPU_TYPES = {1: "cpu", 3: "cpu"}           # kDLCPU, kDLCUDAHost (pinned host memory)
-_GPU_TYPES = {2: "cuda", 13: "cuda"}        # kDLCUDA, kDLCUDAManaged
+_CPU_TYPES = {1: "cpu", 3: "cpu"}  # kDLCPU, kDLCUDAHost (pinned host memory)
+_GPU_TYPES = {2: "cuda", 13: "cuda"}  # kDLCUDA, kDLCUDAManaged
 # Frameworks whose arrays are immutable: their memory is read, never written.
 _IMMUTABLE = ("jax", "jaxlib")
 
@@ -33,8 +33,10 @@ def device_of(a) -> tuple[str, int]:
         return "cuda", int(a.device.id)
     probe = getattr(a, "__dlpack_device__", None)
     if probe is None:
-        raise ArrayError(f"{type(a).__module__}.{type(a).__name__} is not an array psgrid can exchange: give NumPy "
-                         f"or CuPy arrays, or arrays that speak DLPack (PyTorch, JAX, ...)")
+        raise ArrayError(
+            f"{type(a).__module__}.{type(a).__name__} is not an array psgrid can exchange: give NumPy "
+            f"or CuPy arrays, or arrays that speak DLPack (PyTorch, JAX, ...)"
+        )
     kind, device_id = probe()
     kind = int(kind)
     if kind in _CPU_TYPES:
@@ -62,8 +64,10 @@ def view(a):
     try:
         import cupy
     except ImportError as exc:
-        raise ArrayError(f"{type(a).__name__} lives on a CUDA GPU: exchanging it without a copy needs CuPy "
-                         f"(pip install 'psgrid[gpu]')") from exc
+        raise ArrayError(
+            f"{type(a).__name__} lives on a CUDA GPU: exchanging it without a copy needs CuPy "
+            f"(pip install 'psgrid[gpu]')"
+        ) from exc
     return cupy.from_dlpack(source)
 
 

@@ -34,8 +34,8 @@ them with :meth:`JobEnv.to_env` and the user API reads them with :func:`job_env`
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from psgrid.psserver import lifeline
 
@@ -44,7 +44,7 @@ RANK = "PSGRID_RANK"
 WORLD_SIZE = "PSGRID_WORLD_SIZE"
 LOCAL_RANK = "PSGRID_LOCAL_RANK"
 GPU = "PSGRID_GPU"
-TOKEN = "PSGRID_TOKEN"          # the same variable cluster/job/credentials.py hands to every child
+TOKEN = "PSGRID_TOKEN"  # the same variable cluster/job/credentials.py hands to every child
 TLS_CA = "PSGRID_TLS_CA"
 TLS_CERT = "PSGRID_TLS_CERT"
 TLS_KEY = "PSGRID_TLS_KEY"
@@ -59,8 +59,24 @@ SEED = "PSGRID_SEED"
 # launcher vanished without stopping it (kill -9), as psctl's own children do.
 PARENT = lifeline.PARENT_ENV
 
-NAMES = (ADDRESSES, RANK, WORLD_SIZE, LOCAL_RANK, GPU, TOKEN, TLS_CA, TLS_CERT, TLS_KEY, METRICS, JOB_FILE, OUT,
-         HOST_GROUP, HOST_SHARD, ADDRESS_DIR, SEED)
+NAMES = (
+    ADDRESSES,
+    RANK,
+    WORLD_SIZE,
+    LOCAL_RANK,
+    GPU,
+    TOKEN,
+    TLS_CA,
+    TLS_CERT,
+    TLS_KEY,
+    METRICS,
+    JOB_FILE,
+    OUT,
+    HOST_GROUP,
+    HOST_SHARD,
+    ADDRESS_DIR,
+    SEED,
+)
 
 
 @dataclass(frozen=True)
@@ -92,11 +108,22 @@ class JobEnv:
     def to_env(self) -> dict[str, str]:
         """The variables that describe this job to a child process (unset values left out)."""
         values = {
-            ADDRESSES: ",".join(self.addresses), RANK: self.rank, WORLD_SIZE: self.world,
-            LOCAL_RANK: self.local_rank, GPU: self.gpu, TOKEN: self.token, TLS_CA: self.tls_ca,
-            TLS_CERT: self.tls_cert, TLS_KEY: self.tls_key, METRICS: self.metrics, JOB_FILE: self.job_file,
-            OUT: self.out, HOST_GROUP: ",".join(map(str, self.host_group)) if self.host_group else None,
-            HOST_SHARD: self.host_shard, ADDRESS_DIR: self.address_dir, SEED: self.seed,
+            ADDRESSES: ",".join(self.addresses),
+            RANK: self.rank,
+            WORLD_SIZE: self.world,
+            LOCAL_RANK: self.local_rank,
+            GPU: self.gpu,
+            TOKEN: self.token,
+            TLS_CA: self.tls_ca,
+            TLS_CERT: self.tls_cert,
+            TLS_KEY: self.tls_key,
+            METRICS: self.metrics,
+            JOB_FILE: self.job_file,
+            OUT: self.out,
+            HOST_GROUP: ",".join(map(str, self.host_group)) if self.host_group else None,
+            HOST_SHARD: self.host_shard,
+            ADDRESS_DIR: self.address_dir,
+            SEED: self.seed,
         }
         return {name: str(value) for name, value in values.items() if value not in (None, "")}
 
@@ -125,14 +152,29 @@ def job_env(environ: Mapping[str, str] | None = None) -> JobEnv:
         host, sep, port = address.rpartition(":")
         if not (sep and host and port.isdigit()):
             raise ValueError(f"{ADDRESSES} must be host:port[,host:port...], got {address!r}")
-    env = JobEnv(addresses=addresses, rank=number(RANK, 0), world=number(WORLD_SIZE, 1),
-                 local_rank=number(LOCAL_RANK, 0) or 0, gpu=number(GPU, 0), token=text(TOKEN),
-                 tls_ca=text(TLS_CA), tls_cert=text(TLS_CERT), tls_key=text(TLS_KEY), metrics=text(METRICS),
-                 job_file=text(JOB_FILE), out=text(OUT), host_group=_host_group(text(HOST_GROUP)),
-                 host_shard=number(HOST_SHARD, 0), address_dir=text(ADDRESS_DIR), seed=number(SEED, 0))
+    env = JobEnv(
+        addresses=addresses,
+        rank=number(RANK, 0),
+        world=number(WORLD_SIZE, 1),
+        local_rank=number(LOCAL_RANK, 0) or 0,
+        gpu=number(GPU, 0),
+        token=text(TOKEN),
+        tls_ca=text(TLS_CA),
+        tls_cert=text(TLS_CERT),
+        tls_key=text(TLS_KEY),
+        metrics=text(METRICS),
+        job_file=text(JOB_FILE),
+        out=text(OUT),
+        host_group=_host_group(text(HOST_GROUP)),
+        host_shard=number(HOST_SHARD, 0),
+        address_dir=text(ADDRESS_DIR),
+        seed=number(SEED, 0),
+    )
     if env.host_shard is not None and not (env.address_dir and env.job_file):
-        raise ValueError(f"{HOST_SHARD} needs {ADDRESS_DIR} and {JOB_FILE}: where the shards publish their "
-                         f"addresses, and the job whose shard this process hosts")
+        raise ValueError(
+            f"{HOST_SHARD} needs {ADDRESS_DIR} and {JOB_FILE}: where the shards publish their "
+            f"addresses, and the job whose shard this process hosts"
+        )
     if env.rank is not None and env.world is not None and env.rank >= env.world:
         raise ValueError(f"{RANK} ({env.rank}) must be less than {WORLD_SIZE} ({env.world})")
     return env

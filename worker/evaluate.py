@@ -16,7 +16,6 @@ from psgrid.worker.config import TrainConfig
 from psgrid.worker.loop import build, make_admin
 from psgrid.worker.models import accuracy, softmax_cross_entropy
 
-
 MAX_TRAIN_ROWS = 20_000
 
 
@@ -27,8 +26,9 @@ def evaluate(train: TrainConfig, addresses: list[str], device: str | None = "cpu
     return evaluate_weights(train, pulled.out, version=max(pulled.wait()), device=device)
 
 
-def evaluate_weights(train: TrainConfig, flat: np.ndarray, *, version: int | None = None,
-                     device: str | None = "cpu") -> dict:
+def evaluate_weights(
+    train: TrainConfig, flat: np.ndarray, *, version: int | None = None, device: str | None = "cpu"
+) -> dict:
     """Train and test accuracy (and test loss) of the flat weights ``flat`` of this job's model."""
     parts = math.ceil(train.synthetic_samples / MAX_TRAIN_ROWS) if train.dataset == "synthetic" else 1
     xp, _, data, model = build(train, rank=0, world=max(1, parts), device=device)

@@ -50,8 +50,9 @@ class FlatBuffers:
         self.exchange = exchange
         self.in_place = exchange is not None and hasattr(exchange, "gradient_buffer")
         self.on_device = xp is not np and getattr(exchange, "on_device", False)
-        self.device_push = (xp is not np and not self.on_device
-                            and getattr(exchange, "takes_device_gradients", lambda: False)())
+        self.device_push = (
+            xp is not np and not self.on_device and getattr(exchange, "takes_device_gradients", lambda: False)()
+        )
         count = 2 if double else 1
         if self.on_device or self.device_push:
             self.host_grads = []
@@ -92,7 +93,7 @@ class FlatBuffers:
 
     def _use(self, index: int) -> None:
         self.current = index
-        if self.xp is np:       # on the CPU the model writes its gradient straight into the host buffer
+        if self.xp is np:  # on the CPU the model writes its gradient straight into the host buffer
             self.grad, self.grad_views = self.host_grads[index], self._grad_views[index]
         elif self.device_push:
             self.grad, self.grad_views = self.grads[index], self._device_views[index]
@@ -109,7 +110,7 @@ class FlatBuffers:
     def pull(self, exchange=None):
         """Pull the weights onto the device; returns the exchange's handle (done: versions in ``wait()``)."""
         exchange = exchange or self.exchange
-        if self.xp is np or self.on_device:      # on the device: the exchange's own weights, or a device copy
+        if self.xp is np or self.on_device:  # on the device: the exchange's own weights, or a device copy
             return exchange.pull(self.params)
         if self.in_place:
             return exchange.pull(into=self._to_device)

@@ -18,8 +18,8 @@ from psgrid.psserver.client.admin import Admin
 from psgrid.psserver.client.client import Client
 from psgrid.worker.backend import current_gpu, get_xp, pinner_for, select_gpu, sync
 from psgrid.worker.config import TrainConfig
-from psgrid.worker.data import BatchLoader, load_dataset
 from psgrid.worker.core import WorkerCore, client_settings, open_exchange, overlaps, security  # noqa: F401
+from psgrid.worker.data import BatchLoader, load_dataset
 from psgrid.worker.models import accuracy, build_model
 from psgrid.worker.records import MetricsWriter
 
@@ -37,14 +37,19 @@ def build(train: TrainConfig, rank: int, world: int, device: str | None = None):
     """The array module, dataset shard and model a worker of this config trains."""
     xp, device_name = get_xp(device or train.device)
     if xp is not np:
-        device_name = f"cuda:{select_gpu(local_rank(rank))}"   # one GPU per worker: its local rank's
+        device_name = f"cuda:{select_gpu(local_rank(rank))}"  # one GPU per worker: its local rank's
     kw = {}
     if train.dataset == "synthetic":
-        kw = dict(features=train.synthetic_features, samples=train.synthetic_samples,
-                  classes=train.synthetic_classes, image=tuple(train.synthetic_image) or None)
+        kw = dict(
+            features=train.synthetic_features,
+            samples=train.synthetic_samples,
+            classes=train.synthetic_classes,
+            image=tuple(train.synthetic_image) or None,
+        )
     data = load_dataset(train.dataset, rank=rank, world=world, seed=train.seed, **kw)
-    model = build_model(train.model, data.input_shape, data.num_classes, hidden=tuple(train.hidden),
-                        activation=train.activation)
+    model = build_model(
+        train.model, data.input_shape, data.num_classes, hidden=tuple(train.hidden), activation=train.activation
+    )
     return xp, device_name, data, model
 
 
@@ -55,20 +60,43 @@ def steps_for(train: TrainConfig, shard_rows: int) -> int:
     return train.steps
 
 
-def make_client(train: TrainConfig, addresses: list[str], spec, *, worker_id: int | None = None,
-                world: int | None = None, init=None, xp=np) -> Client:
+def make_client(
+    train: TrainConfig,
+    addresses: list[str],
+    spec,
+    *,
+    worker_id: int | None = None,
+    world: int | None = None,
+    init=None,
+    xp=np,
+) -> Client:
     """A client of the job's shards with the job's transport settings (no aggregation: :func:`open_exchange`)."""
-    return Client(addresses, spec, worker_id=worker_id, world=world, init=init, pin_memory=pinner_for(xp),
-                  gpu=current_gpu(xp), **client_settings(train))
+    return Client(
+        addresses,
+        spec,
+        worker_id=worker_id,
+        world=world,
+        init=init,
+        pin_memory=pinner_for(xp),
+        gpu=current_gpu(xp),
+        **client_settings(train),
+    )
 
 
 def make_admin(train: TrainConfig, addresses: list[str], **kw) -> Admin:
-    return Admin(addresses, data_plane=train.data_plane, chunk_bytes=train.chunk_bytes,
-                 shared_memory=train.shared_memory, **security(train), **kw)
+    return Admin(
+        addresses,
+        data_plane=train.data_plane,
+        chunk_bytes=train.chunk_bytes,
+        shared_memory=train.shared_memory,
+        **security(train),
+        **kw,
+    )
 
 
-def run_worker(train: TrainConfig, addresses: list[str], rank: int, world: int,
-               metrics_path: str | None = None, host_group=None) -> dict:
+def run_worker(
+    train: TrainConfig, addresses: list[str], rank: int, world: int, metrics_path: str | None = None, host_group=None
+) -> dict:
     """Train worker ``rank`` of ``world`` against the shards at ``addresses`` until its steps are done.
 
     Returns a summary ``{"rank", "worker", "steps", "samples", "wall_s", "final_loss", "device"}``
@@ -82,13 +110,25 @@ def run_worker(train: TrainConfig, addresses: list[str], rank: int, world: int,
     # The rank is the worker id, so a sync round sums its gradients in the same order every run;
     # entering waits for the whole job, since sync and ssp count the members they have.
     init = lambda: spec.pack(model.init_params(train.seed, train.init_scale))  # noqa: E731
-    exchange = open_exchange(train, addresses, spec, rank=rank, world=world, init=init, xp=xp, gpu=current_gpu(xp),
-                             options=client_settings(train), host_group=host_group, local_rank=local_rank(None))
+    exchange = open_exchange(
+        train,
+        addresses,
+        spec,
+        rank=rank,
+        world=world,
+        init=init,
+        xp=xp,
+        gpu=current_gpu(xp),
+        options=client_settings(train),
+        host_group=host_group,
+        local_rank=local_rank(None),
+    )
     return train_loop(train, exchange, rank, xp, device_name, data, model, metrics_path)
 
 
-def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, data, model,
-               metrics_path: str | None = None) -> dict:
+def train_loop(
+    train: TrainConfig, exchange, rank: int, xp, device_name: str, data, model, metrics_path: str | None = None
+) -> dict:
     """The steps of one worker, whatever moves its weights and gradients.
 
     ``exchange`` is a :class:`Client` (the shards), a host's aggregation, or an
@@ -105,8 +145,9 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
         # before joining, so that it is not counted in training time (the other workers are warming up
         # or starting meanwhile) and the first run on a machine trains as fast as the next.
         warmup_s = warm_up(model, data, train, xp, evaluate=rank == 0 and bool(train.eval_every))
-        with WorkerCore(train, exchange, model.spec, rank=rank, xp=xp, metrics=metrics,
-                        device_name=device_name) as core:
+        with WorkerCore(
+            train, exchange, model.spec, rank=rank, xp=xp, metrics=metrics, device_name=device_name
+        ) as core:
             steps = steps_for(train, len(data.train_y))
             # `steps` is the clock a worker trains to: one that joins at clock c (a job resumed from its
             # shards' checkpoints, or a replacement worker) makes the steps that are left.
@@ -127,10 +168,16 @@ def train_loop(train: TrainConfig, exchange, rank: int, xp, device_name: str, da
                     metrics.write(event="eval", rank=rank, step=step + 1, test_accuracy=acc)
             core.finish()
             wall = time.perf_counter() - start
-            result = {"rank": rank, "worker": exchange.worker_id, "steps": steps - first_step,
-                      "samples": core.samples, "wall_s": wall,
-                      "final_loss": float("nan") if loss is None else float(loss), "device": device_name,
-                      "warmup_s": warmup_s}
+            result = {
+                "rank": rank,
+                "worker": exchange.worker_id,
+                "steps": steps - first_step,
+                "samples": core.samples,
+                "wall_s": wall,
+                "final_loss": float("nan") if loss is None else float(loss),
+                "device": device_name,
+                "warmup_s": warmup_s,
+            }
         metrics.write(event="done", **result)
         return result
     finally:
@@ -154,7 +201,7 @@ def warm_up(model, data, train: TrainConfig, xp, *, evaluate: bool) -> float:
     rows = min(len(data.train_y), train.batch_size or len(data.train_y))
     x, y = xp.asarray(data.train_x[:rows]), xp.asarray(data.train_y[:rows])
     float(model.loss_and_grad(spec.views(params), x, y, spec.views(grad)))
-    if evaluate:    # on the whole test set, as the loop does: CuPy picks other kernels for other sizes
+    if evaluate:  # on the whole test set, as the loop does: CuPy picks other kernels for other sizes
         accuracy(model, spec.views(params), xp.asarray(data.test_x), xp.asarray(data.test_y))
     sync(xp)
     return time.perf_counter() - t0

@@ -44,9 +44,10 @@ class ModelLink:
             import torch
 
             self._torch = torch
-            self._torch_targets = [a.detach() for name, a in zip(names, originals)
-                                   if any(name == t for t, _ in self.targets)]
-        self._flat_views: list[tuple[dict, dict]] = []     # (a buffer's views by name, the same as torch tensors)
+            self._torch_targets = [
+                a.detach() for name, a in zip(names, originals) if any(name == t for t, _ in self.targets)
+            ]
+        self._flat_views: list[tuple[dict, dict]] = []  # (a buffer's views by name, the same as torch tensors)
 
     # ----- weights in ------------------------------------------------------------------------------
 
@@ -61,7 +62,7 @@ class ModelLink:
         for name, target in self.targets:
             target[...] = param_views[name]
         if self.xp is not np:
-            self.xp.cuda.get_current_stream().synchronize()   # the model's framework may read them on another stream
+            self.xp.cuda.get_current_stream().synchronize()  # the model's framework may read them on another stream
 
     # ----- gradients out ---------------------------------------------------------------------------
 
@@ -72,8 +73,9 @@ class ModelLink:
                 continue
             shape = tuple(source.shape) if hasattr(source, "shape") else tuple(dlpack.view(source).shape)
             if shape != self.shapes[name]:
-                raise dlpack.ArrayError(f"the gradient of {name!r} has shape {shape}, the parameter "
-                                        f"{self.shapes[name]}")
+                raise dlpack.ArrayError(
+                    f"the gradient of {name!r} has shape {shape}, the parameter {self.shapes[name]}"
+                )
 
     def gradients_out(self, sources: list[tuple[str, object]], grad_views: dict) -> None:
         """Copy each ``(name, gradient)`` (:meth:`check`-ed) into ``grad_views`` (a flat gradient's views);
@@ -92,7 +94,7 @@ class ModelLink:
             if given:
                 torch._foreach_copy_([t for t, _ in given], [s for _, s in given])
             for name, source in sources:
-                if source is None:              # a parameter that took no part in the loss
+                if source is None:  # a parameter that took no part in the loss
                     flat[name].zero_()
         device = next(iter(flat.values())).device
         if device.type == "cuda" and torch.cuda.current_stream(device).cuda_stream != 0:
@@ -110,7 +112,7 @@ class ModelLink:
 
 def _copy_into(target, source, xp) -> None:
     """Copy a gradient into a flat buffer's view (through a view of ``source``, never a copy in its framework)."""
-    if source is None:              # a parameter that took no part in the loss
+    if source is None:  # a parameter that took no part in the loss
         target.fill(0)
         return
     array = dlpack.view(source)

@@ -39,8 +39,7 @@ def pulls_ahead(train: TrainConfig, rules: ModeRules) -> bool:
     ``pull_ahead = true`` in sync is refused by the job file's check; a worker started by hand in
     sync just pulls when each step starts, as sync must.
     """
-    return (train.pull_ahead and train.overlap is not False and train.aggregate == "none"
-            and not rules.accumulates)
+    return train.pull_ahead and train.overlap is not False and train.aggregate == "none" and not rules.accumulates
 
 
 class PullAhead:
@@ -73,7 +72,7 @@ class PullAhead:
         self.bufs = bufs
         self.spare = spec.flat(bufs.xp)
         self.spare_views = spec.views(self.spare)
-        self.pending = None           # the pull into ``spare``, made during the step before
+        self.pending = None  # the pull into ``spare``, made during the step before
         self.versions: list[int] = []
         self.pulled_s: float | None = None
         self.waited_s = 0.0
@@ -102,7 +101,7 @@ class PullAhead:
     def advance(self) -> None:
         """Once the step's kernels are launched: start the next step's copies, where its pull was posted
         (Client.post_pull: the shards' answers have come meanwhile, and reading them took the launches nothing)."""
-        advance = getattr(self.pending, "advance", None)     # a Client's handle has it; another exchange's may not
+        advance = getattr(self.pending, "advance", None)  # a Client's handle has it; another exchange's may not
         if advance is not None:
             advance()
 

@@ -48,8 +48,11 @@ def device_reduction(comm, cupy, size: int, *, name: str = "psctl allreduce"):
     if shared is None:
         return NcclReduction(comm, cupy, size)
     if comm.Get_rank() == 0:
-        print(f"{name}: {shared} and NCCL needs a GPU per rank: gradients are summed by MPI on the host",
-              file=sys.stderr, flush=True)
+        print(
+            f"{name}: {shared} and NCCL needs a GPU per rank: gradients are summed by MPI on the host",
+            file=sys.stderr,
+            flush=True,
+        )
     return HostMpiReduction(comm, cupy, size)
 
 
@@ -68,8 +71,9 @@ class NcclReduction:
 
     def __call__(self, grad):
         stream = self.cupy.cuda.get_current_stream()
-        self.comm.allReduce(grad.data.ptr, self.sum.data.ptr, grad.size, self.nccl.NCCL_FLOAT32,
-                            self.nccl.NCCL_SUM, stream.ptr)
+        self.comm.allReduce(
+            grad.data.ptr, self.sum.data.ptr, grad.size, self.nccl.NCCL_FLOAT32, self.nccl.NCCL_SUM, stream.ptr
+        )
         stream.synchronize()
         return self.sum
 

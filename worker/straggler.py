@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 
@@ -25,8 +25,8 @@ import numpy as np
 @dataclass(frozen=True)
 class Straggler:
     rank: int
-    factor: float | None = None       # K:F
-    mean_ms: float | None = None      # K:exp:MEAN_MS
+    factor: float | None = None  # K:F
+    mean_ms: float | None = None  # K:exp:MEAN_MS
 
     def __str__(self) -> str:
         if self.factor is not None:
@@ -47,8 +47,10 @@ def parse_straggler(text: str) -> Straggler:
         if not mean > 0:
             raise ValueError(f"{text!r}: the mean delay in K:exp:MEAN_MS must be > 0 milliseconds")
         return Straggler(int(m.group(1)), mean_ms=mean)
-    raise ValueError(f"{text!r} is not a straggler: write K:F (worker K F times slower, e.g. 3:3) "
-                     f"or K:exp:MEAN_MS (a random delay per step, e.g. 1:exp:20)")
+    raise ValueError(
+        f"{text!r} is not a straggler: write K:F (worker K F times slower, e.g. 3:3) "
+        f"or K:exp:MEAN_MS (a random delay per step, e.g. 1:exp:20)"
+    )
 
 
 def _number(s: str, text: str) -> float:

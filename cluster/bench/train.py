@@ -13,25 +13,37 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from itertools import product
 import tempfile
 import time
+from itertools import product
 from pathlib import Path
 
 from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
 from psgrid.psserver.protocol import mode_rules
 
 
-def base_job(model: str, device: str, hidden: list[int], batch_size: int, steps: int,
-             shard_device: str = "auto") -> JobConfig:
+def base_job(
+    model: str, device: str, hidden: list[int], batch_size: int, steps: int, shard_device: str = "auto"
+) -> JobConfig:
     """The synthetic job every mode of ``model`` runs: no evaluation during training, plain SGD.
 
     ``shard_device``: where the shards keep their state ("auto": on a GPU for GPU workers, as a job does).
     """
-    settings = {"name": f"bench-{model}", "model": model, "dataset": "synthetic", "hidden": hidden,
-                "batch_size": batch_size, "steps": steps, "eval_every": 0, "device": device, "lr": 0.01,
-                "momentum": 0.0, "optimizer": "sgd", "train.synthetic_samples": max(4096, 4 * batch_size),
-                "shard_device": shard_device}
+    settings = {
+        "name": f"bench-{model}",
+        "model": model,
+        "dataset": "synthetic",
+        "hidden": hidden,
+        "batch_size": batch_size,
+        "steps": steps,
+        "eval_every": 0,
+        "device": device,
+        "lr": 0.01,
+        "momentum": 0.0,
+        "optimizer": "sgd",
+        "train.synthetic_samples": max(4096, 4 * batch_size),
+        "shard_device": shard_device,
+    }
     if model == "cnn":
         settings["train.synthetic_image"] = [1, 28, 28]
     return apply_overrides(load_job("mnist"), settings)
@@ -65,9 +77,14 @@ def no_servers(train, lr: float = 0.01) -> dict:
             times.append(time.perf_counter() - t)
     finally:
         loader.close()
-    step_s = statistics.median(times[min(5, len(times) - 1):])
-    return {"params": model.spec.size, "device": device, "step_s": step_s,
-            "samples_per_s": train.batch_size / step_s, "warmup_s": warmup_s}
+    step_s = statistics.median(times[min(5, len(times) - 1) :])
+    return {
+        "params": model.spec.size,
+        "device": device,
+        "step_s": step_s,
+        "samples_per_s": train.batch_size / step_s,
+        "warmup_s": warmup_s,
+    }
 
 
 def with_servers(job: JobConfig) -> dict:
@@ -79,7 +96,7 @@ def with_servers(job: JobConfig) -> dict:
         summary = Launcher(job, prepare_out(job), progress=False, quiet=True).run()
         events = [json.loads(line) for line in (Path(job.out) / "metrics.jsonl").read_text().splitlines()]
     steps = [e for e in events if e.get("event") == "step"]
-    steps = steps[len(steps) // 10:] or steps          # the first steps connect, map and warm caches
+    steps = steps[len(steps) // 10 :] or steps  # the first steps connect, map and warm caches
     starts = [e for e in events if e.get("event") == "start"]
     planes = sorted({p for e in starts for p in e.get("data_planes") or []})
     # A pull waits on every shard at once: the longest of a worker's per-shard waits is its wait.
@@ -90,14 +107,22 @@ def with_servers(job: JobConfig) -> dict:
     worker_steps = sum(w["steps"] for w in summary["worker_results"]) or 1
     wait_s = sum(per_worker.values()) / worker_steps
     med = {k: statistics.median(e[k] for e in steps) for k in ("pull_s", "compute_s", "push_s")}
-    return {"samples_per_s": summary["samples_per_s"], "shard_device": summary["shard_device"],
-            "pull_s": max(0.0, med["pull_s"] - wait_s), "wait_s": wait_s, "compute_s": med["compute_s"],
-            "push_s": med["push_s"], "steps": summary["steps"],
-            "warmup_s": summary.get("warmup_s", 0.0), "planes_used": planes, "status": summary["status"],
-            "pulled_ahead": bool(starts) and all(e.get("pull_ahead") for e in starts)}
+    return {
+        "samples_per_s": summary["samples_per_s"],
+        "shard_device": summary["shard_device"],
+        "pull_s": max(0.0, med["pull_s"] - wait_s),
+        "wait_s": wait_s,
+        "compute_s": med["compute_s"],
+        "push_s": med["push_s"],
+        "steps": summary["steps"],
+        "warmup_s": summary.get("warmup_s", 0.0),
+        "planes_used": planes,
+        "status": summary["status"],
+        "pulled_ahead": bool(starts) and all(e.get("pull_ahead") for e in starts),
+    }
 
 
-FLAGS = {"shard_device": "--shard-device", "device": "--device"}     # how a refusal names the settings
+FLAGS = {"shard_device": "--shard-device", "device": "--device"}  # how a refusal names the settings
 
 
 def check(models, device, shards, workers, hidden, batch_size, steps, shard_device) -> None:
@@ -111,62 +136,149 @@ def check(models, device, shards, workers, hidden, batch_size, steps, shard_devi
                 check_shard_device(apply_overrides(base, {"shards": s, "workers": w}), FLAGS)
 
 
-def rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, shard_device="auto",
-         pull_ahead=False, placements=("process",)):
+def rows(
+    models,
+    modes,
+    device,
+    shards,
+    workers,
+    planes,
+    hidden,
+    batch_size,
+    steps,
+    repeats,
+    shard_device="auto",
+    pull_ahead=False,
+    placements=("process",),
+):
     for model in models:
         base = base_job(model, device, hidden, batch_size, steps, shard_device)
         alone = no_servers(base.train)
-        yield {"suite": "train", "params": alone["params"], "shards": 0, "workers": 1, "mode": "none",
-               "model": model, "data_plane": None, "device": alone["device"], "shard_device": None,
-               "batch_size": batch_size,
-               "samples_per_s": alone["samples_per_s"], "compute_s": alone["step_s"], "pull_s": 0.0, "push_s": 0.0,
-               "wait_s": 0.0, "warmup_s": alone["warmup_s"], "ratio_vs_no_servers": 1.0}
+        yield {
+            "suite": "train",
+            "params": alone["params"],
+            "shards": 0,
+            "workers": 1,
+            "mode": "none",
+            "model": model,
+            "data_plane": None,
+            "device": alone["device"],
+            "shard_device": None,
+            "batch_size": batch_size,
+            "samples_per_s": alone["samples_per_s"],
+            "compute_s": alone["step_s"],
+            "pull_s": 0.0,
+            "push_s": 0.0,
+            "wait_s": 0.0,
+            "warmup_s": alone["warmup_s"],
+            "ratio_vs_no_servers": 1.0,
+        }
         for s, w, plane, mode, placement in product(shards, workers, planes, modes, placements):
             if placement == "worker" and w < s:
-                continue          # shard i lives in worker i: there must be a worker per shard
-            ahead = pull_ahead and not mode_rules(mode).accumulates        # sync has nothing to pull ahead
-            job = apply_overrides(base, {"shards": s, "workers": w, "mode": mode,
-                                         "shared_memory": plane == "shm", "pull_ahead": ahead,
-                                         "data_plane": "grpc" if plane == "grpc" else "tcp",
-                                         "shard_placement": placement})
+                continue  # shard i lives in worker i: there must be a worker per shard
+            ahead = pull_ahead and not mode_rules(mode).accumulates  # sync has nothing to pull ahead
+            job = apply_overrides(
+                base,
+                {
+                    "shards": s,
+                    "workers": w,
+                    "mode": mode,
+                    "shared_memory": plane == "shm",
+                    "pull_ahead": ahead,
+                    "data_plane": "grpc" if plane == "grpc" else "tcp",
+                    "shard_placement": placement,
+                },
+            )
             runs = [with_servers(job) for _ in range(repeats)]
-            best = {k: statistics.median(r[k] for r in runs)
-                    for k in ("samples_per_s", "pull_s", "wait_s", "compute_s", "push_s", "warmup_s")}
-            yield {"suite": "train", "params": alone["params"], "shards": s, "workers": w, "mode": mode,
-                   "model": model, "data_plane": plane, "planes_used": runs[0]["planes_used"],
-                   "device": alone["device"], "shard_device": runs[0]["shard_device"],
-                   "shard_placement": placement, "batch_size": batch_size, "pull_ahead": runs[0]["pulled_ahead"],
-                   **best,
-                   "ratio_vs_no_servers": best["samples_per_s"] / alone["samples_per_s"],
-                   "ratios": [r["samples_per_s"] / alone["samples_per_s"] for r in runs], "repeats": repeats}
+            best = {
+                k: statistics.median(r[k] for r in runs)
+                for k in ("samples_per_s", "pull_s", "wait_s", "compute_s", "push_s", "warmup_s")
+            }
+            yield {
+                "suite": "train",
+                "params": alone["params"],
+                "shards": s,
+                "workers": w,
+                "mode": mode,
+                "model": model,
+                "data_plane": plane,
+                "planes_used": runs[0]["planes_used"],
+                "device": alone["device"],
+                "shard_device": runs[0]["shard_device"],
+                "shard_placement": placement,
+                "batch_size": batch_size,
+                "pull_ahead": runs[0]["pulled_ahead"],
+                **best,
+                "ratio_vs_no_servers": best["samples_per_s"] / alone["samples_per_s"],
+                "ratios": [r["samples_per_s"] / alone["samples_per_s"] for r in runs],
+                "repeats": repeats,
+            }
 
 
-def run(*, models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, as_json,
-        shard_device="auto", out=sys.stdout, pull_ahead: bool = False, placements=("process",)) -> list[dict]:
+def run(
+    *,
+    models,
+    modes,
+    device,
+    shards,
+    workers,
+    planes,
+    hidden,
+    batch_size,
+    steps,
+    repeats,
+    as_json,
+    shard_device="auto",
+    out=sys.stdout,
+    pull_ahead: bool = False,
+    placements=("process",),
+) -> list[dict]:
     """Every configuration's row, printed as it comes (a table, or JSON lines); ``shard_device`` and
     ``placements`` (``shard_placement``) as the job keys."""
     check(models, device, shards, workers, hidden, batch_size, steps, shard_device)
     found = []
     if not as_json and pull_ahead:
-        print("async and ssp pull ahead (pull_ahead = true): pull ms is what a step still waited for its weights",
-              file=out, flush=True)
+        print(
+            "async and ssp pull ahead (pull_ahead = true): pull ms is what a step still waited for its weights",
+            file=out,
+            flush=True,
+        )
     if not as_json:
-        print(f"{'model':>5} {'params':>8} {'S':>2} {'W':>2} {'shard':>5} {'in':>7} {'plane':>5} {'mode':>6} {'samples/s':>10} "
-              f"{'x alone':>7} {'pull ms':>8} {'wait ms':>8} {'compute ms':>10} {'push ms':>8}  each repeat's x alone",
-              file=out, flush=True)
-    for row in rows(models, modes, device, shards, workers, planes, hidden, batch_size, steps, repeats, shard_device,
-                    pull_ahead, placements):
+        print(
+            f"{'model':>5} {'params':>8} {'S':>2} {'W':>2} {'shard':>5} {'in':>7} {'plane':>5} {'mode':>6} {'samples/s':>10} "
+            f"{'x alone':>7} {'pull ms':>8} {'wait ms':>8} {'compute ms':>10} {'push ms':>8}  each repeat's x alone",
+            file=out,
+            flush=True,
+        )
+    for row in rows(
+        models,
+        modes,
+        device,
+        shards,
+        workers,
+        planes,
+        hidden,
+        batch_size,
+        steps,
+        repeats,
+        shard_device,
+        pull_ahead,
+        placements,
+    ):
         found.append(row)
         if as_json:
             print(json.dumps(row), file=out, flush=True)
         else:
-            print(f"{row['model']:>5} {row['params'] / 1e6:7.2f}M {row['shards']:>2} {row['workers']:>2} "
-                  f"{row['shard_device'] or '-':>5} {row.get('shard_placement') or '-':>7} {used_planes(row):>5} "
-                  f"{row['mode']:>6} "
-                  f"{row['samples_per_s']:10.0f} {row['ratio_vs_no_servers']:7.2f} {1e3 * row['pull_s']:8.2f} "
-                  f"{1e3 * row['wait_s']:8.2f} {1e3 * row['compute_s']:10.2f} {1e3 * row['push_s']:8.2f}  "
-                  f"{' '.join(f'{r:.2f}' for r in row.get('ratios', []))}",
-                  file=out, flush=True)
+            print(
+                f"{row['model']:>5} {row['params'] / 1e6:7.2f}M {row['shards']:>2} {row['workers']:>2} "
+                f"{row['shard_device'] or '-':>5} {row.get('shard_placement') or '-':>7} {used_planes(row):>5} "
+                f"{row['mode']:>6} "
+                f"{row['samples_per_s']:10.0f} {row['ratio_vs_no_servers']:7.2f} {1e3 * row['pull_s']:8.2f} "
+                f"{1e3 * row['wait_s']:8.2f} {1e3 * row['compute_s']:10.2f} {1e3 * row['push_s']:8.2f}  "
+                f"{' '.join(f'{r:.2f}' for r in row.get('ratios', []))}",
+                file=out,
+                flush=True,
+            )
     return found
 
 

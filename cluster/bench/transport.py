@@ -31,6 +31,7 @@ DEFAULT_SIZES = [4 * KIB, 64 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * 
 
 # ----- raw TCP echo on loopback: the reference ---------------------------------------------------
 
+
 def _echo_server(port_queue) -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     port_queue.put(listener.getsockname()[1])
@@ -47,8 +48,8 @@ def _echo_server(port_queue) -> None:
         if len(buf) < size:
             buf = bytearray(size)
         view = memoryview(buf)[:size]
-        recv_exact(conn, view)        # take the whole payload (like a push) ...
-        conn.sendall(view)             # ... then send it all back (like a pull)
+        recv_exact(conn, view)  # take the whole payload (like a push) ...
+        conn.sendall(view)  # ... then send it all back (like a pull)
 
 
 class TcpEcho:
@@ -73,6 +74,7 @@ class TcpEcho:
 
 
 # ----- one shard in its own process ------------------------------------------------------------
+
 
 def _shard_server(config: ServerConfig, address_queue, stop_event) -> None:
     from psgrid.psserver.server import serve
@@ -100,14 +102,15 @@ class ShardProcess:
 
 # ----- measurements ----------------------------------------------------------------------------
 
+
 def _repeats(size: int, repeat: int) -> int:
-    return max(repeat, min(200, (64 * MIB) // max(size, 1)))   # small sizes: more samples for a stable median
+    return max(repeat, min(200, (64 * MIB) // max(size, 1)))  # small sizes: more samples for a stable median
 
 
 def _interleaved_medians(fns: dict, n: int) -> dict:
     """Median time of each callable, run in turn round after round so load drifts hit all alike."""
     for fn in fns.values():
-        fn()                                                    # warm-up
+        fn()  # warm-up
     times = {name: [] for name in fns}
     for _ in range(n):
         for name, fn in fns.items():
@@ -118,7 +121,7 @@ def _interleaved_medians(fns: dict, n: int) -> dict:
 
 
 def median_time(fn, n: int) -> float:
-    fn()                                                        # warm-up: connections, buffers, caches
+    fn()  # warm-up: connections, buffers, caches
     times = []
     for _ in range(n):
         t = time.perf_counter()
@@ -149,33 +152,52 @@ def transport_rows(sizes, repeat: int = 5, chunk_bytes: int = 1 * MIB):
                 options = dict(init=values, chunk_bytes=chunk_bytes, deadline_s=600)
                 copied = np.empty_like(values)
                 opt = make_optimizer("sgd", elems, lr=1e-9)
-                with Client([shard.address], spec, data_plane="tcp", shared_memory=False, **options) as tcp, \
-                        Client([shard.address], spec, data_plane="grpc", shared_memory=False, **options) as grpc_only, \
-                        Client([shard.address], spec, **options) as shm:
+                with (
+                    Client([shard.address], spec, data_plane="tcp", shared_memory=False, **options) as tcp,
+                    Client([shard.address], spec, data_plane="grpc", shared_memory=False, **options) as grpc_only,
+                    Client([shard.address], spec, **options) as shm,
+                ):
                     payload, into = memoryview(values).cast("B"), memoryview(out).cast("B")
                     gradient = shm.gradient_buffer()
                     gradient[...] = values
-                    times = _interleaved_medians({
-                        "ps": lambda: (tcp.pull(out).wait(), tcp.push(values).wait()),
-                        "grpc": lambda: (grpc_only.pull(out).wait(), grpc_only.push(values).wait()),
-                        "tcp": lambda: echo.round_trip(payload, into),
-                        "shm_pull": lambda: shm.pull(out).wait(),
-                        "shm_push": lambda: shm.push(gradient).wait(),
-                        "copyto": lambda: np.copyto(copied, values),
-                        "apply": lambda: opt.step(values, gradient, out=copied),
-                    }, n)
+                    times = _interleaved_medians(
+                        {
+                            "ps": lambda: (tcp.pull(out).wait(), tcp.push(values).wait()),
+                            "grpc": lambda: (grpc_only.pull(out).wait(), grpc_only.push(values).wait()),
+                            "tcp": lambda: echo.round_trip(payload, into),
+                            "shm_pull": lambda: shm.pull(out).wait(),
+                            "shm_push": lambda: shm.push(gradient).wait(),
+                            "copyto": lambda: np.copyto(copied, values),
+                            "apply": lambda: opt.step(values, gradient, out=copied),
+                        },
+                        n,
+                    )
                     planes = shm.data_planes
                 ps_s, grpc_s, tcp_s = times["ps"], times["grpc"], times["tcp"]
             finally:
                 shard.close()
             shm_s, copy_s = times["shm_pull"] + times["shm_push"], times["copyto"]
-            yield {"bench": "transport", "size_bytes": size, "repeats": n, "ps_s": ps_s, "tcp_s": tcp_s,
-                   "grpc_s": grpc_s, "gbps": 2 * size / ps_s / 1e9, "tcp_gbps": 2 * size / tcp_s / 1e9,
-                   "ratio_vs_tcp": tcp_s / ps_s, "grpc_gbps": 2 * size / grpc_s / 1e9,
-                   "grpc_ratio_vs_tcp": tcp_s / grpc_s, "shm_planes": planes,
-                   "shm_pull_s": times["shm_pull"], "shm_push_s": times["shm_push"], "copyto_s": copy_s,
-                   "apply_s": times["apply"], "shm_gbps": 2 * size / shm_s / 1e9,
-                   "shm_ratio_vs_copyto": 2 * copy_s / shm_s, "shm_pull_ratio_vs_copyto": copy_s / times["shm_pull"]}
+            yield {
+                "bench": "transport",
+                "size_bytes": size,
+                "repeats": n,
+                "ps_s": ps_s,
+                "tcp_s": tcp_s,
+                "grpc_s": grpc_s,
+                "gbps": 2 * size / ps_s / 1e9,
+                "tcp_gbps": 2 * size / tcp_s / 1e9,
+                "ratio_vs_tcp": tcp_s / ps_s,
+                "grpc_gbps": 2 * size / grpc_s / 1e9,
+                "grpc_ratio_vs_tcp": tcp_s / grpc_s,
+                "shm_planes": planes,
+                "shm_pull_s": times["shm_pull"],
+                "shm_push_s": times["shm_push"],
+                "copyto_s": copy_s,
+                "apply_s": times["apply"],
+                "shm_gbps": 2 * size / shm_s / 1e9,
+                "shm_ratio_vs_copyto": 2 * copy_s / shm_s,
+                "shm_pull_ratio_vs_copyto": copy_s / times["shm_pull"],
+            }
     finally:
         echo.close()
 
@@ -195,10 +217,17 @@ def apply_rows(sizes, repeat: int = 5, optimizers=("sgd", "momentum", "adam")):
             name, hparams = settings[label]
             opt = make_optimizer(name, elems, lr=1e-6, **hparams)
             apply_s = median_time(lambda: opt.step(weights, grad), n)
-            yield {"bench": "apply", "optimizer": label, "size_bytes": size, "repeats": n,
-                   "apply_s": apply_s, "memcpy_s": memcpy_s,
-                   "apply_gbps": size / apply_s / 1e9, "memcpy_gbps": size / memcpy_s / 1e9,
-                   "ratio_vs_memcpy": memcpy_s / apply_s}
+            yield {
+                "bench": "apply",
+                "optimizer": label,
+                "size_bytes": size,
+                "repeats": n,
+                "apply_s": apply_s,
+                "memcpy_s": memcpy_s,
+                "apply_gbps": size / apply_s / 1e9,
+                "memcpy_gbps": size / memcpy_s / 1e9,
+                "ratio_vs_memcpy": memcpy_s / apply_s,
+            }
 
 
 def _human(size: int) -> str:
@@ -210,19 +239,26 @@ def run(sizes=None, repeat: int = 5, as_json: bool = False, what=("transport", "
     rows = []
     if "transport" in what:
         if not as_json:
-            print(f"{'pull+push':>10} {'TCP plane':>9} {'raw TCP':>8} {'ratio':>6} {'gRPC':>6} {'ratio':>6} "
-                  f"{'shm':>6} {'x copy':>6} | {'shm pull':>8} {'x copy':>6} {'shm push':>8} {'apply':>6}   "
-                  f"(GB/s; ms)", file=out)
+            print(
+                f"{'pull+push':>10} {'TCP plane':>9} {'raw TCP':>8} {'ratio':>6} {'gRPC':>6} {'ratio':>6} "
+                f"{'shm':>6} {'x copy':>6} | {'shm pull':>8} {'x copy':>6} {'shm push':>8} {'apply':>6}   "
+                f"(GB/s; ms)",
+                file=out,
+            )
         for row in transport_rows(sizes, repeat):
             rows.append(row)
             if as_json:
                 print(json.dumps(row), file=out, flush=True)
             else:
-                print(f"{_human(row['size_bytes']):>10} {row['gbps']:9.2f} {row['tcp_gbps']:8.2f} "
-                      f"{row['ratio_vs_tcp']:6.2f} {row['grpc_gbps']:6.2f} {row['grpc_ratio_vs_tcp']:6.2f} "
-                      f"{row['shm_gbps']:6.2f} {row['shm_ratio_vs_copyto']:6.2f} | {1e3 * row['shm_pull_s']:8.3f} "
-                      f"{row['shm_pull_ratio_vs_copyto']:6.2f} {1e3 * row['shm_push_s']:8.3f} "
-                      f"{1e3 * row['apply_s']:6.3f}", file=out, flush=True)
+                print(
+                    f"{_human(row['size_bytes']):>10} {row['gbps']:9.2f} {row['tcp_gbps']:8.2f} "
+                    f"{row['ratio_vs_tcp']:6.2f} {row['grpc_gbps']:6.2f} {row['grpc_ratio_vs_tcp']:6.2f} "
+                    f"{row['shm_gbps']:6.2f} {row['shm_ratio_vs_copyto']:6.2f} | {1e3 * row['shm_pull_s']:8.3f} "
+                    f"{row['shm_pull_ratio_vs_copyto']:6.2f} {1e3 * row['shm_push_s']:8.3f} "
+                    f"{1e3 * row['apply_s']:6.3f}",
+                    file=out,
+                    flush=True,
+                )
     if "apply" in what:
         if not as_json:
             print(f"\n{'apply':>10} {'optimizer':>9} {'apply GB/s':>11} {'memcpy GB/s':>12} {'ratio':>6}", file=out)
@@ -231,6 +267,10 @@ def run(sizes=None, repeat: int = 5, as_json: bool = False, what=("transport", "
             if as_json:
                 print(json.dumps(row), file=out, flush=True)
             else:
-                print(f"{_human(row['size_bytes']):>10} {row['optimizer']:>9} {row['apply_gbps']:11.2f} "
-                      f"{row['memcpy_gbps']:12.2f} {row['ratio_vs_memcpy']:6.2f}", file=out, flush=True)
+                print(
+                    f"{_human(row['size_bytes']):>10} {row['optimizer']:>9} {row['apply_gbps']:11.2f} "
+                    f"{row['memcpy_gbps']:12.2f} {row['ratio_vs_memcpy']:6.2f}",
+                    file=out,
+                    flush=True,
+                )
     return rows

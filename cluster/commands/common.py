@@ -10,41 +10,79 @@ import textwrap
 def add_command(subparsers, name: str, help: str, description: str, examples: str) -> argparse.ArgumentParser:
     """A subparser whose ``--help`` ends with worked examples."""
     p = subparsers.add_parser(
-        name, help=help, description=description,
+        name,
+        help=help,
+        description=description,
         epilog="examples:\n" + textwrap.indent(textwrap.dedent(examples).strip("\n"), "  "),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.set_defaults(parser=p)     # so that an error about a value can name the flag that gave it
+    p.set_defaults(parser=p)  # so that an error about a value can name the flag that gave it
     return p
 
 
 def add_config_arg(p: argparse.ArgumentParser, default: str | None, what: str) -> None:
-    p.add_argument("-c", "--config", default=default, metavar="FILE",
-                   help=f"job file (TOML) or the name of a packaged example such as 'mnist'; {what}"
-                        + (f" (default: {default})" if default else ""))
+    p.add_argument(
+        "-c",
+        "--config",
+        default=default,
+        metavar="FILE",
+        help=f"job file (TOML) or the name of a packaged example such as 'mnist'; {what}"
+        + (f" (default: {default})" if default else ""),
+    )
 
 
 def add_token_arg(p: argparse.ArgumentParser, dest: str = "override_token") -> None:
-    p.add_argument("--token", dest=dest, metavar="TOKEN",
-                   help="the job's bearer token (default: $PSGRID_TOKEN, the job file's, or a new one per job; a "
-                        "command line is visible to other users of this machine, so prefer $PSGRID_TOKEN)")
+    p.add_argument(
+        "--token",
+        dest=dest,
+        metavar="TOKEN",
+        help="the job's bearer token (default: $PSGRID_TOKEN, the job file's, or a new one per job; a "
+        "command line is visible to other users of this machine, so prefer $PSGRID_TOKEN)",
+    )
 
 
 def add_overwrite_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--overwrite", dest="override_overwrite", action="store_true", default=None,
-                   help="replace an earlier run in --out (its files only) instead of refusing to start")
+    p.add_argument(
+        "--overwrite",
+        dest="override_overwrite",
+        action="store_true",
+        default=None,
+        help="replace an earlier run in --out (its files only) instead of refusing to start",
+    )
 
 
 def add_set_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any job-file key, e.g. --set train.hidden=[256,256] --set staleness_compensation=lr "
-                        "(TOML values; applied before the other flags; repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any job-file key, e.g. --set train.hidden=[256,256] --set staleness_compensation=lr "
+        "(TOML values; applied before the other flags; repeatable)",
+    )
 
 
 # The keys that psctl launch, mpi, compare, allreduce and worker take as flags (any other through --set).
-TRAINING_FLAG_KEYS = ("mode", "staleness", "backup_workers", "optimizer", "lr", "lease_s", "model", "dataset",
-                      "batch_size", "steps", "epochs", "eval_every", "device", "wire_dtype", "data_plane",
-                      "shared_memory", "seed", "stragglers")
+TRAINING_FLAG_KEYS = (
+    "mode",
+    "staleness",
+    "backup_workers",
+    "optimizer",
+    "lr",
+    "lease_s",
+    "model",
+    "dataset",
+    "batch_size",
+    "steps",
+    "epochs",
+    "eval_every",
+    "device",
+    "wire_dtype",
+    "data_plane",
+    "shared_memory",
+    "seed",
+    "stragglers",
+)
 
 
 def training_flags(keys=None) -> list[tuple]:
@@ -71,11 +109,9 @@ def add_training_flags(p: argparse.ArgumentParser, keys=None) -> None:
         if isinstance(kind, tuple):
             g.add_argument(flag, dest=f"override_{key}", choices=kind, default=None, help=help)
         elif kind is bool:
-            g.add_argument(flag, dest=f"override_{key}", action=argparse.BooleanOptionalAction, default=None,
-                           help=help)
+            g.add_argument(flag, dest=f"override_{key}", action=argparse.BooleanOptionalAction, default=None, help=help)
         else:
-            g.add_argument(flag, dest=f"override_{key}", type=kind, default=None,
-                           metavar=key.upper(), help=help)
+            g.add_argument(flag, dest=f"override_{key}", type=kind, default=None, metavar=key.upper(), help=help)
 
 
 def collect_overrides(args: argparse.Namespace, *, sets: bool = True) -> dict:
@@ -85,7 +121,7 @@ def collect_overrides(args: argparse.Namespace, *, sets: bool = True) -> dict:
     overrides = dict(parse_assignment(text) for text in getattr(args, "set", []) or []) if sets else {}
     for name, value in vars(args).items():
         if name.startswith("override_") and value is not None:
-            overrides[name[len("override_"):]] = value
+            overrides[name[len("override_") :]] = value
     return overrides
 
 
@@ -99,10 +135,13 @@ def flag_names(args: argparse.Namespace) -> dict[str, str]:
     if parser is None:
         return {}
     names = {}
-    for action in parser._actions:     # argparse keeps its options there; it has no public accessor
-        if action.dest.startswith("override_") and action.option_strings \
-                and getattr(args, action.dest, None) is not None:
-            names[action.dest[len("override_"):]] = max(action.option_strings, key=len)
+    for action in parser._actions:  # argparse keeps its options there; it has no public accessor
+        if (
+            action.dest.startswith("override_")
+            and action.option_strings
+            and getattr(args, action.dest, None) is not None
+        ):
+            names[action.dest[len("override_") :]] = max(action.option_strings, key=len)
     return names
 
 
@@ -123,8 +162,8 @@ def load_job_from_args(args: argparse.Namespace, *, check: bool = True):
     An error about a value names what gave it: the flag (``--staleness must be >= 0``), ``--set KEY=VALUE``,
     or the job file's key.
     """
-    from psgrid.cluster.run import preflight
     from psgrid.cluster.job.config import load_job
+    from psgrid.cluster.run import preflight
 
     job = with_overrides(load_job(args.config), args)
     preflight.command_line.clear()
@@ -136,8 +175,8 @@ def load_job_from_args(args: argparse.Namespace, *, check: bool = True):
 
 def with_overrides(job, args: argparse.Namespace):
     """``job`` with ``args``' ``--set`` assignments, then its flags, applied (errors name the flag)."""
-    from psgrid.cluster.job.config import apply_overrides, parse_assignment
     from psgrid.cluster.errors import ConfigError
+    from psgrid.cluster.job.config import apply_overrides, parse_assignment
 
     sets = {text: parse_assignment(text) for text in getattr(args, "set", []) or []}
     try:
@@ -177,7 +216,7 @@ def _reason(message: str) -> str:
 def _name_flag(reason: str, key: str, flag: str, value) -> str:
     reason = re.sub(r"^\[\w+\] ", "", reason)
     if re.match(rf"{re.escape(key)}\b", reason):
-        return flag + reason[len(key):]
+        return flag + reason[len(key) :]
     return f"{flag} {value}: {reason}"
 
 

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands.common import (add_command, add_config_arg, add_set_arg, add_token_arg,
-                                             add_training_flags)
+from psgrid.cluster.commands.common import add_command, add_config_arg, add_set_arg, add_token_arg, add_training_flags
 
 HELP = "compare sync, async, ssp and all-reduce on one job: runs, a report and plots"
 
@@ -26,8 +25,8 @@ mpiexec -n 7 psctl compare --mpi --config mnist --shards 2 --workers 4 --out run
 """
 
 DEFAULT_MODES = "sync,async,ssp:2,allreduce"
-SCRIPT_MODES = "sync,async,ssp:2"       # the default with a script: all-reduce needs the built-in loop
-TUNE_REPEATS = 2                        # tuning.DEFAULT_REPEATS, kept here so --help loads no experiment code
+SCRIPT_MODES = "sync,async,ssp:2"  # the default with a script: all-reduce needs the built-in loop
+TUNE_REPEATS = 2  # tuning.DEFAULT_REPEATS, kept here so --help loads no experiment code
 # Set per run by the experiment, so not offered as job-file overrides here.
 _PER_RUN = ("mode", "staleness", "backup_workers", "stragglers")
 
@@ -61,73 +60,148 @@ DESCRIPTION = (
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = add_command(
-        subparsers, "compare", help=HELP,
+        subparsers,
+        "compare",
+        help=HELP,
         description=DESCRIPTION,
         examples=EXAMPLES,
     )
     add_config_arg(p, "mnist", "flags override it")
-    _experiment_arguments(p.add_argument_group("experiment"))
+    experiment = p.add_argument_group("experiment")
+    _experiment_arguments(experiment)
+    _output_arguments(experiment)
     add_token_arg(p)
     add_set_arg(p)
     add_training_flags(p, keys=_training_keys())
     p.set_defaults(func=run, user_command=None)
-    p.usage = p.format_usage().removeprefix("usage: ").rstrip() + " [-- COMMAND ...]"   # split off by cli.main
+    p.usage = p.format_usage().removeprefix("usage: ").rstrip() + " [-- COMMAND ...]"  # split off by cli.main
     return p
 
 
 def _experiment_arguments(e) -> None:
-    e.add_argument("--modes", metavar="LIST",
-                   help=f"modes to compare: sync, async, ssp:S (bound S), allreduce (default: {DEFAULT_MODES}; "
-                        f"with a script after --, {SCRIPT_MODES})")
+    e.add_argument(
+        "--modes",
+        metavar="LIST",
+        help=f"modes to compare: sync, async, ssp:S (bound S), allreduce (default: {DEFAULT_MODES}; "
+        f"with a script after --, {SCRIPT_MODES})",
+    )
     e.add_argument("--workers", metavar="LIST", help="worker counts, e.g. 1,2,4 (default: [job] workers)")
-    e.add_argument("--stragglers", action="append", metavar="SETTING",
-                   help="a straggler setting: none, K:F (worker K F times slower than its own compute) or "
-                        "K:exp:MEAN_MS (a random delay per step), several joined by commas; repeat the flag to "
-                        "compare settings, e.g. --stragglers none --stragglers 3:3 (default: none)")
-    e.add_argument("--backup-workers", type=int, metavar="B",
-                   help="sync: close a round when all but B workers pushed (default: the job's)")
-    e.add_argument("--repeats", type=int, default=1, metavar="R",
-                   help="runs of each setting, repeat r with seed base+r (default 1; 5 or more for 95%% intervals)")
-    e.add_argument("--seeds", metavar="LIST",
-                   help="the repeats' seeds: 'same' to run every repeat with the job's seed (only timing then "
-                        "varies, and no interval is drawn), or one per repeat, e.g. 3,7,11 (default: base+r)")
-    e.add_argument("--tune", action="append", default=[], metavar="KEY=V1,V2,...",
-                   help="tune each mode over these values of a server or train key (values as --set takes them), "
-                        "e.g. --tune lr=0.01,0.05,0.2 --tune momentum=0,0.9: every combination is a grid point")
-    e.add_argument("--tune-steps", type=int, metavar="N",
-                   help="steps per worker of each tuning run (default: the job's steps)")
-    e.add_argument("--tune-repeats", type=int, metavar="N",
-                   help=f"runs of each grid point, repeat r with seed base+r; the point is judged on their medians "
-                        f"(default {TUNE_REPEATS})")
-    e.add_argument("--mode-set", action="append", default=[], metavar="MODE:KEY=VALUE",
-                   help="a setting for one mode's runs only, e.g. --mode-set async:lr=0.02 (tuning, if any, "
-                        "starts from it)")
-    e.add_argument("--classes", type=int, metavar="K",
-                   help="classes of the task, for the divergence test (final test accuracy <= 1.5/K is chance; "
-                        "default: the job's dataset's; with a script after --, no chance test unless given)")
-    e.add_argument("--target-accuracy", type=float, metavar="A",
-                   help="test accuracy whose time to reach is compared (default: 95%% of the best setting's median final "
-                        "accuracy)")
+    e.add_argument(
+        "--stragglers",
+        action="append",
+        metavar="SETTING",
+        help="a straggler setting: none, K:F (worker K F times slower than its own compute) or "
+        "K:exp:MEAN_MS (a random delay per step), several joined by commas; repeat the flag to "
+        "compare settings, e.g. --stragglers none --stragglers 3:3 (default: none)",
+    )
+    e.add_argument(
+        "--backup-workers",
+        type=int,
+        metavar="B",
+        help="sync: close a round when all but B workers pushed (default: the job's)",
+    )
+    e.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="R",
+        help="runs of each setting, repeat r with seed base+r (default 1; 5 or more for 95%% intervals)",
+    )
+    e.add_argument(
+        "--seeds",
+        metavar="LIST",
+        help="the repeats' seeds: 'same' to run every repeat with the job's seed (only timing then "
+        "varies, and no interval is drawn), or one per repeat, e.g. 3,7,11 (default: base+r)",
+    )
+    e.add_argument(
+        "--tune",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="tune each mode over these values of a server or train key (values as --set takes them), "
+        "e.g. --tune lr=0.01,0.05,0.2 --tune momentum=0,0.9: every combination is a grid point",
+    )
+    e.add_argument(
+        "--tune-steps", type=int, metavar="N", help="steps per worker of each tuning run (default: the job's steps)"
+    )
+    e.add_argument(
+        "--tune-repeats",
+        type=int,
+        metavar="N",
+        help=f"runs of each grid point, repeat r with seed base+r; the point is judged on their medians "
+        f"(default {TUNE_REPEATS})",
+    )
+    e.add_argument(
+        "--mode-set",
+        action="append",
+        default=[],
+        metavar="MODE:KEY=VALUE",
+        help="a setting for one mode's runs only, e.g. --mode-set async:lr=0.02 (tuning, if any, starts from it)",
+    )
+    e.add_argument(
+        "--classes",
+        type=int,
+        metavar="K",
+        help="classes of the task, for the divergence test (final test accuracy <= 1.5/K is chance; "
+        "default: the job's dataset's; with a script after --, no chance test unless given)",
+    )
+    e.add_argument(
+        "--target-accuracy",
+        type=float,
+        metavar="A",
+        help="test accuracy whose time to reach is compared (default: 95%% of the best setting's median final "
+        "accuracy)",
+    )
+
+
+def _output_arguments(e) -> None:
+    """Where the experiment goes, how it resumes, and how it runs (mpi, timeout, progress, TensorBoard)."""
     e.add_argument("--out", required=True, metavar="DIR", help="output folder of the experiment")
     e.add_argument("--resume", action="store_true", help="finish an experiment in OUT: skip the runs already done")
-    e.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier experiment in OUT (its runs, results and report) instead of refusing")
-    e.add_argument("--report-only", action="store_true",
-                   help="run nothing: write summary.csv and the report of the experiment in OUT again from its runs "
-                        "(with --target-accuracy, for another target; with --classes, another chance level)")
-    e.add_argument("--mpi", action="store_true",
-                   help="run under mpiexec or srun (every rank runs this same command): each run takes the first "
-                        "1+S+W ranks as psctl mpi does (W for allreduce); needs 1+S+max(workers) ranks")
-    e.add_argument("--shards", dest="override_shards", type=int, metavar="S",
-                   help="shard processes of the parameter-server runs (default: [job] shards)")
-    e.add_argument("--timeout", dest="override_timeout_s", type=float, metavar="SECONDS",
-                   help="stop a run that trains longer than this (default: no limit)")
-    e.add_argument("--tensorboard", metavar="DIR",
-                   help="also write each run's loss and test accuracy as TensorBoard event files, one folder per "
-                        "run named after its mode, workers and repeat (tensorboard --logdir DIR overlays them; "
-                        "needs pip install 'psgrid[tensorboard]')")
-    e.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="show the progress bar (default: when stderr is a terminal)")
+    e.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier experiment in OUT (its runs, results and report) instead of refusing",
+    )
+    e.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: write summary.csv and the report of the experiment in OUT again from its runs "
+        "(with --target-accuracy, for another target; with --classes, another chance level)",
+    )
+    e.add_argument(
+        "--mpi",
+        action="store_true",
+        help="run under mpiexec or srun (every rank runs this same command): each run takes the first "
+        "1+S+W ranks as psctl mpi does (W for allreduce); needs 1+S+max(workers) ranks",
+    )
+    e.add_argument(
+        "--shards",
+        dest="override_shards",
+        type=int,
+        metavar="S",
+        help="shard processes of the parameter-server runs (default: [job] shards)",
+    )
+    e.add_argument(
+        "--timeout",
+        dest="override_timeout_s",
+        type=float,
+        metavar="SECONDS",
+        help="stop a run that trains longer than this (default: no limit)",
+    )
+    e.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="also write each run's loss and test accuracy as TensorBoard event files, one folder per "
+        "run named after its mode, workers and repeat (tensorboard --logdir DIR overlays them; "
+        "needs pip install 'psgrid[tensorboard]')",
+    )
+    e.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="show the progress bar (default: when stderr is a terminal)",
+    )
 
 
 def _training_keys() -> list[str]:
@@ -142,12 +216,18 @@ def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from psgrid.cluster.commands.common import load_job_from_args
+    from psgrid.cluster.errors import UsageError
     from psgrid.cluster.experiments.compare import Compare, experiment_from
+    from psgrid.cluster.experiments.experiment import (
+        mode_defaults,
+        parse_counts,
+        parse_modes,
+        parse_straggler_setting,
+        plan,
+        repeat_seeds,
+    )
     from psgrid.cluster.experiments.settings import settings_for
     from psgrid.cluster.job.config import apply_overrides
-    from psgrid.cluster.errors import UsageError
-    from psgrid.cluster.experiments.experiment import (mode_defaults, parse_counts, parse_modes,
-                                                       parse_straggler_setting, plan, repeat_seeds)
 
     if args.tensorboard is not None:
         from psgrid.cluster.experiments.tensorboard import require
@@ -157,12 +237,11 @@ def run(args: argparse.Namespace) -> int:
         from psgrid.cluster.experiments.compare import rewrite_report, table_text
 
         rows = rewrite_report(Path(args.out), args.target_accuracy, args.classes, args.tensorboard)
-        print(table_text(rows, rows[-1]["target_accuracy"] if rows else None))   # a repeat's: they come last
+        print(table_text(rows, rows[-1]["target_accuracy"] if rows else None))  # a repeat's: they come last
         return 0
     from psgrid.cluster.commands.common import flag_names, given_names
-    from psgrid.cluster.run.preflight import check_device, check_shard_device, refuse_mpi_rank
-
     from psgrid.cluster.run import script
+    from psgrid.cluster.run.preflight import check_device, check_shard_device, refuse_mpi_rank
 
     if not args.mpi:
         refuse_mpi_rank("compare", "psctl compare --mpi")
@@ -170,25 +249,25 @@ def run(args: argparse.Namespace) -> int:
     if command and args.mpi:
         raise UsageError("psctl compare --mpi runs the built-in trainer: leave out --mpi to compare a script")
     job = load_job_from_args(args)
-    if command is None:             # a user's script chooses its own device
+    if command is None:  # a user's script chooses its own device
         check_device(job.train, flag_names(args))
     else:
         named = args.config is not None or getattr(args, "override_name", None) is not None
         job = script.for_command(job, command, named=named)
     modes = parse_modes(args.modes or (SCRIPT_MODES if command else DEFAULT_MODES))
     if command and any(not m.uses_shards for m in modes):
-        raise UsageError("--modes allreduce needs the built-in trainer; with a script after -- compare "
-                         "sync, async and ssp:S")
+        raise UsageError(
+            "--modes allreduce needs the built-in trainer; with a script after -- compare sync, async and ssp:S"
+        )
     tune = _tuning(args, job, command)
     mode_settings = _mode_settings(args.mode_set, modes, job, server_only=command is not None)
     defaults = {} if "async_momentum" in given_names(args) else mode_defaults(modes, job)
     if args.classes is not None and args.classes < 2:
         raise UsageError(f"--classes must be at least 2, got {args.classes}")
     workers = parse_counts(args.workers, "--workers") if args.workers else [job.workers]
-    if not args.mpi and any(m.uses_shards for m in modes):    # --mpi: each shard rank checks its own node
+    if not args.mpi and any(m.uses_shards for m in modes):  # --mpi: each shard rank checks its own node
         # the most workers any run has: the most gradient slots on a GPU
-        check_shard_device(apply_overrides(job, {"workers": max(workers)}), given_names(args),
-                           sized=command is None)
+        check_shard_device(apply_overrides(job, {"workers": max(workers)}), given_names(args), sized=command is None)
     stragglers = [parse_straggler_setting(s) for s in (args.stragglers or ["none"])]
     if len(set(stragglers)) != len(stragglers):
         raise UsageError("--stragglers: a setting is given twice")
@@ -199,17 +278,30 @@ def run(args: argparse.Namespace) -> int:
     overrides = {"stragglers": []}
     if args.backup_workers is not None:
         overrides["backup_workers"] = args.backup_workers
-    job = dataclasses.replace(apply_overrides(job, overrides), out=None)    # every run has its own folder
-    plan(modes, workers, stragglers, args.repeats)     # refuses a straggler that does not exist
+    job = dataclasses.replace(apply_overrides(job, overrides), out=None)  # every run has its own folder
+    plan(modes, workers, stragglers, args.repeats)  # refuses a straggler that does not exist
     tune_repeats = args.tune_repeats if args.tune_repeats is not None else TUNE_REPEATS
     seeds = repeat_seeds(job.train.seed, max(args.repeats, tune_repeats if tune else 1), args.seeds)
-    settings = settings_for(job, command=sys.argv[2:] if sys.argv[1:2] == ["compare"] else [],
-                            modes=modes, workers=workers, stragglers=stragglers, repeats=args.repeats,
-                            target=args.target_accuracy, backup_workers=args.backup_workers, tune=tune,
-                            tune_steps=args.tune_steps, mode_settings=mode_settings, script=command,
-                            classes=args.classes, seeds=seeds, tune_repeats=tune_repeats, mode_defaults=defaults,
-                            tensorboard=None if args.tensorboard is None else str(Path(args.tensorboard).resolve()),
-                            script_given=args.user_command)
+    settings = settings_for(
+        job,
+        command=sys.argv[2:] if sys.argv[1:2] == ["compare"] else [],
+        modes=modes,
+        workers=workers,
+        stragglers=stragglers,
+        repeats=args.repeats,
+        target=args.target_accuracy,
+        backup_workers=args.backup_workers,
+        tune=tune,
+        tune_steps=args.tune_steps,
+        mode_settings=mode_settings,
+        script=command,
+        classes=args.classes,
+        seeds=seeds,
+        tune_repeats=tune_repeats,
+        mode_defaults=defaults,
+        tensorboard=None if args.tensorboard is None else str(Path(args.tensorboard).resolve()),
+        script_given=args.user_command,
+    )
     experiment = experiment_from(job, settings, Path(args.out))
     if args.overwrite:
         _clear_for_overwrite(args)
@@ -251,8 +343,8 @@ def _clear_for_overwrite(args: argparse.Namespace) -> None:
 
     if args.resume:
         raise UsageError("--overwrite starts the experiment again and --resume finishes it: give one of them")
-    if (launcher_rank() or (0, 1))[0] == 0:      # under --mpi, world rank 0 alone prepares the folder
-        lock(Path(args.out))        # never an experiment that runs now: it holds the lock (cluster/job/outdir.py)
+    if (launcher_rank() or (0, 1))[0] == 0:  # under --mpi, world rank 0 alone prepares the folder
+        lock(Path(args.out))  # never an experiment that runs now: it holds the lock (cluster/job/outdir.py)
         clear_run(Path(args.out), EXPERIMENT_FILES)
 
 
@@ -264,11 +356,16 @@ def _mode_settings(texts: list[str], modes, job, *, server_only: bool) -> dict:
     found: dict[str, tuple] = {}
     labels = [m.label for m in modes]
     for text in texts:
-        label, _, assignment = text.partition(":") if not text.startswith("ssp:") else (
-            "ssp:" + text[4:].partition(":")[0], ":", text[4:].partition(":")[2])
+        label, _, assignment = (
+            text.partition(":")
+            if not text.startswith("ssp:")
+            else ("ssp:" + text[4:].partition(":")[0], ":", text[4:].partition(":")[2])
+        )
         if label not in labels or "=" not in assignment:
-            raise UsageError(f"--mode-set expects MODE:KEY=VALUE with MODE one of {', '.join(labels)} "
-                             f"(e.g. --mode-set async:lr=0.02), got {text!r}")
+            raise UsageError(
+                f"--mode-set expects MODE:KEY=VALUE with MODE one of {', '.join(labels)} "
+                f"(e.g. --mode-set async:lr=0.02), got {text!r}"
+            )
         ((key, values),) = parse_tune([assignment], job, flag="--mode-set", server_only=server_only).items()
         if len(values) != 1:
             raise UsageError(f"--mode-set {text}: one value; to try several, use --tune")
@@ -293,10 +390,14 @@ def _run_mpi(experiment, args: argparse.Namespace) -> int:
 
     comm = MPI.COMM_WORLD
     try:
-        unlink_init_shm(comm)   # leave no MPICH file in /dev/shm, however the job ends
+        unlink_init_shm(comm)  # leave no MPICH file in /dev/shm, however the job ends
         return MPICompare(experiment, comm=comm, resume=args.resume, progress=args.progress).run()
     except BaseException:
-        print(f"psctl compare: rank {comm.Get_rank()} on {socket.gethostname()} failed; aborting the job:\n"
-              f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        print(
+            f"psctl compare: rank {comm.Get_rank()} on {socket.gethostname()} failed; aborting the job:\n"
+            f"{traceback.format_exc()}",
+            file=sys.stderr,
+            flush=True,
+        )
         abort(comm)
         raise

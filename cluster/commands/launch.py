@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands.common import (add_command, add_config_arg, add_overwrite_arg, add_set_arg,
-                                             add_token_arg, add_training_flags)
+from psgrid.cluster.commands.common import (
+    add_command,
+    add_config_arg,
+    add_overwrite_arg,
+    add_set_arg,
+    add_token_arg,
+    add_training_flags,
+)
 
 HELP = "run a whole job on this machine (S shards + W workers)"
 
@@ -21,53 +27,89 @@ psctl launch --workers 4 --mode async -- python train.py --epochs 3   # your own
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = add_command(
-        subparsers, "launch", help=HELP,
+        subparsers,
+        "launch",
+        help=HELP,
         description="Start S shard processes and W worker processes on this machine, show one progress bar, "
-                    "evaluate the final weights, and write OUT/summary.json and OUT/metrics.jsonl. "
-                    "A worker that fails is tolerated while another completes; a shard that fails ends the job "
-                    "unless --restart-failed. "
-                    "Exit code 0 when the job completed, 1 when it failed, 128+N when stopped by signal N. "
-                    "After -- comes your own command (-- python train.py ARGS): each worker runs it instead of the "
-                    "built-in trainer, with the job in its environment (PSGRID_ADDRESSES, PSGRID_RANK, "
-                    "PSGRID_WORLD_SIZE, ...; see README, 'Your own training script').",
+        "evaluate the final weights, and write OUT/summary.json and OUT/metrics.jsonl. "
+        "A worker that fails is tolerated while another completes; a shard that fails ends the job "
+        "unless --restart-failed. "
+        "Exit code 0 when the job completed, 1 when it failed, 128+N when stopped by signal N. "
+        "After -- comes your own command (-- python train.py ARGS): each worker runs it instead of the "
+        "built-in trainer, with the job in its environment (PSGRID_ADDRESSES, PSGRID_RANK, "
+        "PSGRID_WORLD_SIZE, ...; see README, 'Your own training script').",
         examples=EXAMPLES,
     )
     add_config_arg(p, None, "flags override it (default: mnist)")
     g = p.add_argument_group("job")
-    g.add_argument("--shards", dest="override_shards", type=int, metavar="S",
-                   help="number of shard processes (default: [job] shards)")
+    g.add_argument(
+        "--shards",
+        dest="override_shards",
+        type=int,
+        metavar="S",
+        help="number of shard processes (default: [job] shards)",
+    )
     g.add_argument("--workers", dest="override_workers", type=int, metavar="W", help="number of worker processes")
-    g.add_argument("--out", dest="override_out", metavar="DIR",
-                   help="output folder (default: runs/NAME-TIMESTAMP); must not hold an earlier run")
+    g.add_argument(
+        "--out",
+        dest="override_out",
+        metavar="DIR",
+        help="output folder (default: runs/NAME-TIMESTAMP); must not hold an earlier run",
+    )
     g.add_argument("--name", dest="override_name", metavar="NAME", help="job name (default: the job file's name)")
-    g.add_argument("--timeout", dest="override_timeout_s", type=float, metavar="SECONDS",
-                   help="stop the job if training takes longer than this (default: no limit)")
-    g.add_argument("--restart-failed", dest="override_restart_failed", action="store_true", default=None,
-                   help="restart a shard that dies, on its address, from its latest checkpoint "
-                        "(needs checkpoint_dir and checkpoint_every or checkpoint_every_s)")
-    g.add_argument("--shard-placement", dest="override_shard_placement", choices=("process", "worker"), default=None,
-                   help="process (default): every shard a process of its own; worker: shard i in worker i's process, "
-                        "which calls it (GeePS' placement; a worker's death is then its shard's too)")
-    g.add_argument("--resume", metavar="DIR",
-                   help="continue the stopped job in DIR from its shards' checkpoints, toward its total steps "
-                        "(its job.toml is the job; flags and --set still override it)")
-    g.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                   help="show the progress bar (default: when stderr is a terminal)")
-    g.add_argument("--tensorboard", metavar="DIR",
-                   help="after the job, write its loss and test accuracy as TensorBoard event files to DIR/NAME "
-                        "(needs --out, and pip install 'psgrid[tensorboard]')")
+    g.add_argument(
+        "--timeout",
+        dest="override_timeout_s",
+        type=float,
+        metavar="SECONDS",
+        help="stop the job if training takes longer than this (default: no limit)",
+    )
+    g.add_argument(
+        "--restart-failed",
+        dest="override_restart_failed",
+        action="store_true",
+        default=None,
+        help="restart a shard that dies, on its address, from its latest checkpoint "
+        "(needs checkpoint_dir and checkpoint_every or checkpoint_every_s)",
+    )
+    g.add_argument(
+        "--shard-placement",
+        dest="override_shard_placement",
+        choices=("process", "worker"),
+        default=None,
+        help="process (default): every shard a process of its own; worker: shard i in worker i's process, "
+        "which calls it (GeePS' placement; a worker's death is then its shard's too)",
+    )
+    g.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the stopped job in DIR from its shards' checkpoints, toward its total steps "
+        "(its job.toml is the job; flags and --set still override it)",
+    )
+    g.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="show the progress bar (default: when stderr is a terminal)",
+    )
+    g.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="after the job, write its loss and test accuracy as TensorBoard event files to DIR/NAME "
+        "(needs --out, and pip install 'psgrid[tensorboard]')",
+    )
     add_overwrite_arg(p)
     add_token_arg(p)
     add_set_arg(p)
     add_training_flags(p)
     p.set_defaults(func=run, user_command=None)
-    p.usage = p.format_usage().removeprefix("usage: ").rstrip() + " [-- COMMAND ...]"   # split off by cli.main
+    p.usage = p.format_usage().removeprefix("usage: ").rstrip() + " [-- COMMAND ...]"  # split off by cli.main
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    from psgrid.cluster.run import script
     from psgrid.cluster.commands.common import flag_names, given_names, load_job_from_args
+    from psgrid.cluster.run import script
     from psgrid.cluster.run.hosting import check_placement
     from psgrid.cluster.run.launch import launch
     from psgrid.cluster.run.preflight import check_machine, check_shard_device, check_stragglers, refuse_mpi_rank
@@ -86,9 +128,9 @@ def run(args: argparse.Namespace) -> int:
     job = script.for_command(load_job_from_args(args), command, named=named)
     check_placement(job)
     check_stragglers(job)
-    if command is None:          # a user's script chooses its own device (it may not use CuPy at all)
+    if command is None:  # a user's script chooses its own device (it may not use CuPy at all)
         check_machine(job, flag_names(args))
-    else:                        # and its model is its own: the shards' GPU is checked, not their size
+    else:  # and its model is its own: the shards' GPU is checked, not their size
         check_shard_device(job, given_names(args), sized=False)
     return _with_tensorboard(args, job, launch(job, progress=args.progress, command=command))
 
@@ -120,8 +162,8 @@ def _resumed_job(args: argparse.Namespace):
     from pathlib import Path
 
     from psgrid.cluster.commands.common import collect_overrides
-    from psgrid.cluster.job.config import apply_overrides, load_job
     from psgrid.cluster.errors import UsageError
+    from psgrid.cluster.job.config import apply_overrides, load_job
     from psgrid.cluster.run.resume import job_file_to_resume
 
     folder = Path(args.resume)
@@ -130,6 +172,6 @@ def _resumed_job(args: argparse.Namespace):
     overrides = collect_overrides(args)
     if overrides.get("out", str(folder)) != str(folder):
         raise UsageError("--resume continues in DIR itself: leave out --out")
-    job_file = job_file_to_resume(folder)     # DIR/job.toml, or where damaged the latest attempt's copy
+    job_file = job_file_to_resume(folder)  # DIR/job.toml, or where damaged the latest attempt's copy
     # its token is redacted there: the resumed job gets a new one, as every job does
     return apply_overrides(load_job(str(job_file), redacted_ok=True), {**overrides, "out": str(folder)})

@@ -23,18 +23,28 @@ psctl server --port 50051 --data-plane grpc       # no TCP data plane: gRPC only
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = add_command(
-        subparsers, "server", help=HELP,
+        subparsers,
+        "server",
+        help=HELP,
         description="Run shard I of S of the parameter server until SIGTERM, SIGINT or a Shutdown RPC. "
-                    "Settings come from the [server] table of --config, then from these flags.",
+        "Settings come from the [server] table of --config, then from these flags.",
         examples=EXAMPLES,
     )
     add_config_arg(p, None, "its [server] table is the base that --set and the flags override")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a [server] key of the job file, e.g. --set lr=0.1 --set server.momentum=0.9 "
-                        "(TOML values; applied before the other flags; repeatable)")
-    p.add_argument("--address-file", metavar="FILE",
-                   help="write the bound host:port (first line) and the job id (second line, 'job ID') here, "
-                        "atomically, once listening")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a [server] key of the job file, e.g. --set lr=0.1 --set server.momentum=0.9 "
+        "(TOML values; applied before the other flags; repeatable)",
+    )
+    p.add_argument(
+        "--address-file",
+        metavar="FILE",
+        help="write the bound host:port (first line) and the job id (second line, 'job ID') here, "
+        "atomically, once listening",
+    )
     g = p.add_argument_group("shard settings (ServerConfig fields)")
     for flag, name, kind, help in SERVER_FLAGS:
         if kind is bool:
@@ -51,8 +61,8 @@ def server_config_from_args(args: argparse.Namespace):
     """The shard's settings: the job file's [server] table, then ``--set``, then the flags (errors name them)."""
     import dataclasses
 
-    from psgrid.cluster.job.config import load_shard_settings, parse_assignment, route
     from psgrid.cluster.errors import ConfigError
+    from psgrid.cluster.job.config import load_shard_settings, parse_assignment, route
     from psgrid.psserver.config import ServerConfig
     from psgrid.psserver.security import job_token
 
@@ -67,9 +77,10 @@ def server_config_from_args(args: argparse.Namespace):
         if not places:
             raise ConfigError(f"--set {text}: psctl server takes [server] keys only (the shards' settings)")
         base = _replaced(base, {places[0]: value}, f"--set {text}")
-    flags = {a.dest[len("cfg_"):]: max(a.option_strings, key=len) for a in args.parser._actions
-             if a.dest.startswith("cfg_")}
-    changes = {k[len("cfg_"):]: v for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
+    flags = {
+        a.dest[len("cfg_") :]: max(a.option_strings, key=len) for a in args.parser._actions if a.dest.startswith("cfg_")
+    }
+    changes = {k[len("cfg_") :]: v for k, v in vars(args).items() if k.startswith("cfg_") and v is not None}
     try:
         config = dataclasses.replace(base, **changes)
     except ValueError as e:
@@ -124,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
     check_port_free(config.host, config.port, "--port")
     if config.metrics_port:
         check_port_free(config.host, config.metrics_port, "--metrics-port")
-    watch()          # a second call when psctl's bootstrap watches already: it covers a start through `psctl`
-    limit_blas_threads(1)        # as psctl launch starts its shards: a shard's arithmetic is elementwise
+    watch()  # a second call when psctl's bootstrap watches already: it covers a start through `psctl`
+    limit_blas_threads(1)  # as psctl launch starts its shards: a shard's arithmetic is elementwise
     from psgrid.psserver.server import run_server
 
     return run_server(config, address_file=args.address_file)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from psgrid.cluster.commands.common import (add_command, add_config_arg, add_set_arg, add_token_arg,
-                                             add_training_flags)
+from psgrid.cluster.commands.common import add_command, add_config_arg, add_set_arg, add_token_arg, add_training_flags
 
 HELP = "run one training worker against running shards"
 
@@ -14,32 +13,55 @@ psctl worker --config examples/mnist.toml --addresses 127.0.0.1:41234,127.0.0.1:
 psctl worker --config job.toml --addresses node1:50051 --rank 3 --world 8 --metrics worker-3.jsonl --device gpu
 """
 
-_TRAIN_ONLY = ("model", "dataset", "batch_size", "steps", "epochs", "eval_every", "device", "wire_dtype",
-               "data_plane", "seed")
+_TRAIN_ONLY = (
+    "model",
+    "dataset",
+    "batch_size",
+    "steps",
+    "epochs",
+    "eval_every",
+    "device",
+    "wire_dtype",
+    "data_plane",
+    "seed",
+)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = add_command(
-        subparsers, "worker", help=HELP,
+        subparsers,
+        "worker",
+        help=HELP,
         description="Train worker RANK of WORLD to completion against the given shards, appending JSON lines "
-                    "of metrics to --metrics, and print the worker's result as one JSON line. Settings come "
-                    "from the [train] table of --config, then from these flags.",
+        "of metrics to --metrics, and print the worker's result as one JSON line. Settings come "
+        "from the [train] table of --config, then from these flags.",
         examples=EXAMPLES,
     )
     add_config_arg(p, "mnist", "its [train] table is the base that flags override")
-    p.add_argument("--addresses", metavar="HOST:PORT,...",
-                   help="every shard's address, in shard order (required unless --host-shard)")
-    p.add_argument("--host-shard", type=int, metavar="I",
-                   help="first start shard I of the job in this process, serving it by calls, publish its address "
-                        "in --address-dir and take the others' from there; serve it on after training until a "
-                        "Shutdown or a signal ([job] shard_placement = \"worker\": psctl launch does this)")
+    p.add_argument(
+        "--addresses",
+        metavar="HOST:PORT,...",
+        help="every shard's address, in shard order (required unless --host-shard)",
+    )
+    p.add_argument(
+        "--host-shard",
+        type=int,
+        metavar="I",
+        help="first start shard I of the job in this process, serving it by calls, publish its address "
+        "in --address-dir and take the others' from there; serve it on after training until a "
+        'Shutdown or a signal ([job] shard_placement = "worker": psctl launch does this)',
+    )
     p.add_argument("--address-dir", metavar="DIR", help="with --host-shard: where every shard publishes shard-I")
     p.add_argument("--rank", type=int, default=0, help="this worker's rank, 0..WORLD-1 (default 0)")
     p.add_argument("--world", type=int, default=None, help="number of workers (default: [job] workers)")
     p.add_argument("--metrics", metavar="FILE", help="append JSON lines of metrics here")
-    p.add_argument("--threads", type=int, metavar="N",
-                   help="BLAS/OpenMP threads (default: $OMP_NUM_THREADS if set, else this machine's CPUs / WORLD, "
-                        "as psctl launch gives its workers)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="BLAS/OpenMP threads (default: $OMP_NUM_THREADS if set, else this machine's CPUs / WORLD, "
+        "as psctl launch gives its workers)",
+    )
     add_token_arg(p)
     add_set_arg(p)
     add_training_flags(p, _TRAIN_ONLY)
@@ -61,8 +83,10 @@ def run(args: argparse.Namespace) -> int:
     check_files(job.train, ("tls_cert", "tls_key", "tls_ca"))
     hosting = args.host_shard is not None
     if hosting and not (args.address_dir and 0 <= args.host_shard < job.shards and args.addresses is None):
-        raise UsageError(f"--host-shard I needs --address-dir and no --addresses, and I in 0..{job.shards - 1} "
-                         f"([job] shards of --config)")
+        raise UsageError(
+            f"--host-shard I needs --address-dir and no --addresses, and I in 0..{job.shards - 1} "
+            f"([job] shards of --config)"
+        )
     if not hosting and not args.addresses:
         raise UsageError("--addresses is required: every shard's host:port, in shard order")
     addresses = [] if hosting else split_addresses(args.addresses)
@@ -70,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.rank < world:
         raise UsageError(f"--rank must be in 0..{world - 1} for --world {world}, got {args.rank}")
     check_device(job.train, flag_names(args))
-    watch()          # a second call when psctl's bootstrap watches already: it covers a start through `psctl`
+    watch()  # a second call when psctl's bootstrap watches already: it covers a start through `psctl`
     # Started by hand, nobody set OMP_NUM_THREADS for us: W workers each starting one BLAS thread per core made
     # a small model 30x slower than under psctl launch, which gives each worker CPUs / W (as here, unless set).
     limit_blas_threads(args.threads or max(1, usable_cpus() // world))
@@ -81,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
         run_hosting_worker(job, args.host_shard, Path(args.address_dir), args.rank, world, args.metrics)
         return 0
-    probe_shards(addresses, job.train)     # unreachable, or a TLS handshake that fails: said now, with the reason
+    probe_shards(addresses, job.train)  # unreachable, or a TLS handshake that fails: said now, with the reason
     from psgrid.worker.loop import run_worker
 
     result = run_worker(job.train, addresses, args.rank, world, metrics_path=args.metrics)

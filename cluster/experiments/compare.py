@@ -27,66 +27,86 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from psgrid.cluster.run import coordinator as co
-from psgrid.cluster.job import credentials
-from psgrid.cluster.mpi import hydra_topology
-from psgrid.cluster.mpi.mpiexec import mpiexec_path, unbound_args
-from psgrid.cluster.experiments import results as res
-from psgrid.cluster.job.config import JobConfig, apply_overrides
 from psgrid.cluster.errors import JobFailed, UsageError
+from psgrid.cluster.experiments import results as res
 from psgrid.cluster.experiments import stability, tuning
 from psgrid.cluster.experiments import target as targets
-from psgrid.cluster.experiments.stability import refused_non_finite
 from psgrid.cluster.experiments.experiment import NO_STRAGGLERS, TUNE, Mode, Run, Settings, plan, tune_plan
-from psgrid.cluster.run.interrupts import Interrupted, listen_for_interrupts
-from psgrid.cluster.run.launch import Launcher, prepare_out
+from psgrid.cluster.experiments.stability import refused_non_finite
+from psgrid.cluster.job import credentials
+from psgrid.cluster.job.config import JobConfig, apply_overrides
 from psgrid.cluster.job.outdir import LOCK_FILE, lock
 from psgrid.cluster.job.records import write_job_file
+from psgrid.cluster.mpi import hydra_topology
+from psgrid.cluster.mpi.mpiexec import mpiexec_path, unbound_args
+from psgrid.cluster.run import coordinator as co
+from psgrid.cluster.run.interrupts import Interrupted, listen_for_interrupts
+from psgrid.cluster.run.launch import Launcher, prepare_out
 from psgrid.cluster.run.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
 from psgrid.psserver import files
 
 SETTINGS_FILE = "experiment.json"
-CHOSEN_FILE = "chosen.json"        # with --tune: the points the repeats run at, fixed once the tune runs are done
+CHOSEN_FILE = "chosen.json"  # with --tune: the points the repeats run at, fixed once the tune runs are done
 POLL_S = 0.2
 # A local all-reduce run is a single-host MPI job: keep every transport on loopback unless told otherwise
 # (MPICH's launcher, UCX, libfabric, Open MPI's launcher and TCP transport), and let MPICH's launcher
 # write no topology file that a failed run would leave in /tmp (cluster/mpi/hydra_topology.py).
-LOCAL_MPI_ENV = {"HYDRA_IFACE": "lo", "UCX_TLS": "self,sm", "UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo",
-                 "OMPI_MCA_oob_tcp_if_include": "lo", "OMPI_MCA_btl_tcp_if_include": "lo", **hydra_topology.ENV}
+LOCAL_MPI_ENV = {
+    "HYDRA_IFACE": "lo",
+    "UCX_TLS": "self,sm",
+    "UCX_NET_DEVICES": "lo",
+    "FI_TCP_IFACE": "lo",
+    "OMPI_MCA_oob_tcp_if_include": "lo",
+    "OMPI_MCA_btl_tcp_if_include": "lo",
+    **hydra_topology.ENV,
+}
 
 
 @dataclass
 class Experiment:
     """What to run and where its results go."""
 
-    job: JobConfig                # the base job: every run is this job with its mode, workers and stragglers
+    job: JobConfig  # the base job: every run is this job with its mode, workers and stragglers
     modes: list[Mode]
     workers: list[int]
     stragglers: list[str]
     repeats: int
     out: Path
-    target: float | None          # test accuracy to reach; None: by the rule of target.py
-    settings: dict                # written to D/experiment.json and the report
-    grid: list[Settings] = field(default_factory=list)         # --tune's points; empty: no tuning
-    tune_steps: int | None = None                               # steps per worker of a tune run; None: the job's
-    mode_settings: dict[str, Settings] = field(default_factory=dict)   # per mode label, on every run of it
-    command: list[str] | None = None                            # the user's script, run by each worker
-    seeds: list[int] | None = None                              # repeat r's seed; None: the job's for every run
-    tune_repeats: int = 1                                       # runs of each grid point
-    tensorboard: Path | None = None                             # where each run's TensorBoard events go
+    target: float | None  # test accuracy to reach; None: by the rule of target.py
+    settings: dict  # written to D/experiment.json and the report
+    grid: list[Settings] = field(default_factory=list)  # --tune's points; empty: no tuning
+    tune_steps: int | None = None  # steps per worker of a tune run; None: the job's
+    mode_settings: dict[str, Settings] = field(default_factory=dict)  # per mode label, on every run of it
+    command: list[str] | None = None  # the user's script, run by each worker
+    seeds: list[int] | None = None  # repeat r's seed; None: the job's for every run
+    tune_repeats: int = 1  # runs of each grid point
+    tensorboard: Path | None = None  # where each run's TensorBoard events go
 
     @property
     def tune_runs(self) -> list[Run]:
         if not self.grid:
             return []
-        return [Run(r.mode, r.workers, r.stragglers, r.repeat, self.mode_settings.get(r.mode.label, ()) + r.settings,
-                    TUNE, r.seed)
-                for r in tune_plan(self.modes, self.workers, self.stragglers, self.grid, self.tune_repeats, self.seeds)]
+        return [
+            Run(
+                r.mode,
+                r.workers,
+                r.stragglers,
+                r.repeat,
+                self.mode_settings.get(r.mode.label, ()) + r.settings,
+                TUNE,
+                r.seed,
+            )
+            for r in tune_plan(self.modes, self.workers, self.stragglers, self.grid, self.tune_repeats, self.seeds)
+        ]
 
     def repeat_runs(self, chosen: dict[tuple, Settings]) -> list[Run]:
         """The repeats, each group at its chosen settings (a group tuning chose nothing for: its mode's own)."""
-        settings = {(m.label, w, s): chosen.get((m.label, w, s), self.mode_settings.get(m.label, ()))
-                    for m in self.modes for w in self.workers for s in self.stragglers}
+        settings = {
+            (m.label, w, s): chosen.get((m.label, w, s), self.mode_settings.get(m.label, ()))
+            for m in self.modes
+            for w in self.workers
+            for s in self.stragglers
+        }
         return plan(self.modes, self.workers, self.stragglers, self.repeats, settings, self.seeds)
 
     @property
@@ -107,9 +127,13 @@ class Experiment:
         return self.out / "runs" / run.id
 
     def run_job(self, run: Run) -> JobConfig:
-        overrides = {"mode": run.mode.mode, "workers": run.workers, "out": str(self.run_dir(run)),
-                     "name": f"{self.job.name}-{run.id}",
-                     "stragglers": [] if run.stragglers == NO_STRAGGLERS else run.stragglers.split(",")}
+        overrides = {
+            "mode": run.mode.mode,
+            "workers": run.workers,
+            "out": str(self.run_dir(run)),
+            "name": f"{self.job.name}-{run.id}",
+            "stragglers": [] if run.stragglers == NO_STRAGGLERS else run.stragglers.split(","),
+        }
         if run.mode.staleness is not None:
             overrides["staleness"] = run.mode.staleness
         overrides.update(run.settings)
@@ -138,57 +162,73 @@ def experiment_from(job: JobConfig, settings: dict, out: Path) -> Experiment:
 
     grid = tuning.points(settings.get("tune") or {})
     mode_settings = {m: as_settings(p) for m, p in (settings.get("mode_defaults") or {}).items()}
-    for m, p in (settings.get("mode_settings") or {}).items():     # given for a mode: over its defaults
+    for m, p in (settings.get("mode_settings") or {}).items():  # given for a mode: over its defaults
         given = as_settings(p)
         mode_settings[m] = tuple(kv for kv in mode_settings.get(m, ()) if kv[0] not in dict(given)) + given
     # An experiment written before seeds varied ran every repeat at the job's seed: so it is read back.
     seeds = settings.get("seeds")
-    return Experiment(job, parse_modes(",".join(settings["modes"])), list(settings["workers"]),
-                      list(settings["stragglers"]), settings["repeats"], out, settings.get("target_accuracy"),
-                      settings, grid=grid if settings.get("tune") else [], tune_steps=settings.get("tune_steps"),
-                      mode_settings=mode_settings, command=settings.get("script"),
-                      seeds=list(seeds) if seeds else [job.train.seed] * max(settings["repeats"], 1),
-                      tune_repeats=int(settings.get("tune_repeats") or 1),
-                      tensorboard=Path(settings["tensorboard"]) if settings.get("tensorboard") else None)
+    return Experiment(
+        job,
+        parse_modes(",".join(settings["modes"])),
+        list(settings["workers"]),
+        list(settings["stragglers"]),
+        settings["repeats"],
+        out,
+        settings.get("target_accuracy"),
+        settings,
+        grid=grid if settings.get("tune") else [],
+        tune_steps=settings.get("tune_steps"),
+        mode_settings=mode_settings,
+        command=settings.get("script"),
+        seeds=list(seeds) if seeds else [job.train.seed] * max(settings["repeats"], 1),
+        tune_repeats=int(settings.get("tune_repeats") or 1),
+        tensorboard=Path(settings["tensorboard"]) if settings.get("tensorboard") else None,
+    )
 
 
 def prepare(experiment: Experiment, resume: bool) -> list[Run]:
     """Create or check D; returns the runs still to do (with --tune: the tune runs; the repeats come after)."""
     out = experiment.out
-    lock(out)       # held while the experiment runs: another psctl compare may not take the folder
+    lock(out)  # held while the experiment runs: another psctl compare may not take the folder
     settings_file = out / SETTINGS_FILE
     if settings_file.exists():
         if not resume:
             raise UsageError(f"{out} already holds an experiment; add --resume to finish it, or choose another --out")
         saved = json.loads(settings_file.read_text())
         if _plan_of(saved) != _plan_of(experiment.settings):
-            raise UsageError(f"{out} holds an experiment with other settings ({_describe(saved)}); "
-                             f"--resume needs the same job, modes, workers, stragglers and repeats")
+            raise UsageError(
+                f"{out} holds an experiment with other settings ({_describe(saved)}); "
+                f"--resume needs the same job, modes, workers, stragglers and repeats"
+            )
     elif out.exists() and any(p.name != LOCK_FILE for p in out.iterdir()):
         raise UsageError(f"{out} is not empty and holds no experiment; choose another --out")
     files.make_dirs(out / "runs")
     co.write_json(settings_file, experiment.settings)
     for folder in (f for f in (out / "runs").iterdir() if f.is_dir() and not f.is_symlink()):
         if not done(folder):
-            shutil.rmtree(folder, ignore_errors=True)     # a run cut short starts again
+            shutil.rmtree(folder, ignore_errors=True)  # a run cut short starts again
     return [r for r in (experiment.tune_runs or experiment.runs) if not experiment.finished(r)]
 
 
 def _plan_of(settings: dict) -> tuple:
     # The keys added with --tune and scripts count as absent when empty: an older experiment resumes.
-    return tuple(json.dumps(settings.get(k) if k not in NEWER_KEYS else settings.get(k) or None, sort_keys=True)
-                 for k in ("job", "modes", "workers", "stragglers", "repeats", "backup_workers", *NEWER_KEYS))
+    return tuple(
+        json.dumps(settings.get(k) if k not in NEWER_KEYS else settings.get(k) or None, sort_keys=True)
+        for k in ("job", "modes", "workers", "stragglers", "repeats", "backup_workers", *NEWER_KEYS)
+    )
 
 
 NEWER_KEYS = ("tune", "tune_steps", "mode_settings", "script", "seeds", "tune_repeats", "mode_defaults")
 
 
 def _describe(settings: dict) -> str:
-    return (f"modes {','.join(settings.get('modes', []))}, workers {settings.get('workers')}, "
-            f"stragglers {settings.get('stragglers')}, repeats {settings.get('repeats')}"
-            + (f", tune {settings['tune']}" if settings.get("tune") else "")
-            + (f", script {shlex.join(settings['script'])}" if settings.get("script") else "")
-            + (f", seeds {settings['seeds']}" if settings.get("seeds") else ", every repeat at the job's seed"))
+    return (
+        f"modes {','.join(settings.get('modes', []))}, workers {settings.get('workers')}, "
+        f"stragglers {settings.get('stragglers')}, repeats {settings.get('repeats')}"
+        + (f", tune {settings['tune']}" if settings.get("tune") else "")
+        + (f", script {shlex.join(settings['script'])}" if settings.get("script") else "")
+        + (f", seeds {settings['seeds']}" if settings.get("seeds") else ", every repeat at the job's seed")
+    )
 
 
 class ExperimentProgress:
@@ -199,18 +239,21 @@ class ExperimentProgress:
 
         total = None if not steps_per_worker else sum(steps_per_worker * r.workers for r in runs)
         show = sys.stderr.isatty() if enabled is None else enabled
-        self.bar = tqdm(total=total, unit="step", disable=not show, file=sys.stderr, dynamic_ncols=True,
-                        mininterval=0.5)
+        self.bar = tqdm(
+            total=total, unit="step", disable=not show, file=sys.stderr, dynamic_ncols=True, mininterval=0.5
+        )
         self.count, self.done = len(runs) + done, done
 
-    def for_run(self, run: Run) -> "RunProgress":
+    def for_run(self, run: Run) -> RunProgress:
         self.done += 1
-        self.bar.set_description(f"[{self.done}/{self.count}] {'tune ' if run.phase == TUNE else ''}"
-                                 f"{run.mode.label} w{run.workers} "
-                                 f"{'' if run.stragglers == NO_STRAGGLERS else 'stragglers ' + run.stragglers + ' '}"
-                                 + (tuning_label(run) if run.phase == TUNE else f"repeat {run.repeat + 1}")
-                                 + ("" if run.seed is None else f" seed {run.seed}"),
-                                 refresh=False)
+        self.bar.set_description(
+            f"[{self.done}/{self.count}] {'tune ' if run.phase == TUNE else ''}"
+            f"{run.mode.label} w{run.workers} "
+            f"{'' if run.stragglers == NO_STRAGGLERS else 'stragglers ' + run.stragglers + ' '}"
+            + (tuning_label(run) if run.phase == TUNE else f"repeat {run.repeat + 1}")
+            + ("" if run.seed is None else f" seed {run.seed}"),
+            refresh=False,
+        )
         return RunProgress(self.bar)
 
     def close(self) -> None:
@@ -255,9 +298,15 @@ def run_allreduce_local(job: JobConfig, out: Path, progress: RunProgress) -> Non
     files.make_dirs(out)
     job_file = write_job_file(out, job, "by psctl compare")
     mpiexec = mpiexec_path()
-    argv = [mpiexec, *unbound_args(mpiexec), "-n", str(job.workers),
-            *psctl_argv("allreduce", "--config", str(job_file), "--out", str(out), "--no-progress",
-                       "--ranks", str(job.workers))]
+    argv = [
+        mpiexec,
+        *unbound_args(mpiexec),
+        "-n",
+        str(job.workers),
+        *psctl_argv(
+            "allreduce", "--config", str(job_file), "--out", str(out), "--no-progress", "--ranks", str(job.workers)
+        ),
+    ]
     env = child_env(credentials.child_env(job), threads=max(1, usable_cpus() // job.workers))
     for key, value in LOCAL_MPI_ENV.items():
         env.setdefault(key, value)
@@ -273,8 +322,10 @@ def run_allreduce_local(job: JobConfig, out: Path, progress: RunProgress) -> Non
     finally:
         stop_children([child], 5.0)
     if child.returncode != 0 or res.read_summary(out) is None:
-        raise JobFailed(f"mpiexec -n {job.workers} psctl allreduce {child.describe_exit()}. "
-                        f"Last lines of {child.log_path}:\n{child.tail()}")
+        raise JobFailed(
+            f"mpiexec -n {job.workers} psctl allreduce {child.describe_exit()}. "
+            f"Last lines of {child.log_path}:\n{child.tail()}"
+        )
 
 
 class Compare:
@@ -288,8 +339,10 @@ class Compare:
     def run(self) -> int:
         x = self.x
         if any(not r.mode.uses_shards for r in x.runs) and not mpiexec_path():
-            raise UsageError("the allreduce mode runs under mpiexec, which was not found: "
-                             "pip install 'psgrid[mpi]' (it brings mpi4py and MPICH)")
+            raise UsageError(
+                "the allreduce mode runs under mpiexec, which was not found: "
+                "pip install 'psgrid[mpi]' (it brings mpi4py and MPICH)"
+            )
         todo = prepare(x, self.resume)
         failed, interrupted = [], None
         old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -306,12 +359,18 @@ class Compare:
         rows = self.write_results()
         self.print_table(rows)
         if interrupted is not None:
-            print(f"psctl compare: {interrupted}: stopped; the finished runs are in {x.out} "
-                  f"(psctl compare ... --resume finishes the rest)", file=sys.stderr)
+            print(
+                f"psctl compare: {interrupted}: stopped; the finished runs are in {x.out} "
+                f"(psctl compare ... --resume finishes the rest)",
+                file=sys.stderr,
+            )
             return 128 + interrupted.signum
         if failed:
-            print(f"psctl compare: {len(failed)} run(s) failed: {', '.join(r.id for r in failed)}; "
-                  f"see their logs under {x.out / 'runs'}", file=sys.stderr)
+            print(
+                f"psctl compare: {len(failed)} run(s) failed: {', '.join(r.id for r in failed)}; "
+                f"see their logs under {x.out / 'runs'}",
+                file=sys.stderr,
+            )
             return 1
         return 0
 
@@ -320,20 +379,30 @@ class Compare:
         x = self.x
         skipped = planned - len(todo)
         phase = "tune runs" if todo and todo[0].phase == TUNE else "runs"
-        print(f"psctl compare: {planned} {phase} in {x.out}"
-              + (f" ({skipped} already finished, skipped)" if skipped else ""), file=sys.stderr, flush=True)
-        steps = x.tune_steps if phase == "tune runs" and x.tune_steps else (
-            None if x.job.train.epochs else x.job.train.steps)
+        print(
+            f"psctl compare: {planned} {phase} in {x.out}"
+            + (f" ({skipped} already finished, skipped)" if skipped else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        steps = (
+            x.tune_steps
+            if phase == "tune runs" and x.tune_steps
+            else (None if x.job.train.epochs else x.job.train.steps)
+        )
         bar = ExperimentProgress(todo, None if x.command else steps, self.progress_enabled, skipped)
         try:
             for run in todo:
-                listen_for_interrupts()       # a run's cleanup ignores signals; the next run must hear them again
+                listen_for_interrupts()  # a run's cleanup ignores signals; the next run must hear them again
                 try:
                     self.run_one(run, bar.for_run(run))
                 except JobFailed as e:
-                    if x.finished(run):     # stopped on the shards' non_finite refusal: a result, not a failure
-                        bar.bar.write(f"psctl compare: run {run.id} diverged: its weights or gradients turned "
-                                      f"non-finite and the shards refused them", file=sys.stderr)
+                    if x.finished(run):  # stopped on the shards' non_finite refusal: a result, not a failure
+                        bar.bar.write(
+                            f"psctl compare: run {run.id} diverged: its weights or gradients turned "
+                            f"non-finite and the shards refused them",
+                            file=sys.stderr,
+                        )
                     else:
                         failed.append(run)
                         bar.bar.write(f"psctl compare: run {run.id} failed: {e}", file=sys.stderr)
@@ -373,8 +442,9 @@ def _rows(x: Experiment, runs: list[Run]) -> tuple[list[dict], dict[str, list[di
     """The rows (no target yet) and events of those of ``runs`` that have a summary."""
     present = [r for r in runs if res.read_summary(x.run_dir(r)) is not None]
     events = {r.id: res.run_events(x.run_dir(r)) for r in present}
-    return [res.summarize_run(r, res.read_summary(x.run_dir(r)), events[r.id], None, x.classes)
-            for r in present], events
+    return [
+        res.summarize_run(r, res.read_summary(x.run_dir(r)), events[r.id], None, x.classes) for r in present
+    ], events
 
 
 def tune_rows(x: Experiment) -> tuple[list[dict], dict[str, list[dict]], float | None]:
@@ -402,8 +472,13 @@ def chosen_settings(x: Experiment, rows: list[dict]) -> dict[tuple, Settings]:
 
 
 def save_chosen(x: Experiment, chosen: dict[tuple, Settings]) -> None:
-    co.write_json(x.out / CHOSEN_FILE, [{"mode": m, "workers": w, "stragglers": s, "settings": [list(kv) for kv in p]}
-                                        for (m, w, s), p in chosen.items()])
+    co.write_json(
+        x.out / CHOSEN_FILE,
+        [
+            {"mode": m, "workers": w, "stragglers": s, "settings": [list(kv) for kv in p]}
+            for (m, w, s), p in chosen.items()
+        ],
+    )
 
 
 def write_results(x: Experiment) -> list[dict]:
@@ -432,8 +507,13 @@ def write_results(x: Experiment) -> list[dict]:
             for line in res.result_lines(by_id[row["run"]], all_events[row["run"]]):
                 f.write(line + "\n")
     if every:
-        write_report(x.out, dict(x.settings, target_accuracy=target, target_source=source), rows, events,
-                     tuning=Tuning(tuned, _chosen_runs(x, chosen), tune_target) if x.grid else None)
+        write_report(
+            x.out,
+            dict(x.settings, target_accuracy=target, target_source=source),
+            rows,
+            events,
+            tuning=Tuning(tuned, _chosen_runs(x, chosen), tune_target) if x.grid else None,
+        )
     return every
 
 
@@ -446,8 +526,9 @@ def _chosen_runs(x: Experiment, chosen: dict[tuple, Settings]) -> dict[tuple, li
     return runs
 
 
-def rewrite_report(out: Path, target: float | None = None, classes: int | None = None,
-                   tensorboard: str | Path | None = None) -> list[dict]:
+def rewrite_report(
+    out: Path, target: float | None = None, classes: int | None = None, tensorboard: str | Path | None = None
+) -> list[dict]:
     """Write summary.csv, results.jsonl and the report of the experiment in ``out`` again, from its runs.
 
     Nothing is run; the settings (machine included) are those saved when it ran, except the target
@@ -475,8 +556,9 @@ def rewrite_report(out: Path, target: float | None = None, classes: int | None =
 
 def table_text(rows: list[dict], target: float | None) -> str:
     """The terminal's summary: one line per run."""
-    head = (f"{'run':<36} {'seed':>5} {'status':<11} {'to target':>10} {'test acc':>8} {'samples/s':>10} "
-            f"{'staleness':>9}")
+    head = (
+        f"{'run':<36} {'seed':>5} {'status':<11} {'to target':>10} {'test acc':>8} {'samples/s':>10} {'staleness':>9}"
+    )
     lines = [head + (f"   (target {target:.4f})" if target is not None else "")]
     for r in rows:
         ttt = "-" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.2f} s"

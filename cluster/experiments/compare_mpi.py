@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import sys
 
-from psgrid.cluster.experiments.compare import Compare, prepare, table_text, write_results
 from psgrid.cluster.errors import UsageError
+from psgrid.cluster.experiments.compare import Compare, prepare, table_text, write_results
 from psgrid.cluster.experiments.experiment import Run
 from psgrid.cluster.mpi.comm import wait_request
 from psgrid.cluster.mpi.job import min_ranks
@@ -45,9 +45,11 @@ class MPICompare(Compare):
             need = max(ranks_needed(r, x.job.shards) for r in x.runs)
             try:
                 if size < need:
-                    raise UsageError(f"psctl compare --mpi needs at least {need} ranks for its largest run "
-                                     f"(1 coordinator + {x.job.shards} shard(s) + {max(r.workers for r in x.runs)} "
-                                     f"workers); got {size}")
+                    raise UsageError(
+                        f"psctl compare --mpi needs at least {need} ranks for its largest run "
+                        f"(1 coordinator + {x.job.shards} shard(s) + {max(r.workers for r in x.runs)} "
+                        f"workers); got {size}"
+                    )
                 todo = [r.id for r in prepare(x, self.resume)]
             except UsageError as e:
                 error = str(e)
@@ -58,8 +60,12 @@ class MPICompare(Compare):
             return 2
         if rank == 0:
             skipped = len(x.runs) - len(todo)
-            print(f"psctl compare: {len(x.runs)} runs in {x.out} on {size} ranks"
-                  + (f" ({skipped} already finished, skipped)" if skipped else ""), file=sys.stderr, flush=True)
+            print(
+                f"psctl compare: {len(x.runs)} runs in {x.out} on {size} ranks"
+                + (f" ({skipped} already finished, skipped)" if skipped else ""),
+                file=sys.stderr,
+                flush=True,
+            )
         for run in (r for r in x.runs if r.id in todo):
             sub = comm.Split(0 if rank < ranks_needed(run, x.job.shards) else MPI.UNDEFINED, rank)
             if sub != MPI.COMM_NULL:

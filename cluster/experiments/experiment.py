@@ -28,50 +28,53 @@ from psgrid.worker.straggler import parse_stragglers
 
 ALLREDUCE = "allreduce"
 NO_STRAGGLERS = "none"
-TUNE, REPEAT = "tune", "repeat"      # a run's phase
+TUNE, REPEAT = "tune", "repeat"  # a run's phase
 
-Settings = tuple[tuple[str, object], ...]      # job keys and their values, in the order given
+Settings = tuple[tuple[str, object], ...]  # job keys and their values, in the order given
 
 # The columns of summary.csv, one row per run, in this order (results.summarize_run makes a row).
 ROW_FIELDS = (
-    "run",                 # the run's id, also its folder under D/runs/
-    "mode",                # mode label: sync, async, ssp:2, allreduce
-    "workers",             # number of workers
-    "stragglers",          # straggler setting, "none" or e.g. "3:3" or "1:exp:20"
-    "repeat",              # 0-based repeat index
-    "seed",                # the job's seed this run ran with (data order, initial weights, straggler draws)
-    "phase",               # tune (a grid point of --tune, short) | repeat (the runs the report compares)
-    "settings",            # the job keys this run had beyond the base job, "lr=0.05 momentum=0.9"; empty: none
-    "status",              # ok | diverged (stopped on non-finite weights or gradients) | failed | interrupted
-    "stability",           # diverged (this run) | unstable (its setting: see stability.py) | stable
-    "diverged",            # 1 where the loss grew or turned non-finite, or the accuracy fell to chance; else 0
-    "loss_rise",           # where the loss rose for a stretch of the run (stability.py); empty: it did not
-    "invalid_metrics",     # what the run logged that no report can use (an accuracy outside [0, 1], ...); empty: none
-    "target_accuracy",     # the experiment's target test accuracy
-    "time_to_target_s",    # seconds from the run's first worker start to the first evaluation >= target; empty if never
+    "run",  # the run's id, also its folder under D/runs/
+    "mode",  # mode label: sync, async, ssp:2, allreduce
+    "workers",  # number of workers
+    "stragglers",  # straggler setting, "none" or e.g. "3:3" or "1:exp:20"
+    "repeat",  # 0-based repeat index
+    "seed",  # the job's seed this run ran with (data order, initial weights, straggler draws)
+    "phase",  # tune (a grid point of --tune, short) | repeat (the runs the report compares)
+    "settings",  # the job keys this run had beyond the base job, "lr=0.05 momentum=0.9"; empty: none
+    "status",  # ok | diverged (stopped on non-finite weights or gradients) | failed | interrupted
+    "stability",  # diverged (this run) | unstable (its setting: see stability.py) | stable
+    "diverged",  # 1 where the loss grew or turned non-finite, or the accuracy fell to chance; else 0
+    "loss_rise",  # where the loss rose for a stretch of the run (stability.py); empty: it did not
+    "invalid_metrics",  # what the run logged that no report can use (an accuracy outside [0, 1], ...); empty: none
+    "target_accuracy",  # the experiment's target test accuracy
+    "time_to_target_s",  # seconds from the run's first worker start to the first evaluation >= target; empty if never
     "final_test_accuracy",
     "best_test_accuracy",  # the highest test accuracy any evaluation of the run saw
     "final_train_accuracy",
-    "final_loss",          # mean of the workers' last training losses
-    "steps",               # all workers' steps together
+    "final_loss",  # mean of the workers' last training losses
+    "steps",  # all workers' steps together
     "samples",
-    "wall_s",              # training wall time
+    "wall_s",  # training wall time
     "samples_per_s",
-    "mean_staleness",      # over every push (max over shards per push)
+    "mean_staleness",  # over every push (max over shards per push)
     "p99_staleness",
-    "dropped_pushes",      # pushes a sync round had closed without (outcome DROPPED_LATE)
-    "bytes_moved",         # bytes every worker sent and received, all together
-    "mean_wait_s",         # per worker: seconds blocked waiting for others (consistency waits; allreduce: in Allreduce)
+    "dropped_pushes",  # pushes a sync round had closed without (outcome DROPPED_LATE)
+    "bytes_moved",  # bytes every worker sent and received, all together
+    "mean_wait_s",  # per worker: seconds blocked waiting for others (consistency waits; allreduce: in Allreduce)
     "max_wait_s",
-    "wait_s_by_worker",    # "w0;w1;..." seconds, rank order
-    "pull_s", "compute_s", "delay_s", "push_s",   # mean per step over all workers' steps
+    "wait_s_by_worker",  # "w0;w1;..." seconds, rank order
+    "pull_s",
+    "compute_s",
+    "delay_s",
+    "push_s",  # mean per step over all workers' steps
 )
 
 
 @dataclass(frozen=True)
 class Mode:
-    label: str          # as written: sync, async, ssp:2, allreduce
-    mode: str           # the shards' mode (sync for allreduce: the same algorithm)
+    label: str  # as written: sync, async, ssp:2, allreduce
+    mode: str  # the shards' mode (sync for allreduce: the same algorithm)
     staleness: int | None = None
 
     @property
@@ -141,11 +144,11 @@ class Run:
 
     mode: Mode
     workers: int
-    stragglers: str       # a canonical straggler setting
+    stragglers: str  # a canonical straggler setting
     repeat: int
     settings: Settings = ()
     phase: str = REPEAT
-    seed: int | None = None       # the job's seed for this run; None: the job's own
+    seed: int | None = None  # the job's seed for this run; None: the job's own
 
     @property
     def id(self) -> str:
@@ -163,9 +166,16 @@ class Run:
         return f"{base}-r{self.repeat}"
 
     def describe(self) -> dict:
-        return {"run": self.id, "mode": self.mode.label, "workers": self.workers,
-                "stragglers": self.stragglers, "repeat": self.repeat, "seed": self.seed, "phase": self.phase,
-                "settings": settings_text(self.settings)}
+        return {
+            "run": self.id,
+            "mode": self.mode.label,
+            "workers": self.workers,
+            "stragglers": self.stragglers,
+            "repeat": self.repeat,
+            "seed": self.seed,
+            "phase": self.phase,
+            "settings": settings_text(self.settings),
+        }
 
 
 def settings_text(settings: Settings) -> str:
@@ -215,13 +225,21 @@ def repeat_seeds(base: int, repeats: int, given: str | None = None) -> list[int]
     except ValueError:
         seeds = []
     if len(seeds) != repeats or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
-        raise UsageError(f"--seeds expects {repeats} distinct non-negative integers separated by commas (one per "
-                         f"repeat), or 'same' to run every repeat with the job's seed; got {given!r}")
+        raise UsageError(
+            f"--seeds expects {repeats} distinct non-negative integers separated by commas (one per "
+            f"repeat), or 'same' to run every repeat with the job's seed; got {given!r}"
+        )
     return seeds
 
 
-def plan(modes: list[Mode], workers: list[int], stragglers: list[str], repeats: int,
-         settings: dict | None = None, seeds: list[int] | None = None) -> list[Run]:
+def plan(
+    modes: list[Mode],
+    workers: list[int],
+    stragglers: list[str],
+    repeats: int,
+    settings: dict | None = None,
+    seeds: list[int] | None = None,
+) -> list[Run]:
     """Every run, repeats outermost: a stopped experiment has every mode at the same number of repeats.
 
     ``settings`` maps ``(mode label, workers, stragglers)`` to the settings that group's repeats
@@ -233,18 +251,37 @@ def plan(modes: list[Mode], workers: list[int], stragglers: list[str], repeats: 
         for w in workers:
             ranks = [s.rank for s in parse_stragglers(setting.split(","))]
             if max(ranks) >= w:
-                raise UsageError(f"--stragglers {setting}: worker {max(ranks)} does not exist with --workers {w} "
-                                 f"(ranks are 0..{w - 1})")
+                raise UsageError(
+                    f"--stragglers {setting}: worker {max(ranks)} does not exist with --workers {w} "
+                    f"(ranks are 0..{w - 1})"
+                )
     settings = settings or {}
-    return [Run(m, w, s, r, settings.get((m.label, w, s), ()), seed=seeds[r] if seeds else None)
-            for r in range(repeats) for s in stragglers for w in workers for m in modes]
+    return [
+        Run(m, w, s, r, settings.get((m.label, w, s), ()), seed=seeds[r] if seeds else None)
+        for r in range(repeats)
+        for s in stragglers
+        for w in workers
+        for m in modes
+    ]
 
 
-def tune_plan(modes: list[Mode], workers: list[int], stragglers: list[str], points: list[Settings],
-              repeats: int = 1, seeds: list[int] | None = None) -> list[Run]:
+def tune_plan(
+    modes: list[Mode],
+    workers: list[int],
+    stragglers: list[str],
+    points: list[Settings],
+    repeats: int = 1,
+    seeds: list[int] | None = None,
+) -> list[Run]:
     """``repeats`` short runs per mode, group and grid point (repeat r at ``seeds[r]``), repeats outermost."""
-    return [Run(m, w, s, r, p, TUNE, seed=seeds[r] if seeds else None)
-            for r in range(repeats) for p in points for s in stragglers for w in workers for m in modes]
+    return [
+        Run(m, w, s, r, p, TUNE, seed=seeds[r] if seeds else None)
+        for r in range(repeats)
+        for p in points
+        for s in stragglers
+        for w in workers
+        for m in modes
+    ]
 
 
 def mode_dict(mode: Mode) -> dict:

@@ -10,17 +10,18 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 
 from psgrid.cluster.experiments.experiment import NO_STRAGGLERS
 
-Group = tuple[int, str]          # (workers, straggler setting)
+Group = tuple[int, str]  # (workers, straggler setting)
 
 
 # ---- the rows, grouped ------------------------------------------------------------------------
+
 
 def finished(rows: Iterable[dict]) -> list[dict]:
     """The runs that count: those that finished, and those that stopped because they diverged (a result of
@@ -42,15 +43,16 @@ def groups_of(rows: list[dict], settings: dict) -> list[Group]:
 
 
 def rows_of(rows: list[dict], group: Group, mode: str) -> list[dict]:
-    return sorted((r for r in rows if (r["workers"], r["stragglers"]) == group and r["mode"] == mode),
-                  key=lambda r: r.get("repeat") or 0)
+    return sorted(
+        (r for r in rows if (r["workers"], r["stragglers"]) == group and r["mode"] == mode),
+        key=lambda r: r.get("repeat") or 0,
+    )
 
 
 def showcase_group(groups: list[Group]) -> Group | None:
     """The group the detailed plots show: the first with stragglers, where the modes differ most, else the
     one with the most workers."""
-    return next((g for g in groups if g[1] != NO_STRAGGLERS),
-                max(groups, key=lambda g: g[0]) if groups else None)
+    return next((g for g in groups if g[1] != NO_STRAGGLERS), max(groups, key=lambda g: g[0]) if groups else None)
 
 
 def group_title(group: Group) -> str:
@@ -68,9 +70,9 @@ def straggler_ranks(setting: str) -> list[int]:
     return [int(m.group(1)) for m in (re.match(r"\s*(\d+):", s) for s in setting.split(",")) if m]
 
 
-MIN_REPEATS = 5          # the fewest repeats, each with its own seed, a 95% interval is drawn from; fewer: min..max
+MIN_REPEATS = 5  # the fewest repeats, each with its own seed, a 95% interval is drawn from; fewer: min..max
 RESAMPLES, SEED, LEVEL = 2000, 0, 0.95
-CENSORED = ("time_to_target_s",)     # a run that never got there has no time, and still counts: it took longer
+CENSORED = ("time_to_target_s",)  # a run that never got there has no time, and still counts: it took longer
 
 
 @dataclass(frozen=True)
@@ -89,8 +91,8 @@ class Spread:
     n: int
     ci: tuple[float, float] | None = None
     of: int = 0
-    varied: bool = False          # every repeat had its own seed
-    censored: bool = False        # a time to target: a run without one never reached it
+    varied: bool = False  # every repeat had its own seed
+    censored: bool = False  # a time to target: a run without one never reached it
 
     @property
     def no_interval(self) -> str | None:
@@ -119,12 +121,14 @@ def spread(rows: Iterable[dict], key: str) -> Spread:
         median = median if math.isfinite(median) else None
     whole = len(values) == len(rows)
     ci = bootstrap_interval(values) if len(values) >= MIN_REPEATS and varied and whole else None
-    return Spread(median, min(values), max(values), len(values), ci, of=len(rows), varied=varied,
-                  censored=key in CENSORED)
+    return Spread(
+        median, min(values), max(values), len(values), ci, of=len(rows), varied=varied, censored=key in CENSORED
+    )
 
 
-def bootstrap_interval(values: list[float], resamples: int = RESAMPLES, seed: int = SEED,
-                       level: float = LEVEL) -> tuple[float, float]:
+def bootstrap_interval(
+    values: list[float], resamples: int = RESAMPLES, seed: int = SEED, level: float = LEVEL
+) -> tuple[float, float]:
     """The percentile bootstrap interval of the median of ``values``.
 
     ``resamples`` samples of ``len(values)`` drawn with replacement, with a fixed seed so a
@@ -157,6 +161,7 @@ def waits_per_rank(row: dict) -> list[float] | None:
 
 
 # ---- numbers as text ----------------------------------------------------------------------------
+
 
 def sig(x: float) -> str:
     """Three significant digits, no exponent and no trailing zeros: 0.00123, 1.2, 8, 12300."""

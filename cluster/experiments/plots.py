@@ -26,20 +26,30 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from psgrid.cluster.experiments.experiment import NO_STRAGGLERS
-from psgrid.cluster.experiments.grouping import finished, group_title, groups_of, modes_of, rows_of, showcase_group, sig, spread
+from psgrid.cluster.experiments.grouping import (
+    finished,
+    group_title,
+    groups_of,
+    modes_of,
+    rows_of,
+    showcase_group,
+    sig,
+    spread,
+)
 from psgrid.psserver import files
 
 # matplotlib's tab10, by the mode's place in the experiment's list of modes.
-COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-           "#17becf")
+COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
 DPI = 100
-TIMELINE_FROM_STEP, TIMELINE_STEPS = 5, 20     # the timeline's window, in the lowest rank's steps
-TIMELINE_MAX_BARS = 2000                       # however fast some workers are, the window stays readable
+TIMELINE_FROM_STEP, TIMELINE_STEPS = 5, 20  # the timeline's window, in the lowest rank's steps
+TIMELINE_MAX_BARS = 2000  # however fast some workers are, the window stays readable
 # A step's parts, in the order a worker does them: (event field, legend, colour, hatch).
-SEGMENTS = (("pull_s", "pull, incl. waiting for others", "#9ecae1", None),
-            ("compute_s", "compute", "#31a354", None),
-            ("delay_s", "straggler delay", "#fdd0a2", "////"),
-            ("push_s", "push", "#756bb1", None))
+SEGMENTS = (
+    ("pull_s", "pull, incl. waiting for others", "#9ecae1", None),
+    ("compute_s", "compute", "#31a354", None),
+    ("delay_s", "straggler delay", "#fdd0a2", "////"),
+    ("push_s", "push", "#756bb1", None),
+)
 TIME_AXIS = "seconds since the run's start"
 
 
@@ -82,8 +92,11 @@ def _number(x) -> bool:
 
 
 def _evals(events: dict, run: str) -> list[tuple[float, float]]:
-    return sorted((e["t"], e["test_accuracy"]) for e in events.get(run) or []
-                  if e.get("event") == "eval" and _number(e.get("t")) and _number(e.get("test_accuracy")))
+    return sorted(
+        (e["t"], e["test_accuracy"])
+        for e in events.get(run) or []
+        if e.get("event") == "eval" and _number(e.get("t")) and _number(e.get("test_accuracy"))
+    )
 
 
 def _steps(events: dict, run: str) -> list[dict]:
@@ -103,8 +116,14 @@ def accuracy_vs_time(plot_dir: Path, rows: list[dict], events: dict, settings: d
         for m in drawn:
             for i, curve in enumerate(c for c in curves[g, m] if c):
                 t, a = zip(*curve)
-                ax.plot(t, a, color=colour[m], lw=2 if i == 0 else 1, alpha=1 if i == 0 else 0.4,
-                        marker="o" if len(t) < 3 else None)
+                ax.plot(
+                    t,
+                    a,
+                    color=colour[m],
+                    lw=2 if i == 0 else 1,
+                    alpha=1 if i == 0 else 0.4,
+                    marker="o" if len(t) < 3 else None,
+                )
         if target is not None:
             ax.axhline(target, color="0.3", ls="--", lw=1)
         ax.set(title=group_title(g), xlabel=TIME_AXIS, ylabel="test accuracy")
@@ -130,8 +149,11 @@ def _mean_loss(steps: list[dict]) -> tuple[list[int], list[float]]:
 def loss_vs_steps(plot_dir: Path, rows: list[dict], events: dict, settings: dict) -> Path | None:
     """Training loss per step, the mean over workers and repeats, one subplot per group."""
     ok, groups, modes, colour = _context(rows, settings)
-    curves = {(g, m): _mean_loss([e for r in rows_of(ok, g, m) for e in _steps(events, r["run"])])
-              for g in groups for m in modes}
+    curves = {
+        (g, m): _mean_loss([e for r in rows_of(ok, g, m) for e in _steps(events, r["run"])])
+        for g in groups
+        for m in modes
+    }
     drawn = [m for m in modes if any(curves[g, m][0] for g in groups)]
     if not drawn:
         return None
@@ -164,8 +186,14 @@ def samples_per_s(plot_dir: Path, rows: list[dict], events: dict, settings: dict
     for i, m in enumerate(drawn):
         bars = [(j - 0.4 + width * (i + 0.5), stats[g, m]) for j, g in enumerate(groups) if stats[g, m].median]
         if bars:
-            ax.bar([x for x, _ in bars], [s.median for _, s in bars], width, color=colour[m],
-                   yerr=[[s.median - s.low for _, s in bars], [s.high - s.median for _, s in bars]], capsize=3)
+            ax.bar(
+                [x for x, _ in bars],
+                [s.median for _, s in bars],
+                width,
+                color=colour[m],
+                yerr=[[s.median - s.low for _, s in bars], [s.high - s.median for _, s in bars]],
+                capsize=3,
+            )
     ax.set_xticks(range(len(groups)), [group_title(g).replace(", ", "\n") for g in groups])
     ax.set_ylabel("samples/s (all workers)")
     ax.grid(axis="y", alpha=0.3)
@@ -179,8 +207,15 @@ def staleness(plot_dir: Path, rows: list[dict], events: dict, settings: dict) ->
     ok, groups, modes, colour = _context(rows, settings)
     group = showcase_group(groups)
     present = [m for m in modes if group and rows_of(ok, group, m)]
-    values = {m: [int(e["staleness"]) for r in rows_of(ok, group, m) for e in _steps(events, r["run"])
-                  if _number(e.get("staleness")) and e["staleness"] >= 0] for m in present}
+    values = {
+        m: [
+            int(e["staleness"])
+            for r in rows_of(ok, group, m)
+            for e in _steps(events, r["run"])
+            if _number(e.get("staleness")) and e["staleness"] >= 0
+        ]
+        for m in present
+    }
     if not any(values.values()):
         return None
     fig, axes = _grid(len(present), 4, 3.4, 3.0)
@@ -189,7 +224,7 @@ def staleness(plot_dir: Path, rows: list[dict], events: dict, settings: dict) ->
         if v:
             counts = np.bincount(v)
             ax.bar(np.arange(len(counts)), counts, width=0.9, color=colour[m])
-            ax.set_xlim(-0.6, max(len(counts), 3) - 0.4)      # a lone bar at 0 (sync) stays a narrow bar
+            ax.set_xlim(-0.6, max(len(counts), 3) - 0.4)  # a lone bar at 0 (sync) stays a narrow bar
             ax.set_title(f"{m}: mean {sig(float(np.mean(v)))}, p99 {sig(float(np.percentile(v, 99)))}")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         else:
@@ -215,9 +250,9 @@ def _window(steps: list[dict]) -> tuple[float, float] | None:
     lowest = min(e["rank"] for e in steps)
     mine = sorted((e for e in steps if e["rank"] == lowest), key=lambda e: e["t"])
     first = min(TIMELINE_FROM_STEP, max(0, len(mine) - TIMELINE_STEPS))
-    shown = mine[first:first + TIMELINE_STEPS]
+    shown = mine[first : first + TIMELINE_STEPS]
     start = shown[0]["t"]
-    return start, max(max(map(_end, shown)), start + 1e-3)     # steps with no recorded times: still a window
+    return start, max(max(map(_end, shown)), start + 1e-3)  # steps with no recorded times: still a window
 
 
 def _draw_timeline(ax, steps: list[dict], lo: float, hi: float) -> None:
@@ -232,8 +267,14 @@ def _draw_timeline(ax, steps: list[dict], lo: float, hi: float) -> None:
                     spans.append((starts[i], d))
                 starts[i] += d
             if spans:
-                ax.broken_barh(spans, (rank - 0.4, 0.8), facecolors=colour, hatch=hatch, linewidth=0.3,
-                               edgecolor="#e6550d" if hatch else "white")
+                ax.broken_barh(
+                    spans,
+                    (rank - 0.4, 0.8),
+                    facecolors=colour,
+                    hatch=hatch,
+                    linewidth=0.3,
+                    edgecolor="#e6550d" if hatch else "white",
+                )
 
 
 def timeline(plot_dir: Path, rows: list[dict], events: dict, settings: dict) -> Path | None:
@@ -243,8 +284,11 @@ def timeline(plot_dir: Path, rows: list[dict], events: dict, settings: dict) -> 
     shown = []
     for m in modes:
         runs = rows_of(ok, group, m) if group else []
-        steps = [e for e in _steps(events, runs[0]["run"]) if _number(e.get("t")) and isinstance(e.get("rank"), int)
-                 ] if runs else []
+        steps = (
+            [e for e in _steps(events, runs[0]["run"]) if _number(e.get("t")) and isinstance(e.get("rank"), int)]
+            if runs
+            else []
+        )
         if window := _window(steps):
             shown.append((m, runs[0]["run"], steps, window))
     if not shown:
@@ -253,11 +297,13 @@ def timeline(plot_dir: Path, rows: list[dict], events: dict, settings: dict) -> 
     fig, axes = _grid(len(shown), 1, 11.0, 1.0 + 0.35 * max(ranks, 2))
     for ax, (m, run, steps, (lo, hi)) in zip(axes, shown):
         _draw_timeline(ax, steps, lo, hi)
-        ax.set(xlim=(lo, hi), ylim=(ranks - 0.5, -0.5), title=f"{m} (run {run})", xlabel=TIME_AXIS,
-               ylabel="worker rank")
+        ax.set(
+            xlim=(lo, hi), ylim=(ranks - 0.5, -0.5), title=f"{m} (run {run})", xlabel=TIME_AXIS, ylabel="worker rank"
+        )
         ax.set_yticks(range(ranks))
-    _legend(fig, [Patch(facecolor=c, hatch=h, edgecolor="#e6550d" if h else c, label=label)
-                  for _, label, c, h in SEGMENTS])
+    _legend(
+        fig, [Patch(facecolor=c, hatch=h, edgecolor="#e6550d" if h else c, label=label) for _, label, c, h in SEGMENTS]
+    )
     fig.suptitle(f"Per-worker timeline, {group_title(group)}, about {TIMELINE_STEPS} steps of the first repeat")
     return _save(fig, plot_dir, "timeline")
 
@@ -277,8 +323,14 @@ def scaling(plot_dir: Path, rows: list[dict], events: dict, settings: dict) -> P
             points = [(n, s) for n in counts if (s := spread(rows_of(ok, (n, setting), m), key)).median is not None]
             if not points:
                 continue
-            ax.errorbar([n for n, _ in points], [s.median for _, s in points], color=colour[m], marker="o",
-                        capsize=3, yerr=[[s.median - s.low for _, s in points], [s.high - s.median for _, s in points]])
+            ax.errorbar(
+                [n for n, _ in points],
+                [s.median for _, s in points],
+                color=colour[m],
+                marker="o",
+                capsize=3,
+                yerr=[[s.median - s.low for _, s in points], [s.high - s.median for _, s in points]],
+            )
             if m not in drawn:
                 drawn.append(m)
             if key == "samples_per_s" and ideal is None and points[0][0] == counts[0]:
@@ -310,23 +362,35 @@ def intervals(plot_dir: Path, rows: list[dict], events: dict, settings: dict) ->
     Points, not bars: a bar starts at 0, and 0.88 against 0.90 would look the same.
     """
     ok, groups, modes, colour = _context(rows, settings)
-    cells = {(g, m, k): spread(rows_of(ok, g, m), k) for g in groups for m in modes
-             for k in ("time_to_target_s", "final_test_accuracy")}
+    cells = {
+        (g, m, k): spread(rows_of(ok, g, m), k)
+        for g in groups
+        for m in modes
+        for k in ("time_to_target_s", "final_test_accuracy")
+    }
     if not any(s.n > 1 for s in cells.values()):
         return None
     fig, axes = _grid(2, 2, 6.0, 4.0)
     width = 0.8 / max(1, len(modes))
-    for ax, key, label in zip(axes, ("time_to_target_s", "final_test_accuracy"),
-                              ("seconds to the target", "final test accuracy")):
+    for ax, key, label in zip(
+        axes, ("time_to_target_s", "final_test_accuracy"), ("seconds to the target", "final test accuracy")
+    ):
         for i, m in enumerate(modes):
             for j, g in enumerate(groups):
                 s = cells[g, m, key]
                 if s.median is None:
                     continue
                 lo, hi = s.ci if s.ci else (s.low, s.high)
-                bars = ax.errorbar(j + (i - (len(modes) - 1) / 2) * width, s.median,
-                                   yerr=[[s.median - lo], [max(hi - s.median, 0.0)]], color=colour[m], marker="o",
-                                   ms=6, capsize=4, lw=1.5)
+                bars = ax.errorbar(
+                    j + (i - (len(modes) - 1) / 2) * width,
+                    s.median,
+                    yerr=[[s.median - lo], [max(hi - s.median, 0.0)]],
+                    color=colour[m],
+                    marker="o",
+                    ms=6,
+                    capsize=4,
+                    lw=1.5,
+                )
                 if s.ci is None:
                     bars[-1][0].set_linestyle("--")
         ax.set_xticks(range(len(groups)), [group_title(g) for g in groups], rotation=10, fontsize=8)
@@ -348,9 +412,18 @@ def accuracy_vs_progress(plot_dir: Path, rows: list[dict], events: dict, setting
     mode computes with how much it learns per step; steps and epochs separate the two.
     """
     ok, groups, modes, colour = _context(rows, settings)
-    curves = {(g, m): [[e for e in events.get(r["run"]) or [] if e.get("event") == "eval"
-                        and _number(e.get("test_accuracy")) and isinstance(e.get("step"), int)]
-                       for r in rows_of(ok, g, m)] for g in groups for m in modes}
+    curves = {
+        (g, m): [
+            [
+                e
+                for e in events.get(r["run"]) or []
+                if e.get("event") == "eval" and _number(e.get("test_accuracy")) and isinstance(e.get("step"), int)
+            ]
+            for r in rows_of(ok, g, m)
+        ]
+        for g in groups
+        for m in modes
+    }
     drawn = [m for m in modes if any(c for g in groups for c in curves[g, m])]
     if not drawn:
         return None
@@ -359,16 +432,25 @@ def accuracy_vs_progress(plot_dir: Path, rows: list[dict], events: dict, setting
     fig, axes = _grid(len(groups) * axes_per_group, axes_per_group, 6.0, 4.0)
     target = settings.get("target_accuracy")
     for k, g in enumerate(groups):
-        for a, (x_key, x_label) in enumerate((("step", "step (of the evaluating worker)"),
-                                              ("epoch", "epoch (passes over the worker's shard)"))[:axes_per_group]):
+        for a, (x_key, x_label) in enumerate(
+            (("step", "step (of the evaluating worker)"), ("epoch", "epoch (passes over the worker's shard)"))[
+                :axes_per_group
+            ]
+        ):
             ax = axes[k * axes_per_group + a]
             for m in drawn:
                 for i, curve in enumerate(c for c in curves[g, m] if c):
                     points = [(e[x_key], e["test_accuracy"]) for e in curve if _number(e.get(x_key))]
                     if points:
                         x, y = zip(*sorted(points))
-                        ax.plot(x, y, color=colour[m], lw=2 if i == 0 else 1, alpha=1 if i == 0 else 0.4,
-                                marker="o" if len(x) < 3 else None)
+                        ax.plot(
+                            x,
+                            y,
+                            color=colour[m],
+                            lw=2 if i == 0 else 1,
+                            alpha=1 if i == 0 else 0.4,
+                            marker="o" if len(x) < 3 else None,
+                        )
             if target is not None:
                 ax.axhline(target, color="0.3", ls="--", lw=1)
             ax.set(title=group_title(g), xlabel=x_label, ylabel="test accuracy")
@@ -393,8 +475,11 @@ def sensitivity(plot_dir: Path, tune_rows: list[dict], settings: dict) -> Path |
     grid = settings.get("tune") or {}
     points = list(dict.fromkeys(grid_point(r, grid) for r in in_group))
     fig, axes = _grid(2, 2, 6.0, 4.0)
-    for ax, key, label in zip(axes, ("time_to_target_s", "final_test_accuracy"),
-                              ("median seconds to the tuning target", "median final test accuracy")):
+    for ax, key, label in zip(
+        axes,
+        ("time_to_target_s", "final_test_accuracy"),
+        ("median seconds to the tuning target", "median final test accuracy"),
+    ):
         for m in modes:
             runs = {p: [r for r in in_group if r["mode"] == m and grid_point(r, grid) == p] for p in points}
             medians = {p: spread(rs, key).median for p, rs in runs.items() if rs}
@@ -413,39 +498,58 @@ def sensitivity(plot_dir: Path, tune_rows: list[dict], settings: dict) -> Path |
 
 PLOTS = (
     (accuracy_vs_time, "Test accuracy against seconds since the run's start, per mode; the dashed line is the target."),
-    (accuracy_vs_progress, "Test accuracy against the evaluating worker's steps and, where known, epochs (passes over "
-                           "its shard), per mode; the dashed line is the target."),
-    (intervals, "Time to target and final test accuracy per mode: medians over repeats; solid error bars the "
-                "bootstrap 95% interval of the median (2,000 resamples, from 5 or more repeats each with its own "
-                "seed), dashed ones the range min..max where there are fewer. A difference is settled only where "
-                "the intervals do not overlap."),
+    (
+        accuracy_vs_progress,
+        "Test accuracy against the evaluating worker's steps and, where known, epochs (passes over "
+        "its shard), per mode; the dashed line is the target.",
+    ),
+    (
+        intervals,
+        "Time to target and final test accuracy per mode: medians over repeats; solid error bars the "
+        "bootstrap 95% interval of the median (2,000 resamples, from 5 or more repeats each with its own "
+        "seed), dashed ones the range min..max where there are fewer. A difference is settled only where "
+        "the intervals do not overlap.",
+    ),
     (loss_vs_steps, "Training loss per step, averaged over workers and repeats."),
     (samples_per_s, "Samples per second of all workers together: median over repeats, error bars min to max."),
-    (staleness, "How many updates behind the weights each push was computed on, per mode (the first group with "
-                "stragglers, else the one with the most workers)."),
-    (timeline, "What each worker did over about twenty steps of one run per mode: pulling (including waiting for "
-               "the others), computing, the injected straggler delay and pushing."),
+    (
+        staleness,
+        "How many updates behind the weights each push was computed on, per mode (the first group with "
+        "stragglers, else the one with the most workers).",
+    ),
+    (
+        timeline,
+        "What each worker did over about twenty steps of one run per mode: pulling (including waiting for "
+        "the others), computing, the injected straggler delay and pushing.",
+    ),
     (scaling, "Throughput and time to target against the number of workers; the dashed line is perfect scaling."),
 )
-SENSITIVITY = ("Tuning: median time to the tuning target and median final test accuracy of each mode at each grid "
-               "point, over its tuning runs (x: a run there diverged).")
+SENSITIVITY = (
+    "Tuning: median time to the tuning target and median final test accuracy of each mode at each grid "
+    "point, over its tuning runs (x: a run there diverged)."
+)
 
 
-def write_plots(plot_dir: Path, rows: list[dict], events: dict, settings: dict,
-                tuning=None) -> dict[str, tuple[Path, str]]:
+def write_plots(
+    plot_dir: Path, rows: list[dict], events: dict, settings: dict, tuning=None
+) -> dict[str, tuple[Path, str]]:
     """Every plot that has something to show: its name -> (PNG path, caption), in the report's order.
 
     ``tuning`` (a :class:`psgrid.cluster.experiments.report.Tuning`) adds the sensitivity plot first.
     """
     written = {}
-    plots = [(lambda d, r, e, s: sensitivity(d, tuning.rows, s) if tuning else None, SENSITIVITY, "sensitivity"),
-             *((plot, caption, plot.__name__) for plot, caption in PLOTS)]
+    plots = [
+        (lambda d, r, e, s: sensitivity(d, tuning.rows, s) if tuning else None, SENSITIVITY, "sensitivity"),
+        *((plot, caption, plot.__name__) for plot, caption in PLOTS),
+    ]
     for plot, caption, name in plots:
         try:
             path = plot(plot_dir, rows, events, settings)
         except Exception as exc:  # noqa: BLE001 - a plot that cannot be drawn must not take the report with it
-            print(f"psctl compare: the {name} plot is left out of the report: {type(exc).__name__}: {exc}",
-                  file=sys.stderr)
+            print(
+                f"psctl compare: the {name} plot is left out of the report: {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+            )
             path = None
         if path is None:
             # An earlier report of this folder (before a --resume) may have left one behind.

@@ -22,16 +22,21 @@ import psgrid
 from psgrid.cluster.job.config import JobConfig
 
 GIT_TIMEOUT_S = 10.0
-PER_RUN = ("mode", "staleness", "workers", "stragglers", "seed")     # set per run: in summary.csv, not here
+PER_RUN = ("mode", "staleness", "workers", "stragglers", "seed")  # set per run: in summary.csv, not here
 # Packages whose versions change what a run computes, where installed (a script may load either).
 OPTIONAL = ("cupy", "torch")
 
 
-def provenance(job: JobConfig, *, seeds: list[int] | None, script: list[str] | None,
-               given: list[str] | None = None) -> dict:
+def provenance(
+    job: JobConfig, *, seeds: list[int] | None, script: list[str] | None, given: list[str] | None = None
+) -> dict:
     """The record: ``{"psgrid": "0.1.0", "git_commit": ..., "python": ..., ...}`` (see the module's docstring)."""
-    found = {"psgrid": _version("psgrid"), **git_state(Path(psgrid.__file__).resolve().parent),
-             "python": sys.version.split()[0], "numpy": numpy.__version__}
+    found = {
+        "psgrid": _version("psgrid"),
+        **git_state(Path(psgrid.__file__).resolve().parent),
+        "python": sys.version.split()[0],
+        "numpy": numpy.__version__,
+    }
     for name in OPTIONAL:
         found[name] = optional_version(name)
     found["seeds"] = seeds
@@ -45,12 +50,17 @@ def provenance(job: JobConfig, *, seeds: list[int] | None, script: list[str] | N
 def git_state(where: Path) -> dict:
     """``git_commit`` and ``git_tree`` (clean / changed) of the checkout holding ``where``; {} outside one."""
     try:
-        commit = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=GIT_TIMEOUT_S)
+        commit = subprocess.run(
+            ["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=GIT_TIMEOUT_S
+        )
         if commit.returncode != 0:
             return {}
-        changed = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
-                                 capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
+        changed = subprocess.run(
+            ["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return {}
     state = "unknown" if changed.returncode != 0 else "changed" if changed.stdout.strip() else "clean"
@@ -84,10 +94,13 @@ def imposed_settings(job: JobConfig) -> dict:
 
     tables = job.public_dict()
     train = tables.get("train") or {}
-    return {"job": {k: v for k, v in (tables.get("job") or {}).items() if k not in ("out", "name", *PER_RUN)},
-            "server": {k: v for k, v in (tables.get("server") or {}).items() if k not in PER_RUN},
-            "train": {k: train[k] for k in dict.fromkeys(WORKER_SETTINGS + CLIENT_SETTINGS)
-                      if k in train and k not in PER_RUN}}
+    return {
+        "job": {k: v for k, v in (tables.get("job") or {}).items() if k not in ("out", "name", *PER_RUN)},
+        "server": {k: v for k, v in (tables.get("server") or {}).items() if k not in PER_RUN},
+        "train": {
+            k: train[k] for k in dict.fromkeys(WORKER_SETTINGS + CLIENT_SETTINGS) if k in train and k not in PER_RUN
+        },
+    }
 
 
 def _version(name: str) -> str | None:

@@ -15,13 +15,24 @@ import html
 import json
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from psgrid.cluster.experiments import stability
-from psgrid.cluster.experiments.grouping import (MIN_REPEATS, Spread, acc, finished, group_title, groups_of, modes_of,
-                                                 rows_of, secs, sig, spread)
+from psgrid.cluster.experiments.grouping import (
+    MIN_REPEATS,
+    Spread,
+    acc,
+    finished,
+    group_title,
+    groups_of,
+    modes_of,
+    rows_of,
+    secs,
+    sig,
+    spread,
+)
 from psgrid.cluster.experiments.reading import reading
 from psgrid.cluster.experiments.target import rule_text
 from psgrid.cluster.experiments.tuning import grid_point
@@ -35,12 +46,13 @@ PLOTS_SKIPPED = "plots skipped: pip install 'psgrid[plots]'"
 class Tuning:
     """What ``--tune`` ran and chose (:mod:`psgrid.cluster.experiments.tuning`)."""
 
-    rows: list[dict]                          # the tune runs' summary rows
-    chosen: dict[tuple, list[str]]            # (mode, workers, stragglers) -> the run ids of its best point
-    target: float | None                      # the tuning target, the report's too unless one was given
+    rows: list[dict]  # the tune runs' summary rows
+    chosen: dict[tuple, list[str]]  # (mode, workers, stragglers) -> the run ids of its best point
+    target: float | None  # the tuning target, the report's too unless one was given
 
 
 # ---- the blocks and their two renderings ---------------------------------------------------
+
 
 @dataclass
 class Heading:
@@ -61,8 +73,8 @@ class Table:
 
 @dataclass
 class Image:
-    path: Path          # the PNG on disk, embedded in the HTML
-    rel: str            # its path relative to the report, for the markdown
+    path: Path  # the PNG on disk, embedded in the HTML
+    rel: str  # its path relative to the report, for the markdown
     caption: str
 
 
@@ -116,12 +128,16 @@ def to_html(blocks: list, title: str) -> str:
             body.append(f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{rows}</tbody>\n</table>")
         elif isinstance(b, Image):
             data = base64.b64encode(b.path.read_bytes()).decode("ascii")
-            body.append(f'<figure><img alt="{e(b.caption)}" src="data:image/png;base64,{data}">'
-                        f"<figcaption>{e(b.caption)}</figcaption></figure>")
+            body.append(
+                f'<figure><img alt="{e(b.caption)}" src="data:image/png;base64,{data}">'
+                f"<figcaption>{e(b.caption)}</figcaption></figure>"
+            )
         elif isinstance(b, Code):
             body.append(f"<pre><code>{e(b.text)}</code></pre>")
-    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{e(title)}</title>\n'
-            f"<style>{CSS}</style>\n</head>\n<body>\n" + "\n".join(body) + "\n</body>\n</html>\n")
+    return (
+        f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>{e(title)}</title>\n'
+        f"<style>{CSS}</style>\n</head>\n<body>\n" + "\n".join(body) + "\n</body>\n</html>\n"
+    )
 
 
 # ---- the content ------------------------------------------------------------------------------------
@@ -149,14 +165,14 @@ def _cell(s: Spread, fmt: Callable[[float], str]) -> str:
     return fmt(s.median)
 
 
-INTERVAL_METRICS = ("time_to_target_s", "final_test_accuracy")    # the summary shows their intervals or ranges
+INTERVAL_METRICS = ("time_to_target_s", "final_test_accuracy")  # the summary shows their intervals or ranges
 
 
 def _metric_cells(runs: list[dict], with_range: bool) -> list[str]:
     cells = []
     for key, _, fmt in METRICS:
         s = spread(runs, key)
-        if with_range:          # the per-mode tables: the range of the repeats, always
+        if with_range:  # the per-mode tables: the range of the repeats, always
             s = Spread(s.median, s.low, s.high, s.n)
         elif key not in INTERVAL_METRICS:
             s = Spread(s.median, s.median, s.median, s.n)
@@ -178,12 +194,31 @@ def summary_table(ok: list[dict], settings: dict) -> Table:
     """One row per (group, mode): its stability first, then medians with 95% intervals or min..max."""
     with_settings = any(r.get("settings") for r in ok)
     verdicts = stability.verdicts(ok)
-    rows = [[str(g[0]), g[1], m, _stability_cell(runs, verdicts), *([_settings_of(runs)] if with_settings else []),
-             *_metric_cells(runs, with_range=False)]
-            for g in groups_of(ok, settings) for m in modes_of(ok, settings)
-            if (runs := rows_of(ok, g, m))]
-    return Table(["workers", "stragglers", "mode", "stability", *(["settings"] if with_settings else []),
-                  *(t for _, t, _ in METRICS), "n"], rows)
+    rows = [
+        [
+            str(g[0]),
+            g[1],
+            m,
+            _stability_cell(runs, verdicts),
+            *([_settings_of(runs)] if with_settings else []),
+            *_metric_cells(runs, with_range=False),
+        ]
+        for g in groups_of(ok, settings)
+        for m in modes_of(ok, settings)
+        if (runs := rows_of(ok, g, m))
+    ]
+    return Table(
+        [
+            "workers",
+            "stragglers",
+            "mode",
+            "stability",
+            *(["settings"] if with_settings else []),
+            *(t for _, t, _ in METRICS),
+            "n",
+        ],
+        rows,
+    )
 
 
 def _settings_of(runs: list[dict]) -> str:
@@ -193,72 +228,103 @@ def _settings_of(runs: list[dict]) -> str:
 def mode_table(ok: list[dict], settings: dict, mode: str) -> Table:
     """One row per group: median [min..max] over repeats."""
     verdicts = stability.verdicts(ok)
-    rows = [[str(g[0]), g[1], _stability_cell(runs, verdicts), *_metric_cells(runs, with_range=True)]
-            for g in groups_of(ok, settings) if (runs := rows_of(ok, g, mode))]
+    rows = [
+        [str(g[0]), g[1], _stability_cell(runs, verdicts), *_metric_cells(runs, with_range=True)]
+        for g in groups_of(ok, settings)
+        if (runs := rows_of(ok, g, mode))
+    ]
     return Table(["workers", "stragglers", "stability", *(t for _, t, _ in METRICS), "n"], rows)
 
 
 def _target_text(settings: dict) -> str:
     target = settings.get("target_accuracy")
     if target is None:
-        return ("Target test accuracy: none (no run that finished without diverging recorded a final test accuracy), "
-                "so no time to target.")
+        return (
+            "Target test accuracy: none (no run that finished without diverging recorded a final test accuracy), "
+            "so no time to target."
+        )
     how = rule_text(settings.get("target_source") or "auto")
-    return (f"Target test accuracy: {acc(target)}, {how}. Time to target counts from the run's start; a run that "
-            f"never reached it is counted as 'k of n reached', and a median is given only where more than half "
-            f"reached it.")
+    return (
+        f"Target test accuracy: {acc(target)}, {how}. Time to target counts from the run's start; a run that "
+        f"never reached it is counted as 'k of n reached', and a median is given only where more than half "
+        f"reached it."
+    )
 
 
 def _interval_text(ok: list[dict]) -> str:
-    settings = [spread(rows_of(ok, g, m), "final_test_accuracy")
-                for g, m in dict.fromkeys(((r["workers"], r["stragglers"]), r["mode"]) for r in ok)]
+    settings = [
+        spread(rows_of(ok, g, m), "final_test_accuracy")
+        for g, m in dict.fromkeys(((r["workers"], r["stragglers"]), r["mode"]) for r in ok)
+    ]
     if any(s.ci is not None for s in settings):
-        return (f"Where a setting ran {MIN_REPEATS} or more repeats, each with its own seed, time to target and final "
-                f"accuracy show the bootstrap 95% interval of the median as [low, high]; elsewhere [min..max] is the "
-                f"range of the repeats, not an interval. ")
+        return (
+            f"Where a setting ran {MIN_REPEATS} or more repeats, each with its own seed, time to target and final "
+            f"accuracy show the bootstrap 95% interval of the median as [low, high]; elsewhere [min..max] is the "
+            f"range of the repeats, not an interval. "
+        )
     if any(s.of > 1 and not s.varied for s in settings):
-        return ("[min..max] is the range of the repeats. They ran with the same seed, so they differ only by timing "
-                "and no interval is drawn from them: nothing here is settled. ")
-    return (f"[min..max] is the range of the repeats, not an interval: it takes {MIN_REPEATS} repeats, each with its "
-            f"own seed, to draw a 95% interval, so nothing here is settled. ")
+        return (
+            "[min..max] is the range of the repeats. They ran with the same seed, so they differ only by timing "
+            "and no interval is drawn from them: nothing here is settled. "
+        )
+    return (
+        f"[min..max] is the range of the repeats, not an interval: it takes {MIN_REPEATS} repeats, each with its "
+        f"own seed, to draw a 95% interval, so nothing here is settled. "
+    )
 
 
 def tuning_blocks(t: Tuning, settings: dict) -> list:
     """Each mode's chosen settings, and how every grid point did (mode x setting)."""
     steps = settings.get("tune_steps")
     n = int(settings.get("tune_repeats") or 1)
-    blocks = [Heading("Tuning"),
-              Paragraph(f"Each mode ran every point of the grid ({_grid_text(settings)}) {_times(n)}"
-                        + (f", {steps} steps per worker" if steps else "")
-                        + (", repeat r with seed base+r" if n > 1 else "")
-                        + ", and its repeats ran at its best point: over the point's tuning runs, none diverged, "
-                          "more than half reached the tuning target, the shortest median time to it, then the best "
-                          "median final test accuracy. The tuning target is "
-                        + ("-" if t.target is None else acc(t.target)) + ", "
-                        + rule_text("given" if settings.get("target_source") == "given" else "tuning") + "."),
-              ]
+    blocks = [
+        Heading("Tuning"),
+        Paragraph(
+            f"Each mode ran every point of the grid ({_grid_text(settings)}) {_times(n)}"
+            + (f", {steps} steps per worker" if steps else "")
+            + (", repeat r with seed base+r" if n > 1 else "")
+            + ", and its repeats ran at its best point: over the point's tuning runs, none diverged, "
+            "more than half reached the tuning target, the shortest median time to it, then the best "
+            "median final test accuracy. The tuning target is "
+            + ("-" if t.target is None else acc(t.target))
+            + ", "
+            + rule_text("given" if settings.get("target_source") == "given" else "tuning")
+            + "."
+        ),
+    ]
     by_id = {r["run"]: r for r in t.rows}
     chosen_rows = []
     for (mode, workers, strag), runs in t.chosen.items():
         rs = [by_id[r] for r in runs if r in by_id]
         if rs:
             chosen_rows.append([str(workers), strag, mode, rs[0].get("settings") or "job's", _ttt(rs), _final(rs)])
-    blocks.append(Table(["workers", "stragglers", "mode", "chosen settings", "time to target (s)",
-                         "final test accuracy"], chosen_rows))
+    blocks.append(
+        Table(
+            ["workers", "stragglers", "mode", "chosen settings", "time to target (s)", "final test accuracy"],
+            chosen_rows,
+        )
+    )
     for g in dict.fromkeys((r["workers"], r["stragglers"]) for r in t.rows):
         modes = list(dict.fromkeys(r["mode"] for r in t.rows if (r["workers"], r["stragglers"]) == g))
-        points = list(dict.fromkeys(grid_point(r, settings.get("tune") or {}) for r in t.rows
-                                    if (r["workers"], r["stragglers"]) == g))
+        points = list(
+            dict.fromkeys(
+                grid_point(r, settings.get("tune") or {}) for r in t.rows if (r["workers"], r["stragglers"]) == g
+            )
+        )
         cells: dict[tuple, list[dict]] = {}
         for r in t.rows:
             if (r["workers"], r["stragglers"]) == g:
                 cells.setdefault((r["mode"], grid_point(r, settings.get("tune") or {})), []).append(r)
         table = [[p, *(_point_cell(cells.get((m, p)), t.chosen.get((m, *g))) for m in modes)] for p in points]
-        blocks += [Heading(f"Sensitivity, {group_title(g)}", 3),
-                   Paragraph("Each cell, over that point's tuning runs: median time to the tuning target (s) / median "
-                             "final test accuracy, and what did not hold (reached by k of n, diverged, unstable); "
-                             "* marks the point chosen for the repeats."),
-                   Table(["setting", *modes], table)]
+        blocks += [
+            Heading(f"Sensitivity, {group_title(g)}", 3),
+            Paragraph(
+                "Each cell, over that point's tuning runs: median time to the tuning target (s) / median "
+                "final test accuracy, and what did not hold (reached by k of n, diverged, unstable); "
+                "* marks the point chosen for the repeats."
+            ),
+            Table(["setting", *modes], table),
+        ]
     return blocks
 
 
@@ -316,8 +382,11 @@ def mode_settings_text(settings: dict) -> str | None:
         if not own:
             parts.append(f"{m} the job's")
             continue
-        said = [f"{k}={_value(v)}" + (" (the mode's default)" if k in defaults.get(m, {}) and k not in given.get(m, {})
-                                      else "") for k, v in own.items()]
+        said = [
+            f"{k}={_value(v)}"
+            + (" (the mode's default)" if k in defaults.get(m, {}) and k not in given.get(m, {}) else "")
+            for k, v in own.items()
+        ]
         parts.append(f"{m} " + ", ".join(said))
     if not parts:
         return None
@@ -328,35 +397,44 @@ def _value(v) -> str:
     return "true" if v is True else "false" if v is False else f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]] | None,
-          tuning: Tuning | None = None) -> list:
+def build(
+    settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]] | None, tuning: Tuning | None = None
+) -> list:
     """The report's blocks; ``plots`` maps a plot's name to its PNG and caption (None: matplotlib is missing)."""
     ok = finished(rows)
-    blocks: list = [Heading(settings.get("title") or "psctl compare", 1),
-                    Paragraph("The command that ran this experiment and wrote this report "
-                              "(run it again to reproduce both):"),
-                    Code(str(settings.get("command") or "(command not recorded)")),
-                    Heading("Setup")]
+    blocks: list = [
+        Heading(settings.get("title") or "psctl compare", 1),
+        Paragraph("The command that ran this experiment and wrote this report (run it again to reproduce both):"),
+        Code(str(settings.get("command") or "(command not recorded)")),
+        Heading("Setup"),
+    ]
     if machine := settings.get("machine") or {}:
         blocks.append(Table(["machine", ""], [[str(k), "none" if v is None else str(v)] for k, v in machine.items()]))
     if table := provenance_table(settings):
         blocks.append(table)
-    blocks += [Paragraph(("Script: " if settings.get("script") else "Job: ")
-                         + str(settings.get("job_summary") or "not recorded") + "."),
-               *([Paragraph(text)] if (text := mode_settings_text(settings)) else []),
-               Paragraph(_seeds_text(settings)),
-               Paragraph(_target_text(settings)),
-               *(tuning_blocks(tuning, settings) if tuning is not None else []),
-               Heading("Summary"),
-               Paragraph("Medians over the repeats that finished or diverged; n counts them. "
-                         + _interval_text(ok)
-                         + f"Stability comes first: {stability.RULE}. Staleness is how many updates behind the "
-                         "weights a push was computed on (a run's p99 is one it observed, a whole number; the table "
-                         "gives the median over repeats); wait is the time a worker spent blocked waiting for the "
-                         "others."),
-               summary_table(ok, settings) if ok else Paragraph("No run finished."),
-               Heading("Per mode"),
-               Paragraph("Median [min..max] over the repeats that finished or diverged.")]
+    blocks += [
+        Paragraph(
+            ("Script: " if settings.get("script") else "Job: ")
+            + str(settings.get("job_summary") or "not recorded")
+            + "."
+        ),
+        *([Paragraph(text)] if (text := mode_settings_text(settings)) else []),
+        Paragraph(_seeds_text(settings)),
+        Paragraph(_target_text(settings)),
+        *(tuning_blocks(tuning, settings) if tuning is not None else []),
+        Heading("Summary"),
+        Paragraph(
+            "Medians over the repeats that finished or diverged; n counts them. "
+            + _interval_text(ok)
+            + f"Stability comes first: {stability.RULE}. Staleness is how many updates behind the "
+            "weights a push was computed on (a run's p99 is one it observed, a whole number; the table "
+            "gives the median over repeats); wait is the time a worker spent blocked waiting for the "
+            "others."
+        ),
+        summary_table(ok, settings) if ok else Paragraph("No run finished."),
+        Heading("Per mode"),
+        Paragraph("Median [min..max] over the repeats that finished or diverged."),
+    ]
     for mode in modes_of(ok, settings):
         if any(r["mode"] == mode for r in ok):
             blocks += [Heading(mode, 3), mode_table(ok, settings, mode)]
@@ -369,11 +447,14 @@ def build(settings: dict, rows: list[dict], plots: dict[str, tuple[Path, str]] |
     blocks += [Paragraph(p) for p in reading(rows, settings, tuning.rows if tuning is not None else None)]
     failed = [r for r in rows if r not in ok]
     if failed:
-        blocks += [Heading("Runs that did not finish"),
-                   Paragraph("These are left out of every number above."),
-                   Table(["run", "mode", "workers", "stragglers", "repeat", "status"],
-                         [[str(r.get(k)) for k in ("run", "mode", "workers", "stragglers", "repeat", "status")]
-                          for r in failed])]
+        blocks += [
+            Heading("Runs that did not finish"),
+            Paragraph("These are left out of every number above."),
+            Table(
+                ["run", "mode", "workers", "stragglers", "repeat", "status"],
+                [[str(r.get(k)) for k in ("run", "mode", "workers", "stragglers", "repeat", "status")] for r in failed],
+            ),
+        ]
     return blocks
 
 
@@ -381,19 +462,27 @@ def _seeds_text(settings: dict) -> str:
     seeds = settings.get("seeds")
     if not seeds:
         return "Seeds: every repeat ran with the job's seed (recorded before seeds varied per repeat)."
-    seeds = seeds[:max(int(settings.get("repeats") or 1), int(settings.get("tune_repeats") or 0))]
+    seeds = seeds[: max(int(settings.get("repeats") or 1), int(settings.get("tune_repeats") or 0))]
     if len(set(seeds)) == 1:
-        return (f"Seeds: every repeat ran with seed {seeds[0]} (pinned with --seeds), so repeats differ only by "
-                f"timing and no interval is drawn from them.")
-    what = ("the job's [train] seed, in PSGRID_SEED: the straggler draws follow it, and your script's own data "
-            "order and initial weights where it reads that seed, as the examples do" if settings.get("script")
-            else "data order, initial weights and straggler draws")
-    return (f"Seeds: repeats {', '.join(map(str, range(len(seeds))))} of every mode ran with seeds "
-            f"{', '.join(map(str, seeds))} ({what}); each run's seed is in summary.csv.")
+        return (
+            f"Seeds: every repeat ran with seed {seeds[0]} (pinned with --seeds), so repeats differ only by "
+            f"timing and no interval is drawn from them."
+        )
+    what = (
+        "the job's [train] seed, in PSGRID_SEED: the straggler draws follow it, and your script's own data "
+        "order and initial weights where it reads that seed, as the examples do"
+        if settings.get("script")
+        else "data order, initial weights and straggler draws"
+    )
+    return (
+        f"Seeds: repeats {', '.join(map(str, range(len(seeds))))} of every mode ran with seeds "
+        f"{', '.join(map(str, seeds))} ({what}); each run's seed is in summary.csv."
+    )
 
 
-def write_report(out: Path, settings: dict, rows: list[dict], events: dict[str, list[dict]],
-                 tuning: Tuning | None = None) -> dict[str, Path]:
+def write_report(
+    out: Path, settings: dict, rows: list[dict], events: dict[str, list[dict]], tuning: Tuning | None = None
+) -> dict[str, Path]:
     """Write ``out/report.md``, ``out/report.html`` and ``out/plots/*.png``.
 
     Parameters
@@ -423,7 +512,7 @@ def write_report(out: Path, settings: dict, rows: list[dict], events: dict[str, 
 def _plotting():
     """:mod:`psgrid.cluster.experiments.plots`, or None (and one line on stderr) where matplotlib is not installed."""
     try:
-        from psgrid.cluster.experiments import plots   # matplotlib is loaded only to write a report
+        from psgrid.cluster.experiments import plots  # matplotlib is loaded only to write a report
     except ImportError as exc:
         if (exc.name or "").split(".")[0] != "matplotlib":
             raise
@@ -434,4 +523,3 @@ def _plotting():
 
 def _write(path: Path, text: str) -> None:
     files.replace_text(path, text)
-

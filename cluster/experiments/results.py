@@ -13,8 +13,8 @@ import csv
 import itertools
 import json
 import math
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
@@ -22,8 +22,19 @@ from psgrid.cluster.experiments import stability, validity
 from psgrid.cluster.experiments.experiment import ROW_FIELDS, Run
 from psgrid.psserver import files
 
-STEP_FIELDS = ("rank", "step", "loss", "pull_s", "compute_s", "delay_s", "push_s", "staleness", "outcome",
-               "samples", "bytes")
+STEP_FIELDS = (
+    "rank",
+    "step",
+    "loss",
+    "pull_s",
+    "compute_s",
+    "delay_s",
+    "push_s",
+    "staleness",
+    "outcome",
+    "samples",
+    "bytes",
+)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -34,7 +45,7 @@ def read_jsonl(path: Path) -> list[dict]:
                 try:
                     event = json.loads(line)
                 except ValueError:
-                    continue      # a line cut short by a crash
+                    continue  # a line cut short by a crash
                 if isinstance(event, dict):
                     events.append(event)
     except FileNotFoundError:
@@ -63,16 +74,34 @@ def run_events(run_dir: Path) -> list[dict]:
     if not starts:
         return []
     t0 = min(starts)
-    rows = {e.get("rank"): e["shard_rows"] for e in raw
-            if e.get("event") == "start" and _number(e.get("shard_rows")) and e["shard_rows"] > 0}
+    rows = {
+        e.get("rank"): e["shard_rows"]
+        for e in raw
+        if e.get("event") == "start" and _number(e.get("shard_rows")) and e["shard_rows"] > 0
+    }
     events = []
     for e in raw:
         if e.get("event") == "step" and _number(e.get("started")):
-            events.append({"event": "step", "t": e["started"] - t0, **{k: e.get(k) for k in STEP_FIELDS},
-                           "loss": validity.loss(e.get("loss"))})
+            events.append(
+                {
+                    "event": "step",
+                    "t": e["started"] - t0,
+                    **{k: e.get(k) for k in STEP_FIELDS},
+                    "loss": validity.loss(e.get("loss")),
+                }
+            )
         elif e.get("event") == "eval" and _number(e.get("time")):
-            events.append(validity.checked_eval({"event": "eval", "t": e["time"] - t0, "rank": e.get("rank"),
-                                                 "step": e.get("step"), "test_accuracy": e.get("test_accuracy")}))
+            events.append(
+                validity.checked_eval(
+                    {
+                        "event": "eval",
+                        "t": e["time"] - t0,
+                        "rank": e.get("rank"),
+                        "step": e.get("step"),
+                        "test_accuracy": e.get("test_accuracy"),
+                    }
+                )
+            )
     events.sort(key=lambda e: e["t"])
     if rows:
         _add_epochs(events, rows)
@@ -81,11 +110,11 @@ def run_events(run_dir: Path) -> list[dict]:
 
 def _add_epochs(events: list[dict], shard_rows: dict) -> None:
     """Each evaluation's ``epoch``: its rank's samples over the steps before it, over the rows of its shard."""
-    steps: dict = {}            # rank -> [(step, samples)] in step order
+    steps: dict = {}  # rank -> [(step, samples)] in step order
     for e in events:
         if e["event"] == "step" and isinstance(e.get("step"), int) and e.get("rank") in shard_rows:
             steps.setdefault(e["rank"], []).append((e["step"], e["samples"] if _number(e.get("samples")) else 0))
-    done: dict = {}             # rank -> (steps in order, samples through each)
+    done: dict = {}  # rank -> (steps in order, samples through each)
     for rank, pairs in steps.items():
         pairs.sort()
         done[rank] = ([k for k, _ in pairs], list(itertools.accumulate(n for _, n in pairs)))
@@ -127,8 +156,8 @@ def waits_by_worker(summary: dict) -> list[float] | None:
     return [per_worker.get(rank, 0.0) for rank in range(int(summary.get("workers") or 0))]
 
 
-CHANCE_FACTOR = 1.5     # test accuracy at or below 1.5 / classes is chance: the model learned nothing
-LOSS_GROWTH = 1.1       # a loss that ends 10% above where it began grew (a flat one wobbles by less)
+CHANCE_FACTOR = 1.5  # test accuracy at or below 1.5 / classes is chance: the model learned nothing
+LOSS_GROWTH = 1.1  # a loss that ends 10% above where it began grew (a flat one wobbles by less)
 
 
 def divergence(events: list[dict], summary: dict, classes: int | None) -> str | None:
@@ -156,8 +185,9 @@ def divergence(events: list[dict], summary: dict, classes: int | None) -> str | 
     return None
 
 
-def summarize_run(run: Run, summary: dict | None, events: list[dict], target: float | None,
-                  classes: int | None = None) -> dict:
+def summarize_run(
+    run: Run, summary: dict | None, events: list[dict], target: float | None, classes: int | None = None
+) -> dict:
     """The run's row of summary.csv (keys: ROW_FIELDS); ``classes`` as :func:`divergence` takes it."""
     summary = summary or {}
     # The shards refuse a non-finite gradient and the workers stop: the training diverged, psgrid did not fail.

@@ -18,8 +18,12 @@ from psgrid.cluster.run.procs import usable_cpus
 
 def machine() -> dict:
     """Where the experiment ran, for the report."""
-    info = {"host": socket.gethostname(), "cpus": usable_cpus(), "platform": platform.platform(terse=True),
-            "python": platform.python_version()}
+    info = {
+        "host": socket.gethostname(),
+        "cpus": usable_cpus(),
+        "platform": platform.platform(terse=True),
+        "python": platform.python_version(),
+    }
     try:
         info["load_1m"] = round(os.getloadavg()[0], 2)
     except OSError:
@@ -48,28 +52,47 @@ def job_summary(job: JobConfig) -> str:
     batch = "full batch" if t.batch_size == 0 else f"batch {t.batch_size} per worker"
     length = f"{t.epochs} epochs" if t.epochs else f"{t.steps} steps per worker"
     opt = f"{s.optimizer} lr {s.lr:g}" + (f" momentum {s.momentum:g}" if s.optimizer == "sgd" and s.momentum else "")
-    where = resolve_shard_device(s, t).upper()      # as each run's launcher will resolve "auto" on this machine
-    return (f"{model} on {t.dataset}, {batch}, {length}, {opt} on the shards, {job.shards} {where} shard(s), "
-            f"{'shared memory on one host, else ' if t.shared_memory else ''}{t.data_plane} data plane, "
-            f"device {t.device}, seed {t.seed}")
+    where = resolve_shard_device(s, t).upper()  # as each run's launcher will resolve "auto" on this machine
+    return (
+        f"{model} on {t.dataset}, {batch}, {length}, {opt} on the shards, {job.shards} {where} shard(s), "
+        f"{'shared memory on one host, else ' if t.shared_memory else ''}{t.data_plane} data plane, "
+        f"device {t.device}, seed {t.seed}"
+    )
 
 
 def script_summary(job: JobConfig, script: list[str], given: list[str] | None = None) -> str:
     """A user's script in one line: its command and what psgrid imposed on it (its own model and data are its own)."""
     s = job.server
     opt = f"{s.optimizer} lr {s.lr:g}" + (f" momentum {s.momentum:g}" if s.optimizer == "sgd" and s.momentum else "")
-    return (f"your script `{shlex.join(given or script)}` (its SHA-256 under provenance), run by every worker; psgrid "
-            f"imposed {opt} on the shards, {job.shards} {resolve_shard_device(s, job.train).upper()} shard(s), "
-            f"the {job.train.data_plane} data plane and the seed per repeat; its model, data and length are the "
-            f"script's own")
+    return (
+        f"your script `{shlex.join(given or script)}` (its SHA-256 under provenance), run by every worker; psgrid "
+        f"imposed {opt} on the shards, {job.shards} {resolve_shard_device(s, job.train).upper()} shard(s), "
+        f"the {job.train.data_plane} data plane and the seed per repeat; its model, data and length are the "
+        f"script's own"
+    )
 
 
-def settings_for(job: JobConfig, *, command: list[str], modes, workers, stragglers, repeats: int,
-                 target: float | None, backup_workers: int | None, tune: dict | None = None,
-                 tune_steps: int | None = None, mode_settings: dict | None = None,
-                 script: list[str] | None = None, classes: int | None = None, seeds: list[int] | None = None,
-                 tune_repeats: int = 1, mode_defaults: dict | None = None, tensorboard: str | None = None,
-                 script_given: list[str] | None = None) -> dict:
+def settings_for(
+    job: JobConfig,
+    *,
+    command: list[str],
+    modes,
+    workers,
+    stragglers,
+    repeats: int,
+    target: float | None,
+    backup_workers: int | None,
+    tune: dict | None = None,
+    tune_steps: int | None = None,
+    mode_settings: dict | None = None,
+    script: list[str] | None = None,
+    classes: int | None = None,
+    seeds: list[int] | None = None,
+    tune_repeats: int = 1,
+    mode_defaults: dict | None = None,
+    tensorboard: str | None = None,
+    script_given: list[str] | None = None,
+) -> dict:
     """The experiment's settings as ``D/experiment.json`` keeps them (``command``: psctl compare's arguments).
 
     ``seeds`` are the repeats' (repeat r: ``seeds[r]``), ``mode_defaults`` the settings each mode runs with
@@ -81,17 +104,26 @@ def settings_for(job: JobConfig, *, command: list[str], modes, workers, straggle
     info["gpu"] = gpu_name(job.train.device)
     return {
         "command": "psctl compare " + shlex.join(command),
-        "modes": [m.label for m in modes], "workers": list(workers), "stragglers": list(stragglers),
-        "repeats": repeats, "backup_workers": backup_workers, "target_accuracy": target,
-        "tune": tune or {}, "tune_steps": tune_steps,
+        "modes": [m.label for m in modes],
+        "workers": list(workers),
+        "stragglers": list(stragglers),
+        "repeats": repeats,
+        "backup_workers": backup_workers,
+        "target_accuracy": target,
+        "tune": tune or {},
+        "tune_steps": tune_steps,
         "mode_settings": {m: [list(kv) for kv in s] for m, s in (mode_settings or {}).items()},
         "mode_defaults": {m: [list(kv) for kv in s] for m, s in (mode_defaults or {}).items()},
-        "seeds": seeds, "tune_repeats": tune_repeats if tune else None, "tensorboard": tensorboard,
-        "script": script, "shards": job.shards, "classes": classes,
+        "seeds": seeds,
+        "tune_repeats": tune_repeats if tune else None,
+        "tensorboard": tensorboard,
+        "script": script,
+        "shards": job.shards,
+        "classes": classes,
         "target_source": "given" if target is not None else "auto",
-        "machine": info, "job_summary": script_summary(job, script, script_given) if script else job_summary(job),
+        "machine": info,
+        "job_summary": script_summary(job, script, script_given) if script else job_summary(job),
         "provenance": provenance(job, seeds=seeds, script=script, given=script_given),
         "job": job.public_dict(),
         "title": f"psctl compare: {job.name}",
     }
-

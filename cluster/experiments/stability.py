@@ -17,50 +17,58 @@ Pure functions of the rows and events: no files, no processes.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 
 from psgrid.cluster.experiments import validity
 
-UNSTABLE_SPREAD = 0.05      # final test accuracies of one setting more than this apart (max - min): unstable
-RISE_PARTS = 10             # the loss is read as the means of tenths of the run's steps (one step is too noisy)
-RISE_STRETCH = 3            # rising through this many consecutive tenths ...
-RISE_BY = 0.10              # ... by more than a tenth of where the stretch began: the loss rose for a stretch
+UNSTABLE_SPREAD = 0.05  # final test accuracies of one setting more than this apart (max - min): unstable
+RISE_PARTS = 10  # the loss is read as the means of tenths of the run's steps (one step is too noisy)
+RISE_STRETCH = 3  # rising through this many consecutive tenths ...
+RISE_BY = 0.10  # ... by more than a tenth of where the stretch began: the loss rose for a stretch
 STABLE, UNSTABLE, DIVERGED = "stable", "unstable", "diverged"
 
 # What a worker's last lines say when the shards refused a non-finite push (psserver/intake.py's message, and the
 # reason's name as a gRPC error shows it): the run diverged, it did not fail.
 NON_FINITE_SIGNS = ("contains NaN or infinity", "NON_FINITE", "non_finite")
 
-RULE = (f"unstable: final test accuracy spread more than {UNSTABLE_SPREAD:g} (max - min) across repeats, or a run's "
-        f"mean loss rose through {RISE_STRETCH} consecutive tenths of its steps by more than "
-        f"{RISE_BY:.0%}; diverged: loss or weights non-finite, loss grown over the run, or accuracy at chance")
+RULE = (
+    f"unstable: final test accuracy spread more than {UNSTABLE_SPREAD:g} (max - min) across repeats, or a run's "
+    f"mean loss rose through {RISE_STRETCH} consecutive tenths of its steps by more than "
+    f"{RISE_BY:.0%}; diverged: loss or weights non-finite, loss grown over the run, or accuracy at chance"
+)
 
 
 def refused_non_finite(summary: dict) -> bool:
     """Whether a failed run stopped because its weights or gradients turned non-finite (the shards' refusal)."""
     if summary.get("status") != "failed":
         return False
-    said = [str(summary.get("message") or "")] + [str(f.get("tail") or "") for f in summary.get("failures") or []
-                                                   if isinstance(f, dict)]
+    said = [str(summary.get("message") or "")] + [
+        str(f.get("tail") or "") for f in summary.get("failures") or [] if isinstance(f, dict)
+    ]
     return any(sign in text for text in said for sign in NON_FINITE_SIGNS)
 
 
 def loss_rise(events: Iterable[dict]) -> str | None:
     """Where the run's mean loss rose through RISE_STRETCH consecutive tenths by more than RISE_BY, in words."""
-    losses = [e["loss"] for e in events if e.get("event") == "step" and validity.real(e.get("loss"))
-              and math.isfinite(e["loss"])]
+    losses = [
+        e["loss"]
+        for e in events
+        if e.get("event") == "step" and validity.real(e.get("loss")) and math.isfinite(e["loss"])
+    ]
     if len(losses) < RISE_PARTS * 2:
         return None
     parts = [float(np.mean(p)) for p in np.array_split(np.asarray(losses), RISE_PARTS)]
     for i in range(RISE_PARTS - RISE_STRETCH):
-        stretch = parts[i:i + RISE_STRETCH + 1]
+        stretch = parts[i : i + RISE_STRETCH + 1]
         rising = all(b > a for a, b in zip(stretch, stretch[1:]))
         if rising and stretch[-1] - stretch[0] > RISE_BY * abs(stretch[0]):
-            return (f"its loss rose from {stretch[0]:.3g} to {stretch[-1]:.3g} over tenths "
-                    f"{i + 1}-{i + 1 + RISE_STRETCH} of its steps")
+            return (
+                f"its loss rose from {stretch[0]:.3g} to {stretch[-1]:.3g} over tenths "
+                f"{i + 1}-{i + 1 + RISE_STRETCH} of its steps"
+            )
     return None
 
 
@@ -73,9 +81,9 @@ class Verdict:
     """One setting's stability over its runs that count (finished or diverged)."""
 
     runs: int
-    diverged: int                             # runs that diverged
-    finals: tuple[float, ...]                 # final test accuracies of the runs that have one
-    risen: int                                # runs whose loss rose for a stretch
+    diverged: int  # runs that diverged
+    finals: tuple[float, ...]  # final test accuracies of the runs that have one
+    risen: int  # runs whose loss rose for a stretch
 
     @property
     def spread(self) -> float | None:
@@ -114,11 +122,19 @@ def verdicts(rows: Iterable[dict]) -> dict[tuple, Verdict]:
     by_setting: dict[tuple, list[dict]] = {}
     for r in counted(rows):
         by_setting.setdefault(setting_of(r), []).append(r)
-    return {key: Verdict(len(runs), sum(1 for r in runs if r.get("diverged")),
-                         tuple(float(r["final_test_accuracy"]) for r in runs if _number(r.get("final_test_accuracy"))
-                               and not r.get("diverged")),
-                         sum(1 for r in runs if r.get("loss_rise")))
-            for key, runs in by_setting.items()}
+    return {
+        key: Verdict(
+            len(runs),
+            sum(1 for r in runs if r.get("diverged")),
+            tuple(
+                float(r["final_test_accuracy"])
+                for r in runs
+                if _number(r.get("final_test_accuracy")) and not r.get("diverged")
+            ),
+            sum(1 for r in runs if r.get("loss_rise")),
+        )
+        for key, runs in by_setting.items()
+    }
 
 
 def mark(rows: list[dict]) -> list[dict]:
@@ -126,8 +142,13 @@ def mark(rows: list[dict]) -> list[dict]:
     found = verdicts(rows)
     for r in rows:
         verdict = found.get(setting_of(r))
-        r["stability"] = None if verdict is None else DIVERGED if r.get("diverged") else (
-            UNSTABLE if verdict.label != STABLE else STABLE)
+        r["stability"] = (
+            None
+            if verdict is None
+            else DIVERGED
+            if r.get("diverged")
+            else (UNSTABLE if verdict.label != STABLE else STABLE)
+        )
     return rows
 
 

@@ -14,20 +14,22 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import Iterable
+from collections.abc import Iterable
 
 from psgrid.cluster.experiments.stability import counted, setting_of
 
 FRACTION = 0.95
-GIVEN, AUTO, TUNING = "given", "auto", "tuning"     # where the target came from
+GIVEN, AUTO, TUNING = "given", "auto", "tuning"  # where the target came from
 
 
 def rule_text(source: str) -> str:
     """How the target was chosen, for the report."""
     if source == GIVEN:
         return "given on the command line"
-    rule = (f"{FRACTION:.0%} of the best setting's median final test accuracy (a median over repeats, diverged "
-            f"runs left out, so no single run sets it)")
+    rule = (
+        f"{FRACTION:.0%} of the best setting's median final test accuracy (a median over repeats, diverged "
+        f"runs left out, so no single run sets it)"
+    )
     return rule + (", over the tuning runs; the repeats are timed to the same target" if source == TUNING else "")
 
 

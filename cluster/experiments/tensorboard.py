@@ -23,7 +23,7 @@ from pathlib import Path
 from psgrid.cluster.errors import UsageError
 
 MISSING = "--tensorboard needs tensorboardX: pip install 'psgrid[tensorboard]'"
-EPOCH_SCALE = 1000          # TensorBoard's step is an integer: the epoch axis counts thousandths of an epoch
+EPOCH_SCALE = 1000  # TensorBoard's step is an integer: the epoch axis counts thousandths of an epoch
 
 
 def require() -> None:
@@ -39,7 +39,7 @@ def write_run(logdir: Path, name: str, events: list[dict]) -> Path:
     from tensorboardX import SummaryWriter
 
     folder = Path(logdir) / name
-    shutil.rmtree(folder, ignore_errors=True)     # a run done again replaces its curves, never doubles them
+    shutil.rmtree(folder, ignore_errors=True)  # a run done again replaces its curves, never doubles them
     writer = SummaryWriter(logdir=str(folder), flush_secs=3600)
     try:
         losses: dict[int, list[float]] = defaultdict(list)
@@ -54,8 +54,9 @@ def write_run(logdir: Path, name: str, events: list[dict]) -> Path:
             if e.get("event") == "eval" and isinstance(e.get("step"), int) and _finite(e.get("test_accuracy")):
                 writer.add_scalar("test/accuracy", e["test_accuracy"], e["step"], walltime=e["t"])
                 if _finite(e.get("epoch")):
-                    writer.add_scalar("test/accuracy_by_epoch", e["test_accuracy"],
-                                      round(e["epoch"] * EPOCH_SCALE), walltime=e["t"])
+                    writer.add_scalar(
+                        "test/accuracy_by_epoch", e["test_accuracy"], round(e["epoch"] * EPOCH_SCALE), walltime=e["t"]
+                    )
     finally:
         writer.close()
     return folder

@@ -19,18 +19,18 @@ import itertools
 import math
 import re
 
-from psgrid.cluster.job.config import JobConfig, ConfigError, apply_overrides, parse_assignment, route
 from psgrid.cluster.errors import UsageError
 from psgrid.cluster.experiments.experiment import Settings
 from psgrid.cluster.experiments.grouping import spread
 from psgrid.cluster.experiments.target import auto_target
+from psgrid.cluster.job.config import ConfigError, JobConfig, apply_overrides, parse_assignment, route
 
 DEFAULT_REPEATS = 2
 
 # Keys the experiment sets per run: tuning them would change what is compared.
 PER_RUN = ("mode", "staleness", "workers", "stragglers", "out", "name")
 
-Group = tuple[str, int, str]      # (mode label, workers, stragglers)
+Group = tuple[str, int, str]  # (mode label, workers, stragglers)
 
 
 def split_values(text: str) -> list[str]:
@@ -71,8 +71,10 @@ def parse_tune(texts: list[str], job: JobConfig, *, flag: str = "--tune", server
             # Not the job file's name: the value came from this flag.
             raise UsageError(f"{flag} {text}: {re.sub(r'^.*?[(]with overrides[)]: ', '', str(e))}") from None
         if server_only and sections != {"server"}:
-            raise UsageError(f"{flag} {text}: with a script after --, tune the shards' keys (lr, momentum, "
-                             f"optimizer, ...); the script reads its own training settings")
+            raise UsageError(
+                f"{flag} {text}: with a script after --, tune the shards' keys (lr, momentum, "
+                f"optimizer, ...); the script reads its own training settings"
+            )
         if len(set(map(repr, values))) != len(values):
             raise UsageError(f"{flag} {text}: a value is given twice")
         grid[key] = values
@@ -110,7 +112,7 @@ def choose(rows: list[dict]) -> dict[Group, list[dict]]:
     for r in _usable(rows):
         points.setdefault(point_of(r), []).append(r)
     chosen: dict[Group, list[dict]] = {}
-    for point, runs in points.items():          # the grid's order: the first of equals wins
+    for point, runs in points.items():  # the grid's order: the first of equals wins
         group = point[:3]
         if group not in chosen or _rank(runs) < _rank(chosen[group]):
             chosen[group] = runs
@@ -120,8 +122,12 @@ def choose(rows: list[dict]) -> dict[Group, list[dict]]:
 def _rank(runs: list[dict]) -> tuple:
     """Smaller is better: no repeat diverged, more than half reached the target, sooner, higher final accuracy."""
     ttt, final = spread(runs, "time_to_target_s").median, spread(runs, "final_test_accuracy").median
-    return (any(r.get("diverged") for r in runs), ttt is None, ttt if ttt is not None else 0.0,
-            -(final if final is not None else -1.0))
+    return (
+        any(r.get("diverged") for r in runs),
+        ttt is None,
+        ttt if ttt is not None else 0.0,
+        -(final if final is not None else -1.0),
+    )
 
 
 def _usable(rows: list[dict]) -> list[dict]:

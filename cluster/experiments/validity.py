@@ -16,14 +16,14 @@ every such value is checked where a run is read (results.py), and no report sees
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 # Past it a loss is taken as infinite. No training that has not diverged gets near it (float32, in which
 # workers compute, ends at 3.4e38), and it keeps every sum, mean and log-scaled plot of losses far from the
 # largest float (1.8e308): at 1e300, matplotlib's log axis overflowed drawing a margin past it.
 LARGEST_LOSS = 1e100
 ACCURACIES = {"test_accuracy": "test accuracy", "train_accuracy": "train accuracy"}
-REJECTED = "rejected"       # an event's key for the values left out of it, as the script logged them
+REJECTED = "rejected"  # an event's key for the values left out of it, as the script logged them
 
 
 def real(x) -> bool:
@@ -35,7 +35,7 @@ def loss(x) -> float | None:
     """A loss as reports read it: None if not a number, +-inf beyond +-LARGEST_LOSS, else the number."""
     if not real(x):
         return None
-    if abs(x) > LARGEST_LOSS:       # a JSON integer may be past any float: compared, never converted
+    if abs(x) > LARGEST_LOSS:  # a JSON integer may be past any float: compared, never converted
         return math.inf if x > 0 else -math.inf
     return float(x)
 
@@ -68,11 +68,14 @@ def problems(events: Iterable[dict], summary: dict) -> list[str]:
         final = summary.get(key)
         if not bad and final is not None and accuracy(final) is None:
             found.append(f"final {words} {_text(final)}, outside [0, 1]")
-    recorded = [x for e in events if e["event"] == "step" and (x := loss(e.get("loss"))) is not None
-                and not math.isnan(x)]
+    recorded = [
+        x for e in events if e["event"] == "step" and (x := loss(e.get("loss"))) is not None and not math.isnan(x)
+    ]
     if recorded and math.isinf(recorded[0]):
-        found.append(f"a loss infinite or past +-{LARGEST_LOSS:g} before any finite one "
-                     f"({_count(sum(map(math.isinf, recorded)), 'step')} in all)")
+        found.append(
+            f"a loss infinite or past +-{LARGEST_LOSS:g} before any finite one "
+            f"({_count(sum(map(math.isinf, recorded)), 'step')} in all)"
+        )
     return found
 
 
@@ -86,5 +89,5 @@ def _text(x) -> str:
         return repr(x)
     try:
         return f"{x:g}"
-    except OverflowError:       # a JSON integer past the largest float
+    except OverflowError:  # a JSON integer past the largest float
         return "an integer past 1.8e+308"

@@ -41,11 +41,11 @@ class EmulatedResult:
 
     workers: list[dict]
     accuracy: float | None
-    wall_s: float               # from the first worker's first step to the last worker's last
+    wall_s: float  # from the first worker's first step to the last worker's last
     link_bytes: dict[str, int]  # carried by the host links while the workers trained: to and from the hosts
-    steps: int                  # steps per worker
-    records: list[list[dict]] = field(default_factory=list)     # each worker's step records
-    starts: list[dict] = field(default_factory=list)            # each worker's start record (its data planes)
+    steps: int  # steps per worker
+    records: list[list[dict]] = field(default_factory=list)  # each worker's step records
+    starts: list[dict] = field(default_factory=list)  # each worker's start record (its data planes)
 
     @property
     def samples(self) -> int:
@@ -81,8 +81,15 @@ class EmulatedJob:
         Default: spread evenly over the hosts, in blocks.
     """
 
-    def __init__(self, network: EmulatedNetwork, job: JobConfig, out: str | Path, *,
-                 shard_hosts: list[int] | None = None, worker_hosts: list[int] | None = None):
+    def __init__(
+        self,
+        network: EmulatedNetwork,
+        job: JobConfig,
+        out: str | Path,
+        *,
+        shard_hosts: list[int] | None = None,
+        worker_hosts: list[int] | None = None,
+    ):
         import dataclasses
 
         hosts = len(network.hosts)
@@ -102,7 +109,7 @@ class EmulatedJob:
         self.job_file: Path | None = None
         self.deadline = 0.0
         self.weights_to: str | Path | None = None
-        self.counted: dict[str, dict] = {}        # the links' byte counters before and after the workers trained
+        self.counted: dict[str, dict] = {}  # the links' byte counters before and after the workers trained
 
     def run(self, timeout_s: float = 120.0, *, weights_to: str | Path | None = None) -> EmulatedResult:
         """Start the shards, then the workers; wait for the workers to end (at most ``timeout_s``); stop all.
@@ -132,7 +139,7 @@ class EmulatedJob:
         self._wait(self.workers, self.deadline)
         self.counted["after"] = self.network.counters()
         run.refresh()
-        return None       # the training time is the workers' own (first step to last end)
+        return None  # the training time is the workers' own (first step to last end)
 
     def finish(self, run: JobRun) -> None:
         if self.weights_to is not None:
@@ -148,8 +155,17 @@ class EmulatedJob:
     # -- the parts ---------------------------------------------------------------------------
 
     def _save_weights(self, job_file: Path, addresses: list[str], path: Path, deadline: float) -> None:
-        argv = [sys.executable, "-c", "import sys; from psgrid.cluster.hosts.observe import main; sys.exit(main())",
-                "--config", str(job_file), "--addresses", ",".join(addresses), "--out", str(path)]
+        argv = [
+            sys.executable,
+            "-c",
+            "import sys; from psgrid.cluster.hosts.observe import main; sys.exit(main())",
+            "--config",
+            str(job_file),
+            "--addresses",
+            ",".join(addresses),
+            "--out",
+            str(path),
+        ]
         observer = self._child("observer", 0, argv, child_env(credentials.child_env(self.job)))
         self._wait([observer], deadline)
 
@@ -158,8 +174,9 @@ class EmulatedJob:
         return write_job_file(self.out, self.job, "on emulated hosts")
 
     def _child(self, name: str, host: int, argv: list[str], env: dict[str, str]) -> Child:
-        child = Child(name, self.network.hosts[host].argv(argv), self.out / "logs" / f"{name.replace(' ', '-')}.log",
-                      env)
+        child = Child(
+            name, self.network.hosts[host].argv(argv), self.out / "logs" / f"{name.replace(' ', '-')}.log", env
+        )
         self.children.append(child)
         return child
 
@@ -168,9 +185,21 @@ class EmulatedJob:
         shards, paths = [], []
         for i, host in enumerate(self.shard_hosts):
             path = self.out / "addr" / f"shard-{i}"
-            argv = psctl_argv("server", "--config", str(job_file), "--shard", str(i), "--num-shards",
-                              str(self.job.shards), "--host", self.network.hosts[host].address, "--port", "0",
-                              "--address-file", str(path))
+            argv = psctl_argv(
+                "server",
+                "--config",
+                str(job_file),
+                "--shard",
+                str(i),
+                "--num-shards",
+                str(self.job.shards),
+                "--host",
+                self.network.hosts[host].address,
+                "--port",
+                "0",
+                "--address-file",
+                str(path),
+            )
             shards.append(self._child(f"server {i}", host, argv, env))
             paths.append(path)
         while not all(p.exists() for p in paths):
@@ -190,11 +219,24 @@ class EmulatedJob:
         workers = []
         for rank, host in enumerate(self.worker_hosts):
             local = rank - self.worker_hosts.index(host)
-            argv = psctl_argv("worker", "--config", str(job_file), "--addresses", ",".join(addresses),
-                              "--rank", str(rank), "--world", str(world),
-                              "--metrics", str(self._metrics_path(rank)))
-            workers.append(self._child(f"worker {rank}", host, argv,
-                                       dict(env, LOCAL_RANK=str(local), LOCAL_SIZE=str(per_host[host]))))
+            argv = psctl_argv(
+                "worker",
+                "--config",
+                str(job_file),
+                "--addresses",
+                ",".join(addresses),
+                "--rank",
+                str(rank),
+                "--world",
+                str(world),
+                "--metrics",
+                str(self._metrics_path(rank)),
+            )
+            workers.append(
+                self._child(
+                    f"worker {rank}", host, argv, dict(env, LOCAL_RANK=str(local), LOCAL_SIZE=str(per_host[host]))
+                )
+            )
         return workers
 
     def _metrics_path(self, rank: int) -> Path:
@@ -212,8 +254,9 @@ class EmulatedJob:
         for child in children:
             code = child.poll()
             if code is not None and code != 0:
-                raise JobFailed(f"{child.name} {child.describe_exit()}; last lines of {child.log_path}:\n"
-                                f"{child.tail()}")
+                raise JobFailed(
+                    f"{child.name} {child.describe_exit()}; last lines of {child.log_path}:\n{child.tail()}"
+                )
 
     def _result(self, before: dict, after: dict) -> EmulatedResult:
         workers, records, starts, accuracy = [], [], [], None
@@ -229,5 +272,4 @@ class EmulatedJob:
         first = [r[0]["started"] for r in records if r]
         wall = max(w["time"] for w in workers) - min(first) if first else 0.0
         link = {k: after[k] - before[k] for k in after}
-        return EmulatedResult(workers, accuracy, wall, link, max(w["steps"] for w in workers), records,
-                              starts)
+        return EmulatedResult(workers, accuracy, wall, link, max(w["steps"] for w in workers), records, starts)

@@ -72,9 +72,9 @@ def run_ip(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 @dataclass(frozen=True)
 class Host:
     index: int
-    netns: str          # the namespace's name
-    address: str        # eth0's address inside it
-    port: str           # the bridge-side end of its veth, in the root namespace
+    netns: str  # the namespace's name
+    address: str  # eth0's address inside it
+    port: str  # the bridge-side end of its veth, in the root namespace
 
     def argv(self, command: list[str]) -> list[str]:
         """``command`` run inside this host (``ip netns exec`` execs it: the pid is the command's)."""
@@ -96,17 +96,18 @@ class EmulatedNetwork:
         if not 1 <= hosts <= 250:
             raise ValueError(f"hosts must be in 1..250, got {hosts}")
         n = next(_counter)
-        self.tag = f"pg{os.getpid():x}x{n}-"                # link names: at most 15 characters
+        self.tag = f"pg{os.getpid():x}x{n}-"  # link names: at most 15 characters
         self.prefix = f"{NAMESPACE_PREFIX}{os.getpid()}-{n}-"
-        self.subnet = 1 + (os.getpid() * 7 + n) % 250       # per-run; each run has its own bridge anyway
+        self.subnet = 1 + (os.getpid() * 7 + n) % 250  # per-run; each run has its own bridge anyway
         self.rate = None if rate is None else rate_bits(rate)
         self.bridge = f"{self.tag}br"
-        self.hosts = [Host(i, f"{self.prefix}h{i}", f"10.231.{self.subnet}.{i + 1}", f"{self.tag}h{i}")
-                      for i in range(hosts)]
+        self.hosts = [
+            Host(i, f"{self.prefix}h{i}", f"10.231.{self.subnet}.{i + 1}", f"{self.tag}h{i}") for i in range(hosts)
+        ]
         self._made = False
-        self.swept: list[str] = []       # what dead holders had left, removed as this network was made
+        self.swept: list[str] = []  # what dead holders had left, removed as this network was made
 
-    def __enter__(self) -> "EmulatedNetwork":
+    def __enter__(self) -> EmulatedNetwork:
         self.swept = sweep_dead_holders()
         self._made = True
         try:
@@ -143,15 +144,28 @@ class EmulatedNetwork:
         # The bucket holds at least a few 64 KiB GSO frames (a smaller one drops them all) and 2 ms at the rate.
         burst = max(256 * 1024, self.rate // 8 // 500)
         where = ["-n", netns] if netns else []
-        run_ip("tc", *where, "qdisc", "add", *dev, "root", "tbf", "rate", f"{self.rate}bit", "burst", str(burst),
-               "latency", "100ms")
+        run_ip(
+            "tc",
+            *where,
+            "qdisc",
+            "add",
+            *dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{self.rate}bit",
+            "burst",
+            str(burst),
+            "latency",
+            "100ms",
+        )
 
     def remove(self) -> None:
         """Delete every namespace, link and the bridge this network made (by name; what is gone is skipped)."""
         if not self._made:
             return
         for host in self.hosts:
-            run_ip("ip", "link", "del", host.port, check=False)      # takes its peer, eth0, along
+            run_ip("ip", "link", "del", host.port, check=False)  # takes its peer, eth0, along
             run_ip("ip", "netns", "del", host.netns, check=False)
         run_ip("ip", "link", "del", self.bridge, check=False)
         # A veth goes with its namespace asynchronously: wait until nothing of ours is listed.
@@ -202,7 +216,7 @@ def _delete(name: str, namespace: bool) -> None:
     if namespace:
         run_ip("ip", "netns", "del", name, check=False)
     else:
-        run_ip("ip", "link", "del", name, check=False)      # a bridge port takes its peer along
+        run_ip("ip", "link", "del", name, check=False)  # a bridge port takes its peer along
 
 
 def holder_pid(name: str) -> int | None:
@@ -219,9 +233,9 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:       # another user's process: alive
+    except PermissionError:  # another user's process: alive
         return True
-    try:        # a zombie has exited: it removes nothing any more
+    try:  # a zombie has exited: it removes nothing any more
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
     except (OSError, IndexError):
         return True
@@ -233,8 +247,11 @@ def sweep_dead_holders() -> list[str]:
     Only names of this module's pattern (``psg-PID-N-hI``, ``pgPIDxN-...``) are looked at, and of
     those only the ones whose PID is no running process are removed; returns the names removed.
     """
-    dead = [name for name in leftovers(NAMESPACE_PREFIX, "pg")
-            if holder_pid(name) is not None and not _alive(holder_pid(name))]
+    dead = [
+        name
+        for name in leftovers(NAMESPACE_PREFIX, "pg")
+        if holder_pid(name) is not None and not _alive(holder_pid(name))
+    ]
     for name in dead:
         _delete(name, namespace=OUR_NAMESPACE.match(name) is not None)
     # A veth goes with its namespace asynchronously: wait until none of them is listed.

@@ -15,7 +15,7 @@ import numpy as np
 def main(argv: list[str] | None = None) -> int:
     from psgrid.psserver.lifeline import watch
 
-    watch()          # a child of the job's holder: it must not outlive it
+    watch()  # a child of the job's holder: it must not outlive it
     from psgrid.cluster.job.config import load_job
     from psgrid.worker.loop import make_admin
 
@@ -25,8 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     job = load_job(args.config, redacted_ok=True)
-    from psgrid.psserver.security import job_token
     import dataclasses
+
+    from psgrid.psserver.security import job_token
 
     train = dataclasses.replace(job.train, token=job_token(None))
     with make_admin(train, args.addresses.split(","), deadline_s=10.0, retry_s=2.0) as admin:

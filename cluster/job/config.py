@@ -31,18 +31,19 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
+from psgrid.cluster.errors import ConfigError
 from psgrid.cluster.job.credentials import resolve_token
 from psgrid.cluster.job.toml_writer import dump_toml
-from psgrid.cluster.errors import ConfigError
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.protocol import mode_rules
 from psgrid.psserver.settings import above, at_least, keys, problem, setting
@@ -51,8 +52,8 @@ if typing.TYPE_CHECKING:
     from psgrid.worker.config import TrainConfig
 
 SECTIONS = ("job", "server", "train")
-SHARD_SECTIONS = ("job", "server")     # what one shard reads of a job file (load_shard_settings)
-SHARD_PLACEMENTS = ("process", "worker")   # where a job's shards run: processes of their own, or in its workers
+SHARD_SECTIONS = ("job", "server")  # what one shard reads of a job file (load_shard_settings)
+SHARD_PLACEMENTS = ("process", "worker")  # where a job's shards run: processes of their own, or in its workers
 
 
 def _train_config():
@@ -60,6 +61,7 @@ def _train_config():
     from psgrid.worker.config import TrainConfig
 
     return TrainConfig
+
 
 # The job files of examples/ (psgrid/examples in the wheel, the repository's examples/ in a checkout).
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
@@ -75,12 +77,12 @@ SHARED = ("chunk_bytes", "data_plane", "shared_memory", "token")
 RENAMED = {
     "servers": "'servers' was renamed: use shards = N (the number of shard processes)",
     "bulk": "'bulk' was replaced: use data_plane = \"tcp\" (the TCP data plane, the old bulk = true) "
-            "or data_plane = \"grpc\" (gRPC only, the old bulk = false)",
+    'or data_plane = "grpc" (gRPC only, the old bulk = false)',
     "step_delay_s": "'step_delay_s' was replaced: use stragglers = [\"K:F\"] (worker K F times slower than "
-                    "its own compute) or [\"K:exp:MEAN_MS\"] (a random delay per step)",
-    "straggler_ranks": "'straggler_ranks' was replaced: use stragglers = [\"K:F\"], e.g. [\"3:3\"]",
+    'its own compute) or ["K:exp:MEAN_MS"] (a random delay per step)',
+    "straggler_ranks": '\'straggler_ranks\' was replaced: use stragglers = ["K:F"], e.g. ["3:3"]',
     "lr_staleness": "'lr_staleness' was replaced: use staleness_compensation = \"lr\" (the old lr_staleness = true), "
-                    "or leave it out (false)",
+    "or leave it out (false)",
 }
 # Still read where a job file of an earlier release says it at the top level or in [server]: every job.toml
 # written before it went says `lr_staleness = false`, and `psctl launch --resume` (or compare's report
@@ -98,25 +100,38 @@ class JobConfig:
     was read from, for error messages.
     """
 
-    name: str = setting("job", "names the default output folder `runs/NAME-TIMESTAMP`", shown="file name",
-                        bound=((lambda v: bool(v) and "/" not in v), "a non-empty string without '/'"))
+    name: str = setting(
+        "job",
+        "names the default output folder `runs/NAME-TIMESTAMP`",
+        shown="file name",
+        bound=((lambda v: bool(v) and "/" not in v), "a non-empty string without '/'"),
+    )
     shards: int = setting(1, "shard processes (S)", bound=at_least(1))
     workers: int = setting(2, "worker processes (W); under `psctl mpi` it is N-1-S", bound=at_least(1))
-    out: str | None = setting(None, "output folder; must not hold an earlier run (the default is a new folder every "
-                              "time)", shown="`runs/NAME-TIMESTAMP`")
-    overwrite: bool = setting(False, "replace an earlier run in `out` (its files only) instead of refusing "
-                              "(`--overwrite`)")
+    out: str | None = setting(
+        None,
+        "output folder; must not hold an earlier run (the default is a new folder every time)",
+        shown="`runs/NAME-TIMESTAMP`",
+    )
+    overwrite: bool = setting(
+        False, "replace an earlier run in `out` (its files only) instead of refusing (`--overwrite`)"
+    )
     timeout_s: float = setting(0.0, "stop the job if training takes longer (0: no limit)", bound=at_least(0))
-    start_timeout_s: float = setting(60.0, "how long to wait for the shards to publish their addresses",
-                                     bound=above(0))
-    restart_failed: bool = setting(False, "start a shard that dies again, on its address, from its latest "
-                                   "checkpoint (`--restart-failed`; needs `checkpoint_dir` and an interval)")
+    start_timeout_s: float = setting(60.0, "how long to wait for the shards to publish their addresses", bound=above(0))
+    restart_failed: bool = setting(
+        False,
+        "start a shard that dies again, on its address, from its latest "
+        "checkpoint (`--restart-failed`; needs `checkpoint_dir` and an interval)",
+    )
     max_restarts: int = setting(3, "restarts allowed per shard before the job fails", bound=at_least(0))
     shard_placement: str = setting(
-        "process", "`process`: every shard a process of its own, so a worker's death takes nothing of the model "
+        "process",
+        "`process`: every shard a process of its own, so a worker's death takes nothing of the model "
         "with it; `worker`: shard i in worker i's process, which calls it instead of reaching it over a socket "
         "(GeePS' placement; `--shard-placement worker`; `psctl launch` only, needs workers >= shards; a worker's "
-        "death is then its shard's too)", choices=SHARD_PLACEMENTS)
+        "death is then its shard's too)",
+        choices=SHARD_PLACEMENTS,
+    )
     server: ServerConfig = field(default_factory=ServerConfig)
     train: TrainConfig = field(default_factory=lambda: _train_config()())
     source: str | None = field(default=None, compare=False)
@@ -229,8 +244,10 @@ def with_suggestion(message: str) -> str:
 
 def _unknown_message(key: str, where: str, valid: list[str], per_process: bool) -> str:
     if per_process and key in SERVER_PER_PROCESS:
-        return (f"{key} cannot be set in {where}: it is set per shard process "
-                f"(psctl server --shard/--num-shards/--port; [job] shards for launch and mpi)")
+        return (
+            f"{key} cannot be set in {where}: it is set per shard process "
+            f"(psctl server --shard/--num-shards/--port; [job] shards for launch and mpi)"
+        )
     close = difflib.get_close_matches(key, valid, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"unknown key {key!r} in {where}{hint}; valid keys: {', '.join(sorted(valid))}"
@@ -336,8 +353,10 @@ def _read_old_alias(server: dict[str, Any], value: Any, label: str, where: str) 
         return
     given = server.setdefault("staleness_compensation", "lr")
     if given != "lr":
-        raise ConfigError(f"{where}: {label} = true means staleness_compensation = 'lr', but it is {given!r}: keep "
-                          f"one of the two ({RENAMED[OLD_ALIAS]})")
+        raise ConfigError(
+            f"{where}: {label} = true means staleness_compensation = 'lr', but it is {given!r}: keep "
+            f"one of the two ({RENAMED[OLD_ALIAS]})"
+        )
 
 
 def _route_in(where: str, key: str, sections: tuple[str, ...] = SECTIONS) -> list[tuple[str, str]]:
@@ -415,16 +434,23 @@ def _check_job_keys(values: Mapping[str, Any], where: str) -> None:
 def _check_job(job: JobConfig, where: str) -> None:
     """The [job] keys' schema, then the rules that join keys of two tables."""
     _check_job_keys({k.name: getattr(job, k.name) for k in keys(JobConfig)}, where)
-    if job.restart_failed and not (job.server.checkpoint_dir and (job.server.checkpoint_every
-                                                                  or job.server.checkpoint_every_s)):
-        raise ConfigError(f"{where}: [job] restart_failed needs [server] checkpoint_dir and checkpoint_every or "
-                          f"checkpoint_every_s: a restarted shard starts from its latest checkpoint")
+    if job.restart_failed and not (
+        job.server.checkpoint_dir and (job.server.checkpoint_every or job.server.checkpoint_every_s)
+    ):
+        raise ConfigError(
+            f"{where}: [job] restart_failed needs [server] checkpoint_dir and checkpoint_every or "
+            f"checkpoint_every_s: a restarted shard starts from its latest checkpoint"
+        )
     if job.shard_placement == "worker" and job.workers < job.shards:
-        raise ConfigError(f"{where}: [job] shard_placement = \"worker\" puts shard i in worker i's process, so it needs "
-                          f"workers >= shards; got {job.workers} worker(s) for {job.shards} shard(s)")
+        raise ConfigError(
+            f'{where}: [job] shard_placement = "worker" puts shard i in worker i\'s process, so it needs '
+            f"workers >= shards; got {job.workers} worker(s) for {job.shards} shard(s)"
+        )
     if mode_rules(job.server.mode).accumulates and job.train.pull_ahead:
-        raise ConfigError(f"{where}: [train] pull_ahead = true applies to async and ssp only: a sync pull waits for "
-                          f"the round the push before it closes, so there is nothing to pull ahead")
+        raise ConfigError(
+            f"{where}: [train] pull_ahead = true applies to async and ssp only: a sync pull waits for "
+            f"the round the push before it closes, so there is nothing to pull ahead"
+        )
     if mode_rules(job.server.mode).accumulates and job.server.backup_workers >= job.workers:
         raise ConfigError(
             f"{where}: [server] backup_workers ({job.server.backup_workers}) must be less than "
@@ -434,6 +460,7 @@ def _check_job(job: JobConfig, where: str) -> None:
 
 def _coerce(where: str, section: str, key: str, value: Any, hint: Any) -> Any:
     """Check a TOML value against a dataclass field's type; ints are accepted for floats."""
+
     def bad(expected: str):
         return ConfigError(f"{where}: [{section}] {key} must be {expected}, got {value!r}")
 

@@ -64,8 +64,10 @@ def token_file_of(out) -> Path:
 
 def redact(tables: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """A copy of a job's tables fit to be written where others may read it: the token replaced."""
-    return {section: {k: (REDACTED if k == "token" and v else v) for k, v in values.items()}
-            for section, values in tables.items()}
+    return {
+        section: {k: (REDACTED if k == "token" and v else v) for k, v in values.items()}
+        for section, values in tables.items()
+    }
 
 
 def resolve_token(value: str | None, where: str, *, redacted_ok: bool = False) -> str | None:
@@ -82,6 +84,8 @@ def resolve_token(value: str | None, where: str, *, redacted_ok: bool = False) -
         return job_token(value)
     env = job_token()
     if env is None and not redacted_ok:
-        raise ConfigError(f"{where}: the token in this file is redacted; its job's launcher hands the real one to "
-                          f"its processes in {TOKEN_ENV}. Set {TOKEN_ENV}, or give token = ... (not on a command line)")
+        raise ConfigError(
+            f"{where}: the token in this file is redacted; its job's launcher hands the real one to "
+            f"its processes in {TOKEN_ENV}. Set {TOKEN_ENV}, or give token = ... (not on a command line)"
+        )
     return env

@@ -35,9 +35,9 @@ class Footprint:
 
     params: int
     model: str
-    shard_bytes: int       # one shard (its 1/S slice)
-    worker_bytes: int      # one worker
-    gpu_bytes: int         # one worker's arrays on its GPU, when it trains on one
+    shard_bytes: int  # one shard (its 1/S slice)
+    worker_bytes: int  # one worker
+    gpu_bytes: int  # one worker's arrays on its GPU, when it trains on one
 
     def describe(self) -> str:
         """``a 101,770-parameter mlp``: for the line a job starts with."""
@@ -95,17 +95,24 @@ def host_problem(fp: Footprint, shards: int, workers: int, available: int | None
     need = shards * fp.shard_bytes + workers * fp.worker_bytes
     if available is None or need <= available:
         return None
-    parts = [f"1 {what} needs {gib(size)}" if n == 1 else f"{n} {what}s need {gib(n * size)} ({gib(size)} each)"
-             for n, what, size in ((shards, "shard", fp.shard_bytes), (workers, "worker", fp.worker_bytes)) if n]
-    return (f"{fp.describe()} does not fit: {' and '.join(parts)} at least, and {where} has {gib(available)} "
-            f"available; make the model smaller, or spread it over more nodes with psctl mpi")
+    parts = [
+        f"1 {what} needs {gib(size)}" if n == 1 else f"{n} {what}s need {gib(n * size)} ({gib(size)} each)"
+        for n, what, size in ((shards, "shard", fp.shard_bytes), (workers, "worker", fp.worker_bytes))
+        if n
+    ]
+    return (
+        f"{fp.describe()} does not fit: {' and '.join(parts)} at least, and {where} has {gib(available)} "
+        f"available; make the model smaller, or spread it over more nodes with psctl mpi"
+    )
 
 
 def gpu_problem(fp: Footprint, total: int | None) -> str | None:
     if total is None or fp.gpu_bytes <= total:
         return None
-    return (f"{fp.describe()} does not fit on a GPU: a worker's weights and gradients need {gib(fp.gpu_bytes)} "
-            f"at least, and its GPU has {gib(total)}; make the model smaller, or use --device cpu")
+    return (
+        f"{fp.describe()} does not fit on a GPU: a worker's weights and gradients need {gib(fp.gpu_bytes)} "
+        f"at least, and its GPU has {gib(total)}; make the model smaller, or use --device cpu"
+    )
 
 
 def _amount(n: int) -> str:
@@ -145,14 +152,16 @@ def device_shard_problem(fp: Footprint, job, indices, count: int, free_of=gpu_fr
         return f"gpu = {s.gpu} asked for, but this host has {count} GPU(s) (0..{count - 1}); use gpu = -1"
     ranges = shard_ranges(fp.params, job.shards)
     for gpu, placed in sorted(shards_by_gpu(indices, s.gpu, count).items()):
-        need = sum(shard_device_bytes(ranges[i][1] - ranges[i][0], s.optimizer, s.momentum, job.workers)
-                   for i in placed)
+        need = sum(
+            shard_device_bytes(ranges[i][1] - ranges[i][0], s.optimizer, s.momentum, job.workers) for i in placed
+        )
         free = free_of(gpu)
         if need > free:
-            who = f"shard {placed[0]} needs" if len(placed) == 1 else \
-                f"shards {', '.join(map(str, placed))} need"
-            return (f"{who} {_amount(need)} on GPU {gpu} (weights, optimizer state and {job.workers} worker(s)' "
-                    f"gradient slots, for {fp.describe()}), and it has {_amount(free)} free")
+            who = f"shard {placed[0]} needs" if len(placed) == 1 else f"shards {', '.join(map(str, placed))} need"
+            return (
+                f"{who} {_amount(need)} on GPU {gpu} (weights, optimizer state and {job.workers} worker(s)' "
+                f"gradient slots, for {fp.describe()}), and it has {_amount(free)} free"
+            )
     return None
 
 

@@ -26,16 +26,34 @@ from psgrid.cluster.job.records import sweep_temporaries
 from psgrid.psserver import files
 
 # What a run of psctl launch / mpi / allreduce writes into its folder (cluster/run/resume.py moves the same to attempts/).
-RUN_FILES = ("summary.json", "metrics.jsonl", "job.toml", "token", "metrics", "logs", "addr", "attempts",
-             "superseded-checkpoints")
+RUN_FILES = (
+    "summary.json",
+    "metrics.jsonl",
+    "job.toml",
+    "token",
+    "metrics",
+    "logs",
+    "addr",
+    "attempts",
+    "superseded-checkpoints",
+)
 _HOLDS_A_RUN = ("summary.json", "metrics", "addr", "logs")
 # What psctl compare writes into its --out (cluster/experiments/compare.py, cluster/experiments/report.py).
-EXPERIMENT_FILES = ("experiment.json", "results.jsonl", "results.jsonl.tmp", "summary.csv", "report.md",
-                    "report.html", "plots", "runs", "chosen.json")
+EXPERIMENT_FILES = (
+    "experiment.json",
+    "results.jsonl",
+    "results.jsonl.tmp",
+    "summary.csv",
+    "report.md",
+    "report.html",
+    "plots",
+    "runs",
+    "chosen.json",
+)
 MAX_SUFFIX = 1000
 LOCK_FILE = ".psgrid.lock"
 
-_held: dict[Path, int] = {}       # folder -> the open lock file of a job this process runs there
+_held: dict[Path, int] = {}  # folder -> the open lock file of a job this process runs there
 
 
 def lock(folder: Path) -> None:
@@ -56,8 +74,9 @@ def lock(folder: Path) -> None:
     except BlockingIOError:
         holder = os.read(fd, 4096).decode(errors="replace").strip() or "another process"
         os.close(fd)
-        raise UsageError(f"{folder} is in use by a running job ({holder}): wait for it to end, stop it, "
-                         f"or choose another --out") from None
+        raise UsageError(
+            f"{folder} is in use by a running job ({holder}): wait for it to end, stop it, or choose another --out"
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()}: {_command()}\n".encode())
     _held[folder] = fd
@@ -90,7 +109,7 @@ def claim_default(job) -> Path:
     for n in range(1, MAX_SUFFIX + 1):
         candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
         try:
-            candidate.mkdir(mode=files.DIR_MODE)      # fails if taken: the claim
+            candidate.mkdir(mode=files.DIR_MODE)  # fails if taken: the claim
         except FileExistsError:
             continue
         lock(candidate)
@@ -120,7 +139,7 @@ def prepare(job, resume: bool = False) -> Path:
     With ``resume`` the folder's earlier run is kept: the caller archives it first (a job folder knows
     nothing of resuming; cluster/run/launch.py's :func:`prepare_out` does both).
     """
-    if resume:      # the earlier attempt's files were moved aside by the resume (cluster/run/resume.py)
+    if resume:  # the earlier attempt's files were moved aside by the resume (cluster/run/resume.py)
         out = Path(job.out)
         lock(out)
     elif job.out:
@@ -129,12 +148,14 @@ def prepare(job, resume: bool = False) -> Path:
         if holds_a_run(out):
             if not getattr(job, "overwrite", False):
                 release(out)
-                raise UsageError(f"{out} already holds a run: choose another --out, add --overwrite to replace it, "
-                                 f"or continue it with psctl launch --resume {out}")
+                raise UsageError(
+                    f"{out} already holds a run: choose another --out, add --overwrite to replace it, "
+                    f"or continue it with psctl launch --resume {out}"
+                )
             clear_run(out)
     else:
         out = claim_default(job)
-    sweep_temporaries(out)      # of a launcher killed while it wrote its job.toml or token here
+    sweep_temporaries(out)  # of a launcher killed while it wrote its job.toml or token here
     for sub in ("addr", "logs", "metrics"):
         files.make_dirs(out / sub)
     return out

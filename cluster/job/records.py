@@ -21,13 +21,13 @@ import errno
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from psgrid.psserver import files
 
 JOB_FILE = "job.toml"
-TMP_SUFFIX = ".tmp"         # a temporary file is .NAME.PID.tmp
+TMP_SUFFIX = ".tmp"  # a temporary file is .NAME.PID.tmp
 HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -45,7 +45,7 @@ def signals_held() -> Iterator[None]:
         return
     heard: list[int] = []
     before = {sig: signal.getsignal(sig) for sig in HELD_SIGNALS}
-    held = [sig for sig, handler in before.items() if handler is not None]   # None: set outside Python, kept
+    held = [sig for sig, handler in before.items() if handler is not None]  # None: set outside Python, kept
     for sig in held:
         signal.signal(sig, lambda signum, frame: heard.append(signum))
     try:
@@ -54,7 +54,7 @@ def signals_held() -> Iterator[None]:
         for sig in held:
             signal.signal(sig, before[sig])
         if heard:
-            signal.raise_signal(heard[0])      # its handler runs now: raises, records, or ends the process
+            signal.raise_signal(heard[0])  # its handler runs now: raises, records, or ends the process
 
 
 def write_whole(path: str | os.PathLike, text: str, perms: int = files.FILE_MODE) -> None:
@@ -67,7 +67,7 @@ def write_whole(path: str | os.PathLike, text: str, perms: int = files.FILE_MODE
     tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
     with signals_held():
         try:
-            tmp.unlink(missing_ok=True)       # one of a dead process whose pid this one has: made afresh
+            tmp.unlink(missing_ok=True)  # one of a dead process whose pid this one has: made afresh
             with files.open_new(tmp, "x", perms, encoding="utf-8") as f:
                 f.write(text)
                 f.flush()
@@ -93,7 +93,7 @@ def _fsync_folder(folder: Path) -> None:
     try:
         os.fsync(fd)
     except OSError as e:
-        if e.errno != errno.EINVAL:     # a file system that cannot flush a folder: the rename is done
+        if e.errno != errno.EINVAL:  # a file system that cannot flush a folder: the rename is done
             raise
     finally:
         os.close(fd)

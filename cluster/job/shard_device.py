@@ -68,7 +68,7 @@ def shards_by_gpu(indices, gpu: int, count: int) -> dict[int, list[int]]:
     return placed
 
 
-MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"      # where CUDA looks for the MPS control daemon without CUDA_MPS_PIPE_DIRECTORY
+MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"  # where CUDA looks for the MPS control daemon without CUDA_MPS_PIPE_DIRECTORY
 
 
 def mps_serving(environ: Mapping[str, str] = os.environ) -> bool:
@@ -87,6 +87,8 @@ def mps_note(job, environ: Mapping[str, str] = os.environ) -> str | None:
 
         if gpu_unavailable() is not None:
             return None
-    return ("device shards and GPU workers are separate processes sharing the GPU without MPS: each push and the "
-            "pull after it move the GPU between their contexts (0.15 ms each on an H100); an MPS control daemon "
-            "(nvidia-cuda-mps-control -d) gives them one context (docs/performance.md, \"Device shards\")")
+    return (
+        "device shards and GPU workers are separate processes sharing the GPU without MPS: each push and the "
+        "pull after it move the GPU between their contexts (0.15 ms each on an H100); an MPS control daemon "
+        '(nvidia-cuda-mps-control -d) gives them one context (docs/performance.md, "Device shards")'
+    )

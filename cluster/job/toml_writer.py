@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
+
 
 def dump_toml(tables: Mapping[str, Mapping[str, Any]]) -> str:
     """Write ``{table: {key: value}}`` as TOML (scalars and flat lists only, which is all a job has)."""

@@ -21,12 +21,12 @@ import threading
 import traceback
 from pathlib import Path
 
-from psgrid.cluster.run import coordinator as co
+from psgrid.cluster.errors import UsageError
 from psgrid.cluster.job.config import JobConfig, apply_overrides
 from psgrid.cluster.job.records import write_job_file
-from psgrid.cluster.errors import UsageError
 from psgrid.cluster.mpi.comm import abort
 from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
+from psgrid.cluster.run import coordinator as co
 from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.procs import limit_blas_threads, usable_cpus
 
@@ -55,8 +55,9 @@ class ProgressThread:
         self.progress.close()
 
 
-def run_allreduce(job: JobConfig, comm=None, *, progress: bool | None = None, quiet: bool = False,
-                  ranks: int | None = None) -> int:
+def run_allreduce(
+    job: JobConfig, comm=None, *, progress: bool | None = None, quiet: bool = False, ranks: int | None = None
+) -> int:
     """Run this rank's part of ``job`` as all-reduce data parallelism on ``comm`` (default COMM_WORLD).
 
     The number of ranks is the number of workers; with ``ranks``, any other number is an error
@@ -71,16 +72,24 @@ def run_allreduce(job: JobConfig, comm=None, *, progress: bool | None = None, qu
         comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     try:
-        if world:   # the job is ours: leave no MPICH file in /dev/shm, however it ends
+        if world:  # the job is ours: leave no MPICH file in /dev/shm, however it ends
             unlink_init_shm(comm)
         if ranks is not None and comm.Get_size() != ranks:
-            print(f"psctl allreduce: error: expected {ranks} ranks, this job has {comm.Get_size()}; is this "
-                  f"mpiexec from the MPI that mpi4py uses? (mpi4py: {_mpi_library()})", file=sys.stderr, flush=True)
+            print(
+                f"psctl allreduce: error: expected {ranks} ranks, this job has {comm.Get_size()}; is this "
+                f"mpiexec from the MPI that mpi4py uses? (mpi4py: {_mpi_library()})",
+                file=sys.stderr,
+                flush=True,
+            )
             return 2
         return _run(job, comm, progress, quiet)
     except BaseException:
-        print(f"psctl allreduce: rank {rank} on {socket.gethostname()} failed; aborting the job:\n"
-              f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        print(
+            f"psctl allreduce: rank {rank} on {socket.gethostname()} failed; aborting the job:\n"
+            f"{traceback.format_exc()}",
+            file=sys.stderr,
+            flush=True,
+        )
         abort(comm)
         raise  # not reached: Abort ends the process
 
@@ -112,8 +121,11 @@ def _run(job: JobConfig, comm, progress: bool | None, quiet: bool) -> int:
     summary = run.run(RankZeroTrains(job, comm, metrics_files, progress, quiet))
     if not quiet:
         print(co.headline(summary), flush=True)
-        print(f"psctl allreduce: summary in {out / 'summary.json'}, metrics in {out / 'metrics.jsonl'}",
-              file=sys.stderr, flush=True)
+        print(
+            f"psctl allreduce: summary in {out / 'summary.json'}, metrics in {out / 'metrics.jsonl'}",
+            file=sys.stderr,
+            flush=True,
+        )
     return 0
 
 
@@ -130,19 +142,22 @@ class RankZeroTrains:
         self.progress, self.quiet = progress, quiet
         self.follower: ProgressThread | None = None
         self.exchange = None
-        self.results: list[dict] = []       # every rank's result and events, in rank order
+        self.results: list[dict] = []  # every rank's result and events, in rank order
 
     def start(self, run: JobRun) -> None:
         write_job_file(run.out, self.job, "by psctl allreduce")
         if not self.quiet:
-            print(f"psctl allreduce: {self.comm.Get_size()} worker(s), no shards; output in {run.out}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"psctl allreduce: {self.comm.Get_size()} worker(s), no shards; output in {run.out}",
+                file=sys.stderr,
+                flush=True,
+            )
         self.follower = ProgressThread(run, self.metrics_files, self.progress)
 
     def follow(self, run: JobRun) -> None:
         self.exchange, self.results = _train_and_gather(self.job, self.comm, self.metrics_files[0])
         self.stop(run)
-        return None       # the training time is the workers' own (first step to last end)
+        return None  # the training time is the workers' own (first step to last end)
 
     def finish(self, run: JobRun) -> None:
         from psgrid.worker.evaluate import evaluate_weights
@@ -159,9 +174,15 @@ class RankZeroTrains:
 
     def report(self, run: JobRun) -> dict:
         by_rank = sorted(self.results, key=lambda r: r["result"]["rank"])
-        return {"sources": [self.events()], "addresses": [], "worker_exits": {r: 0 for r in range(len(self.results))},
-                "mode": "allreduce", "shards": 0, "ranks": self.comm.Get_size(),
-                "wait_s_by_worker": [r["result"]["wait_s"] for r in by_rank]}
+        return {
+            "sources": [self.events()],
+            "addresses": [],
+            "worker_exits": {r: 0 for r in range(len(self.results))},
+            "mode": "allreduce",
+            "shards": 0,
+            "ranks": self.comm.Get_size(),
+            "wait_s_by_worker": [r["result"]["wait_s"] for r in by_rank],
+        }
 
     def events(self) -> list[dict]:
         return [e for r in self.results for e in r["events"]]
@@ -204,12 +225,16 @@ def _train(job: JobConfig, comm, metrics: Path):
     os.environ.setdefault("LOCAL_RANK", str(rank))
     xp, device_name, data, model = build(train, rank, size)
     init = model.spec.pack(model.init_params(train.seed, train.init_scale))
-    exchange = AllreduceExchange(comm, init, job.server, train.wire_dtype, xp=xp)   # on a GPU: kept there
+    exchange = AllreduceExchange(comm, init, job.server, train.wire_dtype, xp=xp)  # on a GPU: kept there
     if rank == 0 and exchange.on_device and usable_cpus() == 1 < (os.cpu_count() or 1):
         # Open MPI binds each rank to one core; a GPU worker's batch loader thread then shares it with the
         # loop (20M MLP on an H100: 165,653 samples/s bound, 226,828 not; docs/performance.md).
-        print("psctl allreduce: note: this rank may use 1 core (mpiexec binds ranks to cores); a GPU worker "
-              "trains faster with mpiexec --bind-to none", file=sys.stderr, flush=True)
+        print(
+            "psctl allreduce: note: this rank may use 1 core (mpiexec binds ranks to cores); a GPU worker "
+            "trains faster with mpiexec --bind-to none",
+            file=sys.stderr,
+            flush=True,
+        )
     result = train_loop(train, exchange, rank, xp, device_name, data, model, str(metrics))
     result["wait_s"] = exchange.wait_s
     return exchange, result

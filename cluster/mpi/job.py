@@ -26,22 +26,21 @@ import sys
 import traceback
 from pathlib import Path
 
-from psgrid.cluster.run import coordinator as co
-from psgrid.cluster.job import credentials
-from psgrid.cluster.job import memory
-from psgrid.cluster.job.shard_device import resolve_shard_device
-from psgrid.cluster.mpi import report as mpi_report
-from psgrid.cluster.run import preflight
-from psgrid.cluster.run import script as user_script
+from psgrid.cluster.errors import JobFailed, UsageError
+from psgrid.cluster.job import credentials, memory
 from psgrid.cluster.job.config import JobConfig, apply_overrides
 from psgrid.cluster.job.records import write_job_file
-from psgrid.cluster.errors import JobFailed, UsageError
-from psgrid.cluster.run.jobrun import JobRun
-from psgrid.cluster.run.interrupts import ignore_signals, received_signal, stop_on_signals
+from psgrid.cluster.job.shard_device import resolve_shard_device
+from psgrid.cluster.mpi import report as mpi_report
 from psgrid.cluster.mpi.comm import abort, wait_request
 from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
 from psgrid.cluster.mpi.placement import SERVER, WORKER, Placement, PlacementError, Role, place
 from psgrid.cluster.mpi.rank_zero import TAG_DONE, RankZero
+from psgrid.cluster.run import coordinator as co
+from psgrid.cluster.run import preflight
+from psgrid.cluster.run import script as user_script
+from psgrid.cluster.run.interrupts import ignore_signals, received_signal, stop_on_signals
+from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.procs import limit_blas_threads, usable_cpus
 from psgrid.psserver import files
 from psgrid.psserver.protocol import format_address_file
@@ -55,8 +54,10 @@ def min_ranks(shards: int) -> int:
 
 
 def too_few_ranks_message(shards: int, size: int) -> str:
-    return (f"psctl mpi needs at least {min_ranks(shards)} ranks (1 coordinator + {shards} shard"
-            f"{'s' if shards != 1 else ''} + at least 1 worker); got {size}")
+    return (
+        f"psctl mpi needs at least {min_ranks(shards)} ranks (1 coordinator + {shards} shard"
+        f"{'s' if shards != 1 else ''} + at least 1 worker); got {size}"
+    )
 
 
 def interface_address(iface: str) -> str:
@@ -89,8 +90,17 @@ def bind_and_advertise(host: str | None, iface: str | None, single_node: bool) -
 class MPIJob:
     """One rank's part of an MPI job; :meth:`run` returns this rank's exit code."""
 
-    def __init__(self, job: JobConfig, comm, *, host: str | None = None, iface: str | None = None,
-                 progress: bool | None = None, command: list[str] | None = None, oversubscribe: bool = False):
+    def __init__(
+        self,
+        job: JobConfig,
+        comm,
+        *,
+        host: str | None = None,
+        iface: str | None = None,
+        progress: bool | None = None,
+        command: list[str] | None = None,
+        oversubscribe: bool = False,
+    ):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -99,13 +109,13 @@ class MPIJob:
         self.job = job
         self.host, self.iface = host, iface
         self.progress = progress
-        self.command = command      # the user's own command, run by each worker rank (cluster/run/script.py)
+        self.command = command  # the user's own command, run by each worker rank (cluster/run/script.py)
         self.oversubscribe = oversubscribe
-        self.placement: Placement | None = None     # every rank's role, once run() has gathered them
-        self.role, self.index = ("coordinator", 0) if self.rank == 0 else ("rank", self.rank)   # until placed
+        self.placement: Placement | None = None  # every rank's role, once run() has gathered them
+        self.role, self.index = ("coordinator", 0) if self.rank == 0 else ("rank", self.rank)  # until placed
         self.out: Path | None = None
-        self.server = None          # this rank's running shard, when it serves one
-        self.model = None           # "a 101,770-parameter mlp", for rank 0's first line
+        self.server = None  # this rank's running shard, when it serves one
+        self.model = None  # "a 101,770-parameter mlp", for rank 0's first line
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -124,15 +134,20 @@ class MPIJob:
 
         gpus = visible_gpus() if self.job.train.device != "cpu" else []
         reports = self.comm.allgather((self.hostname, gpus))
-        placement = place([h for h, _ in reports], [g for _, g in reports], self.job.shards,
-                          device=self.job.train.device, oversubscribe=self.oversubscribe)
+        placement = place(
+            [h for h, _ in reports],
+            [g for _, g in reports],
+            self.job.shards,
+            device=self.job.train.device,
+            oversubscribe=self.oversubscribe,
+        )
         limit_blas_threads(usable_cpus() // max(1, placement.workers_on(placement.roles[self.rank].node)))
         return placement
 
     def run(self) -> int:
         problem = self.check_size()
         if problem:
-            if self.rank == 0:       # every rank fails at once; one says why
+            if self.rank == 0:  # every rank fails at once; one says why
                 print(problem, file=sys.stderr, flush=True)
             return 2
         workers = self.size - 1 - self.job0.shards
@@ -157,11 +172,11 @@ class MPIJob:
             for note in self.placement.notes:
                 print(f"psctl mpi: warning: {note}", file=sys.stderr, flush=True)
         problem = preflight.gathered_device_problem(self.comm, self.role == "worker", self.job.train)
-        if not problem and not self.command:      # a script's model is its own
+        if not problem and not self.command:  # a script's model is its own
             problem = self.memory_problem()
         if not problem:
             problem = self.shard_device_problem()
-        if problem:     # before any shard binds: a worker rank cannot compute where the job asks
+        if problem:  # before any shard binds: a worker rank cannot compute where the job asks
             if self.rank == 0:
                 print(f"psctl mpi: error: {problem}", file=sys.stderr, flush=True)
             return 2
@@ -181,7 +196,7 @@ class MPIJob:
                 print(f"psctl mpi: error: {error}", file=sys.stderr, flush=True)
             return 2
         self.out = Path(out)
-        mpi_report.tee_to_log(self.out, self.rank, self.role, self.index)     # OUT/logs/ROLE-I.log
+        mpi_report.tee_to_log(self.out, self.rank, self.role, self.index)  # OUT/logs/ROLE-I.log
         if self.rank == 0:
             write_job_file(self.out, self.job, "by psctl mpi")
 
@@ -228,10 +243,11 @@ class MPIJob:
         me = self.placement.roles[self.rank]
         here = [r for r, role in enumerate(self.placement.roles) if role.node == me.node]
         problem = None
-        if self.rank == here[0]:        # one rank per node speaks for it
+        if self.rank == here[0]:  # one rank per node speaks for it
             kinds = [self.placement.roles[r].kind for r in here]
-            problem = memory.host_problem(fp, kinds.count(SERVER), kinds.count(WORKER), memory.available_bytes(),
-                                          f"node {self.hostname}")
+            problem = memory.host_problem(
+                fp, kinds.count(SERVER), kinds.count(WORKER), memory.available_bytes(), f"node {self.hostname}"
+            )
         if problem is None and me.kind == WORKER and self.job.train.device == "gpu":
             problem = memory.gpu_problem(fp, memory.gpu_total_bytes())
         if self.rank == 0:
@@ -260,13 +276,16 @@ class MPIJob:
 
         bind, advertise = bind_and_advertise(self.host, self.iface, single_node)
         config = self.job.server_config(self.index, host=bind, port=0)
-        config.shard_device = resolve_shard_device(config, self.job.train)    # for this node's workers
+        config.shard_device = resolve_shard_device(config, self.job.train)  # for this node's workers
         running = serve(config)
         address = f"{advertise}:{running.port}"
         metrics = f", metrics on {advertise}:{running.metrics.port}" if running.metrics else ""
-        print(f"psctl mpi: shard {self.index}/{self.job.shards} on the {config.shard_device.upper()} listening on "
-              f"{address} (rank {self.rank} on {self.hostname}, mode {config.mode}{metrics})",
-              file=sys.stderr, flush=True)
+        print(
+            f"psctl mpi: shard {self.index}/{self.job.shards} on the {config.shard_device.upper()} listening on "
+            f"{address} (rank {self.rank} on {self.hostname}, mode {config.mode}{metrics})",
+            file=sys.stderr,
+            flush=True,
+        )
         return running, (address, config.shard_device)
 
     def serve_until_shutdown(self, running) -> None:
@@ -284,21 +303,28 @@ class MPIJob:
         metrics = self.out / "metrics" / f"worker-{self.index}.jsonl"
         files.make_dirs(metrics.parent)
         group = None
-        if self.job.train.aggregate == "host":     # one aggregator per node: its worker of local rank 0
+        if self.job.train.aggregate == "host":  # one aggregator per node: its worker of local rank 0
             from psgrid.cluster.mpi.placement import host_group
 
             group = host_group(self.placement, self.rank)
         if self.command:
             gpu = me.gpu if me.gpu is not None else (me.local_rank or 0)
-            message = user_script.run_on_rank(self.command, self.job, self.out, self.addresses, self.index,
-                                              self.job.workers, gpu, group)
+            message = user_script.run_on_rank(
+                self.command, self.job, self.out, self.addresses, self.index, self.job.workers, gpu, group
+            )
         else:
             if group is not None:
                 from psgrid.worker.aggregate import HostGroup
 
                 group = HostGroup(*group)
-            result = run_worker(self.job.train, self.addresses, self.index, self.job.workers,
-                                metrics_path=str(metrics), host_group=group)
+            result = run_worker(
+                self.job.train,
+                self.addresses,
+                self.index,
+                self.job.workers,
+                metrics_path=str(metrics),
+                host_group=group,
+            )
             # Send the events along: rank 0 may not see this node's files (no shared file system).
             message = {"result": result, "events": co.MetricsTail([metrics]).read()}
         wait_request(self.comm.isend(message, dest=0, tag=TAG_DONE), None, "sending results to rank 0")
@@ -309,19 +335,26 @@ class MPIJob:
         run = JobRun(self.job, out, "mpi", command=self.command)
         try:
             summary = run.run(RankZero(self), launcher="mpi", ranks=self.size)
-        except JobFailed:       # the summary says how it ended; KeyboardInterrupt goes on to stop_interrupted
+        except JobFailed:  # the summary says how it ended; KeyboardInterrupt goes on to stop_interrupted
             summary = None
-        if run.status not in ("ok", "failed"):   # a mistake of the user's: every rank ended as it should
-            print(f"psctl mpi: {run.message} (status {run.status}; summary in {out / 'summary.json'})",
-                  file=sys.stderr, flush=True)
+        if run.status not in ("ok", "failed"):  # a mistake of the user's: every rank ended as it should
+            print(
+                f"psctl mpi: {run.message} (status {run.status}; summary in {out / 'summary.json'})",
+                file=sys.stderr,
+                flush=True,
+            )
             return 1
         if run.status != "ok":
-            print(f"psctl mpi: job failed: {run.message}; summary in {out / 'summary.json'}", file=sys.stderr,
-                  flush=True)
+            print(
+                f"psctl mpi: job failed: {run.message}; summary in {out / 'summary.json'}", file=sys.stderr, flush=True
+            )
             abort(self.comm)
         print(co.headline(summary), flush=True)
-        print(f"psctl mpi: summary in {out / 'summary.json'}, metrics in {out / 'metrics.jsonl'}",
-              file=sys.stderr, flush=True)
+        print(
+            f"psctl mpi: summary in {out / 'summary.json'}, metrics in {out / 'metrics.jsonl'}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 0
 
     def stop_interrupted(self, signum: int) -> int:
@@ -333,7 +366,7 @@ class MPIJob:
         within ``INTERRUPT_WAIT_S`` (the signal reached only some ranks) makes the job abort.
         """
         name = signal.Signals(signum).name
-        try:    # a shard serves on until the workers have left it
+        try:  # a shard serves on until the workers have left it
             wait_request(self.comm.Ibarrier(), INTERRUPT_WAIT_S, f"{name}: the other ranks stopping")
         except JobFailed as e:
             print(f"psctl mpi: rank {self.rank}: {e}; aborting the job", file=sys.stderr, flush=True)
@@ -350,7 +383,7 @@ class MPIJob:
 def with_devices(job: JobConfig, devices) -> JobConfig:
     """``job`` as its shards run: with the device they resolved on their nodes, where they all agree."""
     if len(set(devices)) != 1:
-        return job      # nodes that differ: each shard's log line says its own
+        return job  # nodes that differ: each shard's log line says its own
     return dataclasses.replace(job, server=dataclasses.replace(job.server, shard_device=devices[0]))
 
 
@@ -360,8 +393,16 @@ def _prepare_out(job: JobConfig) -> Path:
     return prepare_out(job)
 
 
-def run_mpi(job: JobConfig, comm=None, *, host: str | None = None, iface: str | None = None,
-            progress: bool | None = None, command: list[str] | None = None, oversubscribe: bool = False) -> int:
+def run_mpi(
+    job: JobConfig,
+    comm=None,
+    *,
+    host: str | None = None,
+    iface: str | None = None,
+    progress: bool | None = None,
+    command: list[str] | None = None,
+    oversubscribe: bool = False,
+) -> int:
     """Run this rank's part of ``job`` on ``comm`` (default ``MPI.COMM_WORLD``); returns the exit code.
 
     Any exception on any rank is printed with the rank and host and aborts the whole job. With
@@ -377,20 +418,24 @@ def run_mpi(job: JobConfig, comm=None, *, host: str | None = None, iface: str | 
     part = None
     old = stop_on_signals()
     try:
-        if world:   # the job is ours: leave no MPICH file in /dev/shm, however it ends
+        if world:  # the job is ours: leave no MPICH file in /dev/shm, however it ends
             unlink_init_shm(comm)
-        part = MPIJob(job, comm, host=host, iface=iface, progress=progress, command=command,
-                      oversubscribe=oversubscribe)
+        part = MPIJob(
+            job, comm, host=host, iface=iface, progress=progress, command=command, oversubscribe=oversubscribe
+        )
         return part.run()
     except KeyboardInterrupt:
-        ignore_signals()        # the cleanup is bounded by its own timeouts; a second Ctrl-C must not cut it
+        ignore_signals()  # the cleanup is bounded by its own timeouts; a second Ctrl-C must not cut it
         if part is None:
             return 128 + received_signal()
         return part.stop_interrupted(received_signal())
     except BaseException as e:
-        print(f"psctl mpi: rank {rank} on {socket.gethostname()} failed; aborting the job:\n"
-              f"{traceback.format_exc()}", file=sys.stderr, flush=True)
-        if part is not None:     # rank 0 writes a partial summary, then aborts the job itself
+        print(
+            f"psctl mpi: rank {rank} on {socket.gethostname()} failed; aborting the job:\n{traceback.format_exc()}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if part is not None:  # rank 0 writes a partial summary, then aborts the job itself
             mpi_report.tell_coordinator(comm, rank, part.role, part.index, f"{type(e).__name__}: {e}")
         abort(comm)
         raise  # not reached: Abort ends the process

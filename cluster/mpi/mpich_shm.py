@@ -25,10 +25,10 @@ def mapped_init_shm(maps: str = "/proc/self/maps") -> list[str]:
     try:
         with open(maps) as f:
             for line in f:
-                fields = line.rstrip("\n").split(maxsplit=5)   # address perms offset dev inode path
+                fields = line.rstrip("\n").split(maxsplit=5)  # address perms offset dev inode path
                 if len(fields) == 6 and fields[5].startswith(PREFIX) and not fields[5].endswith(" (deleted)"):
                     found.add(fields[5])
-    except OSError:   # no /proc (not Linux): nothing to do
+    except OSError:  # no /proc (not Linux): nothing to do
         return []
     return sorted(found)
 
@@ -46,5 +46,5 @@ def unlink_init_shm(world) -> None:
     for path in mapped_init_shm():
         try:
             os.unlink(path)
-        except FileNotFoundError:   # another rank of this node was first
+        except FileNotFoundError:  # another rank of this node was first
             pass

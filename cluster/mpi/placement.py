@@ -19,8 +19,8 @@ the second node had 5 workers for its 4 GPUs while a GPU of the first sat idle.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from psgrid.cluster.errors import UsageError
 
@@ -35,11 +35,11 @@ class PlacementError(UsageError):
 class Role:
     """One rank's part of the job."""
 
-    kind: str                       # coordinator | server | worker
-    index: int                      # the shard's index, the worker's rank; 0 for the coordinator
-    node: int                       # its node, numbered in the order of the nodes' first ranks
-    local_rank: int | None = None   # a worker's index among the workers of its node
-    gpu: int | None = None          # a GPU worker's device: an index into the GPUs its rank sees
+    kind: str  # coordinator | server | worker
+    index: int  # the shard's index, the worker's rank; 0 for the coordinator
+    node: int  # its node, numbered in the order of the nodes' first ranks
+    local_rank: int | None = None  # a worker's index among the workers of its node
+    gpu: int | None = None  # a GPU worker's device: an index into the GPUs its rank sees
 
 
 @dataclass(frozen=True)
@@ -47,21 +47,26 @@ class Placement:
     """Every rank's role, and what rank 0 should tell the user about the layout."""
 
     roles: tuple[Role, ...]
-    hosts: tuple[str, ...]          # one per node, in node order
-    gpus: int                       # distinct GPUs over all nodes (0: a CPU job)
-    notes: tuple[str, ...] = ()     # idle or shared GPUs: a line each, for rank 0 to print
+    hosts: tuple[str, ...]  # one per node, in node order
+    gpus: int  # distinct GPUs over all nodes (0: a CPU job)
+    notes: tuple[str, ...] = ()  # idle or shared GPUs: a line each, for rank 0 to print
 
     def ranks(self, kind: str) -> list[int]:
         """The ranks of one kind, ordered by their index (shard i is ``ranks(SERVER)[i]``)."""
-        return sorted((r for r, role in enumerate(self.roles) if role.kind == kind),
-                      key=lambda r: self.roles[r].index)
+        return sorted((r for r, role in enumerate(self.roles) if role.kind == kind), key=lambda r: self.roles[r].index)
 
     def workers_on(self, node: int) -> int:
         return sum(1 for role in self.roles if role.kind == WORKER and role.node == node)
 
 
-def place(hosts: Sequence[str], gpus: Sequence[Sequence[str]], shards: int, *, device: str = "auto",
-          oversubscribe: bool = False) -> Placement:
+def place(
+    hosts: Sequence[str],
+    gpus: Sequence[Sequence[str]],
+    shards: int,
+    *,
+    device: str = "auto",
+    oversubscribe: bool = False,
+) -> Placement:
     """Give each rank a role from where it runs and which GPUs it sees.
 
     Parameters
@@ -99,8 +104,10 @@ def place(hosts: Sequence[str], gpus: Sequence[Sequence[str]], shards: int, *, d
     node_of, host_list = _nodes(hosts)
     if device == "cpu" or not any(gpus):
         if device == "gpu":
-            raise PlacementError("device = gpu, but no rank sees a CUDA GPU: install psgrid[gpu] (CuPy) where "
-                                 "the workers run, or use --device cpu")
+            raise PlacementError(
+                "device = gpu, but no rank sees a CUDA GPU: install psgrid[gpu] (CuPy) where "
+                "the workers run, or use --device cpu"
+            )
         return _by_rank(node_of, host_list, shards)
     return _by_gpu(node_of, host_list, [list(g) for g in gpus], shards, oversubscribe)
 
@@ -131,25 +138,29 @@ def _by_gpu(node_of, host_list, gpus, shards, oversubscribe) -> Placement:
     candidates = [[r for r in range(size - 1, 0, -1) if node_of[r] == n and gpus[r]] for n in range(nodes)]
     node_gpus = [sorted({g for r in range(size) if node_of[r] == n for g in gpus[r]}) for n in range(nodes)]
     total_gpus = sum(len(g) for g in node_gpus)
-    matched = [sorted(_match(c, gpus)) for c in candidates]      # each node's ranks that get a GPU of their own
+    matched = [sorted(_match(c, gpus)) for c in candidates]  # each node's ranks that get a GPU of their own
     capacity = [len(m) for m in matched]
     notes = []
     if sum(capacity) >= workers:
         counts = _spread(workers, capacity)
-        chosen = [m[len(m) - k:] for m, k in zip(matched, counts)]
+        chosen = [m[len(m) - k :] for m, k in zip(matched, counts)]
         if total_gpus > workers:
-            notes.append(f"{total_gpus - workers} of the {total_gpus} GPUs idle: {size} ranks leave "
-                         f"{_plural(workers, 'worker')} beside the coordinator and {_plural(shards, 'shard')}; "
-                         f"{_advice(host_list, node_gpus, shards)} give every GPU a worker")
+            notes.append(
+                f"{total_gpus - workers} of the {total_gpus} GPUs idle: {size} ranks leave "
+                f"{_plural(workers, 'worker')} beside the coordinator and {_plural(shards, 'shard')}; "
+                f"{_advice(host_list, node_gpus, shards)} give every GPU a worker"
+            )
     elif not oversubscribe:
         raise PlacementError(_shortage(size, workers, shards, host_list, node_gpus, capacity, candidates))
     else:
         spare = [[r for r in c if r not in m] for c, m in zip(candidates, matched)]
         extra = _spread(workers - sum(capacity), [len(s) for s in spare])
         if sum(extra) < workers - sum(capacity):
-            raise PlacementError(f"{size} ranks leave {workers} workers but only "
-                                 f"{sum(len(c) for c in candidates)} ranks besides the coordinator see a GPU: "
-                                 f"run fewer ranks or raise --shards")
+            raise PlacementError(
+                f"{size} ranks leave {workers} workers but only "
+                f"{sum(len(c) for c in candidates)} ranks besides the coordinator see a GPU: "
+                f"run fewer ranks or raise --shards"
+            )
         chosen = [sorted(m + s[:k]) for m, s, k in zip(matched, spare, extra)]
         notes.append(f"{workers} workers share {_plural(total_gpus, 'GPU')} (--oversubscribe)")
 
@@ -179,7 +190,7 @@ def _match(ranks: list[int], gpus: list[list[str]]) -> dict[int, str]:
 
     def augment(rank: int, visited: set[str]) -> bool:
         free = [g for g in gpus[rank] if g not in owner]
-        if free:            # a free GPU first, so ranks that see the same GPUs take them in order
+        if free:  # a free GPU first, so ranks that see the same GPUs take them in order
             owner[free[0]] = rank
             return True
         for g in gpus[rank]:
@@ -205,7 +216,7 @@ def _assign(ranks: list[int], gpus: list[list[str]]) -> dict[int, int]:
     device = {}
     for rank in ranks:
         g = one_each.get(rank)
-        if g is None:   # oversubscribed: the GPU it sees with the fewest workers so far
+        if g is None:  # oversubscribed: the GPU it sees with the fewest workers so far
             g = min(gpus[rank], key=lambda x: load.get(x, 0))
             load[g] = load.get(g, 0) + 1
         device[rank] = gpus[rank].index(g)
@@ -240,12 +251,17 @@ def _shortage(size, workers, shards, host_list, node_gpus, capacity, candidates)
     if size - 1 - sum(capacity) >= 1:
         fix += f", or keep {size} ranks with --shards {size - 1 - sum(capacity)}"
     if workers > total:
-        why = (f"{size} ranks leave {workers} workers beside the coordinator and {_plural(shards, 'shard')}, "
-               f"for {_plural(total, 'GPU')} on {_plural(len(host_list), 'node')}")
+        why = (
+            f"{size} ranks leave {workers} workers beside the coordinator and {_plural(shards, 'shard')}, "
+            f"for {_plural(total, 'GPU')} on {_plural(len(host_list), 'node')}"
+        )
     else:
-        short = [f"{host} has {_plural(len(candidates[n]), 'rank')}{' besides the coordinator' if n == 0 else ''} "
-                 f"for {_plural(len(node_gpus[n]), 'GPU')}"
-                 for n, host in enumerate(host_list) if capacity[n] < len(node_gpus[n])]
+        short = [
+            f"{host} has {_plural(len(candidates[n]), 'rank')}{' besides the coordinator' if n == 0 else ''} "
+            f"for {_plural(len(node_gpus[n]), 'GPU')}"
+            for n, host in enumerate(host_list)
+            if capacity[n] < len(node_gpus[n])
+        ]
         why = f"{workers} workers do not fit one per GPU: {', '.join(short[:3])}{', ...' if len(short) > 3 else ''}"
     return f"{why}; {fix} for one worker per GPU, or let workers share GPUs with --oversubscribe"
 
@@ -261,5 +277,10 @@ def host_group(placement: Placement, rank: int) -> tuple[int, int, int, int, int
     me = placement.roles[rank]
     if me.kind != WORKER:
         raise ValueError(f"rank {rank} is a {me.kind}, not a worker")
-    return (nodes.index(me.node), len(nodes), me.local_rank, placement.workers_on(me.node),
-            len(placement.ranks(WORKER)))
+    return (
+        nodes.index(me.node),
+        len(nodes),
+        me.local_rank,
+        placement.workers_on(me.node),
+        len(placement.ranks(WORKER)),
+    )

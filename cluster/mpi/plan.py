@@ -11,8 +11,8 @@ job calls, so the plan is the job's layout as long as each rank of a node sees a
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from psgrid.cluster.errors import UsageError
 from psgrid.cluster.mpi.placement import COORDINATOR, SERVER, Placement, place
@@ -22,9 +22,9 @@ from psgrid.cluster.mpi.placement import COORDINATOR, SERVER, Placement, place
 class Allocation:
     """Where each rank runs and how many GPUs each node has."""
 
-    hosts: tuple[str, ...]      # each rank's node, by rank
+    hosts: tuple[str, ...]  # each rank's node, by rank
     gpus_per_node: int
-    source: str                 # where the numbers came from, for the plan's first line
+    source: str  # where the numbers came from, for the plan's first line
 
 
 def expand_nodelist(text: str) -> list[str]:
@@ -39,7 +39,7 @@ def _expand_one(item: str) -> list[str]:
     match = re.search(r"\[([^\]]*)\]", item)
     if not match:
         return [item]
-    head, tail = item[:match.start()], item[match.end():]
+    head, tail = item[: match.start()], item[match.end() :]
     out = []
     for part in match.group(1).split(","):
         lo, _, hi = part.partition("-")
@@ -64,7 +64,7 @@ def expand_tasks_per_node(text: str) -> list[int]:
 def gpus_from_environment(env: Mapping[str, str]) -> int | None:
     """GPUs per node, from whichever variable the site sets (as examples/slurm/*.sbatch read them)."""
     for name in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
-        count = env.get(name, "").rpartition(":")[2]     # "a100:4" where GPUs are asked for by type
+        count = env.get(name, "").rpartition(":")[2]  # "a100:4" where GPUs are asked for by type
         if count.isdigit():
             return int(count)
     for name in ("SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES"):
@@ -75,8 +75,9 @@ def gpus_from_environment(env: Mapping[str, str]) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def allocation(env: Mapping[str, str], *, np: int | None = None, nodes: int | None = None,
-               gpus_per_node: int | None = None) -> Allocation:
+def allocation(
+    env: Mapping[str, str], *, np: int | None = None, nodes: int | None = None, gpus_per_node: int | None = None
+) -> Allocation:
     """The allocation to plan for: the flags where given, else the Slurm job this runs in.
 
     Ranks go to nodes as Slurm's default block distribution puts them: ``SLURM_TASKS_PER_NODE``
@@ -89,9 +90,11 @@ def allocation(env: Mapping[str, str], *, np: int | None = None, nodes: int | No
     """
     in_slurm = "SLURM_JOB_ID" in env
     if np is None and not env.get("SLURM_NTASKS", "").isdigit():
-        raise UsageError("psctl mpi --plan needs the number of ranks: run it inside the allocation (salloc or "
-                         "the batch script, where SLURM_NTASKS is set) or give --np N (and --nodes M, "
-                         "--gpus-per-node G)")
+        raise UsageError(
+            "psctl mpi --plan needs the number of ranks: run it inside the allocation (salloc or "
+            "the batch script, where SLURM_NTASKS is set) or give --np N (and --nodes M, "
+            "--gpus-per-node G)"
+        )
     size = np if np is not None else int(env["SLURM_NTASKS"])
     names = expand_nodelist(env["SLURM_JOB_NODELIST"]) if in_slurm and env.get("SLURM_JOB_NODELIST") else []
     if nodes is None:
@@ -106,14 +109,15 @@ def allocation(env: Mapping[str, str], *, np: int | None = None, nodes: int | No
     if np is None and env.get("SLURM_TASKS_PER_NODE"):
         per_node = expand_tasks_per_node(env["SLURM_TASKS_PER_NODE"])
         if len(per_node) != nodes or sum(per_node) != size:
-            per_node = None         # a flag changed the node count: spread as srun would
+            per_node = None  # a flag changed the node count: spread as srun would
     if per_node is None:
         per_node = [size // nodes + (i < size % nodes) for i in range(nodes)]
     hosts = tuple(name for name, count in zip(names, per_node) for _ in range(count))
     if gpus_per_node is None:
         gpus_per_node = gpus_from_environment(env) or 0
-    source = (f"Slurm job {env['SLURM_JOB_ID']}" if in_slurm and np is None else "--np") + \
-        f": {size} ranks on {nodes} node{'s' * (nodes != 1)}, {gpus_per_node} GPU{'s' * (gpus_per_node != 1)} each"
+    source = (
+        f"Slurm job {env['SLURM_JOB_ID']}" if in_slurm and np is None else "--np"
+    ) + f": {size} ranks on {nodes} node{'s' * (nodes != 1)}, {gpus_per_node} GPU{'s' * (gpus_per_node != 1)} each"
     return Allocation(hosts, gpus_per_node, source)
 
 
@@ -130,9 +134,11 @@ def describe(alloc: Allocation, placement: Placement) -> list[str]:
     """The plan as lines: a heading, then one line per rank (rank, node, role, GPU)."""
     workers = sum(1 for role in placement.roles if role.kind not in (COORDINATOR, SERVER))
     shards = len(placement.ranks(SERVER))
-    lines = [f"psctl mpi --plan ({alloc.source}): 1 coordinator, {shards} shard{'s' * (shards != 1)}, "
-             f"{workers} worker{'s' * (workers != 1)}; nothing started",
-             f"{'rank':>4}  {'node':<16}  {'role':<12}  gpu"]
+    lines = [
+        f"psctl mpi --plan ({alloc.source}): 1 coordinator, {shards} shard{'s' * (shards != 1)}, "
+        f"{workers} worker{'s' * (workers != 1)}; nothing started",
+        f"{'rank':>4}  {'node':<16}  {'role':<12}  gpu",
+    ]
     for rank, role in enumerate(placement.roles):
         name = role.kind if role.kind == COORDINATOR else f"{'shard' if role.kind == SERVER else 'worker'} {role.index}"
         gpu = "-" if role.gpu is None else str(role.gpu)

@@ -18,7 +18,7 @@ from psgrid.cluster.mpi.comm import POLL_S
 from psgrid.cluster.run import script as user_script
 from psgrid.cluster.run.jobrun import JobRun
 
-TAG_DONE = 71       # a worker rank's result and events, sent to rank 0
+TAG_DONE = 71  # a worker rank's result and events, sent to rank 0
 
 
 class RankZero:
@@ -26,15 +26,19 @@ class RankZero:
 
     def __init__(self, part):
         self.part = part
-        self.received: dict[int, list[dict]] = {}      # worker rank -> the events it sent with its results
+        self.received: dict[int, list[dict]] = {}  # worker rank -> the events it sent with its results
 
     def start(self, run: JobRun) -> None:
         part, job = self.part, self.part.job
         run.event("shards_ready", addresses=part.addresses)
-        model = f" of {part.model}" if part.model else ""      # a script's model is its own
-        print(f"psctl mpi: {part.size} ranks: coordinator on {part.hostname}, {job.shards} shard(s) at "
-              f"{','.join(part.addresses)} applying {job.server.describe_optimizer()}, {job.workers} worker(s)"
-              f"{model}; output in {part.out}", file=sys.stderr, flush=True)
+        model = f" of {part.model}" if part.model else ""  # a script's model is its own
+        print(
+            f"psctl mpi: {part.size} ranks: coordinator on {part.hostname}, {job.shards} shard(s) at "
+            f"{','.join(part.addresses)} applying {job.server.describe_optimizer()}, {job.workers} worker(s)"
+            f"{model}; output in {part.out}",
+            file=sys.stderr,
+            flush=True,
+        )
         for r in range(job.workers):
             run.tail.add(part.out / "metrics" / f"worker-{r}.jsonl")
 
@@ -91,5 +95,9 @@ class RankZero:
     def report(self, run: JobRun) -> dict:
         exits = {r: next((f.get("exit_code", 1) for f in run.failures if f["index"] == r), 0) for r in self.received}
         events = [e for sent in self.received.values() for e in sent]
-        return {"sources": [self.part.out / "metrics" / "coordinator.jsonl", events], "addresses": self.part.addresses,
-                "worker_exits": exits, "ranks": self.part.size}
+        return {
+            "sources": [self.part.out / "metrics" / "coordinator.jsonl", events],
+            "addresses": self.part.addresses,
+            "worker_exits": exits,
+            "ranks": self.part.size,
+        }

@@ -59,7 +59,7 @@ def tee_to_log(out: Path, rank: int, role: str, index: int) -> Path | None:
     except OSError:
         return None
     log.write(f"# rank {rank} ({role} {index}) on {socket.gethostname()}, {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    untee()        # a rank that runs several jobs (psctl compare --mpi) logs each into its own folder
+    untee()  # a rank that runs several jobs (psctl compare --mpi) logs each into its own folder
     sys.stdout = _Tee(sys.stdout, log)
     sys.stderr = _Tee(sys.stderr, log)
     return path
@@ -83,14 +83,21 @@ def tell_coordinator(comm, rank: int, role: str, index: int, error: str) -> None
     """
     if rank == 0:
         return
-    notice = {"rank": rank, "role": role, "index": index, "host": socket.gethostname(), "error": error,
-              "log": f"logs/{log_name(role, index)}", "time": time.time()}
+    notice = {
+        "rank": rank,
+        "role": role,
+        "index": index,
+        "host": socket.gethostname(),
+        "error": error,
+        "log": f"logs/{log_name(role, index)}",
+        "time": time.time(),
+    }
     try:
         request = comm.isend(notice, dest=0, tag=TAG_FAILED)
-    except Exception:     # the communicator is broken: nothing to tell
+    except Exception:  # the communicator is broken: nothing to tell
         return
     deadline = time.monotonic() + NOTICE_WAIT_S
-    while time.monotonic() < deadline:       # rank 0's MPI_Abort ends this process
+    while time.monotonic() < deadline:  # rank 0's MPI_Abort ends this process
         request.Test()
         time.sleep(POLL_S)
 

@@ -13,22 +13,47 @@ import math
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from psgrid.cluster.job.config import JobConfig
 from psgrid.cluster.errors import JobFailed
+from psgrid.cluster.job.config import JobConfig
 from psgrid.psserver import files
 
 EVAL_TIMEOUT_S = 600.0
 # Shard counters copied into summary.json, per shard.
 SHARD_FIELDS = (
-    "shard_index", "address", "mode", "version", "begin", "end", "min_clock", "max_clock",
-    "pushes", "pulls", "bytes_in", "bytes_out", "applied_updates", "dropped_late", "duplicates",
-    "evictions", "rejected", "staleness_counts", "mean_staleness", "max_staleness", "wait_s_total",
-    "checkpoint", "waits", "departed", "lost_updates", "restored_version", "stalled_evictions",
+    "shard_index",
+    "address",
+    "mode",
+    "version",
+    "begin",
+    "end",
+    "min_clock",
+    "max_clock",
+    "pushes",
+    "pulls",
+    "bytes_in",
+    "bytes_out",
+    "applied_updates",
+    "dropped_late",
+    "duplicates",
+    "evictions",
+    "rejected",
+    "staleness_counts",
+    "mean_staleness",
+    "max_staleness",
+    "wait_s_total",
+    "checkpoint",
+    "waits",
+    "departed",
+    "lost_updates",
+    "restored_version",
+    "stalled_evictions",
     "revoked_reads",
-    "uncompensated_updates", "momentum",
+    "uncompensated_updates",
+    "momentum",
 )
 
 
@@ -86,12 +111,12 @@ class JobState:
         self.samples: dict[int, int] = {}
         self.loss: dict[int, float] = {}
         self.last_eval: dict | None = None
-        self.rank_evals: dict[int, dict] = {}   # each worker's latest evaluation
+        self.rank_evals: dict[int, dict] = {}  # each worker's latest evaluation
         self.done: dict[int, dict] = {}
-        self.first_step: dict[int, int] = {}    # where each worker started: above 0 when a job resumes
-        self.started: set[int] = set()          # ranks whose "start" event arrived: they joined the job
-        self.first_start: float | None = None   # time of the first worker's "start" event
-        self.last_done: float | None = None     # time of the last worker's "done" event
+        self.first_step: dict[int, int] = {}  # where each worker started: above 0 when a job resumes
+        self.started: set[int] = set()  # ranks whose "start" event arrived: they joined the job
+        self.first_start: float | None = None  # time of the first worker's "start" event
+        self.last_done: float | None = None  # time of the last worker's "done" event
 
     def update(self, events: Iterable[dict]) -> list[dict]:
         """Fold in new events; returns the eval events among them."""
@@ -191,11 +216,12 @@ class Progress:
 
         self._tty = sys.stderr.isatty()
         show = self._tty if enabled is None else enabled
-        self.bar = tqdm(total=total, desc=desc, unit="step", disable=not show, file=sys.stderr,
-                        dynamic_ncols=True, mininterval=0.5)
+        self.bar = tqdm(
+            total=total, desc=desc, unit="step", disable=not show, file=sys.stderr, dynamic_ncols=True, mininterval=0.5
+        )
         self.total = total
         self._shown = 0
-        self._said_step = 0     # the last evaluation's step given a line: one line per step, in order
+        self._said_step = 0  # the last evaluation's step given a line: one line per step, in order
 
     @property
     def enabled(self) -> bool:
@@ -283,8 +309,9 @@ def finish(job: JobConfig, addresses: list[str], *, evaluate: bool = True) -> tu
         if evaluate:
             from psgrid.worker.evaluate import evaluate as evaluate_weights
 
-            evaluation = call_with_timeout(lambda: evaluate_weights(job.train, addresses), EVAL_TIMEOUT_S,
-                                           "final evaluation")
+            evaluation = call_with_timeout(
+                lambda: evaluate_weights(job.train, addresses), EVAL_TIMEOUT_S, "final evaluation"
+            )
         stats = call_with_timeout(admin.stats, 60.0, "reading shard stats")
     finally:
         try:
@@ -346,8 +373,10 @@ class EventLog:
         self._f = files.open_new(self.path, "a")
 
     def __call__(self, event: str, **fields: Any) -> None:
-        self._f.write(json.dumps({"event": event, "time": time.time(), "source": "coordinator", **fields},
-                                 default=_jsonable) + "\n")
+        self._f.write(
+            json.dumps({"event": event, "time": time.time(), "source": "coordinator", **fields}, default=_jsonable)
+            + "\n"
+        )
         self._f.flush()
 
     def close(self) -> None:
@@ -383,17 +412,19 @@ def build_summary(
     workers = []
     for rank in range(job.workers):
         d = state.done.get(rank, {})
-        workers.append({
-            "rank": rank,
-            "exit_code": worker_exits.get(rank),
-            "completed": rank in state.done,
-            "steps": state.worker_steps(rank),
-            "samples": state.worker_samples(rank),
-            "wall_s": d.get("wall_s"),
-            "final_loss": d.get("final_loss", state.loss.get(rank)),
-            "warmup_s": d.get("warmup_s", 0.0),    # compiling GPU kernels before joining: not in wall_s
-            "device": d.get("device"),              # cpu, or cuda:N
-        })
+        workers.append(
+            {
+                "rank": rank,
+                "exit_code": worker_exits.get(rank),
+                "completed": rank in state.done,
+                "steps": state.worker_steps(rank),
+                "samples": state.worker_samples(rank),
+                "wall_s": d.get("wall_s"),
+                "final_loss": d.get("final_loss", state.loss.get(rank)),
+                "warmup_s": d.get("warmup_s", 0.0),  # compiling GPU kernels before joining: not in wall_s
+                "device": d.get("device"),  # cpu, or cuda:N
+            }
+        )
     losses = [w["final_loss"] for w in workers if finite(w["final_loss"])]
     evaluation = evaluation or {}
     return {
@@ -403,7 +434,7 @@ def build_summary(
         "launcher": launcher,
         "mode": job.server.mode,
         "shards": job.shards,
-        "shard_device": None if launcher == "allreduce" else job.server.shard_device,   # "auto" resolved at launch
+        "shard_device": None if launcher == "allreduce" else job.server.shard_device,  # "auto" resolved at launch
         "shard_placement": None if launcher == "allreduce" else job.shard_placement,
         "workers": job.workers,
         "workers_completed": sum(1 for w in workers if w["completed"]),
@@ -428,21 +459,24 @@ def build_summary(
         "lost_updates": sum(s.get("lost_updates", 0) for s in shard_stats),
         "out": out,
         "job_id": job.server.job_id,
-        "optimizer": job.server.applied_optimizer(),     # what the shards applied, whatever the workers ran
+        "optimizer": job.server.applied_optimizer(),  # what the shards applied, whatever the workers ran
         "config": job.public_dict(),
     }
 
 
 def headline(summary: dict) -> str:
     """One line for the terminal: mode, steps, time, throughput, accuracies."""
+
     def f(x, spec):
         return format(x, spec) if finite(x) else "n/a"
 
-    return (f"{summary['name']} ({summary['mode']}, {_n(summary['shards'], 'shard')}, "
-            f"{_n(summary['workers'], 'worker')}): "
-            f"{summary['steps']} steps in {f(summary['wall_s'], '.1f')} s, "
-            f"{f(summary['samples_per_s'], '.0f')} samples/s, train accuracy {f(summary['train_accuracy'], '.4f')}, "
-            f"test accuracy {f(summary['test_accuracy'], '.4f')}")
+    return (
+        f"{summary['name']} ({summary['mode']}, {_n(summary['shards'], 'shard')}, "
+        f"{_n(summary['workers'], 'worker')}): "
+        f"{summary['steps']} steps in {f(summary['wall_s'], '.1f')} s, "
+        f"{f(summary['samples_per_s'], '.0f')} samples/s, train accuracy {f(summary['train_accuracy'], '.4f')}, "
+        f"test accuracy {f(summary['test_accuracy'], '.4f')}"
+    )
 
 
 def _n(count: int, noun: str) -> str:

@@ -74,18 +74,24 @@ def start_shard(env):
     index = env.host_shard
     changes = {"shard_index": index, "num_shards": shards, "port": 0}
     if config.metrics_port:
-        changes["metrics_port"] = config.metrics_port + index     # one port per shard, as JobConfig.server_config
+        changes["metrics_port"] = config.metrics_port + index  # one port per shard, as JobConfig.server_config
     server = serve(dataclasses.replace(config, **changes), in_process_clients=True)
     try:
-        write_address(Path(env.address_dir) / f"shard-{index}", server.address, server.config.job_id,
-                      server.metrics.port if server.metrics else None)
+        write_address(
+            Path(env.address_dir) / f"shard-{index}",
+            server.address,
+            server.config.job_id,
+            server.metrics.port if server.metrics else None,
+        )
     except BaseException:
         server.stop(grace=1.0)
         raise
-    print(f"psgrid shard {index}/{shards} listening on {server.address} in worker {env.rank}'s process "
-          f"(mode {config.mode}, job {server.config.job_id})", flush=True)
+    print(
+        f"psgrid shard {index}/{shards} listening on {server.address} in worker {env.rank}'s process "
+        f"(mode {config.mode}, job {server.config.job_id})",
+        flush=True,
+    )
     return server
-
 
 
 def serve_on(server) -> None:

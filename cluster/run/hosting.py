@@ -34,11 +34,15 @@ def check_placement(job, *, launcher: str = "psctl launch") -> None:
         return
     use_process = 'use shard_placement = "process"'
     if launcher != "psctl launch":
-        raise UsageError(f'[job] shard_placement = "worker" is for psctl launch, on one machine: {launcher} starts its '
-                         f'shards as processes of their own; {use_process}')
+        raise UsageError(
+            f'[job] shard_placement = "worker" is for psctl launch, on one machine: {launcher} starts its '
+            f"shards as processes of their own; {use_process}"
+        )
     if job.train.aggregate == "host":
-        raise UsageError(f'[job] shard_placement = "worker" and [train] aggregate = "host" do not go together (one '
-                         f'client per host pushes the host\'s mean); {use_process}')
+        raise UsageError(
+            f'[job] shard_placement = "worker" and [train] aggregate = "host" do not go together (one '
+            f"client per host pushes the host's mean); {use_process}"
+        )
 
 
 def wait_for_addresses(folder: Path, shards: int, timeout_s: float) -> list[str]:
@@ -59,8 +63,7 @@ def _stop_on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def run_hosting_worker(job, shard_index: int, address_dir: Path, rank: int, world: int,
-                       metrics: str | None) -> dict:
+def run_hosting_worker(job, shard_index: int, address_dir: Path, rank: int, world: int, metrics: str | None) -> dict:
     """Host shard ``shard_index`` of ``job``, train as worker ``rank`` of ``world``, serve until stopped; the worker's result."""
     from psgrid.psserver.server import serve, write_address
     from psgrid.worker.loop import run_worker
@@ -69,17 +72,24 @@ def run_hosting_worker(job, shard_index: int, address_dir: Path, rank: int, worl
         signal.signal(sig, _stop_on_signal)
     server = serve(job.server_config(shard_index), in_process_clients=True)
     try:
-        write_address(address_dir / f"shard-{shard_index}", server.address, server.config.job_id,
-                      server.metrics.port if server.metrics else None)
-        print(f"psgrid shard {shard_index}/{job.shards} listening on {server.address} in worker {rank}'s process "
-              f"(mode {job.server.mode}, job {server.config.job_id})", flush=True)
+        write_address(
+            address_dir / f"shard-{shard_index}",
+            server.address,
+            server.config.job_id,
+            server.metrics.port if server.metrics else None,
+        )
+        print(
+            f"psgrid shard {shard_index}/{job.shards} listening on {server.address} in worker {rank}'s process "
+            f"(mode {job.server.mode}, job {server.config.job_id})",
+            flush=True,
+        )
         addresses = wait_for_addresses(address_dir, job.shards, job.start_timeout_s)
         result = run_worker(job.train, addresses, rank, world, metrics_path=metrics)
         print(json.dumps(result), flush=True)
-        server.wait()      # the other workers still train against this shard; the launcher's Shutdown ends it
+        server.wait()  # the other workers still train against this shard; the launcher's Shutdown ends it
         return result
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):     # a second signal must not cut the final checkpoint short
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal must not cut the final checkpoint short
             signal.signal(sig, signal.SIG_IGN)
         server.stop(grace=1.0)
         print(f"psgrid shard {shard_index} stopped", file=sys.stderr, flush=True)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Protocol
 
 from psgrid.cluster.errors import JobFailed
 from psgrid.cluster.job.outdir import release
@@ -62,8 +63,7 @@ class JobRun:
         coordinator apart from its workers, and none.
     """
 
-    def __init__(self, job, out: Path, launcher: str, *, command: list[str] | None = None,
-                 log_events: bool = True):
+    def __init__(self, job, out: Path, launcher: str, *, command: list[str] | None = None, log_events: bool = True):
         self.job = job
         self.out = Path(out)
         self.launcher = launcher
@@ -71,12 +71,12 @@ class JobRun:
         self.state = co.JobState()
         self.tail = co.MetricsTail()
         self.log = co.EventLog(self.out / "metrics" / "coordinator.jsonl") if log_events else None
-        self.failures: list[dict] = []      # every child that failed, tolerated or not
+        self.failures: list[dict] = []  # every child that failed, tolerated or not
         self.status, self.message = "ok", None
         self.evaluation: dict | None = None
         self.shard_stats: list[dict] = []
-        self.train_wall_s: float | None = None     # as the backend's follow measured it
-        self.final_summary: dict | None = None      # summary.json as :meth:`run` wrote it
+        self.train_wall_s: float | None = None  # as the backend's follow measured it
+        self.final_summary: dict | None = None  # summary.json as :meth:`run` wrote it
         self.t0 = time.monotonic()
 
     # -- while it runs -----------------------------------------------------------------------
@@ -90,8 +90,16 @@ class JobRun:
         """The job starts now (its total wall time counts from here)."""
         job = self.job
         self.t0 = time.monotonic()
-        self.event("job_start", name=job.name, mode=job.mode, shards=job.shards, workers=job.workers,
-                   shard_device=job.server.shard_device, out=str(self.out), **fields)
+        self.event(
+            "job_start",
+            name=job.name,
+            mode=job.mode,
+            shards=job.shards,
+            workers=job.workers,
+            shard_device=job.server.shard_device,
+            out=str(self.out),
+            **fields,
+        )
 
     def progress(self, enabled: bool | None, *, mode: str | None = None) -> co.Progress:
         """The progress bar over every worker's steps (no total for a script: its steps are its own)."""
@@ -128,7 +136,7 @@ class JobRun:
             self.status, self.message = error.status, str(error)
         elif isinstance(error, Interrupted):
             self.status, self.message = "interrupted", f"stopped by {error}"
-        elif isinstance(error, KeyboardInterrupt):      # an MPI rank's signal (cluster/run/interrupts.py)
+        elif isinstance(error, KeyboardInterrupt):  # an MPI rank's signal (cluster/run/interrupts.py)
             self.status, self.message = "interrupted", f"stopped by {signal.Signals(received_signal()).name}"
         else:
             # Evaluation, stats or shutdown failing after training: the job did not complete cleanly.
@@ -148,8 +156,11 @@ class JobRun:
             message is the summary's.
         """
         self.start(**start_fields)
-        return self._until_end(backend, [lambda: backend.start(self), lambda: self._follow(backend),
-                                         lambda: backend.finish(self)], end=True)
+        return self._until_end(
+            backend,
+            [lambda: backend.start(self), lambda: self._follow(backend), lambda: backend.finish(self)],
+            end=True,
+        )
 
     def begin(self, backend: Backend, **start_fields) -> None:
         """:meth:`run`'s start alone (a start that fails ends the job, as in :meth:`run`).
@@ -191,23 +202,43 @@ class JobRun:
             backend.stop(self)
         finally:
             self.final_summary = self.end(train_wall_s=self.train_wall_s, **backend.report(self))
-            release(self.out)       # the job is over: the folder may be taken again
+            release(self.out)  # the job is over: the folder may be taken again
 
     # -- at the end --------------------------------------------------------------------------
 
-    def summary(self, *, addresses: list[str], worker_exits: dict[int, int | None], train_wall_s: float | None,
-                status: str | None = None, message: str | None = None, shard_stats: list[dict] | None = None,
-                restarts: list[dict] | None = None, resumed: list[dict] | None = None, **extra) -> dict:
+    def summary(
+        self,
+        *,
+        addresses: list[str],
+        worker_exits: dict[int, int | None],
+        train_wall_s: float | None,
+        status: str | None = None,
+        message: str | None = None,
+        shard_stats: list[dict] | None = None,
+        restarts: list[dict] | None = None,
+        resumed: list[dict] | None = None,
+        **extra,
+    ) -> dict:
         """summary.json as it stands (``status``, ``message`` and ``shard_stats`` default to the recorded ones).
 
         ``extra`` fields are set after the common ones (``mode="allreduce"``, ``ranks=N``), then ``command``.
         """
         summary = co.build_summary(
-            self.job, launcher=self.launcher, status=status or self.status,
-            message=self.message if status is None else message, addresses=addresses, state=self.state,
-            train_wall_s=train_wall_s, total_wall_s=time.monotonic() - self.t0, evaluation=self.evaluation,
-            shard_stats=self.shard_stats if shard_stats is None else shard_stats, failures=self.failures,
-            worker_exits=worker_exits, out=str(self.out), restarts=restarts, resumed=resumed,
+            self.job,
+            launcher=self.launcher,
+            status=status or self.status,
+            message=self.message if status is None else message,
+            addresses=addresses,
+            state=self.state,
+            train_wall_s=train_wall_s,
+            total_wall_s=time.monotonic() - self.t0,
+            evaluation=self.evaluation,
+            shard_stats=self.shard_stats if shard_stats is None else shard_stats,
+            failures=self.failures,
+            worker_exits=worker_exits,
+            out=str(self.out),
+            restarts=restarts,
+            resumed=resumed,
         )
         summary.update(extra)
         if self.command:

@@ -28,15 +28,15 @@ import threading
 import weakref
 from pathlib import Path
 
+from psgrid.cluster.errors import ConfigError
+from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
+from psgrid.cluster.job.outdir import release
 from psgrid.cluster.run import coordinator as co
 from psgrid.cluster.run import script as user_script
-from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
-from psgrid.cluster.errors import ConfigError
 from psgrid.cluster.run.hosting import check_placement
 from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.launch import Launcher, prepare_out
 from psgrid.cluster.run.preflight import check_shard_device
-from psgrid.cluster.job.outdir import release
 from psgrid.psserver import files
 
 
@@ -63,8 +63,18 @@ class LocalCluster:
         Any job-file key (``lr=0.1``, ``optimizer="adam"``, ``steps=200``, ``server.lease_s=5`` ...).
     """
 
-    def __init__(self, shards: int = 1, mode: str | None = None, *, workers: int = 0, command: list[str] | None = None,
-                 config: str | None = None, out: str | None = None, progress: bool = False, **settings):
+    def __init__(
+        self,
+        shards: int = 1,
+        mode: str | None = None,
+        *,
+        workers: int = 0,
+        command: list[str] | None = None,
+        config: str | None = None,
+        out: str | None = None,
+        progress: bool = False,
+        **settings,
+    ):
         job = load_job(config) if config else JobConfig(name="local")
         overrides = {"shards": shards, "mode": mode, **settings}
         # With no background workers the program's own sessions are the job's workers: one unless it says more.
@@ -72,7 +82,7 @@ class LocalCluster:
         if out is not None:
             overrides["out"] = out
         job = _with_settings(job, overrides)
-        check_placement(job, launcher="psgrid.LocalCluster")     # its sessions host no shard
+        check_placement(job, launcher="psgrid.LocalCluster")  # its sessions host no shard
         # Device shards that cannot fit are refused before anything starts; without background workers
         # the model is the program's own (psgrid.init's params), and only the GPU itself is checked.
         check_shard_device(job, {}, sized=bool(workers) and command is None)
@@ -85,16 +95,23 @@ class LocalCluster:
             out_dir = prepare_out(job)
         self.out = out_dir
         self.command = user_script.resolve_command(command) if command is not None else None
-        self._launcher = Launcher(job, out_dir, progress, quiet=True, command=self.command, launcher="local",
-                                  bar=None if progress else _NoBar())
-        self._run = self._launcher.jobrun      # its events, the workers' progress, its summary
-        self.job = self._launcher.job          # with its token and job id
+        self._launcher = Launcher(
+            job,
+            out_dir,
+            progress,
+            quiet=True,
+            command=self.command,
+            launcher="local",
+            bar=None if progress else _NoBar(),
+        )
+        self._run = self._launcher.jobrun  # its events, the workers' progress, its summary
+        self.job = self._launcher.job  # with its token and job id
         self._backend = LocalJob(self._launcher, workers)
         self._summary: dict | None = None
         # Stops the processes of a cluster nobody closed, when it is collected or at interpreter exit.
         self._finalizer = weakref.finalize(self, _stop, self._launcher, out_dir, self._temporary)
         try:
-            self._run.begin(self._backend, launcher="local")     # the rest of the lifecycle when it is closed
+            self._run.begin(self._backend, launcher="local")  # the rest of the lifecycle when it is closed
         except BaseException:
             self._finalizer()
             raise
@@ -127,9 +144,16 @@ class LocalCluster:
 
         options.setdefault("token", self.token)
         metrics = self.out / "metrics" / f"worker-{rank}.jsonl"
-        self._run.tail.add(metrics)       # its records make the summary
-        return init(params, addresses=self.addresses, rank=rank, world=world or self.job.workers,
-                    metrics=str(metrics), job_file=str(self.out / "job.toml"), **options)
+        self._run.tail.add(metrics)  # its records make the summary
+        return init(
+            params,
+            addresses=self.addresses,
+            rank=rank,
+            world=world or self.job.workers,
+            metrics=str(metrics),
+            job_file=str(self.out / "job.toml"),
+            **options,
+        )
 
     def stats(self) -> list[dict]:
         """Every shard's clocks, members and counters now."""
@@ -177,11 +201,14 @@ class LocalCluster:
             self._finalizer()
         if error is not None:
             kept = "" if self._temporary else f"; summary in {self.out / 'summary.json'}"
-            print(f"psgrid.LocalCluster: {run.message}: stopped its processes, job {run.status}{kept}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"psgrid.LocalCluster: {run.message}: stopped its processes, job {run.status}{kept}",
+                file=sys.stderr,
+                flush=True,
+            )
         return self._summary
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -211,9 +238,9 @@ class LocalJob:
 
     def __init__(self, launcher: Launcher, workers: int):
         self.launcher = launcher
-        self.background = workers       # workers started here (0: the program's own sessions are the workers)
+        self.background = workers  # workers started here (0: the program's own sessions are the workers)
         self.thread: threading.Thread | None = None
-        self.outcome: dict = {}         # the background workers' training wall time, or the error that ended them
+        self.outcome: dict = {}  # the background workers' training wall time, or the error that ended them
 
     def start(self, run: JobRun) -> None:
         self.launcher.start_shards()
@@ -260,13 +287,13 @@ def _with_settings(job: JobConfig, settings: dict) -> JobConfig:
         return apply_overrides(job, settings)
     except ConfigError:
         pass
-    for key, value in settings.items():      # which one: the job-file message would name an "override"
+    for key, value in settings.items():  # which one: the job-file message would name an "override"
         try:
             apply_overrides(job, {key: value})
         except ConfigError as e:
             said = re.sub(r"^.*?: \[(job|server|train)\] ", "", str(e)).replace(" in a job file", "")
             raise ConfigError(f"psgrid.LocalCluster({key}={value!r}): {said}") from None
-    return apply_overrides(job, settings)     # settings that are wrong only together: as the job file says
+    return apply_overrides(job, settings)  # settings that are wrong only together: as the job file says
 
 
 class _NoBar:

@@ -23,7 +23,7 @@ import json
 import os
 import re
 import socket
-from typing import Mapping
+from collections.abc import Mapping
 
 from psgrid.cluster.errors import ConfigError, UsageError
 from psgrid.psserver.client.reach import REACH_WAIT_S, probe
@@ -95,17 +95,21 @@ def check_job(job, flags: Mapping[str, str] | None = None, *, starts_shards: boo
     if t.dataset not in DATASETS:
         raise ConfigError(f"{name.setting('dataset', t.dataset)}: no such dataset; choose {_either(DATASETS)}")
     if t.model == "mlp" and t.activation not in ACTIVATIONS:
-        raise ConfigError(f"{name.setting('activation', t.activation)}: no such activation; choose "
-                          f"{_either(ACTIVATIONS)}")
+        raise ConfigError(
+            f"{name.setting('activation', t.activation)}: no such activation; choose {_either(ACTIVATIONS)}"
+        )
     if t.model == "cnn" and t.dataset not in IMAGE_DATASETS and not (t.dataset == "synthetic" and t.synthetic_image):
-        raise ConfigError(f"{name.setting('model', t.model)} needs images, and {name.setting('dataset', t.dataset)} "
-                          f"has flat features: choose {name('dataset')} mnist5k or digits, set synthetic_image = "
-                          f"[C, H, W], or choose {name('model')} mlp")
+        raise ConfigError(
+            f"{name.setting('model', t.model)} needs images, and {name.setting('dataset', t.dataset)} "
+            f"has flat features: choose {name('dataset')} mnist5k or digits, set synthetic_image = "
+            f"[C, H, W], or choose {name('model')} mlp"
+        )
     if t.model in ("mlp", "cnn") and (not t.hidden or any(h < 1 for h in t.hidden)):
         raise ConfigError(f"{name.setting('hidden', t.hidden)}: give positive layer widths, e.g. [128]")
     if t.steps == 0 and t.epochs == 0:
-        raise ConfigError(f"{name.setting('steps', 0)} trains nothing: give {name('steps')} 1 or more "
-                          f"(or {name('epochs')} 1 or more)")
+        raise ConfigError(
+            f"{name.setting('steps', 0)} trains nothing: give {name('steps')} 1 or more (or {name('epochs')} 1 or more)"
+        )
     if starts_shards:
         _check_tls_pairing(job)
 
@@ -123,21 +127,30 @@ def check_stragglers(job, flags: Mapping[str, str] | None = None) -> None:
         return
     name = Names(flags, job.source)
     given = name.flags.get("stragglers", "")
-    said = f"{given} {','.join(job.train.stragglers)}" if given.startswith("--str") else \
-        name.setting("stragglers", job.train.stragglers)
-    raise ConfigError(f"{said}: worker {max(ranks)} does not exist in a job of {job.workers} worker"
-                      f"{'s' if job.workers != 1 else ''} (ranks are 0..{job.workers - 1})")
+    said = (
+        f"{given} {','.join(job.train.stragglers)}"
+        if given.startswith("--str")
+        else name.setting("stragglers", job.train.stragglers)
+    )
+    raise ConfigError(
+        f"{said}: worker {max(ranks)} does not exist in a job of {job.workers} worker"
+        f"{'s' if job.workers != 1 else ''} (ranks are 0..{job.workers - 1})"
+    )
 
 
 def _check_tls_pairing(job) -> None:
     """Shards and workers of one job must agree on TLS: what the shards ask for, the workers must have."""
     s, t = job.server, job.train
     if s.tls_ca and not t.tls_cert:
-        raise ConfigError("[server] tls_ca makes the shards require client certificates: set [train] tls_cert and "
-                          "tls_key (psctl certs DIR makes them), or leave out [server] tls_ca")
+        raise ConfigError(
+            "[server] tls_ca makes the shards require client certificates: set [train] tls_cert and "
+            "tls_key (psctl certs DIR makes them), or leave out [server] tls_ca"
+        )
     if t.tls_ca and not s.tls_cert:
-        raise ConfigError("[train] tls_ca asks for TLS but the shards have no certificate: set [server] tls_cert "
-                          "and tls_key, or leave out [train] tls_ca")
+        raise ConfigError(
+            "[train] tls_ca asks for TLS but the shards have no certificate: set [server] tls_cert "
+            "and tls_key, or leave out [train] tls_ca"
+        )
 
 
 def check_device(train, flags: Mapping[str, str] | None = None) -> None:
@@ -148,13 +161,16 @@ def check_device(train, flags: Mapping[str, str] | None = None) -> None:
 
     why = gpu_unavailable()
     if why:
-        raise ConfigError(f"{Names(flags).setting('device', 'gpu')}, but {why}: install psgrid[cuda12] or "
-                          f"psgrid[cuda13] (CuPy for CUDA 12 or 13) on a machine with an NVIDIA GPU, "
-                          f"or use --device cpu")
+        raise ConfigError(
+            f"{Names(flags).setting('device', 'gpu')}, but {why}: install psgrid[cuda12] or "
+            f"psgrid[cuda13] (CuPy for CUDA 12 or 13) on a machine with an NVIDIA GPU, "
+            f"or use --device cpu"
+        )
 
 
-def check_shard_device(job, flags: Mapping[str, str] | None = None, *, indices=None, sized: bool = True,
-                       free_of=None) -> None:
+def check_shard_device(
+    job, flags: Mapping[str, str] | None = None, *, indices=None, sized: bool = True, free_of=None
+) -> None:
     """Refuse device shards this host cannot hold, before anything starts.
 
     ``job.server.shard_device`` as the job gives it (``auto`` is resolved here, as the launchers do);
@@ -177,13 +193,14 @@ def check_shard_device(job, flags: Mapping[str, str] | None = None, *, indices=N
 
     name = Names(flags, job.source)
     said = name.setting("shard_device", job.server.shard_device)
-    if job.server.shard_device == "auto":       # often no one's choice but the default's: the rule is the news
+    if job.server.shard_device == "auto":  # often no one's choice but the default's: the rule is the news
         said = 'shard_device = "auto" (GPU workers, so the shards keep their state on a GPU)'
     problem = gpu_problem()
     if problem is None and sized:
         indices = range(job.shards) if indices is None else indices
-        problem = memory.device_shard_problem(memory.footprint(job), job, indices, memory.gpu_count(),
-                                              free_of or memory.gpu_free_bytes)
+        problem = memory.device_shard_problem(
+            memory.footprint(job), job, indices, memory.gpu_count(), free_of or memory.gpu_free_bytes
+        )
         if problem:
             problem += f"; use fewer workers or a smaller model, or {_host_shards(name)}"
     if problem:
@@ -203,7 +220,7 @@ def check_machine(job, flags: Mapping[str, str] | None = None) -> None:
 
     check_device(job.train, flags)
     memory.check_here(job)
-    check_shard_device(job, {**command_line, **(flags or {})})     # a --set shard_device=gpu is named as such
+    check_shard_device(job, {**command_line, **(flags or {})})  # a --set shard_device=gpu is named as such
     base = job.server.metrics_port
     if base:
         for i in range(job.shards):
@@ -234,8 +251,11 @@ def _either(names) -> str:
 
 # (rank, size) variables each launcher sets for its processes: MPICH's and Intel's hydra, srun --mpi=pmi2
 # (PMI_*), Open MPI, MVAPICH.
-_LAUNCHER_VARS = (("PMI_RANK", "PMI_SIZE"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-                  ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"))
+_LAUNCHER_VARS = (
+    ("PMI_RANK", "PMI_SIZE"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE"),
+)
 
 
 def launcher_rank() -> tuple[int, int] | None:
@@ -246,11 +266,15 @@ def launcher_rank() -> tuple[int, int] | None:
             return int(env[rank]), int(env[size])
     # srun without an MPI plugin: a job step's tasks (not the batch script itself, which has no step of its own).
     step = env.get("SLURM_STEP_ID", "")
-    if step.isdigit() and int(step) < 0xFFFFFFF0 and env.get("SLURM_PROCID", "").isdigit() \
-            and env.get("SLURM_STEP_NUM_TASKS", "").isdigit():
+    if (
+        step.isdigit()
+        and int(step) < 0xFFFFFFF0
+        and env.get("SLURM_PROCID", "").isdigit()
+        and env.get("SLURM_STEP_NUM_TASKS", "").isdigit()
+    ):
         return int(env["SLURM_PROCID"]), int(env["SLURM_STEP_NUM_TASKS"])
     if env.get("PMIX_RANK", "").isdigit():
-        return int(env["PMIX_RANK"]), 0     # PMIx gives no size in the environment; 0: unknown
+        return int(env["PMIX_RANK"]), 0  # PMIx gives no size in the environment; 0: unknown
     return None
 
 
@@ -265,8 +289,10 @@ def refuse_mpi_rank(command: str, instead: str = "psctl mpi") -> None:
     found = launcher_rank()
     if found and found[1] != 1:
         n = found[1] or "N"
-        raise UsageError(f"psctl {command} starts a whole job by itself and is running as rank {found[0]} of {n} "
-                         f"under mpiexec or srun: use 'mpiexec -n {n} {instead} ...' (same options) instead")
+        raise UsageError(
+            f"psctl {command} starts a whole job by itself and is running as rank {found[0]} of {n} "
+            f"under mpiexec or srun: use 'mpiexec -n {n} {instead} ...' (same options) instead"
+        )
 
 
 def require_mpi(command: str) -> None:
@@ -274,16 +300,20 @@ def require_mpi(command: str) -> None:
     try:
         import mpi4py  # noqa: F401 - the package alone: MPI starts with mpi4py.MPI
     except ImportError:
-        raise UsageError(f"psctl {command} needs mpi4py: pip install 'psgrid[mpi]' (mpi4py and MPICH, with its "
-                         f"mpiexec), then run 'mpiexec -n 4 psctl {command} ...'") from None
+        raise UsageError(
+            f"psctl {command} needs mpi4py: pip install 'psgrid[mpi]' (mpi4py and MPICH, with its "
+            f"mpiexec), then run 'mpiexec -n 4 psctl {command} ...'"
+        ) from None
     found = launcher_rank()
     if found is None or found[1] == 1:
         from mpi4py import MPI
 
         if MPI.COMM_WORLD.Get_size() == 1:
-            raise UsageError(f"psctl {command} runs one role per MPI rank and was started as a single process: run "
-                             f"it under a launcher ('mpiexec -n 4 psctl {command} ...' or srun), or use "
-                             f"'psctl launch' for a job on this machine without MPI")
+            raise UsageError(
+                f"psctl {command} runs one role per MPI rank and was started as a single process: run "
+                f"it under a launcher ('mpiexec -n 4 psctl {command} ...' or srun), or use "
+                f"'psctl launch' for a job on this machine without MPI"
+            )
     elif found[1] > 1:
         from mpi4py import MPI
 
@@ -297,13 +327,17 @@ def launcher_mismatch_message(processes: int, env=None) -> str:
     mpiexec of another MPI."""
     env = os.environ if env is None else env
     if any(k in env for k in ("SLURM_STEP_ID", "SLURM_JOB_ID", "SLURM_PROCID")):
-        return (f"srun started {processes} tasks but MPI sees each alone: srun did not wire them together "
-                f"(this site's default plugin is not one mpi4py's MPI speaks); run 'srun --mpi=pmi2 ...' "
-                f"for the mpich of psgrid[mpi] (or the plugin your site recommends for an mpi4py built on "
-                f"its MPI: 'srun --mpi=list' shows them)")
-    return (f"mpiexec started {processes} processes but MPI sees each alone: that mpiexec belongs "
-            f"to another MPI than mpi4py's; use the mpiexec installed with psgrid[mpi] (the "
-            f"one beside this python) or rebuild mpi4py for your MPI")
+        return (
+            f"srun started {processes} tasks but MPI sees each alone: srun did not wire them together "
+            f"(this site's default plugin is not one mpi4py's MPI speaks); run 'srun --mpi=pmi2 ...' "
+            f"for the mpich of psgrid[mpi] (or the plugin your site recommends for an mpi4py built on "
+            f"its MPI: 'srun --mpi=list' shows them)"
+        )
+    return (
+        f"mpiexec started {processes} processes but MPI sees each alone: that mpiexec belongs "
+        f"to another MPI than mpi4py's; use the mpiexec installed with psgrid[mpi] (the "
+        f"one beside this python) or rebuild mpi4py for your MPI"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,8 +356,10 @@ def check_port_free(host: str, port: int, flag: str) -> None:
             s.bind((host.strip("[]"), port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                raise UsageError(f"{flag} {port}: {host}:{port} is already in use (another shard, or another "
-                                 f"program): choose another {flag}, or {flag} 0 for any free port") from None
+                raise UsageError(
+                    f"{flag} {port}: {host}:{port} is already in use (another shard, or another "
+                    f"program): choose another {flag}, or {flag} 0 for any free port"
+                ) from None
             raise UsageError(f"{flag} {port}: cannot bind {host}:{port} ({e.strerror})") from None
 
 

@@ -16,8 +16,8 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from psgrid.psserver import files, lifeline
 
@@ -25,13 +25,15 @@ PARENT_ENV = lifeline.PARENT_ENV
 # Children start with this instead of ``python -m``, which would put the current folder first on their
 # path: a user's own worker.py (or psgrid.py) there must never shadow an import of ours. The launcher's
 # lifeline is watched before anything else: a child whose launcher is already gone never starts.
-CHILD_BOOTSTRAP = ("import sys\n"
-                   "if sys.path and sys.path[0] == '':\n"
-                   "    del sys.path[0]\n"
-                   "from psgrid.psserver.lifeline import watch\n"
-                   "watch()\n"
-                   "from psgrid.cluster.cli import main\n"
-                   "sys.exit(main())")
+CHILD_BOOTSTRAP = (
+    "import sys\n"
+    "if sys.path and sys.path[0] == '':\n"
+    "    del sys.path[0]\n"
+    "from psgrid.psserver.lifeline import watch\n"
+    "watch()\n"
+    "from psgrid.cluster.cli import main\n"
+    "sys.exit(main())"
+)
 
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -89,8 +91,14 @@ class Child:
     An ``env`` from :func:`child_env` of this process also gives it this process's lifeline.
     """
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: str | Path, env: dict[str, str] | None = None,
-                 cwd: str | Path | None = None):
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: str | Path,
+        env: dict[str, str] | None = None,
+        cwd: str | Path | None = None,
+    ):
         self.name = name
         self.argv = list(argv)
         self.log_path = Path(log_path)
@@ -98,8 +106,14 @@ class Child:
         env, held = lifeline.hand_to(env) if env is not None else (None, ())
         with files.open_new(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, cwd=cwd, start_new_session=True, pass_fds=held,
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+                pass_fds=held,
             )
         self.started = time.time()
         self.ended: float | None = None

@@ -29,15 +29,15 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from psgrid.cluster.job.config import JobConfig, tomllib
 from psgrid.cluster.errors import UsageError
+from psgrid.cluster.job.config import JobConfig, tomllib
 from psgrid.cluster.job.outdir import LOCK_FILE
 from psgrid.cluster.job.records import JOB_FILE, copy_job_file, signals_held
-from psgrid.psserver.state import checkpoint_files as checkpoint
 from psgrid.psserver import files
 from psgrid.psserver.protocol import mode_rules
+from psgrid.psserver.state import checkpoint_files as checkpoint
 
-SUPERSEDED = "superseded-checkpoints"    # checkpoints newer than the round the shards resume at (sync)
+SUPERSEDED = "superseded-checkpoints"  # checkpoints newer than the round the shards resume at (sync)
 ATTEMPT_FILES = ("summary.json", "metrics.jsonl", "metrics", "logs", "addr", SUPERSEDED)
 
 
@@ -51,12 +51,15 @@ class ShardCheckpoint:
     spec: str
     clocks: dict[int, int]
     closed_rounds: int
-    file: str = ""      # its file in the shard's checkpoint folder
+    file: str = ""  # its file in the shard's checkpoint folder
 
     def where(self) -> str:
         clocks = sorted(self.clocks.values())
-        at = f"round {self.closed_rounds}" if mode_rules(self.mode).accumulates else (
-            f"worker clocks {clocks[0]}..{clocks[-1]}" if clocks else "no workers")
+        at = (
+            f"round {self.closed_rounds}"
+            if mode_rules(self.mode).accumulates
+            else (f"worker clocks {clocks[0]}..{clocks[-1]}" if clocks else "no workers")
+        )
         return f"shard {self.shard} at version {self.version} ({at})"
 
 
@@ -66,9 +69,15 @@ def _shard_dir(job: JobConfig, shard: int) -> Path:
 
 def _read(shard: int, path: Path) -> ShardCheckpoint:
     meta = checkpoint.load_meta(path)
-    return ShardCheckpoint(shard=shard, version=meta["version"], mode=meta["mode"], spec=meta["spec"],
-                           clocks={int(w): c for w, c in meta["clocks"].items()},
-                           closed_rounds=meta["closed_rounds"], file=path.name)
+    return ShardCheckpoint(
+        shard=shard,
+        version=meta["version"],
+        mode=meta["mode"],
+        spec=meta["spec"],
+        clocks={int(w): c for w, c in meta["clocks"].items()},
+        closed_rounds=meta["closed_rounds"],
+        file=path.name,
+    )
 
 
 def read_checkpoints(job: JobConfig) -> list[ShardCheckpoint | None]:
@@ -90,14 +99,14 @@ def kept_checkpoints(job: JobConfig, shard: int) -> list[ShardCheckpoint]:
 class Alignment:
     """What each shard restores, and how that was reconciled with where each had stopped."""
 
-    restore: list[ShardCheckpoint]    # per shard, the checkpoint it restores
-    latest: list[ShardCheckpoint]     # per shard, its latest checkpoint
-    apart: str = ""                   # sync shards left rounds apart: why they could not be brought together
+    restore: list[ShardCheckpoint]  # per shard, the checkpoint it restores
+    latest: list[ShardCheckpoint]  # per shard, its latest checkpoint
+    apart: str = ""  # sync shards left rounds apart: why they could not be brought together
 
     @property
     def rewound(self) -> list[ShardCheckpoint]:
         """The shards that go back to an older checkpoint than their latest."""
-        return [r for r, l in zip(self.restore, self.latest) if r.file != l.file]
+        return [r for r, latest in zip(self.restore, self.latest) if r.file != latest.file]
 
 
 def align(job: JobConfig, found: list[ShardCheckpoint]) -> Alignment:
@@ -120,9 +129,12 @@ def align(job: JobConfig, found: list[ShardCheckpoint]) -> Alignment:
         return Alignment([rounds[slowest] for rounds in by_round], found)
     lacking = [c.shard for c, rounds in zip(found, by_round) if slowest not in rounds]
     kept = "; ".join(f"shard {c.shard}: {', '.join(map(str, sorted(rounds)))}" for c, rounds in zip(found, by_round))
-    why = (f"shard(s) {lacking} keep no checkpoint of round {slowest} (rounds kept: {kept})" + (
+    why = f"shard(s) {lacking} keep no checkpoint of round {slowest} (rounds kept: {kept})" + (
         f", and going back to round {max(common)}, the latest all of them kept, would redo "
-        f"{slowest - max(common)} round(s)" if common else ", and no round is kept by all of them"))
+        f"{slowest - max(common)} round(s)"
+        if common
+        else ", and no round is kept by all of them"
+    )
     return Alignment(found, found, why)
 
 
@@ -136,13 +148,17 @@ def rewind(job: JobConfig, alignment: Alignment, out: Path) -> None:
 def check_resumable(job: JobConfig, out: Path) -> list[ShardCheckpoint]:
     """The shards' checkpoints, once they are known to belong together; raises UsageError naming what does not."""
     if not job.server.checkpoint_dir:
-        raise UsageError(f"{out} cannot be resumed: its job ran without checkpoints. Set [server] checkpoint_dir "
-                         f"(and checkpoint_every or checkpoint_every_s) to make a job resumable")
+        raise UsageError(
+            f"{out} cannot be resumed: its job ran without checkpoints. Set [server] checkpoint_dir "
+            f"(and checkpoint_every or checkpoint_every_s) to make a job resumable"
+        )
     root = Path(job.server.checkpoint_dir)
     others = sorted(p.name for p in root.glob("shard-*-of-*") if not p.name.endswith(f"-of-{job.shards}"))
     if others and not any(checkpoint.shard_dir(root, i, job.shards).exists() for i in range(job.shards)):
-        raise UsageError(f"the checkpoints in {root} are for another number of shards ({', '.join(others)}); "
-                         f"resume with the shard count they were written by")
+        raise UsageError(
+            f"the checkpoints in {root} are for another number of shards ({', '.join(others)}); "
+            f"resume with the shard count they were written by"
+        )
     found = read_checkpoints(job)
     present = [c for c in found if c is not None]
     if not present:
@@ -153,14 +169,18 @@ def check_resumable(job: JobConfig, out: Path) -> list[ShardCheckpoint]:
         # version 0), the others not yet. Nothing was learned: the job starts from the beginning.
         return []
     if missing:
-        raise UsageError(f"cannot resume: shard(s) {missing} have no checkpoint in {root} while "
-                         f"{'; '.join(c.where() for c in present)}. The shards would not hold one model")
+        raise UsageError(
+            f"cannot resume: shard(s) {missing} have no checkpoint in {root} while "
+            f"{'; '.join(c.where() for c in present)}. The shards would not hold one model"
+        )
     if len({c.spec for c in present}) > 1:
         raise UsageError(f"cannot resume: the shards' checkpoints in {root} hold different models")
     wrong_mode = [c for c in present if c.mode != job.server.mode]
     if wrong_mode:
-        raise UsageError(f"cannot resume: the checkpoints were written in mode {wrong_mode[0].mode!r}, the job "
-                         f"says {job.server.mode!r}; resume in the mode it ran in")
+        raise UsageError(
+            f"cannot resume: the checkpoints were written in mode {wrong_mode[0].mode!r}, the job "
+            f"says {job.server.mode!r}; resume in the mode it ran in"
+        )
     return present
 
 
@@ -172,18 +192,24 @@ def describe(alignment: Alignment) -> str:
     text = "resuming from checkpoints: " + "; ".join(c.where() for c in found)
     if alignment.rewound:
         stopped = ", ".join(f"shard {c.shard} at round {c.closed_rounds}" for c in alignment.latest)
-        text += (f". The shards had stopped rounds apart ({stopped}): every shard resumes at round "
-                 f"{found[0].closed_rounds}, where the slowest stopped; the newer checkpoints of those ahead move "
-                 f"to {SUPERSEDED}/ in the earlier attempt's folder")
+        text += (
+            f". The shards had stopped rounds apart ({stopped}): every shard resumes at round "
+            f"{found[0].closed_rounds}, where the slowest stopped; the newer checkpoints of those ahead move "
+            f"to {SUPERSEDED}/ in the earlier attempt's folder"
+        )
     elif alignment.apart:
         rounds = [c.closed_rounds for c in found]
-        text += (f". The shards stopped rounds apart and cannot resume at one round: {alignment.apart} (a larger "
-                 f"checkpoint_keep keeps more). Each resumes at its latest, the workers at round {min(rounds)}; "
-                 f"until round {max(rounds)} the shards that are ahead take the pushes as duplicates while the "
-                 f"others apply them, so those steps see weights of different rounds")
+        text += (
+            f". The shards stopped rounds apart and cannot resume at one round: {alignment.apart} (a larger "
+            f"checkpoint_keep keeps more). Each resumes at its latest, the workers at round {min(rounds)}; "
+            f"until round {max(rounds)} the shards that are ahead take the pushes as duplicates while the "
+            f"others apply them, so those steps see weights of different rounds"
+        )
     elif _apart(found):
-        text += (". The shards checkpointed at different moments: each worker resumes at the earliest clock "
-                 "a shard has for it, and shards that are ahead take those steps as duplicates")
+        text += (
+            ". The shards checkpointed at different moments: each worker resumes at the earliest clock "
+            "a shard has for it, and shards that are ahead take those steps as duplicates"
+        )
     return text
 
 
@@ -229,17 +255,28 @@ def job_file_to_resume(out: Path) -> Path:
     for n in sorted(_attempts(out), reverse=True):
         copy = out / "attempts" / str(n) / JOB_FILE
         if _damage(copy) is None:
-            print(f"psctl launch: {path} is {damage}: resuming the job as attempt {n} ran it, from {copy} "
-                  f"(this run writes {path} whole again)", file=sys.stderr, flush=True)
+            print(
+                f"psctl launch: {path} is {damage}: resuming the job as attempt {n} ran it, from {copy} "
+                f"(this run writes {path} whole again)",
+                file=sys.stderr,
+                flush=True,
+            )
             return copy
     if damage == "missing":
-        began = " (a launch stopped before it wrote its job has nothing to resume: launch it again with " \
-                f"--out {out} --overwrite)" if (out / LOCK_FILE).exists() else ""
-        raise UsageError(f"--resume {out}: no job.toml there; give the folder of an earlier psctl launch "
-                         f"(its --out){began}")
-    raise UsageError(f"--resume {out}: {path} is {damage} and no earlier attempt in {out / 'attempts'} kept a "
-                     f"copy: put the job back in {path} (the job file it was launched with, its --set values "
-                     f"written in) and resume again")
+        began = (
+            " (a launch stopped before it wrote its job has nothing to resume: launch it again with "
+            f"--out {out} --overwrite)"
+            if (out / LOCK_FILE).exists()
+            else ""
+        )
+        raise UsageError(
+            f"--resume {out}: no job.toml there; give the folder of an earlier psctl launch (its --out){began}"
+        )
+    raise UsageError(
+        f"--resume {out}: {path} is {damage} and no earlier attempt in {out / 'attempts'} kept a "
+        f"copy: put the job back in {path} (the job file it was launched with, its --set values "
+        f"written in) and resume again"
+    )
 
 
 def _damage(path: Path) -> str | None:

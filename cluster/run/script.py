@@ -22,10 +22,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from psgrid.cluster.run import coordinator as co
+from psgrid.cluster.errors import UsageError
 from psgrid.cluster.job import credentials
 from psgrid.cluster.job.records import JOB_FILE, write_job_file
-from psgrid.cluster.errors import UsageError
+from psgrid.cluster.run import coordinator as co
 from psgrid.cluster.run.procs import Child, child_env, stop_children, usable_cpus
 from psgrid.psserver import files
 from psgrid.worker.env import JobEnv
@@ -88,7 +88,7 @@ def visible_gpus() -> int:
         count = 0
         for item in mask.split(","):
             if not item.strip() or item.strip().startswith("-"):
-                break           # CUDA ignores the list from the first invalid entry on
+                break  # CUDA ignores the list from the first invalid entry on
             count += 1
         return count
     return _driver_gpus()
@@ -105,7 +105,7 @@ def _driver_gpus() -> int:
         if listed is not None and listed.returncode == 0:
             return sum(line.startswith("GPU ") for line in listed.stdout.splitlines())
     try:
-        return len(os.listdir("/proc/driver/nvidia/gpus"))     # may count GPUs a container cannot use
+        return len(os.listdir("/proc/driver/nvidia/gpus"))  # may count GPUs a container cannot use
     except OSError:
         return 0
 
@@ -122,8 +122,16 @@ def gpu_for(local_rank: int, device: str, gpus: int | None = None) -> int | None
     return local_rank % gpus
 
 
-def worker_env(base: dict[str, str], job, out: Path, addresses: list[str], rank: int, world: int,
-               local_rank: int, host_group: tuple[int, ...] | None = None) -> dict[str, str]:
+def worker_env(
+    base: dict[str, str],
+    job,
+    out: Path,
+    addresses: list[str],
+    rank: int,
+    world: int,
+    local_rank: int,
+    host_group: tuple[int, ...] | None = None,
+) -> dict[str, str]:
     """The environment of worker ``rank``'s command: ``base`` with the job in it (worker/env.py)."""
     out = Path(out).resolve()
     train = job.train
@@ -131,11 +139,22 @@ def worker_env(base: dict[str, str], job, out: Path, addresses: list[str], rank:
     def path(value):
         return str(Path(value).resolve()) if value else None
 
-    described = JobEnv(addresses=list(addresses), rank=rank, world=world, local_rank=local_rank,
-                       gpu=gpu_for(local_rank, train.device), token=train.token, tls_ca=path(train.tls_ca),
-                       tls_cert=path(train.tls_cert), tls_key=path(train.tls_key),
-                       metrics=str(out / "metrics" / f"worker-{rank}.jsonl"), job_file=str(out / "job.toml"),
-                       out=str(out), host_group=host_group, seed=train.seed)
+    described = JobEnv(
+        addresses=list(addresses),
+        rank=rank,
+        world=world,
+        local_rank=local_rank,
+        gpu=gpu_for(local_rank, train.device),
+        token=train.token,
+        tls_ca=path(train.tls_ca),
+        tls_cert=path(train.tls_cert),
+        tls_key=path(train.tls_key),
+        metrics=str(out / "metrics" / f"worker-{rank}.jsonl"),
+        job_file=str(out / "job.toml"),
+        out=str(out),
+        host_group=host_group,
+        seed=train.seed,
+    )
     env = {k: v for k, v in base.items() if not k.startswith(MPI_PREFIXES)}
     env.update(described.to_env())
     env["LOCAL_RANK"] = str(local_rank)
@@ -145,7 +164,7 @@ def worker_env(base: dict[str, str], job, out: Path, addresses: list[str], rank:
 def _terminal(line: str) -> None:
     from tqdm import tqdm
 
-    tqdm.write(line, file=sys.stdout)     # above a progress bar, which it redraws
+    tqdm.write(line, file=sys.stdout)  # above a progress bar, which it redraws
 
 
 class OutputRelay:
@@ -198,8 +217,16 @@ def blas_threads() -> int:
     return min(counts) if counts else usable_cpus()
 
 
-def run_on_rank(command: list[str], job, out: Path, addresses: list[str], rank: int, world: int,
-                local_rank: int, host_group: tuple[int, ...] | None = None) -> dict:
+def run_on_rank(
+    command: list[str],
+    job,
+    out: Path,
+    addresses: list[str],
+    rank: int,
+    world: int,
+    local_rank: int,
+    host_group: tuple[int, ...] | None = None,
+) -> dict:
     """Run the command as worker ``rank`` of an MPI job; returns the message for the coordinator.
 
     ``host_group``: where the worker stands among the nodes, for ``aggregate = "host"`` (worker/env.py).
@@ -215,14 +242,15 @@ def run_on_rank(command: list[str], job, out: Path, addresses: list[str], rank: 
     files.make_dirs(metrics.parent)
     _ensure_job_file(job, out)
     base = child_env(credentials.child_env(job), threads=blas_threads())
-    child = Child(f"worker {rank}", command, log, worker_env(base, job, out, addresses, rank, world, local_rank,
-                                                                      host_group))
+    child = Child(
+        f"worker {rank}", command, log, worker_env(base, job, out, addresses, rank, world, local_rank, host_group)
+    )
     relay = OutputRelay({rank: log}, write=lambda line: print(line, flush=True))
     try:
         while child.wait(POLL_S) is None:
             relay.pump()
     finally:
-        stop_children([child])       # this rank is being stopped: so is its command
+        stop_children([child])  # this rank is being stopped: so is its command
         relay.pump(final=True)
     events = co.MetricsTail([metrics]).read()
     if child.returncode == 0:
@@ -230,11 +258,24 @@ def run_on_rank(command: list[str], job, out: Path, addresses: list[str], rank: 
         return {"result": {k: v for k, v in done.items() if k != "event"}, "events": events}
     if not any(e.get("event") == "start" for e in events):
         _report_gone(job, addresses, rank)
-    print(f"psctl mpi: worker {rank} ({' '.join(command)}) {child.describe_exit()} (log: {log})",
-          file=sys.stderr, flush=True)
-    return {"failure": {"name": child.name, "role": "worker", "index": rank, "pid": child.pid,
-                        "exit_code": child.returncode, "tolerated": True, "log": str(log), "tail": child.tail(10)},
-            "events": events}
+    print(
+        f"psctl mpi: worker {rank} ({' '.join(command)}) {child.describe_exit()} (log: {log})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return {
+        "failure": {
+            "name": child.name,
+            "role": "worker",
+            "index": rank,
+            "pid": child.pid,
+            "exit_code": child.returncode,
+            "tolerated": True,
+            "log": str(log),
+            "tail": child.tail(10),
+        },
+        "events": events,
+    }
 
 
 def _ensure_job_file(job, out: Path) -> None:
@@ -262,8 +303,12 @@ def record_failure(msg: dict, failures: list[dict], log, wrank: int) -> bool:
         return False
     failures.append(failure)
     log("worker_exit", rank=wrank, exit_code=failure["exit_code"])
-    print(f"psctl mpi: {failure['name']} exited with code {failure['exit_code']}; the others go on "
-          f"(log: {failure['log']})", file=sys.stderr, flush=True)
+    print(
+        f"psctl mpi: {failure['name']} exited with code {failure['exit_code']}; the others go on "
+        f"(log: {failure['log']})",
+        file=sys.stderr,
+        flush=True,
+    )
     return True
 
 
@@ -272,9 +317,11 @@ def check_joined(state: co.JobState, failures: list[dict]) -> None:
     from psgrid.cluster.errors import JobFailed
 
     if not state.started and not failures:
-        raise JobFailed("no worker joined the job: the command exited 0 without calling psgrid.init, so nothing "
-                        "was trained; call ps = psgrid.init(model) in it (README, 'Your own training script')",
-                        status="not_joined")
+        raise JobFailed(
+            "no worker joined the job: the command exited 0 without calling psgrid.init, so nothing "
+            "was trained; call ps = psgrid.init(model) in it (README, 'Your own training script')",
+            status="not_joined",
+        )
 
 
 def check_completed(failures: list[dict], workers: int) -> None:

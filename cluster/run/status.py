@@ -43,8 +43,9 @@ def addresses_from_dir(path: str | Path) -> list[str]:
     path = Path(path)
     if (path / "addr").is_dir():
         path = path / "addr"
-    files = sorted(path.glob("shard-*"), key=lambda p: int(p.name.split("-")[1]) if p.name.split("-")[1].isdigit()
-                   else 0)
+    files = sorted(
+        path.glob("shard-*"), key=lambda p: int(p.name.split("-")[1]) if p.name.split("-")[1].isdigit() else 0
+    )
     if not files:
         raise UsageError(f"no shard-I address files in {path}")
     return [parse_address_file(f.read_text())[0] for f in files]
@@ -61,7 +62,7 @@ def fetch(addresses: list[str], timeout_s: float = 5.0, **security) -> list[dict
 def _row(s: dict) -> dict[str, Any]:
     row = dict(s)
     members = s.get("members", [])
-    row["n_members"] = members if isinstance(members, int) else len(members)    # summary.json keeps the count
+    row["n_members"] = members if isinstance(members, int) else len(members)  # summary.json keeps the count
     row["clocks"] = f"{s.get('min_clock', '-')}/{s.get('max_clock', '-')}"
     mean, mx = s.get("mean_staleness"), s.get("max_staleness")
     row["staleness"] = f"{mean:.2f}/{mx}" if isinstance(mean, (int, float)) else f"-/{mx}"
@@ -71,8 +72,7 @@ def _row(s: dict) -> dict[str, Any]:
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)),
-             "  ".join("-" * w for w in widths)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(line.rstrip() for line in lines)
 
@@ -101,10 +101,20 @@ def format_table(stats: list[dict], wide: bool = False) -> str:
             continue
         parts.append(f"\nshard {s.get('shard_index')} members ({len(members)}):")
         if members:
-            parts.append(_table(
-                ["worker", "clock", "idle s", "host"],
-                [[str(m.get("worker_id")), str(m.get("clock")), f"{m.get('idle_s', 0):.1f}", str(m.get("host", ""))]
-                 for m in members]))
+            parts.append(
+                _table(
+                    ["worker", "clock", "idle s", "host"],
+                    [
+                        [
+                            str(m.get("worker_id")),
+                            str(m.get("clock")),
+                            f"{m.get('idle_s', 0):.1f}",
+                            str(m.get("host", "")),
+                        ]
+                        for m in members
+                    ],
+                )
+            )
         else:
             parts.append("  (none)")
     return "\n".join(parts)
@@ -112,8 +122,10 @@ def format_table(stats: list[dict], wide: bool = False) -> str:
 
 def _title(stats: list[dict]) -> str:
     modes = sorted({str(s.get("mode")) for s in stats})
-    return (f"{len(stats)} shard{'s' if len(stats) != 1 else ''}, mode {'/'.join(modes)}; clocks min/max, stale "
-            f"mean/max (--wide: every counter)")
+    return (
+        f"{len(stats)} shard{'s' if len(stats) != 1 else ''}, mode {'/'.join(modes)}; clocks min/max, stale "
+        f"mean/max (--wide: every counter)"
+    )
 
 
 def _fit(headers: list[str], rows: list[list[str]], column: int) -> list[list[str]]:
@@ -134,8 +146,9 @@ def _elide(text: str, keep: int) -> str:
     return text[: keep - tail - 1] + "~" + text[-tail:]
 
 
-def status(addresses: list[str], *, as_json: bool = False, timeout_s: float = 5.0, wide: bool = False,
-           **security) -> str:
+def status(
+    addresses: list[str], *, as_json: bool = False, timeout_s: float = 5.0, wide: bool = False, **security
+) -> str:
     stats = fetch(addresses, timeout_s=timeout_s, **security)
     return json.dumps(stats, indent=2, default=str) if as_json else format_table(stats, wide=wide)
 
@@ -158,9 +171,12 @@ def summary_status(summary: dict, *, as_json: bool = False, wide: bool = False) 
         return json.dumps(stats, indent=2, default=str)
     acc = summary.get("test_accuracy")
     ended = "finished" if summary.get("status") == "ok" else "ended"
-    head = (f"{summary.get('name')} {ended}: status {summary.get('status')}, {summary.get('steps')} steps, "
-            f"test accuracy {acc:.4f}" if isinstance(acc, (int, float)) else
-            f"{summary.get('name')} {ended}: status {summary.get('status')}, {summary.get('steps')} steps")
+    head = (
+        f"{summary.get('name')} {ended}: status {summary.get('status')}, {summary.get('steps')} steps, "
+        f"test accuracy {acc:.4f}"
+        if isinstance(acc, (int, float))
+        else f"{summary.get('name')} {ended}: status {summary.get('status')}, {summary.get('steps')} steps"
+    )
     when = "" if ended == "finished" else "; counters as last seen while it ran"
     if not stats:
         return f"{head}\n(from its summary.json: the shards have stopped, before any counters were read)"
@@ -175,9 +191,11 @@ def newest_run(runs: Path = Path("runs")) -> Path:
     UsageError
         There is none here.
     """
-    found = [p for p in runs.glob("*") if (p / "addr").is_dir() or (p / "summary.json").is_file()] \
-        if runs.is_dir() else []
+    found = (
+        [p for p in runs.glob("*") if (p / "addr").is_dir() or (p / "summary.json").is_file()] if runs.is_dir() else []
+    )
     if not found:
-        raise UsageError(f"no job folder in {runs}/ here: give --address-dir DIR (a job's --out) or --addresses "
-                         f"HOST:PORT,...")
+        raise UsageError(
+            f"no job folder in {runs}/ here: give --address-dir DIR (a job's --out) or --addresses HOST:PORT,..."
+        )
     return max(found, key=lambda p: p.stat().st_mtime)

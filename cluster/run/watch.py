@@ -24,15 +24,15 @@ class ShardWatch:
         self.make_admin = make_admin
         self.interval = interval
         self.lock = threading.Lock()
-        self.members: set[int] | None = None     # live on at least one shard, at the last poll
-        self.seen: dict[int, float] = {}         # worker -> last time a shard counted it a member
+        self.members: set[int] | None = None  # live on at least one shard, at the last poll
+        self.seen: dict[int, float] = {}  # worker -> last time a shard counted it a member
         self.stalled_evictions = 0
-        self.last_stats: list[dict] = []         # every shard's counters at the last poll
+        self.last_stats: list[dict] = []  # every shard's counters at the last poll
         self.reports: queue.Queue = queue.Queue()
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, name="psctl-shard-watch", daemon=True)
 
-    def start(self) -> "ShardWatch":
+    def start(self) -> ShardWatch:
         self.thread.start()
         return self
 

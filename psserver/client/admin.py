@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from psgrid.psserver.client.connections import ShardConnections
 from psgrid.psserver.client.handle import Handle, launch
 from psgrid.psserver.client.joining import POLL_S
-from psgrid.psserver.exceptions import (InvalidArgument, NotInitialized, SpecMismatch, Unavailable, WaitTimeout,
-                                        WrongJob)
+from psgrid.psserver.exceptions import InvalidArgument, NotInitialized, SpecMismatch, Unavailable, WaitTimeout, WrongJob
 from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, Reason, Registration
 from psgrid.psserver.security import job_token
 from psgrid.psserver.spec import ModelSpec
-from psgrid.psserver.client.connections import ShardConnections
 from psgrid.psserver.transports.base import ConnectOptions
 
 
@@ -39,21 +38,40 @@ class Admin:
         As for :class:`psgrid.psserver.client.client.Client` (an observer reads shards on this host in place too).
     """
 
-    def __init__(self, addresses: Sequence[str], *, token: str | None = None, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None, data_plane: str = "tcp",
-                 shared_memory: bool = True, chunk_bytes: int = DEFAULT_CHUNK_BYTES, deadline_s: float = 30.0,
-                 retry_s: float = 10.0):
-        options = ConnectOptions(token=job_token(token), tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                                 chunk_bytes=chunk_bytes, deadline_s=deadline_s, shared_memory=shared_memory)
-        self._conn = ShardConnections(addresses, data_plane=data_plane, options=options, retry_s=retry_s,
-                                      register=self._look)
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        data_plane: str = "tcp",
+        shared_memory: bool = True,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        deadline_s: float = 30.0,
+        retry_s: float = 10.0,
+    ):
+        options = ConnectOptions(
+            token=job_token(token),
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            chunk_bytes=chunk_bytes,
+            deadline_s=deadline_s,
+            shared_memory=shared_memory,
+        )
+        self._conn = ShardConnections(
+            addresses, data_plane=data_plane, options=options, retry_s=retry_s, register=self._look
+        )
         self.deadline_s = deadline_s
         self.addresses = self._conn.addresses
-        self._looks: list[Registration] | None = None     # each shard's range, once its weights are set
+        self._looks: list[Registration] | None = None  # each shard's range, once its weights are set
 
     def _look(self, shard: int) -> Registration:
-        return self._conn.controls[shard].register(spec_hash="", worker_id=-1, start_clock=-1,
-                                                   host=socket.gethostname(), observer=True)
+        return self._conn.controls[shard].register(
+            spec_hash="", worker_id=-1, start_clock=-1, host=socket.gethostname(), observer=True
+        )
 
     def stats(self) -> list[dict]:
         """Every shard's clocks, members and counters (StatsReply in proto/ps.proto), with its address.
@@ -114,8 +132,9 @@ class Admin:
             if joined >= count:
                 return stats
             if time.monotonic() >= deadline:
-                raise WaitTimeout(f"{joined} of {count} workers registered on every shard after {timeout_s:g} s",
-                                  Reason.WAIT_TIMEOUT)
+                raise WaitTimeout(
+                    f"{joined} of {count} workers registered on every shard after {timeout_s:g} s", Reason.WAIT_TIMEOUT
+                )
             time.sleep(pause)
             pause = min(POLL_S[1], pause * 1.5)
 
@@ -126,6 +145,7 @@ class Admin:
         job refuse: a :class:`~psgrid.psserver.exceptions.WrongJob` names them once the others
         were asked (shards started by hand share a job only when given the same ``--job-id``).
         """
+
         def one(i):
             try:
                 self._conn.controls[i].shutdown(job_id)
@@ -138,8 +158,11 @@ class Admin:
         refusals = [r for r in self._conn.map(one) if r is not None]
         if refusals:
             shards = ", ".join(str(i) for i, _ in refusals)
-            raise WrongJob(f"shard{'s' * (len(refusals) > 1)} {shards} did not stop: {refusals[0][1]} (shards started "
-                           f"by hand share a job only when given the same --job-id)", shard=refusals[0][0])
+            raise WrongJob(
+                f"shard{'s' * (len(refusals) > 1)} {shards} did not stop: {refusals[0][1]} (shards started "
+                f"by hand share a job only when given the same --job-id)",
+                shard=refusals[0][0],
+            )
 
     def pull(self, out: np.ndarray | None = None) -> Handle[list[int]]:
         """The weights every shard holds now, never waiting and never counted: a :class:`Handle`, as
@@ -155,18 +178,27 @@ class Admin:
         total = layout[0].total_size
         if out is None:
             out = np.empty(total, np.float32)
-        elif not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (total,) \
-                or not out.flags.c_contiguous:
+        elif (
+            not isinstance(out, np.ndarray)
+            or out.dtype != np.float32
+            or out.shape != (total,)
+            or not out.flags.c_contiguous
+        ):
             raise InvalidArgument(f"out must be a contiguous float32 array of shape ({total},)")
 
         def one(i):
-            view = out[layout[i].begin:layout[i].end]
-            return conn.retrying(i, lambda: conn.plane(i).pull_into(view, begin=layout[i].begin, worker_id=-1,
-                                                                     clock=0, timeout_s=self.deadline_s), data=True)
+            view = out[layout[i].begin : layout[i].end]
+            return conn.retrying(
+                i,
+                lambda: conn.plane(i).pull_into(
+                    view, begin=layout[i].begin, worker_id=-1, clock=0, timeout_s=self.deadline_s
+                ),
+                data=True,
+            )
 
         handle = launch(lambda: conn.map(one), background=False)
         handle.out = out
-        handle.wait()            # a failure is raised here, where the call was made
+        handle.wait()  # a failure is raised here, where the call was made
         return handle
 
     def _layout(self) -> list[Registration]:
@@ -177,7 +209,7 @@ class Admin:
             for i, reply in enumerate(looks):
                 conn.use_plane_of(i, reply)
             if not all(r.initialized for r in looks):
-                return looks    # no weights yet: ask again next time
+                return looks  # no weights yet: ask again next time
             self._looks = looks
         return self._looks
 
@@ -188,7 +220,7 @@ class Admin:
     def close(self) -> None:
         self._conn.close_connections()
 
-    def __enter__(self) -> "Admin":
+    def __enter__(self) -> Admin:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -32,15 +32,21 @@ import logging
 import socket
 import threading
 import time
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
 from psgrid.psserver import dtypes as wire
 from psgrid.psserver.client.connections import ShardConnections
 from psgrid.psserver.client.handle import Handle, defer, launch, settle
-from psgrid.psserver.client.joining import (Initializer, check_flat, check_flat_device, start_heartbeats,
-                                            wait_for_workers)
+from psgrid.psserver.client.joining import (
+    Initializer,
+    check_flat,
+    check_flat_device,
+    start_heartbeats,
+    wait_for_workers,
+)
 from psgrid.psserver.client.memory import ClientMemory, Pinner
 from psgrid.psserver.client.posting import PostedCalls, failing_first
 from psgrid.psserver.exceptions import InvalidArgument, PSError, UnknownWorker, WaitTimeout
@@ -101,13 +107,31 @@ class Client:
         (Mutual) TLS material; off by default.
     """
 
-    def __init__(self, addresses: Sequence[str], spec: ModelSpec, *, worker_id: int | None = None,
-                 world: int | None = None, init=None, data_plane: str = "tcp", wire_dtype: str = "float32",
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, deadline_s: float = 60.0, retry_s: float = 30.0,
-                 max_wait_s: float = 3600.0, heartbeat_s: float | None = None, join_timeout_s: float = 120.0,
-                 token: str | None = None, tls_ca: str | None = None, tls_cert: str | None = None,
-                 tls_key: str | None = None, host: str | None = None, shared_memory: bool = True,
-                 pin_memory: Pinner | None = None, gpu: int | None = None):
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        spec: ModelSpec,
+        *,
+        worker_id: int | None = None,
+        world: int | None = None,
+        init=None,
+        data_plane: str = "tcp",
+        wire_dtype: str = "float32",
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        deadline_s: float = 60.0,
+        retry_s: float = 30.0,
+        max_wait_s: float = 3600.0,
+        heartbeat_s: float | None = None,
+        join_timeout_s: float = 120.0,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        host: str | None = None,
+        shared_memory: bool = True,
+        pin_memory: Pinner | None = None,
+        gpu: int | None = None,
+    ):
         if not isinstance(spec, ModelSpec):
             raise InvalidArgument(f"spec must be a ModelSpec, got {type(spec).__name__}")
         if world is not None and world < 1:
@@ -120,29 +144,38 @@ class Client:
         self._heartbeat_s = heartbeat_s
         self.host = host or socket.gethostname()
         self._memory = ClientMemory(spec.size, shared=shared_memory, pinner=pin_memory)
-        options = ConnectOptions(token=job_token(token), tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key,
-                                 chunk_bytes=chunk_bytes, deadline_s=deadline_s, shared_memory=shared_memory,
-                                 memory=self._memory, gpu=gpu)
+        options = ConnectOptions(
+            token=job_token(token),
+            tls_ca=tls_ca,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            chunk_bytes=chunk_bytes,
+            deadline_s=deadline_s,
+            shared_memory=shared_memory,
+            memory=self._memory,
+            gpu=gpu,
+        )
         self.gpu = gpu
-        self._conn = ShardConnections(addresses, data_plane=data_plane, options=options, retry_s=retry_s,
-                                      register=self._register_one)
+        self._conn = ShardConnections(
+            addresses, data_plane=data_plane, options=options, retry_s=retry_s, register=self._register_one
+        )
         self.ranges = shard_ranges(spec.size, self._conn.num_shards)
         self._initializer = Initializer(self._conn, spec, self.ranges, init, join_timeout_s)
-        self._lock = threading.Lock()          # clocks and versions
-        self._calls = threading.Lock()         # one pull() or push() being issued at a time
+        self._lock = threading.Lock()  # clocks and versions
+        self._calls = threading.Lock()  # one pull() or push() being issued at a time
         self.worker_id = -1
         self.mode = ""
         self.lease_s = 0.0
         self._next_clock = 0
-        self._unacked_clock: int | None = None    # the clock of the push in flight, if any
+        self._unacked_clock: int | None = None  # the clock of the push in flight, if any
         self._versions = [0] * self._conn.num_shards
         self._pull_handle: Handle | None = None
-        self._landing = None         # where a posted pull's copies may still run (Client.post_pull)
+        self._landing = None  # where a posted pull's copies may still run (Client.post_pull)
         self._conn.before_close = lambda: self._landing and self._landing.wait()
         self._push_handle: Handle | None = None
-        self._registered = False    # shard 0 gave this worker an id: it must leave
-        self._joined = False        # every step of join() is done
-        self._leaving = False       # leave() began: never register again
+        self._registered = False  # shard 0 gave this worker an id: it must leave
+        self._joined = False  # every step of join() is done
+        self._leaving = False  # leave() began: never register again
         self._closed = False
         self._heartbeat_stop = threading.Event()
         self._heartbeat_thread: threading.Thread | None = None
@@ -180,13 +213,13 @@ class Client:
 
     # ----- joining and leaving ------------------------------------------------------------------
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self.join()
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def join(self) -> "Client":
+    def join(self) -> Client:
         """Register with every shard, heartbeat, wait for the job's workers, initialise empty shards.
 
         If any of it fails, the client leaves what it joined and closes, and the error is raised.
@@ -203,8 +236,9 @@ class Client:
             # Every shard says where this worker stands; they differ only after shards restored
             # checkpoints of different moments. The worker starts at the earliest: a shard that is
             # ahead answers the pushes it already has as duplicates, and none is skipped.
-            others = conn.map(lambda i: conn.retrying(i, lambda: self._register_one(i, start_clock=-1)),
-                              range(1, conn.num_shards))
+            others = conn.map(
+                lambda i: conn.retrying(i, lambda: self._register_one(i, start_clock=-1)), range(1, conn.num_shards)
+            )
             registrations = [first, *others]
             with self._lock:
                 self._next_clock = min(r.start_clock for r in registrations)
@@ -214,8 +248,10 @@ class Client:
             self._initializer.run(registrations, stats, self.worker_id)
             # A shard without weights takes any model's hash; the Init that set them dropped the members of
             # another model. Registering again there (a no-op for a member) says whether this worker was one.
-            conn.map(lambda i: conn.retrying(i, lambda: self._register_one(i)),
-                     [i for i, r in enumerate(registrations) if not r.initialized])
+            conn.map(
+                lambda i: conn.retrying(i, lambda: self._register_one(i)),
+                [i for i, r in enumerate(registrations) if not r.initialized],
+            )
         except BaseException:
             self.close()
             raise
@@ -229,14 +265,16 @@ class Client:
         if any: that push is about to be retried, and must not be taken as a duplicate.
         """
         if self._leaving:
-            raise UnknownWorker("this client has left the job; it does not register again",
-                                Reason.UNKNOWN_WORKER, shard=shard)
+            raise UnknownWorker(
+                "this client has left the job; it does not register again", Reason.UNKNOWN_WORKER, shard=shard
+            )
         worker_id = self.worker_id if self._registered else self._requested_id
         if start_clock is None:
             with self._lock:
                 start_clock = self._next_clock if self._unacked_clock is None else self._unacked_clock
-        reply = self._conn.controls[shard].register(spec_hash=self.spec.hash(), worker_id=worker_id,
-                                                    start_clock=start_clock, host=self.host)
+        reply = self._conn.controls[shard].register(
+            spec_hash=self.spec.hash(), worker_id=worker_id, start_clock=start_clock, host=self.host
+        )
         self._conn.check_registration(shard, reply)
         self._conn.use_plane_of(shard, reply)
         return reply
@@ -269,8 +307,8 @@ class Client:
             return
         self._closed = True
         try:
-            settle(self._push_handle)      # before leaving: the shards must take this worker's last push
-            self.leave()                    # ... and leaving ends any consistency wait of a pull in flight
+            settle(self._push_handle)  # before leaving: the shards must take this worker's last push
+            self.leave()  # ... and leaving ends any consistency wait of a pull in flight
             settle(self._pull_handle)
         finally:
             self._conn.close_connections()
@@ -278,8 +316,14 @@ class Client:
 
     # ----- pull and push ------------------------------------------------------------------------
 
-    def pull(self, out: np.ndarray | None = None, *, into: Callable[[int, int, np.ndarray], object] | None = None,
-             background: bool = False, one_thread: bool = False) -> Handle[list[int]]:
+    def pull(
+        self,
+        out: np.ndarray | None = None,
+        *,
+        into: Callable[[int, int, np.ndarray], object] | None = None,
+        background: bool = False,
+        one_thread: bool = False,
+    ) -> Handle[list[int]]:
         """Every shard's weights, once the mode allows: into ``out`` (flat float32), or to ``into``.
 
         ``into(begin, end, values)`` is called once per shard with its range's weights, valid
@@ -312,11 +356,12 @@ class Client:
             handle = self._pull_handle = launch(run, background, self._conn.executor)
             handle.out = out
         if not background:
-            handle.wait()        # a failure is raised now, where the call was made
+            handle.wait()  # a failure is raised now, where the call was made
         return handle
 
-    def push(self, grad: np.ndarray, *, versions: Sequence[int] | None = None,
-             background: bool = False) -> Handle[list[PushResult]]:
+    def push(
+        self, grad: np.ndarray, *, versions: Sequence[int] | None = None, background: bool = False
+    ) -> Handle[list[PushResult]]:
         """Push one gradient (flat float32) at the next clock.
 
         ``versions`` are the shard versions the gradient was computed from (default: those of
@@ -342,9 +387,19 @@ class Client:
             posting = background and isinstance(grad, np.ndarray) and self.posts()
             if posting:
                 # Headers sent now, answers read by wait(): no client thread wakes during the next compute.
-                posted = PostedCalls(self._conn.planes, self.ranges, lambda i, plane, begin, end: plane.post_push(
-                    grad[begin:end], begin=begin, wire_dtype=self.wire_dtype, worker_id=self.worker_id, clock=clock,
-                    version=used[i], timeout_s=self.deadline_s))
+                posted = PostedCalls(
+                    self._conn.planes,
+                    self.ranges,
+                    lambda i, plane, begin, end: plane.post_push(
+                        grad[begin:end],
+                        begin=begin,
+                        wire_dtype=self.wire_dtype,
+                        worker_id=self.worker_id,
+                        clock=clock,
+                        version=used[i],
+                        timeout_s=self.deadline_s,
+                    ),
+                )
 
             def run() -> list[PushResult]:
                 results = None
@@ -356,7 +411,7 @@ class Client:
 
             handle = self._push_handle = defer(run) if posting else launch(run, background, self._conn.executor)
         if not background:
-            handle.wait()        # a failure is raised now, where the call was made
+            handle.wait()  # a failure is raised now, where the call was made
         return handle
 
     def _pushed(self, clock: int, results: list[PushResult] | None) -> None:
@@ -381,20 +436,30 @@ class Client:
         if self._closed:
             raise InvalidArgument("this client is closed")
         if not self._joined:
-            raise InvalidArgument("the client has not joined: use it as a context manager (with Client(...) as "
-                                  "client:) or call join() first")
+            raise InvalidArgument(
+                "the client has not joined: use it as a context manager (with Client(...) as "
+                "client:) or call join() first"
+            )
 
-    def _pull_one(self, shard: int, out: np.ndarray | None, into, clock: int,
-                  failed: BaseException | None = None) -> int:
+    def _pull_one(
+        self, shard: int, out: np.ndarray | None, into, clock: int, failed: BaseException | None = None
+    ) -> int:
         begin, end = self.ranges[shard]
         if out is not None:
             view = out[begin:end]
             call = lambda: self._conn.plane(shard).pull_into(  # noqa: E731
-                view, begin=begin, worker_id=self.worker_id, clock=clock, timeout_s=self.deadline_s)
+                view, begin=begin, worker_id=self.worker_id, clock=clock, timeout_s=self.deadline_s
+            )
         else:
             call = lambda: self._conn.plane(shard).pull_with(  # noqa: E731
-                into, begin=begin, end=end, staging=self._memory.staging, worker_id=self.worker_id, clock=clock,
-                timeout_s=self.deadline_s)
+                into,
+                begin=begin,
+                end=end,
+                staging=self._memory.staging,
+                worker_id=self.worker_id,
+                clock=clock,
+                timeout_s=self.deadline_s,
+            )
         call = failing_first(failed, call)
         waited_since = time.monotonic()
         while True:
@@ -406,8 +471,9 @@ class Client:
                     continue
                 raise
 
-    def _push_one(self, shard: int, grad: np.ndarray, clock: int, version: int,
-                  failed: BaseException | None = None) -> PushResult:
+    def _push_one(
+        self, shard: int, grad: np.ndarray, clock: int, version: int, failed: BaseException | None = None
+    ) -> PushResult:
         begin, end = self.ranges[shard]
         view = grad[begin:end]
 
@@ -421,8 +487,15 @@ class Client:
                 with view.device:
                     view.get(out=values)
             # A retried push carries the same (worker, clock): the shard applies it once.
-            return plane.push(values, begin=begin, wire_dtype=self.wire_dtype, worker_id=self.worker_id, clock=clock,
-                              version=version, timeout_s=self.deadline_s)
+            return plane.push(
+                values,
+                begin=begin,
+                wire_dtype=self.wire_dtype,
+                worker_id=self.worker_id,
+                clock=clock,
+                version=version,
+                timeout_s=self.deadline_s,
+            )
 
         return self._worker_call(shard, failing_first(failed, call))
 
@@ -446,8 +519,13 @@ class Client:
         with self._calls:
             settle(self._pull_handle)
             clock = self.clock
-            posted = PostedCalls(self._conn.planes, self.ranges, lambda i, plane, begin, end: plane.post_pull(
-                size=end - begin, worker_id=self.worker_id, clock=clock, timeout_s=self.deadline_s))
+            posted = PostedCalls(
+                self._conn.planes,
+                self.ranges,
+                lambda i, plane, begin, end: plane.post_pull(
+                    size=end - begin, worker_id=self.worker_id, clock=clock, timeout_s=self.deadline_s
+                ),
+            )
             land = lambda: posted.land(landing)  # noqa: E731
             self._landing = landing
 
@@ -455,10 +533,11 @@ class Client:
                 try:
                     land()
                 finally:
-                    landing.wait()      # a copy ends before its mark is cleared, whatever else failed
+                    landing.wait()  # a copy ends before its mark is cleared, whatever else failed
                     self._landing = None
-                versions = posted.finish(self.num_shards,
-                                         lambda i, failed: self._pull_one(i, None, landing, clock, failed))
+                versions = posted.finish(
+                    self.num_shards, lambda i, failed: self._pull_one(i, None, landing, clock, failed)
+                )
                 with self._lock:
                     self._versions = versions
                 return versions
@@ -482,8 +561,13 @@ class Client:
             behind = exc.reason is Reason.FUTURE_CLOCK
             if self._leaving or not (behind or isinstance(exc, UnknownWorker)):
                 raise
-            log.warning("shard %d %s worker %d; registering again", shard,
-                        "did not take an earlier push of" if behind else
-                        "forgot (evicted, or restarted from an older checkpoint)", self.worker_id)
+            log.warning(
+                "shard %d %s worker %d; registering again",
+                shard,
+                "did not take an earlier push of"
+                if behind
+                else "forgot (evicted, or restarted from an older checkpoint)",
+                self.worker_id,
+            )
             self._conn.retrying(shard, lambda: self._register_one(shard))
             return self._conn.retrying(shard, call, data=True)

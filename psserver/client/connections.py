@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 from psgrid.psserver.exceptions import BadReply, InvalidArgument, ShardUnavailable, Unavailable
 from psgrid.psserver.protocol import LOCAL_PLANES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, Reason, Registration
@@ -23,7 +24,7 @@ from psgrid.psserver.transports.grpc_client import open_control
 
 log = logging.getLogger("psgrid.client")
 T = TypeVar("T")
-BACKOFF_S = (0.05, 1.0)     # first and longest sleep between retries
+BACKOFF_S = (0.05, 1.0)  # first and longest sleep between retries
 
 
 class ShardConnections:
@@ -44,15 +45,23 @@ class ShardConnections:
         looks); a data plane is chosen from what the registration offers.
     """
 
-    def __init__(self, addresses: Sequence[str], *, data_plane: str, options: ConnectOptions, retry_s: float,
-                 register: Callable[[int], Registration]):
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        data_plane: str,
+        options: ConnectOptions,
+        retry_s: float,
+        register: Callable[[int], Registration],
+    ):
         if not addresses:
             raise InvalidArgument("at least one shard address is needed")
         if data_plane not in network_planes():
             raise InvalidArgument(f"data_plane must be one of {network_planes()}, got {data_plane!r}")
         if not MIN_CHUNK_BYTES <= options.chunk_bytes <= MAX_CHUNK_BYTES:
-            raise InvalidArgument(f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], "
-                                  f"got {options.chunk_bytes}")
+            raise InvalidArgument(
+                f"chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {options.chunk_bytes}"
+            )
         self.addresses = list(addresses)
         self.preference, self.options, self.retry_s, self.register = data_plane, options, retry_s, register
         self.controls = [open_control(a, options) for a in self.addresses]
@@ -60,15 +69,15 @@ class ShardConnections:
         # The local plane's (plane, address) of each shard that refused us for too many connections: that
         # offer is passed over (a restarted shard offers another address, tried again).
         self.refused: list[tuple[str, str] | None] = [None] * len(self.addresses)
-        self.in_use: list[tuple[str, str] | None] = [None] * len(self.addresses)     # each plane's offer
+        self.in_use: list[tuple[str, str] | None] = [None] * len(self.addresses)  # each plane's offer
         self.plane_lock = threading.Lock()
         # Two calls per shard may run at once: a push and the pull that overlaps it.
         self.executor = ThreadPoolExecutor(max_workers=2 * len(self.addresses) + 2, thread_name_prefix="psgrid-client")
         # Called before a plane is closed: waits for device copies still reading memory it mapped (a posted
         # pull's, Client.post_pull), which closing unregisters and unmaps.
         self.before_close: Callable[[], None] = lambda: None
-        self.job_tags: dict[int, str] = {}     # each shard's job, as its registration says (protocol.job_tag)
-        self.mixed_jobs: str | None = None      # the line that said the shards belong to different jobs
+        self.job_tags: dict[int, str] = {}  # each shard's job, as its registration says (protocol.job_tag)
+        self.mixed_jobs: str | None = None  # the line that said the shards belong to different jobs
 
     @property
     def num_shards(self) -> int:
@@ -76,8 +85,11 @@ class ShardConnections:
 
     def check_registration(self, shard: int, reply: Registration) -> Registration:
         if reply.num_shards != self.num_shards or reply.shard_index != shard:
-            raise BadReply(f"address {self.addresses[shard]} is shard {reply.shard_index} of {reply.num_shards}, "
-                           f"but was given as shard {shard} of {self.num_shards}", shard=shard)
+            raise BadReply(
+                f"address {self.addresses[shard]} is shard {reply.shard_index} of {reply.num_shards}, "
+                f"but was given as shard {shard} of {self.num_shards}",
+                shard=shard,
+            )
         if reply.job_tag:
             self.note_job(shard, reply.job_tag)
         return reply
@@ -91,9 +103,11 @@ class ShardConnections:
         if other is None or self.mixed_jobs is not None:
             return
         first, second = sorted((other, shard))
-        self.mixed_jobs = (f"shards {first} ({self.addresses[first]}) and {second} ({self.addresses[second]}) belong "
-                           f"to different jobs: start every shard of one job with the same --job-id "
-                           f"(ServerConfig.job_id), or Admin.shutdown(job_id) stops only some of them")
+        self.mixed_jobs = (
+            f"shards {first} ({self.addresses[first]}) and {second} ({self.addresses[second]}) belong "
+            f"to different jobs: start every shard of one job with the same --job-id "
+            f"(ServerConfig.job_id), or Admin.shutdown(job_id) stops only some of them"
+        )
         log.warning("%s", self.mixed_jobs)
 
     # ----- running calls ------------------------------------------------------------------------
@@ -108,10 +122,10 @@ class ShardConnections:
         futures = [self.executor.submit(fn, i) for i in shards[1:]]
         results, error = [], None
         try:
-            results.append(fn(shards[0]))   # no thread hop for the first: it is most of a small call's latency
+            results.append(fn(shards[0]))  # no thread hop for the first: it is most of a small call's latency
         except BaseException as exc:  # noqa: BLE001 - raised once every call has ended
             error = exc
-        for future in futures:              # none outlives a failure of another: callers reuse their buffers
+        for future in futures:  # none outlives a failure of another: callers reuse their buffers
             try:
                 results.append(future.result())
             except BaseException as exc:  # noqa: BLE001
@@ -140,11 +154,12 @@ class ShardConnections:
                 return call()
             except Unavailable as exc:
                 if data and self.drop_plane(shard, exc):
-                    continue        # passed over a full shared-memory plane: the network plane is there now
+                    continue  # passed over a full shared-memory plane: the network plane is there now
                 if time.monotonic() - start >= self.retry_s:
                     # exc names the address already
-                    raise ShardUnavailable(f"shard {shard} unavailable for {self.retry_s:g} s: {exc}",
-                                           Reason.UNREACHABLE, shard=shard) from exc
+                    raise ShardUnavailable(
+                        f"shard {shard} unavailable for {self.retry_s:g} s: {exc}", Reason.UNREACHABLE, shard=shard
+                    ) from exc
                 time.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_S[1])
 
@@ -159,7 +174,7 @@ class ShardConnections:
 
     def use_plane_of(self, shard: int, reply: Registration) -> DataPlane:
         """The shard's data plane: the one in use, else one chosen from what ``reply`` offers."""
-        with self.plane_lock:        # a pull and a push may both be choosing one
+        with self.plane_lock:  # a pull and a push may both be choosing one
             if self.planes[shard] is None:
                 if self.refused[shard] is not None:
                     reply = reply.without(*self.refused[shard])
@@ -177,13 +192,23 @@ class ShardConnections:
         with self.plane_lock:
             plane, self.planes[shard] = self.planes[shard], None
             offer, self.in_use[shard] = self.in_use[shard], None
-            full = (plane is not None and plane.name in LOCAL_PLANES and cause is not None
-                    and cause.reason is Reason.TOO_MANY_CONNECTIONS and self.refused[shard] != offer)
+            full = (
+                plane is not None
+                and plane.name in LOCAL_PLANES
+                and cause is not None
+                and cause.reason is Reason.TOO_MANY_CONNECTIONS
+                and self.refused[shard] != offer
+            )
             if full:
                 self.refused[shard] = offer
-                log.warning("shard %d's %s refused this client (too many connections: %s); its "
-                            "network plane (%s where offered) serves this client instead", shard, plane.title, cause,
-                            self.preference)
+                log.warning(
+                    "shard %d's %s refused this client (too many connections: %s); its "
+                    "network plane (%s where offered) serves this client instead",
+                    shard,
+                    plane.title,
+                    cause,
+                    self.preference,
+                )
         if plane is not None:
             self.before_close()
             plane.close()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import numpy as np
 
@@ -26,10 +27,16 @@ class Handle(Generic[T]):
     None for a push or a pull ``into=`` a callable.
     """
 
-    def __init__(self, run: Callable[[], T], background: bool, *, deferred: bool = False,
-                 advance: Callable[[], object] | None = None):
+    def __init__(
+        self,
+        run: Callable[[], T],
+        background: bool,
+        *,
+        deferred: bool = False,
+        advance: Callable[[], object] | None = None,
+    ):
         self.started = time.perf_counter()
-        self.deferred = deferred        # run by the first wait(), never by a client thread
+        self.deferred = deferred  # run by the first wait(), never by a client thread
         self._advance = advance
         self.finished: float | None = None
         self.out: np.ndarray | None = None
@@ -49,7 +56,7 @@ class Handle(Generic[T]):
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
             self._error = exc
         finally:
-            self.finished = time.perf_counter()    # before done is set, so wait() sees it
+            self.finished = time.perf_counter()  # before done is set, so wait() sees it
             if self._done is not None:
                 self._done.set()
 
@@ -107,5 +114,5 @@ def launch(run: Callable[[], T], background: bool, executor=None) -> Handle[T]:
     if background:
         executor.submit(handle._execute)
     else:
-        handle._execute()    # here, in the caller's thread: no hand-off to another thread
+        handle._execute()  # here, in the caller's thread: no hand-off to another thread
     return handle

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -21,7 +21,7 @@ from psgrid.psserver.protocol import Registration
 from psgrid.psserver.spec import ModelSpec
 
 log = logging.getLogger("psgrid.client")
-POLL_S = (0.005, 0.1)     # the first and the longest pause of a wait that polls the shards
+POLL_S = (0.005, 0.1)  # the first and the longest pause of a wait that polls the shards
 
 
 def start_heartbeats(controls, worker_id: int, interval: float, stop: threading.Event) -> threading.Thread:
@@ -36,7 +36,7 @@ def start_heartbeats(controls, worker_id: int, interval: float, stop: threading.
                 try:
                     control.heartbeat(worker_id, timeout_s=timeout)
                 except PSError:
-                    pass    # the next data call reports (and retries) a shard that is down
+                    pass  # the next data call reports (and retries) a shard that is down
 
     thread = threading.Thread(target=beat, name="psgrid-heartbeat", daemon=True)
     thread.start()
@@ -54,8 +54,10 @@ def polls(first: float, longest: float):
 def check_flat(buf: np.ndarray, spec: ModelSpec, what: str) -> np.ndarray:
     """``buf`` if it is a contiguous flat float32 array of the model's size; InvalidArgument otherwise."""
     if not isinstance(buf, np.ndarray) or buf.dtype != np.float32 or buf.shape != (spec.size,):
-        raise InvalidArgument(f"{what} must be a float32 NumPy array of shape ({spec.size},), got "
-                              f"{getattr(buf, 'dtype', type(buf).__name__)} {getattr(buf, 'shape', '')}")
+        raise InvalidArgument(
+            f"{what} must be a float32 NumPy array of shape ({spec.size},), got "
+            f"{getattr(buf, 'dtype', type(buf).__name__)} {getattr(buf, 'shape', '')}"
+        )
     if not buf.flags.c_contiguous:
         raise InvalidArgument(f"{what} must be contiguous")
     return buf
@@ -63,10 +65,16 @@ def check_flat(buf: np.ndarray, spec: ModelSpec, what: str) -> np.ndarray:
 
 def check_flat_device(buf, spec: ModelSpec, what: str):
     """``buf`` if it is a contiguous flat float32 device array (CUDA array interface) of the model's size."""
-    if (not hasattr(buf, "__cuda_array_interface__") or buf.dtype != np.float32 or buf.shape != (spec.size,)
-            or not buf.flags.c_contiguous):
-        raise InvalidArgument(f"{what} must be a contiguous float32 NumPy or CuPy array of shape ({spec.size},), got "
-                              f"{type(buf).__name__} {getattr(buf, 'dtype', '')} {getattr(buf, 'shape', '')}")
+    if (
+        not hasattr(buf, "__cuda_array_interface__")
+        or buf.dtype != np.float32
+        or buf.shape != (spec.size,)
+        or not buf.flags.c_contiguous
+    ):
+        raise InvalidArgument(
+            f"{what} must be a contiguous float32 NumPy or CuPy array of shape ({spec.size},), got "
+            f"{type(buf).__name__} {getattr(buf, 'dtype', '')} {getattr(buf, 'shape', '')}"
+        )
     return buf
 
 
@@ -86,8 +94,9 @@ def wait_for_workers(conn: ShardConnections, world: int | None, timeout_s: float
         if accounted >= world:
             return stats
         if time.monotonic() >= deadline:
-            log.warning("worker %d starting with %d of %d workers registered after %.0f s",
-                        worker_id, joined, world, timeout_s)
+            log.warning(
+                "worker %d starting with %d of %d workers registered after %.0f s", worker_id, joined, world, timeout_s
+            )
             return stats
         time.sleep(pause)
 
@@ -99,8 +108,7 @@ class Initializer:
     either, or None: this client has none to offer).
     """
 
-    def __init__(self, conn: ShardConnections, spec: ModelSpec, ranges: list[tuple[int, int]], init,
-                 timeout_s: float):
+    def __init__(self, conn: ShardConnections, spec: ModelSpec, ranges: list[tuple[int, int]], init, timeout_s: float):
         self.conn, self.spec, self.ranges, self.init, self.timeout_s = conn, spec, ranges, init, timeout_s
 
     def values(self) -> np.ndarray:
@@ -112,8 +120,9 @@ class Initializer:
     def run(self, registrations: list[Registration], stats: list[dict] | None, worker_id: int) -> None:
         """Initialise the shards that have no weights yet, as their registrations and ``stats`` say."""
         conn = self.conn
-        pending = [i for i, r in enumerate(registrations)
-                   if not r.initialized and not (stats and stats[i]["initialized"])]
+        pending = [
+            i for i, r in enumerate(registrations) if not r.initialized and not (stats and stats[i]["initialized"])
+        ]
         if not pending:
             return
         members = [m["worker_id"] for m in stats[0]["members"]] if stats else []
@@ -130,8 +139,10 @@ class Initializer:
             pending = [i for i, s in zip(pending, stats) if not s["initialized"]]
             if pending and time.monotonic() >= deadline:
                 if self.init is None:
-                    raise NotInitialized(f"shards {pending} still have no weights after {self.timeout_s:.0f} s, "
-                                         f"and this client has none to offer: pass init=")
+                    raise NotInitialized(
+                        f"shards {pending} still have no weights after {self.timeout_s:.0f} s, "
+                        f"and this client has none to offer: pass init="
+                    )
                 log.warning("worker %d: shards %s still have no weights; offering its own", worker_id, pending)
                 self.send(self.values(), pending)
                 return

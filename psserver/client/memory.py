@@ -89,8 +89,10 @@ class ClientMemory:
         try:
             return shared_memory.SharedArray(self.size, kind, "psgrid-gradient")
         except OSError as exc:
-            log.warning("gradient buffers in private memory, %s; shards on this host are reached over the "
-                        "network plane", shared_memory.refused(exc, self.size * kind.itemsize))
+            log.warning(
+                "gradient buffers in private memory, %s; shards on this host are reached over the network plane",
+                shared_memory.refused(exc, self.size * kind.itemsize),
+            )
             self.shared = False
             return None
 

@@ -9,13 +9,14 @@ chosen again) is made once more the usual way, with the failure taken as its fir
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from psgrid.psserver.exceptions import PSError, Unavailable
 from psgrid.psserver.protocol import Reason
 
 T = TypeVar("T")
-FAILURES = (PSError, OSError)      # what a posted step may meet on the wire; anything else is a bug, raised
+FAILURES = (PSError, OSError)  # what a posted step may meet on the wire; anything else is a bug, raised
 
 
 class PostedCalls:
@@ -76,8 +77,11 @@ def failing_first(failed: BaseException | None, call: Callable[[], T]) -> Callab
     """
     if failed is None:
         return call
-    pending = [failed if isinstance(failed, PSError) else
-               Unavailable(f"a shared-memory connection was lost: {failed}", Reason.UNREACHABLE)]
+    pending = [
+        failed
+        if isinstance(failed, PSError)
+        else Unavailable(f"a shared-memory connection was lost: {failed}", Reason.UNREACHABLE)
+    ]
 
     def attempt() -> T:
         if pending:

@@ -24,6 +24,7 @@ HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 HTTP2_EMPTY_SETTINGS = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
 HTTP2_SETTINGS = 0x04
 
+
 def probe(address: str, train, wait_s: float = REACH_WAIT_S) -> str | None:
     """What stops a worker with ``train``'s TLS settings from talking to the shard at ``address``; None if nothing."""
     host, _, port = address.rpartition(":")
@@ -38,18 +39,20 @@ def probe(address: str, train, wait_s: float = REACH_WAIT_S) -> str | None:
         except OSError as e:
             if time.monotonic() >= deadline:
                 why = e.strerror or type(e).__name__
-                return (f"cannot connect for {wait_s:g} s ({why}): is the shard running, at that address? "
-                        f"(psctl server prints its address; psctl launch starts shards and workers together)")
+                return (
+                    f"cannot connect for {wait_s:g} s ({why}): is the shard running, at that address? "
+                    f"(psctl server prints its address; psctl launch starts shards and workers together)"
+                )
             time.sleep(0.1)
     with sock:
         sock.settimeout(max(1.0, deadline - time.monotonic()))
         if train.tls_ca or train.tls_cert:
             problem = _tls_problem(sock, host, train)
-            if problem and problem.startswith(NOT_TLS):     # a plaintext shard, or no shard at all?
+            if problem and problem.startswith(NOT_TLS):  # a plaintext shard, or no shard at all?
                 return _http2_problem(host, int(port), ANSWER_WAIT_S) or problem
             return problem
     answer = _http2_problem(host, int(port), ANSWER_WAIT_S)
-    if answer and answer.startswith(CLOSED):        # a TLS shard closes on plaintext; say that, if so
+    if answer and answer.startswith(CLOSED):  # a TLS shard closes on plaintext; say that, if so
         with socket.create_connection((host, int(port)), timeout=ANSWER_WAIT_S) as sock:
             return _plaintext_problem(sock, host) or answer
     return answer
@@ -68,7 +71,7 @@ def _http2_problem(host: str, port: int, wait_s: float) -> str | None:
                 if not chunk:
                     break
                 data += chunk
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         what = f"something listens there but did not answer in {wait_s:g} s"
     except OSError as e:
         what = f"{CLOSED} ({e.strerror or type(e).__name__})"
@@ -79,7 +82,7 @@ def _http2_problem(host: str, port: int, wait_s: float) -> str | None:
             what = CLOSED
         elif data.startswith(b"HTTP/") or data.lstrip().startswith(b"<"):
             what = "an HTTP server answered"
-        elif data[0] == 0x15:     # a TLS alert record
+        elif data[0] == 0x15:  # a TLS alert record
             what = "a TLS server answered with an alert"
         else:
             what = f"it answered {data!r}, not HTTP/2"
@@ -99,31 +102,38 @@ def _tls_problem(sock: socket.socket, host: str, train) -> str | None:
             # TLS 1.3: a shard refuses a client certificate after the client's side of the handshake, in an alert
             # that arrives with the first read; a shard that accepts sends its HTTP/2 settings instead.
             tls.settimeout(1.0)
-            if tls.recv(1) == b"":       # gRPC closes without an alert
+            if tls.recv(1) == b"":  # gRPC closes without an alert
                 return _refused_client(train)
     except ssl.SSLCertVerificationError as e:
         if e.verify_code == 62 or "hostname" in (e.verify_message or "").lower():
-            return (f"its certificate is not for the name {host!r}: make the certificates with "
-                    f"'psctl certs DIR --host {host}', or reach the shard by a name its certificate has")
+            return (
+                f"its certificate is not for the name {host!r}: make the certificates with "
+                f"'psctl certs DIR --host {host}', or reach the shard by a name its certificate has"
+            )
         ca = train.tls_ca or "the system's CAs"
-        return (f"TLS handshake failed: its certificate is not signed by [train] tls_ca ({ca}): unknown CA "
-                f"({e.verify_message}); give the CA that signed the shard's certificate")
+        return (
+            f"TLS handshake failed: its certificate is not signed by [train] tls_ca ({ca}): unknown CA "
+            f"({e.verify_message}); give the CA that signed the shard's certificate"
+        )
     except ssl.SSLError as e:
         reason = (e.reason or "").upper()
         if "CERTIFICATE_REQUIRED" in reason or (not train.tls_cert and "HANDSHAKE_FAILURE" in reason):
-            return ("TLS handshake failed: the shard requires a client certificate: set [train] tls_cert and "
-                    "tls_key (psctl certs DIR makes them)")
+            return (
+                "TLS handshake failed: the shard requires a client certificate: set [train] tls_cert and "
+                "tls_key (psctl certs DIR makes them)"
+            )
         if "UNKNOWN_CA" in reason or "BAD_CERTIFICATE" in reason or "DECRYPT_ERROR" in reason:
-            return ("TLS handshake failed: the shard does not accept our client certificate ([train] tls_cert is "
-                    "not signed by the CA of its [server] tls_ca)")
+            return (
+                "TLS handshake failed: the shard does not accept our client certificate ([train] tls_cert is "
+                "not signed by the CA of its [server] tls_ca)"
+            )
         if "WRONG_VERSION_NUMBER" in reason or "RECORD_LAYER" in reason or "PACKET_LENGTH" in reason:
-            return (f"{NOT_TLS}: leave out [train] tls_ca/tls_cert, or start the shard with "
-                    "tls_cert and tls_key")
+            return f"{NOT_TLS}: leave out [train] tls_ca/tls_cert, or start the shard with tls_cert and tls_key"
         return f"TLS handshake failed: {e.reason or e}"
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         if not handshaken:
             return "something listens there but did not complete a TLS handshake: not a psgrid shard"
-        return None          # nothing refused us: the shard waits for a request
+        return None  # nothing refused us: the shard waits for a request
     except (ConnectionError, OSError):
         return _refused_client(train)
     return None
@@ -132,10 +142,14 @@ def _tls_problem(sock: socket.socket, host: str, train) -> str | None:
 def _refused_client(train) -> str:
     """The shard ended the connection after the handshake: it did not take our client certificate, or its absence."""
     if not train.tls_cert:
-        return ("TLS handshake failed: the shard requires a client certificate: set [train] tls_cert and tls_key "
-                "(psctl certs DIR makes them)")
-    return (f"TLS handshake failed: the shard does not accept our client certificate ([train] tls_cert "
-            f"{train.tls_cert} is not signed by the CA of the shard's tls_ca)")
+        return (
+            "TLS handshake failed: the shard requires a client certificate: set [train] tls_cert and tls_key "
+            "(psctl certs DIR makes them)"
+        )
+    return (
+        f"TLS handshake failed: the shard does not accept our client certificate ([train] tls_cert "
+        f"{train.tls_cert} is not signed by the CA of the shard's tls_ca)"
+    )
 
 
 def _plaintext_problem(sock: socket.socket, host: str) -> str | None:
@@ -150,8 +164,10 @@ def _plaintext_problem(sock: socket.socket, host: str) -> str | None:
     except ssl.SSLError as e:
         reason = (e.reason or "").upper()
         if "ALERT" not in reason:
-            return None        # not TLS at all: a plaintext shard, as the job expects
+            return None  # not TLS at all: a plaintext shard, as the job expects
     except OSError:
         return None
-    return ("the shard speaks TLS and the job has no TLS settings for its workers: set [train] tls_ca (and "
-            "tls_cert/tls_key if the shard requires client certificates)")
+    return (
+        "the shard speaks TLS and the job has no TLS settings for its workers: set [train] tls_ca (and "
+        "tls_cert/tls_key if the shard requires client certificates)"
+    )

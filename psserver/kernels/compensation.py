@@ -21,7 +21,7 @@ import numpy as np
 
 COMPENSATIONS = ("none", "lr", "dc")
 ASYNC_MOMENTUM = ("off", "auto")
-DC_EPS = 1e-7     # keeps lambda finite where the mean square is still 0 (the term it scales is 0 there too)
+DC_EPS = 1e-7  # keeps lambda finite where the mean square is still 0 (the term it scales is 0 there too)
 
 
 def implicit_momentum(workers: int) -> float:
@@ -80,7 +80,7 @@ class DelayCompensation:
         self.lambda0 = float(lambda0)
         self.beta = float(beta)
         self.mean_square = np.zeros(size, np.float32)
-        self.compensated = np.empty(size, np.float32)     # g_dc, what the optimizer reads in place of g
+        self.compensated = np.empty(size, np.float32)  # g_dc, what the optimizer reads in place of g
 
     def blocks(self, blocks, grad: np.ndarray, now: np.ndarray, pulled: np.ndarray | None):
         """The optimizer's blocks ``(slice, t, u)``, each after ``compensated[slice]`` holds g_dc.

@@ -34,13 +34,16 @@ def _kernels(inputs: str, outputs: str, body: str, name: str) -> tuple:
     """The update as a kernel, and as one that also writes the next weights into ``pub``: a device shard
     publishes each version as a copy of its own weights, and writing it in the same pass saves reading
     them again."""
-    return (cupy.ElementwiseKernel(inputs, outputs, body, name),
-            cupy.ElementwiseKernel(inputs, outputs + ", float32 pub", body + "\npub = out;", name + "_published"))
+    return (
+        cupy.ElementwiseKernel(inputs, outputs, body, name),
+        cupy.ElementwiseKernel(inputs, outputs + ", float32 pub", body + "\npub = out;", name + "_published"),
+    )
 
 
 # How many elements are NaN or infinite, in one pass that reads each once (no array of flags).
-_NON_FINITE = cupy.ReductionKernel("float32 x", "int32 bad", "isfinite(x) ? 0 : 1", "a + b", "bad = a", "0",
-                                   "psgrid_non_finite")
+_NON_FINITE = cupy.ReductionKernel(
+    "float32 x", "int32 bad", "isfinite(x) ? 0 : 1", "a + b", "bad = a", "0", "psgrid_non_finite"
+)
 
 
 def all_finite(array) -> bool:
@@ -49,33 +52,37 @@ def all_finite(array) -> bool:
 
 
 _SGD = _kernels(
-    "float32 w, float32 g, float32 lr, float32 wd", "float32 out",
-    _DECAYED + "out = w - d * lr;",
-    "psgrid_sgd")
+    "float32 w, float32 g, float32 lr, float32 wd", "float32 out", _DECAYED + "out = w - d * lr;", "psgrid_sgd"
+)
 
 _MOMENTUM = _kernels(
-    "float32 w, float32 g, float32 lr, float32 wd, float32 mu, int32 nesterov", "float32 out, float32 v",
-    _DECAYED + """
+    "float32 w, float32 g, float32 lr, float32 wd, float32 mu, int32 nesterov",
+    "float32 out, float32 v",
+    _DECAYED
+    + """
     float vel = v * mu + d;
     v = vel;
     float direction = nesterov ? vel * mu + d : vel;
     out = w - direction * lr;
     """,
-    "psgrid_momentum")
+    "psgrid_momentum",
+)
 
 # torch's order: m += (1 - b1) * (g - m); v = b2 * v + (1 - b2) * g * g; w -= step_size * m / (sqrt(v) + eps_hat)
 _ADAM = _kernels(
     "float32 w, float32 g, float32 step_size, float32 wd, float32 one_minus_b1, float32 b2, "
     "float32 one_minus_b2, float32 eps_hat",
     "float32 out, float32 m, float32 v",
-    _DECAYED + """
+    _DECAYED
+    + """
     float m_next = m + (d - m) * one_minus_b1;
     float v_next = v * b2 + (d * d) * one_minus_b2;
     m = m_next;
     v = v_next;
     out = w - m_next / (sqrt(v_next) + eps_hat) * step_size;
     """,
-    "psgrid_adam")
+    "psgrid_adam",
+)
 
 
 class DeviceOptimizer:
@@ -96,8 +103,7 @@ class DeviceOptimizer:
         self.steps = 0
         self._buffers = {name: cupy.zeros(self.size, cupy.float32) for name in buffers}
 
-    def step(self, weights, grad, lr_scale: float = 1.0, *, out=None, check_finite: bool = False,
-             publish=None) -> None:
+    def step(self, weights, grad, lr_scale: float = 1.0, *, out=None, check_finite: bool = False, publish=None) -> None:
         """Apply one update to ``weights``, in place or into ``out``; ``grad`` is only read.
 
         Parameters
@@ -124,8 +130,10 @@ class DeviceOptimizer:
         for name, a in arrays + ((("publish", publish),) if publish is not None else ()):
             if not isinstance(a, cupy.ndarray) or a.dtype != np.float32 or a.shape != (self.size,):
                 got = f"{a.dtype} {a.shape}" if hasattr(a, "dtype") else type(a).__name__
-                raise InvalidArgument(f"{name} must be a float32 CuPy array of shape ({self.size},), got "
-                                      f"{type(a).__module__}.{type(a).__name__} {got}")
+                raise InvalidArgument(
+                    f"{name} must be a float32 CuPy array of shape ({self.size},), got "
+                    f"{type(a).__module__}.{type(a).__name__} {got}"
+                )
         if isinstance(lr_scale, bool) or not 0.0 < float(lr_scale) < math.inf:
             raise InvalidArgument(f"lr_scale must be finite and > 0, got {lr_scale!r}")
         if check_finite and not all_finite(grad):
@@ -186,8 +194,17 @@ class DeviceSGD(DeviceOptimizer):
         f32 = np.float32
         published = () if publish is None else (publish,)
         if self.momentum:
-            _MOMENTUM[bool(published)](w, g, f32(lr), f32(self.weight_decay), f32(self.momentum),
-                                       np.int32(self.nesterov), out, self._buffers["momentum_buffer"], *published)
+            _MOMENTUM[bool(published)](
+                w,
+                g,
+                f32(lr),
+                f32(self.weight_decay),
+                f32(self.momentum),
+                np.int32(self.nesterov),
+                out,
+                self._buffers["momentum_buffer"],
+                *published,
+            )
         else:
             _SGD[bool(published)](w, g, f32(lr), f32(self.weight_decay), out, *published)
 
@@ -201,13 +218,24 @@ class DeviceAdam(DeviceOptimizer):
 
     def _launch(self, w, g, lr, out, publish):
         # The host's scalars, computed the host's way in float64, then met as float32 by the arrays.
-        sqrt_bc2 = math.sqrt(1.0 - self.beta2 ** self.steps)
-        step_size = lr / (1.0 - self.beta1 ** self.steps) * sqrt_bc2
+        sqrt_bc2 = math.sqrt(1.0 - self.beta2**self.steps)
+        step_size = lr / (1.0 - self.beta1**self.steps) * sqrt_bc2
         f32 = np.float32
         published = () if publish is None else (publish,)
-        _ADAM[bool(published)](w, g, f32(step_size), f32(self.weight_decay), f32(1.0 - self.beta1), f32(self.beta2),
-                               f32(1.0 - self.beta2), f32(self.eps * sqrt_bc2), out, self._buffers["exp_avg"],
-                               self._buffers["exp_avg_sq"], *published)
+        _ADAM[bool(published)](
+            w,
+            g,
+            f32(step_size),
+            f32(self.weight_decay),
+            f32(1.0 - self.beta1),
+            f32(self.beta2),
+            f32(1.0 - self.beta2),
+            f32(self.eps * sqrt_bc2),
+            out,
+            self._buffers["exp_avg"],
+            self._buffers["exp_avg_sq"],
+            *published,
+        )
 
 
 _DEVICE_KINDS = {"sgd": DeviceSGD, "adam": DeviceAdam}
@@ -223,7 +251,7 @@ def make_device_optimizer(name: str, size: int, **hparams) -> DeviceOptimizer:
     InvalidArgument
         For an unknown name or key, a missing ``lr``, or a hyperparameter out of range.
     """
-    host = make_optimizer(name, 0, **hparams)      # size 0: the validation and the settings, no host state
+    host = make_optimizer(name, 0, **hparams)  # size 0: the validation and the settings, no host state
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
         raise InvalidArgument(f"size must be an integer >= 0, got {size!r}")
     host.size = int(size)

@@ -18,8 +18,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from psgrid.psserver.kernels.compensation import DelayCompensation
 from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.kernels.compensation import DelayCompensation
 from psgrid.psserver.kernels.parallel import SERIAL, Chunks
 from psgrid.psserver.protocol import Reason
 
@@ -122,7 +122,7 @@ class Optimizer:
         self.steps = 0
         self._buffers: dict[str, np.ndarray] = {}
         self._block = BLOCK
-        self.chunks = chunks        # the range is cut among this many threads (parallel.py)
+        self.chunks = chunks  # the range is cut among this many threads (parallel.py)
         self._scratch = [np.empty((2, min(self.size, self._block)), np.float32) for _ in range(chunks.threads)]
 
     def _buffer(self, name: str) -> np.ndarray:
@@ -137,9 +137,17 @@ class Optimizer:
             stop = min(start + self._block, hi)
             yield slice(start, stop), t[: stop - start], u[: stop - start]
 
-    def step(self, weights: np.ndarray, grad: np.ndarray, lr_scale: float = 1.0, *,
-             out: np.ndarray | None = None, check_finite: bool = False,
-             delay: DelayCompensation | None = None, pulled: np.ndarray | None = None) -> None:
+    def step(
+        self,
+        weights: np.ndarray,
+        grad: np.ndarray,
+        lr_scale: float = 1.0,
+        *,
+        out: np.ndarray | None = None,
+        check_finite: bool = False,
+        delay: DelayCompensation | None = None,
+        pulled: np.ndarray | None = None,
+    ) -> None:
         """Apply one update to ``weights``, in place or into ``out``; ``grad`` is only read.
 
         Parameters
@@ -193,7 +201,7 @@ class Optimizer:
         try:
             self.chunks.map(lambda lo, hi, i: self._apply(weights, grad, lr, out, blocks(lo, hi, i)), self.size)
         except InvalidArgument:
-            self.steps -= 1         # only a fused check raises here, and no state was changed
+            self.steps -= 1  # only a fused check raises here, and no state was changed
             raise
 
     def _apply(self, w: np.ndarray, g: np.ndarray, lr: float, out: np.ndarray, blocks) -> None:
@@ -290,8 +298,15 @@ class SGD(Optimizer):
         L2 penalty, finite and >= 0.
     """
 
-    def __init__(self, size: int, lr: float, momentum: float = 0.0, nesterov: bool = False,
-                 weight_decay: float = 0.0, chunks: Chunks = SERIAL):
+    def __init__(
+        self,
+        size: int,
+        lr: float,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float = 0.0,
+        chunks: Chunks = SERIAL,
+    ):
         super().__init__(size, lr, weight_decay, chunks)
         self.momentum = _hparam("momentum", momentum)
         self.nesterov = _nesterov(nesterov, self.momentum)
@@ -346,8 +361,16 @@ class Adam(Optimizer):
         L2 penalty, finite and >= 0 (not decoupled: this is Adam, not AdamW).
     """
 
-    def __init__(self, size: int, lr: float, beta1: float = 0.9, beta2: float = 0.999,
-                 eps: float = 1e-8, weight_decay: float = 0.0, chunks: Chunks = SERIAL):
+    def __init__(
+        self,
+        size: int,
+        lr: float,
+        beta1: float = 0.9,
+        beta2: float = 0.999,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        chunks: Chunks = SERIAL,
+    ):
         super().__init__(size, lr, weight_decay, chunks)
         self.beta1 = _hparam("beta1", beta1)
         self.beta2 = _hparam("beta2", beta2)
@@ -359,8 +382,8 @@ class Adam(Optimizer):
         b1, b2, eps, wd = self.beta1, self.beta2, self.eps, self.weight_decay
         # torch: w -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps); multiplying through by sqrt(bc2)
         # folds the bias correction into two scalars and saves a pass per block
-        sqrt_bc2 = math.sqrt(1.0 - b2 ** self.steps)
-        step_size = lr / (1.0 - b1 ** self.steps) * sqrt_bc2
+        sqrt_bc2 = math.sqrt(1.0 - b2**self.steps)
+        step_size = lr / (1.0 - b1**self.steps) * sqrt_bc2
         eps_hat = eps * sqrt_bc2
         for s, t, u in blocks:
             wb, gb, m, v = w[s], g[s], self._m[s], self._v[s]

@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from psgrid.psserver.dtypes import all_finite
 
 T = TypeVar("T")
-MIN_CHUNK = 1 << 18       # elements: below this a thread's hand-off costs more than its share of the pass
-PARTS_PER_THREAD = 4      # parts a thread takes, on average, of a range large enough (see the module's text)
+MIN_CHUNK = 1 << 18  # elements: below this a thread's hand-off costs more than its share of the pass
+PARTS_PER_THREAD = 4  # parts a thread takes, on average, of a range large enough (see the module's text)
 
 
 class Chunks:
@@ -49,7 +50,7 @@ class Chunks:
         if len(parts) == 1:
             return [fn(0, size, 0)]
         results: list = [None] * len(parts)
-        taken = itertools.count()       # next() on it is atomic under the interpreter lock
+        taken = itertools.count()  # next() on it is atomic under the interpreter lock
         failed = []
 
         def take(thread: int) -> None:
@@ -57,11 +58,11 @@ class Chunks:
                 try:
                     results[k] = fn(*parts[k], thread)
                 except BaseException as exc:
-                    failed.append(exc)      # the other threads take no new part
+                    failed.append(exc)  # the other threads take no new part
 
         futures = [self.pool.submit(take, thread) for thread in range(1, min(self.threads, len(parts)))]
         take(0)
-        for f in futures:       # every part ends before the caller goes on (or raises): none may still write
+        for f in futures:  # every part ends before the caller goes on (or raises): none may still write
             f.result()
         if failed:
             raise failed[0]
@@ -69,7 +70,7 @@ class Chunks:
 
     def all_finite(self, values) -> bool:
         """Whether ``values`` holds no NaN or infinity, checked a part at a time on the threads."""
-        if self.threads == 1 or len(values) < 2 * MIN_CHUNK:     # one part (a gRPC push's): no hand-off
+        if self.threads == 1 or len(values) < 2 * MIN_CHUNK:  # one part (a gRPC push's): no hand-off
             return all_finite(values)
         return all(self.map(lambda lo, hi, _: all_finite(values[lo:hi]), len(values)))
 

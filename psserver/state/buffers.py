@@ -17,7 +17,7 @@ class BufferPool:
         self.make = make if make is not None else (lambda n: np.empty(n, dtype=self.dtype))
         self.free: list[np.ndarray] = []
         self.lock = threading.Lock()
-        self.on_loan = 0          # taken and not yet given back (tests check none is lost)
+        self.on_loan = 0  # taken and not yet given back (tests check none is lost)
 
     def take(self) -> np.ndarray:
         """A buffer of ``size`` elements, holding whatever its last holder left in it."""

@@ -71,19 +71,19 @@ def file_name(version: int) -> str:
 
 
 def _version_of(path: Path) -> int:
-    return int(path.name[len("ckpt-"):-len(".npz")])
+    return int(path.name[len("ckpt-") : -len(".npz")])
 
 
 def _checkpoint_files(directory: Path) -> list[Path]:
     """This folder's checkpoint files (named by :func:`file_name`), oldest first."""
-    found = [p for p in directory.glob("ckpt-*.npz") if p.name[len("ckpt-"):-len(".npz")].isdigit()]
+    found = [p for p in directory.glob("ckpt-*.npz") if p.name[len("ckpt-") : -len(".npz")].isdigit()]
     return sorted(found, key=_version_of)
 
 
 def _write_manifest(directory: Path, name: str, version: int) -> None:
     manifest_tmp = directory / (MANIFEST + ".tmp")
     try:
-        manifest_tmp.unlink(missing_ok=True)       # one left by a crash keeps its mode
+        manifest_tmp.unlink(missing_ok=True)  # one left by a crash keeps its mode
         with files.open_new(manifest_tmp, "w") as f:
             json.dump({"file": name, "version": version}, f)
             f.flush()

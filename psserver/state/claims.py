@@ -19,9 +19,9 @@ class Claims:
     """The restart a shard came from (if any), and each worker's first pull since; all read and set under ``cond``."""
 
     def __init__(self):
-        self.restored_version = -1                   # the checkpoint's version, -1 for a fresh start
-        self.restored_clocks: dict[int, int] = {}    # each member's clock in the checkpoint
-        self.first_pulls: dict[int, int] = {}        # the clock of each worker's first pull from this process
+        self.restored_version = -1  # the checkpoint's version, -1 for a fresh start
+        self.restored_clocks: dict[int, int] = {}  # each member's clock in the checkpoint
+        self.first_pulls: dict[int, int] = {}  # the clock of each worker's first pull from this process
 
     def restored(self, version: int, clocks: dict[int, int]) -> None:
         self.restored_version = version
@@ -35,8 +35,7 @@ class Claims:
     def forget(self, worker: int) -> None:
         self.first_pulls.pop(worker, None)
 
-    def check(self, worker: int, clock: int, version_used: int, expected: int, version: int,
-              clocks_lead: bool) -> None:
+    def check(self, worker: int, clock: int, version_used: int, expected: int, version: int, clocks_lead: bool) -> None:
         """Refuse a push at ``clock`` from ``version_used`` that claims what never happened here.
 
         ``expected`` is the worker's clock here and ``version`` the shard's. ``clocks_lead``: a push's
@@ -44,9 +43,14 @@ class Claims:
         another shard closed first).
         """
         if version_used > version and (self.restored_version < 0 or clock >= self.first_pulls.get(worker, math.inf)):
-            raise InvalidArgument(f"worker {worker}'s push at clock {clock} was computed from version {version_used}, "
-                                  f"but this shard has published versions up to {version}", Reason.FUTURE_VERSION)
+            raise InvalidArgument(
+                f"worker {worker}'s push at clock {clock} was computed from version {version_used}, "
+                f"but this shard has published versions up to {version}",
+                Reason.FUTURE_VERSION,
+            )
         if clock > expected and clocks_lead and self.restored_clocks.get(worker) != expected:
-            raise InvalidArgument(f"worker {worker} pushed clock {clock}, but this shard has its pushes up to clock "
-                                  f"{expected} only: register again with start_clock {clock} to move on",
-                                  Reason.FUTURE_CLOCK)
+            raise InvalidArgument(
+                f"worker {worker} pushed clock {clock}, but this shard has its pushes up to clock "
+                f"{expected} only: register again with start_clock {clock} to move on",
+                Reason.FUTURE_CLOCK,
+            )

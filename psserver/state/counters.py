@@ -19,9 +19,9 @@ class Counters:
     dropped_late: int = 0
     duplicates: int = 0
     evictions: int = 0
-    stalled_evictions: int = 0     # of those, workers others waited on that made no progress
-    lost_updates: int = 0          # known lost to a restart (see StatsReply.lost_updates)
-    uncompensated: int = 0         # dc: stale updates applied as they came, their pulled version gone from the ring
+    stalled_evictions: int = 0  # of those, workers others waited on that made no progress
+    lost_updates: int = 0  # known lost to a restart (see StatsReply.lost_updates)
+    uncompensated: int = 0  # dc: stale updates applied as they came, their pulled version gone from the ring
     rejected: int = 0
     wait_s_total: float = 0.0
     wait_s_by_worker: dict[int, float] = field(default_factory=dict)

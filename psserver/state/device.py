@@ -28,7 +28,7 @@ from psgrid.psserver.protocol import Reason
 # workers' slots: its own weights (``DeviceUpdater.master``), the current version, the one an update writes,
 # one a reader holds, and the private copy an update reads a gradient from.
 DEVICE_RING_BUFFERS = 5
-SLOTS_PER_WORKER = 2          # each worker's gradient slots on the IPC plane (two, for overlap)
+SLOTS_PER_WORKER = 2  # each worker's gradient slots on the IPC plane (two, for overlap)
 OPTIMIZER_STATE = {"sgd": 0, "sgd+momentum": 1, "adam": 2}
 
 
@@ -109,8 +109,9 @@ class GpuArrays:
         self.xp = cupy
         count = cupy.cuda.runtime.getDeviceCount()
         if not 0 <= index < count:
-            raise InvalidArgument(f"gpu {index} asked for, but this process sees {count} GPU(s) (0..{count - 1})",
-                                  Reason.BAD_VALUE)
+            raise InvalidArgument(
+                f"gpu {index} asked for, but this process sees {count} GPU(s) (0..{count - 1})", Reason.BAD_VALUE
+            )
         self.index = index
         self.device = cupy.cuda.Device(index)
         self.pci_bus_id = cupy.cuda.runtime.deviceGetPCIBusId(index)
@@ -119,7 +120,7 @@ class GpuArrays:
         self.label = f"cuda:{index} ({self.pci_bus_id})"
         self._copy_kernel = None
         with self.device:
-            self._bad = cupy.zeros(1, cupy.int32)         # copy_checked's flag
+            self._bad = cupy.zeros(1, cupy.int32)  # copy_checked's flag
 
     def use(self):
         """Make this GPU and the shard's stream current for the calling thread (``with arrays.use():``)."""
@@ -129,7 +130,7 @@ class GpuArrays:
         """A float32 device array in an allocation of its own, which :meth:`ipc_handle` can export."""
         cupy = self.xp
         with self.device:
-            memory = cupy.cuda.Memory(max(size, 1) * 4)       # cudaMalloc, not the pool (see the module's text)
+            memory = cupy.cuda.Memory(max(size, 1) * 4)  # cudaMalloc, not the pool (see the module's text)
             # the pointer holds the allocation: it is freed with the last array that uses it
             return cupy.ndarray((size,), cupy.float32, cupy.cuda.MemoryPointer(memory, 0))
 
@@ -147,7 +148,7 @@ class GpuArrays:
     def upload(self, dst, src: np.ndarray) -> None:
         with self.use():
             dst.set(src, stream=self.stream)
-            self.stream.synchronize()     # src is the caller's again once this returns
+            self.stream.synchronize()  # src is the caller's again once this returns
 
     def upload_part(self, dst, src: np.ndarray, begin: int, end: int) -> None:
         """Queue the copy of ``src[begin:end]`` (page-locked) into ``dst[begin:end]`` on the shard's stream."""
@@ -183,15 +184,18 @@ class GpuArrays:
         with self.use():
             if self._copy_kernel is None:
                 self._copy_kernel = self.xp.ElementwiseKernel(
-                    "float32 x", "float32 y, raw int32 bad", "y = x; if (!isfinite(x)) { bad[0] = 1; }",
-                    "psgrid_copy_checked")
+                    "float32 x",
+                    "float32 y, raw int32 bad",
+                    "y = x; if (!isfinite(x)) { bad[0] = 1; }",
+                    "psgrid_copy_checked",
+                )
             self._bad.fill(0)
             self._copy_kernel(src, dst, self._bad)
             return not int(self._bad[0])
 
     def warm_up(self) -> None:
         """Compile now the kernels a push runs (CuPy compiles each on its first launch): not in a worker's step."""
-        with self.use():       # this GPU current: a shard's GPU need not be the calling thread's
+        with self.use():  # this GPU current: a shard's GPU need not be the calling thread's
             one = self.empty(1)
             one.fill(1.0)
             self.copy_checked(self.empty(1), one)

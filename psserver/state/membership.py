@@ -87,20 +87,22 @@ class Members:
         """Join (or rejoin) ``worker_id`` (-1: a new id); returns the join and the layout, read together."""
         shard = self.shard
         try:
-            if not shard.policy.waits_on_pull:    # never between an async update and the push it takes
+            if not shard.policy.waits_on_pull:  # never between an async update and the push it takes
                 with shard.apply_lock:
                     return self._register(spec_hash, worker_id, start_clock, host)
             return self._register(spec_hash, worker_id, start_clock, host)
         finally:
-            shard.checkpoints.flush()     # moving a worker forward may have closed a sync round
+            shard.checkpoints.flush()  # moving a worker forward may have closed a sync round
 
     def _register(self, spec_hash: str, worker_id: int, start_clock: int, host: str) -> dict:
         shard = self.shard
         with shard.cond:
             shard.require_up()
             if spec_hash and shard.spec is not None and spec_hash != shard.spec.hash():
-                raise SpecMismatch(f"model spec hash {spec_hash[:12]} differs from this shard's "
-                                   f"{shard.spec.hash()[:12]}: every worker must build the same model")
+                raise SpecMismatch(
+                    f"model spec hash {spec_hash[:12]} differs from this shard's "
+                    f"{shard.spec.hash()[:12]}: every worker must build the same model"
+                )
             if worker_id < 0:
                 worker_id = self.leases.new_id(taken=shard.policy.departed)
             before = shard.policy.clocks.get(worker_id)
@@ -109,7 +111,7 @@ class Members:
                 self.skipped(worker_id, before, clock, "registered")
             self.leases.add(worker_id, host, shard.now())
             if spec_hash and shard.spec is None:
-                self.spec_hashes[worker_id] = spec_hash    # the first Init decides whose model is the job's
+                self.spec_hashes[worker_id] = spec_hash  # the first Init decides whose model is the job's
             shard.pushes.close_rounds()
             shard.cond.notify_all()
             return {"worker_id": worker_id, "start_clock": clock, **shard.layout_fields()}
@@ -120,8 +122,11 @@ class Members:
         They learn it at their next call.
         """
         for worker in [w for w, h in self.spec_hashes.items() if h != spec_hash]:
-            log.warning("shard %d: worker %d registered another model spec than the one Init set; dropped",
-                        self.shard.config.shard_index, worker)
+            log.warning(
+                "shard %d: worker %d registered another model spec than the one Init set; dropped",
+                self.shard.config.shard_index,
+                worker,
+            )
             self.drop(worker)
         self.spec_hashes.clear()
 
@@ -132,9 +137,16 @@ class Members:
         counted when they close with no gradient (:meth:`Pushes.close_rounds`).
         """
         shard = self.shard
-        log.warning("shard %d: worker %d %s at clock %d, this shard had it at %d: %d push(es) it never took "
-                    "(a restart from an older checkpoint, or pushes it refused)", shard.config.shard_index, worker,
-                    how, now_at, had, now_at - had)
+        log.warning(
+            "shard %d: worker %d %s at clock %d, this shard had it at %d: %d push(es) it never took "
+            "(a restart from an older checkpoint, or pushes it refused)",
+            shard.config.shard_index,
+            worker,
+            how,
+            now_at,
+            had,
+            now_at - had,
+        )
         if not shard.policy.accumulates:
             shard.counters.lost_updates += now_at - had
 
@@ -167,7 +179,7 @@ class Members:
     def leave(self, worker: int) -> None:
         with self.shard.cond:
             self.drop(worker)
-        self.shard.checkpoints.flush()     # the departure may have closed a sync round
+        self.shard.checkpoints.flush()  # the departure may have closed a sync round
 
     def drop(self, worker: int) -> None:
         """Drop ``worker`` (call under ``cond``): waits stop counting it, and the rounds it held open may close."""

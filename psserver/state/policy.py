@@ -33,7 +33,7 @@ from psgrid.psserver.protocol import MODES, Outcome, mode_rules
 
 __all__ = ["MODES", "ConsistencyPolicy", "Outcome", "PushDecision"]
 
-MAX_DEPARTED = 1 << 16     # departed workers remembered (the newest)
+MAX_DEPARTED = 1 << 16  # departed workers remembered (the newest)
 # Clocks stay exact as a float64, so JSON and checkpoints keep them: a push carries at most
 # MAX_CLOCK - 1. A worker starts at, or is moved ahead to, at most MAX_START_CLOCK, which leaves
 # it 2^52 pushes below the bound: more than any job makes.
@@ -44,7 +44,7 @@ MAX_START_CLOCK = 2**52
 @dataclass(frozen=True)
 class PushDecision:
     outcome: Outcome
-    round: int       # the push's clock (its sync round)
+    round: int  # the push's clock (its sync round)
     next_clock: int  # the clock the worker's next push must carry
 
 
@@ -71,8 +71,8 @@ class ConsistencyPolicy:
         self.accumulates, self.waits_on_pull, self.bounded = rules.accumulates, rules.waits_on_pull, rules.bounded
         self.staleness = staleness
         self.backup_workers = backup_workers
-        self.clocks: dict[int, int] = {}           # live worker -> its clock
-        self.closed_rounds = 0                     # sync: rounds 0..closed_rounds-1 are closed
+        self.clocks: dict[int, int] = {}  # live worker -> its clock
+        self.closed_rounds = 0  # sync: rounds 0..closed_rounds-1 are closed
         self.round_pushers: dict[int, set[int]] = {}  # sync: open round -> workers whose gradient it holds
         # The clock each departed worker had: one that comes back (a reply lost past its lease,
         # then a retry) must not push the same clock a second time.
@@ -166,8 +166,10 @@ class ConsistencyPolicy:
     def check_ahead(self, worker: int, clock: int) -> None:
         """Refuse a push that would move ``worker`` ahead past ``MAX_START_CLOCK`` (it could not push on)."""
         if clock > MAX_START_CLOCK and clock > self.clocks[worker]:
-            raise InvalidArgument(f"clock {clock} would move worker {worker} ahead from {self.clocks[worker]} past "
-                                  f"{MAX_START_CLOCK}, the furthest a worker may move ahead")
+            raise InvalidArgument(
+                f"clock {clock} would move worker {worker} ahead from {self.clocks[worker]} past "
+                f"{MAX_START_CLOCK}, the furthest a worker may move ahead"
+            )
 
     def quorum(self) -> int:
         """sync: how many live workers must be past a round for it to close."""
@@ -185,7 +187,7 @@ class ConsistencyPolicy:
         if not self.accumulates or not self.clocks:
             return range(first, first)
         if sum(1 for c in self.clocks.values() if c > first) < self.quorum():
-            return range(first, first)         # most pushes: the open round stays open
+            return range(first, first)  # most pushes: the open round stays open
         closed = range(first, heapq.nlargest(self.quorum(), self.clocks.values())[-1])
         for round_ in [r for r in self.round_pushers if r in closed]:
             del self.round_pushers[round_]

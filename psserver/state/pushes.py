@@ -8,7 +8,7 @@ spare buffer of the ring, then it is published.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -36,7 +36,7 @@ class Pushes:
         # sync: open round -> {worker: gradient}. Summed in worker order when the round closes,
         # so a sync run is bitwise reproducible whatever order the pushes arrive in.
         self.round_grads: dict[int, dict[int, np.ndarray]] = {}
-        self.finite_check = finite_check(shard.policy, shard.parts)     # None: the update checks a gradient
+        self.finite_check = finite_check(shard.policy, shard.parts)  # None: the update checks a gradient
 
     def check_pusher(self, worker: int) -> None:
         """Refuse early (before the payload is read) a push from a worker that is not live.
@@ -47,11 +47,20 @@ class Pushes:
         """
         shard = self.shard
         if shard.closing or shard.weights is None or worker not in shard.policy.clocks:
-            shard.require_serving()         # one of them fails: raise the error that says which
+            shard.require_serving()  # one of them fails: raise the error that says which
             shard.require_live(worker)
 
-    def push(self, worker: int, clock: int, version_used: int, grad: np.ndarray,
-             nbytes: int, *, borrowed: bool = False, checked: bool = False) -> tuple[PushResult, bool]:
+    def push(
+        self,
+        worker: int,
+        clock: int,
+        version_used: int,
+        grad: np.ndarray,
+        nbytes: int,
+        *,
+        borrowed: bool = False,
+        checked: bool = False,
+    ) -> tuple[PushResult, bool]:
         """Take one validated gradient of this range (a float32 buffer from the shard's pool).
 
         Returns the result and whether the shard kept ``grad`` (sync holds it, without a copy,
@@ -69,9 +78,10 @@ class Pushes:
         finally:
             self.shard.checkpoints.flush()
 
-    def _push_here(self, worker: int, clock: int, version_used: int, grad, nbytes: int,
-                   borrowed: bool, checked: bool = False) -> tuple[PushResult, bool]:
-        if not self.shard.policy.waits_on_pull:     # nothing waits for an update but the next: it runs outside ``cond``
+    def _push_here(
+        self, worker: int, clock: int, version_used: int, grad, nbytes: int, borrowed: bool, checked: bool = False
+    ) -> tuple[PushResult, bool]:
+        if not self.shard.policy.waits_on_pull:  # nothing waits for an update but the next: it runs outside ``cond``
             return self._push_at_once(worker, clock, version_used, grad, nbytes, checked), False
         return self._push_rounds(worker, clock, version_used, grad, nbytes, borrowed)
 
@@ -92,14 +102,15 @@ class Pushes:
         """Check a push under ``cond`` (serving, a live pusher, its claims); returns the worker's clock here."""
         shard = self.shard
         if shard.closing or shard.restoring or shard.ring is None or worker not in shard.policy.clocks:
-            shard.require_serving()         # one of them fails: raise the error that says which
+            shard.require_serving()  # one of them fails: raise the error that says which
             shard.require_live(worker)
         expected = shard.policy.clocks[worker]
         shard.claims.check(worker, clock, version_used, expected, shard.version, not shard.policy.accumulates)
         return expected
 
-    def _push_rounds(self, worker: int, clock: int, version_used: int, grad: np.ndarray,
-                     nbytes: int, borrowed: bool) -> tuple[PushResult, bool]:
+    def _push_rounds(
+        self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int, borrowed: bool
+    ) -> tuple[PushResult, bool]:
         """sync and ssp: take the push under ``cond``; apply it, or hold it for its round."""
         shard = self.shard
         with shard.cond:
@@ -124,7 +135,7 @@ class Pushes:
                 held[worker] = grad
                 self._record_staleness(staleness)
                 closed = decision.round in self.close_rounds(borrowed=grad if borrowed else None)
-                if borrowed and not closed:       # the worker may write its memory again once answered
+                if borrowed and not closed:  # the worker may write its memory again once answered
                     held[worker] = shard.pool.take()
                     shard.arrays.copy(held[worker], grad)
                 shard.cond.notify_all()
@@ -133,8 +144,9 @@ class Pushes:
             shard.cond.notify_all()
             return PushResult(decision.outcome, shard.version, staleness, decision.next_clock), False
 
-    def _push_at_once(self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int,
-                      checked: bool = False) -> PushResult:
+    def _push_at_once(
+        self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int, checked: bool = False
+    ) -> PushResult:
         """async: check and apply the gradient outside ``cond``, then take the push and publish its version.
 
         A pull returns at once in async, so nothing waits for an update but the next one: updates
@@ -148,12 +160,12 @@ class Pushes:
         with shard.apply_lock:
             with shard.cond:
                 expected = self._take(worker, clock, version_used)
-                if clock < expected:        # a retry of a push this shard has taken: answered, not applied
+                if clock < expected:  # a retry of a push this shard has taken: answered, not applied
                     shard.policy.on_push(worker, clock)
                     self._count_push(worker, nbytes)
                     shard.counters.duplicates += 1
                     return PushResult(Outcome.DUPLICATE, shard.version, -1, expected)
-                shard.policy.check_ahead(worker, clock)      # refused before the update is computed
+                shard.policy.check_ahead(worker, clock)  # refused before the update is computed
                 staleness = max(0, shard.version - version_used)
                 ring, updater = shard.ring, shard.updater
                 step = updater.plan(ring, shard.version, version_used)

@@ -32,13 +32,13 @@ from psgrid.psserver.sharding import shard_range
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.state import checkpoint_files
 from psgrid.psserver.state.buffers import BufferPool
-from psgrid.psserver.state.shard_checkpoints import Checkpoints
 from psgrid.psserver.state.claims import Claims
 from psgrid.psserver.state.counters import Counters
 from psgrid.psserver.state.device import shard_arrays
 from psgrid.psserver.state.membership import Members
 from psgrid.psserver.state.policy import ConsistencyPolicy
 from psgrid.psserver.state.pushes import Pushes
+from psgrid.psserver.state.shard_checkpoints import Checkpoints
 from psgrid.psserver.state.snapshots import MAX_LENT_BUFFERS, Snapshots
 from psgrid.psserver.state.updater import Updater, make_updater
 from psgrid.psserver.state.weight_ring import WeightRing
@@ -61,25 +61,25 @@ class Shard:
     def __init__(self, config: ServerConfig, now=time.monotonic, *, restore: bool = True):
         self.config = config
         self.now = now
-        self.arrays = shard_arrays(config)     # host memory, or a GPU (shard_device): the ring, optimizer and pools
+        self.arrays = shard_arrays(config)  # host memory, or a GPU (shard_device): the ring, optimizer and pools
         self.cond = threading.Condition()
         # async: an update is computed outside ``cond`` (weights are never changed in place, so pulls
         # and everything else go on meanwhile); updates queue on this lock, taken before ``cond``.
         self.apply_lock = threading.Lock()
         self.policy = ConsistencyPolicy(config.mode, config.staleness, config.backup_workers)
-        self.parts = Chunks(config.apply_threads or default_threads())    # the update's threads, over the range's parts
+        self.parts = Chunks(config.apply_threads or default_threads())  # the update's threads, over the range's parts
         self.counters = Counters()
         self.spec: ModelSpec | None = None
         self.begin = self.end = 0
-        self.ring: WeightRing | None = None      # the weights: versions readers hold, and the current one
-        self.shares_memory = True     # False once this process could not put the weights in shared memory
-        self.updater: Updater | None = None      # the optimizer and how a gradient makes the next version (at Init)
+        self.ring: WeightRing | None = None  # the weights: versions readers hold, and the current one
+        self.shares_memory = True  # False once this process could not put the weights in shared memory
+        self.updater: Updater | None = None  # the optimizer and how a gradient makes the next version (at Init)
         self.version = 0
-        self.pool: BufferPool | None = None             # range-sized buffers where the arrays live (rounds, updates)
-        self.landing_pool: BufferPool | None = None     # ... in host memory, for network payloads (host shard: same)
-        self.closing = False       # set by close(): waits end, new calls are refused
-        self.restoring = False     # set while a checkpoint is loaded: calls are refused as UNAVAILABLE
-        self.listeners: list = []   # callables(event: str, **fields) for metrics exporters
+        self.pool: BufferPool | None = None  # range-sized buffers where the arrays live (rounds, updates)
+        self.landing_pool: BufferPool | None = None  # ... in host memory, for network payloads (host shard: same)
+        self.closing = False  # set by close(): waits end, new calls are refused
+        self.restoring = False  # set while a checkpoint is loaded: calls are refused as UNAVAILABLE
+        self.listeners: list = []  # callables(event: str, **fields) for metrics exporters
         # Its parts, each with the state of its own concept (see the module's text).
         self.claims = Claims()
         self.members = Members(self, config.lease_s)
@@ -122,7 +122,7 @@ class Shard:
         """
         shared = self.shares_memory and self.config.shared_memory and shared_memory.can_share_read_only()
         keep = updater.keep_versions
-        if self.arrays.on_gpu:       # readers on this host map the buffers through CUDA IPC; only the marks are shared
+        if self.arrays.on_gpu:  # readers on this host map the buffers through CUDA IPC; only the marks are shared
             self.shares_memory = False
             ring = WeightRing(len(values), shared=shared, keep_versions=keep, device=self.arrays)
             master = updater.hold(values)
@@ -136,8 +136,11 @@ class Shard:
         except OSError as exc:
             if not shared:
                 raise
-            log.warning("shard %d keeps its weights in private memory, %s; workers on this host use the network "
-                        "plane", self.config.shard_index, shared_memory.refused(exc, values.nbytes))
+            log.warning(
+                "shard %d keeps its weights in private memory, %s; workers on this host use the network plane",
+                self.config.shard_index,
+                shared_memory.refused(exc, values.nbytes),
+            )
             self.shares_memory = False
             ring = WeightRing(len(values), shared=False, keep_versions=keep)
         np.copyto(ring.weights, values, casting="same_kind")
@@ -149,8 +152,15 @@ class Shard:
             self.ring.close()
         self.ring = ring
 
-    def take_on(self, spec: ModelSpec, begin: int, end: int, values: np.ndarray, version: int,
-                 optimizer_state: dict | None = None) -> None:
+    def take_on(
+        self,
+        spec: ModelSpec,
+        begin: int,
+        end: int,
+        values: np.ndarray,
+        version: int,
+        optimizer_state: dict | None = None,
+    ) -> None:
         """Serve the range ``[begin, end)`` of ``spec`` from ``values`` at ``version`` (an Init, or a restore).
 
         Everything is built and checked before anything is published: the updater (its optimizer with
@@ -159,8 +169,14 @@ class Shard:
         as it was: a refused Init leaves no half-built shard (weights and no optimizer), and the next Init
         is taken afresh.
         """
-        updater = make_updater(self.config, self.arrays, end - begin, stale=not self.policy.accumulates,
-                               parts=self.parts, live_workers=lambda: len(self.policy.clocks))
+        updater = make_updater(
+            self.config,
+            self.arrays,
+            end - begin,
+            stale=not self.policy.accumulates,
+            parts=self.parts,
+            live_workers=lambda: len(self.policy.clocks),
+        )
         if optimizer_state is not None:
             with self.arrays.use():
                 updater.optimizer.load_state_dict(optimizer_state)
@@ -202,8 +218,9 @@ class Shard:
 
     def require_live(self, worker: int) -> None:
         if not self.policy.is_live(worker):
-            raise UnknownWorker(f"worker {worker} is unknown or was evicted from shard "
-                                f"{self.config.shard_index}; register again")
+            raise UnknownWorker(
+                f"worker {worker} is unknown or was evicted from shard {self.config.shard_index}; register again"
+            )
 
     def reject(self) -> None:
         with self.cond:
@@ -256,8 +273,13 @@ class Shard:
             return self.layout_fields()
 
     def layout_fields(self) -> dict:
-        return {"version": self.version, "begin": self.begin, "end": self.end, "initialized": self.initialized,
-                "total_size": self.spec.size if self.spec is not None else 0}
+        return {
+            "version": self.version,
+            "begin": self.begin,
+            "end": self.end,
+            "initialized": self.initialized,
+            "total_size": self.spec.size if self.spec is not None else 0,
+        }
 
     # ----- the calls service.py makes, each handed to its part --------------------------------
 
@@ -303,8 +325,17 @@ class Shard:
     def check_pusher(self, worker: int) -> None:
         self.pushes.check_pusher(worker)
 
-    def push(self, worker: int, clock: int, version_used: int, grad: np.ndarray,
-             nbytes: int, *, borrowed: bool = False, checked: bool = False) -> tuple[PushResult, bool]:
+    def push(
+        self,
+        worker: int,
+        clock: int,
+        version_used: int,
+        grad: np.ndarray,
+        nbytes: int,
+        *,
+        borrowed: bool = False,
+        checked: bool = False,
+    ) -> tuple[PushResult, bool]:
         return self.pushes.push(worker, clock, version_used, grad, nbytes, borrowed=borrowed, checked=checked)
 
     def checkpoint(self) -> tuple[str, int]:
@@ -325,25 +356,42 @@ class Shard:
         with self.cond:
             now = self.now()
             c = self.counters
-            members = [{"worker_id": w, "clock": self.policy.clocks.get(w, -1),
-                        "idle_s": now - m.last_seen, "host": m.host}
-                       for w, m in sorted(self.members.leases.members.items())]
+            members = [
+                {"worker_id": w, "clock": self.policy.clocks.get(w, -1), "idle_s": now - m.last_seen, "host": m.host}
+                for w, m in sorted(self.members.leases.members.items())
+            ]
             return {
-                "shard_index": self.config.shard_index, "num_shards": self.config.num_shards,
-                "mode": self.config.mode, "version": self.version, "begin": self.begin, "end": self.end,
-                "members": members, "min_clock": self.policy.slowest_clock(),
-                "max_clock": self.policy.fastest_clock(), "pushes": c.pushes, "pulls": c.pulls,
-                "bytes_in": c.bytes_in, "bytes_out": c.bytes_out, "applied_updates": c.applied_updates,
-                "dropped_late": c.dropped_late, "duplicates": c.duplicates, "evictions": c.evictions,
-                "rejected": c.rejected, "staleness_counts": list(c.staleness_counts),
-                "departed": sorted(self.policy.departed), "lost_updates": c.lost_updates,
-                "restored_version": self.claims.restored_version, "stalled_evictions": c.stalled_evictions,
+                "shard_index": self.config.shard_index,
+                "num_shards": self.config.num_shards,
+                "mode": self.config.mode,
+                "version": self.version,
+                "begin": self.begin,
+                "end": self.end,
+                "members": members,
+                "min_clock": self.policy.slowest_clock(),
+                "max_clock": self.policy.fastest_clock(),
+                "pushes": c.pushes,
+                "pulls": c.pulls,
+                "bytes_in": c.bytes_in,
+                "bytes_out": c.bytes_out,
+                "applied_updates": c.applied_updates,
+                "dropped_late": c.dropped_late,
+                "duplicates": c.duplicates,
+                "evictions": c.evictions,
+                "rejected": c.rejected,
+                "staleness_counts": list(c.staleness_counts),
+                "departed": sorted(self.policy.departed),
+                "lost_updates": c.lost_updates,
+                "restored_version": self.claims.restored_version,
+                "stalled_evictions": c.stalled_evictions,
                 "revoked_reads": self.ring.revoked if self.ring is not None else 0,
                 "mean_staleness": c.staleness_sum / c.staleness_n if c.staleness_n else 0.0,
-                "max_staleness": c.max_staleness, "wait_s_total": c.wait_s_total,
+                "max_staleness": c.max_staleness,
+                "wait_s_total": c.wait_s_total,
                 "uncompensated_updates": c.uncompensated,
                 "momentum": float(getattr(self.optimizer, "momentum", 0.0)),
-                "checkpoint": self.checkpoints.last, "initialized": self.initialized,
+                "checkpoint": self.checkpoints.last,
+                "initialized": self.initialized,
                 "total_size": self.spec.size if self.spec else 0,
                 "job_tag": job_tag(self.config.job_id),
                 "waits": [{"worker_id": w, "seconds": s} for w, s in sorted(c.wait_s_by_worker.items())],
@@ -352,4 +400,3 @@ class Shard:
     def checksum(self) -> float:
         with self.cond:
             return math.fsum(self.arrays.download(self.weights).astype(np.float64)) if self.initialized else 0.0
-

@@ -28,23 +28,29 @@ class Checkpoints:
     def __init__(self, shard):
         self.shard = shard
         config = shard.config
-        self.directory = (str(checkpoint_files.shard_dir(config.checkpoint_dir, config.shard_index, config.num_shards))
-                          if config.checkpoint_dir else "")
+        self.directory = (
+            str(checkpoint_files.shard_dir(config.checkpoint_dir, config.shard_index, config.num_shards))
+            if config.checkpoint_dir
+            else ""
+        )
         # State is copied under the lock (capture) and written outside it by the thread whose update
         # made one due, before that update is answered (flush).
         self.pending: tuple[dict, dict] | None = None
         self.write_lock = threading.Lock()
         self.written_version = -1
-        self.last = ""                   # the path of the last one written (or restored)
+        self.last = ""  # the path of the last one written (or restored)
         self.updates_since = 0
         self.last_time = shard.now()
 
     def _due(self) -> bool:
         shard = self.shard
         every, every_s = shard.config.checkpoint_every, shard.config.checkpoint_every_s
-        return bool(shard.config.checkpoint_dir and shard.initialized and self.updates_since and (
-            (every and self.updates_since >= every)
-            or (every_s and shard.now() - self.last_time >= every_s)))
+        return bool(
+            shard.config.checkpoint_dir
+            and shard.initialized
+            and self.updates_since
+            and ((every and self.updates_since >= every) or (every_s and shard.now() - self.last_time >= every_s))
+        )
 
     def updated(self) -> None:
         """A new version is published (call under ``cond``): capture a checkpoint if one is due now."""
@@ -53,7 +59,7 @@ class Checkpoints:
             self.pending = self.capture()
 
     def if_due(self) -> None:
-        with self.shard.apply_lock, self.shard.cond:      # never while an async update changes the optimizer's state
+        with self.shard.apply_lock, self.shard.cond:  # never while an async update changes the optimizer's state
             if self._due():
                 self.pending = self.capture()
         self.flush()
@@ -75,10 +81,12 @@ class Checkpoints:
         """Write a checkpoint of this moment and return its path once it is on disk."""
         shard = self.shard
         with shard.apply_lock, shard.cond:
-            shard.require_initialized()       # also while stopping: that is when the final one is written
+            shard.require_initialized()  # also while stopping: that is when the final one is written
             if not shard.config.checkpoint_dir:
-                raise CheckpointFailed("this shard was started without a checkpoint directory "
-                                       "(psctl server --checkpoint-dir)", Reason.NO_CHECKPOINT_DIR)
+                raise CheckpointFailed(
+                    "this shard was started without a checkpoint directory (psctl server --checkpoint-dir)",
+                    Reason.NO_CHECKPOINT_DIR,
+                )
             arrays, meta = self.capture()
         try:
             return self._write(arrays, meta), meta["version"]
@@ -106,8 +114,8 @@ class Checkpoints:
     def capture(self) -> tuple[dict, dict]:
         """Copies of everything a checkpoint holds, taken atomically (call under the lock)."""
         shard = self.shard
-        arrays = {"weights": shard.arrays.download(shard.weights)}     # a copy (from the GPU on a device shard)
-        for key, value in shard.optimizer.state_dict().items():     # state_dict returns copies
+        arrays = {"weights": shard.arrays.download(shard.weights)}  # a copy (from the GPU on a device shard)
+        for key, value in shard.optimizer.state_dict().items():  # state_dict returns copies
             arrays[f"opt.{key}"] = np.asarray(value)
         # Gradients held for open sync rounds: their pushers' clocks have moved past them.
         for round_, grads in shard.pushes.round_grads.items():
@@ -115,10 +123,16 @@ class Checkpoints:
                 arrays[f"round.{round_}.{worker}"] = shard.arrays.download(grad)
         leases, policy = shard.members.leases, shard.policy
         meta = {
-            "version": shard.version, "spec": shard.spec.to_json(), "begin": shard.begin, "end": shard.end,
-            "shard_index": shard.config.shard_index, "num_shards": shard.config.num_shards,
-            "mode": shard.config.mode, "clocks": {str(w): c for w, c in policy.clocks.items()},
-            "closed_rounds": policy.closed_rounds, "next_id": leases.next_id,
+            "version": shard.version,
+            "spec": shard.spec.to_json(),
+            "begin": shard.begin,
+            "end": shard.end,
+            "shard_index": shard.config.shard_index,
+            "num_shards": shard.config.num_shards,
+            "mode": shard.config.mode,
+            "clocks": {str(w): c for w, c in policy.clocks.items()},
+            "closed_rounds": policy.closed_rounds,
+            "next_id": leases.next_id,
             "hosts": {str(w): m.host for w, m in leases.members.items()},
             "departed": {str(w): c for w, c in policy.departed.items()},
             # A restarted process starts its counters afresh: the job's losses so far go on with it.
@@ -143,7 +157,7 @@ class Checkpoints:
                 self.shard.cond.notify_all()
 
     def _restore(self) -> bool:
-        found = checkpoint_files.load_latest(self.directory)   # read outside the lock: calls meanwhile are refused
+        found = checkpoint_files.load_latest(self.directory)  # read outside the lock: calls meanwhile are refused
         if found is None:
             return False
         shard = self.shard
@@ -155,7 +169,7 @@ class Checkpoints:
             for key, value in arrays.items():
                 if key.startswith("round."):
                     _, round_, worker = key.split(".")
-                    held = shard.pool.take()       # the round gives it back to the pool when it closes
+                    held = shard.pool.take()  # the round gives it back to the pool when it closes
                     shard.arrays.upload(held, np.ascontiguousarray(value, np.float32))
                     shard.pushes.restore_round(int(round_), int(worker), held)
             policy, leases = shard.policy, shard.members.leases
@@ -172,8 +186,11 @@ class Checkpoints:
             self.last = str(Path(self.directory) / checkpoint_files.MANIFEST)
             self.written_version = shard.version
             clocks = sorted(policy.clocks.values())
-            log.warning("shard %d restored its checkpoint at version %d (%s; worker clocks %s)",
-                        shard.config.shard_index, shard.version,
-                        f"{policy.closed_rounds} rounds closed" if policy.accumulates else shard.config.mode,
-                        f"{clocks[0]}..{clocks[-1]}" if clocks else "none")
+            log.warning(
+                "shard %d restored its checkpoint at version %d (%s; worker clocks %s)",
+                shard.config.shard_index,
+                shard.version,
+                f"{policy.closed_rounds} rounds closed" if policy.accumulates else shard.config.mode,
+                f"{clocks[0]}..{clocks[-1]}" if clocks else "none",
+            )
             return True

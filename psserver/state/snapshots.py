@@ -45,8 +45,10 @@ class Snapshots:
                     raise WaitTimeout("the caller cancelled the pull")
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise WaitTimeout(f"pull at clock {clock} still waiting for slower workers "
-                                      f"(slowest live clock {shard.policy.slowest_clock()})")
+                    raise WaitTimeout(
+                        f"pull at clock {clock} still waiting for slower workers "
+                        f"(slowest live clock {shard.policy.slowest_clock()})"
+                    )
                 shard.cond.wait(timeout=min(remaining, 1.0) if remaining is not None else 1.0)
             waited = time.monotonic() - start
             counters = shard.counters
@@ -70,7 +72,7 @@ class Snapshots:
             shard.require_serving()
             ring = shard.ring
             lendable = ring.lent_buffers() < MAX_LENT_BUFFERS or ring.lent[ring.current]
-            if shard.arrays.on_gpu and not (device and lendable):     # host memory to send from
+            if shard.arrays.on_gpu and not (device and lendable):  # host memory to send from
                 values = shard.arrays.download(ring.weights, shard.landing_pool.take())
             elif lendable:
                 values = ring.arrays[ring.lend()]
@@ -105,8 +107,10 @@ class Snapshots:
         with shard.cond:
             shard.require_serving()
             if not shard.arrays.on_gpu:
-                raise Unavailable(f"shard {shard.config.shard_index} keeps its weights in host memory: use the "
-                                  f"shared-memory or a network plane")
+                raise Unavailable(
+                    f"shard {shard.config.shard_index} keeps its weights in host memory: use the "
+                    f"shared-memory or a network plane"
+                )
             return shard.ring
 
     def take_reader_slot(self) -> int:

@@ -22,7 +22,8 @@ caller. Weights are never changed in place where a reader may see them.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.kernels.compensation import DelayCompensation, effective_momentum
@@ -34,9 +35,9 @@ from psgrid.psserver.state.weight_ring import WeightRing
 class Step(NamedTuple):
     """The buffers of one planned update."""
 
-    source: int               # the ring's buffer the update reads: the current version
-    target: int               # the one it writes the next version into
-    pulled: int | None        # dc: the buffer that still holds the version the gradient came from
+    source: int  # the ring's buffer the update reads: the current version
+    target: int  # the one it writes the next version into
+    pulled: int | None  # dc: the buffer that still holds the version the gradient came from
 
 
 class Updater:
@@ -52,7 +53,7 @@ class Updater:
         ``staleness_compensation = "lr"``: scale each step by 1/max(1, staleness).
     """
 
-    keep_versions = 0         # past versions the ring keeps for the update to read (dc)
+    keep_versions = 0  # past versions the ring keeps for the update to read (dc)
 
     def __init__(self, optimizer, arrays, *, lr_staleness: bool = False):
         self.optimizer = optimizer
@@ -82,7 +83,7 @@ class Updater:
         """
         with self.arrays.use():
             self._step(ring, step, grad, lr_scale, check_finite)
-            self.arrays.finished()      # written before it is published: readers elsewhere copy it at once
+            self.arrays.finished()  # written before it is published: readers elsewhere copy it at once
 
     def _step(self, ring: WeightRing, step: Step, grad, lr_scale: float, check_finite: bool) -> None:
         raise NotImplementedError
@@ -96,8 +97,9 @@ class HostUpdater(Updater):
     """A host shard's plain update: ``optimizer.step`` from the current version into a spare buffer."""
 
     def _step(self, ring: WeightRing, step: Step, grad, lr_scale: float, check_finite: bool) -> None:
-        self.optimizer.step(ring.arrays[step.source], grad, lr_scale, out=ring.arrays[step.target],
-                            check_finite=check_finite)
+        self.optimizer.step(
+            ring.arrays[step.source], grad, lr_scale, out=ring.arrays[step.target], check_finite=check_finite
+        )
 
 
 class _AutoMomentum:
@@ -120,8 +122,16 @@ class _AutoMomentum:
 class CompensatedUpdater(HostUpdater):
     """A host update with a staleness remedy: auto momentum, delay compensation (dc), or both."""
 
-    def __init__(self, optimizer, arrays, *, lr_staleness: bool = False, auto_momentum: _AutoMomentum | None = None,
-                 delay: DelayCompensation | None = None, dc_versions: int = 0):
+    def __init__(
+        self,
+        optimizer,
+        arrays,
+        *,
+        lr_staleness: bool = False,
+        auto_momentum: _AutoMomentum | None = None,
+        delay: DelayCompensation | None = None,
+        dc_versions: int = 0,
+    ):
         super().__init__(optimizer, arrays, lr_staleness=lr_staleness)
         self.auto_momentum = auto_momentum
         self.delay = delay
@@ -129,7 +139,7 @@ class CompensatedUpdater(HostUpdater):
         self.keep_versions = dc_versions if delay is not None else 0
 
     def plan(self, ring: WeightRing, version: int, version_used: int | None = None) -> Step:
-        if self.delay is None:      # auto momentum alone
+        if self.delay is None:  # auto momentum alone
             return Step(ring.current, ring.spare(), None)
         # dc reads the version the gradient came from (if the ring still holds it), and keeps the last few
         pulled = None if version_used is None else ring.find(version_used)
@@ -141,9 +151,15 @@ class CompensatedUpdater(HostUpdater):
         if self.delay is None:
             super()._step(ring, step, grad, lr_scale, check_finite)
             return
-        self.optimizer.step(ring.arrays[step.source], grad, lr_scale, out=ring.arrays[step.target],
-                            check_finite=check_finite, delay=self.delay,
-                            pulled=None if step.pulled is None else ring.arrays[step.pulled])
+        self.optimizer.step(
+            ring.arrays[step.source],
+            grad,
+            lr_scale,
+            out=ring.arrays[step.target],
+            check_finite=check_finite,
+            delay=self.delay,
+            pulled=None if step.pulled is None else ring.arrays[step.pulled],
+        )
 
     def uncompensated(self, step: Step) -> bool:
         return self.delay is not None and step.pulled is None
@@ -176,15 +192,14 @@ class DeviceUpdater(Updater):
         self.optimizer.step(self.master, grad, lr_scale, check_finite=check_finite, publish=ring.arrays[step.target])
 
 
-def make_updater(config, arrays, size: int, *, stale: bool, parts: Chunks,
-                 live_workers: Callable[[], int]) -> Updater:
+def make_updater(config, arrays, size: int, *, stale: bool, parts: Chunks, live_workers: Callable[[], int]) -> Updater:
     """The update of a range of ``size`` elements, built and checked (InvalidArgument) before anything is published.
 
     ``stale``: the mode applies gradients computed from older versions (async, ssp), where the
     staleness remedies act. ``live_workers()`` counts the live workers, for auto momentum.
     """
     hparams = config.optimizer_hparams()
-    check_settings(hparams)      # every setting, used or not, by the bounds the job check holds to
+    check_settings(hparams)  # every setting, used or not, by the bounds the job check holds to
     lr_staleness = config.compensation == "lr"
     auto = None
     if config.async_momentum == "auto" and stale and config.momentum > 0:
@@ -192,18 +207,26 @@ def make_updater(config, arrays, size: int, *, stale: bool, parts: Chunks,
     dc = config.compensation == "dc" and stale
     if arrays.on_gpu:
         if dc:
-            raise InvalidArgument("staleness_compensation = 'dc' runs on host shards only: use shard_device = 'cpu', "
-                                  "or staleness_compensation = 'lr' or 'none'")
+            raise InvalidArgument(
+                "staleness_compensation = 'dc' runs on host shards only: use shard_device = 'cpu', "
+                "or staleness_compensation = 'lr' or 'none'"
+            )
         from psgrid.psserver.kernels.device_optim import make_device_optimizer
 
         with arrays.use():
             optimizer = make_device_optimizer(config.optimizer, size, **hparams)
-            optimizer.warm_up()      # compiled now, not in a worker's first push
+            optimizer.warm_up()  # compiled now, not in a worker's first push
         arrays.warm_up()
         return DeviceUpdater(optimizer, arrays, lr_staleness=lr_staleness, auto_momentum=auto)
     optimizer = make_optimizer(config.optimizer, size, chunks=parts, **hparams)
     if auto is None and not dc:
         return HostUpdater(optimizer, arrays, lr_staleness=lr_staleness)
     delay = DelayCompensation(size, config.dc_lambda0, config.dc_beta) if dc else None
-    return CompensatedUpdater(optimizer, arrays, lr_staleness=lr_staleness, auto_momentum=auto, delay=delay,
-                              dc_versions=config.dc_versions if dc else 0)
+    return CompensatedUpdater(
+        optimizer,
+        arrays,
+        lr_staleness=lr_staleness,
+        auto_momentum=auto,
+        delay=delay,
+        dc_versions=config.dc_versions if dc else 0,
+    )

@@ -43,7 +43,7 @@ import numpy as np
 from psgrid.psserver.protocol import NO_MARK, REVOKED
 from psgrid.psserver.shared_memory import READ_ONLY_TO_OTHERS, SharedArray
 
-MAX_SHARED_READERS = 256     # slots in the table of marks: connections of the shared-memory plane at once
+MAX_SHARED_READERS = 256  # slots in the table of marks: connections of the shared-memory plane at once
 # Buffers at most: the current one, the one an update writes, two lent to in-process senders
 # (snapshots.MAX_LENT_BUFFERS) and four versions for readers in other processes. A reader holds its
 # buffer for one copy, and an update takes as long as a copy or longer (it reads the weights and
@@ -51,8 +51,8 @@ MAX_SHARED_READERS = 256     # slots in the table of marks: connections of the s
 # updates finish during one of its copies; then it copies again. Readers that hold on for ever
 # cost the shard these eight buffers, no more.
 MAX_VERSIONS = 8
-NOT_GIVEN = -3               # what the shard gave a slot that holds nothing (no buffer has this index)
-NO_VERSION = -1              # what a buffer holds while it holds no whole version
+NOT_GIVEN = -3  # what the shard gave a slot that holds nothing (no buffer has this index)
+NO_VERSION = -1  # what a buffer holds while it holds no whole version
 
 
 class WeightRing:
@@ -75,22 +75,22 @@ class WeightRing:
         self.device = device
         # Delay compensation keeps the last few versions (spare_keeping): room for them past the cap.
         self.max_versions = MAX_VERSIONS + max(0, keep_versions)
-        self.holders: list[SharedArray | None] = []     # the shared file behind each buffer, if shared
+        self.holders: list[SharedArray | None] = []  # the shared file behind each buffer, if shared
         self.arrays: list[np.ndarray] = []
-        self.lent: list[int] = []                       # in-process readers of each buffer
-        self.versions: list[int] = []                   # the version each buffer holds (NO_VERSION: none whole)
+        self.lent: list[int] = []  # in-process readers of each buffer
+        self.versions: list[int] = []  # the version each buffer holds (NO_VERSION: none whole)
         self.current = 0
         # readers write their own slots in it: sealed against resizing only
         self._marks_holder = SharedArray(MAX_SHARED_READERS, np.int64, "psgrid-marks") if shared else None
         self.marks = self._marks_holder.array if shared else np.full(MAX_SHARED_READERS, NO_MARK, np.int64)
-        self.shared = shared and device is None        # the buffers themselves
+        self.shared = shared and device is None  # the buffers themselves
         self.marks[:] = NO_MARK
-        self.given = np.full(MAX_SHARED_READERS, NOT_GIVEN, np.int64)   # the buffer the shard handed each slot
+        self.given = np.full(MAX_SHARED_READERS, NOT_GIVEN, np.int64)  # the buffer the shard handed each slot
         self.free_slots = list(range(MAX_SHARED_READERS - 1, -1, -1))
-        self.peak_readers = 0                           # most slots taken at once (tests bound the ring by it)
-        self.published: list[int] = []                  # when each buffer was last made current ...
-        self.publications = 0                           # ... counted in versions published
-        self.revoked = 0                                # reads taken back (their readers read again)
+        self.peak_readers = 0  # most slots taken at once (tests bound the ring by it)
+        self.published: list[int] = []  # when each buffer was last made current ...
+        self.publications = 0  # ... counted in versions published
+        self.revoked = 0  # reads taken back (their readers read again)
         self._grow()
 
     @property
@@ -160,14 +160,14 @@ class WeightRing:
         if len(self.arrays) < self.max_versions:
             return self._taken(self._grow())
         unheld = [i for i in free if i not in held]
-        if unheld:               # only versions kept for compensation: the oldest gives way
+        if unheld:  # only versions kept for compensation: the oldest gives way
             return self._taken(min(unheld, key=self.published.__getitem__))
-        if not free:             # only in-process lending past its cap (snapshots.MAX_LENT_BUFFERS) could do this
+        if not free:  # only in-process lending past its cap (snapshots.MAX_LENT_BUFFERS) could do this
             return self._taken(self._grow())
         return self._taken(self._revoke(min(free, key=self.published.__getitem__)))
 
     def _taken(self, index: int) -> int:
-        self.versions[index] = NO_VERSION      # about to be overwritten (or half-written, if refused)
+        self.versions[index] = NO_VERSION  # about to be overwritten (or half-written, if refused)
         return index
 
     def _held(self) -> set[int]:
@@ -181,7 +181,7 @@ class WeightRing:
         """Take buffer ``index`` back from the slots that hold it: they read REVOKED before it is written."""
         slots = np.flatnonzero(self.given == index)
         self.revoked += int(np.count_nonzero(self.marks[slots] == index))
-        self.marks[slots] = REVOKED      # also where the slot says something else now: its reader reads again
+        self.marks[slots] = REVOKED  # also where the slot says something else now: its reader reads again
         self.given[slots] = NOT_GIVEN
         return index
 

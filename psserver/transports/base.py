@@ -18,14 +18,23 @@ import importlib
 import os
 import ssl
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from psgrid.psserver.exceptions import InvalidArgument
-from psgrid.psserver.protocol import (CONTROL_PLANE, DEFAULT_CHUNK_BYTES, LOCAL_PLANES, PLANES, HeartbeatInfo, PushResult,
-                                      Reason, Registration)
+from psgrid.psserver.protocol import (
+    CONTROL_PLANE,
+    DEFAULT_CHUNK_BYTES,
+    LOCAL_PLANES,
+    PLANES,
+    HeartbeatInfo,
+    PushResult,
+    Reason,
+    Registration,
+)
 from psgrid.psserver.security import check_token
 from psgrid.psserver.spec import ModelSpec
 
@@ -40,9 +49,9 @@ class ConnectOptions:
     tls_key: str | None = None
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     deadline_s: float = 60.0
-    shared_memory: bool = True     # use a shard's shared memory when it is on this host
-    gpu: int | None = None         # the GPU the caller's arrays are on (a device shard's CUDA IPC plane); None: host
-    memory: Any = field(default=None, compare=False)    # the client's ClientMemory (None: an observer's)
+    shared_memory: bool = True  # use a shard's shared memory when it is on this host
+    gpu: int | None = None  # the GPU the caller's arrays are on (a device shard's CUDA IPC plane); None: host
+    memory: Any = field(default=None, compare=False)  # the client's ClientMemory (None: an observer's)
 
     def __post_init__(self):
         for name in ("tls_ca", "tls_cert", "tls_key"):
@@ -64,8 +73,9 @@ class Control(ABC):
     address: str
 
     @abstractmethod
-    def register(self, *, spec_hash: str, worker_id: int, start_clock: int, host: str,
-                 observer: bool = False) -> Registration: ...
+    def register(
+        self, *, spec_hash: str, worker_id: int, start_clock: int, host: str, observer: bool = False
+    ) -> Registration: ...
 
     @abstractmethod
     def init(self, spec: ModelSpec, values: np.ndarray, begin: int) -> tuple[bool, int]:
@@ -91,18 +101,27 @@ class DataPlane(ABC):
     """How the payloads of Pull and Push move to and from one shard."""
 
     name: str
-    title = "data plane"        # how messages name it ("shared-memory plane")
-    reads_in_place = False      # a pull can hand over the shard's own memory (no copy of ours first)
-    takes_device_arrays = False   # push takes a CuPy array, and pull_with may hand one to its writer
-    posts = False               # has post_pull and post_push: calls in steps on the caller's thread (shm_posted.py)
+    title = "data plane"  # how messages name it ("shared-memory plane")
+    reads_in_place = False  # a pull can hand over the shard's own memory (no copy of ours first)
+    takes_device_arrays = False  # push takes a CuPy array, and pull_with may hand one to its writer
+    posts = False  # has post_pull and post_push: calls in steps on the caller's thread (shm_posted.py)
 
     @abstractmethod
     def pull_into(self, out: np.ndarray, *, begin: int, worker_id: int, clock: int, timeout_s: float) -> int:
         """Fill ``out`` (this shard's range, from element ``begin``, float32) once the consistency rule
         allows; returns the version."""
 
-    def pull_with(self, write: Callable[[int, int, np.ndarray], object], *, begin: int, end: int,
-                  staging: Callable[[], np.ndarray], worker_id: int, clock: int, timeout_s: float) -> int:
+    def pull_with(
+        self,
+        write: Callable[[int, int, np.ndarray], object],
+        *,
+        begin: int,
+        end: int,
+        staging: Callable[[], np.ndarray],
+        worker_id: int,
+        clock: int,
+        timeout_s: float,
+    ) -> int:
         """Hand this shard's weights to ``write(begin, end, values)`` once the consistency rule allows.
 
         ``values`` are valid during the call only. A plane that reads in place hands over the
@@ -115,8 +134,17 @@ class DataPlane(ABC):
         return version
 
     @abstractmethod
-    def push(self, grad: np.ndarray, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int,
-             timeout_s: float) -> PushResult:
+    def push(
+        self,
+        grad: np.ndarray,
+        *,
+        begin: int,
+        wire_dtype: int,
+        worker_id: int,
+        clock: int,
+        version: int,
+        timeout_s: float,
+    ) -> PushResult:
         """Send ``grad`` (this shard's range, from element ``begin``, float32) as ``wire_dtype``."""
 
     @abstractmethod
@@ -125,21 +153,22 @@ class DataPlane(ABC):
 
 # ----- the registries ------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class ListenContext:
     """What a shard's server hands every listener besides its service and configuration."""
 
-    ssl_context: ssl.SSLContext | None = None     # the shard's TLS (None: plain)
+    ssl_context: ssl.SSLContext | None = None  # the shard's TLS (None: plain)
     on_failure: Callable[[], None] | None = None  # a listener that died calls it (the shard turns NOT_SERVING)
-    in_process_clients: bool = False              # serve clients of the shard's own process by calls (local plane)
+    in_process_clients: bool = False  # serve clients of the shard's own process by calls (local plane)
 
 
 @dataclass(frozen=True)
 class Listening:
     """A plane's server end, built: the listener the shard starts and stops, and what registration offers."""
 
-    listener: Any                          # start() and stop(); RunningServer.<plane name> in tests and tools
-    address: Callable[[], str | None]      # where clients reach it now, in the plane's own form; None: not offered
+    listener: Any  # start() and stop(); RunningServer.<plane name> in tests and tools
+    address: Callable[[], str | None]  # where clients reach it now, in the plane's own form; None: not offered
 
 
 # The client end builds the data plane from the address the shard offers, or returns None when it cannot
@@ -206,8 +235,9 @@ def listener_factories() -> dict[str, ListenerFactory]:
     return {name: _SERVER_ENDS[name] for name in plane_names() if name in _SERVER_ENDS}
 
 
-def open_data_plane(preference: str, control: Control, registration: Registration,
-                    options: ConnectOptions) -> DataPlane:
+def open_data_plane(
+    preference: str, control: Control, registration: Registration, options: ConnectOptions
+) -> DataPlane:
     """The first plane the shard offers and this client knows, in the client's order of preference.
 
     That order is: a local plane (shared memory) when the shard offers it on this host, else the

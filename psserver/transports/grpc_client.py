@@ -12,16 +12,26 @@ import dataclasses
 import grpc
 import numpy as np
 
-from psgrid.psserver.transports import grpc_codec as framing
-
 from psgrid.psserver import dtypes as wire
 from psgrid.psserver.exceptions import BadReply, PSError, Unavailable, error_from_wire
-from psgrid.psserver.protocol import (CONTROL_PLANE, FLOAT32, GRPC_OPTIONS, REASON_KEY, SERVICE, HeartbeatInfo,
-                                      Outcome, PushResult, Reason, Registration, Status)
+from psgrid.psserver.protocol import (
+    CONTROL_PLANE,
+    FLOAT32,
+    GRPC_OPTIONS,
+    REASON_KEY,
+    SERVICE,
+    HeartbeatInfo,
+    Outcome,
+    PushResult,
+    Reason,
+    Registration,
+    Status,
+)
 from psgrid.psserver.rpc import ps_pb2
 from psgrid.psserver.security import bearer, read_pem
 from psgrid.psserver.sharding import chunk_ranges
 from psgrid.psserver.spec import ModelSpec
+from psgrid.psserver.transports import grpc_codec as framing
 from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, register_data_plane
 
 _UNARY = {  # method: its reply message
@@ -37,7 +47,7 @@ _UNARY = {  # method: its reply message
 def domain_error(err: grpc.RpcError, address: str) -> PSError:
     """The domain exception a failed call stands for, with the shard's reason."""
     reason = Reason.NONE
-    for key, value in (err.trailing_metadata() or ()):
+    for key, value in err.trailing_metadata() or ():
         if key == REASON_KEY:
             reason = Reason.from_wire_name(value)
     status = err.code().value[0]
@@ -57,21 +67,30 @@ class GrpcControl(Control):
         self.options = options
         self.metadata = (("authorization", bearer(options.token)),) if options.token else None
         if options.tls:
-            creds = grpc.ssl_channel_credentials(read_pem(options.tls_ca), read_pem(options.tls_key),
-                                                 read_pem(options.tls_cert))
+            creds = grpc.ssl_channel_credentials(
+                read_pem(options.tls_ca), read_pem(options.tls_key), read_pem(options.tls_cert)
+            )
             self.channel = grpc.secure_channel(address, creds, options=list(GRPC_OPTIONS))
         else:
             self.channel = grpc.insecure_channel(address, options=list(GRPC_OPTIONS))
-        self.unary = {name: self.channel.unary_unary(f"/{SERVICE}/{name}", request_serializer=_serialize,
-                                                     response_deserializer=reply.FromString)
-                      for name, reply in _UNARY.items()}
-        self.init_call = self.channel.stream_unary(f"/{SERVICE}/Init", request_serializer=_serialize,
-                                                   response_deserializer=ps_pb2.InitReply.FromString)
-        self.pull_call = self.channel.unary_stream(f"/{SERVICE}/Pull", request_serializer=_serialize,
-                                                   response_deserializer=framing.decode_pull_reply)
-        self.push_call = self.channel.stream_unary(f"/{SERVICE}/Push", request_serializer=framing.encode_push_request,
-                                                   response_deserializer=ps_pb2.PushReply.FromString)
-        self.chunk_bytes = options.chunk_bytes    # what Init and Push send: never more than the shard takes
+        self.unary = {
+            name: self.channel.unary_unary(
+                f"/{SERVICE}/{name}", request_serializer=_serialize, response_deserializer=reply.FromString
+            )
+            for name, reply in _UNARY.items()
+        }
+        self.init_call = self.channel.stream_unary(
+            f"/{SERVICE}/Init", request_serializer=_serialize, response_deserializer=ps_pb2.InitReply.FromString
+        )
+        self.pull_call = self.channel.unary_stream(
+            f"/{SERVICE}/Pull", request_serializer=_serialize, response_deserializer=framing.decode_pull_reply
+        )
+        self.push_call = self.channel.stream_unary(
+            f"/{SERVICE}/Push",
+            request_serializer=framing.encode_push_request,
+            response_deserializer=ps_pb2.PushReply.FromString,
+        )
+        self.chunk_bytes = options.chunk_bytes  # what Init and Push send: never more than the shard takes
 
     def call(self, method: str, request, timeout_s: float | None = None):
         try:
@@ -79,18 +98,24 @@ class GrpcControl(Control):
         except grpc.RpcError as err:
             raise domain_error(err, self.address) from None
 
-    def register(self, *, spec_hash: str, worker_id: int, start_clock: int, host: str,
-                 observer: bool = False) -> Registration:
-        reply = self.call("Register", ps_pb2.RegisterRequest(spec_hash=spec_hash, worker_id=worker_id,
-                                                              start_clock=start_clock, host=host, observer=observer))
-        if reply.max_chunk_bytes:      # 0: a shard that does not say
+    def register(
+        self, *, spec_hash: str, worker_id: int, start_clock: int, host: str, observer: bool = False
+    ) -> Registration:
+        reply = self.call(
+            "Register",
+            ps_pb2.RegisterRequest(
+                spec_hash=spec_hash, worker_id=worker_id, start_clock=start_clock, host=host, observer=observer
+            ),
+        )
+        if reply.max_chunk_bytes:  # 0: a shard that does not say
             self.chunk_bytes = min(self.options.chunk_bytes, reply.max_chunk_bytes)
         return registration_from_reply(reply)
 
     def init(self, spec: ModelSpec, values: np.ndarray, begin: int) -> tuple[bool, int]:
         spec_msg = ps_pb2.ModelSpecMsg(
             params=[ps_pb2.ParamInfo(name=p.name, shape=list(p.shape), dtype=p.dtype) for p in spec.params],
-            hash=spec.hash())
+            hash=spec.hash(),
+        )
         pieces = chunk_ranges(0, len(values), self.chunk_bytes // 4)
 
         def messages():
@@ -109,8 +134,7 @@ class GrpcControl(Control):
 
     def heartbeat(self, worker_id: int, *, leaving: bool = False, timeout_s: float | None = None) -> HeartbeatInfo:
         reply = self.call("Heartbeat", ps_pb2.HeartbeatRequest(worker_id=worker_id, leaving=leaving), timeout_s)
-        return HeartbeatInfo(known=reply.known, lease_s=reply.lease_s, min_clock=reply.min_clock,
-                             version=reply.version)
+        return HeartbeatInfo(known=reply.known, lease_s=reply.lease_s, min_clock=reply.min_clock, version=reply.version)
 
     def stats(self) -> dict:
         reply = self.call("Stats", ps_pb2.StatsRequest())
@@ -146,8 +170,11 @@ def registration_from_reply(reply: ps_pb2.RegisterReply) -> Registration:
     fields = {f.name: getattr(reply, f.name) for f in dataclasses.fields(Registration) if f.name != "planes"}
     planes = tuple((offer.name, offer.address) for offer in reply.planes)
     if not planes:
-        planes = ((CONTROL_PLANE, ""),) + ((("tcp", str(reply.tcp_port)),) if reply.tcp_port else ()) + (
-            (("shm", reply.shm_socket),) if reply.shm_socket else ())
+        planes = (
+            ((CONTROL_PLANE, ""),)
+            + ((("tcp", str(reply.tcp_port)),) if reply.tcp_port else ())
+            + ((("shm", reply.shm_socket),) if reply.shm_socket else ())
+        )
     return Registration(planes=planes, **fields)
 
 
@@ -163,7 +190,7 @@ def _as_dict(message) -> dict:
         if field.message_type is not None:
             value = [_as_dict(m) for m in value] if hasattr(value, "__len__") else _as_dict(value)
         elif not isinstance(value, (int, float, str, bool, bytes)):
-            value = list(value)            # a repeated scalar
+            value = list(value)  # a repeated scalar
         out[field.name] = value
     return out
 
@@ -187,11 +214,15 @@ class GrpcDataPlane(DataPlane):
                 n = len(chunk.data) // 4
                 if version is None:
                     version = frame.version
-                if (chunk.offset != begin + covered or covered + n > size or chunk.dtype != FLOAT32
-                        or len(chunk.data) % 4):
+                if (
+                    chunk.offset != begin + covered
+                    or covered + n > size
+                    or chunk.dtype != FLOAT32
+                    or len(chunk.data) % 4
+                ):
                     call.cancel()
                     raise BadReply(f"shard at {c.address} sent a chunk at {chunk.offset} that breaks its range")
-                out[covered:covered + n] = np.frombuffer(chunk.data, dtype="<f4")
+                out[covered : covered + n] = np.frombuffer(chunk.data, dtype="<f4")
                 covered += n
         except grpc.RpcError as err:
             raise domain_error(err, c.address) from None
@@ -199,19 +230,32 @@ class GrpcDataPlane(DataPlane):
             raise Unavailable(f"shard at {c.address}: pull stream ended early ({covered} of {size})")
         return version
 
-    def push(self, grad: np.ndarray, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int,
-             timeout_s: float) -> PushResult:
+    def push(
+        self,
+        grad: np.ndarray,
+        *,
+        begin: int,
+        wire_dtype: int,
+        worker_id: int,
+        clock: int,
+        version: int,
+        timeout_s: float,
+    ) -> PushResult:
         c = self.control
         pieces = chunk_ranges(0, len(grad), c.chunk_bytes // wire.ITEMSIZE[wire_dtype])
 
         def frames():
             for i, (a, b) in enumerate(pieces):
-                data = (memoryview(grad[a:b]).cast("B") if wire_dtype == FLOAT32      # no copy: the codec joins it
-                        else wire.encode(grad[a:b], wire_dtype))
+                data = (
+                    memoryview(grad[a:b]).cast("B")
+                    if wire_dtype == FLOAT32  # no copy: the codec joins it
+                    else wire.encode(grad[a:b], wire_dtype)
+                )
                 chunk = framing.ChunkView(offset=begin + a, dtype=wire_dtype, data=data)
                 if i == 0:
-                    yield framing.PushFrame(worker_id=worker_id, clock=clock, version=version,
-                                            num_chunks=len(pieces), chunk=chunk)
+                    yield framing.PushFrame(
+                        worker_id=worker_id, clock=clock, version=version, num_chunks=len(pieces), chunk=chunk
+                    )
                 else:
                     yield framing.PushFrame(chunk=chunk)
 
@@ -222,7 +266,7 @@ class GrpcDataPlane(DataPlane):
         return PushResult(Outcome(reply.outcome), reply.version, reply.staleness, reply.next_clock)
 
     def close(self) -> None:
-        pass            # the channel is the control's
+        pass  # the channel is the control's
 
 
 register_data_plane("grpc", lambda control, address, options: GrpcDataPlane(control))

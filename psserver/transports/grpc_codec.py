@@ -20,7 +20,7 @@ _MASK64 = (1 << 64) - 1
 
 
 def _varint(value: int) -> bytes:
-    value &= _MASK64          # int64 negatives travel as ten-byte two's complement, as protobuf does
+    value &= _MASK64  # int64 negatives travel as ten-byte two's complement, as protobuf does
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -42,7 +42,7 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         pos += 1
         result |= (byte & 0x7F) << shift
         if not byte & 0x80:
-            return result & _MASK64, pos     # bits past 64 are dropped, as protobuf drops them
+            return result & _MASK64, pos  # bits past 64 are dropped, as protobuf drops them
         shift += 7
 
 
@@ -58,12 +58,12 @@ def _fields(buf: memoryview):
             length, pos = _read_varint(buf, pos)
             if pos + length > len(buf):
                 raise InvalidArgument("malformed message: field runs past the end", Reason.MALFORMED)
-            value, pos = buf[pos:pos + length], pos + length
+            value, pos = buf[pos : pos + length], pos + length
         elif wire_type in (_I64, _I32):
             width = 8 if wire_type == _I64 else 4
             if pos + width > len(buf):
                 raise InvalidArgument("malformed message: fixed-width field runs past the end", Reason.MALFORMED)
-            value, pos = buf[pos:pos + width], pos + width
+            value, pos = buf[pos : pos + width], pos + width
         else:
             raise InvalidArgument(f"malformed message: wire type {wire_type}", Reason.MALFORMED)
         yield field, wire_type, value
@@ -74,11 +74,11 @@ def _signed(value: int) -> int:
 
 
 def _uint32(value: int) -> int:
-    return value & 0xFFFFFFFF             # protobuf keeps the low 32 bits of a uint32 varint
+    return value & 0xFFFFFFFF  # protobuf keeps the low 32 bits of a uint32 varint
 
 
 def _int32(value: int) -> int:
-    value &= 0xFFFFFFFF                   # enums are int32 on the wire
+    value &= 0xFFFFFFFF  # enums are int32 on the wire
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
@@ -123,6 +123,7 @@ def _parse_chunk(buf: memoryview, chunk: ChunkView) -> ChunkView:
 
 # ----- PullReply ----------------------------------------------------------------------------------
 
+
 @dataclass
 class PullFrame:
     """A PullReply to send or as received: header fields and one chunk."""
@@ -156,6 +157,7 @@ def decode_pull_reply(data: bytes) -> PullFrame:
 
 
 # ----- PushRequest --------------------------------------------------------------------------------
+
 
 @dataclass
 class PushFrame:

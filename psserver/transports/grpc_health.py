@@ -24,7 +24,7 @@ from psgrid.psserver.protocol import REASON_KEY, Reason
 
 log = logging.getLogger("psgrid.health")
 
-LOG_EVERY_S = 60.0       # at most one line this often about refused health checks
+LOG_EVERY_S = 60.0  # at most one line this often about refused health checks
 
 
 class RefusalLog:
@@ -43,8 +43,9 @@ class RefusalLog:
             if now < self.next_at:
                 return
             count, self.count, self.next_at = self.count, 0, now + self.every_s
-        log.warning("refused %d %s (the last: %s); next report in %gs at the earliest", count, self.what, reason,
-                    self.every_s)
+        log.warning(
+            "refused %d %s (the last: %s); next report in %gs at the earliest", count, self.what, reason, self.every_s
+        )
 
 
 def health_handlers(servicer: health.HealthServicer, refusals: RefusalLog | None = None) -> grpc.GenericRpcHandler:
@@ -68,7 +69,10 @@ def health_handlers(servicer: health.HealthServicer, refusals: RefusalLog | None
 
     watch.experimental_non_blocking = True
     serialize = health_pb2.HealthCheckResponse.SerializeToString
-    return grpc.method_handlers_generic_handler(health.SERVICE_NAME, {
-        "Check": grpc.unary_unary_rpc_method_handler(check, response_serializer=serialize),
-        "Watch": grpc.unary_stream_rpc_method_handler(watch, response_serializer=serialize),
-    })
+    return grpc.method_handlers_generic_handler(
+        health.SERVICE_NAME,
+        {
+            "Check": grpc.unary_unary_rpc_method_handler(check, response_serializer=serialize),
+            "Watch": grpc.unary_stream_rpc_method_handler(watch, response_serializer=serialize),
+        },
+    )

@@ -18,15 +18,24 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2
 
-from psgrid.psserver.transports import grpc_codec as framing
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import InvalidArgument, Unauthenticated
-from psgrid.psserver.protocol import (FLOAT32, GRPC_SERVER_OPTIONS, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, REASON_KEY,
-                                      SERVICE, Reason, Refusal, Registration)
+from psgrid.psserver.protocol import (
+    FLOAT32,
+    GRPC_SERVER_OPTIONS,
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    REASON_KEY,
+    SERVICE,
+    Reason,
+    Refusal,
+    Registration,
+)
 from psgrid.psserver.rpc import ps_pb2
 from psgrid.psserver.security import bearer, read_pem, token_matches
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.sharding import chunk_ranges
+from psgrid.psserver.transports import grpc_codec as framing
 from psgrid.psserver.transports.grpc_health import health_handlers
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
@@ -64,13 +73,16 @@ class GrpcAdapter:
     def _check_chunk(self, data) -> None:
         """A chunk of Init or Push is at most ``chunk_bytes`` (RegisterReply.max_chunk_bytes)."""
         if len(data) > self.chunk_bytes:
-            raise InvalidArgument(f"a chunk of {len(data)} bytes is more than this shard takes "
-                                  f"(max_chunk_bytes {self.chunk_bytes})", Reason.CHUNK_TOO_LARGE)
+            raise InvalidArgument(
+                f"a chunk of {len(data)} bytes is more than this shard takes (max_chunk_bytes {self.chunk_bytes})",
+                Reason.CHUNK_TOO_LARGE,
+            )
 
     def Register(self, raw, context):
         r = _decode(ps_pb2.RegisterRequest, raw)
-        joined = self.service.register(spec_hash=r.spec_hash, worker_id=r.worker_id, start_clock=r.start_clock,
-                                       host=r.host, observer=r.observer)
+        joined = self.service.register(
+            spec_hash=r.spec_hash, worker_id=r.worker_id, start_clock=r.start_clock, host=r.host, observer=r.observer
+        )
         return register_reply(joined)
 
     def Init(self, raw_stream, context):
@@ -90,14 +102,19 @@ class GrpcAdapter:
     def Pull(self, raw, context):
         r = _decode(ps_pb2.PullRequest, raw)
         chunk_elems = min(max(r.chunk_bytes or self.chunk_bytes, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES) // 4
-        with self.service.pull(worker_id=r.worker_id, clock=r.clock, timeout_s=context.time_remaining(),
-                               cancelled=lambda: not context.is_active()) as snap:
+        with self.service.pull(
+            worker_id=r.worker_id,
+            clock=r.clock,
+            timeout_s=context.time_remaining(),
+            cancelled=lambda: not context.is_active(),
+        ) as snap:
             payload = snap.payload()
             pieces = chunk_ranges(0, len(snap.values), chunk_elems)
             for i, (a, b) in enumerate(pieces):
-                chunk = framing.ChunkView(offset=snap.begin + a, dtype=FLOAT32, data=payload[4 * a:4 * b])
-                yield framing.PullFrame(version=snap.version if i == 0 else 0,
-                                        num_chunks=len(pieces) if i == 0 else 0, chunk=chunk)
+                chunk = framing.ChunkView(offset=snap.begin + a, dtype=FLOAT32, data=payload[4 * a : 4 * b])
+                yield framing.PullFrame(
+                    version=snap.version if i == 0 else 0, num_chunks=len(pieces) if i == 0 else 0, chunk=chunk
+                )
 
     def Push(self, raw_stream, context):
         frames = (framing.decode_push_request(raw) for raw in raw_stream)
@@ -110,13 +127,18 @@ class GrpcAdapter:
                     self._check_chunk(frame.chunk.data)
                     intake.add_chunk(frame.chunk.offset, frame.chunk.dtype, frame.chunk.data)
             result = intake.commit(first.num_chunks)
-        return ps_pb2.PushReply(outcome=int(result.outcome), version=result.version, staleness=result.staleness,
-                                next_clock=result.next_clock)
+        return ps_pb2.PushReply(
+            outcome=int(result.outcome),
+            version=result.version,
+            staleness=result.staleness,
+            next_clock=result.next_clock,
+        )
 
     def Heartbeat(self, raw, context):
         r = _decode(ps_pb2.HeartbeatRequest, raw)
-        return ps_pb2.HeartbeatReply(**dataclasses.asdict(self.service.heartbeat(worker_id=r.worker_id,
-                                                                                 leaving=r.leaving)))
+        return ps_pb2.HeartbeatReply(
+            **dataclasses.asdict(self.service.heartbeat(worker_id=r.worker_id, leaving=r.leaving))
+        )
 
     def Stats(self, raw, context):
         _decode(ps_pb2.StatsRequest, raw)
@@ -146,8 +168,12 @@ def register_reply(joined: Registration) -> ps_pb2.RegisterReply:
     fields = dataclasses.asdict(joined)
     planes = fields.pop("planes")
     offered = dict(planes)
-    return ps_pb2.RegisterReply(planes=[ps_pb2.PlaneOffer(name=name, address=address) for name, address in planes],
-                                tcp_port=int(offered.get("tcp") or 0), shm_socket=offered.get("shm", ""), **fields)
+    return ps_pb2.RegisterReply(
+        planes=[ps_pb2.PlaneOffer(name=name, address=address) for name, address in planes],
+        tcp_port=int(offered.get("tcp") or 0),
+        shm_socket=offered.get("shm", ""),
+        **fields,
+    )
 
 
 def describe_reply(described: dict) -> ps_pb2.DescribeReply:
@@ -155,31 +181,39 @@ def describe_reply(described: dict) -> ps_pb2.DescribeReply:
     fields = dict(described)
     spec = fields.pop("spec")
     planes = fields.pop("planes")
-    reply = ps_pb2.DescribeReply(optimizer=ps_pb2.OptimizerInfo(**fields.pop("optimizer")),
-                                 planes=[ps_pb2.PlaneOffer(name=name, address=address) for name, address in planes],
-                                 **fields)
+    reply = ps_pb2.DescribeReply(
+        optimizer=ps_pb2.OptimizerInfo(**fields.pop("optimizer")),
+        planes=[ps_pb2.PlaneOffer(name=name, address=address) for name, address in planes],
+        **fields,
+    )
     if spec is not None:
         params, digest = spec
-        reply.spec.CopyFrom(ps_pb2.ModelSpecMsg(
-            params=[ps_pb2.ParamInfo(name=name, shape=list(shape), dtype=dtype) for name, shape, dtype in params],
-            hash=digest))
+        reply.spec.CopyFrom(
+            ps_pb2.ModelSpecMsg(
+                params=[ps_pb2.ParamInfo(name=name, shape=list(shape), dtype=dtype) for name, shape, dtype in params],
+                hash=digest,
+            )
+        )
     return reply
 
 
 def _refusing(service: ShardService, name: str, method, streaming_reply: bool):
     """Wrap a handler so that any failure goes on the wire as a status code with a reason."""
+
     def refuse(exc, context):
         if isinstance(exc, grpc.RpcError) or not context.is_active():
-            raise exc          # the caller went away: nobody to answer
+            raise exc  # the caller went away: nobody to answer
         _abort(context, service.refuse(exc, name))
 
     if streaming_reply:
+
         @functools.wraps(method)
         def stream_handler(request, context):
             try:
                 yield from method(request, context)
             except Exception as exc:  # noqa: BLE001 - every failure is answered, and the server goes on
                 refuse(exc, context)
+
         return stream_handler
 
     @functools.wraps(method)
@@ -188,6 +222,7 @@ def _refusing(service: ShardService, name: str, method, streaming_reply: bool):
             return method(request, context)
         except Exception as exc:  # noqa: BLE001 - every failure is answered, and the server goes on
             refuse(exc, context)
+
     return handler
 
 
@@ -205,9 +240,14 @@ def method_handlers(service: ShardService, chunk_bytes: int) -> grpc.GenericRpcH
         "Shutdown": (grpc.unary_unary_rpc_method_handler, ps_pb2.ShutdownReply.SerializeToString, False),
         "Describe": (grpc.unary_unary_rpc_method_handler, ps_pb2.DescribeReply.SerializeToString, False),
     }
-    handlers = {name: factory(_refusing(service, name, getattr(adapter, name), streams), request_deserializer=None,
-                              response_serializer=serialize)
-                for name, (factory, serialize, streams) in kinds.items()}
+    handlers = {
+        name: factory(
+            _refusing(service, name, getattr(adapter, name), streams),
+            request_deserializer=None,
+            response_serializer=serialize,
+        )
+        for name, (factory, serialize, streams) in kinds.items()
+    }
     return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
@@ -221,9 +261,11 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         def deny(request, context):
             _abort(context, refusal)
 
-        self.deny = {(False, False): grpc.unary_unary_rpc_method_handler(deny),
-                     (True, False): grpc.stream_unary_rpc_method_handler(deny),
-                     (False, True): grpc.unary_stream_rpc_method_handler(deny)}
+        self.deny = {
+            (False, False): grpc.unary_unary_rpc_method_handler(deny),
+            (True, False): grpc.stream_unary_rpc_method_handler(deny),
+            (False, True): grpc.unary_stream_rpc_method_handler(deny),
+        }
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -255,9 +297,11 @@ class GrpcServer:
         self.set_serving(False)
         target = f"{config.host}:{config.port}"
         if config.tls_cert:
-            creds = grpc.ssl_server_credentials([(read_pem(config.tls_key), read_pem(config.tls_cert))],
-                                                root_certificates=read_pem(config.tls_ca),
-                                                require_client_auth=bool(config.tls_ca))
+            creds = grpc.ssl_server_credentials(
+                [(read_pem(config.tls_key), read_pem(config.tls_cert))],
+                root_certificates=read_pem(config.tls_ca),
+                require_client_auth=bool(config.tls_ca),
+            )
             self.port = self.server.add_secure_port(target, creds)
         else:
             self.port = self.server.add_insecure_port(target)
@@ -274,6 +318,6 @@ class GrpcServer:
             self.health.set(name, status)
 
     def stop(self, grace: float | None) -> None:
-        self.health.enter_graceful_shutdown()     # NOT_SERVING to every probe from now on
+        self.health.enter_graceful_shutdown()  # NOT_SERVING to every probe from now on
         self.server.stop(grace).wait(timeout=(grace or 0) + 5)
-        self.executor.shutdown(wait=True)     # grpc leaves its handler threads to their owner
+        self.executor.shutdown(wait=True)  # grpc leaves its handler threads to their owner

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -25,11 +25,17 @@ from psgrid.psserver.exceptions import BadReply
 from psgrid.psserver.protocol import BFLOAT16, FLOAT16, FLOAT32, ITEMSIZE, Outcome, PushResult
 from psgrid.psserver.transports.base import ConnectOptions, Control, register_data_plane
 from psgrid.psserver.transports.shm_client import ShmConnection, ShmDataPlane, answering
-from psgrid.psserver.transports.stream_frames import (attach_request, dtype_byte, map_request, push_request,
-                                                   read_reply, recv_exact)
+from psgrid.psserver.transports.stream_frames import (
+    attach_request,
+    dtype_byte,
+    map_request,
+    push_request,
+    read_reply,
+    recv_exact,
+)
 
-IPC_HANDLE_BYTES = 64                 # sizeof(cudaIpcMemHandle_t)
-LAZY_PEER_ACCESS = 1                  # cudaIpcMemLazyEnablePeerAccess: map a peer GPU's memory too
+IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess: map a peer GPU's memory too
 
 
 class _IpcConnection(ShmConnection):
@@ -37,7 +43,7 @@ class _IpcConnection(ShmConnection):
 
     def __init__(self, sock: socket.socket):
         super().__init__(sock)
-        self.slots: dict[int, object] = {}      # this connection's gradient slots (dtype byte -> device array)
+        self.slots: dict[int, object] = {}  # this connection's gradient slots (dtype byte -> device array)
 
 
 class IpcDataPlane(ShmDataPlane):
@@ -46,7 +52,7 @@ class IpcDataPlane(ShmDataPlane):
     name = "ipc"
     title = "CUDA IPC plane"
     takes_device_arrays = True
-    posts = False          # its pulls hand over device arrays, copied device to device where they are called
+    posts = False  # its pulls hand over device arrays, copied device to device where they are called
     connection_class = _IpcConnection
 
     def __init__(self, address: str, options: ConnectOptions, host: str, gpu: int):
@@ -56,7 +62,7 @@ class IpcDataPlane(ShmDataPlane):
         self.cupy = cupy
         self.gpu = gpu
         self.replier = f"shard CUDA IPC at {self.address}"
-        self.opened: list[int] = []       # device pointers this plane mapped (closed with it)
+        self.opened: list[int] = []  # device pointers this plane mapped (closed with it)
         with cupy.cuda.Device(gpu):
             self.stream = cupy.cuda.Stream(non_blocking=True)
 
@@ -66,8 +72,10 @@ class IpcDataPlane(ShmDataPlane):
         """Read a MAP or ATTACH answer's handle and map it: a device array of ``size`` float32."""
         reply = read_reply(sock, self.replier)
         if reply.nbytes != IPC_HANDLE_BYTES or reply.buffer_bytes != size * ITEMSIZE[FLOAT32]:
-            raise BadReply(f"{self.replier} offers {reply.buffer_bytes} bytes ({reply.nbytes}-byte handle) for a "
-                           f"range of {size} elements")
+            raise BadReply(
+                f"{self.replier} offers {reply.buffer_bytes} bytes ({reply.nbytes}-byte handle) for a "
+                f"range of {size} elements"
+            )
         handle = bytearray(IPC_HANDLE_BYTES)
         recv_exact(sock, memoryview(handle))
         cupy = self.cupy
@@ -105,14 +113,16 @@ class IpcDataPlane(ShmDataPlane):
 
         return self._pull(copy, len(out), worker_id, clock, timeout_s)
 
-    def pull_with(self, write: Callable, *, begin: int, end: int, staging, worker_id: int, clock: int,
-                  timeout_s: float) -> int:
+    def pull_with(
+        self, write: Callable, *, begin: int, end: int, staging, worker_id: int, clock: int, timeout_s: float
+    ) -> int:
         """``write(begin, end, values)`` gets the shard's device array: it must finish its copy before it returns."""
         return self._pull(lambda values: write(begin, end, values), end - begin, worker_id, clock, timeout_s)
 
-    def push(self, grad, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int,
-             timeout_s: float) -> PushResult:
-        kind = dtype_byte(FLOAT32, clock % 2)       # two slots: a push's copy never meets the one before
+    def push(
+        self, grad, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int, timeout_s: float
+    ) -> PushResult:
+        kind = dtype_byte(FLOAT32, clock % 2)  # two slots: a push's copy never meets the one before
 
         def call(conn: _IpcConnection) -> PushResult:
             slot = self._slot(conn, kind, len(grad))
@@ -176,7 +186,7 @@ def _offered(control: Control, address: str, options: ConnectOptions) -> IpcData
         return None
     _, pid, pci_bus_id = address.split("|")
     if pid == str(os.getpid()) or reachable_gpu(pci_bus_id, options.gpu) is None:
-        return None        # a process cannot map its own handles; another GPU without peer access cannot map them
+        return None  # a process cannot map its own handles; another GPU without peer access cannot map them
     return answering(IpcDataPlane(address, options, control.address.rsplit(":", 1)[0].strip("[]"), options.gpu))
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 import ssl
-from typing import Callable
+from collections.abc import Callable
 
 from psgrid.psserver.exceptions import InvalidArgument, Unavailable
 from psgrid.psserver.protocol import FLOAT32, ITEMSIZE, Reason
@@ -41,8 +41,8 @@ from psgrid.psserver.transports.shm_server import Reader, ShmDataServer
 from psgrid.psserver.transports.stream_frames import ATTACH, MAP, OPEN, PULL, PUSH, Request
 from psgrid.psserver.transports.stream_server import DEFAULT_MAX_CONNECTIONS, Connection
 
-MAX_SLOTS = 128            # gradient slots at once on one shard (two per worker): far past any host's workers
-FREE_MARGIN = 256 << 20    # GPU memory a new slot leaves free, for the shard's own updates
+MAX_SLOTS = 128  # gradient slots at once on one shard (two per worker): far past any host's workers
+FREE_MARGIN = 256 << 20  # GPU memory a new slot leaves free, for the shard's own updates
 
 
 def ipc_address(socket_name: str, pid: int, pci_bus_id: str) -> str:
@@ -55,21 +55,28 @@ class IpcDataServer(ShmDataServer):
 
     name = "CUDA IPC plane"
 
-    def __init__(self, service: ShardService, token: str | None = None, ssl_context: ssl.SSLContext | None = None, *,
-                 handlers: int = 128, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 on_failure: Callable[[], None] | None = None):
-        super().__init__(service, token, ssl_context, handlers=handlers, max_connections=max_connections,
-                         on_failure=on_failure)
+    def __init__(
+        self,
+        service: ShardService,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        *,
+        handlers: int = 128,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        on_failure: Callable[[], None] | None = None,
+    ):
+        super().__init__(
+            service, token, ssl_context, handlers=handlers, max_connections=max_connections, on_failure=on_failure
+        )
         self.socket_name = self.address
         self.address = ipc_address(self.socket_name, os.getpid(), service.shard.arrays.pci_bus_id)
-        self.operations = {OPEN: self._open, MAP: self._map, ATTACH: self._attach, PULL: self._pull,
-                           PUSH: self._push}
-        self.slots = 0       # gradient slots allocated, over all connections
+        self.operations = {OPEN: self._open, MAP: self._map, ATTACH: self._attach, PULL: self._pull, PUSH: self._push}
+        self.slots = 0  # gradient slots allocated, over all connections
 
     def _operation(self, conn: Connection, request: Request) -> bool:
         op = request.op
         if op not in self.operations or request.nbytes:
-            return super(ShmDataServer, self)._operation(conn, request)      # refused: no payload comes here
+            return super(ShmDataServer, self)._operation(conn, request)  # refused: no payload comes here
         if conn.state is None:
             conn.state = Reader()
         self._answer(conn.sock, self.operations[op], conn.sock, conn.state, request)
@@ -80,7 +87,7 @@ class IpcDataServer(ShmDataServer):
         if reader is not None and reader.segments:
             with self.lock:
                 self.slots -= len(reader.segments)
-            reader.segments.clear()        # the slots' memory goes with the last reference
+            reader.segments.clear()  # the slots' memory goes with the last reference
         super()._released(conn)
 
     def _map(self, sock, reader: Reader, request: Request) -> None:
@@ -89,8 +96,9 @@ class IpcDataServer(ShmDataServer):
 
     def _attach(self, sock, reader: Reader, request: Request) -> None:
         if request.wire_dtype != FLOAT32 or request.file_index not in (0, 1):
-            raise InvalidArgument(f"dtype byte {request.dtype} names no gradient slot (float32, slot 0 or 1)",
-                                  Reason.BAD_DTYPE)
+            raise InvalidArgument(
+                f"dtype byte {request.dtype} names no gradient slot (float32, slot 0 or 1)", Reason.BAD_DTYPE
+            )
         ring = self.service.shard.device_ring()
         slot = reader.segments.get(request.dtype)
         if slot is None:
@@ -103,13 +111,17 @@ class IpcDataServer(ShmDataServer):
         arrays = self.service.shard.arrays
         with self.lock:
             if self.slots >= MAX_SLOTS:
-                raise Unavailable(f"this shard serves at most {MAX_SLOTS // 2} workers over CUDA IPC; use a network "
-                                  f"plane", Reason.TOO_MANY_CONNECTIONS)
+                raise Unavailable(
+                    f"this shard serves at most {MAX_SLOTS // 2} workers over CUDA IPC; use a network plane",
+                    Reason.TOO_MANY_CONNECTIONS,
+                )
             self.slots += 1
         try:
             if arrays.free_bytes() < size * ITEMSIZE[FLOAT32] + FREE_MARGIN:
-                raise Unavailable("the shard's GPU has no room for another gradient slot; use a network plane",
-                                  Reason.TOO_MANY_CONNECTIONS)
+                raise Unavailable(
+                    "the shard's GPU has no room for another gradient slot; use a network plane",
+                    Reason.TOO_MANY_CONNECTIONS,
+                )
             return arrays.empty(size)
         except BaseException:
             with self.lock:
@@ -119,21 +131,30 @@ class IpcDataServer(ShmDataServer):
     def _push(self, sock, reader: Reader, request: Request) -> None:
         slot = reader.segments.get(request.dtype)
         if slot is None:
-            raise InvalidArgument(f"no gradient slot {request.file_index} attached to this connection: ATTACH it "
-                                  f"first", Reason.BAD_DTYPE)
-        result = self.service.push_device(worker_id=request.worker, clock=request.clock, version=request.version,
-                                          slot=slot)
+            raise InvalidArgument(
+                f"no gradient slot {request.file_index} attached to this connection: ATTACH it first", Reason.BAD_DTYPE
+            )
+        result = self.service.push_device(
+            worker_id=request.worker, clock=request.clock, version=request.version, slot=slot
+        )
         self._reply_push(sock, result)
 
 
 # ----- the plane's server end, registered (transports/base.py) ---------------------------------------
 
+
 def _listen(service: ShardService, config, context: ListenContext) -> Listening | None:
     """The CUDA IPC plane, on a device shard whose ``shared_memory`` is on (its marks are shared memory)."""
     if not (config.shared_memory and service.shard.arrays.on_gpu and can_share_read_only()):
         return None
-    server = IpcDataServer(service, config.token, context.ssl_context, handlers=config.threads,
-                           max_connections=config.tcp_max_connections, on_failure=context.on_failure)
+    server = IpcDataServer(
+        service,
+        config.token,
+        context.ssl_context,
+        handlers=config.threads,
+        max_connections=config.tcp_max_connections,
+        on_failure=context.on_failure,
+    )
     return Listening(server, address=lambda: server.address)
 
 

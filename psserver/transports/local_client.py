@@ -10,7 +10,7 @@ exception, as a remote client would receive it.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -28,7 +28,7 @@ class LocalDataPlane(DataPlane):
     reads_in_place = True
 
     def __init__(self, service, gpu: int | None):
-        self.service = service          # the shard's ShardService, called as its transports call it
+        self.service = service  # the shard's ShardService, called as its transports call it
         arrays = service.shard.arrays
         # The caller's device arrays are the shard's to read only on the shard's own GPU.
         self.takes_device_arrays = bool(arrays.on_gpu and gpu is not None and gpu == arrays.index)
@@ -41,8 +41,9 @@ class LocalDataPlane(DataPlane):
                 self.service.shard.arrays.download(snapshot.values, out)
             return snapshot.version
 
-    def pull_with(self, write: Callable, *, begin: int, end: int, staging, worker_id: int, clock: int,
-                  timeout_s: float) -> int:
+    def pull_with(
+        self, write: Callable, *, begin: int, end: int, staging, worker_id: int, clock: int, timeout_s: float
+    ) -> int:
         """``write(begin, end, values)`` gets the shard's own buffer (a device array only where we take them)."""
         with self.service.pull(worker_id=worker_id, clock=clock, timeout_s=timeout_s, device=True) as snapshot:
             values = snapshot.values
@@ -51,9 +52,10 @@ class LocalDataPlane(DataPlane):
             write(begin, end, values)
             return snapshot.version
 
-    def push(self, grad, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int,
-             timeout_s: float) -> PushResult:
-        if wire_dtype != FLOAT32:      # rounded as a network plane's payload would be
+    def push(
+        self, grad, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int, timeout_s: float
+    ) -> PushResult:
+        if wire_dtype != FLOAT32:  # rounded as a network plane's payload would be
             host = grad if isinstance(grad, np.ndarray) else grad.get()
             grad = np.empty(len(host), np.float32)
             wire.decode_into(grad, wire.encode(host, wire_dtype), wire_dtype)

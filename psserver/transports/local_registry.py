@@ -11,7 +11,7 @@ import os
 import secrets
 import threading
 
-_HOSTED: dict[str, object] = {}      # key -> a shard's ShardService
+_HOSTED: dict[str, object] = {}  # key -> a shard's ShardService
 _LOCK = threading.Lock()
 
 
@@ -32,7 +32,7 @@ def leave(offer: str) -> None:
 def hosted_service(offer: str):
     """The service an in-process offer names, if it is this process's and still serving, else None."""
     pid, _, key = offer.partition("|")
-    if pid != str(os.getpid()):      # an offer of another process (or of this one's parent, before a fork)
+    if pid != str(os.getpid()):  # an offer of another process (or of this one's parent, before a fork)
         return None
     with _LOCK:
         return _HOSTED.get(key)

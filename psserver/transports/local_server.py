@@ -26,7 +26,7 @@ class InProcessListener:
 
     def __init__(self, service: ShardService):
         self.service = service
-        self.address: str | None = None      # offered while started
+        self.address: str | None = None  # offered while started
 
     def start(self) -> None:
         self.address = local_registry.enter(self.service)

@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -29,12 +29,21 @@ from psgrid.psserver.shared_memory import map_fd
 from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, register_data_plane
 from psgrid.psserver.transports.shm_posted import PostedPull, PostedPush
 from psgrid.psserver.transports.stream_client import ConnectionPool, StreamConnection, say_hello
-from psgrid.psserver.transports.stream_frames import (FD_BYTE, MARK_BYTES, NO_MARK, attach_request, dtype_byte,
-                                                   map_request, open_request, pull_request, push_request,
-                                                   read_reply)
+from psgrid.psserver.transports.stream_frames import (
+    FD_BYTE,
+    MARK_BYTES,
+    NO_MARK,
+    attach_request,
+    dtype_byte,
+    map_request,
+    open_request,
+    pull_request,
+    push_request,
+    read_reply,
+)
 
 CONNECT_S = 5.0
-REREAD_S = 60.0            # how long a pull with no deadline reads again while the shard takes its buffers back
+REREAD_S = 60.0  # how long a pull with no deadline reads again while the shard takes its buffers back
 
 
 class ShmConnection(StreamConnection):
@@ -42,7 +51,7 @@ class ShmConnection(StreamConnection):
 
     def __init__(self, sock: socket.socket):
         super().__init__(sock)
-        self.slot = -1                   # this connection's slot in the shard's marks, once OPENed
+        self.slot = -1  # this connection's slot in the shard's marks, once OPENed
         self.attached: set[int] = set()  # gradient files (dtype byte: dtype and index) the shard mapped for it
 
 
@@ -62,12 +71,14 @@ class ShmDataPlane(DataPlane):
         # Under TLS the shard asks for a handshake here too (its certificate names ``host``, the one our
         # control connection verified); then the connection carries plain frames again.
         self.host = host
-        self.ssl_context = client_ssl_context(options.tls_ca, options.tls_cert, options.tls_key) if options.tls else None
+        self.ssl_context = (
+            client_ssl_context(options.tls_ca, options.tls_cert, options.tls_key) if options.tls else None
+        )
         self.memory = options.memory
-        self.replier = f"shard shared memory at {address}"      # who a refusal came from, in its message
+        self.replier = f"shard shared memory at {address}"  # who a refusal came from, in its message
         self.pool: ConnectionPool[ShmConnection] = ConnectionPool(self._connect_within, "shared-memory plane", address)
-        self.buffers: dict[int, np.ndarray] = {}      # the shard's ring buffers mapped here (read only)
-        self.marks: np.ndarray | None = None           # the shard's table of reader marks
+        self.buffers: dict[int, np.ndarray] = {}  # the shard's ring buffers mapped here (read only)
+        self.marks: np.ndarray | None = None  # the shard's table of reader marks
         self.map_lock = threading.Lock()
 
     # ----- connections --------------------------------------------------------------------------
@@ -131,8 +142,10 @@ class ShmDataPlane(DataPlane):
         fd = self._receive_fd(conn.sock)
         try:
             if nbytes != size * ITEMSIZE[FLOAT32]:
-                raise BadReply(f"shard shared memory at {self.address} offers a buffer of {nbytes} bytes for a "
-                               f"range of {size} elements")
+                raise BadReply(
+                    f"shard shared memory at {self.address} offers a buffer of {nbytes} bytes for a "
+                    f"range of {size} elements"
+                )
             buffer = map_fd(fd, size, np.float32, writable=False)
         finally:
             os.close(fd)
@@ -153,8 +166,9 @@ class ShmDataPlane(DataPlane):
     def pull_with(self, write, *, begin: int, end: int, staging, worker_id: int, clock: int, timeout_s: float) -> int:
         return self._pull(lambda values: write(begin, end, values), end - begin, worker_id, clock, timeout_s)
 
-    def _pull(self, consume: Callable[[np.ndarray], object], size: int, worker_id: int, clock: int,
-              timeout_s: float) -> int:
+    def _pull(
+        self, consume: Callable[[np.ndarray], object], size: int, worker_id: int, clock: int, timeout_s: float
+    ) -> int:
         def call(conn: ShmConnection) -> int:
             if conn.slot < 0:
                 self.open_slot(conn)
@@ -171,9 +185,12 @@ class ShmDataPlane(DataPlane):
                 if intact:
                     return version
                 if time.monotonic() > give_up:
-                    raise Unavailable(f"shard shared memory at {self.address} took back every buffer this worker "
-                                      f"read before its copy was done, for {timeout_s or REREAD_S:g} s: its copies "
-                                      f"are slower than the shard's updates", Reason.TIMED_OUT)
+                    raise Unavailable(
+                        f"shard shared memory at {self.address} took back every buffer this worker "
+                        f"read before its copy was done, for {timeout_s or REREAD_S:g} s: its copies "
+                        f"are slower than the shard's updates",
+                        Reason.TIMED_OUT,
+                    )
 
         return self.pool.round_trip(timeout_s, call)
 
@@ -189,13 +206,23 @@ class ShmDataPlane(DataPlane):
         """Clear this connection's mark: the shard may write the buffer it named again."""
         self.marks[conn.slot] = NO_MARK
 
-    def push(self, grad: np.ndarray, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int,
-             timeout_s: float) -> PushResult:
+    def push(
+        self,
+        grad: np.ndarray,
+        *,
+        begin: int,
+        wire_dtype: int,
+        worker_id: int,
+        clock: int,
+        version: int,
+        timeout_s: float,
+    ) -> PushResult:
         kind, segment, fd = self.stage(grad, begin, wire_dtype)
 
         def call(conn: ShmConnection) -> PushResult:
-            self.send_push(conn, kind, segment, fd, worker_id=worker_id, clock=clock, version=version,
-                           timeout_s=timeout_s)
+            self.send_push(
+                conn, kind, segment, fd, worker_id=worker_id, clock=clock, version=version, timeout_s=timeout_s
+            )
             return self.push_answer(conn)
 
         return self.pool.round_trip(timeout_s, call)
@@ -207,16 +234,26 @@ class ShmDataPlane(DataPlane):
         end = begin + len(grad)
         index = self.memory.gradient_index(grad, begin) if wire_dtype == FLOAT32 else None
         segment, fd = self.memory.segment(wire_dtype, index or 0)
-        if fd < 0:      # this buffer could not be shared after all: the next choice of plane takes the network's
+        if fd < 0:  # this buffer could not be shared after all: the next choice of plane takes the network's
             raise Unavailable(f"no shared file for this gradient to push through {self.address}")
         if wire_dtype != FLOAT32:
             segment[begin:end] = np.frombuffer(wire.encode(grad, wire_dtype), np.uint16)
-        elif index is None:         # not computed in one of our gradient buffers: copied into the first
+        elif index is None:  # not computed in one of our gradient buffers: copied into the first
             np.copyto(segment[begin:end], grad)
         return dtype_byte(wire_dtype, index or 0), segment, fd
 
-    def send_push(self, conn: ShmConnection, kind: int, segment: np.ndarray, fd: int, *, worker_id: int, clock: int,
-                  version: int, timeout_s: float) -> None:
+    def send_push(
+        self,
+        conn: ShmConnection,
+        kind: int,
+        segment: np.ndarray,
+        fd: int,
+        *,
+        worker_id: int,
+        clock: int,
+        version: int,
+        timeout_s: float,
+    ) -> None:
         """Send a push's header on ``conn`` (attaching the gradient file first, once per connection)."""
         if kind not in conn.attached:
             conn.sock.sendall(attach_request(kind, segment.nbytes))
@@ -233,11 +270,28 @@ class ShmDataPlane(DataPlane):
         """A pull made in steps on the caller's thread (shm_posted.py); its request is sent."""
         return PostedPull(self, size=size, worker_id=worker_id, clock=clock, timeout_s=timeout_s)
 
-    def post_push(self, grad: np.ndarray, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int,
-                  timeout_s: float) -> PostedPush:
+    def post_push(
+        self,
+        grad: np.ndarray,
+        *,
+        begin: int,
+        wire_dtype: int,
+        worker_id: int,
+        clock: int,
+        version: int,
+        timeout_s: float,
+    ) -> PostedPush:
         """A push made in steps on the caller's thread (shm_posted.py); its header is sent."""
-        return PostedPush(self, grad, begin=begin, wire_dtype=wire_dtype, worker_id=worker_id, clock=clock,
-                          version=version, timeout_s=timeout_s)
+        return PostedPush(
+            self,
+            grad,
+            begin=begin,
+            wire_dtype=wire_dtype,
+            worker_id=worker_id,
+            clock=clock,
+            version=version,
+            timeout_s=timeout_s,
+        )
 
     def close(self) -> None:
         self.pool.close()
@@ -253,7 +307,7 @@ def _offered(control: Control, address: str, options: ConnectOptions) -> ShmData
     if not (options.shared_memory and address):
         return None
     if options.memory is not None and not options.memory.shares():
-        return None      # our gradients could not be put in shared memory (said once, by ClientMemory)
+        return None  # our gradients could not be put in shared memory (said once, by ClientMemory)
     return answering(ShmDataPlane(address, options, host=control.address.rsplit(":", 1)[0].strip("[]")))
 
 

@@ -94,13 +94,24 @@ class PostedPull(PostedCall):
 class PostedPush(PostedCall):
     """A push of one shard's range from a shared gradient file: header sent on construction, then :meth:`finish`."""
 
-    def __init__(self, plane, grad: np.ndarray, *, begin: int, wire_dtype: int, worker_id: int, clock: int,
-                 version: int, timeout_s: float):
+    def __init__(
+        self,
+        plane,
+        grad: np.ndarray,
+        *,
+        begin: int,
+        wire_dtype: int,
+        worker_id: int,
+        clock: int,
+        version: int,
+        timeout_s: float,
+    ):
         kind, segment, fd = plane.stage(grad, begin, wire_dtype)
         super().__init__(plane, timeout_s)
         try:
-            plane.send_push(self.conn, kind, segment, fd, worker_id=worker_id, clock=clock, version=version,
-                            timeout_s=timeout_s)
+            plane.send_push(
+                self.conn, kind, segment, fd, worker_id=worker_id, clock=clock, version=version, timeout_s=timeout_s
+            )
         except BaseException:
             self.abandon()
             raise

@@ -32,7 +32,7 @@ import selectors
 import socket
 import ssl
 import struct
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -41,13 +41,22 @@ from psgrid.psserver.protocol import BFLOAT16, FLOAT16, FLOAT32, Reason
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.shared_memory import available, can_share_read_only, map_fd, unsafe_to_map
 from psgrid.psserver.transports.base import ListenContext, Listening, register_listener
-from psgrid.psserver.transports.stream_frames import (ATTACH, FD_BYTE, MAP, OPEN, PULL, PUSH, Request, map_reply,
-                                                   open_reply, shared_pull_reply)
-from psgrid.psserver.transports.stream_server import (DEFAULT_MAX_CONNECTIONS, Connection, SocketDataServer,
-                                                      wait_timeout)
+from psgrid.psserver.transports.stream_frames import (
+    ATTACH,
+    FD_BYTE,
+    MAP,
+    OPEN,
+    PULL,
+    PUSH,
+    Request,
+    map_reply,
+    open_reply,
+    shared_pull_reply,
+)
+from psgrid.psserver.transports.stream_server import DEFAULT_MAX_CONNECTIONS, Connection, SocketDataServer, wait_timeout
 
 SEGMENT_DTYPES = {FLOAT32: np.dtype("<f4"), FLOAT16: np.dtype("<u2"), BFLOAT16: np.dtype("<u2")}
-PEERCRED = struct.Struct("3i")     # pid, uid, gid
+PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 class Reader:
@@ -66,20 +75,34 @@ class ShmDataServer(SocketDataServer):
 
     name = "shared-memory plane"
 
-    def __init__(self, service: ShardService, token: str | None = None, ssl_context: ssl.SSLContext | None = None, *,
-                 handlers: int = 128, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 on_failure: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        service: ShardService,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        *,
+        handlers: int = 128,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        on_failure: Callable[[], None] | None = None,
+    ):
         name = f"psgrid-{secrets.token_hex(16)}"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            listener.bind("\0" + name)          # abstract: no file to leave behind, unreachable from other hosts
+            listener.bind("\0" + name)  # abstract: no file to leave behind, unreachable from other hosts
             listener.listen(256)
         except BaseException:
             listener.close()
             raise
         self.address = "@" + name
-        super().__init__(service, listener, token, ssl_context, handlers=handlers, max_connections=max_connections,
-                         on_failure=on_failure)
+        super().__init__(
+            service,
+            listener,
+            token,
+            ssl_context,
+            handlers=handlers,
+            max_connections=max_connections,
+            on_failure=on_failure,
+        )
         self.operations = {OPEN: self._open, MAP: self._map, PULL: self._pull, PUSH: self._push}
 
     def _accepted(self, sock: socket.socket) -> str | None:
@@ -97,7 +120,7 @@ class ShmDataServer(SocketDataServer):
         sock: ssl.SSLSocket = conn.sock
         if not (self._tls_step(conn, sock.do_handshake) and self._tls_step(conn, sock.unwrap)):
             return False
-        self.selector.unregister(sock)          # before detach: the selector knows it by descriptor
+        self.selector.unregister(sock)  # before detach: the selector knows it by descriptor
         conn.sock = conn.raw = socket.socket(fileno=sock.detach())
         conn.sock.setblocking(False)
         self.selector.register(conn.sock, selectors.EVENT_READ, conn)
@@ -117,7 +140,7 @@ class ShmDataServer(SocketDataServer):
         if conn.state is None:
             conn.state = Reader()
         sock, reader = conn.sock, conn.state
-        if op == ATTACH:      # refused on its own unless its descriptor is missing (then it closes)
+        if op == ATTACH:  # refused on its own unless its descriptor is missing (then it closes)
             return self._answer(sock, self._attach, sock, reader, request) is not False
         self._answer(sock, self.operations[op], sock, reader, request)
         return True
@@ -138,17 +161,29 @@ class ShmDataServer(SocketDataServer):
     def _pull(self, sock, reader: Reader, request: Request) -> None:
         if reader.slot < 0:
             raise InvalidArgument("OPEN before the first PULL on a shared-memory connection", Reason.MALFORMED)
-        pulled, index = self.service.pull_shared(worker_id=request.worker, clock=request.clock,
-                                                 timeout_s=wait_timeout(sock, request.timeout), slot=reader.slot)
+        pulled, index = self.service.pull_shared(
+            worker_id=request.worker,
+            clock=request.clock,
+            timeout_s=wait_timeout(sock, request.timeout),
+            slot=reader.slot,
+        )
         sock.sendall(shared_pull_reply(pulled, index))
 
     def _push(self, sock, reader: Reader, request: Request) -> None:
         segment = reader.segments.get(request.dtype)
         if segment is None:
-            raise InvalidArgument(f"no gradient file {request.file_index} of dtype {request.wire_dtype} attached to "
-                                  f"this connection: ATTACH it first", Reason.BAD_DTYPE)
-        result = self.service.push_shared(worker_id=request.worker, clock=request.clock, version=request.version,
-                                          dtype=request.wire_dtype, segment=segment)
+            raise InvalidArgument(
+                f"no gradient file {request.file_index} of dtype {request.wire_dtype} attached to "
+                f"this connection: ATTACH it first",
+                Reason.BAD_DTYPE,
+            )
+        result = self.service.push_shared(
+            worker_id=request.worker,
+            clock=request.clock,
+            version=request.version,
+            dtype=request.wire_dtype,
+            segment=segment,
+        )
         self._reply_push(sock, result)
 
     def _attach(self, sock, reader: Reader, request: Request) -> bool:
@@ -160,7 +195,7 @@ class ShmDataServer(SocketDataServer):
             self._refuse(sock, InvalidArgument("ATTACH must carry one file descriptor", Reason.MALFORMED))
             return False
         try:
-            reader.segments[request.dtype] = self._map_gradient(fds[0], request)     # a refusal: _answer's
+            reader.segments[request.dtype] = self._map_gradient(fds[0], request)  # a refusal: _answer's
         finally:
             os.close(fds[0])
         self._reply(sock)
@@ -171,12 +206,15 @@ class ShmDataServer(SocketDataServer):
         nbytes = request.nbytes
         kind = SEGMENT_DTYPES.get(request.wire_dtype) if request.file_index in (0, 1) else None
         if kind is None:
-            raise InvalidArgument(f"dtype byte {request.dtype} names no gradient file (a gradient dtype, file 0 or 1)",
-                                  Reason.BAD_DTYPE)
+            raise InvalidArgument(
+                f"dtype byte {request.dtype} names no gradient file (a gradient dtype, file 0 or 1)", Reason.BAD_DTYPE
+            )
         model_bytes, begin, size = self.service.gradient_layout(request.wire_dtype)
         if nbytes != model_bytes:
-            raise InvalidArgument(f"a shared gradient holds the whole model, {model_bytes} bytes in this dtype, "
-                                  f"not {nbytes}", Reason.BAD_SIZE)
+            raise InvalidArgument(
+                f"a shared gradient holds the whole model, {model_bytes} bytes in this dtype, not {nbytes}",
+                Reason.BAD_SIZE,
+            )
         check_gradient_file(fd)
         try:
             return map_fd(fd, size, kind, writable=False, offset=begin * kind.itemsize)
@@ -195,10 +233,12 @@ def check_gradient_file(fd: int) -> None:
             f"the shared gradient file is refused: {problem}. Make it with memfd_create(MFD_ALLOW_SEALING) and "
             f"seal it with fcntl(F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) once it has its size, as psgrid's "
             f"client does: a file its owner may shrink would kill this shard (SIGBUS) as it reads it",
-            Reason.BAD_VALUE)
+            Reason.BAD_VALUE,
+        )
 
 
 # ----- the plane's server end, registered (transports/base.py) ---------------------------------------
+
 
 def _listen(service: ShardService, config, context: ListenContext) -> Listening | None:
     """The shared-memory plane, where the shard's ``shared_memory`` asks for it and this kernel can seal the
@@ -210,10 +250,18 @@ def _listen(service: ShardService, config, context: ListenContext) -> Listening 
         if available():
             logging.getLogger("psgrid.server").warning(
                 "shard %d offers no shared-memory plane: this kernel cannot seal its weights against readers' "
-                "writes (F_SEAL_FUTURE_WRITE, Linux 5.1); workers here use TCP", config.shard_index)
+                "writes (F_SEAL_FUTURE_WRITE, Linux 5.1); workers here use TCP",
+                config.shard_index,
+            )
         return None
-    server = ShmDataServer(service, config.token, context.ssl_context, handlers=config.threads,
-                           max_connections=config.tcp_max_connections, on_failure=context.on_failure)
+    server = ShmDataServer(
+        service,
+        config.token,
+        context.ssl_context,
+        handlers=config.threads,
+        max_connections=config.tcp_max_connections,
+        on_failure=context.on_failure,
+    )
     return Listening(server, address=lambda: server.address if service.shard.shares_memory else None)
 
 

@@ -22,33 +22,43 @@ import selectors
 import socket
 import ssl
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from psgrid.psserver.exceptions import Unauthenticated, Unavailable
 from psgrid.psserver.protocol import Reason, Status
 from psgrid.psserver.security import token_matches
-from psgrid.psserver.transports.stream_frames import (HELLO, MAGIC, MAX_MESSAGE, REQUEST, refusal_frame,
-                                                   reply_header)
+from psgrid.psserver.transports.stream_frames import HELLO, MAGIC, MAX_MESSAGE, REQUEST, refusal_frame, reply_header
 
 DRAIN_STRANGER = 1 << 20  # most bytes dropped of a request sent before the hello
-DRAIN_STEP = 1 << 20      # most bytes the loop drops from one connection per turn (the others go on)
+DRAIN_STEP = 1 << 20  # most bytes the loop drops from one connection per turn (the others go on)
 WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 class Connection:
     """One client connection: its socket, how far its handshake is, and what its plane keeps for it."""
 
-    __slots__ = ("sock", "raw", "authenticated", "handshaken", "deadline", "read_by", "hello", "drain", "closed",
-                 "state")
+    __slots__ = (
+        "sock",
+        "raw",
+        "authenticated",
+        "handshaken",
+        "deadline",
+        "read_by",
+        "hello",
+        "drain",
+        "closed",
+        "state",
+    )
 
-    def __init__(self, sock: socket.socket, raw: socket.socket, authenticated: bool, handshaken: bool,
-                 deadline: float = math.inf):
+    def __init__(
+        self, sock: socket.socket, raw: socket.socket, authenticated: bool, handshaken: bool, deadline: float = math.inf
+    ):
         self.sock, self.raw = sock, raw
         self.authenticated, self.handshaken = authenticated, handshaken
-        self.deadline = deadline     # to finish its handshake, or to send what the loop drops
-        self.read_by = math.inf      # the current request's payload must have come by then
-        self.hello = bytearray()     # the hello's bytes as they come
-        self.drain = 0               # bytes of a refused request the loop still reads and drops
+        self.deadline = deadline  # to finish its handshake, or to send what the loop drops
+        self.read_by = math.inf  # the current request's payload must have come by then
+        self.hello = bytearray()  # the hello's bytes as they come
+        self.drain = 0  # bytes of a refused request the loop still reads and drops
         self.closed = False
         self.state = None
 
@@ -78,29 +88,39 @@ class Admission:
         """A connection that must authenticate: the loop reads its handshake, without blocking, until its deadline."""
         sock.setblocking(False)
         try:
-            wrapped = sock if self.ssl_context is None else self.ssl_context.wrap_socket(
-                sock, server_side=True, do_handshake_on_connect=False)
+            wrapped = (
+                sock
+                if self.ssl_context is None
+                else self.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+            )
         except (OSError, ValueError):
             sock.close()
             return
-        conn = Connection(wrapped, sock, authenticated=False, handshaken=self.ssl_context is None,
-                          deadline=time.monotonic() + self.handshake_s)
+        conn = Connection(
+            wrapped,
+            sock,
+            authenticated=False,
+            handshaken=self.ssl_context is None,
+            deadline=time.monotonic() + self.handshake_s,
+        )
         with self.lock:
             self.connections.add(conn)
             self.waiting[conn] = None
             oldest = next(iter(self.waiting)) if len(self.waiting) > self.max_handshakes else None
         if oldest is not None:
-            self._drop(oldest)       # a stranger's, almost surely: a worker says its hello at once
+            self._drop(oldest)  # a stranger's, almost surely: a worker says its hello at once
         try:
             self.selector.register(conn.sock, selectors.EVENT_READ, conn)
         except (ValueError, OSError):
             self._close(conn)
             return
-        self._advance(conn)          # a worker's hello is often here already
+        self._advance(conn)  # a worker's hello is often here already
 
     def _full_text(self) -> str:
-        return (f"this shard serves at most {self.max_connections} data-plane connections (tcp_max_connections); "
-                f"try again later")
+        return (
+            f"this shard serves at most {self.max_connections} data-plane connections (tcp_max_connections); "
+            f"try again later"
+        )
 
     def _refuse_connection(self, sock: socket.socket, status: int, reason: int, text: str) -> None:
         """Tell a connection we will not serve why, without reading it (the client reads its reply), and close."""
@@ -116,7 +136,7 @@ class Admission:
     def _advance(self, conn: Connection) -> None:
         try:
             keep = self._drop_some(conn) if conn.drain else self._handshake(conn)
-        except (OSError, ssl.SSLError, ValueError):      # the peer went, broke TLS, or sent no frame of ours
+        except (OSError, ssl.SSLError, ValueError):  # the peer went, broke TLS, or sent no frame of ours
             keep = False
         if not keep:
             self._drop(conn)
@@ -128,7 +148,7 @@ class Admission:
                 return True
             conn.handshaken = True
             if not self.token:
-                return self._authenticate(conn, hello=False)     # the certificate was what it had to show
+                return self._authenticate(conn, hello=False)  # the certificate was what it had to show
         sock = conn.sock
         hello = conn.hello
         need = REQUEST.size
@@ -137,7 +157,7 @@ class Admission:
                 magic, op, _, _, _, _, nbytes, _ = REQUEST.unpack_from(hello)
                 if magic != MAGIC:
                     return False
-                if op != HELLO:       # a request before the hello: refused, what it declared dropped here
+                if op != HELLO:  # a request before the hello: refused, what it declared dropped here
                     self._send_now(sock, self._refusal_frame(Unauthenticated("missing or wrong bearer token")))
                     conn.drain = min(nbytes, DRAIN_STRANGER)
                     return bool(conn.drain) and self._drop_some(conn)
@@ -153,7 +173,7 @@ class Admission:
             if not data:
                 return False
             hello += data
-        if not token_matches(bytes(hello[REQUEST.size:]), self.token):
+        if not token_matches(bytes(hello[REQUEST.size :]), self.token):
             self._send_now(sock, self._refusal_frame(Unauthenticated("missing or wrong bearer token")))
             return False
         return self._authenticate(conn, hello=True)
@@ -184,14 +204,13 @@ class Admission:
                 conn.authenticated = True
                 self.admitted += 1
         if full:
-            self._send_now(conn.sock, self._refusal_frame(Unavailable(self._full_text(),
-                                                                      Reason.TOO_MANY_CONNECTIONS)))
+            self._send_now(conn.sock, self._refusal_frame(Unavailable(self._full_text(), Reason.TOO_MANY_CONNECTIONS)))
             return False
         if hello and not self._send_now(conn.sock, reply_header()):
             return False
         conn.hello = bytearray()
         conn.sock.setblocking(True)
-        if isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending():     # a request the selector cannot see
+        if isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending():  # a request the selector cannot see
             self.selector.unregister(conn.sock)
             self._dispatch(conn)
         return True

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from psgrid.psserver.exceptions import PSError, Unavailable
 from psgrid.psserver.protocol import Reason, Status
@@ -93,7 +94,7 @@ class ConnectionPool(Generic[Conn]):
             if not self.closed:
                 self.idle.append(conn)
                 return
-        conn.close()      # the plane was closed while the call was in flight
+        conn.close()  # the plane was closed while the call was in flight
 
     def borrow(self, timeout_s: float) -> Conn:
         """A pooled connection for one call, its socket's limit ``timeout_s`` (0: none) and the slack.
@@ -102,9 +103,8 @@ class ConnectionPool(Generic[Conn]):
         """
         try:
             conn = self.take(timeout_s)
-        except OSError as exc:        # ssl.SSLError included
-            raise Unavailable(f"cannot connect to the {self.label} at {self.where}: {exc}",
-                              Reason.UNREACHABLE) from exc
+        except OSError as exc:  # ssl.SSLError included
+            raise Unavailable(f"cannot connect to the {self.label} at {self.where}: {exc}", Reason.UNREACHABLE) from exc
         try:
             conn.sock.settimeout(timeout_s + SOCKET_SLACK_S if timeout_s else None)
         except OSError as exc:
@@ -126,7 +126,7 @@ class ConnectionPool(Generic[Conn]):
             else:
                 conn.close()
             raise
-        except OSError as exc:        # ConnectionError, timeouts: never reuse the connection
+        except OSError as exc:  # ConnectionError, timeouts: never reuse the connection
             conn.close()
             raise Unavailable(f"{self.label} connection to {self.where} lost: {exc}", Reason.UNREACHABLE) from exc
         except BaseException:

@@ -70,14 +70,14 @@ from psgrid.psserver.protocol import MARK_BYTES, NO_MARK, REVOKED  # noqa: F401
 
 MAGIC = b"PST2"
 HELLO, PULL, PUSH = 1, 2, 3
-OPEN, MAP, ATTACH = 4, 5, 6          # the shared-memory plane's own operations
-DTYPE_BITS = 0x0F                    # the dtype byte's wire dtype; the bits above name the gradient file
+OPEN, MAP, ATTACH = 4, 5, 6  # the shared-memory plane's own operations
+DTYPE_BITS = 0x0F  # the dtype byte's wire dtype; the bits above name the gradient file
 FILE_SHIFT = 4
-FD_BYTE = b"F"       # the one byte that carries a file descriptor (SCM_RIGHTS) after a header
-REQUEST = struct.Struct("<4sBBqqQQd")      # magic, op, dtype, worker_id, clock, version, nbytes, timeout_s
-REPLY = struct.Struct("<4sBBBQqqQ")        # magic, status, reason, outcome, version, staleness, next_clock, nbytes
-MAX_MESSAGE = 1 << 16                      # longest refusal text or token
-HANDSHAKE_S = 3.0                          # time a new connection has for its TLS handshake and hello
+FD_BYTE = b"F"  # the one byte that carries a file descriptor (SCM_RIGHTS) after a header
+REQUEST = struct.Struct("<4sBBqqQQd")  # magic, op, dtype, worker_id, clock, version, nbytes, timeout_s
+REPLY = struct.Struct("<4sBBBQqqQ")  # magic, status, reason, outcome, version, staleness, next_clock, nbytes
+MAX_MESSAGE = 1 << 16  # longest refusal text or token
+HANDSHAKE_S = 3.0  # time a new connection has for its TLS handshake and hello
 
 # A header's fields as its named view: the layout fixed their number, so NamedTuple's check is skipped
 # (this is on every request's path).
@@ -85,6 +85,7 @@ _named = tuple.__new__
 
 
 # ----- requests ----------------------------------------------------------------------------------
+
 
 def hello_request(token: bytes) -> bytes:
     """The hello that shows the job's token, with the token."""
@@ -152,8 +153,16 @@ def read_request(sock: socket.socket, deadline: float | None = None) -> Request:
 
 # ----- replies -----------------------------------------------------------------------------------
 
-def reply_header(status: int = 0, reason: int = 0, outcome: int = 0, version: int = 0, staleness: int = 0,
-                 next_clock: int = 0, nbytes: int = 0) -> bytes:
+
+def reply_header(
+    status: int = 0,
+    reason: int = 0,
+    outcome: int = 0,
+    version: int = 0,
+    staleness: int = 0,
+    next_clock: int = 0,
+    nbytes: int = 0,
+) -> bytes:
     return REPLY.pack(MAGIC, status, reason, outcome, version, staleness, next_clock, nbytes)
 
 
@@ -206,6 +215,7 @@ class Reply(NamedTuple):
 
 
 # ----- reading ------------------------------------------------------------------------------------
+
 
 def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
     """Fill ``view`` from ``sock``; ConnectionError if the peer closes first.

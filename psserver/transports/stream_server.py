@@ -38,30 +38,37 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 from psgrid.psserver.exceptions import InvalidArgument, PSError, Unauthenticated
 from psgrid.psserver.protocol import Reason, Refusal, Status
 from psgrid.psserver.security import token_matches
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.transports.stream_admission import Admission, Connection, shutdown_quietly
-from psgrid.psserver.transports.stream_frames import (HANDSHAKE_S, HELLO, MAX_MESSAGE, Request, read_request,
-                                                   recv_exact, reply_header)
+from psgrid.psserver.transports.stream_frames import (
+    HANDSHAKE_S,
+    HELLO,
+    MAX_MESSAGE,
+    Request,
+    read_request,
+    recv_exact,
+    reply_header,
+)
 
 log = logging.getLogger("psgrid.tcp")
 
 __all__ = ["Connection", "SocketDataServer", "DEFAULT_MAX_CONNECTIONS", "reply_timeout", "wait_timeout"]
 
-MAX_HANDSHAKES = 256      # unauthenticated connections at once; one more closes the oldest
-ACCEPT_BATCH = 64         # connections accepted per turn of the loop: handshakes under way are read in between
-HEADER_S = 10.0           # a request header that has started must be complete within this
-PAYLOAD_GRACE_S = 10.0    # a payload has this long, plus a second per MIN_RATE bytes ...
-MIN_RATE = 1 << 20        # ... so it must come at 1 MiB/s on average at least, or be cut
-PAYLOAD_IDLE_S = 60.0     # longest pause between a payload's bytes (within its deadline)
-DRAIN_GRACE_S = 2.0       # a refused payload is dropped within this, plus a second per MIN_RATE bytes
-MAX_WAIT_S = 86400.0      # longest deadline a socket honours (a longer one from the wire is cut to this)
-LINGER_S = 1.0            # a handler waits this long for an active connection's next request
+MAX_HANDSHAKES = 256  # unauthenticated connections at once; one more closes the oldest
+ACCEPT_BATCH = 64  # connections accepted per turn of the loop: handshakes under way are read in between
+HEADER_S = 10.0  # a request header that has started must be complete within this
+PAYLOAD_GRACE_S = 10.0  # a payload has this long, plus a second per MIN_RATE bytes ...
+MIN_RATE = 1 << 20  # ... so it must come at 1 MiB/s on average at least, or be cut
+PAYLOAD_IDLE_S = 60.0  # longest pause between a payload's bytes (within its deadline)
+DRAIN_GRACE_S = 2.0  # a refused payload is dropped within this, plus a second per MIN_RATE bytes
+MAX_WAIT_S = 86400.0  # longest deadline a socket honours (a longer one from the wire is cut to this)
+LINGER_S = 1.0  # a handler waits this long for an active connection's next request
 # Connections at once: far more than any job's workers, and half of what this process may open.
 DEFAULT_MAX_CONNECTIONS = min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2)
 
@@ -76,10 +83,19 @@ class SocketDataServer(Admission):
 
     name = "data plane"
 
-    def __init__(self, service: ShardService, listener: socket.socket, token: str | None = None,
-                 ssl_context: ssl.SSLContext | None = None, *, handlers: int = 128,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, handshake_s: float = HANDSHAKE_S,
-                 max_handshakes: int | None = None, on_failure: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        service: ShardService,
+        listener: socket.socket,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        *,
+        handlers: int = 128,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        handshake_s: float = HANDSHAKE_S,
+        max_handshakes: int | None = None,
+        on_failure: Callable[[], None] | None = None,
+    ):
         self.service, self.token, self.ssl_context = service, token, ssl_context
         self.max_connections, self.on_failure = max_connections, on_failure
         self.handshake_s = handshake_s
@@ -89,20 +105,20 @@ class SocketDataServer(Admission):
         self.stopped = threading.Event()
         self.failed = False
         self.connections: set[Connection] = set()
-        self.waiting: dict[Connection, None] = {}     # unauthenticated, oldest first (the loop's)
-        self.draining: set[Connection] = set()        # authenticated, their refused payload dropped (the loop's)
-        self.admitted = 0                             # authenticated connections
+        self.waiting: dict[Connection, None] = {}  # unauthenticated, oldest first (the loop's)
+        self.draining: set[Connection] = set()  # authenticated, their refused payload dropped (the loop's)
+        self.admitted = 0  # authenticated connections
         self.lock = threading.Lock()
         self.selector = selectors.DefaultSelector()
-        self.scratch = bytearray(1 << 16)             # where the loop drops bytes
-        self.wake_r, self.wake_w = socket.socketpair()     # tells the loop a connection came back
+        self.scratch = bytearray(1 << 16)  # where the loop drops bytes
+        self.wake_r, self.wake_w = socket.socketpair()  # tells the loop a connection came back
         self.wake_r.setblocking(False)
         self.returned: queue.SimpleQueue[Connection] = queue.SimpleQueue()
         self.handlers, self.busy = max(1, handlers), 0
         self.pool = ThreadPoolExecutor(max_workers=self.handlers, thread_name_prefix=f"{self.name}-handler")
         self.thread = threading.Thread(target=self._run, name=f"{self.name}-accept", daemon=True)
 
-    def start(self) -> "SocketDataServer":
+    def start(self) -> SocketDataServer:
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
         self.thread.start()
@@ -115,7 +131,7 @@ class SocketDataServer(Admission):
             self.thread.join(timeout=5)
         with self.lock:
             connections = list(self.connections)
-        for conn in connections:       # a handler blocked on one of them wakes with an error
+        for conn in connections:  # a handler blocked on one of them wakes with an error
             shutdown_quietly(conn.raw)
         self.pool.shutdown(wait=True)  # each handler gives back what it holds (pooled buffers) as it ends
         for conn in connections:
@@ -138,8 +154,12 @@ class SocketDataServer(Admission):
 
     def _operation(self, conn: Connection, request: Request) -> bool:
         """Serve one request other than the hello; False if the connection must close."""
-        self._refuse_unread(conn, InvalidArgument(f"unknown data-plane operation {request.op}", Reason.MALFORMED),
-                            request.nbytes, MAX_MESSAGE)
+        self._refuse_unread(
+            conn,
+            InvalidArgument(f"unknown data-plane operation {request.op}", Reason.MALFORMED),
+            request.nbytes,
+            MAX_MESSAGE,
+        )
         return False
 
     def _released(self, conn: Connection) -> None:
@@ -168,7 +188,7 @@ class SocketDataServer(Admission):
         accept = False
         for key, _ in self.selector.select(timeout=0.5):
             if key.data == "accept":
-                accept = True            # last: the handshakes already under way are read first
+                accept = True  # last: the handshakes already under way are read first
             elif key.data == "wake":
                 _drain(self.wake_r)
             elif not key.data.closed:
@@ -194,7 +214,7 @@ class SocketDataServer(Admission):
                 sock, _ = self.listener.accept()
             except BlockingIOError:
                 return
-            except OSError as exc:     # out of file descriptors, say: the others go on being served
+            except OSError as exc:  # out of file descriptors, say: the others go on being served
                 log.warning("%s cannot accept a connection now: %s", self.name, exc)
                 time.sleep(0.05)
                 return
@@ -220,13 +240,13 @@ class SocketDataServer(Admission):
                 self.draining.add(conn)
         try:
             self.selector.register(conn.sock, selectors.EVENT_READ, conn)
-        except (ValueError, OSError):     # closed meanwhile
+        except (ValueError, OSError):  # closed meanwhile
             self._close(conn)
 
     def _dispatch(self, conn: Connection) -> None:
         try:
             self.pool.submit(self._serve, conn)
-        except RuntimeError as exc:       # no thread can start, or the pool is shutting down
+        except RuntimeError as exc:  # no thread can start, or the pool is shutting down
             log.warning("%s cannot serve a connection now: %s", self.name, exc)
             self._close(conn)
 
@@ -234,7 +254,7 @@ class SocketDataServer(Admission):
         now = time.monotonic()
         with self.lock:
             late = []
-            for conn in self.waiting:     # oldest first, and so soonest deadline first
+            for conn in self.waiting:  # oldest first, and so soonest deadline first
                 if conn.deadline > now:
                     break
                 late.append(conn)
@@ -291,14 +311,14 @@ class SocketDataServer(Admission):
             while keep and not conn.drain and not self.stopped.is_set() and self._next_request_soon(conn.sock):
                 keep = self._request(conn)
         except (ConnectionError, OSError, ssl.SSLError):
-            pass      # the client went away; nothing half-applied: a push reaches the shard only once complete
+            pass  # the client went away; nothing half-applied: a push reaches the shard only once complete
         except Exception:  # noqa: BLE001 - one bad connection must not take the shard down
             log.exception("%s connection failed", self.name)
         finally:
             with self.lock:
                 self.busy -= 1
         if (keep or conn.drain) and not self.stopped.is_set():
-            self.returned.put(conn)       # idle again, or a refused payload for the loop to drop
+            self.returned.put(conn)  # idle again, or a refused payload for the loop to drop
             self._wake()
         else:
             self._close(conn)
@@ -332,8 +352,18 @@ class SocketDataServer(Admission):
 
     # ----- replies ------------------------------------------------------------------------------
 
-    def _reply(self, conn, *, status=Status.OK, reason=Reason.NONE, outcome=0, version=0, staleness=0, next_clock=0,
-               payload=None) -> None:
+    def _reply(
+        self,
+        conn,
+        *,
+        status=Status.OK,
+        reason=Reason.NONE,
+        outcome=0,
+        version=0,
+        staleness=0,
+        next_clock=0,
+        payload=None,
+    ) -> None:
         nbytes = 0 if payload is None else memoryview(payload).nbytes
         conn.sendall(reply_header(status, reason, outcome, version, staleness, next_clock, nbytes))
         if payload is not None:
@@ -341,13 +371,17 @@ class SocketDataServer(Admission):
 
     def _reply_push(self, conn, result) -> None:
         """A push's answer: its outcome, the shard's version, the staleness and the worker's next clock."""
-        self._reply(conn, outcome=result.outcome, version=result.version, staleness=result.staleness,
-                    next_clock=result.next_clock)
+        self._reply(
+            conn,
+            outcome=result.outcome,
+            version=result.version,
+            staleness=result.staleness,
+            next_clock=result.next_clock,
+        )
 
     def _refuse(self, conn, exc: BaseException) -> Refusal:
         refusal = self.service.refuse(exc, f"a {self.name} call")
-        self._reply(conn, status=refusal.status, reason=refusal.reason,
-                    payload=refusal.message.encode()[:MAX_MESSAGE])
+        self._reply(conn, status=refusal.status, reason=refusal.reason, payload=refusal.message.encode()[:MAX_MESSAGE])
         return refusal
 
     def _answer(self, sock, serve: Callable, *args):
@@ -358,7 +392,7 @@ class SocketDataServer(Admission):
         """
         try:
             return serve(*args)
-        except PSError as exc:       # first: a WaitTimeout is also an OSError
+        except PSError as exc:  # first: a WaitTimeout is also an OSError
             self._refuse(sock, exc)
         except OSError:
             raise

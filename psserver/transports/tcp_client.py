@@ -29,8 +29,10 @@ class TcpDataPlane(DataPlane):
     def __init__(self, host: str, port: int, options: ConnectOptions):
         self.host, self.port = host, port
         self.token = options.token
-        self.ssl_context = client_ssl_context(options.tls_ca, options.tls_cert, options.tls_key) if options.tls else None
-        self.replier = f"shard data plane at {self.where}"       # who a refusal came from, in its message
+        self.ssl_context = (
+            client_ssl_context(options.tls_ca, options.tls_cert, options.tls_key) if options.tls else None
+        )
+        self.replier = f"shard data plane at {self.where}"  # who a refusal came from, in its message
         self.pool: ConnectionPool[StreamConnection] = ConnectionPool(self._connect, "data plane", self.where)
 
     @property
@@ -46,7 +48,7 @@ class TcpDataPlane(DataPlane):
             if self.token:
                 say_hello(sock, self.token, self.replier)
         except BaseException:
-            sock.close()      # a refused handshake or hello must not leak the socket
+            sock.close()  # a refused handshake or hello must not leak the socket
             raise
         return StreamConnection(sock)
 
@@ -60,15 +62,25 @@ class TcpDataPlane(DataPlane):
             sock.sendall(pull_request(FLOAT32, worker_id, clock, timeout_s))
             reply = read_reply(sock, self.replier)
             if reply.nbytes != view.nbytes:
-                raise BadReply(f"shard data plane at {self.where} sent {reply.nbytes} bytes for a range of "
-                               f"{view.nbytes}")
+                raise BadReply(
+                    f"shard data plane at {self.where} sent {reply.nbytes} bytes for a range of {view.nbytes}"
+                )
             recv_exact(sock, view)
             return reply.version
 
         return self.pool.round_trip(timeout_s, call)
 
-    def push(self, grad: np.ndarray, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int,
-             timeout_s: float) -> PushResult:
+    def push(
+        self,
+        grad: np.ndarray,
+        *,
+        begin: int,
+        wire_dtype: int,
+        worker_id: int,
+        clock: int,
+        version: int,
+        timeout_s: float,
+    ) -> PushResult:
         payload = memoryview(grad).cast("B") if wire_dtype == FLOAT32 else wire.encode(grad, wire_dtype)
         nbytes = memoryview(payload).nbytes
 

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import socket
 import ssl
-from typing import Callable
+from collections.abc import Callable
 
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.transports.base import ListenContext, Listening, register_listener
 from psgrid.psserver.transports.stream_frames import HANDSHAKE_S, PULL, PUSH, Request, recv_exact
-from psgrid.psserver.transports.stream_server import (DEFAULT_MAX_CONNECTIONS, Connection, SocketDataServer,
-                                                      wait_timeout)
+from psgrid.psserver.transports.stream_server import DEFAULT_MAX_CONNECTIONS, Connection, SocketDataServer, wait_timeout
 
-DRAIN_SLACK = 1 << 20     # a refused push is dropped up to the range in float32 and this much more, then cut
+DRAIN_SLACK = 1 << 20  # a refused push is dropped up to the range in float32 and this much more, then cut
 
 
 class TcpDataServer(SocketDataServer):
@@ -32,17 +31,33 @@ class TcpDataServer(SocketDataServer):
 
     name = "TCP data plane"
 
-    def __init__(self, service: ShardService, host: str, token: str | None = None,
-                 ssl_context: ssl.SSLContext | None = None, *, handlers: int = 128,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS, handshake_s: float = HANDSHAKE_S,
-                 on_failure: Callable[[], None] | None = None):
-        listener = socket.create_server((host, 0), backlog=1024)     # a burst of connects is not dropped
+    def __init__(
+        self,
+        service: ShardService,
+        host: str,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        *,
+        handlers: int = 128,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        handshake_s: float = HANDSHAKE_S,
+        on_failure: Callable[[], None] | None = None,
+    ):
+        listener = socket.create_server((host, 0), backlog=1024)  # a burst of connects is not dropped
         self.port = listener.getsockname()[1]
-        super().__init__(service, listener, token, ssl_context, handlers=handlers, max_connections=max_connections,
-                         handshake_s=handshake_s, on_failure=on_failure)
+        super().__init__(
+            service,
+            listener,
+            token,
+            ssl_context,
+            handlers=handlers,
+            max_connections=max_connections,
+            handshake_s=handshake_s,
+            on_failure=on_failure,
+        )
 
     def _accepted(self, sock: socket.socket) -> str | None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)    # a reply's header and payload go at once
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # a reply's header and payload go at once
         return None
 
     def _operation(self, conn: Connection, request: Request) -> bool:
@@ -95,13 +110,21 @@ class TcpDataServer(SocketDataServer):
 
 # ----- the plane's server end, registered (transports/base.py) ---------------------------------------
 
+
 def _listen(service: ShardService, config, context: ListenContext) -> Listening | None:
     """The TCP data plane, where the shard's ``data_plane`` asks for it ("grpc": gRPC only); its offer is the port."""
     if config.data_plane != "tcp":
         return None
-    server = TcpDataServer(service, config.host, config.token, context.ssl_context, handlers=config.threads,
-                           max_connections=config.tcp_max_connections, handshake_s=config.tcp_handshake_s,
-                           on_failure=context.on_failure)
+    server = TcpDataServer(
+        service,
+        config.host,
+        config.token,
+        context.ssl_context,
+        handlers=config.threads,
+        max_connections=config.tcp_max_connections,
+        handshake_s=config.tcp_handshake_s,
+        on_failure=context.on_failure,
+    )
     return Listening(server, address=lambda: str(server.port))
 
 

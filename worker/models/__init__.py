@@ -15,8 +15,9 @@ from psgrid.worker.models.mlp import MLP, SoftmaxRegression
 MODELS = ("softmax", "mlp", "cnn")
 
 
-def build_model(name: str, input_shape: tuple, num_classes: int, hidden=(128,), activation: str = "relu",
-                channels=(8, 16)) -> Model:
+def build_model(
+    name: str, input_shape: tuple, num_classes: int, hidden=(128,), activation: str = "relu", channels=(8, 16)
+) -> Model:
     """Build a model by name.
 
     Parameters
@@ -42,5 +43,13 @@ def build_model(name: str, input_shape: tuple, num_classes: int, hidden=(128,), 
     raise ValueError(f"unknown model {name!r}; choose one of {MODELS}")
 
 
-__all__ = ["MLP", "MODELS", "Model", "SmallCNN", "SoftmaxRegression", "accuracy", "build_model",
-           "softmax_cross_entropy"]
+__all__ = [
+    "MLP",
+    "MODELS",
+    "Model",
+    "SmallCNN",
+    "SoftmaxRegression",
+    "accuracy",
+    "build_model",
+    "softmax_cross_entropy",
+]

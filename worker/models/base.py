@@ -127,7 +127,7 @@ def accuracy(model: Model, params: dict, x, y, batch: int = 1000) -> float:
         raise ValueError("accuracy of an empty set")
     correct = 0
     for start in range(0, n, batch):
-        xb = xp.asarray(x[start:start + batch])
-        yb = xp.asarray(y[start:start + batch])
+        xb = xp.asarray(x[start : start + batch])
+        yb = xp.asarray(y[start : start + batch])
         correct = correct + (model.predict(params, xb).argmax(axis=1) == yb).sum()
     return float(correct) / n

@@ -23,10 +23,15 @@ class SmallCNN(Model):
         c1, c2 = channels
         flat = c2 * (h // 2 // 2) * (w // 2 // 2)
         layers = [
-            Conv2D("conv1", c, c1), ReLU(), MaxPool2(),
-            Conv2D("conv2", c1, c2), ReLU(), MaxPool2(),
+            Conv2D("conv1", c, c1),
+            ReLU(),
+            MaxPool2(),
+            Conv2D("conv2", c1, c2),
+            ReLU(),
+            MaxPool2(),
             Flatten(),
-            Dense("fc1", flat, hidden), ReLU(),
+            Dense("fc1", flat, hidden),
+            ReLU(),
             Dense("fc2", hidden, num_classes, init="xavier"),
         ]
         super().__init__(layers, input_shape, num_classes)

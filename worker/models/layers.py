@@ -141,7 +141,7 @@ class Conv2D(Layer):
         n, c, h, w = x.shape
         p = self.k // 2
         padded = xp.pad(x, ((0, 0), (0, 0), (p, p), (p, p)))
-        patches = xp.stack([padded[:, :, i:i + h, j:j + w] for i, j in self._shifts()], axis=2)
+        patches = xp.stack([padded[:, :, i : i + h, j : j + w] for i, j in self._shifts()], axis=2)
         cols = patches.transpose(0, 3, 4, 1, 2).reshape(n * h * w, c * self.k * self.k)  # rows: pixels
         out = cols @ params[self.w].reshape(self.cout, -1).T + params[self.b]
         return out.reshape(n, h, w, self.cout).transpose(0, 3, 1, 2), (x.shape, cols)
@@ -158,8 +158,8 @@ class Conv2D(Layer):
         p = self.k // 2
         dpadded = xp.zeros((n, c, h + 2 * p, w + 2 * p), dtype=dout.dtype)
         for s, (i, j) in enumerate(self._shifts()):
-            dpadded[:, :, i:i + h, j:j + w] += dcols[..., s].transpose(0, 3, 1, 2)
-        return dpadded[:, :, p:p + h, p:p + w]
+            dpadded[:, :, i : i + h, j : j + w] += dcols[..., s].transpose(0, 3, 1, 2)
+        return dpadded[:, :, p : p + h, p : p + w]
 
 
 class MaxPool2(Layer):
@@ -176,7 +176,7 @@ class MaxPool2(Layer):
     def _windows(x):
         n, c, h, w = x.shape
         ho, wo = h // 2, w // 2
-        x = x[:, :, :2 * ho, :2 * wo].reshape(n, c, ho, 2, wo, 2)
+        x = x[:, :, : 2 * ho, : 2 * wo].reshape(n, c, ho, 2, wo, 2)
         return x.transpose(0, 1, 2, 4, 3, 5).reshape(n, c, ho, wo, 4)
 
     def forward(self, params, x):
@@ -191,5 +191,5 @@ class MaxPool2(Layer):
         dwindows = (xp.arange(4) == first_max[..., None]) * dout[..., None]
         dwindows = dwindows.reshape(n, c, ho, wo, 2, 2).transpose(0, 1, 2, 4, 3, 5)
         dx = xp.zeros((n, c, h, w), dtype=dout.dtype)
-        dx[:, :, :2 * ho, :2 * wo] = dwindows.reshape(n, c, 2 * ho, 2 * wo)
+        dx[:, :, : 2 * ho, : 2 * wo] = dwindows.reshape(n, c, 2 * ho, 2 * wo)
         return dx
