@@ -90,6 +90,16 @@ def _timed_download(original):
     return download_grad
 
 
+_PULL = PullAhead.pull
+
+
+def _pull_copying_at_once(self, ahead: bool = True) -> None:
+    """The variant compared: a posted pull's copies start at once, before the step's kernels are launched."""
+    _PULL(self, ahead)
+    if ahead:
+        self.advance()
+
+
 def run(
     args,
     pull_ahead: bool,
@@ -106,7 +116,7 @@ def run(
     for times in (*WAITS.values(), *AT.values()):
         times.clear()
     Client.posts = _POSTS if posting else _never_posts
-    PullAhead.ADVANCE_AFTER_LAUNCH = after_launch
+    PullAhead.pull = _PULL if after_launch else _pull_copying_at_once
     try:
         row = gpu_workers.with_servers(
             gpu_workers.big_mlp(args, pull_ahead=pull_ahead), 4, "async", "shm", apply_threads=apply_threads

@@ -63,11 +63,6 @@ class PullAhead:
         What this step waited for its weights, before the push of the step before (:meth:`push_versions`).
     """
 
-    # A posted pull's copies start once the step's kernels are launched (advance()), its answers read
-    # then rather than waited for before the launches. A class attribute, so that
-    # benchmarks/host_step_parts.py can compare with starting them at once.
-    ADVANCE_AFTER_LAUNCH = True
-
     def __init__(self, bufs: FlatBuffers, spec):
         self.bufs = bufs
         self.spare = spec.flat(bufs.xp)
@@ -94,9 +89,9 @@ class PullAhead:
             self.spare, self.spare_views = current, views
         if ahead:
             # The buffer the step before computed from: its compute (and the gradient's copy) has ended.
+            # A posted pull's copies start once this step's kernels are launched (advance()), its answers
+            # read then rather than waited for before the launches (benchmarks/host_step_parts.py compares).
             self.pending = self.bufs.pull_to(self.spare, background=True)
-            if not self.ADVANCE_AFTER_LAUNCH:
-                self.advance()
 
     def advance(self) -> None:
         """Once the step's kernels are launched: start the next step's copies, where its pull was posted
