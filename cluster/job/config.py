@@ -67,7 +67,7 @@ def _train_config():
 EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 
 # Set per process by the launcher or the psctl server flags, never by a job file.
-SERVER_PER_PROCESS = ("shard_index", "num_shards", "port", "extra")
+SERVER_PER_PROCESS = ("shard_index", "num_shards", "port")
 # Same name, different meaning on the two sides: a shard's certificate is not a worker's.
 AMBIGUOUS = ("tls_cert", "tls_key", "tls_ca")
 # Same name and meaning on both sides: a top-level value sets both.

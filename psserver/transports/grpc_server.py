@@ -3,7 +3,7 @@
 Requests arrive as raw bytes (no deserializer at the gRPC layer) and are decoded inside
 the handler, so a malformed message is refused as bad input, with a reason, like any
 other (gRPC's own deserializer would answer INTERNAL). Pull replies and Push requests use
-the codec of framing.py: the same bytes as the generated code, at about 2.5x its
+the codec of grpc_codec.py: the same bytes as the generated code, at about 2.5x its
 throughput (docs/performance.md, "The gRPC codec", has the measurement).
 """
 
