@@ -55,7 +55,10 @@ def open_new(path: str | os.PathLike, mode: str = "w", perms: int = FILE_MODE, *
     try:
         return os.fdopen(fd, mode.replace("x", "w"), **kwargs)
     except BaseException:
-        os.close(fd)
+        # io.open closes the fd itself when it fails after wrapping it (a Ctrl-C landing inside the
+        # text layer's setup): a second close would raise EBADF and hide the first exception.
+        with contextlib.suppress(OSError):
+            os.close(fd)
         raise
 
 

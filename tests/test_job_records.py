@@ -66,6 +66,22 @@ def test_a_write_that_fails_half_way_leaves_the_old_record(tmp_path, monkeypatch
     assert [p.name for p in tmp_path.iterdir()] == ["job.toml"]
 
 
+def test_a_signal_inside_the_file_wrapper_comes_out_as_itself_not_as_a_second_close(tmp_path, monkeypatch):
+    # io.open closes the descriptor when its text layer fails (a Ctrl-C landing there, seen in CI):
+    # closing it again raised EBADF, which hid the Ctrl-C and made psctl exit 1 instead of 130.
+    from psgrid.psserver import files
+
+    real_fdopen = os.fdopen
+
+    def interrupted_after_wrapping(fd, *args, **kwargs):
+        real_fdopen(fd, "rb").close()  # what io.open's own cleanup does to the descriptor
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(files.os, "fdopen", interrupted_after_wrapping)
+    with pytest.raises(KeyboardInterrupt):
+        files.open_new(tmp_path / "events.jsonl", "a")
+
+
 def test_signals_are_held_across_a_rewrite_then_delivered_to_the_handler_they_had():
     heard = []
     before = {

@@ -68,6 +68,11 @@ def listen_for_interrupts() -> dict:
     return {sig: signal.signal(sig, _raise_interrupted) for sig in SIGNALS}
 
 
+def signal_heard() -> int | None:
+    """The signal received since :func:`listen_for_interrupts` (None: none), swallowed or not."""
+    return _defer["received"]
+
+
 def check_interrupted() -> None:
     """Raise Interrupted if a signal came and its exception was swallowed on the way (the loops call this)."""
     if _defer["received"] is not None and not _defer["depth"]:

@@ -47,6 +47,7 @@ from psgrid.cluster.run.interrupts import (
     deferred_signals,
     ignore_signals,
     listen_for_interrupts,
+    signal_heard,
 )
 from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.procs import Child, child_env, psctl_argv, stop_children, usable_cpus
@@ -526,6 +527,17 @@ def launch(
     except Interrupted as e:
         print(f"psctl launch: {e}: stopped every child; partial results in {out}", file=sys.stderr)
         return 128 + e.signum
+    except Exception:
+        # A Ctrl-C that lands inside library code can come out as that code's own error (a
+        # half-opened file's OSError): it was the Ctrl-C, and the exit code says so.
+        signum = signal_heard()
+        if signum is None:
+            raise
+        print(
+            f"psctl launch: {signal.Signals(signum).name}: stopped every child; partial results in {out}",
+            file=sys.stderr,
+        )
+        return 128 + signum
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
