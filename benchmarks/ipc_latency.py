@@ -81,6 +81,7 @@ def server_side(elements: int, mode: str, repeat: int) -> dict:
     """The shard's part of a push, in this process: the whole intake, and its copy-and-check and update alone."""
     from psgrid.psserver.service import ShardService
     from psgrid.psserver.state.shard import Shard
+    from psgrid.psserver.transports.ipc_server import DeviceSlot
 
     spec = ModelSpec([("w", (elements,))])
     shard = Shard(ServerConfig(mode=mode, lr=1e-6, shard_device="gpu"))
@@ -94,7 +95,7 @@ def server_side(elements: int, mode: str, repeat: int) -> dict:
     clock = iter(range(10**9))
 
     def push():
-        service.push_device(worker_id=0, clock=next(clock), version=shard.version, slot=slot)
+        service.push(worker_id=0, clock=next(clock), version=shard.version, source=DeviceSlot(slot, arrays))
 
     def step():
         with arrays.use():

@@ -1,13 +1,16 @@
 """A payload arriving from the wire, checked as it lands: a push's gradient, or the initial weights.
 
-Every plane fills a :class:`RangeIntake` its own way (gRPC chunks, a TCP landing, a worker's
-shared memory, a CUDA IPC slot), and nothing reaches the shard until it is complete and checked.
-service.py opens them; what a valid payload does to the state is the shard's.
+A plane fills a :class:`RangeIntake` in one of two ways: a stream receives it piece by piece (gRPC
+chunks, a TCP landing), or the plane hands over the whole gradient at once as a
+:class:`GradientSource` of its own (a worker's shared memory, a CUDA IPC slot, an array of the
+shard's process) for :meth:`PushIntake.fill`. Nothing reaches the shard until it is complete and
+checked. service.py opens them; what a valid payload does to the state is the shard's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
@@ -25,13 +28,43 @@ UPLOAD_CHUNK_BYTES = 8 << 20
 WEIGHT_DTYPES = frozenset({FLOAT32})
 
 
+class GradientSource(Protocol):
+    """A whole gradient that a plane hands to :meth:`PushIntake.fill`, instead of a payload to receive.
+
+    Each plane that has one defines its own (shm_server.py's ``SharedSegment``, ipc_server.py's
+    ``DeviceSlot``, local_gradient.py's ``CallerArray``); the intake decides where it lands and
+    whether it is checked, so every plane's gradient meets the same rules.
+    """
+
+    nbytes: int  # what the push moved, as the shard's counters count it
+
+    def check(self, size: int) -> None:
+        """Refuse (InvalidArgument, with its reason), before anything is read, a gradient that is not
+        ``size`` elements of a gradient dtype."""
+
+    def lend(self):
+        """The gradient itself, float32, to be read where it lies during this push only; None: copy it."""
+
+    def copy_into(self, destination) -> bool:
+        """Copy the gradient, as float32, into ``destination`` (a pooled buffer of the shard's, where its
+        arrays live: its GPU on a device shard); True when that same pass checked every value for NaN
+        and infinity (raising :func:`non_finite` on one), so nothing reads it again for them."""
+
+
+def check_dtype(dtype: int, allowed: frozenset[int]) -> None:
+    """Refuse a wire dtype that is not one of ``allowed``, naming those that are."""
+    if dtype not in allowed:
+        kinds = "/".join(name for name, code in WIRE_DTYPES.items() if code in allowed)
+        raise InvalidArgument(f"dtype {dtype} is not allowed here (expected {kinds})", Reason.BAD_DTYPE)
+
+
 class RangeIntake:
     """One float range arriving from the wire, checked as it lands; nothing reaches the shard until :meth:`complete`.
 
-    Each plane fills it its own way, one method each: the gRPC streams add chunks that must tile
+    A stream fills it as its bytes come: the gRPC streams add chunks that must tile
     ``[begin, begin + size)`` in order (:meth:`add_chunk`); the TCP plane fills the whole range at
-    once (:meth:`landing`, then :meth:`landed`); the shared-memory plane hands over the worker's
-    own memory (:meth:`PushIntake.fill_shared`). Each piece is checked as it arrives, so a bad one
+    once (:meth:`landing`, then :meth:`landed`); a plane that holds the whole gradient already hands
+    it over instead (:meth:`PushIntake.fill`). Each piece is checked as it arrives, so a bad one
     is refused before the rest is read. ``finite`` is the check for NaN and infinity, or None
     where the values are checked later, by the update that reads them (see state/pushes.py
     :func:`finite_check`).
@@ -68,9 +101,7 @@ class RangeIntake:
         self.covered = self.chunks = self.nbytes = 0
 
     def _check_dtype(self, dtype: int) -> None:
-        if dtype not in self.allowed:
-            kinds = "/".join(name for name, code in WIRE_DTYPES.items() if code in self.allowed)
-            raise InvalidArgument(f"dtype {dtype} is not allowed here (expected {kinds})", Reason.BAD_DTYPE)
+        check_dtype(dtype, self.allowed)
 
     def _destination(self) -> np.ndarray:
         """The buffer the range lands in (a push takes its pooled one only once its payload comes)."""
@@ -151,11 +182,11 @@ class PushIntake(RangeIntake):
     """One push, whichever plane brings it: the gradient lands, then :meth:`commit` hands it to the shard.
 
     It lands in a pooled host buffer of the shard's, taken when the payload comes (and given back by
-    :meth:`close` unless a sync round keeps it), or, on the shared-memory plane, stays in the
-    worker's memory and is read there (``borrowed``), or, on the CUDA IPC plane, is copied from the
-    worker's slot into a device buffer of the shard's own (:meth:`fill_device`). A device shard's
-    network payload lands in page-locked host memory and goes on to the GPU as it comes: the TCP
-    plane's a piece at a time (:meth:`receive`), gRPC's a chunk at a time (:meth:`add_chunk`).
+    :meth:`close` unless a sync round keeps it), or, handed over whole (:meth:`fill`), is read where
+    the plane's source lends it (``borrowed``: a worker's shared memory) or copied out of it into a
+    pooled buffer where the shard's arrays live (a CUDA IPC slot, into the shard's GPU). A device
+    shard's network payload lands in page-locked host memory and goes on to the GPU as it comes: the
+    TCP plane's a piece at a time (:meth:`receive`), gRPC's a chunk at a time (:meth:`add_chunk`).
     """
 
     __slots__ = ("shard", "worker_id", "clock", "version", "borrowed", "home", "checked", "staged", "uploaded")
@@ -218,61 +249,30 @@ class PushIntake(RangeIntake):
         self.buffer, self.home, self.staged, self.checked = self.staged, self.shard.pool, None, True
         self.covered, self.chunks, self.nbytes = self.size, 1, self.size * ITEMSIZE[FLOAT32]
 
-    def fill_device(self, slot) -> None:
-        """The gradient is in ``slot``, a device buffer of the shard's that the worker writes (the IPC plane).
+    def fill(self, source: GradientSource) -> None:
+        """The whole gradient at once, handed over by a plane as ``source`` (see :class:`GradientSource`).
 
-        Copied first into a buffer the worker cannot reach, and checked for NaN and infinity in the
-        same pass: the worker may write its slot again at any time, and must not change a gradient
-        between its check and its update.
+        Read where it lies when the source lends it, during this push only (``borrowed``: a sync
+        round that keeps it copies it first); else copied into a pooled buffer of the shard's, where
+        the worker cannot change it between its check and its update. Checked for NaN and infinity
+        in the copy's own pass where the source does so, else as it lands where a sync round may hold
+        it (``finite``); in async the update checks it as it reads it.
         """
-        self.home = self.shard.pool
-        self.buffer = self.home.take()
-        if not self.shard.arrays.copy_checked(self.buffer, slot):
-            raise non_finite("payload")
-        self.covered, self.chunks, self.nbytes = self.size, 1, slot.nbytes
-        self.checked = True
-
-    def fill_local(self, grad) -> None:
-        """The gradient is ``grad``, float32 memory of a caller in the shard's own process (the in-process plane).
-
-        Read where it lies, during this push only (``borrowed``): host memory, or on a device shard a
-        device array of its GPU, which the caller has finished writing. Checked as it lands where a
-        sync round may hold it; in async the update checks it as it reads it.
-        """
-        if getattr(grad, "dtype", None) != np.float32 or getattr(grad, "ndim", 0) != 1:
-            raise InvalidArgument(
-                f"a pushed gradient must be a 1-D float32 array, got {getattr(grad, 'dtype', grad)!r}", Reason.BAD_DTYPE
-            )
-        if len(grad) != self.size:
-            raise InvalidArgument(
-                f"the gradient has {len(grad)} elements; this shard's range has {self.size}", Reason.BAD_SIZE
-            )
-        self.buffer, self.borrowed = grad, True
-        if self.finite is not None:
-            finite = self.finite(grad) if isinstance(grad, np.ndarray) else self.shard.arrays.all_finite(grad)
-            if not finite:
-                raise non_finite("payload")
-        self.covered, self.chunks, self.nbytes = self.size, 1, grad.nbytes
-
-    def fill_shared(self, dtype: int, segment: np.ndarray) -> None:
-        """The gradient is ``segment``, this shard's range of a worker's shared memory, in wire ``dtype``.
-
-        A float32 gradient is checked and used where it lies (no copy); a half-precision one is
-        converted into a pooled buffer, then checked.
-        """
-        if dtype not in self.allowed:
-            self._check_dtype(dtype)
-        if len(segment) != self.size:
-            raise InvalidArgument(
-                f"the shared gradient maps {len(segment)} elements; this shard's range has {self.size}", Reason.BAD_SIZE
-            )
-        if dtype == FLOAT32:
-            self.buffer, self.borrowed = segment, True
+        source.check(self.size)
+        lent = source.lend()
+        if lent is not None:
+            self.buffer, self.borrowed = lent, True
         else:
-            wire.decode_into(self._destination(), memoryview(segment).cast("B"), dtype)
-        if self.finite is not None and not self.finite(self.buffer):
+            self.home = self.shard.pool
+            self.buffer = self.home.take()
+            self.checked = source.copy_into(self.buffer)
+        if not self.checked and self.finite is not None and not self._all_finite(self.buffer):
             raise non_finite("payload")
-        self.covered, self.chunks, self.nbytes = self.size, 1, segment.nbytes
+        self.covered, self.chunks, self.nbytes = self.size, 1, source.nbytes
+
+    def _all_finite(self, values) -> bool:
+        """``finite`` for host memory; a device array (of the shard's GPU) is checked by the shard's own arrays."""
+        return self.finite(values) if isinstance(values, np.ndarray) else self.shard.arrays.all_finite(values)
 
     def commit(self, declared_chunks: int | None = None) -> PushResult:
         if self.covered != self.size or declared_chunks is not None:  # a whole landing is complete

@@ -1,7 +1,11 @@
 """The one data path of a shard: what every call means, checked once, whatever the transport.
 
-Transports (``transports/grpc_server.py``, ``transports/tcp_server.py``) decode their wire
-format and call these methods with plain values. This module alone
+Transports (``transports/*_server.py``) decode their wire format and call these methods with plain
+values. A plane needs two of them for its payloads: a pull lease (:meth:`ShardService.pull`, a
+snapshot it sends from and gives back) and a push intake (:meth:`ShardService.open_push`, which a
+stream receives into, or :meth:`ShardService.push`, for a whole gradient the plane hands over as a
+source of its own). What is one plane's alone (its slots, files, handles) is that plane's module's.
+This module alone
 
 * bounds every number that comes from the wire (ids, clocks, versions, sizes);
 * checks payloads as they land (intake.py): offsets, sizes, dtypes, non-finite values, truncation;
@@ -27,8 +31,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from psgrid.psserver.exceptions import InvalidArgument, PSError, Unavailable, WrongJob
-from psgrid.psserver.intake import InitIntake, PushIntake
+from psgrid.psserver.exceptions import InvalidArgument, PSError, WrongJob
+from psgrid.psserver.intake import GradientSource, InitIntake, PushIntake
 from psgrid.psserver.protocol import (
     FLOAT32,
     ITEMSIZE,
@@ -294,11 +298,18 @@ class ShardService:
         snapshot's buffer goes back to the pool when the block ends. ``device``: the caller is in this
         process (the in-process plane) and may take a device shard's GPU buffer itself.
         """
-        self._wait_for_pull(worker_id, clock, timeout_s, cancelled)
+        self.admit_pull(worker_id=worker_id, clock=clock, timeout_s=timeout_s, cancelled=cancelled)
         version, values = self.shard.snapshot(device=device)
         return PullLease(self.shard, Snapshot(version, self.shard.begin, values))
 
-    def _wait_for_pull(self, worker_id: int, clock: int, timeout_s: float | None, cancelled) -> None:
+    def admit_pull(
+        self, *, worker_id: int, clock: int, timeout_s: float | None, cancelled: Callable[[], bool] | None = None
+    ) -> None:
+        """Bound the numbers and wait, as :meth:`pull` does, until ``worker_id`` may pull at ``clock``.
+
+        For a plane that lends the weights its own way once the wait is over (the shared-memory and
+        CUDA IPC planes mark a ring buffer for a reader in another process: ring_readers.py).
+        """
         if not ((0 <= worker_id <= MAX_WORKER_ID or worker_id == -1) and 0 <= clock <= MAX_CLOCK):
             check_worker(worker_id, observer_ok=True)  # one of them is out of range: say which
             check_range("clock", clock, 0, MAX_CLOCK)
@@ -311,76 +322,12 @@ class ShardService:
             wait_s = max(0.0, timeout_s - REPLY_MARGIN_S)
         self.shard.wait_for_pull(worker_id, clock, wait_s, cancelled=cancelled)
 
-    # ----- the shared-memory plane: readers and writers in other processes of this host ----------
-
-    def _require_shared(self) -> None:
-        # A client that chose this plane before Init found the weights could not be shared: it drops
-        # the plane, and its next registration no longer offers it.
-        if not self.shard.shares_memory:
-            raise Unavailable(
-                f"shard {self.shard.config.shard_index} keeps its weights in private memory (its log "
-                f"says why): use a network plane"
-            )
-
-    def open_reader(self) -> tuple[int, int]:
-        """A slot in the shard's table of reader marks, and that table's shared file (see weight_ring.py).
-
-        Readers of a shared ring (the shared-memory plane) and of a device ring (the CUDA IPC plane)
-        both mark what they read there.
-        """
-        try:
-            slot = self.shard.take_reader_slot()
-        except ValueError as exc:
-            raise Unavailable(str(exc), Reason.TOO_MANY_CONNECTIONS) from None
-        if self.shard.ring.marks_fd < 0:
-            self.shard.free_reader_slot(slot)
-            self._require_shared()
-            raise Unavailable(
-                f"shard {self.shard.config.shard_index} has no shared table of marks (its log says "
-                f"why): use a network plane"
-            )
-        return slot, self.shard.ring.marks_fd
-
-    def marks_fd(self) -> int:
-        return self.shard.ring.marks_fd
-
-    def close_reader(self, slot: int) -> None:
-        self.shard.free_reader_slot(slot)
-
-    def buffer_fd(self, index: int) -> tuple[int, int]:
-        """A read-only descriptor of the ring's buffer ``index`` and its size in bytes."""
-        self._require_shared()
-        ring = self.shard.ring
-        if ring is None or not 0 <= index < len(ring.arrays):
-            raise InvalidArgument(f"no weight buffer {index}", Reason.BAD_VALUE)
-        return ring.reader_fd(index), ring.size * ITEMSIZE[FLOAT32]
-
-    def ipc_buffer(self, index: int) -> tuple[bytes, int]:
-        """The CUDA IPC handle of the device ring's buffer ``index`` and its size in bytes."""
-        ring = self.shard.device_ring()
-        if not 0 <= index < len(ring.arrays):
-            raise InvalidArgument(f"no weight buffer {index}", Reason.BAD_VALUE)
-        return ring.ipc_handle(index), ring.size * ITEMSIZE[FLOAT32]
-
-    def gradient_layout(self, dtype: int) -> tuple[int, int, int]:
-        """What a worker's shared gradient of wire ``dtype`` must hold: (bytes of the whole model, this
-        shard's first element, its element count); refused before Init (the model is unknown)."""
-        model, begin, size = self.shard.served_layout()
-        return model * ITEMSIZE[dtype], begin, size
-
-    def pull_shared(self, *, worker_id: int, clock: int, timeout_s: float | None, slot: int) -> tuple[int, int]:
-        """Wait as :meth:`pull` does, then hand the current version to the reader of ``slot``.
-
-        Returns (version, buffer index): the reader reads that buffer in place and clears its
-        mark when done; nothing is copied here.
-        """
-        self._wait_for_pull(worker_id, clock, timeout_s, None)
-        return self.shard.mark_current(slot)
-
     def open_push(self, *, worker_id: int, clock: int, version: int) -> PushIntake:
         """Start taking one gradient; refused at once (before the payload) for a worker that is not live.
 
         Every plane's push comes in here; a push moves its worker to clock + 1, which must be a clock too.
+        A stream receives the payload into the intake as it comes; a plane that holds the whole gradient
+        already calls :meth:`push` instead.
         """
         if not (0 <= worker_id <= MAX_WORKER_ID and 0 <= clock < MAX_CLOCK and 0 <= version <= MAX_CLOCK):
             check_worker(worker_id, observer_ok=False)  # one of them is out of range: say which
@@ -389,23 +336,9 @@ class ShardService:
         self.shard.check_pusher(worker_id)
         return PushIntake(self, worker_id, clock, version)
 
-    def push_device(self, *, worker_id: int, clock: int, version: int, slot) -> PushResult:
-        """One gradient in a worker's slot on the shard's GPU (the IPC plane): copied, checked, then taken."""
-        return self._push_filled(worker_id, clock, version, lambda intake: intake.fill_device(slot))
-
-    def push_local(self, *, worker_id: int, clock: int, version: int, grad) -> PushResult:
-        """One gradient of a caller in this process (the in-process plane), read where it lies during this call."""
-        return self._push_filled(worker_id, clock, version, lambda intake: intake.fill_local(grad))
-
-    def push_shared(self, *, worker_id: int, clock: int, version: int, dtype: int, segment: np.ndarray) -> PushResult:
-        """One gradient in a worker's shared memory: ``segment`` is this shard's range in ``dtype``, read in place."""
-        return self._push_filled(worker_id, clock, version, lambda intake: intake.fill_shared(dtype, segment))
-
-    def _push_filled(self, worker_id: int, clock: int, version: int, fill: Callable[[PushIntake], None]) -> PushResult:
-        """A push whose gradient is already where ``fill`` hands it to the intake (no payload to receive)."""
-        intake = self.open_push(worker_id=worker_id, clock=clock, version=version)
-        try:
-            fill(intake)
+    def push(self, *, worker_id: int, clock: int, version: int, source: GradientSource) -> PushResult:
+        """One whole gradient that a plane hands over as ``source`` (a worker's shared memory, a CUDA IPC slot,
+        an array of this process: intake.py's :class:`GradientSource`): opened, filled, checked, then taken."""
+        with self.open_push(worker_id=worker_id, clock=clock, version=version) as intake:
+            intake.fill(source)
             return intake.commit()
-        finally:
-            intake.close()

@@ -23,6 +23,7 @@ import pytest
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.protocol import FLOAT16, FLOAT32, Outcome, Reason, Status
 from psgrid.psserver.spec import ModelSpec
+from psgrid.psserver.transports.local_gradient import CallerArray
 from tests.gpu import cupy_or_skip
 
 pytestmark = pytest.mark.gpu
@@ -577,7 +578,7 @@ def test_gpu_workers_of_the_shards_own_process_call_it_and_push_device_gradients
         bad = cupy.zeros(SPEC.size, cupy.float32)
         bad[5] = cupy.inf
         with pytest.raises(InvalidArgument) as refused:
-            server.service.push_local(worker_id=0, clock=1, version=server.shard.version, grad=bad)
+            server.service.push(worker_id=0, clock=1, version=server.shard.version, source=CallerArray(bad))
         assert refused.value.reason is Reason.NON_FINITE
         np.testing.assert_allclose(_weights(server.shard), expected)
         for c in clients:

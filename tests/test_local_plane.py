@@ -18,6 +18,7 @@ from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.protocol import Outcome, Reason
 from psgrid.psserver.server import serve
 from psgrid.psserver.spec import ModelSpec
+from psgrid.psserver.transports.local_gradient import CallerArray
 from psgrid.psserver.transports.local_registry import hosted_service
 from tests.support import REGRESSION, make_problem, regression_grad, run_threads
 
@@ -127,11 +128,11 @@ def test_a_bad_gradient_is_refused_with_its_reason_and_changes_nothing(hosted, m
             (np.zeros(SPEC.size - 1, np.float32), Reason.BAD_SIZE),
         ):
             with pytest.raises(InvalidArgument) as refused:
-                service.push_local(worker_id=0, clock=0, version=0, grad=grad)
+                service.push(worker_id=0, clock=0, version=0, source=CallerArray(grad))
             assert refused.value.reason is reason
         np.testing.assert_array_equal(server.shard.weights, before)
         assert server.shard.version == 0
-        result = service.push_local(worker_id=0, clock=0, version=0, grad=np.ones(SPEC.size, np.float32))
+        result = service.push(worker_id=0, clock=0, version=0, source=CallerArray(np.ones(SPEC.size, np.float32)))
         assert result.outcome is Outcome.APPLIED and server.shard.version == 1
 
 

@@ -13,6 +13,7 @@ from psgrid.psserver.protocol import BFLOAT16, FLOAT16, FLOAT32, Outcome, Reason
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.state.shard import Shard
+from psgrid.psserver.transports.shm_server import SharedSegment
 
 SPEC = ModelSpec([("w", (100,)), ("b", (7,))])
 MODES = ["sync", "ssp", "async"]
@@ -45,9 +46,9 @@ def at_once(service, worker, values, dtype=FLOAT32):
 
 
 def in_place(service, worker, values, dtype=FLOAT32):
-    """The shared-memory plane's way: the worker's own memory, read where it lies."""
+    """The shared-memory plane's way: the worker's own memory, handed over whole and read where it lies."""
     segment = np.frombuffer(dtypes.encode(values, dtype), "<f4" if dtype == FLOAT32 else "<u2")
-    return service.push_shared(worker_id=worker, clock=0, version=0, dtype=dtype, segment=segment)
+    return service.push(worker_id=worker, clock=0, version=0, source=SharedSegment(dtype, segment))
 
 
 FILLS = {"chunks": by_chunks, "landing": at_once, "shared": in_place}
@@ -111,7 +112,7 @@ def test_a_sync_round_keeps_a_pooled_gradient_and_never_the_workers_own_memory(f
     pool = service.shard.pool
     own = np.full(SPEC.size, 2.0, np.float32)
     if fill == "shared":  # the segment is the worker's memory itself
-        pushed = service.push_shared(worker_id=first, clock=0, version=0, dtype=FLOAT32, segment=own)
+        pushed = service.push(worker_id=first, clock=0, version=0, source=SharedSegment(FLOAT32, own))
     else:
         pushed = FILLS[fill](service, first, own)
     assert pushed.outcome is Outcome.ACCUMULATED
@@ -126,11 +127,11 @@ def test_a_sync_round_keeps_a_pooled_gradient_and_never_the_workers_own_memory(f
 def test_the_shared_plane_refuses_a_wrong_dtype_or_size_before_it_reads():
     service, worker = started("sync")
     with pytest.raises(InvalidArgument) as refused:
-        service.push_shared(worker_id=worker, clock=0, version=0, dtype=99, segment=np.zeros(SPEC.size, np.float32))
+        service.push(worker_id=worker, clock=0, version=0, source=SharedSegment(99, np.zeros(SPEC.size, np.float32)))
     assert refused.value.reason is Reason.BAD_DTYPE
     with pytest.raises(InvalidArgument) as refused:
-        service.push_shared(
-            worker_id=worker, clock=0, version=0, dtype=FLOAT32, segment=np.zeros(SPEC.size - 1, np.float32)
+        service.push(
+            worker_id=worker, clock=0, version=0, source=SharedSegment(FLOAT32, np.zeros(SPEC.size - 1, np.float32))
         )
     assert refused.value.reason is Reason.BAD_SIZE
     assert service.shard.policy.clocks[worker] == 0 and service.shard.pool.on_loan == 0

@@ -40,6 +40,7 @@ from psgrid.psserver.rpc import ps_pb2, ps_pb2_grpc
 from psgrid.psserver.server import serve
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.transports import stream_frames as frames
+from psgrid.psserver.transports.local_gradient import CallerArray
 from psgrid.psserver.transports.stream_server import SocketDataServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -394,7 +395,7 @@ def test_a_shard_applies_each_update_vector_bit_for_bit(name, no_leaks):
     try:
         (worker,) = start(service, rows["w0"], 1)
         for clock, (g, want) in enumerate(zip(grads, expected)):
-            result = service.push_local(worker_id=worker, clock=clock, version=clock, grad=g.copy())
+            result = service.push(worker_id=worker, clock=clock, version=clock, source=CallerArray(g.copy()))
             assert (result.outcome, result.version) == (Outcome.APPLIED, clock + 1)
             np.testing.assert_array_equal(weights(service).view(np.uint32), want.view(np.uint32))
     finally:
@@ -421,9 +422,9 @@ def test_a_shard_scales_a_stale_step_as_the_page_says(no_leaks):
         service = server.service
         fresh, stale = start(service, rows["w0"], 2)
         for clock in range(settings["staleness"]):  # the other worker moves the shard on, each push fresh
-            service.push_local(worker_id=fresh, clock=clock, version=clock, grad=rows["grad1"].copy())
+            service.push(worker_id=fresh, clock=clock, version=clock, source=CallerArray(rows["grad1"].copy()))
         before = weights(service)
-        result = service.push_local(worker_id=stale, clock=0, version=0, grad=rows["grad1"].copy())
+        result = service.push(worker_id=stale, clock=0, version=0, source=CallerArray(rows["grad1"].copy()))
         assert result.staleness == settings["staleness"]
         (expected,) = simulate(settings, before, [rows["grad1"]])
         np.testing.assert_array_equal(weights(service).view(np.uint32), expected.view(np.uint32))
@@ -446,7 +447,8 @@ def test_sync_multiplies_the_sum_in_worker_order_by_one_over_w(no_leaks):
     try:
         ids = start(service, rows["w0"], len(grads))
         outcomes = [
-            service.push_local(worker_id=w, clock=0, version=0, grad=g.copy()).outcome for w, g in zip(ids, grads)
+            service.push(worker_id=w, clock=0, version=0, source=CallerArray(g.copy())).outcome
+            for w, g in zip(ids, grads)
         ]
         assert outcomes == [Outcome.ACCUMULATED] * (len(grads) - 1) + [Outcome.APPLIED]
         np.testing.assert_array_equal(weights(service).view(np.uint32), rows["w1"].view(np.uint32))

@@ -17,8 +17,9 @@ The shard owns every buffer it reads or serves: a worker maps the shard's alloca
 other way round, so a worker that dies (or frees what it mapped) cannot take memory from under the
 shard. CUDA maps them writable only; the shard never reads the ring buffers it publishes (it
 updates weights of its own and copies each version out: state/updater.py ``DeviceUpdater``), so a
-peer that writes one changes what readers of that version copy, nothing the shard keeps. A push is copied out of the worker's slot before it is checked and applied (service.py
-``fill_device``), so a worker writing its slot meanwhile changes nothing it was not already sending.
+peer that writes one changes what readers of that version copy, nothing the shard keeps. A push is copied
+out of the worker's slot before it is checked and applied (:class:`DeviceSlot`, the intake's source), so a
+worker writing its slot meanwhile changes nothing it was not already sending.
 A connection's slots are freed when it closes: a worker that dies closes it, and its lease
 ends as on any plane. The offer names the shard's process and its GPU's PCI bus id, so a worker of
 the same process (which cannot map its own handles) or one that cannot reach that GPU takes
@@ -33,6 +34,7 @@ import ssl
 from collections.abc import Callable
 
 from psgrid.psserver.exceptions import InvalidArgument, Unavailable
+from psgrid.psserver.intake import non_finite
 from psgrid.psserver.protocol import FLOAT32, ITEMSIZE, Reason
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.shared_memory import can_share_read_only
@@ -48,6 +50,35 @@ FREE_MARGIN = 256 << 20  # GPU memory a new slot leaves free, for the shard's ow
 def ipc_address(socket_name: str, pid: int, pci_bus_id: str) -> str:
     """The plane's offer: its socket, the shard's process and its GPU (``@name|pid|bus id``)."""
     return f"{socket_name}|{pid}|{pci_bus_id}"
+
+
+class DeviceSlot:
+    """A push's gradient in a worker's slot on the shard's GPU, handed to the intake (intake.py ``GradientSource``).
+
+    Copied first into a buffer the worker cannot reach, and checked for NaN and infinity in the
+    same pass: the worker may write its slot again at any time, and must not change a gradient
+    between its check and its update.
+    """
+
+    __slots__ = ("slot", "arrays")
+
+    def __init__(self, slot, arrays):
+        self.slot, self.arrays = slot, arrays  # the slot (a device array of the range) and the shard's GpuArrays
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot.nbytes
+
+    def check(self, size: int) -> None:
+        """Nothing to refuse: the slot is the shard's own allocation of its range, in float32."""
+
+    def lend(self) -> None:
+        return None
+
+    def copy_into(self, destination) -> bool:
+        if not self.arrays.copy_checked(destination, self.slot):
+            raise non_finite("payload")
+        return True
 
 
 class IpcDataServer(ShmDataServer):
@@ -91,8 +122,12 @@ class IpcDataServer(ShmDataServer):
         super()._released(conn)
 
     def _map(self, sock, reader: Reader, request: Request) -> None:
-        handle, nbytes = self.service.ipc_buffer(request.buffer_index)
-        self._reply(sock, version=nbytes, payload=handle)
+        """The CUDA IPC handle of the device ring's buffer ``index``, and its size in bytes."""
+        ring = self.service.shard.device_ring()
+        index = request.buffer_index
+        if not 0 <= index < len(ring.arrays):
+            raise InvalidArgument(f"no weight buffer {index}", Reason.BAD_VALUE)
+        self._reply(sock, version=ring.size * ITEMSIZE[FLOAT32], payload=ring.ipc_handle(index))
 
     def _attach(self, sock, reader: Reader, request: Request) -> None:
         if request.wire_dtype != FLOAT32 or request.file_index not in (0, 1):
@@ -134,8 +169,11 @@ class IpcDataServer(ShmDataServer):
             raise InvalidArgument(
                 f"no gradient slot {request.file_index} attached to this connection: ATTACH it first", Reason.BAD_DTYPE
             )
-        result = self.service.push_device(
-            worker_id=request.worker, clock=request.clock, version=request.version, slot=slot
+        result = self.service.push(
+            worker_id=request.worker,
+            clock=request.clock,
+            version=request.version,
+            source=DeviceSlot(slot, self.service.shard.arrays),
         )
         self._reply_push(sock, result)
 

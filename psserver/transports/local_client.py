@@ -17,6 +17,7 @@ import numpy as np
 from psgrid.psserver import dtypes as wire
 from psgrid.psserver.protocol import FLOAT32, PushResult
 from psgrid.psserver.transports.base import ConnectOptions, Control, DataPlane, register_data_plane
+from psgrid.psserver.transports.local_gradient import CallerArray
 from psgrid.psserver.transports.local_registry import hosted_service
 
 
@@ -59,7 +60,7 @@ class LocalDataPlane(DataPlane):
             host = grad if isinstance(grad, np.ndarray) else grad.get()
             grad = np.empty(len(host), np.float32)
             wire.decode_into(grad, wire.encode(host, wire_dtype), wire_dtype)
-        return self.service.push_local(worker_id=worker_id, clock=clock, version=version, grad=grad)
+        return self.service.push(worker_id=worker_id, clock=clock, version=version, source=CallerArray(grad))
 
     def close(self) -> None:
         """Nothing to release: the plane holds no connection, and every lent buffer went back with its call."""

@@ -36,11 +36,14 @@ from collections.abc import Callable
 
 import numpy as np
 
+from psgrid.psserver import dtypes as wire
 from psgrid.psserver.exceptions import InvalidArgument
-from psgrid.psserver.protocol import BFLOAT16, FLOAT16, FLOAT32, Reason
+from psgrid.psserver.intake import GRADIENT_DTYPES, check_dtype
+from psgrid.psserver.protocol import BFLOAT16, FLOAT16, FLOAT32, ITEMSIZE, Reason
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.shared_memory import available, can_share_read_only, map_fd, unsafe_to_map
 from psgrid.psserver.transports.base import ListenContext, Listening, register_listener
+from psgrid.psserver.transports.ring_readers import RingReaders, require_shared
 from psgrid.psserver.transports.stream_frames import (
     ATTACH,
     FD_BYTE,
@@ -57,6 +60,38 @@ from psgrid.psserver.transports.stream_server import DEFAULT_MAX_CONNECTIONS, Co
 
 SEGMENT_DTYPES = {FLOAT32: np.dtype("<f4"), FLOAT16: np.dtype("<u2"), BFLOAT16: np.dtype("<u2")}
 PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+class SharedSegment:
+    """A push's gradient in a worker's shared memory: this shard's range of its attached file, in wire ``dtype``.
+
+    Handed to the intake (intake.py ``GradientSource``): float32 is read where it lies, during the
+    push only; half precision is converted into a pooled buffer of the shard's.
+    """
+
+    __slots__ = ("dtype", "segment")
+
+    def __init__(self, dtype: int, segment: np.ndarray):
+        self.dtype, self.segment = dtype, segment
+
+    @property
+    def nbytes(self) -> int:
+        return self.segment.nbytes
+
+    def check(self, size: int) -> None:
+        check_dtype(self.dtype, GRADIENT_DTYPES)
+        if len(self.segment) != size:
+            raise InvalidArgument(
+                f"the shared gradient maps {len(self.segment)} elements; this shard's range has {size}",
+                Reason.BAD_SIZE,
+            )
+
+    def lend(self) -> np.ndarray | None:
+        return self.segment if self.dtype == FLOAT32 else None
+
+    def copy_into(self, destination: np.ndarray) -> bool:
+        wire.decode_into(destination, memoryview(self.segment).cast("B"), self.dtype)
+        return False  # checked as it lands, where the rule says so
 
 
 class Reader:
@@ -103,6 +138,7 @@ class ShmDataServer(SocketDataServer):
             max_connections=max_connections,
             on_failure=on_failure,
         )
+        self.readers = RingReaders(service)
         self.operations = {OPEN: self._open, MAP: self._map, PULL: self._pull, PUSH: self._push}
 
     def _accepted(self, sock: socket.socket) -> str | None:
@@ -129,7 +165,7 @@ class ShmDataServer(SocketDataServer):
     def _released(self, conn) -> None:
         reader = conn.state
         if reader is not None and reader.slot >= 0:
-            self.service.close_reader(reader.slot)
+            self.readers.close(reader.slot)
             reader.slot = -1
         conn.state = None
 
@@ -147,21 +183,30 @@ class ShmDataServer(SocketDataServer):
 
     def _open(self, sock, reader: Reader, request: Request) -> None:
         if reader.slot < 0:
-            reader.slot, marks_fd = self.service.open_reader()
+            reader.slot, marks_fd = self.readers.open()
         else:
-            marks_fd = self.service.marks_fd()
+            marks_fd = self.readers.marks_fd()
         sock.sendall(open_reply(reader.slot))
         socket.send_fds(sock, [FD_BYTE], [marks_fd])
 
     def _map(self, sock, reader: Reader, request: Request) -> None:
-        fd, size = self.service.buffer_fd(request.buffer_index)
+        fd, size = self._buffer_fd(request.buffer_index)
         sock.sendall(map_reply(size))
         socket.send_fds(sock, [FD_BYTE], [fd])
+
+    def _buffer_fd(self, index: int) -> tuple[int, int]:
+        """A read-only descriptor of the ring's buffer ``index`` and its size in bytes."""
+        shard = self.service.shard
+        require_shared(shard)
+        ring = shard.ring
+        if ring is None or not 0 <= index < len(ring.arrays):
+            raise InvalidArgument(f"no weight buffer {index}", Reason.BAD_VALUE)
+        return ring.reader_fd(index), ring.size * ITEMSIZE[FLOAT32]
 
     def _pull(self, sock, reader: Reader, request: Request) -> None:
         if reader.slot < 0:
             raise InvalidArgument("OPEN before the first PULL on a shared-memory connection", Reason.MALFORMED)
-        pulled, index = self.service.pull_shared(
+        pulled, index = self.readers.pull(
             worker_id=request.worker,
             clock=request.clock,
             timeout_s=wait_timeout(sock, request.timeout),
@@ -177,12 +222,11 @@ class ShmDataServer(SocketDataServer):
                 f"this connection: ATTACH it first",
                 Reason.BAD_DTYPE,
             )
-        result = self.service.push_shared(
+        result = self.service.push(
             worker_id=request.worker,
             clock=request.clock,
             version=request.version,
-            dtype=request.wire_dtype,
-            segment=segment,
+            source=SharedSegment(request.wire_dtype, segment),
         )
         self._reply_push(sock, result)
 
@@ -209,7 +253,8 @@ class ShmDataServer(SocketDataServer):
             raise InvalidArgument(
                 f"dtype byte {request.dtype} names no gradient file (a gradient dtype, file 0 or 1)", Reason.BAD_DTYPE
             )
-        model_bytes, begin, size = self.service.gradient_layout(request.wire_dtype)
+        model, begin, size = self.service.shard.served_layout()  # refused before Init: the model is unknown
+        model_bytes = model * ITEMSIZE[request.wire_dtype]
         if nbytes != model_bytes:
             raise InvalidArgument(
                 f"a shared gradient holds the whole model, {model_bytes} bytes in this dtype, not {nbytes}",
