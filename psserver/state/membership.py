@@ -6,14 +6,19 @@ thread lives while its loop hangs keeps the first fresh and lets the second age.
 
 :class:`Members`, a part of :class:`~psgrid.psserver.state.shard.Shard`, applies them under
 the shard's lock: joining, heartbeats, leaving and evictions, each releasing the waits it may end.
+Pulls renew a lease and pushes mark progress on the :class:`Leases` themselves (snapshots.py, pushes.py).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from psgrid.psserver.exceptions import SpecMismatch
+from psgrid.psserver.state.claims import Claims
+from psgrid.psserver.state.core import ShardCore
+from psgrid.psserver.state.served_range import ServedRange
 
 log = logging.getLogger("psgrid.shard")
 
@@ -73,48 +78,66 @@ class Leases:
 class Members:
     """A shard's members: who joins, who is alive, who is dropped (the policy's clocks and the leases, kept together).
 
-    A part of :class:`~psgrid.psserver.state.shard.Shard`: it owns the leases and the spec hashes
-    members registered with before Init, and uses the shard's ``cond``, policy and counters; a
-    departure closes the sync rounds it held open (pushes.py).
+    A part of :class:`~psgrid.psserver.state.shard.Shard`. It owns the spec hashes members
+    registered with before Init, and is given what it uses by name: the shard's ``core`` (its lock,
+    clock, policy and counters), the ``served`` range (the spec members must share, and the layout a
+    registration answers), the ``leases`` (also renewed by pulls and pushes, captured by checkpoints),
+    the ``claims`` it forgets a departed worker's first pull in, and two calls of other parts:
+    ``close_rounds`` (pushes.py: a membership change may close the sync rounds a worker held open;
+    called under ``cond``) and ``flush`` (shard_checkpoints.py: write the checkpoint such a round made
+    due; called without the lock).
     """
 
-    def __init__(self, shard, lease_s: float):
-        self.shard = shard
-        self.leases = Leases(lease_s)
+    def __init__(
+        self,
+        core: ShardCore,
+        served: ServedRange,
+        leases: Leases,
+        claims: Claims,
+        *,
+        close_rounds: Callable[[], object],
+        flush: Callable[[], None],
+    ):
+        self.core = core
+        self.served = served
+        self.leases = leases
+        self.claims = claims
+        self.close_rounds = close_rounds
+        self.flush = flush
         self.spec_hashes: dict[int, str] = {}  # before Init: the spec hash each member registered with
 
     def register(self, spec_hash: str, worker_id: int, start_clock: int, host: str) -> dict:
         """Join (or rejoin) ``worker_id`` (-1: a new id); returns the join and the layout, read together."""
-        shard = self.shard
         try:
-            if not shard.policy.waits_on_pull:  # never between an async update and the push it takes
-                with shard.apply_lock:
+            if not self.core.policy.waits_on_pull:  # never between an async update and the push it takes
+                with self.core.apply_lock:
                     return self._register(spec_hash, worker_id, start_clock, host)
             return self._register(spec_hash, worker_id, start_clock, host)
         finally:
-            shard.checkpoints.flush()  # moving a worker forward may have closed a sync round
+            self.flush()  # moving a worker forward may have closed a sync round
 
     def _register(self, spec_hash: str, worker_id: int, start_clock: int, host: str) -> dict:
-        shard = self.shard
-        with shard.cond:
-            shard.require_up()
-            if spec_hash and shard.spec is not None and spec_hash != shard.spec.hash():
+        core, policy = self.core, self.core.policy
+        with core.cond:
+            core.require_up()
+            spec = self.served.spec
+            if spec_hash and spec is not None and spec_hash != spec.hash():
                 raise SpecMismatch(
                     f"model spec hash {spec_hash[:12]} differs from this shard's "
-                    f"{shard.spec.hash()[:12]}: every worker must build the same model"
+                    f"{spec.hash()[:12]}: every worker must build the same model"
                 )
             if worker_id < 0:
-                worker_id = self.leases.new_id(taken=shard.policy.departed)
-            before = shard.policy.clocks.get(worker_id)
-            clock = shard.policy.join(worker_id, start_clock if start_clock >= 0 else None)
+                worker_id = self.leases.new_id(taken=policy.departed)
+            before = policy.clocks.get(worker_id)
+            clock = policy.join(worker_id, start_clock if start_clock >= 0 else None)
             if before is not None and clock > before:
-                self.skipped(worker_id, before, clock, "registered")
-            self.leases.add(worker_id, host, shard.now())
-            if spec_hash and shard.spec is None:
+                missed_pushes(core, worker_id, before, clock, "registered")
+            self.leases.add(worker_id, host, core.now())
+            if spec_hash and spec is None:
                 self.spec_hashes[worker_id] = spec_hash  # the first Init decides whose model is the job's
-            shard.pushes.close_rounds()
-            shard.cond.notify_all()
-            return {"worker_id": worker_id, "start_clock": clock, **shard.layout_fields()}
+            self.close_rounds()
+            core.cond.notify_all()
+            return {"worker_id": worker_id, "start_clock": clock, **self.served.layout_fields()}
 
     def admit(self, spec_hash: str) -> None:
         """Init set the job's model (call under ``cond``): members that registered another were never the job's.
@@ -124,83 +147,53 @@ class Members:
         for worker in [w for w, h in self.spec_hashes.items() if h != spec_hash]:
             log.warning(
                 "shard %d: worker %d registered another model spec than the one Init set; dropped",
-                self.shard.config.shard_index,
+                self.core.config.shard_index,
                 worker,
             )
             self.drop(worker)
         self.spec_hashes.clear()
-
-    def skipped(self, worker: int, had: int, now_at: int, how: str) -> None:
-        """A live worker moved ahead of the clock this shard had for it: this shard missed its pushes.
-
-        In async and ssp each missed push is a lost update; in sync the rounds it skipped are
-        counted when they close with no gradient (:meth:`Pushes.close_rounds`).
-        """
-        shard = self.shard
-        log.warning(
-            "shard %d: worker %d %s at clock %d, this shard had it at %d: %d push(es) it never took "
-            "(a restart from an older checkpoint, or pushes it refused)",
-            shard.config.shard_index,
-            worker,
-            how,
-            now_at,
-            had,
-            now_at - had,
-        )
-        if not shard.policy.accumulates:
-            shard.counters.lost_updates += now_at - had
-
-    def progressed(self, worker: int) -> None:
-        """``worker`` pushed (call under ``cond``): its training loop moves."""
-        if worker in self.leases.members:
-            self.leases.progressed(worker, self.shard.now())
-
-    def renew(self, worker: int) -> None:
-        """A sign of life from ``worker`` (call under ``cond``)."""
-        self.leases.renew(worker, self.shard.now())
 
     def mark_gone(self, worker: int) -> None:
         """Record that a worker which never joined will not come (its launcher saw it exit).
 
         Those waiting for the whole job count it as departed; if it does come after all, it joins.
         """
-        shard = self.shard
-        with shard.cond:
-            if not shard.policy.is_live(worker):
-                shard.policy.departed.setdefault(worker, 0)
-                shard.policy.forget_oldest_departed()
-                shard.cond.notify_all()
+        core, policy = self.core, self.core.policy
+        with core.cond:
+            if not policy.is_live(worker):
+                policy.departed.setdefault(worker, 0)
+                policy.forget_oldest_departed()
+                core.cond.notify_all()
 
     def heartbeat(self, worker: int) -> bool:
-        shard = self.shard
-        with shard.cond:
-            return shard.policy.is_live(worker) and self.leases.renew(worker, shard.now())
+        core = self.core
+        with core.cond:
+            return core.policy.is_live(worker) and self.leases.renew(worker, core.now())
 
     def leave(self, worker: int) -> None:
-        with self.shard.cond:
+        with self.core.cond:
             self.drop(worker)
-        self.shard.checkpoints.flush()  # the departure may have closed a sync round
+        self.flush()  # the departure may have closed a sync round
 
     def drop(self, worker: int) -> None:
         """Drop ``worker`` (call under ``cond``): waits stop counting it, and the rounds it held open may close."""
-        shard = self.shard
         self.leases.remove(worker)
-        shard.policy.leave(worker)
+        self.core.policy.leave(worker)
         self.spec_hashes.pop(worker, None)
-        shard.claims.forget(worker)
-        shard.pushes.close_rounds()
-        shard.cond.notify_all()
+        self.claims.forget(worker)
+        self.close_rounds()
+        self.core.cond.notify_all()
 
     def evict_expired(self) -> list[int]:
         """Drop every worker whose lease ran out; waits that counted them are released."""
-        shard = self.shard
-        with shard.cond:
-            expired = self.leases.expired(shard.now())
+        core = self.core
+        with core.cond:
+            expired = self.leases.expired(core.now())
             for worker in expired:
-                shard.counters.evictions += 1
+                core.counters.evictions += 1
                 self.drop(worker)
-                shard.emit("eviction", worker=worker)
-        shard.checkpoints.flush()
+                core.emit("eviction", worker=worker)
+        self.flush()
         return expired
 
     def evict_stalled(self) -> list[int]:
@@ -209,16 +202,37 @@ class Members:
         Its heartbeat may be alive (a hung training loop with a live heartbeat thread): leases alone
         would never release the others. A worker that pushes again later registers anew.
         """
-        shard = self.shard
-        timeout = shard.config.progress_timeout_s
-        if not timeout or not shard.policy.waits_on_pull:
+        core, policy = self.core, self.core.policy
+        timeout = core.config.progress_timeout_s
+        if not timeout or not policy.waits_on_pull:
             return []
-        with shard.cond:
-            stalled = [w for w in self.leases.stalled(shard.now(), timeout) if shard.policy.holding_back(w)]
+        with core.cond:
+            stalled = [w for w in self.leases.stalled(core.now(), timeout) if policy.holding_back(w)]
             for worker in stalled:
-                shard.counters.evictions += 1
-                shard.counters.stalled_evictions += 1
+                core.counters.evictions += 1
+                core.counters.stalled_evictions += 1
                 self.drop(worker)
-                shard.emit("eviction", worker=worker)
-        shard.checkpoints.flush()
+                core.emit("eviction", worker=worker)
+        self.flush()
         return stalled
+
+
+def missed_pushes(core: ShardCore, worker: int, had: int, now_at: int, how: str) -> None:
+    """A live worker moved ahead of the clock this shard had for it (call under ``cond``): this shard missed its pushes.
+
+    It ``registered`` or ``pushed`` at a later clock. In async and ssp each missed push is a lost
+    update; in sync the rounds it skipped are counted when they close with no gradient
+    (:meth:`Pushes.close_rounds`).
+    """
+    log.warning(
+        "shard %d: worker %d %s at clock %d, this shard had it at %d: %d push(es) it never took "
+        "(a restart from an older checkpoint, or pushes it refused)",
+        core.config.shard_index,
+        worker,
+        how,
+        now_at,
+        had,
+        now_at - had,
+    )
+    if not core.policy.accumulates:
+        core.counters.lost_updates += now_at - had

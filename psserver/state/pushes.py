@@ -1,9 +1,12 @@
 """Pushes: the clock and version checks, sync rounds, and the update that publishes each new version.
 
-A part of :class:`~psgrid.psserver.state.shard.Shard`: it owns the gradients held for open sync
-rounds and uses the shard's locks (``cond``, and ``apply_lock`` where no pull waits), ring, pool,
-updater, policy and counters. Weights are never changed in place: the updater (updater.py) writes a
-spare buffer of the ring, then it is published.
+A part of :class:`~psgrid.psserver.state.shard.Shard`. It is given the shard's ``core`` (its locks:
+``cond``, and ``apply_lock`` where no pull waits; its policy and counters), the ``served`` range (the
+ring, updater and pool an update uses, and the version it publishes), the ``leases`` a push marks
+progress on, the ``claims`` a push is checked against, the ``round_grads`` (the gradients held for
+open sync rounds, which checkpoints capture too) and the ``checkpoints`` told of each new version.
+Weights are never changed in place: the updater (updater.py) writes a spare buffer of the ring, then
+it is published.
 """
 
 from __future__ import annotations
@@ -14,7 +17,12 @@ import numpy as np
 
 from psgrid.psserver.kernels.parallel import Chunks
 from psgrid.psserver.protocol import Outcome, PushResult
+from psgrid.psserver.state.claims import Claims
+from psgrid.psserver.state.core import ShardCore
+from psgrid.psserver.state.membership import Leases, missed_pushes
 from psgrid.psserver.state.policy import ConsistencyPolicy
+from psgrid.psserver.state.served_range import ServedRange
+from psgrid.psserver.state.shard_checkpoints import Checkpoints, RoundGrads
 
 
 def finite_check(policy: ConsistencyPolicy, parts: Chunks) -> Callable[[np.ndarray], bool] | None:
@@ -31,12 +39,25 @@ def finite_check(policy: ConsistencyPolicy, parts: Chunks) -> Callable[[np.ndarr
 class Pushes:
     """The push side of a shard: take a gradient, hold it for its sync round or apply it."""
 
-    def __init__(self, shard):
-        self.shard = shard
+    def __init__(
+        self,
+        core: ShardCore,
+        served: ServedRange,
+        leases: Leases,
+        claims: Claims,
+        round_grads: RoundGrads,
+        checkpoints: Checkpoints,
+        parts: Chunks,
+    ):
+        self.core = core
+        self.served = served
+        self.leases = leases
+        self.claims = claims
         # sync: open round -> {worker: gradient}. Summed in worker order when the round closes,
         # so a sync run is bitwise reproducible whatever order the pushes arrive in.
-        self.round_grads: dict[int, dict[int, np.ndarray]] = {}
-        self.finite_check = finite_check(shard.policy, shard.parts)  # None: the update checks a gradient
+        self.round_grads = round_grads
+        self.checkpoints = checkpoints
+        self.finite_check = finite_check(core.policy, parts)  # None: the update checks a gradient
 
     def check_pusher(self, worker: int) -> None:
         """Refuse early (before the payload is read) a push from a worker that is not live.
@@ -45,10 +66,10 @@ class Pushes:
         push would wait that long before it starts to receive. The check is advisory; push()
         checks again under the lock.
         """
-        shard = self.shard
-        if shard.closing or shard.weights is None or worker not in shard.policy.clocks:
-            shard.require_serving()  # one of them fails: raise the error that says which
-            shard.require_live(worker)
+        core = self.core
+        if core.closing or self.served.weights is None or worker not in core.policy.clocks:
+            self.served.require_serving()  # one of them fails: raise the error that says which
+            core.require_live(worker)
 
     def push(
         self,
@@ -72,26 +93,26 @@ class Pushes:
         worker hears of the update), written without holding up other calls.
         """
         try:
-            if self.shard.arrays.on_gpu and isinstance(grad, np.ndarray):
+            if self.served.arrays.on_gpu and isinstance(grad, np.ndarray):
                 return self._push_staged(worker, clock, version_used, grad, nbytes), False
             return self._push_here(worker, clock, version_used, grad, nbytes, borrowed, checked)
         finally:
-            self.shard.checkpoints.flush()
+            self.checkpoints.flush()
 
     def _push_here(
         self, worker: int, clock: int, version_used: int, grad, nbytes: int, borrowed: bool, checked: bool = False
     ) -> tuple[PushResult, bool]:
-        if not self.shard.policy.waits_on_pull:  # nothing waits for an update but the next: it runs outside ``cond``
+        if not self.core.policy.waits_on_pull:  # nothing waits for an update but the next: it runs outside ``cond``
             return self._push_at_once(worker, clock, version_used, grad, nbytes, checked), False
         return self._push_rounds(worker, clock, version_used, grad, nbytes, borrowed)
 
     def _push_staged(self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int) -> PushResult:
         """A device shard takes a gradient that landed in host memory (a network plane's): copied to the GPU first."""
-        pool = self.shard.pool
+        pool = self.served.pool
         staged = pool.take()
         kept = False
         try:
-            self.shard.arrays.upload(staged, grad)
+            self.served.arrays.upload(staged, grad)
             result, kept = self._push_here(worker, clock, version_used, staged, nbytes, False)
             return result
         finally:
@@ -100,35 +121,35 @@ class Pushes:
 
     def _take(self, worker: int, clock: int, version_used: int) -> int:
         """Check a push under ``cond`` (serving, a live pusher, its claims); returns the worker's clock here."""
-        shard = self.shard
-        if shard.closing or shard.restoring or shard.ring is None or worker not in shard.policy.clocks:
-            shard.require_serving()  # one of them fails: raise the error that says which
-            shard.require_live(worker)
-        expected = shard.policy.clocks[worker]
-        shard.claims.check(worker, clock, version_used, expected, shard.version, not shard.policy.accumulates)
+        core, policy, served = self.core, self.core.policy, self.served
+        if core.closing or core.restoring or served.ring is None or worker not in policy.clocks:
+            served.require_serving()  # one of them fails: raise the error that says which
+            core.require_live(worker)
+        expected = policy.clocks[worker]
+        self.claims.check(worker, clock, version_used, expected, served.version, not policy.accumulates)
         return expected
 
     def _push_rounds(
         self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int, borrowed: bool
     ) -> tuple[PushResult, bool]:
         """sync and ssp: take the push under ``cond``; apply it, or hold it for its round."""
-        shard = self.shard
-        with shard.cond:
+        core, served = self.core, self.served
+        with core.cond:
             expected = self._take(worker, clock, version_used)
-            decision = shard.policy.on_push(worker, clock)
+            decision = core.policy.on_push(worker, clock)
             if clock > expected and decision.outcome is Outcome.APPLIED:
-                shard.members.skipped(worker, expected, clock, "pushed")
+                missed_pushes(core, worker, expected, clock, "pushed")
             self._count_push(worker, nbytes)
-            staleness = max(0, shard.version - version_used)
+            staleness = max(0, served.version - version_used)
             if decision.outcome is Outcome.DUPLICATE:
-                shard.counters.duplicates += 1
+                core.counters.duplicates += 1
                 staleness = -1
             elif decision.outcome is Outcome.DROPPED_LATE:
-                shard.counters.dropped_late += 1
-                shard.emit("dropped_late")
+                core.counters.dropped_late += 1
+                core.emit("dropped_late")
                 staleness = -1
             elif decision.outcome is Outcome.APPLIED:
-                self._apply(grad, shard.updater.lr_scale(staleness), version_used)
+                self._apply(grad, served.updater.lr_scale(staleness), version_used)
                 self._record_staleness(staleness)
             else:  # ACCUMULATED: hold the buffer itself for the round (no copy); the pool gets it back at close
                 held = self.round_grads.setdefault(decision.round, {})
@@ -136,13 +157,13 @@ class Pushes:
                 self._record_staleness(staleness)
                 closed = decision.round in self.close_rounds(borrowed=grad if borrowed else None)
                 if borrowed and not closed:  # the worker may write its memory again once answered
-                    held[worker] = shard.pool.take()
-                    shard.arrays.copy(held[worker], grad)
-                shard.cond.notify_all()
+                    held[worker] = served.pool.take()
+                    served.arrays.copy(held[worker], grad)
+                core.cond.notify_all()
                 outcome = Outcome.APPLIED if closed else decision.outcome
-                return PushResult(outcome, shard.version, staleness, decision.next_clock), not borrowed
-            shard.cond.notify_all()
-            return PushResult(decision.outcome, shard.version, staleness, decision.next_clock), False
+                return PushResult(outcome, served.version, staleness, decision.next_clock), not borrowed
+            core.cond.notify_all()
+            return PushResult(decision.outcome, served.version, staleness, decision.next_clock), False
 
     def _push_at_once(
         self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int, checked: bool = False
@@ -156,63 +177,61 @@ class Pushes:
         computed: a refused gradient changes nothing. Registration also takes ``apply_lock`` in
         async, so only a departure can come between: then the update is published all the same.
         """
-        shard = self.shard
-        with shard.apply_lock:
-            with shard.cond:
+        core, policy, served = self.core, self.core.policy, self.served
+        with core.apply_lock:
+            with core.cond:
                 expected = self._take(worker, clock, version_used)
                 if clock < expected:  # a retry of a push this shard has taken: answered, not applied
-                    shard.policy.on_push(worker, clock)
+                    policy.on_push(worker, clock)
                     self._count_push(worker, nbytes)
-                    shard.counters.duplicates += 1
-                    return PushResult(Outcome.DUPLICATE, shard.version, -1, expected)
-                shard.policy.check_ahead(worker, clock)  # refused before the update is computed
-                staleness = max(0, shard.version - version_used)
-                ring, updater = shard.ring, shard.updater
-                step = updater.plan(ring, shard.version, version_used)
+                    core.counters.duplicates += 1
+                    return PushResult(Outcome.DUPLICATE, served.version, -1, expected)
+                policy.check_ahead(worker, clock)  # refused before the update is computed
+                staleness = max(0, served.version - version_used)
+                ring, updater = served.ring, served.updater
+                step = updater.plan(ring, served.version, version_used)
             updater.apply(ring, step, grad, updater.lr_scale(staleness), check_finite=not checked)
-            with shard.cond:
+            with core.cond:
                 next_clock = clock + 1
-                if shard.policy.is_live(worker):
-                    next_clock = shard.policy.on_push(worker, clock).next_clock
+                if policy.is_live(worker):
+                    next_clock = policy.on_push(worker, clock).next_clock
                     if clock > expected:
-                        shard.members.skipped(worker, expected, clock, "pushed")
+                        missed_pushes(core, worker, expected, clock, "pushed")
                 self._count_push(worker, nbytes)
                 self._record_staleness(staleness)
-                ring.publish(step.target, shard.version + 1)
-                self._count_applied(updater.uncompensated(step))
-                shard.cond.notify_all()
-                return PushResult(Outcome.APPLIED, shard.version, staleness, next_clock)
+                self._publish(step.target, updater.uncompensated(step))
+                core.cond.notify_all()
+                return PushResult(Outcome.APPLIED, served.version, staleness, next_clock)
 
     def _count_push(self, worker: int, nbytes: int) -> None:
-        shard = self.shard
-        shard.members.progressed(worker)
-        shard.counters.pushes += 1
-        shard.counters.bytes_in += nbytes
-        shard.emit("push", nbytes=nbytes)
+        core = self.core
+        self.leases.progressed(worker, core.now())  # its training loop moves
+        core.counters.pushes += 1
+        core.counters.bytes_in += nbytes
+        core.emit("push", nbytes=nbytes)
 
     def _record_staleness(self, staleness: int) -> None:
-        self.shard.counters.record_staleness(staleness)
-        self.shard.emit("staleness", value=staleness)
+        self.core.counters.record_staleness(staleness)
+        self.core.emit("staleness", value=staleness)
 
     def close_rounds(self, borrowed: np.ndarray | None = None) -> range:
         """Apply the mean of every round that may close (call under ``cond``).
 
         ``borrowed`` (a worker's own memory) is only read.
         """
-        shard = self.shard
-        closed = shard.policy.rounds_to_close()
+        closed = self.core.policy.rounds_to_close()
         if not closed:
             return closed
         held = sorted(r for r in self.round_grads if r in closed)
         # The others every worker skipped: only a restart from an older checkpoint does that.
-        shard.counters.lost_updates += len(closed) - len(held)
-        with shard.arrays.use():
+        self.core.counters.lost_updates += len(closed) - len(held)
+        with self.served.arrays.use():
             self._apply_rounds(held, borrowed)
         return closed
 
     def _apply_rounds(self, held: list[int], borrowed) -> None:
         """Apply each held round's mean, summed in worker order (the arrays' own module: NumPy or CuPy)."""
-        xp, pool = self.shard.arrays.xp, self.shard.pool
+        xp, pool = self.served.arrays.xp, self.served.pool
         for round_ in held:
             grads = self.round_grads.pop(round_)
             ordered = [grads[w] for w in sorted(grads)]
@@ -231,24 +250,19 @@ class Pushes:
 
     def _apply(self, grad: np.ndarray, lr_scale: float, version_used: int | None = None) -> None:
         """Apply ``grad`` under ``cond`` and publish the next version (sync rounds and ssp)."""
-        shard = self.shard
-        ring, updater = shard.ring, shard.updater
-        step = updater.plan(ring, shard.version, version_used)
+        served = self.served
+        ring, updater = served.ring, served.updater
+        step = updater.plan(ring, served.version, version_used)
         updater.apply(ring, step, grad, lr_scale)
-        ring.publish(step.target, shard.version + 1)
-        self._count_applied(updater.uncompensated(step))
+        self._publish(step.target, updater.uncompensated(step))
 
-    def _count_applied(self, uncompensated: bool = False) -> None:
-        """A new version is published (call under ``cond``): count it, and capture a checkpoint if one is due."""
-        shard = self.shard
+    def _publish(self, target: int, uncompensated: bool) -> None:
+        """Publish the next version, just written to ``target`` (call under ``cond``): count it, and
+        capture a checkpoint if one is due."""
+        counters = self.core.counters
         if uncompensated:
-            shard.counters.uncompensated += 1
-        shard.version += 1
-        shard.counters.applied_updates += 1
-        shard.emit("applied")
-        shard.checkpoints.updated()
-
-    def restore_round(self, round_: int, worker: int, grad: np.ndarray) -> None:
-        """Hold ``grad`` (a pooled buffer) as ``worker``'s gradient for open round ``round_`` (a restore)."""
-        self.round_grads.setdefault(round_, {})[worker] = grad
-        self.shard.policy.round_pushers.setdefault(round_, set()).add(worker)
+            counters.uncompensated += 1
+        self.served.publish(target)
+        counters.applied_updates += 1
+        self.core.emit("applied")
+        self.checkpoints.updated()

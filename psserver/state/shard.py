@@ -5,47 +5,48 @@ happens under one condition variable, and every change that could release a
 waiting pull notifies it. Nothing here knows about transports: service.py checks what arrives from the wire
 and calls these methods with validated values.
 
-:class:`Shard` holds what every part shares (the lock, the policy, the served range: its ring,
-version, updater and pools, the counters) and the rules every call shares (is the shard serving, is
-a worker live). Each concept is a part of its own, holding its own state: ``members``
-(membership.py: joining, leases, evictions), ``snapshots`` (snapshots.py: pulls), ``pushes``
-(pushes.py: sync rounds and updates), ``checkpoints`` (shard_checkpoints.py: capture, write, restore)
-and ``claims`` (claims.py: what a push may claim after a restart). The shard's public methods are
-the calls service.py makes, each handed to its part.
+:class:`Shard` composes parts, each given what it uses by name rather than the shard. What every
+part shares is the ``core`` (core.py: the locks, clock, settings, policy and counters, and whether
+the shard is up); the range it serves is one holder, ``served`` (served_range.py: the spec and
+bounds, weight ring and version, updater and pools). Each concept is a part of its own, holding its
+own state: ``members`` (membership.py: joining, leases, evictions), ``snapshots`` (snapshots.py:
+pulls), ``pushes`` (pushes.py: sync rounds and updates), ``checkpoints`` (shard_checkpoints.py:
+capture, write, restore) and ``claims`` (claims.py: what a push may claim after a restart). Parts
+are built in the order they depend on one another, so no two hold each other: checkpoints reads
+the others' state and calls none of them; pushes tells checkpoints of each version; members
+closes rounds and flushes checkpoints through the two calls it is given. The shard's public
+methods are the calls service.py makes, each handed to its part.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import threading
 import time
 
 import numpy as np
 
-from psgrid.psserver import shared_memory
 from psgrid.psserver.config import ServerConfig
-from psgrid.psserver.exceptions import InvalidArgument, NotInitialized, SpecMismatch, Unavailable, UnknownWorker
+from psgrid.psserver.exceptions import InvalidArgument, SpecMismatch
 from psgrid.psserver.kernels.parallel import Chunks, default_threads
 from psgrid.psserver.protocol import PushResult, Reason, job_tag
 from psgrid.psserver.sharding import shard_range
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.state import checkpoint_files
-from psgrid.psserver.state.buffers import BufferPool
 from psgrid.psserver.state.claims import Claims
-from psgrid.psserver.state.counters import Counters
+from psgrid.psserver.state.core import ShardCore
 from psgrid.psserver.state.device import shard_arrays
-from psgrid.psserver.state.membership import Members
-from psgrid.psserver.state.policy import ConsistencyPolicy
+from psgrid.psserver.state.membership import Leases, Members
 from psgrid.psserver.state.pushes import Pushes
-from psgrid.psserver.state.shard_checkpoints import Checkpoints
+from psgrid.psserver.state.served_range import ServedRange
+from psgrid.psserver.state.shard_checkpoints import Checkpoints, RoundGrads
 from psgrid.psserver.state.snapshots import MAX_LENT_BUFFERS, Snapshots
-from psgrid.psserver.state.updater import Updater, make_updater
-from psgrid.psserver.state.weight_ring import WeightRing
 
 __all__ = ["MAX_LENT_BUFFERS", "Shard"]
 
-log = logging.getLogger("psgrid.shard")
+
+def _read_from(part: str, name: str) -> property:
+    """A read-only view of ``self.<part>.<name>``: what the shard's callers (service.py, the planes, tests) read."""
+    return property(lambda self: getattr(getattr(self, part), name), doc=f"``{part}.{name}``")
 
 
 class Shard:
@@ -59,168 +60,51 @@ class Shard:
     """
 
     def __init__(self, config: ServerConfig, now=time.monotonic, *, restore: bool = True):
-        self.config = config
-        self.now = now
-        self.arrays = shard_arrays(config)  # host memory, or a GPU (shard_device): the ring, optimizer and pools
-        self.cond = threading.Condition()
-        # async: an update is computed outside ``cond`` (weights are never changed in place, so pulls
-        # and everything else go on meanwhile); updates queue on this lock, taken before ``cond``.
-        self.apply_lock = threading.Lock()
-        self.policy = ConsistencyPolicy(config.mode, config.staleness, config.backup_workers)
+        self.core = ShardCore(config, now)
         self.parts = Chunks(config.apply_threads or default_threads())  # the update's threads, over the range's parts
-        self.counters = Counters()
-        self.spec: ModelSpec | None = None
-        self.begin = self.end = 0
-        self.ring: WeightRing | None = None  # the weights: versions readers hold, and the current one
-        self.shares_memory = True  # False once this process could not put the weights in shared memory
-        self.updater: Updater | None = None  # the optimizer and how a gradient makes the next version (at Init)
-        self.version = 0
-        self.pool: BufferPool | None = None  # range-sized buffers where the arrays live (rounds, updates)
-        self.landing_pool: BufferPool | None = None  # ... in host memory, for network payloads (host shard: same)
-        self.closing = False  # set by close(): waits end, new calls are refused
-        self.restoring = False  # set while a checkpoint is loaded: calls are refused as UNAVAILABLE
-        self.listeners: list = []  # callables(event: str, **fields) for metrics exporters
-        # Its parts, each with the state of its own concept (see the module's text).
+        # host memory, or a GPU (shard_device): the ring, optimizer and pools
+        self.served = ServedRange(self.core, shard_arrays(config), self.parts)
+        # Its parts, each with the state of its own concept and given what it uses (see the module's text).
+        core, served = self.core, self.served
+        leases = Leases(config.lease_s)
+        round_grads: RoundGrads = {}
         self.claims = Claims()
-        self.members = Members(self, config.lease_s)
-        self.snapshots = Snapshots(self)
-        self.pushes = Pushes(self)
-        self.checkpoints = Checkpoints(self)
+        self.checkpoints = Checkpoints(core, served, leases, round_grads, self.claims)
+        self.pushes = Pushes(core, served, leases, self.claims, round_grads, self.checkpoints, self.parts)
+        self.members = Members(
+            core, served, leases, self.claims, close_rounds=self.pushes.close_rounds, flush=self.checkpoints.flush
+        )
+        self.snapshots = Snapshots(core, served, leases, self.claims)
         if config.checkpoint_dir:
             checkpoint_files.remove_leftovers(self.checkpoints.directory)
             if restore:
                 self.checkpoints.restore()
 
-    # ----- helpers ----------------------------------------------------------------------------
-
-    @property
-    def initialized(self) -> bool:
-        return self.ring is not None
-
-    @property
-    def weights(self) -> np.ndarray | None:
-        """The current version of this range's weights (read only: updates write a new buffer).
-
-        On a device shard, its own copy: readers map the ring's buffers through CUDA IPC, which can
-        only map them writable, so the shard keeps the weights it updates and checkpoints apart
-        and publishes a copy of each version (updater.py's DeviceUpdater).
-        """
-        if self.ring is None:
-            return None
-        return self.updater.weights(self.ring)
-
-    @property
-    def optimizer(self):
-        """The range's optimizer (its state is checkpointed), None before Init."""
-        return None if self.updater is None else self.updater.optimizer
-
-    def _new_ring(self, values: np.ndarray, version: int, updater: Updater) -> None:
-        """Hold ``values`` (at ``version``) as the weights, in shared memory when readers on this host may map them.
-
-        Where this process may not make the shared files (a file-size limit), in private memory:
-        said once, and the shared-memory plane is no longer offered (the network planes serve).
-        """
-        shared = self.shares_memory and self.config.shared_memory and shared_memory.can_share_read_only()
-        keep = updater.keep_versions
-        if self.arrays.on_gpu:  # readers on this host map the buffers through CUDA IPC; only the marks are shared
-            self.shares_memory = False
-            ring = WeightRing(len(values), shared=shared, keep_versions=keep, device=self.arrays)
-            master = updater.hold(values)
-            with self.arrays.use():
-                ring.weights[...] = master
-            self.arrays.finished()
-            self._set_ring(ring, version)
-            return
-        try:
-            ring = WeightRing(len(values), shared=shared, keep_versions=keep)
-        except OSError as exc:
-            if not shared:
-                raise
-            log.warning(
-                "shard %d keeps its weights in private memory, %s; workers on this host use the network plane",
-                self.config.shard_index,
-                shared_memory.refused(exc, values.nbytes),
-            )
-            self.shares_memory = False
-            ring = WeightRing(len(values), shared=False, keep_versions=keep)
-        np.copyto(ring.weights, values, casting="same_kind")
-        self._set_ring(ring, version)
-
-    def _set_ring(self, ring: WeightRing, version: int) -> None:
-        ring.publish(ring.current, version)
-        if self.ring is not None:
-            self.ring.close()
-        self.ring = ring
-
-    def take_on(
-        self,
-        spec: ModelSpec,
-        begin: int,
-        end: int,
-        values: np.ndarray,
-        version: int,
-        optimizer_state: dict | None = None,
-    ) -> None:
-        """Serve the range ``[begin, end)`` of ``spec`` from ``values`` at ``version`` (an Init, or a restore).
-
-        Everything is built and checked before anything is published: the updater (its optimizer with
-        its state from a checkpoint) and the pooled buffers first, then the weight ring, whose publication
-        makes the shard serve. A setting or state that is refused, or memory that runs out, leaves the shard
-        as it was: a refused Init leaves no half-built shard (weights and no optimizer), and the next Init
-        is taken afresh.
-        """
-        updater = make_updater(
-            self.config,
-            self.arrays,
-            end - begin,
-            stale=not self.policy.accumulates,
-            parts=self.parts,
-            live_workers=lambda: len(self.policy.clocks),
-        )
-        if optimizer_state is not None:
-            with self.arrays.use():
-                updater.optimizer.load_state_dict(optimizer_state)
-        pool, landing_pool = self._new_pools(end - begin)
-        self._new_ring(values, version, updater)
-        self.spec, self.begin, self.end = spec, begin, end
-        self.updater, self.pool, self.landing_pool = updater, pool, landing_pool
-
-    def _new_pools(self, size: int) -> tuple[BufferPool, BufferPool]:
-        """Range-sized buffers where the arrays live, and those network payloads land in (the same on a host shard)."""
-        pool = BufferPool(size, make=self.arrays.empty)
-        return pool, BufferPool(size, make=self.arrays.landing) if self.arrays.on_gpu else pool
-
-    @property
-    def size(self) -> int:
-        return self.end - self.begin
-
-    def emit(self, event: str, **fields) -> None:
-        """Tell the metrics exporters (``listeners``) of ``event``."""
-        for listener in self.listeners:
-            listener(event, **fields)
-
-    def require_serving(self) -> None:
-        """Data calls: refused while the shard stops or restores (clients retry), and before Init."""
-        if self.closing or self.restoring:
-            self.require_up()
-        if self.ring is None:
-            self.require_initialized()
-
-    def require_up(self) -> None:
-        if self.closing:
-            raise Unavailable(f"shard {self.config.shard_index} is shutting down")
-        if self.restoring:
-            raise Unavailable(f"shard {self.config.shard_index} is restoring its checkpoint", Reason.RESTORING)
-
-    def require_initialized(self) -> None:
-        if not self.initialized:
-            raise NotInitialized("shard has no weights yet: a worker must call Init first")
-
-    def require_live(self, worker: int) -> None:
-        if not self.policy.is_live(worker):
-            raise UnknownWorker(
-                f"worker {worker} is unknown or was evicted from shard {self.config.shard_index}; register again"
-            )
+    # What the shard's callers read: the core's ...
+    config = _read_from("core", "config")
+    now = _read_from("core", "now")
+    cond = _read_from("core", "cond")
+    apply_lock = _read_from("core", "apply_lock")
+    policy = _read_from("core", "policy")
+    counters = _read_from("core", "counters")
+    listeners = _read_from("core", "listeners")
+    closing = _read_from("core", "closing")
+    restoring = _read_from("core", "restoring")
+    # ... and the served range's.
+    arrays = _read_from("served", "arrays")
+    spec = _read_from("served", "spec")
+    begin = _read_from("served", "begin")
+    end = _read_from("served", "end")
+    size = _read_from("served", "size")
+    ring = _read_from("served", "ring")
+    version = _read_from("served", "version")
+    updater = _read_from("served", "updater")
+    pool = _read_from("served", "pool")
+    landing_pool = _read_from("served", "landing_pool")
+    shares_memory = _read_from("served", "shares_memory")
+    initialized = _read_from("served", "initialized")
+    weights = _read_from("served", "weights")
+    optimizer = _read_from("served", "optimizer")
 
     def reject(self) -> None:
         with self.cond:
@@ -249,7 +133,7 @@ class Shard:
             begin, end = self.layout(spec)
             if values is None or values.shape != (end - begin,):
                 raise InvalidArgument(f"Init must cover this shard's range [{begin}, {end})", Reason.BAD_SIZE)
-            self.take_on(spec, begin, end, values, self.version)
+            self.served.take_on(spec, begin, end, values, self.version)
             self.members.admit(spec.hash())
             self.cond.notify_all()
             return True
@@ -257,29 +141,20 @@ class Shard:
     def close(self) -> None:
         """The server is stopping: release every waiting pull (as UNAVAILABLE, so clients retry)."""
         with self.cond:
-            self.closing = True
+            self.core.closing = True
             self.cond.notify_all()
 
     def served_layout(self) -> tuple[int, int, int]:
         """(elements of the model, this range's first element, its length); refused until the shard serves."""
         with self.cond:
-            self.require_serving()
+            self.served.require_serving()
             return self.spec.size, self.begin, self.size
 
     def layout_info(self) -> dict:
         """Version, range and whether weights are set, read together (what an observer learns)."""
         with self.cond:
-            self.require_up()
-            return self.layout_fields()
-
-    def layout_fields(self) -> dict:
-        return {
-            "version": self.version,
-            "begin": self.begin,
-            "end": self.end,
-            "initialized": self.initialized,
-            "total_size": self.spec.size if self.spec is not None else 0,
-        }
+            self.core.require_up()
+            return self.served.layout_fields()
 
     # ----- the calls service.py makes, each handed to its part --------------------------------
 
