@@ -7,7 +7,8 @@ no socket, no frame and no copy to reach it. A shard started with ``in_process_c
 the service by that offer and calls it (local_client.py), and a client of any other process cannot
 (another pid: it takes the next plane).
 A pull lends the shard's current buffer (on its GPU for a device shard); a push hands the caller's
-gradient over to be read where it lies, during the call only.
+gradient over to be read where it lies, during the call only (``ShardService.push`` with a
+``CallerArray``, local_gradient.py: the client end builds it, and imports nothing of the shard's).
 
 No token is asked for: a caller in the shard's process can read all of the shard's memory anyway.
 The plane is off unless asked for, so a shard that tests or tools start in their own process is
