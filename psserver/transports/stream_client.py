@@ -28,15 +28,17 @@ SOCKET_SLACK_S = 5.0
 # Refusals after which a stream shard closes the connection: of the connection itself (a hello, the
 # connection limit), and of a frame it could not follow.
 CLOSING_STATUSES = frozenset({Status.UNAUTHENTICATED, Status.UNAVAILABLE})
+NOT_SET = -1.0  # a connection's limit before the pool sets one (no timeout is negative)
 
 
 class StreamConnection:
     """One connection of a stream plane; a plane subclasses it to keep what it learnt on it."""
 
-    __slots__ = ("sock",)
+    __slots__ = ("sock", "limit")
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
+        self.limit: float | None = NOT_SET  # the socket's timeout as the pool last set it (ConnectionPool.borrow)
 
     def close(self) -> None:
         self.sock.close()
@@ -105,8 +107,11 @@ class ConnectionPool(Generic[Conn]):
             conn = self.take(timeout_s)
         except OSError as exc:  # ssl.SSLError included
             raise Unavailable(f"cannot connect to the {self.label} at {self.where}: {exc}", Reason.UNREACHABLE) from exc
+        limit = timeout_s + SOCKET_SLACK_S if timeout_s else None
         try:
-            conn.sock.settimeout(timeout_s + SOCKET_SLACK_S if timeout_s else None)
+            if limit != conn.limit:  # each settimeout is a system call; a worker's calls mostly keep one deadline
+                conn.sock.settimeout(limit)
+                conn.limit = limit
         except OSError as exc:
             conn.close()
             raise Unavailable(f"{self.label} connection to {self.where} lost: {exc}", Reason.UNREACHABLE) from exc

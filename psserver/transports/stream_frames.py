@@ -65,8 +65,10 @@ import struct
 import time
 from typing import NamedTuple
 
+from psgrid.psserver.exceptions import error_from_wire
+
 # The marks table's layout and values are the contract's (protocol.py): the shard's weight ring writes them too.
-from psgrid.psserver.protocol import MARK_BYTES, NO_MARK, REVOKED  # noqa: F401
+from psgrid.psserver.protocol import MARK_BYTES, NO_MARK, REVOKED, Reason, Status  # noqa: F401
 
 MAGIC = b"PST2"
 HELLO, PULL, PUSH = 1, 2, 3
@@ -234,7 +236,14 @@ def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = N
 
 def recv_struct(sock: socket.socket, layout: struct.Struct, deadline: float | None = None) -> tuple:
     buf = bytearray(layout.size)
-    recv_exact(sock, memoryview(buf), deadline)
+    # A header nearly always comes whole: one read, and the general loop only for the rest of one that did not.
+    got = sock.recv_into(buf)
+    if got < layout.size:
+        if got == 0:
+            raise ConnectionError("peer closed the connection")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError("peer too slow: the read's deadline passed")
+        recv_exact(sock, memoryview(buf)[got:], deadline)
     fields = layout.unpack(buf)
     if fields[0] != MAGIC:
         raise ConnectionError("peer does not speak the psgrid TCP data plane")
@@ -245,11 +254,9 @@ def read_reply(sock: socket.socket, where: str) -> Reply:
     """A reply's header; a refusal raised as its domain exception.
 
     The exception's ``whole_frame`` says whether all of the refusal was read, so that the
-    connection is still in step (stream_client.in_step_after).
+    connection is still in step (stream_client.in_step_after). Its names are imported with the
+    module, not here: an import in a function costs microseconds on every reply.
     """
-    from psgrid.psserver.exceptions import error_from_wire
-    from psgrid.psserver.protocol import Reason, Status
-
     reply = _named(Reply, recv_struct(sock, REPLY))
     if reply.status != Status.OK:
         text = bytearray(min(reply.nbytes, MAX_MESSAGE))
