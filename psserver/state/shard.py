@@ -60,12 +60,12 @@ class Shard:
     """
 
     def __init__(self, config: ServerConfig, now=time.monotonic, *, restore: bool = True):
-        self.core = ShardCore(config, now)
+        self.core = core = ShardCore(config, now)
         self.parts = Chunks(config.apply_threads or default_threads())  # the update's threads, over the range's parts
-        # host memory, or a GPU (shard_device): the ring, optimizer and pools
-        self.served = ServedRange(self.core, shard_arrays(config), self.parts)
-        # Its parts, each with the state of its own concept and given what it uses (see the module's text).
-        core, served = self.core, self.served
+        # in host memory, or on a GPU (shard_device): the ring, optimizer and pools
+        self.served = served = ServedRange(core, shard_arrays(config), self.parts)
+        # Its parts, each with the state of its own concept and given what it uses (see the module's text),
+        # built in the order they depend on one another.
         leases = Leases(config.lease_s)
         round_grads: RoundGrads = {}
         self.claims = Claims()
@@ -84,12 +84,9 @@ class Shard:
     config = _read_from("core", "config")
     now = _read_from("core", "now")
     cond = _read_from("core", "cond")
-    apply_lock = _read_from("core", "apply_lock")
     policy = _read_from("core", "policy")
     counters = _read_from("core", "counters")
     listeners = _read_from("core", "listeners")
-    closing = _read_from("core", "closing")
-    restoring = _read_from("core", "restoring")
     # ... and the served range's.
     arrays = _read_from("served", "arrays")
     spec = _read_from("served", "spec")
