@@ -56,8 +56,9 @@ WORKER_MAY_USE = (
     "psgrid.psserver.security",  # the job's token, which a worker reads and hands to its client
     "psgrid.psserver.files",  # metrics files created owner-only, as every file psgrid writes
     "psgrid.psserver.lifeline",  # a script stops when its launcher is gone, as psctl's children do
-    "psgrid.psserver.shared_memory",
-)  # a host's aggregation shares sealed memfds as the shm plane does
+    "psgrid.psserver.shared_memory",  # a host's aggregation shares sealed memfds as the shm plane does,
+    "psgrid.psserver.transports.unix_peers",  # ... over the same abstract socket, peer check and fd passing
+)
 
 
 def sources(*folders: str) -> list[Path]:

@@ -18,12 +18,13 @@ without aggregation (up to the order of float32 additions). In async and ssp a h
 update carrying the mean of its workers' gradients, its staleness and clock are the host's, and the
 workers of one host stay in step with each other (docs/architecture.md, "Per-host aggregation").
 
-They meet on an abstract Unix socket (per network namespace, like the shards' own shared-memory
-plane) named from the job's shards and token, for this user's processes only (``SO_PEERCRED``), each
-follower showing the job's token; the memory is ``memfd`` files passed over it, sealed, so nothing
-is left in ``/dev/shm`` whatever ends the job. A worker's death costs its host what it costs a job:
-a follower's gradient is left out from then on, and when the leader goes the others push on their
-own. The leader's side is aggregate_leader.py, a follower's aggregate_follower.py, the words they
+They meet on the shared-memory plane's machinery, not a transport of their own: an abstract Unix
+socket (psserver/transports/unix_peers.py: per network namespace, for this user's processes only, as
+the kernel says) named from the job's shards and token, each follower showing the job's token; the
+memory is sealed ``memfd`` files (psserver/shared_memory.py) whose descriptors cross that socket, so
+nothing is left in ``/dev/shm`` whatever ends the job. A worker's death costs its host what it
+costs a job: a follower's gradient is left out from then on, and when the leader goes the others
+push on their own. The leader's side is aggregate_leader.py, a follower's aggregate_follower.py, the words they
 say and how they are read (bounded in size and time) aggregate_wire.py.
 """
 

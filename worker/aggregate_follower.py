@@ -25,7 +25,9 @@ import numpy as np
 from psgrid.psserver import dtypes as wire
 from psgrid.psserver.protocol import Outcome, PushResult
 from psgrid.psserver.shared_memory import map_fd, unsafe_to_map
+from psgrid.psserver.transports.unix_peers import abstract_address, peer_refusal, unix_connection
 from psgrid.worker.aggregate_wire import (
+    AGGREGATION,
     MESSAGE_S,
     MODES,
     AggregationError,
@@ -35,7 +37,6 @@ from psgrid.worker.aggregate_wire import (
     field,
     receive,
     results_of,
-    same_user,
     send,
 )
 
@@ -80,8 +81,9 @@ class HostFollower:
     def _join(self) -> None:
         deadline = time.monotonic() + self.timeout_s
         self.sock = sock = self._reach(deadline)
-        if not same_user(sock):
-            raise AggregationError("the host's rendezvous socket belongs to another user")
+        stranger = peer_refusal(sock, AGGREGATION)  # whoever bound the name first may be anyone
+        if stranger is not None:
+            raise AggregationError(f"the host's rendezvous socket is another user's: {stranger}")
         try:
             sock.settimeout(MESSAGE_S)
             send(sock, {"op": "hello", "local": self.group.local, "token": self.token})
@@ -113,13 +115,9 @@ class HostFollower:
     def _reach(self, deadline: float) -> socket.socket:
         """Connect to the leader's socket, which it binds as it starts (maybe after this worker)."""
         while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(MESSAGE_S)
             try:
-                sock.connect("\0" + self.name)
-                return sock
+                return unix_connection(abstract_address(self.name), MESSAGE_S)
             except OSError as exc:
-                sock.close()
                 if time.monotonic() > deadline:
                     raise AggregationError(
                         f"its leader (local rank 0) did not listen within {self.timeout_s:g} s ({exc.strerror or exc})"

@@ -6,7 +6,7 @@ mapping), and one gradient slot per follower, handed to that follower alone and 
 resizing, so that a follower can write its own slot and nothing else, and can never make the
 leader fault (SIGBUS) by shrinking what it reads.
 
-Who may join: a process of this user (``SO_PEERCRED``) whose hello carries the job's token
+Who may join: a process of this user (unix_peers.peer_refusal) whose hello carries the job's token
 (compared in constant time, as the shared-memory plane does), for a local rank nobody holds.
 The meet reads every connection without blocking, each with its own deadline (its hello whole
 within ``MESSAGE_S`` of accepting it), and the meet ends at its own deadline with whoever came:
@@ -19,7 +19,6 @@ out of the sum, and the host goes on (docs/reliability.md, "The failure contract
 from __future__ import annotations
 
 import logging
-import os
 import selectors
 import socket
 import time
@@ -31,7 +30,9 @@ import numpy as np
 from psgrid.psserver.protocol import ITEMSIZE
 from psgrid.psserver.security import token_matches
 from psgrid.psserver.shared_memory import FIXED_SIZE, READ_ONLY_TO_OTHERS, SharedArray, can_share_read_only, refused
+from psgrid.psserver.transports.unix_peers import abstract_listener, peer_refusal
 from psgrid.worker.aggregate_wire import (
+    AGGREGATION,
     MESSAGE_S,
     AggregationError,
     Completed,
@@ -41,7 +42,6 @@ from psgrid.worker.aggregate_wire import (
     expect,
     field,
     results_message,
-    same_user,
     send,
 )
 
@@ -94,15 +94,14 @@ class HostLeader:
         self.client, self.group, self.size, self.timeout_s, self.token = client, group, size, timeout_s, token
         self.members: dict[int, Member] = {}  # by local rank
         self.memory: SharedArray | None = None
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener: socket.socket | None = None
         try:
             if not can_share_read_only():
                 raise AggregationError(
                     'aggregate = "host" needs a kernel that seals shared memory against its '
                     'readers\' writes (F_SEAL_FUTURE_WRITE, Linux 5.1); use aggregate = "none"'
                 )
-            self.listener.bind("\0" + name)  # before the shards' join: the others may connect meanwhile
-            self.listener.listen(128)
+            self.listener = abstract_listener(name, 128)  # before the shards' join: the others may connect meanwhile
             self.memory = self._shared(READ_ONLY_TO_OTHERS, "psgrid-host-weights")
         except BaseException:
             self.close()
@@ -181,8 +180,9 @@ class HostLeader:
             except OSError as exc:  # out of descriptors, say: the others are still heard
                 log.warning("host %d: cannot accept a connection: %s", self.group.host, exc)
                 return
-            if not same_user(sock):
-                say_refused(sock, f"this host's aggregation is for processes of user {os.geteuid()} only")
+            stranger = peer_refusal(sock, AGGREGATION)
+            if stranger is not None:
+                say_refused(sock, stranger)
                 continue
             sock.setblocking(False)
             strangers[sock] = Stranger(sock, time.monotonic() + MESSAGE_S)
@@ -340,7 +340,8 @@ class HostLeader:
         for member in self.members.values():
             member.sock.close()
         self.members = {}
-        self.listener.close()
+        if self.listener is not None:
+            self.listener.close()
         self.weights = None
         if self.memory is not None:
             self.memory.close()

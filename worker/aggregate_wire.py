@@ -31,6 +31,7 @@ import struct
 import time
 
 from psgrid.psserver.protocol import Outcome, PushResult
+from psgrid.psserver.transports.unix_peers import receive_with_fds, send_with_fds
 
 # What a new connection has for its hello: the data planes' handshake time (transports/stream_frames.py).
 HANDSHAKE_S = 3.0
@@ -39,7 +40,7 @@ LENGTH = struct.Struct("<I")
 MAX_MESSAGE = 1 << 16  # longest message: the largest, ``pushed``, is 4 numbers per shard
 MESSAGE_S = HANDSHAKE_S  # a message (a hello included) must be whole this long after its first byte
 MODES = ("sync", "async", "ssp")
-PEERCRED = struct.Struct("3i")  # pid, uid, gid
+AGGREGATION = "this host's aggregation"  # what a peer of another user is told it may not join
 
 
 class AggregationError(RuntimeError):
@@ -60,12 +61,6 @@ class Completed:
         return self._result
 
 
-def same_user(sock: socket.socket) -> bool:
-    """Whether the peer of a Unix socket is this user (or root), as the kernel says (``SO_PEERCRED``)."""
-    _, uid, _ = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
-    return uid in (os.geteuid(), 0)
-
-
 def encode(message: dict) -> bytes:
     data = json.dumps(message).encode()
     return LENGTH.pack(len(data)) + data
@@ -74,7 +69,7 @@ def encode(message: dict) -> bytes:
 def send(sock: socket.socket, message: dict, fds=()) -> None:
     """Send one message (OSError when the peer is gone or reads nothing for the socket's timeout)."""
     if fds:
-        socket.send_fds(sock, [encode(message)], list(fds))
+        send_with_fds(sock, encode(message), fds)
     else:
         sock.sendall(encode(message))
 
@@ -146,7 +141,7 @@ def receive(sock: socket.socket, wait_s: float, *, fds: int = 0) -> tuple[dict, 
             sock.settimeout(left)
             try:
                 if fds and not data:
-                    chunk, got, _, _ = socket.recv_fds(sock, need, fds)
+                    chunk, got = receive_with_fds(sock, need, fds)
                     received += got
                 else:
                     chunk = sock.recv(need - len(data))

@@ -41,6 +41,7 @@ from psgrid.psserver.transports.stream_frames import (
     push_request,
     read_reply,
 )
+from psgrid.psserver.transports.unix_peers import receive_one_fd, send_with_fds, sockaddr, unix_connection
 
 CONNECT_S = 5.0
 REREAD_S = 60.0  # how long a pull with no deadline reads again while the shard takes its buffers back
@@ -66,7 +67,7 @@ class ShmDataPlane(DataPlane):
 
     def __init__(self, address: str, options: ConnectOptions, host: str = "localhost"):
         self.address = address
-        self.path = "\0" + address[1:] if address.startswith("@") else address
+        self.path = sockaddr(address)  # what a raw socket connects to (the tests' stand-in peers)
         self.token = options.token
         # Under TLS the shard asks for a handshake here too (its certificate names ``host``, the one our
         # control connection verified); then the connection carries plain frames again.
@@ -84,10 +85,8 @@ class ShmDataPlane(DataPlane):
     # ----- connections --------------------------------------------------------------------------
 
     def connect(self, timeout: float) -> ShmConnection:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock = unix_connection(self.address, timeout)
         try:
-            sock.settimeout(timeout)
-            sock.connect(self.path)
             if self.ssl_context is not None:
                 sock = self._handshake(sock, timeout)
             if self.token:
@@ -112,12 +111,10 @@ class ShmDataPlane(DataPlane):
         return self.connect(min(timeout, CONNECT_S) if timeout else CONNECT_S)
 
     def _receive_fd(self, sock) -> int:
-        _, fds, _, _ = socket.recv_fds(sock, len(FD_BYTE), 1)
-        if len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
+        fd = receive_one_fd(sock, len(FD_BYTE))
+        if fd is None:
             raise BadReply(f"shard shared memory at {self.address} sent no file descriptor")
-        return fds[0]
+        return fd
 
     # ----- mapping the shard's memory -----------------------------------------------------------
 
@@ -257,7 +254,7 @@ class ShmDataPlane(DataPlane):
         """Send a push's header on ``conn`` (attaching the gradient file first, once per connection)."""
         if kind not in conn.attached:
             conn.sock.sendall(attach_request(kind, segment.nbytes))
-            socket.send_fds(conn.sock, [FD_BYTE], [fd])
+            send_with_fds(conn.sock, FD_BYTE, [fd])
             read_reply(conn.sock, self.replier)
             conn.attached.add(kind)
         conn.sock.sendall(push_request(kind, worker_id, clock, version, 0, timeout_s))

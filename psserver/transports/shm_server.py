@@ -1,6 +1,6 @@
 """The shared-memory data plane, server side: workers on this host read the weights where they lie.
 
-A worker on the shard's host reaches it on an abstract Unix socket (its name travels in
+A worker on the shard's host reaches it on an abstract Unix socket (unix_peers.py; its name travels in
 RegisterReply's ``shm_socket``; a worker elsewhere cannot connect, and falls back to TCP). Only
 small frames (stream_frames.py, which names each field this plane gives a meaning of its own) cross the socket; memory crosses by file descriptor:
 
@@ -16,8 +16,8 @@ small frames (stream_frames.py, which names each field this plane gives a meanin
 
 So a pull costs the worker one copy (none in the shard), and a push none at all when the worker
 computes its gradient into the shared file. Files are anonymous (shared_memory.py): nothing is
-ever left in ``/dev/shm``. Only processes of the shard's own user may connect (``SO_PEERCRED``),
-and they must show what the TCP plane asks for: the job's token in a hello, and under TLS a
+ever left in ``/dev/shm``. Only processes of the shard's own user may connect (the kernel says
+who: unix_peers.py), and they must show what the TCP plane asks for: the job's token in a hello, and under TLS a
 handshake (with a certificate of the job's CA under mutual TLS), after which the connection goes
 back to plain frames (``unwrap``) so descriptors can cross it. What a connected peer can and cannot
 do to the shard is in docs/reliability.md ("The shared-memory plane's threat model").
@@ -31,7 +31,6 @@ import secrets
 import selectors
 import socket
 import ssl
-import struct
 from collections.abc import Callable
 
 import numpy as np
@@ -57,9 +56,15 @@ from psgrid.psserver.transports.stream_frames import (
     shared_pull_reply,
 )
 from psgrid.psserver.transports.stream_server import DEFAULT_MAX_CONNECTIONS, Connection, SocketDataServer, wait_timeout
+from psgrid.psserver.transports.unix_peers import (
+    abstract_address,
+    abstract_listener,
+    peer_refusal,
+    receive_one_fd,
+    send_with_fds,
+)
 
 SEGMENT_DTYPES = {FLOAT32: np.dtype("<f4"), FLOAT16: np.dtype("<u2"), BFLOAT16: np.dtype("<u2")}
-PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 class SharedSegment:
@@ -121,14 +126,8 @@ class ShmDataServer(SocketDataServer):
         on_failure: Callable[[], None] | None = None,
     ):
         name = f"psgrid-{secrets.token_hex(16)}"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            listener.bind("\0" + name)  # abstract: no file to leave behind, unreachable from other hosts
-            listener.listen(256)
-        except BaseException:
-            listener.close()
-            raise
-        self.address = "@" + name
+        listener = abstract_listener(name, 256)  # abstract: no file to leave behind, unreachable from other hosts
+        self.address = abstract_address(name)
         super().__init__(
             service,
             listener,
@@ -142,10 +141,7 @@ class ShmDataServer(SocketDataServer):
         self.operations = {OPEN: self._open, MAP: self._map, PULL: self._pull, PUSH: self._push}
 
     def _accepted(self, sock: socket.socket) -> str | None:
-        _, uid, _ = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
-        if uid not in (os.geteuid(), 0):
-            return f"this shard's shared memory is for processes of user {os.geteuid()} only"
-        return None
+        return peer_refusal(sock, "this shard's shared memory")
 
     def _finish_tls(self, conn: Connection) -> bool:
         # Under TLS the client proves what the network planes ask for (its certificate, under mutual TLS),
@@ -187,12 +183,12 @@ class ShmDataServer(SocketDataServer):
         else:
             marks_fd = self.readers.marks_fd()
         sock.sendall(open_reply(reader.slot))
-        socket.send_fds(sock, [FD_BYTE], [marks_fd])
+        send_with_fds(sock, FD_BYTE, [marks_fd])
 
     def _map(self, sock, reader: Reader, request: Request) -> None:
         fd, size = self._buffer_fd(request.buffer_index)
         sock.sendall(map_reply(size))
-        socket.send_fds(sock, [FD_BYTE], [fd])
+        send_with_fds(sock, FD_BYTE, [fd])
 
     def _buffer_fd(self, index: int) -> tuple[int, int]:
         """A read-only descriptor of the ring's buffer ``index`` and its size in bytes."""
@@ -232,16 +228,14 @@ class ShmDataServer(SocketDataServer):
 
     def _attach(self, sock, reader: Reader, request: Request) -> bool:
         """Take the worker's gradient file; False (close) when the descriptor did not come with it."""
-        _, fds, _, _ = socket.recv_fds(sock, len(FD_BYTE), 1)
-        if len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
+        fd = receive_one_fd(sock, len(FD_BYTE))
+        if fd is None:
             self._refuse(sock, InvalidArgument("ATTACH must carry one file descriptor", Reason.MALFORMED))
             return False
         try:
-            reader.segments[request.dtype] = self._map_gradient(fds[0], request)  # a refusal: _answer's
+            reader.segments[request.dtype] = self._map_gradient(fd, request)  # a refusal: _answer's
         finally:
-            os.close(fds[0])
+            os.close(fd)
         self._reply(sock)
         return True
 
