@@ -569,6 +569,31 @@ def test_a_restarted_shard_takes_the_versions_and_clocks_of_before_its_crash_and
     assert restarted.counters.lost_updates == 2 and restarted.pool.on_loan == 0
 
 
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_an_evicted_worker_back_at_a_later_clock_counts_what_it_pushed_meanwhile_as_lost(mode):
+    # Seen under load: a restarted shard evicted a worker (its heartbeat late), the worker pushed to the
+    # other shard meanwhile and came back three clocks on; those updates were never counted as lost.
+    from psgrid.psserver.state.shard import Shard
+
+    now = [0.0]
+    shard = Shard(ServerConfig(mode=mode, lr=1.0, lease_s=2.0), now=lambda: now[0])
+    shard.init(SPEC, np.zeros(SPEC.size, np.float32))
+    shard.register(SPEC.hash(), 0, -1, "test")
+    grad = shard.pool.take()
+    grad[...] = 1.0
+    try:
+        shard.push(0, 0, 0, grad, 0)
+    finally:
+        shard.pool.give(grad)
+    now[0] += 5.0
+    assert shard.evict_expired() == [0]
+    assert shard.register(SPEC.hash(), 0, 4, "test")["start_clock"] == 4
+    assert shard.counters.lost_updates == 3 and shard.version == 1
+    shard.leave(0)
+    assert shard.register(SPEC.hash(), 0, 4, "test")["start_clock"] == 4  # back where it left: nothing missed
+    assert shard.counters.lost_updates == 3
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("mode", ["sync", "async", "ssp"])
 def test_updates_lost_to_restarts_are_counted_across_every_restart(tmp_path, mode):

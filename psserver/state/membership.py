@@ -128,7 +128,9 @@ class Members:
                 )
             if worker_id < 0:
                 worker_id = self.leases.new_id(taken=policy.departed)
-            before = policy.clocks.get(worker_id)
+            # An evicted worker that comes back at a later clock pushed to the other shards meanwhile:
+            # what it pushed while it was not a member here is as lost as what a restart forgot.
+            before = policy.clocks.get(worker_id, policy.departed.get(worker_id))
             clock = policy.join(worker_id, start_clock if start_clock >= 0 else None)
             if before is not None and clock > before:
                 missed_pushes(core, worker_id, before, clock, "registered")
