@@ -72,7 +72,10 @@ def test_two_thousand_idle_connections_hold_no_threads_and_a_client_is_served_at
                 time.sleep(0.05)
             assert server.tcp.open_connections >= IDLE  # every one accepted, and held
             threads = threading.active_count()
-            crowded = statistics.median(rounds_per_s(client) for _ in range(3))
+            # The best of five: another process's load only ever slows a measure (seen at 0.25 with the
+            # suite's other file running beside this one), while a server that scanned its idle
+            # connections per request would be slow in every one.
+            crowded = max(rounds_per_s(client) for _ in range(5))
             assert client.data_planes == ["tcp"]
         finally:
             for s in idle:
