@@ -34,7 +34,7 @@ from psgrid.psserver.spec import ModelSpec
 from psgrid.worker import alone, dlpack
 from psgrid.worker.backend import to_host
 from psgrid.worker.config import TrainConfig
-from psgrid.worker.core import WorkerCore, open_exchange
+from psgrid.worker.core import CLIENT_SETTINGS, WorkerCore, open_exchange
 from psgrid.worker.env import ADDRESSES, WORLD_SIZE, job_env, watch_launcher
 from psgrid.worker.model_link import ModelLink
 from psgrid.worker.records import MetricsWriter
@@ -44,21 +44,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-# What a client takes from the job file's [train] table, and what a script's worker takes beside it (the rest
-# of the table, the model, data and schedule, is the built-in trainer's).
-CLIENT_SETTINGS = (
-    "data_plane",
-    "shared_memory",
-    "wire_dtype",
-    "chunk_bytes",
-    "deadline_s",
-    "retry_s",
-    "heartbeat_s",
-    "join_timeout_s",
-    "tls_ca",
-    "tls_cert",
-    "tls_key",
-)
+# What a script's worker takes from the job file's [train] table beside what its client takes (CLIENT_SETTINGS,
+# core.py); the rest of the table, the model, data and schedule, is the built-in trainer's.
 WORKER_SETTINGS = (
     "overlap",
     "pull_ahead",

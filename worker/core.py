@@ -33,19 +33,25 @@ def security(train: TrainConfig) -> dict:
     return dict(token=train.token, tls_ca=train.tls_ca, tls_cert=train.tls_cert, tls_key=train.tls_key)
 
 
+# What a client takes from the job file's [train] table (the token comes with the job, not the table).
+CLIENT_SETTINGS = (
+    "data_plane",
+    "shared_memory",
+    "wire_dtype",
+    "chunk_bytes",
+    "deadline_s",
+    "retry_s",
+    "heartbeat_s",
+    "join_timeout_s",
+    "tls_ca",
+    "tls_cert",
+    "tls_key",
+)
+
+
 def client_settings(train: TrainConfig) -> dict:
     """The :class:`Client` keywords a job's ``[train]`` table gives (transport, deadlines, security)."""
-    return dict(
-        data_plane=train.data_plane,
-        shared_memory=train.shared_memory,
-        wire_dtype=train.wire_dtype,
-        chunk_bytes=train.chunk_bytes,
-        deadline_s=train.deadline_s,
-        retry_s=train.retry_s,
-        heartbeat_s=train.heartbeat_s,
-        join_timeout_s=train.join_timeout_s,
-        **security(train),
-    )
+    return {key: getattr(train, key) for key in CLIENT_SETTINGS} | {"token": train.token}
 
 
 def open_exchange(
