@@ -361,7 +361,27 @@ def test_the_default_job_trains_on_device_shards_over_cuda_ipc(tmp_path):
     summary, planes, said = _launch_mnist_on_device_shards(tmp_path / "run", tmp_path / "no-mps-here")
     assert summary["shard_device"] == "gpu" and planes == {"ipc"}
     assert summary["test_accuracy"] >= 0.9, summary["test_accuracy"]
-    assert "without MPS" in said and "nvidia-cuda-mps-control -d" in said  # the launcher says what would help
+    assert "without MPS" in said and "--mps" in said  # the launcher says what would help
+
+
+@pytest.mark.timeout(300)
+def test_with_mps_the_job_starts_its_own_daemon_trains_over_cuda_ipc_under_it_and_quits_it(tmp_path):
+    import shutil
+
+    cupy_or_skip()
+    if shutil.which("nvidia-cuda-mps-control") is None:
+        pytest.skip("no MPS control daemon (nvidia-cuda-mps-control) on this machine")
+    out = tmp_path / "run"
+    summary, planes, said = _launch_mnist_on_device_shards(out, tmp_path / "no-mps-here", "--mps")
+    assert summary["shard_device"] == "gpu" and planes == {"ipc"}
+    assert summary["test_accuracy"] >= 0.9, summary["test_accuracy"]
+    assert "without MPS" not in said, said
+    logs = out / "logs" / "mps"
+    control = (logs / "control.log").read_text() if (logs / "control.log").exists() else ""
+    # An MPS server ran for the job's clients (the daemon starts one at its first client's first CUDA call).
+    assert control and (logs / "server.log").exists(), (sorted(p.name for p in logs.iterdir()), control[-2000:])
+    keeper = (out / "logs" / "mps.log").read_text()
+    assert "quit (asked)" in keeper, keeper
 
 
 @pytest.mark.timeout(300)

@@ -7,6 +7,7 @@ whose runtime reports a number of GPUs and each one's free memory (cudaMemGetInf
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import types
 
@@ -118,7 +119,8 @@ def test_the_launcher_names_mps_where_device_shards_share_the_gpu_with_gpu_worke
     note = mps_note(j, without)
     assert (note is not None) == said
     if said:
-        assert "nvidia-cuda-mps-control -d" in note and "\n" not in note
+        assert "--mps" in note and "mps = true" in note and "\n" not in note
+        assert mps_note(dataclasses.replace(j, mps=True), without) is None  # the job starts its own: nothing to say
     pipe.mkdir()
     (pipe / "control").touch()  # a control daemon's pipe where CUDA looks: said no more
     assert mps_note(j, without) is None

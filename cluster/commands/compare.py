@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from psgrid.cluster.commands.common import flag_names, given_names
     from psgrid.cluster.run import script
-    from psgrid.cluster.run.preflight import check_device, check_shard_device, refuse_mpi_rank
+    from psgrid.cluster.run.preflight import check_device, check_mps, check_shard_device, refuse_mpi_rank
 
     if not args.mpi:
         refuse_mpi_rank("compare", "psctl compare --mpi")
@@ -249,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
     if command and args.mpi:
         raise UsageError("psctl compare --mpi runs the built-in trainer: leave out --mpi to compare a script")
     job = load_job_from_args(args)
+    check_mps(job)
     if command is None:  # a user's script chooses its own device
         check_device(job.train, flag_names(args))
     else:

@@ -81,6 +81,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "which calls it (GeePS' placement; a worker's death is then its shard's too)",
     )
     g.add_argument(
+        "--mps",
+        dest="override_mps",
+        action="store_true",
+        default=None,
+        help="start a CUDA MPS control daemon for this job alone unless one serves it already: its device shards "
+        "and GPU workers share one GPU context ([job] mps = true)",
+    )
+    g.add_argument(
         "--resume",
         metavar="DIR",
         help="continue the stopped job in DIR from its shards' checkpoints, toward its total steps "
@@ -112,7 +120,13 @@ def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.run import script
     from psgrid.cluster.run.hosting import check_placement
     from psgrid.cluster.run.launch import launch
-    from psgrid.cluster.run.preflight import check_machine, check_shard_device, check_stragglers, refuse_mpi_rank
+    from psgrid.cluster.run.preflight import (
+        check_machine,
+        check_mps,
+        check_shard_device,
+        check_stragglers,
+        refuse_mpi_rank,
+    )
 
     refuse_mpi_rank("launch")
     command = None if args.user_command is None else script.resolve_command(args.user_command)
@@ -121,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     if args.resume:
         job = script.for_command(_resumed_job(args), command)
         check_placement(job)
+        check_mps(job)
         check_shard_device(job, given_names(args), sized=command is None)
         return _with_tensorboard(args, job, launch(job, progress=args.progress, resume=True, command=command))
     named = args.config is not None or args.override_name is not None
@@ -128,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     job = script.for_command(load_job_from_args(args), command, named=named)
     check_placement(job)
     check_stragglers(job)
+    check_mps(job)
     if command is None:  # a user's script chooses its own device (it may not use CuPy at all)
         check_machine(job, flag_names(args))
     else:  # and its model is its own: the shards' GPU is checked, not their size

@@ -132,6 +132,13 @@ class JobConfig:
         "death is then its shard's too)",
         choices=SHARD_PLACEMENTS,
     )
+    mps: bool = setting(
+        False,
+        "start a CUDA MPS control daemon for this job alone, unless one serves it already (`--mps`): its device "
+        "shards and GPU workers then share one GPU context, so a push and the pull after it no longer move the GPU "
+        "between processes and their kernels run side by side (`psctl launch`, compare and bench; needs "
+        "`nvidia-cuda-mps-control`)",
+    )
     server: ServerConfig = field(default_factory=ServerConfig)
     train: TrainConfig = field(default_factory=lambda: _train_config()())
     source: str | None = field(default=None, compare=False)

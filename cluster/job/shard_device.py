@@ -78,7 +78,7 @@ def mps_serving(environ: Mapping[str, str] = os.environ) -> bool:
 
 def mps_note(job, environ: Mapping[str, str] = os.environ) -> str | None:
     """One line for a job whose device shards share this host's GPU with GPU workers and no MPS serves them, else None."""
-    if job.server.shard_device != "gpu" or job.workers < 1 or mps_serving(environ):
+    if job.server.shard_device != "gpu" or job.workers < 1 or job.mps or mps_serving(environ):
         return None
     if job.train.device == "cpu":
         return None
@@ -90,5 +90,6 @@ def mps_note(job, environ: Mapping[str, str] = os.environ) -> str | None:
     return (
         "device shards and GPU workers are separate processes sharing the GPU without MPS: each push and the "
         "pull after it move the GPU between their contexts (0.15 ms each on an H100); an MPS control daemon "
-        '(nvidia-cuda-mps-control -d) gives them one context (docs/performance.md, "Device shards")'
+        "gives them one context: --mps ([job] mps = true) starts one for this job alone "
+        '(docs/performance.md, "Device shards")'
     )

@@ -129,6 +129,7 @@ class Launcher:
         # shard_placement = "worker": shard i lives in worker i's process, one child for both
         self.hosting = job.shard_placement == "worker"
         self.trained_at: dict[int, float] = {}  # rank -> when a hosting worker's training ended
+        self.mps = None  # the job's own MPS control daemon ([job] mps = true), once started
 
     # -- phases ------------------------------------------------------------------------------
 
@@ -440,6 +441,8 @@ class Launcher:
 
     def start(self, run: JobRun) -> None:
         check_interrupted()  # a Ctrl-C heard before the launcher listened (cluster/run/interrupts.py)
+        if self.job.mps:
+            self.start_mps()
         self.start_shards()
         if not self.quiet:
             self.announce()
@@ -472,8 +475,26 @@ class Launcher:
 
     def stop(self, run: JobRun) -> None:
         ignore_signals()
-        self.stop_all()
+        try:
+            self.stop_all()
+        finally:
+            if self.mps is not None:
+                self.mps.stop()  # last: it served every child until they ended
         self.keep_last_shard_stats(run)
+
+    def start_mps(self) -> None:
+        """The job's own MPS control daemon (``[job] mps``), named to every child it starts (cluster/run/mps.py)."""
+        from psgrid.cluster.run.mps import JobMps
+
+        self.mps = JobMps(self.out / "logs" / "mps")
+        with deferred_signals():  # a signal between its fork and its record would leave a daemon we do not know
+            self.mps.spawn()
+        try:
+            served = self.mps.ready()
+        except RuntimeError as e:
+            raise JobFailed(str(e), status="failed") from None
+        self.shard_env.update(served)
+        self.worker_env.update(served)
 
     def keep_last_shard_stats(self, run: JobRun) -> None:
         """A job stopped or failed before its shards were read at the end: their counters as last seen."""

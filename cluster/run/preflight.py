@@ -207,6 +207,17 @@ def check_shard_device(
         raise ConfigError(f"{said}: {problem}")
 
 
+def check_mps(job) -> None:
+    """``[job] mps = true`` where no daemon serves this environment and none can be started: one line, before anything starts."""
+    if not job.mps:
+        return
+    from psgrid.cluster.run.mps import mps_problem
+
+    problem = mps_problem()
+    if problem:
+        raise ConfigError(problem)
+
+
 def _host_shards(name: Names) -> str:
     """How to put the shards back on the host, in the words of the command that runs the job."""
     given = name.flags.get("shard_device", "")
