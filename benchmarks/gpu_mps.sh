@@ -64,6 +64,6 @@ if part 4; then
   for mps in false true; do
     echo "== 4. psctl bench train: the built-in 20M MLP, device shard, 1 worker, mps = $mps"
     psctl bench train --device gpu --shard-device gpu --models mlp --hidden 4096,4096 --batch-size 512 --shards 1 \
-      --workers 1 --modes async,sync --steps 300 --repeats 3 --set mps=$mps
+      --workers 1 --modes async --steps 300 --repeats 3 --set mps=$mps
   done
 fi

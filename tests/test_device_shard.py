@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -376,11 +377,11 @@ def test_with_mps_the_job_starts_its_own_daemon_trains_over_cuda_ipc_under_it_an
     assert summary["shard_device"] == "gpu" and planes == {"ipc"}
     assert summary["test_accuracy"] >= 0.9, summary["test_accuracy"]
     assert "without MPS" not in said, said
-    logs = out / "logs" / "mps"
-    control = (logs / "control.log").read_text() if (logs / "control.log").exists() else ""
+    keeper = (out / "logs" / "mps.log").read_text()  # the keeper's lines and the daemon's own, in the foreground
+    if os.environ.get("OUT"):  # the device scripts' output folder: the log comes back with them
+        Path(os.environ["OUT"], "mps-test-daemon.log").write_text(keeper)
     # An MPS server ran for the job's clients (the daemon starts one at its first client's first CUDA call).
-    assert control and (logs / "server.log").exists(), (sorted(p.name for p in logs.iterdir()), control[-2000:])
-    keeper = (out / "logs" / "mps.log").read_text()
+    assert "server" in keeper.lower(), keeper[-3000:]
     assert "quit (asked)" in keeper, keeper
 
 
