@@ -130,7 +130,7 @@ def keep(folder: str) -> int:
 
     The daemon's variables are in our environment already (:class:`JobMps` put them there).
     """
-    from psgrid.psserver import lifeline
+    from psgrid.psserver import files, lifeline
 
     env = dict(os.environ)
     stopping: list[int] = []
@@ -141,7 +141,7 @@ def keep(folder: str) -> int:
         if line is not None and lifeline.cut(line):
             return 0  # the launcher is already gone: start nothing
         for sub in (PIPE_ENV, LOG_ENV):
-            os.makedirs(env[sub], mode=0o700, exist_ok=True)
+            files.make_dirs(env[sub], mode=0o700)
         daemon = subprocess.Popen(
             [CONTROL, "-f"],
             env=env,
