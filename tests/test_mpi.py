@@ -160,6 +160,7 @@ print(f"rank {world.rank} mapped {','.join(mapped)}", flush=True)
 world.allreduce(1)                      # MPI still works on the unlinked mappings
 world.Barrier()
 if world.rank == 1:
+    time.sleep(1.0)                     # every rank's line forwarded by mpiexec first: an abort drops what is in flight
     world.Abort(1)                      # which leaves MPICH's file behind, unless it was unlinked
 time.sleep(30)
 """
