@@ -202,3 +202,28 @@ def test_a_launcher_stopped_by_sigterm_quits_its_daemon(tmp_path, fake_mps):
     assert wait_gone(daemon["pid"])
     assert [r["command"] for r in records(fake_mps) if r["event"] == "command"] == ["quit"]
     assert not Path(daemon["pipe"]).parent.exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["mpi", "--config", "mnist", "--set", "mps=true"],
+        ["compare", "--config", "mnist", "--mpi", "--set", "mps=true", "--modes", "sync", "--out", "OUT"],
+    ],
+    ids=["psctl mpi", "psctl compare --mpi"],
+)
+def test_mps_under_mpiexec_is_refused_in_one_line_naming_what_to_do(tmp_path, fake_mps, argv):
+    argv = [str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    done = psctl(*argv, timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "mps = true" in lines[0] and "nvidia-cuda-mps-control -d" in lines[0], lines
+    assert records(fake_mps) == []
+
+
+def test_a_local_cluster_refuses_mps_in_one_line(tmp_path):
+    import psgrid
+    from psgrid.cluster.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="LocalCluster does not"):
+        psgrid.LocalCluster(config="mnist", mps=True, out=str(tmp_path / "run"))

@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     if command and args.mpi:
         raise UsageError("psctl compare --mpi runs the built-in trainer: leave out --mpi to compare a script")
     job = load_job_from_args(args)
-    check_mps(job)
+    check_mps(job, launcher="psctl compare --mpi" if args.mpi else "psctl launch")
     if command is None:  # a user's script chooses its own device
         check_device(job.train, flag_names(args))
     else:

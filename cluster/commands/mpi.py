@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.errors import UsageError
     from psgrid.cluster.run import script
     from psgrid.cluster.run.hosting import check_placement
-    from psgrid.cluster.run.preflight import require_mpi
+    from psgrid.cluster.run.preflight import check_mps, require_mpi
 
     if args.plan:
         return print_plan(args, load_job_from_args(args))
@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     named = args.config != "mnist" or args.override_name is not None
     job = script.for_command(load_job_from_args(args), command, named=named, local_gpus=False)
     check_placement(job, launcher="psctl mpi")
+    check_mps(job, launcher="psctl mpi")
     require_mpi("mpi")
     from psgrid.cluster.mpi.job import run_mpi
 

@@ -36,7 +36,7 @@ from psgrid.cluster.run import script as user_script
 from psgrid.cluster.run.hosting import check_placement
 from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.launch import Launcher, prepare_out
-from psgrid.cluster.run.preflight import check_shard_device
+from psgrid.cluster.run.preflight import check_mps, check_shard_device
 from psgrid.psserver import files
 
 
@@ -83,12 +83,7 @@ class LocalCluster:
             overrides["out"] = out
         job = _with_settings(job, overrides)
         check_placement(job, launcher="psgrid.LocalCluster")  # its sessions host no shard
-        if job.mps:
-            raise ConfigError(
-                "[job] mps = true is for psctl launch, compare and bench: this program's own process, one of the "
-                "job's workers, chose its GPU context before psgrid.LocalCluster started; start an MPS control "
-                "daemon (nvidia-cuda-mps-control -d) before the program instead"
-            )
+        check_mps(job, launcher="psgrid.LocalCluster")  # its program's process chose its GPU context already
         # Device shards that cannot fit are refused before anything starts; without background workers
         # the model is the program's own (psgrid.init's params), and only the GPU itself is checked.
         check_shard_device(job, {}, sized=bool(workers) and command is None)

@@ -207,10 +207,21 @@ def check_shard_device(
         raise ConfigError(f"{said}: {problem}")
 
 
-def check_mps(job) -> None:
-    """``[job] mps = true`` where no daemon serves this environment and none can be started: one line, before anything starts."""
+def check_mps(job, *, launcher: str = "psctl launch") -> None:
+    """``[job] mps = true`` where it cannot be had: one line, before anything starts.
+
+    ``psctl launch``, compare and bench start the job's daemon (cluster/run/mps.py), so they need its
+    control binary unless a daemon serves them already; under ``psctl mpi`` (and ``compare --mpi``) the
+    ranks are mpiexec's, and a ``psgrid.LocalCluster`` program chose its GPU context before it started.
+    """
     if not job.mps:
         return
+    if launcher != "psctl launch":
+        raise ConfigError(
+            f"[job] mps = true is for psctl launch, compare and bench, which start a daemon for the job: {launcher} "
+            "does not; start an MPS control daemon (nvidia-cuda-mps-control -d, or your scheduler's MPS) before "
+            "it and set mps = false"
+        )
     from psgrid.cluster.run.mps import mps_problem
 
     problem = mps_problem()
