@@ -14,3 +14,19 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1   # Open MPI re
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 psctl() { python3 -m psgrid.cluster.cli "$@"; }
+# An MPS control daemon of the calling script's own: a private pipe directory, so that only the processes
+# started here while it is on use it; mps_off quits it (and the EXIT trap, should the script end first).
+mps_on() {
+  mps_dir=$(mktemp -d)
+  export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && trap mps_off EXIT
+}
+mps_off() {
+  [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || return 0
+  echo quit | nvidia-cuda-mps-control
+  sleep 1
+  rm -rf "$mps_dir"
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  trap - EXIT
+}

@@ -26,21 +26,6 @@ PARTS=${PARTS:-1 2 3 4 5 6 8 9}     # 7 only when asked (PARTS=7): diagnostics
 REPEATS=${REPEATS:-3}
 STEPS=${STEPS:-80}
 part() { [[ " $PARTS " == *" $1 "* ]]; }
-# An MPS control daemon of this script's own: a private pipe directory, so that only the processes
-# started here while it is on use it; mps_off quits it (and the EXIT trap, should the script end first).
-mps_on() {
-  mps_dir=$(mktemp -d)
-  export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d && trap mps_off EXIT
-}
-mps_off() {
-  [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || return 0
-  echo quit | nvidia-cuda-mps-control
-  rm -rf "$mps_dir"
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-  trap - EXIT
-}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "cores $(nproc), load $(cut -d' ' -f1-3 /proc/loadavg)"
 

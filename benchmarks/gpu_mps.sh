@@ -20,20 +20,6 @@ date -u +"%Y-%m-%d %H:%M UTC"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,utilization.gpu,compute_mode --format=csv,noheader
 uptime
 
-mps_on() {
-  mps_dir=$(mktemp -d)
-  export CUDA_MPS_PIPE_DIRECTORY=$mps_dir/pipe CUDA_MPS_LOG_DIRECTORY=$mps_dir/log
-  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d && trap mps_off EXIT
-}
-mps_off() {
-  [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || return 0
-  echo quit | nvidia-cuda-mps-control
-  sleep 1
-  rm -rf "$mps_dir"
-  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-}
-
 if part 1; then
   echo "== 1. tests"
   python3 -m pytest -q -p no:cacheprovider tests/test_job_mps.py tests/test_device_shard.py \
