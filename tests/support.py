@@ -117,6 +117,19 @@ def run_mpiexec(n: int, python_args: list[str], timeout: float = 120, extra_env:
 # ----- psctl launch as a background process ------------------------------------------------------
 
 
+def psctl(*args: str, timeout: float = 120, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    """``psctl ARGS`` as a user runs it, from the repository's root, its output captured (``env``: ours by default)."""
+    return subprocess.run(
+        [sys.executable, "-m", "psgrid.cluster.cli", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
+
+
 def launch_env() -> dict:
     return dict(os.environ)  # psgrid is installed (pip install -e .): every child imports the same package
 

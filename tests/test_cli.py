@@ -17,20 +17,12 @@ from psgrid.cluster.commands import COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from tests import support  # noqa: E402
 from tests.support import address_lines  # noqa: E402
 
 
 def psctl(*args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    return subprocess.run(
-        [sys.executable, "-m", "psgrid.cluster.cli", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        **kw,
-    )
+    return support.psctl(*args, timeout=timeout, **kw)
 
 
 def test_top_level_help_lists_commands_and_examples():

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from tests import support
 from tests.support import MPI_ENV, ROOT, run_mpiexec
 
 TINY = ["--config", "mnist", "--steps", "30", "--eval-every", "10", "--batch-size", "32", "--shards", "1"]
@@ -19,15 +20,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def psctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = dict(os.environ, **MPI_ENV)
-    return subprocess.run(
-        [sys.executable, "-m", "psgrid.cluster.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
+    return support.psctl(*args, timeout=timeout, env=dict(os.environ, **MPI_ENV))
 
 
 def rows_of(out) -> list[dict]:

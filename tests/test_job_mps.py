@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import ROOT, alive, psctl, wait_for
 from tests.test_launcher_death import kill_launcher
 
 FAKE_CONTROL = """#!{python}
@@ -81,31 +81,6 @@ def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def psctl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "psgrid.cluster.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def wait_gone(pid: int, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not alive(pid)
-
-
 @pytest.mark.timeout(150)
 def test_every_worker_of_a_job_with_mps_finds_the_jobs_daemon_which_quits_when_the_job_ends(tmp_path, fake_mps):
     script = tmp_path / "train.py"
@@ -121,7 +96,7 @@ def test_every_worker_of_a_job_with_mps_finds_the_jobs_daemon_which_quits_when_t
     for rank in (0, 1):
         env = json.loads((tmp_path / f"env-{rank}.json").read_text())
         assert env == {"CUDA_MPS_PIPE_DIRECTORY": daemon["pipe"], "CUDA_MPS_LOG_DIRECTORY": daemon["log"]}
-    assert wait_gone(daemon["pid"]), "the daemon outlived the job"
+    wait_for(lambda: not alive(daemon["pid"]), 15, "the daemon to end with the job")
     folder = Path(daemon["pipe"]).parent
     assert not folder.exists(), f"the daemon's folder {folder} was left behind"
     assert "without MPS" not in done.stderr
@@ -187,9 +162,7 @@ def test_a_launcher_stopped_by_sigterm_quits_its_daemon(tmp_path, fake_mps):
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
-        while not any(r["event"] == "daemon" for r in records(fake_mps)) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for(lambda: any(r["event"] == "daemon" for r in records(fake_mps)), 60, "the job's daemon")
         time.sleep(1.0)
         launcher.send_signal(signal.SIGTERM)
         _, err = launcher.communicate(timeout=60)
@@ -199,7 +172,7 @@ def test_a_launcher_stopped_by_sigterm_quits_its_daemon(tmp_path, fake_mps):
             launcher.communicate(timeout=10)
     assert launcher.returncode == 128 + signal.SIGTERM, err
     daemon = next(r for r in records(fake_mps) if r["event"] == "daemon")
-    assert wait_gone(daemon["pid"])
+    wait_for(lambda: not alive(daemon["pid"]), 15, "the daemon to end with its launcher")
     assert [r["command"] for r in records(fake_mps) if r["event"] == "command"] == ["quit"]
     assert not Path(daemon["pipe"]).parent.exists()
 
