@@ -54,7 +54,7 @@ def mps_problem(environ: Mapping[str, str] = os.environ) -> str | None:
         return None
     return (
         f"[job] mps = true starts an MPS control daemon for the job, but {CONTROL} is not on PATH (it comes "
-        "with the NVIDIA driver); install it or set mps = false"
+        "with the NVIDIA driver); install it, or leave out --mps (mps = false)"
     )
 
 
