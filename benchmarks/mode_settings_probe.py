@@ -101,7 +101,7 @@ def main() -> None:
         w.writeheader()
         w.writerows(rows)
     print(f"\n{'setting':<12} {'mode':<6} {'W':>2}  {'median':>6}  each seed's final test accuracy (staleness)")
-    for name, sets in settings:
+    for name, _ in settings:
         for mode in a.modes.split(","):
             for w in a.workers.split(","):
                 these = [r for r in rows if r["setting"] == name and r["mode"] == mode and r["workers"] == int(w)]
