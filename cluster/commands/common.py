@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import textwrap
 
 
@@ -170,6 +171,21 @@ def load_job_from_args(args: argparse.Namespace, *, check: bool = True):
     preflight.command_line.update(given_names(args))
     if check:
         preflight.check_job(job, given_names(args), starts_shards=getattr(args, "command", None) in STARTS_SHARDS)
+    return job
+
+
+def with_mode_defaults_said(job, args: argparse.Namespace, program: str):
+    """``job`` with its mode's defaults where the file and the command line chose none (cluster/job/mode_defaults.py).
+
+    Says so in one line on stderr (on rank 0 alone under mpiexec or srun).
+    """
+    from psgrid.cluster.job.mode_defaults import note, with_mode_defaults
+    from psgrid.cluster.run.preflight import quiet_rank
+
+    job, added = with_mode_defaults(job, given_names(args), args.config)
+    line = note(job, added, program)
+    if line and not quiet_rank():
+        print(line, file=sys.stderr, flush=True)
     return job
 
 

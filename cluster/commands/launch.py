@@ -116,7 +116,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from psgrid.cluster.commands.common import flag_names, given_names, load_job_from_args
+    from psgrid.cluster.commands.common import flag_names, given_names, load_job_from_args, with_mode_defaults_said
     from psgrid.cluster.run import script
     from psgrid.cluster.run.hosting import check_placement
     from psgrid.cluster.run.launch import launch
@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
         return _with_tensorboard(args, job, launch(job, progress=args.progress, resume=True, command=command))
     named = args.config is not None or args.override_name is not None
     args.config = args.config or "mnist"
-    job = script.for_command(load_job_from_args(args), command, named=named)
+    job = with_mode_defaults_said(load_job_from_args(args), args, "psctl launch")
+    job = script.for_command(job, command, named=named)
     check_placement(job)
     check_stragglers(job)
     check_mps(job)

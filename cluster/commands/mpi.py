@@ -102,7 +102,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from psgrid.cluster.commands.common import load_job_from_args
+    from psgrid.cluster.commands.common import load_job_from_args, with_mode_defaults_said
     from psgrid.cluster.errors import UsageError
     from psgrid.cluster.run import script
     from psgrid.cluster.run.hosting import check_placement
@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
         )
     command = None if args.user_command is None else script.resolve_command(args.user_command)
     named = args.config != "mnist" or args.override_name is not None
-    job = script.for_command(load_job_from_args(args), command, named=named, local_gpus=False)
+    job = with_mode_defaults_said(load_job_from_args(args), args, "psctl mpi")
+    job = script.for_command(job, command, named=named, local_gpus=False)
     check_placement(job, launcher="psctl mpi")
     check_mps(job, launcher="psctl mpi")
     require_mpi("mpi")

@@ -23,6 +23,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from psgrid.cluster.errors import UsageError
+from psgrid.cluster.job.mode_defaults import stale_defaults
 from psgrid.psserver.protocol import mode_rules
 from psgrid.worker.straggler import parse_stragglers
 
@@ -192,19 +193,13 @@ def _value_text(value) -> str:
 
 
 def mode_defaults(modes: list[Mode], job) -> dict[str, Settings]:
-    """What a mode runs with unless told otherwise (--mode-set MODE:KEY=VALUE, or --set KEY=VALUE for all).
+    """What each mode runs with unless told otherwise (--mode-set MODE:KEY=VALUE, or --set KEY=VALUE for all).
 
-    async and ssp: ``async_momentum=auto`` where the shards' SGD has momentum. Asynchrony adds momentum of
-    its own (about 1 - 1/W with W workers, Mitliagkas et al. 2016), so the job's momentum 0.9 on top
-    overshoots. On the built-in MNIST job (docs/experiments/README.md) async with it off ended at 0.335 to
-    0.897 at 8 workers and 0.817 to 0.930 at 4 (unstable), with it on at 0.903 to 0.928 and 0.864 to 0.916;
-    ssp:2 at 8 workers at 0.097 to 0.892 off and 0.909 to 0.917 on. Where plain momentum did no harm (2
-    workers, and ssp:2 at 4) it costs about 0.01 to 0.03 of final accuracy.
+    The rule is psctl launch's and psctl mpi's too (cluster/job/mode_defaults.py, which says why): async
+    and ssp run with ``async_momentum=auto`` where the shards' SGD has momentum.
     """
-    server = job.server
-    if server.optimizer != "sgd" or not server.momentum or server.async_momentum != "off":
-        return {}
-    return {m.label: (("async_momentum", "auto"),) for m in modes if m.stale}
+    added = stale_defaults(job.server)
+    return {m.label: added for m in modes if m.stale} if added else {}
 
 
 SAME_SEED = "same"

@@ -307,6 +307,12 @@ def load_job(spec: str | Path, *, redacted_ok: bool = False) -> JobConfig:
     return job
 
 
+def server_keys_given(spec: str | Path) -> set[str]:
+    """The [server] keys a job file gives itself, wherever it writes them (in [server] or at the top level)."""
+    path, data = _read(spec)
+    return set(_tables(data, str(path), SECTIONS)["server"])
+
+
 def load_shard_settings(spec: str | Path) -> tuple[ServerConfig, int]:
     """What one shard needs of a job file: its [server] settings and [job] shards.
 

@@ -30,6 +30,8 @@ from pathlib import Path
 
 from psgrid.cluster.errors import ConfigError
 from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
+from psgrid.cluster.job.mode_defaults import note as mode_note
+from psgrid.cluster.job.mode_defaults import with_mode_defaults
 from psgrid.cluster.job.outdir import release
 from psgrid.cluster.run import coordinator as co
 from psgrid.cluster.run import script as user_script
@@ -82,6 +84,9 @@ class LocalCluster:
         if out is not None:
             overrides["out"] = out
         job = _with_settings(job, overrides)
+        job, added = with_mode_defaults(job, {key.rpartition(".")[2] for key in settings}, config)
+        if line := mode_note(job, added, "psgrid.LocalCluster"):
+            print(line, file=sys.stderr, flush=True)
         check_placement(job, launcher="psgrid.LocalCluster")  # its sessions host no shard
         check_mps(job, launcher="psgrid.LocalCluster")  # its program's process chose its GPU context already
         # Device shards that cannot fit are refused before anything starts; without background workers
