@@ -1,16 +1,21 @@
-"""A mode's defaults are one rule (cluster/job/mode_defaults.py): psctl launch, LocalCluster and compare apply it alike.
+"""A mode's defaults are one rule (cluster/job/mode_defaults.py): launch, mpi, LocalCluster, compare and server alike.
 
-async and ssp run with ``async_momentum = "auto"`` where the shards' SGD has momentum, unless the job file
-or the command line says ``async_momentum`` itself; a command that adds it says so in one line.
+The job file's table of the mode ([async]) first, then psgrid's own: async and ssp run with
+``async_momentum = "auto"`` where the shards' SGD has momentum, unless the job file or the command line
+says ``async_momentum`` itself. The command line always wins; a command that adds a setting says so.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
 
 import psgrid
+from psgrid.cluster.cli import build_parser
+from psgrid.cluster.commands.server import server_config_from_args
+from psgrid.cluster.errors import ConfigError
 from psgrid.cluster.job.config import apply_overrides, load_job
 from psgrid.cluster.job.mode_defaults import note, with_mode_defaults
 from tests.support import psctl
@@ -32,7 +37,7 @@ def write_job(tmp_path, extra: str = "") -> str:
 def test_stale_modes_get_auto_momentum_where_sgd_has_momentum(mode):
     job = apply_overrides(load_job(MNIST), {"mode": mode})
     got, added = with_mode_defaults(job, given=(), spec=MNIST)
-    assert added == (("async_momentum", "auto"),)
+    assert added.settings == (("async_momentum", "auto"),) and added.table == ()
     assert got.server.async_momentum == "auto"
     assert job.server.async_momentum == "off"  # a new job: the one given is not changed
     line = note(got, added, "psctl launch")
@@ -50,18 +55,65 @@ def test_stale_modes_get_auto_momentum_where_sgd_has_momentum(mode):
 def test_nothing_is_added_where_the_rule_does_not_apply(overrides):
     job = apply_overrides(load_job(MNIST), overrides)
     got, added = with_mode_defaults(job, given=(), spec=MNIST)
-    assert added == () and got.server.async_momentum == "off"
+    assert added.settings == () and got.server.async_momentum == "off"
     assert note(got, added, "psctl launch") is None
 
 
 def test_a_choice_on_the_command_line_or_in_the_file_is_kept(tmp_path):
     job = apply_overrides(load_job(MNIST), {"mode": "async"})
-    assert with_mode_defaults(job, given=("async_momentum",), spec=MNIST)[1] == ()
+    assert with_mode_defaults(job, given=("async_momentum",), spec=MNIST)[1].settings == ()
     said_off = write_job(tmp_path, 'async_momentum = "off"\n')
-    assert with_mode_defaults(load_job(said_off), given=(), spec=said_off)[1] == ()
+    assert with_mode_defaults(load_job(said_off), given=(), spec=said_off)[1].settings == ()
     in_table = tmp_path / "table.toml"
     in_table.write_text('mode = "async"\nmomentum = 0.9\n[server]\nasync_momentum = "off"\n')
-    assert with_mode_defaults(load_job(str(in_table)), given=(), spec=str(in_table))[1] == ()
+    assert with_mode_defaults(load_job(str(in_table)), given=(), spec=str(in_table))[1].settings == ()
+
+
+def test_the_job_files_table_of_the_mode_is_applied_under_the_command_line(tmp_path):
+    spec = write_job(tmp_path, "[async]\nlr = 0.01\nmomentum = 0.0\n[sync]\nlr = 0.2\n")
+    job = load_job(spec)
+    assert job.server.lr == 0.05  # the tables wait for the mode
+    got, added = with_mode_defaults(job, given=(), spec=spec)
+    assert (got.server.lr, got.server.momentum, got.server.async_momentum) == (0.01, 0.0, "off")  # no momentum left
+    assert added.table == (("lr", 0.01), ("momentum", 0.0)) and added.psgrid == ()
+    line = note(got, added, "psctl launch")
+    assert line == "psctl launch: async runs with lr = 0.01, momentum = 0.0: the job file's [async]"
+    got, _ = with_mode_defaults(job, given=("lr",), spec=spec)  # --lr on the command line
+    assert (got.server.lr, got.server.momentum) == (0.05, 0.0)
+    synced = apply_overrides(job, {"mode": "sync"})
+    assert with_mode_defaults(synced, given=(), spec=spec)[0].server.lr == 0.2
+    ssp = apply_overrides(job, {"mode": "ssp"})  # no [ssp]: psgrid's own default only
+    got, added = with_mode_defaults(ssp, given=(), spec=spec)
+    assert (got.server.lr, added.settings) == (0.05, (("async_momentum", "auto"),))
+
+
+@pytest.mark.parametrize(
+    ("table", "said"),
+    [
+        ("[async]\nsteps = 3\n", "unknown key 'steps' in [async]"),  # a worker's key: a mode's table is the shards'
+        ("[async]\nmode = 'sync'\n", "cannot change the mode"),
+        ("[ssp]\nlr = -1.0\n", "[ssp] lr must be"),
+        ("[ssp]\nlr = 'fast'\n", "lr must be a number"),
+        ("[bsp]\nlr = 0.1\n", "[sync], [async] and [ssp]"),
+    ],
+)
+def test_a_bad_mode_table_is_refused_when_the_file_is_read(tmp_path, table, said):
+    path = tmp_path / "bad.toml"
+    path.write_text('mode = "sync"\n' + table)
+    with pytest.raises(ConfigError, match=None) as refused:
+        load_job(str(path))
+    assert said in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_psctl_server_applies_its_modes_table_under_its_flags(tmp_path):
+    spec = tmp_path / "job.toml"
+    spec.write_text('[server]\nmode = "sync"\nlr = 0.05\n[async]\nlr = 0.01\nstaleness_compensation = "lr"\n')
+    parse = build_parser().parse_args
+    assert server_config_from_args(parse(["server", "--config", str(spec)])).lr == 0.05  # sync: [server] as is
+    c = server_config_from_args(parse(["server", "--config", str(spec), "--mode", "async"]))
+    assert (c.lr, c.staleness_compensation) == (0.01, "lr")
+    c = server_config_from_args(parse(["server", "--config", str(spec), "--mode", "async", "--set", "lr=0.3"]))
+    assert (c.lr, c.staleness_compensation) == (0.3, "lr")
 
 
 def test_psctl_launch_runs_async_with_the_modes_default_and_says_so(tmp_path):
@@ -91,8 +143,8 @@ def test_local_cluster_applies_the_same_rule(capsys):
         assert cluster.job.server.async_momentum == "off"
 
 
-def test_compare_keeps_the_job_files_own_choice(tmp_path):
-    spec = write_job(tmp_path, 'async_momentum = "off"\n')
+def test_compare_keeps_the_job_files_own_choice_and_runs_its_mode_tables(tmp_path):
+    spec = write_job(tmp_path, 'async_momentum = "off"\n[async]\nlr = 0.02\n')
     out = tmp_path / "cmp"
     done = psctl(
         "compare", "--config", spec, "--modes", "sync,async", "--workers", "2", "--repeats", "1", "--out", str(out),
@@ -100,6 +152,7 @@ def test_compare_keeps_the_job_files_own_choice(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     experiment = json.loads((out / "experiment.json").read_text())
-    assert experiment["mode_defaults"] == {}
-    rows = (out / "summary.csv").read_text()
-    assert "async_momentum=auto" not in rows
+    assert experiment["mode_defaults"] == {"async": [["lr", 0.02]]}  # sync: the job's; no auto momentum
+    with (out / "summary.csv").open() as f:
+        rows = {r["mode"]: r for r in csv.DictReader(f)}
+    assert rows["async"]["settings"] == "lr=0.02" and rows["sync"]["settings"] == ""

@@ -228,7 +228,6 @@ def run(args: argparse.Namespace) -> int:
     )
     from psgrid.cluster.experiments.settings import settings_for
     from psgrid.cluster.job.config import apply_overrides
-    from psgrid.cluster.job.mode_defaults import file_sets
 
     if args.tensorboard is not None:
         from psgrid.cluster.experiments.tensorboard import require
@@ -263,8 +262,7 @@ def run(args: argparse.Namespace) -> int:
         )
     tune = _tuning(args, job, command)
     mode_settings = _mode_settings(args.mode_set, modes, job, server_only=command is not None)
-    chosen = "async_momentum" in given_names(args) or file_sets(args.config)
-    defaults = {} if chosen else mode_defaults(modes, job)
+    defaults = mode_defaults(modes, job, given=given_names(args), spec=args.config)
     if args.classes is not None and args.classes < 2:
         raise UsageError(f"--classes must be at least 2, got {args.classes}")
     workers = parse_counts(args.workers, "--workers") if args.workers else [job.workers]

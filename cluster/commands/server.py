@@ -58,11 +58,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def server_config_from_args(args: argparse.Namespace):
-    """The shard's settings: the job file's [server] table, then ``--set``, then the flags (errors name them)."""
+    """The shard's settings: the job file's [server] table, its mode's table, then ``--set``, then the flags.
+
+    Errors name what gave the value. The mode's table ([async] for async) is the one of the mode the
+    shard ends up in, flags included; a key that ``--set`` or a flag gives keeps their value.
+    """
     import dataclasses
 
     from psgrid.cluster.errors import ConfigError
-    from psgrid.cluster.job.config import load_shard_settings, parse_assignment, route
+    from psgrid.cluster.job.config import file_mode_table, load_shard_settings, parse_assignment, route
     from psgrid.psserver.config import ServerConfig
     from psgrid.psserver.security import job_token
 
@@ -71,12 +75,14 @@ def server_config_from_args(args: argparse.Namespace):
         base = dataclasses.replace(base, num_shards=shards)
     else:
         base = ServerConfig()
+    given = set()
     for text in args.set:
         key, value = parse_assignment(text)
         places = [name for section, name in route(key, ("job", "server")) if section == "server"]
         if not places:
             raise ConfigError(f"--set {text}: psctl server takes [server] keys only (the shards' settings)")
         base = _replaced(base, {places[0]: value}, f"--set {text}")
+        given.add(places[0])
     flags = {
         a.dest[len("cfg_") :]: max(a.option_strings, key=len) for a in args.parser._actions if a.dest.startswith("cfg_")
     }
@@ -87,6 +93,9 @@ def server_config_from_args(args: argparse.Namespace):
         # Name the flag without which the settings would be valid (else all of them).
         blamed = [k for k in changes if _valid(base, {o: v for o, v in changes.items() if o != k})] or list(changes)
         raise ConfigError(f"{' '.join(f'{flags[k]} {changes[k]}' for k in blamed)}: {e}") from None
+    if args.config:
+        table = {k: v for k, v in file_mode_table(args.config, config.mode).items() if k not in given | set(changes)}
+        config = _replaced(config, table, f"{args.config}: [{config.mode}]")
     check_files(config, ("tls_cert", "tls_key", "tls_ca"))
     # With no token given (flag, --set or job file), the environment's: a shard started by hand with
     # PSGRID_TOKEN set must not take calls without it.

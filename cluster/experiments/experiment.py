@@ -23,7 +23,7 @@ import re
 from dataclasses import asdict, dataclass
 
 from psgrid.cluster.errors import UsageError
-from psgrid.cluster.job.mode_defaults import stale_defaults
+from psgrid.cluster.job.mode_defaults import defaults_for
 from psgrid.psserver.protocol import mode_rules
 from psgrid.worker.straggler import parse_stragglers
 
@@ -192,14 +192,15 @@ def _value_text(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def mode_defaults(modes: list[Mode], job) -> dict[str, Settings]:
+def mode_defaults(modes: list[Mode], job, given=(), spec=None) -> dict[str, Settings]:
     """What each mode runs with unless told otherwise (--mode-set MODE:KEY=VALUE, or --set KEY=VALUE for all).
 
-    The rule is psctl launch's and psctl mpi's too (cluster/job/mode_defaults.py, which says why): async
-    and ssp run with ``async_momentum=auto`` where the shards' SGD has momentum.
+    The rule is psctl launch's and psctl mpi's too (cluster/job/mode_defaults.py, which says why): the job
+    file ``spec``'s table of the mode ([async]), then async and ssp with ``async_momentum=auto`` where the
+    shards' SGD has momentum; nothing the command line ``given`` sets.
     """
-    added = stale_defaults(job.server)
-    return {m.label: added for m in modes if m.stale} if added else {}
+    found = {m.label: defaults_for(m.mode, job.server, given, spec).settings for m in modes}
+    return {label: settings for label, settings in found.items() if settings}
 
 
 SAME_SEED = "same"

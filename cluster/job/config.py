@@ -6,6 +6,9 @@ A job file has three optional tables::
     [server]  a ServerConfig key (mode, staleness, optimizer, lr, lease_s, checkpoints, ...)
     [train]   a TrainConfig key (model, dataset, batch_size, steps, eval_every, device, ...)
 
+and one optional table per mode, [sync], [async] and [ssp]: [server] keys that mode runs with
+instead (:func:`mode_tables`; applied once the mode is known, cluster/job/mode_defaults.py).
+
 Each key is declared once, with its type, bounds, default and meaning, in its class
 (psserver/settings.py says how); a file is read the same way for a whole job
 (:func:`load_job`) and for one shard (:func:`load_shard_settings`, which leaves [train] alone).
@@ -18,8 +21,8 @@ certificate and a worker's client certificate are different files.  A key given
 both at the top level and in a table is an error, so is an unknown key, and so is a
 key that was renamed (:data:`RENAMED`): its message names the new one.
 
-Precedence: dataclass defaults < job file < overrides (command-line flags and
-``--set key=value``), see :func:`apply_overrides`.
+Precedence: dataclass defaults < job file < the job file's table of the mode it runs in <
+overrides (command-line flags and ``--set key=value``), see :func:`apply_overrides`.
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ if typing.TYPE_CHECKING:
     from psgrid.worker.config import TrainConfig
 
 SECTIONS = ("job", "server", "train")
+# Tables of [server] keys that one mode runs with (cluster/job/mode_defaults.py applies them).
+MODE_TABLES = ("sync", "async", "ssp")
 SHARD_SECTIONS = ("job", "server")  # what one shard reads of a job file (load_shard_settings)
 SHARD_PLACEMENTS = ("process", "worker")  # where a job's shards run: processes of their own, or in its workers
 
@@ -321,6 +326,7 @@ def load_shard_settings(spec: str | Path) -> tuple[ServerConfig, int]:
     """
     path, data = _read(spec)
     where = str(path)
+    mode_tables(data, where)
     typed = _typed(_tables(data, where, SHARD_SECTIONS), where)
     shards = typed["job"].get("shards", JobConfig.shards)
     _check_job_keys({"shards": shards}, where)
@@ -330,7 +336,43 @@ def load_shard_settings(spec: str | Path) -> tuple[ServerConfig, int]:
 def job_from_dict(data: Mapping[str, Any], source: str | None = None, *, redacted_ok: bool = False) -> JobConfig:
     """Build a JobConfig from a parsed job file (tables and top-level keys, see the module doc)."""
     where = source or "job"
+    mode_tables(data, where)  # checked with the rest, though applied only once the mode is known
     return _build(_tables(data, where, SECTIONS), where, redacted_ok=redacted_ok)
+
+
+def mode_tables(data: Mapping[str, Any], where: str) -> dict[str, dict[str, Any]]:
+    """A job file's [sync], [async] and [ssp] tables: the [server] settings each mode runs with, typed and checked.
+
+    ``lr = 0.01`` under [async] means: in async, lr 0.01 whatever [server] says (the command line still
+    wins). A table cannot change the mode, and takes the shards' keys only.
+    """
+    tables = {}
+    valid = server_keys()
+    for mode in MODE_TABLES:
+        table = data.get(mode)
+        if table is None:
+            continue
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: [{mode}] must be a table of [server] keys, got {table!r}")
+        for name in table:
+            if name == "mode":
+                raise ConfigError(f"{where}: [{mode}] mode: a mode's table cannot change the mode")
+            if name not in valid:
+                raise ConfigError(
+                    _unknown_message(name, f"[{mode}] (a mode's [server] settings)", valid, per_process=True)
+                )
+        typed = _typed({"server": dict(table)}, f"{where} [{mode}]")["server"]
+        for key in keys(ServerConfig):
+            if key.name in typed and (reason := problem(key.name, typed[key.name], key.setting)):
+                raise ConfigError(with_suggestion(f"{where}: [{mode}] {reason}"))
+        tables[mode] = typed
+    return tables
+
+
+def file_mode_table(spec: str | Path, mode: str) -> dict[str, Any]:
+    """The settings job file ``spec`` gives ``mode`` in its own table ([async] for async), checked; {} where none."""
+    path, data = _read(spec)
+    return mode_tables(data, str(path)).get(mode, {})
 
 
 def _tables(data: Mapping[str, Any], where: str, sections: tuple[str, ...]) -> dict[str, dict[str, Any]]:
@@ -346,8 +388,13 @@ def _tables(data: Mapping[str, Any], where: str, sections: tuple[str, ...]) -> d
                     continue
                 for place in _route_in(where, f"{key}.{name}", sections):
                     _put(tables, origin, place, item, f"[{key}] {name}", where)
+        elif key in MODE_TABLES and isinstance(value, dict):
+            continue  # a mode's own settings: mode_tables() reads them
         elif isinstance(value, dict):
-            raise ConfigError(f"{where}: unknown table [{key}]; tables are [job], [server] and [train]")
+            raise ConfigError(
+                f"{where}: unknown table [{key}]; tables are [job], [server] and [train], and [sync], [async] "
+                f"and [ssp] for one mode's own [server] settings"
+            )
         elif key == OLD_ALIAS:
             aliased.append((value, f"top-level {key}"))
         else:

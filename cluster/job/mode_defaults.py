@@ -1,60 +1,97 @@
 """What a mode runs with unless told otherwise: one rule for `psctl launch`, `psctl mpi`, LocalCluster and compare.
 
-async and ssp run with ``async_momentum = "auto"`` where the shards' SGD has momentum. Asynchrony adds
-momentum of its own (about 1 - 1/W with W workers, Mitliagkas et al. 2016), so the job's momentum on
-top overshoots: on the built-in MNIST job (docs/experiments/README.md) async with it off ended at 0.335
-to 0.897 at 8 workers and 0.817 to 0.930 at 4 (unstable), with it on at 0.903 to 0.928 and 0.864 to
-0.916; ssp:2 at 8 workers at 0.097 to 0.892 off and 0.909 to 0.917 on. Where plain momentum did no harm
-(2 workers, and ssp:2 at 4) it costs about 0.01 to 0.03 of final accuracy.
+Two sources, the job's before psgrid's:
 
-A job that says ``async_momentum`` itself (in its file, a flag or ``--set``) runs as it says: the rule
-fills in only what nobody chose, and every command that applies it says so in one line.
+* the job file's table of the mode, ``[async]`` for async (cluster/job/config.py ``mode_tables``): what
+  the job's author found that mode needs, a lower rate for example;
+* psgrid's own: async and ssp run with ``async_momentum = "auto"`` where the shards' SGD has momentum.
+  Asynchrony adds momentum of its own (about 1 - 1/W with W workers, Mitliagkas et al. 2016), so the
+  job's momentum on top overshoots: on the built-in MNIST job (docs/experiments/README.md) async with it
+  off ended at 0.335 to 0.897 at 8 workers and 0.817 to 0.930 at 4 (unstable), with it on at 0.903 to
+  0.928 and 0.864 to 0.916; ssp:2 at 8 workers at 0.097 to 0.892 off and 0.909 to 0.917 on. Where plain
+  momentum did no harm (2 workers, and ssp:2 at 4) it costs about 0.01 to 0.03 of final accuracy.
+
+A key the command line gives (a flag or ``--set``) is never replaced; psgrid's ``async_momentum`` is not
+added where the job file says the key anywhere. Every command that adds a setting says so in one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 from pathlib import Path
+from typing import NamedTuple
+
+from psgrid.cluster.job.toml_writer import toml_value
 
 STALE_MODES = ("async", "ssp")
 KEY = "async_momentum"
 
+Settings = tuple[tuple[str, object], ...]
 
-def stale_defaults(server) -> tuple[tuple[str, str], ...]:
-    """The settings async and ssp add to ``server`` (a ServerConfig): ``async_momentum=auto`` where SGD has momentum."""
+
+def stale_defaults(server) -> Settings:
+    """psgrid's setting for async and ssp on ``server`` (a ServerConfig): ``async_momentum=auto`` where SGD has momentum."""
     if server.optimizer != "sgd" or not server.momentum or server.async_momentum != "off":
         return ()
     return ((KEY, "auto"),)
 
 
 def file_sets(spec: str | Path | None, key: str = KEY) -> bool:
-    """Whether the job file ``spec`` gives ``key`` itself (at the top level or in [server])."""
+    """Whether the job file ``spec`` gives ``key`` itself: in [server], at the top level or in a mode's table."""
     if spec is None:
         return False
-    from psgrid.cluster.job.config import server_keys_given
+    from psgrid.cluster.job.config import MODE_TABLES, file_mode_table, server_keys_given
 
-    return key in server_keys_given(spec)
+    return key in server_keys_given(spec) or any(key in file_mode_table(spec, m) for m in MODE_TABLES)
+
+
+class Added(NamedTuple):
+    """The settings a mode's defaults added: from the job file's table of the mode, and psgrid's own."""
+
+    table: Settings = ()
+    psgrid: Settings = ()
+
+    @property
+    def settings(self) -> Settings:
+        return self.table + self.psgrid
+
+
+def defaults_for(mode: str, server, given: Collection[str], spec: str | Path | None) -> Added:
+    """The settings ``mode`` adds to ``server``: the job file's table of it, then psgrid's, less what ``given`` sets."""
+    from psgrid.cluster.job.config import file_mode_table
+
+    table = {k: v for k, v in (file_mode_table(spec, mode) if spec is not None else {}).items() if k not in given}
+    psgrid: Settings = ()
+    if mode in STALE_MODES and KEY not in given and not file_sets(spec):
+        try:
+            psgrid = stale_defaults(dataclasses.replace(server, **table))
+        except ValueError:
+            pass  # the table does not fit the job: applying it names why (ConfigError)
+    return Added(tuple(table.items()), psgrid)
 
 
 def with_mode_defaults(job, given: Collection[str], spec: str | Path | None = None):
-    """``job`` with its mode's defaults where neither ``given`` (the keys a caller set) nor the file ``spec`` chose.
-
-    Returns the job and the settings added (empty where none was).
-    """
+    """``job`` with its mode's defaults (:func:`defaults_for`); returns the job and what was added (:class:`Added`)."""
     from psgrid.cluster.job.config import apply_overrides
 
-    if job.mode not in STALE_MODES or KEY in given or file_sets(spec):
-        return job, ()
-    added = stale_defaults(job.server)
-    return (apply_overrides(job, dict(added)) if added else job), added
+    added = defaults_for(job.mode, job.server, given, spec)
+    if not added.settings:
+        return job, added
+    return apply_overrides(job, {f"server.{k}": v for k, v in added.settings}), added
 
 
-def note(job, added: tuple[tuple[str, str], ...], program: str) -> str | None:
-    """The one line a command prints where it added a mode's default (None where it added nothing)."""
-    if not added:
+def note(job, added: Added, program: str) -> str | None:
+    """The one line a command prints where it added settings to a mode (None where it added none)."""
+    if not added.settings:
         return None
-    return (
-        f'{program}: {job.mode} runs with async_momentum = "auto", the mode\'s default where SGD has momentum: the '
-        f"shards lower momentum {job.server.momentum:g} by what W asynchronous workers add, 1 - 1/W "
-        f"(--set async_momentum=off keeps it as it is)"
-    )
+    why = []
+    if added.table:
+        why.append(f"the job file's [{job.mode}]")
+    if added.psgrid:
+        why.append(
+            f"the mode's default where SGD has momentum: the shards lower momentum {job.server.momentum:g} by what "
+            f"W asynchronous workers add, 1 - 1/W (--set async_momentum=off keeps it as it is)"
+        )
+    said = ", ".join(f"{k} = {toml_value(v)}" for k, v in added.settings)
+    return f"{program}: {job.mode} runs with {said}: {'; '.join(why)}"
