@@ -77,30 +77,6 @@ def test_compare_runs_every_mode_and_writes_the_report(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_runs_only_what_is_missing(tmp_path):
-    out = tmp_path / "cmp"
-    args = ["compare", *TINY, "--workers", "1", "--modes", "sync,async", "--out", str(out), "--no-progress"]
-    assert psctl(*args).returncode == 0
-    again = psctl(*args)
-    assert again.returncode == 2 and "--resume" in again.stderr  # an experiment is never overwritten
-    (out / "runs" / "async-w1-r0" / "summary.json").unlink()  # as if cut short
-    resumed = psctl(*args, "--resume")
-    assert resumed.returncode == 0, resumed.stderr
-    assert "1 already finished, skipped" in resumed.stderr
-    assert sorted(r["run"] for r in rows_of(out)) == ["async-w1-r0", "sync-w1-r0"]
-    steps = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert sorted(s["run"] for s in steps if s["event"] == "step") == ["async-w1-r0"] * 30 + ["sync-w1-r0"] * 30
-    other = psctl(*[a if a != "sync,async" else "sync" for a in args], "--resume")
-    assert other.returncode == 2 and "other settings" in other.stderr
-    # The report again, for another target, from the runs there are: nothing runs.
-    report = psctl("compare", "--report-only", "--out", str(out), "--target-accuracy", "0.5")
-    assert report.returncode == 0, report.stderr
-    rows = rows_of(out)
-    assert len(rows) == 2 and all(float(r["target_accuracy"]) == 0.5 for r in rows)
-    assert "0.500" in (out / "report.md").read_text()
-
-
-@pytest.mark.slow
 def test_ctrl_c_stops_cleanly_and_keeps_the_finished_runs(tmp_path):
     out = tmp_path / "cmp"
     env = dict(os.environ)
@@ -110,18 +86,15 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_finished_runs(tmp_path):
             "-m",
             "psgrid.cluster.cli",
             "compare",
-            "--config",
-            "mnist",
-            "--steps",
-            "400",
-            "--eval-every",
-            "100",
-            "--shards",
-            "1",
+            *TINY,
             "--workers",
             "1",
             "--modes",
             "sync,async,ssp:1",
+            # The first run finishes in 30 steps; the second, which Ctrl-C stops as soon as its worker
+            # starts, could never finish before it (it was 400 steps for every run).
+            "--mode-set",
+            "async:steps=100000",
             "--out",
             str(out),
         ],
@@ -283,9 +256,11 @@ def test_tune_runs_the_repeats_of_each_mode_at_its_own_best_grid_point(tmp_path)
 
 
 @pytest.mark.slow
-def test_a_diverged_mode_is_marked_said_first_and_never_sets_the_target(tmp_path):
+def test_a_diverged_mode_is_marked_said_first_and_never_sets_the_target_and_resume_runs_only_what_is_missing(tmp_path):
+    # One experiment of two runs, one of them diverging, for two facts: what a diverged mode's results say, and
+    # what --resume runs (each checked on the experiment before the other; they took two experiments alike).
     out = tmp_path / "cmp"
-    p = psctl(
+    args = [
         "compare",
         *TINY,
         "--workers",
@@ -297,7 +272,8 @@ def test_a_diverged_mode_is_marked_said_first_and_never_sets_the_target(tmp_path
         "--out",
         str(out),
         "--no-progress",
-    )
+    ]
+    p = psctl(*args)
     assert p.returncode == 0, p.stderr
     rows = {r["mode"]: r for r in rows_of(out)}
     assert (rows["sync"]["diverged"], rows["async"]["diverged"]) == ("0", "1")
@@ -309,6 +285,28 @@ def test_a_diverged_mode_is_marked_said_first_and_never_sets_the_target(tmp_path
     reading = (out / "report.md").read_text().split("## Reading\n\n")[1]
     assert reading.startswith("Diverged: async in 1 of 1 run (1 worker, no stragglers, async_momentum=auto lr=50).")
     assert "lower learning rate" in reading.splitlines()[0]
+
+    # Resume runs only what is missing.
+    again = psctl(*args)
+    assert again.returncode == 2 and "--resume" in again.stderr  # an experiment is never overwritten
+    (out / "runs" / "async-w1-r0" / "summary.json").unlink()  # as if cut short
+    resumed = psctl(*args, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "1 already finished, skipped" in resumed.stderr
+    assert sorted(r["run"] for r in rows_of(out)) == ["async-w1-r0", "sync-w1-r0"]
+    steps = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted(s["run"] for s in steps if s["event"] == "step") == ["async-w1-r0"] * 30 + ["sync-w1-r0"] * 30
+    # sync alone (without async's setting, which names a mode it no longer has): another plan
+    other = psctl(
+        *[a if a != "sync,async" else "sync" for a in args if a not in ("--mode-set", "async:lr=50")], "--resume"
+    )
+    assert other.returncode == 2 and "other settings" in other.stderr
+    # The report again, for another target, from the runs there are: nothing runs.
+    report = psctl("compare", "--report-only", "--out", str(out), "--target-accuracy", "0.5")
+    assert report.returncode == 0, report.stderr
+    rows = rows_of(out)
+    assert len(rows) == 2 and all(float(r["target_accuracy"]) == 0.5 for r in rows)
+    assert "0.500" in (out / "report.md").read_text()
 
 
 @pytest.mark.slow

@@ -294,11 +294,14 @@ def test_unreachable_shards_are_said_within_seconds(tmp_path):
     assert took < 15, f"took {took:.0f} s"  # the probe's 5 s, not the client's retry_s of 30
 
 
-@pytest.fixture
-def tls_shard(tmp_path):
-    """A ``psctl server`` that requires client certificates of its CA; yields (address, pki folder)."""
+@pytest.fixture(scope="module")
+def tls_shard(tmp_path_factory):
+    """A ``psctl server`` that requires client certificates of its CA; yields (address, pki folder).
+
+    One for the module: the tests only knock on it with the wrong credentials, which changes nothing."""
     from psgrid.cluster.job.pki import make_certs
 
+    tmp_path = tmp_path_factory.mktemp("tls-shard")
     pki = tmp_path / "pki"
     make_certs(pki, ["localhost", "127.0.0.1"])
     job = tmp_path / "shard.toml"

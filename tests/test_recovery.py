@@ -185,10 +185,11 @@ ATTEMPTS = 14  # Ctrl-Cs at random moments, 0.3 to 3 s after each start
 def test_ctrl_c_at_random_moments_then_resume_finishes_the_total_steps(tmp_path):
     # While it is interrupted, each step sleeps 10 ms on average (a sync round waits for the slower of
     # two: 15 ms): the 14 attempts sleep 20.6 s before their Ctrl-Cs, room for 1,400 rounds at most
-    # (about 400 seen), so 2500 steps are far more than they make and every Ctrl-C lands in the job (in
+    # (about 400 seen), so 1600 steps are more than they can make and every Ctrl-C lands in the job (in
     # its start, its training or its end of an attempt). The last resume drops the sleep and finishes
-    # the rest, at about 2 ms a round: every step past what the attempts need costs the suite time.
-    steps = 2500
+    # the rest, at about 2 ms a round: every step past what the attempts need costs the suite time
+    # (2500 steps cost it about 900 rounds more).
+    steps = 1600
     args = [
         *MNIST,
         "--mode",
