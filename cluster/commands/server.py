@@ -66,7 +66,7 @@ def server_config_from_args(args: argparse.Namespace):
     import dataclasses
 
     from psgrid.cluster.errors import ConfigError
-    from psgrid.cluster.job.config import file_mode_table, load_shard_settings, parse_assignment, route
+    from psgrid.cluster.job.config import file_choices, load_shard_settings, parse_assignment, route
     from psgrid.psserver.config import ServerConfig
     from psgrid.psserver.security import job_token
 
@@ -94,7 +94,8 @@ def server_config_from_args(args: argparse.Namespace):
         blamed = [k for k in changes if _valid(base, {o: v for o, v in changes.items() if o != k})] or list(changes)
         raise ConfigError(f"{' '.join(f'{flags[k]} {changes[k]}' for k in blamed)}: {e}") from None
     if args.config:
-        table = {k: v for k, v in file_mode_table(args.config, config.mode).items() if k not in given | set(changes)}
+        table = file_choices(args.config)[1].get(config.mode, {})
+        table = {k: v for k, v in table.items() if k not in given | set(changes)}
         config = _replaced(config, table, f"{args.config}: [{config.mode}]")
     check_files(config, ("tls_cert", "tls_key", "tls_ca"))
     # With no token given (flag, --set or job file), the environment's: a shard started by hand with

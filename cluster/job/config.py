@@ -312,12 +312,6 @@ def load_job(spec: str | Path, *, redacted_ok: bool = False) -> JobConfig:
     return job
 
 
-def server_keys_given(spec: str | Path) -> set[str]:
-    """The [server] keys a job file gives itself, wherever it writes them (in [server] or at the top level)."""
-    path, data = _read(spec)
-    return set(_tables(data, str(path), SECTIONS)["server"])
-
-
 def load_shard_settings(spec: str | Path) -> tuple[ServerConfig, int]:
     """What one shard needs of a job file: its [server] settings and [job] shards.
 
@@ -369,10 +363,12 @@ def mode_tables(data: Mapping[str, Any], where: str) -> dict[str, dict[str, Any]
     return tables
 
 
-def file_mode_table(spec: str | Path, mode: str) -> dict[str, Any]:
-    """The settings job file ``spec`` gives ``mode`` in its own table ([async] for async), checked; {} where none."""
+def file_choices(spec: str | Path) -> tuple[set[str], dict[str, dict[str, Any]]]:
+    """What job file ``spec`` chooses for the shards, in one read: the [server] keys it gives (in [server] or
+    at the top level), and its modes' tables (:func:`mode_tables`, checked)."""
     path, data = _read(spec)
-    return mode_tables(data, str(path)).get(mode, {})
+    # SHARD_SECTIONS: a shard (psctl server) reads this too, and never loads the workers' settings
+    return set(_tables(data, str(path), SHARD_SECTIONS)["server"]), mode_tables(data, str(path))
 
 
 def _tables(data: Mapping[str, Any], where: str, sections: tuple[str, ...]) -> dict[str, dict[str, Any]]:

@@ -37,15 +37,6 @@ def stale_defaults(server) -> Settings:
     return ((KEY, "auto"),)
 
 
-def file_sets(spec: str | Path | None, key: str = KEY) -> bool:
-    """Whether the job file ``spec`` gives ``key`` itself: in [server], at the top level or in a mode's table."""
-    if spec is None:
-        return False
-    from psgrid.cluster.job.config import MODE_TABLES, file_mode_table, server_keys_given
-
-    return key in server_keys_given(spec) or any(key in file_mode_table(spec, m) for m in MODE_TABLES)
-
-
 class Added(NamedTuple):
     """The settings a mode's defaults added: from the job file's table of the mode, and psgrid's own."""
 
@@ -59,11 +50,13 @@ class Added(NamedTuple):
 
 def defaults_for(mode: str, server, given: Collection[str], spec: str | Path | None) -> Added:
     """The settings ``mode`` adds to ``server``: the job file's table of it, then psgrid's, less what ``given`` sets."""
-    from psgrid.cluster.job.config import file_mode_table
+    from psgrid.cluster.job.config import file_choices
 
-    table = {k: v for k, v in (file_mode_table(spec, mode) if spec is not None else {}).items() if k not in given}
+    chosen, tables = file_choices(spec) if spec is not None else (set(), {})
+    table = {k: v for k, v in tables.get(mode, {}).items() if k not in given}
+    said = KEY in given or KEY in chosen or any(KEY in t for t in tables.values())  # anywhere in the file
     psgrid: Settings = ()
-    if mode in STALE_MODES and KEY not in given and not file_sets(spec):
+    if mode in STALE_MODES and not said:
         try:
             psgrid = stale_defaults(dataclasses.replace(server, **table))
         except ValueError:
