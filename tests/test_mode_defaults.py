@@ -90,7 +90,8 @@ def test_the_job_files_table_of_the_mode_is_applied_under_the_command_line(tmp_p
 @pytest.mark.parametrize(
     ("table", "said"),
     [
-        ("[async]\nsteps = 3\n", "unknown key 'steps' in [async]"),  # a worker's key: a mode's table is the shards'
+        ("[async]\nsteps = 3\n", "[async] steps: a mode's table takes the shards' [server] keys only"),
+        ("[async]\nlr_rate = 0.1\n", "unknown key 'lr_rate' in [async]"),
         ("[async]\nmode = 'sync'\n", "cannot change the mode"),
         ("[ssp]\nlr = -1.0\n", "[ssp] lr must be"),
         ("[ssp]\nlr = 'fast'\n", "lr must be a number"),

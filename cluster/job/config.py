@@ -341,7 +341,7 @@ def mode_tables(data: Mapping[str, Any], where: str) -> dict[str, dict[str, Any]
     wins). A table cannot change the mode, and takes the shards' keys only.
     """
     tables = {}
-    valid = server_keys()
+    valid = [k for k in server_keys() if k != "mode"]
     for mode in MODE_TABLES:
         table = data.get(mode)
         if table is None:
@@ -351,6 +351,11 @@ def mode_tables(data: Mapping[str, Any], where: str) -> dict[str, dict[str, Any]
         for name in table:
             if name == "mode":
                 raise ConfigError(f"{where}: [{mode}] mode: a mode's table cannot change the mode")
+            if name not in valid and name in job_keys() + train_keys():
+                raise ConfigError(
+                    f"{where}: [{mode}] {name}: a mode's table takes the shards' [server] keys only; set "
+                    f"{name} in [{'job' if name in job_keys() else 'train'}] or per run (--set {name}=...)"
+                )
             if name not in valid:
                 raise ConfigError(
                     _unknown_message(name, f"[{mode}] (a mode's [server] settings)", valid, per_process=True)
