@@ -102,7 +102,7 @@ def test_a_script_aggregated_per_host_sees_the_same_weights_in_sync_as_unaggrega
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_compare_slows_a_scripts_straggler_and_sync_pays_for_it(tmp_path):
-    # A researcher's question, asked of their own script: what does one 4x slower worker cost sync?
+    # A researcher's question, asked of their own script: what does one 8x slower worker cost sync?
     out = tmp_path / "experiment"
     argv = [
         sys.executable,
@@ -138,13 +138,17 @@ def test_compare_slows_a_scripts_straggler_and_sync_pays_for_it(tmp_path):
         rows = {row["stragglers"]: row for row in csv.DictReader(f)}
     assert set(rows) == {"none", "1:8"} and all(row["status"] == "ok" for row in rows.values())
     steps = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    delays = {(r["stragglers"], r["rank"]): [] for r in steps if r.get("event") == "step"}
+    by_worker = {(r["stragglers"], r["rank"]): [] for r in steps if r.get("event") == "step"}
     for r in steps:
         if r.get("event") == "step":
-            delays[(r["stragglers"], r["rank"])].append(r["delay_s"])
+            by_worker[(r["stragglers"], r["rank"])].append(r)
+    delays = {key: [r["delay_s"] for r in records] for key, records in by_worker.items()}
     assert all(d > 0 for d in delays[("1:8", 1)]) and not any(delays[("1:8", 0)]) and not any(delays[("none", 1)])
-    # Every sync round waits for the straggler: the job's samples/s falls well below the run without one.
-    assert float(rows["1:8"]["samples_per_s"]) < 0.8 * float(rows["none"]["samples_per_s"]), rows
+    # Every sync round waits for the straggler: the fast worker spends most of the straggler's sleep in its
+    # exchange, waiting for the round to close. (Not a samples/s ratio: on a loaded machine the start-up and
+    # the scheduler's noise in a 60-step job can hide the sleep from the job's rate, but never from the wait.)
+    waited = sum(r["pull_s"] + r["push_s"] for r in by_worker[("1:8", 0)])
+    assert waited > 0.5 * sum(delays[("1:8", 1)]), (waited, sum(delays[("1:8", 1)]))
 
 
 @pytest.mark.mpi
