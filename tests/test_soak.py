@@ -1,6 +1,8 @@
-"""64 clients for 45 s against 2 shard processes: no error, no deadlock, no memory growth.
+"""64 clients for 30 s against 2 shard processes: no error, no deadlock, no memory growth.
 
-``PSGRID_SOAK_S`` shortens the run on a developer's machine; CI runs the full 45 s.
+``PSGRID_SOAK_S`` sets another length (longer, to hunt a slow leak; shorter on a developer's machine).
+CI runs 30 s: 7.5 s of warm-up, then over 20 s of 64 clients pulling and pushing in which the shards'
+memory may not grow by a tenth, while the 2 cores are the whole suite's (45 s took a twelfth of it).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from psgrid.psserver.spec import ModelSpec
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = ModelSpec([("w", (20000,)), ("b", (100,))])
 CLIENTS = 64
-SECONDS = float(os.environ.get("PSGRID_SOAK_S", "45"))
+SECONDS = float(os.environ.get("PSGRID_SOAK_S", "30"))
 WARM_UP_S = min(15.0, SECONDS / 4)
 
 
@@ -78,7 +80,7 @@ def start_shards(tmp_path: Path, n: int) -> list[tuple[subprocess.Popen, str]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(SECONDS + 120)
-def test_sixty_four_clients_for_45_seconds(tmp_path):
+def test_sixty_four_clients_for_30_seconds(tmp_path):
     shards = start_shards(tmp_path, 2)
     procs, addresses = [p for p, _ in shards], [a for _, a in shards]
     errors: list[str] = []
