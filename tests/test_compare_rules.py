@@ -512,3 +512,37 @@ def test_a_mode_set_wins_over_the_modes_default_and_the_report_says_which_ran(tm
     assert (
         "Settings each mode ran with, beyond the job's: sync the job's; async async_momentum=auto (the mode's default)."
     ) in (out / "report.md").read_text()
+
+
+def test_a_job_files_stragglers_are_compared_unless_told_otherwise_and_a_count_they_do_not_fit_is_refused(
+    tmp_path, capsys
+):
+    # examples/mnist-ssp.toml is a job about a straggler (worker 3, 3x slower): compare used to drop it unsaid.
+    from psgrid.cluster.commands.compare import _straggler_settings
+
+    job = load_job("examples/mnist-ssp.toml")
+    assert job.train.stragglers == ["3:3"]
+    assert _straggler_settings(None, job, [4, 8], say=True) == ["3:3"]
+    assert capsys.readouterr().err == (
+        "psctl compare: every run has the job's stragglers 3:3 (--stragglers none compares without them)\n"
+    )
+    assert _straggler_settings(["none", "1:2"], job, [2, 4], say=True) == ["none", "1:2"]
+    assert _straggler_settings(None, load_job("mnist"), [2], say=True) == ["none"]
+    assert capsys.readouterr().err == ""
+    with pytest.raises(UsageError, match="given twice"):
+        _straggler_settings(["3:3", "3:3.0"], job, [4], say=False)
+    # Before anything runs: one line, naming the way out.
+    done = subprocess.run(
+        [sys.executable, "-m", "psgrid.cluster.cli", "compare", "--config", "examples/mnist-ssp.toml"]
+        + ["--workers", "2,4", "--out", str(tmp_path / "cmp")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        "psctl compare: error: the job's stragglers (3:3) slow worker 3, which a run of 2 workers does not have: "
+        "give --stragglers none to compare without them, or --stragglers with ranks below 2\n"
+    )
+    assert not (tmp_path / "cmp").exists()

@@ -92,7 +92,8 @@ def _experiment_arguments(e) -> None:
         metavar="SETTING",
         help="a straggler setting: none, K:F (worker K F times slower than its own compute) or "
         "K:exp:MEAN_MS (a random delay per step), several joined by commas; repeat the flag to "
-        "compare settings, e.g. --stragglers none --stragglers 3:3 (default: none)",
+        "compare settings, e.g. --stragglers none --stragglers 3:3 (default: the job's own stragglers, "
+        "from its file or --set, as one setting; none where it has none)",
     )
     e.add_argument(
         "--backup-workers",
@@ -222,7 +223,6 @@ def run(args: argparse.Namespace) -> int:
         mode_defaults,
         parse_counts,
         parse_modes,
-        parse_straggler_setting,
         plan,
         repeat_seeds,
     )
@@ -269,9 +269,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.mpi and any(m.uses_shards for m in modes):  # --mpi: each shard rank checks its own node
         # the most workers any run has: the most gradient slots on a GPU
         check_shard_device(apply_overrides(job, {"workers": max(workers)}), given_names(args), sized=command is None)
-    stragglers = [parse_straggler_setting(s) for s in (args.stragglers or ["none"])]
-    if len(set(stragglers)) != len(stragglers):
-        raise UsageError("--stragglers: a setting is given twice")
+    stragglers = _straggler_settings(args.stragglers, job, workers, say=not args.mpi)
     if args.repeats < 1:
         raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
     if args.target_accuracy is not None and not 0.0 < args.target_accuracy <= 1.0:
@@ -309,6 +307,42 @@ def run(args: argparse.Namespace) -> int:
     if args.mpi:
         return _run_mpi(experiment, args)
     return Compare(experiment, resume=args.resume, progress=args.progress).run()
+
+
+def _straggler_settings(given: list[str] | None, job, workers: list[int], *, say: bool) -> list[str]:
+    """--stragglers' settings; without the flag, the job's own stragglers as one setting (or none).
+
+    A job file's stragglers are part of its job (examples/mnist-ssp.toml is about one): compare runs them
+    unless told otherwise, says so in one line, and refuses a worker count they do not fit.
+    """
+    import sys
+
+    from psgrid.cluster.errors import UsageError
+    from psgrid.cluster.experiments.experiment import NO_STRAGGLERS, parse_straggler_setting
+    from psgrid.worker.straggler import parse_stragglers
+
+    if given:
+        settings = [parse_straggler_setting(s) for s in given]
+        if len(set(settings)) != len(settings):
+            raise UsageError("--stragglers: a setting is given twice")
+        return settings
+    own = parse_straggler_setting(",".join(job.train.stragglers))
+    if own == NO_STRAGGLERS:
+        return [own]
+    rank = max(s.rank for s in parse_stragglers(own.split(",")))
+    if too_few := [w for w in workers if rank >= w]:
+        raise UsageError(
+            f"the job's stragglers ({own}) slow worker {rank}, which a run of "
+            f"{too_few[0]} worker{'s' if too_few[0] != 1 else ''} does not have: give --stragglers none to "
+            f"compare without them, or --stragglers with ranks below {min(workers)}"
+        )
+    if say:
+        print(
+            f"psctl compare: every run has the job's stragglers {own} (--stragglers none compares without them)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return [own]
 
 
 def _tuning(args: argparse.Namespace, job, command: list[str] | None) -> dict:
