@@ -329,7 +329,7 @@ def _straggler_settings(given: list[str] | None, job, workers: list[int], *, say
     own = parse_straggler_setting(",".join(job.train.stragglers))
     if own == NO_STRAGGLERS:
         return [own]
-    rank = max(s.rank for s in parse_stragglers(own.split(",")))
+    rank = max(s.rank for s in parse_stragglers(job.train.stragglers))
     if too_few := [w for w in workers if rank >= w]:
         raise UsageError(
             f"the job's stragglers ({own}) slow worker {rank}, which a run of "
