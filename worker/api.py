@@ -284,11 +284,6 @@ class Session:
             self._metrics.close()
             raise
         try:
-            # Pulls and pushes copy into the model's own tensors and out of its gradients in one launch where they
-            # can, with no flat buffer between (worker/fused_copies.py).
-            self._fused = self.link.fused(self.spec) if self.core.scatters() or self.core.gathers() else None
-            self._scatter = self._fused if self._fused is not None and self.core.scatters() else None
-            self._gathers = self._fused is not None and self.core.gathers()
             self.rank = self.core.rank
             self.mode = self.core.mode
             self.final_loss = float("nan")
@@ -313,9 +308,8 @@ class Session:
 
     @property
     def params(self) -> dict:
-        """The weights of the last pull by name: NumPy or CuPy views of this session's buffer, or of the
-        model's own tensors where the pull writes into them."""
-        return self.link.views if self._scatter is not None else self.core.param_views
+        """The weights of the last pull by name (NumPy or CuPy views of this session's buffer)."""
+        return self.core.param_views
 
     @property
     def clock(self) -> int:
@@ -340,9 +334,7 @@ class Session:
     def pull(self) -> dict:
         """Wait for the shards' weights (as the mode says), write them into the parameters; returns :attr:`params`."""
         self._check_open()
-        if self._scatter is not None:
-            self.link.settle()
-        self.core.pull(then=self.link.weights_in, scatter=self._scatter)
+        self.core.pull(then=self.link.weights_in)
         return self.params
 
     def push(self, grads=None, *, loss=None, samples: int | None = None) -> None:
@@ -362,15 +354,10 @@ class Session:
         self._check_open()
         sources = self._gradients(grads)
         self.link.check(sources)  # before a buffer is taken: a refused push changes nothing
-        gather = self._fused.gatherer([s for _, s in sources]) if self._gathers else None
-        if gather is not None:
-            self.link.settle()  # the gather waits for the default stream's kernels only
-        else:
-            views = self.core.gradient()
-            with self.core.on_device():
-                self.link.gradients_out(sources, views)
-        loss = None if loss is None else dlpack.exportable(loss)
-        record = self.core.push(loss, samples=samples, gather=gather)
+        views = self.core.gradient()
+        with self.core.on_device():
+            self.link.gradients_out(sources, views)
+        record = self.core.push(None if loss is None else dlpack.exportable(loss), samples=samples)
         self.final_loss = record["loss"]
 
     def log_eval(self, test_accuracy: float | None = None, **values: float) -> None:

@@ -21,8 +21,6 @@ from __future__ import annotations
 import socket
 import time
 
-import numpy as np
-
 from psgrid.psserver.protocol import ModeRules, mode_rules
 from psgrid.worker.config import TrainConfig
 from psgrid.worker.flat import FlatBuffers
@@ -251,49 +249,29 @@ class WorkerCore:
 
     # ----- a step ----------------------------------------------------------------------------------
 
-    def pull(self, *, last: bool = False, then=None, scatter=None) -> dict:
+    def pull(self, *, last: bool = False, then=None) -> dict:
         """This step's weights into :attr:`param_views`; returns the step's timings so far.
 
         With the pull-ahead they are those pulled during the step before (``pull_s`` is what this step
         still waited for them, ``pull_ahead_s`` what their pull took), and unless ``last`` the next
         step's pull starts now. ``then(param_views)``, if given, runs next and is counted in ``pull_s``
-        (a script's session copies the weights into its model's tensors). A ``scatter``
-        (worker/scatter.py) the pull can land through (:meth:`scatters`) writes them into the model's
-        tensors instead, and ``then`` is not called: :attr:`param_views` are then not this step's.
+        (a script's session copies the weights into its model's tensors).
         """
         started = time.time()
         t0 = time.perf_counter()
         with self.on_device():
-            if scatter is not None and self.scatters():
-                self.bufs.pull_scattered(scatter)
-            elif self.ahead is None:
+            if self.ahead is None:
                 self.bufs.pull()  # pull_s: from the request to the weights on the device
-                if then is not None:
-                    then(self.bufs.param_views)
             else:
                 self.ahead.pull(ahead=not last)
-                if then is not None:
-                    then(self.bufs.param_views)
+            if then is not None:
+                then(self.bufs.param_views)
         pull_s = time.perf_counter() - t0 + (self.ahead.waited_s if self.ahead is not None else 0.0)
         self._timed = dict(started=started, pull_s=pull_s)
         if self.ahead is not None and self.ahead.pulled_s is not None:
             self._timed["pull_ahead_s"] = self.ahead.pulled_s
         self._compute_t0 = time.perf_counter()
         return self._timed
-
-    def scatters(self) -> bool:
-        """Whether a pull can land straight in a model's tensors: on a GPU, through an exchange that hands
-        each range over (``into=``), and not pulled ahead (that pull lands in a second buffer of its own)."""
-        bufs = self.bufs
-        return self.ahead is None and bufs.xp is not np and bufs.in_place and not bufs.on_device
-
-    def gathers(self) -> bool:
-        """Whether a push can gather the gradient straight into the shards' memory on this GPU (CUDA IPC): where
-        it does not overlap the next step, whose compute could then change the gradient before it is read."""
-        bufs = self.bufs
-        if self.overlap or not bufs.device_push:
-            return False
-        return getattr(self.exchange, "takes_gathers", lambda: False)()
 
     def gradient(self) -> dict:
         """The views this step's gradient goes into (by name): the other buffer where a push is in flight."""
@@ -302,14 +280,12 @@ class WorkerCore:
         self._taken = True
         return self.bufs.grad_views
 
-    def push(self, loss, *, samples: int | None = None, gather=None) -> dict:
+    def push(self, loss, *, samples: int | None = None) -> dict:
         """End the step: the gradient's copy, the straggler's delay, then the push; returns the step's record.
 
         ``loss`` is a number or a scalar array (read once the gradient is complete). The record is
         written once its push has ended: at once where the push does not overlap, else at the next
-        step's push or :meth:`finish`. Where the exchange takes one (:meth:`gathers`), ``gather``
-        (worker/fused_copies.py) writes the gradient into the shards' slots in place of the views
-        of :meth:`gradient`.
+        step's push or :meth:`finish`.
         """
         timed = self._timed or dict(started=time.time(), pull_s=0.0)
         t1 = self._compute_t0 or time.perf_counter()
@@ -342,11 +318,7 @@ class WorkerCore:
         # Pulled ahead, the client's last pull is the next step's: say which weights this gradient is of
         # (nothing pulled yet, a script's first push: the client's own versions).
         used = {} if self.ahead is None or not self.ahead.versions else {"versions": self.ahead.push_versions()}
-        if gather is not None and self.gathers():
-            pushed = self.exchange.push(gather=gather, **used)
-        else:
-            pushed = self.exchange.push(self.bufs.pushed, background=self.overlap, **used)
-        self._in_flight = (pushed, record)
+        self._in_flight = (self.exchange.push(self.bufs.pushed, background=self.overlap, **used), record)
         self._taken = False
         self.samples += int(samples or 0)
         if not self.overlap:

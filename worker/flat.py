@@ -118,32 +118,6 @@ class FlatBuffers:
         self.upload_params()
         return handle
 
-    def pull_scattered(self, scatter, exchange=None):
-        """Pull the weights straight into a model's own tensors (``scatter``: worker/scatter.py); returns the handle.
-
-        Each shard's range goes from where the exchange has it (the shard's device array, or host
-        memory uploaded into ``params`` first) into the tensors it covers, in one launch. The model
-        may still be reading its tensors on the current stream: the copies wait for that first.
-        """
-        exchange = exchange or self.exchange
-        with self.params.device:
-            self.upload_stream()  # made here, not by the client's threads at once
-            read = self.xp.cuda.Event(block=False, disable_timing=True, interprocess=False)
-            read.record(self.xp.cuda.get_current_stream())
-
-        def land(begin: int, end: int, values) -> None:
-            with self.params.device:
-                stream = self.upload_stream()
-                stream.wait_event(read)
-                if isinstance(values, np.ndarray):
-                    part = self.params[begin:end]
-                    part.set(values, stream=stream)
-                    values = part
-                scatter.scatter(values, begin, end, stream)
-                stream.synchronize()  # ``values`` is the shard's own memory, which it may write once this returns
-
-        return exchange.pull(into=land)
-
     def _to_device(self, begin: int, end: int, values: np.ndarray) -> None:
         # Called from the client's threads, one per shard: the device is named, not taken from the thread.
         # CuPy's set() only queues the copy (from page-locked memory it runs as a DMA after set() returns),

@@ -39,7 +39,6 @@ class ModelLink:
         self.shapes = {name: tuple(v.shape) for name, v in zip(names, views)}
         # Weights are written into the parameters themselves, where their framework lets them be changed.
         self.targets = [(name, v) for name, v, a in zip(names, views, originals) if dlpack.writable(a, v)]
-        self.views = dict(zip(names, views))
         self.torch = bool(originals) and all(_is_torch(a) for a in originals)
         if self.torch:
             import torch
@@ -64,25 +63,6 @@ class ModelLink:
             target[...] = param_views[name]
         if self.xp is not np:
             self.xp.cuda.get_current_stream().synchronize()  # the model's framework may read them on another stream
-
-    def fused(self, spec):
-        """The :class:`~psgrid.worker.fused_copies.FusedCopies` of this model, or None: on a GPU, where every
-        parameter is writable in place, float32 and contiguous."""
-        if self.xp is np or len(self.targets) != len(self.names):
-            return None
-        from psgrid.worker.fused_copies import FusedCopies
-
-        return FusedCopies.of(spec, self.views)
-
-    def settle(self) -> None:
-        """Wait for the model's kernels on a PyTorch stream of the script's own (a pull's copies wait for the
-        default stream's only), so a pull never writes a tensor they still read."""
-        if self.torch:
-            device = self._torch_targets[0].device if self._torch_targets else None
-            if device is not None and device.type == "cuda":
-                stream = self._torch.cuda.current_stream(device)
-                if stream.cuda_stream != 0:
-                    stream.synchronize()
 
     # ----- gradients out ---------------------------------------------------------------------------
 

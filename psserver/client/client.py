@@ -50,7 +50,7 @@ from psgrid.psserver.client.joining import (
 from psgrid.psserver.client.memory import ClientMemory, Pinner
 from psgrid.psserver.client.posting import PostedCalls, failing_first
 from psgrid.psserver.exceptions import InvalidArgument, PSError, UnknownWorker, WaitTimeout
-from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, FLOAT32, PushResult, Reason, Registration, mode_rules
+from psgrid.psserver.protocol import DEFAULT_CHUNK_BYTES, PushResult, Reason, Registration, mode_rules
 from psgrid.psserver.security import job_token
 from psgrid.psserver.sharding import shard_ranges
 from psgrid.psserver.spec import ModelSpec
@@ -360,30 +360,17 @@ class Client:
         return handle
 
     def push(
-        self,
-        grad: np.ndarray | None = None,
-        *,
-        gather: Callable | None = None,
-        versions: Sequence[int] | None = None,
-        background: bool = False,
+        self, grad: np.ndarray, *, versions: Sequence[int] | None = None, background: bool = False
     ) -> Handle[list[PushResult]]:
         """Push one gradient (flat float32) at the next clock.
 
         ``versions`` are the shard versions the gradient was computed from (default: those of
         the last pull). Returns a handle whose ``wait()`` gives each shard's
         :class:`PushResult`: done already, unless ``background`` (then ``grad`` is the push's
-        until ``wait()`` returns). Where every shard takes it (:meth:`takes_gathers`), ``gather``
-        instead of ``grad`` writes the gradient into each shard's own memory on our GPU:
-        ``gather(begin, end, out, stream)`` fills ``out``, a float32 device array of elements
-        ``begin:end``, with copies queued on ``stream`` (a retried push calls it again).
+        until ``wait()`` returns).
         """
         self._require_joined()
-        if (grad is None) == (gather is None):
-            raise InvalidArgument("push takes either a gradient or gather=, not both")
-        if gather is not None:
-            if not self.takes_gathers():
-                raise InvalidArgument("push(gather=) needs every shard on CUDA IPC and wire_dtype float32")
-        elif self.gpu is None or isinstance(grad, np.ndarray):
+        if self.gpu is None or isinstance(grad, np.ndarray):
             check_flat(grad, self.spec, "the gradient")
         else:
             check_flat_device(grad, self.spec, "the gradient")
@@ -396,7 +383,7 @@ class Client:
                 self._next_clock += 1
                 self._unacked_clock = clock
                 used = list(self._versions if versions is None else versions)
-            one = lambda i, failed=None: self._push_one(i, grad, clock, used[i], failed, gather)  # noqa: E731
+            one = lambda i, failed=None: self._push_one(i, grad, clock, used[i], failed)  # noqa: E731
             posting = background and isinstance(grad, np.ndarray) and self.posts()
             if posting:
                 # Headers sent now, answers read by wait(): no client thread wakes during the next compute.
@@ -485,29 +472,13 @@ class Client:
                 raise
 
     def _push_one(
-        self,
-        shard: int,
-        grad: np.ndarray | None,
-        clock: int,
-        version: int,
-        failed: BaseException | None = None,
-        gather: Callable | None = None,
+        self, shard: int, grad: np.ndarray, clock: int, version: int, failed: BaseException | None = None
     ) -> PushResult:
         begin, end = self.ranges[shard]
-        view = None if grad is None else grad[begin:end]
+        view = grad[begin:end]
 
         def call() -> PushResult:
             plane = self._conn.plane(shard)
-            if gather is not None:
-                return plane.push_gathered(
-                    gather,
-                    begin=begin,
-                    end=end,
-                    worker_id=self.worker_id,
-                    clock=clock,
-                    version=version,
-                    timeout_s=self.deadline_s,
-                )
             values = view
             if not (isinstance(view, np.ndarray) or plane.takes_device_arrays):
                 # A device gradient to a plane that sends host memory: through our gradient buffer, which a
@@ -580,13 +551,6 @@ class Client:
         if not self._joined or self._closed:
             return False
         return self.gpu is not None and all(self._conn.plane(i).takes_device_arrays for i in range(self.num_shards))
-
-    def takes_gathers(self) -> bool:
-        """Whether :meth:`push` takes ``gather=``: every shard on CUDA IPC (its gradient slots are on our GPU's
-        reach) and float32 on the wire (a narrower one is rounded from a gradient of ours)."""
-        if not self.takes_device_gradients() or self.wire_dtype != FLOAT32:
-            return False
-        return all(self._conn.plane(i).gathers for i in range(self.num_shards))
 
     def _worker_call(self, shard: int, call: Callable[[], T]) -> T:
         """A data call, retried while the shard is down; once more after registering again if it forgot us,

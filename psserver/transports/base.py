@@ -105,7 +105,6 @@ class DataPlane(ABC):
     reads_in_place = False  # a pull can hand over the shard's own memory (no copy of ours first)
     takes_device_arrays = False  # push takes a CuPy array, and pull_with may hand one to its writer
     posts = False  # has post_pull and post_push: calls in steps on the caller's thread (shm_posted.py)
-    gathers = False  # has push_gathered: the caller writes the gradient into the shard's own device memory
 
     @abstractmethod
     def pull_into(self, out: np.ndarray, *, begin: int, worker_id: int, clock: int, timeout_s: float) -> int:

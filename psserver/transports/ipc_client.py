@@ -52,7 +52,6 @@ class IpcDataPlane(ShmDataPlane):
     name = "ipc"
     title = "CUDA IPC plane"
     takes_device_arrays = True
-    gathers = True
     posts = False  # its pulls hand over device arrays, copied device to device where they are called
     connection_class = _IpcConnection
 
@@ -123,27 +122,11 @@ class IpcDataPlane(ShmDataPlane):
     def push(
         self, grad, *, begin: int, wire_dtype: int, worker_id: int, clock: int, version: int, timeout_s: float
     ) -> PushResult:
-        fill = lambda slot: self._fill(slot, grad, wire_dtype)  # noqa: E731
-        return self._push_slot(fill, len(grad), worker_id, clock, version, timeout_s)
-
-    def push_gathered(
-        self, gather: Callable, *, begin: int, end: int, worker_id: int, clock: int, version: int, timeout_s: float
-    ) -> PushResult:
-        """``gather(begin, end, slot, stream)`` writes the gradient straight into the slot: no array of ours between."""
-
-        def fill(slot) -> None:
-            with self.cupy.cuda.Device(self.gpu):
-                gather(begin, end, slot, self.stream)
-                self.stream.synchronize()
-
-        return self._push_slot(fill, end - begin, worker_id, clock, version, timeout_s)
-
-    def _push_slot(self, fill: Callable, size: int, worker_id: int, clock: int, version: int, timeout_s: float):
         kind = dtype_byte(FLOAT32, clock % 2)  # two slots: a push's copy never meets the one before
 
         def call(conn: _IpcConnection) -> PushResult:
-            slot = self._slot(conn, kind, size)
-            fill(slot)
+            slot = self._slot(conn, kind, len(grad))
+            self._fill(slot, grad, wire_dtype)
             conn.sock.sendall(push_request(kind, worker_id, clock, version, 0, timeout_s))
             reply = read_reply(conn.sock, self.replier)
             return PushResult(Outcome(reply.outcome), reply.version, reply.staleness, reply.next_clock)
