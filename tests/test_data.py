@@ -140,6 +140,32 @@ def test_synthetic_labels_are_balanced_and_seeded():
     assert not np.array_equal(ds.train_y, other.train_y)
 
 
+@pytest.mark.parametrize("shape", [(3, 32, 32), (1, 28, 28), (2, 5, 6)])
+def test_synthetic_images_are_smooth_and_labelled_from_their_coarse_field(shape):
+    from psgrid.worker.data import SmoothImages
+
+    smooth = SmoothImages(shape)
+    seen = []
+
+    def teacher(coarse):
+        seen.append(coarse.copy())
+        return np.zeros(len(coarse), np.int64)
+
+    x, y = smooth.draw(0, 1, 100, 1124, teacher)
+    (coarse,) = seen
+    c, h, w = shape
+    assert x.shape == (1024, c * h * w) and coarse.shape == (1024, smooth.coarse_features) and len(y) == 1024
+    # Each pixel is its block's coarse value plus noise of PIXEL_NOISE: nothing of the pixels reaches the teacher.
+    field = coarse.reshape(1024, c, smooth.rows, smooth.cols)
+    blocks = np.repeat(np.repeat(field, smooth.bh, axis=2), smooth.bw, axis=3)[:, :, :h, :w]
+    noise = x.reshape(1024, c, h, w) - blocks
+    assert abs(noise.std() - smooth.PIXEL_NOISE) < 0.02 and abs(coarse.std() - 1.0) < 0.05
+    again, _ = smooth.draw(0, 1, 612, 1124, teacher)  # any rows of the sequence, the same wherever they start
+    np.testing.assert_array_equal(again, x[512:])
+    ds = load_dataset("synthetic", samples=3000, classes=5, image=shape)
+    assert ds.input_shape == shape and np.bincount(ds.train_y, minlength=5).min() > 0.1 * 3000
+
+
 def test_synthetic_makes_only_the_shard():
     # The whole set would be 3.2 GB; the last of 1000 shards is 3.2 MB.
     ds = load_dataset("synthetic", 999, 1000, features=8, samples=10**8, classes=3, test_samples=10)

@@ -159,6 +159,10 @@ def synthetic_shard(
 
     With ``image = (C, H, W)`` each sample is an image of that shape (``features`` is then
     C*H*W), for the cnn: a compute-bound model of any size on data that costs nothing to read.
+    An image is smooth, as a photograph is: a coarse Gaussian field of about 8 x 8 values per
+    channel, each spread over its block of pixels, plus pixel noise of half its size; the
+    teacher reads the coarse field. (Labelled from independent pixels by a teacher over all of
+    them, the cnn, which pools, stayed at chance in every mode: docs/experiments/synthetic-cnn-defaults-1xH200.)
 
     The teacher is ``argmax(tanh(x @ w1 + b1) @ w2 + b2)`` with ``b2`` tuned so
     the classes come out about equally often. Worker ``rank`` gets the
@@ -170,17 +174,24 @@ def synthetic_shard(
     features, samples, classes = int(features), int(samples), int(classes)
     if min(features, samples, classes, test_samples, teacher_hidden) < 1 or classes < 2:
         raise ValueError("synthetic dataset needs positive sizes and at least 2 classes")
-    teacher = _teacher(seed, features, classes, teacher_hidden)
     lo, hi = samples * rank // world, samples * (rank + 1) // world
-    train_x = _gaussian_rows(seed, 1, lo, hi, features)
-    test_x = _gaussian_rows(seed, 2, 0, test_samples, features)
+    if image:
+        smooth = SmoothImages(tuple(int(d) for d in image))
+        teacher = _teacher(seed, smooth.coarse_features, classes, teacher_hidden)
+        train_x, train_y = smooth.draw(seed, 1, lo, hi, teacher)
+        test_x, test_y = smooth.draw(seed, 2, 0, test_samples, teacher)
+    else:
+        teacher = _teacher(seed, features, classes, teacher_hidden)
+        train_x = _gaussian_rows(seed, 1, lo, hi, features)
+        test_x = _gaussian_rows(seed, 2, 0, test_samples, features)
+        train_y, test_y = teacher(train_x), teacher(test_x)
     shape = tuple(int(d) for d in image) if image else (features,)
     return Dataset(
         "synthetic",
         train_x,
-        teacher(train_x),
+        train_y,
         test_x,
-        teacher(test_x),
+        test_y,
         shape,
         classes,
         np.arange(lo, hi),
@@ -198,6 +209,34 @@ def _gaussian_rows(seed, stream, lo, hi, features):
         start, stop = max(lo, block * _BLOCK), min(hi, (block + 1) * _BLOCK)
         out[start - lo : stop - lo] = rows[start - block * _BLOCK : stop - block * _BLOCK]
     return out
+
+
+class SmoothImages:
+    """Smooth synthetic images of ``shape`` (C, H, W): a coarse N(0, 1) field of about 8 x 8 values per channel,
+    each repeated over a block of pixels, plus N(0, PIXEL_NOISE^2) pixel noise; labelled from the coarse field."""
+
+    PIXEL_NOISE = 0.5
+
+    def __init__(self, shape: tuple[int, int, int]):
+        c, h, w = shape
+        self.shape, self.bh, self.bw = shape, max(1, h // 8), max(1, w // 8)
+        self.rows, self.cols = -(-h // self.bh), -(-w // self.bw)
+        self.coarse_features = c * self.rows * self.cols
+
+    def draw(self, seed: int, stream: int, lo: int, hi: int, teacher) -> tuple[np.ndarray, np.ndarray]:
+        """Samples ``[lo, hi)`` of the seeded sequence ``stream`` (flat float32) and their labels."""
+        c, h, w = self.shape
+        coarse = _gaussian_rows(seed, 2 * stream + 100, lo, hi, self.coarse_features)
+        x = _gaussian_rows(seed, 2 * stream + 101, lo, hi, c * h * w)
+        x *= self.PIXEL_NOISE
+        field = coarse.reshape(len(coarse), c, self.rows, 1, self.cols, 1)
+        pixels = x.reshape(len(x), c, h, w)
+        for i in range(self.bh):  # each block's pixels take its coarse value, one offset within the block at a time
+            for j in range(self.bw):
+                pixels[:, :, i :: self.bh, j :: self.bw] += field[
+                    :, :, : -(-(h - i) // self.bh), 0, : -(-(w - j) // self.bw), 0
+                ]
+        return x, teacher(coarse)
 
 
 def _teacher(seed, features, classes, hidden):
