@@ -28,7 +28,8 @@ class TrainConfig:
     synthetic_classes: int = setting(10, "classes of the synthetic task")
     synthetic_image: list[int] = setting(
         [],
-        "`[C, H, W]`: the synthetic samples are images of that shape (features = C·H·W), so the `cnn` trains on them",
+        "`[C, H, W]`: the synthetic samples are smooth images of that shape (a coarse field of about 8 x 8 per "
+        "channel plus pixel noise, labelled from the coarse field; features = C·H·W), so the `cnn` trains on them",
     )
     batch_size: int = setting(64, "per worker; 0 means the worker's whole shard of the data", bound=at_least(0))
     steps: int = setting(200, "steps per worker (ignored when `epochs` > 0)", bound=at_least(0))
