@@ -230,12 +230,14 @@ class SmoothImages:
         x = _gaussian_rows(seed, 2 * stream + 101, lo, hi, c * h * w)
         x *= self.PIXEL_NOISE
         field = coarse.reshape(len(coarse), c, self.rows, 1, self.cols, 1)
-        pixels = x.reshape(len(x), c, h, w)
-        for i in range(self.bh):  # each block's pixels take its coarse value, one offset within the block at a time
-            for j in range(self.bw):
-                pixels[:, :, i :: self.bh, j :: self.bw] += field[
-                    :, :, : -(-(h - i) // self.bh), 0, : -(-(w - j) // self.bw), 0
-                ]
+        if h == self.rows * self.bh and w == self.cols * self.bw:  # whole blocks: one broadcast add
+            x.reshape(len(x), c, self.rows, self.bh, self.cols, self.bw)[...] += field
+        else:
+            pixels = x.reshape(len(x), c, h, w)
+            for i in range(self.bh):  # each block's pixels take its coarse value, one offset within the block at a time
+                for j in range(self.bw):
+                    rows, cols = -(-(h - i) // self.bh), -(-(w - j) // self.bw)
+                    pixels[:, :, i :: self.bh, j :: self.bw] += field[:, :, :rows, 0, :cols, 0]
         return x, teacher(coarse)
 
 
