@@ -175,8 +175,9 @@ def synthetic_shard(
     if min(features, samples, classes, test_samples, teacher_hidden) < 1 or classes < 2:
         raise ValueError("synthetic dataset needs positive sizes and at least 2 classes")
     lo, hi = samples * rank // world, samples * (rank + 1) // world
+    shape = tuple(int(d) for d in image) if image else (features,)
     if image:
-        smooth = SmoothImages(tuple(int(d) for d in image))
+        smooth = SmoothImages(shape)
         teacher = _teacher(seed, smooth.coarse_features, classes, teacher_hidden)
         train_x, train_y = smooth.draw(seed, 1, lo, hi, teacher)
         test_x, test_y = smooth.draw(seed, 2, 0, test_samples, teacher)
@@ -185,7 +186,6 @@ def synthetic_shard(
         train_x = _gaussian_rows(seed, 1, lo, hi, features)
         test_x = _gaussian_rows(seed, 2, 0, test_samples, features)
         train_y, test_y = teacher(train_x), teacher(test_x)
-    shape = tuple(int(d) for d in image) if image else (features,)
     return Dataset(
         "synthetic",
         train_x,
