@@ -11,6 +11,8 @@ OUT/probe.csv::
         --workers 2,4,8 --seeds 0,1 --setting plain: --setting mom0:momentum=0,lr=0.1 --parallel 2 --out OUT
 
 A setting is NAME:KEY=VALUE,KEY=VALUE (TOML values, as `--set` takes them; NAME: alone is the job's own).
+NAME@W:... runs only at W workers, so a setting that depends on the worker count is one row of the
+table (--setting b1@2:beta1=0.4 --setting b1@8:beta1=0.025).
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-def parse_setting(text: str) -> tuple[str, list[str]]:
-    name, _, pairs = text.partition(":")
+def parse_setting(text: str) -> tuple[str, int | None, list[str]]:
+    """NAME[@W]:KEY=VALUE,... as (name, the one worker count it runs at or None, the --set values)."""
+    label, _, pairs = text.partition(":")
+    name, _, only = label.partition("@")
     # a comma starts the next KEY=VALUE only where one follows: train.hidden=[512,512] stays whole
-    return name, [p for p in re.split(r",(?=[A-Za-z_.]+=)", pairs) if p.strip()]
+    return name, int(only) if only else None, [p for p in re.split(r",(?=[A-Za-z_.]+=)", pairs) if p.strip()]
 
 
 def launch(config: str, mode: str, workers: int, seed: int, sets: list[str], out: Path, extra: list[str]) -> dict:
@@ -79,9 +83,10 @@ def main() -> None:
     settings = [parse_setting(s) for s in a.setting]
     grid = [
         (name, sets, mode, int(w), int(seed))
-        for name, sets in settings
+        for name, only, sets in settings
         for mode in a.modes.split(",")
         for w in a.workers.split(",")
+        if only in (None, int(w))
         for seed in a.seeds.split(",")
     ]
 
@@ -101,10 +106,12 @@ def main() -> None:
         w.writeheader()
         w.writerows(rows)
     print(f"\n{'setting':<12} {'mode':<6} {'W':>2}  {'median':>6}  each seed's final test accuracy (staleness)")
-    for name, _ in settings:
+    for name in dict.fromkeys(name for name, _, _ in settings):
         for mode in a.modes.split(","):
             for w in a.workers.split(","):
                 these = [r for r in rows if r["setting"] == name and r["mode"] == mode and r["workers"] == int(w)]
+                if not these:
+                    continue  # a setting of another worker count
                 accs = [r["test_accuracy"] for r in these if r.get("test_accuracy") is not None]
                 each = " ".join(
                     f"{r['test_accuracy']:.3f}({r.get('mean_staleness')})"
