@@ -72,9 +72,9 @@ class ServerConfig:
     )
     async_momentum: str = setting(
         "off",
-        "async and ssp, SGD: `auto` applies max(0, momentum - (1 - 1/W)), W the live workers, as W "
-        "asynchronous workers add about 1 - 1/W of momentum themselves (Mitliagkas et al. 2016); the shard stats' "
-        "`momentum` says what it applied. `psctl launch`, `psctl mpi`, `psctl compare` and LocalCluster run async "
+        "async and ssp: `auto` applies max(0, momentum - (1 - 1/W)), W the live workers, as W "
+        "asynchronous workers add about 1 - 1/W of momentum themselves (Mitliagkas et al. 2016); Adam's beta1 "
+        "is lowered the same way; the shard stats' `momentum` says what it applied. `psctl launch`, `psctl mpi`, `psctl compare` and LocalCluster run async "
         "and ssp with `auto` where SGD has momentum, unless the job file or the command line says this key",
         choices=ASYNC_MOMENTUM,
     )
@@ -180,8 +180,6 @@ class ServerConfig:
         check_settings(self.optimizer_hparams())  # the optimizer's bounds (kernels/optim.py), before anything starts
         if not 0 <= self.shard_index < self.num_shards:
             raise InvalidArgument(f"shard index {self.shard_index} is outside 0..{self.num_shards - 1}")
-        if self.async_momentum == "auto" and self.optimizer != "sgd":
-            raise InvalidArgument(f"async_momentum = 'auto' lowers SGD's momentum; optimizer is {self.optimizer!r}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise InvalidArgument("tls_cert and tls_key must be given together")
         if self.shard_device == "gpu" and self.compensation == "dc":

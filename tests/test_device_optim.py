@@ -80,6 +80,26 @@ def test_device_matches_host_step_by_step(cupy, name, hparams, in_place):
 
 @pytest.mark.gpu
 @pytest.mark.timeout(60)
+def test_a_beta1_changed_between_steps_gives_the_host_maths(cupy):
+    """``async_momentum = "auto"`` lowers Adam's beta1 as workers come and go: the device takes it as the host does."""
+    rng = np.random.default_rng(11)
+    host, device = make_optimizer("adam", SIZE, lr=0.01), make_device("adam", SIZE, lr=0.01)
+    w_host = rng.standard_normal(SIZE).astype(np.float32)
+    w_dev = cupy.asarray(w_host)
+    for beta1 in (0.9, 0.4, 0.4, 0.15, 0.0, 0.9):
+        host.set_beta1(beta1)
+        device.set_beta1(beta1)
+        g = rng.standard_normal(SIZE).astype(np.float32)
+        host.step(w_host, g)
+        device.step(w_dev, cupy.asarray(g))
+        assert rel_err(cupy.asnumpy(w_dev), w_host) < 1e-5, beta1
+    with pytest.raises(InvalidArgument, match=r"beta1 must be in \[0, 1\), got 1.0"):
+        device.set_beta1(1.0)
+    assert device.beta1 == 0.9
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(60)
 def test_state_round_trips_between_host_and_device(cupy):
     rng = np.random.default_rng(1)
     host = make_optimizer("adam", SIZE, lr=0.01)

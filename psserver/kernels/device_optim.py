@@ -216,6 +216,12 @@ class DeviceAdam(DeviceOptimizer):
         super().__init__(host, ("exp_avg", "exp_avg_sq"))
         self.beta1, self.beta2, self.eps = host.beta1, host.beta2, host.eps
 
+    def set_beta1(self, beta1: float) -> None:
+        """Change beta1 between steps, as the host optimizer's ``set_beta1`` does."""
+        if not 0.0 <= beta1 < 1.0:
+            raise InvalidArgument(f"beta1 must be in [0, 1), got {beta1!r}")
+        self.beta1 = float(beta1)
+
     def _launch(self, w, g, lr, out, publish):
         # The host's scalars, computed the host's way in float64, then met as float32 by the arrays.
         sqrt_bc2 = math.sqrt(1.0 - self.beta2**self.steps)

@@ -378,6 +378,16 @@ class Adam(Optimizer):
         self._m = self._buffer("exp_avg")
         self._v = self._buffer("exp_avg_sq")
 
+    def set_beta1(self, beta1: float) -> None:
+        """Change beta1 between steps (in [0, 1)): ``async_momentum = "auto"`` as workers come and go (compensation.py).
+
+        The bias correction takes the current beta1 (1 - beta1**steps), which is exact for a beta1 held
+        since the first step and, once a few steps have passed, 1 to within float32 either way.
+        """
+        if not 0.0 <= beta1 < 1.0:
+            raise InvalidArgument(f"beta1 must be in [0, 1), got {beta1!r}")
+        self.beta1 = float(beta1)
+
     def _apply(self, w, g, lr, out, blocks):
         b1, b2, eps, wd = self.beta1, self.beta2, self.eps, self.weight_decay
         # torch: w -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps); multiplying through by sqrt(bc2)

@@ -105,18 +105,25 @@ class HostUpdater(Updater):
 class _AutoMomentum:
     """``async_momentum = "auto"``: the explicit momentum less what the live workers' asynchrony adds.
 
-    Read at each update (under ``apply_lock`` in async, ``cond`` in ssp, so never during a step),
-    so it follows the membership as workers come and go.
+    SGD's ``momentum``, or Adam's ``beta1`` (the decay of its gradients' mean, Adam's momentum):
+    ``key`` names which. Read at each update (under ``apply_lock`` in async, ``cond`` in ssp, so
+    never during a step), so it follows the membership as workers come and go.
     """
 
-    def __init__(self, momentum: float, live_workers: Callable[[], int]):
+    def __init__(self, momentum: float, live_workers: Callable[[], int], key: str = "momentum"):
         self.momentum = momentum
         self.live_workers = live_workers
+        self.key = key
 
     def tune(self, optimizer) -> None:
         momentum = effective_momentum(self.momentum, self.live_workers())
-        if momentum != optimizer.momentum:
-            optimizer.set_momentum(momentum)
+        if momentum != getattr(optimizer, self.key):
+            getattr(optimizer, f"set_{self.key}")(momentum)
+
+
+def momentum_key(optimizer: str) -> str:
+    """The setting that is ``optimizer``'s momentum, which ``async_momentum = "auto"`` lowers."""
+    return "beta1" if optimizer == "adam" else "momentum"
 
 
 class CompensatedUpdater(HostUpdater):
@@ -202,8 +209,9 @@ def make_updater(config, arrays, size: int, *, stale: bool, parts: Chunks, live_
     check_settings(hparams)  # every setting, used or not, by the bounds the job check holds to
     lr_staleness = config.compensation == "lr"
     auto = None
-    if config.async_momentum == "auto" and stale and config.momentum > 0:
-        auto = _AutoMomentum(config.momentum, live_workers)
+    key = momentum_key(config.optimizer)
+    if config.async_momentum == "auto" and stale and getattr(config, key) > 0:
+        auto = _AutoMomentum(getattr(config, key), live_workers, key)
     dc = config.compensation == "dc" and stale
     if arrays.on_gpu:
         if dc:
