@@ -75,7 +75,7 @@ class ServerConfig:
         "async and ssp: `auto` applies max(0, momentum - (1 - 1/W)), W the live workers, as W "
         "asynchronous workers add about 1 - 1/W of momentum themselves (Mitliagkas et al. 2016); Adam's beta1 "
         "is lowered the same way; the shard stats' `momentum` says what it applied. `psctl launch`, `psctl mpi`, `psctl compare` and LocalCluster run async "
-        "and ssp with `auto` where SGD has momentum, unless the job file or the command line says this key",
+        "and ssp with `auto` where the optimizer has momentum, unless the job file or the command line says this key",
         choices=ASYNC_MOMENTUM,
     )
     lease_s: float = setting(10.0, "drop a worker that has not heart-beaten for this long", bound=above(0))
@@ -187,6 +187,11 @@ class ServerConfig:
                 "staleness_compensation = 'dc' runs on host shards only: use shard_device = 'cpu', "
                 "or staleness_compensation = 'lr' or 'none'"
             )
+
+    @property
+    def momentum_key(self) -> str:
+        """The setting that is the optimizer's momentum, which ``async_momentum = "auto"`` lowers: SGD's, Adam's beta1."""
+        return "beta1" if self.optimizer == "adam" else "momentum"
 
     @property
     def compensation(self) -> str:

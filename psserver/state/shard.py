@@ -40,7 +40,6 @@ from psgrid.psserver.state.pushes import Pushes
 from psgrid.psserver.state.served_range import ServedRange
 from psgrid.psserver.state.shard_checkpoints import Checkpoints, RoundGrads
 from psgrid.psserver.state.snapshots import MAX_LENT_BUFFERS, Snapshots
-from psgrid.psserver.state.updater import momentum_key
 
 __all__ = ["MAX_LENT_BUFFERS", "Shard"]
 
@@ -262,7 +261,7 @@ class Shard:
                 "max_staleness": c.max_staleness,
                 "wait_s_total": c.wait_s_total,
                 "uncompensated_updates": c.uncompensated,
-                "momentum": float(getattr(self.optimizer, momentum_key(self.config.optimizer), 0.0)),
+                "momentum": float(getattr(self.optimizer, self.config.momentum_key, 0.0)),
                 "checkpoint": self.checkpoints.last,
                 "initialized": self.initialized,
                 "total_size": self.spec.size if self.spec else 0,

@@ -121,11 +121,6 @@ class _AutoMomentum:
             getattr(optimizer, f"set_{self.key}")(momentum)
 
 
-def momentum_key(optimizer: str) -> str:
-    """The setting that is ``optimizer``'s momentum, which ``async_momentum = "auto"`` lowers."""
-    return "beta1" if optimizer == "adam" else "momentum"
-
-
 class CompensatedUpdater(HostUpdater):
     """A host update with a staleness remedy: auto momentum, delay compensation (dc), or both."""
 
@@ -209,7 +204,7 @@ def make_updater(config, arrays, size: int, *, stale: bool, parts: Chunks, live_
     check_settings(hparams)  # every setting, used or not, by the bounds the job check holds to
     lr_staleness = config.compensation == "lr"
     auto = None
-    key = momentum_key(config.optimizer)
+    key = config.momentum_key
     if config.async_momentum == "auto" and stale and getattr(config, key) > 0:
         auto = _AutoMomentum(getattr(config, key), live_workers, key)
     dc = config.compensation == "dc" and stale
