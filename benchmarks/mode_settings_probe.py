@@ -81,13 +81,15 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = [parse_setting(s) for s in a.setting]
+    # seeds outermost and settings innermost: the settings of one point run side by side, under the same
+    # load from the jobs around them, so a difference between settings is not one of the machine's moments
     grid = [
         (name, sets, mode, int(w), int(seed))
-        for name, only, sets in settings
+        for seed in a.seeds.split(",")
         for mode in a.modes.split(",")
         for w in a.workers.split(",")
+        for name, only, sets in settings
         if only in (None, int(w))
-        for seed in a.seeds.split(",")
     ]
 
     def one(point):
