@@ -75,7 +75,7 @@ class ServerConfig:
         "async and ssp: `auto` applies max(0, momentum - (1 - 1/W)), W the live workers, as W "
         "asynchronous workers add about 1 - 1/W of momentum themselves (Mitliagkas et al. 2016); Adam's beta1 "
         "is lowered the same way; the shard stats' `momentum` says what it applied. `psctl launch`, `psctl mpi`, `psctl compare` and LocalCluster run async "
-        "and ssp with `auto` where SGD has momentum (Adam only when asked), unless the job file or the command line says this key",
+        "and ssp with `auto` where the optimizer has momentum, unless the job file or the command line says this key",
         choices=ASYNC_MOMENTUM,
     )
     lease_s: float = setting(10.0, "drop a worker that has not heart-beaten for this long", bound=above(0))

@@ -477,12 +477,13 @@ def test_launch_writes_a_jobs_folder_as_events_and_without_the_extra_or_out_says
 # ---- 8. the modes' defaults ----------------------------------------------------------------------------------------
 
 
-def test_async_and_ssp_default_to_auto_momentum_where_the_jobs_sgd_has_momentum():
+def test_async_and_ssp_default_to_auto_momentum_where_the_jobs_optimizer_has_momentum():
     modes = parse_modes("sync,async,ssp:2")
     auto = (("async_momentum", "auto"),)
     assert mode_defaults(modes, mnist()) == {"async": auto, "ssp:2": auto}  # sync keeps the job's
     assert mode_defaults(modes, mnist(momentum=0.0)) == {}
-    assert mode_defaults(modes, mnist(optimizer="adam")) == {}  # Adam's beta1: only when asked
+    assert mode_defaults(modes, mnist(optimizer="adam")) == {"async": auto, "ssp:2": auto}  # Adam's beta1 0.9
+    assert mode_defaults(modes, mnist(optimizer="adam", beta1=0.0)) == {}
 
 
 def test_a_mode_set_wins_over_the_modes_default_and_the_report_says_which_ran(tmp_path):

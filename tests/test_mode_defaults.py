@@ -1,7 +1,7 @@
 """A mode's defaults are one rule (cluster/job/mode_defaults.py): launch, mpi, LocalCluster, compare and server alike.
 
 The job file's table of the mode ([async]) first, then psgrid's own: async and ssp run with
-``async_momentum = "auto"`` where the shards' SGD has momentum, unless the job file or the command line
+``async_momentum = "auto"`` where the shards' optimizer has momentum (SGD's, Adam's beta1), unless the job file or the command line
 says ``async_momentum`` itself. The command line always wins; a command that adds a setting says so.
 """
 
@@ -44,12 +44,21 @@ def test_stale_modes_get_auto_momentum_where_sgd_has_momentum(mode):
     assert line.count("\n") == 0 and "async_momentum=off" in line and f"{mode} runs with" in line
 
 
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_stale_modes_lower_adams_beta1_too(mode):
+    job = apply_overrides(load_job(MNIST), {"mode": mode, "optimizer": "adam", "lr": 0.001})
+    got, added = with_mode_defaults(job, given=(), spec=MNIST)
+    assert added.psgrid == (("async_momentum", "auto"),) and got.server.async_momentum == "auto"
+    line = note(got, added, "psctl launch")
+    assert "the shards lower beta1 0.9 by what W asynchronous workers add" in line and "\n" not in line
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
         {"mode": "sync"},  # sync applies every gradient to the version it came from
         {"mode": "async", "momentum": 0.0},  # no momentum to lower
-        {"mode": "async", "optimizer": "adam", "lr": 0.001},  # Adam's beta1 is lowered only when asked
+        {"mode": "async", "optimizer": "adam", "lr": 0.001, "beta1": 0.0},  # Adam without momentum
     ],
 )
 def test_nothing_is_added_where_the_rule_does_not_apply(overrides):

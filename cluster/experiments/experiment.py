@@ -197,7 +197,7 @@ def mode_defaults(modes: list[Mode], job, given=(), spec=None) -> dict[str, Sett
 
     The rule is psctl launch's and psctl mpi's too (cluster/job/mode_defaults.py, which says why): the job
     file ``spec``'s table of the mode ([async]), then async and ssp with ``async_momentum=auto`` where the
-    shards' SGD has momentum; nothing the command line ``given`` sets.
+    shards' optimizer has momentum (SGD's, Adam's beta1); nothing the command line ``given`` sets.
     """
     found = {m.label: defaults_for(m.mode, job.server, given, spec).settings for m in modes}
     return {label: settings for label, settings in found.items() if settings}

@@ -4,15 +4,16 @@ Two sources, the job's before psgrid's:
 
 * the job file's table of the mode, ``[async]`` for async (cluster/job/config.py ``mode_tables``): what
   the job's author found that mode needs, a lower rate for example;
-* psgrid's own: async and ssp run with ``async_momentum = "auto"`` where the shards' SGD has momentum.
-  Asynchrony adds momentum of its own (about 1 - 1/W with W workers, Mitliagkas et al. 2016), so the
-  job's momentum on top overshoots: on the built-in MNIST job (docs/experiments/README.md) async with it
-  off ended at 0.335 to 0.897 at 8 workers and 0.817 to 0.930 at 4 (unstable), with it on at 0.903 to
-  0.928 and 0.864 to 0.916; ssp:2 at 8 workers at 0.097 to 0.892 off and 0.909 to 0.917 on. Where plain
-  momentum did no harm (2 workers, and ssp:2 at 4) it costs about 0.01 to 0.03 of final accuracy.
-  Adam's beta1 is not lowered unless asked: on synthetic-20m, beside beta1 0.9 in the same call over 5
-  seeds, ``auto`` spread more in ssp:2 at 2 workers (0.560-0.697 against 0.652-0.696) and no less
-  anywhere else (docs/experiments/synthetic-stale-adam-2xH200).
+* psgrid's own: async and ssp run with ``async_momentum = "auto"`` where the shards' optimizer has
+  momentum (SGD's ``momentum``, Adam's ``beta1``). Asynchrony adds momentum of its own (about 1 - 1/W
+  with W workers, Mitliagkas et al. 2016), so the job's momentum on top overshoots: on the built-in
+  MNIST job (docs/experiments/README.md) async with it off ended at 0.335 to 0.897 at 8 workers and
+  0.817 to 0.930 at 4 (unstable), with it on at 0.903 to 0.928 and 0.864 to 0.916; ssp:2 at 8 workers
+  at 0.097 to 0.892 off and 0.909 to 0.917 on. Where plain momentum did no harm (2 workers, and ssp:2
+  at 4) it costs about 0.01 to 0.03 of final accuracy. Adam likewise (synthetic-20m on H200s, the two
+  settings side by side over 5 seeds, docs/experiments/synthetic-stale-adam-2xH200): async at 8 workers
+  ended at 0.233 to 0.476 with beta1 0.9 and at 0.531 to 0.746 with it lowered (sync: about 0.71); at 4
+  workers the medians rose by 0.02; at 2 ssp:2 fell from 0.684 to 0.646 and spread more.
 
 A key the command line gives (a flag or ``--set``) is never replaced; psgrid's ``async_momentum`` is not
 added where the job file says the key anywhere. Every command that adds a setting says so in one line.
@@ -34,8 +35,9 @@ Settings = tuple[tuple[str, object], ...]
 
 
 def stale_defaults(server) -> Settings:
-    """psgrid's setting for async and ssp on ``server`` (a ServerConfig): ``async_momentum=auto`` where SGD has momentum."""
-    if server.optimizer != "sgd" or not server.momentum or server.async_momentum != "off":
+    """psgrid's setting for async and ssp on ``server`` (a ServerConfig): ``async_momentum=auto`` where the
+    optimizer has momentum (SGD's ``momentum``, Adam's ``beta1``)."""
+    if server.async_momentum != "off" or not getattr(server, server.momentum_key):
         return ()
     return ((KEY, "auto"),)
 
@@ -85,9 +87,11 @@ def note(job, added: Added, program: str) -> str | None:
     if added.table:
         why.append(f"the job file's [{job.mode}]")
     if added.psgrid:
+        key = job.server.momentum_key
         why.append(
-            f"the mode's default where SGD has momentum: the shards lower momentum {job.server.momentum:g} by what "
-            f"W asynchronous workers add, 1 - 1/W (--set async_momentum=off keeps it as it is)"
+            f"the mode's default where the optimizer has momentum: the shards lower {key} "
+            f"{getattr(job.server, key):g} by what W asynchronous workers add, 1 - 1/W "
+            f"(--set async_momentum=off keeps it as it is)"
         )
     said = ", ".join(f"{k} = {toml_value(v)}" for k, v in added.settings)
     return f"{program}: {job.mode} runs with {said}: {'; '.join(why)}"
