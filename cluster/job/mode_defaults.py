@@ -13,7 +13,9 @@ Two sources, the job's before psgrid's:
   at 4) it costs about 0.01 to 0.03 of final accuracy. Adam likewise (synthetic-20m on H200s, the two
   settings side by side over 5 seeds, docs/experiments/synthetic-stale-adam-2xH200): async at 8 workers
   ended at 0.233 to 0.476 with beta1 0.9 and at 0.531 to 0.746 with it lowered (sync: about 0.71); at 4
-  workers the medians rose by 0.02; at 2 ssp:2 fell from 0.684 to 0.646 and spread more.
+  workers the medians rose by 0.02; at 2 ssp:2 fell from 0.684 to 0.646 and spread more. On the digits
+  CNN (CPU, docs/experiments/README.md) medians stayed within 0.014 either way, and ssp:2 at 2 workers
+  again spread more with it (0.084 against 0.042).
 
 A key the command line gives (a flag or ``--set``) is never replaced; psgrid's ``async_momentum`` is not
 added where the job file says the key anywhere. Every command that adds a setting says so in one line.
