@@ -42,6 +42,21 @@ def push(shard: Shard, worker: int, clock: int, version_used: int, grad: np.ndar
     return result
 
 
+class Workers:
+    """Workers that join ``shard`` and push from its current version, each at its own clock."""
+
+    def __init__(self, shard: Shard):
+        self.shard, self.clocks = shard, {}
+
+    def join(self, *workers: int) -> None:
+        for worker in workers:
+            self.clocks[worker] = self.shard.register(SPEC.hash(), worker, -1, "test")["start_clock"]
+
+    def push(self, worker: int, grad: np.ndarray) -> None:
+        push(self.shard, worker, self.clocks[worker], self.shard.version, grad)
+        self.clocks[worker] += 1
+
+
 # ----- dc ---------------------------------------------------------------------------------------
 
 
@@ -180,27 +195,21 @@ def test_an_auto_momentum_shard_follows_the_live_workers(mode):
     shard = make_shard(mode=mode, staleness=10, lr=0.1, momentum=0.9, async_momentum="auto")
     rng = np.random.default_rng(5)
     w, v = shard.weights.astype(np.float64), np.zeros(SPEC.size)
-    clocks = {}
+    workers = Workers(shard)
 
     def step(worker, mu):
         nonlocal w, v
         g = rng.normal(size=SPEC.size).astype(np.float32)
-        push(shard, worker, clocks[worker], shard.version, g)
-        clocks[worker] += 1
+        workers.push(worker, g)
         v = mu * v + g if mu else np.zeros(SPEC.size)
         w = w - 0.1 * (v if mu else g)
         assert shard.stats()["momentum"] == pytest.approx(mu, abs=1e-12)
         np.testing.assert_allclose(shard.weights, w, rtol=1e-5, atol=1e-5)
 
-    def join(worker):
-        clocks[worker] = shard.register(SPEC.hash(), worker, -1, "test")["start_clock"]
-
-    join(0)
-    join(1)
+    workers.join(0, 1)
     step(0, 0.4)
     step(1, 0.4)
-    join(2)
-    join(3)
+    workers.join(2, 3)
     step(2, 0.15)
     for worker in (1, 2, 3):
         shard.leave(worker)
@@ -214,13 +223,12 @@ def test_an_auto_momentum_adam_shard_lowers_beta1_by_the_live_workers(mode):
     shard = make_shard(mode=mode, staleness=10, optimizer="adam", lr=lr, async_momentum="auto")
     rng = np.random.default_rng(6)
     w, m, v = shard.weights.astype(np.float64), np.zeros(SPEC.size), np.zeros(SPEC.size)
-    clocks, t = {}, 0
+    workers, t = Workers(shard), 0
 
     def step(worker, b1):
         nonlocal w, m, v, t
         g = rng.normal(size=SPEC.size).astype(np.float32)
-        push(shard, worker, clocks[worker], shard.version, g)
-        clocks[worker] += 1
+        workers.push(worker, g)
         t += 1
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g.astype(np.float64) ** 2
@@ -228,15 +236,10 @@ def test_an_auto_momentum_adam_shard_lowers_beta1_by_the_live_workers(mode):
         assert shard.stats()["momentum"] == pytest.approx(b1, abs=1e-12)
         np.testing.assert_allclose(shard.weights, w, rtol=1e-4, atol=1e-5)
 
-    def join(worker):
-        clocks[worker] = shard.register(SPEC.hash(), worker, -1, "test")["start_clock"]
-
-    join(0)
-    join(1)
+    workers.join(0, 1)
     step(0, 0.4)
     step(1, 0.4)
-    join(2)
-    join(3)
+    workers.join(2, 3)
     step(2, 0.15)
     step(3, 0.15)
 
