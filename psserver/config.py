@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.kernels.compensation import ASYNC_MOMENTUM, COMPENSATIONS
 from psgrid.psserver.kernels.optim import BOUNDS, HPARAMS, check_settings
+from psgrid.psserver.kernels.schedule import LR_SCHEDULES, LrSchedule
 from psgrid.psserver.protocol import (
     DATA_PLANES,
     DEFAULT_CHUNK_BYTES,
@@ -77,6 +78,23 @@ class ServerConfig:
         "is lowered the same way; the shard stats' `momentum` says what it applied. `psctl launch`, `psctl mpi`, `psctl compare` and LocalCluster run async "
         "and ssp with `auto` where the optimizer has momentum, unless the job file or the command line says this key",
         choices=ASYNC_MOMENTUM,
+    )
+    lr_schedule: str = setting(
+        "constant",
+        "the rate over the job's updates: `constant`, or decayed to 0 at `lr_updates`: `linear` or `cosine` "
+        "(the shards keep it: a script's own scheduler cannot reach their optimizer)",
+        choices=LR_SCHEDULES,
+    )
+    lr_warmup: float = setting(
+        0.0,
+        "share of `lr_updates` over which the rate rises linearly to `lr` first (0: none)",
+        bound=((lambda v: 0.0 <= v < 1.0), "in [0, 1)"),
+    )
+    lr_updates: int = setting(
+        0,
+        "the schedule's length in the shard's updates; 0: psctl derives it from the job "
+        "([train] steps in sync, workers x steps in async and ssp)",
+        bound=at_least(0),
     )
     lease_s: float = setting(10.0, "drop a worker that has not heart-beaten for this long", bound=above(0))
     progress_timeout_s: float = setting(
@@ -188,6 +206,13 @@ class ServerConfig:
                 "or staleness_compensation = 'lr' or 'none'"
             )
 
+    def schedule(self) -> LrSchedule:
+        """The rate's schedule over this shard's updates; refused (InvalidArgument) where it needs ``lr_updates``."""
+        try:
+            return LrSchedule(self.lr_schedule, self.lr_updates, self.lr_warmup)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+
     @property
     def momentum_key(self) -> str:
         """The setting that is the optimizer's momentum, which ``async_momentum = "auto"`` lowers: SGD's, Adam's beta1."""
@@ -223,7 +248,20 @@ class ServerConfig:
         applied = self.applied_optimizer()
         name = applied.pop("optimizer")
         said = ", ".join(k if v is True else f"{k} {v:g}" for k, v in applied.items() if v)
-        return f"{name} ({said})"
+        return f"{name} ({said}{self.describe_schedule()})"
+
+    def describe_schedule(self) -> str:
+        """``, cosine to 0 over 1000 updates, warm-up 50``: the rate's schedule, empty where it is constant."""
+        if not (self.lr_schedule != "constant" or self.lr_warmup):
+            return ""
+        over = f"over {self.lr_updates} updates" if self.lr_updates else "over the job's updates"
+        shape = "constant" if self.lr_schedule == "constant" else f"{self.lr_schedule} to 0"
+        warm = (
+            f", warm-up {round(self.lr_warmup * self.lr_updates) or f'{self.lr_warmup:g} of them'}"
+            if self.lr_warmup
+            else ""
+        )
+        return f", {shape} {over}{warm}"
 
     @classmethod
     def field_names(cls) -> list[str]:

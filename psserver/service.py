@@ -250,6 +250,9 @@ class ShardService:
             **config.optimizer_hparams(),
             "staleness_compensation": config.compensation,
             "async_momentum": config.async_momentum,
+            "lr_schedule": config.lr_schedule,
+            "lr_warmup": config.lr_warmup,
+            "lr_updates": config.lr_updates,
         }
         return {
             **layout,

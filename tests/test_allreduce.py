@@ -25,7 +25,8 @@ comm = MPI.COMM_WORLD
 rank, world = comm.Get_rank(), comm.Get_size()
 job = apply_overrides(load_job("mnist"), {
     "mode": "sync", "shards": 2, "workers": world, "steps": int(sys.argv[2]), "batch_size": 32,
-    "eval_every": 0, "optimizer": "sgd", "momentum": 0.9, "lr": 0.05, "seed": 7, "wire_dtype": sys.argv[3]})
+    "eval_every": 0, "optimizer": "sgd", "momentum": 0.9, "lr": 0.05, "seed": 7, "wire_dtype": sys.argv[3],
+    "lr_schedule": sys.argv[4]}).scheduled()
 train = job.train
 xp, device, data, model = build(train, rank, world)
 init = model.spec.pack(model.init_params(train.seed, train.init_scale))
@@ -47,10 +48,13 @@ if rank == 0:
 
 @pytest.mark.mpi
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks, wire_dtype", [(2, "float32"), (3, "float32"), (2, "bfloat16")])
-def test_allreduce_and_sync_reach_the_same_weights(tmp_path, ranks, wire_dtype):
+@pytest.mark.parametrize(
+    "ranks, wire_dtype, schedule",
+    [(2, "float32", "constant"), (3, "float32", "constant"), (2, "bfloat16", "constant"), (2, "float32", "cosine")],
+)
+def test_allreduce_and_sync_reach_the_same_weights(tmp_path, ranks, wire_dtype, schedule):
     out = tmp_path / "weights.npz"
-    code, _, err, _ = run_mpiexec(ranks, ["-c", SAME_WEIGHTS_SCRIPT, str(out), "30", wire_dtype])
+    code, _, err, _ = run_mpiexec(ranks, ["-c", SAME_WEIGHTS_SCRIPT, str(out), "30", wire_dtype, schedule])
     assert code == 0, err
     w = np.load(out)
     moved = np.abs(w["sync"] - w["init"]).max()

@@ -33,6 +33,8 @@ OPTIMIZERS = [
     dict(optimizer="sgd", lr=0.1),
     dict(optimizer="sgd", lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
     dict(optimizer="adam", lr=0.01, weight_decay=0.001),
+    # a rate warmed up, then decayed to zero before the last updates (async's 12): lr_scale 0 on the device too
+    dict(optimizer="adam", lr=0.01, lr_schedule="cosine", lr_updates=8, lr_warmup=0.25),
 ]
 
 
@@ -52,7 +54,7 @@ def _weights(shard) -> np.ndarray:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("hparams", OPTIMIZERS, ids=["sgd", "nesterov-wd", "adam"])
+@pytest.mark.parametrize("hparams", OPTIMIZERS, ids=["sgd", "nesterov-wd", "adam", "adam-cosine"])
 def test_a_device_shard_applies_what_a_host_shard_applies(mode, hparams):
     cupy_or_skip()
     from psgrid.psserver.state.shard import Shard

@@ -392,7 +392,7 @@ def test_one_settings_dict_serves_both():
         dict(grad=np.zeros(10, np.float64)),
         dict(weights=np.zeros((2, 5), np.float32)),
         dict(grad=[0.0] * 10),
-        dict(lr_scale=0.0),
+        dict(lr_scale=-0.5),
         dict(lr_scale=float("nan")),
         dict(weights=np.frombuffer(np.ones(10, np.float32).tobytes(), np.float32)),  # read-only
     ],

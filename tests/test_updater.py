@@ -76,7 +76,7 @@ def test_the_update_is_chosen_once_from_the_mode_and_the_remedies(mode, settings
     config = ServerConfig(mode=mode, **settings)
     updater = make_updater(config, HostArrays(), 8, stale=mode != "sync", parts=SERIAL, live_workers=lambda: 1)
     assert type(updater) is kind and updater.keep_versions == keeps
-    assert updater.lr_scale(4) == (0.25 if config.compensation == "lr" else 1.0)
+    assert updater.lr_scale(4, 0) == (0.25 if config.compensation == "lr" else 1.0)
 
 
 def test_a_device_shard_refuses_dc_before_it_builds_anything():

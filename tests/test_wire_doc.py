@@ -26,6 +26,7 @@ import pytest
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import PSError
 from psgrid.psserver.kernels.optim import make_optimizer
+from psgrid.psserver.kernels.schedule import LrSchedule
 from psgrid.psserver.protocol import (
     CLIENT_SIDE_REASONS,
     FLOAT32,
@@ -307,7 +308,11 @@ def hparams(settings: dict) -> dict:
 
 
 def lr_scale(settings: dict) -> float:
-    return 1.0 / max(1, settings["staleness"]) if settings.get("staleness_compensation") == "lr" else 1.0
+    """The schedule's factor at the vector's version, over max(1, staleness) under compensation "lr"."""
+    scale = LrSchedule(
+        settings.get("lr_schedule", "constant"), settings.get("lr_updates", 0), settings.get("lr_warmup", 0.0)
+    ).factor(settings.get("version", 0))
+    return scale / max(1, settings["staleness"]) if settings.get("staleness_compensation") == "lr" else scale
 
 
 def simulate(settings: dict, w: np.ndarray, grads: list[np.ndarray]) -> list[np.ndarray]:
@@ -341,9 +346,16 @@ def steps(rows: dict) -> tuple[list[np.ndarray], list[np.ndarray]]:
 
 
 def test_the_page_has_a_vector_of_each_optimizer_and_mode():
-    assert {"SGD", "SGD-MOMENTUM-DECAY", "SGD-NESTEROV", "ADAM", "ADAM-DECAY", "SGD-STALE", "SYNC-MEAN"} <= set(
-        ARITHMETIC
-    )
+    assert {
+        "SGD",
+        "SGD-MOMENTUM-DECAY",
+        "SGD-NESTEROV",
+        "ADAM",
+        "ADAM-DECAY",
+        "SGD-STALE",
+        "SGD-SCHEDULE",
+        "SYNC-MEAN",
+    } <= set(ARITHMETIC)
 
 
 @pytest.mark.parametrize("name", STEPPED)
@@ -398,6 +410,38 @@ def test_a_shard_applies_each_update_vector_bit_for_bit(name, no_leaks):
             result = service.push(worker_id=worker, clock=clock, version=clock, source=CallerArray(g.copy()))
             assert (result.outcome, result.version) == (Outcome.APPLIED, clock + 1)
             np.testing.assert_array_equal(weights(service).view(np.uint32), want.view(np.uint32))
+    finally:
+        server.stop(grace=0)
+
+
+@pytest.mark.timeout(30)
+def test_a_shard_takes_the_schedules_rate_at_its_version_as_the_page_says(no_leaks):
+    """lr_schedule = "cosine": the update from version 2 of 4 (one warm-up) takes lr_eff = lr × 0.75, rounded once."""
+    settings, rows = ARITHMETIC["SGD-SCHEDULE"]
+    keys = ("lr", "lr_schedule", "lr_updates", "lr_warmup")
+    server = serve(
+        ServerConfig(
+            host="127.0.0.1",
+            port=0,
+            data_plane="grpc",
+            shared_memory=False,
+            mode="async",
+            optimizer="sgd",
+            **{key: settings[key] for key in keys},
+        )
+    )
+    try:
+        (worker,) = start(server.service, rows["w0"], 1)
+        zero = np.zeros_like(rows["w0"])
+        for clock in range(settings["version"]):  # plain SGD on a zero gradient leaves the weights as they are
+            server.service.push(worker_id=worker, clock=clock, version=clock, source=CallerArray(zero.copy()))
+        np.testing.assert_array_equal(weights(server.service), rows["w0"])
+        version = settings["version"]
+        server.service.push(worker_id=worker, clock=version, version=version, source=CallerArray(rows["grad1"].copy()))
+        np.testing.assert_array_equal(weights(server.service).view(np.uint32), rows["w1"].view(np.uint32))
+        assert server.service.stats()["lr"] == pytest.approx(
+            settings["lr"] * 0.25
+        )  # from version 3: (1 + cos 2π/3) / 2
     finally:
         server.stop(grace=0)
 

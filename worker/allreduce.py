@@ -90,6 +90,7 @@ class AllreduceExchange:
                 server.optimizer, self.weights.size, chunks=self._chunks, **server.optimizer_hparams()
             )
             self.reduction = "mpi" if self.world > 1 else "none"
+        self.schedule = server.schedule()  # the shards' rate over their updates: here one a step
         self.clock = 0
         self.wait_s = 0.0  # seconds inside Allreduce: the transfer and waiting for the others
 
@@ -152,7 +153,7 @@ class AllreduceExchange:
         self.wait_s += time.perf_counter() - t0
         # As a shard closes a sync round: the sum, then one multiply by 1/W, then the optimizer.
         np.multiply(self._mean, 1.0 / self.world, out=self._mean)
-        self.optimizer.step(self.weights, self._mean, 1.0)
+        self.optimizer.step(self.weights, self._mean, self.schedule.factor(self.clock))
         self.clock += 1
         return Completed([PushResult(Outcome.APPLIED, self.clock, 0, self.clock)], time.perf_counter() - t0)
 
@@ -172,6 +173,6 @@ class AllreduceExchange:
         # Queued, not waited for: the next step's kernels run after it on the same stream (as no servers'
         # update does), and the GPU updates while the loop records this step. push_s is the sum and the
         # launch; the update's own time falls in the next step's compute.
-        self.optimizer.step(self.weights, mean, 1.0)
+        self.optimizer.step(self.weights, mean, self.schedule.factor(self.clock))
         self.clock += 1
         return Completed([PushResult(Outcome.APPLIED, self.clock, 0, self.clock)], time.perf_counter() - t0)

@@ -98,9 +98,27 @@ def server_config_from_args(args: argparse.Namespace):
         table = {k: v for k, v in table.items() if k not in given | set(changes)}
         config = _replaced(config, table, f"{args.config}: [{config.mode}]")
     check_files(config, ("tls_cert", "tls_key", "tls_ca"))
+    if config.lr_schedule != "constant" or config.lr_warmup:
+        if not config.lr_updates and args.config:  # the job file says how many updates its shards apply
+            config = dataclasses.replace(config, lr_updates=_job_updates(args.config, config))
+        if not config.lr_updates:
+            raise ConfigError(
+                f"lr_schedule {config.lr_schedule} (lr_warmup {config.lr_warmup:g}) needs --lr-updates, the "
+                "updates this shard will apply (psctl launch and mpi derive it from the job's steps)"
+            )
     # With no token given (flag, --set or job file), the environment's: a shard started by hand with
     # PSGRID_TOKEN set must not take calls without it.
     return dataclasses.replace(config, token=job_token(config.token))
+
+
+def _job_updates(path: str, config) -> int:
+    """What a job file's shards apply in all (JobConfig.schedule_updates), in the mode this shard serves."""
+    import dataclasses
+
+    from psgrid.cluster.job.config import load_job
+
+    job = load_job(path)
+    return dataclasses.replace(job, server=config).schedule_updates()
 
 
 def _valid(config, changes: dict) -> bool:

@@ -174,9 +174,38 @@ class JobConfig:
         """
         return dump_toml(self.public_dict())
 
+    def schedule_updates(self) -> int:
+        """The updates each shard applies in this job, the length of its rate's schedule (``lr_updates``).
+
+        The job's own where it sets ``lr_updates``; else one per round in sync ([train] steps), one per
+        push in async and ssp (workers x steps), so that every mode has the same rate at the same share
+        of the job's samples. 0 where the rate is constant.
+        """
+        server = self.server
+        if server.lr_updates or not (server.lr_schedule != "constant" or server.lr_warmup):
+            return server.lr_updates
+        if self.train.epochs:
+            raise ConfigError(
+                f"[server] lr_schedule = {server.lr_schedule!r} with [train] epochs: the steps depend on the data, "
+                "so set [server] lr_updates (the updates each shard applies)"
+            )
+        return self.train.steps * (1 if mode_rules(server.mode).accumulates else self.workers)
+
+    def scheduled(self) -> JobConfig:
+        """This job with ``lr_updates`` set where its rate's schedule needs it (:meth:`schedule_updates`)."""
+        updates = self.schedule_updates()
+        if updates == self.server.lr_updates:
+            return self
+        return dataclasses.replace(self, server=dataclasses.replace(self.server, lr_updates=updates))
+
     def server_config(self, shard_index: int, *, host: str | None = None, port: int = 0) -> ServerConfig:
         """The ServerConfig of shard ``shard_index`` of this job."""
-        changes: dict[str, Any] = {"shard_index": shard_index, "num_shards": self.shards, "port": port}
+        changes: dict[str, Any] = {
+            "shard_index": shard_index,
+            "num_shards": self.shards,
+            "port": port,
+            "lr_updates": self.schedule_updates(),
+        }
         if host is not None:
             changes["host"] = host
         if self.server.metrics_port:
@@ -507,6 +536,11 @@ def _check_job(job: JobConfig, where: str) -> None:
             f'{where}: [job] shard_placement = "worker" puts shard i in worker i\'s process, so it needs '
             f"workers >= shards; got {job.workers} worker(s) for {job.shards} shard(s)"
         )
+    if job.train.epochs:
+        try:
+            job.schedule_updates()
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
     if mode_rules(job.server.mode).accumulates and job.train.pull_ahead:
         raise ConfigError(
             f"{where}: [train] pull_ahead = true applies to async and ssp only: a sync pull waits for "

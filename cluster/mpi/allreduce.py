@@ -14,6 +14,7 @@ job, and the communicator is a parameter.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sys
@@ -225,7 +226,9 @@ def _train(job: JobConfig, comm, metrics: Path):
     os.environ.setdefault("LOCAL_RANK", str(rank))
     xp, device_name, data, model = build(train, rank, size)
     init = model.spec.pack(model.init_params(train.seed, train.init_scale))
-    exchange = AllreduceExchange(comm, init, job.server, train.wire_dtype, xp=xp)  # on a GPU: kept there
+    # One update a step, as a sync round: a rate's schedule runs over [train] steps.
+    synced = dataclasses.replace(job, server=dataclasses.replace(job.server, mode="sync")).scheduled()
+    exchange = AllreduceExchange(comm, init, synced.server, train.wire_dtype, xp=xp)  # on a GPU: kept there
     if rank == 0 and exchange.on_device and usable_cpus() == 1 < (os.cpu_count() or 1):
         # Open MPI binds each rank to one core; a GPU worker's batch loader thread then shares it with the
         # loop (20M MLP on an H100: 165,653 samples/s bound, 226,828 not; docs/performance.md).

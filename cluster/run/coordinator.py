@@ -54,6 +54,7 @@ SHARD_FIELDS = (
     "revoked_reads",
     "uncompensated_updates",
     "momentum",
+    "lr",
 )
 
 

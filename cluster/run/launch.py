@@ -97,6 +97,7 @@ class Launcher:
         check_placement(job, launcher="psgrid.LocalCluster" if launcher == "local" else "psctl launch")
         job = credentials.secure(job)  # a token and a job id of its own, unless the job gives them
         job = with_shard_device(job)  # shard_device "auto" made "cpu" or "gpu" here; job.toml says which
+        job = job.scheduled()  # a rate's schedule gets its length in updates here; job.toml says it
         self.job = job
         self.resumed = resumed  # where each shard's checkpoint stood, when this run resumes a job
         self.out = out

@@ -134,8 +134,8 @@ class DeviceOptimizer:
                     f"{name} must be a float32 CuPy array of shape ({self.size},), got "
                     f"{type(a).__module__}.{type(a).__name__} {got}"
                 )
-        if isinstance(lr_scale, bool) or not 0.0 < float(lr_scale) < math.inf:
-            raise InvalidArgument(f"lr_scale must be finite and > 0, got {lr_scale!r}")
+        if isinstance(lr_scale, bool) or not 0.0 <= float(lr_scale) < math.inf:
+            raise InvalidArgument(f"lr_scale must be finite and >= 0, got {lr_scale!r}")
         if check_finite and not all_finite(grad):
             raise NON_FINITE()
         self.steps += 1

@@ -187,7 +187,8 @@ class Optimizer:
                 raise InvalidArgument(f"{name} must be float32 of shape ({self.size},), got {got}")
         if not out.flags.writeable:
             raise InvalidArgument(f"{'weights' if out is weights else 'out'} must be writeable")
-        scale = _real("lr_scale", lr_scale, _positive, "finite and > 0")
+        # 0 past the end of a decaying schedule (kernels/schedule.py): the state moves on, the weights stay
+        scale = _real("lr_scale", lr_scale, lambda v: 0.0 <= v < math.inf, "finite and >= 0")
         fused = check_finite and not self._buffers and delay is None
         if check_finite and not fused and not self.chunks.all_finite(grad):
             raise NON_FINITE()

@@ -219,7 +219,7 @@ class MemberInfo(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., clock: _Optional[int] = ..., idle_s: _Optional[float] = ..., host: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "mode", "version", "begin", "end", "members", "min_clock", "max_clock", "pushes", "pulls", "bytes_in", "bytes_out", "applied_updates", "dropped_late", "duplicates", "evictions", "rejected", "staleness_counts", "mean_staleness", "max_staleness", "wait_s_total", "checkpoint", "initialized", "total_size", "waits", "departed", "lost_updates", "restored_version", "stalled_evictions", "revoked_reads", "job_tag", "uncompensated_updates", "momentum")
+    __slots__ = ("shard_index", "num_shards", "mode", "version", "begin", "end", "members", "min_clock", "max_clock", "pushes", "pulls", "bytes_in", "bytes_out", "applied_updates", "dropped_late", "duplicates", "evictions", "rejected", "staleness_counts", "mean_staleness", "max_staleness", "wait_s_total", "checkpoint", "initialized", "total_size", "waits", "departed", "lost_updates", "restored_version", "stalled_evictions", "revoked_reads", "job_tag", "uncompensated_updates", "momentum", "lr")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +254,7 @@ class StatsReply(_message.Message):
     JOB_TAG_FIELD_NUMBER: _ClassVar[int]
     UNCOMPENSATED_UPDATES_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    LR_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     mode: str
@@ -288,7 +289,8 @@ class StatsReply(_message.Message):
     job_tag: str
     uncompensated_updates: int
     momentum: float
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., min_clock: _Optional[int] = ..., max_clock: _Optional[int] = ..., pushes: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., applied_updates: _Optional[int] = ..., dropped_late: _Optional[int] = ..., duplicates: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., wait_s_total: _Optional[float] = ..., checkpoint: _Optional[str] = ..., initialized: _Optional[bool] = ..., total_size: _Optional[int] = ..., waits: _Optional[_Iterable[_Union[WorkerWait, _Mapping]]] = ..., departed: _Optional[_Iterable[int]] = ..., lost_updates: _Optional[int] = ..., restored_version: _Optional[int] = ..., stalled_evictions: _Optional[int] = ..., revoked_reads: _Optional[int] = ..., job_tag: _Optional[str] = ..., uncompensated_updates: _Optional[int] = ..., momentum: _Optional[float] = ...) -> None: ...
+    lr: float
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., mode: _Optional[str] = ..., version: _Optional[int] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberInfo, _Mapping]]] = ..., min_clock: _Optional[int] = ..., max_clock: _Optional[int] = ..., pushes: _Optional[int] = ..., pulls: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., applied_updates: _Optional[int] = ..., dropped_late: _Optional[int] = ..., duplicates: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., staleness_counts: _Optional[_Iterable[int]] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., wait_s_total: _Optional[float] = ..., checkpoint: _Optional[str] = ..., initialized: _Optional[bool] = ..., total_size: _Optional[int] = ..., waits: _Optional[_Iterable[_Union[WorkerWait, _Mapping]]] = ..., departed: _Optional[_Iterable[int]] = ..., lost_updates: _Optional[int] = ..., restored_version: _Optional[int] = ..., stalled_evictions: _Optional[int] = ..., revoked_reads: _Optional[int] = ..., job_tag: _Optional[str] = ..., uncompensated_updates: _Optional[int] = ..., momentum: _Optional[float] = ..., lr: _Optional[float] = ...) -> None: ...
 
 class WorkerWait(_message.Message):
     __slots__ = ("worker_id", "seconds")
@@ -363,7 +365,7 @@ class DescribeReply(_message.Message):
     def __init__(self, initialized: _Optional[bool] = ..., spec: _Optional[_Union[ModelSpecMsg, _Mapping]] = ..., mode: _Optional[str] = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., lease_s: _Optional[float] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., total_size: _Optional[int] = ..., begin: _Optional[int] = ..., end: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[PlaneOffer, _Mapping]]] = ..., optimizer: _Optional[_Union[OptimizerInfo, _Mapping]] = ..., update_device: _Optional[str] = ..., job_tag: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class OptimizerInfo(_message.Message):
-    __slots__ = ("name", "lr", "momentum", "nesterov", "weight_decay", "beta1", "beta2", "eps", "staleness_compensation", "async_momentum")
+    __slots__ = ("name", "lr", "momentum", "nesterov", "weight_decay", "beta1", "beta2", "eps", "staleness_compensation", "async_momentum", "lr_schedule", "lr_warmup", "lr_updates")
     NAME_FIELD_NUMBER: _ClassVar[int]
     LR_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +376,9 @@ class OptimizerInfo(_message.Message):
     EPS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_COMPENSATION_FIELD_NUMBER: _ClassVar[int]
     ASYNC_MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    LR_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    LR_WARMUP_FIELD_NUMBER: _ClassVar[int]
+    LR_UPDATES_FIELD_NUMBER: _ClassVar[int]
     name: str
     lr: float
     momentum: float
@@ -384,4 +389,7 @@ class OptimizerInfo(_message.Message):
     eps: float
     staleness_compensation: str
     async_momentum: str
-    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., staleness_compensation: _Optional[str] = ..., async_momentum: _Optional[str] = ...) -> None: ...
+    lr_schedule: str
+    lr_warmup: float
+    lr_updates: int
+    def __init__(self, name: _Optional[str] = ..., lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., weight_decay: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., staleness_compensation: _Optional[str] = ..., async_momentum: _Optional[str] = ..., lr_schedule: _Optional[str] = ..., lr_warmup: _Optional[float] = ..., lr_updates: _Optional[int] = ...) -> None: ...

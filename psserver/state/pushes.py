@@ -149,7 +149,7 @@ class Pushes:
                 core.emit("dropped_late")
                 staleness = -1
             elif decision.outcome is Outcome.APPLIED:
-                self._apply(grad, served.updater.lr_scale(staleness), version_used)
+                self._apply(grad, served.updater.lr_scale(staleness, served.version), version_used)
                 self._record_staleness(staleness)
             else:  # ACCUMULATED: hold the buffer itself for the round (no copy); the pool gets it back at close
                 held = self.round_grads.setdefault(decision.round, {})
@@ -190,7 +190,8 @@ class Pushes:
                 staleness = max(0, served.version - version_used)
                 ring, updater = served.ring, served.updater
                 step = updater.plan(ring, served.version, version_used)
-            updater.apply(ring, step, grad, updater.lr_scale(staleness), check_finite=not checked)
+                lr_scale = updater.lr_scale(staleness, served.version)
+            updater.apply(ring, step, grad, lr_scale, check_finite=not checked)
             with core.cond:
                 next_clock = clock + 1
                 if policy.is_live(worker):
@@ -243,7 +244,7 @@ class Pushes:
                 for other in ordered[2:]:
                     xp.add(total, other, out=total)
                 xp.multiply(total, 1.0 / len(ordered), out=total)
-            self._apply(total, 1.0)
+            self._apply(total, self.served.updater.lr_scale(0, self.served.version))
             for buf in {id(b): b for b in (*ordered, total)}.values():
                 if buf is not borrowed:
                     pool.give(buf)

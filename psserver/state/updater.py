@@ -29,6 +29,7 @@ from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.kernels.compensation import DelayCompensation, effective_momentum
 from psgrid.psserver.kernels.optim import check_settings, make_optimizer
 from psgrid.psserver.kernels.parallel import Chunks
+from psgrid.psserver.kernels.schedule import CONSTANT, LrSchedule
 from psgrid.psserver.state.weight_ring import WeightRing
 
 
@@ -51,18 +52,22 @@ class Updater:
         Where the shard's arrays live (state/device.py).
     lr_staleness : bool
         ``staleness_compensation = "lr"``: scale each step by 1/max(1, staleness).
+    schedule : LrSchedule
+        The rate over the shard's updates (kernels/schedule.py).
     """
 
     keep_versions = 0  # past versions the ring keeps for the update to read (dc)
 
-    def __init__(self, optimizer, arrays, *, lr_staleness: bool = False):
+    def __init__(self, optimizer, arrays, *, lr_staleness: bool = False, schedule: LrSchedule = CONSTANT):
         self.optimizer = optimizer
         self.arrays = arrays
         self.lr_staleness = lr_staleness
+        self.schedule = schedule
 
-    def lr_scale(self, staleness: int) -> float:
-        """What multiplies ``lr`` for a gradient ``staleness`` versions old."""
-        return 1.0 / max(1, staleness) if self.lr_staleness else 1.0
+    def lr_scale(self, staleness: int, version: int) -> float:
+        """What multiplies ``lr`` in the update from ``version`` of a gradient ``staleness`` versions old."""
+        scale = self.schedule.factor(version)
+        return scale / max(1, staleness) if self.lr_staleness else scale
 
     def weights(self, ring: WeightRing):
         """The weights the next update starts from (and a checkpoint holds)."""
@@ -130,11 +135,12 @@ class CompensatedUpdater(HostUpdater):
         arrays,
         *,
         lr_staleness: bool = False,
+        schedule: LrSchedule = CONSTANT,
         auto_momentum: _AutoMomentum | None = None,
         delay: DelayCompensation | None = None,
         dc_versions: int = 0,
     ):
-        super().__init__(optimizer, arrays, lr_staleness=lr_staleness)
+        super().__init__(optimizer, arrays, lr_staleness=lr_staleness, schedule=schedule)
         self.auto_momentum = auto_momentum
         self.delay = delay
         self.dc_versions = dc_versions
@@ -175,8 +181,16 @@ class DeviceUpdater(Updater):
     never the weights the next update starts from, the optimizer state, or a checkpoint.
     """
 
-    def __init__(self, optimizer, arrays, *, lr_staleness: bool = False, auto_momentum: _AutoMomentum | None = None):
-        super().__init__(optimizer, arrays, lr_staleness=lr_staleness)
+    def __init__(
+        self,
+        optimizer,
+        arrays,
+        *,
+        lr_staleness: bool = False,
+        schedule: LrSchedule = CONSTANT,
+        auto_momentum: _AutoMomentum | None = None,
+    ):
+        super().__init__(optimizer, arrays, lr_staleness=lr_staleness, schedule=schedule)
         self.auto_momentum = auto_momentum
         self.master = None
 
@@ -203,6 +217,7 @@ def make_updater(config, arrays, size: int, *, stale: bool, parts: Chunks, live_
     hparams = config.optimizer_hparams()
     check_settings(hparams)  # every setting, used or not, by the bounds the job check holds to
     lr_staleness = config.compensation == "lr"
+    schedule = config.schedule()
     auto = None
     key = config.momentum_key
     if config.async_momentum == "auto" and stale and getattr(config, key) > 0:
@@ -220,15 +235,16 @@ def make_updater(config, arrays, size: int, *, stale: bool, parts: Chunks, live_
             optimizer = make_device_optimizer(config.optimizer, size, **hparams)
             optimizer.warm_up()  # compiled now, not in a worker's first push
         arrays.warm_up()
-        return DeviceUpdater(optimizer, arrays, lr_staleness=lr_staleness, auto_momentum=auto)
+        return DeviceUpdater(optimizer, arrays, lr_staleness=lr_staleness, schedule=schedule, auto_momentum=auto)
     optimizer = make_optimizer(config.optimizer, size, chunks=parts, **hparams)
     if auto is None and not dc:
-        return HostUpdater(optimizer, arrays, lr_staleness=lr_staleness)
+        return HostUpdater(optimizer, arrays, lr_staleness=lr_staleness, schedule=schedule)
     delay = DelayCompensation(size, config.dc_lambda0, config.dc_beta) if dc else None
     return CompensatedUpdater(
         optimizer,
         arrays,
         lr_staleness=lr_staleness,
+        schedule=schedule,
         auto_momentum=auto,
         delay=delay,
         dc_versions=config.dc_versions if dc else 0,

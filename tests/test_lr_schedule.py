@@ -1,0 +1,201 @@
+"""The rate's schedule on the shards (kernels/schedule.py): its factors, the updates a shard applies, the job's length."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from psgrid.cluster.errors import ConfigError
+from psgrid.cluster.job.config import job_from_dict
+from psgrid.psserver.config import ServerConfig
+from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.kernels.schedule import LrSchedule
+from psgrid.psserver.protocol import Outcome
+from psgrid.psserver.spec import ModelSpec
+from psgrid.psserver.state.shard import Shard
+from tests.support import run_launch
+
+SPEC = ModelSpec([("w", (40,)), ("b", (3,))])
+LR = 0.5
+
+
+# ----- the factors -------------------------------------------------------------------------------
+
+
+def test_a_linear_schedule_warms_up_then_falls_to_zero_at_its_length_and_stays_there():
+    schedule = LrSchedule("linear", updates=10, warmup=0.2)  # 2 warm-up updates, then 8 to zero
+    factors = [schedule.factor(v) for v in range(13)]
+    expected = [0.5, 1.0] + [1 - k / 8 for k in range(8)] + [0.0, 0.0, 0.0]
+    assert factors == pytest.approx(expected, abs=1e-12)
+
+
+def test_a_cosine_schedule_is_half_way_at_its_middle_and_zero_at_its_end():
+    schedule = LrSchedule("cosine", updates=100)
+    assert schedule.factor(0) == 1.0
+    assert schedule.factor(50) == pytest.approx(0.5, abs=1e-12)
+    assert schedule.factor(25) == pytest.approx((1 + math.cos(math.pi / 4)) / 2, abs=1e-12)
+    assert schedule.factor(100) == pytest.approx(0.0, abs=1e-12) and schedule.factor(1000) == pytest.approx(0.0)
+    assert all(schedule.factor(v) >= schedule.factor(v + 1) for v in range(120))
+
+
+def test_a_constant_rate_with_a_warm_up_holds_lr_once_warm_and_without_one_is_always_lr():
+    warm = LrSchedule("constant", updates=40, warmup=0.1)
+    assert [warm.factor(v) for v in (0, 1, 3, 4, 5, 10**6)] == pytest.approx([0.25, 0.5, 1.0, 1.0, 1.0, 1.0])
+    assert {LrSchedule().factor(v) for v in range(50)} == {1.0}
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"lr_schedule": "step"}, "lr_schedule must be one of ('constant', 'linear', 'cosine'), got 'step'"),
+        ({"lr_warmup": 1.0}, "lr_warmup must be in [0, 1), got 1.0"),
+        ({"lr_updates": -1}, "lr_updates must be >= 0, got -1"),
+    ],
+)
+def test_bad_schedule_settings_are_refused_in_one_line(settings, message):
+    with pytest.raises(InvalidArgument) as err:
+        ServerConfig(**settings)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+# ----- a shard's updates ----------------------------------------------------------------------------
+
+
+def make_shard(**settings) -> Shard:
+    shard = Shard(ServerConfig(shared_memory=False, lr=LR, **settings))
+    shard.init(SPEC, np.random.default_rng(0).normal(size=SPEC.size).astype(np.float32))
+    return shard
+
+
+def push(shard: Shard, worker: int, clock: int, grad: np.ndarray) -> Outcome:
+    buf = shard.pool.take()
+    np.copyto(buf, grad)
+    result, kept = shard.push(worker, clock, shard.version, buf, 0)
+    if not kept:
+        shard.pool.give(buf)
+    return result.outcome
+
+
+def weights(shard: Shard) -> np.ndarray:
+    return shard.arrays.download(shard.weights).astype(np.float64)
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_each_update_of_a_stale_mode_takes_the_rate_of_the_version_it_starts_from(mode):
+    shard = make_shard(mode=mode, lr_schedule="linear", lr_updates=4)
+    shard.register(SPEC.hash(), 0, -1, "test")
+    schedule = LrSchedule("linear", 4)
+    rng = np.random.default_rng(1)
+    expected = weights(shard)
+    for clock in range(6):
+        assert shard.stats()["lr"] == pytest.approx(LR * schedule.factor(clock))
+        grad = rng.normal(size=SPEC.size).astype(np.float32)
+        assert push(shard, 0, clock, grad) is Outcome.APPLIED
+        expected -= LR * schedule.factor(clock) * grad
+        np.testing.assert_allclose(weights(shard), expected, rtol=0, atol=1e-5)
+    assert shard.version == 6 and shard.stats()["lr"] == 0.0  # past its length the rate stays at zero
+
+
+def test_a_sync_round_takes_the_rate_of_its_round():
+    shard = make_shard(mode="sync", lr_schedule="cosine", lr_updates=3, lr_warmup=0.34)  # 1 warm-up round
+    for worker in (0, 1):
+        shard.register(SPEC.hash(), worker, -1, "test")
+    schedule = LrSchedule("cosine", 3, 0.34)
+    rng = np.random.default_rng(2)
+    expected = weights(shard)
+    for round_ in range(4):
+        grads = [rng.normal(size=SPEC.size).astype(np.float32) for _ in range(2)]
+        for worker, grad in enumerate(grads):
+            push(shard, worker, round_, grad)
+        expected -= LR * schedule.factor(round_) * (grads[0].astype(np.float64) + grads[1]) / 2
+        np.testing.assert_allclose(weights(shard), expected, rtol=0, atol=1e-5)
+    assert shard.version == 4
+    assert [schedule.factor(r) for r in range(4)] == pytest.approx([1.0, 1.0, 0.5, 0.0], abs=1e-12)
+
+
+def test_a_restored_shard_goes_on_where_the_schedule_was(tmp_path):
+    settings = dict(mode="async", lr_schedule="linear", lr_updates=5, checkpoint_dir=str(tmp_path))
+    shard = make_shard(**settings)
+    shard.register(SPEC.hash(), 0, -1, "test")
+    rng = np.random.default_rng(3)
+    for clock in range(3):
+        push(shard, 0, clock, rng.normal(size=SPEC.size).astype(np.float32))
+    shard.checkpoint()  # version 3
+    restored = Shard(ServerConfig(shared_memory=False, lr=LR, **settings))
+    assert restored.version == 3 and restored.stats()["lr"] == pytest.approx(LR * 2 / 5)
+    before = weights(restored)
+    grad = rng.normal(size=SPEC.size).astype(np.float32)
+    assert push(restored, 0, 3, grad) is Outcome.APPLIED
+    np.testing.assert_allclose(weights(restored), before - LR * (2 / 5) * grad, rtol=0, atol=1e-5)
+
+
+def test_a_schedule_without_its_length_is_refused_at_init_and_changes_nothing():
+    shard = Shard(ServerConfig(shared_memory=False, lr_schedule="cosine"))
+    with pytest.raises(InvalidArgument) as err:
+        shard.init(SPEC, np.zeros(SPEC.size, np.float32))
+    assert "needs lr_updates" in str(err.value) and "\n" not in str(err.value)
+    assert not shard.initialized and shard.version == 0
+
+
+def test_psctl_server_refuses_a_schedule_without_its_length_in_one_line():
+    from psgrid.cluster.cli import build_parser
+    from psgrid.cluster.commands.server import server_config_from_args
+
+    with pytest.raises(ConfigError) as err:
+        server_config_from_args(build_parser().parse_args(["server", "--lr-schedule", "linear"]))
+    assert "--lr-updates" in str(err.value) and "\n" not in str(err.value)
+    given = server_config_from_args(
+        build_parser().parse_args(["server", "--lr-schedule", "linear", "--lr-updates", "9"])
+    )
+    assert given.schedule() == LrSchedule("linear", 9)
+
+
+# ----- the job's length ------------------------------------------------------------------------------
+
+
+def job(mode: str, **server):
+    return job_from_dict({"job": {"workers": 4}, "server": {"mode": mode, **server}, "train": {"steps": 100}})
+
+
+@pytest.mark.parametrize("mode, updates", [("sync", 100), ("async", 400), ("ssp", 400)])
+def test_a_job_gives_its_shards_the_updates_they_will_apply(mode, updates):
+    scheduled = job(mode, lr_schedule="cosine")
+    assert scheduled.schedule_updates() == updates
+    assert scheduled.server_config(0).lr_updates == updates
+    assert scheduled.scheduled().server.lr_updates == updates
+    assert job(mode, lr_schedule="cosine", lr_updates=77).server_config(0).lr_updates == 77  # the job's own
+    assert job(mode).server_config(0).lr_updates == 0  # a constant rate needs none
+
+
+def test_a_job_of_epochs_with_a_schedule_must_say_its_length():
+    with pytest.raises(ConfigError) as err:
+        job_from_dict({"server": {"lr_schedule": "linear"}, "train": {"epochs": 2}})
+    assert "set [server] lr_updates" in str(err.value) and "\n" not in str(err.value)
+    given = job_from_dict({"server": {"lr_schedule": "linear", "lr_updates": 50}, "train": {"epochs": 2}})
+    assert given.server_config(0).lr_updates == 50
+
+
+def test_psctl_launch_writes_the_length_and_the_rate_ends_at_zero(tmp_path):
+    code, text, out = run_launch(
+        tmp_path,
+        "--config",
+        "mnist",
+        "--mode",
+        "async",
+        "--workers",
+        "2",
+        "--set",
+        "steps=30",
+        "--set",
+        "lr_schedule=linear",
+        "--set",
+        "eval_every=0",
+    )
+    assert code == 0, text
+    assert "linear to 0 over 60 updates" in text  # the optimizer's line names the schedule
+    assert "lr_updates = 60" in (out / "job.toml").read_text()
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["lr"] for s in summary["shard_stats"]] == [0.0, 0.0]  # 60 updates applied: the rate reached zero
