@@ -118,8 +118,12 @@ def rows(models, steps: int, batch: int, shared: int, tmp: Path):
             "device": again["device"],
             "ratio": again["samples_per_s"] / alone["samples_per_s"],
         }
-    # The run the 3,310 samples/s of the host-side update came from: examples/synthetic-50m.toml, one rank.
-    job = apply_overrides(load_job("examples/synthetic-50m.toml"), {"steps": steps, "eval_every": 0, "device": "gpu"})
+    # The run the 3,310 samples/s of the host-side update came from: examples/synthetic-50m.toml, one rank, at the
+    # job's optimizer then (SGD lr 0.05; the job now runs Adam with a cosine rate).
+    job = apply_overrides(
+        load_job("examples/synthetic-50m.toml"),
+        {"steps": steps, "eval_every": 0, "device": "gpu", "optimizer": "sgd", "lr": 0.05, "lr_schedule": "constant"},
+    )
     r = allreduce(job, 1, tmp, ("--bind-to", "none"))
     yield {"model": "51.6M", "setting": "allreduce, 1 rank, synthetic-50m.toml, unbound", "ranks": 1, **r}
 
