@@ -17,6 +17,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 from psgrid.cluster.job.config import apply_overrides, load_job
+from psgrid.cluster.job.rate_schedule import scheduled
 from psgrid.psserver.server import serve
 from psgrid.worker.allreduce import AllreduceExchange
 from psgrid.worker.loop import build, make_admin, run_worker, train_loop
@@ -26,7 +27,8 @@ rank, world = comm.Get_rank(), comm.Get_size()
 job = apply_overrides(load_job("mnist"), {
     "mode": "sync", "shards": 2, "workers": world, "steps": int(sys.argv[2]), "batch_size": 32,
     "eval_every": 0, "optimizer": "sgd", "momentum": 0.9, "lr": 0.05, "seed": 7, "wire_dtype": sys.argv[3],
-    "lr_schedule": sys.argv[4]}).scheduled()
+    "lr_schedule": sys.argv[4]})
+job = scheduled(job)
 train = job.train
 xp, device, data, model = build(train, rank, world)
 init = model.spec.pack(model.init_params(train.seed, train.init_scale))

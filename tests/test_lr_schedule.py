@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from psgrid.cluster.errors import ConfigError
+from psgrid.cluster.job import rate_schedule
 from psgrid.cluster.job.config import job_from_dict
+from psgrid.cluster.job.rate_schedule import schedule_updates
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import InvalidArgument
 from psgrid.psserver.kernels.schedule import LrSchedule
@@ -163,9 +165,9 @@ def job(mode: str, **server):
 @pytest.mark.parametrize("mode, updates", [("sync", 100), ("async", 400), ("ssp", 400)])
 def test_a_job_gives_its_shards_the_updates_they_will_apply(mode, updates):
     scheduled = job(mode, lr_schedule="cosine")
-    assert scheduled.schedule_updates() == updates
+    assert schedule_updates(scheduled) == updates
     assert scheduled.server_config(0).lr_updates == updates
-    assert scheduled.scheduled().server.lr_updates == updates
+    assert rate_schedule.scheduled(scheduled).server.lr_updates == updates
     assert job(mode, lr_schedule="cosine", lr_updates=77).server_config(0).lr_updates == 77  # the job's own
     assert job(mode).server_config(0).lr_updates == 0  # a constant rate needs none
 

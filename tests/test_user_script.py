@@ -239,3 +239,19 @@ def test_mpi_tolerates_a_script_that_fails_while_another_completes(tmp_path):
     assert (failure["name"], failure["exit_code"], failure["tolerated"]) == ("worker 0", 3, True)
     assert summary["workers_completed"] == 1 and summary["worker_results"][0]["exit_code"] == 3
     assert "psctl mpi: worker 0 exited with code 3; the others go on" in err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_scripts_rate_runs_over_the_jobs_steps_and_psctl_says_so(tmp_path):
+    """The shards keep the schedule (the script's own scheduler cannot reach them); its length is the job's."""
+    code, text, out = run_launch(
+        tmp_path,
+        *("--workers", "2", "--mode", "async", "--set", "lr_schedule=linear", "--set", "steps=20", "--no-progress"),
+        *("--", "python", EXAMPLE, "--steps", "20", "--eval-every", "0"),
+    )
+    assert code == 0, text
+    assert "lr_schedule linear runs over 40 updates, from [train] steps = 20; a script that runs another" in text
+    summary = json.loads((out / "summary.json").read_text())
+    # 2 workers x 20 pushes, each an update in async: the rate reached zero with the last one
+    assert all(s["applied_updates"] == 40 and s["lr"] == 0.0 for s in summary["shard_stats"])

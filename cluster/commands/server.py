@@ -116,9 +116,9 @@ def _job_updates(path: str, config) -> int:
     import dataclasses
 
     from psgrid.cluster.job.config import load_job
+    from psgrid.cluster.job.rate_schedule import schedule_updates
 
-    job = load_job(path)
-    return dataclasses.replace(job, server=config).schedule_updates()
+    return schedule_updates(dataclasses.replace(load_job(path), server=config))
 
 
 def _valid(config, changes: dict) -> bool:

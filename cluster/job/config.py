@@ -46,6 +46,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 from psgrid.cluster.errors import ConfigError
 from psgrid.cluster.job.credentials import resolve_token
+from psgrid.cluster.job.rate_schedule import schedule_updates
 from psgrid.cluster.job.toml_writer import dump_toml
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.protocol import mode_rules
@@ -174,37 +175,13 @@ class JobConfig:
         """
         return dump_toml(self.public_dict())
 
-    def schedule_updates(self) -> int:
-        """The updates each shard applies in this job, the length of its rate's schedule (``lr_updates``).
-
-        The job's own where it sets ``lr_updates``; else one per round in sync ([train] steps), one per
-        push in async and ssp (workers x steps), so that every mode has the same rate at the same share
-        of the job's samples. 0 where the rate is constant.
-        """
-        server = self.server
-        if server.lr_updates or not (server.lr_schedule != "constant" or server.lr_warmup):
-            return server.lr_updates
-        if self.train.epochs:
-            raise ConfigError(
-                f"[server] lr_schedule = {server.lr_schedule!r} with [train] epochs: the steps depend on the data, "
-                "so set [server] lr_updates (the updates each shard applies)"
-            )
-        return self.train.steps * (1 if mode_rules(server.mode).accumulates else self.workers)
-
-    def scheduled(self) -> JobConfig:
-        """This job with ``lr_updates`` set where its rate's schedule needs it (:meth:`schedule_updates`)."""
-        updates = self.schedule_updates()
-        if updates == self.server.lr_updates:
-            return self
-        return dataclasses.replace(self, server=dataclasses.replace(self.server, lr_updates=updates))
-
     def server_config(self, shard_index: int, *, host: str | None = None, port: int = 0) -> ServerConfig:
         """The ServerConfig of shard ``shard_index`` of this job."""
         changes: dict[str, Any] = {
             "shard_index": shard_index,
             "num_shards": self.shards,
             "port": port,
-            "lr_updates": self.schedule_updates(),
+            "lr_updates": schedule_updates(self),
         }
         if host is not None:
             changes["host"] = host
@@ -538,7 +515,7 @@ def _check_job(job: JobConfig, where: str) -> None:
         )
     if job.train.epochs:
         try:
-            job.schedule_updates()
+            schedule_updates(job)
         except ConfigError as e:
             raise ConfigError(f"{where}: {e}") from None
     if mode_rules(job.server.mode).accumulates and job.train.pull_ahead:

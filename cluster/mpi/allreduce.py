@@ -24,6 +24,7 @@ from pathlib import Path
 
 from psgrid.cluster.errors import UsageError
 from psgrid.cluster.job.config import JobConfig, apply_overrides
+from psgrid.cluster.job.rate_schedule import scheduled
 from psgrid.cluster.job.records import write_job_file
 from psgrid.cluster.mpi.comm import abort
 from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
@@ -227,7 +228,7 @@ def _train(job: JobConfig, comm, metrics: Path):
     xp, device_name, data, model = build(train, rank, size)
     init = model.spec.pack(model.init_params(train.seed, train.init_scale))
     # One update a step, as a sync round: a rate's schedule runs over [train] steps.
-    synced = dataclasses.replace(job, server=dataclasses.replace(job.server, mode="sync")).scheduled()
+    synced = scheduled(dataclasses.replace(job, server=dataclasses.replace(job.server, mode="sync")))
     exchange = AllreduceExchange(comm, init, synced.server, train.wire_dtype, xp=xp)  # on a GPU: kept there
     if rank == 0 and exchange.on_device and usable_cpus() == 1 < (os.cpu_count() or 1):
         # Open MPI binds each rank to one core; a GPU worker's batch loader thread then shares it with the

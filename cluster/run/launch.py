@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from psgrid.cluster.errors import JobFailed
-from psgrid.cluster.job import credentials
+from psgrid.cluster.job import credentials, rate_schedule
 from psgrid.cluster.job.config import JobConfig
 from psgrid.cluster.job.memory import footprint
 from psgrid.cluster.job.outdir import lock
@@ -97,7 +97,9 @@ class Launcher:
         check_placement(job, launcher="psgrid.LocalCluster" if launcher == "local" else "psctl launch")
         job = credentials.secure(job)  # a token and a job id of its own, unless the job gives them
         job = with_shard_device(job)  # shard_device "auto" made "cpu" or "gpu" here; job.toml says which
-        job = job.scheduled()  # a rate's schedule gets its length in updates here; job.toml says it
+        scheduled = rate_schedule.scheduled(job)  # a rate's schedule gets its length in updates here; job.toml says it
+        self.schedule_derived = scheduled is not job
+        job = scheduled
         self.job = job
         self.resumed = resumed  # where each shard's checkpoint stood, when this run resumes a job
         self.out = out
@@ -463,9 +465,19 @@ class Launcher:
             file=sys.stderr,
             flush=True,
         )
-        note = mps_note(job)
-        if note:
-            print(f"psctl launch: {note}", file=sys.stderr, flush=True)
+        for note in (mps_note(job), self.schedule_note()):
+            if note:
+                print(f"psctl launch: {note}", file=sys.stderr, flush=True)
+
+    def schedule_note(self) -> str | None:
+        """A script's steps are its own: where the rate's length came from [train] steps, say so."""
+        server = self.job.server
+        if not (self.command and self.schedule_derived):
+            return None
+        return (
+            f"lr_schedule {server.lr_schedule} runs over {server.lr_updates} updates, from [train] steps = "
+            f"{self.job.train.steps}; a script that runs another number of steps sets lr_updates"
+        )
 
     def finish(self, run: JobRun) -> None:
         self.stop_watching()
