@@ -256,11 +256,8 @@ class ServerConfig:
             return ""
         over = f"over {self.lr_updates} updates" if self.lr_updates else "over the job's updates"
         shape = "constant" if self.lr_schedule == "constant" else f"{self.lr_schedule} to 0"
-        warm = (
-            f", warm-up {round(self.lr_warmup * self.lr_updates) or f'{self.lr_warmup:g} of them'}"
-            if self.lr_warmup
-            else ""
-        )
+        warmup = self.schedule().warmup_updates if self.lr_updates else f"{self.lr_warmup:g} of them"
+        warm = f", warm-up {warmup}" if self.lr_warmup else ""
         return f", {shape} {over}{warm}"
 
     @classmethod

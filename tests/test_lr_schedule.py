@@ -102,20 +102,25 @@ def test_each_update_of_a_stale_mode_takes_the_rate_of_the_version_it_starts_fro
 
 
 def test_a_sync_round_takes_the_rate_of_its_round():
-    shard = make_shard(mode="sync", lr_schedule="cosine", lr_updates=3, lr_warmup=0.34)  # 1 warm-up round
+    shard = make_shard(mode="sync", lr_schedule="cosine", lr_updates=4, lr_warmup=0.5)  # 2 warm-up rounds
     for worker in (0, 1):
         shard.register(SPEC.hash(), worker, -1, "test")
-    schedule = LrSchedule("cosine", 3, 0.34)
     rng = np.random.default_rng(2)
     expected = weights(shard)
-    for round_ in range(4):
+    for round_, factor in enumerate([0.5, 1.0, 1.0, 0.5]):  # warm-up, then cosine from 1 towards 0
+        assert shard.stats()["lr"] == pytest.approx(LR * factor)
         grads = [rng.normal(size=SPEC.size).astype(np.float32) for _ in range(2)]
         for worker, grad in enumerate(grads):
             push(shard, worker, round_, grad)
-        expected -= LR * schedule.factor(round_) * (grads[0].astype(np.float64) + grads[1]) / 2
+        expected -= LR * factor * (grads[0].astype(np.float64) + grads[1]) / 2
         np.testing.assert_allclose(weights(shard), expected, rtol=0, atol=1e-5)
-    assert shard.version == 4
-    assert [schedule.factor(r) for r in range(4)] == pytest.approx([1.0, 1.0, 0.5, 0.0], abs=1e-12)
+    assert shard.version == 4 and shard.stats()["lr"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_warm_up_that_would_fill_the_schedule_leaves_the_decay_one_update():
+    schedule = LrSchedule("linear", updates=2, warmup=0.9)  # round(1.8) = 2 = U: one is kept for the decay
+    assert schedule.warmup_updates == 1
+    assert [schedule.factor(v) for v in range(3)] == [1.0, 1.0, 0.0]
 
 
 def test_a_restored_shard_goes_on_where_the_schedule_was(tmp_path):
@@ -198,6 +203,55 @@ def test_psctl_launch_writes_the_length_and_the_rate_ends_at_zero(tmp_path):
     )
     assert code == 0, text
     assert "linear to 0 over 60 updates" in text  # the optimizer's line names the schedule
-    assert "lr_updates = 60" in (out / "job.toml").read_text()
+    # job.toml keeps the job's own lr_updates (none): each shard derives it, so a resume with other steps
+    # or workers, or the file reused with another mode, gets its own length
+    assert "lr_updates = 0" in (out / "job.toml").read_text()
     summary = json.loads((out / "summary.json").read_text())
     assert [s["lr"] for s in summary["shard_stats"]] == [0.0, 0.0]  # 60 updates applied: the rate reached zero
+
+
+def test_a_shard_started_from_a_job_file_derives_the_length_and_leaves_the_workers_keys_to_them(tmp_path):
+    from psgrid.cluster.cli import build_parser
+    from psgrid.cluster.commands.server import server_config_from_args
+
+    path = tmp_path / "job.toml"
+    # [train] modle: a typo that is the workers' to refuse, not the shard's
+    path.write_text(
+        '[job]\nworkers = 3\n[server]\nmode = "async"\nlr_schedule = "cosine"\n[train]\nsteps = 7\nmodle = "x"\n'
+    )
+    args = build_parser().parse_args(["server", "--config", str(path)])
+    assert server_config_from_args(args).lr_updates == 21  # 3 workers x 7 pushes
+    args = build_parser().parse_args(["server", "--config", str(path), "--mode", "sync"])
+    assert server_config_from_args(args).lr_updates == 7  # one update a round
+
+
+def test_with_host_aggregation_each_host_pushes_once_a_step():
+    hosted = job_from_dict(
+        {
+            "job": {"workers": 4},
+            "server": {"mode": "async", "lr_schedule": "linear"},
+            "train": {"steps": 10, "aggregate": "host"},
+        }
+    )
+    assert schedule_updates(hosted) == 10  # one host (psctl launch): its leader's pushes
+    assert schedule_updates(hosted, hosts=3) == 30  # psctl mpi over three nodes with workers
+
+
+def test_a_mode_table_with_a_schedule_is_checked_with_the_job_before_anything_runs():
+    with pytest.raises(ConfigError) as err:
+        job_from_dict({"train": {"epochs": 2}, "async": {"lr_schedule": "cosine"}})
+    assert "[async]" in str(err.value) and "set [server] lr_updates" in str(err.value) and "\n" not in str(err.value)
+    assert (
+        job_from_dict({"train": {"epochs": 2}, "async": {"lr_schedule": "cosine", "lr_updates": 9}}).server.lr_schedule
+        == "constant"
+    )
+
+
+def test_the_note_says_where_a_derived_length_came_from():
+    derived = job("async", lr_schedule="cosine")
+    assert rate_schedule.derived_note(derived) == (
+        "lr_schedule cosine runs over 400 updates, from [train] steps = 100; a script that runs another number "
+        "of steps sets lr_updates"
+    )
+    assert rate_schedule.derived_note(job("async", lr_schedule="cosine", lr_updates=5)) is None
+    assert rate_schedule.derived_note(job("async")) is None

@@ -67,6 +67,7 @@ def server_config_from_args(args: argparse.Namespace):
 
     from psgrid.cluster.errors import ConfigError
     from psgrid.cluster.job.config import file_choices, load_shard_settings, parse_assignment, route
+    from psgrid.cluster.job.rate_schedule import changes_rate, updates_in_file
     from psgrid.psserver.config import ServerConfig
     from psgrid.psserver.security import job_token
 
@@ -98,9 +99,9 @@ def server_config_from_args(args: argparse.Namespace):
         table = {k: v for k, v in table.items() if k not in given | set(changes)}
         config = _replaced(config, table, f"{args.config}: [{config.mode}]")
     check_files(config, ("tls_cert", "tls_key", "tls_ca"))
-    if config.lr_schedule != "constant" or config.lr_warmup:
+    if changes_rate(config):
         if not config.lr_updates and args.config:  # the job file says how many updates its shards apply
-            config = dataclasses.replace(config, lr_updates=_job_updates(args.config, config))
+            config = dataclasses.replace(config, lr_updates=updates_in_file(args.config, config))
         if not config.lr_updates:
             raise ConfigError(
                 f"lr_schedule {config.lr_schedule} (lr_warmup {config.lr_warmup:g}) needs --lr-updates, the "
@@ -109,16 +110,6 @@ def server_config_from_args(args: argparse.Namespace):
     # With no token given (flag, --set or job file), the environment's: a shard started by hand with
     # PSGRID_TOKEN set must not take calls without it.
     return dataclasses.replace(config, token=job_token(config.token))
-
-
-def _job_updates(path: str, config) -> int:
-    """What a job file's shards apply in all (JobConfig.schedule_updates), in the mode this shard serves."""
-    import dataclasses
-
-    from psgrid.cluster.job.config import load_job
-    from psgrid.cluster.job.rate_schedule import schedule_updates
-
-    return schedule_updates(dataclasses.replace(load_job(path), server=config))
 
 
 def _valid(config, changes: dict) -> bool:

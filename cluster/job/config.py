@@ -177,12 +177,8 @@ class JobConfig:
 
     def server_config(self, shard_index: int, *, host: str | None = None, port: int = 0) -> ServerConfig:
         """The ServerConfig of shard ``shard_index`` of this job."""
-        changes: dict[str, Any] = {
-            "shard_index": shard_index,
-            "num_shards": self.shards,
-            "port": port,
-            "lr_updates": schedule_updates(self),
-        }
+        changes: dict[str, Any] = {"shard_index": shard_index, "num_shards": self.shards, "port": port}
+        changes["lr_updates"] = schedule_updates(self)
         if host is not None:
             changes["host"] = host
         if self.server.metrics_port:
@@ -295,7 +291,7 @@ def example_names() -> list[str]:
     return sorted(p.stem for p in EXAMPLES_DIR.glob("*.toml"))
 
 
-def _read(spec: str | Path) -> tuple[Path, dict]:
+def read_job_file(spec: str | Path) -> tuple[Path, dict]:
     path = resolve_config_path(spec)
     try:
         return path, tomllib.loads(path.read_text())
@@ -311,7 +307,7 @@ def load_job(spec: str | Path, *, redacted_ok: bool = False) -> JobConfig:
     A redacted token is taken from the environment (cluster/job/credentials.py); with
     ``redacted_ok`` and none there, the job has no token (its launcher makes a new one).
     """
-    path, data = _read(spec)
+    path, data = read_job_file(spec)
     job = job_from_dict(data, source=str(path), redacted_ok=redacted_ok)
     if "name" not in data and "name" not in data.get("job", {}):
         job.name = path.stem
@@ -324,7 +320,7 @@ def load_shard_settings(spec: str | Path) -> tuple[ServerConfig, int]:
     Read as :func:`load_job` reads the whole file, but the workers' part ([train] and their
     top-level keys) is theirs to check: a shard never loads the worker package.
     """
-    path, data = _read(spec)
+    path, data = read_job_file(spec)
     where = str(path)
     mode_tables(data, where)
     typed = _typed(_tables(data, where, SHARD_SECTIONS), where)
@@ -336,8 +332,13 @@ def load_shard_settings(spec: str | Path) -> tuple[ServerConfig, int]:
 def job_from_dict(data: Mapping[str, Any], source: str | None = None, *, redacted_ok: bool = False) -> JobConfig:
     """Build a JobConfig from a parsed job file (tables and top-level keys, see the module doc)."""
     where = source or "job"
-    mode_tables(data, where)  # checked with the rest, though applied only once the mode is known
-    return _build(_tables(data, where, SECTIONS), where, redacted_ok=redacted_ok)
+    tables = mode_tables(data, where)  # checked with the rest, though applied only once the mode is known
+    job = _build(_tables(data, where, SECTIONS), where, redacted_ok=redacted_ok)
+    for mode, table in tables.items():  # a mode's rate schedule needs its length as the job's does
+        if {"lr_schedule", "lr_warmup", "lr_updates"} & set(table):
+            server = dataclasses.replace(job.server, mode=mode, **table)
+            _check_job(dataclasses.replace(job, server=server), f"{where} [{mode}]")
+    return job
 
 
 def mode_tables(data: Mapping[str, Any], where: str) -> dict[str, dict[str, Any]]:
@@ -377,7 +378,7 @@ def mode_tables(data: Mapping[str, Any], where: str) -> dict[str, dict[str, Any]
 def file_choices(spec: str | Path) -> tuple[set[str], dict[str, dict[str, Any]]]:
     """What job file ``spec`` chooses for the shards, in one read: the [server] keys it gives (in [server] or
     at the top level), and its modes' tables (:func:`mode_tables`, checked)."""
-    path, data = _read(spec)
+    path, data = read_job_file(spec)
     # SHARD_SECTIONS: a shard (psctl server) reads this too, and never loads the workers' settings
     return set(_tables(data, str(path), SHARD_SECTIONS)["server"]), mode_tables(data, str(path))
 

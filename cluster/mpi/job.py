@@ -29,12 +29,13 @@ from pathlib import Path
 from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.job import credentials, memory
 from psgrid.cluster.job.config import JobConfig, apply_overrides
+from psgrid.cluster.job.rate_schedule import scheduled
 from psgrid.cluster.job.records import write_job_file
 from psgrid.cluster.job.shard_device import resolve_shard_device
 from psgrid.cluster.mpi import report as mpi_report
 from psgrid.cluster.mpi.comm import abort, wait_request
 from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
-from psgrid.cluster.mpi.placement import SERVER, WORKER, Placement, PlacementError, Role, place
+from psgrid.cluster.mpi.placement import SERVER, WORKER, Placement, PlacementError, Role, place, worker_hosts
 from psgrid.cluster.mpi.rank_zero import TAG_DONE, RankZero
 from psgrid.cluster.run import coordinator as co
 from psgrid.cluster.run import preflight
@@ -275,7 +276,9 @@ class MPIJob:
         from psgrid.psserver.server import serve
 
         bind, advertise = bind_and_advertise(self.host, self.iface, single_node)
-        config = self.job.server_config(self.index, host=bind, port=0)
+        # a rate schedule's length needs the hosts (aggregate = "host"): known here, from the placement
+        job = scheduled(self.job, hosts=worker_hosts(self.placement))
+        config = job.server_config(self.index, host=bind, port=0)
         config.shard_device = resolve_shard_device(config, self.job.train)  # for this node's workers
         running = serve(config)
         address = f"{advertise}:{running.port}"

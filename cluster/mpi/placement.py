@@ -270,6 +270,11 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'s' * (n != 1)}"
 
 
+def worker_hosts(placement: Placement) -> int:
+    """The nodes that have workers: one aggregator each under ``aggregate = "host"``."""
+    return len({role.node for role in placement.roles if role.kind == WORKER})
+
+
 def host_group(placement: Placement, rank: int) -> tuple[int, int, int, int, int]:
     """``(host, hosts, local, size, world)`` of worker rank ``rank`` for ``aggregate = "host"``: its node among
     the nodes that have workers, its local rank there (0: the node's aggregator), the node's workers, all."""

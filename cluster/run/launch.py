@@ -97,9 +97,7 @@ class Launcher:
         check_placement(job, launcher="psgrid.LocalCluster" if launcher == "local" else "psctl launch")
         job = credentials.secure(job)  # a token and a job id of its own, unless the job gives them
         job = with_shard_device(job)  # shard_device "auto" made "cpu" or "gpu" here; job.toml says which
-        scheduled = rate_schedule.scheduled(job)  # a rate's schedule gets its length in updates here; job.toml says it
-        self.schedule_derived = scheduled is not job
-        job = scheduled
+        rate_schedule.schedule_updates(job)  # refused here where it cannot be derived; each shard derives it
         self.job = job
         self.resumed = resumed  # where each shard's checkpoint stood, when this run resumes a job
         self.out = out
@@ -460,24 +458,16 @@ class Launcher:
         print(
             f"psctl launch: {job.shards} {job.server.shard_device.upper()} shard(s) at "
             f"{','.join(self.addresses)}{metrics}{placed} applying "
-            f"{job.server.describe_optimizer()}; starting {job.workers} worker(s){model}; logs in "
+            f"{rate_schedule.scheduled(job).server.describe_optimizer()}; starting {job.workers} worker(s){model}; "
+            f"logs in "
             f"{self.out / 'logs'}",
             file=sys.stderr,
             flush=True,
         )
-        for note in (mps_note(job), self.schedule_note()):
+        # a script's steps are its own: say where the rate schedule's length came from
+        for note in (mps_note(job), self.command and rate_schedule.derived_note(job)):
             if note:
                 print(f"psctl launch: {note}", file=sys.stderr, flush=True)
-
-    def schedule_note(self) -> str | None:
-        """A script's steps are its own: where the rate's length came from [train] steps, say so."""
-        server = self.job.server
-        if not (self.command and self.schedule_derived):
-            return None
-        return (
-            f"lr_schedule {server.lr_schedule} runs over {server.lr_updates} updates, from [train] steps = "
-            f"{self.job.train.steps}; a script that runs another number of steps sets lr_updates"
-        )
 
     def finish(self, run: JobRun) -> None:
         self.stop_watching()

@@ -29,6 +29,7 @@ import weakref
 from pathlib import Path
 
 from psgrid.cluster.errors import ConfigError
+from psgrid.cluster.job import rate_schedule
 from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
 from psgrid.cluster.job.mode_defaults import note as mode_note
 from psgrid.cluster.job.mode_defaults import with_mode_defaults
@@ -87,6 +88,8 @@ class LocalCluster:
         job, added = with_mode_defaults(job, {key.rpartition(".")[2] for key in settings}, config)
         if line := mode_note(job, added, "psgrid.LocalCluster"):
             print(line, file=sys.stderr, flush=True)
+        if (not workers or command is not None) and (line := rate_schedule.derived_note(job)):
+            print(f"psgrid.LocalCluster: {line}", file=sys.stderr, flush=True)  # the program's steps are its own
         check_placement(job, launcher="psgrid.LocalCluster")  # its sessions host no shard
         check_mps(job, launcher="psgrid.LocalCluster")  # its program's process chose its GPU context already
         # Device shards that cannot fit are refused before anything starts; without background workers

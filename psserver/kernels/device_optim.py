@@ -111,7 +111,7 @@ class DeviceOptimizer:
         weights, grad : cupy.ndarray
             1-D float32 device arrays of length ``size``.
         lr_scale : float, optional
-            Multiplies ``lr`` for this step only. Finite and > 0.
+            Multiplies ``lr`` for this step only. Finite and >= 0.
         out : cupy.ndarray, optional
             Where the updated weights go (``weights`` itself by default).
         check_finite : bool, optional

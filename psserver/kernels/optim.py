@@ -155,7 +155,7 @@ class Optimizer:
         weights, grad : numpy.ndarray
             1-D float32 arrays of length ``size``.
         lr_scale : float, optional
-            Multiplies ``lr`` for this step only (staleness-aware scaling). Finite and > 0.
+            Multiplies ``lr`` for this step only (the schedule, staleness-aware scaling). Finite and >= 0.
         out : numpy.ndarray, optional
             Where the updated weights go (``weights`` itself by default). A shard writes each
             version into a buffer of its own (weight_ring.py), so readers of the previous one

@@ -8,7 +8,7 @@ from the job (``[train] steps`` in sync, workers x steps in async and ssp), so e
 same rate at the same share of the job's samples.
 
 The factor at version ``v`` (the update that makes version v + 1), with ``U = lr_updates`` and
-``K = round(lr_warmup * U)`` warm-up updates::
+``K = round(lr_warmup * U)`` warm-up updates (at most U - 1 with a decay)::
 
     v < K:       (v + 1) / K                                 (linear warm-up from lr / K to lr)
     after, with p = min(1, (v - K) / (U - K)):
@@ -68,7 +68,9 @@ class LrSchedule:
 
     @property
     def warmup_updates(self) -> int:
-        return round(self.warmup * self.updates)
+        """K: at most U - 1 where the rate decays, so that a decay always has an update to run over."""
+        warm = round(self.warmup * self.updates)
+        return min(warm, self.updates - 1) if self.kind != "constant" else warm
 
     def factor(self, version: int) -> float:
         """What multiplies ``lr`` in the update that makes version ``version + 1``."""
