@@ -13,8 +13,10 @@ import sys
 import time
 
 from psgrid.cluster.errors import JobFailed
+from psgrid.cluster.job.rate_schedule import derived_note, scheduled
 from psgrid.cluster.mpi import report as mpi_report
 from psgrid.cluster.mpi.comm import POLL_S
+from psgrid.cluster.mpi.placement import worker_hosts
 from psgrid.cluster.run import script as user_script
 from psgrid.cluster.run.jobrun import JobRun
 
@@ -32,13 +34,15 @@ class RankZero:
         part, job = self.part, self.part.job
         run.event("shards_ready", addresses=part.addresses)
         model = f" of {part.model}" if part.model else ""  # a script's model is its own
+        applied = scheduled(job, hosts=worker_hosts(part.placement)).server.describe_optimizer()  # the shards' length
         print(
             f"psctl mpi: {part.size} ranks: coordinator on {part.hostname}, {job.shards} shard(s) at "
-            f"{','.join(part.addresses)} applying {job.server.describe_optimizer()}, {job.workers} worker(s)"
-            f"{model}; output in {part.out}",
+            f"{','.join(part.addresses)} applying {applied}, {job.workers} worker(s){model}; output in {part.out}",
             file=sys.stderr,
             flush=True,
         )
+        if part.command and (note := derived_note(job)):  # a script's steps are its own
+            print(f"psctl mpi: {note}", file=sys.stderr, flush=True)
         for r in range(job.workers):
             run.tail.add(part.out / "metrics" / f"worker-{r}.jsonl")
 
