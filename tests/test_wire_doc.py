@@ -373,9 +373,13 @@ def test_each_update_vector_is_the_pages_formula_and_the_host_optimizer(name):
         assert not np.array_equal(rows["other"], expected[0])
 
 
+SHARD_KEYS = ("staleness_compensation", "lr_schedule", "lr_updates", "lr_warmup")  # a vector's settings a shard takes
+
+
 def a_shard(settings: dict, size: int):
     """A shard of its own (gRPC only) with these settings, and its data path; stopped by the caller."""
     config = dict(hparams(settings), optimizer=settings["optimizer"], mode=settings.get("mode", "async"))
+    config |= {key: settings[key] for key in SHARD_KEYS if key in settings}
     server = serve(ServerConfig(host="127.0.0.1", port=0, data_plane="grpc", shared_memory=False, **config))
     return server, server.service
 
@@ -418,18 +422,7 @@ def test_a_shard_applies_each_update_vector_bit_for_bit(name, no_leaks):
 def test_a_shard_takes_the_schedules_rate_at_its_version_as_the_page_says(no_leaks):
     """lr_schedule = "cosine": the update from version 2 of 4 (one warm-up) takes lr_eff = lr × 0.75, rounded once."""
     settings, rows = ARITHMETIC["SGD-SCHEDULE"]
-    keys = ("lr", "lr_schedule", "lr_updates", "lr_warmup")
-    server = serve(
-        ServerConfig(
-            host="127.0.0.1",
-            port=0,
-            data_plane="grpc",
-            shared_memory=False,
-            mode="async",
-            optimizer="sgd",
-            **{key: settings[key] for key in keys},
-        )
-    )
+    server, _ = a_shard(settings, len(rows["w0"]))
     try:
         (worker,) = start(server.service, rows["w0"], 1)
         zero = np.zeros_like(rows["w0"])
@@ -439,9 +432,7 @@ def test_a_shard_takes_the_schedules_rate_at_its_version_as_the_page_says(no_lea
         version = settings["version"]
         server.service.push(worker_id=worker, clock=version, version=version, source=CallerArray(rows["grad1"].copy()))
         np.testing.assert_array_equal(weights(server.service).view(np.uint32), rows["w1"].view(np.uint32))
-        assert server.service.stats()["lr"] == pytest.approx(
-            settings["lr"] * 0.25
-        )  # from version 3: (1 + cos 2π/3) / 2
+        assert server.service.stats()["lr"] == pytest.approx(settings["lr"] * 0.25)  # from 3: (1 + cos 2π/3) / 2
     finally:
         server.stop(grace=0)
 
@@ -450,18 +441,7 @@ def test_a_shard_takes_the_schedules_rate_at_its_version_as_the_page_says(no_lea
 def test_a_shard_scales_a_stale_step_as_the_page_says(no_leaks):
     """staleness_compensation = "lr": a push two versions stale takes lr_eff = lr × 1/2, rounded once."""
     settings, rows = ARITHMETIC["SGD-STALE"]
-    server = serve(
-        ServerConfig(
-            host="127.0.0.1",
-            port=0,
-            data_plane="grpc",
-            shared_memory=False,
-            mode="async",
-            optimizer="sgd",
-            lr=settings["lr"],
-            staleness_compensation="lr",
-        )
-    )
+    server, _ = a_shard(settings, len(rows["w0"]))
     try:
         service = server.service
         fresh, stale = start(service, rows["w0"], 2)
