@@ -54,26 +54,15 @@ class Updater:
         ``staleness_compensation = "lr"``: scale each step by 1/max(1, staleness).
     schedule : LrSchedule
         The rate over the shard's updates (kernels/schedule.py).
-    auto_momentum : _AutoMomentum, optional
-        ``async_momentum = "auto"``: the optimizer's momentum set from the live workers before each step.
     """
 
     keep_versions = 0  # past versions the ring keeps for the update to read (dc)
 
-    def __init__(
-        self,
-        optimizer,
-        arrays,
-        *,
-        lr_staleness: bool = False,
-        schedule: LrSchedule = CONSTANT,
-        auto_momentum: _AutoMomentum | None = None,
-    ):
+    def __init__(self, optimizer, arrays, *, lr_staleness: bool = False, schedule: LrSchedule = CONSTANT):
         self.optimizer = optimizer
         self.arrays = arrays
         self.lr_staleness = lr_staleness
         self.schedule = schedule
-        self.auto_momentum = auto_momentum
 
     def lr_scale(self, staleness: int, version: int) -> float:
         """What multiplies ``lr`` in the update from ``version`` of a gradient ``staleness`` versions old."""
@@ -98,8 +87,6 @@ class Updater:
         ``check_finite`` refuses a gradient with NaN or infinity, changing no state (InvalidArgument).
         """
         with self.arrays.use():
-            if self.auto_momentum is not None:
-                self.auto_momentum.tune(self.optimizer)
             self._step(ring, step, grad, lr_scale, check_finite)
             self.arrays.finished()  # written before it is published: readers elsewhere copy it at once
 
@@ -142,8 +129,19 @@ class _AutoMomentum:
 class CompensatedUpdater(HostUpdater):
     """A host update with a staleness remedy: auto momentum, delay compensation (dc), or both."""
 
-    def __init__(self, optimizer, arrays, *, delay: DelayCompensation | None = None, dc_versions: int = 0, **common):
-        super().__init__(optimizer, arrays, **common)  # lr_staleness, schedule, auto_momentum
+    def __init__(
+        self,
+        optimizer,
+        arrays,
+        *,
+        lr_staleness: bool = False,
+        schedule: LrSchedule = CONSTANT,
+        auto_momentum: _AutoMomentum | None = None,
+        delay: DelayCompensation | None = None,
+        dc_versions: int = 0,
+    ):
+        super().__init__(optimizer, arrays, lr_staleness=lr_staleness, schedule=schedule)
+        self.auto_momentum = auto_momentum
         self.delay = delay
         self.dc_versions = dc_versions
         self.keep_versions = dc_versions if delay is not None else 0
@@ -156,6 +154,8 @@ class CompensatedUpdater(HostUpdater):
         return Step(ring.current, ring.spare_keeping(pulled, version - self.dc_versions + 1), pulled)
 
     def _step(self, ring: WeightRing, step: Step, grad, lr_scale: float, check_finite: bool) -> None:
+        if self.auto_momentum is not None:
+            self.auto_momentum.tune(self.optimizer)
         if self.delay is None:
             super()._step(ring, step, grad, lr_scale, check_finite)
             return
@@ -181,8 +181,17 @@ class DeviceUpdater(Updater):
     never the weights the next update starts from, the optimizer state, or a checkpoint.
     """
 
-    def __init__(self, optimizer, arrays, **common):
-        super().__init__(optimizer, arrays, **common)  # lr_staleness, schedule, auto_momentum
+    def __init__(
+        self,
+        optimizer,
+        arrays,
+        *,
+        lr_staleness: bool = False,
+        schedule: LrSchedule = CONSTANT,
+        auto_momentum: _AutoMomentum | None = None,
+    ):
+        super().__init__(optimizer, arrays, lr_staleness=lr_staleness, schedule=schedule)
+        self.auto_momentum = auto_momentum
         self.master = None
 
     def weights(self, ring: WeightRing):
@@ -193,6 +202,8 @@ class DeviceUpdater(Updater):
         return self.master
 
     def _step(self, ring: WeightRing, step: Step, grad, lr_scale: float, check_finite: bool) -> None:
+        if self.auto_momentum is not None:
+            self.auto_momentum.tune(self.optimizer)
         # The published copy is written in the update's own pass (the next weights go to both buffers).
         self.optimizer.step(self.master, grad, lr_scale, check_finite=check_finite, publish=ring.arrays[step.target])
 
@@ -205,11 +216,12 @@ def make_updater(config, arrays, size: int, *, stale: bool, parts: Chunks, live_
     """
     hparams = config.optimizer_hparams()
     check_settings(hparams)  # every setting, used or not, by the bounds the job check holds to
+    lr_staleness = config.compensation == "lr"
+    schedule = config.schedule()
     auto = None
     key = config.momentum_key
     if config.async_momentum == "auto" and stale and getattr(config, key) > 0:
         auto = _AutoMomentum(getattr(config, key), live_workers, key)
-    common = dict(lr_staleness=config.compensation == "lr", schedule=config.schedule(), auto_momentum=auto)
     dc = config.compensation == "dc" and stale
     if arrays.on_gpu:
         if dc:
@@ -223,9 +235,17 @@ def make_updater(config, arrays, size: int, *, stale: bool, parts: Chunks, live_
             optimizer = make_device_optimizer(config.optimizer, size, **hparams)
             optimizer.warm_up()  # compiled now, not in a worker's first push
         arrays.warm_up()
-        return DeviceUpdater(optimizer, arrays, **common)
+        return DeviceUpdater(optimizer, arrays, lr_staleness=lr_staleness, schedule=schedule, auto_momentum=auto)
     optimizer = make_optimizer(config.optimizer, size, chunks=parts, **hparams)
     if auto is None and not dc:
-        return HostUpdater(optimizer, arrays, **common)
+        return HostUpdater(optimizer, arrays, lr_staleness=lr_staleness, schedule=schedule)
     delay = DelayCompensation(size, config.dc_lambda0, config.dc_beta) if dc else None
-    return CompensatedUpdater(optimizer, arrays, delay=delay, dc_versions=config.dc_versions if dc else 0, **common)
+    return CompensatedUpdater(
+        optimizer,
+        arrays,
+        lr_staleness=lr_staleness,
+        schedule=schedule,
+        auto_momentum=auto,
+        delay=delay,
+        dc_versions=config.dc_versions if dc else 0,
+    )
