@@ -63,8 +63,22 @@ def launch(config: str, mode: str, workers: int, seed: int, sets: list[str], out
         samples_per_s=round(s.get("samples_per_s") or 0),
         mean_staleness=round(statistics.mean(staleness), 2) if staleness else None,
         momentum=stats[0].get("momentum") if stats else None,
+        curve=eval_curve(out / "metrics.jsonl"),
     )
     return row
+
+
+def eval_curve(metrics: Path) -> str:
+    """Rank 0's test accuracy at each evaluation, in order ("step:accuracy ..."): how a run got where it ended."""
+    points = []
+    try:
+        for line in metrics.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("event") == "eval" and record.get("rank", 0) == 0:
+                points.append(f"{record['step']}:{record['test_accuracy']:.3f}")
+    except (OSError, ValueError, KeyError):
+        pass
+    return " ".join(points)
 
 
 def main() -> None:
