@@ -205,3 +205,17 @@ def test_two_ranks_on_gpus_train_and_say_how_they_sum(tmp_path):
     else:
         assert "NCCL needs" not in err
     assert summary["steps"] == 120 and summary["test_accuracy"] > 0.5
+
+
+def test_the_baselines_rate_schedule_runs_over_the_jobs_steps_whatever_mode_the_file_names():
+    from psgrid.cluster.job.config import apply_overrides, load_job
+    from psgrid.cluster.mpi.allreduce import allreduce_server
+
+    job = apply_overrides(load_job("mnist"), {"mode": "async", "workers": 4, "steps": 50, "lr_schedule": "cosine"})
+    server = allreduce_server(job)
+    # one Allreduce a step: 50 updates, not the 4 x 50 pushes the file's async would make
+    assert (server.lr_updates, server.mode) == (50, "sync")
+    assert server.schedule().factor(49) > 0 and server.schedule().factor(50) == 0
+    # a length the job sets is kept
+    fixed = apply_overrides(job, {"lr_updates": 80})
+    assert allreduce_server(fixed).lr_updates == 80

@@ -216,6 +216,14 @@ def _shared_out(job: JobConfig, comm) -> Path | None:
     return Path(out)
 
 
+def allreduce_server(job: JobConfig):
+    """The settings of the baseline's update: the job's server, with one update a step as in a sync round.
+
+    So a rate's schedule runs over ``[train] steps``, whatever mode the job file names.
+    """
+    return scheduled(dataclasses.replace(job, server=dataclasses.replace(job.server, mode="sync"))).server
+
+
 def _train(job: JobConfig, comm, metrics: Path):
     """This rank's part of the training, gradients averaged by Allreduce; returns the exchange and the result."""
     from psgrid.worker.allreduce import AllreduceExchange
@@ -227,9 +235,7 @@ def _train(job: JobConfig, comm, metrics: Path):
     os.environ.setdefault("LOCAL_RANK", str(rank))
     xp, device_name, data, model = build(train, rank, size)
     init = model.spec.pack(model.init_params(train.seed, train.init_scale))
-    # One update a step, as a sync round: a rate's schedule runs over [train] steps.
-    synced = scheduled(dataclasses.replace(job, server=dataclasses.replace(job.server, mode="sync")))
-    exchange = AllreduceExchange(comm, init, synced.server, train.wire_dtype, xp=xp)  # on a GPU: kept there
+    exchange = AllreduceExchange(comm, init, allreduce_server(job), train.wire_dtype, xp=xp)  # on a GPU: kept there
     if rank == 0 and exchange.on_device and usable_cpus() == 1 < (os.cpu_count() or 1):
         # Open MPI binds each rank to one core; a GPU worker's batch loader thread then shares it with the
         # loop (20M MLP on an H100: 165,653 samples/s bound, 226,828 not; docs/performance.md).
