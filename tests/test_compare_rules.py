@@ -547,3 +547,28 @@ def test_a_job_files_stragglers_are_compared_unless_told_otherwise_and_a_count_t
         "give --stragglers none to compare without them, or --stragglers with ranks below 2\n"
     )
     assert not (tmp_path / "cmp").exists()
+
+
+def test_a_shorter_tuning_runs_rate_schedule_runs_over_its_own_updates(tmp_path):
+    from psgrid.cluster.job.config import apply_overrides
+    from psgrid.cluster.job.rate_schedule import scheduled
+
+    # a job of epochs sets its schedule's length by hand; a tuning run of 30 steps must not inherit it
+    job = apply_overrides(mnist(), {"lr_schedule": "cosine", "lr_updates": 5000})
+    settings = settings_for(
+        job,
+        command=[],
+        modes=parse_modes("sync,async"),
+        workers=[2],
+        stragglers=["none"],
+        repeats=1,
+        target=None,
+        backup_workers=None,
+        tune={"lr": [0.05, 0.1]},
+        tune_steps=30,
+        seeds=[0],
+    )
+    x = experiment_from(job, settings, tmp_path)
+    lengths = {r.mode.label: scheduled(x.run_job(r)).server.lr_updates for r in x.tune_runs}
+    assert lengths == {"sync": 30, "async": 60}  # one update a round; one a push of each of 2 workers
+    assert {scheduled(x.run_job(r)).server.lr_updates for r in x.repeat_runs({})} == {5000}

@@ -140,7 +140,9 @@ class Experiment:
         if run.seed is not None:
             overrides["seed"] = run.seed
         if run.phase == TUNE and self.tune_steps:
-            overrides.update({"train.steps": self.tune_steps, "train.epochs": 0})
+            # A shorter run's rate schedule runs over its own updates (derived from its steps), as the full
+            # run's does over the job's: a length the job set would leave a tuning run at nearly full rate.
+            overrides.update({"train.steps": self.tune_steps, "train.epochs": 0, "lr_updates": 0})
         return apply_overrides(self.job, overrides)
 
     def finished(self, run: Run) -> bool:
