@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from psgrid.psserver.state.checkpoint_files import load_meta, shard_dir
 from tests.support import ROOT, Launch, alive, child_pids, launch_env, steps_seen
 
 BASE = ["--config", "mnist", "--eval-every", "0", "--no-progress", "--lease-s", "2"]
@@ -185,11 +186,20 @@ def test_a_stopped_job_of_hosting_workers_resumes_from_the_checkpoints_they_wrot
         # and neither kept another: each resumes at its latest, which the launcher says in one line.
         assert "The shards stopped rounds apart and cannot resume at one round" in text, text
     assert all(s["min_clock"] == steps for s in summary["shard_stats"])
+
     # Only what was left: a worker goes on from the earliest clock a shard has for it: the slowest shard's
     # round, or the round after where that shard's checkpoint holds the worker's push of the open round
-    # (seen once). With lease_s = 2 the other worker may join a few rounds later, moved to the round then
-    # open, as with shard processes: the one that joined first makes all that was left to it.
-    start = {rank: min(c["clocks"].get(str(rank), c["closed_rounds"]) for c in summary["resumed"]) for rank in (0, 1)}
+    # (seen once), also where the worker had left before the checkpoint (its departed clock: a shard never
+    # takes the same clock twice; seen once). With lease_s = 2 the other worker may join a few rounds later,
+    # moved to the round then open, as with shard processes: the one that joined first makes all that was
+    # left to it.
+    def clock_on(restored: dict, rank: int) -> int:
+        meta = load_meta(shard_dir(tmp_path / "ckpt", restored["shard"], 2) / restored["file"])
+        if str(rank) in meta["clocks"]:
+            return meta["clocks"][str(rank)]
+        return max(meta["closed_rounds"], meta.get("departed", {}).get(str(rank), 0))
+
+    start = {rank: min(clock_on(c, rank) for c in summary["resumed"]) for rank in (0, 1)}
     assert min(start.values()) >= min(restored), (start, restored)
     made = {w["rank"]: w["steps"] for w in summary["worker_results"]}
     assert all(made[rank] <= steps - start[rank] for rank in made), (start, made)
