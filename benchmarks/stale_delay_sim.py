@@ -35,6 +35,8 @@ def main() -> None:
     p.add_argument("--init-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
+    if a.delay < 0 or a.steps < 1 or a.batch_size < 1:
+        p.error("--delay must be >= 0, and --steps and --batch-size >= 1")
 
     data = load_dataset("synthetic", seed=a.seed, image=(3, 32, 32), samples=32768, classes=10)
     model = SmallCNN(data.input_shape, data.num_classes, hidden=1024)  # examples/synthetic-cnn.toml's model

@@ -459,8 +459,7 @@ class Launcher:
             f"psctl launch: {job.shards} {job.server.shard_device.upper()} shard(s) at "
             f"{','.join(self.addresses)}{metrics}{placed} applying "
             f"{rate_schedule.scheduled(job).server.describe_optimizer()}; starting {job.workers} worker(s){model}; "
-            f"logs in "
-            f"{self.out / 'logs'}",
+            f"logs in {self.out / 'logs'}",
             file=sys.stderr,
             flush=True,
         )
