@@ -42,6 +42,7 @@ for f in "$OUT"/probe-*.log; do echo "== $f"; grep '^{' "$f" | python3 -c '
 import json, sys
 for line in sys.stdin:
     r = json.loads(line)
-    print(r["setting"], r["mode"], r["workers"], r["seed"], r.get("test_accuracy"), r.get("mean_staleness"), r.get("wall_s"), r.get("curve"))
+    print(r["setting"], r["mode"], r["workers"], r["seed"], r.get("test_accuracy"), r.get("mean_staleness"), r.get("wall_s"), r.get("curve"),
+          *(["FAILED:", r.get("lost"), r.get("failure") or r.get("message")] if r.get("lost") or r.get("test_accuracy") is None else []))
 '; done
 uptime

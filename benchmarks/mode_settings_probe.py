@@ -64,7 +64,25 @@ def launch(config: str, mode: str, workers: int, seed: int, sets: list[str], out
         mean_staleness=round(statistics.mean(staleness), 2) if staleness else None,
         momentum=stats[0].get("momentum") if stats else None,
         curve=eval_curve(out / "metrics.jsonl"),
+        **failures_of(s),
     )
+    return row
+
+
+def failures_of(summary: dict) -> dict:
+    """What went wrong in a run, for its row: the job's message, how many processes failed, and the first one's last line.
+
+    A worker's failure is tolerated (the job goes on with the others), so a run can end with an accuracy
+    and fewer workers than it was given: such a run is not the setting's, and the table says so.
+    """
+    failures = summary.get("failures") or []
+    row = {"lost": len(failures)}
+    if summary.get("status") != "ok" and summary.get("message"):
+        row["message"] = summary["message"]
+    if failures:
+        first = failures[0]
+        tail = [line for line in (first.get("tail") or "").splitlines() if line.strip()]
+        row["failure"] = f"{first.get('name')} exit {first.get('exit_code')}: {tail[-1] if tail else '(no output)'}"
     return row
 
 
@@ -128,15 +146,26 @@ def main() -> None:
                 these = [r for r in rows if r["setting"] == name and r["mode"] == mode and r["workers"] == int(w)]
                 if not these:
                     continue  # a setting of another worker count
-                accs = [r["test_accuracy"] for r in these if r.get("test_accuracy") is not None]
-                each = " ".join(
-                    f"{r['test_accuracy']:.3f}({r.get('mean_staleness')})"
-                    if r.get("test_accuracy") is not None
-                    else str(r.get("status"))
-                    for r in these
-                )
+                whole = [r for r in these if r.get("test_accuracy") is not None and not r.get("lost")]
+                accs = [r["test_accuracy"] for r in whole]
+                each = " ".join(describe(r) for r in these)
                 med = f"{statistics.median(accs):.3f}" if accs else "-"
                 print(f"{name:<12} {mode:<6} {w:>2}  {med:>6}  {each}")
+    broken = [r for r in rows if r.get("lost") or r.get("test_accuracy") is None]
+    if broken:
+        print("\nleft out of the medians (a process failed, or no accuracy):")
+        for r in broken:
+            print(
+                f"  {r['setting']} {r['mode']} W={r['workers']} seed {r['seed']}: {r.get('failure') or r.get('message') or r.get('status')}"
+            )
+
+
+def describe(row: dict) -> str:
+    """One run in the table: accuracy (staleness), with the processes it lost; or its status."""
+    if row.get("test_accuracy") is None:
+        return str(row.get("status"))
+    lost = f", {row['lost']} failed" if row.get("lost") else ""
+    return f"{row['test_accuracy']:.3f}({row.get('mean_staleness')}{lost})"
 
 
 if __name__ == "__main__":
