@@ -139,6 +139,32 @@ def test_a_restored_shard_goes_on_where_the_schedule_was(tmp_path):
     np.testing.assert_allclose(weights(restored), before - LR * (2 / 5) * grad, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_updates_lost_to_a_restart_move_the_schedule_on_as_the_workers_steps_did(tmp_path, mode):
+    """A shard restored from an older checkpoint meets workers some steps on: the schedule goes on at their step.
+
+    The rounds (sync) or pushes (async) after the checkpoint are lost; had the schedule counted the
+    shard's version alone, it would lag by them for the rest of the job and end short of 0.
+    """
+    settings = dict(mode=mode, lr_schedule="linear", lr_updates=6, checkpoint_dir=str(tmp_path))
+    shard = make_shard(**settings)
+    shard.register(SPEC.hash(), 0, -1, "test")
+    rng = np.random.default_rng(4)
+    for clock in range(2):
+        push(shard, 0, clock, rng.normal(size=SPEC.size).astype(np.float32))
+    shard.checkpoint()  # version 2
+    for clock in range(2, 4):  # lost: the shard fails before its next checkpoint
+        push(shard, 0, clock, rng.normal(size=SPEC.size).astype(np.float32))
+    restored = Shard(ServerConfig(shared_memory=False, lr=LR, **settings))
+    restored.register(SPEC.hash(), 0, 4, "test")  # the worker rejoins at its own step, 4
+    before = weights(restored)
+    grad = rng.normal(size=SPEC.size).astype(np.float32)
+    assert push(restored, 0, 4, grad) is Outcome.APPLIED
+    assert restored.version == 3 and restored.stats()["lost_updates"] == 2
+    np.testing.assert_allclose(weights(restored), before - LR * (2 / 6) * grad, rtol=0, atol=1e-5)  # factor(4)
+    assert restored.stats()["lr"] == pytest.approx(LR * 1 / 6)  # the next update is the job's sixth
+
+
 def test_a_schedule_without_its_length_is_refused_at_init_and_changes_nothing():
     shard = Shard(ServerConfig(shared_memory=False, lr_schedule="cosine"))
     with pytest.raises(InvalidArgument) as err:

@@ -149,7 +149,7 @@ class Pushes:
                 core.emit("dropped_late")
                 staleness = -1
             elif decision.outcome is Outcome.APPLIED:
-                self._apply(grad, served.updater.lr_scale(staleness, served.version), version_used)
+                self._apply(grad, served.updater.lr_scale(staleness, self.schedule_clock()), version_used)
                 self._record_staleness(staleness)
             else:  # ACCUMULATED: hold the buffer itself for the round (no copy); the pool gets it back at close
                 held = self.round_grads.setdefault(decision.round, {})
@@ -190,7 +190,7 @@ class Pushes:
                 staleness = max(0, served.version - version_used)
                 ring, updater = served.ring, served.updater
                 step = updater.plan(ring, served.version, version_used)
-                lr_scale = updater.lr_scale(staleness, served.version)
+                lr_scale = updater.lr_scale(staleness, self.schedule_clock())
             updater.apply(ring, step, grad, lr_scale, check_finite=not checked)
             with core.cond:
                 next_clock = clock + 1
@@ -214,6 +214,14 @@ class Pushes:
     def _record_staleness(self, staleness: int) -> None:
         self.core.counters.record_staleness(staleness)
         self.core.emit("staleness", value=staleness)
+
+    def schedule_clock(self) -> int:
+        """Where the rate's schedule stands: the updates applied, and those known lost to a restart (call under ``cond``).
+
+        Workers that come back from a restore some steps ahead of the checkpoint go on at their own
+        steps; counting the lost updates keeps the schedule with them, so it still ends at 0 when they do.
+        """
+        return self.served.version + self.core.counters.lost_updates
 
     def close_rounds(self, borrowed: np.ndarray | None = None) -> range:
         """Apply the mean of every round that may close (call under ``cond``).
@@ -244,7 +252,7 @@ class Pushes:
                 for other in ordered[2:]:
                     xp.add(total, other, out=total)
                 xp.multiply(total, 1.0 / len(ordered), out=total)
-            self._apply(total, self.served.updater.lr_scale(0, self.served.version))
+            self._apply(total, self.served.updater.lr_scale(0, self.schedule_clock()))
             for buf in {id(b): b for b in (*ordered, total)}.values():
                 if buf is not borrowed:
                     pool.give(buf)

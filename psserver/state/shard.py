@@ -262,7 +262,8 @@ class Shard:
                 "wait_s_total": c.wait_s_total,
                 "uncompensated_updates": c.uncompensated,
                 "momentum": float(getattr(self.optimizer, self.config.momentum_key, 0.0)),
-                "lr": self.config.lr * (self.updater.schedule.factor(self.version) if self.updater else 1.0),
+                "lr": self.config.lr
+                * (self.updater.schedule.factor(self.pushes.schedule_clock()) if self.updater else 1.0),
                 "checkpoint": self.checkpoints.last,
                 "initialized": self.initialized,
                 "total_size": self.spec.size if self.spec else 0,
