@@ -165,6 +165,22 @@ def test_updates_lost_to_a_restart_move_the_schedule_on_as_the_workers_steps_did
     assert restored.stats()["lr"] == pytest.approx(LR * 1 / 6)  # the next update is the job's sixth
 
 
+def test_an_async_push_from_steps_ahead_of_a_restore_takes_the_rate_of_its_own_step(tmp_path):
+    """A worker that pushes to a restored shard without registering again: its update is at its own step."""
+    settings = dict(mode="async", lr_schedule="linear", lr_updates=6, checkpoint_dir=str(tmp_path))
+    shard = make_shard(**settings)
+    shard.register(SPEC.hash(), 0, -1, "test")
+    rng = np.random.default_rng(5)
+    push(shard, 0, 0, rng.normal(size=SPEC.size).astype(np.float32))
+    shard.checkpoint()  # version 1, the worker at clock 1
+    restored = Shard(ServerConfig(shared_memory=False, lr=LR, **settings))
+    before = weights(restored)
+    grad = rng.normal(size=SPEC.size).astype(np.float32)
+    assert push(restored, 0, 3, grad) is Outcome.APPLIED  # its pushes at clocks 1 and 2 were lost
+    np.testing.assert_allclose(weights(restored), before - LR * (3 / 6) * grad, rtol=0, atol=1e-5)  # factor(3)
+    assert restored.stats()["lost_updates"] == 2 and restored.stats()["lr"] == pytest.approx(LR * 2 / 6)
+
+
 def test_a_schedule_without_its_length_is_refused_at_init_and_changes_nothing():
     shard = Shard(ServerConfig(shared_memory=False, lr_schedule="cosine"))
     with pytest.raises(InvalidArgument) as err:

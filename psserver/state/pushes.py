@@ -190,7 +190,8 @@ class Pushes:
                 staleness = max(0, served.version - version_used)
                 ring, updater = served.ring, served.updater
                 step = updater.plan(ring, served.version, version_used)
-                lr_scale = updater.lr_scale(staleness, self.schedule_clock())
+                skipped = max(0, clock - expected)  # counted lost once the push is taken, below; the rate knows now
+                lr_scale = updater.lr_scale(staleness, self.schedule_clock() + skipped)
             updater.apply(ring, step, grad, lr_scale, check_finite=not checked)
             with core.cond:
                 next_clock = clock + 1
