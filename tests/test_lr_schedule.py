@@ -123,20 +123,34 @@ def test_a_warm_up_that_would_fill_the_schedule_leaves_the_decay_one_update():
     assert [schedule.factor(v) for v in range(3)] == [1.0, 1.0, 0.0]
 
 
-def test_a_restored_shard_goes_on_where_the_schedule_was(tmp_path):
-    settings = dict(mode="async", lr_schedule="linear", lr_updates=5, checkpoint_dir=str(tmp_path))
+def checkpoint_then_restore(tmp_path, mode: str, updates: int, *, kept: int, lost: int = 0) -> Shard:
+    """A shard of a linear schedule over ``updates``, checkpointed after worker 0's first ``kept`` pushes,
+    then ``lost`` more pushes, then restored from that checkpoint (the ``lost`` ones gone with the process)."""
+    settings = dict(mode=mode, lr_schedule="linear", lr_updates=updates, checkpoint_dir=str(tmp_path))
     shard = make_shard(**settings)
     shard.register(SPEC.hash(), 0, -1, "test")
-    rng = np.random.default_rng(3)
-    for clock in range(3):
+    rng = np.random.default_rng(kept * 10 + lost)
+    for clock in range(kept + lost):
+        if clock == kept:
+            shard.checkpoint()
         push(shard, 0, clock, rng.normal(size=SPEC.size).astype(np.float32))
-    shard.checkpoint()  # version 3
-    restored = Shard(ServerConfig(shared_memory=False, lr=LR, **settings))
+    if not lost:
+        shard.checkpoint()
+    return Shard(ServerConfig(shared_memory=False, lr=LR, **settings))
+
+
+def assert_step(shard: Shard, clock: int, factor: float) -> None:
+    """Worker 0's push at ``clock`` is applied at ``LR * factor``."""
+    before = weights(shard)
+    grad = np.random.default_rng(clock).normal(size=SPEC.size).astype(np.float32)
+    assert push(shard, 0, clock, grad) is Outcome.APPLIED
+    np.testing.assert_allclose(weights(shard), before - LR * factor * grad, rtol=0, atol=1e-5)
+
+
+def test_a_restored_shard_goes_on_where_the_schedule_was(tmp_path):
+    restored = checkpoint_then_restore(tmp_path, "async", 5, kept=3)
     assert restored.version == 3 and restored.stats()["lr"] == pytest.approx(LR * 2 / 5)
-    before = weights(restored)
-    grad = rng.normal(size=SPEC.size).astype(np.float32)
-    assert push(restored, 0, 3, grad) is Outcome.APPLIED
-    np.testing.assert_allclose(weights(restored), before - LR * (2 / 5) * grad, rtol=0, atol=1e-5)
+    assert_step(restored, 3, 2 / 5)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -146,38 +160,17 @@ def test_updates_lost_to_a_restart_move_the_schedule_on_as_the_workers_steps_did
     The rounds (sync) or pushes (async) after the checkpoint are lost; had the schedule counted the
     shard's version alone, it would lag by them for the rest of the job and end short of 0.
     """
-    settings = dict(mode=mode, lr_schedule="linear", lr_updates=6, checkpoint_dir=str(tmp_path))
-    shard = make_shard(**settings)
-    shard.register(SPEC.hash(), 0, -1, "test")
-    rng = np.random.default_rng(4)
-    for clock in range(2):
-        push(shard, 0, clock, rng.normal(size=SPEC.size).astype(np.float32))
-    shard.checkpoint()  # version 2
-    for clock in range(2, 4):  # lost: the shard fails before its next checkpoint
-        push(shard, 0, clock, rng.normal(size=SPEC.size).astype(np.float32))
-    restored = Shard(ServerConfig(shared_memory=False, lr=LR, **settings))
+    restored = checkpoint_then_restore(tmp_path, mode, 6, kept=2, lost=2)
     restored.register(SPEC.hash(), 0, 4, "test")  # the worker rejoins at its own step, 4
-    before = weights(restored)
-    grad = rng.normal(size=SPEC.size).astype(np.float32)
-    assert push(restored, 0, 4, grad) is Outcome.APPLIED
+    assert_step(restored, 4, 2 / 6)  # the schedule's factor at 4, not at the shard's version 2
     assert restored.version == 3 and restored.stats()["lost_updates"] == 2
-    np.testing.assert_allclose(weights(restored), before - LR * (2 / 6) * grad, rtol=0, atol=1e-5)  # factor(4)
     assert restored.stats()["lr"] == pytest.approx(LR * 1 / 6)  # the next update is the job's sixth
 
 
 def test_an_async_push_from_steps_ahead_of_a_restore_takes_the_rate_of_its_own_step(tmp_path):
     """A worker that pushes to a restored shard without registering again: its update is at its own step."""
-    settings = dict(mode="async", lr_schedule="linear", lr_updates=6, checkpoint_dir=str(tmp_path))
-    shard = make_shard(**settings)
-    shard.register(SPEC.hash(), 0, -1, "test")
-    rng = np.random.default_rng(5)
-    push(shard, 0, 0, rng.normal(size=SPEC.size).astype(np.float32))
-    shard.checkpoint()  # version 1, the worker at clock 1
-    restored = Shard(ServerConfig(shared_memory=False, lr=LR, **settings))
-    before = weights(restored)
-    grad = rng.normal(size=SPEC.size).astype(np.float32)
-    assert push(restored, 0, 3, grad) is Outcome.APPLIED  # its pushes at clocks 1 and 2 were lost
-    np.testing.assert_allclose(weights(restored), before - LR * (3 / 6) * grad, rtol=0, atol=1e-5)  # factor(3)
+    restored = checkpoint_then_restore(tmp_path, "async", 6, kept=1)  # the worker at clock 1
+    assert_step(restored, 3, 3 / 6)  # its pushes at clocks 1 and 2 were lost
     assert restored.stats()["lost_updates"] == 2 and restored.stats()["lr"] == pytest.approx(LR * 2 / 6)
 
 
