@@ -225,6 +225,43 @@ def test_a_loss_that_rose_for_a_stretch_makes_its_setting_unstable():
     assert verdict.label == "unstable" and verdict.text() == "unstable: loss rose in 1 of 2"
 
 
+def verdict_of(finals: list[float]) -> stability.Verdict:
+    rows = [
+        {"mode": "async", "workers": 4, "stragglers": "none", "status": "ok", "final_test_accuracy": a, "diverged": 0}
+        for a in finals
+    ]
+    (verdict,) = stability.verdicts(rows).values()
+    return verdict
+
+
+def test_a_spread_close_to_the_line_is_said_to_be_near_it_on_either_side():
+    below, above, clear = verdict_of([0.52, 0.55, 0.566]), verdict_of([0.52, 0.55, 0.574]), verdict_of([0.53, 0.55])
+    assert below.label == "stable" and below.text() == "stable, spread 0.046, near the 0.05 line"
+    assert above.label == "unstable"
+    assert above.text() == "unstable: final accuracy spread 0.054 (0.520..0.574), near the 0.05 line"
+    assert clear.text() == "stable, spread 0.020" and not clear.near_line
+    assert not verdict_of([0.50, 0.57]).near_line  # 0.07: unstable, and clearly so
+
+
+def test_the_reading_says_first_which_stable_settings_are_near_the_line(tmp_path):
+    out = experiment_dir(tmp_path, {"sync": SYNC, "async": [0.870, 0.880, 0.890, 0.900, 0.915]})
+    rows = rewrite_report(out)
+    assert {r["mode"]: r["stability"] for r in rows} == {"sync": "stable", "async": "stable"}
+    first = reading_of(out)[0]
+    assert first.startswith("Near the line: async (4 workers, no stragglers): spread 0.045."), first
+    assert first.count("(4 workers") == 1  # sync's repeats agree: not named
+    summary = (out / "report.md").read_text().split("## Summary")[1]
+    assert "stable, spread 0.045, near the 0.05 line" in summary
+
+
+def test_an_unstable_setting_near_the_line_says_other_seeds_may_put_it_under(tmp_path):
+    out = experiment_dir(tmp_path, {"sync": SYNC, "async": [0.860, 0.880, 0.890, 0.900, 0.914]})
+    rewrite_report(out)
+    first = reading_of(out)[0]
+    assert first.startswith("Unstable: async (4 workers, no stragglers): final test accuracy spread 0.054"), first
+    assert "near the line: other seeds may put it under" in first
+
+
 NON_FINITE_FAILURE = {
     "status": "failed",
     "test_accuracy": None,

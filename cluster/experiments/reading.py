@@ -72,6 +72,7 @@ def reading(rows: list[dict], settings: dict, tune_rows: list[dict] | None = Non
         p
         for p in (
             _unstable(ok),
+            _near_line(ok),
             _diverged(ok),
             _invalid(ok),
             _unsettled(ok, settings),
@@ -125,9 +126,10 @@ def _unstable(ok: list[dict]) -> str | None:
         said = []
         if verdict.spread is not None and verdict.spread > stability.UNSTABLE_SPREAD:
             finals = sorted(verdict.finals)
+            near = ", near the line: other seeds may put it under" if verdict.near_line else ""
             said.append(
                 f"final test accuracy spread {verdict.spread:.3f} across {len(finals)} repeats "
-                f"({', '.join(acc(a) for a in finals)})"
+                f"({', '.join(acc(a) for a in finals)}{near})"
             )
         if verdict.risen:
             said.append(f"the loss rose for a stretch in {verdict.risen} of {verdict.runs} runs")
@@ -154,6 +156,22 @@ def _unstable(ok: list[dict]) -> str | None:
         f"{stability.UNSTABLE_SPREAD:g} apart across repeats or a run's loss rose for a stretch: it does not train "
         f"reliably, and its median hides how often it ends badly. To try: {', '.join(tries[:-1])} or "
         f"{tries[-1]}."
+    )
+
+
+def _near_line(ok: list[dict]) -> str | None:
+    """Said first too: a stable setting whose spread is close under the line, which other seeds may cross."""
+    parts = [
+        f"{mode} ({group_title((workers, strag))}{', ' + settings if settings else ''}): spread {verdict.spread:.3f}"
+        for (mode, workers, strag, settings), verdict in stability.verdicts(ok).items()
+        if verdict.label == stability.STABLE and verdict.near_line
+    ]
+    if not parts:
+        return None
+    return (
+        f"Near the line: {join(parts)}. Stable by the rule, but within {stability.NEAR_LINE:g} of "
+        f"{stability.UNSTABLE_SPREAD:g}, where the range of a few repeats moves from one set of seeds to the "
+        f"next: more repeats (--repeats) say which side {'they are' if len(parts) > 1 else 'it is'} on."
     )
 
 
