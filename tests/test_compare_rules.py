@@ -240,7 +240,14 @@ def test_a_spread_close_to_the_line_is_said_to_be_near_it_on_either_side():
     assert above.label == "unstable"
     assert above.text() == "unstable: final accuracy spread 0.054 (0.520..0.574), near the 0.05 line"
     assert clear.text() == "stable, spread 0.020" and not clear.near_line
-    assert not verdict_of([0.50, 0.57]).near_line  # 0.07: unstable, and clearly so
+    assert not verdict_of([0.50, 0.58]).near_line  # 0.08: unstable, and clearly so
+
+
+def test_a_spread_at_the_line_gets_one_label_whatever_the_accuracies_floating_point_says():
+    # 0.55 - 0.50 is 0.05000000000000004 in binary64, 0.85 - 0.80 is 0.04999999999999993: both are 0.05
+    assert verdict_of([0.50, 0.55]).label == verdict_of([0.80, 0.85]).label == "stable"
+    # 0.07 and 0.03, the band's edges, each above and below in binary64: near the line, every one
+    assert all(verdict_of(pair).near_line for pair in ([0.6, 0.67], [0.8, 0.87], [0.6, 0.63], [0.8, 0.83]))
 
 
 def test_the_reading_says_first_which_stable_settings_are_near_the_line(tmp_path):
@@ -259,7 +266,7 @@ def test_an_unstable_setting_near_the_line_says_other_seeds_may_put_it_under(tmp
     rewrite_report(out)
     first = reading_of(out)[0]
     assert first.startswith("Unstable: async (4 workers, no stragglers): final test accuracy spread 0.054"), first
-    assert "near the line: other seeds may put it under" in first
+    assert "0.914) (near the line: other seeds may put it under)" in first
 
 
 NON_FINITE_FAILURE = {

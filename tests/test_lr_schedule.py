@@ -167,11 +167,51 @@ def test_updates_lost_to_a_restart_move_the_schedule_on_as_the_workers_steps_did
     assert restored.stats()["lr"] == pytest.approx(LR * 1 / 6)  # the next update is the job's sixth
 
 
+def test_a_sync_round_a_checkpoint_held_open_takes_its_own_rate_when_later_rounds_were_lost(tmp_path):
+    """Restored with round 3 open (worker 0 had pushed), both workers come back at 6: 3 closes first, then 4 and 5 lost."""
+    settings = dict(mode="sync", lr_schedule="linear", lr_updates=10, checkpoint_dir=str(tmp_path))
+    shard = make_shard(**settings)
+    for worker in (0, 1):
+        shard.register(SPEC.hash(), worker, -1, "test")
+    rng = np.random.default_rng(6)
+    for round_ in range(3):
+        for worker in (0, 1):
+            push(shard, worker, round_, rng.normal(size=SPEC.size).astype(np.float32))
+    open_round = rng.normal(size=SPEC.size).astype(np.float32)
+    push(shard, 0, 3, open_round)
+    shard.checkpoint()  # version 3, round 3 open with worker 0's gradient
+    restored = Shard(ServerConfig(shared_memory=False, lr=LR, **settings))
+    before = weights(restored)
+    for worker in (0, 1):
+        restored.register(SPEC.hash(), worker, 6, "test")
+    assert restored.version == 4 and restored.stats()["lost_updates"] == 2
+    np.testing.assert_allclose(weights(restored), before - LR * (7 / 10) * open_round, rtol=0, atol=1e-5)  # factor(3)
+    assert restored.stats()["lr"] == pytest.approx(LR * 4 / 10)  # the next round is 6
+
+
 def test_an_async_push_from_steps_ahead_of_a_restore_takes_the_rate_of_its_own_step(tmp_path):
     """A worker that pushes to a restored shard without registering again: its update is at its own step."""
     restored = checkpoint_then_restore(tmp_path, "async", 6, kept=1)  # the worker at clock 1
     assert_step(restored, 3, 3 / 6)  # its pushes at clocks 1 and 2 were lost
     assert restored.stats()["lost_updates"] == 2 and restored.stats()["lr"] == pytest.approx(LR * 2 / 6)
+
+
+def test_an_async_worker_that_leaves_while_its_update_is_computed_is_not_counted_lost_when_it_returns():
+    """Its push was applied: coming back at the next clock it lost nothing, and the schedule does not skip ahead."""
+    shard = make_shard(mode="async", lr_schedule="linear", lr_updates=6)
+    shard.register(SPEC.hash(), 0, -1, "test")
+    apply = shard.updater.apply
+
+    def leaving_apply(*args, **kwargs):
+        shard.leave(0)  # what a lease's expiry or a goodbye does between the push's two locked parts
+        return apply(*args, **kwargs)
+
+    shard.updater.apply = leaving_apply
+    push(shard, 0, 0, np.ones(SPEC.size, np.float32))
+    shard.updater.apply = apply
+    assert shard.version == 1
+    shard.register(SPEC.hash(), 0, 1, "test")
+    assert shard.stats()["lost_updates"] == 0 and shard.stats()["lr"] == pytest.approx(LR * 5 / 6)
 
 
 def test_a_schedule_without_its_length_is_refused_at_init_and_changes_nothing():

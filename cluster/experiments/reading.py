@@ -126,10 +126,10 @@ def _unstable(ok: list[dict]) -> str | None:
         said = []
         if verdict.spread is not None and verdict.spread > stability.UNSTABLE_SPREAD:
             finals = sorted(verdict.finals)
-            near = ", near the line: other seeds may put it under" if verdict.near_line else ""
+            near = " (near the line: other seeds may put it under)" if verdict.near_line and not verdict.risen else ""
             said.append(
                 f"final test accuracy spread {verdict.spread:.3f} across {len(finals)} repeats "
-                f"({', '.join(acc(a) for a in finals)}{near})"
+                f"({', '.join(acc(a) for a in finals)}){near}"
             )
         if verdict.risen:
             said.append(f"the loss rose for a stretch in {verdict.risen} of {verdict.runs} runs")
@@ -170,8 +170,8 @@ def _near_line(ok: list[dict]) -> str | None:
         return None
     return (
         f"Near the line: {join(parts)}. Stable by the rule, but within {stability.NEAR_LINE:g} of "
-        f"{stability.UNSTABLE_SPREAD:g}, where the range of a few repeats moves from one set of seeds to the "
-        f"next: more repeats (--repeats) say which side {'they are' if len(parts) > 1 else 'it is'} on."
+        f"{stability.UNSTABLE_SPREAD:g}: the range of a few repeats is a noisy measure, and other seeds may "
+        f"give the other label."
     )
 
 

@@ -197,8 +197,10 @@ class Pushes:
                 next_clock = clock + 1
                 if policy.is_live(worker):
                     next_clock = policy.on_push(worker, clock).next_clock
-                    if clock > expected:
-                        missed_pushes(core, worker, expected, clock, "pushed")
+                elif worker in policy.departed:  # it left while its update was computed: that push is in all the same
+                    policy.departed[worker] = max(policy.departed[worker], next_clock)
+                if clock > expected:
+                    missed_pushes(core, worker, expected, clock, "pushed")
                 self._count_push(worker, nbytes)
                 self._record_staleness(staleness)
                 self._publish(step.target, updater.uncompensated(step))
@@ -233,16 +235,21 @@ class Pushes:
         if not closed:
             return closed
         held = sorted(r for r in self.round_grads if r in closed)
-        # The others every worker skipped: only a restart from an older checkpoint does that.
-        self.core.counters.lost_updates += len(closed) - len(held)
         with self.served.arrays.use():
-            self._apply_rounds(held, borrowed)
+            self._apply_rounds(closed, held, borrowed)
         return closed
 
-    def _apply_rounds(self, held: list[int], borrowed) -> None:
-        """Apply each held round's mean, summed in worker order (the arrays' own module: NumPy or CuPy)."""
-        xp, pool = self.served.arrays.xp, self.served.pool
+    def _apply_rounds(self, closed: range, held: list[int], borrowed) -> None:
+        """Apply each held round's mean, summed in worker order (the arrays' own module: NumPy or CuPy).
+
+        The other rounds of ``closed`` every worker skipped (only a restart from an older checkpoint
+        does that): each is counted lost in its place, so a held round takes the schedule's rate of its own.
+        """
+        xp, pool, counters = self.served.arrays.xp, self.served.pool, self.core.counters
+        next_round = closed.start
         for round_ in held:
+            counters.lost_updates += round_ - next_round
+            next_round = round_ + 1
             grads = self.round_grads.pop(round_)
             ordered = [grads[w] for w in sorted(grads)]
             total = ordered[0]
@@ -257,6 +264,7 @@ class Pushes:
             for buf in {id(b): b for b in (*ordered, total)}.values():
                 if buf is not borrowed:
                     pool.give(buf)
+        counters.lost_updates += closed.stop - next_round
 
     def _apply(self, grad: np.ndarray, lr_scale: float, version_used: int | None = None) -> None:
         """Apply ``grad`` under ``cond`` and publish the next version (sync rounds and ssp)."""
