@@ -70,19 +70,23 @@ def launch(config: str, mode: str, workers: int, seed: int, sets: list[str], out
 
 
 def failures_of(summary: dict) -> dict:
-    """What went wrong in a run, for its row: the job's message, how many processes failed, and the first one's last line.
+    """What went wrong in a run, for its row: the job's message, the workers it lost, and the first failure's last line.
 
     A worker's failure is tolerated (the job goes on with the others), so a run can end with an accuracy
-    and fewer workers than it was given: such a run is not the setting's, and the table says so.
+    and fewer workers than it was given: such a run is not the setting's, and the table says so. A shard
+    restarted from its checkpoint is named in ``failure`` but loses the run no worker.
     """
-    failures = summary.get("failures") or []
-    row = {"lost": len(failures)}
+    failures = [f for f in summary.get("failures") or [] if isinstance(f, dict)]
+    row = {"lost": sum(1 for f in failures if f.get("role") == "worker")}
     if summary.get("status") != "ok" and summary.get("message"):
         row["message"] = summary["message"]
     if failures:
         first = failures[0]
         tail = [line for line in (first.get("tail") or "").splitlines() if line.strip()]
-        row["failure"] = f"{first.get('name')} exit {first.get('exit_code')}: {tail[-1] if tail else '(no output)'}"
+        row["failure"] = (
+            f"{first.get('name')} ({first.get('role')}) exit {first.get('exit_code')}: "
+            f"{tail[-1] if tail else '(no output)'}"
+        )
     return row
 
 
@@ -151,9 +155,9 @@ def main() -> None:
                 each = " ".join(describe(r) for r in these)
                 med = f"{statistics.median(accs):.3f}" if accs else "-"
                 print(f"{name:<12} {mode:<6} {w:>2}  {med:>6}  {each}")
-    broken = [r for r in rows if r.get("lost") or r.get("test_accuracy") is None]
+    broken = [r for r in rows if r.get("lost") or r.get("failure") or r.get("test_accuracy") is None]
     if broken:
-        print("\nleft out of the medians (a process failed, or no accuracy):")
+        print("\nfailures (a run that lost a worker, or has no accuracy, is left out of the medians):")
         for r in broken:
             print(
                 f"  {r['setting']} {r['mode']} W={r['workers']} seed {r['seed']}: {r.get('failure') or r.get('message') or r.get('status')}"
@@ -164,7 +168,7 @@ def describe(row: dict) -> str:
     """One run in the table: accuracy (staleness), with the processes it lost; or its status."""
     if row.get("test_accuracy") is None:
         return str(row.get("status"))
-    lost = f", {row['lost']} failed" if row.get("lost") else ""
+    lost = f", lost {row['lost']} worker{'s' if row['lost'] != 1 else ''}" if row.get("lost") else ""
     return f"{row['test_accuracy']:.3f}({row.get('mean_staleness')}{lost})"
 
 
