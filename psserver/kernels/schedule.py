@@ -2,8 +2,9 @@
 
 A script's own scheduler (``torch.optim.lr_scheduler``) cannot reach an optimizer that runs on
 the shards, so the shards keep the schedule. Its clock is the shard's version, the updates it has
-applied (one per round in sync, one per push in async and ssp), which a checkpoint keeps, so a
-restored shard goes on where the schedule was. Its length is ``lr_updates``: what psctl derives
+applied (one per round in sync, one per push in async and ssp), plus those it knows were lost
+(``lost_updates``: a restore from an older checkpoint, a refused push), both of which a checkpoint
+keeps: a restored shard goes on where the workers' steps are. Its length is ``lr_updates``: what psctl derives
 from the job (``[train] steps`` in sync, workers x steps in async and ssp), so every mode sees the
 same rate at the same share of the job's samples.
 
