@@ -88,6 +88,22 @@ def write_run(run_dir, final: float, *, losses=None, summary=None) -> None:
     (run_dir / "summary.json").write_text(json.dumps(body))
 
 
+def plain_settings(job, modes: str = "sync", *, workers: int = 2, repeats: int = 1, seeds=None, **given):
+    """compare's settings for ``modes`` at one worker count, no stragglers, no target: what a rule's test varies."""
+    return settings_for(
+        job,
+        command=[],
+        modes=parse_modes(modes),
+        workers=[workers],
+        stragglers=["none"],
+        repeats=repeats,
+        target=None,
+        backup_workers=None,
+        seeds=list(range(repeats)) if seeds is None else seeds,
+        **given,
+    )
+
+
 def experiment_dir(tmp_path, finals: dict[str, list[float]], *, summaries=None, **given):
     """One folder with ``finals[mode][r]`` as repeat r's final accuracy, seeds 0..R-1; returns it."""
     out = tmp_path / "cmp"
@@ -145,17 +161,7 @@ def test_each_repeat_has_its_own_seed_unless_pinned_and_the_run_records_it():
 
 
 def test_a_runs_job_carries_its_seed_and_an_older_experiment_reads_back_as_one_seed(tmp_path):
-    settings = settings_for(
-        mnist(),
-        command=[],
-        modes=parse_modes("sync"),
-        workers=[2],
-        stragglers=["none"],
-        repeats=3,
-        target=None,
-        backup_workers=None,
-        seeds=[0, 1, 2],
-    )
+    settings = plain_settings(mnist(), repeats=3, seeds=[0, 1, 2])
     x = experiment_from(mnist(), settings, tmp_path)
     assert [x.run_job(r).train.seed for r in x.runs] == [0, 1, 2]
     older = {k: v for k, v in settings.items() if k != "seeds"}  # written before seeds varied
@@ -375,18 +381,8 @@ def test_tuning_runs_each_point_on_several_seeds_and_keeps_one_target_for_the_re
         ("tune-async-w4-lr0.1-r1", 1),
     ]
     out = tmp_path / "cmp"
-    settings = settings_for(
-        mnist(),
-        command=[],
-        modes=parse_modes("sync,async"),
-        workers=[WORKERS],
-        stragglers=["none"],
-        repeats=1,
-        target=None,
-        backup_workers=None,
-        tune={"lr": [0.05, 0.1]},
-        tune_repeats=2,
-        seeds=[0, 1],
+    settings = plain_settings(
+        mnist(), "sync,async", workers=WORKERS, seeds=[0, 1], tune={"lr": [0.05, 0.1]}, tune_repeats=2
     )
     out.mkdir()
     (out / SETTINGS_FILE).write_text(json.dumps(settings))
@@ -531,16 +527,9 @@ def test_async_and_ssp_default_to_auto_momentum_where_the_jobs_optimizer_has_mom
 
 
 def test_a_mode_set_wins_over_the_modes_default_and_the_report_says_which_ran(tmp_path):
-    settings = settings_for(
+    settings = plain_settings(
         mnist(),
-        command=[],
-        modes=parse_modes("sync,async"),
-        workers=[2],
-        stragglers=["none"],
-        repeats=1,
-        target=None,
-        backup_workers=None,
-        seeds=[0],
+        "sync,async",
         mode_defaults={"async": (("async_momentum", "auto"),)},
         mode_settings={"async": (("async_momentum", "off"), ("lr", 0.02))},
     )
@@ -599,19 +588,7 @@ def test_a_shorter_tuning_runs_rate_schedule_runs_over_its_own_updates(tmp_path)
 
     # a job of epochs sets its schedule's length by hand; a tuning run of 30 steps must not inherit it
     job = apply_overrides(mnist(), {"lr_schedule": "cosine", "lr_updates": 5000})
-    settings = settings_for(
-        job,
-        command=[],
-        modes=parse_modes("sync,async"),
-        workers=[2],
-        stragglers=["none"],
-        repeats=1,
-        target=None,
-        backup_workers=None,
-        tune={"lr": [0.05, 0.1]},
-        tune_steps=30,
-        seeds=[0],
-    )
+    settings = plain_settings(job, "sync,async", tune={"lr": [0.05, 0.1]}, tune_steps=30)
     x = experiment_from(job, settings, tmp_path)
     lengths = {r.mode.label: scheduled(x.run_job(r)).server.lr_updates for r in x.tune_runs}
     assert lengths == {"sync": 30, "async": 60}  # one update a round; one a push of each of 2 workers
