@@ -219,10 +219,10 @@ class Pushes:
         self.core.emit("staleness", value=staleness)
 
     def schedule_clock(self) -> int:
-        """Where the rate's schedule stands: the updates applied, and those known lost to a restart (call under ``cond``).
+        """Where the rate's schedule stands: the updates applied, and those known lost (call under ``cond``).
 
-        Workers that come back from a restore some steps ahead of the checkpoint go on at their own
-        steps; counting the lost updates keeps the schedule with them, so it still ends at 0 when they do.
+        Lost: to a restart from an older checkpoint, or a push this shard refused. Workers go on at their
+        own steps; counting the lost updates keeps the schedule with them, so it ends at 0 when they do.
         """
         return self.served.version + self.core.counters.lost_updates
 
