@@ -64,8 +64,9 @@ def load_dataset(name: str, rank: int = 0, world: int = 1, seed: int = 0, **kw) 
         disjoint and cover the training set.
     seed : int
         Shuffles the training set before it is dealt out (mnist5k, digits);
-        chooses the teacher and the samples (synthetic). Every rank must pass
-        the same seed.
+        chooses the teacher and the samples (synthetic: a job passes its
+        ``synthetic_seed``, not its ``seed``, so that its runs share one task).
+        Every rank must pass the same seed.
     **kw
         Options of the synthetic dataset only.
     """

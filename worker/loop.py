@@ -38,15 +38,17 @@ def build(train: TrainConfig, rank: int, world: int, device: str | None = None):
     xp, device_name = get_xp(device or train.device)
     if xp is not np:
         device_name = f"cuda:{select_gpu(local_rank(rank))}"  # one GPU per worker: its local rank's
-    kw = {}
+    kw, seed = {}, train.seed  # seed shuffles a shipped dataset before it is dealt out
     if train.dataset == "synthetic":
         kw = dict(
             features=train.synthetic_features,
             samples=train.synthetic_samples,
             classes=train.synthetic_classes,
+            test_samples=train.synthetic_test_samples,
             image=tuple(train.synthetic_image) or None,
         )
-    data = load_dataset(train.dataset, rank=rank, world=world, seed=train.seed, **kw)
+        seed = train.synthetic_seed  # the task itself: the same for every run of the job, whatever its seed
+    data = load_dataset(train.dataset, rank=rank, world=world, seed=seed, **kw)
     model = build_model(
         train.model, data.input_shape, data.num_classes, hidden=tuple(train.hidden), activation=train.activation
     )
