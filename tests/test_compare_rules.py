@@ -168,6 +168,17 @@ def test_a_runs_job_carries_its_seed_and_an_older_experiment_reads_back_as_one_s
     assert [r.seed for r in experiment_from(mnist(), older, tmp_path).runs] == [0, 0, 0]
 
 
+def test_a_synthetic_jobs_repeats_vary_their_seeds_on_one_task_and_the_report_says_which(tmp_path):
+    from psgrid.cluster.experiments.report import _seeds_text
+
+    job = apply_overrides(load_job("synthetic-cnn"), {"train.synthetic_seed": 4})
+    settings = plain_settings(job, repeats=3, seeds=[0, 1, 2])
+    x = experiment_from(job, settings, tmp_path)
+    assert [(x.run_job(r).train.seed, x.run_job(r).train.synthetic_seed) for r in x.runs] == [(0, 4), (1, 4), (2, 4)]
+    assert "one synthetic task in every run, synthetic_seed 4" in _seeds_text(settings)
+    assert "synthetic" not in _seeds_text(plain_settings(mnist(), repeats=3))
+
+
 def test_intervals_only_from_five_or_more_varied_seeds_and_min_max_below(tmp_path):
     out = experiment_dir(tmp_path, {"sync": [0.90, 0.91, 0.92, 0.93, 0.94]})
     rewrite_report(out)

@@ -474,6 +474,9 @@ def _seeds_text(settings: dict) -> str:
         if settings.get("script")
         else "data order, initial weights and straggler draws"
     )
+    train = (settings.get("job") or {}).get("train") or {}
+    if not settings.get("script") and train.get("dataset") == "synthetic":
+        what += f"; one synthetic task in every run, synthetic_seed {train.get('synthetic_seed', 0)}"
     return (
         f"Seeds: repeats {', '.join(map(str, range(len(seeds))))} of every mode ran with seeds "
         f"{', '.join(map(str, seeds))} ({what}); each run's seed is in summary.csv."
