@@ -33,12 +33,13 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.001)
     p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum or Adam's beta1")
     p.add_argument("--init-scale", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="initial weights and batches")
+    p.add_argument("--synthetic-seed", type=int, default=0, help="the task (the jobs' synthetic_seed)")
     a = p.parse_args()
     if a.delay < 0 or a.steps < 1 or a.batch_size < 1:
         p.error("--delay must be >= 0, and --steps and --batch-size >= 1")
 
-    data = load_dataset("synthetic", seed=a.seed, image=(3, 32, 32), samples=32768, classes=10)
+    data = load_dataset("synthetic", seed=a.synthetic_seed, image=(3, 32, 32), samples=32768, classes=10)
     model = SmallCNN(data.input_shape, data.num_classes, hidden=1024)  # examples/synthetic-cnn.toml's model
     spec = model.spec
     weights = spec.pack(model.init_params(a.seed, a.init_scale)).astype(np.float32)

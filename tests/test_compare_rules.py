@@ -177,6 +177,8 @@ def test_a_synthetic_jobs_repeats_vary_their_seeds_on_one_task_and_the_report_sa
     assert [(x.run_job(r).train.seed, x.run_job(r).train.synthetic_seed) for r in x.runs] == [(0, 4), (1, 4), (2, 4)]
     assert "one synthetic task in every run, synthetic_seed 4" in _seeds_text(settings)
     assert "synthetic" not in _seeds_text(plain_settings(mnist(), repeats=3))
+    del settings["job"]["train"]["synthetic_seed"]  # an experiment recorded when the seed chose the task
+    assert "each seed also chose its synthetic task" in _seeds_text(settings)
 
 
 def test_intervals_only_from_five_or_more_varied_seeds_and_min_max_below(tmp_path):

@@ -67,13 +67,12 @@ def test_synthetic_test_samples_sets_the_held_out_set_and_leaves_training_alone(
 def test_the_test_sets_loss_and_accuracy_in_batches_are_the_whole_sets():
     import numpy as np
 
-    from psgrid.worker.evaluate import _loss_and_accuracy
     from psgrid.worker.loop import build
-    from psgrid.worker.models import accuracy, softmax_cross_entropy
+    from psgrid.worker.models import accuracy, loss_and_accuracy, softmax_cross_entropy
 
     _, _, data, model = build(_synthetic(synthetic_test_samples=2500), rank=0, world=1)
     params = model.spec.views(model.spec.pack(model.init_params(3)))
     whole_loss, _ = softmax_cross_entropy(model.predict(params, data.test_x), data.test_y)
-    loss, acc = _loss_and_accuracy(model, params, data.test_x, data.test_y, batch=1000)  # a short last batch
+    loss, acc = loss_and_accuracy(model, params, data.test_x, data.test_y, batch=1000)  # a short last batch
     assert np.isclose(loss, float(whole_loss), rtol=1e-5)
     assert acc == accuracy(model, params, data.test_x, data.test_y) and 0.0 < acc < 1.0

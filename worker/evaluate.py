@@ -12,10 +12,9 @@ import math
 
 import numpy as np
 
-from psgrid.worker.backend import array_module
 from psgrid.worker.config import TrainConfig
 from psgrid.worker.loop import build, make_admin
-from psgrid.worker.models import accuracy, softmax_cross_entropy
+from psgrid.worker.models import accuracy, loss_and_accuracy
 
 MAX_TRAIN_ROWS = 20_000
 
@@ -36,23 +35,10 @@ def evaluate_weights(
     if flat.shape != (model.spec.size,):
         raise ValueError(f"the weights hold {flat.size} parameters; this job's model has {model.spec.size}")
     params = model.spec.views(xp.asarray(flat))
-    test_loss, test_accuracy = _loss_and_accuracy(model, params, data.test_x, data.test_y)
+    test_loss, test_accuracy = loss_and_accuracy(model, params, data.test_x, data.test_y)
     return {
-        "train_accuracy": accuracy(model, params, xp.asarray(data.train_x), xp.asarray(data.train_y)),
+        "train_accuracy": accuracy(model, params, data.train_x, data.train_y),
         "test_accuracy": test_accuracy,
         "test_loss": test_loss,
         "version": version,
     }
-
-
-def _loss_and_accuracy(model, params, x, y, batch: int = 1000) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy over ``x`` in one pass of batches (a whole set's logits at once, and
-    the cnn's unfolded inputs behind them, took gigabytes for 10,000 images)."""
-    xp = array_module(next(iter(params.values())))
-    loss = correct = 0.0
-    for start in range(0, len(y), batch):
-        xb, yb = xp.asarray(x[start : start + batch]), xp.asarray(y[start : start + batch])
-        logits = model.predict(params, xb)
-        loss += float(softmax_cross_entropy(logits, yb)[0]) * len(yb)
-        correct += int((logits.argmax(axis=1) == yb).sum())
-    return loss / len(y), correct / len(y)

@@ -476,7 +476,11 @@ def _seeds_text(settings: dict) -> str:
     )
     train = (settings.get("job") or {}).get("train") or {}
     if not settings.get("script") and train.get("dataset") == "synthetic":
-        what += f"; one synthetic task in every run, synthetic_seed {train.get('synthetic_seed', 0)}"
+        what += (
+            f"; one synthetic task in every run, synthetic_seed {train['synthetic_seed']}"
+            if "synthetic_seed" in train
+            else "; each seed also chose its synthetic task (recorded before synthetic_seed)"
+        )
     return (
         f"Seeds: repeats {', '.join(map(str, range(len(seeds))))} of every mode ran with seeds "
         f"{', '.join(map(str, seeds))} ({what}); each run's seed is in summary.csv."

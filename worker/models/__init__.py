@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from psgrid.worker.models.base import Model, accuracy, softmax_cross_entropy
+from psgrid.worker.models.base import Model, accuracy, loss_and_accuracy, softmax_cross_entropy
 from psgrid.worker.models.cnn import SmallCNN
 from psgrid.worker.models.mlp import MLP, SoftmaxRegression
 
@@ -50,6 +50,7 @@ __all__ = [
     "SmallCNN",
     "SoftmaxRegression",
     "accuracy",
+    "loss_and_accuracy",
     "build_model",
     "softmax_cross_entropy",
 ]
