@@ -64,9 +64,18 @@ def launch(config: str, mode: str, workers: int, seed: int, sets: list[str], out
         mean_staleness=round(statistics.mean(staleness), 2) if staleness else None,
         momentum=stats[0].get("momentum") if stats else None,
         curve=eval_curve(out / "metrics.jsonl"),
+        **task_of(s),
         **failures_of(s),
     )
     return row
+
+
+def task_of(summary: dict) -> dict:
+    """A synthetic run's task and test-set size, as its job ran them: a row says what its accuracy is of."""
+    train = (summary.get("config") or {}).get("train") or {}
+    if train.get("dataset") != "synthetic":
+        return {}
+    return {"synthetic_seed": train.get("synthetic_seed"), "test_samples": train.get("synthetic_test_samples")}
 
 
 def failures_of(summary: dict) -> dict:
