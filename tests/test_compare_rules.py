@@ -181,6 +181,25 @@ def test_a_synthetic_jobs_repeats_vary_their_seeds_on_one_task_and_the_report_sa
     assert "each seed also chose its synthetic task" in _seeds_text(settings)
 
 
+def test_an_experiment_recorded_before_a_job_key_was_added_resumes_unless_its_seeds_chose_synthetic_tasks(tmp_path):
+    from psgrid.cluster.experiments.compare import check_resumable
+
+    def recorded_before_the_keys(settings):
+        older = json.loads(json.dumps(settings))
+        for key in ("synthetic_seed", "synthetic_test_samples"):
+            del older["job"]["train"][key]
+        return older
+
+    settings = plain_settings(mnist(), repeats=3)
+    check_resumable(recorded_before_the_keys(settings), settings, tmp_path)  # nothing else changed: it resumes
+    with pytest.raises(UsageError, match="other settings"):
+        check_resumable(recorded_before_the_keys(settings), plain_settings(mnist(), repeats=2), tmp_path)
+    synthetic = plain_settings(load_job("synthetic-50m"), repeats=3)  # its test set at the default size
+    with pytest.raises(UsageError, match="each seed chose its own synthetic task"):
+        check_resumable(recorded_before_the_keys(synthetic), synthetic, tmp_path)
+    check_resumable(synthetic, synthetic, tmp_path)
+
+
 def test_intervals_only_from_five_or_more_varied_seeds_and_min_max_below(tmp_path):
     out = experiment_dir(tmp_path, {"sync": [0.90, 0.91, 0.92, 0.93, 0.94]})
     rewrite_report(out)

@@ -196,12 +196,7 @@ def prepare(experiment: Experiment, resume: bool) -> list[Run]:
     if settings_file.exists():
         if not resume:
             raise UsageError(f"{out} already holds an experiment; add --resume to finish it, or choose another --out")
-        saved = json.loads(settings_file.read_text())
-        if _plan_of(saved) != _plan_of(experiment.settings):
-            raise UsageError(
-                f"{out} holds an experiment with other settings ({_describe(saved)}); "
-                f"--resume needs the same job, modes, workers, stragglers and repeats"
-            )
+        check_resumable(json.loads(settings_file.read_text()), experiment.settings, out)
     elif out.exists() and any(p.name != LOCK_FILE for p in out.iterdir()):
         raise UsageError(f"{out} is not empty and holds no experiment; choose another --out")
     files.make_dirs(out / "runs")
@@ -212,12 +207,39 @@ def prepare(experiment: Experiment, resume: bool) -> list[Run]:
     return [r for r in (experiment.tune_runs or experiment.runs) if not experiment.finished(r)]
 
 
+def check_resumable(saved: dict, settings: dict, out: Path) -> None:
+    """Refuse --resume of the experiment ``saved`` in ``out`` where its runs and those left would differ."""
+    if _plan_of(saved) != _plan_of(settings):
+        raise UsageError(
+            f"{out} holds an experiment with other settings ({_describe(saved)}); "
+            f"--resume needs the same job, modes, workers, stragglers and repeats"
+        )
+    train = (saved.get("job") or {}).get("train") or {}
+    if train.get("dataset") == "synthetic" and "synthetic_seed" not in train and len(set(saved.get("seeds") or [])) > 1:
+        raise UsageError(
+            f"{out} was recorded when each seed chose its own synthetic task, and the runs left would share one "
+            f"(synthetic_seed): run the experiment again with another --out"
+        )
+
+
 def _plan_of(settings: dict) -> tuple:
-    # The keys added with --tune and scripts count as absent when empty: an older experiment resumes.
+    # The keys added with --tune and scripts count as absent when empty, and the job's keys added since take
+    # their defaults: an older experiment resumes.
+    settings = {**settings, "job": _job_as_today(settings.get("job"))}
     return tuple(
         json.dumps(settings.get(k) if k not in NEWER_KEYS else settings.get(k) or None, sort_keys=True)
         for k in ("job", "modes", "workers", "stragglers", "repeats", "backup_workers", *NEWER_KEYS)
     )
+
+
+def _job_as_today(job: dict | None) -> dict | None:
+    """A recorded job as this psgrid reads it (a key it did not have yet at its default), or as recorded if unreadable."""
+    from psgrid.cluster.job.config import job_from_dict
+
+    try:
+        return job_from_dict(job, redacted_ok=True).public_dict()
+    except (UsageError, ValueError, TypeError, AttributeError):
+        return job
 
 
 NEWER_KEYS = ("tune", "tune_steps", "mode_settings", "script", "seeds", "tune_repeats", "mode_defaults")
