@@ -223,3 +223,16 @@ def test_the_writer_check_sees_each_way_of_writing_a_job_file(tmp_path):
     )
     assert sorted(w.split(":")[0] for w in job_file_writes(probe)) == ["line 1", "line 1", "line 2", "line 3"]
     assert job_file_writes(ROOT / WRITER)
+
+
+def test_a_synthetic_job_recorded_before_synthetic_seed_resumes_on_its_seeds_task(tmp_path):
+    """Its seed chose its task then: resumed on task 0 its shards' weights would go on training on another."""
+    from psgrid.cluster.run.resume import job_to_resume
+
+    job = load_job("synthetic-50m")
+    job_file = tmp_path / "job.toml"
+    text = job_from_dict({**job.public_dict(), "train": {**job.public_dict()["train"], "seed": 3}}).to_toml()
+    job_file.write_text("\n".join(line for line in text.splitlines() if not line.startswith("synthetic_seed")))
+    assert job_to_resume(job_file).train.synthetic_seed == 3
+    job_file.write_text(text)  # recorded with the key: as recorded
+    assert (job_to_resume(job_file).train.seed, job_to_resume(job_file).train.synthetic_seed) == (3, 0)

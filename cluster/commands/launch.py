@@ -180,8 +180,8 @@ def _resumed_job(args: argparse.Namespace):
 
     from psgrid.cluster.commands.common import collect_overrides
     from psgrid.cluster.errors import UsageError
-    from psgrid.cluster.job.config import apply_overrides, load_job
-    from psgrid.cluster.run.resume import job_file_to_resume
+    from psgrid.cluster.job.config import apply_overrides
+    from psgrid.cluster.run.resume import job_file_to_resume, job_to_resume
 
     folder = Path(args.resume)
     if args.config is not None:
@@ -190,5 +190,4 @@ def _resumed_job(args: argparse.Namespace):
     if overrides.get("out", str(folder)) != str(folder):
         raise UsageError("--resume continues in DIR itself: leave out --out")
     job_file = job_file_to_resume(folder)  # DIR/job.toml, or where damaged the latest attempt's copy
-    # its token is redacted there: the resumed job gets a new one, as every job does
-    return apply_overrides(load_job(str(job_file), redacted_ok=True), {**overrides, "out": str(folder)})
+    return apply_overrides(job_to_resume(job_file), {**overrides, "out": str(folder)})

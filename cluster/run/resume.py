@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from psgrid.cluster.errors import UsageError
-from psgrid.cluster.job.config import JobConfig, tomllib
+from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job, tomllib
 from psgrid.cluster.job.outdir import LOCK_FILE
 from psgrid.cluster.job.records import JOB_FILE, copy_job_file, signals_held
 from psgrid.psserver import files
@@ -238,6 +238,15 @@ def archive_attempt(out: Path) -> Path | None:
 def _attempts(out: Path) -> list[int]:
     """The numbers of the attempts archived in ``out/attempts``."""
     return [int(p.name) for p in (out / "attempts").glob("*") if p.name.isdigit()]
+
+
+def job_to_resume(job_file: Path) -> JobConfig:
+    """The job in ``job_file`` as it ran: one recorded before ``synthetic_seed`` trained on its seed's task, and keeps it."""
+    job = load_job(str(job_file), redacted_ok=True)  # its token is redacted there: the resumed job gets a new one
+    recorded = tomllib.loads(job_file.read_text()).get("train", {})
+    if job.train.dataset == "synthetic" and "synthetic_seed" not in recorded:
+        job = apply_overrides(job, {"train.synthetic_seed": job.train.seed})
+    return job
 
 
 def job_file_to_resume(out: Path) -> Path:
