@@ -121,27 +121,30 @@ class Model:
 
 def accuracy(model: Model, params: dict, x, y, batch: int = 1000) -> float:
     """Fraction of ``x`` classified as ``y``; host inputs are moved to the parameters' device in batches."""
+    xp = array_module(next(iter(params.values())))
+    n = len(y)
+    if n == 0:
+        raise ValueError("accuracy of an empty set")
     correct = 0
-    for xb, yb in _batches(params, x, y, batch):
+    for start in range(0, n, batch):
+        xb = xp.asarray(x[start : start + batch])
+        yb = xp.asarray(y[start : start + batch])
         correct = correct + (model.predict(params, xb).argmax(axis=1) == yb).sum()
-    return float(correct) / len(y)
+    return float(correct) / n
 
 
 def loss_and_accuracy(model: Model, params: dict, x, y, batch: int = 1000) -> tuple[float, float]:
-    """Mean softmax cross-entropy and accuracy of ``x`` against ``y`` in one pass of batches, as :func:`accuracy`
-    (a whole test set's logits at once, and the cnn's unfolded inputs behind them, took gigabytes)."""
+    """Mean softmax cross-entropy and :func:`accuracy` in one pass of the same batches: the coordinator's final
+    evaluation (a whole test set's logits at once, and the cnn's unfolded inputs behind them, took gigabytes)."""
+    xp = array_module(next(iter(params.values())))
+    n = len(y)
+    if n == 0:
+        raise ValueError("accuracy of an empty set")
     loss = correct = 0
-    for xb, yb in _batches(params, x, y, batch):
+    for start in range(0, n, batch):
+        xb = xp.asarray(x[start : start + batch])
+        yb = xp.asarray(y[start : start + batch])
         logits = model.predict(params, xb)
         loss = loss + softmax_cross_entropy(logits, yb)[0] * len(yb)
         correct = correct + (logits.argmax(axis=1) == yb).sum()
-    return float(loss) / len(y), float(correct) / len(y)
-
-
-def _batches(params: dict, x, y, batch: int):
-    """``(x, y)`` in batches on the parameters' device (host inputs are copied there one batch at a time)."""
-    if len(y) == 0:
-        raise ValueError("accuracy of an empty set")
-    xp = array_module(next(iter(params.values())))
-    for start in range(0, len(y), batch):
-        yield xp.asarray(x[start : start + batch]), xp.asarray(y[start : start + batch])
+    return float(loss) / n, float(correct) / n
