@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import time
 
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from psgrid.psserver.protocol import FLOAT32, Reason, Status
 from psgrid.psserver.spec import ModelSpec
 from psgrid.psserver.transports.stream_frames import MAGIC, PULL, PUSH, REPLY, REQUEST, recv_exact, recv_struct
+from tests.support import wait_for
 
 pytestmark = pytest.mark.parametrize("data_plane", ["tcp"])
 
@@ -51,18 +51,14 @@ def test_a_connection_closed_mid_payload_changes_nothing(cluster):
     before, pushes = c.shard().weights.copy(), c.shard().counters.pushes
     payload = f32(np.full(size, 3.0))
     port = c.servers[0].tcp.port
-    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-    try:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         sock.sendall(REQUEST.pack(MAGIC, PUSH, FLOAT32, client.worker_id, 0, 0, len(payload), 5.0))
         sock.sendall(payload[: len(payload) // 2])
-    finally:
-        sock.close()
-    # until the shard has seen the connection go and given back the buffer the half payload landed in (its
-    # handler does that after the connection leaves the table: once, under the full suite's load, in between)
-    deadline = time.monotonic() + 5
-    while (c.servers[0].tcp.connections or c.shard().pool.on_loan) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not c.servers[0].tcp.connections
+        # closed only once a handler is receiving the payload (it has taken the buffer it lands in): closed
+        # sooner, under the full suite's load, the checks below could run before the shard accepted at all
+        wait_for(lambda: c.shard().pool.on_loan == 1, 5, "a handler receiving the push", poll=0.02)
+    # until the shard has seen the connection go and given back that buffer
+    wait_for(lambda: not (c.servers[0].tcp.connections or c.shard().pool.on_loan), 5, "the closed push", poll=0.02)
     np.testing.assert_array_equal(c.shard().weights, before)
     assert c.shard().counters.pushes == pushes and c.shard().pool.on_loan == 0
     # the same push, complete this time, is applied: the half one did not take the clock
