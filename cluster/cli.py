@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from psgrid.cluster.errors import JobFailed, UsageError
+    from psgrid.cluster.errors import JobFailed, UsageError, out_of_memory
     from psgrid.psserver.exceptions import PSError, Unavailable
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -129,6 +129,13 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print(f"psctl {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        # A GPU that ran out of memory is the job's size, not a bug: one line naming what to change.
+        line = out_of_memory(e)
+        if line is None:
+            raise
+        print(f"psctl {args.command}: {line}", file=sys.stderr)
+        return 1
 
 
 def _wired_mpi() -> bool:

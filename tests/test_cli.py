@@ -324,3 +324,47 @@ def test_a_ctrl_c_that_an_import_turned_into_an_import_error_exits_130(monkeypat
     monkeypatch.setattr(cli, "_main", lambda argv: 1 // 0)  # no signal: a bug stays a bug
     with pytest.raises(ZeroDivisionError):
         cli.main(["launch"])
+
+
+def _error_of(module: str, name: str, base: type = Exception) -> type:
+    """An exception class that looks, by name and module, like a GPU library's (neither is installed here)."""
+    return type(name, (base,), {"__module__": module})
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [
+        _error_of("cupy.cuda.memory", "OutOfMemoryError")("Out of memory allocating 536,870,912 bytes"),
+        _error_of("torch", "OutOfMemoryError", RuntimeError)("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        _error_of("cupy_backends.cuda.api.runtime", "CUDARuntimeError")("cudaErrorMemoryAllocation: out of memory"),
+    ],
+)
+def test_a_gpu_out_of_memory_is_one_line_naming_what_to_change(raised, monkeypatch, capsys):
+    """A worker or shard whose GPU is full exits 1 with one line (launch shows it as the worker's last), no traceback."""
+    from psgrid.cluster.commands import status
+
+    def full(args):
+        try:
+            raise raised
+        except Exception as exc:  # as CuPy's error reaches psctl: the cause of one of ours
+            raise RuntimeError("the worker's buffers") from exc
+
+    monkeypatch.setattr(status, "run", full)
+    assert main(["status", "--addresses", "127.0.0.1:1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("psctl status: out of GPU memory (") and str(raised) in err and "batch_size" in err
+
+
+def test_other_errors_that_merely_mention_memory_stay_errors(monkeypatch):
+    from psgrid.cluster.commands import status
+
+    def broken(args):
+        raise _error_of("cupy_backends.cuda.api.runtime", "CUDARuntimeError")("cudaErrorIllegalAddress")
+
+    monkeypatch.setattr(status, "run", broken)
+    with pytest.raises(Exception, match="cudaErrorIllegalAddress"):
+        main(["status", "--addresses", "127.0.0.1:1"])
+    monkeypatch.setattr(status, "run", lambda args: (_ for _ in ()).throw(MemoryError("host memory")))
+    with pytest.raises(MemoryError):
+        main(["status", "--addresses", "127.0.0.1:1"])
