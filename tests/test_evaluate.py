@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from psgrid.worker.config import TrainConfig
 
 
@@ -76,3 +78,33 @@ def test_the_test_sets_loss_and_accuracy_in_batches_are_the_whole_sets():
     loss, acc = loss_and_accuracy(model, params, data.test_x, data.test_y, batch=1000)  # a short last batch
     assert np.isclose(loss, float(whole_loss), rtol=1e-5)
     assert acc == accuracy(model, params, data.test_x, data.test_y) and 0.0 < acc < 1.0
+
+
+class Untouchable:
+    """A test set that no worker but the evaluating one may read (on a GPU each copy costs device memory)."""
+
+    def __len__(self):
+        return 10
+
+    def __array__(self, *args, **kwargs):
+        raise AssertionError("a worker that does not evaluate read the test set")
+
+
+def test_only_the_evaluating_worker_takes_the_test_set(tmp_path):
+    import dataclasses
+    import json
+
+    from psgrid.worker.loop import build, train_loop
+    from tests.test_pull_ahead import STEPS, RecordingExchange
+
+    train = TrainConfig(model="softmax", dataset="digits", batch_size=32, steps=STEPS, eval_every=4, device="cpu")
+    xp, device, data, model = build(train, 0, 1, device="cpu")
+    init = model.spec.pack(model.init_params(train.seed, train.init_scale))
+    hidden = dataclasses.replace(data, test_x=Untouchable(), test_y=Untouchable())
+    assert train_loop(train, RecordingExchange(init.copy(), "async"), 1, xp, device, hidden, model)["steps"] == STEPS
+    with pytest.raises(AssertionError, match="read the test set"):  # rank 0 evaluates: it reads it
+        train_loop(train, RecordingExchange(init.copy(), "async"), 0, xp, device, hidden, model)
+    metrics = tmp_path / "rank0.jsonl"
+    train_loop(train, RecordingExchange(init.copy(), "async"), 0, xp, device, data, model, str(metrics))
+    evals = [r for r in map(json.loads, metrics.read_text().splitlines()) if r["event"] == "eval"]
+    assert [r["step"] for r in evals] == list(range(4, STEPS + 1, 4)) and 0 <= evals[-1]["test_accuracy"] <= 1
