@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -35,8 +36,10 @@ class ParamSpec:
         if any(d < 0 for d in shape):
             raise InvalidArgument(f"parameter {self.name!r} has a negative dimension: {shape}")
         try:
-            dtype = np.dtype(self.dtype)
-        except TypeError:
+            with warnings.catch_warnings():  # a deprecated spelling from the wire is not this process's warning
+                warnings.simplefilter("ignore")
+                dtype = np.dtype(self.dtype)
+        except Exception:  # noqa: BLE001 - NumPy's parser of free text from the wire: TypeError, ValueError, SyntaxError
             raise InvalidArgument(f"parameter {self.name!r} has an unknown dtype {self.dtype!r}") from None
         if dtype != FLAT_DTYPE:
             raise InvalidArgument(f"parameter {self.name!r}: only float32 parameters are supported, got {self.dtype}")

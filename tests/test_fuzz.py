@@ -48,7 +48,7 @@ specs = st.builds(
             ps_pb2.ParamInfo,
             name=texts,
             shape=st.lists(ints64, max_size=4),
-            dtype=st.sampled_from(["float32", "", "x"]),
+            dtype=st.one_of(st.sampled_from(["float32", "", "x", "(-1,)f4", "(1,2", "f4,f4"]), st.text(max_size=12)),
         ),
         max_size=4,
     ),

@@ -198,7 +198,9 @@ def test_non_float32_dtype_raises(dtype):
         ModelSpec.from_json(f'[["a", [1], "{dtype}"]]')
 
 
-@pytest.mark.parametrize("dtype", ["bogus", "float33", "tensor"])
+@pytest.mark.parametrize(
+    "dtype", ["bogus", "float33", "tensor", "(-1,)f4", "(99999999999999999,)f4", "(1,2", "f4,(", "(2,)f4", "f4,f4"]
+)
 def test_unparseable_dtype_raises_invalid_argument(dtype):
     # The dtype travels as a free string in Init's spec (proto ParamSpec.dtype); an unknown one is
     # bad input and must be refused as InvalidArgument (INVALID_ARGUMENT), not leak a TypeError
