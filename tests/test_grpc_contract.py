@@ -400,3 +400,25 @@ def test_an_init_the_optimizer_refuses_leaves_the_shard_empty_and_a_later_init_t
         pushed = stub.Push(push_stream(worker, [chunk(0, np.ones(SPEC.size))]), timeout=5)
         assert pushed.outcome == ps_pb2.PushReply.APPLIED and pushed.version == 1
     np.testing.assert_array_equal(c.weights(), SPEC.flat() - np.float32(0.5))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_a_push_of_headers_alone_to_an_empty_range_is_refused_and_moves_no_clock(cluster, mode):
+    """Shard 0 of 2 owns nothing of a one-element model: its real pushes carry one empty chunk, headers alone are bad_size."""
+    tiny = ModelSpec([("w", (1,))])
+    c = cluster(2, mode=mode)
+    client = c.client(tiny, init=np.ones(1, np.float32)).join()
+    server = c.servers[0]
+    assert server.shard.size == 0
+    with grpc.insecure_channel(c.addresses[0]) as channel:
+        stub = ps_pb2_grpc.ParameterServerStub(channel)
+        before = state(server)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Push(
+                iter([ps_pb2.PushRequest(worker_id=client.worker_id, clock=0, version=0, num_chunks=0)]), timeout=5
+            )
+        assert err.value.code() == INVALID and reason(err.value) is Reason.BAD_SIZE, err.value.details()
+        assert state(server)[1:] == before[1:] and server.shard.stats()["pushes"] == 0
+        reply = stub.Push(push_stream(client.worker_id, [chunk(0, [])]), timeout=5)  # as a client sends it
+        assert reply.next_clock == 1 and state(server)[2][client.worker_id] == 1
