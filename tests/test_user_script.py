@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from psgrid.cluster.cli import main
 from psgrid.cluster.run import script
-from tests.support import ROOT, assert_token_kept, run_launch, run_mpiexec
+from tests.support import ROOT, Launch, assert_token_kept, run_launch, run_mpiexec, steps_seen
 
 EXAMPLE = "examples/train_cupy.py"
 USER_SCRIPT = "tests/user_script.py"
@@ -255,3 +256,49 @@ def test_a_scripts_rate_runs_over_the_jobs_steps_and_psctl_says_so(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     # 2 workers x 20 pushes, each an update in async: the rate reached zero with the last one
     assert all(s["applied_updates"] == 40 and s["lr"] == 0.0 for s in summary["shard_stats"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_script_job_resumes_its_own_command_and_a_completed_one_is_refused(tmp_path, monkeypatch, capsys):
+    """``--resume DIR`` of a script job ran the built-in trainer (every worker failed on the model's hash)."""
+    job = [
+        "--no-progress",
+        "--workers",
+        "2",
+        "--set",
+        f"checkpoint_dir={tmp_path / 'ckpt'}",
+        "--set",
+        "checkpoint_every=20",
+    ]
+    with Launch(tmp_path, *job, "--", "python", USER_SCRIPT, "100000") as launch:
+        launch.wait_for(lambda: steps_seen(launch.out, 0) >= 60, 90, "worker 0 training")
+        launch.proc.send_signal(signal.SIGINT)
+        assert launch.wait(60) == 128 + signal.SIGINT, launch.text()
+    recorded = json.loads((launch.out / "command.json").read_text())
+    assert recorded["command"][1:] == [USER_SCRIPT, "100000"] and recorded["cwd"] == str(ROOT)
+
+    monkeypatch.chdir(tmp_path)  # the command's relative paths would mean other files here: refused, nothing started
+    assert main(["launch", "--resume", str(launch.out)]) == 2
+    err = capsys.readouterr().err
+    assert f"in {ROOT}: resume from there (cd {ROOT}), or give the command after --" in err, err
+    assert not (launch.out / "attempts").exists()
+
+    with Launch(tmp_path, "--no-progress", "--resume", str(launch.out), log="resume.log") as resumed:
+        resumed.wait_for(lambda: "resuming the job's own command" in resumed.text(), 30, "the resume")
+        resumed.wait_for(lambda: steps_seen(launch.out, 0) >= 100, 90, "worker 0 training on")
+        resumed.proc.send_signal(signal.SIGINT)
+        assert resumed.wait(60) == 128 + signal.SIGINT, resumed.text()
+    assert "model spec hash" not in resumed.text()
+    with Launch(tmp_path, "--no-progress", "--resume", str(launch.out), "--", "python", USER_SCRIPT, "50") as given:
+        assert given.wait(120) == 0, given.text()  # a command given after -- is run instead
+    assert "resuming with the command given after --; the job ran" in given.text()
+    summary = json.loads((launch.out / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["command"][1:] == [USER_SCRIPT, "50"], summary
+    assert summary["workers_completed"] == 2 and summary["name"] == "user_script"
+
+    monkeypatch.chdir(ROOT)
+    assert main(["launch", "--resume", str(launch.out)]) == 2  # completed: nothing to resume
+    err = capsys.readouterr().err
+    assert "its job completed (summary.json: status ok), so nothing is left to train" in err, err
+    assert json.loads((launch.out / "summary.json").read_text()) == summary

@@ -133,7 +133,11 @@ def run(args: argparse.Namespace) -> int:
     if args.tensorboard is not None:
         _check_tensorboard(args)
     if args.resume:
-        job = script.for_command(_resumed_job(args), command)
+        job = _resumed_job(args)
+        given = command
+        command = _resumed_command(args.resume, command)
+        _refuse_a_completed_job(args, given)
+        job = script.for_command(job, command)
         check_placement(job)
         check_mps(job)
         check_shard_device(job, given_names(args), sized=command is None)
@@ -173,6 +177,62 @@ def _with_tensorboard(args: argparse.Namespace, job, code: int) -> int:
         folder = write_job(Path(args.tensorboard), job.name, Path(job.out))
         print(f"psctl launch: TensorBoard events in {folder}", file=sys.stderr)
     return code
+
+
+def _resumed_command(folder: str, given: list[str] | None) -> list[str] | None:
+    """The command a resumed job's workers run: the one given after ``--``, else the one its folder recorded.
+
+    A script job resumed without its command ran the built-in trainer against the script's checkpoints
+    (every worker failed on the model's hash). The recorded command is run from the folder it ran in,
+    where its relative paths mean what they meant: a resume from elsewhere is refused in one line.
+    """
+    import os
+    import sys
+
+    from psgrid.cluster.errors import UsageError
+    from psgrid.cluster.job.records import COMMAND_FILE, read_command_file
+    from psgrid.cluster.run import script
+
+    recorded = read_command_file(folder)
+    if given is not None or recorded is None:
+        if given is not None and recorded is not None and given != recorded[0]:
+            shown = " ".join(recorded[0])
+            print(f"psctl launch: resuming with the command given after --; the job ran {shown}", file=sys.stderr)
+        return given
+    command, cwd = recorded
+    shown = " ".join(command)
+    if os.path.realpath(cwd) != os.path.realpath(os.getcwd()):
+        raise UsageError(
+            f"--resume {folder}: its job ran `{shown}` in {cwd}: resume from there (cd {cwd}), "
+            f"or give the command after --"
+        )
+    print(f"psctl launch: resuming the job's own command ({folder}/{COMMAND_FILE}): {shown}", file=sys.stderr)
+    return script.resolve_command(command)
+
+
+def _refuse_a_completed_job(args: argparse.Namespace, given: list[str] | None) -> None:
+    """A job that completed has nothing to resume unless it is given further to go: a longer run, or a command.
+
+    Resumed as it was, it started its shards, made no step and put a summary of 0 steps in place of
+    the real one.
+    """
+    import json
+    from pathlib import Path
+
+    from psgrid.cluster.commands.common import collect_overrides
+    from psgrid.cluster.errors import UsageError
+
+    try:
+        status = json.loads((Path(args.resume) / "summary.json").read_text(encoding="utf-8")).get("status")
+    except (OSError, ValueError, AttributeError):
+        return  # no summary (a launcher that was killed): there is something to resume
+    longer = any(key.rsplit(".", 1)[-1] in ("steps", "epochs") for key in collect_overrides(args))
+    if status == "ok" and not longer and given is None:
+        raise UsageError(
+            f"--resume {args.resume}: its job completed (summary.json: status ok), so nothing is left to "
+            f"train; to train on from its checkpoints give a larger total (--steps N or --set epochs=N; a "
+            f"script's own length: its command after --)"
+        )
 
 
 def _resumed_job(args: argparse.Namespace):

@@ -30,6 +30,7 @@ RUN_FILES = (
     "summary.json",
     "metrics.jsonl",
     "job.toml",
+    "command.json",
     "token",
     "metrics",
     "logs",

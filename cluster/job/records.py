@@ -27,6 +27,7 @@ from pathlib import Path
 from psgrid.psserver import files
 
 JOB_FILE = "job.toml"
+COMMAND_FILE = "command.json"  # a script job's command, where it ran: what ``--resume`` runs again
 TMP_SUFFIX = ".tmp"  # a temporary file is .NAME.PID.tmp
 HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -116,3 +117,28 @@ def copy_job_file(out: str | os.PathLike, folder: str | os.PathLike) -> Path:
     path = Path(folder) / JOB_FILE
     write_whole(path, (Path(out) / JOB_FILE).read_text(encoding="utf-8"))
     return path
+
+
+def write_command_file(out: str | os.PathLike, command: list[str], cwd: str | os.PathLike) -> Path:
+    """``OUT/command.json``: the command each worker of a script job runs, and the folder it runs in."""
+    import json
+
+    path = Path(out) / COMMAND_FILE
+    write_whole(path, json.dumps({"command": list(command), "cwd": str(cwd)}) + "\n")
+    return path
+
+
+def read_command_file(out: str | os.PathLike) -> tuple[list[str], str] | None:
+    """The command and folder :func:`write_command_file` recorded in ``out``; None where it recorded none."""
+    import json
+
+    try:
+        record = json.loads((Path(out) / COMMAND_FILE).read_text(encoding="utf-8"))
+        command, cwd = record["command"], record["cwd"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # damaged: said by the caller as "no command recorded"
+    if not (isinstance(command, list) and command and all(isinstance(a, str) for a in command)):
+        return None
+    return command, str(cwd)

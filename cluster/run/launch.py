@@ -37,7 +37,7 @@ from psgrid.cluster.job import credentials, rate_schedule
 from psgrid.cluster.job.config import JobConfig
 from psgrid.cluster.job.memory import footprint
 from psgrid.cluster.job.outdir import lock
-from psgrid.cluster.job.records import signals_held, write_job_file
+from psgrid.cluster.job.records import signals_held, write_command_file, write_job_file
 from psgrid.cluster.job.shard_device import mps_note, with_shard_device
 from psgrid.cluster.run import coordinator as co
 from psgrid.cluster.run import script as user_script
@@ -122,6 +122,8 @@ class Launcher:
         if job.server.checkpoint_dir:  # absolute, so a resume from another folder finds the checkpoints
             job.server.checkpoint_dir = str(Path(job.server.checkpoint_dir).resolve())
         self.job_file = write_job_file(out, job, "by psctl launch")
+        if command:
+            write_command_file(out, command, Path.cwd())
         credentials.write_token_file(out, job)
         cpus = usable_cpus()
         secret = credentials.child_env(job)  # the token travels in the environment, never in argv
