@@ -36,6 +36,14 @@ def test_metrics_tail_reads_whole_lines_only(tmp_path):
     assert (state.steps, state.total_samples, state.mean_loss) == (2, 8, 0.5)
 
 
+def test_a_worker_whose_done_record_the_launcher_made_keeps_its_step_records_samples():
+    """A script that exits without close() writes no done record; the launcher's stand-in has no count."""
+    state = JobState()
+    steps = [{"event": "step", "rank": r, "step": s, "samples": 8, "loss": 1.0} for r in (0, 1) for s in range(3)]
+    state.update([*steps, {"event": "done", "rank": 0}, {"event": "done", "rank": 1, "samples": 30}])
+    assert (state.worker_samples(0), state.worker_samples(1), state.total_samples) == (24, 30, 54)
+
+
 def test_merge_metrics_sorts_by_time(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text('{"time": 3, "x": "a3"}\n{"time": 1, "x": "a1"}\n')

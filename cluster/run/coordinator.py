@@ -166,7 +166,10 @@ class JobState:
         return sum(self.worker_position(r) for r in set(self.steps_done) | set(self.done) | set(self.first_step))
 
     def worker_samples(self, rank: int) -> int:
-        return int(self.done[rank].get("samples", 0)) if rank in self.done else self.samples.get(rank, 0)
+        """The worker's own count where its done record has one; else its step records' (a script that exited
+        without ``close()`` has a done record the launcher made, with no count: its samples were not 0)."""
+        done = self.done.get(rank, {})
+        return int(done["samples"]) if "samples" in done else self.samples.get(rank, 0)
 
     @property
     def steps(self) -> int:
