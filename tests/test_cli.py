@@ -52,6 +52,15 @@ def test_no_command_prints_help_and_fails(capsys):
     "argv, fragment",
     [
         (["launch", "--mode", "bsp"], "argument --mode: invalid choice: 'bsp'"),
+        (["launch", "--set", "mode=bsp"], "got 'bsp' (did you mean 'sync'?)"),
+        (["launch", "--set", "mode=ASP"], "got 'ASP' (did you mean 'async'?)"),
+        (["launch", "--set", "mode=snyc"], "got 'snyc' (did you mean 'sync'?)"),
+        (["launch", "--set", "synthetic_classes=1"], "[train] synthetic_classes must be >= 2, got 1"),
+        (["launch", "--set", "synthetic_features=0"], "[train] synthetic_features must be >= 1, got 0"),
+        (
+            ["launch", "--dataset", "synthetic", "--set", "synthetic_samples=3", "--workers", "4"],
+            "synthetic_samples (3) leaves a worker without a training sample",
+        ),
         (["launch", "--workers", "two"], "argument --workers: invalid int value: 'two'"),
         (["launch", "--config", "no-such-job"], "job file 'no-such-job' not found"),
         (["launch", "--set", "lrr=0.1"], "unknown key 'lrr'"),

@@ -23,9 +23,11 @@ class TrainConfig:
         "with psgrid (sources and licences in `worker/datasets/README.md`), or `synthetic` (a "
         "teacher network)",
     )
-    synthetic_features: int = setting(784, "features of the synthetic task")
-    synthetic_samples: int = setting(10000, "samples of the synthetic task")
-    synthetic_classes: int = setting(10, "classes of the synthetic task")
+    synthetic_features: int = setting(784, "features of the synthetic task", bound=at_least(1))
+    synthetic_samples: int = setting(
+        10000, "training samples of the synthetic task (split among the workers)", bound=at_least(1)
+    )
+    synthetic_classes: int = setting(10, "classes of the synthetic task", bound=at_least(2))
     synthetic_seed: int = setting(
         0,
         "the synthetic task's own seed (its teacher, training and test samples), apart from `seed`: runs that "

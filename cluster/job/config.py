@@ -247,12 +247,20 @@ def route(key: str, sections: tuple[str, ...] = SECTIONS) -> list[tuple[str, str
     return [(places[0], key)]
 
 
+# The field's other names for a mode: BSP and ASP are what the literature calls sync and async.
+MODE_SYNONYMS = {"bsp": "sync", "asp": "async", "synchronous": "sync", "asynchronous": "async"}
+
+
 def with_suggestion(message: str) -> str:
     """A value error with ``(did you mean 'async'?)`` added where the value is close to one of the choices."""
     found = re.search(r"must be one of \(([^)]*)\), got '([^']*)'", message)
     if not found:
         return message
-    close = difflib.get_close_matches(found[2], re.findall(r"'([^']*)'", found[1]), n=1)
+    choices = re.findall(r"'([^']*)'", found[1])
+    synonym = MODE_SYNONYMS.get(found[2].lower())
+    if synonym in choices:
+        return f"{message} (did you mean {synonym!r}?)"
+    close = difflib.get_close_matches(found[2], choices, n=1)
     return f"{message} (did you mean {close[0]!r}?)" if close else message
 
 
@@ -523,6 +531,11 @@ def _check_job(job: JobConfig, where: str) -> None:
         raise ConfigError(
             f"{where}: [train] pull_ahead = true applies to async and ssp only: a sync pull waits for "
             f"the round the push before it closes, so there is nothing to pull ahead"
+        )
+    if job.train.dataset == "synthetic" and job.train.synthetic_samples < job.workers:
+        raise ConfigError(
+            f"{where}: [train] synthetic_samples ({job.train.synthetic_samples}) leaves a worker without a "
+            f"training sample: the samples are split among the [job] workers ({job.workers}); give at least that many"
         )
     if mode_rules(job.server.mode).accumulates and job.server.backup_workers >= job.workers:
         raise ConfigError(
