@@ -1028,3 +1028,16 @@ def test_progress_lines_come_once_per_step_in_order_and_accuracy_is_every_worker
     assert [line.split(":")[0].split("] ")[1] for line in lines] == ["worker 1 step 50", "worker 0 step 100"], lines
     assert state.evaluation() == pytest.approx({"test_accuracy": 0.7, "train_accuracy": 0.7})
     progress.close()
+
+
+def test_a_resumed_jobs_progress_lines_count_from_where_it_was(capsys):
+    """The lines' count is the bar's: steps made before the resume count, as they do in its total."""
+    from psgrid.cluster.run.coordinator import JobState, Progress
+
+    state, progress = JobState(), Progress(4000, enabled=False)
+    starts = [{"event": "start", "rank": r, "first_step": 1000, "steps": 2000} for r in (0, 1)]
+    steps = [{"event": "step", "rank": r, "step": 1000 + s, "loss": 1.0} for r in (0, 1) for s in range(40)]
+    progress.update(state, state.update([*starts, *steps, {"event": "eval", "rank": 0, "step": 1040}]))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"[{state.position}/4000 steps] worker 0 step 1040") and state.position == 2080, line
+    progress.close()

@@ -251,7 +251,8 @@ class Progress:
         """One line per evaluation, for logs where no bar is drawn."""
         total = f"/{self.total}" if self.total else ""
         acc, loss = e.get("test_accuracy"), state.mean_loss
-        parts = [f"[{state.steps}{total} steps] worker {e.get('rank', 0)} step {e.get('step', '?')}:"]
+        # the bar's count: a resumed job's steps count from where it was, as its total does
+        parts = [f"[{state.position}{total} steps] worker {e.get('rank', 0)} step {e.get('step', '?')}:"]
         if finite(acc):
             parts.append(f"test accuracy {acc:.4f}")
         if loss is not None:
