@@ -1035,7 +1035,7 @@ def test_a_resumed_jobs_progress_lines_count_from_where_it_was(capsys):
     from psgrid.cluster.run.coordinator import JobState, Progress
 
     state, progress = JobState(), Progress(4000, enabled=False)
-    starts = [{"event": "start", "rank": r, "first_step": 1000, "steps": 2000} for r in (0, 1)]
+    starts = [{"event": "start", "rank": r, "time": 1.0, "first_step": 1000, "steps": 2000} for r in (0, 1)]
     steps = [{"event": "step", "rank": r, "step": 1000 + s, "loss": 1.0} for r in (0, 1) for s in range(40)]
     progress.update(state, state.update([*starts, *steps, {"event": "eval", "rank": 0, "step": 1040}]))
     (line,) = capsys.readouterr().err.splitlines()
