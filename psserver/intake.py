@@ -275,10 +275,10 @@ class PushIntake(RangeIntake):
         return self.finite(values) if isinstance(values, np.ndarray) else self.shard.arrays.all_finite(values)
 
     def commit(self, declared_chunks: int | None = None) -> PushResult:
-        if self.buffer is None:  # headers alone: nothing landed (an empty range's push sends one empty chunk)
-            raise InvalidArgument("a push with no payload: headers alone", Reason.BAD_SIZE)
         if self.covered != self.size or declared_chunks is not None:  # a whole landing is complete
             self.complete(declared_chunks)
+        if self.buffer is None:  # headers alone to an empty range (whose pushes carry one empty chunk)
+            raise InvalidArgument("a push with no payload: headers alone", Reason.BAD_SIZE)
         if self.staged is not None:  # gRPC chunks went on to the GPU as they came: the last copy ends first
             self.shard.arrays.finished()
             self.home.give(self.buffer)
