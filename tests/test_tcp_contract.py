@@ -85,6 +85,13 @@ def test_an_unknown_operation_or_another_protocol_closes_the_connection(cluster)
         except ConnectionResetError:
             closed = True  # ... reset, since the rest of the request was never read
         assert closed
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        # a PULL that says a payload follows: those bytes, read as the next request, would answer it
+        sock.sendall(REQUEST.pack(MAGIC, PULL, FLOAT32, -1, 0, 0, REQUEST.size, 5.0))
+        sock.sendall(REQUEST.pack(MAGIC, PULL, FLOAT32, -1, 0, 0, 0, 5.0))
+        fields, text = read_reply(sock)
+        assert (fields[1], fields[2]) == (Status.INVALID_ARGUMENT, Reason.MALFORMED) and "no payload" in text.decode()
+        assert sock.recv(1) == b""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:  # the plane still serves
         sock.sendall(REQUEST.pack(MAGIC, PULL, FLOAT32, -1, 0, 0, 0, 5.0))
         fields, body = read_reply(sock)

@@ -18,9 +18,11 @@ import socket
 import ssl
 from collections.abc import Callable
 
+from psgrid.psserver.exceptions import InvalidArgument
+from psgrid.psserver.protocol import Reason
 from psgrid.psserver.service import ShardService
 from psgrid.psserver.transports.base import ListenContext, Listening, register_listener
-from psgrid.psserver.transports.stream_frames import HANDSHAKE_S, PULL, PUSH, Request, recv_exact
+from psgrid.psserver.transports.stream_frames import HANDSHAKE_S, MAX_MESSAGE, PULL, PUSH, Request, recv_exact
 from psgrid.psserver.transports.stream_server import DEFAULT_MAX_CONNECTIONS, Connection, SocketDataServer, wait_timeout
 
 DRAIN_SLACK = 1 << 20  # a refused push is dropped up to the range in float32 and this much more, then cut
@@ -62,6 +64,14 @@ class TcpDataServer(SocketDataServer):
 
     def _operation(self, conn: Connection, request: Request) -> bool:
         if request.op == PULL:
+            if request.nbytes:  # read as the next request, its bytes would put the connection out of step
+                self._refuse_unread(
+                    conn,
+                    InvalidArgument("a PULL carries no payload (nbytes 0)", Reason.MALFORMED),
+                    request.nbytes,
+                    MAX_MESSAGE,
+                )
+                return False
             self._answer(conn.sock, self._pull, conn.sock, request)
             return True
         if request.op == PUSH:
