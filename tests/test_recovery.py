@@ -428,6 +428,30 @@ def test_a_checkpoint_newer_than_the_manifest_is_not_kept(tmp_path):
     assert checkpoint.read_manifest(tmp_path)["version"] == 2  # a refused rewind changes nothing
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_completed_job_is_not_resumed_unless_given_further_to_go(tmp_path, capsys, monkeypatch):
+    """Resumed as it was, a completed job made no step and put a summary of 0 steps in place of the real one."""
+    from psgrid.cluster.cli import main
+
+    args = [*MNIST, "--steps", "30", "--set", f"checkpoint_dir={tmp_path / 'ckpt'}", "--set", "checkpoint_every=10"]
+    with Launch(tmp_path, *args) as first:
+        assert first.wait(120) == 0, first.text()
+    done = summary_of(first.out)
+    monkeypatch.chdir(tmp_path)
+    assert main(["launch", "--resume", str(first.out)]) == 2
+    err = capsys.readouterr().err
+    assert "every worker is at the job's last step (30) in the shards' checkpoints" in err and err.count("\n") == 1
+    assert summary_of(first.out) == done and not (first.out / "attempts").exists()
+    with Launch(tmp_path, "--no-progress", "--resume", str(first.out), "--steps", "45", log="more.log") as more:
+        assert more.wait(120) == 0, more.text()
+    summary = summary_of(first.out)
+    # the 15 steps more, to clock 45 on every shard (a worker that joins rounds late is moved on: fewer of its own)
+    assert summary["status"] == "ok" and 15 <= summary["steps"] <= 2 * 15, summary["worker_results"]
+    assert all(s["min_clock"] == 45 for s in summary["shard_stats"]), summary["shard_stats"]
+    assert (first.out / "attempts" / "1" / "summary.json").exists()
+
+
 def test_resume_cli_errors_name_the_fix(tmp_path, capsys):
     from psgrid.cluster.cli import main
 

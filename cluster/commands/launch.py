@@ -134,9 +134,7 @@ def run(args: argparse.Namespace) -> int:
         _check_tensorboard(args)
     if args.resume:
         job = _resumed_job(args)
-        given = command
         command = _resumed_command(args.resume, command)
-        _refuse_a_completed_job(args, given)
         job = script.for_command(job, command)
         check_placement(job)
         check_mps(job)
@@ -208,31 +206,6 @@ def _resumed_command(folder: str, given: list[str] | None) -> list[str] | None:
         )
     print(f"psctl launch: resuming the job's own command ({folder}/{COMMAND_FILE}): {shown}", file=sys.stderr)
     return script.resolve_command(command)
-
-
-def _refuse_a_completed_job(args: argparse.Namespace, given: list[str] | None) -> None:
-    """A job that completed has nothing to resume unless it is given further to go: a longer run, or a command.
-
-    Resumed as it was, it started its shards, made no step and put a summary of 0 steps in place of
-    the real one.
-    """
-    import json
-    from pathlib import Path
-
-    from psgrid.cluster.commands.common import collect_overrides
-    from psgrid.cluster.errors import UsageError
-
-    try:
-        status = json.loads((Path(args.resume) / "summary.json").read_text(encoding="utf-8")).get("status")
-    except (OSError, ValueError, AttributeError):
-        return  # no summary (a launcher that was killed): there is something to resume
-    longer = any(key.rsplit(".", 1)[-1] in ("steps", "epochs") for key in collect_overrides(args))
-    if status == "ok" and not longer and given is None:
-        raise UsageError(
-            f"--resume {args.resume}: its job completed (summary.json: status ok), so nothing is left to "
-            f"train; to train on from its checkpoints give a larger total (--steps N or --set epochs=N; a "
-            f"script's own length: its command after --)"
-        )
 
 
 def _resumed_job(args: argparse.Namespace):

@@ -32,11 +32,11 @@ import sys
 import time
 from pathlib import Path
 
-from psgrid.cluster.errors import JobFailed
+from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.job import credentials, rate_schedule
 from psgrid.cluster.job.config import JobConfig
 from psgrid.cluster.job.memory import footprint
-from psgrid.cluster.job.outdir import lock
+from psgrid.cluster.job.outdir import lock, release
 from psgrid.cluster.job.records import signals_held, write_command_file, write_job_file
 from psgrid.cluster.job.shard_device import mps_note, with_shard_device
 from psgrid.cluster.run import coordinator as co
@@ -533,7 +533,13 @@ def launch(
         from psgrid.cluster.run import resume as resuming
 
         lock(Path(job.out))  # a job still running there is said as such, before its checkpoints are read
-        alignment = resuming.align(job, resuming.check_resumable(job, Path(job.out)))
+        try:
+            alignment = resuming.align(job, resuming.check_resumable(job, Path(job.out)))
+            if command is None:
+                resuming.refuse_completed(job, alignment.restore)
+        except UsageError:
+            release(Path(job.out))  # refused before anything moved: the folder is free (psgrid.launch callers)
+            raise
         with signals_held():  # every shard rewound before a Ctrl-C is heard
             resuming.rewind(job, alignment, Path(job.out))  # before prepare_out, which archives what it moved aside
         print(f"psctl launch: {resuming.describe(alignment)}", file=sys.stderr, flush=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from psgrid.cluster.errors import UsageError
@@ -52,6 +52,11 @@ class ShardCheckpoint:
     clocks: dict[int, int]
     closed_rounds: int
     file: str = ""  # its file in the shard's checkpoint folder
+    departed: dict[int, int] = field(default_factory=dict)  # the clock each worker that left had
+
+    def clock_of(self, worker: int) -> int:
+        """Where ``worker`` was on this shard: live, or when it left (0: never seen)."""
+        return self.clocks.get(worker, self.departed.get(worker, 0))
 
     def where(self) -> str:
         clocks = sorted(self.clocks.values())
@@ -77,6 +82,7 @@ def _read(shard: int, path: Path) -> ShardCheckpoint:
         clocks={int(w): c for w, c in meta["clocks"].items()},
         closed_rounds=meta["closed_rounds"],
         file=path.name,
+        departed={int(w): c for w, c in meta.get("departed", {}).items()},
     )
 
 
@@ -182,6 +188,22 @@ def check_resumable(job: JobConfig, out: Path) -> list[ShardCheckpoint]:
             f"says {job.server.mode!r}; resume in the mode it ran in"
         )
     return present
+
+
+def refuse_completed(job: JobConfig, restore: list[ShardCheckpoint]) -> None:
+    """Refuse to resume a built-in job whose every worker is at its last step on every shard: nothing is left.
+
+    Resumed, it started its shards, made no step, and put a summary of 0 steps in place of the real
+    one. (A script's length is its own: a script job resumed runs its command again.)
+    """
+    if not restore or job.train.epochs:
+        return
+    steps = job.train.steps
+    if all(c.clock_of(rank) >= steps for c in restore for rank in range(job.workers)):
+        raise UsageError(
+            f"--resume {job.out}: every worker is at the job's last step ({steps}) in the shards' checkpoints, "
+            f"so nothing is left to train; to train on from them, give a larger total (--steps N)"
+        )
 
 
 def describe(alignment: Alignment) -> str:
