@@ -119,3 +119,66 @@ def test_expired_boundary(lease_s):
     leases.add(0, "h", now=1000.0)
     assert leases.expired(1000.0 + lease_s) == []
     assert leases.expired(1000.0 + lease_s + 1e-6) == [0]
+
+
+# ----- bounds: what ids made up by a token holder cannot grow ------------------------------------------
+
+
+def _service():
+    from psgrid.psserver.config import ServerConfig
+    from psgrid.psserver.service import ShardService
+    from psgrid.psserver.state.shard import Shard
+
+    return ShardService(Shard(ServerConfig(mode="async", shared_memory=False, lease_s=300)))
+
+
+def test_a_shard_holds_at_most_max_members_live_workers_and_takes_one_when_another_leaves(monkeypatch):
+    from psgrid.psserver.exceptions import Unavailable
+    from psgrid.psserver.protocol import Reason
+    from psgrid.psserver.state import membership
+
+    monkeypatch.setattr(membership, "MAX_MEMBERS", 3)
+    service = _service()
+    ids = [service.register(spec_hash="", worker_id=-1, start_clock=-1, host="h").worker_id for _ in range(3)]
+    with pytest.raises(Unavailable, match="holds 3 live workers, its most") as refused:
+        service.register(spec_hash="", worker_id=-1, start_clock=-1, host="h")
+    assert refused.value.reason is Reason.TOO_MANY_CONNECTIONS
+    assert [m["worker_id"] for m in service.stats()["members"]] == sorted(ids)  # the refusal added nobody
+    assert service.register(spec_hash="", worker_id=ids[0], start_clock=-1, host="h").worker_id == ids[0]  # a rejoin
+    service.heartbeat(worker_id=ids[1], leaving=True)
+    assert service.register(spec_hash="", worker_id=-1, start_clock=-1, host="h").worker_id not in ids
+
+
+def test_a_full_membership_of_the_longest_hosts_fits_stats_in_grpcs_4_mib():
+    from psgrid.psserver.rpc import ps_pb2
+    from psgrid.psserver.service import MAX_HOST_CHARS
+    from psgrid.psserver.state.membership import MAX_MEMBERS
+    from psgrid.psserver.state.policy import MAX_DEPARTED
+
+    service = _service()
+    shard = service.shard
+    for worker in range(MAX_MEMBERS):
+        service.register(spec_hash="", worker_id=worker, start_clock=-1, host="h" * MAX_HOST_CHARS)
+    with shard.cond:  # as many departed as a shard remembers, each with a wait of its own
+        shard.policy.departed.update((2**30 + w, 2**40) for w in range(MAX_DEPARTED))
+        waits = shard.counters.wait_s_by_worker
+        waits.update((w, 1.5) for w in [*range(MAX_MEMBERS), *shard.policy.departed])
+    stats = service.stats()
+    members = [ps_pb2.MemberInfo(**m) for m in stats.pop("members")]
+    reply = ps_pb2.StatsReply(members=members, waits=[ps_pb2.WorkerWait(**w) for w in stats.pop("waits")], **stats)
+    assert reply.ByteSize() < 4 * 2**20, reply.ByteSize()
+
+
+def test_a_departed_worker_forgotten_takes_its_wait_time_with_it(monkeypatch):
+    from psgrid.psserver.state import policy
+
+    monkeypatch.setattr(policy, "MAX_DEPARTED", 2)
+    service = _service()
+    shard = service.shard
+    for worker in range(5):
+        service.register(spec_hash="", worker_id=worker, start_clock=-1, host="h")
+        with shard.cond:
+            shard.counters.wait_s_by_worker[worker] = 0.5  # as a pull that waited records it
+        service.heartbeat(worker_id=worker, leaving=True)
+    assert sorted(shard.policy.departed) == [3, 4]
+    assert sorted(w["worker_id"] for w in service.stats()["waits"]) == [3, 4]

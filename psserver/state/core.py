@@ -35,7 +35,13 @@ class ShardCore:
         # async: an update is computed outside ``cond`` (weights are never changed in place, so pulls
         # and everything else go on meanwhile); updates queue on this lock, taken before ``cond``.
         self.apply_lock = threading.Lock()
-        self.policy = ConsistencyPolicy(config.mode, config.staleness, config.backup_workers)
+        # a departed worker the policy forgets (the oldest, past MAX_DEPARTED) takes its wait time with it
+        self.policy = ConsistencyPolicy(
+            config.mode,
+            config.staleness,
+            config.backup_workers,
+            on_forget=lambda worker: self.counters.wait_s_by_worker.pop(worker, None),
+        )
         self.counters = Counters()
         self.listeners: list = []  # callables(event: str, **fields) for metrics exporters
         self.closing = False  # set by Shard.close(): waits end, new calls are refused

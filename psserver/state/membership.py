@@ -15,12 +15,17 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from psgrid.psserver.exceptions import SpecMismatch
+from psgrid.psserver.exceptions import SpecMismatch, Unavailable
+from psgrid.psserver.protocol import Reason
 from psgrid.psserver.state.claims import Claims
 from psgrid.psserver.state.core import ShardCore
 from psgrid.psserver.state.served_range import ServedRange
 
 log = logging.getLogger("psgrid.shard")
+
+# Live workers a shard takes at once: far past any job's, and what keeps Stats, which lists each (its host
+# too), under gRPC's 4 MiB; ids made up by a token holder cannot grow the membership past it.
+MAX_MEMBERS = 4096
 
 
 @dataclass
@@ -128,6 +133,12 @@ class Members:
                 )
             if worker_id < 0:
                 worker_id = self.leases.new_id(taken=policy.departed)
+            if not policy.is_live(worker_id) and len(policy.clocks) >= MAX_MEMBERS:
+                raise Unavailable(
+                    f"shard {core.config.shard_index} holds {MAX_MEMBERS} live workers, its most: another "
+                    f"joins once one leaves or is evicted",
+                    Reason.TOO_MANY_CONNECTIONS,
+                )
             # An evicted worker that comes back at a later clock pushed to the other shards meanwhile:
             # what it pushed while it was not a member here is as lost as what a restart forgot.
             before = policy.clocks.get(worker_id, policy.departed.get(worker_id))

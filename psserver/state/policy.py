@@ -26,6 +26,7 @@ most to ``MAX_START_CLOCK``.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from psgrid.psserver.exceptions import InvalidArgument, UnknownWorker
@@ -60,7 +61,9 @@ class ConsistencyPolicy:
         sync only: a round closes when all but this many live workers pushed it.
     """
 
-    def __init__(self, mode: str, staleness: int = 0, backup_workers: int = 0):
+    def __init__(
+        self, mode: str, staleness: int = 0, backup_workers: int = 0, on_forget: Callable[[int], object] | None = None
+    ):
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
         if staleness < 0 or backup_workers < 0:
@@ -77,6 +80,7 @@ class ConsistencyPolicy:
         # The clock each departed worker had: one that comes back (a reply lost past its lease,
         # then a retry) must not push the same clock a second time.
         self.departed: dict[int, int] = {}
+        self.on_forget = on_forget  # told of each departed worker forgotten, so what else it keeps of one goes too
 
     # ----- membership -------------------------------------------------------------------------
 
@@ -114,7 +118,10 @@ class ConsistencyPolicy:
     def forget_oldest_departed(self) -> None:
         # Bounded, so that ids made up by strangers cannot grow it without end; the oldest go first.
         while len(self.departed) > MAX_DEPARTED:
-            del self.departed[next(iter(self.departed))]
+            worker = next(iter(self.departed))
+            del self.departed[worker]
+            if self.on_forget is not None:
+                self.on_forget(worker)
 
     def is_live(self, worker: int) -> bool:
         return worker in self.clocks
