@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -88,6 +89,22 @@ def test_without_a_job_init_says_how_to_get_one(monkeypatch):
     monkeypatch.setenv("PSGRID_ADDRESSES", "127.0.0.1:1")
     with pytest.raises(RuntimeError, match="PSGRID_WORLD_SIZE"):  # the job's size is never guessed
         init({"w": np.zeros(2, np.float32)})
+
+
+@pytest.mark.parametrize(
+    "rank, world, message",
+    [
+        (3, 1, "rank must be in 0..0 for world 1, got 3"),
+        (-1, 2, "rank must be in 0..1 for world 2, got -1"),
+        ("0", 2, "rank must be in 0..1 for world 2, got '0'"),
+        (0, 0, "world must be a positive whole number of workers, got 0"),
+    ],
+)
+def test_a_rank_outside_the_world_is_refused_before_joining(monkeypatch, rank, world, message):
+    """A rank past the world trained as a worker the job never counted (seen: rank 3 of world 1 ran)."""
+    no_job(monkeypatch)
+    with pytest.raises(ValueError, match=re.escape(f"psgrid.init: {message}")):
+        init({"w": np.zeros(2, np.float32)}, addresses=["127.0.0.1:1"], rank=rank, world=world)
 
 
 def test_the_job_file_gives_the_clients_transport_settings(tmp_path):

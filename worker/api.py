@@ -118,6 +118,8 @@ def init(
     world = world if world is not None else env.world
     if not addresses or world is None:
         raise RuntimeError(NO_JOB)
+    rank = rank if rank is not None else env.rank
+    _check_rank(rank, world)
     table = job_train_table(job_file or env.job_file)
     # A worker's own settings given here win over the job's, as the client's do; the rest go to the client.
     table = {**table, **{key: client_options.pop(key) for key in WORKER_ONLY if key in client_options}}
@@ -136,7 +138,7 @@ def init(
         params,
         addresses=addresses,
         world=world,
-        rank=rank if rank is not None else env.rank,
+        rank=rank,
         metrics=metrics or env.metrics,
         local_rank=env.local_rank,
         gpu=env.gpu,
@@ -144,6 +146,14 @@ def init(
         host_group=env.host_group,
         **settings,
     )
+
+
+def _check_rank(rank: int | None, world) -> None:
+    """A rank of the job, or None (the shards assign one): a rank past the world trained as a worker nobody counted."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"psgrid.init: world must be a positive whole number of workers, got {world!r}")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world):
+        raise ValueError(f"psgrid.init: rank must be in 0..{world - 1} for world {world}, got {rank!r}")
 
 
 def unreachable(addresses: list[str], settings: Mapping) -> str | None:
