@@ -245,8 +245,34 @@ def test_bench_script_measures_a_users_script_through_psgrid_against_itself_alon
     assert repeats[0]["alone_after"] == repeats[1]["alone"] and repeats[2]["alone_after"] == repeats[3]["alone"]
     assert repeats[1]["alone_after"] != repeats[2]["alone"]
     assert [(r["shard_placement"], r["planes_used"]) for r in summary] == [("process", ["shm"]), ("worker", ["local"])]
-    for row in summary:
-        assert len(row["ratios"]) == 2 and row["ratio"] == pytest.approx(sum(row["ratios"]) / 2)  # their median
+    for row in summary:  # the row's alone is the reference its ratio is to: alone x ratio is its samples/s
+        assert len(row["ratios"]) == 2 and row["alone_samples_per_s"] * row["ratio"] == pytest.approx(
+            row["samples_per_s"]
+        )
+
+
+def test_bench_scripts_table_shows_the_reference_its_ratio_is_to():
+    """Each row's alone column is its repeats' mean of the two alone runs beside them, not every alone run's."""
+    import io
+
+    from psgrid.cluster.bench.script import _row, _table
+
+    # The script alone sped up between the runs: the first configuration's references are slow, the second's fast.
+    references = [{"samples_per_s": v, "compute_s": 0.01, "push_s": 0.001} for v in (100.0, 140.0, 300.0)]
+    runs = {
+        "async": {"samples_per_s": 60.0, "alone_samples_per_s": 120.0, "ratio": 0.5},
+        "sync": {"samples_per_s": 110.0, "alone_samples_per_s": 220.0, "ratio": 0.5},
+    }
+    rows = []
+    for mode, found in runs.items():
+        found.update(planes_used=["shm"], shard_device="cpu", pull_s=None, compute_s=None, push_s=None, delay_s=None)
+        rows.append(_row(mode, 2, 1, "process", [found], references))
+    out = io.StringIO()
+    _table(rows, out)
+    for row, line in zip(rows, out.getvalue().splitlines()[2:], strict=True):
+        psgrid_column, alone_column, ratio_column = (float(x) for x in line.split()[5:8])
+        assert alone_column == runs[row["mode"]]["alone_samples_per_s"]
+        assert alone_column * ratio_column == pytest.approx(psgrid_column, rel=0.01)
 
 
 def test_bench_script_needs_a_command_and_other_targets_take_none(capsys):

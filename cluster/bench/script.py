@@ -4,7 +4,8 @@ Each repeat runs the command alone (``PSGRID_ALONE=1``: :func:`psgrid.init` retu
 no servers that updates the parameters in place by plain SGD, ``torch.optim.SGD`` for a PyTorch
 module; worker/alone.py) and through ``psctl launch`` in each mode and worker count asked for, in
 turn: alone, a configuration, alone, the next, ..., alone. Each configuration's ratio is to the mean
-of the two alone runs beside it: on a shared machine the script alone moved by a fifth between runs
+of the two alone runs beside it (over repeats, the median of its samples/s over the median of those
+means, the reference the table prints beside it): on a shared machine the script alone moved by a fifth between runs
 minutes apart (docs/performance.md, "Your own script"), and a reference taken once per repeat moved
 every ratio of that repeat with it. Both write the same step records; samples/s is taken over the
 steps after the first ``skip`` of each worker (connections, caches, cuDNN's choice of kernels),
@@ -202,6 +203,7 @@ def _measure(
             found = through_psgrid(command, job, skip)
             after = reference()
             beside = (before["samples_per_s"] + after["samples_per_s"]) / 2
+            found["alone_samples_per_s"] = beside
             found["ratio"] = (found["samples_per_s"] or 0.0) / beside
             runs[(mode, w, placement)].append(found)
             if as_json:
@@ -228,18 +230,25 @@ def _measure(
 
 
 def _row(mode: str, w: int, shards: int, placement: str, found: list[dict], references: list[dict]) -> dict:
-    """One configuration's summary: the median of its repeats' ratios beside each, and of its step's parts."""
-    ratios = [f["ratio"] for f in found]
+    """One configuration's summary: its samples/s and its reference's, medians over its repeats, and their ratio.
+
+    The reference is the one its ratios use, the mean of the two alone runs beside each repeat, so that
+    the row's alone samples/s times its ratio is its samples/s through psgrid, as the table prints them;
+    ``ratios`` are each repeat's own, and ``alone_median_samples_per_s`` the median of every alone run.
+    """
+    samples = statistics.median(f["samples_per_s"] or 0.0 for f in found)
+    beside = statistics.median(f["alone_samples_per_s"] for f in found)
     return {
         "suite": "script",
         "mode": mode,
         "workers": w,
         "shards": shards,
         "shard_placement": placement,
-        "ratio": statistics.median(ratios),
-        "ratios": ratios,
-        "samples_per_s": statistics.median(f["samples_per_s"] or 0.0 for f in found),
-        "alone_samples_per_s": statistics.median(r["samples_per_s"] for r in references),
+        "ratio": samples / beside,
+        "ratios": [f["ratio"] for f in found],
+        "samples_per_s": samples,
+        "alone_samples_per_s": beside,
+        "alone_median_samples_per_s": statistics.median(r["samples_per_s"] for r in references),
         "alone_compute_s": statistics.median(r["compute_s"] for r in references),
         "alone_update_s": statistics.median(r["push_s"] for r in references),
         "planes_used": found[0]["planes_used"],
@@ -256,8 +265,10 @@ def _median(values):
 def _table(rows: list[dict], out) -> None:
     if rows:
         print(
-            f"alone: {rows[0]['alone_samples_per_s']:.0f} samples/s, {1e3 * rows[0]['alone_compute_s']:.2f} ms compute "
-            f"(pull to update), {1e3 * rows[0]['alone_update_s']:.2f} ms update (medians)",
+            f"alone: {rows[0]['alone_median_samples_per_s']:.0f} samples/s, {1e3 * rows[0]['alone_compute_s']:.2f} ms "
+            f"compute (pull to update), {1e3 * rows[0]['alone_update_s']:.2f} ms update (medians of every alone run); "
+            f"each row's alone is the mean of the two alone runs beside it (median over repeats), and x alone "
+            f"is its samples/s over that",
             file=out,
         )
     print(

@@ -40,8 +40,8 @@ DESCRIPTION = (
     "runs only what is missing. The allreduce mode trains with no shards under the mpiexec of "
     "the mpi extra (pip install 'psgrid[mpi]'). "
     "--tune KEY=V1,V2 (repeatable) first runs every mode over the grid of those settings (short "
-    "runs of --tune-steps, one each), picks each mode's best point (the earliest to the target; "
-    "where none reaches it, the best final accuracy; a diverged point never wins) and runs the "
+    f"runs of --tune-steps, {TUNE_REPEATS} of each point unless --tune-repeats says otherwise), picks "
+    "each mode's best point (the earliest to the target; where none reaches it, the best final accuracy; a diverged point never wins) and runs the "
     "repeats there; the report shows each mode's chosen settings and how each setting did. "
     "Repeat r runs with seed base+r (the job's seed is the base; --seeds pins them). A setting whose "
     "final accuracies spread more than 0.05 across repeats, or whose loss rose for a stretch, is "
@@ -236,7 +236,9 @@ def run(args: argparse.Namespace) -> int:
     if args.report_only:
         from psgrid.cluster.experiments.compare import rewrite_report, table_text
 
-        rows = rewrite_report(Path(args.out), args.target_accuracy, args.classes, args.tensorboard)
+        rows = rewrite_report(
+            Path(args.out), args.target_accuracy, args.classes, args.tensorboard, command=_report_command(args)
+        )
         print(table_text(rows, rows[-1]["target_accuracy"] if rows else None))  # a repeat's: they come last
         return 0
     from psgrid.cluster.commands.common import flag_names, given_names
@@ -248,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
     command = None if args.user_command is None else script.resolve_command(args.user_command)
     if command and args.mpi:
         raise UsageError("psctl compare --mpi runs the built-in trainer: leave out --mpi to compare a script")
+    if command and (length := [f for k, f in flag_names(args).items() if k in ("steps", "epochs")]):
+        raise UsageError(f"{length[0]}: a script decides its own length; pass it the steps after -- instead")
     job = load_job_from_args(args)
     check_mps(job, launcher="psctl compare --mpi" if args.mpi else "psctl launch")
     if command is None:  # a user's script chooses its own device
@@ -300,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
         mode_defaults=defaults,
         tensorboard=None if args.tensorboard is None else str(Path(args.tensorboard).resolve()),
         script_given=args.user_command,
+        seeds_pinned=args.seeds is not None,
     )
     experiment = experiment_from(job, settings, Path(args.out))
     if args.overwrite:
@@ -307,6 +312,20 @@ def run(args: argparse.Namespace) -> int:
     if args.mpi:
         return _run_mpi(experiment, args)
     return Compare(experiment, resume=args.resume, progress=args.progress).run()
+
+
+def _report_command(args: argparse.Namespace) -> str:
+    """The ``--report-only`` command line as given, for the report and experiment.json (else what it set)."""
+    import shlex
+    import sys
+
+    if sys.argv[1:2] == ["compare"]:
+        return "psctl compare " + shlex.join(sys.argv[2:])
+    parts = ["psctl", "compare", "--out", args.out, "--report-only"]
+    for flag, value in (("--target-accuracy", args.target_accuracy), ("--classes", args.classes)):
+        if value is not None:
+            parts += [flag, str(value)]
+    return shlex.join(parts)
 
 
 def _straggler_settings(given: list[str] | None, job, workers: list[int], *, say: bool) -> list[str]:

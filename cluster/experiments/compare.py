@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from psgrid.cluster.errors import JobFailed, UsageError
+from psgrid.cluster.experiments import provenance, stability, tuning
 from psgrid.cluster.experiments import results as res
-from psgrid.cluster.experiments import stability, tuning
 from psgrid.cluster.experiments import target as targets
 from psgrid.cluster.experiments.experiment import NO_STRAGGLERS, TUNE, Mode, Run, Settings, plan, tune_plan
 from psgrid.cluster.experiments.stability import refused_non_finite
@@ -81,6 +81,17 @@ class Experiment:
     seeds: list[int] | None = None  # repeat r's seed; None: the job's for every run
     tune_repeats: int = 1  # runs of each grid point
     tensorboard: Path | None = None  # where each run's TensorBoard events go
+    attempt: dict | None = None  # this attempt's record (provenance.attempt_of), once prepare has checked D
+
+    def ran(self, run: Run) -> None:
+        """Note in D/experiment.json that this attempt ran ``run``; its first run adds the attempt there."""
+        if self.attempt is None:
+            return
+        attempts = self.settings.setdefault("attempts", [])
+        if not any(a is self.attempt for a in attempts):
+            attempts.append(self.attempt)
+        self.attempt["runs"].append(run.id)
+        co.write_json(self.out / SETTINGS_FILE, self.settings)
 
     @property
     def tune_runs(self) -> list[Run]:
@@ -193,12 +204,17 @@ def prepare(experiment: Experiment, resume: bool) -> list[Run]:
     out = experiment.out
     lock(out)  # held while the experiment runs: another psctl compare may not take the folder
     settings_file = out / SETTINGS_FILE
+    experiment.attempt = provenance.attempt_of(experiment.settings)
     if settings_file.exists():
         if not resume:
             raise UsageError(f"{out} already holds an experiment; add --resume to finish it, or choose another --out")
-        check_resumable(json.loads(settings_file.read_text()), experiment.settings, out)
+        saved = json.loads(settings_file.read_text())
+        check_resumable(saved, experiment.settings, out)
+        # What ran stays recorded as it ran: this attempt is added once it runs something (Experiment.ran).
+        experiment.settings = provenance.resumed(saved, experiment.settings)
     elif out.exists() and any(p.name != LOCK_FILE for p in out.iterdir()):
         raise UsageError(f"{out} is not empty and holds no experiment; choose another --out")
+    experiment.settings.setdefault("attempts", [])
     files.make_dirs(out / "runs")
     co.write_json(settings_file, experiment.settings)
     for folder in (f for f in (out / "runs").iterdir() if f.is_dir() and not f.is_symlink()):
@@ -312,6 +328,36 @@ def tuning_label(run: Run) -> str:
     return settings_text(run.settings)
 
 
+def schedule_note(x: Experiment) -> str | None:
+    """For a script: psctl launch's note that the rate schedule's length came from [train] steps, once for every run.
+
+    A run under compare is a quiet psctl launch, which says nothing; the length differs by mode and worker
+    count (one update a round in sync, one a push in async and ssp), so the line gives each one's.
+    """
+    from psgrid.cluster.job import rate_schedule
+
+    if not x.command:
+        return None
+    updates: dict[str, int] = {}
+    first = None
+    for run in x.runs:
+        job = x.run_job(run)
+        if rate_schedule.derived_note(job):
+            first = first or job
+            updates.setdefault(f"{run.mode.label} w{run.workers}", rate_schedule.schedule_updates(job))
+    if first is None:
+        return None
+    over = (
+        f"{next(iter(updates.values()))} updates"
+        if len(set(updates.values())) == 1
+        else ", ".join(f"{k} {n}" for k, n in updates.items()) + " updates"
+    )
+    return (
+        f"lr_schedule {first.server.lr_schedule} runs over {over}, from [train] steps = {first.train.steps}; "
+        f"a script that runs another number of steps sets lr_updates"
+    )
+
+
 def run_parameter_server(job: JobConfig, out: Path, progress: RunProgress, command: list[str] | None = None) -> None:
     """One parameter-server run, as ``psctl launch [-- CMD]`` runs it (JobFailed / Interrupted propagate)."""
     Launcher(job, prepare_out(job), bar=progress, quiet=True, command=command).run()
@@ -368,6 +414,8 @@ class Compare:
                 "pip install 'psgrid[mpi]' (it brings mpi4py and MPICH)"
             )
         todo = prepare(x, self.resume)
+        if note := schedule_note(x):
+            print(f"psctl compare: {note}", file=sys.stderr, flush=True)
         failed, interrupted = [], None
         old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -450,6 +498,7 @@ class Compare:
         with files.open_new(self.x.out / "results.jsonl", "a") as f:
             for line in res.result_lines(run, events):
                 f.write(line + "\n")
+        self.x.ran(run)
         if self.x.tensorboard is not None:
             from psgrid.cluster.experiments.tensorboard import write_run
 
@@ -551,12 +600,18 @@ def _chosen_runs(x: Experiment, chosen: dict[tuple, Settings]) -> dict[tuple, li
 
 
 def rewrite_report(
-    out: Path, target: float | None = None, classes: int | None = None, tensorboard: str | Path | None = None
+    out: Path,
+    target: float | None = None,
+    classes: int | None = None,
+    tensorboard: str | Path | None = None,
+    command: str | None = None,
 ) -> list[dict]:
     """Write summary.csv, results.jsonl and the report of the experiment in ``out`` again, from its runs.
 
     Nothing is run; the settings (machine included) are those saved when it ran, except the target
-    accuracy and the number of classes when given. With ``tensorboard`` every run's events are written there too.
+    accuracy and the number of classes when given: those are saved in D/experiment.json with ``command``
+    (the ``--report-only`` command line) as ``report_command``, which the report shows beside the command
+    that ran the experiment. With ``tensorboard`` every run's events are written there too.
     """
     from psgrid.cluster.job.config import job_from_dict
 
@@ -568,6 +623,10 @@ def rewrite_report(
         settings.update(target_accuracy=target, target_source=targets.GIVEN)
     if classes is not None:
         settings["classes"] = classes
+    if target is not None or classes is not None:
+        # The report says its target was given: the record says by which command, and keeps it for the next.
+        settings["report_command"] = command or "psctl compare --report-only (command not recorded)"
+        co.write_json(out / SETTINGS_FILE, settings)
     x = experiment_from(job_from_dict(settings["job"]), settings, out)
     if tensorboard is not None:
         from psgrid.cluster.experiments.tensorboard import write_run

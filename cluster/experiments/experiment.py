@@ -49,9 +49,10 @@ ROW_FIELDS = (
     "loss_rise",  # where the loss rose for a stretch of the run (stability.py); empty: it did not
     "invalid_metrics",  # what the run logged that no report can use (an accuracy outside [0, 1], ...); empty: none
     "target_accuracy",  # the experiment's target test accuracy
-    "time_to_target_s",  # seconds from the run's first worker start to the first evaluation >= target; empty if never
+    "time_to_target_s",  # seconds from the run's first worker start to the first evaluation >= target, the final
+    # one included (timed at the end of training); empty if never
     "final_test_accuracy",
-    "best_test_accuracy",  # the highest test accuracy any evaluation of the run saw
+    "best_test_accuracy",  # the highest test accuracy any evaluation of the run saw, the final one included
     "final_train_accuracy",
     "final_loss",  # mean of the workers' last training losses
     "steps",  # all workers' steps together
@@ -60,7 +61,7 @@ ROW_FIELDS = (
     "samples_per_s",
     "mean_staleness",  # over every push (max over shards per push)
     "p99_staleness",
-    "dropped_pushes",  # pushes a sync round had closed without (outcome DROPPED_LATE)
+    "dropped_pushes",  # pushes a closed sync round dropped: the mean of the shards' dropped_late counts
     "bytes_moved",  # bytes every worker sent and received, all together
     "mean_wait_s",  # per worker: seconds blocked waiting for others (consistency waits; allreduce: in Allreduce)
     "max_wait_s",

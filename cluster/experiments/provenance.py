@@ -6,6 +6,11 @@ versions of Python, NumPy and, where installed, CuPy and PyTorch; the machine; t
 user's script its command and the SHA-256 of every file the command names, with the settings psgrid
 imposed on it (the shards' optimizer and mode settings, the workers' settings from the job's
 ``[train]`` table) rather than the built-in job's description, which the script never ran.
+
+An experiment may run in several attempts: the first, then each ``--resume`` that ran a run. Each
+attempt's command, machine and provenance are kept under ``attempts`` with the runs it ran
+(:func:`attempt_of`, :func:`resumed`), and the record at the top stays the first one's: a
+``--resume`` from another checkout that finds nothing left to run changes nothing of what ran.
 """
 
 from __future__ import annotations
@@ -47,6 +52,30 @@ def provenance(
     return found
 
 
+ATTEMPT_KEYS = ("command", "machine", "provenance")  # what each attempt records of itself
+
+
+def attempt_of(settings: dict) -> dict:
+    """The attempt ``settings`` (as settings_for wrote them now) describe, with no run yet: ``{..., "runs": []}``."""
+    return {**{k: settings.get(k) for k in ATTEMPT_KEYS}, "runs": []}
+
+
+def resumed(saved: dict, settings: dict) -> dict:
+    """The settings a ``--resume`` writes: today's, with the attempts ``saved`` records and the first one's record.
+
+    The attempt now adds itself once it runs a run (compare.py ``Experiment.ran``). An experiment recorded
+    before attempts were is one attempt, whose runs were not listed (``runs`` None); one whose attempts ran
+    nothing yet takes today's record.
+    """
+    attempts = saved.get("attempts")
+    if attempts is None:
+        attempts = [{**{k: saved.get(k) for k in ATTEMPT_KEYS}, "runs": None}]
+    merged = {**settings, "attempts": attempts}
+    if attempts:
+        merged.update(machine=attempts[0].get("machine"), provenance=attempts[0].get("provenance"))
+    return merged
+
+
 def git_state(where: Path) -> dict:
     """``git_commit`` and ``git_tree`` (clean / changed) of the checkout holding ``where``; {} outside one."""
     try:
@@ -79,13 +108,32 @@ def optional_version(name: str) -> str | None:
 
 
 def script_hashes(command: list[str]) -> dict[str, str]:
-    """SHA-256 of each file the command names (the interpreter aside): ``{path: hex digest}``."""
+    """SHA-256 of each file the command names (the Python interpreter aside): ``{path: hex digest}``.
+
+    The program itself is one where it is a file (``./train.py`` run directly): it is the script. An
+    argument is one where it is a file with a suffix (``train.py``, ``data.npz``), not a bare word that
+    happens to name a file in the current folder.
+    """
     hashes = {}
+    program = Path(command[0]) if command else None
+    if program is not None and program.is_file() and not _is_python(program):
+        hashes[str(program.resolve())] = _sha256(program)
     for arg in command[1:]:
         path = Path(arg)
         if path.suffix and path.is_file():
-            hashes[str(path.resolve())] = hashlib.sha256(path.read_bytes()).hexdigest()
+            hashes[str(path.resolve())] = _sha256(path)
     return hashes
+
+
+def _is_python(program: Path) -> bool:
+    """Whether ``program`` is the Python interpreter (this one, or any: its hash says nothing of the script)."""
+    if program.resolve() == Path(sys.executable).resolve():
+        return True
+    return program.name.startswith("python") and not program.suffix.startswith(".py")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def imposed_settings(job: JobConfig) -> dict:

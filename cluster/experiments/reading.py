@@ -397,7 +397,9 @@ def _why(ok: list[dict], group: Group, modes: list[str]) -> str | None:
     if waits:
         said.append("a worker spent on average " + join(waits) + " waiting for the others")
     if dropped:
-        said.append("late pushes that a closed sync round dropped: " + join(dropped))
+        said.append(
+            "late pushes that a closed sync round dropped (the shards' counts, mean over shards): " + join(dropped)
+        )
     said += [f"in {m} {p}" for m in present if (p := _waiting_for_stragglers(rows_of(ok, group, m), group[1]))]
     return f"Why, {group_title(group)}: " + "; ".join(said) + "." if said else None
 

@@ -244,6 +244,8 @@ def _target_text(settings: dict) -> str:
             "so no time to target."
         )
     how = rule_text(settings.get("target_source") or "auto")
+    if settings.get("target_source") == "given" and "--target-accuracy" in str(settings.get("report_command") or ""):
+        how += " of the --report-only command above"
     return (
         f"Target test accuracy: {acc(target)}, {how}. Time to target counts from the run's start; a run that "
         f"never reached it is counted as 'k of n reached', and a median is given only where more than half "
@@ -372,6 +374,64 @@ def provenance_table(settings: dict) -> Table | None:
     return Table(["provenance", ""], rows)
 
 
+def command_blocks(settings: dict) -> list:
+    """The command that ran the experiment, and the ``--report-only`` one that changed its target or classes."""
+    ran = str(settings.get("command") or "(command not recorded)")
+    if not settings.get("report_command"):
+        return [
+            Paragraph("The command that ran this experiment and wrote this report (run it again to reproduce both):"),
+            Code(ran),
+        ]
+    return [
+        Paragraph("The command that ran this experiment (run it again to reproduce its runs):"),
+        Code(ran),
+        Paragraph(
+            "The command that wrote this report from those runs, with its own target accuracy or number of classes "
+            "(run it after the first to reproduce the report):"
+        ),
+        Code(str(settings["report_command"])),
+    ]
+
+
+# What tells two attempts' records apart: the machine's load at the start of each always differs.
+MACHINE_KEYS = ("host", "cpus", "platform", "python", "gpu")
+
+
+def attempts_text(settings: dict) -> str | None:
+    """Which runs each attempt ran (the first, then each --resume that ran one), and what differed between them."""
+    attempts = settings.get("attempts") or []
+    if len(attempts) < 2:
+        return None
+    fields = [("provenance", k) for k in dict.fromkeys(k for a in attempts for k in a.get("provenance") or {})]
+    fields += [("machine", k) for k in MACHINE_KEYS]
+    differ = [
+        (part, key)
+        for part, key in fields
+        if len({json.dumps((a.get(part) or {}).get(key), sort_keys=True) for a in attempts}) > 1
+    ]
+
+    def said(i: int, attempt: dict) -> str:
+        values = ", ".join(f"{key} {_said((attempt.get(part) or {}).get(key))}" for part, key in differ)
+        runs = attempt.get("runs")
+        ran = "the runs recorded before attempts were" if runs is None else ", ".join(runs) or "no run"
+        return f"attempt {i + 1}{f' ({values})' if values else ''} ran {ran}"
+
+    if not differ:
+        return (
+            f"The runs ran in {len(attempts)} attempts (the first, then each --resume that ran a run), on the same "
+            f"machine and provenance: " + "; ".join(said(i, a) for i, a in enumerate(attempts)) + "."
+        )
+    return (
+        f"The runs ran in {len(attempts)} attempts (the first, then each --resume that ran a run), whose records "
+        f"differ in {', '.join(k for _, k in differ)}: " + "; ".join(said(i, a) for i, a in enumerate(attempts)) + ". "
+        "The machine and provenance above are attempt 1's; experiment.json keeps each attempt's under attempts."
+    )
+
+
+def _said(value) -> str:
+    return "none" if value is None else value if isinstance(value, str) else json.dumps(value)
+
+
 def mode_settings_text(settings: dict) -> str | None:
     """Which settings each mode ran with beyond the job's, and which of them are the mode's own defaults."""
     defaults = {m: dict(p) for m, p in (settings.get("mode_defaults") or {}).items()}
@@ -402,17 +462,13 @@ def build(
 ) -> list:
     """The report's blocks; ``plots`` maps a plot's name to its PNG and caption (None: matplotlib is missing)."""
     ok = finished(rows)
-    blocks: list = [
-        Heading(settings.get("title") or "psctl compare", 1),
-        Paragraph("The command that ran this experiment and wrote this report (run it again to reproduce both):"),
-        Code(str(settings.get("command") or "(command not recorded)")),
-        Heading("Setup"),
-    ]
+    blocks: list = [Heading(settings.get("title") or "psctl compare", 1), *command_blocks(settings), Heading("Setup")]
     if machine := settings.get("machine") or {}:
         blocks.append(Table(["machine", ""], [[str(k), "none" if v is None else str(v)] for k, v in machine.items()]))
     if table := provenance_table(settings):
         blocks.append(table)
     blocks += [
+        *([Paragraph(text)] if (text := attempts_text(settings)) else []),
         Paragraph(
             ("Script: " if settings.get("script") else "Job: ")
             + str(settings.get("job_summary") or "not recorded")
@@ -459,15 +515,39 @@ def build(
 
 
 def _seeds_text(settings: dict) -> str:
+    """What seeds the runs that ran had: the repeats', then the tuning runs' (they may be more: --tune-repeats)."""
     seeds = settings.get("seeds")
     if not seeds:
         return "Seeds: every repeat ran with the job's seed (recorded before seeds varied per repeat)."
-    seeds = seeds[: max(int(settings.get("repeats") or 1), int(settings.get("tune_repeats") or 0))]
-    if len(set(seeds)) == 1:
-        return (
-            f"Seeds: every repeat ran with seed {seeds[0]} (pinned with --seeds), so repeats differ only by "
-            f"timing and no interval is drawn from them."
+    repeats = seeds[: int(settings.get("repeats") or 1)]
+    tuned = seeds[: int(settings.get("tune_repeats") or 1)] if settings.get("tune") else []
+    # Recorded before it was: only --seeds could give every one of several repeats one seed.
+    pinned = settings.get("seeds_pinned", len(repeats) > 1 and len(set(repeats)) == 1)
+    how = " (pinned with --seeds)" if pinned else ""
+    base = " (base+r: the job's seed plus the repeat)" if "seeds_pinned" in settings else ""
+    if len(repeats) == 1:
+        text = f"Seeds: one run per setting, seed {repeats[0]}{how} ({_seeded(settings)})"
+    elif len(set(repeats)) == 1:
+        text = (
+            f"Seeds: every repeat ran with seed {repeats[0]}{how}, so repeats differ only by timing and no "
+            f"interval is drawn from them"
         )
+    else:
+        text = (
+            f"Seeds: repeats {', '.join(map(str, range(len(repeats))))} of every mode ran with seeds "
+            f"{', '.join(map(str, repeats))}{how or base} ({_seeded(settings)})"
+        )
+    if tuned:
+        text += (
+            f"; tuning ran each grid point {_times(len(tuned))}, with seed {tuned[0]}"
+            if len(set(tuned)) == 1
+            else f"; tuning ran each grid point {_times(len(tuned))}, with seeds {', '.join(map(str, tuned))}"
+        )
+    return text + "; each run's seed is in summary.csv."
+
+
+def _seeded(settings: dict) -> str:
+    """What a run's seed decides."""
     what = (
         "the job's [train] seed, in PSGRID_SEED: the straggler draws follow it, and your script's own data "
         "order and initial weights where it reads that seed, as the examples do"
@@ -481,10 +561,7 @@ def _seeds_text(settings: dict) -> str:
             if "synthetic_seed" in train
             else "; each seed also chose its synthetic task (recorded before synthetic_seed)"
         )
-    return (
-        f"Seeds: repeats {', '.join(map(str, range(len(seeds))))} of every mode ran with seeds "
-        f"{', '.join(map(str, seeds))} ({what}); each run's seed is in summary.csv."
-    )
+    return what
 
 
 def write_report(

@@ -62,7 +62,7 @@ def read_summary(run_dir: Path) -> dict | None:
 
 
 def run_events(run_dir: Path) -> list[dict]:
-    """The run's step and eval events, each with ``t``: seconds since the run's start.
+    """The run's step and eval events, then its final evaluation, each with ``t``: seconds since the run's start.
 
     Losses and accuracies are as :mod:`~psgrid.cluster.experiments.validity` reads them: a loss past
     +-1e100 infinite, an accuracy outside [0, 1] left out (and kept under ``rejected``). An evaluation
@@ -105,7 +105,35 @@ def run_events(run_dir: Path) -> list[dict]:
     events.sort(key=lambda e: e["t"])
     if rows:
         _add_epochs(events, rows)
-    return events
+    final = final_evaluation(raw, events, read_summary(run_dir) or {}, t0)
+    return events + ([final] if final else [])
+
+
+def final_evaluation(raw: list[dict], events: list[dict], summary: dict, t0: float) -> dict | None:
+    """The run's final evaluation as an event (``final_eval``), or None where it has none that can be used.
+
+    Its accuracy is the summary's, the one summary.csv gives as the final test accuracy, so that
+    the best accuracy and the time to a target count it too. It is timed at the end of training
+    (the last worker's ``done``), where the weights it measured were final; the coordinator's own
+    ``final_eval`` record comes after the shards were also asked for their counters; a run without
+    either (an older one, one that recorded neither) at the last step or evaluation it recorded, the
+    latest time known to be before it. Its step is the most steps a worker made, as a periodic
+    evaluation's is the steps before it.
+    """
+    accuracy = validity.accuracy(summary.get("test_accuracy"))
+    if accuracy is None or not events:
+        return None
+    ends = [e["time"] for e in raw if e.get("event") == "done" and _number(e.get("time"))]
+    if not ends:
+        ends = [e["time"] for e in raw if e.get("event") == "final_eval" and _number(e.get("time"))]
+    steps = [e["step"] for e in events if e["event"] == "step" and isinstance(e.get("step"), int)]
+    return {
+        "event": "final_eval",
+        "t": max(ends) - t0 if ends else events[-1]["t"],
+        "rank": None,
+        "step": max(steps) + 1 if steps else None,
+        "test_accuracy": accuracy,
+    }
 
 
 def _add_epochs(events: list[dict], shard_rows: dict) -> None:
@@ -126,15 +154,21 @@ def _add_epochs(events: list[dict], shard_rows: dict) -> None:
             e["epoch"] = (totals[i - 1] if i else 0) / shard_rows[e["rank"]]
 
 
+EVALUATIONS = ("eval", "final_eval")  # the periodic ones and the run's final one: both count
+
+
 def best_accuracy(events: Iterable[dict]) -> float | None:
-    accs = [e["test_accuracy"] for e in events if e["event"] == "eval" and _number(e.get("test_accuracy"))]
+    accs = [e["test_accuracy"] for e in events if e["event"] in EVALUATIONS and _number(e.get("test_accuracy"))]
     return max(accs) if accs else None
 
 
 def time_to_target(events: Iterable[dict], target: float) -> float | None:
-    """Seconds from the run's start to its first evaluation at or above ``target`` (None: never)."""
+    """Seconds from the run's start to its first evaluation, the final one included, at or above ``target``.
+
+    None: never.
+    """
     for e in events:
-        if e["event"] == "eval" and _number(e.get("test_accuracy")) and e["test_accuracy"] >= target:
+        if e["event"] in EVALUATIONS and _number(e.get("test_accuracy")) and e["test_accuracy"] >= target:
             return e["t"]
     return None
 
@@ -215,7 +249,7 @@ def summarize_run(
         mean_staleness=float(np.mean(staleness)) if staleness else None,
         # An observed staleness (a whole number of updates), not one interpolated between two.
         p99_staleness=float(np.percentile(staleness, 99, method="higher")) if staleness else None,
-        dropped_pushes=sum(1 for e in steps if e.get("outcome") == "DROPPED_LATE"),
+        dropped_pushes=dropped_pushes(steps, summary),
         bytes_moved=sum(int(e["bytes"]) for e in steps if _number(e.get("bytes"))),
         mean_wait_s=float(np.mean(waits)) if waits else None,
         max_wait_s=max(waits) if waits else None,
@@ -225,6 +259,21 @@ def summarize_run(
         values = [e[key] for e in steps if _number(e.get(key))]
         row[key] = float(np.mean(values)) if values else None
     return row
+
+
+def dropped_pushes(steps: list[dict], summary: dict) -> float:
+    """The pushes a closed sync round dropped, as the shards counted them: the mean of their ``dropped_late``.
+
+    A worker's push is one push to every shard, and a round can close on one shard before another: a
+    push some shards dropped and others applied or held is, to the worker, outcome MIXED, which a push
+    applied by one shard and held by another is too. So the shards' counts are the ones to read; their
+    mean counts a push every shard dropped once, and one half of them dropped as half. A run whose
+    summary has no shard counts (an older one): the pushes every shard dropped (outcome DROPPED_LATE).
+    """
+    counts = [s["dropped_late"] for s in summary.get("shard_stats") or [] if _number(s.get("dropped_late"))]
+    if counts:
+        return sum(counts) / len(counts)
+    return sum(1 for e in steps if e.get("outcome") == "DROPPED_LATE")
 
 
 def set_target(row: dict, events: list[dict], target: float | None) -> dict:

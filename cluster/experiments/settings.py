@@ -51,7 +51,7 @@ def job_summary(job: JobConfig) -> str:
     model = t.model + (f" {list(t.hidden)} {t.activation}" if t.model == "mlp" else "")
     batch = "full batch" if t.batch_size == 0 else f"batch {t.batch_size} per worker"
     length = f"{t.epochs} epochs" if t.epochs else f"{t.steps} steps per worker"
-    opt = f"{s.optimizer} lr {s.lr:g}" + (f" momentum {s.momentum:g}" if s.optimizer == "sgd" and s.momentum else "")
+    opt = optimizer_text(job)
     where = resolve_shard_device(s, t).upper()  # as each run's launcher will resolve "auto" on this machine
     return (
         f"{model} on {t.dataset}, {batch}, {length}, {opt} on the shards, {job.shards} {where} shard(s), "
@@ -60,10 +60,20 @@ def job_summary(job: JobConfig) -> str:
     )
 
 
+def optimizer_text(job: JobConfig) -> str:
+    """``sgd lr 0.05 momentum 0.9, cosine to 0 over the job's updates``: what the shards apply, its schedule too."""
+    s = job.server
+    opt = f"{s.optimizer} lr {s.lr:g}" + (f" momentum {s.momentum:g}" if s.optimizer == "sgd" and s.momentum else "")
+    return opt + s.describe_schedule()
+
+
 def script_summary(job: JobConfig, script: list[str], given: list[str] | None = None) -> str:
     """A user's script in one line: its command and what psgrid imposed on it (its own model and data are its own)."""
     s = job.server
-    opt = f"{s.optimizer} lr {s.lr:g}" + (f" momentum {s.momentum:g}" if s.optimizer == "sgd" and s.momentum else "")
+    opt = optimizer_text(job)
+    if s.describe_schedule() and not s.lr_updates:
+        # The schedule's length is the built-in job's, whatever the script's own length: say so.
+        opt += f" (its length from [train] steps = {job.train.steps}, not the script's own: lr_updates sets it)"
     return (
         f"your script `{shlex.join(given or script)}` (its SHA-256 under provenance), run by every worker; psgrid "
         f"imposed {opt} on the shards, {job.shards} {resolve_shard_device(s, job.train).upper()} shard(s), "
@@ -92,13 +102,16 @@ def settings_for(
     mode_defaults: dict | None = None,
     tensorboard: str | None = None,
     script_given: list[str] | None = None,
+    seeds_pinned: bool = False,
 ) -> dict:
     """The experiment's settings as ``D/experiment.json`` keeps them (``command``: psctl compare's arguments).
 
-    ``seeds`` are the repeats' (repeat r: ``seeds[r]``), ``mode_defaults`` the settings each mode runs with
-    unless ``mode_settings`` (--mode-set) says otherwise, ``script_given`` the script's command as typed.
+    ``seeds`` are the repeats' (repeat r: ``seeds[r]``), ``seeds_pinned`` whether --seeds gave them,
+    ``mode_defaults`` the settings each mode runs with unless ``mode_settings`` (--mode-set) says otherwise,
+    ``script_given`` the script's command as typed.
     """
     from psgrid.cluster.experiments.provenance import provenance
+    from psgrid.cluster.run.script import default_name
 
     info = machine()
     info["gpu"] = gpu_name(job.train.device)
@@ -115,6 +128,7 @@ def settings_for(
         "mode_settings": {m: [list(kv) for kv in s] for m, s in (mode_settings or {}).items()},
         "mode_defaults": {m: [list(kv) for kv in s] for m, s in (mode_defaults or {}).items()},
         "seeds": seeds,
+        "seeds_pinned": seeds_pinned,
         "tune_repeats": tune_repeats if tune else None,
         "tensorboard": tensorboard,
         "script": script,
@@ -125,5 +139,6 @@ def settings_for(
         "job_summary": script_summary(job, script, script_given) if script else job_summary(job),
         "provenance": provenance(job, seeds=seeds, script=script, given=script_given),
         "job": job.public_dict(),
-        "title": f"psctl compare: {job.name}",
+        # A script's experiment is its script's, whatever job file lent it the shards' settings.
+        "title": f"psctl compare: {default_name(script_given or script) if script else job.name}",
     }
