@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, fields
 
 from psgrid.psserver.exceptions import InvalidArgument
-from psgrid.psserver.kernels.compensation import ASYNC_MOMENTUM, COMPENSATIONS
+from psgrid.psserver.kernels.compensation import ASYNC_MOMENTUM, COMPENSATIONS, effective_momentum
 from psgrid.psserver.kernels.optim import BOUNDS, HPARAMS, check_settings
 from psgrid.psserver.kernels.schedule import LR_SCHEDULES, LrSchedule
 from psgrid.psserver.protocol import (
@@ -17,6 +17,7 @@ from psgrid.psserver.protocol import (
     MODES,
     OPTIMIZERS,
     SHARD_DEVICES,
+    mode_rules,
 )
 from psgrid.psserver.settings import above, at_least, between, check_fields, setting
 
@@ -235,20 +236,50 @@ class ServerConfig:
             eps=self.eps,
         )
 
-    def applied_optimizer(self) -> dict:
-        """The optimizer and only the settings it uses (Adam has no momentum; SGD no betas)."""
+    def applied_optimizer(self, workers: int | None = None) -> dict:
+        """The optimizer and only the settings it uses (Adam has no momentum; SGD no betas).
+
+        Where ``async_momentum = "auto"`` lowers the momentum (:attr:`auto_momentum`), ``async_momentum``
+        says so and, given the job's ``workers``, ``{momentum}_applied`` is what the shards apply while
+        all of them are live (fewer live, more of it: the shard stats' ``momentum``).
+        """
         if self.optimizer == "adam":
             keys = ("lr", "beta1", "beta2", "eps", "weight_decay")
         else:
             keys = ("lr", "momentum", "nesterov", "weight_decay") if self.momentum else ("lr", "weight_decay")
-        return {"optimizer": self.optimizer, **{k: getattr(self, k) for k in keys}}
+        applied = {"optimizer": self.optimizer, **{k: getattr(self, k) for k in keys}}
+        if self.auto_momentum:
+            applied["async_momentum"] = "auto"
+            if workers:
+                applied[f"{self.momentum_key}_applied"] = effective_momentum(getattr(self, self.momentum_key), workers)
+        return applied
 
-    def describe_optimizer(self) -> str:
-        """``sgd (lr 0.05, momentum 0.9)``: the applied settings, those at zero or off left out."""
-        applied = self.applied_optimizer()
+    @property
+    def auto_momentum(self) -> bool:
+        """Whether ``async_momentum = "auto"`` lowers the momentum here: a stale mode, an optimizer with momentum."""
+        stale = not mode_rules(self.mode).accumulates
+        return self.async_momentum == "auto" and stale and getattr(self, self.momentum_key) > 0
+
+    def describe_optimizer(self, workers: int | None = None) -> str:
+        """``sgd (lr 0.05, momentum 0.9)``: the applied settings, those at zero or off left out.
+
+        With auto momentum: ``momentum 0.9 less asynchrony's, 0.15 with 4 workers live``.
+        """
+        applied = self.applied_optimizer(workers)
         name = applied.pop("optimizer")
-        said = ", ".join(k if v is True else f"{k} {v:g}" for k, v in applied.items() if v)
-        return f"{name} ({said}{self.describe_schedule()})"
+        auto = applied.pop("async_momentum", None)
+        lowered = applied.pop(f"{self.momentum_key}_applied", None)
+        parts = []
+        for k, v in applied.items():
+            if not v:
+                continue
+            text = k if v is True else f"{k} {v:g}"
+            if auto and k == self.momentum_key:
+                text += " less asynchrony's" + (
+                    f", {lowered:g} with {workers} workers live" if lowered is not None else ""
+                )
+            parts.append(text)
+        return f"{name} ({', '.join(parts)}{self.describe_schedule()})"
 
     def describe_schedule(self) -> str:
         """``, cosine to 0 over 1000 updates, warm-up 50``: the rate's schedule, empty where it is constant."""

@@ -1009,6 +1009,28 @@ def test_only_the_settings_an_optimizer_uses_are_recorded():
     assert ServerConfig(lr=0.1).describe_optimizer() == "sgd (lr 0.1)"
 
 
+def test_auto_momentum_is_said_as_what_the_shards_apply():
+    """The launch line said momentum 0.9 while 4 async workers' shards applied 0.15 (async_momentum = "auto")."""
+    from psgrid.cluster.job.config import apply_overrides, load_job
+    from psgrid.cluster.job.rate_schedule import pushing_clients
+    from psgrid.psserver.config import ServerConfig
+
+    auto = ServerConfig(mode="async", lr=0.05, momentum=0.9, async_momentum="auto")
+    assert auto.describe_optimizer(4) == "sgd (lr 0.05, momentum 0.9 less asynchrony's, 0.15 with 4 workers live)"
+    assert auto.applied_optimizer(4) == {**auto.applied_optimizer(), "momentum_applied": pytest.approx(0.15)}
+    assert auto.applied_optimizer()["async_momentum"] == "auto"
+    adam = ServerConfig(mode="ssp", optimizer="adam", beta1=0.9, async_momentum="auto")
+    assert "beta1 0.9 less asynchrony's, 0.4 with 2 workers live" in adam.describe_optimizer(2)
+    for quiet in (
+        ServerConfig(mode="sync", momentum=0.9, async_momentum="auto"),
+        ServerConfig(mode="async", momentum=0.9),
+    ):
+        assert "asynchrony" not in quiet.describe_optimizer(4) and "async_momentum" not in quiet.applied_optimizer(4)
+    job = apply_overrides(load_job("mnist"), {"mode": "async", "workers": 4})
+    assert pushing_clients(job, hosts=2) == 4
+    assert pushing_clients(apply_overrides(job, {"aggregate": "host"}), hosts=2) == 2  # one leader a host pushes
+
+
 # ---- progress lines: one per evaluation step, in order; accuracy of every worker ----------------------
 
 

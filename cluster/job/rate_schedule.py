@@ -32,7 +32,15 @@ def schedule_updates(job, hosts: int = 1) -> int:
         )
     if mode_rules(server.mode).accumulates:
         return job.train.steps
-    return job.train.steps * (hosts if job.train.aggregate == "host" else job.workers)
+    return job.train.steps * pushing_clients(job, hosts)
+
+
+def pushing_clients(job, hosts: int = 1) -> int:
+    """The clients that push to each shard: the workers, or with ``aggregate = "host"`` each host's leader.
+
+    What a shard counts as its live workers (auto momentum lowers the momentum by what that many add).
+    """
+    return hosts if job.train.aggregate == "host" else job.workers
 
 
 def scheduled(job, hosts: int = 1):

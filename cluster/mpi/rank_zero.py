@@ -13,7 +13,7 @@ import sys
 import time
 
 from psgrid.cluster.errors import JobFailed
-from psgrid.cluster.job.rate_schedule import derived_note, scheduled
+from psgrid.cluster.job.rate_schedule import derived_note, pushing_clients, scheduled
 from psgrid.cluster.mpi import report as mpi_report
 from psgrid.cluster.mpi.comm import POLL_S
 from psgrid.cluster.mpi.placement import worker_hosts
@@ -34,7 +34,10 @@ class RankZero:
         part, job = self.part, self.part.job
         run.event("shards_ready", addresses=part.addresses)
         model = f" of {part.model}" if part.model else ""  # a script's model is its own
-        applied = scheduled(job, hosts=worker_hosts(part.placement)).server.describe_optimizer()  # the shards' length
+        hosts = worker_hosts(part.placement)
+        applied = scheduled(job, hosts=hosts).server.describe_optimizer(
+            pushing_clients(job, hosts)
+        )  # the shards' length
         print(
             f"psctl mpi: {part.size} ranks: coordinator on {part.hostname}, {job.shards} shard(s) at "
             f"{','.join(part.addresses)} applying {applied}, {job.workers} worker(s){model}; output in {part.out}",

@@ -460,7 +460,8 @@ class Launcher:
         print(
             f"psctl launch: {job.shards} {job.server.shard_device.upper()} shard(s) at "
             f"{','.join(self.addresses)}{metrics}{placed} applying "
-            f"{rate_schedule.scheduled(job).server.describe_optimizer()}; starting {job.workers} worker(s){model}; "
+            f"{rate_schedule.scheduled(job).server.describe_optimizer(rate_schedule.pushing_clients(job, hosts=1))}; "
+            f"starting {job.workers} worker(s){model}; "
             f"logs in {self.out / 'logs'}",
             file=sys.stderr,
             flush=True,

@@ -220,7 +220,7 @@ def make_updater(config, arrays, size: int, *, stale: bool, parts: Chunks, live_
     schedule = config.schedule()
     auto = None
     key = config.momentum_key
-    if config.async_momentum == "auto" and stale and getattr(config, key) > 0:
+    if config.auto_momentum and stale:
         auto = _AutoMomentum(getattr(config, key), live_workers, key)
     dc = config.compensation == "dc" and stale
     if arrays.on_gpu:
