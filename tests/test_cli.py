@@ -127,7 +127,7 @@ def test_user_error_through_a_subprocess_has_no_traceback(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip() == (
         f"psctl launch: error: {bad}: [server] mode must be one of "
-        "('sync', 'async', 'ssp'), got 'bsp' (did you mean 'ssp'?)"
+        "('sync', 'async', 'ssp'), got 'bsp' (did you mean 'sync'?)"
     )
 
 

@@ -166,7 +166,7 @@ def test_the_seeds_sentence_says_what_ran():
 def test_a_scripts_derived_rate_schedule_is_said_once_before_running_and_named_in_the_report(
     tmp_path, monkeypatch, capsys
 ):
-    from psgrid.cluster.experiments.compare import schedule_note
+    from psgrid.cluster.experiments.settings import schedule_note
 
     script = tmp_path / "train.py"
     script.write_text("import psgrid\n")

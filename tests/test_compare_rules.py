@@ -182,7 +182,7 @@ def test_a_synthetic_jobs_repeats_vary_their_seeds_on_one_task_and_the_report_sa
 
 
 def test_an_experiment_recorded_before_a_job_key_was_added_resumes_unless_its_seeds_chose_synthetic_tasks(tmp_path):
-    from psgrid.cluster.experiments.compare import check_resumable
+    from psgrid.cluster.experiments.resumable import check_resumable
 
     def recorded_before_the_keys(settings):
         older = json.loads(json.dumps(settings))

@@ -250,8 +250,7 @@ def run(args: argparse.Namespace) -> int:
     command = None if args.user_command is None else script.resolve_command(args.user_command)
     if command and args.mpi:
         raise UsageError("psctl compare --mpi runs the built-in trainer: leave out --mpi to compare a script")
-    if command and (length := [f for k, f in flag_names(args).items() if k in ("steps", "epochs")]):
-        raise UsageError(f"{length[0]}: a script decides its own length; pass it the steps after -- instead")
+    _refuse_a_scripts_length(args, command)
     job = load_job_from_args(args)
     check_mps(job, launcher="psctl compare --mpi" if args.mpi else "psctl launch")
     if command is None:  # a user's script chooses its own device
@@ -312,6 +311,15 @@ def run(args: argparse.Namespace) -> int:
     if args.mpi:
         return _run_mpi(experiment, args)
     return Compare(experiment, resume=args.resume, progress=args.progress).run()
+
+
+def _refuse_a_scripts_length(args: argparse.Namespace, command: list[str] | None) -> None:
+    """--steps or --epochs with a script: it decides its own length (they were recorded, and ignored)."""
+    from psgrid.cluster.commands.common import flag_names
+    from psgrid.cluster.errors import UsageError
+
+    if command and (length := [f for k, f in flag_names(args).items() if k in ("steps", "epochs")]):
+        raise UsageError(f"{length[0]}: a script decides its own length; pass it the steps after -- instead")
 
 
 def _report_command(args: argparse.Namespace) -> str:

@@ -19,7 +19,6 @@ experiment keeps what finished; at the end (also after Ctrl-C) ``D/report.md`` a
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
 import signal
 import sys
@@ -32,6 +31,8 @@ from psgrid.cluster.experiments import provenance, stability, tuning
 from psgrid.cluster.experiments import results as res
 from psgrid.cluster.experiments import target as targets
 from psgrid.cluster.experiments.experiment import NO_STRAGGLERS, TUNE, Mode, Run, Settings, plan, tune_plan
+from psgrid.cluster.experiments.resumable import check_resumable
+from psgrid.cluster.experiments.settings import schedule_note
 from psgrid.cluster.experiments.stability import refused_non_finite
 from psgrid.cluster.job import credentials
 from psgrid.cluster.job.config import JobConfig, apply_overrides
@@ -223,54 +224,6 @@ def prepare(experiment: Experiment, resume: bool) -> list[Run]:
     return [r for r in (experiment.tune_runs or experiment.runs) if not experiment.finished(r)]
 
 
-def check_resumable(saved: dict, settings: dict, out: Path) -> None:
-    """Refuse --resume of the experiment ``saved`` in ``out`` where its runs and those left would differ."""
-    if _plan_of(saved) != _plan_of(settings):
-        raise UsageError(
-            f"{out} holds an experiment with other settings ({_describe(saved)}); "
-            f"--resume needs the same job, modes, workers, stragglers and repeats"
-        )
-    train = (saved.get("job") or {}).get("train") or {}
-    if train.get("dataset") == "synthetic" and "synthetic_seed" not in train and len(set(saved.get("seeds") or [])) > 1:
-        raise UsageError(
-            f"{out} was recorded when each seed chose its own synthetic task, and the runs left would share one "
-            f"(synthetic_seed): run the experiment again with another --out"
-        )
-
-
-def _plan_of(settings: dict) -> tuple:
-    # The keys added with --tune and scripts count as absent when empty, and the job's keys added since take
-    # their defaults: an older experiment resumes.
-    settings = {**settings, "job": _job_as_today(settings.get("job"))}
-    return tuple(
-        json.dumps(settings.get(k) if k not in NEWER_KEYS else settings.get(k) or None, sort_keys=True)
-        for k in ("job", "modes", "workers", "stragglers", "repeats", "backup_workers", *NEWER_KEYS)
-    )
-
-
-def _job_as_today(job: dict | None) -> dict | None:
-    """A recorded job as this psgrid reads it (a key it did not have yet at its default), or as recorded if unreadable."""
-    from psgrid.cluster.job.config import job_from_dict
-
-    try:
-        return job_from_dict(job, redacted_ok=True).public_dict()
-    except (UsageError, ValueError, TypeError, AttributeError):
-        return job
-
-
-NEWER_KEYS = ("tune", "tune_steps", "mode_settings", "script", "seeds", "tune_repeats", "mode_defaults")
-
-
-def _describe(settings: dict) -> str:
-    return (
-        f"modes {','.join(settings.get('modes', []))}, workers {settings.get('workers')}, "
-        f"stragglers {settings.get('stragglers')}, repeats {settings.get('repeats')}"
-        + (f", tune {settings['tune']}" if settings.get("tune") else "")
-        + (f", script {shlex.join(settings['script'])}" if settings.get("script") else "")
-        + (f", seeds {settings['seeds']}" if settings.get("seeds") else ", every repeat at the job's seed")
-    )
-
-
 class ExperimentProgress:
     """One bar over every step of every run; each run gets a view that feeds it."""
 
@@ -326,36 +279,6 @@ def tuning_label(run: Run) -> str:
     from psgrid.cluster.experiments.experiment import settings_text
 
     return settings_text(run.settings)
-
-
-def schedule_note(x: Experiment) -> str | None:
-    """For a script: psctl launch's note that the rate schedule's length came from [train] steps, once for every run.
-
-    A run under compare is a quiet psctl launch, which says nothing; the length differs by mode and worker
-    count (one update a round in sync, one a push in async and ssp), so the line gives each one's.
-    """
-    from psgrid.cluster.job import rate_schedule
-
-    if not x.command:
-        return None
-    updates: dict[str, int] = {}
-    first = None
-    for run in x.runs:
-        job = x.run_job(run)
-        if rate_schedule.derived_note(job):
-            first = first or job
-            updates.setdefault(f"{run.mode.label} w{run.workers}", rate_schedule.schedule_updates(job))
-    if first is None:
-        return None
-    over = (
-        f"{next(iter(updates.values()))} updates"
-        if len(set(updates.values())) == 1
-        else ", ".join(f"{k} {n}" for k, n in updates.items()) + " updates"
-    )
-    return (
-        f"lr_schedule {first.server.lr_schedule} runs over {over}, from [train] steps = {first.train.steps}; "
-        f"a script that runs another number of steps sets lr_updates"
-    )
 
 
 def run_parameter_server(job: JobConfig, out: Path, progress: RunProgress, command: list[str] | None = None) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from psgrid.cluster.experiments import stability
+from psgrid.cluster.experiments import provenance, stability
 from psgrid.cluster.experiments.grouping import (
     MIN_REPEATS,
     Spread,
@@ -393,45 +393,6 @@ def command_blocks(settings: dict) -> list:
     ]
 
 
-# What tells two attempts' records apart: the machine's load at the start of each always differs.
-MACHINE_KEYS = ("host", "cpus", "platform", "python", "gpu")
-
-
-def attempts_text(settings: dict) -> str | None:
-    """Which runs each attempt ran (the first, then each --resume that ran one), and what differed between them."""
-    attempts = settings.get("attempts") or []
-    if len(attempts) < 2:
-        return None
-    fields = [("provenance", k) for k in dict.fromkeys(k for a in attempts for k in a.get("provenance") or {})]
-    fields += [("machine", k) for k in MACHINE_KEYS]
-    differ = [
-        (part, key)
-        for part, key in fields
-        if len({json.dumps((a.get(part) or {}).get(key), sort_keys=True) for a in attempts}) > 1
-    ]
-
-    def said(i: int, attempt: dict) -> str:
-        values = ", ".join(f"{key} {_said((attempt.get(part) or {}).get(key))}" for part, key in differ)
-        runs = attempt.get("runs")
-        ran = "the runs recorded before attempts were" if runs is None else ", ".join(runs) or "no run"
-        return f"attempt {i + 1}{f' ({values})' if values else ''} ran {ran}"
-
-    if not differ:
-        return (
-            f"The runs ran in {len(attempts)} attempts (the first, then each --resume that ran a run), on the same "
-            f"machine and provenance: " + "; ".join(said(i, a) for i, a in enumerate(attempts)) + "."
-        )
-    return (
-        f"The runs ran in {len(attempts)} attempts (the first, then each --resume that ran a run), whose records "
-        f"differ in {', '.join(k for _, k in differ)}: " + "; ".join(said(i, a) for i, a in enumerate(attempts)) + ". "
-        "The machine and provenance above are attempt 1's; experiment.json keeps each attempt's under attempts."
-    )
-
-
-def _said(value) -> str:
-    return "none" if value is None else value if isinstance(value, str) else json.dumps(value)
-
-
 def mode_settings_text(settings: dict) -> str | None:
     """Which settings each mode ran with beyond the job's, and which of them are the mode's own defaults."""
     defaults = {m: dict(p) for m, p in (settings.get("mode_defaults") or {}).items()}
@@ -468,7 +429,7 @@ def build(
     if table := provenance_table(settings):
         blocks.append(table)
     blocks += [
-        *([Paragraph(text)] if (text := attempts_text(settings)) else []),
+        *([Paragraph(text)] if (text := provenance.attempts_text(settings)) else []),
         Paragraph(
             ("Script: " if settings.get("script") else "Job: ")
             + str(settings.get("job_summary") or "not recorded")

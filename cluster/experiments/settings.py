@@ -142,3 +142,33 @@ def settings_for(
         # A script's experiment is its script's, whatever job file lent it the shards' settings.
         "title": f"psctl compare: {default_name(script_given or script) if script else job.name}",
     }
+
+
+def schedule_note(x) -> str | None:
+    """For a script: psctl launch's note that the rate schedule's length came from [train] steps, once for every run.
+
+    A run under compare is a quiet psctl launch, which says nothing; the length differs by mode and worker
+    count (one update a round in sync, one a push in async and ssp), so the line gives each one's.
+    """
+    from psgrid.cluster.job import rate_schedule
+
+    if not x.command:
+        return None
+    updates: dict[str, int] = {}
+    first = None
+    for run in x.runs:
+        job = x.run_job(run)
+        if rate_schedule.derived_note(job):
+            first = first or job
+            updates.setdefault(f"{run.mode.label} w{run.workers}", rate_schedule.schedule_updates(job))
+    if first is None:
+        return None
+    over = (
+        f"{next(iter(updates.values()))} updates"
+        if len(set(updates.values())) == 1
+        else ", ".join(f"{k} {n}" for k, n in updates.items()) + " updates"
+    )
+    return (
+        f"lr_schedule {first.server.lr_schedule} runs over {over}, from [train] steps = {first.train.steps}; "
+        f"a script that runs another number of steps sets lr_updates"
+    )

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import difflib
-import re
 import sys
 import types
 import typing
@@ -47,6 +46,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 from psgrid.cluster.errors import ConfigError
 from psgrid.cluster.job.credentials import resolve_token
 from psgrid.cluster.job.rate_schedule import schedule_updates
+from psgrid.cluster.job.suggestions import with_suggestion
 from psgrid.cluster.job.toml_writer import dump_toml
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.protocol import mode_rules
@@ -245,23 +245,6 @@ def route(key: str, sections: tuple[str, ...] = SECTIONS) -> list[tuple[str, str
         valid = sorted(set(job_keys()) | set(server_keys()) | set(train_keys()))
         raise ConfigError(_unknown_message(key, "a job file", valid, per_process=True))
     return [(places[0], key)]
-
-
-# The field's other names for a mode: BSP and ASP are what the literature calls sync and async.
-MODE_SYNONYMS = {"bsp": "sync", "asp": "async", "synchronous": "sync", "asynchronous": "async"}
-
-
-def with_suggestion(message: str) -> str:
-    """A value error with ``(did you mean 'async'?)`` added where the value is close to one of the choices."""
-    found = re.search(r"must be one of \(([^)]*)\), got '([^']*)'", message)
-    if not found:
-        return message
-    choices = re.findall(r"'([^']*)'", found[1])
-    synonym = MODE_SYNONYMS.get(found[2].lower())
-    if synonym in choices:
-        return f"{message} (did you mean {synonym!r}?)"
-    close = difflib.get_close_matches(found[2], choices, n=1)
-    return f"{message} (did you mean {close[0]!r}?)" if close else message
 
 
 def _unknown_message(key: str, where: str, valid: list[str], per_process: bool) -> str:
