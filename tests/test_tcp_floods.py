@@ -18,7 +18,7 @@ import pytest
 
 from psgrid.psserver.protocol import FLOAT32, Reason, Status
 from psgrid.psserver.transports import stream_server as socket_server
-from psgrid.psserver.transports.stream_frames import HELLO, MAGIC, PUSH, REPLY, REQUEST, recv_exact, recv_struct
+from psgrid.psserver.transports.stream_frames import HELLO, MAGIC, PULL, PUSH, REPLY, REQUEST, recv_exact, recv_struct
 from tests.support import REGRESSION, make_problem, regression_grad
 
 pytestmark = pytest.mark.parametrize("data_plane", ["tcp"])
@@ -172,6 +172,18 @@ def test_a_worker_trains_through_a_token_holder_trickling_oversized_pushes(clust
         f"{rounds} rounds (slowest {slowest:.3f}s) beside {flood.n} trickled oversized pushes of a token holder, "
         f"{flood.dropped} of their connections cut by the shard"
     )  # each after 3 s (the next test)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_trains_through_a_token_holder_trickling_request_headers(cluster):
+    """A header begun is the loop's until whole: a handler that read it as it came was held up to 10 s by each."""
+    c = job(cluster)
+    header = REQUEST.pack(MAGIC, PULL, FLOAT32, 0, 0, 0, 0, 5.0)
+    with Flood(c.servers[0].tcp.port, 3 * HANDLERS, opening=hello, trickle=header[:-1]) as flood:
+        rounds, slowest = train_through(c)
+        held = c.servers[0].tcp.partial
+        assert held and all(conn.authenticated for conn in held)  # the loop holds them, no handler
+    print(f"{rounds} rounds (slowest {slowest:.3f}s) beside {flood.n} trickled headers of a token holder")
 
 
 @pytest.mark.timeout(60)

@@ -13,7 +13,8 @@ Who is served, and how many at once (the handshake, the hello, the bounds on con
 stream_admission.py's, the loop's other half.
 
 An authenticated connection's reads have deadlines: a request header ``HEADER_S`` once it has
-begun, a payload ``PAYLOAD_GRACE_S`` plus a second per ``MIN_RATE`` bytes, so a trickle is cut. A
+begun (the loop holds it, without a handler, until it is whole: :meth:`SocketDataServer._when_whole`),
+a payload ``PAYLOAD_GRACE_S`` plus a second per ``MIN_RATE`` bytes, so a trickle is cut. A
 refused request's payload (a push the shard will not take) is read and dropped by the loop, not a
 handler, up to a bound the plane sets and at the same minimum rate, before the connection closes.
 
@@ -50,6 +51,7 @@ from psgrid.psserver.transports.stream_frames import (
     HANDSHAKE_S,
     HELLO,
     MAX_MESSAGE,
+    REQUEST,
     Request,
     read_request,
     recv_exact,
@@ -69,6 +71,7 @@ PAYLOAD_IDLE_S = 60.0  # longest pause between a payload's bytes (within its dea
 DRAIN_GRACE_S = 2.0  # a refused payload is dropped within this, plus a second per MIN_RATE bytes
 MAX_WAIT_S = 86400.0  # longest deadline a socket honours (a longer one from the wire is cut to this)
 LINGER_S = 1.0  # a handler waits this long for an active connection's next request
+PARTIAL_POLL_S = 0.02  # how often the loop looks again at headers begun and not whole
 # Connections at once: far more than any job's workers, and half of what this process may open.
 DEFAULT_MAX_CONNECTIONS = min(4096, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 2)
 
@@ -107,6 +110,7 @@ class SocketDataServer(Admission):
         self.connections: set[Connection] = set()
         self.waiting: dict[Connection, None] = {}  # unauthenticated, oldest first (the loop's)
         self.draining: set[Connection] = set()  # authenticated, their refused payload dropped (the loop's)
+        self.partial: dict[Connection, None] = {}  # authenticated, a request header begun and not whole (the loop's)
         self.admitted = 0  # authenticated connections
         self.lock = threading.Lock()
         self.selector = selectors.DefaultSelector()
@@ -186,7 +190,7 @@ class SocketDataServer(Admission):
 
     def _turn(self) -> None:
         accept = False
-        for key, _ in self.selector.select(timeout=0.5):
+        for key, _ in self.selector.select(timeout=PARTIAL_POLL_S if self.partial else 0.5):
             if key.data == "accept":
                 accept = True  # last: the handshakes already under way are read first
             elif key.data == "wake":
@@ -195,9 +199,11 @@ class SocketDataServer(Admission):
                 conn = key.data
                 if conn.authenticated and not conn.drain:
                     self.selector.unregister(conn.sock)
-                    self._dispatch(conn)
+                    self._when_whole(conn)
                 else:
                     self._advance(conn)
+        for conn in list(self.partial):
+            self._when_whole(conn)
         while True:
             try:
                 conn = self.returned.get_nowait()
@@ -250,6 +256,25 @@ class SocketDataServer(Admission):
             log.warning("%s cannot serve a connection now: %s", self.name, exc)
             self._close(conn)
 
+    def _when_whole(self, conn: Connection) -> None:
+        """Hand ``conn`` to a handler once its request's header is all here; until then the loop keeps it.
+
+        A handler that read a header as its bytes came was held by a token holder trickling them (for
+        HEADER_S each): twice ``threads`` such connections stalled every worker. So a header begun is
+        the loop's, as a hello is, until whole or HEADER_S old (then the connection is cut). TLS hides
+        how much of a header came: a handler reads it, HEADER_S bounding each.
+        """
+        state = _header_state(conn.sock)
+        if state is _IDLE:  # woken with nothing to read (a peer that half-sent nothing yet)
+            self.partial.pop(conn, None)
+            self._watch(conn)
+        elif state is _WHOLE or state is _GONE:  # a handler reads it, or meets the closed connection
+            self.partial.pop(conn, None)
+            self._dispatch(conn)
+        elif conn not in self.partial:
+            conn.deadline = time.monotonic() + HEADER_S
+            self.partial[conn] = None
+
     def _expire(self) -> None:
         now = time.monotonic()
         with self.lock:
@@ -259,6 +284,7 @@ class SocketDataServer(Admission):
                     break
                 late.append(conn)
             late += [conn for conn in self.draining if conn.deadline <= now]
+            late += [conn for conn in self.partial if conn.deadline <= now]
         for conn in late:
             self._drop(conn)
 
@@ -284,6 +310,7 @@ class SocketDataServer(Admission):
             self.connections.discard(conn)
             self.waiting.pop(conn, None)
             self.draining.discard(conn)
+            self.partial.pop(conn, None)
             if conn.authenticated:
                 self.admitted -= 1
         try:
@@ -308,7 +335,7 @@ class SocketDataServer(Admission):
             # spare, wait for it here, as a thread per connection would, instead of paying a hand-off
             # to the selector and back on every request. TLS may also hold decrypted bytes the
             # selector cannot see.
-            while keep and not conn.drain and not self.stopped.is_set() and self._next_request_soon(conn.sock):
+            while keep and not conn.drain and not self.stopped.is_set() and self._next_request_soon(conn):
                 keep = self._request(conn)
         except (ConnectionError, OSError, ssl.SSLError):
             pass  # the client went away; nothing half-applied: a push reaches the shard only once complete
@@ -323,7 +350,9 @@ class SocketDataServer(Admission):
         else:
             self._close(conn)
 
-    def _next_request_soon(self, sock) -> bool:
+    def _next_request_soon(self, conn: Connection) -> bool:
+        """Whether this handler serves ``conn``'s next request too: one whose header is whole within LINGER_S."""
+        sock = conn.sock
         if isinstance(sock, ssl.SSLSocket) and sock.pending():
             return True
         with self.lock:
@@ -331,9 +360,10 @@ class SocketDataServer(Admission):
         if not spare:
             return False
         try:
-            return bool(select.select([sock], [], [], LINGER_S)[0])
+            ready = bool(select.select([sock], [], [], LINGER_S)[0])
         except (OSError, ValueError):
             return False
+        return ready and _header_state(sock) is not _PARTIAL  # a header begun goes back to the loop
 
     def _request(self, conn: Connection) -> bool:
         """Read and answer one request; False if the connection must close."""
@@ -443,6 +473,32 @@ def reply_timeout(timeout: float) -> float | None:
     if not timeout or not math.isfinite(timeout) or timeout < 0:
         return None if not timeout else PAYLOAD_IDLE_S
     return min(timeout, MAX_WAIT_S) + PAYLOAD_IDLE_S
+
+
+_IDLE, _PARTIAL, _WHOLE, _GONE = "idle", "partial", "whole", "gone"
+
+
+def _header_state(sock) -> str:
+    """How much of a request header ``sock`` holds, without reading it: none, part, all, or a closed peer.
+
+    TLS records hide it: a TLS connection counts as whole (its handler reads the header, HEADER_S bounding it).
+    """
+    if isinstance(sock, ssl.SSLSocket):
+        return _WHOLE
+    try:
+        got = sock.recv(REQUEST.size, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return _IDLE
+    except OSError:
+        return _GONE
+    if not got:
+        return _GONE
+    if len(got) >= REQUEST.size:
+        return _WHOLE
+    # Part of one, from a peer that has shut its side (a truncated request): the rest never comes.
+    hung_up = select.poll()
+    hung_up.register(sock, select.POLLRDHUP)
+    return _GONE if hung_up.poll(0) else _PARTIAL
 
 
 def _drain(sock: socket.socket) -> None:
