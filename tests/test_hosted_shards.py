@@ -36,7 +36,9 @@ def data_planes(out, rank: int) -> list[str]:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_each_shard_lives_in_its_worker_which_calls_it_and_the_job_trains(tmp_path, mode):
     # lr 0.02: at the job's 0.05 three async workers landed anywhere from 0.48 to 0.91 (with either
-    # placement); at 0.02 eight async runs landed at 0.907-0.930 and three sync ones at 0.904.
+    # placement); at 0.02 eight async runs landed at 0.907-0.930 and three sync ones at 0.904. Since async
+    # runs with auto momentum (0.23 at three workers, not 0.9) 200 steps reach less: 0.844-0.896 in 14 runs
+    # on 2026-11-30 (0.849 failed CI's 0.85), so the bar is 0.8: far above chance, below that spread.
     with Launch(
         tmp_path,
         *BASE,
@@ -60,7 +62,7 @@ def test_each_shard_lives_in_its_worker_which_calls_it_and_the_job_trains(tmp_pa
     out = launch.out
     summary = summary_of(out)
     assert summary["status"] == "ok" and summary["failures"] == [] and summary["shard_placement"] == "worker"
-    assert summary["test_accuracy"] > 0.85, summary["test_accuracy"]
+    assert summary["test_accuracy"] > 0.8, summary["test_accuracy"]
     assert "(shard i in worker i's process: shard_placement = worker)" in text
     # Two processes host a shard each; the third worker is a process of its own, and no shard is.
     assert pids["shards"] == pids["workers"][:2] and len(set(pids["workers"])) == 3
