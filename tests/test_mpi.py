@@ -71,11 +71,24 @@ def test_four_ranks(tmp_path):
 @pytest.mark.slow
 def test_six_ranks_two_shards(tmp_path):
     code, out, err, took = run_mpi(
-        6, "--config", "mnist", "--shards", "2", "--steps", "40", "--out", str(tmp_path / "run")
+        6,
+        "--config",
+        "mnist",
+        "--shards",
+        "2",
+        "--steps",
+        "40",
+        "--set",
+        "metrics_port=0",
+        "--out",
+        str(tmp_path / "run"),
     )
     assert code == 0, err
     summary = check_summary(tmp_path / "run", shards=2, workers=3)
     assert [s["end"] - s["begin"] for s in summary["shard_stats"]] == [50885, 50885]  # 101,770 parameters halved
+    for i in range(2):  # where each shard served its metrics, as psctl launch writes it (psctl status reads it)
+        (served,) = re.findall(rf"shard {i}/2 .* metrics on [^:]+:(\d+)\)", err)
+        assert (tmp_path / "run" / "addr" / f"shard-{i}").read_text().splitlines()[2] == f"metrics {served}"
     print(f"mpiexec -n 6 took {took:.1f} s")
 
 

@@ -222,19 +222,21 @@ class MPIJob:
         return code
 
     def share_addresses(self, shard) -> list[str]:
-        """Every shard's address in shard order, from the shard ranks' ``(address, device)``; collective.
+        """Every shard's address in shard order, from the shard ranks' ``(address, device, metrics port)``; collective.
 
-        Rank 0 writes them where ``psctl status --address-dir`` reads them, as psctl launch does, and
-        records the device the shards resolved on their nodes in the job.
+        Rank 0 writes them where ``psctl status --address-dir`` reads them, as psctl launch does (with the
+        port each serves its metrics on, where it does), and records the device the shards resolved on
+        their nodes in the job.
         """
         addresses = self.comm.gather(shard, root=0)
         if self.rank == 0:
-            addresses, devices = zip(*(addresses[r] for r in self.placement.ranks(SERVER)))
+            addresses, devices, metrics_ports = zip(*(addresses[r] for r in self.placement.ranks(SERVER)))
             addresses = list(addresses)
             self.job = with_devices(self.job, devices)
             write_job_file(self.out, self.job, "by psctl mpi")
-            for i, a in enumerate(addresses):
-                files.replace_text(self.out / "addr" / f"shard-{i}", format_address_file(a, self.job.server.job_id))
+            for i, (a, port) in enumerate(zip(addresses, metrics_ports)):
+                text = format_address_file(a, self.job.server.job_id, port)
+                files.replace_text(self.out / "addr" / f"shard-{i}", text)
             credentials.write_token_file(self.out, self.job)
         return self.comm.bcast(addresses, root=0)
 
@@ -289,7 +291,7 @@ class MPIJob:
             file=sys.stderr,
             flush=True,
         )
-        return running, (address, config.shard_device)
+        return running, (address, config.shard_device, running.metrics.port if running.metrics else None)
 
     def serve_until_shutdown(self, running) -> None:
         # Ends when the coordinator's Shutdown RPC arrives; if the coordinator dies, mpiexec ends us.
@@ -352,6 +354,7 @@ class MPIJob:
                 f"psctl mpi: job failed: {run.message}; summary in {out / 'summary.json'}", file=sys.stderr, flush=True
             )
             abort(self.comm)
+            return 1  # Abort ends every rank; where it returns (a world of one), the job failed all the same
         print(co.headline(summary), flush=True)
         print(
             f"psctl mpi: summary in {out / 'summary.json'}, metrics in {out / 'metrics.jsonl'}",
