@@ -49,6 +49,11 @@ def test_a_notebook_trains_against_a_local_cluster(no_leaks, no_job_env):
     assert [s["version"] for s in summary["shard_stats"]] == [5, 5]
     assert not out.exists(), "its temporary folder outlived it"
     assert not any(alive(pid) for pid in pids)
+    # closed: what needs its shards says so at once (it read as a lost job file, or retried for seconds)
+    for use in (lambda: cluster.init({"w": w}), cluster.stats, lambda: cluster.client(psgrid.ModelSpec([("w", (3,))]))):
+        with pytest.raises(RuntimeError, match=r"LocalCluster\.\w+: this cluster is closed"):
+            use()
+    assert cluster.close() is summary and "closed" in repr(cluster)
 
 
 @pytest.mark.slow

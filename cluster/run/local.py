@@ -142,6 +142,7 @@ class LocalCluster:
         from psgrid.psserver.client.client import Client
         from psgrid.worker.api import CLIENT_SETTINGS
 
+        self._require_open("client")
         train = self.job.train
         settings = {key: getattr(train, key) for key in CLIENT_SETTINGS}
         settings.update(token=self.token, **options)
@@ -151,6 +152,7 @@ class LocalCluster:
         """:func:`psgrid.init` on this cluster: a session of worker ``rank`` of ``world`` (default: the job's)."""
         from psgrid.worker.api import init
 
+        self._require_open("init")
         options.setdefault("token", self.token)
         metrics = self.out / "metrics" / f"worker-{rank}.jsonl"
         self._run.tail.add(metrics)  # its records make the summary
@@ -168,6 +170,7 @@ class LocalCluster:
         """Every shard's clocks, members and counters now."""
         from psgrid.worker.loop import make_admin
 
+        self._require_open("stats")
         with make_admin(self.job.train, self.addresses, deadline_s=10.0, retry_s=2.0) as admin:
             return admin.stats()
 
@@ -187,6 +190,13 @@ class LocalCluster:
             return self._summary
         self._run.refresh()
         return self._build(status="running", shard_stats=self._stats_or_none())
+
+    def _require_open(self, what: str) -> None:
+        """Refuse ``what`` of a closed cluster in one line (its shards are gone: it read as a lost job file, or retried)."""
+        if self._summary is not None:
+            raise RuntimeError(
+                f"LocalCluster.{what}: this cluster is closed (its shards have stopped); its summary() is kept"
+            )
 
     # ----- closing ----------------------------------------------------------------------------------
 
