@@ -383,3 +383,24 @@ def test_plan_of_given_numbers_names_the_fix_as_the_job_would(tmp_path):
         alone.returncode == 2 and "--plan needs the number of ranks" in alone.stderr and alone.stderr.count("\n") == 1
     )
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_worker_rank_that_cannot_complete_a_tls_handshake_says_why_in_one_line(tmp_path):
+    """The shards require client certificates of their CA; the workers have the certificates but not the CA."""
+    from psgrid.cluster.job.pki import make_certs
+
+    pki = tmp_path / "pki"
+    make_certs(pki, ["localhost", "127.0.0.1"])
+    job = tmp_path / "tls.toml"
+    job.write_text(
+        f'[server]\ntls_cert = "{pki / "shard.pem"}"\ntls_key = "{pki / "shard.key"}"\ntls_ca = "{pki / "ca.pem"}"\n'
+        f'[train]\ntls_cert = "{pki / "client.pem"}"\ntls_key = "{pki / "client.key"}"\n'
+    )
+    code, _, err, took = run_mpi(4, "--config", str(job), "--shards", "1", "--out", str(tmp_path / "run"))
+    assert code != 0 and took < 60, (code, took, err)
+    said = [line for line in err.splitlines() if "failed; aborting the job" in line]
+    assert said and all("TLS handshake failed" in line for line in said), err
+    assert "Traceback" not in err and "'NoneType' object is not subscriptable" not in err, err

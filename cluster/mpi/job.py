@@ -301,8 +301,12 @@ class MPIJob:
         running.stop(grace=1.0)
 
     def train(self, me: Role) -> None:
+        from psgrid.cluster.run.preflight import probe_shards
         from psgrid.worker.loop import run_worker
 
+        # Unreachable, or a TLS handshake that fails: said now in one line (the client retried for
+        # retry_s first, then every worker rank printed its traceback), as psctl worker says it.
+        probe_shards(self.addresses, self.job.train)
         # The worker's GPU reaches select_gpu as LOCAL_RANK (taken modulo the GPUs it sees), as torchrun's does.
         os.environ["LOCAL_RANK"] = str(me.gpu if me.gpu is not None else me.local_rank)
         metrics = self.out / "metrics" / f"worker-{self.index}.jsonl"
@@ -436,8 +440,10 @@ def run_mpi(
             return 128 + received_signal()
         return part.stop_interrupted(received_signal())
     except BaseException as e:
+        # A mistake of the job's (a UsageError: one line naming the fix), else what went wrong and where.
+        detail = f" {e}" if isinstance(e, UsageError) else f"\n{traceback.format_exc()}"
         print(
-            f"psctl mpi: rank {rank} on {socket.gethostname()} failed; aborting the job:\n{traceback.format_exc()}",
+            f"psctl mpi: rank {rank} on {socket.gethostname()} failed; aborting the job:{detail}",
             file=sys.stderr,
             flush=True,
         )
