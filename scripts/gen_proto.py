@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -88,6 +87,11 @@ def generate(out_dir: Path) -> list[Path]:
 
 
 if __name__ == "__main__":
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "psserver" / "rpc"
-    for path in generate(target):
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Regenerate psserver/rpc/ from proto/ps.proto.")
+    parser.add_argument(
+        "out_dir", nargs="?", type=Path, default=ROOT / "psserver" / "rpc", help="where (default: psserver/rpc)"
+    )
+    for path in generate(parser.parse_args().out_dir):
         print(path)

@@ -274,6 +274,10 @@ def test_a_metrics_port_in_use_stops_launch_before_it_starts(tmp_path, busy_port
     code, err, _ = run(psctl("launch", "--set", f"metrics_port={busy_port}"), tmp_path, env_with())
     one_line(code, err, f"metrics_port {busy_port}: 127.0.0.1:{busy_port} is already in use")
     assert not (tmp_path / "runs").exists()
+    # shard 1's port is metrics_port + 1: the fix names the key to set, not the sum
+    code, err, _ = run(psctl("launch", "--set", f"metrics_port={busy_port - 1}"), tmp_path, env_with())
+    one_line(code, err, f"metrics_port + 1 {busy_port}: 127.0.0.1:{busy_port} is already in use")
+    assert "choose another metrics_port, or metrics_port 0 for any free port" in err, err
 
 
 def closed_port() -> int:

@@ -378,9 +378,10 @@ def check_port_free(host: str, port: int, flag: str) -> None:
             s.bind((host.strip("[]"), port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
+                key = flag.split(" + ")[0]  # "metrics_port + 1" (shard 1's) is set as metrics_port
                 raise UsageError(
                     f"{flag} {port}: {host}:{port} is already in use (another shard, or another "
-                    f"program): choose another {flag}, or {flag} 0 for any free port"
+                    f"program): choose another {key}, or {key} 0 for any free port"
                 ) from None
             raise UsageError(f"{flag} {port}: cannot bind {host}:{port} ({e.strerror})") from None
 
