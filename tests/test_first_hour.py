@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import MPI_ENV, ROOT, mpiexec
+from tests.support import MPI_ENV, ROOT, mpiexec, steps_seen
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -635,11 +635,12 @@ def _made_after(path: Path, since: float) -> bool:
 
 
 @pytest.mark.mpi
-def test_ctrl_c_under_mpiexec_stops_every_rank_in_one_line(tmp_path):
+@pytest.mark.parametrize("command", ["mpi", "allreduce"])
+def test_ctrl_c_under_mpiexec_stops_every_rank_in_one_line(tmp_path, command):
     out = tmp_path / "run"
     since = time.time() - 1
     proc = subprocess.Popen(
-        [mpiexec(), "-n", "4", *psctl("mpi", "--dataset", "synthetic", "--steps", "1000000", "--out", str(out))],
+        [mpiexec(), "-n", "4", *psctl(command, "--dataset", "synthetic", "--steps", "1000000", "--out", str(out))],
         cwd=tmp_path,
         env=env_with(**MPI_ENV),
         stdout=subprocess.PIPE,
@@ -649,7 +650,7 @@ def test_ctrl_c_under_mpiexec_stops_every_rank_in_one_line(tmp_path):
     )
     try:
         deadline = time.monotonic() + 60
-        while not (out / "metrics" / "worker-0.jsonl").exists():  # a worker trains: every rank is busy
+        while steps_seen(out, 0) < 20:  # a worker trains: every rank is busy
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
@@ -668,10 +669,15 @@ def test_ctrl_c_under_mpiexec_stops_every_rank_in_one_line(tmp_path):
         and not line.startswith("[")
         and " listening on " not in line
         and " ranks: coordinator on " not in line
+        and " worker(s), no shards; output in " not in line
     ]
-    assert said == [f"psctl mpi: SIGINT: stopped every rank; partial results in {out}"], err
+    assert said == [f"psctl {command}: SIGINT: stopped every rank; partial results in {out}"], err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["message"] == "stopped by SIGINT"
+    # the steps made so far are the job's record: the workers' files, merged (3 lines, or none, before)
+    merged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [e for e in merged if e.get("event") == "step"]
+    assert steps and summary["steps"] >= len({(e["rank"], e["step"]) for e in steps}) > 0, summary["steps"]
     assert not session_pids(proc.pid)
     assert not left_behind(since), "the job left files behind"
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,6 +34,8 @@ from psgrid.psserver.kernels.optim import make_optimizer
 from psgrid.psserver.kernels.parallel import Chunks, default_threads
 from psgrid.psserver.protocol import ITEMSIZE, Outcome, PushResult
 from psgrid.worker.backend import pinned_empty
+
+STOP_CHECK_EVERY = 16  # steps between the ranks' checks for a Ctrl-C that any of them heard
 
 
 class Completed:
@@ -72,9 +75,19 @@ class AllreduceExchange:
     mode = "allreduce"
     data_planes: list = []
 
-    def __init__(self, comm, init: np.ndarray, server: ServerConfig, wire_dtype: str = "float32", xp=np):
+    def __init__(
+        self,
+        comm,
+        init: np.ndarray,
+        server: ServerConfig,
+        wire_dtype: str = "float32",
+        xp=np,
+        heard: Callable[[], int | None] | None = None,
+    ):
         self.wire_dtype = wire.wire_dtype(wire_dtype)
         self.comm = comm
+        # The signal this process heard (None: none), asked every STOP_CHECK_EVERY steps: see _stop_together.
+        self.heard = heard
         self.world = comm.Get_size()
         self.worker_id = comm.Get_rank()
         self.xp, self.on_device = xp, xp is not np
@@ -155,6 +168,7 @@ class AllreduceExchange:
         np.multiply(self._mean, 1.0 / self.world, out=self._mean)
         self.optimizer.step(self.weights, self._mean, self.schedule.factor(self.clock))
         self.clock += 1
+        self._stop_together()
         return Completed([PushResult(Outcome.APPLIED, self.clock, 0, self.clock)], time.perf_counter() - t0)
 
     def _push_on_device(self, grad) -> Completed:
@@ -175,4 +189,22 @@ class AllreduceExchange:
         # launch; the update's own time falls in the next step's compute.
         self.optimizer.step(self.weights, mean, self.schedule.factor(self.clock))
         self.clock += 1
+        self._stop_together()
         return Completed([PushResult(Outcome.APPLIED, self.clock, 0, self.clock)], time.perf_counter() - t0)
+
+    def _stop_together(self) -> None:
+        """Every STOP_CHECK_EVERY steps, between two collectives: if any rank heard Ctrl-C or SIGTERM, all stop.
+
+        A rank that raised as the signal came left its Allreduce half done, and the others could then
+        neither finish theirs nor meet again: the job aborted, its records lost. The ranks step together,
+        so they ask at the same clock; a small collective every few steps costs the mean's exchange little.
+        """
+        if self.heard is None or self.clock % STOP_CHECK_EVERY:
+            return
+        heard = self.heard() or 0
+        if self.world > 1:
+            from mpi4py import MPI
+
+            heard = self.comm.allreduce(heard, op=MPI.MAX)
+        if heard:
+            raise KeyboardInterrupt  # on every rank at this step: none has a collective in flight

@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 import sys
 import threading
 import traceback
 from pathlib import Path
 
-from psgrid.cluster.errors import UsageError
+from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.job.config import JobConfig, apply_overrides
 from psgrid.cluster.job.rate_schedule import scheduled
 from psgrid.cluster.job.records import write_job_file
-from psgrid.cluster.mpi.comm import abort
+from psgrid.cluster.mpi.comm import INTERRUPT_WAIT_S, abort, wait_request
 from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
 from psgrid.cluster.run import coordinator as co
+from psgrid.cluster.run.interrupts import ignore_signals, note_signals, received_signal, signal_heard
 from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.procs import limit_blas_threads, usable_cpus
 
@@ -73,6 +75,7 @@ def run_allreduce(
 
         comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
+    old = note_signals()  # Ctrl-C and SIGTERM, which mpiexec passes to every rank: all stop at one step
     try:
         if world:  # the job is ours: leave no MPICH file in /dev/shm, however it ends
             unlink_init_shm(comm)
@@ -85,6 +88,9 @@ def run_allreduce(
             )
             return 2
         return _run(job, comm, progress, quiet)
+    except KeyboardInterrupt:  # before the job's folder was known: nothing had started
+        ignore_signals()
+        return _stopped(comm, received_signal(), None)
     except BaseException:
         print(
             f"psctl allreduce: rank {rank} on {socket.gethostname()} failed; aborting the job:\n"
@@ -94,6 +100,27 @@ def run_allreduce(
         )
         abort(comm)
         raise  # not reached: Abort ends the process
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _stopped(comm, signum: int, out) -> int:
+    """After Ctrl-C or SIGTERM: the ranks meet once more, rank 0 says so in one line; returns 128 + ``signum``.
+
+    Rank 0's summary (status ``interrupted``) is written as the job ends. A rank that does not come within
+    INTERRUPT_WAIT_S (the signal reached only some ranks) makes the job abort.
+    """
+    name = signal.Signals(signum).name
+    try:
+        wait_request(comm.Ibarrier(), INTERRUPT_WAIT_S, f"{name}: the other ranks stopping")
+    except JobFailed as e:
+        print(f"psctl allreduce: rank {comm.Get_rank()}: {e}; aborting the job", file=sys.stderr, flush=True)
+        abort(comm)
+    if comm.Get_rank() == 0:
+        where = f"; partial results in {out}" if out is not None else "; nothing had started"
+        print(f"psctl allreduce: {name}: stopped every rank{where}", file=sys.stderr, flush=True)
+    return 128 + signum
 
 
 def _mpi_library() -> str:
@@ -115,12 +142,16 @@ def _run(job: JobConfig, comm, progress: bool | None, quiet: bool) -> int:
     if out is None:
         return 2
     metrics_files = [out / "metrics" / f"worker-{r}.jsonl" for r in range(size)]
-    if rank != 0:
-        _train_and_gather(job, comm, metrics_files[rank])
-        return 0
-    # Every rank trains; rank 0 also follows the job and writes its summary (no event log of its own).
-    run = JobRun(job, out, "allreduce", log_events=False)
-    summary = run.run(RankZeroTrains(job, comm, metrics_files, progress, quiet))
+    try:
+        if rank != 0:
+            _train_and_gather(job, comm, metrics_files[rank])
+            return 0
+        # Every rank trains; rank 0 also follows the job and writes its summary (no event log of its own).
+        run = JobRun(job, out, "allreduce", log_events=False)
+        summary = run.run(RankZeroTrains(job, comm, metrics_files, progress, quiet))
+    except KeyboardInterrupt:  # rank 0's summary (status interrupted) is written: the ranks stop together
+        ignore_signals()
+        return _stopped(comm, received_signal(), out)
     if not quiet:
         print(co.headline(summary), flush=True)
         print(
@@ -175,6 +206,8 @@ class RankZeroTrains:
             self.follower = None
 
     def report(self, run: JobRun) -> dict:
+        if not self.results:  # stopped before the results were gathered: the steps its files hold
+            run.refresh(events=self.events())
         by_rank = sorted(self.results, key=lambda r: r["result"]["rank"])
         return {
             "sources": [self.events()],
@@ -187,7 +220,10 @@ class RankZeroTrains:
         }
 
     def events(self) -> list[dict]:
-        return [e for r in self.results for e in r["events"]]
+        """Every rank's events as gathered at the end; before that (a job stopped) each rank's file rank 0 sees."""
+        if self.results:
+            return [e for r in self.results for e in r["events"]]
+        return co.MetricsTail([path for path in self.metrics_files if path.exists()]).read()
 
 
 def _train_and_gather(job: JobConfig, comm, metrics: Path):
@@ -235,7 +271,8 @@ def _train(job: JobConfig, comm, metrics: Path):
     os.environ.setdefault("LOCAL_RANK", str(rank))
     xp, device_name, data, model = build(train, rank, size)
     init = model.spec.pack(model.init_params(train.seed, train.init_scale))
-    exchange = AllreduceExchange(comm, init, allreduce_server(job), train.wire_dtype, xp=xp)  # on a GPU: kept there
+    # on a GPU: kept there; the ranks stop together when one heard Ctrl-C (run_allreduce)
+    exchange = AllreduceExchange(comm, init, allreduce_server(job), train.wire_dtype, xp=xp, heard=signal_heard)
     if rank == 0 and exchange.on_device and usable_cpus() == 1 < (os.cpu_count() or 1):
         # Open MPI binds each rank to one core; a GPU worker's batch loader thread then shares it with the
         # loop (20M MLP on an H100: 165,653 samples/s bound, 226,828 not; docs/performance.md).

@@ -14,6 +14,9 @@ POLL_S = 0.05
 ABORT_GRACE_S = 0.5
 
 
+INTERRUPT_WAIT_S = 20.0  # after Ctrl-C or SIGTERM, how long the ranks wait for each other before aborting
+
+
 def wait_request(req, timeout: float | None, what: str) -> None:
     """Wait for a non-blocking MPI request (``Ibarrier``, ``isend``), polling with a sleep.
 

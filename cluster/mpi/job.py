@@ -33,7 +33,7 @@ from psgrid.cluster.job.rate_schedule import scheduled
 from psgrid.cluster.job.records import write_job_file
 from psgrid.cluster.job.shard_device import resolve_shard_device
 from psgrid.cluster.mpi import report as mpi_report
-from psgrid.cluster.mpi.comm import abort, wait_request
+from psgrid.cluster.mpi.comm import INTERRUPT_WAIT_S, abort, wait_request
 from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
 from psgrid.cluster.mpi.placement import SERVER, WORKER, Placement, PlacementError, Role, place, worker_hosts
 from psgrid.cluster.mpi.rank_zero import TAG_DONE, RankZero
@@ -47,7 +47,6 @@ from psgrid.psserver import files
 from psgrid.psserver.protocol import format_address_file
 
 LOOPBACK = "127.0.0.1"
-INTERRUPT_WAIT_S = 20.0
 
 
 def min_ranks(shards: int) -> int:

@@ -100,10 +100,15 @@ class RankZero:
         """Nothing: the shards stopped at the evaluation's Shutdown, or the caller aborts the job."""
 
     def report(self, run: JobRun) -> dict:
+        run.refresh()  # the lines the workers' files gained since the last look (a job stopped: its last steps)
         exits = {r: next((f.get("exit_code", 1) for f in run.failures if f["index"] == r), 0) for r in self.received}
         events = [e for sent in self.received.values() for e in sent]
+        # A worker that sent none (the job was stopped, or it failed first): its file, where this node sees it
+        # (its own node, or a shared file system), as the progress bar read it; an interrupted job kept 3 lines.
+        unsent = [self.part.out / "metrics" / f"worker-{r}.jsonl" for r in range(self.part.job.workers)]
+        unsent = [path for r, path in enumerate(unsent) if r not in self.received and path.exists()]
         return {
-            "sources": [self.part.out / "metrics" / "coordinator.jsonl", events],
+            "sources": [self.part.out / "metrics" / "coordinator.jsonl", events, *unsent],
             "addresses": self.part.addresses,
             "worker_exits": exits,
             "ranks": self.part.size,

@@ -92,6 +92,20 @@ def deferred_signals():
             raise Interrupted(pending)
 
 
+def _note(signum, frame):
+    _defer["received"] = signum
+
+
+def note_signals() -> dict:
+    """Make Ctrl-C and SIGTERM only recorded from now on (:func:`signal_heard`); returns the handlers they had.
+
+    For the ranks of one all-reduce, which must stop together between two collectives
+    (worker/allreduce.py ``_stop_together``), never in the middle of one.
+    """
+    _defer["received"], _defer["early"] = _defer["early"], None
+    return {sig: signal.signal(sig, _note) for sig in SIGNALS}
+
+
 def _stop_rank(signum, frame):
     _defer["received"] = signum
     raise KeyboardInterrupt
