@@ -682,6 +682,48 @@ def test_ctrl_c_under_mpiexec_stops_every_rank_in_one_line(tmp_path, command):
     assert not left_behind(since), "the job left files behind"
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("modes", ["sync,allreduce", "allreduce,sync"])
+def test_ctrl_c_under_compare_mpi_stops_every_rank_and_keeps_what_finished(tmp_path, modes):
+    """It printed a traceback per rank and aborted (exit 1), with no results or report of the runs before."""
+    out = tmp_path / "exp"
+    since = time.time() - 1
+    argv = psctl("compare", "--mpi", "--modes", modes, "--workers", "2", "--shards", "1", "--dataset", "synthetic")
+    proc = subprocess.Popen(
+        [mpiexec(), "-n", "4", *argv, "--steps", "1000000", "--out", str(out)],
+        cwd=tmp_path,
+        env=env_with(**MPI_ENV),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 90
+        first = next(iter(modes.split(",")))
+        while not any(steps_seen(d, 0) >= 20 for d in (out / "runs").glob(f"{first}-*")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=10)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and "Abort(" not in err, err
+    said = [line for line in err.splitlines() if "SIGINT" in line]
+    assert said == [
+        f"psctl compare: SIGINT: stopped every rank; the finished runs are in {out} "
+        "(psctl compare ... --resume finishes the rest)"
+    ], err
+    (run,) = [d for d in (out / "runs").iterdir() if d.name.startswith(first)]
+    assert json.loads((run / "summary.json").read_text())["status"] == "interrupted"
+    assert (out / "report.md").exists()  # written for what finished (nothing, here): --resume runs the rest
+    assert not session_pids(proc.pid)
+    assert not left_behind(since), "the job left files behind"
+
+
 # ---- mistakes that used to end as "ok" ---------------------------------------------------------------
 
 NO_INIT = "no worker joined the job: the command exited 0 without calling psgrid.init, so nothing was trained"

@@ -436,6 +436,7 @@ def _mode_settings(texts: list[str], modes, job, *, server_only: bool) -> dict:
 
 
 def _run_mpi(experiment, args: argparse.Namespace) -> int:
+    import signal
     import socket
     import sys
     import traceback
@@ -449,8 +450,10 @@ def _run_mpi(experiment, args: argparse.Namespace) -> int:
     from psgrid.cluster.experiments.compare_mpi import MPICompare
     from psgrid.cluster.mpi.comm import abort
     from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
+    from psgrid.cluster.run.interrupts import stop_on_signals
 
     comm = MPI.COMM_WORLD
+    old = stop_on_signals()  # Ctrl-C and SIGTERM stop the run under way on every rank (compare_mpi.py)
     try:
         unlink_init_shm(comm)  # leave no MPICH file in /dev/shm, however the job ends
         return MPICompare(experiment, comm=comm, resume=args.resume, progress=args.progress).run()
@@ -463,3 +466,6 @@ def _run_mpi(experiment, args: argparse.Namespace) -> int:
         )
         abort(comm)
         raise
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)

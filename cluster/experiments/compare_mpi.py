@@ -6,18 +6,22 @@ size that run needs and run it as ``psctl mpi`` (1 coordinator + S shards + W wo
 every run, so it coordinates each, and it writes the experiment's results and report.
 
 As with ``psctl mpi``, an exception on any rank aborts the whole job; the runs that finished stay
-in the output folder, and ``--resume`` runs the rest.
+in the output folder, and ``--resume`` runs the rest. Ctrl-C and SIGTERM, which mpiexec passes to
+every rank, stop the run under way as ``psctl mpi`` or ``psctl allreduce`` stops (its summary says
+``interrupted``); the ranks meet once more and world rank 0 writes the finished runs' results and
+report and says so in one line.
 """
 
 from __future__ import annotations
 
 import sys
 
-from psgrid.cluster.errors import UsageError
+from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.experiments.compare import Compare, prepare, table_text, write_results
 from psgrid.cluster.experiments.experiment import Run
-from psgrid.cluster.mpi.comm import wait_request
+from psgrid.cluster.mpi.comm import INTERRUPT_WAIT_S, abort, wait_request
 from psgrid.cluster.mpi.job import min_ranks
+from psgrid.cluster.run.interrupts import ignore_signals, received_signal
 
 
 def ranks_needed(run: Run, shards: int) -> int:
@@ -66,27 +70,64 @@ class MPICompare(Compare):
                 file=sys.stderr,
                 flush=True,
             )
-        for run in (r for r in x.runs if r.id in todo):
-            sub = comm.Split(0 if rank < ranks_needed(run, x.job.shards) else MPI.UNDEFINED, rank)
-            if sub != MPI.COMM_NULL:
-                try:
-                    self.run_on(run, sub)
-                finally:
-                    sub.Free()
-            wait_request(comm.Ibarrier(), None, f"the end of run {run.id}")
-            if rank == 0:
-                self.record(run)
+        ending = None  # this rank's barrier at the end of a run, while it waits there
+        try:
+            for run in (r for r in x.runs if r.id in todo):
+                sub = comm.Split(0 if rank < ranks_needed(run, x.job.shards) else MPI.UNDEFINED, rank)
+                if sub != MPI.COMM_NULL:
+                    try:
+                        self.run_on(run, sub)
+                    finally:
+                        sub.Free()
+                ending = comm.Ibarrier()
+                wait_request(ending, None, f"the end of run {run.id}")
+                ending = None
+                if rank == 0:
+                    self.record(run)
+        except KeyboardInterrupt:
+            ignore_signals()  # the rest is bounded by its own timeouts
+            return self._stopped(ending, received_signal())
         if rank == 0:
             print(table_text(write_results(x), x.settings.get("target_accuracy")), flush=True)
         return 0
 
     def run_on(self, run: Run, sub) -> None:
+        """One run on ``sub``; KeyboardInterrupt once a Ctrl-C stopped it (on every rank of ``sub``)."""
         job = self.x.run_job(run)
         if run.mode.uses_shards:
             from psgrid.cluster.mpi.job import MPIJob
 
-            MPIJob(job, sub, progress=self.progress_enabled).run()
+            part = MPIJob(job, sub, progress=self.progress_enabled)
+            try:
+                part.run()
+            except KeyboardInterrupt:
+                ignore_signals()
+                part.stop_interrupted(received_signal(), say=False)  # its ranks meet, its shard stops
+                raise
         else:
             from psgrid.cluster.mpi.allreduce import run_allreduce
 
-            run_allreduce(job, sub, progress=self.progress_enabled, quiet=True)
+            if run_allreduce(job, sub, progress=self.progress_enabled, quiet=True) >= 128:
+                raise KeyboardInterrupt  # its ranks stopped together at a step (worker/allreduce.py)
+
+    def _stopped(self, ending, signum: int) -> int:
+        """After Ctrl-C: every rank meets once more (at the barrier it waited at, if it did), then rank 0 writes
+        the finished runs' results and report; returns 128 + ``signum``."""
+        import signal
+
+        x, comm = self.x, self.comm
+        name = signal.Signals(signum).name
+        try:
+            wait_request(ending or comm.Ibarrier(), INTERRUPT_WAIT_S, f"{name}: the other ranks stopping")
+        except JobFailed as e:
+            print(f"psctl compare: rank {comm.Get_rank()}: {e}; aborting the job", file=sys.stderr, flush=True)
+            abort(comm)
+        if comm.Get_rank() == 0:
+            print(table_text(write_results(x), x.settings.get("target_accuracy")), flush=True)
+            print(
+                f"psctl compare: {name}: stopped every rank; the finished runs are in {x.out} "
+                f"(psctl compare ... --resume finishes the rest)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 128 + signum

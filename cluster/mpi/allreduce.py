@@ -105,7 +105,7 @@ def run_allreduce(
             signal.signal(sig, handler)
 
 
-def _stopped(comm, signum: int, out) -> int:
+def _stopped(comm, signum: int, out, say: bool = True) -> int:
     """After Ctrl-C or SIGTERM: the ranks meet once more, rank 0 says so in one line; returns 128 + ``signum``.
 
     Rank 0's summary (status ``interrupted``) is written as the job ends. A rank that does not come within
@@ -117,7 +117,7 @@ def _stopped(comm, signum: int, out) -> int:
     except JobFailed as e:
         print(f"psctl allreduce: rank {comm.Get_rank()}: {e}; aborting the job", file=sys.stderr, flush=True)
         abort(comm)
-    if comm.Get_rank() == 0:
+    if say and comm.Get_rank() == 0:
         where = f"; partial results in {out}" if out is not None else "; nothing had started"
         print(f"psctl allreduce: {name}: stopped every rank{where}", file=sys.stderr, flush=True)
     return 128 + signum
@@ -151,7 +151,7 @@ def _run(job: JobConfig, comm, progress: bool | None, quiet: bool) -> int:
         summary = run.run(RankZeroTrains(job, comm, metrics_files, progress, quiet))
     except KeyboardInterrupt:  # rank 0's summary (status interrupted) is written: the ranks stop together
         ignore_signals()
-        return _stopped(comm, received_signal(), out)
+        return _stopped(comm, received_signal(), out, say=not quiet)
     if not quiet:
         print(co.headline(summary), flush=True)
         print(

@@ -366,7 +366,7 @@ class MPIJob:
         )
         return 0
 
-    def stop_interrupted(self, signum: int) -> int:
+    def stop_interrupted(self, signum: int, say: bool = True) -> int:
         """After Ctrl-C or SIGTERM, which every rank hears: stop this rank's part and end with the others.
 
         mpiexec and srun pass the signal to every rank; each stops what it runs, the ranks meet
@@ -382,7 +382,7 @@ class MPIJob:
             abort(self.comm)
         if self.server is not None:
             self.server.stop(grace=0.5)
-        if self.rank == 0:
+        if say and self.rank == 0:  # (psctl compare --mpi says it once for the experiment)
             where = f"; partial results in {self.out}" if self.out is not None else "; nothing had started"
             print(f"psctl mpi: {name}: stopped every rank{where}", file=sys.stderr, flush=True)
         mpi_report.untee()
