@@ -21,7 +21,7 @@ from psgrid.cluster.experiments.compare import Compare, prepare, table_text, wri
 from psgrid.cluster.experiments.experiment import Run
 from psgrid.cluster.mpi.comm import INTERRUPT_WAIT_S, abort, wait_request
 from psgrid.cluster.mpi.job import min_ranks
-from psgrid.cluster.run.interrupts import ignore_signals, received_signal
+from psgrid.cluster.run.interrupts import ignore_signals, received_signal, signal_heard
 
 
 def ranks_needed(run: Run, shards: int) -> int:
@@ -107,8 +107,11 @@ class MPICompare(Compare):
         else:
             from psgrid.cluster.mpi.allreduce import run_allreduce
 
-            if run_allreduce(job, sub, progress=self.progress_enabled, quiet=True) >= 128:
-                raise KeyboardInterrupt  # its ranks stopped together at a step (worker/allreduce.py)
+            code = run_allreduce(job, sub, progress=self.progress_enabled, quiet=True)
+            # Its ranks stopped together at a step (worker/allreduce.py); or the Ctrl-C came after their last
+            # look, and the run ended: it stops the experiment here, where the other ranks stop too.
+            if code >= 128 or signal_heard() is not None:
+                raise KeyboardInterrupt
 
     def _stopped(self, ending, signum: int) -> int:
         """After Ctrl-C: every rank meets once more (at the barrier it waited at, if it did), then rank 0 writes

@@ -97,13 +97,14 @@ def _note(signum, frame):
 
 
 def note_signals() -> dict:
-    """Make Ctrl-C and SIGTERM only recorded from now on (:func:`signal_heard`); returns the handlers they had.
+    """Make Ctrl-C only recorded from now on (:func:`signal_heard`); returns the handler it had.
 
     For the ranks of one all-reduce, which must stop together between two collectives
-    (worker/allreduce.py ``_stop_together``), never in the middle of one.
+    (worker/allreduce.py ``_stop_together``), never in the middle of one. SIGTERM keeps what it did
+    (a scheduler's, which must also end a rank stuck in a collective whose peer hung).
     """
     _defer["received"], _defer["early"] = _defer["early"], None
-    return {sig: signal.signal(sig, _note) for sig in SIGNALS}
+    return {signal.SIGINT: signal.signal(signal.SIGINT, _note)}
 
 
 def _stop_rank(signum, frame):
