@@ -37,8 +37,9 @@ def data_planes(out, rank: int) -> list[str]:
 def test_each_shard_lives_in_its_worker_which_calls_it_and_the_job_trains(tmp_path, mode):
     # lr 0.02: at the job's 0.05 three async workers landed anywhere from 0.48 to 0.91 (with either
     # placement); at 0.02 eight async runs landed at 0.907-0.930 and three sync ones at 0.904. Since async
-    # runs with auto momentum (0.23 at three workers, not 0.9) 200 steps reach less: 0.844-0.896 in 14 runs
-    # on 2026-11-30 (0.849 failed CI's 0.85), so the bar is 0.8: far above chance, below that spread.
+    # runs with auto momentum (0.23 at three workers, not 0.9) 200 steps reach less: 0.867-0.896 in 8 launches
+    # of this job on 2026-11-30, and 0.849 and 0.844 in two runs of this test that failed 0.85 (one in CI, one
+    # on the tree before that day's changes), so the bar is 0.8: far above chance, below that spread.
     with Launch(
         tmp_path,
         *BASE,

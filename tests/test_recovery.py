@@ -175,7 +175,7 @@ def test_a_killed_shard_is_restarted_from_its_checkpoint_and_the_job_completes(t
     assert all(w["completed"] for w in summary["worker_results"])
     # A sanity bar, not the test's point: async's 300 steps around a restart ended at 0.82 once, under
     # three test processes on 2 cores, and at 0.744 in CI on 2026-11-30 (async at the job's lr with auto
-    # momentum scatters: 0.80-0.91 in 8 runs of 200 steps without a restart); chance is 0.1.
+    # momentum scatters: 0.80-0.91 in 8 runs of 200 steps, 3 workers, no restart); chance is 0.1.
     assert summary["test_accuracy"] > (0.6 if mode == "async" else 0.85), summary["test_accuracy"]
     assert "restored its checkpoint at version" in (launch.out / "logs" / "server-1.log").read_text()
 

@@ -6,20 +6,21 @@ size that run needs and run it as ``psctl mpi`` (1 coordinator + S shards + W wo
 every run, so it coordinates each, and it writes the experiment's results and report.
 
 As with ``psctl mpi``, an exception on any rank aborts the whole job; the runs that finished stay
-in the output folder, and ``--resume`` runs the rest. Ctrl-C and SIGTERM, which mpiexec passes to
-every rank, stop the run under way as ``psctl mpi`` or ``psctl allreduce`` stops (its summary says
+in the output folder, and ``--resume`` runs the rest. Ctrl-C, which mpiexec passes to every rank,
+stops the run under way as ``psctl mpi`` or ``psctl allreduce`` stops (its summary says
 ``interrupted``); the ranks meet once more and world rank 0 writes the finished runs' results and
-report and says so in one line.
+report and says so in one line. (SIGTERM stops a shards' run so too; an all-reduce run's ranks leave
+their collective at once, and the job may abort.)
 """
 
 from __future__ import annotations
 
 import sys
 
-from psgrid.cluster.errors import JobFailed, UsageError
+from psgrid.cluster.errors import UsageError
 from psgrid.cluster.experiments.compare import Compare, prepare, table_text, write_results
 from psgrid.cluster.experiments.experiment import Run
-from psgrid.cluster.mpi.comm import INTERRUPT_WAIT_S, abort, wait_request
+from psgrid.cluster.mpi.comm import meet_after_signal, wait_request
 from psgrid.cluster.mpi.job import min_ranks
 from psgrid.cluster.run.interrupts import ignore_signals, received_signal, signal_heard
 
@@ -116,15 +117,8 @@ class MPICompare(Compare):
     def _stopped(self, ending, signum: int) -> int:
         """After Ctrl-C: every rank meets once more (at the barrier it waited at, if it did), then rank 0 writes
         the finished runs' results and report; returns 128 + ``signum``."""
-        import signal
-
         x, comm = self.x, self.comm
-        name = signal.Signals(signum).name
-        try:
-            wait_request(ending or comm.Ibarrier(), INTERRUPT_WAIT_S, f"{name}: the other ranks stopping")
-        except JobFailed as e:
-            print(f"psctl compare: rank {comm.Get_rank()}: {e}; aborting the job", file=sys.stderr, flush=True)
-            abort(comm)
+        name = meet_after_signal(comm, signum, "psctl compare", waiting=ending)
         if comm.Get_rank() == 0:
             print(table_text(write_results(x), x.settings.get("target_accuracy")), flush=True)
             print(

@@ -499,11 +499,8 @@ def _seeds_text(settings: dict) -> str:
             f"{', '.join(map(str, repeats))}{how or base} ({_seeded(settings)})"
         )
     if tuned:
-        text += (
-            f"; tuning ran each grid point {_times(len(tuned))}, with seed {tuned[0]}"
-            if len(set(tuned)) == 1
-            else f"; tuning ran each grid point {_times(len(tuned))}, with seeds {', '.join(map(str, tuned))}"
-        )
+        seeds_of_tuning = f"seed {tuned[0]}" if len(set(tuned)) == 1 else f"seeds {', '.join(map(str, tuned))}"
+        text += f"; tuning ran each grid point {_times(len(tuned))}, with {seeds_of_tuning}"
     return text + "; each run's seed is in summary.csv."
 
 

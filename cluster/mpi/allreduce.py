@@ -23,11 +23,11 @@ import threading
 import traceback
 from pathlib import Path
 
-from psgrid.cluster.errors import JobFailed, UsageError
+from psgrid.cluster.errors import UsageError
 from psgrid.cluster.job.config import JobConfig, apply_overrides
 from psgrid.cluster.job.rate_schedule import scheduled
 from psgrid.cluster.job.records import write_job_file
-from psgrid.cluster.mpi.comm import INTERRUPT_WAIT_S, abort, wait_request
+from psgrid.cluster.mpi.comm import abort, meet_after_signal
 from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
 from psgrid.cluster.run import coordinator as co
 from psgrid.cluster.run.interrupts import ignore_signals, note_signals, received_signal, signal_heard
@@ -75,7 +75,7 @@ def run_allreduce(
 
         comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    old = note_signals()  # Ctrl-C and SIGTERM, which mpiexec passes to every rank: all stop at one step
+    old = note_signals()  # Ctrl-C, which mpiexec passes to every rank: all stop at one step
     try:
         if world:  # the job is ours: leave no MPICH file in /dev/shm, however it ends
             unlink_init_shm(comm)
@@ -88,7 +88,7 @@ def run_allreduce(
             )
             return 2
         return _run(job, comm, progress, quiet)
-    except KeyboardInterrupt:  # before the job's folder was known: nothing had started
+    except KeyboardInterrupt:  # (SIGTERM under psctl compare --mpi) before the job's folder was known
         ignore_signals()
         return _stopped(comm, received_signal(), None)
     except BaseException:
@@ -106,17 +106,11 @@ def run_allreduce(
 
 
 def _stopped(comm, signum: int, out, say: bool = True) -> int:
-    """After Ctrl-C or SIGTERM: the ranks meet once more, rank 0 says so in one line; returns 128 + ``signum``.
+    """After Ctrl-C: the ranks meet once more, rank 0 says so in one line; returns 128 + ``signum``.
 
-    Rank 0's summary (status ``interrupted``) is written as the job ends. A rank that does not come within
-    INTERRUPT_WAIT_S (the signal reached only some ranks) makes the job abort.
+    Rank 0's summary (status ``interrupted``) is written as the job ends.
     """
-    name = signal.Signals(signum).name
-    try:
-        wait_request(comm.Ibarrier(), INTERRUPT_WAIT_S, f"{name}: the other ranks stopping")
-    except JobFailed as e:
-        print(f"psctl allreduce: rank {comm.Get_rank()}: {e}; aborting the job", file=sys.stderr, flush=True)
-        abort(comm)
+    name = meet_after_signal(comm, signum, "psctl allreduce")
     if say and comm.Get_rank() == 0:
         where = f"; partial results in {out}" if out is not None else "; nothing had started"
         print(f"psctl allreduce: {name}: stopped every rank{where}", file=sys.stderr, flush=True)

@@ -35,3 +35,22 @@ def abort(comm) -> None:
     # still in a pipe when that happens is lost.
     time.sleep(ABORT_GRACE_S)
     comm.Abort(1)
+
+
+def meet_after_signal(comm, signum: int, who: str, waiting=None) -> str:
+    """After Ctrl-C or SIGTERM, which mpiexec and srun pass to every rank: the ranks of ``comm`` meet once more.
+
+    ``waiting`` is a barrier request this rank had already posted on ``comm`` (it meets there, so every rank
+    posts one). A rank that does not come within INTERRUPT_WAIT_S (the signal reached only some ranks)
+    makes the job abort, ``who`` saying so. Returns the signal's name.
+    """
+    import signal
+    import sys
+
+    name = signal.Signals(signum).name
+    try:
+        wait_request(waiting or comm.Ibarrier(), INTERRUPT_WAIT_S, f"{name}: the other ranks stopping")
+    except JobFailed as e:
+        print(f"{who}: rank {comm.Get_rank()}: {e}; aborting the job", file=sys.stderr, flush=True)
+        abort(comm)
+    return name

@@ -33,7 +33,7 @@ from psgrid.cluster.job.rate_schedule import scheduled
 from psgrid.cluster.job.records import write_job_file
 from psgrid.cluster.job.shard_device import resolve_shard_device
 from psgrid.cluster.mpi import report as mpi_report
-from psgrid.cluster.mpi.comm import INTERRUPT_WAIT_S, abort, wait_request
+from psgrid.cluster.mpi.comm import abort, meet_after_signal, wait_request
 from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
 from psgrid.cluster.mpi.placement import SERVER, WORKER, Placement, PlacementError, Role, place, worker_hosts
 from psgrid.cluster.mpi.rank_zero import TAG_DONE, RankZero
@@ -374,12 +374,7 @@ class MPIJob:
         is written by :meth:`coordinate`). Returns 128 + ``signum``. A rank that does not come
         within ``INTERRUPT_WAIT_S`` (the signal reached only some ranks) makes the job abort.
         """
-        name = signal.Signals(signum).name
-        try:  # a shard serves on until the workers have left it
-            wait_request(self.comm.Ibarrier(), INTERRUPT_WAIT_S, f"{name}: the other ranks stopping")
-        except JobFailed as e:
-            print(f"psctl mpi: rank {self.rank}: {e}; aborting the job", file=sys.stderr, flush=True)
-            abort(self.comm)
+        name = meet_after_signal(self.comm, signum, "psctl mpi")  # a shard serves on until the workers left it
         if self.server is not None:
             self.server.stop(grace=0.5)
         if say and self.rank == 0:  # (psctl compare --mpi says it once for the experiment)
