@@ -131,12 +131,15 @@ def test_bench_train_json_rows_have_the_breakdown_beside_no_servers(tmp_path, pu
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
-    alone, served, *hosted = [json.loads(line) for line in done.stdout.splitlines()]
+    served, *hosted, alone = [json.loads(line) for line in done.stdout.splitlines()]
+    configurations = 1 + len(hosted)
     if not pull_ahead:  # the same job with its shard in the worker's process, which calls it
         (hosted,) = hosted
         assert (hosted["shard_placement"], hosted["planes_used"], hosted["mode"]) == ("worker", ["local"], "async")
         assert hosted["samples_per_s"] > 0 and hosted["push_s"] > 0
-        assert hosted["ratio_vs_no_servers"] == pytest.approx(hosted["samples_per_s"] / alone["samples_per_s"])
+        assert hosted["ratio_vs_no_servers"] == pytest.approx(
+            hosted["samples_per_s"] / hosted["no_servers_samples_per_s"]
+        )
     assert served["shard_placement"] == "process"
     assert (alone["mode"], alone["shards"], alone["ratio_vs_no_servers"]) == ("none", 0, 1.0)
     assert (served["suite"], served["model"], served["mode"], served["data_plane"]) == ("train", "mlp", "async", "shm")
@@ -145,7 +148,15 @@ def test_bench_train_json_rows_have_the_breakdown_beside_no_servers(tmp_path, pu
     assert served["pull_ahead"] is pull_ahead
     for key in ("samples_per_s", "pull_s", "compute_s", "push_s"):
         assert served[key] > 0, key
-    assert served["ratio_vs_no_servers"] == pytest.approx(served["samples_per_s"] / alone["samples_per_s"])
+    # Each repeat is divided by the no-servers runs beside it: one before the first repeat, one after each.
+    assert alone["repeats"] == 1 + configurations and len(alone["samples_per_s_each"]) == alone["repeats"]
+    each = alone["samples_per_s_each"]
+    assert served["no_servers_samples_per_s"] == pytest.approx((each[0] + each[1]) / 2)
+    assert served["ratio_vs_no_servers"] == pytest.approx(served["samples_per_s"] / served["no_servers_samples_per_s"])
+    assert served["ratios"] == [pytest.approx(served["ratio_vs_no_servers"])]
+    # Steady steps: the first tenth left out, where the whole job's count has them all.
+    assert served["samples_per_s"] > 0 and served["job_samples_per_s"] > 0
+    assert served["samples_per_s"] != served["job_samples_per_s"]
 
 
 def test_bench_ps_against_an_unknown_revision_says_so_in_one_line(tmp_path):

@@ -22,6 +22,7 @@ import tempfile
 from itertools import product
 from pathlib import Path
 
+from psgrid.cluster.bench.steady import beside, steady_samples_per_s
 from psgrid.cluster.errors import JobFailed, UsageError
 from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
 
@@ -41,24 +42,6 @@ def base_job(device: str, shards: int, shard_device: str, settings: dict) -> Job
             **settings,
         },
     )
-
-
-def steady_samples_per_s(metrics_files: list[Path], skip: int) -> float | None:
-    """Samples/s of a run: each worker's samples over its steps after the first ``skip``, per second, summed.
-
-    None where a worker recorded no samples (a script that does not pass ``samples=`` to ``push``)
-    or too few steps.
-    """
-    total = 0.0
-    for path in metrics_files:
-        steps = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("event") == "step"]
-        steady = steps[skip:]
-        if len(steady) < 2 or any("samples" not in r for r in steady):
-            return None
-        # From the start of the first steady step to the record of the last (written once its push ended).
-        seconds = steady[-1]["time"] - steady[0]["started"]
-        total += sum(r["samples"] for r in steady) / seconds
-    return total
 
 
 def alone(command: list[str], job: JobConfig, skip: int, timeout_s: float) -> dict | None:
@@ -202,9 +185,8 @@ def _measure(
             )
             found = through_psgrid(command, job, skip)
             after = reference()
-            beside = (before["samples_per_s"] + after["samples_per_s"]) / 2
-            found["alone_samples_per_s"] = beside
-            found["ratio"] = (found["samples_per_s"] or 0.0) / beside
+            found["alone_samples_per_s"] = beside(before["samples_per_s"], after["samples_per_s"])
+            found["ratio"] = (found["samples_per_s"] or 0.0) / found["alone_samples_per_s"]
             runs[(mode, w, placement)].append(found)
             if as_json:
                 print(
@@ -218,7 +200,6 @@ def _measure(
                             "shard_placement": placement,
                             "alone": before,
                             "alone_after": after,
-                            "alone_samples_per_s": beside,
                             **found,
                         }
                     ),
@@ -237,17 +218,17 @@ def _row(mode: str, w: int, shards: int, placement: str, found: list[dict], refe
     ``ratios`` are each repeat's own, and ``alone_median_samples_per_s`` the median of every alone run.
     """
     samples = statistics.median(f["samples_per_s"] or 0.0 for f in found)
-    beside = statistics.median(f["alone_samples_per_s"] for f in found)
+    reference = statistics.median(f["alone_samples_per_s"] for f in found)
     return {
         "suite": "script",
         "mode": mode,
         "workers": w,
         "shards": shards,
         "shard_placement": placement,
-        "ratio": samples / beside,
+        "ratio": samples / reference,
         "ratios": [f["ratio"] for f in found],
         "samples_per_s": samples,
-        "alone_samples_per_s": beside,
+        "alone_samples_per_s": reference,
         "alone_median_samples_per_s": statistics.median(r["samples_per_s"] for r in references),
         "alone_compute_s": statistics.median(r["compute_s"] for r in references),
         "alone_update_s": statistics.median(r["push_s"] for r in references),

@@ -60,7 +60,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "and numpy.copyto of the same bytes; apply: the shard's optimizer against numpy.copyto; "
         "ps: updates/s of shards and workers moving a fixed gradient, against the floor of one update "
         "(two copies and the apply of P floats); train: samples/s of real training per mode, with "
-        "pull/compute/push/wait per step, against the same model trained with no servers; script: your own "
+        "pull/compute/push/wait per step, against the same model trained with no servers (run beside each repeat); "
+        "script: your own "
         "script (-- python train.py ARGS) through psgrid, against the same script alone (psgrid.init "
         "then updates its parameters in place by plain SGD, torch.optim.SGD for a PyTorch module). "
         "Medians of repeated runs; ratios are what to compare across machines.",
