@@ -224,6 +224,8 @@ def test_bench_script_measures_a_users_script_through_psgrid_against_itself_alon
             "2",
             "--skip",
             "5",
+            "--set",
+            "pull_ahead=true",  # a setting of async's, in the mode the runs are in
             "--json",
             "--",
             "python",
@@ -249,6 +251,7 @@ def test_bench_script_measures_a_users_script_through_psgrid_against_itself_alon
     ]
     for r in repeats:  # each run's ratio is against the script alone just before it and just after
         assert r["status"] == "ok" and r["alone"]["samples_per_s"] > 0 and r["samples_per_s"] > 0
+        assert r["pulled_ahead"] is True
         beside = (r["alone"]["samples_per_s"] + r["alone_after"]["samples_per_s"]) / 2
         assert r["alone_samples_per_s"] == pytest.approx(beside)
         assert r["ratio"] == pytest.approx(r["samples_per_s"] / beside)
@@ -284,6 +287,17 @@ def test_bench_scripts_table_shows_the_reference_its_ratio_is_to():
         psgrid_column, alone_column, ratio_column = (float(x) for x in line.split()[5:8])
         assert alone_column == runs[row["mode"]]["alone_samples_per_s"]
         assert alone_column * ratio_column == pytest.approx(psgrid_column, rel=0.01)
+
+
+def test_bench_script_refuses_a_setting_one_of_its_modes_cannot_take_before_anything_runs(capsys, tmp_path):
+    from psgrid.cluster.cli import main
+
+    script = tmp_path / "never_run.py"
+    script.write_text("raise SystemExit('ran')\n")
+    argv = ["bench", "script", "--modes", "async,sync", "--set", "pull_ahead=true", "--", "python", str(script)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "pull_ahead = true applies to async and ssp only" in err and len(err.strip().splitlines()) == 1
 
 
 def test_bench_script_needs_a_command_and_other_targets_take_none(capsys):

@@ -90,7 +90,8 @@ def through_psgrid(command: list[str], job: JobConfig, skip: int) -> dict:
         records = [r for f in files for r in map(json.loads, f.read_text().splitlines())]
         rate = steady_samples_per_s(files, skip) if files else None
     steps = [r for r in records if r.get("event") == "step"][skip:]
-    planes = sorted({p for r in records if r.get("event") == "start" for p in r.get("data_planes") or []})
+    starts = [r for r in records if r.get("event") == "start"]
+    planes = sorted({p for r in starts for p in r.get("data_planes") or []})
     parts = {
         k: statistics.median(r[k] for r in steps) if steps else None
         for k in ("pull_s", "compute_s", "push_s", "delay_s")
@@ -99,6 +100,7 @@ def through_psgrid(command: list[str], job: JobConfig, skip: int) -> dict:
         "samples_per_s": rate,
         "status": summary["status"],
         "planes_used": planes,
+        "pulled_ahead": bool(starts) and all(r.get("pull_ahead") for r in starts),
         "shard_device": summary.get("shard_device"),
         **parts,
     }
@@ -124,13 +126,16 @@ def run(
     from psgrid.cluster.run.script import resolve_command
 
     command = resolve_command(command)  # `python` is this interpreter; a missing script is one line, here
-    base = base_job(device, shards, shard_device, settings)
+    # Checked in the mode of the runs (a setting of async alone, pull_ahead, is refused with mode sync).
+    base = base_job(device, shards, shard_device, {"mode": modes[0], **settings})
     if base.server.optimizer != "sgd":
         raise UsageError(
             f"psctl bench script compares with the script alone under plain SGD: leave optimizer at "
             f'"sgd", not {base.server.optimizer!r}'
         )
     configs = [(m, w, p) for m, w, p in product(modes, workers, placements) if p == "process" or w >= shards]
+    for mode, w, placement in configs:  # every configuration's job checked before anything runs
+        apply_overrides(base, {"mode": mode, "workers": w, "shard_placement": placement})
     if not as_json:
         print(
             f"{' '.join(command)}: alone and through psgrid in turn ({shards} shard(s), device {device}), each "
@@ -233,6 +238,7 @@ def _row(mode: str, w: int, shards: int, placement: str, found: list[dict], refe
         "alone_compute_s": statistics.median(r["compute_s"] for r in references),
         "alone_update_s": statistics.median(r["push_s"] for r in references),
         "planes_used": found[0]["planes_used"],
+        "pull_ahead": found[0].get("pulled_ahead", False),
         "shard_device": found[0]["shard_device"],
         **{k: _median(f[k] for f in found) for k in ("pull_s", "compute_s", "push_s", "delay_s")},
     }
