@@ -100,8 +100,12 @@ def shard_main() -> None:
 def start_shard(mode: str, lr: float, device: str, events: str):
     folder = tempfile.mkdtemp(prefix="psgrid-timeline-")
     address_file = Path(folder) / "address"
-    command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
-               "import ipc_step_timeline; ipc_step_timeline.shard_main()"]
+    command = [
+        sys.executable,
+        "-c",
+        f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
+        "import ipc_step_timeline; ipc_step_timeline.shard_main()",
+    ]
     command += ["server", "--host", "127.0.0.1", "--port", "0", "--mode", mode, "--lr", str(lr)]
     command += ["--device", device, "--gpu", "0", "--address-file", str(address_file)]
     proc = subprocess.Popen(command, env=dict(os.environ, **{EVENTS: events}))
@@ -189,8 +193,10 @@ def timeline(worker_events, shard_events, skip: int) -> dict[str, list[float]]:
             add("shard: copy out of the slot + check (+ wait)", copy[1] - copy[0])
         if apply:
             add("shard: update + publish (+ wait)", apply[1] - apply[0])
-        add("shard: the rest of the push's handling", (spush[1] - spush[0]) - sum(
-            (x[1] - x[0]) for x in (copy, apply) if x))
+        add(
+            "shard: the rest of the push's handling",
+            (spush[1] - spush[0]) - sum((x[1] - x[0]) for x in (copy, apply) if x),
+        )
         add("reply to the worker: shard answered -> push returns", wpush[1] - spush[1])
         add("worker: plane's push returns -> core.push returns", push1 - wpush[1])
         pull = next(((a, b) for a, b in pulls if a >= push1), None)
@@ -217,6 +223,23 @@ def timeline(worker_events, shard_events, skip: int) -> dict[str, list[float]]:
     return gaps
 
 
+def phases(worker_events, shard_events, skip: int) -> dict[str, list[float]]:
+    """Each push's parts on the shard (ms), in any mode: an overlapped push's are not the step's."""
+    w, s = by_name(worker_events), by_name(shard_events)
+    gaps: dict[str, list[float]] = {}
+    for t0, t1 in s.get("s_push", [])[skip:]:
+        copy = within(s.get("s_copy", []), t0, t1)
+        apply = within(s.get("s_apply", []), t0, t1)
+        gaps.setdefault("shard push, header to reply", []).append(1e3 * (t1 - t0))
+        if copy and apply:
+            gaps.setdefault("  copy out + check (+ wait)", []).append(1e3 * (copy[1] - copy[0]))
+            gaps.setdefault("  between them (Python)", []).append(1e3 * (apply[0] - copy[1]))
+            gaps.setdefault("  update + publish (+ wait)", []).append(1e3 * (apply[1] - apply[0]))
+    for name, label in (("w_push", "worker: the plane's push"), ("w_pull", "worker: the plane's pull")):
+        gaps[label] = [1e3 * (b - a) for a, b in w.get(name, [])[skip:]]
+    return gaps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", default="sync", choices=("sync", "async", "ssp"))
@@ -239,8 +262,13 @@ def main() -> None:
     params, step, synchronize = cupy_model(args.hidden, args.layers, args.batch_size, args.cpu)
     named = named_parameters(params)
     alone = AloneSession(
-        params, names=[n for n, _ in named], originals=[a for _, a in named], lr=args.lr, momentum=0.0,
-        metrics=None, device=None if args.cpu else 0,
+        params,
+        names=[n for n, _ in named],
+        originals=[a for _, a in named],
+        lr=args.lr,
+        momentum=0.0,
+        metrics=None,
+        device=None if args.cpu else 0,
     )
     for _ in range(20):
         step(alone)
@@ -267,9 +295,14 @@ def main() -> None:
         f"{args.layers} x {args.hidden}, {args.mode}, plane {planes}: alone {alone_ms:.3f} ms a step, "
         f"psgrid {1e3 * ours:.3f} ms ({alone_ms / 1e3 / ours:.3f}x); medians over steps {args.skip}.., ms:"
     )
-    for name, values in timeline(worker_events, shard_events, args.skip).items():
-        print(f"  {name:<52} {statistics.median(values):7.3f}  (p10 {np.percentile(values, 10):.3f}, "
-              f"p90 {np.percentile(values, 90):.3f}, n {len(values)})")
+    parts = timeline(worker_events, shard_events, args.skip) if args.mode == "sync" else {}
+    for name, values in {**parts, **phases(worker_events, shard_events, args.skip)}.items():
+        if not values:
+            continue
+        print(
+            f"  {name:<52} {statistics.median(values):7.3f}  (p10 {np.percentile(values, 10):.3f}, "
+            f"p90 {np.percentile(values, 90):.3f}, n {len(values)})"
+        )
 
 
 if __name__ == "__main__":
