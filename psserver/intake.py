@@ -189,7 +189,18 @@ class PushIntake(RangeIntake):
     TCP plane's a piece at a time (:meth:`receive`), gRPC's a chunk at a time (:meth:`add_chunk`).
     """
 
-    __slots__ = ("shard", "worker_id", "clock", "version", "borrowed", "home", "checked", "staged", "uploaded")
+    __slots__ = (
+        "shard",
+        "worker_id",
+        "clock",
+        "version",
+        "borrowed",
+        "home",
+        "checked",
+        "flag",
+        "staged",
+        "uploaded",
+    )
 
     def __init__(self, service, worker_id: int, clock: int, version: int):
         shard = service.shard
@@ -197,6 +208,7 @@ class PushIntake(RangeIntake):
         self.shard, self.worker_id, self.clock, self.version = shard, worker_id, clock, version
         self.borrowed = False
         self.checked = False  # the gradient is known finite (else the update checks it, in async)
+        self.flag = None  # its check, queued on a device shard's GPU before the update that reads it (async)
         self.home = shard.landing_pool  # the pool ``buffer`` goes back to
         self.staged = None  # a device shard's copy of the payload on its GPU, as it comes
         self.uploaded = 0  # elements of gRPC chunks queued for the GPU so far
@@ -256,7 +268,9 @@ class PushIntake(RangeIntake):
         round that keeps it copies it first); else copied into a pooled buffer of the shard's, where
         the worker cannot change it between its check and its update. Checked for NaN and infinity
         in the copy's own pass where the source does so, else as it lands where a sync round may hold
-        it (``finite``); in async the update checks it as it reads it.
+        it (``finite``); in async the update checks it as it reads it. In async a source that queues
+        its checked copy on a device shard's GPU (``queue_into``: a CUDA IPC slot) leaves the check's
+        flag there for the update, queued after it, to read: the shard waits for its GPU once a push.
         """
         source.check(self.size)
         lent = source.lend()
@@ -265,8 +279,12 @@ class PushIntake(RangeIntake):
         else:
             self.home = self.shard.pool
             self.buffer = self.home.take()
-            self.checked = source.copy_into(self.buffer)
-        if not self.checked and self.finite is not None and not self._all_finite(self.buffer):
+            queue = getattr(source, "queue_into", None)
+            if queue is not None and self.finite is None:
+                self.flag = queue(self.buffer)
+            else:
+                self.checked = source.copy_into(self.buffer)
+        if not self.checked and self.flag is None and self.finite is not None and not self._all_finite(self.buffer):
             raise non_finite("payload")
         self.covered, self.chunks, self.nbytes = self.size, 1, source.nbytes
 
@@ -291,6 +309,7 @@ class PushIntake(RangeIntake):
             self.nbytes,
             borrowed=self.borrowed,
             checked=self.checked,
+            flag=self.flag,
         )
         if kept:
             self.buffer = None  # the shard holds it for its sync round now

@@ -98,6 +98,101 @@ def test_a_device_shard_refuses_a_gradient_with_nan_and_changes_nothing():
     assert _push(shard, 0, 0, 0, np.ones(SPEC.size, np.float32)).outcome is Outcome.APPLIED
 
 
+def _slot_push(service, worker, clock, values):
+    """Push host ``values`` from a CUDA IPC slot, as the IPC plane hands one to the shard (its checked copy)."""
+    import cupy
+
+    from psgrid.psserver.transports.ipc_server import DeviceSlot
+
+    arrays = service.shard.arrays
+    with arrays.use():
+        slot = cupy.asarray(values)
+        arrays.finished()
+    return service.push(worker_id=worker, clock=clock, version=service.shard.version, source=DeviceSlot(slot, arrays))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("hparams", OPTIMIZERS[1:3], ids=["nesterov-wd", "adam"])
+def test_a_slots_gradient_with_nan_is_refused_and_changes_nothing_the_next_update_reads(mode, hparams):
+    """In async the slot's check stays on the GPU for the update to read: a NaN stops the update there.
+    The optimizer's state and step count (Adam's bias correction) must be as if the push never came."""
+    cupy_or_skip()
+    from psgrid.psserver.exceptions import InvalidArgument
+    from psgrid.psserver.service import ShardService
+    from psgrid.psserver.state.shard import Shard
+
+    rng = np.random.default_rng(5)
+    init = rng.normal(size=SPEC.size).astype(np.float32)
+    grads = [rng.normal(size=SPEC.size).astype(np.float32) for _ in range(3)]
+    bad = grads[1].copy()
+    bad[SPEC.size - 1] = np.inf
+    bad[3] = np.nan
+    host = Shard(ServerConfig(mode=mode, shard_device="cpu", **hparams))
+    device = ShardService(Shard(ServerConfig(mode=mode, shard_device="gpu", **hparams)))
+    for shard in (host, device.shard):
+        shard.init(SPEC, init.copy())
+        shard.register(SPEC.hash(), 0, -1, "test")
+    for clock, grad in enumerate(grads):
+        _push(host, 0, clock, host.version, grad)
+        if clock == 1:
+            before = (_weights(device.shard), device.shard.optimizer.state_dict(), device.shard.version)
+            with pytest.raises(InvalidArgument) as refused:
+                _slot_push(device, 0, clock, bad)
+            assert refused.value.reason is Reason.NON_FINITE
+            weights, state, version = before
+            np.testing.assert_array_equal(_weights(device.shard), weights)
+            for key, value in device.shard.optimizer.state_dict().items():
+                np.testing.assert_array_equal(value, state[key])
+            assert device.shard.version == version and device.shard.policy.clocks[0] == clock
+        assert _slot_push(device, 0, clock, grad).outcome is Outcome.APPLIED
+    np.testing.assert_allclose(_weights(device.shard), _weights(host), rtol=2e-5, atol=2e-6)
+    assert device.shard.optimizer.steps == host.optimizer.steps == 3
+    assert device.shard.pool.on_loan == 0
+
+
+@pytest.mark.timeout(120)
+def test_workers_pushing_from_their_slots_at_once_each_get_their_own_checks_answer():
+    """Handler threads of several workers check their slots at once on the shard's one stream: a NaN of one
+    must never be taken for the other's, nor pass as finite because the other's check was read."""
+    cupy_or_skip()
+    import threading
+
+    from psgrid.psserver.exceptions import InvalidArgument
+    from psgrid.psserver.service import ShardService
+    from psgrid.psserver.state.shard import Shard
+
+    service = ShardService(Shard(ServerConfig(mode="async", shard_device="gpu", lr=1e-3)))
+    service.shard.init(SPEC, np.zeros(SPEC.size, np.float32))
+    for worker in (0, 1):
+        service.shard.register(SPEC.hash(), worker, -1, "test")
+    bad = np.ones(SPEC.size, np.float32)
+    bad[11] = np.nan
+    outcomes = {0: [], 1: []}
+
+    def pusher(worker: int, values: np.ndarray) -> None:
+        for _ in range(60):
+            clock = service.shard.policy.clocks[worker]  # a refused push leaves it where it was
+            try:
+                outcomes[worker].append(_slot_push(service, worker, clock, values).outcome)
+            except InvalidArgument as exc:
+                outcomes[worker].append(exc.reason)
+
+    threads = [
+        threading.Thread(target=pusher, args=(0, bad)),
+        threading.Thread(target=pusher, args=(1, np.ones_like(bad))),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=100)
+    assert outcomes[0] == [Reason.NON_FINITE] * 60
+    assert outcomes[1] == [Outcome.APPLIED] * 60
+    weights = _weights(service.shard)
+    assert np.isfinite(weights).all() and service.shard.version == 60
+    np.testing.assert_allclose(weights, -60e-3, rtol=1e-4)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_device_checkpoint_restores_on_the_device_and_on_the_host(tmp_path, mode):

@@ -10,6 +10,7 @@ import pytest
 
 from psgrid.psserver.config import ServerConfig
 from psgrid.psserver.exceptions import InvalidArgument, NotInitialized
+from psgrid.psserver.kernels import optim
 from psgrid.psserver.kernels.parallel import SERIAL
 from psgrid.psserver.protocol import Outcome
 from psgrid.psserver.spec import ModelSpec
@@ -96,7 +97,9 @@ class NumpyDeviceOptimizer:
     def __init__(self, host):
         self.host, self.momentum = host, getattr(host, "momentum", 0.0)
 
-    def step(self, weights, grad, lr_scale=1.0, *, out=None, check_finite=False, publish=None):
+    def step(self, weights, grad, lr_scale=1.0, *, out=None, check_finite=False, publish=None, flag=None):
+        if flag is not None and flag[0]:  # the guarded kernel writes nothing where its check's flag is set
+            raise optim.NON_FINITE()
         self.host.step(weights, grad, lr_scale, out=out, check_finite=check_finite)
         if publish is not None:
             publish[...] = weights if out is None else out
@@ -113,9 +116,21 @@ class NumpyGpuArrays(HostArrays):
     """GpuArrays' interface on host memory: the shard takes every path a device shard takes."""
 
     on_gpu = True
+    read_at_once = 0  # checks whose flag the shard read before the update (not left to the update's kernel)
 
     def adopt(self, values):
         return np.array(values, np.float32)
+
+    def check_into(self, dst, src):
+        np.copyto(dst, src)
+        return np.array([0 if np.isfinite(src).all() else 1], np.int32)
+
+    def flagged(self, flag) -> bool:
+        self.read_at_once += 1
+        return bool(flag[0])
+
+    def copy_checked(self, dst, src) -> bool:
+        return not self.flagged(self.check_into(dst, src))
 
     def warm_up(self):
         pass
@@ -132,7 +147,6 @@ class NumpyGpuArrays(HostArrays):
     ],
 )
 def test_a_device_shards_update_trains_as_a_host_shards_does(monkeypatch, mode, settings):
-    from psgrid.psserver.kernels import optim
     from psgrid.psserver.state import shard as shard_module
 
     device_optim = SimpleNamespace(
@@ -163,3 +177,42 @@ def test_a_device_shards_update_trains_as_a_host_shards_does(monkeypatch, mode, 
     version, published = device.snapshot()  # what readers get: the copy written in the update's pass
     np.testing.assert_array_equal(published, device.weights)
     device.release_snapshot(published)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_slots_check_reaches_async_update_on_the_device_and_sync_before_the_round(monkeypatch, mode):
+    """A CUDA IPC slot's checked copy: in async its flag is left for the update (one wait for the GPU a push),
+    in sync it is read before the push is taken; a NaN changes nothing either way (NumPy stands in for the GPU)."""
+    from psgrid.psserver.service import ShardService
+    from psgrid.psserver.state import shard as shard_module
+    from psgrid.psserver.transports.ipc_server import DeviceSlot
+
+    device_optim = SimpleNamespace(
+        make_device_optimizer=lambda name, size, **hp: NumpyDeviceOptimizer(optim.make_optimizer(name, size, **hp))
+    )
+    monkeypatch.setitem(sys.modules, "psgrid.psserver.kernels.device_optim", device_optim)
+    arrays = NumpyGpuArrays()
+    monkeypatch.setattr(shard_module, "shard_arrays", lambda config: arrays)
+    service = ShardService(Shard(ServerConfig(shared_memory=False, mode=mode, lr=0.5, momentum=0.9)))
+    shard = service.shard
+    shard.init(SPEC, np.zeros(SPEC.size, np.float32))
+    shard.register(SPEC.hash(), 0, -1, "test")
+
+    def push(values):
+        return service.push(
+            worker_id=0, clock=shard.policy.clocks[0], version=shard.version, source=DeviceSlot(values, arrays)
+        )
+
+    assert push(np.ones(SPEC.size, np.float32)).outcome is Outcome.APPLIED
+    weights, momentum, version = shard.weights.copy(), shard.optimizer.host.state_dict(), shard.version
+    bad = np.ones(SPEC.size, np.float32)
+    bad[3] = np.nan
+    with pytest.raises(InvalidArgument) as refused:
+        push(bad)
+    assert refused.value.reason.name == "NON_FINITE"
+    np.testing.assert_array_equal(shard.weights, weights)
+    np.testing.assert_array_equal(shard.optimizer.host.state_dict()["momentum_buffer"], momentum["momentum_buffer"])
+    assert shard.version == version and shard.policy.clocks[0] == 1 and shard.pool.on_loan == 0
+    assert push(np.ones(SPEC.size, np.float32)).outcome is Outcome.APPLIED
+    np.testing.assert_allclose(shard.weights, -0.5 - 0.5 * 1.9)  # two steps of momentum 0.9 at lr 0.5
+    assert arrays.read_at_once == (0 if mode == "async" else 3)  # async: each check read by the update itself

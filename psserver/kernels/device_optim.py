@@ -30,14 +30,26 @@ from psgrid.psserver.kernels.optim import NON_FINITE, checked_state, make_optimi
 _DECAYED = "float d = g; if (wd != 0.0f) { d = w * wd + d; }\n"
 
 
-def _kernels(inputs: str, outputs: str, body: str, name: str) -> tuple:
-    """The update as a kernel, and as one that also writes the next weights into ``pub``: a device shard
-    publishes each version as a copy of its own weights, and writing it in the same pass saves reading
-    them again."""
-    return (
-        cupy.ElementwiseKernel(inputs, outputs, body, name),
-        cupy.ElementwiseKernel(inputs, outputs + ", float32 pub", body + "\npub = out;", name + "_published"),
-    )
+def _kernels(inputs: str, outputs: str, body: str, name: str) -> dict:
+    """The update as a kernel, by ``(published, guarded)``.
+
+    ``published``: it also writes the next weights into ``pub``: a device shard publishes each version
+    as a copy of its own weights, and writing it in the same pass saves reading them again.
+    ``guarded``: it reads a flag (``raw int32 guard``) first and writes nothing where it is set: the
+    check of a gradient queued before it on the same stream (state/device.py ``check_into``) then
+    stops it on the GPU, and the shard waits for the GPU once, after both, instead of once between.
+    """
+    kernels = {}
+    for published in (False, True):
+        for guarded in (False, True):
+            code = body + ("\npub = out;" if published else "")
+            kernels[published, guarded] = cupy.ElementwiseKernel(
+                inputs + (", raw int32 guard" if guarded else ""),
+                outputs + (", float32 pub" if published else ""),
+                f"if (guard[0] == 0) {{\n{code}\n}}" if guarded else code,
+                name + ("_published" if published else "") + ("_guarded" if guarded else ""),
+            )
+    return kernels
 
 
 # How many elements are NaN or infinite, in one pass that reads each once (no array of flags).
@@ -103,7 +115,9 @@ class DeviceOptimizer:
         self.steps = 0
         self._buffers = {name: cupy.zeros(self.size, cupy.float32) for name in buffers}
 
-    def step(self, weights, grad, lr_scale: float = 1.0, *, out=None, check_finite: bool = False, publish=None) -> None:
+    def step(
+        self, weights, grad, lr_scale: float = 1.0, *, out=None, check_finite: bool = False, publish=None, flag=None
+    ) -> None:
         """Apply one update to ``weights``, in place or into ``out``; ``grad`` is only read.
 
         Parameters
@@ -118,6 +132,10 @@ class DeviceOptimizer:
             Refuse a gradient with NaN or infinity first (one reduction over it), changing nothing.
         publish : cupy.ndarray, optional
             Also write the updated weights here, in the same pass (a device shard's published copy).
+        flag : cupy.ndarray, optional
+            One int32, set on the GPU by a check of ``grad`` queued before this step on the current
+            stream (state/device.py ``GpuArrays.check_into``): the update reads it and writes nothing
+            where it is set, then this waits for the stream and refuses as ``check_finite`` does.
 
         Raises
         ------
@@ -136,12 +154,18 @@ class DeviceOptimizer:
                 )
         if isinstance(lr_scale, bool) or not 0.0 <= float(lr_scale) < math.inf:
             raise InvalidArgument(f"lr_scale must be finite and >= 0, got {lr_scale!r}")
+        if flag is not None and not (isinstance(flag, cupy.ndarray) and flag.dtype == np.int32 and flag.size == 1):
+            raise InvalidArgument(f"flag must be one int32 on the GPU, got {type(flag).__name__}")
         if check_finite and not all_finite(grad):
             raise NON_FINITE()
         self.steps += 1
-        self._launch(weights, grad, self.lr * float(lr_scale), out, publish)
+        self._launch(weights, grad, self.lr * float(lr_scale), out, publish, flag)
+        if flag is not None and int(flag.get(stream=cupy.cuda.get_current_stream())[0]):
+            self.steps -= 1  # the kernel wrote nothing: Adam's next step counts as this one would have
+            raise NON_FINITE()
 
-    def _launch(self, w, g, lr: float, out, publish) -> None:
+    def _launch(self, w, g, lr: float, out, publish, guard) -> None:
+        """Queue the update; ``guard``: the flag it reads first (None: unguarded)."""
         raise NotImplementedError
 
     def warm_up(self) -> None:
@@ -153,6 +177,7 @@ class DeviceOptimizer:
         one = cupy.ones(1, cupy.float32)
         scratch.step(one, one.copy(), check_finite=True)
         scratch.step(one, one.copy(), publish=one.copy())
+        scratch.step(one, one.copy(), publish=one.copy(), flag=cupy.zeros(1, cupy.int32))
         cupy.cuda.get_current_stream().synchronize()
 
     def state_dict(self) -> dict[str, np.ndarray | int]:
@@ -190,23 +215,26 @@ class DeviceSGD(DeviceOptimizer):
             self._buffers["momentum_buffer"].fill(0.0)
         self.momentum = float(momentum)
 
-    def _launch(self, w, g, lr, out, publish):
+    def _launch(self, w, g, lr, out, publish, guard):
         f32 = np.float32
         published = () if publish is None else (publish,)
+        guarded = () if guard is None else (guard,)
+        kind = (bool(published), bool(guarded))
         if self.momentum:
-            _MOMENTUM[bool(published)](
+            _MOMENTUM[kind](
                 w,
                 g,
                 f32(lr),
                 f32(self.weight_decay),
                 f32(self.momentum),
                 np.int32(self.nesterov),
+                *guarded,
                 out,
                 self._buffers["momentum_buffer"],
                 *published,
             )
         else:
-            _SGD[bool(published)](w, g, f32(lr), f32(self.weight_decay), out, *published)
+            _SGD[kind](w, g, f32(lr), f32(self.weight_decay), *guarded, out, *published)
 
 
 class DeviceAdam(DeviceOptimizer):
@@ -222,13 +250,14 @@ class DeviceAdam(DeviceOptimizer):
             raise InvalidArgument(f"beta1 must be in [0, 1), got {beta1!r}")
         self.beta1 = float(beta1)
 
-    def _launch(self, w, g, lr, out, publish):
+    def _launch(self, w, g, lr, out, publish, guard):
         # The host's scalars, computed the host's way in float64, then met as float32 by the arrays.
         sqrt_bc2 = math.sqrt(1.0 - self.beta2**self.steps)
         step_size = lr / (1.0 - self.beta1**self.steps) * sqrt_bc2
         f32 = np.float32
         published = () if publish is None else (publish,)
-        _ADAM[bool(published)](
+        guarded = () if guard is None else (guard,)
+        _ADAM[bool(published), bool(guarded)](
             w,
             g,
             f32(step_size),
@@ -237,6 +266,7 @@ class DeviceAdam(DeviceOptimizer):
             f32(self.beta2),
             f32(1.0 - self.beta2),
             f32(self.eps * sqrt_bc2),
+            *guarded,
             out,
             self._buffers["exp_avg"],
             self._buffers["exp_avg_sq"],

@@ -119,8 +119,6 @@ class GpuArrays:
             self.stream = cupy.cuda.Stream(non_blocking=True)
         self.label = f"cuda:{index} ({self.pci_bus_id})"
         self._copy_kernel = None
-        with self.device:
-            self._bad = cupy.zeros(1, cupy.int32)  # copy_checked's flag
 
     def use(self):
         """Make this GPU and the shard's stream current for the calling thread (``with arrays.use():``)."""
@@ -179,8 +177,14 @@ class GpuArrays:
         with self.use():
             return all_finite(array)
 
-    def copy_checked(self, dst, src) -> bool:
-        """Copy ``src`` into ``dst`` and say whether every value was finite: one pass, one wait for the stream."""
+    def check_into(self, dst, src):
+        """Queue the copy of ``src`` into ``dst`` on the shard's stream, with its check for NaN and infinity in the
+        same pass; returns the check's flag (one int32 on the GPU, set for a value that is not finite).
+
+        A flag of its own per call: handler threads of several workers check at once, on one stream.
+        Read it with :meth:`flagged`, or hand it to a guarded update queued after (device_optim.py),
+        which writes nothing where it is set.
+        """
         with self.use():
             if self._copy_kernel is None:
                 self._copy_kernel = self.xp.ElementwiseKernel(
@@ -189,9 +193,18 @@ class GpuArrays:
                     "y = x; if (!isfinite(x)) { bad[0] = 1; }",
                     "psgrid_copy_checked",
                 )
-            self._bad.fill(0)
-            self._copy_kernel(src, dst, self._bad)
-            return not int(self._bad[0])
+            flag = self.xp.zeros(1, self.xp.int32)
+            self._copy_kernel(src, dst, flag)
+            return flag
+
+    def flagged(self, flag) -> bool:
+        """Wait for the shard's stream, then read a check's flag (:meth:`check_into`)."""
+        with self.use():
+            return bool(int(flag.get(stream=self.stream)[0]))
+
+    def copy_checked(self, dst, src) -> bool:
+        """Copy ``src`` into ``dst`` and say whether every value was finite: one pass, one wait for the stream."""
+        return not self.flagged(self.check_into(dst, src))
 
     def warm_up(self) -> None:
         """Compile now the kernels a push runs (CuPy compiles each on its first launch): not in a worker's step."""

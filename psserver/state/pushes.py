@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from psgrid.psserver.kernels.optim import NON_FINITE
 from psgrid.psserver.kernels.parallel import Chunks
 from psgrid.psserver.protocol import Outcome, PushResult
 from psgrid.psserver.state.claims import Claims
@@ -81,6 +82,7 @@ class Pushes:
         *,
         borrowed: bool = False,
         checked: bool = False,
+        flag=None,
     ) -> tuple[PushResult, bool]:
         """Take one validated gradient of this range (a float32 buffer from the shard's pool).
 
@@ -89,21 +91,32 @@ class Pushes:
         A ``borrowed`` gradient is the worker's own memory (the shared-memory plane): it is read
         during this call only, so a sync round that stays open keeps a pooled copy of it. A
         ``checked`` one is known finite already (the IPC plane checks as it copies): async skips its check.
+        A ``flag`` is that check still on a device shard's GPU (async only: the update reads it there).
         If the update makes a checkpoint due, it is on disk before this returns (so before the
         worker hears of the update), written without holding up other calls.
         """
         try:
             if self.served.arrays.on_gpu and isinstance(grad, np.ndarray):
                 return self._push_staged(worker, clock, version_used, grad, nbytes), False
-            return self._push_here(worker, clock, version_used, grad, nbytes, borrowed, checked)
+            return self._push_here(worker, clock, version_used, grad, nbytes, borrowed, checked, flag)
         finally:
             self.checkpoints.flush()
 
     def _push_here(
-        self, worker: int, clock: int, version_used: int, grad, nbytes: int, borrowed: bool, checked: bool = False
+        self,
+        worker: int,
+        clock: int,
+        version_used: int,
+        grad,
+        nbytes: int,
+        borrowed: bool,
+        checked: bool = False,
+        flag=None,
     ) -> tuple[PushResult, bool]:
         if not self.core.policy.waits_on_pull:  # nothing waits for an update but the next: it runs outside ``cond``
-            return self._push_at_once(worker, clock, version_used, grad, nbytes, checked), False
+            return self._push_at_once(worker, clock, version_used, grad, nbytes, checked, flag), False
+        if flag is not None and self.served.arrays.flagged(flag):  # a round may hold it: known before it is taken
+            raise NON_FINITE()
         return self._push_rounds(worker, clock, version_used, grad, nbytes, borrowed)
 
     def _push_staged(self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int) -> PushResult:
@@ -166,7 +179,14 @@ class Pushes:
             return PushResult(decision.outcome, served.version, staleness, decision.next_clock), False
 
     def _push_at_once(
-        self, worker: int, clock: int, version_used: int, grad: np.ndarray, nbytes: int, checked: bool = False
+        self,
+        worker: int,
+        clock: int,
+        version_used: int,
+        grad: np.ndarray,
+        nbytes: int,
+        checked: bool = False,
+        flag=None,
     ) -> PushResult:
         """async: check and apply the gradient outside ``cond``, then take the push and publish its version.
 
@@ -192,7 +212,7 @@ class Pushes:
                 step = updater.plan(ring, served.version, version_used)
                 skipped = max(0, clock - expected)  # counted lost once the push is taken, below; the rate knows now
                 lr_scale = updater.lr_scale(staleness, self.schedule_clock() + skipped)
-            updater.apply(ring, step, grad, lr_scale, check_finite=not checked)
+            updater.apply(ring, step, grad, lr_scale, check_finite=not checked and flag is None, flag=flag)
             with core.cond:
                 next_clock = clock + 1
                 if policy.is_live(worker):

@@ -207,8 +207,11 @@ class Shard:
         *,
         borrowed: bool = False,
         checked: bool = False,
+        flag=None,
     ) -> tuple[PushResult, bool]:
-        return self.pushes.push(worker, clock, version_used, grad, nbytes, borrowed=borrowed, checked=checked)
+        return self.pushes.push(
+            worker, clock, version_used, grad, nbytes, borrowed=borrowed, checked=checked, flag=flag
+        )
 
     def checkpoint(self) -> tuple[str, int]:
         return self.checkpoints.write_now()

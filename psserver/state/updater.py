@@ -81,16 +81,20 @@ class Updater:
         """Choose the buffers of the next update (call under the shard's lock); ``version`` is the current one."""
         return Step(ring.current, ring.spare(), None)
 
-    def apply(self, ring: WeightRing, step: Step, grad, lr_scale: float, *, check_finite: bool = False) -> None:
+    def apply(
+        self, ring: WeightRing, step: Step, grad, lr_scale: float, *, check_finite: bool = False, flag=None
+    ) -> None:
         """Write the next version into ``step.target``; done (on a GPU too) when this returns.
 
-        ``check_finite`` refuses a gradient with NaN or infinity, changing no state (InvalidArgument).
+        ``check_finite`` refuses a gradient with NaN or infinity, changing no state (InvalidArgument);
+        so does ``flag``, a device shard's check of ``grad`` still on the GPU (GpuArrays.check_into),
+        which the update reads there, in the same wait for the GPU.
         """
         with self.arrays.use():
-            self._step(ring, step, grad, lr_scale, check_finite)
+            self._step(ring, step, grad, lr_scale, check_finite, flag)
             self.arrays.finished()  # written before it is published: readers elsewhere copy it at once
 
-    def _step(self, ring: WeightRing, step: Step, grad, lr_scale: float, check_finite: bool) -> None:
+    def _step(self, ring: WeightRing, step: Step, grad, lr_scale: float, check_finite: bool, flag=None) -> None:
         raise NotImplementedError
 
     def uncompensated(self, step: Step) -> bool:
@@ -101,7 +105,7 @@ class Updater:
 class HostUpdater(Updater):
     """A host shard's plain update: ``optimizer.step`` from the current version into a spare buffer."""
 
-    def _step(self, ring: WeightRing, step: Step, grad, lr_scale: float, check_finite: bool) -> None:
+    def _step(self, ring: WeightRing, step: Step, grad, lr_scale: float, check_finite: bool, flag=None) -> None:
         self.optimizer.step(
             ring.arrays[step.source], grad, lr_scale, out=ring.arrays[step.target], check_finite=check_finite
         )
@@ -153,7 +157,7 @@ class CompensatedUpdater(HostUpdater):
         pulled = None if version_used is None else ring.find(version_used)
         return Step(ring.current, ring.spare_keeping(pulled, version - self.dc_versions + 1), pulled)
 
-    def _step(self, ring: WeightRing, step: Step, grad, lr_scale: float, check_finite: bool) -> None:
+    def _step(self, ring: WeightRing, step: Step, grad, lr_scale: float, check_finite: bool, flag=None) -> None:
         if self.auto_momentum is not None:
             self.auto_momentum.tune(self.optimizer)
         if self.delay is None:
@@ -201,11 +205,13 @@ class DeviceUpdater(Updater):
         self.master = self.arrays.adopt(values)
         return self.master
 
-    def _step(self, ring: WeightRing, step: Step, grad, lr_scale: float, check_finite: bool) -> None:
+    def _step(self, ring: WeightRing, step: Step, grad, lr_scale: float, check_finite: bool, flag=None) -> None:
         if self.auto_momentum is not None:
             self.auto_momentum.tune(self.optimizer)
         # The published copy is written in the update's own pass (the next weights go to both buffers).
-        self.optimizer.step(self.master, grad, lr_scale, check_finite=check_finite, publish=ring.arrays[step.target])
+        self.optimizer.step(
+            self.master, grad, lr_scale, check_finite=check_finite, publish=ring.arrays[step.target], flag=flag
+        )
 
 
 def make_updater(config, arrays, size: int, *, stale: bool, parts: Chunks, live_workers: Callable[[], int]) -> Updater:

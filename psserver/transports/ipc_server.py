@@ -80,6 +80,10 @@ class DeviceSlot:
             raise non_finite("payload")
         return True
 
+    def queue_into(self, destination):
+        """The checked copy, queued on the shard's stream; returns its flag, for the update queued after it."""
+        return self.arrays.check_into(destination, self.slot)
+
 
 class IpcDataServer(ShmDataServer):
     """Serves one device shard's Pull and Push through CUDA IPC to processes of this host and user."""
