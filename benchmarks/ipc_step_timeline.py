@@ -88,6 +88,7 @@ def shard_main() -> None:
 
         recorder.wrap(ipc_server.IpcDataServer, "_operation", label=_op_label)
         recorder.wrap(ipc_server.DeviceSlot, "copy_into", "s_copy")
+        recorder.wrap(ipc_server.DeviceSlot, "queue_into", "s_copy")  # async: queued, checked by the update
     except ImportError:
         pass
     from psgrid.cluster.cli import main
@@ -232,7 +233,7 @@ def phases(worker_events, shard_events, skip: int) -> dict[str, list[float]]:
         apply = within(s.get("s_apply", []), t0, t1)
         gaps.setdefault("shard push, header to reply", []).append(1e3 * (t1 - t0))
         if copy and apply:
-            gaps.setdefault("  copy out + check (+ wait)", []).append(1e3 * (copy[1] - copy[0]))
+            gaps.setdefault("  copy out + check (+ wait, unless queued)", []).append(1e3 * (copy[1] - copy[0]))
             gaps.setdefault("  between them (Python)", []).append(1e3 * (apply[0] - copy[1]))
             gaps.setdefault("  update + publish (+ wait)", []).append(1e3 * (apply[1] - apply[0]))
     for name, label in (("w_push", "worker: the plane's push"), ("w_pull", "worker: the plane's pull")):
