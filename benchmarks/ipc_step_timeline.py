@@ -254,23 +254,12 @@ def main() -> None:
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from script_step_ab import block, cupy_model
+    from script_step_ab import alone_session, block, cupy_model
 
     import psgrid
-    from psgrid.worker.alone import AloneSession
-    from psgrid.worker.api import named_parameters
 
     params, step, synchronize = cupy_model(args.hidden, args.layers, args.batch_size, args.cpu)
-    named = named_parameters(params)
-    alone = AloneSession(
-        params,
-        names=[n for n, _ in named],
-        originals=[a for _, a in named],
-        lr=args.lr,
-        momentum=0.0,
-        metrics=None,
-        device=None if args.cpu else 0,
-    )
+    alone = alone_session(params, args.lr, args.cpu)
     for _ in range(20):
         step(alone)
     alone_before = block(step, alone, args.steps, synchronize)

@@ -136,6 +136,23 @@ def start_shard(mode: str, placement: str, lr: float, device: str):
     return address_file.read_text().splitlines()[0], stop
 
 
+def alone_session(params, lr: float, cpu: bool):
+    """The model trained alone, with no servers (worker/alone.py): plain SGD at ``lr``, on GPU 0 unless ``cpu``."""
+    from psgrid.worker.alone import AloneSession
+    from psgrid.worker.api import named_parameters
+
+    named = named_parameters(params)
+    return AloneSession(
+        params,
+        names=[n for n, _ in named],
+        originals=[a for _, a in named],
+        lr=lr,
+        momentum=0.0,
+        metrics=None,
+        device=None if cpu else 0,
+    )
+
+
 def block(step, session, steps: int, synchronize, phases: list | None = None) -> float:
     """Seconds per step (wall) over ``steps`` steps; each step's record appended to ``phases``."""
     synchronize()
@@ -166,7 +183,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import psgrid
-    from psgrid.worker.alone import AloneSession
     from psgrid.worker.api import named_parameters
 
     if args.model == "cupy-mlp":
@@ -174,15 +190,7 @@ def main() -> None:
     else:
         params, step, synchronize = torch_model(args.model)
     named = named_parameters(params)
-    alone = AloneSession(
-        params,
-        names=[n for n, _ in named],
-        originals=[a for _, a in named],
-        lr=args.lr,
-        momentum=0.0,
-        metrics=None,
-        device=None if args.cpu else 0,
-    )
+    alone = alone_session(params, args.lr, args.cpu)
     for _ in range(20):  # compile kernels, cudnn's choice
         step(alone)
     print(
