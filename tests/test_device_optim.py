@@ -170,3 +170,34 @@ def test_the_finite_check_finds_one_bad_value_anywhere(cupy):
             assert not all_finite(values), (where, bad)
             values[where] = 1.0
     assert all_finite(values)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name, hparams", [CASES[0], CASES[2], CASES[6]], ids=["sgd", "nesterov", "adam-wd"])
+@pytest.mark.parametrize("publish", [True, False], ids=["published", "plain"])
+def test_a_guarded_update_writes_nothing_where_its_flag_is_set_and_is_the_update_where_it_is_not(
+    cupy, name, hparams, publish
+):
+    # The flag is a gradient's check queued before the update on the same stream (a device shard's async push).
+    rng = np.random.default_rng(zlib.crc32(f"guard{name}{hparams}{publish}".encode()))
+    guarded, plain = make_device(name, SIZE, **hparams), make_device(name, SIZE, **hparams)
+    w_guarded = cupy.asarray(rng.standard_normal(SIZE).astype(np.float32))
+    w_plain = w_guarded.copy()
+    for step in range(3):
+        g = cupy.asarray(rng.standard_normal(SIZE).astype(np.float32))
+        before = (cupy.asnumpy(w_guarded), guarded.state_dict())
+        copy = cupy.full(SIZE, 7.0, cupy.float32)
+        with pytest.raises(InvalidArgument, match="NaN or infinity"):
+            guarded.step(w_guarded, g, SCALES[step], publish=copy if publish else None, flag=cupy.ones(1, cupy.int32))
+        np.testing.assert_array_equal(cupy.asnumpy(w_guarded), before[0])
+        for key, value in guarded.state_dict().items():  # Adam's step count among them
+            np.testing.assert_array_equal(value, before[1][key])
+        assert (cupy.asnumpy(copy) == 7.0).all()
+        guarded.step(w_guarded, g, SCALES[step], publish=copy if publish else None, flag=cupy.zeros(1, cupy.int32))
+        plain.step(w_plain, g, SCALES[step])
+        np.testing.assert_array_equal(cupy.asnumpy(w_guarded), cupy.asnumpy(w_plain))
+        if publish:
+            np.testing.assert_array_equal(cupy.asnumpy(copy), cupy.asnumpy(w_plain))
+    for key, value in guarded.state_dict().items():
+        np.testing.assert_array_equal(value, plain.state_dict()[key])

@@ -151,6 +151,21 @@ def test_a_slots_gradient_with_nan_is_refused_and_changes_nothing_the_next_updat
     assert device.shard.pool.on_loan == 0
 
 
+@pytest.mark.timeout(60)
+def test_each_check_queued_on_the_shards_stream_keeps_its_own_answer():
+    """Two checks queued before either is read (two workers' handler threads, one stream): each flag is its own."""
+    cupy = cupy_or_skip()
+    from psgrid.psserver.state.device import GpuArrays
+
+    arrays = GpuArrays(0)
+    bad, good = cupy.ones(1000, cupy.float32), cupy.ones(1000, cupy.float32)
+    bad[999] = cupy.nan
+    first = arrays.check_into(arrays.empty(1000), bad)
+    second = arrays.check_into(arrays.empty(1000), good)
+    third = arrays.check_into(arrays.empty(1000), bad)
+    assert [arrays.flagged(f) for f in (second, first, third)] == [False, True, True]
+
+
 @pytest.mark.timeout(120)
 def test_workers_pushing_from_their_slots_at_once_each_get_their_own_checks_answer():
     """Handler threads of several workers check their slots at once on the shard's one stream: a NaN of one

@@ -90,6 +90,8 @@ class Updater:
         so does ``flag``, a device shard's check of ``grad`` still on the GPU (GpuArrays.check_into),
         which the update reads there, in the same wait for the GPU.
         """
+        if flag is not None and not self.arrays.on_gpu:  # a host update would pass over it: NaN unchecked
+            raise ValueError("a check's flag on the GPU reaches a device shard's update only")
         with self.arrays.use():
             self._step(ring, step, grad, lr_scale, check_finite, flag)
             self.arrays.finished()  # written before it is published: readers elsewhere copy it at once
