@@ -20,6 +20,7 @@ import atexit
 import functools
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -116,7 +117,9 @@ def start_shard(mode: str, lr: float, device: str, events: str):
             proc.kill()
             raise SystemExit(f"the shard did not start (exit {proc.poll()})")
         time.sleep(0.05)
-    return address_file.read_text().splitlines()[0], proc
+    address = address_file.read_text().splitlines()[0]
+    shutil.rmtree(folder, ignore_errors=True)  # read once: nothing else needs it
+    return address, proc
 
 
 def stop_shard(proc) -> None:

@@ -25,6 +25,7 @@ import cProfile
 import io
 import os
 import pstats
+import shutil
 import statistics
 import subprocess
 import sys
@@ -124,6 +125,8 @@ def start_shard(mode: str, placement: str, lr: float, device: str):
             proc.kill()
             raise SystemExit(f"the shard did not start (exit {proc.poll()})")
         time.sleep(0.05)
+    address = address_file.read_text().splitlines()[0]
+    shutil.rmtree(folder, ignore_errors=True)  # read once: nothing else needs it
 
     def stop():
         proc.terminate()
@@ -133,7 +136,7 @@ def start_shard(mode: str, placement: str, lr: float, device: str):
             proc.kill()
             proc.wait(10)
 
-    return address_file.read_text().splitlines()[0], stop
+    return address, stop
 
 
 def alone_session(params, lr: float, cpu: bool):
