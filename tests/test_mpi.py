@@ -300,6 +300,40 @@ def test_the_one_alone_message_names_srun_under_slurm_and_mpiexec_elsewhere():
     assert elsewhere.startswith("mpiexec started 4 processes") and "srun" not in elsewhere
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("launcher", [{}, {"PMI_RANK": "0", "PMI_SIZE": "4"}], ids=["alone", "mismatched"])
+def test_a_refused_world_of_one_leaves_no_mpich_file_even_when_killed_before_it_finalizes(launcher):
+    """``srun --mpi=none`` starts N singletons; once one is refused KillOnBadExit kills the others, before
+    MPI_Finalize would unlink their start-up files (/dev/shm/mpich_shm_<pid in hex>_<node>)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("mpi4py")
+    code = (
+        "import os, sys\n"
+        "from psgrid.cluster.errors import UsageError\n"
+        "from psgrid.cluster.run.preflight import require_mpi\n"
+        "try:\n"
+        "    require_mpi('mpi')\n"
+        "except UsageError as e:\n"
+        "    print(os.getpid(), str(e).split(':')[0], flush=True)\n"
+        "os._exit(0)  # as a task killed before MPI_Finalize\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "OMPI_", "SLURM_", "PMIX_", "MPI_LOCAL"))}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env={**env, **launcher}, capture_output=True, text=True, timeout=50
+    )
+    assert done.returncode == 0, done.stderr
+    pid, said = done.stdout.split(maxsplit=1)
+    assert said.startswith("psctl mpi runs one role" if not launcher else "mpiexec started 4 processes")
+    left = list(Path("/dev/shm").glob(f"mpich_shm_{int(pid):x}_*"))
+    for path in left:
+        path.unlink()
+    assert left == []
+
+
 def test_every_srun_line_of_the_readme_and_the_help_names_its_pmi_plugin():
     # Without --mpi=pmi2 a site whose MpiDefault is none starts N one-rank jobs.
     from psgrid.cluster.commands.mpi import EXAMPLES

@@ -328,19 +328,31 @@ def require_mpi(command: str) -> None:
         ) from None
     found = launcher_rank()
     if found is None or found[1] == 1:
-        from mpi4py import MPI
-
-        if MPI.COMM_WORLD.Get_size() == 1:
+        if _alone_in_mpi():
             raise UsageError(
                 f"psctl {command} runs one role per MPI rank and was started as a single process: run "
                 f"it under a launcher ('mpiexec -n 4 psctl {command} ...' or srun), or use "
                 f"'psctl launch' for a job on this machine without MPI"
             )
-    elif found[1] > 1:
-        from mpi4py import MPI
+    elif found[1] > 1 and _alone_in_mpi():
+        raise UsageError(launcher_mismatch_message(found[1]))
 
-        if MPI.COMM_WORLD.Get_size() == 1:
-            raise UsageError(launcher_mismatch_message(found[1]))
+
+def _alone_in_mpi() -> bool:
+    """Start MPI; whether this process is a world of one (a singleton, refused by the caller).
+
+    A singleton's MPICH maps a start-up file of its own in /dev/shm and unlinks it only in
+    MPI_Finalize: under ``srun --mpi=none`` with ``KillOnBadExit`` the other tasks are killed once
+    the first is refused, before they finalize. Unlinked at once here, it is gone however they end.
+    """
+    from mpi4py import MPI
+
+    from psgrid.cluster.mpi.mpich_shm import unlink_init_shm
+
+    if MPI.COMM_WORLD.Get_size() != 1:
+        return False
+    unlink_init_shm(MPI.COMM_WORLD)
+    return True
 
 
 def launcher_mismatch_message(processes: int, env=None) -> str:
