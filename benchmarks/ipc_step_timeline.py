@@ -20,9 +20,7 @@ import atexit
 import functools
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -100,35 +98,18 @@ def shard_main() -> None:
 
 
 def start_shard(mode: str, lr: float, device: str, events: str):
-    folder = tempfile.mkdtemp(prefix="psgrid-timeline-")
-    address_file = Path(folder) / "address"
-    command = [
+    """``psctl server`` with its side of a step timed (:func:`shard_main`): ``(address, proc)``."""
+    from script_step_ab import shard_process
+
+    launcher = [
         sys.executable,
         "-c",
         f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
         "import ipc_step_timeline; ipc_step_timeline.shard_main()",
     ]
-    command += ["server", "--host", "127.0.0.1", "--port", "0", "--mode", mode, "--lr", str(lr)]
-    command += ["--device", device, "--gpu", "0", "--address-file", str(address_file)]
-    proc = subprocess.Popen(command, env=dict(os.environ, **{EVENTS: events}))
-    deadline = time.monotonic() + 120
-    while not (address_file.exists() and address_file.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"the shard did not start (exit {proc.poll()})")
-        time.sleep(0.05)
-    address = address_file.read_text().splitlines()[0]
-    shutil.rmtree(folder, ignore_errors=True)  # read once: nothing else needs it
+    server_args = ["server", "--host", "127.0.0.1", "--port", "0", "--mode", mode, "--lr", str(lr), "--device", device]
+    proc, address = shard_process(launcher, server_args, env=dict(os.environ, **{EVENTS: events}))
     return address, proc
-
-
-def stop_shard(proc) -> None:
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
 
 
 def worker_recorder() -> Recorder:
@@ -257,7 +238,7 @@ def main() -> None:
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from script_step_ab import alone_session, block, cupy_model
+    from script_step_ab import alone_session, block, cupy_model, stop_process
 
     import psgrid
 
@@ -279,7 +260,7 @@ def main() -> None:
         planes = "+".join(ps.client.data_planes)
         ps.close()
     finally:
-        stop_shard(proc)
+        stop_process(proc, 20)
     alone_after = block(step, alone, args.steps, synchronize)
     shard_events = [tuple(json.loads(line)) for line in Path(events).read_text().splitlines()]
     os.unlink(events)

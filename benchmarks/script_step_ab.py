@@ -95,48 +95,35 @@ def start_shard(mode: str, placement: str, lr: float, device: str):
             in_process_clients=True,
         )
         return server.address, lambda: server.stop(grace=1.0)
+    server_args = ["server", "--host", "127.0.0.1", "--port", "0", "--mode", mode, "--lr", str(lr)]
+    proc, address = shard_process([sys.executable, "-m", "psgrid.cluster.cli"], [*server_args, "--device", device])
+    return address, lambda: stop_process(proc)
+
+
+def shard_process(launcher: list[str], server_args: list[str], env=None) -> tuple[subprocess.Popen, str]:
+    """``launcher + server_args`` (a ``psctl server`` on GPU 0) in a process of its own, once it listens: ``(proc, address)``."""
     folder = tempfile.mkdtemp(prefix="psgrid-ab-")
     address_file = Path(folder) / "address"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "psgrid.cluster.cli",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--mode",
-            mode,
-            "--lr",
-            str(lr),
-            "--device",
-            device,
-            "--gpu",
-            "0",
-            "--address-file",
-            str(address_file),
-        ]
-    )
-    deadline = time.monotonic() + 120
-    while not (address_file.exists() and address_file.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"the shard did not start (exit {proc.poll()})")
-        time.sleep(0.05)
-    address = address_file.read_text().splitlines()[0]
-    shutil.rmtree(folder, ignore_errors=True)  # read once: nothing else needs it
+    proc = subprocess.Popen([*launcher, *server_args, "--gpu", "0", "--address-file", str(address_file)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not (address_file.exists() and address_file.read_text().strip()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                stop_process(proc)
+                raise SystemExit(f"the shard did not start (exit {proc.poll()})")
+            time.sleep(0.05)
+        return proc, address_file.read_text().splitlines()[0]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # read once: nothing else needs it
 
-    def stop():
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
-    return address, stop
+def stop_process(proc: subprocess.Popen, wait_s: float = 10) -> None:
+    proc.terminate()
+    try:
+        proc.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 def alone_session(params, lr: float, cpu: bool):

@@ -310,7 +310,6 @@ def test_a_refused_world_of_one_leaves_no_mpich_file_even_when_killed_before_it_
     import subprocess
     import sys
 
-    pytest.importorskip("mpi4py")
     code = (
         "import os, sys\n"
         "from psgrid.cluster.errors import UsageError\n"
