@@ -8,7 +8,8 @@
 #  3. the built-in trainer's 20M MLP, async, on a device shard (no regression: >= 0.9x of no servers).
 # REPEATS (default 3), STEPS (default 300), PARTS ("1 2 3"), MODELS ("resnet18 transformer"), PLACEMENTS
 # (shard_placement: "process", or "process,worker" for the shard in the worker's process too) and CUPY_LAYERS
-# ("1 3"; empty: none) narrow it. Logs land in $OUT.
+# ("1 3"; empty: none) narrow it; MODELS="" runs no torch model. MPS=1 runs it all under an MPS control daemon
+# of the script's own (device_env.sh mps_on), the alone runs included. Logs land in $OUT.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 PARTS=${PARTS:-1 2 3}
@@ -20,6 +21,10 @@ exec > >(tee "$LOG") 2>&1
 date -u +"%Y-%m-%d %H:%M UTC"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, torchvision, cupy; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'cupy', cupy.__version__)"
+if [ "${MPS:-0}" = 1 ]; then
+  mps_on || exit 1
+  echo "under an MPS control daemon of this script's own ($CUDA_MPS_PIPE_DIRECTORY)"
+fi
 
 if part 1; then
   echo "== 1. the user API's tests on the GPU"
@@ -27,7 +32,7 @@ if part 1; then
     -m "not mpi" -o addopts="--strict-markers -ra" 2>&1 | tail -4
 fi
 if part 2; then
-  for model in ${MODELS:-resnet18 transformer}; do
+  for model in ${MODELS-resnet18 transformer}; do
     echo "== 2. psctl bench script: $model through psgrid.init (device shards) against torch.optim.SGD alone"
     psctl bench script --device gpu --modes "${SCRIPT_MODES:-sync,async}" --workers "${SCRIPT_WORKERS:-1,2}" \
       --repeats "$REPEATS" --skip 30 --shard-placement "${PLACEMENTS:-process}" \
