@@ -97,7 +97,8 @@ def main() -> None:
     x_train, y_train = x[:1400][ps.rank :: ps.world], y[:1400][ps.rank :: ps.world]
     x_test, y_test = x[1400:], y[1400:]
     rng = np.random.default_rng(seed + ps.rank)
-    for step in range(args.steps):
+    loss = float("nan")
+    for step in range(ps.first_step, args.steps):  # +ps: a resumed job makes only the steps that are left
         ps.pull()  # +ps: the shards' weights, written into params
         batch = xp.asarray(rng.choice(len(y_train), size=args.batch_size, replace=False))
         loss, grads = loss_and_grads(xp, params, x_train[batch], y_train[batch])

@@ -69,7 +69,8 @@ def main() -> None:
     y = torch.tensor(labels, dtype=torch.int64, device=device)
     x_train, y_train = x[:1400][ps.rank :: ps.world], y[:1400][ps.rank :: ps.world]
     generator = torch.Generator(device="cpu").manual_seed(seed + ps.rank)
-    for step in range(args.steps):
+    loss = torch.tensor(float("nan"))
+    for step in range(ps.first_step, args.steps):  # +ps: a resumed job makes only the steps that are left
         ps.pull()  # +ps: the shards' weights, in the model's parameters
         batch = torch.randperm(len(y_train), generator=generator)[: args.batch_size].to(device)
         loss = F.cross_entropy(model(x_train[batch]), y_train[batch])

@@ -258,6 +258,44 @@ def test_a_scripts_rate_runs_over_the_jobs_steps_and_psctl_says_so(tmp_path):
     assert all(s["applied_updates"] == 40 and s["lr"] == 0.0 for s in summary["shard_stats"])
 
 
+def step_records(path: Path) -> dict[int, list[int]]:
+    """Each rank's step numbers in a metrics file, in the order written."""
+    steps: dict[int, list[int]] = {}
+    for event in map(json.loads, path.read_text().splitlines()):
+        if event.get("event") == "step":
+            steps.setdefault(event["rank"], []).append(event["step"])
+    return steps
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_resumed_script_makes_only_the_steps_that_are_left(tmp_path):
+    """A script looping from ``ps.first_step`` resumes where its shards stopped: it trained every step again."""
+    total = 4000
+    job = ["--no-progress", "--workers", "2", "--mode", "async"]
+    job += ["--set", f"checkpoint_dir={tmp_path / 'ckpt'}", "--set", "checkpoint_every=50"]
+    with Launch(tmp_path, *job, "--", "python", USER_SCRIPT, str(total)) as launch:
+        launch.wait_for(lambda: steps_seen(launch.out, 0) >= 200, 90, "worker 0 training")
+        launch.proc.send_signal(signal.SIGINT)
+        assert launch.wait(60) == 128 + signal.SIGINT, launch.text()
+    with Launch(tmp_path, "--no-progress", "--resume", str(launch.out), log="resume.log") as resumed:
+        assert resumed.wait(120) == 0, resumed.text()
+    assert "ps.first_step is where the shards left it" in resumed.text()
+    summary = json.loads((launch.out / "summary.json").read_text())
+    # Every push of both workers' 4000 steps applied once: none again, none skipped.
+    assert [s["version"] for s in summary["shard_stats"]] == [2 * total] * len(summary["shard_stats"]), summary
+    starts = {
+        e["rank"]: e["first_step"]
+        for e in map(json.loads, (launch.out / "metrics.jsonl").read_text().splitlines())
+        if e.get("event") == "start"
+    }
+    assert all(first > 0 for first in starts.values()), starts
+    for rank, steps in step_records(launch.out / "metrics.jsonl").items():
+        assert steps == list(range(starts[rank], total)), (rank, steps[:3], steps[-3:])
+    made = {r["rank"]: r["steps"] for r in summary["worker_results"]}
+    assert made == {rank: total - first for rank, first in starts.items()}, (made, starts)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_script_job_resumes_its_own_command(tmp_path, monkeypatch, capsys):

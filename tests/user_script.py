@@ -25,7 +25,7 @@ if fail == "exit-before-join" and fail_rank in ("all", str(rank)):
 w = np.zeros(4, np.float32)
 ps = psgrid.init({"w": w})
 seen = []
-for step in range(steps):
+for step in range(ps.first_step, steps):
     ps.pull()
     seen.append(float(w[0]))
     ps.push({"w": np.full(4, ps.rank + 1, np.float32)}, loss=1.0 / (step + 1), samples=1)

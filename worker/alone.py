@@ -30,6 +30,7 @@ class AloneSession:
     """:class:`~psgrid.worker.api.Session`'s surface over a model trained where it lives, with no shards."""
 
     mode = "alone"
+    first_step = 0  # nothing to resume: the script makes all its steps
 
     def __init__(
         self,

@@ -227,7 +227,11 @@ class Session:
     on this GPU, a straggler's delay, a host's aggregation, the records. ``params`` holds the
     weights of the last pull as NumPy or CuPy arrays by name (what a JAX user rebuilds from).
     ``rank``, ``world``, ``local_rank``, ``gpu``, ``mode`` and ``steps`` describe the job and
-    this worker; ``last_step`` is the record of the latest completed step.
+    this worker; ``last_step`` is the record of the latest completed step. ``first_step`` is
+    where this worker starts: 0, or on a job resumed from its shards' checkpoints (``psctl launch
+    --resume``) the steps it had made, which the shards applied; a script loops
+    ``for step in range(ps.first_step, steps)``, so a resumed job makes only the steps that are
+    left, and ``steps`` counts on from there.
     """
 
     def __init__(
@@ -298,7 +302,10 @@ class Session:
             self.mode = self.core.mode
             self.final_loss = float("nan")
             self._t0 = time.perf_counter()
-            self.core.start(first_step=0)
+            # A resumed job's shards (or a running job's, for a replacement) know this worker's clock: its steps
+            # so far. The script loops from there, as the built-in trainer does, and its records keep their numbers.
+            self.first_step = self.core.step = max(0, self.core.exchange.clock)
+            self.core.start(first_step=self.first_step)
         except BaseException:
             self._closed = True
             self.core.__exit__(None, None, None)
@@ -381,7 +388,7 @@ class Session:
         return {
             "rank": self.rank,
             "worker": self.core.exchange.worker_id,
-            "steps": self.steps,
+            "steps": self.steps - self.first_step,  # made by this session, as the built-in trainer counts them
             "samples": self.samples,
             "wall_s": time.perf_counter() - self._t0,
             "final_loss": self.final_loss,

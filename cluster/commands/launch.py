@@ -204,7 +204,11 @@ def _resumed_command(folder: str, given: list[str] | None) -> list[str] | None:
             f"--resume {folder}: its job ran `{shown}` in {cwd}: resume from there (cd {cwd}), "
             f"or give the command after --"
         )
-    print(f"psctl launch: resuming the job's own command ({folder}/{COMMAND_FILE}): {shown}", file=sys.stderr)
+    print(
+        f"psctl launch: resuming the job's own command ({folder}/{COMMAND_FILE}): {shown}; each worker's "
+        "ps.first_step is where the shards left it (a loop from 0 trains those steps again)",
+        file=sys.stderr,
+    )
     return script.resolve_command(command)
 
 
