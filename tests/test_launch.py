@@ -184,6 +184,13 @@ def test_sigterm_stops_every_child(tmp_path):
         assert not left, f"still running after SIGTERM to launch: {left}"
         summary = json.loads((launch.out / "summary.json").read_text())
         assert summary["status"] == "interrupted"
+        # The summary counts every step the stopped workers recorded, those after the last progress read too.
+        events = [json.loads(line) for line in (launch.out / "metrics.jsonl").read_text().splitlines()]
+        recorded = [e for e in events if e.get("event") == "step"]
+        assert summary["steps"] == len(recorded), (summary["steps"], len(recorded))
+        assert summary["samples"] == sum(e["samples"] for e in recorded)
+        by_rank = {r["rank"]: r["steps"] for r in summary["worker_results"]}
+        assert by_rank == {rank: sum(e["rank"] == rank for e in recorded) for rank in (0, 1)}, by_rank
 
 
 @pytest.mark.slow

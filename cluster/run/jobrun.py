@@ -201,6 +201,9 @@ class JobRun:
         try:
             backend.stop(self)
         finally:
+            # What the stopped workers wrote after the follow's last read (an interrupt ends it between two)
+            # counts too: the summary is built from this state, and metrics.jsonl merges every line.
+            self.refresh()
             self.final_summary = self.end(train_wall_s=self.train_wall_s, **backend.report(self))
             release(self.out)  # the job is over: the folder may be taken again
 
