@@ -180,6 +180,29 @@ def test_a_killed_shard_is_restarted_from_its_checkpoint_and_the_job_completes(t
     assert "restored its checkpoint at version" in (launch.out / "logs" / "server-1.log").read_text()
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_shard_killed_before_its_first_interval_comes_back_with_the_jobs_first_weights(tmp_path):
+    """Its first checkpoint is the weights it was given: it came back with none, and every worker failed on it."""
+    args = [*MNIST, "--mode", "sync", "--shards", "2", "--steps", "200", "--restart-failed"]
+    args += ["--set", f"checkpoint_dir={tmp_path / 'ckpt'}", "--set", "checkpoint_every=100000"]
+    with Launch(tmp_path, *args) as launch:
+        launch.wait_for(lambda: steps_seen(launch.out, 0) >= 20, 60, "worker 0 training")
+        victim = child_pids(launch.out)["shards"][1]
+        os.kill(victim, signal.SIGKILL)
+        code = launch.wait(150)
+        text = launch.text()
+    assert code == 0, text
+    assert "from its checkpoint at version 0 (restart 1 of" in text, text
+    summary = summary_of(launch.out)
+    (restart,) = summary["restarts"]
+    assert (restart["shard"], restart["checkpoint_version"]) == (1, 0)
+    shard0, shard1 = summary["shard_stats"]
+    assert shard1["restored_version"] == 0 and shard1["lost_updates"] >= 20
+    assert shard1["version"] + shard1["lost_updates"] == shard0["version"] == 200
+    assert all(w["completed"] for w in summary["worker_results"])
+
+
 ATTEMPTS = 14  # Ctrl-Cs at random moments, 0.3 to 3 s after each start
 
 

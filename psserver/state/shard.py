@@ -133,7 +133,8 @@ class Shard:
             self.served.take_on(spec, begin, end, values, self.version)
             self.members.admit(spec.hash())
             self.cond.notify_all()
-            return True
+        self.checkpoints.first()
+        return True
 
     def close(self) -> None:
         """The server is stopping: release every waiting pull (as UNAVAILABLE, so clients retry)."""

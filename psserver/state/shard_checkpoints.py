@@ -110,6 +110,20 @@ class Checkpoints:
         except OSError as exc:
             raise CheckpointFailed(f"shard {core.config.shard_index} could not write its checkpoint: {exc}") from exc
 
+    def first(self) -> None:
+        """The weights were just given (Init): where checkpoints are taken every interval, the first holds them.
+
+        A shard that dies before its first interval is then restarted from the job's start, losing at
+        most that interval as any restart does; with no checkpoint it came back with no weights at all,
+        and every worker failed on it. (A shard that checkpoints only as it stops has no interval.)
+        """
+        config = self.core.config
+        if not (config.checkpoint_dir and (config.checkpoint_every or config.checkpoint_every_s)):
+            return
+        with self.core.apply_lock, self.core.cond:
+            capture = self.capture()
+        self._write_logged(*capture)
+
     def _write_logged(self, arrays: dict, meta: dict) -> None:
         try:
             self._write(arrays, meta)
