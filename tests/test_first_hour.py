@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -402,6 +404,18 @@ def test_an_earlier_run_is_kept_unless_overwrite(tmp_path):
     release(out)
     assert not (out / "summary.json").exists() and (out / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in out.iterdir()) == [".psgrid.lock", "addr", "logs", "metrics", "notes.txt"]
+
+
+def test_an_out_that_cannot_be_a_folder_is_one_line_and_nothing_made(tmp_path):
+    file = tmp_path / "a-file"
+    file.write_text("mine")
+    for out, fragment in [
+        (file, f"--out {file} is a file, not a folder: give a folder"),
+        (file / "run", f"--out {file / 'run'}: {file} is a file, not a folder"),
+    ]:
+        code, err, _ = run(psctl("launch", "--out", str(out), "--steps", "5"), tmp_path, env_with())
+        one_line(code, err, fragment)
+    assert file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
 def test_default_output_folders_never_collide(tmp_path, monkeypatch):
@@ -937,6 +951,23 @@ def test_a_local_cluster_setting_that_is_wrong_is_named_with_a_suggestion(tmp_pa
     assert str(caught.value).startswith(said), str(caught.value)
     assert caught.value.__context__ is None or caught.value.__suppress_context__  # one error, not a chain
     assert "job file" not in str(caught.value) and "override" not in str(caught.value)
+
+
+def test_a_local_cluster_whose_command_is_refused_makes_no_folder(tmp_path, monkeypatch):
+    """The refusal came after the folder was made: a temporary one was left, and out= held a lock as if a run."""
+    from psgrid import LocalCluster
+    from psgrid.cluster.errors import UsageError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a temporary output folder would go
+    out = tmp_path / "lc"
+    for kwargs, said in [
+        ({"command": ["/nonexistent/prog"]}, "/nonexistent/prog is not an executable file"),
+        ({"command": "python x.py"}, "command must be a list of arguments, as subprocess takes: ['python', 'x.py']"),
+        ({"command": ["/nonexistent/prog"], "out": str(out)}, "/nonexistent/prog is not an executable file"),
+    ]:
+        with pytest.raises(UsageError, match=re.escape(said)):
+            LocalCluster(workers=1, **kwargs)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_job_file_value_that_is_almost_right_gets_a_suggestion(tmp_path):

@@ -68,7 +68,7 @@ def lock(folder: Path) -> None:
     folder = folder.resolve()
     if folder in _held:
         return
-    files.make_dirs(folder)
+    usable(folder)
     fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -81,6 +81,25 @@ def lock(folder: Path) -> None:
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()}: {_command()}\n".encode())
     _held[folder] = fd
+
+
+def usable(folder: Path) -> None:
+    """Make ``folder`` (and its parents) for a job's files, or say in one line why it cannot be one.
+
+    Raises
+    ------
+    UsageError
+        It is a file, or it cannot be made (a parent is a file, no permission, a read-only place).
+    """
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"--out {folder} is a file, not a folder: give a folder (new or of an earlier run)")
+    above = next((parent for parent in folder.parents if parent.exists()), None)
+    if above is not None and not above.is_dir():
+        raise UsageError(f"--out {folder}: {above} is a file, not a folder: give another")
+    try:
+        files.make_dirs(folder)
+    except OSError as exc:
+        raise UsageError(f"--out {folder}: cannot make the folder ({exc.strerror or exc}): give another") from None
 
 
 def release(folder: Path) -> None:

@@ -21,6 +21,7 @@ ends the job as ``interrupted`` or ``failed`` (never ``ok``), said in one line.
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -28,7 +29,7 @@ import threading
 import weakref
 from pathlib import Path
 
-from psgrid.cluster.errors import ConfigError
+from psgrid.cluster.errors import ConfigError, UsageError
 from psgrid.cluster.job import rate_schedule
 from psgrid.cluster.job.config import JobConfig, apply_overrides, load_job
 from psgrid.cluster.job.mode_defaults import note as mode_note
@@ -95,6 +96,10 @@ class LocalCluster:
         # Device shards that cannot fit are refused before anything starts; without background workers
         # the model is the program's own (psgrid.init's params), and only the GPU itself is checked.
         check_shard_device(job, {}, sized=bool(workers) and command is None)
+        if isinstance(command, (str, bytes)):
+            raise UsageError(f"command must be a list of arguments, as subprocess takes: {shlex.split(str(command))!r}")
+        # Checked before the folder is made: a refused command leaves nothing behind, nor a lock in out.
+        resolved = user_script.resolve_command(command) if command is not None else None
         self._temporary = out is None
         if out is None:
             out_dir = Path(tempfile.mkdtemp(prefix="psgrid-local-"))
@@ -103,7 +108,7 @@ class LocalCluster:
         else:
             out_dir = prepare_out(job)
         self.out = out_dir
-        self.command = user_script.resolve_command(command) if command is not None else None
+        self.command = resolved
         self._launcher = Launcher(
             job,
             out_dir,
