@@ -238,6 +238,32 @@ def test_a_push_refused_after_its_buffer_was_taken_leaves_the_push_in_flight_alo
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("data_plane", ["shm"])
+def test_a_background_push_refused_is_named_at_the_next_push_which_may_be_made_again(cluster, data_plane, no_job):
+    # async: step 0's NaN is refused while step 1 computes, and its error comes at step 1's push, which
+    # therefore is not sent. It said the shard's words alone, as if step 1's gradient were the bad one.
+    from psgrid.psserver.exceptions import InvalidArgument
+    from psgrid.worker.api import init
+
+    c = cluster(1, mode="async", lr=1.0)
+    ps = init({"w": np.zeros(4, np.float32)}, addresses=c.addresses, world=1)
+    ps.pull()
+    ps.push({"w": np.full(4, np.nan, np.float32)})
+    ps.pull()
+    with pytest.raises(InvalidArgument) as refused:
+        ps.push({"w": np.ones(4, np.float32)})
+    said = str(refused.value)
+    assert said.startswith("step 0's push, made in the background, failed: ") and "NaN or infinity" in said, said
+    assert said.endswith("; step 1's gradient was not sent: push it again"), said
+    ps.push({"w": np.ones(4, np.float32)})  # step 1 again
+    ps.pull()
+    ps.push({"w": np.ones(4, np.float32)})
+    ps.close()
+    np.testing.assert_array_equal(c.weights(), -2.0)  # steps 1 and 2, nothing of the NaN
+    assert ps.steps == 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("data_plane", ["shm"])
 def test_a_script_that_pulls_ahead_may_push_before_its_first_pull(cluster, data_plane, no_job):
     from psgrid.worker.api import init
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import socket
 import time
 
+from psgrid.psserver.exceptions import PSError
 from psgrid.psserver.protocol import ModeRules, mode_rules
 from psgrid.worker.config import TrainConfig
 from psgrid.worker.flat import FlatBuffers
@@ -298,7 +299,7 @@ class WorkerCore:
         delay_s = self.delay.seconds(compute_s)
         if delay_s:
             time.sleep(delay_s)
-        self._write_in_flight()  # the push before (it overlapped this pull and compute) ends first
+        self._write_in_flight(then=self.step)  # the push before (it overlapped this pull and compute) ends first
         record = dict(
             event="step",
             rank=self.rank,
@@ -334,10 +335,23 @@ class WorkerCore:
             pending, self.ahead.pending = self.ahead.pending, None
             pending.wait()
 
-    def _write_in_flight(self) -> None:
+    def _write_in_flight(self, then: int | None = None) -> None:
+        """Wait for the push in flight and write its step's record.
+
+        A push in the background fails at the call after it: its error then names its step and, where
+        that call is step ``then``'s push, says that gradient was not sent (the buffer is kept, so
+        pushing again sends it).
+        """
         if self._in_flight is not None:
             in_flight, self._in_flight = self._in_flight, None
-            self.last_step = _finish(*in_flight, self.step_bytes)
+            try:
+                self.last_step = _finish(*in_flight, self.step_bytes)
+            except PSError as exc:
+                step = in_flight[1]["step"]
+                unsent = "" if then is None else f"; step {then}'s gradient was not sent: push it again"
+                exc.message = f"step {step}'s push, made in the background, failed: {exc.message}{unsent}"
+                exc.args = (exc.message,)
+                raise
             self.metrics.write(**self.last_step)
 
     def on_device(self):
