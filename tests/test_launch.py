@@ -44,6 +44,16 @@ def test_a_worker_whose_done_record_the_launcher_made_keeps_its_step_records_sam
     assert (state.worker_samples(0), state.worker_samples(1), state.total_samples) == (24, 30, 54)
 
 
+def test_a_ranks_sessions_one_after_another_all_count():
+    """A notebook's LocalCluster: rank 0 joins, trains 5 steps, closes, joins again and trains 7 (the summary said 7)."""
+    state = JobState()
+    for first, steps in ((0, 5), (5, 7)):
+        state.update([{"event": "start", "rank": 0, "time": 1.0 + first, "first_step": first}])
+        state.update([{"event": "step", "rank": 0, "step": s, "samples": 10} for s in range(first, first + steps)])
+        state.update([{"event": "done", "rank": 0, "steps": steps, "samples": 10 * steps}])
+    assert (state.steps, state.total_samples, state.worker_steps(0)) == (12, 120, 12)
+
+
 def test_merge_metrics_sorts_by_time(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text('{"time": 3, "x": "a3"}\n{"time": 1, "x": "a1"}\n')

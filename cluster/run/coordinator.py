@@ -143,9 +143,12 @@ class JobState:
                 self.first_start = min(self.first_start or e["time"], e["time"])
                 if isinstance(rank, int):
                     self.started.add(rank)
-                    if isinstance(e.get("first_step"), int):
-                        self.first_step[rank] = e["first_step"]
+                    if isinstance(e.get("first_step"), int):  # a rank's later sessions (a notebook's) start on
+                        self.first_step[rank] = min(self.first_step.get(rank, e["first_step"]), e["first_step"])
             elif kind == "done" and isinstance(rank, int):
+                before = self.done.get(rank, {})
+                if isinstance(before.get("samples"), int) and isinstance(e.get("samples"), int):
+                    e = {**e, "samples": before["samples"] + e["samples"]}  # a rank's sessions, one after another
                 self.done[rank] = e
                 if finite(e.get("time")):
                     self.last_done = max(self.last_done or e["time"], e["time"])
