@@ -54,6 +54,20 @@ def test_a_ranks_sessions_one_after_another_all_count():
     assert (state.steps, state.total_samples, state.worker_steps(0)) == (12, 120, 12)
 
 
+def test_a_second_early_ctrl_c_is_remembered_without_a_second_exception():
+    from psgrid.cluster.run import interrupts
+
+    previous = interrupts.hear_early()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            interrupts._early(signal.SIGINT, None)
+        interrupts._early(signal.SIGTERM, None)  # the first one's unwinding is under way: nothing raised into it
+        assert interrupts.heard_early() == signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        interrupts._defer["early"] = None
+
+
 def test_merge_metrics_sorts_by_time(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text('{"time": 3, "x": "a3"}\n{"time": 1, "x": "a1"}\n')

@@ -29,8 +29,12 @@ class Interrupted(Exception):
 
 
 def _early(signum, frame):
+    # Raised once: a second Ctrl-C lands in the unwinding of the first, where CPython prints the exception of a
+    # weakref callback as a traceback ("Exception ignored in: <function WeakSet...>"); it is remembered all the same.
+    first = _defer["early"] is None
     _defer["early"] = signum
-    raise KeyboardInterrupt
+    if first:
+        raise KeyboardInterrupt
 
 
 def hear_early():
