@@ -207,8 +207,17 @@ def test_a_module_pushes_its_own_grads(cluster, data_plane, no_job_env):
             ps.push({"weight": np.zeros((2, 2))})
         with pytest.raises(ArrayError, match="has shape"):
             ps.push([np.zeros(3), np.zeros(2)])
+        for loss, said in [("x", "got str"), (np.zeros(3), "got ndarray of shape (3,)"), (1j, "got complex")]:
+            with pytest.raises(ArrayError, match=re.escape(f"a number or a one-element array, {said}")):
+                ps.push(loss=loss)
+        ps.push(loss=np.array([0.5], np.float32))  # a one-element array is a loss
     with pytest.raises(RuntimeError, match="closed"):
         ps.pull()
+
+
+def read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
 
 
 @pytest.mark.parametrize(
@@ -218,11 +227,25 @@ def test_a_module_pushes_its_own_grads(cluster, data_plane, no_job_env):
         ({}, "no parameters"),
         ({"x": np.zeros(2, np.float32), "y": Foreign(np.zeros(2, np.float32), (2, 0))}, "on different devices"),
         (np.zeros(3, np.float32), "params must be a PyTorch module, a dict"),
+        ({"w": read_only(np.zeros(3, np.float32))}, "'w' is a read-only NumPy array: psgrid writes the shards'"),
     ],
 )
 def test_parameters_psgrid_cannot_exchange_are_refused_before_joining(params, message):
     with pytest.raises(ArrayError, match=message):
         init(params, addresses=["127.0.0.1:1"], world=1)
+
+
+@pytest.mark.timeout(60)
+def test_gradients_by_the_keys_init_was_given_are_taken(cluster, data_plane, no_job_env):
+    """A dict keyed by numbers: init named its parameters "0" and "1", and push refused the same keys."""
+    c = cluster(1, mode="sync", lr=1.0)
+    w0, w1 = np.zeros(2, np.float32), np.zeros(3, np.float32)
+    with init({0: w0, 1: w1}, addresses=c.addresses, world=1, **plane_options(data_plane)) as ps:
+        ps.pull()
+        ps.push({0: np.ones(2, np.float32), 1: np.full(3, 2, np.float32)})
+        ps.pull()
+    np.testing.assert_array_equal(w0, -1.0)
+    np.testing.assert_array_equal(w1, -2.0)
 
 
 @pytest.mark.slow

@@ -369,6 +369,7 @@ class Session:
             The step's batch size, for samples/s in the summary.
         """
         self._check_open()
+        _check_loss(loss)
         sources = self._gradients(grads)
         self.link.check(sources)  # before a buffer is taken: a refused push changes nothing
         views = self.core.gradient()
@@ -446,7 +447,8 @@ class Session:
                 )
             return [(n, a.grad) for n, a in zip(self.names, self._originals)]
         if isinstance(grads, Mapping):
-            unknown = sorted(set(map(str, grads)) - set(self.names))
+            grads = {str(name): g for name, g in grads.items()}  # named as init named them (a dict's keys as str)
+            unknown = sorted(set(grads) - set(self.names))
             missing = [n for n in self.names if n not in grads]
             if unknown or missing:
                 raise dlpack.ArrayError(
@@ -479,10 +481,29 @@ def _float_parameters(params) -> tuple[list[str], list, int | None, list]:
     names, originals = [name for name, _ in named], [a for _, a in named]
     device = _one_device(originals)
     views = [dlpack.view(a) for a in originals]
-    for name, v in zip(names, views):
+    for name, v, a in zip(names, views, originals):
         if v.dtype.kind != "f":
             raise dlpack.ArrayError(f"parameter {name!r} is {v.dtype}: psgrid exchanges floating-point parameters")
+        if isinstance(a, np.ndarray) and not a.flags.writeable:  # its weights would never change, and no word said
+            raise dlpack.ArrayError(
+                f"parameter {name!r} is a read-only NumPy array: psgrid writes the shards' weights into it; "
+                f"pass a writable one (np.array(...))"
+            )
     return names, originals, device, views
+
+
+def _check_loss(loss) -> None:
+    """A step's loss is a real number or a one-element array or tensor (read once its gradient is complete)."""
+    if loss is None or (isinstance(loss, (int, float, np.integer, np.floating)) and not isinstance(loss, bool)):
+        return
+    shape = getattr(loss, "shape", None)
+    kind = getattr(getattr(loss, "dtype", None), "kind", "f")  # a torch dtype has no kind: the tensor is read as float
+    if shape is not None and int(np.prod(tuple(shape))) == 1 and kind in ("f", "i", "u"):
+        return
+    raise dlpack.ArrayError(
+        f"push(loss=...): the step's loss must be a number or a one-element array, got {type(loss).__name__}"
+        + (f" of shape {tuple(shape)}" if shape is not None else "")
+    )
 
 
 def _host_group(values: tuple[int, ...] | None):

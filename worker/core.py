@@ -294,7 +294,7 @@ class WorkerCore:
             if self.ahead is not None:
                 self.ahead.advance()
             self.bufs.download_grad()  # compute_s includes this copy to the host, which also synchronizes
-        loss_value = float(loss) if loss is not None else float("nan")
+        loss_value = float("nan") if loss is None else float(loss.item() if hasattr(loss, "item") else loss)
         compute_s = time.perf_counter() - t1
         delay_s = self.delay.seconds(compute_s)
         if delay_s:
