@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
-from psgrid.psserver.protocol import DATA_PLANES, DEFAULT_CHUNK_BYTES, WIRE_DTYPES
+from psgrid.psserver.protocol import DATA_PLANES, DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, WIRE_DTYPES
 from psgrid.psserver.settings import at_least, check_fields, setting
 
 DEVICES = ("auto", "cpu", "gpu")
+# A time in seconds: a NaN, an infinity or a value <= 0 would fail late, in every worker (a thread's wait, a deadline).
+SECONDS = ((lambda v: 0.0 < v < math.inf), "finite and > 0")
 
 
 @dataclass
@@ -32,6 +35,7 @@ class TrainConfig:
         0,
         "the synthetic task's own seed (its teacher, training and test samples), apart from `seed`: runs that "
         "vary `seed` (`psctl compare`'s repeats) vary the initialisation and the data's order on one task",
+        bound=at_least(0),
     )
     synthetic_test_samples: int = setting(
         2000,
@@ -47,11 +51,23 @@ class TrainConfig:
     batch_size: int = setting(64, "per worker; 0 means the worker's whole shard of the data", bound=at_least(0))
     steps: int = setting(200, "steps per worker (ignored when `epochs` > 0)", bound=at_least(0))
     epochs: int = setting(0, "passes over each worker's shard of the training set", bound=at_least(0))
-    seed: int = setting(0, "random seed (data order, initialisation; a synthetic task has `synthetic_seed`)")
-    init_scale: float = setting(1.0, "multiplies the default initialisation")
-    eval_every: int = setting(50, "worker 0 measures test accuracy every this many steps (0: only at the end)")
+    seed: int = setting(
+        0, "random seed (data order, initialisation; a synthetic task has `synthetic_seed`)", bound=at_least(0)
+    )
+    init_scale: float = setting(
+        1.0,
+        "multiplies the default initialisation (0: every weight starts at zero)",
+        bound=((lambda v: 0.0 <= v < math.inf), "finite and >= 0"),
+    )
+    eval_every: int = setting(
+        50, "worker 0 measures test accuracy every this many steps (0: only at the end)", bound=at_least(0)
+    )
     device: str = setting("auto", "`auto` (GPU if CuPy finds one), `cpu` or `gpu`", choices=DEVICES)
-    chunk_bytes: int = setting(DEFAULT_CHUNK_BYTES, "largest chunk a worker sends")
+    chunk_bytes: int = setting(
+        DEFAULT_CHUNK_BYTES,
+        "largest chunk a worker sends",
+        bound=((lambda v: MIN_CHUNK_BYTES <= v <= MAX_CHUNK_BYTES), f"in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}]"),
+    )
     data_plane: str = setting(
         "tcp",
         "`tcp`: Pull/Push payloads over the shards' TCP data plane (gRPC where a shard has none); `grpc`: gRPC only",
@@ -91,11 +107,13 @@ class TrainConfig:
         "float16, whose finite values past ±65504 saturate)",
         choices=tuple(WIRE_DTYPES),
     )
-    deadline_s: float = setting(60.0, "per-call deadline (a consistency wait counts against it)")
-    retry_s: float = setting(30.0, "retry an unavailable shard with backoff for this long")
-    heartbeat_s: float = setting(1.0, "heartbeat interval")
+    deadline_s: float = setting(60.0, "per-call deadline (a consistency wait counts against it)", bound=SECONDS)
+    retry_s: float = setting(30.0, "retry an unavailable shard with backoff for this long", bound=SECONDS)
+    heartbeat_s: float = setting(1.0, "heartbeat interval", bound=SECONDS)
     join_timeout_s: float = setting(
-        120.0, "before step 0, wait this long for every worker of the job to register (sync and ssp count who is there)"
+        120.0,
+        "before step 0, wait this long for every worker of the job to register (sync and ssp count who is there)",
+        bound=SECONDS,
     )
     token: str | None = setting(None, "bearer token (defaults to the servers')")
     tls_ca: str | None = setting(None, "CA that the shards' certificates chain to")
@@ -134,6 +152,15 @@ class TrainConfig:
             )
         if self.synthetic_image and (len(self.synthetic_image) != 3 or min(self.synthetic_image) < 1):
             raise ValueError(f"synthetic_image must be [C, H, W] of positive sizes, got {self.synthetic_image}")
+        if self.model == "cnn" and self.dataset == "synthetic" and self.synthetic_image:
+            from psgrid.worker.models.cnn import MIN_SIDE
+
+            c, h, w = self.synthetic_image
+            if min(h, w) < MIN_SIDE:
+                raise ValueError(
+                    f"synthetic_image {self.synthetic_image} is too small for the cnn, which pools twice by 2: give "
+                    f"H and W of {MIN_SIDE} or more (e.g. [{c}, 8, 8]), or choose model mlp"
+                )
         from psgrid.worker.straggler import parse_stragglers
 
         try:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import difflib
+import stat
 import sys
 import types
 import typing
@@ -272,10 +273,32 @@ def resolve_config_path(spec: str | Path) -> Path:
     if path.parent == Path(".") or path.parent.name == "examples":
         if packaged.is_file():
             return packaged
+    what = _not_a_file(path)
+    if what:
+        raise ConfigError(
+            f"job file {str(spec)!r} is {what}, not a file; give a path to a .toml file or one of the "
+            f"packaged examples: {', '.join(example_names())}"
+        )
     raise ConfigError(
         f"job file {str(spec)!r} not found; give a path to a .toml file or one of the "
         f"packaged examples: {', '.join(example_names())}"
     )
+
+
+def _not_a_file(path: Path) -> str | None:
+    """What ``path`` is where it exists but is no regular file (``a directory``, ``a character device``), else None."""
+    try:
+        mode = path.stat().st_mode
+    except (OSError, ValueError):
+        return None
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((words for test, words in kinds if test(mode)), None)
 
 
 def example_names() -> list[str]:
@@ -285,7 +308,13 @@ def example_names() -> list[str]:
 def read_job_file(spec: str | Path) -> tuple[Path, dict]:
     path = resolve_config_path(spec)
     try:
-        return path, tomllib.loads(path.read_text())
+        return path, tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}: not UTF-8 (byte 0x{e.object[e.start]:02x} on line {line}): a job file must be "
+            f"UTF-8 TOML; save it as UTF-8"
+        ) from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
     except OSError as e:
@@ -578,7 +607,15 @@ def apply_overrides(job: JobConfig, overrides: Mapping[str, Any]) -> JobConfig:
             continue
         for section, name in route(key):
             tables[section][name] = value
-    return _build(tables, "override" if job.source is None else f"{job.source} (with overrides)")
+    return _build(tables, _overridden(job.source))
+
+
+def _overridden(source: str | None) -> str:
+    """Where a job with overrides came from: said once however many times it was overridden."""
+    said = " (with overrides)"
+    if source is None:
+        return "override"
+    return source if source.endswith(said) or source == "override" else source + said
 
 
 def parse_assignment(text: str) -> tuple[str, Any]:

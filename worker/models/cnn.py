@@ -5,6 +5,10 @@ from __future__ import annotations
 from psgrid.worker.models.base import Model
 from psgrid.worker.models.layers import Conv2D, Dense, Flatten, MaxPool2, ReLU
 
+# The least height and width of an image the cnn takes: it pools twice by 2 (a job whose synthetic_image is
+# smaller is refused while it is read, worker/config.py TrainConfig.validate).
+MIN_SIDE = 4
+
 
 class SmallCNN(Model):
     """conv 3x3 -> relu -> maxpool 2x2 -> conv 3x3 -> relu -> maxpool 2x2 -> dense -> relu -> dense.
@@ -18,8 +22,10 @@ class SmallCNN(Model):
         if len(input_shape) != 3:
             raise ValueError(f"the cnn needs an image input_shape (C, H, W), got {tuple(input_shape)}")
         c, h, w = input_shape
-        if h < 4 or w < 4:
-            raise ValueError(f"the cnn pools twice by 2 and needs images of at least 4 x 4, got {h} x {w}")
+        if h < MIN_SIDE or w < MIN_SIDE:
+            raise ValueError(
+                f"the cnn pools twice by 2 and needs images of at least {MIN_SIDE} x {MIN_SIDE}, got {h} x {w}"
+            )
         c1, c2 = channels
         flat = c2 * (h // 2 // 2) * (w // 2 // 2)
         layers = [
