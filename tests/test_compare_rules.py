@@ -506,15 +506,16 @@ def test_tensorboard_gets_one_folder_per_run_named_by_mode_that_reads_back(tmp_p
     pytest.importorskip("tensorboardX")  # the tensorboard extra, in the test extra too
     out = experiment_dir(tmp_path, {"sync": [0.92], "async": [0.88]})
     rewrite_report(out, tensorboard=tmp_path / "tb")
-    assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == ["async-w4-r0", "sync-w4-r0"]
+    assert [p.name for p in (tmp_path / "tb").iterdir()] == [out.name]  # the experiment's own folder
+    assert sorted(p.name for p in (tmp_path / "tb" / out.name).glob("*-r0")) == ["async-w4-r0", "sync-w4-r0"]
     scalars: dict[str, list] = {}
-    for e in read_events(tmp_path / "tb" / "async-w4-r0"):
+    for e in read_events(tmp_path / "tb" / out.name / "async-w4-r0"):
         for v in e.summary.value:
             scalars.setdefault(v.tag, []).append((e.step, round(v.simple_value, 4)))
     assert scalars["test/accuracy"][-1] == (STEPS, 0.88) and len(scalars["train/loss"]) == STEPS
     assert scalars["test/accuracy_by_epoch"][0][0] == round(EVAL_EVERY * 50 / 1000 * 1000)
     rewrite_report(out, tensorboard=tmp_path / "tb")  # written again: replaced, not doubled
-    assert len(list((tmp_path / "tb" / "sync-w4-r0").glob("events.out.tfevents.*"))) == 1
+    assert len(list((tmp_path / "tb" / out.name / "sync-w4-r0").glob("events.out.tfevents.*"))) == 1
 
 
 def test_launch_writes_a_jobs_folder_as_events_and_without_the_extra_or_out_says_what_to_give(tmp_path):

@@ -19,7 +19,7 @@ psctl compare --config examples/synthetic-20m.toml --workers 1,2,4 --modes sync,
 psctl compare --config mnist --stragglers 1:exp:20 --target-accuracy 0.9 --out runs/noisy --resume
 psctl compare --modes sync,async,ssp:2 --tune lr=0.01,0.05,0.2 --tune momentum=0,0.9 --tune-steps 200 --out runs/tuned
 psctl compare --modes sync,async --mode-set async:lr=0.02 --out runs/lower-lr
-psctl compare --config mnist --modes sync,async --workers 4 --repeats 5 --tensorboard runs/tb --out runs/seeds
+psctl compare --config mnist --modes sync,async --workers 4 --repeats 6 --tensorboard runs/tb --out runs/seeds
 psctl compare --modes sync,async,ssp:2 --workers 2 --out runs/mine -- python train.py --steps 300
 mpiexec -n 7 psctl compare --mpi --config mnist --shards 2 --workers 4 --out runs/cmp-mpi
 """
@@ -48,8 +48,9 @@ DESCRIPTION = (
     "marked unstable; a run whose loss grows or turns non-finite (also when the shards refuse its "
     "non-finite gradients), or whose accuracy falls to chance, is marked diverged; the reading "
     "says so first. The target accuracy is --target-accuracy, else 95% of the best setting's median "
-    "final accuracy, and time to it is 'k of n reached'. With 5 or more repeats of their own seeds "
-    "the tables show medians with bootstrap 95% intervals (else min..max) and the reading calls a "
+    "final accuracy, and time to it is 'k of n reached'. With 6 or more repeats of their own seeds "
+    "the tables show medians with distribution-free 95% intervals of the median (order statistics; "
+    "else min..max) and the reading calls a "
     "difference settled only where they do not overlap. async and ssp run with async_momentum=auto "
     "unless --mode-set MODE:async_momentum=off (the report says which settings each mode ran with). "
     "After -- comes your own script (-- python train.py ARGS): every worker of every "
@@ -106,7 +107,7 @@ def _experiment_arguments(e) -> None:
         type=int,
         default=1,
         metavar="R",
-        help="runs of each setting, repeat r with seed base+r (default 1; 5 or more for 95%% intervals)",
+        help="runs of each setting, repeat r with seed base+r (default 1; 6 or more for 95%% intervals)",
     )
     e.add_argument(
         "--seeds",
@@ -193,9 +194,9 @@ def _output_arguments(e) -> None:
     e.add_argument(
         "--tensorboard",
         metavar="DIR",
-        help="also write each run's loss and test accuracy as TensorBoard event files, one folder per "
-        "run named after its mode, workers and repeat (tensorboard --logdir DIR overlays them; "
-        "needs pip install 'psgrid[tensorboard]')",
+        help="also write each run's loss and test accuracy as TensorBoard event files under DIR/NAME, NAME "
+        "the name of OUT (so experiments may share DIR), one folder per run named after its mode, workers and "
+        "repeat (tensorboard --logdir DIR overlays them; needs pip install 'psgrid[tensorboard]')",
     )
     e.add_argument(
         "--progress",
@@ -233,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
         from psgrid.cluster.experiments.tensorboard import require
 
         require()
+    _check_flag_values(args)
     if args.report_only:
         from psgrid.cluster.experiments.compare import rewrite_report, table_text
 
@@ -266,17 +268,12 @@ def run(args: argparse.Namespace) -> int:
     tune = _tuning(args, job, command)
     mode_settings = _mode_settings(args.mode_set, modes, job, server_only=command is not None)
     defaults = mode_defaults(modes, job, given=given_names(args), spec=args.config)
-    if args.classes is not None and args.classes < 2:
-        raise UsageError(f"--classes must be at least 2, got {args.classes}")
     workers = parse_counts(args.workers, "--workers") if args.workers else [job.workers]
+    _check_backup_workers(args, job, modes, workers)
     if not args.mpi and any(m.uses_shards for m in modes):  # --mpi: each shard rank checks its own node
         # the most workers any run has: the most gradient slots on a GPU
         check_shard_device(apply_overrides(job, {"workers": max(workers)}), given_names(args), sized=command is None)
     stragglers = _straggler_settings(args.stragglers, job, workers, say=not args.mpi)
-    if args.repeats < 1:
-        raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
-    if args.target_accuracy is not None and not 0.0 < args.target_accuracy <= 1.0:
-        raise UsageError(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
     overrides = {"stragglers": []}
     if args.backup_workers is not None:
         overrides["backup_workers"] = args.backup_workers
@@ -313,6 +310,23 @@ def run(args: argparse.Namespace) -> int:
     return Compare(experiment, resume=args.resume, progress=args.progress).run()
 
 
+def _check_flag_values(args: argparse.Namespace) -> None:
+    """The values a flag refuses whatever else is given: checked first, so --report-only saves none of them."""
+    from psgrid.cluster.errors import UsageError
+    from psgrid.cluster.experiments.experiment import parse_counts, parse_modes
+
+    if args.modes:  # empty: the default modes
+        parse_modes(args.modes)
+    if args.workers:
+        parse_counts(args.workers, "--workers")
+    if args.classes is not None and args.classes < 2:
+        raise UsageError(f"--classes must be at least 2, got {args.classes}")
+    if args.repeats < 1:
+        raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.target_accuracy is not None and not 0.0 < args.target_accuracy <= 1.0:
+        raise UsageError(f"--target-accuracy must be in (0, 1], got {args.target_accuracy}")
+
+
 def _refuse_a_scripts_length(args: argparse.Namespace, command: list[str] | None) -> None:
     """--steps or --epochs with a script: it decides its own length (they were recorded, and ignored)."""
     from psgrid.cluster.commands.common import flag_names
@@ -320,6 +334,21 @@ def _refuse_a_scripts_length(args: argparse.Namespace, command: list[str] | None
 
     if command and (length := [f for k, f in flag_names(args).items() if k in ("steps", "epochs")]):
         raise UsageError(f"{length[0]}: a script decides its own length; pass it the steps after -- instead")
+
+
+def _check_backup_workers(args: argparse.Namespace, job, modes, workers: list[int]) -> None:
+    """Backup workers fewer than every sync run's workers, checked before the first run (not at its turn)."""
+    from psgrid.cluster.errors import UsageError
+
+    backup = job.server.backup_workers if args.backup_workers is None else args.backup_workers
+    if backup < min(workers) or all(m.stale for m in modes):  # async and ssp hold no rounds: no backups
+        return
+    given = "--backup-workers" if args.backup_workers is not None else "the job's backup_workers"
+    fewest = "the fewest --workers" if args.workers else "the job's workers"
+    raise UsageError(
+        f"{given} ({backup}) must be less than {fewest} ({min(workers)}): a sync round needs at least one "
+        f"push; give --backup-workers {min(workers) - 1} or fewer, or more --workers"
+    )
 
 
 def _report_command(args: argparse.Namespace) -> str:

@@ -423,9 +423,9 @@ class Compare:
                 f.write(line + "\n")
         self.x.ran(run)
         if self.x.tensorboard is not None:
-            from psgrid.cluster.experiments.tensorboard import write_run
+            from psgrid.cluster.experiments.tensorboard import experiment_logdir, write_run
 
-            write_run(self.x.tensorboard, run.id, events)
+            write_run(experiment_logdir(self.x.tensorboard, self.x.out), run.id, events)
 
     def write_results(self) -> list[dict]:
         return write_results(self.x)
@@ -552,11 +552,12 @@ def rewrite_report(
         co.write_json(out / SETTINGS_FILE, settings)
     x = experiment_from(job_from_dict(settings["job"]), settings, out)
     if tensorboard is not None:
-        from psgrid.cluster.experiments.tensorboard import write_run
+        from psgrid.cluster.experiments.tensorboard import experiment_logdir, write_run
 
+        logdir = experiment_logdir(Path(tensorboard), out)
         for run in x.runs:
             if res.read_summary(x.run_dir(run)) is not None:
-                write_run(Path(tensorboard), run.id, res.run_events(x.run_dir(run)))
+                write_run(logdir, run.id, res.run_events(x.run_dir(run)))
     return write_results(x)
 
 

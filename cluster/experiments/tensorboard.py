@@ -1,8 +1,11 @@
 """TensorBoard event files of a run's records: ``psctl compare --tensorboard DIR`` and ``psctl launch
 --tensorboard DIR``.
 
-One folder per run under DIR, named after the run (``async-w4-r0``: mode, workers, repeat), so
-``tensorboard --logdir DIR`` overlays every mode and repeat. Each holds the run's mean training loss
+An experiment's runs go to ``DIR/NAME``, NAME its output folder's name (``cmp``; another experiment's
+folder of that name sends it to ``cmp-2``, ...), one folder per run named after the run (``async-w4-r0``:
+mode, workers, repeat), so ``tensorboard --logdir DIR`` overlays every mode and repeat, and two experiments
+sharing DIR never replace each other's runs of the same name. A job of ``psctl launch`` goes to
+``DIR/NAME``, NAME the job's. Each run's folder holds the run's mean training loss
 per step (``train/loss``), its test accuracy per step (``test/accuracy``) and per epoch where the
 worker said how large its shard is (``test/accuracy_by_epoch``, the step axis holding the epoch in
 thousandths); the wall time of every point is its seconds since the run's start, so TensorBoard's
@@ -21,9 +24,11 @@ from collections import defaultdict
 from pathlib import Path
 
 from psgrid.cluster.errors import UsageError
+from psgrid.psserver import files
 
 MISSING = "--tensorboard needs tensorboardX: pip install 'psgrid[tensorboard]'"
 EPOCH_SCALE = 1000  # TensorBoard's step is an integer: the epoch axis counts thousandths of an epoch
+OWNER_FILE = ".psgrid-experiment"  # in an experiment's folder under DIR: the experiment's own folder, resolved
 
 
 def require() -> None:
@@ -32,6 +37,35 @@ def require() -> None:
         import tensorboardX  # noqa: F401
     except ImportError:
         raise UsageError(MISSING) from None
+
+
+def experiment_logdir(logdir: Path, out: Path) -> Path:
+    """The folder of the experiment in ``out`` under ``logdir``: ``logdir/NAME``, made and claimed if new.
+
+    NAME is ``out``'s name; a folder of that name that another experiment claimed (an ``--out`` of the
+    same name elsewhere), or that no experiment did, is not this one's: the next of NAME-2, NAME-3, ... is.
+    """
+    owner = str(Path(out).resolve())
+    name, n = Path(owner).name, 1
+    files.make_dirs(logdir)
+    folder = Path(logdir) / name
+    while not _claim(folder, owner):
+        n += 1
+        folder = Path(logdir) / f"{name}-{n}"
+    return folder
+
+
+def _claim(folder: Path, owner: str) -> bool:
+    """Whether ``folder`` is ``owner``'s: made now and marked so, or marked so before."""
+    try:
+        folder.mkdir(mode=files.DIR_MODE)
+    except FileExistsError:
+        try:
+            return (folder / OWNER_FILE).read_text().strip() == owner
+        except OSError:
+            return False
+    files.write_text(folder / OWNER_FILE, owner + "\n")
+    return True
 
 
 def write_run(logdir: Path, name: str, events: list[dict]) -> Path:

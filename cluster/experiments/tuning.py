@@ -29,6 +29,8 @@ DEFAULT_REPEATS = 2
 
 # Keys the experiment sets per run: tuning them would change what is compared.
 PER_RUN = ("mode", "staleness", "workers", "stragglers", "out", "name")
+# Set per repeat (base+r, or --seeds): a value given for it would be overwritten by every run.
+SEED = "seed"
 
 Group = tuple[str, int, str]  # (mode label, workers, stragglers)
 
@@ -59,6 +61,10 @@ def parse_tune(texts: list[str], job: JobConfig, *, flag: str = "--tune", server
         values = [parse_assignment(f"{key}={v}")[1] for v in split_values(raw)] if sep and key else []
         if not values:
             raise UsageError(f"{flag} expects KEY=V1,V2,... (e.g. {flag} lr=0.01,0.05,0.2), got {text!r}")
+        if key.rpartition(".")[2] == SEED:
+            raise UsageError(
+                f"{flag} {text}: seeds are set per repeat: give --seeds S1,S2,... (or --seed BASE for base+r)"
+            )
         if key.rpartition(".")[2] in PER_RUN:
             raise UsageError(f"{flag} {text}: {key} is set by the experiment itself (--modes, --workers, ...)")
         if key in grid:
