@@ -147,3 +147,18 @@ def test_a_resume_naming_the_script_from_another_folder_says_to_run_it_from_the_
     said = str(refused.value)
     assert f"the same script named from another folder; run psctl compare --resume from {first} " in said
     assert "modes" not in said.partition("(")[0] and "workers" not in said.partition("(")[0]
+
+
+# ---- --out that cannot be a folder -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("report_only", [[], ["--report-only"]])
+def test_an_out_that_is_a_file_is_refused_in_one_line(tmp_path, capsys, report_only):
+    """It was a NotADirectoryError traceback from the first read of OUT/chosen.json."""
+    file = tmp_path / "a-file"
+    file.write_text("mine")
+    said = refusal(capsys, "--config", "mnist", "--modes", "sync", "--out", str(file), *report_only)
+    assert f"--out {file} is a file, not a folder" in said, said
+    said = refusal(capsys, "--config", "mnist", "--modes", "sync", "--out", str(file / "run"), *report_only)
+    assert f"{file} is a file, not a folder" in said, said
+    assert file.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["a-file"]

@@ -235,6 +235,10 @@ def run(args: argparse.Namespace) -> int:
 
         require()
     _check_flag_values(args)
+    if args.out:  # a file there was a NotADirectoryError from the first read of the folder
+        from psgrid.cluster.job.outdir import check_usable
+
+        check_usable(Path(args.out).resolve())
     if args.report_only:
         from psgrid.cluster.experiments.compare import rewrite_report, table_text
 

@@ -91,15 +91,20 @@ def usable(folder: Path) -> None:
     UsageError
         It is a file, or it cannot be made (a parent is a file, no permission, a read-only place).
     """
+    check_usable(folder)
+    try:
+        files.make_dirs(folder)
+    except OSError as exc:
+        raise UsageError(f"--out {folder}: cannot make the folder ({exc.strerror or exc}): give another") from None
+
+
+def check_usable(folder: Path) -> None:
+    """Refuse in one line a ``folder`` that is a file or lies under one, making nothing (:func:`usable` makes it)."""
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"--out {folder} is a file, not a folder: give a folder (new or of an earlier run)")
     above = next((parent for parent in folder.parents if parent.exists()), None)
     if above is not None and not above.is_dir():
         raise UsageError(f"--out {folder}: {above} is a file, not a folder: give another")
-    try:
-        files.make_dirs(folder)
-    except OSError as exc:
-        raise UsageError(f"--out {folder}: cannot make the folder ({exc.strerror or exc}): give another") from None
 
 
 def release(folder: Path) -> None:
