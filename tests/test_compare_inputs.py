@@ -162,3 +162,12 @@ def test_an_out_that_is_a_file_is_refused_in_one_line(tmp_path, capsys, report_o
     said = refusal(capsys, "--config", "mnist", "--modes", "sync", "--out", str(file / "run"), *report_only)
     assert f"{file} is a file, not a folder" in said, said
     assert file.read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
+def test_one_staleness_written_two_ways_is_one_mode(capsys):
+    """ssp:02 and ssp:2 ran twice as "different" modes, the same bound each time."""
+    from psgrid.cluster.experiments.experiment import parse_modes
+
+    assert [m.label for m in parse_modes("sync,ssp:02")] == ["sync", "ssp:2"]
+    said = refusal(capsys, "--config", "mnist", "--modes", "ssp:02,ssp:2", "--out", "/nonexistent/never-made")
+    assert "--modes: ssp:2 is listed twice" in said, said

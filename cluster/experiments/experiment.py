@@ -105,7 +105,7 @@ def parse_modes(text: str) -> list[Mode]:
         elif item == ALLREDUCE:
             mode = Mode(item, "sync")
         elif m := re.fullmatch(r"ssp:(\d+)", item):
-            mode = Mode(item, "ssp", int(m.group(1)))
+            mode = Mode(f"ssp:{int(m.group(1))}", "ssp", int(m.group(1)))  # ssp:02 is ssp:2, labelled as such
         elif item == "ssp":
             raise UsageError("--modes: write ssp:S with the staleness bound S, e.g. ssp:2")
         else:
