@@ -171,3 +171,8 @@ def test_one_staleness_written_two_ways_is_one_mode(capsys):
     assert [m.label for m in parse_modes("sync,ssp:02")] == ["sync", "ssp:2"]
     said = refusal(capsys, "--config", "mnist", "--modes", "ssp:02,ssp:2", "--out", "/nonexistent/never-made")
     assert "--modes: ssp:2 is listed twice" in said, said
+
+
+def test_seeds_of_the_wrong_count_under_tune_name_tune_repeats(capsys):
+    said = refusal(capsys, "--config", "mnist", "--repeats", "1", "--seeds", "5", "--tune", "lr=0.1,0.2")
+    assert "--seeds expects 2 distinct" in said and "the most of --repeats 1 and --tune-repeats 2" in said, said

@@ -284,7 +284,13 @@ def run(args: argparse.Namespace) -> int:
     job = dataclasses.replace(apply_overrides(job, overrides), out=None)  # every run has its own folder
     plan(modes, workers, stragglers, args.repeats)  # refuses a straggler that does not exist
     tune_repeats = args.tune_repeats if args.tune_repeats is not None else TUNE_REPEATS
-    seeds = repeat_seeds(job.train.seed, max(args.repeats, tune_repeats if tune else 1), args.seeds)
+    count = max(args.repeats, tune_repeats if tune else 1)
+    why = (
+        f"one per repeat: the most of --repeats {args.repeats} and --tune-repeats {tune_repeats}"
+        if tune and tune_repeats > args.repeats
+        else "one per repeat"
+    )
+    seeds = repeat_seeds(job.train.seed, count, args.seeds, why)
     settings = settings_for(
         job,
         command=sys.argv[2:] if sys.argv[1:2] == ["compare"] else [],

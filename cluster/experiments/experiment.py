@@ -207,11 +207,12 @@ def mode_defaults(modes: list[Mode], job, given=(), spec=None) -> dict[str, Sett
 SAME_SEED = "same"
 
 
-def repeat_seeds(base: int, repeats: int, given: str | None = None) -> list[int]:
+def repeat_seeds(base: int, repeats: int, given: str | None = None, why: str = "one per repeat") -> list[int]:
     """The seed of each repeat: base+r, or all ``base`` (``given`` "same"), or the ``given`` list "3,7,11".
 
     Only seeds that differ make the repeats measure run-to-run noise: with one seed the repeats differ
-    only by timing, and the report draws no interval from them.
+    only by timing, and the report draws no interval from them. ``why`` says where ``repeats`` comes
+    from in the refusal of a list of another length.
     """
     if given is None or given.strip() == "":
         return [base + r for r in range(repeats)]
@@ -223,8 +224,8 @@ def repeat_seeds(base: int, repeats: int, given: str | None = None) -> list[int]
         seeds = []
     if len(seeds) != repeats or len(set(seeds)) != len(seeds) or any(s < 0 for s in seeds):
         raise UsageError(
-            f"--seeds expects {repeats} distinct non-negative integers separated by commas (one per "
-            f"repeat), or 'same' to run every repeat with the job's seed; got {given!r}"
+            f"--seeds expects {repeats} distinct non-negative integers separated by commas ({why}), "
+            f"or 'same' to run every repeat with the job's seed; got {given!r}"
         )
     return seeds
 
