@@ -174,5 +174,7 @@ def test_one_staleness_written_two_ways_is_one_mode(capsys):
 
 
 def test_seeds_of_the_wrong_count_under_tune_name_tune_repeats(capsys):
-    said = refusal(capsys, "--config", "mnist", "--repeats", "1", "--seeds", "5", "--tune", "lr=0.1,0.2")
+    said = refusal(
+        capsys, "--config", "mnist", "--repeats", "1", "--seeds", "5", "--tune", "lr=0.1,0.2", "--out", "/nonexistent/x"
+    )
     assert "--seeds expects 2 distinct" in said and "the most of --repeats 1 and --tune-repeats 2" in said, said
