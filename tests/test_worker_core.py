@@ -67,8 +67,10 @@ def test_each_worker_feature_reaches_the_built_in_trainer_and_a_script(tmp_path,
         # One host: its leader pushes the mean of both workers' gradients, once a step, as one worker.
         assert all(s["pushes"] == 12 for s in summary["shard_stats"]), summary["shard_stats"]
     else:
-        # Shard i in worker i's process: each worker calls its own shard in place and the other over shared memory.
-        assert [starts[rank]["data_planes"] for rank in (0, 1)] == [["local", "shm"], ["shm", "local"]]
+        # Shard i in worker i's process: each worker calls its own shard in place and the other over shared memory
+        # (over CUDA IPC where the shards resolved to a GPU: a machine with one, shard_device auto).
+        other = "ipc" if summary["shard_device"] == "gpu" else "shm"
+        assert [starts[rank]["data_planes"] for rank in (0, 1)] == [["local", other], [other, "local"]]
         assert all(s["pushes"] == 24 for s in summary["shard_stats"]), summary["shard_stats"]
         assert not (out / "logs" / "server-0.log").exists()  # no shard process was started
 
