@@ -9,7 +9,6 @@ import subprocess
 import sys
 import zlib
 
-import numpy as np
 import pytest
 
 from psgrid.cluster.experiments.experiment import ROW_FIELDS
@@ -239,7 +238,7 @@ def test_the_reading_names_the_fastest_mode_and_by_how_much(stragglers_case):
     )
     assert (
         f"the next, ssp:2 ({secs(ttt('ssp:2'))} s, {ttt('ssp:2') / ttt('async'):.3g}x as long; "
-        f"not settled: fewer than 5 repeats)"
+        f"not settled: fewer than 6 repeats)"
     ) in race
     # Every mode's time is said, all-reduce's too, slowest last.
     assert (
@@ -265,17 +264,24 @@ def test_the_reading_says_plainly_when_stale_modes_lose_to_sync():
 
 
 def test_the_reading_says_when_a_lead_is_within_the_spread_of_repeats():
-    rows, _, settings = experiment(["sync", "async"], [2], ["none"], 5, lambda m, w, s: 0.5 if m == "sync" else 0.49)
+    rows, _, settings = experiment(["sync", "async"], [2], ["none"], 6, lambda m, w, s: 0.5 if m == "sync" else 0.49)
     race = next(p for p in reading(rows, settings) if p.startswith("With 2 workers"))
     assert "though their 95% intervals overlap, so the lead is not settled" in race
 
 
 def test_the_reading_calls_a_lead_settled_only_where_the_intervals_are_apart():
-    rows, _, settings = experiment(["sync", "async"], [2], ["none"], 5, lambda m, w, s: 0.5 if m == "sync" else 0.25)
+    rows, _, settings = experiment(["sync", "async"], [2], ["none"], 6, lambda m, w, s: 0.5 if m == "sync" else 0.25)
     paras = reading(rows, settings)
     race = next(p for p in paras if p.startswith("With 2 workers"))
     assert race.startswith("With 2 workers and no stragglers, async reached") and "settled: their 95% intervals" in race
-    assert not any("not settled" in p for p in paras)  # 5 seeds, 5 processes on 8 cores: nothing to hedge
+    assert not any("not settled" in p for p in paras)  # 6 seeds, 5 processes on 8 cores: nothing to hedge
+    # The same lead from 5 seeds each: their min..max holds a median only 93.75% of the time, so not settled.
+    five = [r for r in rows if r["repeat"] < 5]
+    paras = reading(five, dict(settings, repeats=5))
+    assert "not settled: fewer than 6 repeats)" in next(p for p in paras if p.startswith("With 2"))
+    assert paras[0].startswith(
+        "These conclusions are not settled: each setting ran only 5 times, and it takes at least 6"
+    )
     # The same runs at one seed measure only timing noise: no interval, and the reading says why.
     same = [dict(r, seed=0) for r in rows]
     paras = reading(same, settings)
@@ -289,7 +295,7 @@ def test_with_too_few_repeats_or_too_few_cores_the_reading_says_it_is_not_settle
     assert first.startswith("These conclusions are not settled: each setting ran only 1 time")
     assert "shared" not in first  # 6 processes on 8 cores
     settings["machine"]["cpus"] = 2
-    rows3, _, settings3 = experiment(["sync", "allreduce"], [4], ["none"], 5, lambda m, w, s: 0.5, shards=1)
+    rows3, _, settings3 = experiment(["sync", "allreduce"], [4], ["none"], 6, lambda m, w, s: 0.5, shards=1)
     settings3["machine"]["cpus"] = 2
     first = reading(rows3, settings3)[0]
     assert first == (
@@ -300,17 +306,17 @@ def test_with_too_few_repeats_or_too_few_cores_the_reading_says_it_is_not_settle
 
 
 def test_a_diverged_run_is_said_first_with_the_fix_to_try(tmp_path):
-    rows, events, settings = experiment(["sync", "async"], [2], ["none"], 5, lambda m, w, s: 0.5)
+    rows, events, settings = experiment(["sync", "async"], [2], ["none"], 6, lambda m, w, s: 0.5)
     for r in rows:
         if r["mode"] == "async":
             r.update(diverged=1, final_test_accuracy=0.1, time_to_target_s=None)
     paras = reading(rows, settings)
-    assert paras[0].startswith("Diverged: async in 5 of 5 runs (2 workers, no stragglers).")
+    assert paras[0].startswith("Diverged: async in 6 of 6 runs (2 workers, no stragglers).")
     assert "lower learning rate" in paras[0] and "--tune lr=" in paras[0] and "staleness" in paras[0]
     paths = write_report(tmp_path, settings, rows, events)
     summary = paths["md"].read_text().split("## Summary")[1].split("## Per mode")[0]
-    assert "| 2 | none | async | diverged in 5 of 5 | never |" in summary
-    assert "| 2 | none | sync | stable" in summary and ", " in summary.split("| sync |")[1]  # 5 seeds: intervals
+    assert "| 2 | none | async | diverged in 6 of 6 | never |" in summary
+    assert "| 2 | none | sync | stable" in summary and ", " in summary.split("| sync |")[1]  # 6 seeds: intervals
     assert paths["intervals"].read_bytes().startswith(PNG)
 
 
@@ -375,29 +381,82 @@ def test_throughput_within_noise_of_sync_is_called_the_same():
     assert "did not even process more" in _throughput_versus_sync("ssp:8", 12000, 15259)
 
 
-def test_the_bootstrap_interval_holds_the_median_and_is_the_same_every_time():
-    from psgrid.cluster.experiments.grouping import bootstrap_interval, separated, spread
+def seeded(values, key="x"):
+    """Rows of one setting, each repeat with its own seed."""
+    return [{key: v, "seed": i} for i, v in enumerate(values)]
 
-    values = [1.0, 2.0, 3.0, 4.0, 10.0]
-    low, high = bootstrap_interval(values)
-    assert 1.0 <= low <= 3.0 <= high <= 10.0 and (low, high) == bootstrap_interval(values)
-    assert bootstrap_interval([2.0, 2.0, 2.0]) == (2.0, 2.0)
-    tight, wide = bootstrap_interval([5.0, 5.1, 4.9, 5.0, 5.05]), bootstrap_interval([1.0, 9.0, 5.0, 2.0, 8.0])
-    assert tight[1] - tight[0] < wide[1] - wide[0]
-    # The percentile interval of the median, checked against a direct NumPy computation.
-    rng = np.random.default_rng(0)
-    medians = np.median(np.asarray(values)[rng.integers(0, 5, size=(2000, 5))], axis=1)
-    assert (low, high) == tuple(np.percentile(medians, [2.5, 97.5]))
-    rows = [{"x": v, "seed": i} for i, v in enumerate(values)]
-    assert spread(rows[:4], "x").ci is None and spread(rows, "x").ci == (low, high)
-    # An interval only from 5 repeats with seeds of their own: with one seed, min..max only.
-    assert spread([dict(r, seed=7) for r in rows], "x").ci is None
-    assert spread([dict(r, seed=7) for r in rows], "x").no_interval == "its repeats ran with the same seed"
-    assert spread(rows[:4], "x").no_interval == "fewer than 5 repeats"
-    ones, twos = ([{"x": x, "seed": i} for i in range(5)] for x in (1.0, 2.0))
-    assert separated(spread(ones, "x"), spread(twos, "x")) is True
-    assert separated(spread(rows, "x"), spread([{"x": 3.0, "seed": i} for i in range(5)], "x")) is False
-    assert separated(spread(rows[:4], "x"), spread(rows, "x")) is None
+
+def test_no_95_percent_interval_of_the_median_is_drawn_from_5_repeats():
+    from psgrid.cluster.experiments.grouping import interval_ranks, median_interval, separated, spread
+
+    # min..max of 5 holds the median with probability 1 - 2/2^5 = 93.75% only: no 95% interval, not settled.
+    assert interval_ranks(5) is None and median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None
+    five = spread(seeded([1.0, 2.0, 3.0, 4.0, 5.0]), "x")
+    assert five.ci is None and five.no_interval == "fewer than 6 repeats"
+    assert separated(five, spread(seeded([10.0, 11.0, 12.0, 13.0, 14.0]), "x")) is None
+
+
+def test_the_interval_of_the_median_is_min_max_for_6_to_8_repeats_and_x2_x8_for_9():
+    from psgrid.cluster.experiments.grouping import median_interval, spread
+
+    shuffled = [4.0, 9.0, 1.0, 7.0, 3.0, 8.0, 2.0, 6.0, 5.0]
+    for n in (6, 7, 8):
+        assert median_interval(shuffled[:n]) == (min(shuffled[:n]), max(shuffled[:n]))
+    assert median_interval(shuffled) == (2.0, 8.0)  # x_(2), x_(8)
+    assert spread(seeded(shuffled[:6]), "x").ci == (1.0, 9.0) and spread(seeded(shuffled), "x").ci == (2.0, 8.0)
+    # Only from repeats with seeds of their own, every one with the number.
+    assert spread([dict(r, seed=7) for r in seeded(shuffled)], "x").no_interval == "its repeats ran with the same seed"
+    assert spread(seeded(shuffled[:6] + [None]), "x").no_interval == "only 6 of 7 runs have it"
+
+
+def test_the_interval_covers_the_median_with_its_exact_binomial_probability_at_least_95_percent():
+    from fractions import Fraction
+
+    from psgrid.cluster.experiments.grouping import coverage_text, interval_ranks
+
+    # Exact: 1 - 2 P(Binomial(n, 1/2) <= k - 1).
+    assert interval_ranks(6) == (1, Fraction(31, 32)) and interval_ranks(8) == (1, Fraction(127, 128))
+    assert interval_ranks(9) == (2, 1 - Fraction(2 * (1 + 9), 2**9))
+    assert interval_ranks(20) == (6, Fraction(125647, 131072))  # [x_(6), x_(15)], 95.86%
+    assert coverage_text(6) == "[min, max], 96.9% or more"
+    assert coverage_text(9) == "[2nd lowest, 2nd highest], 96.1% or more"
+    # Counted rather than summed: the median is inside [x_(k), x_(n-k+1)] where k to n-k of the n values lie
+    # below it, each below with probability 1/2; k is the largest with that at 95% or more.
+    for n in range(1, 15):
+
+        def inside(k, n=n):
+            return Fraction(sum(k <= bin(b).count("1") <= n - k for b in range(2**n)), 2**n)
+
+        ks = [k for k in range(1, (n + 1) // 2 + 1) if inside(k) >= Fraction(95, 100)]
+        assert interval_ranks(n) == ((max(ks), inside(max(ks))) if ks else None), n
+
+
+def test_a_run_that_never_reached_the_target_makes_an_upper_bound_never():
+    from psgrid.cluster.experiments.grouping import separated, spread
+    from psgrid.cluster.experiments.report import _cell
+
+    never = spread(seeded([3.0, 1.0, 2.0, None, 4.0, None], "time_to_target_s"), "time_to_target_s")
+    assert never.ci == (1.0, math.inf) and never.median == 3.5 and (never.n, never.of) == (4, 6)
+    assert _cell(never, secs) == "3.50 [1.00, never]"
+    # Of 9 runs with one never there, x_(8) is still a time.
+    one = spread(seeded([5.0, 1.0, 2.0, 3.0, 4.0, 6.0, 7.0, 8.0, None], "time_to_target_s"), "time_to_target_s")
+    assert one.ci == (2.0, 8.0)
+    # "never" is slower than any time: faster runs whose interval ends below this one's start are settled.
+    fast = spread(seeded([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], "time_to_target_s"), "time_to_target_s")
+    late = spread(seeded([0.5, 1.5, 2.0, 2.5, 3.0, None], "time_to_target_s"), "time_to_target_s")
+    assert separated(fast, never) is True and separated(fast, late) is False
+    slow = spread(seeded([2.0, 3.0, 4.0, None, None, None, None], "time_to_target_s"), "time_to_target_s")
+    assert slow.median is None and slow.ci == (2.0, math.inf) and separated(fast, slow) is True
+
+
+def test_six_runs_are_settled_only_where_their_whole_ranges_are_apart():
+    from psgrid.cluster.experiments.grouping import separated, spread
+
+    a, b = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [5.8, 7.0, 8.0, 9.0, 10.0, 11.0]
+    # A percentile bootstrap of 6 gives a narrower [1.5, 5.5] and [6.4, 10.5] and called this settled.
+    assert separated(spread(seeded(a), "x"), spread(seeded(b), "x")) is False
+    assert separated(spread(seeded(a), "x"), spread(seeded([x + 0.5 for x in b]), "x")) is True
+    assert separated(spread(seeded(a), "x"), spread(seeded([3.5] * 6), "x")) is False
 
 
 def test_the_reading_names_each_modes_tuned_settings_and_the_grid_points_that_diverged():

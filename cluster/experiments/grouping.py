@@ -12,8 +12,7 @@ import re
 import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-import numpy as np
+from fractions import Fraction
 
 from psgrid.cluster.experiments.experiment import NO_STRAGGLERS
 
@@ -70,8 +69,10 @@ def straggler_ranks(setting: str) -> list[int]:
     return [int(m.group(1)) for m in (re.match(r"\s*(\d+):", s) for s in setting.split(",")) if m]
 
 
-MIN_REPEATS = 5  # the fewest repeats, each with its own seed, a 95% interval is drawn from; fewer: min..max
-RESAMPLES, SEED, LEVEL = 2000, 0, 0.95
+LEVEL = Fraction(95, 100)  # the least probability an interval must hold the median with
+# The fewest repeats, each with its own seed, a 95% interval is drawn from: min..max of n values holds the
+# median with probability 1 - 2/2^n, 93.75% for 5 and 96.9% for 6. Fewer: min..max, and no interval.
+MIN_REPEATS = 6
 CENSORED = ("time_to_target_s",)  # a run that never got there has no time, and still counts: it took longer
 
 
@@ -79,10 +80,12 @@ CENSORED = ("time_to_target_s",)  # a run that never got there has no time, and 
 class Spread:
     """Median and range of one number over repeats; ``n`` counts the repeats that had it, ``of`` the repeats.
 
-    ``ci`` is the bootstrap 95% interval of the median where it can be drawn: ``n >= MIN_REPEATS``
-    repeats, each with its own seed, every one of them with the number; else None, and a reader gets
-    ``low..high``. For a time to target (``CENSORED``) a run that never reached the target counts as
-    longer than every run that did: the median exists only where more than half reached it.
+    ``ci`` is the distribution-free 95% interval of the median (:func:`median_interval`) where it can be
+    drawn: ``of >= MIN_REPEATS`` repeats, each with its own seed, every one of them with the number; else
+    None, and a reader gets ``low..high``. For a time to target (``CENSORED``) a run that never reached the
+    target counts as longer than every run that did: the median exists only where more than half reached
+    it, and the interval is drawn over every run, its upper bound ``math.inf`` ("never") where it falls on
+    a run that never reached it.
     """
 
     median: float | None
@@ -99,11 +102,14 @@ class Spread:
         """Why there is no 95% interval, in words (None: there is one)."""
         if self.ci is not None:
             return None
-        if self.of and self.n < self.of:
-            return f"only {self.n} of {self.of} runs {'reached it' if self.censored else 'have it'}"
-        if not self.varied and self.n > 1:
+        repeats = self.of or self.n
+        if self.n < repeats and not self.censored:
+            return f"only {self.n} of {repeats} runs have it"
+        if not self.varied and repeats > 1:
             return "its repeats ran with the same seed"
-        return f"fewer than {MIN_REPEATS} repeats"
+        if repeats < MIN_REPEATS:
+            return f"fewer than {MIN_REPEATS} repeats"
+        return f"none of its {repeats} runs reached it"
 
 
 def spread(rows: Iterable[dict], key: str) -> Spread:
@@ -111,35 +117,56 @@ def spread(rows: Iterable[dict], key: str) -> Spread:
     values = [float(r[key]) for r in rows if _number(r.get(key))]
     seeds = [r.get("seed") for r in rows]
     varied = None not in seeds and len(set(seeds)) == len(seeds)
+    censored = key in CENSORED
     if not values:
-        return Spread(None, None, None, 0, of=len(rows), varied=varied)
-    median = statistics.median(values)
-    if key in CENSORED and len(values) < len(rows):
-        # Never reached: longer than any run that did. The median of all runs is then one of the times only
-        # where more than half reached the target; else it is "never", and no median is given.
-        median = statistics.median(values + [math.inf] * (len(rows) - len(values)))
-        median = median if math.isfinite(median) else None
-    whole = len(values) == len(rows)
-    ci = bootstrap_interval(values) if len(values) >= MIN_REPEATS and varied and whole else None
-    return Spread(
-        median, min(values), max(values), len(values), ci, of=len(rows), varied=varied, censored=key in CENSORED
-    )
+        return Spread(None, None, None, 0, of=len(rows), varied=varied, censored=censored)
+    # Never reached: longer than any run that did. Ranked last, such runs keep every order statistic
+    # meaningful, so the median and its interval are taken over all runs, "never" (inf) where one falls on them.
+    ranked = values + [math.inf] * (len(rows) - len(values)) if censored else values
+    median = statistics.median(ranked)
+    median = median if math.isfinite(median) else None  # more than half never reached it
+    whole = len(ranked) == len(rows)
+    ci = median_interval(ranked) if varied and whole else None
+    return Spread(median, min(values), max(values), len(values), ci, of=len(rows), varied=varied, censored=censored)
 
 
-def bootstrap_interval(
-    values: list[float], resamples: int = RESAMPLES, seed: int = SEED, level: float = LEVEL
-) -> tuple[float, float]:
-    """The percentile bootstrap interval of the median of ``values``.
+def interval_ranks(n: int, level: Fraction = LEVEL) -> tuple[int, Fraction] | None:
+    """``(k, coverage)``: the largest k whose ``[x_(k), x_(n-k+1)]`` of n sorted values holds the median
+    with probability ``coverage`` >= ``level``; None where even min..max (k = 1) falls short (n <= 5 at 95%).
 
-    ``resamples`` samples of ``len(values)`` drawn with replacement, with a fixed seed so a
-    report written again says the same; the interval holds the middle ``level`` of their medians.
+    The median lies below x_(k) only where at most k - 1 values do, Binomial(n, 1/2), and above x_(n-k+1)
+    as often, whatever the distribution: coverage = 1 - 2 P(B <= k - 1), summed exactly. With ties it is
+    at least that, the interval being closed.
     """
-    data = np.asarray(values, dtype=float)
-    draws = np.random.default_rng(seed).integers(0, len(data), size=(resamples, len(data)))
-    medians = np.median(data[draws], axis=1)
-    tail = (1 - level) / 2 * 100
-    low, high = np.percentile(medians, [tail, 100 - tail])
-    return float(low), float(high)
+    best, below = None, 0
+    for k in range(1, (n + 1) // 2 + 1):
+        below += math.comb(n, k - 1)
+        coverage = 1 - Fraction(2 * below, 2**n)
+        if coverage < level:
+            break  # a larger k only narrows the interval further
+        best = (k, coverage)
+    return best
+
+
+def median_interval(values: list[float], level: Fraction = LEVEL) -> tuple[float, float] | None:
+    """The distribution-free interval of the median of ``values``: order statistics ``[x_(k), x_(n-k+1)]``
+    with k from :func:`interval_ranks`, or None where ``len(values)`` is too few for ``level``."""
+    ranks = interval_ranks(len(values), level)
+    if ranks is None:
+        return None
+    ordered = sorted(values)
+    return ordered[ranks[0] - 1], ordered[-ranks[0]]
+
+
+def coverage_text(n: int) -> str:
+    """How the interval of n repeats is drawn and how sure it is: ``"[min, max], 96.9% or more"``."""
+    k, coverage = interval_ranks(n)
+    bounds = "[min, max]" if k == 1 else f"[{_ordinal(k)} lowest, {_ordinal(k)} highest]"
+    return f"{bounds}, {float(coverage):.1%} or more"
+
+
+def _ordinal(k: int) -> str:
+    return f"{k}{'th' if 10 <= k % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(k % 10, 'th')}"
 
 
 def separated(a: Spread, b: Spread) -> bool | None:

@@ -27,6 +27,7 @@ from matplotlib.ticker import MaxNLocator
 
 from psgrid.cluster.experiments.experiment import NO_STRAGGLERS
 from psgrid.cluster.experiments.grouping import (
+    MIN_REPEATS,
     finished,
     group_title,
     groups_of,
@@ -356,8 +357,10 @@ def scaling(plot_dir: Path, rows: list[dict], events: dict, settings: dict) -> P
 
 
 def intervals(plot_dir: Path, rows: list[dict], events: dict, settings: dict) -> Path | None:
-    """Time to target and final test accuracy per mode and group: medians, with the bootstrap 95% interval
-    where there is one (5 or more repeats, each its own seed) and min..max (dashed) elsewhere.
+    """Time to target and final test accuracy per mode and group: medians, with the distribution-free 95%
+    interval of the median where there is one (MIN_REPEATS or more repeats, each its own seed) and min..max
+    (dashed) elsewhere. An upper bound of "never" (grouping.Spread) is drawn to the slowest run that reached
+    the target, capped by an upward triangle.
 
     Points, not bars: a bar starts at 0, and 0.88 against 0.90 would look the same.
     """
@@ -381,8 +384,12 @@ def intervals(plot_dir: Path, rows: list[dict], events: dict, settings: dict) ->
                 if s.median is None:
                     continue
                 lo, hi = s.ci if s.ci else (s.low, s.high)
+                x = j + (i - (len(modes) - 1) / 2) * width
+                if math.isinf(hi):  # no axis reaches "never": stop at the slowest run that got there
+                    hi = s.high
+                    ax.plot(x, hi, marker="^", ms=7, color=colour[m])
                 bars = ax.errorbar(
-                    j + (i - (len(modes) - 1) / 2) * width,
+                    x,
                     s.median,
                     yerr=[[s.median - lo], [max(hi - s.median, 0.0)]],
                     color=colour[m],
@@ -399,9 +406,13 @@ def intervals(plot_dir: Path, rows: list[dict], events: dict, settings: dict) ->
         ax.grid(alpha=0.3, axis="y")
     handles = [Patch(color=colour[m], label=m) for m in modes]
     if any(s.ci is None and s.n > 1 for s in cells.values()):
-        handles.append(Line2D([], [], color="0.3", ls="--", label="min..max (fewer than 5 seeds)"))
+        handles.append(Line2D([], [], color="0.3", ls="--", label=f"min..max (fewer than {MIN_REPEATS} seeds)"))
+    if any(s.ci and s.median is not None and math.isinf(s.ci[1]) for s in cells.values()):
+        handles.append(Line2D([], [], color="0.3", marker="^", ls="", label="upper bound: never"))
     _legend(fig, handles)
-    fig.suptitle("Medians over repeats: bootstrap 95% intervals from 5 or more seeds, else min..max")
+    fig.suptitle(
+        f"Medians over repeats: distribution-free 95% intervals from {MIN_REPEATS} or more seeds, else min..max"
+    )
     return _save(fig, plot_dir, "intervals")
 
 
@@ -506,9 +517,10 @@ PLOTS = (
     (
         intervals,
         "Time to target and final test accuracy per mode: medians over repeats; solid error bars the "
-        "bootstrap 95% interval of the median (2,000 resamples, from 5 or more repeats each with its own "
-        "seed), dashed ones the range min..max where there are fewer. A difference is settled only where "
-        "the intervals do not overlap.",
+        "distribution-free 95% interval of the median (order statistics, from "
+        f"{MIN_REPEATS} or more repeats each with its own seed; a triangle: its upper bound is 'never', a run "
+        "that did not reach the target), dashed ones the range min..max where there are fewer. A difference "
+        "is settled only where the intervals do not overlap.",
     ),
     (loss_vs_steps, "Training loss per step, averaged over workers and repeats."),
     (samples_per_s, "Samples per second of all workers together: median over repeats, error bars min to max."),

@@ -8,7 +8,8 @@ What would make a reader distrust the rest comes first: settings that trained un
 accuracies spread across repeats, or a loss that rose for a stretch) and runs that diverged, each with
 the spread and the fix to try (:mod:`psgrid.cluster.experiments.stability`), then why the conclusions
 are not settled (too few repeats with their own seeds for an interval, more processes than cores). A
-difference is called settled only where the bootstrap 95% intervals of the two medians do not overlap.
+difference is called settled only where the distribution-free 95% intervals of the two medians (order
+statistics, :func:`psgrid.cluster.experiments.grouping.median_interval`) do not overlap.
 """
 
 from __future__ import annotations
@@ -229,8 +230,8 @@ def _unsettled(ok: list[dict], settings: dict) -> str | None:
         reasons.append(
             f"{'each setting' if max(counts) == n else 'some settings'} ran only {n} time"
             f"{'s' if n != 1 else ''}, and it takes at least {MIN_REPEATS} repeats, each with its own "
-            f"seed, to draw a 95% interval that separates a difference from run-to-run noise (the tables "
-            f"show min..max instead)"
+            f"seed, to draw a distribution-free 95% interval of the median that separates a difference "
+            f"from run-to-run noise (the tables show min..max instead)"
         )
     if any(s.of > 1 and not s.varied for s in spreads):
         reasons.append(
