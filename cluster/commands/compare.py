@@ -212,6 +212,16 @@ def _training_keys() -> list[str]:
     return [key for _, key, _, _ in training_flags() if key not in _PER_RUN]
 
 
+def _seeds(args: argparse.Namespace, base: int, tune_repeats: int) -> list[int]:
+    """Each repeat's seed: as many as the most of --repeats and (tuning) --tune-repeats, whose count a refusal names."""
+    from psgrid.cluster.experiments.experiment import repeat_seeds
+
+    why = "one per repeat"
+    if tune_repeats > args.repeats:
+        why += f": the most of --repeats {args.repeats} and --tune-repeats {tune_repeats}"
+    return repeat_seeds(base, max(args.repeats, tune_repeats, 1), args.seeds, why)
+
+
 def run(args: argparse.Namespace) -> int:
     import dataclasses
     import sys
@@ -220,13 +230,7 @@ def run(args: argparse.Namespace) -> int:
     from psgrid.cluster.commands.common import load_job_from_args
     from psgrid.cluster.errors import UsageError
     from psgrid.cluster.experiments.compare import Compare, experiment_from
-    from psgrid.cluster.experiments.experiment import (
-        mode_defaults,
-        parse_counts,
-        parse_modes,
-        plan,
-        repeat_seeds,
-    )
+    from psgrid.cluster.experiments.experiment import mode_defaults, parse_counts, parse_modes, plan
     from psgrid.cluster.experiments.settings import settings_for
     from psgrid.cluster.job.config import apply_overrides
 
@@ -235,10 +239,6 @@ def run(args: argparse.Namespace) -> int:
 
         require()
     _check_flag_values(args)
-    if args.out:  # a file there was a NotADirectoryError from the first read of the folder
-        from psgrid.cluster.job.outdir import check_usable
-
-        check_usable(Path(args.out).resolve())
     if args.report_only:
         from psgrid.cluster.experiments.compare import rewrite_report, table_text
 
@@ -284,13 +284,7 @@ def run(args: argparse.Namespace) -> int:
     job = dataclasses.replace(apply_overrides(job, overrides), out=None)  # every run has its own folder
     plan(modes, workers, stragglers, args.repeats)  # refuses a straggler that does not exist
     tune_repeats = args.tune_repeats if args.tune_repeats is not None else TUNE_REPEATS
-    count = max(args.repeats, tune_repeats if tune else 1)
-    why = (
-        f"one per repeat: the most of --repeats {args.repeats} and --tune-repeats {tune_repeats}"
-        if tune and tune_repeats > args.repeats
-        else "one per repeat"
-    )
-    seeds = repeat_seeds(job.train.seed, count, args.seeds, why)
+    seeds = _seeds(args, job.train.seed, tune_repeats if tune else 0)
     settings = settings_for(
         job,
         command=sys.argv[2:] if sys.argv[1:2] == ["compare"] else [],
@@ -325,6 +319,12 @@ def _check_flag_values(args: argparse.Namespace) -> None:
     from psgrid.cluster.errors import UsageError
     from psgrid.cluster.experiments.experiment import parse_counts, parse_modes
 
+    if args.out:  # a file there was a NotADirectoryError from the first read of the folder
+        from pathlib import Path
+
+        from psgrid.cluster.job.outdir import check_usable
+
+        check_usable(Path(args.out).resolve())
     if args.modes:  # empty: the default modes
         parse_modes(args.modes)
     if args.workers:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import difflib
-import stat
 import sys
 import types
 import typing
@@ -46,6 +45,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 from psgrid.cluster.errors import ConfigError
 from psgrid.cluster.job.credentials import resolve_token
+from psgrid.cluster.job.job_files import EXAMPLES_DIR, example_names, read_job_file, resolve_config_path  # noqa: F401
 from psgrid.cluster.job.rate_schedule import schedule_updates
 from psgrid.cluster.job.suggestions import with_suggestion
 from psgrid.cluster.job.toml_writer import dump_toml
@@ -69,9 +69,6 @@ def _train_config():
 
     return TrainConfig
 
-
-# The job files of examples/ (psgrid/examples in the wheel, the repository's examples/ in a checkout).
-EXAMPLES_DIR = Path(__file__).resolve().parents[2] / "examples"
 
 # Set per process by the launcher or the psctl server flags, never by a job file.
 SERVER_PER_PROCESS = ("shard_index", "num_shards", "port")
@@ -261,64 +258,6 @@ def _unknown_message(key: str, where: str, valid: list[str], per_process: bool) 
 
 # ---------------------------------------------------------------------------------------------
 # Reading
-
-
-def resolve_config_path(spec: str | Path) -> Path:
-    """A job file path, or the name of a packaged example (``mnist`` -> ``examples/mnist.toml``)."""
-    path = Path(spec)
-    if path.is_file():
-        return path
-    name = path.name[:-5] if path.name.endswith(".toml") else path.name
-    packaged = EXAMPLES_DIR / f"{name}.toml"
-    if path.parent == Path(".") or path.parent.name == "examples":
-        if packaged.is_file():
-            return packaged
-    what = _not_a_file(path)
-    if what:
-        raise ConfigError(
-            f"job file {str(spec)!r} is {what}, not a file; give a path to a .toml file or one of the "
-            f"packaged examples: {', '.join(example_names())}"
-        )
-    raise ConfigError(
-        f"job file {str(spec)!r} not found; give a path to a .toml file or one of the "
-        f"packaged examples: {', '.join(example_names())}"
-    )
-
-
-def _not_a_file(path: Path) -> str | None:
-    """What ``path`` is where it exists but is no regular file (``a directory``, ``a character device``), else None."""
-    try:
-        mode = path.stat().st_mode
-    except (OSError, ValueError):
-        return None
-    kinds = (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISFIFO, "a named pipe"),
-        (stat.S_ISSOCK, "a socket"),
-    )
-    return next((words for test, words in kinds if test(mode)), None)
-
-
-def example_names() -> list[str]:
-    return sorted(p.stem for p in EXAMPLES_DIR.glob("*.toml"))
-
-
-def read_job_file(spec: str | Path) -> tuple[Path, dict]:
-    path = resolve_config_path(spec)
-    try:
-        return path, tomllib.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        line = e.object[: e.start].count(b"\n") + 1
-        raise ConfigError(
-            f"{path}: not UTF-8 (byte 0x{e.object[e.start]:02x} on line {line}): a job file must be "
-            f"UTF-8 TOML; save it as UTF-8"
-        ) from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
 
 
 def load_job(spec: str | Path, *, redacted_ok: bool = False) -> JobConfig:
