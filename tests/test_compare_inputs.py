@@ -168,7 +168,7 @@ def test_one_staleness_written_two_ways_is_one_mode(capsys):
     """ssp:02 and ssp:2 ran twice as "different" modes, the same bound each time."""
     from psgrid.cluster.experiments.experiment import parse_modes
 
-    assert [m.label for m in parse_modes("sync,ssp:02")] == ["sync", "ssp:2"]
+    assert [(m.label, m.staleness) for m in parse_modes("sync,ssp:02")] == [("sync", None), ("ssp:02", 2)]
     said = refusal(capsys, "--config", "mnist", "--modes", "ssp:02,ssp:2", "--out", "/nonexistent/never-made")
     assert "--modes: ssp:2 is listed twice" in said, said
 

@@ -529,6 +529,13 @@ def test_launch_writes_a_jobs_folder_as_events_and_without_the_extra_or_out_says
     folder = write_job(tmp_path / "tb", "mnist", tmp_path / "job")
     assert folder == tmp_path / "tb" / "mnist"
     assert sum(1 for e in read_events(folder) for v in e.summary.value if v.tag == "test/accuracy") == 4
+    assert write_job(tmp_path / "tb", "mnist", tmp_path / "job") == folder  # the same job again: replaced
+    # An experiment whose --out is named like the job keeps its runs: the job takes the next name.
+    experiment = experiment_dir(tmp_path, {"sync": [0.92]})
+    rewrite_report(experiment, tensorboard=tmp_path / "tb2")
+    kept = sorted((tmp_path / "tb2" / experiment.name).iterdir())
+    assert write_job(tmp_path / "tb2", experiment.name, tmp_path / "job") == tmp_path / "tb2" / f"{experiment.name}-2"
+    assert sorted((tmp_path / "tb2" / experiment.name).iterdir()) == kept
     code = "import sys\n{}from psgrid.cluster.cli import main\nsys.exit(main())"
     for blocked, args, says in (
         (

@@ -143,10 +143,10 @@ def test_a_folder_named_like_an_example_still_leaves_the_example_to_the_name(tmp
         ("deadline_s", 0, "deadline_s must be finite and > 0, got 0.0"),
         ("join_timeout_s", -1, "join_timeout_s must be finite and > 0, got -1.0"),
         ("join_timeout_s", 0, "join_timeout_s must be finite and > 0, got 0.0"),
-        ("heartbeat_s", math.inf, "heartbeat_s must be finite and > 0, got inf"),
-        ("heartbeat_s", 0, "heartbeat_s must be finite and > 0, got 0.0"),
-        ("retry_s", -1, "retry_s must be finite and > 0, got -1.0"),
-        ("retry_s", math.inf, "retry_s must be finite and > 0, got inf"),
+        ("heartbeat_s", math.inf, "heartbeat_s must be finite and >= 0, got inf"),
+        ("heartbeat_s", -1, "heartbeat_s must be finite and >= 0, got -1.0"),
+        ("retry_s", -1, "retry_s must be finite and >= 0, got -1.0"),
+        ("retry_s", math.inf, "retry_s must be finite and >= 0, got inf"),
         ("eval_every", -1, "eval_every must be >= 0, got -1"),
         ("train.chunk_bytes", 1, "chunk_bytes must be in [4096, 4128768], got 1"),
     ],
@@ -164,7 +164,8 @@ def test_train_numbers_out_of_bounds_are_refused_naming_the_key(key, value, word
 @pytest.mark.parametrize(
     "key, value",
     [("seed", 0), ("synthetic_seed", 7), ("init_scale", 0.0), ("init_scale", 0.5), ("eval_every", 0)]
-    + [("deadline_s", 0.5), ("join_timeout_s", 1), ("heartbeat_s", 0.1), ("retry_s", 0.3)],
+    + [("deadline_s", 0.5), ("join_timeout_s", 1), ("heartbeat_s", 0.1), ("retry_s", 0.3)]
+    + [("heartbeat_s", 0), ("retry_s", 0)],  # 0: from the lease; one try
 )
 def test_sensible_train_numbers_are_accepted(key, value):
     assert getattr(job_from_dict({key: value}).train, key) == value
@@ -174,7 +175,7 @@ def test_sensible_train_numbers_are_accepted(key, value):
     "assignment, words",
     [
         ("join_timeout_s=-1", "join_timeout_s must be finite and > 0, got -1.0"),
-        ("heartbeat_s=inf", "heartbeat_s must be finite and > 0, got inf"),
+        ("heartbeat_s=inf", "heartbeat_s must be finite and >= 0, got inf"),
         ("train.seed=-5", "seed must be >= 0, got -5"),
     ],
 )

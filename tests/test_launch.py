@@ -52,6 +52,10 @@ def test_a_ranks_sessions_one_after_another_all_count():
         state.update([{"event": "step", "rank": 0, "step": s, "samples": 10} for s in range(first, first + steps)])
         state.update([{"event": "done", "rank": 0, "steps": steps, "samples": 10 * steps}])
     assert (state.steps, state.total_samples, state.worker_steps(0)) == (12, 120, 12)
+    # psctl mpi's rank 0 reads a worker's records from its file and again from its message: one record, once.
+    twice = {"event": "done", "rank": 1, "time": 9.0, "steps": 3, "samples": 30}
+    state.update([twice, dict(twice)])
+    assert state.worker_samples(1) == 30
 
 
 def test_a_second_early_ctrl_c_is_remembered_without_a_second_exception():
@@ -63,6 +67,9 @@ def test_a_second_early_ctrl_c_is_remembered_without_a_second_exception():
             interrupts._early(signal.SIGINT, None)
         interrupts._early(signal.SIGTERM, None)  # the first one's unwinding is under way: nothing raised into it
         assert interrupts.heard_early() == signal.SIGTERM
+        interrupts._defer["early_at"] -= interrupts.AGAIN_S  # a second later: it may have been swallowed
+        with pytest.raises(KeyboardInterrupt):
+            interrupts._early(signal.SIGINT, None)
     finally:
         signal.signal(signal.SIGINT, previous)
         interrupts._defer["early"] = None

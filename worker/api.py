@@ -481,22 +481,17 @@ def _float_parameters(params) -> tuple[list[str], list, int | None, list]:
     names, originals = [name for name, _ in named], [a for _, a in named]
     device = _one_device(originals)
     views = [dlpack.view(a) for a in originals]
-    for name, v, a in zip(names, views, originals):
+    for name, v in zip(names, views):
         if v.dtype.kind != "f":
             raise dlpack.ArrayError(f"parameter {name!r} is {v.dtype}: psgrid exchanges floating-point parameters")
-        if isinstance(a, np.ndarray) and not a.flags.writeable:  # its weights would never change, and no word said
-            raise dlpack.ArrayError(
-                f"parameter {name!r} is a read-only NumPy array: psgrid writes the shards' weights into it; "
-                f"pass a writable one (np.array(...))"
-            )
     return names, originals, device, views
 
 
 def _check_loss(loss) -> None:
     """A step's loss is a real number or a one-element array or tensor (read once its gradient is complete)."""
-    if loss is None or (isinstance(loss, (int, float, np.integer, np.floating)) and not isinstance(loss, bool)):
-        return
     shape = getattr(loss, "shape", None)
+    if loss is None or (shape is None and not isinstance(loss, (str, bytes, complex)) and _floats(loss)):
+        return
     kind = getattr(getattr(loss, "dtype", None), "kind", "f")  # a torch dtype has no kind: the tensor is read as float
     if shape is not None and int(np.prod(tuple(shape))) == 1 and kind in ("f", "i", "u"):
         return
@@ -504,6 +499,14 @@ def _check_loss(loss) -> None:
         f"push(loss=...): the step's loss must be a number or a one-element array, got {type(loss).__name__}"
         + (f" of shape {tuple(shape)}" if shape is not None else "")
     )
+
+
+def _floats(value) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _host_group(values: tuple[int, ...] | None):

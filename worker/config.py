@@ -11,6 +11,7 @@ from psgrid.psserver.settings import at_least, check_fields, setting
 DEVICES = ("auto", "cpu", "gpu")
 # A time in seconds: a NaN, an infinity or a value <= 0 would fail late, in every worker (a thread's wait, a deadline).
 SECONDS = ((lambda v: 0.0 < v < math.inf), "finite and > 0")
+SECONDS_OR_NONE = ((lambda v: 0.0 <= v < math.inf), "finite and >= 0")
 
 
 @dataclass
@@ -108,8 +109,12 @@ class TrainConfig:
         choices=tuple(WIRE_DTYPES),
     )
     deadline_s: float = setting(60.0, "per-call deadline (a consistency wait counts against it)", bound=SECONDS)
-    retry_s: float = setting(30.0, "retry an unavailable shard with backoff for this long", bound=SECONDS)
-    heartbeat_s: float = setting(1.0, "heartbeat interval", bound=SECONDS)
+    retry_s: float = setting(
+        30.0, "retry an unavailable shard with backoff for this long (0: one try)", bound=SECONDS_OR_NONE
+    )
+    heartbeat_s: float = setting(
+        1.0, "heartbeat interval (0: a quarter of the shards' lease, at most 1 s)", bound=SECONDS_OR_NONE
+    )
     join_timeout_s: float = setting(
         120.0,
         "before step 0, wait this long for every worker of the job to register (sync and ssp count who is there)",

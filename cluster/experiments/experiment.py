@@ -105,13 +105,15 @@ def parse_modes(text: str) -> list[Mode]:
         elif item == ALLREDUCE:
             mode = Mode(item, "sync")
         elif m := re.fullmatch(r"ssp:(\d+)", item):
-            mode = Mode(f"ssp:{int(m.group(1))}", "ssp", int(m.group(1)))  # ssp:02 is ssp:2, labelled as such
+            mode = Mode(item, "ssp", int(m.group(1)))
         elif item == "ssp":
             raise UsageError("--modes: write ssp:S with the staleness bound S, e.g. ssp:2")
         else:
             raise UsageError(f"--modes: unknown mode {item!r}; use sync, async, ssp:S or allreduce")
-        if any(m.label == mode.label for m in modes):
-            raise UsageError(f"--modes: {item} is listed twice")
+        if any(
+            m.label == mode.label or (m.mode == mode.mode == "ssp" and m.staleness == mode.staleness) for m in modes
+        ):
+            raise UsageError(f"--modes: {item} is listed twice")  # ssp:02 is ssp:2
         modes.append(mode)
     if not modes:
         raise UsageError("--modes: name at least one mode, e.g. --modes sync,async,ssp:2,allreduce")

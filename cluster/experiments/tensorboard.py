@@ -5,7 +5,7 @@ An experiment's runs go to ``DIR/NAME``, NAME its output folder's name (``cmp``;
 folder of that name sends it to ``cmp-2``, ...), one folder per run named after the run (``async-w4-r0``:
 mode, workers, repeat), so ``tensorboard --logdir DIR`` overlays every mode and repeat, and two experiments
 sharing DIR never replace each other's runs of the same name. A job of ``psctl launch`` goes to
-``DIR/NAME``, NAME the job's. Each run's folder holds the run's mean training loss
+``DIR/NAME``, NAME the job's (``NAME-2``, ... where an experiment or another job's folder has it). Each run's folder holds the run's mean training loss
 per step (``train/loss``), its test accuracy per step (``test/accuracy``) and per epoch where the
 worker said how large its shard is (``test/accuracy_by_epoch``, the step axis holding the epoch in
 thousandths); the wall time of every point is its seconds since the run's start, so TensorBoard's
@@ -97,10 +97,28 @@ def write_run(logdir: Path, name: str, events: list[dict]) -> Path:
 
 
 def write_job(logdir: Path, name: str, job_out: Path) -> Path:
-    """One job's folder (as ``psctl launch`` wrote it) as TensorBoard events under ``logdir/name``."""
+    """One job's folder (as ``psctl launch`` wrote it) as TensorBoard events under ``logdir/name``.
+
+    A folder of that name that an experiment or another job's folder claimed is not replaced (an
+    experiment named like the job lost every run's curves): the next of ``name-2``, ``name-3``, ... is.
+    """
     from psgrid.cluster.experiments.results import run_events
 
-    return write_run(logdir, name, run_events(Path(job_out)))
+    owner = str(Path(job_out).resolve())
+    folder, n = Path(logdir) / name, 1
+    while _owner_of(folder) not in (None, owner):  # unmarked: an earlier launch's, written before there were marks
+        n += 1
+        folder = Path(logdir) / f"{name}-{n}"
+    written = write_run(folder.parent, folder.name, run_events(Path(job_out)))
+    files.write_text(written / OWNER_FILE, owner + "\n")
+    return written
+
+
+def _owner_of(folder: Path) -> str | None:
+    try:
+        return (folder / OWNER_FILE).read_text().strip()
+    except OSError:
+        return None
 
 
 def _finite(x) -> bool:

@@ -147,7 +147,8 @@ class JobState:
                         self.first_step[rank] = min(self.first_step.get(rank, e["first_step"]), e["first_step"])
             elif kind == "done" and isinstance(rank, int):
                 before = self.done.get(rank, {})
-                if isinstance(before.get("samples"), int) and isinstance(e.get("samples"), int):
+                again = "time" in e and e.get("time") == before.get("time")  # the same record twice (psctl mpi)
+                if not again and isinstance(before.get("samples"), int) and isinstance(e.get("samples"), int):
                     e = {**e, "samples": before["samples"] + e["samples"]}  # a rank's sessions, one after another
                 self.done[rank] = e
                 if finite(e.get("time")):

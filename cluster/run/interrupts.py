@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from contextlib import contextmanager
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-_defer = {"depth": 0, "pending": None, "received": None, "early": None}
+_defer = {"depth": 0, "pending": None, "received": None, "early": None, "early_at": 0.0}
 
 
 class Interrupted(Exception):
@@ -28,12 +29,18 @@ class Interrupted(Exception):
         self.signum = signum
 
 
+AGAIN_S = 1.0  # a second Ctrl-C this soon after the first is remembered, not raised
+
+
 def _early(signum, frame):
-    # Raised once: a second Ctrl-C lands in the unwinding of the first, where CPython prints the exception of a
-    # weakref callback as a traceback ("Exception ignored in: <function WeakSet...>"); it is remembered all the same.
-    first = _defer["early"] is None
-    _defer["early"] = signum
-    if first:
+    # A second Ctrl-C right after the first lands in its unwinding, where CPython prints the exception of a
+    # weakref callback as a traceback ("Exception ignored in: <function WeakSet...>"): it is remembered only.
+    # Later ones raise again: the first may have been swallowed, and a command that never starts a job (psctl
+    # worker) must still stop.
+    now = time.monotonic()
+    soon = _defer["early"] is not None and now - _defer["early_at"] < AGAIN_S
+    _defer["early"], _defer["early_at"] = signum, now
+    if not soon:
         raise KeyboardInterrupt
 
 

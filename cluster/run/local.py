@@ -97,7 +97,7 @@ class LocalCluster:
         # the model is the program's own (psgrid.init's params), and only the GPU itself is checked.
         check_shard_device(job, {}, sized=bool(workers) and command is None)
         if isinstance(command, (str, bytes)):
-            raise UsageError(f"command must be a list of arguments, as subprocess takes: {shlex.split(str(command))!r}")
+            raise UsageError(f"command must be a list of arguments, as subprocess takes: {_as_list(command)}")
         # Checked before the folder is made: a refused command leaves nothing behind, nor a lock in out.
         resolved = user_script.resolve_command(command) if command is not None else None
         self._temporary = out is None
@@ -339,3 +339,12 @@ def _stop(launcher: Launcher, out: Path, temporary: bool) -> None:
     release(out)
     if temporary:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def _as_list(command: str | bytes) -> str:
+    """How a command given as one string reads as a list, for the refusal (its own words where it will not split)."""
+    text = command.decode(errors="replace") if isinstance(command, bytes) else command
+    try:
+        return repr(shlex.split(text))
+    except ValueError:  # unbalanced quotes
+        return f"[...] (the words of {text!r})"
