@@ -45,6 +45,8 @@ def check_summary(out_dir: Path, shards: int, workers: int) -> dict:
     assert sorted((out_dir / "addr").iterdir()) == [out_dir / "addr" / f"shard-{i}" for i in range(shards)]
     events = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     assert {e["rank"] for e in events if e["event"] == "done"} == set(range(workers))
+    # rank 0 reads each worker's records twice (its file and its message): every sample counted once
+    assert summary["samples"] == sum(e["samples"] for e in events if e["event"] == "step")
     # secure by default: one token for the job, sent over MPI, written only where its owner alone reads it
     assert_token_kept(out_dir)
     assert summary["config"]["server"]["token"] == summary["config"]["train"]["token"] == "<redacted>"
