@@ -970,6 +970,17 @@ def test_a_local_cluster_whose_command_is_refused_makes_no_folder(tmp_path, monk
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_local_clusters_background_workers_are_checked_as_psctl_launch_checks_its_own(tmp_path, monkeypatch):
+    """steps=0 was accepted: the workers started, trained nothing, and the job said ok."""
+    from psgrid import LocalCluster
+    from psgrid.cluster.errors import ConfigError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(ConfigError, match=re.escape("steps = 0 trains nothing: give steps 1 or more")):
+        LocalCluster(workers=1, steps=0)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_job_file_value_that_is_almost_right_gets_a_suggestion(tmp_path):
     job = tmp_path / "job.toml"
     job.write_text('mode = "asynch"\n')

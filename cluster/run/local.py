@@ -40,7 +40,7 @@ from psgrid.cluster.run import script as user_script
 from psgrid.cluster.run.hosting import check_placement
 from psgrid.cluster.run.jobrun import JobRun
 from psgrid.cluster.run.launch import Launcher, prepare_out
-from psgrid.cluster.run.preflight import check_mps, check_shard_device
+from psgrid.cluster.run.preflight import check_job, check_mps, check_shard_device
 from psgrid.psserver import files
 
 
@@ -91,6 +91,8 @@ class LocalCluster:
             print(line, file=sys.stderr, flush=True)
         if (not workers or command is not None) and (line := rate_schedule.derived_note(job)):
             print(f"psgrid.LocalCluster: {line}", file=sys.stderr, flush=True)  # the program's steps are its own
+        if workers and command is None:  # background workers of the built-in trainer: what psctl launch checks
+            check_job(job)
         check_placement(job, launcher="psgrid.LocalCluster")  # its sessions host no shard
         check_mps(job, launcher="psgrid.LocalCluster")  # its program's process chose its GPU context already
         # Device shards that cannot fit are refused before anything starts; without background workers
