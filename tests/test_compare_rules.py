@@ -475,8 +475,13 @@ def test_the_report_plots_accuracy_against_steps_and_epochs_and_ranges_without_b
     ]
     path = plots.accuracy_vs_progress(tmp_path / "plots", rows, events, settings)
     assert path.name == "accuracy_vs_progress.png" and path.read_bytes().startswith(b"\x89PNG")
-    limits = {}
+    limits, titles = {}, {}
     save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, d, name: titles.setdefault(name, fig._suptitle.get_text()))
+    plots.accuracy_vs_progress(tmp_path / "plots", rows, events, settings)
+    plots.accuracy_vs_time(tmp_path / "plots", rows, events, settings)
+    # The bold line is the first repeat, not a median: both titles say so (the progress plot did not).
+    assert all(t.endswith("(bold: the first repeat; faint: the others)") for t in titles.values()), titles
     monkeypatch.setattr(
         plots,
         "_save",

@@ -134,7 +134,7 @@ def accuracy_vs_time(plot_dir: Path, rows: list[dict], events: dict, settings: d
         handles.append(Line2D([], [], color="0.3", ls="--", lw=1, label=f"target {target:.3f}"))
     _legend(fig, handles)
     repeats = any(sum(1 for c in curves[g, m] if c) > 1 for g in groups for m in drawn)
-    fig.suptitle("Test accuracy against time" + (" (faint lines: further repeats)" if repeats else ""))
+    fig.suptitle("Test accuracy against time" + (" (bold: the first repeat; faint: the others)" if repeats else ""))
     return _save(fig, plot_dir, "accuracy_vs_time")
 
 
@@ -467,7 +467,12 @@ def accuracy_vs_progress(plot_dir: Path, rows: list[dict], events: dict, setting
             ax.set(title=group_title(g), xlabel=x_label, ylabel="test accuracy")
             ax.grid(alpha=0.3)
     _legend(fig, _mode_handles(drawn, colour))
-    fig.suptitle("Test accuracy against steps" + (" and epochs" if by_epoch else ""))
+    repeats = any(sum(1 for c in curves[g, m] if c) > 1 for g in groups for m in drawn)
+    fig.suptitle(
+        "Test accuracy against steps"
+        + (" and epochs" if by_epoch else "")
+        + (" (bold: the first repeat; faint: the others)" if repeats else "")
+    )
     return _save(fig, plot_dir, "accuracy_vs_progress")
 
 
