@@ -178,3 +178,12 @@ def test_seeds_of_the_wrong_count_under_tune_name_tune_repeats(capsys):
         capsys, "--config", "mnist", "--repeats", "1", "--seeds", "5", "--tune", "lr=0.1,0.2", "--out", "/nonexistent/x"
     )
     assert "--seeds expects 2 distinct" in said and "the most of --repeats 1 and --tune-repeats 2" in said, said
+
+
+def test_a_tuned_backup_workers_not_below_the_fewest_workers_is_refused_before_the_folder_is_made(tmp_path, capsys):
+    """--workers 1,2 with --tune backup_workers=0,1: the grid's 1 was checked against the job's 2 workers only."""
+    out = tmp_path / "cmp"
+    argv = ["--config", "mnist", "--modes", "sync", "--workers", "1,2", "--tune", "backup_workers=0,1"]
+    said = refusal(capsys, *argv, "--out", str(out))
+    assert "--tune backup_workers tries 1, not less than the fewest --workers (1)" in said, said
+    assert not out.exists()

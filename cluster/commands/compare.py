@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
     mode_settings = _mode_settings(args.mode_set, modes, job, server_only=command is not None)
     defaults = mode_defaults(modes, job, given=given_names(args), spec=args.config)
     workers = parse_counts(args.workers, "--workers") if args.workers else [job.workers]
-    _check_backup_workers(args, job, modes, workers)
+    _check_backup_workers(args, job, modes, workers, tune)
     if not args.mpi and any(m.uses_shards for m in modes):  # --mpi: each shard rank checks its own node
         # the most workers any run has: the most gradient slots on a GPU
         check_shard_device(apply_overrides(job, {"workers": max(workers)}), given_names(args), sized=command is None)
@@ -346,13 +346,22 @@ def _refuse_a_scripts_length(args: argparse.Namespace, command: list[str] | None
         raise UsageError(f"{length[0]}: a script decides its own length; pass it the steps after -- instead")
 
 
-def _check_backup_workers(args: argparse.Namespace, job, modes, workers: list[int]) -> None:
-    """Backup workers fewer than every sync run's workers, checked before the first run (not at its turn)."""
+def _check_backup_workers(args: argparse.Namespace, job, modes, workers: list[int], tune: dict) -> None:
+    """Backup workers fewer than every sync run's workers, checked before the first run (not at its turn):
+    the flag's, the job's, and the most a tuning grid tries."""
     from psgrid.cluster.errors import UsageError
 
     backup = job.server.backup_workers if args.backup_workers is None else args.backup_workers
-    if backup < min(workers) or all(m.stale for m in modes):  # async and ssp hold no rounds: no backups
+    tried = max(
+        (v for key, values in tune.items() if key.rpartition(".")[2] == "backup_workers" for v in values), default=-1
+    )
+    if max(backup, tried) < min(workers) or all(m.stale for m in modes):  # async and ssp hold no rounds: no backups
         return
+    if tried >= min(workers) and tried > backup:
+        raise UsageError(
+            f"--tune backup_workers tries {tried}, not less than the fewest --workers ({min(workers)}): a sync "
+            f"round needs at least one push; try {min(workers) - 1} or fewer, or more --workers"
+        )
     given = "--backup-workers" if args.backup_workers is not None else "the job's backup_workers"
     fewest = "the fewest --workers" if args.workers else "the job's workers"
     raise UsageError(
