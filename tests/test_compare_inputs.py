@@ -96,7 +96,7 @@ def final_accuracies(tb) -> list[float]:
 
 
 def test_experiments_sharing_a_tensorboard_folder_keep_their_runs_of_the_same_name(tmp_path):
-    pytest.importorskip("tensorboardX")
+    pytest.importorskip("tensorboardX", reason="the tensorboard extra (in the test extra too, so CI runs this)")
     from psgrid.cluster.experiments.compare import rewrite_report
 
     tb = tmp_path / "tb"
