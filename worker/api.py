@@ -489,12 +489,14 @@ def _float_parameters(params) -> tuple[list[str], list, int | None, list]:
 
 def _check_loss(loss) -> None:
     """A step's loss is a real number or a one-element array or tensor (read once its gradient is complete)."""
+    if loss is None:
+        return
     shape = getattr(loss, "shape", None)
-    if loss is None or (shape is None and not isinstance(loss, (str, bytes, complex)) and _floats(loss)):
-        return
-    kind = getattr(getattr(loss, "dtype", None), "kind", "f")  # a torch dtype has no kind: the tensor is read as float
-    if shape is not None and int(np.prod(tuple(shape))) == 1 and kind in ("f", "i", "u"):
-        return
+    if shape is None:
+        if not isinstance(loss, (str, bytes)) and _floats(loss):  # float() would also read a number's text
+            return
+    elif int(np.prod(tuple(shape))) == 1 and getattr(getattr(loss, "dtype", None), "kind", "f") in ("f", "i", "u"):
+        return  # a torch dtype has no kind: a tensor is read as a float
     raise dlpack.ArrayError(
         f"push(loss=...): the step's loss must be a number or a one-element array, got {type(loss).__name__}"
         + (f" of shape {tuple(shape)}" if shape is not None else "")

@@ -60,10 +60,7 @@ def _claim(folder: Path, owner: str) -> bool:
     try:
         folder.mkdir(mode=files.DIR_MODE)
     except FileExistsError:
-        try:
-            return (folder / OWNER_FILE).read_text().strip() == owner
-        except OSError:
-            return False
+        return _owner_of(folder) == owner
     files.write_text(folder / OWNER_FILE, owner + "\n")
     return True
 
